@@ -1,0 +1,77 @@
+"""gpuckpt: GPU-aware checkpoints of model state in Zarr v3 stores."""
+
+from gpuckpt.api import load, load_state_dict, read_metadata, save
+from gpuckpt.dtypes import get_default_dtype, set_default_dtype
+from gpuckpt.errors import (
+    CheckpointCorruptedError,
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    ChecksumError,
+    DeviceUnavailableError,
+    DTypeMismatchError,
+    GpuckptError,
+    MetadataError,
+    MissingChunkError,
+    MissingKeyError,
+    ShapeMismatchError,
+    UnsafeCheckpointError,
+    UnsupportedValueError,
+    UnsupportedVersionError,
+)
+from gpuckpt.memory_format import (
+    channels_last,
+    channels_last_3d,
+    contiguous_format,
+    preserve_format,
+    strided,
+)
+from gpuckpt.metadata import (
+    STATE_DICT_TYPE,
+    STORAGE_TYPES,
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "STATE_DICT_TYPE",
+    "STORAGE_TYPES",
+    "BytesStorageMetadata",
+    "CheckpointCorruptedError",
+    "CheckpointExistsError",
+    "CheckpointNotFoundError",
+    "ChecksumError",
+    "ChunkStorageMetadata",
+    "DTypeMismatchError",
+    "DeviceUnavailableError",
+    "GpuckptError",
+    "Metadata",
+    "MetadataError",
+    "MetadataIndex",
+    "MissingChunkError",
+    "MissingKeyError",
+    "ShapeMismatchError",
+    "StorageMeta",
+    "TensorProperties",
+    "TensorStorageMetadata",
+    "UnsafeCheckpointError",
+    "UnsupportedValueError",
+    "UnsupportedVersionError",
+    "channels_last",
+    "channels_last_3d",
+    "contiguous_format",
+    "get_default_dtype",
+    "load",
+    "load_state_dict",
+    "preserve_format",
+    "read_metadata",
+    "save",
+    "set_default_dtype",
+    "strided",
+]

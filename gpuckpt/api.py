@@ -1,0 +1,198 @@
+"""The public functions: save, load, load_state_dict, read_metadata."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from gpuckpt.device.arrays import HostMemory, adapt, is_array
+from gpuckpt.errors import DTypeMismatchError, MissingKeyError, ShapeMismatchError
+from gpuckpt.metadata import STATE_DICT_TYPE, Metadata
+from gpuckpt.planning import DEFAULT_CHUNK_BYTES
+from gpuckpt.reading import TensorEntry, check_chunk_files, read_tensors, validate_metadata
+from gpuckpt.state import flatten_state_dict, select_fqns, unflatten_state_dict
+from gpuckpt.storage.layout import metadata_from_root_document
+from gpuckpt.storage.local import LocalReader, LocalWriter
+from gpuckpt.storage.objects import decode_object
+from gpuckpt.writing import build_save_plan, execute_save
+
+__all__ = ["load", "load_state_dict", "read_metadata", "save"]
+
+PathLike = str | os.PathLike[str]
+
+
+def save(
+    state_dict: STATE_DICT_TYPE,
+    path: PathLike,
+    *,
+    overwrite: bool = False,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    allow_pickle: bool = False,
+    sync: str = "auto",
+    threads: int | None = None,
+) -> Metadata:
+    """Save ``state_dict`` as a checkpoint at ``path`` and return its metadata.
+
+    The checkpoint is written under a temporary name, made durable, and
+    published by one rename: readers see all of it or nothing, and a failed
+    save leaves any earlier checkpoint untouched.
+
+    Parameters
+    ----------
+    state_dict
+        A dict of arrays, plain values, and nested dicts/lists/tuples of those.
+    path
+        Directory to create (its parent is created if needed).
+    overwrite
+        Replace an existing checkpoint at ``path`` (atomically where the
+        system supports it). Without it an existing path is an error.
+    chunk_bytes
+        Target size of one stored chunk; larger tensors are split.
+    allow_pickle
+        Store values of other types with pickle. Off by default: loading such
+        a checkpoint then needs ``allow_pickle=True`` too.
+    sync
+        Durability: ``"auto"`` (default), ``"file"``, ``"fs"`` or ``"none"``
+        (see :class:`gpuckpt.storage.local.LocalWriter`).
+    threads
+        I/O threads (default: twice the CPU count, between 2 and 8).
+
+    Examples
+    --------
+    >>> import numpy as np, gpuckpt, tempfile, os
+    >>> d = tempfile.mkdtemp()
+    >>> md = gpuckpt.save({"w": np.ones((2, 3), np.float32), "step": 7}, os.path.join(d, "ckpt"))
+    >>> sorted(md.state_dict_metadata)
+    ['step', 'w']
+    """
+    if not isinstance(chunk_bytes, int) or chunk_bytes < 1:
+        raise ValueError(f"chunk_bytes must be a positive integer, got {chunk_bytes!r}")
+    plan = build_save_plan(state_dict, chunk_bytes=chunk_bytes, allow_pickle=allow_pickle)
+    writer = LocalWriter(path, overwrite=overwrite, sync=sync, expected_files=plan.nfiles)
+    return execute_save(plan, writer, threads=threads, checkpoint_id=str(uuid.uuid4()))
+
+
+def read_metadata(path: PathLike) -> Metadata:
+    """Metadata of the checkpoint at ``path`` (validated, nothing else read)."""
+    reader = LocalReader(path)
+    md = metadata_from_root_document(reader.read_root(), f"{Path(path) / 'zarr.json'}")
+    validate_metadata(md)
+    return md
+
+
+def _open(path: PathLike) -> tuple[LocalReader, Metadata, dict[str, TensorEntry], dict[str, Any]]:
+    reader = LocalReader(path)
+    md = metadata_from_root_document(reader.read_root(), f"{Path(path) / 'zarr.json'}")
+    tensors, objects = validate_metadata(md)
+    return reader, md, tensors, objects
+
+
+def load(
+    state_dict: STATE_DICT_TYPE,
+    path: PathLike,
+    *,
+    strict: bool = True,
+    allow_pickle: bool = False,
+    threads: int | None = None,
+) -> None:
+    """Load the checkpoint at ``path`` into ``state_dict`` in place.
+
+    Every array in ``state_dict`` is filled with the stored values (shape and
+    dtype must match); plain values are replaced; an entry whose value is not
+    an array but was stored as a tensor receives a new array. Keys missing
+    from the checkpoint are an error unless ``strict=False``; checkpoint keys
+    absent from ``state_dict`` are not read (partial load). All checks run
+    before anything is read, so a mismatch changes nothing.
+
+    Examples
+    --------
+    >>> import numpy as np, gpuckpt, tempfile, os
+    >>> p = os.path.join(tempfile.mkdtemp(), "ckpt")
+    >>> _ = gpuckpt.save({"w": np.arange(4.0)}, p)
+    >>> sd = {"w": np.zeros(4)}
+    >>> gpuckpt.load(sd, p)
+    >>> sd["w"]
+    array([0., 1., 2., 3.])
+    """
+    reader, _md, tensors, objects = _open(path)
+    leaves, _ = flatten_state_dict(state_dict, is_array)
+    missing = [f for f in leaves if f not in tensors and f not in objects]
+    if missing and strict:
+        raise MissingKeyError(
+            f"{len(missing)} key(s) of the state dict are not in the checkpoint at {path}: "
+            f"{', '.join(repr(m) for m in missing[:10])}{' ...' if len(missing) > 10 else ''}; "
+            "pass strict=False to load the others"
+        )
+    targets: list[tuple[TensorEntry, np.ndarray]] = []
+    fresh: list[tuple[Any, np.ndarray]] = []
+    decoded: list[tuple[Any, Any]] = []
+    memory = HostMemory()
+    for fqn, leaf in leaves.items():
+        if fqn in objects:
+            decoded.append((leaf, decode_object(objects[fqn], allow_pickle=allow_pickle, fqn=fqn)))
+        elif fqn in tensors:
+            t = tensors[fqn]
+            if is_array(leaf.value):
+                arr = adapt(leaf.value)
+                if arr.shape != t.shape:
+                    raise ShapeMismatchError(
+                        f"tensor {fqn!r}: the checkpoint has shape {t.shape}, the target has {arr.shape}; "
+                        "resize the target or load with load_state_dict to get the stored shape"
+                    )
+                if arr.dtype.newbyteorder("=") != t.dtype:
+                    raise DTypeMismatchError(
+                        f"tensor {fqn!r}: the checkpoint has dtype {t.dtype}, the target has {arr.dtype}; "
+                        "load into an array of the stored dtype and convert afterwards"
+                    )
+                targets.append((t, arr.host_array()))
+            else:
+                dest = memory.allocate(t.shape, t.dtype, t.metadata.properties.memory_format)
+                targets.append((t, dest))
+                fresh.append((leaf, dest))
+    check_chunk_files(reader, (t for t, _ in targets))
+    read_tensors(reader, targets, threads=threads)
+    for leaf, value in (*fresh, *decoded):
+        leaf.replace(value)
+
+
+def load_state_dict(
+    path: PathLike,
+    *,
+    keys: list[str] | str | None = None,
+    allow_pickle: bool = False,
+    threads: int | None = None,
+) -> dict[str, Any]:
+    """Load the checkpoint at ``path`` into a new nested dict.
+
+    Arrays are allocated with the stored shape, dtype and memory format.
+    ``keys`` selects entries by FQN or by ``.``-prefix (``"model"`` selects
+    everything under it); an unknown key is an error.
+
+    Examples
+    --------
+    >>> import numpy as np, gpuckpt, tempfile, os
+    >>> p = os.path.join(tempfile.mkdtemp(), "ckpt")
+    >>> _ = gpuckpt.save({"model": {"w": np.eye(2)}, "step": 3}, p)
+    >>> gpuckpt.load_state_dict(p, keys=["step"])
+    {'step': 3}
+    """
+    reader, md, tensors, objects = _open(path)
+    chosen = select_fqns(md.state_dict_metadata, keys)
+    entries = [tensors[f] for f in chosen if f in tensors]
+    check_chunk_files(reader, entries)
+    memory = HostMemory()
+    values: dict[str, Any] = {}
+    targets = []
+    for t in entries:
+        dest = memory.allocate(t.shape, t.dtype, t.metadata.properties.memory_format)
+        targets.append((t, dest))
+        values[t.fqn] = dest
+    for f in chosen:
+        if f in objects:
+            values[f] = decode_object(objects[f], allow_pickle=allow_pickle, fqn=f)
+    read_tensors(reader, targets, threads=threads)
+    return unflatten_state_dict(md.planner_data["structure"], values)

@@ -1,0 +1,1 @@
+"""Device: array adapters, memory targets, staging and kernels."""

@@ -1,0 +1,125 @@
+"""Array adapters: one view of every array kind gpuckpt accepts.
+
+An adapter exposes what the checkpoint logic needs from an array — shape,
+dtype, strides, properties, and host access — so that the rest of the
+package never checks array types itself. Host memory (NumPy, and CPU arrays
+reachable through ``__array_interface__`` or DLPack) is handled here;
+device arrays go through the GPU adapter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from gpuckpt import memory_format as mf
+from gpuckpt.errors import DeviceUnavailableError, UnsupportedValueError
+
+__all__ = ["ArrayAdapter", "HostArray", "HostMemory", "adapt", "is_array"]
+
+_DLPACK_CPU = 1  # kDLCPU
+_DLPACK_CUDA_HOST = 3  # kDLCUDAHost: page-locked host memory
+
+
+@runtime_checkable
+class ArrayAdapter(Protocol):
+    """What the checkpoint logic reads from an array."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype[Any]
+
+    def properties(self) -> Any: ...
+
+    def host_array(self) -> np.ndarray: ...
+
+
+def is_array(value: Any) -> bool:
+    """True for values stored as tensors (NumPy scalars and plain values are objects)."""
+    if isinstance(value, np.ndarray):
+        return True
+    if isinstance(value, (np.generic, str, bytes, int, float, complex, bool, type(None), list, tuple, dict)):
+        return False
+    return any(
+        hasattr(value, a) for a in ("__cuda_array_interface__", "__dlpack__", "__array_interface__")
+    )
+
+
+@dataclass(slots=True)
+class HostArray:
+    """A host array viewed as a NumPy array, without copying."""
+
+    array: np.ndarray
+    requires_grad: bool = False
+    pinned: bool = False
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.array.shape)
+
+    @property
+    def dtype(self) -> np.dtype[Any]:
+        return self.array.dtype
+
+    def properties(self) -> Any:
+        from gpuckpt.metadata import TensorProperties
+
+        a = self.array
+        return TensorProperties(
+            dtype=a.dtype,
+            layout=mf.strided,
+            requires_grad=self.requires_grad,
+            memory_format=mf.detect_memory_format(a.shape, a.strides, a.itemsize),
+            pin_memory=self.pinned,
+        )
+
+    def host_array(self) -> np.ndarray:
+        return self.array
+
+
+def _dlpack_device(value: Any) -> tuple[int, int] | None:
+    fn = getattr(value, "__dlpack_device__", None)
+    if fn is None:
+        return None
+    try:
+        dev_type, dev_id = fn()
+        return int(dev_type), int(dev_id)
+    except Exception:
+        return None
+
+
+def adapt(value: Any) -> ArrayAdapter:
+    """The adapter for ``value``; raises :class:`UnsupportedValueError` for non-arrays."""
+    if isinstance(value, np.ndarray):
+        return HostArray(value)
+    requires_grad = bool(getattr(value, "requires_grad", False))
+    dev = _dlpack_device(value)
+    if hasattr(value, "__cuda_array_interface__") or (dev is not None and dev[0] not in (_DLPACK_CPU, _DLPACK_CUDA_HOST)):
+        raise DeviceUnavailableError(
+            f"{type(value).__module__}.{type(value).__qualname__} lives in device memory; "
+            "device arrays need gpuckpt's GPU support (pip install 'gpuckpt[gpu]' on a machine with CUDA)"
+        )
+    try:
+        if dev is not None and hasattr(value, "__dlpack__"):
+            arr = np.from_dlpack(value)
+        else:
+            arr = np.asarray(value)
+    except (TypeError, ValueError, BufferError, RuntimeError) as exc:
+        raise UnsupportedValueError(
+            f"cannot view {type(value).__qualname__} as a host array without copying: {exc}"
+        ) from exc
+    if arr.dtype == object:
+        raise UnsupportedValueError(f"{type(value).__qualname__} converts to an object array; it cannot be stored")
+    return HostArray(arr, requires_grad=requires_grad, pinned=dev is not None and dev[0] == _DLPACK_CUDA_HOST)
+
+
+class HostMemory:
+    """Allocates host arrays for loads (the default memory target)."""
+
+    def allocate(self, shape: tuple[int, ...], dtype: np.dtype[Any], memory_format: Any) -> np.ndarray:
+        """An uninitialised array with ``shape`` whose strides follow ``memory_format``."""
+        order = mf.physical_order(len(shape), memory_format)
+        physical = np.empty(tuple(shape[a] for a in order), dtype=dtype)
+        inverse = [order.index(a) for a in range(len(shape))]
+        return physical.transpose(inverse)

@@ -1,0 +1,85 @@
+"""The errors gpuckpt raises.
+
+Every error derives from :class:`GpuckptError` and also from the built-in
+exception a caller would already catch for the same problem, so that
+``except FileNotFoundError`` or ``except ValueError`` keep working.
+Messages name the key, what was expected, what was found, and the fix.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CheckpointCorruptedError",
+    "CheckpointExistsError",
+    "CheckpointNotFoundError",
+    "ChecksumError",
+    "DeviceUnavailableError",
+    "GpuckptError",
+    "MetadataError",
+    "MissingChunkError",
+    "MissingKeyError",
+    "ShapeMismatchError",
+    "DTypeMismatchError",
+    "UnsafeCheckpointError",
+    "UnsupportedValueError",
+    "UnsupportedVersionError",
+]
+
+
+class GpuckptError(Exception):
+    """Root of every error gpuckpt raises."""
+
+
+class CheckpointNotFoundError(GpuckptError, FileNotFoundError):
+    """No committed checkpoint exists at the given path."""
+
+
+class CheckpointExistsError(GpuckptError, FileExistsError):
+    """A save would overwrite an existing checkpoint without ``overwrite=True``."""
+
+
+class MetadataError(GpuckptError, ValueError):
+    """The checkpoint's metadata is malformed or inconsistent."""
+
+
+class UnsupportedVersionError(MetadataError):
+    """The checkpoint was written by a newer, unknown format version."""
+
+
+class CheckpointCorruptedError(GpuckptError, OSError):
+    """Stored bytes do not match what the metadata promises."""
+
+
+class ChecksumError(CheckpointCorruptedError):
+    """A chunk's CRC32C checksum does not match its bytes."""
+
+
+class MissingChunkError(CheckpointCorruptedError):
+    """A chunk the metadata lists is absent from the store."""
+
+
+class MissingKeyError(GpuckptError, KeyError):
+    """A key of the state dict is absent from the checkpoint (``strict=True``)."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+class ShapeMismatchError(GpuckptError, ValueError):
+    """A target array's shape differs from the stored tensor's shape."""
+
+
+class DTypeMismatchError(GpuckptError, TypeError):
+    """A target array's dtype differs from the stored tensor's dtype."""
+
+
+class UnsupportedValueError(GpuckptError, TypeError):
+    """A value in the state dict cannot be stored safely."""
+
+
+class UnsafeCheckpointError(GpuckptError, PermissionError):
+    """Loading would need an unsafe operation (pickle) that was not allowed."""
+
+
+class DeviceUnavailableError(GpuckptError, RuntimeError):
+    """A GPU feature was used without CuPy or without a usable device."""

@@ -1,0 +1,205 @@
+"""Executing a load: validate the metadata, check the chunk files, then read.
+
+Nothing in a checkpoint is trusted. Before a single array is allocated, every
+tensor's grid, chunk list, keys and byte sizes are checked against each
+other and against the sizes of the files on disk, so a checkpoint that
+claims a huge shape fails fast instead of allocating it. Chunks are then read
+by a thread pool, straight into the destination array where the layout
+allows, and each one's CRC32C is checked against the chunk file and against
+the metadata.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from gpuckpt.errors import (
+    CheckpointCorruptedError,
+    ChecksumError,
+    MetadataError,
+    MissingChunkError,
+)
+from gpuckpt.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+from gpuckpt.planning import ChunkGrid, ChunkSpec
+from gpuckpt.storage.base import CheckpointReader
+from gpuckpt.storage.chunkio import CRC_BYTES, crc32c, is_prefix_box, stored_nbytes
+from gpuckpt.storage.layout import chunk_file_key, is_chunk_file_key
+from gpuckpt.storage.names import is_safe_name
+from gpuckpt.writing import default_threads
+
+__all__ = ["ChunkRead", "TensorEntry", "check_chunk_files", "read_tensors", "validate_metadata"]
+
+
+@dataclass(slots=True)
+class ChunkRead:
+    spec: ChunkSpec
+    key: str
+    nbytes: int
+    crc: int
+    stored: tuple[int, ...]
+
+
+@dataclass(slots=True)
+class TensorEntry:
+    """A tensor of a validated checkpoint."""
+
+    fqn: str
+    name: str
+    metadata: TensorStorageMetadata
+    grid: ChunkGrid
+    chunks: list[ChunkRead]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.metadata.size)
+
+    @property
+    def dtype(self) -> np.dtype[Any]:
+        return np.dtype(self.metadata.properties.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+def _bad(fqn: str, what: str) -> MetadataError:
+    return MetadataError(f"metadata of tensor {fqn!r} is inconsistent: {what}; the checkpoint is damaged or was not written by gpuckpt")
+
+
+def validate_metadata(md: Metadata) -> tuple[dict[str, TensorEntry], dict[str, Any]]:
+    """Cross-check ``state_dict_metadata`` with ``storage_data``; returns tensors and encoded objects."""
+    sd = md.storage_data
+    if not isinstance(sd, dict) or not isinstance(sd.get("tensors"), dict) or not isinstance(sd.get("objects"), dict):
+        raise MetadataError("metadata.storage_data must hold 'tensors' and 'objects' objects")
+    pd = md.planner_data
+    if not isinstance(pd, dict) or "structure" not in pd:
+        raise MetadataError("metadata.planner_data must hold the state dict 'structure'")
+    tensors: dict[str, TensorEntry] = {}
+    objects: dict[str, Any] = {}
+    names: set[str] = set()
+    for fqn, entry in md.state_dict_metadata.items():
+        if isinstance(entry, BytesStorageMetadata):
+            if fqn not in sd["objects"]:
+                raise MetadataError(f"value {fqn!r} is listed but not stored; the checkpoint is damaged")
+            objects[fqn] = sd["objects"][fqn]
+            continue
+        assert isinstance(entry, TensorStorageMetadata)
+        info = sd["tensors"].get(fqn)
+        if not isinstance(info, dict):
+            raise _bad(fqn, "no storage entry")
+        name = info.get("name")
+        if not is_safe_name(name) or name in names or name == "zarr.json":
+            raise _bad(fqn, f"array name {name!r} is not a safe, unique path component")
+        names.add(name)
+        try:
+            grid = ChunkGrid.from_zarr_json(entry.size, info.get("chunk_grid"))
+        except ValueError as exc:
+            raise _bad(fqn, f"chunk grid: {exc}") from None
+        raw_chunks = info.get("chunks")
+        if not isinstance(raw_chunks, list) or len(raw_chunks) != len(entry.chunks):
+            raise _bad(fqn, "storage chunk list does not match the chunk metadata")
+        expected_n = 0 if any(n == 0 for n in entry.size) else math.prod(grid.grid_shape)
+        if expected_n != len(entry.chunks):
+            raise _bad(fqn, f"{len(entry.chunks)} chunks listed, the grid has {expected_n}")
+        itemsize = np.dtype(entry.properties.dtype).itemsize
+        chunks: list[ChunkRead] = []
+        for i, (spec, cmeta, raw) in enumerate(zip(grid.chunks(), entry.chunks, raw_chunks, strict=True)):
+            if tuple(cmeta.offsets) != spec.offsets or tuple(cmeta.sizes) != spec.sizes:
+                raise _bad(fqn, f"chunk {i} box {cmeta} does not match the grid {spec}")
+            if not isinstance(raw, dict):
+                raise _bad(fqn, f"chunk {i} storage entry is not an object")
+            key, nbytes, crc = raw.get("key"), raw.get("nbytes"), raw.get("crc32c")
+            if not is_chunk_file_key(key) or key != chunk_file_key(spec.coords):
+                raise _bad(fqn, f"chunk {i} key {key!r} is not {chunk_file_key(spec.coords)!r}")
+            stored = grid.stored_chunk_shape(spec)
+            if nbytes != stored_nbytes(stored, itemsize) or isinstance(nbytes, bool):
+                raise _bad(fqn, f"chunk {key} claims {nbytes!r} bytes, its shape needs {stored_nbytes(stored, itemsize)}")
+            if not isinstance(crc, int) or isinstance(crc, bool) or not 0 <= crc < 2**32:
+                raise _bad(fqn, f"chunk {key} checksum {crc!r} is not a 32-bit value")
+            chunks.append(ChunkRead(spec, key, nbytes, crc, tuple(stored)))
+        tensors[fqn] = TensorEntry(fqn, name, entry, grid, chunks)
+    return tensors, objects
+
+
+def check_chunk_files(reader: CheckpointReader, entries: Iterable[TensorEntry]) -> None:
+    """Check that every chunk file exists with the size the metadata gives, before allocating."""
+    for t in entries:
+        for c in t.chunks:
+            size = reader.chunk_nbytes(t.name, c.key)
+            if size is None:
+                raise MissingChunkError(
+                    f"chunk {c.key} of tensor {t.fqn!r} is missing (expected file {t.name}/{c.key}); "
+                    "the checkpoint is damaged: restore it from a copy or use an earlier checkpoint"
+                )
+            if size != c.nbytes:
+                raise CheckpointCorruptedError(
+                    f"chunk {c.key} of tensor {t.fqn!r} is {size} bytes, expected {c.nbytes} "
+                    f"(file {t.name}/{c.key} is truncated or overwritten); the checkpoint is damaged"
+                )
+
+
+def _read_chunk(reader: CheckpointReader, t: TensorEntry, c: ChunkRead, dest: np.ndarray) -> None:
+    box = c.spec.view(dest)
+    itemsize = t.dtype.itemsize
+    crc_buf = bytearray(CRC_BYTES)
+    direct = box.flags.c_contiguous and box.dtype.byteorder != ">" and is_prefix_box(c.spec.sizes, c.stored)
+    if direct:
+        data = box.reshape(-1).view(np.uint8)
+        pad = np.empty(c.nbytes - CRC_BYTES - data.nbytes, np.uint8)
+        parts: list[Any] = [data, pad, crc_buf] if pad.nbytes else [data, crc_buf]
+    else:
+        scratch = np.empty(c.stored, dtype=t.dtype.newbyteorder("<"))
+        data = scratch.reshape(-1).view(np.uint8)
+        parts = [data, crc_buf]
+    try:
+        got = reader.read_chunk_into(t.name, c.key, parts)
+    except FileNotFoundError:
+        raise MissingChunkError(f"chunk {c.key} of tensor {t.fqn!r} disappeared while loading") from None
+    if got != c.nbytes:
+        raise CheckpointCorruptedError(
+            f"chunk {c.key} of tensor {t.fqn!r}: read {got} bytes, expected {c.nbytes}; the file is truncated"
+        )
+    value = crc32c(data)
+    if direct and pad.nbytes:
+        value = crc32c(pad, value)
+    stored_crc = int.from_bytes(crc_buf, "little")
+    if value != stored_crc or value != c.crc:
+        what = (
+            "its bytes do not match their checksum"
+            if value != stored_crc
+            else "it is a valid chunk but not the one the metadata lists"
+        )
+        raise ChecksumError(
+            f"chunk {c.key} of tensor {t.fqn!r} failed its CRC32C check ({what}: computed {value:#010x}, "
+            f"chunk file {stored_crc:#010x}, metadata {c.crc:#010x}); the checkpoint is damaged: restore it "
+            "from a copy or load an earlier checkpoint (arrays loaded in place may be partly overwritten)"
+        )
+    if not direct:
+        box[...] = scratch[tuple(slice(0, s) for s in c.spec.sizes)]
+
+
+def read_tensors(
+    reader: CheckpointReader, targets: list[tuple[TensorEntry, np.ndarray]], *, threads: int | None = None
+) -> None:
+    """Fill each host array of ``targets`` with its tensor's chunks, in parallel."""
+    jobs = [(t, c, dest) for t, dest in targets for c in t.chunks]
+    if not jobs:
+        return
+    if len(jobs) == 1:
+        _read_chunk(reader, *jobs[0])
+        return
+    with ThreadPoolExecutor(max_workers=threads or default_threads(), thread_name_prefix="gpuckpt-read") as pool:
+        futures = [pool.submit(_read_chunk, reader, t, c, d) for t, c, d in jobs]
+        try:
+            for f in futures:
+                f.result()
+        except BaseException:
+            for f in futures:
+                f.cancel()
+            raise

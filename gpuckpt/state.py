@@ -1,0 +1,177 @@
+"""Flattening nested state dicts into FQNs, and back.
+
+A state dict is a ``dict`` whose values may be arrays, plain values, or
+nested dicts, lists and tuples of those. Each leaf gets a fully qualified
+name (FQN): the keys and list indices on its path joined with ``.``, e.g.
+``model.layers.0.weight``. Dicts are always traversed; lists and tuples are
+traversed when they contain an array or a dict somewhere, otherwise they are
+one plain value (``"betas": (0.9, 0.999)`` stays a tuple).
+
+The nesting is recorded as a JSON *skeleton* so that a load rebuilds the same
+containers with the same key types (``str`` or ``int``) and order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from gpuckpt.errors import MetadataError, MissingKeyError, UnsupportedValueError
+
+__all__ = ["Leaf", "flatten_state_dict", "select_fqns", "unflatten_state_dict"]
+
+_MAX_DEPTH = 200
+
+
+@dataclass(slots=True)
+class Leaf:
+    """A leaf of a state dict and where it lives, so that a load can replace it."""
+
+    fqn: str
+    value: Any
+    container: Any
+    key: Any
+
+    def replace(self, value: Any) -> None:
+        self.container[self.key] = value
+
+
+def _contains_array(value: Any, is_array: Callable[[Any], bool], depth: int = 0) -> bool:
+    if depth > _MAX_DEPTH:
+        return False
+    if is_array(value) or isinstance(value, dict):
+        return True
+    if isinstance(value, (list, tuple)):
+        return any(_contains_array(v, is_array, depth + 1) for v in value)
+    return False
+
+
+def flatten_state_dict(
+    state_dict: dict[str, Any], is_array: Callable[[Any], bool]
+) -> tuple[dict[str, Leaf], dict[str, Any]]:
+    """Flatten ``state_dict`` into ``{fqn: Leaf}`` and a JSON skeleton.
+
+    Tuples are immutable: arrays inside them are still filled in place by a
+    load, but plain values inside them cannot be replaced and are left as is.
+
+    Raises
+    ------
+    UnsupportedValueError
+        For non-``str``/``int`` dict keys, a top level that is not a dict,
+        reference cycles, or two leaves with the same FQN.
+    """
+    if not isinstance(state_dict, dict):
+        raise UnsupportedValueError(
+            f"state_dict must be a dict, found {type(state_dict).__name__}; wrap the value: {{'value': x}}"
+        )
+    leaves: dict[str, Leaf] = {}
+    active: set[int] = set()
+
+    def visit(container: Any, key: Any, value: Any, prefix: str, depth: int) -> Any:
+        if depth > _MAX_DEPTH:
+            raise UnsupportedValueError(f"state dict nesting deeper than {_MAX_DEPTH} at {prefix!r}")
+        traverse = isinstance(value, dict) or (
+            isinstance(value, (list, tuple)) and not is_array(value) and _contains_array(value, is_array)
+        )
+        if not traverse:
+            if prefix in leaves:
+                raise UnsupportedValueError(
+                    f"two entries flatten to the same name {prefix!r} (e.g. a key 'a.b' next to "
+                    "a nested 'a' -> 'b'); rename one of them"
+                )
+            leaves[prefix] = Leaf(prefix, value, container, key)
+            return {"v": prefix}
+        if id(value) in active:
+            raise UnsupportedValueError(f"the state dict contains a reference cycle at {prefix!r}")
+        active.add(id(value))
+        try:
+            if isinstance(value, dict):
+                items = []
+                for k, v in value.items():
+                    if isinstance(k, bool) or not isinstance(k, (str, int)):
+                        raise UnsupportedValueError(
+                            f"key {k!r} under {prefix or '<root>'!r} has type {type(k).__name__}; "
+                            "only str and int keys can be stored"
+                        )
+                    name = str(k) if depth == 0 else f"{prefix}.{k}"
+                    items.append(["i" if isinstance(k, int) else "s", k, visit(value, k, v, name, depth + 1)])
+                return {"d": items}
+            seq = value if isinstance(value, list) else list(value)
+            kids = [visit(seq, i, v, f"{prefix}.{i}" if depth else str(i), depth + 1) for i, v in enumerate(seq)]
+            return {"l": kids} if isinstance(value, list) else {"t": kids}
+        finally:
+            active.discard(id(value))
+
+    skeleton = visit(None, None, state_dict, "", 0)
+    return leaves, skeleton
+
+
+def unflatten_state_dict(skeleton: Any, values: Mapping[str, Any]) -> dict[str, Any]:
+    """Rebuild nested containers from ``skeleton``; leaves absent from ``values`` are dropped.
+
+    Containers left empty by a partial selection are dropped too, except the root.
+    """
+
+    def build(node: Any, depth: int) -> tuple[bool, Any]:
+        if depth > _MAX_DEPTH or not isinstance(node, dict) or len(node) != 1:
+            raise MetadataError(f"malformed structure node in planner_data: {str(node)[:200]}")
+        (tag, body), = node.items()
+        if tag == "v":
+            if not isinstance(body, str):
+                raise MetadataError(f"malformed structure leaf in planner_data: {body!r}")
+            return (body in values, values.get(body))
+        if not isinstance(body, list):
+            raise MetadataError(f"malformed structure node {tag!r} in planner_data")
+        if tag == "d":
+            out: dict[Any, Any] = {}
+            for item in body:
+                if not (isinstance(item, list) and len(item) == 3 and item[0] in ("s", "i")):
+                    raise MetadataError(f"malformed dict item in planner_data: {str(item)[:200]}")
+                kt, k, child = item
+                if (kt == "s" and not isinstance(k, str)) or (
+                    kt == "i" and (not isinstance(k, int) or isinstance(k, bool))
+                ):
+                    raise MetadataError(f"malformed dict key in planner_data: {k!r}")
+                present, v = build(child, depth + 1)
+                if present:
+                    out[k] = v
+            return (bool(out) or depth == 0, out)
+        if tag in ("l", "t"):
+            parts = [build(child, depth + 1) for child in body]
+            if not all(p for p, _ in parts):
+                # a sequence is all or nothing: indices must keep their meaning
+                return (False, None)
+            seq = [v for _, v in parts]
+            return (True, seq if tag == "l" else tuple(seq))
+        raise MetadataError(f"unknown structure tag {tag!r} in planner_data")
+
+    _, root = build(skeleton, 0)
+    if not isinstance(root, dict):
+        raise MetadataError("planner_data structure root is not a dict")
+    return root
+
+
+def select_fqns(available: Iterable[str], keys: Iterable[str] | None) -> list[str]:
+    """FQNs of ``available`` selected by ``keys`` (exact names or ``.``-prefixes).
+
+    Raises :class:`MissingKeyError` for a key that selects nothing.
+    """
+    avail = list(available)
+    if keys is None:
+        return avail
+    if isinstance(keys, str):
+        keys = [keys]
+    chosen: dict[str, None] = {}
+    for k in keys:
+        hits = [f for f in avail if f == k or f.startswith(k + ".")]
+        if not hits:
+            close = [f for f in avail if k.split(".")[0] == f.split(".")[0]][:5]
+            raise MissingKeyError(
+                f"key {k!r} is not in the checkpoint"
+                + (f"; similar keys: {', '.join(close)}" if close else "")
+                + "; list the keys with gpuckpt.read_metadata(path).state_dict_metadata"
+            )
+        for f in hits:
+            chosen[f] = None
+    return list(chosen)

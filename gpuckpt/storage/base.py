@@ -1,0 +1,65 @@
+"""Interfaces between the checkpoint logic and where the bytes live."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["CheckpointReader", "CheckpointWriter"]
+
+
+class CheckpointWriter(ABC):
+    """Writes one checkpoint and publishes it atomically.
+
+    A subclass should expect the following sequence of calls:
+
+    1. :meth:`begin` once;
+    2. :meth:`write_array_document` and :meth:`write_chunk` any number of
+       times, concurrently from several threads, each key written once;
+    3. :meth:`commit` once with the root document, which publishes
+       everything or nothing; or :meth:`abort` after any failure, which
+       removes what was written and never touches a published checkpoint.
+    """
+
+    @abstractmethod
+    def begin(self) -> None: ...
+
+    @abstractmethod
+    def write_array_document(self, name: str, document: bytes) -> None: ...
+
+    @abstractmethod
+    def write_chunk(self, name: str, key: str, parts: Sequence[Any]) -> None:
+        """Store the concatenation of the buffers ``parts`` as chunk ``key`` of array ``name``."""
+
+    @abstractmethod
+    def commit(self, root_document: bytes) -> None: ...
+
+    @abstractmethod
+    def abort(self) -> None: ...
+
+
+class CheckpointReader(ABC):
+    """Reads the files of one published checkpoint.
+
+    Call :meth:`read_root` first; the other methods may then be called in
+    any order and concurrently. Names and keys have been validated by the
+    caller; implementations must still refuse to leave the checkpoint.
+    """
+
+    @abstractmethod
+    def read_root(self) -> bytes: ...
+
+    @abstractmethod
+    def read_array_document(self, name: str) -> bytes: ...
+
+    @abstractmethod
+    def chunk_nbytes(self, name: str, key: str) -> int | None:
+        """Size of a stored chunk, or None when it is missing."""
+
+    @abstractmethod
+    def read_chunk_into(self, name: str, key: str, dests: Sequence[Any]) -> int:
+        """Fill the writable buffers ``dests`` in order from the chunk; returns bytes read."""
+
+    def close(self) -> None:
+        """Release resources; the default does nothing."""

@@ -1,0 +1,131 @@
+"""The checkpoint layout: which Zarr v3 documents go where.
+
+::
+
+    CHECKPOINT/
+      zarr.json                 root group; attributes["gpuckpt"] holds the Metadata
+      <array name>/zarr.json    one Zarr v3 array per tensor (logical shape and dtype)
+      <array name>/c.0.0        its chunks: bytes codec (little-endian) + crc32c
+
+Array names come from FQNs (:mod:`gpuckpt.storage.names`). Chunk keys use
+Zarr's ``default`` encoding with the ``.`` separator, so an array's chunks
+are plain files in its directory. The root ``zarr.json`` is written last; a
+directory or prefix without it is not a checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import numpy as np
+
+from gpuckpt.dtypes import dtype_name
+from gpuckpt.errors import MetadataError
+from gpuckpt.metadata import Metadata
+from gpuckpt.planning import ChunkGrid
+from gpuckpt.storage.chunkio import crc32c
+
+__all__ = [
+    "ROOT_KEY",
+    "array_document",
+    "chunk_file_key",
+    "is_chunk_file_key",
+    "metadata_from_root_document",
+    "root_document",
+]
+
+ROOT_KEY = "zarr.json"
+ATTRIBUTE = "gpuckpt"
+_CHUNK_KEY_RE = re.compile(r"^c(\.(0|[1-9][0-9]{0,17}))*$")
+
+
+def chunk_file_key(coords: tuple[int, ...]) -> str:
+    """File name of a chunk inside its array directory (``c.0.1``; ``c`` for 0-d)."""
+    return ".".join(("c", *(str(c) for c in coords)))
+
+
+def is_chunk_file_key(key: object) -> bool:
+    return isinstance(key, str) and _CHUNK_KEY_RE.match(key) is not None
+
+
+_INT_NAMES = frozenset(
+    ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")
+)
+
+
+def _fill_value(dtype: np.dtype[Any]) -> Any:
+    if dtype.kind == "b":
+        return False
+    if dtype.kind == "c":
+        return [0.0, 0.0]
+    if dtype.kind == "f" or dtype_name(dtype) not in _INT_NAMES:
+        if dtype_name(dtype) in ("float16", "float32", "float64"):
+            return 0.0
+        # ml_dtypes floats: the all-zero bit pattern, spelled as hex as the
+        # Zarr v3 spec allows for floats (not every such type has a zero)
+        return "0x" + "00" * dtype.itemsize
+    return 0
+
+
+def array_document(
+    *, shape: tuple[int, ...], dtype: np.dtype[Any], grid: ChunkGrid, attributes: dict[str, Any]
+) -> bytes:
+    """The ``zarr.json`` of one tensor's array."""
+    codecs: list[dict[str, Any]] = [{"name": "bytes"}, {"name": "crc32c"}]
+    if dtype.itemsize > 1:
+        codecs[0]["configuration"] = {"endian": "little"}
+    doc = {
+        "zarr_format": 3,
+        "node_type": "array",
+        "shape": list(shape),
+        "data_type": dtype_name(dtype),
+        "chunk_grid": grid.to_zarr_json(),
+        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "."}},
+        "fill_value": _fill_value(dtype),
+        "codecs": codecs,
+        "attributes": attributes,
+    }
+    return json.dumps(doc, indent=2).encode()
+
+
+def _canonical(value: Any) -> bytes:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+
+
+def root_document(metadata: Metadata) -> bytes:
+    """The root group's ``zarr.json``, carrying the metadata and its CRC32C."""
+    md = metadata.to_json_dict()
+    doc = {
+        "zarr_format": 3,
+        "node_type": "group",
+        "attributes": {ATTRIBUTE: {"metadata": md, "metadata_crc32c": crc32c(_canonical(md))}},
+    }
+    return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+
+
+def metadata_from_root_document(raw: bytes, where: str) -> Metadata:
+    """Parse and check a root ``zarr.json``; every defect raises :class:`MetadataError`."""
+    try:
+        doc = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise MetadataError(f"{where} is not valid JSON ({exc}); the checkpoint's root metadata is damaged") from None
+    if not isinstance(doc, dict) or doc.get("zarr_format") != 3 or doc.get("node_type") != "group":
+        raise MetadataError(f"{where} is not a Zarr v3 group document")
+    attrs = doc.get("attributes")
+    entry = attrs.get(ATTRIBUTE) if isinstance(attrs, dict) else None
+    if not isinstance(entry, dict) or "metadata" not in entry:
+        raise MetadataError(f"{where} is a Zarr group but not a gpuckpt checkpoint (no attributes.{ATTRIBUTE})")
+    md = entry["metadata"]
+    expected = entry.get("metadata_crc32c")
+    try:
+        actual = crc32c(_canonical(md))
+    except (ValueError, TypeError, RecursionError) as exc:
+        raise MetadataError(f"{where}: metadata cannot be re-encoded ({exc})") from None
+    if expected != actual:
+        raise MetadataError(
+            f"{where}: metadata checksum mismatch (stored {expected!r}, computed {actual}); "
+            "the root metadata is damaged"
+        )
+    return Metadata.from_json_dict(md)

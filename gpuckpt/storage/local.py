@@ -1,0 +1,260 @@
+"""Checkpoints in a directory of a local (or POSIX shared) file system.
+
+Publication: everything is written under a temporary sibling directory
+``.<name>.gpuckpt-tmp-<host>-<pid>-<random>``, made durable (each file and
+directory fsynced, or one ``syncfs`` of the file system when there are many
+files), then renamed to ``<name>`` in one step, and the parent directory is
+fsynced. A reader therefore sees either no checkpoint or a complete one.
+Temporaries left by crashed processes are removed by the next save to the
+same path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import secrets
+import stat
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from gpuckpt.errors import CheckpointExistsError, CheckpointNotFoundError, MetadataError
+from gpuckpt.storage import fsutil
+from gpuckpt.storage.base import CheckpointReader, CheckpointWriter
+from gpuckpt.storage.chunkio import read_exact, write_all
+from gpuckpt.storage.layout import ROOT_KEY
+
+__all__ = ["LocalReader", "LocalWriter", "SYNC_MODES", "cleanup_stale_temporaries", "is_committed"]
+
+SYNC_MODES = ("auto", "file", "fs", "none")
+_TMP_TAG = ".gpuckpt-tmp-"
+_OLD_TAG = ".gpuckpt-old-"
+_MANY_FILES = 64
+
+
+def is_committed(path: Path) -> bool:
+    """True when ``path`` holds a published checkpoint (its root document exists)."""
+    return (path / ROOT_KEY).is_file()
+
+
+def cleanup_stale_temporaries(path: Path) -> list[Path]:
+    """Remove temporaries of saves to ``path`` whose process is gone; returns what was removed."""
+    removed: list[Path] = []
+    parent, name = path.parent, path.name
+    try:
+        entries = list(os.scandir(parent))
+    except FileNotFoundError:
+        return removed
+    for entry in entries:
+        for tag in (_TMP_TAG, _OLD_TAG):
+            prefix = f".{name}{tag}"
+            if not entry.name.startswith(prefix):
+                continue
+            owner = entry.name[len(prefix) :].rsplit("-", 1)[0]
+            host, _, pid = owner.rpartition("-")
+            if pid.isdigit() and not fsutil.pid_alive(host, int(pid)):
+                fsutil.rmtree_quiet(Path(entry.path))
+                removed.append(Path(entry.path))
+    return removed
+
+
+class LocalWriter(CheckpointWriter):
+    """Writes a checkpoint directory; see the module docstring for the protocol."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        overwrite: bool = False,
+        sync: str = "auto",
+        expected_files: int = 0,
+    ) -> None:
+        """``sync``: ``"file"`` fsyncs each file as it is written, ``"fs"`` runs one
+        syncfs before publishing (cheaper for many small files), ``"none"`` skips
+        durability (tests, scratch data); ``"auto"`` picks ``"fs"`` above 64 files."""
+        if sync not in SYNC_MODES:
+            raise ValueError(f"sync={sync!r}; expected one of {SYNC_MODES}")
+        self.path = Path(path).absolute()
+        self.overwrite = overwrite
+        if sync == "auto":
+            sync = "fs" if expected_files > _MANY_FILES else "file"
+        self.sync = sync
+        self.tmp = self.path.parent / f".{self.path.name}{_TMP_TAG}{fsutil.tmp_owner()}-{secrets.token_hex(4)}"
+        self._dirs: list[Path] = []
+
+    def _check_target(self) -> None:
+        if self.path.exists() or self.path.is_symlink():
+            if not self.overwrite:
+                what = "a checkpoint" if is_committed(self.path) else "a file or directory"
+                raise CheckpointExistsError(
+                    f"{self.path} already exists ({what}); pass overwrite=True to replace it, "
+                    "or save to a new path"
+                )
+            if not self.path.is_dir() or self.path.is_symlink() or not (
+                is_committed(self.path) or not any(self.path.iterdir())
+            ):
+                raise CheckpointExistsError(
+                    f"{self.path} exists and is not a gpuckpt checkpoint; refusing to replace it "
+                    "even with overwrite=True"
+                )
+
+    def begin(self) -> None:
+        self._check_target()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        cleanup_stale_temporaries(self.path)
+        os.mkdir(self.tmp)
+        self._dirs.append(self.tmp)
+
+    def _write_file(self, rel: str, parts: Sequence[Any]) -> None:
+        target = self.tmp / rel
+        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+        try:
+            for p in parts:
+                write_all(fd, p)
+            if self.sync == "file":
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def write_array_document(self, name: str, document: bytes) -> None:
+        d = self.tmp / name
+        os.mkdir(d)
+        self._dirs.append(d)
+        self._write_file(f"{name}/zarr.json", [document])
+
+    def write_chunk(self, name: str, key: str, parts: Sequence[Any]) -> None:
+        self._write_file(f"{name}/{key}", parts)
+
+    def _make_durable(self) -> None:
+        if self.sync == "none":
+            return
+        if self.sync == "fs" and fsutil.syncfs(self.tmp):
+            return
+        if self.sync == "fs":
+            # no syncfs here: files were not fsynced as they were written
+            for root, _dirs, files in os.walk(self.tmp):
+                for f in files:
+                    fd = os.open(os.path.join(root, f), os.O_RDONLY)
+                    try:
+                        os.fsync(fd)
+                    finally:
+                        os.close(fd)
+        for d in reversed(self._dirs):
+            fsutil.fsync_dir(d)
+
+    def commit(self, root_document: bytes) -> None:
+        self._write_file(ROOT_KEY, [root_document])
+        self._make_durable()
+        if self.overwrite and (self.path.exists() or self.path.is_symlink()):
+            self._check_target()
+            if not fsutil.exchange(self.tmp, self.path):
+                # no atomic exchange here: move the old one aside first
+                old = self.path.parent / f".{self.path.name}{_OLD_TAG}{fsutil.tmp_owner()}-{secrets.token_hex(4)}"
+                os.rename(self.path, old)
+                os.rename(self.tmp, self.path)
+                self.tmp = old
+            # self.tmp now holds the previous checkpoint
+            fsutil.rmtree_quiet(self.tmp)
+        else:
+            try:
+                fsutil.rename_noreplace(self.tmp, self.path)
+            except OSError as exc:
+                if exc.errno in (errno.EEXIST, errno.ENOTEMPTY):
+                    raise CheckpointExistsError(
+                        f"{self.path} was created by another save while this one ran; "
+                        "this save was discarded and the other one kept"
+                    ) from None
+                raise
+        if self.sync != "none":
+            fsutil.fsync_dir(self.path.parent)
+
+    def abort(self) -> None:
+        fsutil.rmtree_quiet(self.tmp)
+
+
+class LocalReader(CheckpointReader):
+    """Reads a published checkpoint directory without following symlinks out of it."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+
+    def read_root(self) -> bytes:
+        root = self.path / ROOT_KEY
+        try:
+            fd = os.open(root, os.O_RDONLY | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            hint = ""
+            with contextlib.suppress(OSError):
+                if any(p.name.startswith(f".{self.path.name}{_TMP_TAG}") for p in self.path.parent.iterdir()):
+                    hint = " (an unfinished or crashed save left a temporary next to it)"
+            if self.path.is_dir():
+                raise CheckpointNotFoundError(
+                    f"{self.path} is not a committed checkpoint: it has no {ROOT_KEY}{hint}"
+                ) from None
+            raise CheckpointNotFoundError(f"no checkpoint at {self.path}{hint}") from None
+        except OSError as exc:
+            raise CheckpointNotFoundError(f"cannot open {root}: {exc.strerror}") from None
+        try:
+            size = os.fstat(fd).st_size
+            if size > 1 << 31:
+                raise MetadataError(f"{root} is {size} bytes; refusing to parse metadata that large")
+            buf = bytearray(size)
+            read_exact(fd, buf)
+            return bytes(buf)
+        finally:
+            os.close(fd)
+
+    def _open(self, name: str, key: str) -> int:
+        # O_NOFOLLOW on the directory and on the file: a symlink planted in a
+        # checkpoint cannot make a read leave it
+        dfd = os.open(self.path / name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        try:
+            return os.open(key, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=dfd)
+        finally:
+            os.close(dfd)
+
+    def read_array_document(self, name: str) -> bytes:
+        fd = self._open(name, "zarr.json")
+        try:
+            size = os.fstat(fd).st_size
+            if size > 1 << 24:
+                raise MetadataError(f"{self.path / name / 'zarr.json'} is {size} bytes; too large")
+            buf = bytearray(size)
+            read_exact(fd, buf)
+            return bytes(buf)
+        finally:
+            os.close(fd)
+
+    def chunk_nbytes(self, name: str, key: str) -> int | None:
+        try:
+            dfd = os.open(self.path / name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:  # a symlink where a directory should be
+                return None
+            raise
+        try:
+            st = os.stat(key, dir_fd=dfd, follow_symlinks=False)
+        except FileNotFoundError:
+            return None
+        finally:
+            os.close(dfd)
+        if not stat.S_ISREG(st.st_mode):
+            return None
+        return st.st_size
+
+    def read_chunk_into(self, name: str, key: str, dests: Sequence[Any]) -> int:
+        fd = self._open(name, key)
+        try:
+            total = 0
+            for d in dests:
+                n = read_exact(fd, d)
+                total += n
+                if n < memoryview(d).nbytes:
+                    break
+            return total
+        finally:
+            os.close(fd)
