@@ -40,11 +40,6 @@ class ChunkSpec:
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
 
-    @property
-    def key(self) -> str:
-        """Zarr v3 default chunk key (``c/0/1``; ``c`` for a 0-d array)."""
-        return "/".join(("c", *(str(c) for c in self.coords)))
-
     def view(self, array: Any) -> Any:
         """The chunk's box of ``array`` as a view (an array even for 0-d tensors)."""
         if not self.sizes:

@@ -87,7 +87,7 @@ def array_document(
         "codecs": codecs,
         "attributes": attributes,
     }
-    return json.dumps(doc, indent=2).encode()
+    return json.dumps(doc, separators=(",", ":")).encode()
 
 
 def _canonical(value: Any) -> bytes:

@@ -175,10 +175,18 @@ class LocalWriter(CheckpointWriter):
 
 
 class LocalReader(CheckpointReader):
-    """Reads a published checkpoint directory without following symlinks out of it."""
+    """Reads a published checkpoint directory without following symlinks out of it.
+
+    The array directories are listed once (one ``scandir`` of the root); a name
+    that is a symlink or not a directory there is treated as missing, and chunk
+    files are opened with ``O_NOFOLLOW``. So a symlink planted in a checkpoint
+    cannot make a read leave it.
+    """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
+        self._root = os.fspath(self.path)
+        self._dirs: set[str] | None = None
 
     def read_root(self) -> bytes:
         root = self.path / ROOT_KEY
@@ -206,14 +214,16 @@ class LocalReader(CheckpointReader):
         finally:
             os.close(fd)
 
+    def _array_dir(self, name: str) -> str:
+        if self._dirs is None:
+            with os.scandir(self._root) as it:
+                self._dirs = {e.name for e in it if e.is_dir(follow_symlinks=False)}
+        if name not in self._dirs:
+            raise FileNotFoundError(errno.ENOENT, "array directory missing or not a directory", name)
+        return f"{self._root}/{name}"
+
     def _open(self, name: str, key: str) -> int:
-        # O_NOFOLLOW on the directory and on the file: a symlink planted in a
-        # checkpoint cannot make a read leave it
-        dfd = os.open(self.path / name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-        try:
-            return os.open(key, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=dfd)
-        finally:
-            os.close(dfd)
+        return os.open(f"{self._array_dir(name)}/{key}", os.O_RDONLY | os.O_NOFOLLOW)
 
     def read_array_document(self, name: str) -> bytes:
         fd = self._open(name, "zarr.json")
@@ -229,25 +239,20 @@ class LocalReader(CheckpointReader):
 
     def chunk_nbytes(self, name: str, key: str) -> int | None:
         try:
-            dfd = os.open(self.path / name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+            st = os.lstat(f"{self._array_dir(name)}/{key}")
         except (FileNotFoundError, NotADirectoryError):
             return None
-        except OSError as exc:
-            if exc.errno == errno.ELOOP:  # a symlink where a directory should be
-                return None
-            raise
-        try:
-            st = os.stat(key, dir_fd=dfd, follow_symlinks=False)
-        except FileNotFoundError:
-            return None
-        finally:
-            os.close(dfd)
         if not stat.S_ISREG(st.st_mode):
             return None
         return st.st_size
 
     def read_chunk_into(self, name: str, key: str, dests: Sequence[Any]) -> int:
-        fd = self._open(name, key)
+        try:
+            fd = self._open(name, key)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:  # O_NOFOLLOW met a symlink
+                raise FileNotFoundError(errno.ENOENT, "chunk is a symlink", key) from None
+            raise
         try:
             total = 0
             for d in dests:

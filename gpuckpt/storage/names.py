@@ -7,7 +7,9 @@ The rule, applied to the UTF-8 bytes of the FQN:
    with two upper-case hex digits.
 2. A first character that is not a letter or digit is escaped too, so that no
    name is ``.``, ``..``, hidden, or starts with Zarr's reserved ``__``.
-3. The empty FQN is the name ``%`` (no other rule produces a bare ``%``).
+3. The empty FQN is the name ``%`` (no other rule produces a bare ``%``), and
+   the FQN ``zarr.json`` is ``%7Aarr.json`` (that name is the group's own
+   metadata document).
 4. A name longer than 200 bytes is cut to 180 bytes and completed with ``~``
    and 16 hex digits of the FQN's SHA-256; such names are not decodable on
    their own, and the metadata maps them back to their FQN.
@@ -49,6 +51,8 @@ def encode_name(fqn: str) -> str:
         else:
             out.append(f"%{b:02X}")
     name = "".join(out)
+    if name == "zarr.json":
+        name = "%7Aarr.json"
     if len(name) > MAX_NAME_BYTES:
         digest = hashlib.sha256(raw).hexdigest()[:16]
         head = name[:180]
@@ -80,4 +84,9 @@ def decode_name(name: str) -> str:
 
 def is_safe_name(name: object) -> bool:
     """True when ``name`` could have come from :func:`encode_name`: one safe path component."""
-    return isinstance(name, str) and len(name) <= MAX_NAME_BYTES and _NAME_RE.match(name) is not None
+    return (
+        isinstance(name, str)
+        and len(name) <= MAX_NAME_BYTES
+        and name != "zarr.json"
+        and _NAME_RE.match(name) is not None
+    )

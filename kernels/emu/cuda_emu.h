@@ -226,18 +226,22 @@ inline void resume(long long t) {
 #endif
 }
 
+// getcontext() returns twice as far as the compiler knows, so it lives in a
+// function of its own with no loop state to clobber.
+__attribute__((noinline)) inline void init_fiber(Fiber& f, char* stack) {
+  getcontext(&f.ctx);
+  f.ctx.uc_stack.ss_sp = stack;
+  f.ctx.uc_stack.ss_size = kStackSize;
+  f.ctx.uc_link = &g_sched.main_ctx;
+  makecontext(&f.ctx, fiber_entry, 0);
+  f.state = kRunnable;
+  f.site = -1;
+  f.fake_stack = nullptr;
+}
+
 inline int run_block(long long nthreads, long long block) {
-  for (long long t = 0; t < nthreads; ++t) {
-    Fiber& f = g_sched.fibers[(size_t)t];
-    getcontext(&f.ctx);
-    f.ctx.uc_stack.ss_sp = g_sched.stacks[(size_t)t];
-    f.ctx.uc_stack.ss_size = kStackSize;
-    f.ctx.uc_link = &g_sched.main_ctx;
-    makecontext(&f.ctx, fiber_entry, 0);
-    f.state = kRunnable;
-    f.site = -1;
-    f.fake_stack = nullptr;
-  }
+  for (long long t = 0; t < nthreads; ++t)
+    init_fiber(g_sched.fibers[(size_t)t], g_sched.stacks[(size_t)t]);
   std::vector<long long> idx;
   for (;;) {
     make_order(idx, nthreads);
@@ -296,18 +300,22 @@ inline int run_blocks(long long nthreads, const std::vector<long long>& blocks,
 
 struct BarrierCheck {
   // Runs once per barrier phase, after every live thread arrived and before
-  // any is released: a thread that already finished means divergence.
+  // any is released: threads waiting while another already finished means
+  // divergence.  (The last phase, completed only by finishing threads that
+  // drop out, has nobody waiting and is fine.)
   void operator()() noexcept;
 };
 
 inline std::barrier<BarrierCheck>* g_barrier = nullptr;
 inline std::atomic<long long> g_done{0};
+inline std::atomic<long long> g_waiting{0};
 inline std::atomic<int> g_status{kOk};
 inline long long g_block = 0;
 
 inline void BarrierCheck::operator()() noexcept {
   const long long done = g_done.load();
-  if (done > 0 && g_status.load() == kOk) {
+  const long long waiting = g_waiting.exchange(0);
+  if (waiting > 0 && done > 0 && g_status.load() == kOk) {
     std::fprintf(stderr,
                  "cuda_emu: barrier divergence in block %lld: %lld thread(s) "
                  "finished while others wait at __syncthreads()\n",
@@ -316,7 +324,10 @@ inline void BarrierCheck::operator()() noexcept {
   }
 }
 
-inline void sync_threads(int /*site*/) { g_barrier->arrive_and_wait(); }
+inline void sync_threads(int /*site*/) {
+  g_waiting.fetch_add(1);
+  g_barrier->arrive_and_wait();
+}
 
 inline int run_blocks(long long nthreads, const std::vector<long long>& blocks,
                       const std::function<void()>& body) {
@@ -328,6 +339,7 @@ inline int run_blocks(long long nthreads, const std::vector<long long>& blocks,
     std::barrier<BarrierCheck> bar((std::ptrdiff_t)nthreads);
     g_barrier = &bar;
     g_done.store(0);
+    g_waiting.store(0);
     g_block = b;
     std::vector<std::thread> threads;
     threads.reserve((size_t)nthreads);

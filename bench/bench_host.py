@@ -1,0 +1,202 @@
+"""Host save/load throughput of gpuckpt against raw file I/O, interleaved in one run.
+
+Raw baselines (the ceiling on this machine, measured in the same run):
+
+* ``raw-files``: one file per tensor, plain ``os.write`` of the tensor's bytes, then ``fsync``
+  of every file and of the directory; load with ``readinto`` into preallocated arrays.
+* ``raw-single``: all tensors into one file, one ``fsync``; load with ``readinto``.
+
+gpuckpt is measured durable (its default ``sync="auto"``): ``save`` of the state dict,
+and ``load`` in place into preallocated arrays (page cache warm). Each round runs
+A B C ... in turn; medians, min and max over rounds are reported, with ratios to the
+best raw baseline. Absolute numbers on a shared machine mean little; ratios do.
+
+Usage: ``python bench/bench_host.py [--rounds 5] [--layers 24] [--small 10000] [--dir DIR] [--json OUT]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from datetime import date
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import gpuckpt
+from gpuckpt.device.arrays import is_array
+from gpuckpt.state import flatten_state_dict
+from gpuckpt.testing.states import gpt_state_dict, small_tensors_state_dict
+
+
+def tensors_of(sd: dict[str, Any]) -> list[np.ndarray]:
+    leaves, _ = flatten_state_dict(sd, is_array)
+    return [v.value for v in leaves.values() if is_array(v.value)]
+
+
+def fsync_path(p: Path) -> None:
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_all(fd: int, mv: memoryview) -> None:
+    while mv.nbytes:
+        n = os.write(fd, mv)
+        mv = mv[n:]
+
+
+def raw_files_save(arrays: list[np.ndarray], d: Path) -> None:
+    d.mkdir()
+    fds = []
+    for i, a in enumerate(arrays):
+        fd = os.open(d / f"{i}.bin", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        write_all(fd, memoryview(np.ascontiguousarray(a)).cast("B"))
+        fds.append(fd)
+    for fd in fds:
+        os.fsync(fd)
+        os.close(fd)
+    fsync_path(d)
+    fsync_path(d.parent)
+
+
+def raw_files_load(arrays: list[np.ndarray], d: Path) -> None:
+    for i, a in enumerate(arrays):
+        with open(d / f"{i}.bin", "rb", buffering=0) as f:
+            f.readinto(memoryview(a.reshape(-1).view(np.uint8)))
+
+
+def raw_single_save(arrays: list[np.ndarray], d: Path) -> None:
+    d.mkdir()
+    fd = os.open(d / "all.bin", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    for a in arrays:
+        write_all(fd, memoryview(np.ascontiguousarray(a)).cast("B"))
+    os.fsync(fd)
+    os.close(fd)
+    fsync_path(d)
+    fsync_path(d.parent)
+
+
+def raw_single_load(arrays: list[np.ndarray], d: Path) -> None:
+    with open(d / "all.bin", "rb", buffering=0) as f:
+        for a in arrays:
+            f.readinto(memoryview(a.reshape(-1).view(np.uint8)))
+
+
+def timed(fn: Callable[[], None]) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def bench_state(label: str, sd: dict[str, Any], rounds: int, base: Path) -> dict[str, Any]:
+    arrays = tensors_of(sd)
+    nbytes = sum(a.nbytes for a in arrays)
+    targets = [np.empty_like(a) for a in arrays]
+    target_sd = {"_": None}
+    leaves, _ = flatten_state_dict(sd, is_array)
+    # an in-place load target with the same structure, arrays preallocated
+    import copy
+
+    target_sd = copy.deepcopy(sd)
+    systems: dict[str, tuple[Callable[[Path], None], Callable[[Path], None]]] = {
+        "raw-files": (lambda p: raw_files_save(arrays, p), lambda p: raw_files_load(targets, p)),
+        "raw-single": (lambda p: raw_single_save(arrays, p), lambda p: raw_single_load(targets, p)),
+        "gpuckpt": (lambda p: gpuckpt.save(sd, p) and None, lambda p: gpuckpt.load(target_sd, p)),
+    }
+    times: dict[str, dict[str, list[float]]] = {k: {"save": [], "load": []} for k in systems}
+    for r in range(rounds + 1):  # round 0 is a warm-up
+        for name, (save, load) in systems.items():
+            p = base / f"{label}-{name}-{r}"
+            ts = timed(lambda: save(p))
+            tl = timed(lambda: load(p))
+            if r > 0:
+                times[name]["save"].append(ts)
+                times[name]["load"].append(tl)
+            shutil.rmtree(p)
+    # the loads really happened: gpuckpt's target equals the source
+    for a, b in zip(tensors_of(sd), tensors_of(target_sd), strict=True):
+        assert a.tobytes() == b.tobytes()
+    del leaves
+    out: dict[str, Any] = {"label": label, "bytes": nbytes, "tensors": len(arrays), "systems": {}}
+    for name, t in times.items():
+        out["systems"][name] = {
+            op: {
+                "median_s": statistics.median(v),
+                "min_s": min(v),
+                "max_s": max(v),
+                "gbps": nbytes / statistics.median(v) / 1e9,
+            }
+            for op, v in t.items()
+        }
+    for op in ("save", "load"):
+        best = min(out["systems"][n][op]["median_s"] for n in ("raw-files", "raw-single"))
+        for name in systems:
+            out["systems"][name][op]["ratio_to_best_raw"] = best / out["systems"][name][op]["median_s"]
+    # for many small tensors the target compares with one file per tensor
+    out["gpuckpt_save_time_over_raw_files"] = (
+        out["systems"]["gpuckpt"]["save"]["median_s"] / out["systems"]["raw-files"]["save"]["median_s"]
+    )
+    return out
+
+
+def print_table(res: dict[str, Any]) -> None:
+    print(f"\n{res['label']}: {res['tensors']} tensors, {res['bytes'] / 2**30:.3f} GiB")
+    print(f"{'system':<12} {'save GB/s':>10} {'(min-max s)':>16} {'ratio':>6}   {'load GB/s':>10} {'(min-max s)':>16} {'ratio':>6}")
+    for name, s in res["systems"].items():
+        sv, ld = s["save"], s["load"]
+        print(
+            f"{name:<12} {sv['gbps']:10.2f} {sv['min_s']:7.3f}-{sv['max_s']:<7.3f} {sv['ratio_to_best_raw']:6.2f}"
+            f"   {ld['gbps']:10.2f} {ld['min_s']:7.3f}-{ld['max_s']:<7.3f} {ld['ratio_to_best_raw']:6.2f}"
+        )
+    print(f"gpuckpt save time / raw per-file save time: {res['gpuckpt_save_time_over_raw_files']:.2f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--layers", type=int, default=24)
+    ap.add_argument("--small", type=int, default=10_000, help="number of small tensors (0 to skip)")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--dir", help="directory on the file system to measure (default: a temp dir)")
+    ap.add_argument("--json", help="write the results here")
+    args = ap.parse_args(argv)
+    base = Path(tempfile.mkdtemp(prefix="gpuckpt-bench-", dir=args.dir))
+    rng = np.random.default_rng(0)
+    results = {
+        "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus, python {platform.python_version()}",
+        "date": date.today().isoformat(),
+        "versions": {"gpuckpt": gpuckpt.__version__, "numpy": np.__version__},
+        "runs": [],
+    }
+    try:
+        if args.layers:
+            sd = gpt_state_dict(rng, layers=args.layers, dtype=args.dtype)
+            results["runs"].append(bench_state(f"gpt-{args.layers}L-{args.dtype}", sd, args.rounds, base))
+            print_table(results["runs"][-1])
+            del sd
+        if args.small:
+            sd = small_tensors_state_dict(rng, args.small)
+            results["runs"].append(bench_state(f"small-{args.small}", sd, args.rounds, base))
+            print_table(results["runs"][-1])
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    print(f"\n{results['machine']}, {results['date']}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,666 @@
+"""Device kernels that move channels-last tensors to and from logical order.
+
+A channels-last tensor has logical shape ``(N, C, H, W)`` (``channels_last``)
+or ``(N, C, D, H, W)`` (``channels_last_3d``) while its memory is laid out as
+``[N][H][W][C]`` / ``[N][D][H][W][C]``.  Checkpoints store the logical
+C-order, so saving transposes on the device before the device-to-host copy,
+and loading transposes contiguous chunks back into channels-last targets.
+
+The CUDA source lives in the top-level ``kernels/`` folder of a source
+checkout and in ``gpuckpt/_kernels/`` of an installed wheel.  It is compiled
+at run time through CuPy (NVRTC), lazily on first use and once per device;
+importing this module never imports CuPy.
+
+Everything here except :func:`load_module` and the two copy functions is pure
+Python, shared with the NumPy reference implementation
+(:mod:`gpuckpt.device._kernel_ref`) and with the CPU-emulation tests, which
+run the very same launch plans.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "KERNEL_FILE",
+    "BoxCopyPlan",
+    "channels_last_strides",
+    "channels_last_to_contiguous",
+    "check_channels_last",
+    "check_contiguous_block",
+    "check_itemsize",
+    "contiguous_to_channels_last",
+    "is_channels_last",
+    "kernel_source",
+    "kernel_source_dir",
+    "load_module",
+    "normalize_box",
+    "plan_box_copy",
+]
+
+#: Name of the CUDA source file inside :func:`kernel_source_dir`.
+KERNEL_FILE = "channels_last.cu"
+
+#: Threads per block; the kernels are written for exactly this many.
+THREADS_PER_BLOCK = 256
+
+#: Tile capacity (elements) per element size; must match ``GK_DEFINE`` in the
+#: CUDA source (a test checks that).
+TILE_ELEMS: dict[int, int] = {1: 4096, 2: 4096, 4: 2048, 8: 1024}
+
+#: Widest channel side of a tile when the run is long.  Small elements get
+#: wider rows so that each warp reads a useful number of bytes.
+TILE_MAX_CHANNELS: dict[int, int] = {1: 64, 2: 64, 4: 32, 8: 32}
+
+#: Hardware limits on the grid; the kernels loop over anything beyond them.
+MAX_GRID: tuple[int, int, int] = (2**31 - 1, 65535, 65535)
+
+SUPPORTED_ITEMSIZES = (1, 2, 4, 8)
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]
+
+
+# --------------------------------------------------------------------------
+# Locating and compiling the source
+
+
+def kernel_source_dir() -> Path:
+    """Return the folder that holds the CUDA kernel sources.
+
+    Returns
+    -------
+    pathlib.Path
+        ``gpuckpt/_kernels`` inside an installed package, else the top-level
+        ``kernels/`` folder of a source checkout.
+
+    Raises
+    ------
+    FileNotFoundError
+        If neither location holds :data:`KERNEL_FILE`.
+    """
+    package_dir = Path(__file__).resolve().parent.parent
+    candidates = (package_dir / "_kernels", package_dir.parent / "kernels")
+    for folder in candidates:
+        if (folder / KERNEL_FILE).is_file():
+            return folder
+    searched = ", ".join(str(c) for c in candidates)
+    raise FileNotFoundError(f"{KERNEL_FILE} not found; searched {searched}")
+
+
+def kernel_source() -> str:
+    """Return the text of the CUDA kernel source.
+
+    Returns
+    -------
+    str
+        Contents of :data:`KERNEL_FILE`.
+    """
+    return (kernel_source_dir() / KERNEL_FILE).read_text(encoding="utf-8")
+
+
+_modules: dict[tuple[int, tuple[str, ...]], Any] = {}
+_modules_lock = threading.Lock()
+
+
+def load_module(device_id: int | None = None, *, options: Sequence[str] = ()) -> Any:
+    """Compile (once per device) and return the kernels as a CuPy module.
+
+    Parameters
+    ----------
+    device_id : int, optional
+        CUDA device to compile for; the current device when omitted.
+    options : sequence of str, optional
+        Extra NVRTC options.  Tests use ``-D`` switches here to build the
+        deliberately broken variants; normal callers pass nothing.
+
+    Returns
+    -------
+    cupy.RawModule
+        The compiled module, loaded on ``device_id``.
+    """
+    import cupy
+
+    if device_id is None:
+        device_id = cupy.cuda.Device().id
+    key = (int(device_id), tuple(options))
+    with _modules_lock:
+        module = _modules.get(key)
+        if module is None:
+            with cupy.cuda.Device(device_id):
+                module = cupy.RawModule(code=kernel_source(), options=("-std=c++17", *options))
+                # Compile now, on this device: RawModule would otherwise
+                # compile for whichever device is current at first use.
+                module.compile()
+            _modules[key] = module
+    return module
+
+
+# --------------------------------------------------------------------------
+# Validation (pure Python; works for NumPy and CuPy arrays alike)
+
+
+def check_itemsize(dtype: Any, *, name: str = "array") -> int:
+    """Return the element size of ``dtype`` if the kernels support it.
+
+    Parameters
+    ----------
+    dtype : numpy.dtype or dtype-like
+        Element type (any dtype of size 1, 2, 4 or 8 bytes: the kernels only
+        move bytes).
+    name : str
+        Argument name used in the error message.
+
+    Returns
+    -------
+    int
+        The element size in bytes.
+
+    Raises
+    ------
+    TypeError
+        If the element size is not 1, 2, 4 or 8 bytes, or the dtype holds
+        Python objects.
+    """
+    import numpy as np
+
+    dt = np.dtype(dtype)
+    if dt.hasobject or dt.itemsize not in SUPPORTED_ITEMSIZES:
+        raise TypeError(
+            f"{name}: dtype {dt} has element size {dt.itemsize} bytes; the "
+            f"channels-last kernels support element sizes "
+            f"{SUPPORTED_ITEMSIZES} and no object dtypes"
+        )
+    return int(dt.itemsize)
+
+
+def _check_ndim(shape: Sequence[int], name: str) -> None:
+    if len(shape) not in (4, 5):
+        raise ValueError(
+            f"{name}: logical shape {tuple(shape)} has {len(shape)} dimensions; "
+            "expected 4 (N, C, H, W) or 5 (N, C, D, H, W)"
+        )
+
+
+def channels_last_strides(shape: Sequence[int], itemsize: int) -> tuple[int, ...]:
+    """Return the byte strides of a dense channels-last tensor.
+
+    Parameters
+    ----------
+    shape : sequence of int
+        Logical shape ``(N, C, H, W)`` or ``(N, C, D, H, W)``.
+    itemsize : int
+        Element size in bytes.
+
+    Returns
+    -------
+    tuple of int
+        Strides in logical dimension order, for memory order
+        ``[N][spatial...][C]``.
+    """
+    _check_ndim(shape, "shape")
+    strides = [0] * len(shape)
+    step = itemsize
+    strides[1] = step
+    step *= shape[1]
+    for dim in range(len(shape) - 1, 1, -1):
+        strides[dim] = step
+        step *= shape[dim]
+    strides[0] = step
+    return tuple(strides)
+
+
+def is_channels_last(shape: Sequence[int], strides: Sequence[int], itemsize: int) -> bool:
+    """Tell whether ``strides`` describe a dense channels-last tensor.
+
+    Strides of size-1 dimensions are ignored (any value addresses the same
+    elements), as are all strides of an empty tensor.
+
+    Parameters
+    ----------
+    shape : sequence of int
+        Logical shape, 4-D or 5-D.
+    strides : sequence of int
+        Byte strides in logical dimension order.
+    itemsize : int
+        Element size in bytes.
+
+    Returns
+    -------
+    bool
+        True for a dense channels-last (or channels-last 3-D) layout.
+    """
+    if len(shape) not in (4, 5) or len(strides) != len(shape):
+        return False
+    if 0 in shape:
+        return True
+    expected = channels_last_strides(shape, itemsize)
+    return all(n == 1 or s == e for n, s, e in zip(shape, strides, expected, strict=True))
+
+
+def check_channels_last(
+    shape: Sequence[int], strides: Sequence[int], itemsize: int, *, name: str = "array"
+) -> None:
+    """Raise unless ``shape``/``strides`` describe a dense channels-last tensor.
+
+    Parameters
+    ----------
+    shape : sequence of int
+        Logical shape, 4-D or 5-D.
+    strides : sequence of int
+        Byte strides in logical dimension order.
+    itemsize : int
+        Element size in bytes.
+    name : str
+        Argument name used in the error message.
+
+    Raises
+    ------
+    ValueError
+        With the shape and strides found and the strides expected.
+    """
+    _check_ndim(shape, name)
+    if not is_channels_last(shape, strides, itemsize):
+        layout = "channels_last" if len(shape) == 4 else "channels_last_3d"
+        raise ValueError(
+            f"{name}: strides {tuple(strides)} (bytes) for logical shape "
+            f"{tuple(shape)} are not dense {layout}; expected "
+            f"{channels_last_strides(shape, itemsize)} (memory order "
+            f"{'NHWC' if len(shape) == 4 else 'NDHWC'}; size-1 dimensions may "
+            "have any stride)"
+        )
+
+
+def normalize_box(box: Any, shape: Sequence[int]) -> Box:
+    """Turn a box description into ``(offsets, sizes)`` and check its bounds.
+
+    Parameters
+    ----------
+    box : None, tuple of slices, or (offsets, sizes)
+        ``None`` is the whole tensor.  A tuple of ``slice`` objects (one per
+        dimension, step 1) or a pair of integer sequences ``(offsets, sizes)``
+        in logical coordinates.
+    shape : sequence of int
+        Logical shape of the tensor the box lies in.
+
+    Returns
+    -------
+    tuple
+        ``(offsets, sizes)`` as tuples of int.
+
+    Raises
+    ------
+    ValueError
+        If the box has the wrong rank, a step other than 1, or leaves the
+        tensor.
+    TypeError
+        If the box is of an unsupported form.
+    """
+    ndim = len(shape)
+    if box is None:
+        return (0,) * ndim, tuple(int(n) for n in shape)
+    box = tuple(box)
+    if box and all(isinstance(s, slice) for s in box):
+        if len(box) != ndim:
+            raise ValueError(f"box {box} has {len(box)} slices; expected {ndim} for shape {tuple(shape)}")
+        starts: list[int] = []
+        lengths: list[int] = []
+        for dim, (s, n) in enumerate(zip(box, shape, strict=True)):
+            start, stop, step = s.indices(n)
+            if step != 1:
+                raise ValueError(
+                    f"box slice {s} in dimension {dim} has step {step}; only step 1 is supported"
+                )
+            starts.append(start)
+            lengths.append(max(0, stop - start))
+        return tuple(starts), tuple(lengths)
+    if len(box) != 2:
+        raise TypeError(f"box must be None, a tuple of slices or (offsets, sizes); got {box!r}")
+    try:
+        offsets = tuple(int(v) for v in box[0])
+        sizes = tuple(int(v) for v in box[1])
+    except TypeError as exc:
+        raise TypeError(f"box must be None, a tuple of slices or (offsets, sizes); got {box!r}") from exc
+    if len(offsets) != ndim or len(sizes) != ndim:
+        raise ValueError(
+            f"box offsets {offsets} and sizes {sizes} must both have {ndim} entries for shape {tuple(shape)}"
+        )
+    for dim, (o, s, n) in enumerate(zip(offsets, sizes, shape, strict=True)):
+        if o < 0 or s < 0 or o + s > n:
+            raise ValueError(
+                f"box offsets {offsets} sizes {sizes} leave shape {tuple(shape)} in dimension {dim} "
+                f"([{o}, {o + s}) not within [0, {n}))"
+            )
+    return offsets, sizes
+
+
+def check_contiguous_block(
+    shape: Sequence[int],
+    dtype: Any,
+    c_contiguous: bool,
+    sizes: Sequence[int],
+    expected_dtype: Any,
+    *,
+    name: str,
+) -> None:
+    """Check a logical-order block against the box it must hold.
+
+    Parameters
+    ----------
+    shape, dtype, c_contiguous
+        Shape, dtype and C-contiguity of the block.
+    sizes : sequence of int
+        Box sizes it must match.
+    expected_dtype
+        The tensor's dtype.
+    name : str
+        Argument name used in the error message.
+
+    Raises
+    ------
+    ValueError
+        On a shape mismatch or a non C-contiguous block.
+    TypeError
+        On a dtype mismatch.
+    """
+    import numpy as np
+
+    if tuple(shape) != tuple(sizes):
+        raise ValueError(f"{name}: shape {tuple(shape)} does not match the box sizes {tuple(sizes)}")
+    if np.dtype(dtype) != np.dtype(expected_dtype):
+        raise TypeError(
+            f"{name}: dtype {np.dtype(dtype)} does not match the tensor dtype {np.dtype(expected_dtype)}"
+        )
+    if not c_contiguous:
+        raise ValueError(f"{name}: a C-contiguous array is required (shape {tuple(shape)})")
+
+
+# --------------------------------------------------------------------------
+# Launch planning (pure Python)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def _prod(values: Sequence[int]) -> int:
+    out = 1
+    for v in values:
+        out *= int(v)
+    return out
+
+
+@dataclass(frozen=True)
+class BoxCopyPlan:
+    """Kernel parameters for one box copy; see ``kernels/channels_last.cu``.
+
+    All offsets and strides are in elements.  The box is ``nlines`` lines
+    (outer dimensions, up to three, sizes ``(*, l1, l2)``) of ``run_len``
+    spatial positions and ``nch`` channels.
+    """
+
+    itemsize: int
+    cl_base: int
+    nlines: int
+    l1: int
+    l2: int
+    cl_line_strides: tuple[int, int, int]
+    cf_line_strides: tuple[int, int, int]
+    run_len: int
+    cl_qs: int
+    nch: int
+    cf_cs: int
+    log_tc: int
+    log_tq: int
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int] = (THREADS_PER_BLOCK, 1, 1)
+
+    @property
+    def empty(self) -> bool:
+        """True when the box holds no element (nothing to launch)."""
+        return self.nlines == 0 or self.run_len == 0 or self.nch == 0
+
+    @property
+    def tiles(self) -> tuple[int, int, int]:
+        """Tiles along (run, channels, lines), before capping to the grid."""
+        tq, tc = 1 << self.log_tq, 1 << self.log_tc
+        return (-(-self.run_len // tq), -(-self.nch // tc), self.nlines)
+
+    def kernel_name(self, to_channels_last: bool) -> str:
+        """Name of the ``extern "C"`` entry point for this element size."""
+        direction = "cf_to_cl" if to_channels_last else "cl_to_cf"
+        return f"gpuckpt_{direction}_{self.itemsize}"
+
+    def params(self) -> tuple[int, ...]:
+        """The 14 ``long long`` kernel parameters, in signature order."""
+        return (
+            self.cl_base,
+            self.nlines,
+            self.l1,
+            self.l2,
+            *self.cl_line_strides,
+            *self.cf_line_strides,
+            self.run_len,
+            self.cl_qs,
+            self.nch,
+            self.cf_cs,
+        )
+
+
+def plan_box_copy(
+    shape: Sequence[int],
+    offsets: Sequence[int],
+    sizes: Sequence[int],
+    itemsize: int,
+    *,
+    grid_limit: tuple[int, int, int] = MAX_GRID,
+) -> BoxCopyPlan:
+    """Plan the copy of a box between a dense channels-last tensor and a
+    C-contiguous logical-order block.
+
+    Parameters
+    ----------
+    shape : sequence of int
+        Logical shape of the channels-last tensor, 4-D or 5-D.
+    offsets, sizes : sequence of int
+        The box, in logical coordinates (already validated).
+    itemsize : int
+        Element size in bytes: 1, 2, 4 or 8.
+    grid_limit : tuple of int, optional
+        Largest grid to launch; the kernels loop over the rest.  Tests lower
+        it to exercise those loops.
+
+    Returns
+    -------
+    BoxCopyPlan
+        Everything a launch needs.
+    """
+    _check_ndim(shape, "shape")
+    if itemsize not in SUPPORTED_ITEMSIZES:
+        raise TypeError(f"element size {itemsize} is not one of {SUPPORTED_ITEMSIZES}")
+    ndim = len(shape)
+    # Canonical element strides: a size-1 dimension is only ever indexed at 0,
+    # so its real stride does not matter and the canonical one can be used.
+    cl_st = [s // itemsize for s in channels_last_strides(shape, itemsize)]
+    cf_st = [_prod(sizes[d + 1 :]) for d in range(ndim)]
+
+    # Merge the innermost spatial dimensions into one run as long as the box
+    # covers the inner ones whole: the run is then evenly strided on both
+    # sides (by C in channels-last memory, by 1 in the logical block).
+    first_run_dim = ndim - 1
+    while first_run_dim > 2 and offsets[first_run_dim] == 0 and sizes[first_run_dim] == shape[first_run_dim]:
+        first_run_dim -= 1
+    run_len = _prod(sizes[first_run_dim:])
+    line_dims = [0, *range(2, first_run_dim)]
+    line_dims = [None] * (3 - len(line_dims)) + line_dims  # pad to three
+    line_sizes = [1 if d is None else int(sizes[d]) for d in line_dims]
+    cl_lines = tuple(0 if d is None else cl_st[d] for d in line_dims)
+    cf_lines = tuple(0 if d is None else cf_st[d] for d in line_dims)
+    cl_base = sum(int(o) * s for o, s in zip(offsets, cl_st, strict=True))
+    nch = int(sizes[1])
+
+    tile = TILE_ELEMS[itemsize]
+    tc0 = min(TILE_MAX_CHANNELS[itemsize], _next_pow2(nch))
+    tq = min(_next_pow2(run_len), tile // tc0)
+    tc = min(_next_pow2(nch), tile // tq)
+    log_tq, log_tc = tq.bit_length() - 1, tc.bit_length() - 1
+    nlines = _prod(line_sizes)
+
+    tiles = (-(-run_len // tq), -(-nch // tc), nlines)
+    grid = tuple(max(1, min(t, g)) for t, g in zip(tiles, grid_limit, strict=True))
+    return BoxCopyPlan(
+        itemsize=itemsize,
+        cl_base=cl_base,
+        nlines=nlines,
+        l1=max(1, line_sizes[1]),
+        l2=max(1, line_sizes[2]),
+        cl_line_strides=(cl_lines[0], cl_lines[1], cl_lines[2]),
+        cf_line_strides=(cf_lines[0], cf_lines[1], cf_lines[2]),
+        run_len=run_len,
+        cl_qs=cl_st[ndim - 1],
+        nch=nch,
+        cf_cs=cf_st[1],
+        log_tc=log_tc,
+        log_tq=log_tq,
+        grid=(grid[0], grid[1], grid[2]),
+    )
+
+
+# --------------------------------------------------------------------------
+# CuPy entry points
+
+
+def _require_cupy_array(cupy: Any, array: Any, name: str) -> None:
+    if not isinstance(array, cupy.ndarray):
+        raise TypeError(f"{name}: expected a cupy.ndarray, got {type(array).__name__}")
+
+
+def _byte_span(array: Any) -> tuple[int, int]:
+    """[first, last) byte addresses an array can touch."""
+    lo = hi = int(array.data.ptr)
+    for n, s in zip(array.shape, array.strides, strict=True):
+        if n == 0:
+            return lo, lo
+        if s >= 0:
+            hi += (n - 1) * s
+        else:
+            lo += (n - 1) * s
+    return lo, hi + array.itemsize
+
+
+def _check_no_overlap(a: Any, b: Any) -> None:
+    a_lo, a_hi = _byte_span(a)
+    b_lo, b_hi = _byte_span(b)
+    if a_lo < b_hi and b_lo < a_hi:
+        raise ValueError("source and destination memory overlap; the kernels need distinct buffers")
+
+
+def _launch(cupy: Any, plan: BoxCopyPlan, to_channels_last: bool, src: Any, dst: Any) -> None:
+    if plan.empty:
+        return
+    import numpy as np
+
+    device_id = src.device.id
+    kernel = load_module(device_id).get_function(plan.kernel_name(to_channels_last))
+    args = (
+        src,
+        dst,
+        *(np.int64(v) for v in plan.params()),
+        np.int32(plan.log_tc),
+        np.int32(plan.log_tq),
+    )
+    with cupy.cuda.Device(device_id):
+        kernel(plan.grid, plan.block, args)
+
+
+def channels_last_to_contiguous(src: Any, out: Any = None, *, box: Any = None) -> Any:
+    """Copy a box of a channels-last device tensor into logical C-order.
+
+    Parameters
+    ----------
+    src : cupy.ndarray
+        Logical shape ``(N, C, H, W)`` or ``(N, C, D, H, W)`` with dense
+        channels-last strides (memory ``NHWC`` / ``NDHWC``); element size 1,
+        2, 4 or 8 bytes.
+    out : cupy.ndarray, optional
+        C-contiguous destination of the box's shape and ``src``'s dtype, on
+        the same device; allocated when omitted.
+    box : None, tuple of slices, or (offsets, sizes), optional
+        The part of ``src`` to copy, in logical coordinates; the whole tensor
+        when omitted.
+
+    Returns
+    -------
+    cupy.ndarray
+        ``out``, holding ``src[box]`` in logical C-order.  The copy is
+        enqueued on the current stream.
+
+    Raises
+    ------
+    TypeError
+        For non-CuPy arrays, unsupported element sizes or a dtype mismatch.
+    ValueError
+        For wrong shapes, non-channels-last strides, a box out of bounds, a
+        non-contiguous or overlapping ``out``, or arrays on different devices.
+    """
+    import cupy
+
+    _require_cupy_array(cupy, src, "src")
+    itemsize = check_itemsize(src.dtype, name="src")
+    check_channels_last(src.shape, src.strides, itemsize, name="src")
+    offsets, sizes = normalize_box(box, src.shape)
+    if out is None:
+        with cupy.cuda.Device(src.device.id):
+            out = cupy.empty(sizes, dtype=src.dtype)
+    else:
+        _require_cupy_array(cupy, out, "out")
+        check_contiguous_block(out.shape, out.dtype, out.flags.c_contiguous, sizes, src.dtype, name="out")
+        if out.device.id != src.device.id:
+            raise ValueError(f"out is on device {out.device.id}, src on device {src.device.id}")
+        _check_no_overlap(src, out)
+    plan = plan_box_copy(src.shape, offsets, sizes, itemsize)
+    _launch(cupy, plan, False, src, out)
+    return out
+
+
+def contiguous_to_channels_last(src: Any, dst: Any, *, box: Any = None) -> Any:
+    """Write a logical C-order block into a box of a channels-last tensor.
+
+    Parameters
+    ----------
+    src : cupy.ndarray
+        C-contiguous block of the box's shape and ``dst``'s dtype.
+    dst : cupy.ndarray
+        Channels-last tensor (see :func:`channels_last_to_contiguous`),
+        written in place; elements outside the box are left alone.
+    box : None, tuple of slices, or (offsets, sizes), optional
+        Where ``src`` goes in ``dst``, in logical coordinates; the whole
+        tensor when omitted.
+
+    Returns
+    -------
+    cupy.ndarray
+        ``dst``.  The copy is enqueued on the current stream.
+
+    Raises
+    ------
+    TypeError, ValueError
+        As for :func:`channels_last_to_contiguous`.
+    """
+    import cupy
+
+    _require_cupy_array(cupy, dst, "dst")
+    _require_cupy_array(cupy, src, "src")
+    itemsize = check_itemsize(dst.dtype, name="dst")
+    check_channels_last(dst.shape, dst.strides, itemsize, name="dst")
+    offsets, sizes = normalize_box(box, dst.shape)
+    check_contiguous_block(src.shape, src.dtype, src.flags.c_contiguous, sizes, dst.dtype, name="src")
+    if src.device.id != dst.device.id:
+        raise ValueError(f"src is on device {src.device.id}, dst on device {dst.device.id}")
+    _check_no_overlap(src, dst)
+    plan = plan_box_copy(dst.shape, offsets, sizes, itemsize)
+    _launch(cupy, plan, True, src, dst)
+    return dst

@@ -1,0 +1,1 @@
+"""Helpers shared by gpuckpt's tests and benchmarks (importable by users' tests too)."""

@@ -1,0 +1,174 @@
+from __future__ import annotations
+
+import pickle
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import gpuckpt
+from gpuckpt.metadata import (
+    FORMAT_VERSION,
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+    _MEM_FORMAT_ENCODING,
+)
+
+FORMATS = [gpuckpt.contiguous_format, gpuckpt.channels_last, gpuckpt.channels_last_3d, gpuckpt.preserve_format]
+
+
+def test_public_names_from_both_modules() -> None:
+    import gpuckpt.metadata as m
+
+    for name in (
+        "ChunkStorageMetadata", "TensorProperties", "TensorStorageMetadata", "BytesStorageMetadata",
+        "StorageMeta", "Metadata", "MetadataIndex", "STORAGE_TYPES", "STATE_DICT_TYPE",
+    ):  # fmt: skip
+        assert getattr(gpuckpt, name) is getattr(m, name)
+
+
+def test_defaults() -> None:
+    p = TensorProperties()
+    assert p.dtype == np.float32
+    assert p.layout is gpuckpt.strided
+    assert p.memory_format is gpuckpt.contiguous_format
+    assert (p.requires_grad, p.pin_memory) == (False, False)
+    gpuckpt.set_default_dtype(np.float64)
+    try:
+        assert TensorProperties().dtype == np.float64
+    finally:
+        gpuckpt.set_default_dtype(np.float32)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_properties_pickle_round_trip(fmt: object) -> None:
+    p = TensorProperties(dtype=np.dtype(ml_dtypes.bfloat16), requires_grad=True, memory_format=fmt, pin_memory=True)
+    q = pickle.loads(pickle.dumps(p))
+    assert q == p and q.memory_format is fmt
+
+
+def test_getstate_encodes_memory_format_as_enum() -> None:
+    state = TensorProperties(memory_format=gpuckpt.channels_last).__getstate__()
+    assert state[3] is _MEM_FORMAT_ENCODING.CHANNELS_LAST
+    assert TensorProperties(memory_format=None).__getstate__()[3] is _MEM_FORMAT_ENCODING.CONTIGUOUS
+
+
+def test_unknown_memory_format_and_encoding_raise_runtime_error() -> None:
+    with pytest.raises(RuntimeError, match="invalid memory format"):
+        pickle.dumps(TensorProperties(memory_format="sideways"))
+    p = TensorProperties()
+    with pytest.raises(RuntimeError, match="invalid memory format encoding"):
+        p.__setstate__((np.float32, gpuckpt.strided, False, 7, False))
+
+
+def test_create_from_numpy() -> None:
+    x = np.zeros((2, 3, 4, 5), np.float16)
+    p = TensorProperties.create_from_tensor(x)
+    assert (p.dtype, p.layout, p.requires_grad, p.pin_memory) == (np.float16, gpuckpt.strided, False, False)
+    assert p.memory_format is gpuckpt.contiguous_format
+    assert TensorProperties.create_from_tensor(x.transpose(0, 2, 3, 1).copy().transpose(0, 3, 1, 2)).memory_format is gpuckpt.channels_last
+    y = np.zeros((2, 4, 5, 6, 3)).transpose(0, 4, 1, 2, 3)
+    assert TensorProperties.create_from_tensor(y).memory_format is gpuckpt.channels_last_3d
+    assert TensorProperties.create_from_tensor(np.asfortranarray(np.zeros((3, 4)))).memory_format is gpuckpt.preserve_format
+
+
+def test_metadata_index_semantics() -> None:
+    a = MetadataIndex("w", [1, 2], index=0)
+    b = MetadataIndex("w", (1, 2), index=5)
+    assert a.offset == (1, 2) and isinstance(a.offset, tuple)
+    assert a == b and hash(a) == hash(b)
+    assert MetadataIndex("w") != a and MetadataIndex("w").offset is None
+    with pytest.raises(AttributeError):
+        a.fqn = "x"  # type: ignore[misc]
+
+
+def _md(entries: dict[str, object]) -> Metadata:
+    return Metadata(
+        state_dict_metadata=entries,  # type: ignore[arg-type]
+        planner_data={"structure": {"d": []}},
+        storage_data={"tensors": {}, "objects": {}},
+        storage_meta=StorageMeta(checkpoint_id="abc", save_id="s", modules=["m"]),
+    )
+
+
+dims = st.lists(st.integers(0, 50), min_size=0, max_size=4)
+
+
+@given(
+    st.dictionaries(
+        st.text(max_size=12),
+        st.one_of(
+            st.just(BytesStorageMetadata()),
+            st.builds(
+                lambda size, fmt, dt, rg: TensorStorageMetadata(
+                    properties=TensorProperties(dtype=np.dtype(dt), requires_grad=rg, memory_format=fmt),
+                    size=tuple(size),
+                    chunks=[ChunkStorageMetadata(offsets=(0,) * len(size), sizes=tuple(size))],
+                ),
+                dims,
+                st.sampled_from(FORMATS),
+                st.sampled_from(["float32", "int8", "bool", "complex128", ml_dtypes.bfloat16, ml_dtypes.float8_e5m2]),
+                st.booleans(),
+            ),
+        ),
+        max_size=6,
+    )
+)
+def test_metadata_json_round_trip(entries: dict[str, object]) -> None:
+    md = _md(entries)
+    back = Metadata.from_json(md.to_json())
+    assert back.state_dict_metadata == md.state_dict_metadata
+    assert back.storage_meta == md.storage_meta
+    assert back.planner_data == md.planner_data and back.storage_data == md.storage_data
+    assert back.version == FORMAT_VERSION
+
+
+def test_metadata_never_pickles() -> None:
+    text = _md({"a": BytesStorageMetadata()}).to_json()
+    assert text.startswith("{") and "version" in text
+
+
+def test_newer_version_is_a_clear_error() -> None:
+    d = _md({}).to_json_dict()
+    d["version"] = str(int(FORMAT_VERSION) + 1)
+    with pytest.raises(gpuckpt.UnsupportedVersionError, match="upgrade gpuckpt"):
+        Metadata.from_json_dict(d)
+
+
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        lambda d: d.pop("version"),
+        lambda d: d.__setitem__("state_dict_metadata", []),
+        lambda d: d["state_dict_metadata"].__setitem__("x", {"type": "tensor", "size": [-1], "chunks": []}),
+        lambda d: d["state_dict_metadata"].__setitem__("x", {"type": "weird"}),
+        lambda d: d["state_dict_metadata"].__setitem__(
+            "x",
+            {"type": "tensor", "size": [4], "chunks": [{"offsets": [3], "sizes": [2]}],
+             "properties": TensorProperties().to_json()},
+        ),
+        lambda d: d["state_dict_metadata"].__setitem__(
+            "x", {"type": "tensor", "size": [4], "chunks": [], "properties": {**TensorProperties().to_json(), "dtype": "object"}}
+        ),
+        lambda d: d["state_dict_metadata"].__setitem__(
+            "x", {"type": "tensor", "size": [True], "chunks": [], "properties": TensorProperties().to_json()}
+        ),
+    ],
+)
+def test_malformed_metadata_raises_metadata_error(mutate: object) -> None:
+    d = _md({}).to_json_dict()
+    mutate(d)  # type: ignore[operator]
+    with pytest.raises(gpuckpt.MetadataError):
+        Metadata.from_json_dict(d)
+
+
+def test_invalid_json_text() -> None:
+    with pytest.raises(gpuckpt.MetadataError, match="not valid JSON"):
+        Metadata.from_json("{nope")

@@ -1,0 +1,87 @@
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gpuckpt.device.arrays import is_array
+from gpuckpt.errors import MetadataError, MissingKeyError, UnsupportedValueError
+from gpuckpt.state import flatten_state_dict, select_fqns, unflatten_state_dict
+
+
+def flat(sd: dict) -> dict:
+    leaves, _ = flatten_state_dict(sd, is_array)
+    return {k: v.value for k, v in leaves.items()}
+
+
+def test_fqns_of_nested_dicts_and_lists() -> None:
+    w = np.zeros(2)
+    sd = {"model": {"layers": [{"weight": w}, {"weight": w}]}, "step": 3, "betas": (0.9, 0.99)}
+    f = flat(sd)
+    assert list(f) == ["model.layers.0.weight", "model.layers.1.weight", "step", "betas"]
+    assert f["betas"] == (0.9, 0.99)  # a tuple of plain values stays one value
+
+
+def test_round_trip_preserves_containers_and_key_types() -> None:
+    sd = {"opt": {"state": {0: {"m": np.ones(1)}, 1: {"m": np.ones(1)}}}, "t": (np.ones(1), {"a": 1}), "l": [1, 2]}
+    leaves, skel = flatten_state_dict(sd, is_array)
+    back = unflatten_state_dict(skel, {k: v.value for k, v in leaves.items()})
+    assert list(back["opt"]["state"]) == [0, 1]
+    assert isinstance(back["t"], tuple) and back["t"][1] == {"a": 1}
+    assert back["l"] == [1, 2]
+
+
+def test_partial_unflatten_drops_empty_containers_and_partial_sequences() -> None:
+    sd = {"a": {"x": np.ones(1), "y": np.ones(1)}, "b": {"z": np.ones(1)}, "s": [np.ones(1), np.ones(1)]}
+    _, skel = flatten_state_dict(sd, is_array)
+    back = unflatten_state_dict(skel, {"a.x": 1, "s.0": 2})
+    assert back == {"a": {"x": 1}}
+
+
+def test_collision_is_an_error() -> None:
+    with pytest.raises(UnsupportedValueError, match="same name 'a.b'"):
+        flatten_state_dict({"a.b": 1, "a": {"b": 2}}, is_array)
+
+
+def test_empty_key_at_root_does_not_collide() -> None:
+    f = flat({"": {"x": 1}, "x": 2})
+    assert f == {".x": 1, "x": 2}
+
+
+@pytest.mark.parametrize("key", [1.5, (1, 2), None, True])
+def test_bad_key_types(key: object) -> None:
+    with pytest.raises(UnsupportedValueError, match="only str and int keys"):
+        flatten_state_dict({"a": {key: 1}}, is_array)
+
+
+def test_cycle_is_an_error() -> None:
+    d: dict = {"x": np.ones(1)}
+    d["self"] = d
+    with pytest.raises(UnsupportedValueError, match="cycle"):
+        flatten_state_dict(d, is_array)
+
+
+def test_top_level_must_be_dict() -> None:
+    with pytest.raises(UnsupportedValueError, match="must be a dict"):
+        flatten_state_dict([1], is_array)  # type: ignore[arg-type]
+
+
+def test_leaves_replace_in_their_container() -> None:
+    sd = {"a": [1, {"b": 2}]}
+    leaves, _ = flatten_state_dict(sd, is_array)
+    leaves["a.1.b"].replace(5)
+    assert sd == {"a": [1, {"b": 5}]}
+
+
+def test_select_fqns() -> None:
+    avail = ["model.w", "model.b", "model2.w", "step"]
+    assert select_fqns(avail, None) == avail
+    assert select_fqns(avail, ["model"]) == ["model.w", "model.b"]
+    assert select_fqns(avail, "step") == ["step"]
+    with pytest.raises(MissingKeyError, match="'mod' is not in the checkpoint"):
+        select_fqns(avail, ["mod"])
+
+
+@pytest.mark.parametrize("skel", [[], {"d": [["x", "k", {"v": "a"}]]}, {"q": []}, {"d": [["i", "k", {"v": "a"}]]}, {"v": 1}])
+def test_malformed_skeleton(skel: object) -> None:
+    with pytest.raises(MetadataError):
+        unflatten_state_dict(skel, {"a": 1})
