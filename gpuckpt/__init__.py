@@ -1,6 +1,7 @@
 """gpuckpt: GPU-aware checkpoints of model state in Zarr v3 stores."""
 
 from gpuckpt.api import load, load_state_dict, read_metadata, save
+from gpuckpt.background import SaveFuture, async_save
 from gpuckpt.dtypes import get_default_dtype, set_default_dtype
 from gpuckpt.errors import (
     CheckpointCorruptedError,
@@ -56,6 +57,7 @@ __all__ = [
     "MetadataIndex",
     "MissingChunkError",
     "MissingKeyError",
+    "SaveFuture",
     "ShapeMismatchError",
     "StorageMeta",
     "TensorProperties",
@@ -63,6 +65,7 @@ __all__ = [
     "UnsafeCheckpointError",
     "UnsupportedValueError",
     "UnsupportedVersionError",
+    "async_save",
     "channels_last",
     "channels_last_3d",
     "contiguous_format",

@@ -13,6 +13,7 @@ from gpuckpt.device.arrays import HostMemory, adapt, is_array
 from gpuckpt.errors import DTypeMismatchError, MissingKeyError, ShapeMismatchError
 from gpuckpt.metadata import STATE_DICT_TYPE, Metadata
 from gpuckpt.planning import DEFAULT_CHUNK_BYTES
+from gpuckpt.progress import ProgressCallback
 from gpuckpt.reading import TensorEntry, check_chunk_files, read_tensors, validate_metadata
 from gpuckpt.state import flatten_state_dict, select_fqns, unflatten_state_dict
 from gpuckpt.storage.layout import metadata_from_root_document
@@ -34,6 +35,7 @@ def save(
     allow_pickle: bool = False,
     sync: str = "auto",
     threads: int | None = None,
+    progress: ProgressCallback | None = None,
 ) -> Metadata:
     """Save ``state_dict`` as a checkpoint at ``path`` and return its metadata.
 
@@ -60,6 +62,8 @@ def save(
         (see :class:`gpuckpt.storage.local.LocalWriter`).
     threads
         I/O threads (default: twice the CPU count, between 2 and 8).
+    progress
+        ``callback(done_bytes, total_bytes)``, called as chunks are written.
 
     Examples
     --------
@@ -73,7 +77,7 @@ def save(
         raise ValueError(f"chunk_bytes must be a positive integer, got {chunk_bytes!r}")
     plan = build_save_plan(state_dict, chunk_bytes=chunk_bytes, allow_pickle=allow_pickle)
     writer = LocalWriter(path, overwrite=overwrite, sync=sync, expected_files=plan.nfiles)
-    return execute_save(plan, writer, threads=threads, checkpoint_id=str(uuid.uuid4()))
+    return execute_save(plan, writer, threads=threads, checkpoint_id=str(uuid.uuid4()), progress=progress)
 
 
 def read_metadata(path: PathLike) -> Metadata:
@@ -98,6 +102,7 @@ def load(
     strict: bool = True,
     allow_pickle: bool = False,
     threads: int | None = None,
+    progress: ProgressCallback | None = None,
 ) -> None:
     """Load the checkpoint at ``path`` into ``state_dict`` in place.
 
@@ -154,7 +159,7 @@ def load(
                 targets.append((t, dest))
                 fresh.append((leaf, dest))
     check_chunk_files(reader, (t for t, _ in targets))
-    read_tensors(reader, targets, threads=threads)
+    read_tensors(reader, targets, threads=threads, progress=progress)
     for leaf, value in (*fresh, *decoded):
         leaf.replace(value)
 
@@ -165,6 +170,7 @@ def load_state_dict(
     keys: list[str] | str | None = None,
     allow_pickle: bool = False,
     threads: int | None = None,
+    progress: ProgressCallback | None = None,
 ) -> dict[str, Any]:
     """Load the checkpoint at ``path`` into a new nested dict.
 
@@ -194,5 +200,5 @@ def load_state_dict(
     for f in chosen:
         if f in objects:
             values[f] = decode_object(objects[f], allow_pickle=allow_pickle, fqn=f)
-    read_tensors(reader, targets, threads=threads)
+    read_tensors(reader, targets, threads=threads, progress=progress)
     return unflatten_state_dict(md.planner_data["structure"], values)

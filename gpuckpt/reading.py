@@ -31,6 +31,7 @@ from gpuckpt.storage.base import CheckpointReader
 from gpuckpt.storage.chunkio import CRC_BYTES, crc32c, is_prefix_box, stored_nbytes
 from gpuckpt.storage.layout import chunk_file_key, is_chunk_file_key
 from gpuckpt.storage.names import is_safe_name
+from gpuckpt.progress import ProgressCallback, ProgressCounter
 from gpuckpt.writing import default_threads
 
 __all__ = ["ChunkRead", "TensorEntry", "check_chunk_files", "read_tensors", "validate_metadata"]
@@ -144,7 +145,9 @@ def check_chunk_files(reader: CheckpointReader, entries: Iterable[TensorEntry]) 
                 )
 
 
-def _read_chunk(reader: CheckpointReader, t: TensorEntry, c: ChunkRead, dest: np.ndarray) -> None:
+def _read_chunk(
+    reader: CheckpointReader, t: TensorEntry, c: ChunkRead, dest: np.ndarray, counter: ProgressCounter
+) -> None:
     box = c.spec.view(dest)
     itemsize = t.dtype.itemsize
     crc_buf = bytearray(CRC_BYTES)
@@ -182,20 +185,26 @@ def _read_chunk(reader: CheckpointReader, t: TensorEntry, c: ChunkRead, dest: np
         )
     if not direct:
         box[...] = scratch[tuple(slice(0, s) for s in c.spec.sizes)]
+    counter.add(box.nbytes)
 
 
 def read_tensors(
-    reader: CheckpointReader, targets: list[tuple[TensorEntry, np.ndarray]], *, threads: int | None = None
+    reader: CheckpointReader,
+    targets: list[tuple[TensorEntry, np.ndarray]],
+    *,
+    threads: int | None = None,
+    progress: ProgressCallback | None = None,
 ) -> None:
     """Fill each host array of ``targets`` with its tensor's chunks, in parallel."""
+    counter = ProgressCounter(progress, sum(t.nbytes for t, _ in targets))
     jobs = [(t, c, dest) for t, dest in targets for c in t.chunks]
     if not jobs:
         return
     if len(jobs) == 1:
-        _read_chunk(reader, *jobs[0])
+        _read_chunk(reader, *jobs[0], counter)
         return
     with ThreadPoolExecutor(max_workers=threads or default_threads(), thread_name_prefix="gpuckpt-read") as pool:
-        futures = [pool.submit(_read_chunk, reader, t, c, d) for t, c, d in jobs]
+        futures = [pool.submit(_read_chunk, reader, t, c, d, counter) for t, c, d in jobs]
         try:
             for f in futures:
                 f.result()

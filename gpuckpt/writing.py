@@ -24,6 +24,7 @@ from gpuckpt.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
+from gpuckpt.progress import ProgressCallback, ProgressCounter
 from gpuckpt.planning import DEFAULT_CHUNK_BYTES, ChunkGrid, ChunkSpec, plan_regular_grid
 from gpuckpt.state import flatten_state_dict
 from gpuckpt.storage.base import CheckpointWriter
@@ -113,8 +114,10 @@ def execute_save(
     *,
     threads: int | None = None,
     checkpoint_id: str | None = None,
+    progress: ProgressCallback | None = None,
 ) -> Metadata:
     """Write ``plan`` through ``writer`` and commit; aborts the writer on any error."""
+    counter = ProgressCounter(progress, sum(t.array.host_array().nbytes for t in plan.tensors))
     state_md: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
     tensors_sd: dict[str, Any] = {}
     writer.begin()
@@ -136,7 +139,7 @@ def execute_save(
                 for spec in t.specs:
                     info: dict[str, Any] = {"key": chunk_file_key(spec.coords)}
                     infos.append(info)
-                    pending.append((info, pool.submit(_write_one, writer, t.name, info["key"], host, t.grid, spec)))
+                    pending.append((info, pool.submit(_write_one, writer, t.name, info["key"], host, t.grid, spec, counter)))
                 state_md[t.fqn] = TensorStorageMetadata(
                     properties=t.properties, size=t.array.shape, chunks=[s.as_metadata() for s in t.specs]
                 )
@@ -165,8 +168,15 @@ def execute_save(
 
 
 def _write_one(
-    writer: CheckpointWriter, name: str, key: str, host: np.ndarray, grid: ChunkGrid, spec: ChunkSpec
+    writer: CheckpointWriter,
+    name: str,
+    key: str,
+    host: np.ndarray,
+    grid: ChunkGrid,
+    spec: ChunkSpec,
+    counter: ProgressCounter,
 ) -> tuple[int, int]:
     parts, nbytes, crc = _encode_chunk(host, grid, spec)
     writer.write_chunk(name, key, parts)
+    counter.add(spec.nelem * host.dtype.itemsize)
     return nbytes, crc

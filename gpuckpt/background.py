@@ -1,0 +1,171 @@
+"""Asynchronous saves: snapshot the state into staging memory, write it in the background.
+
+``async_save`` returns as soon as the state is copied into staging memory
+that the library owns, so the caller may modify or free its arrays right
+away without changing what is saved. The write, the durability barrier and
+the atomic publication then run on one background thread: saves issued back
+to back queue up in order instead of racing. Staging memory comes from an
+:class:`~gpuckpt.device.staging.ArenaPool` and is reused by later saves, so a
+training loop allocates it once; at most two snapshots exist at a time (one
+being written, one being taken), and a third call waits for a free arena.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+
+import numpy as np
+
+from gpuckpt.device.arrays import HostArray
+from gpuckpt.device.staging import ArenaPool, StagingArena
+from gpuckpt.memory_format import physical_order
+from gpuckpt.metadata import STATE_DICT_TYPE, Metadata
+from gpuckpt.planning import DEFAULT_CHUNK_BYTES
+from gpuckpt.progress import ProgressCallback
+from gpuckpt.storage.local import LocalWriter
+from gpuckpt.writing import SavePlan, build_save_plan, execute_save
+
+__all__ = ["SaveFuture", "async_save", "wait_all"]
+
+_lock = threading.Lock()
+_executor: ThreadPoolExecutor | None = None
+_pool = ArenaPool(max_arenas=2)
+_copy_threads = ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1)), thread_name_prefix="gpuckpt-snap")
+_SLAB = 32 << 20
+
+
+def _writer_executor() -> ThreadPoolExecutor:
+    global _executor
+    with _lock:
+        if _executor is None:
+            _executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpuckpt-async")
+        return _executor
+
+
+class SaveFuture:
+    """The result of :func:`async_save`: ``done()``, ``result(timeout)``, ``exception(timeout)``."""
+
+    def __init__(self, future: Future[Metadata], path: str) -> None:
+        self._future = future
+        self.path = path
+
+    def done(self) -> bool:
+        """True once the checkpoint is published (or the save failed)."""
+        return self._future.done()
+
+    def result(self, timeout: float | None = None) -> Metadata:
+        """Wait for the save; returns its metadata or raises its error.
+
+        Raises ``TimeoutError`` if it is not finished within ``timeout`` seconds.
+        """
+        try:
+            return self._future.result(timeout)
+        except FutureTimeout:
+            raise TimeoutError(f"async save to {self.path} not finished after {timeout} s") from None
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        try:
+            return self._future.exception(timeout)
+        except FutureTimeout:
+            raise TimeoutError(f"async save to {self.path} not finished after {timeout} s") from None
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else "pending"
+        return f"<SaveFuture {self.path} {state}>"
+
+
+def _copy_slabs(dst: np.ndarray, src: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Split a copy into slabs along the outermost physical axis, for parallel copying."""
+    if dst.ndim == 0 or dst.nbytes <= _SLAB or dst.shape[0] < 2:
+        return [(dst, src)]
+    rows = max(1, _SLAB // max(1, dst.nbytes // dst.shape[0]))
+    return [(dst[i : i + rows], src[i : i + rows]) for i in range(0, dst.shape[0], rows)]
+
+
+def snapshot(plan: SavePlan, arena: StagingArena) -> None:
+    """Copy every tensor of ``plan`` into ``arena`` and point the plan at the copies."""
+    copies: list[tuple[np.ndarray, np.ndarray]] = []
+    for t in plan.tensors:
+        src = t.array.host_array()
+        order = physical_order(src.ndim, t.properties.memory_format)
+        dst = arena.take_array(src.shape, src.dtype, order)
+        copies.extend(_copy_slabs(dst, src))
+        t.array = HostArray(dst, requires_grad=t.properties.requires_grad, pinned=t.properties.pin_memory)
+    if len(copies) == 1:
+        np.copyto(*copies[0])
+        return
+    # NumPy releases the GIL for plain copies: slabs copy in parallel
+    for f in [_copy_threads.submit(np.copyto, d, s) for d, s in copies]:
+        f.result()
+
+
+def async_save(
+    state_dict: STATE_DICT_TYPE,
+    path: str | os.PathLike[str],
+    *,
+    overwrite: bool = False,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    allow_pickle: bool = False,
+    sync: str = "auto",
+    threads: int | None = None,
+    progress: ProgressCallback | None = None,
+) -> SaveFuture:
+    """Snapshot ``state_dict`` and save it to ``path`` in the background.
+
+    Returns once the snapshot is taken: the caller may then change or free
+    its arrays. Options are those of :func:`gpuckpt.save`. Errors (including
+    an existing ``path`` without ``overwrite``) surface from the future's
+    ``result()``; a failed background save publishes nothing.
+
+    Examples
+    --------
+    >>> import numpy as np, gpuckpt, tempfile, os
+    >>> w = np.ones(4)
+    >>> fut = gpuckpt.async_save({"w": w}, os.path.join(tempfile.mkdtemp(), "ckpt"))
+    >>> w[:] = 0  # does not change what is saved
+    >>> fut.result().state_dict_metadata["w"].size
+    (4,)
+    """
+    plan = build_save_plan(state_dict, chunk_bytes=chunk_bytes, allow_pickle=allow_pickle)
+    total = sum(t.array.host_array().nbytes for t in plan.tensors)
+    arena = _pool.acquire(total)
+    try:
+        snapshot(plan, arena)
+    except BaseException:
+        _pool.release(arena)
+        raise
+    writer = LocalWriter(path, overwrite=overwrite, sync=sync, expected_files=plan.nfiles)
+
+    def run() -> Metadata:
+        try:
+            return execute_save(plan, writer, threads=threads, checkpoint_id=str(uuid.uuid4()), progress=progress)
+        finally:
+            _pool.release(arena)
+
+    return SaveFuture(_writer_executor().submit(run), os.fspath(path))
+
+
+def wait_all() -> None:
+    """Block until every queued async save has finished (errors stay in their futures)."""
+    ex = _writer_executor()
+    ex.submit(lambda: None).result()
+
+
+def release_staging() -> None:
+    """Free the cached staging memory of finished saves."""
+    _pool.clear()
+
+
+def _drain_at_exit() -> None:
+    # queued saves finish before the interpreter exits: a return from
+    # async_save promised that the state would be written
+    if _executor is not None:
+        _executor.shutdown(wait=True)
+
+
+atexit.register(_drain_at_exit)

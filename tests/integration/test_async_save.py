@@ -1,0 +1,115 @@
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import gpuckpt
+from gpuckpt.background import wait_all
+from gpuckpt.device.staging import ArenaPool, StagingArena
+
+
+def test_async_save_snapshots_before_returning(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((512, 256)).astype(np.float32)
+    cl = rng.standard_normal((2, 6, 7, 3)).astype(np.float32).transpose(0, 3, 1, 2)
+    want_w, want_cl = w.copy(), cl.copy()
+    cfg = {"lr": 0.1}
+    fut = gpuckpt.async_save({"w": w, "cl": cl, "cfg": cfg}, tmp_path / "c", chunk_bytes=4096)
+    # the caller changes everything right away
+    w[:] = -1
+    cl[...] = 7
+    cfg["lr"] = 99.0
+    del w
+    md = fut.result(timeout=60)
+    assert fut.done() and fut.exception() is None
+    assert md.state_dict_metadata["cl"].properties.memory_format is gpuckpt.channels_last
+    back = gpuckpt.load_state_dict(tmp_path / "c")
+    assert np.array_equal(back["w"], want_w) and np.array_equal(back["cl"], want_cl)
+    assert back["cfg"] == {"lr": 0.1}
+
+
+def test_back_to_back_saves_queue_in_order(tmp_path: Path) -> None:
+    x = np.zeros(100_000)
+    futs = []
+    for i in range(5):
+        x[:] = i
+        futs.append(gpuckpt.async_save({"x": x, "i": i}, tmp_path / f"s{i}", chunk_bytes=8192))
+    for i, f in enumerate(futs):
+        f.result(timeout=60)
+        got = gpuckpt.load_state_dict(tmp_path / f"s{i}")
+        assert got["i"] == i and (got["x"] == i).all()
+
+
+def test_errors_surface_from_result_and_nothing_is_published(tmp_path: Path) -> None:
+    gpuckpt.save({"a": np.ones(3)}, tmp_path / "c")
+    fut = gpuckpt.async_save({"a": np.zeros(3)}, tmp_path / "c")  # exists, no overwrite
+    with pytest.raises(gpuckpt.CheckpointExistsError):
+        fut.result(timeout=60)
+    assert isinstance(fut.exception(), gpuckpt.CheckpointExistsError)
+    assert gpuckpt.load_state_dict(tmp_path / "c")["a"].all()
+    # unsupported values fail in the caller, before anything is queued
+    with pytest.raises(gpuckpt.UnsupportedValueError):
+        gpuckpt.async_save({"f": print}, tmp_path / "d")
+    wait_all()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]
+
+
+def test_result_timeout(tmp_path: Path) -> None:
+    gate = threading.Event()
+    # occupy the background writer so that the next save stays queued
+    from gpuckpt import background
+
+    blocker = background._writer_executor().submit(gate.wait)
+    fut = gpuckpt.async_save({"a": np.ones(2)}, tmp_path / "c")
+    with pytest.raises(TimeoutError, match="not finished"):
+        fut.result(timeout=0.05)
+    assert not fut.done()
+    gate.set()
+    blocker.result()
+    fut.result(timeout=60)
+
+
+def test_progress_callback(tmp_path: Path) -> None:
+    seen: list[tuple[int, int]] = []
+    gpuckpt.save({"a": np.ones(4096)}, tmp_path / "c", chunk_bytes=4096, progress=lambda d, t: seen.append((d, t)))
+    assert seen[0] == (0, 32768) and seen[-1] == (32768, 32768) and len(seen) == 9
+    seen.clear()
+    gpuckpt.load_state_dict(tmp_path / "c", progress=lambda d, t: seen.append((d, t)))
+    assert seen[-1] == (32768, 32768)
+
+
+def test_arena_reuses_memory_and_aligns() -> None:
+    calls: list[int] = []
+
+    def alloc(n: int) -> np.ndarray:
+        calls.append(n)
+        return np.empty(n, np.uint8)
+
+    arena = StagingArena(alloc, piece_bytes=1 << 16)
+    a = arena.take(100)
+    b = arena.take(5000)
+    assert b.ctypes.data % 4096 == 0 and a.nbytes == 100
+    big = arena.take(1 << 17)  # larger than a piece: its own piece
+    assert big.nbytes == 1 << 17 and len(calls) == 2
+    arena.reset()
+    arena.take(100)
+    arena.take(5000)
+    assert len(calls) == 2  # reused, nothing allocated
+    arr = arena.take_array((2, 3, 4, 5), np.float32, (0, 2, 3, 1))
+    assert arr.shape == (2, 3, 4, 5) and arr.strides == (240, 4, 60, 12)
+
+
+def test_arena_pool_bounds_and_waits() -> None:
+    pool = ArenaPool(max_arenas=1)
+    a = pool.acquire()
+    with pytest.raises(TimeoutError):
+        pool.acquire(timeout=0.05)
+    t = threading.Timer(0.05, pool.release, args=(a,))
+    t.start()
+    start = time.perf_counter()
+    b = pool.acquire(timeout=5)
+    assert b is a and time.perf_counter() - start >= 0.04

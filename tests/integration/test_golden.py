@@ -1,0 +1,43 @@
+"""Checkpoints written by earlier releases still load: format drift fails here."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import zarr
+
+import gpuckpt
+from gpuckpt.device.arrays import is_array
+from gpuckpt.state import flatten_state_dict
+from gpuckpt.testing.golden import golden_state
+
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "format-v1"
+
+
+def leaves(sd: dict) -> dict:
+    flat, _ = flatten_state_dict(sd, is_array)
+    return {k: v.value for k, v in flat.items()}
+
+
+def test_golden_v1_loads_bit_exact() -> None:
+    want = leaves(golden_state())
+    got = leaves(gpuckpt.load_state_dict(FIXTURE))
+    assert got.keys() == want.keys()
+    for k, v in want.items():
+        if is_array(v):
+            assert got[k].dtype == v.dtype and got[k].shape == v.shape, k
+            assert got[k].tobytes() == np.ascontiguousarray(v).tobytes(), k
+            if v.ndim >= 4:
+                assert got[k].strides == v.strides, k
+        else:
+            assert got[k] == v and type(got[k]) is type(v), k
+
+
+def test_golden_v1_metadata_and_zarr_readers() -> None:
+    md = gpuckpt.read_metadata(FIXTURE)
+    assert md.version == "1"
+    assert md.state_dict_metadata["layouts.channels_last"].properties.memory_format is gpuckpt.channels_last
+    g = zarr.open_group(FIXTURE, mode="r")
+    assert np.array_equal(g["dtypes.bfloat16"][...].view(np.uint16), golden_state()["dtypes"]["bfloat16"].view(np.uint16))
+    assert np.array_equal(g["layouts.chunked"][...], np.arange(1000).reshape(100, 10))
