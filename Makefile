@@ -17,7 +17,7 @@ setup: $(STAMP)
 
 ## the main job: save a realistic model state, reload it, verify bit-exact, print throughput
 demo: $(STAMP)
-	$(BIN)/python -m gpuckpt.demo
+	$(BIN)/gpuckpt demo
 
 ## the whole test suite (CPU; GPU tests skip cleanly without a device)
 test: $(STAMP)

@@ -24,7 +24,6 @@ import shutil
 import statistics
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from datetime import date
 from pathlib import Path
@@ -35,69 +34,15 @@ import numpy as np
 import gpuckpt
 from gpuckpt.device.arrays import is_array
 from gpuckpt.state import flatten_state_dict
+from gpuckpt.testing.rawio import (
+    raw_files_load,
+    raw_files_save,
+    raw_single_load,
+    raw_single_save,
+    tensors_of,
+    timed,
+)
 from gpuckpt.testing.states import gpt_state_dict, small_tensors_state_dict
-
-
-def tensors_of(sd: dict[str, Any]) -> list[np.ndarray]:
-    leaves, _ = flatten_state_dict(sd, is_array)
-    return [v.value for v in leaves.values() if is_array(v.value)]
-
-
-def fsync_path(p: Path) -> None:
-    fd = os.open(p, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_all(fd: int, mv: memoryview) -> None:
-    while mv.nbytes:
-        n = os.write(fd, mv)
-        mv = mv[n:]
-
-
-def raw_files_save(arrays: list[np.ndarray], d: Path) -> None:
-    d.mkdir()
-    fds = []
-    for i, a in enumerate(arrays):
-        fd = os.open(d / f"{i}.bin", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        write_all(fd, memoryview(np.ascontiguousarray(a)).cast("B"))
-        fds.append(fd)
-    for fd in fds:
-        os.fsync(fd)
-        os.close(fd)
-    fsync_path(d)
-    fsync_path(d.parent)
-
-
-def raw_files_load(arrays: list[np.ndarray], d: Path) -> None:
-    for i, a in enumerate(arrays):
-        with open(d / f"{i}.bin", "rb", buffering=0) as f:
-            f.readinto(memoryview(a.reshape(-1).view(np.uint8)))
-
-
-def raw_single_save(arrays: list[np.ndarray], d: Path) -> None:
-    d.mkdir()
-    fd = os.open(d / "all.bin", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    for a in arrays:
-        write_all(fd, memoryview(np.ascontiguousarray(a)).cast("B"))
-    os.fsync(fd)
-    os.close(fd)
-    fsync_path(d)
-    fsync_path(d.parent)
-
-
-def raw_single_load(arrays: list[np.ndarray], d: Path) -> None:
-    with open(d / "all.bin", "rb", buffering=0) as f:
-        for a in arrays:
-            f.readinto(memoryview(a.reshape(-1).view(np.uint8)))
-
-
-def timed(fn: Callable[[], None]) -> float:
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
 
 
 def bench_state(label: str, sd: dict[str, Any], rounds: int, base: Path) -> dict[str, Any]:

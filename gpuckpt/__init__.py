@@ -2,6 +2,7 @@
 
 from gpuckpt.api import load, load_state_dict, read_metadata, save
 from gpuckpt.background import SaveFuture, async_save
+from gpuckpt.manager import CheckpointManager
 from gpuckpt.dtypes import get_default_dtype, set_default_dtype
 from gpuckpt.errors import (
     CheckpointCorruptedError,
@@ -44,6 +45,7 @@ __all__ = [
     "STATE_DICT_TYPE",
     "STORAGE_TYPES",
     "BytesStorageMetadata",
+    "CheckpointManager",
     "CheckpointCorruptedError",
     "CheckpointExistsError",
     "CheckpointNotFoundError",

@@ -15,7 +15,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from gpuckpt import memory_format as mf
-from gpuckpt.errors import DeviceUnavailableError, UnsupportedValueError
+from gpuckpt.errors import UnsupportedValueError
 
 __all__ = ["ArrayAdapter", "HostArray", "HostMemory", "adapt", "is_array"]
 
@@ -29,6 +29,7 @@ class ArrayAdapter(Protocol):
 
     shape: tuple[int, ...]
     dtype: np.dtype[Any]
+    is_device: bool
 
     def properties(self) -> Any: ...
 
@@ -53,6 +54,7 @@ class HostArray:
     array: np.ndarray
     requires_grad: bool = False
     pinned: bool = False
+    is_device = False
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -89,29 +91,59 @@ def _dlpack_device(value: Any) -> tuple[int, int] | None:
         return None
 
 
+def _is_device_object(value: Any, dev: tuple[int, int] | None) -> bool:
+    if hasattr(value, "__cuda_array_interface__"):
+        return True
+    return dev is not None and dev[0] not in (_DLPACK_CPU, _DLPACK_CUDA_HOST)
+
+
+def _host_pinned(arr: np.ndarray) -> bool:
+    from gpuckpt.device import cuda
+
+    return arr.size > 0 and cuda.gpu_available() and cuda.is_pinned_pointer(arr.ctypes.data)
+
+
 def adapt(value: Any) -> ArrayAdapter:
-    """The adapter for ``value``; raises :class:`UnsupportedValueError` for non-arrays."""
+    """The adapter for ``value``; raises :class:`UnsupportedValueError` for non-arrays.
+
+    Host arrays (NumPy, CPU tensors through DLPack) are viewed without a copy;
+    device arrays (CuPy, CUDA tensors, ``__cuda_array_interface__`` and CUDA
+    DLPack objects) go to the CuPy backend; objects with a
+    ``__gpuckpt_adapter__()`` method supply their own adapter.
+    """
     if isinstance(value, np.ndarray):
-        return HostArray(value)
+        return HostArray(value, pinned=_host_pinned(value))
+    hook = getattr(value, "__gpuckpt_adapter__", None)
+    if hook is not None:
+        return hook()  # type: ignore[no-any-return]
     requires_grad = bool(getattr(value, "requires_grad", False))
     dev = _dlpack_device(value)
-    if hasattr(value, "__cuda_array_interface__") or (dev is not None and dev[0] not in (_DLPACK_CPU, _DLPACK_CUDA_HOST)):
-        raise DeviceUnavailableError(
-            f"{type(value).__module__}.{type(value).__qualname__} lives in device memory; "
-            "device arrays need gpuckpt's GPU support (pip install 'gpuckpt[gpu]' on a machine with CUDA)"
-        )
+    if _is_device_object(value, dev):
+        from gpuckpt.device import cuda
+        from gpuckpt.device.backend import DeviceArray
+
+        data, dtype, requires_grad = cuda.as_device_array(value)
+        return DeviceArray(data, cuda.backend_for_device(int(data.device.id)), dtype, requires_grad)
     try:
-        if dev is not None and hasattr(value, "__dlpack__"):
+        if type(value).__module__.startswith("torch"):
+            from gpuckpt.device.cuda import _torch_dtype
+
+            dtype, view = _torch_dtype(value.detach())
+            arr = np.from_dlpack(view).view(dtype)
+            pinned = bool(value.is_pinned())
+        elif dev is not None and hasattr(value, "__dlpack__"):
             arr = np.from_dlpack(value)
+            pinned = dev[0] == _DLPACK_CUDA_HOST
         else:
             arr = np.asarray(value)
+            pinned = False
     except (TypeError, ValueError, BufferError, RuntimeError) as exc:
         raise UnsupportedValueError(
             f"cannot view {type(value).__qualname__} as a host array without copying: {exc}"
         ) from exc
     if arr.dtype == object:
         raise UnsupportedValueError(f"{type(value).__qualname__} converts to an object array; it cannot be stored")
-    return HostArray(arr, requires_grad=requires_grad, pinned=dev is not None and dev[0] == _DLPACK_CUDA_HOST)
+    return HostArray(arr, requires_grad=requires_grad, pinned=pinned)
 
 
 class HostMemory:

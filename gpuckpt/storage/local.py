@@ -205,7 +205,10 @@ class LocalReader(CheckpointReader):
         except OSError as exc:
             raise CheckpointNotFoundError(f"cannot open {root}: {exc.strerror}") from None
         try:
-            size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise MetadataError(f"{root} is not a regular file; the checkpoint is damaged")
+            size = st.st_size
             if size > 1 << 31:
                 raise MetadataError(f"{root} is {size} bytes; refusing to parse metadata that large")
             buf = bytearray(size)

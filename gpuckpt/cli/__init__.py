@@ -1,0 +1,113 @@
+"""The ``gpuckpt`` command: inspect, verify, convert, demo, bench.
+
+Every command exits 0 on success, 1 when the work failed (a damaged or
+missing checkpoint, a failed conversion) and 2 for bad arguments; errors
+are one line on stderr (``gpuckpt: error: ...``), never a traceback (set
+``GPUCKPT_DEBUG=1`` to get one). ``python -m gpuckpt.cli`` runs it too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+from collections.abc import Sequence
+from typing import NoReturn
+
+from gpuckpt.errors import GpuckptError
+
+__all__ = ["EXIT_FAILURE", "EXIT_USAGE", "main"]
+
+EXIT_FAILURE = 1
+EXIT_USAGE = 2
+
+
+class UsageError(Exception):
+    """Bad command-line arguments (exit code 2)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{message} (see '{self.prog} --help')")
+
+
+def one_line(text: object) -> str:
+    """``text`` with every run of white space (newlines included) made one space."""
+    return " ".join(str(text).split())
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from gpuckpt import demo
+    from gpuckpt.cli import bench, convert_cmd, inspect_cmd, verify_cmd
+
+    common = _Parser(add_help=False)
+    common.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+    common.add_argument("--threads", type=int, default=None, help="I/O threads (default: from the CPU count)")
+    parser = _Parser(
+        prog="gpuckpt", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+    for module, name in (
+        (inspect_cmd, "inspect"),
+        (verify_cmd, "verify"),
+        (convert_cmd, "convert"),
+        (demo, "demo"),
+        (bench, "bench"),
+    ):
+        p = sub.add_parser(name, parents=[common], help=module.HELP, description=module.HELP)
+        module.add_arguments(p)
+        p.set_defaults(run=module.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``gpuckpt`` command with ``argv`` (default: ``sys.argv[1:]``); returns the exit code."""
+    debug = bool(os.environ.get("GPUCKPT_DEBUG"))
+    try:
+        parser = build_parser()
+        try:
+            args = parser.parse_args(argv)
+        except SystemExit as exc:  # --help and --version exit through here
+            return int(exc.code or 0) if not isinstance(exc.code, str) else EXIT_USAGE
+        if args.threads is not None and args.threads < 1:
+            raise UsageError(f"--threads must be at least 1, got {args.threads}")
+        return int(args.run(args))
+    except UsageError as exc:
+        _error(str(exc))
+        return EXIT_USAGE
+    except BrokenPipeError:
+        # the reader of our output went away (``gpuckpt inspect ... | head``): stop quietly
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_FAILURE
+    except KeyboardInterrupt:
+        _error("interrupted")
+        return 130
+    except (GpuckptError, OSError, ValueError, TypeError, KeyError) as exc:
+        if debug:
+            raise
+        _error(_describe(exc))
+        return EXIT_FAILURE
+    except Exception as exc:  # the promise: one line, no traceback
+        if debug:
+            raise
+        _error(f"unexpected {type(exc).__name__}: {_describe(exc)} (set GPUCKPT_DEBUG=1 for a traceback)")
+        return EXIT_FAILURE
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, OSError) and not isinstance(exc, GpuckptError) and exc.strerror:
+        where = f": {exc.filename}" if exc.filename else ""
+        return f"{exc.strerror}{where}"
+    text = str(exc)
+    if isinstance(exc, KeyError) and not isinstance(exc, GpuckptError) and exc.args:
+        text = f"missing key {exc.args[0]!r}"
+    return text or type(exc).__name__
+
+
+def _error(message: str) -> None:
+    with contextlib.suppress(OSError, ValueError):
+        sys.stdout.flush()
+    print(f"gpuckpt: error: {one_line(message)}", file=sys.stderr)

@@ -1,0 +1,86 @@
+"""``gpuckpt convert SRC DST``: between gpuckpt, safetensors and PyTorch formats."""
+
+from __future__ import annotations
+
+import argparse
+
+from gpuckpt.cli.progressbar import format_bytes, progress_for
+from gpuckpt.convert.core import SOURCE_FORMATS, TARGET_FORMATS, convert
+
+HELP = (
+    "convert a safetensors file, a torch.save state dict or a torch.distributed.checkpoint directory "
+    "into gpuckpt, or a gpuckpt checkpoint into safetensors"
+)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("src", metavar="SRC", help="source file or directory")
+    p.add_argument("dst", metavar="DST", help="destination (a .safetensors name writes safetensors)")
+    p.add_argument(
+        "--from",
+        dest="source_format",
+        choices=("auto", *SOURCE_FORMATS),
+        default="auto",
+        help="source format (default: detected)",
+    )
+    p.add_argument(
+        "--to",
+        dest="target_format",
+        choices=("auto", *TARGET_FORMATS),
+        default="auto",
+        help="target format (default: safetensors for a .safetensors DST, else gpuckpt)",
+    )
+    p.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+    p.add_argument(
+        "--chunk-mb", type=float, default=64.0, help="target chunk size of a gpuckpt DST in MiB (64)"
+    )
+    p.add_argument(
+        "--allow-pickle",
+        action="store_true",
+        help="store or load plain values that need pickle (loading runs their code)",
+    )
+    p.add_argument(
+        "--trust-pickle-metadata",
+        action="store_true",
+        help="read a torch.distributed.checkpoint .metadata file, which is a pickle "
+        "(reading it can run arbitrary code)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from gpuckpt.cli import UsageError
+
+    if not args.chunk_mb > 0:
+        raise UsageError(f"--chunk-mb must be positive, got {args.chunk_mb}")
+    read_bar = progress_for("read ", quiet=args.quiet)
+    write_bar = progress_for("write", quiet=args.quiet)
+
+    def on_write(done: int, total: int) -> None:
+        if read_bar is not None:
+            read_bar.close()
+        if write_bar is not None:
+            write_bar(done, total)
+
+    try:
+        res = convert(
+            args.src,
+            args.dst,
+            source_format=args.source_format,
+            target_format=args.target_format,
+            overwrite=args.overwrite,
+            allow_pickle=args.allow_pickle,
+            trust_pickle_metadata=args.trust_pickle_metadata,
+            chunk_bytes=max(1, int(args.chunk_mb * 2**20)),
+            threads=args.threads,
+            read_progress=read_bar,
+            write_progress=on_write,
+        )
+    finally:
+        for bar in (read_bar, write_bar):
+            if bar is not None:
+                bar.close()
+    print(
+        f"converted {args.src} ({res.source_format}) -> {args.dst} ({res.target_format}): "
+        f"{res.tensors} tensors, {format_bytes(res.nbytes)}, {res.objects} plain values"
+    )
+    return 0

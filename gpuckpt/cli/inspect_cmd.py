@@ -1,0 +1,161 @@
+"""``gpuckpt inspect PATH``: what a checkpoint holds, from its metadata alone."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from gpuckpt.api import read_metadata
+from gpuckpt.cli.progressbar import format_bytes
+from gpuckpt.dtypes import dtype_name
+from gpuckpt.errors import CheckpointNotFoundError, GpuckptError
+from gpuckpt.manager import step_of
+from gpuckpt.reading import TensorEntry, validate_metadata
+from gpuckpt.storage.local import is_committed
+from gpuckpt.storage.objects import decode_object
+
+HELP = "list the tensors and values of a checkpoint (or the steps under a manager's root)"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("path", metavar="PATH", help="checkpoint directory, or a CheckpointManager root")
+    p.add_argument("--json", action="store_true", help="print JSON for scripts")
+
+
+def _shape(shape: tuple[int, ...]) -> str:
+    return "x".join(str(s) for s in shape) if shape else "()"
+
+
+def _tensor_row(t: TensorEntry) -> dict[str, Any]:
+    grid = t.grid
+    return {
+        "name": t.fqn,
+        "shape": list(t.shape),
+        "dtype": dtype_name(t.dtype),
+        "memory_format": t.metadata.properties.memory_format.name,
+        "chunks": len(t.chunks),
+        "chunk_shape": list(grid.chunk_shape) if grid.kind == "regular" else None,
+        "bytes": t.nbytes,
+        "stored_bytes": sum(c.nbytes for c in t.chunks),
+    }
+
+
+def _object_row(fqn: str, enc: Any) -> dict[str, Any]:
+    tag = next(iter(enc)) if isinstance(enc, dict) and len(enc) == 1 else "?"
+    if tag == "pickle":
+        value = f"<pickled, {len(str(enc['pickle'])) * 3 // 4} bytes; not decoded>"
+    else:
+        try:
+            value = repr(decode_object(enc, fqn=fqn))
+        except GpuckptError as exc:
+            value = f"<undecodable: {exc}>"
+    if len(value) > 60:
+        value = value[:57] + "..."
+    return {"name": fqn, "type": tag, "value": value}
+
+
+def describe_checkpoint(path: Path) -> dict[str, Any]:
+    """Everything ``inspect`` shows, as JSON values."""
+    md = read_metadata(path)
+    tensors, objects = validate_metadata(md)
+    rows = [_tensor_row(t) for t in tensors.values()]
+    meta = md.storage_meta
+    return {
+        "path": str(path),
+        "version": md.version,
+        "checkpoint_id": None if meta is None or meta.checkpoint_id is None else str(meta.checkpoint_id),
+        "tensors": rows,
+        "objects": [_object_row(f, e) for f, e in objects.items()],
+        "totals": {
+            "tensors": len(rows),
+            "chunks": sum(r["chunks"] for r in rows),
+            "bytes": sum(r["bytes"] for r in rows),
+            "stored_bytes": sum(r["stored_bytes"] for r in rows),
+            "objects": len(objects),
+        },
+    }
+
+
+def _table(header: list[str], rows: list[list[str]], right: set[int]) -> list[str]:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
+
+    def fmt(cells: list[str]) -> str:
+        return "  ".join(
+            c.rjust(w) if i in right else c.ljust(w)
+            for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+        ).rstrip()
+
+    return [fmt(header), fmt(["-" * w for w in widths]), *(fmt(r) for r in rows)]
+
+
+def format_description(d: dict[str, Any]) -> str:
+    out = [f"checkpoint {d['path']} (format version {d['version']}, id {d['checkpoint_id']})", ""]
+    rows = []
+    for r in d["tensors"]:
+        chunks = str(r["chunks"])
+        if r["chunk_shape"] is not None and r["chunks"] > 1:
+            chunks += f" of {_shape(tuple(r['chunk_shape']))}"
+        rows.append(
+            [
+                r["name"],
+                _shape(tuple(r["shape"])),
+                r["dtype"],
+                r["memory_format"],
+                chunks,
+                format_bytes(r["bytes"]),
+            ]
+        )
+    out.append(f"tensors ({len(rows)}):")
+    out += [
+        "  " + line
+        for line in _table(["name", "shape", "dtype", "memory format", "chunks", "bytes"], rows, {4, 5})
+    ]
+    if d["objects"]:
+        out += ["", f"objects ({len(d['objects'])}):"]
+        orows = [[o["name"], o["type"], o["value"]] for o in d["objects"]]
+        out += ["  " + line for line in _table(["name", "type", "value"], orows, set())]
+    t = d["totals"]
+    out += [
+        "",
+        f"total: {t['tensors']} tensors, {t['chunks']} chunks, {format_bytes(t['bytes'])} "
+        f"({format_bytes(t['stored_bytes'])} on disk); {t['objects']} objects",
+    ]
+    return "\n".join(out)
+
+
+def describe_root(path: Path) -> dict[str, Any] | None:
+    """The committed steps under a CheckpointManager root, or None if there are none."""
+    steps: list[dict[str, Any]] = []
+    for child in sorted(path.iterdir()) if path.is_dir() else []:
+        step = step_of(child.name)
+        if step is not None and child.is_dir() and is_committed(child):
+            steps.append({"step": step, "path": str(child)})
+    if not steps:
+        return None
+    steps.sort(key=lambda s: s["step"])
+    return {"root": str(path), "steps": steps, "latest_step": steps[-1]["step"]}
+
+
+def run(args: argparse.Namespace) -> int:
+    path = Path(args.path)
+    try:
+        d = describe_checkpoint(path)
+    except CheckpointNotFoundError:
+        root = describe_root(path)
+        if root is None:
+            raise
+        if args.json:
+            print(json.dumps(root, indent=2))
+        else:
+            print(f"{path} is a checkpoint root with {len(root['steps'])} committed step(s):")
+            for s in root["steps"]:
+                print(f"  {s['step']:>10}  {s['path']}")
+            print(
+                f"latest step: {root['latest_step']} "
+                f"(inspect it with: gpuckpt inspect {root['steps'][-1]['path']})"
+            )
+        return 0
+    print(json.dumps(d, indent=2) if args.json else format_description(d))
+    return 0

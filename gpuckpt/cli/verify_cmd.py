@@ -1,0 +1,38 @@
+"""``gpuckpt verify PATH``: read every chunk, check every checksum."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from gpuckpt.cli.progressbar import progress_for
+from gpuckpt.verify import verify_checkpoint
+
+HELP = "read every chunk of a checkpoint and check every checksum; exit 1 if anything is damaged"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("path", metavar="PATH", help="checkpoint directory")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--allow-pickle", action="store_true", help="also decode pickled values (runs their code)")
+
+
+def run(args: argparse.Namespace) -> int:
+    bar = progress_for("verify", quiet=args.quiet)
+    try:
+        report = verify_checkpoint(
+            args.path, allow_pickle=args.allow_pickle, threads=args.threads, progress=bar
+        )
+    finally:
+        if bar is not None:
+            bar.close()
+    print(json.dumps(report.to_json(), indent=2) if args.json else report.format())
+    if report.ok:
+        return 0
+    print(
+        f"gpuckpt: error: {args.path} is damaged: {len(report.damage)} problem(s), first: "
+        f"{report.damage[0].where}: {' '.join(report.damage[0].problem.split())}",
+        file=sys.stderr,
+    )
+    return 1

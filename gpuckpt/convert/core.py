@@ -1,0 +1,235 @@
+"""``convert``: between gpuckpt, safetensors, ``torch.save`` files and DCP directories."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from gpuckpt import api
+from gpuckpt.convert.safetensors_io import (
+    read_safetensors,
+    read_safetensors_header,
+    safetensors_code,
+    write_safetensors,
+)
+from gpuckpt.convert.torch_io import load_dcp, load_torch_save
+from gpuckpt.device.arrays import is_array
+from gpuckpt.errors import MetadataError, UnsupportedValueError
+from gpuckpt.memory_format import (
+    contiguous_format,
+    detect_memory_format,
+    memory_format_from_name,
+    physical_order,
+)
+from gpuckpt.planning import DEFAULT_CHUNK_BYTES
+from gpuckpt.progress import ProgressCallback
+from gpuckpt.state import flatten_state_dict, unflatten_state_dict
+from gpuckpt.storage.objects import decode_object, encode_object
+
+__all__ = ["SOURCE_FORMATS", "TARGET_FORMATS", "ConvertResult", "convert", "detect_format"]
+
+SOURCE_FORMATS = ("gpuckpt", "safetensors", "torch", "dcp")
+TARGET_FORMATS = ("gpuckpt", "safetensors")
+#: ``__metadata__`` key that carries a gpuckpt state's plain values and nesting.
+STATE_KEY = "gpuckpt.state"
+
+
+@dataclass(frozen=True, slots=True)
+class ConvertResult:
+    """What :func:`convert` wrote."""
+
+    source_format: str
+    target_format: str
+    tensors: int
+    objects: int
+    nbytes: int
+
+
+def detect_format(path: str | os.PathLike[str]) -> str:
+    """``gpuckpt``, ``dcp``, ``safetensors`` or ``torch``, from the content at ``path``."""
+    p = Path(path)
+    if p.is_dir():
+        if (p / "zarr.json").is_file():
+            return "gpuckpt"
+        if (p / ".metadata").is_file():
+            return "dcp"
+        raise UnsupportedValueError(
+            f"{p} is a directory but neither a gpuckpt checkpoint (no zarr.json) nor a "
+            "torch.distributed.checkpoint directory (no .metadata)"
+        )
+    if not p.exists():
+        raise FileNotFoundError(2, "No such file or directory", os.fspath(p))
+    with open(p, "rb") as f:
+        head = f.read(9)
+    if head[:4] == b"PK\x03\x04" or head[:1] == b"\x80":  # zip (torch >= 1.6) or legacy pickle
+        return "torch"
+    if len(head) == 9 and head[8:9] == b"{":
+        return "safetensors"
+    raise UnsupportedValueError(
+        f"cannot tell the format of {p}: not safetensors, not a torch.save file; "
+        "pass the source format explicitly (--from)"
+    )
+
+
+def _flat(state: dict[str, Any]) -> tuple[dict[str, np.ndarray], dict[str, Any], Any]:
+    leaves, skeleton = flatten_state_dict(state, is_array)
+    tensors = {f: np.asarray(leaf.value) for f, leaf in leaves.items() if is_array(leaf.value)}
+    objects = {f: leaf.value for f, leaf in leaves.items() if not is_array(leaf.value)}
+    return tensors, objects, skeleton
+
+
+def _from_safetensors(path: Path, allow_pickle: bool, progress: ProgressCallback | None) -> dict[str, Any]:
+    tensors, meta = read_safetensors(path, progress=progress)
+    if STATE_KEY not in meta:
+        return dict(tensors)
+    try:
+        extra = json.loads(meta[STATE_KEY])
+        structure, encoded = extra["structure"], dict(extra["objects"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise MetadataError(
+            f"{path}: __metadata__[{STATE_KEY!r}] is not a gpuckpt state description ({exc!r})"
+        ) from None
+    values: dict[str, Any] = dict(tensors)
+    for fqn, fmt in dict(extra.get("memory_formats", {})).items():
+        if fqn in values:
+            values[fqn] = _in_memory_format(values[fqn], fmt, path)
+    for fqn, enc in encoded.items():
+        values[fqn] = decode_object(enc, allow_pickle=allow_pickle, fqn=fqn)
+    return unflatten_state_dict(structure, values)
+
+
+def _read(
+    path: Path,
+    fmt: str,
+    *,
+    allow_pickle: bool,
+    trust_pickle_metadata: bool,
+    threads: int | None,
+    progress: ProgressCallback | None,
+) -> dict[str, Any]:
+    if fmt == "gpuckpt":
+        return api.load_state_dict(path, allow_pickle=allow_pickle, threads=threads, progress=progress)
+    if fmt == "safetensors":
+        read_safetensors_header(path)  # a clear error for a file that is not safetensors
+        return _from_safetensors(path, allow_pickle, progress)
+    if fmt == "torch":
+        return load_torch_save(path)
+    if fmt == "dcp":
+        return load_dcp(path, trust_pickle_metadata=trust_pickle_metadata)
+    raise ValueError(f"unknown source format {fmt!r}; expected one of {', '.join(SOURCE_FORMATS)}")
+
+
+def convert(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    *,
+    source_format: str = "auto",
+    target_format: str = "auto",
+    overwrite: bool = False,
+    allow_pickle: bool = False,
+    trust_pickle_metadata: bool = False,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    threads: int | None = None,
+    read_progress: ProgressCallback | None = None,
+    write_progress: ProgressCallback | None = None,
+) -> ConvertResult:
+    """Convert the checkpoint at ``src`` into ``dst``, keeping every tensor's exact bits.
+
+    Sources: a gpuckpt checkpoint, a safetensors file, a ``torch.save`` state
+    dict (loaded with ``weights_only=True``; needs torch) or a
+    torch.distributed.checkpoint directory (needs torch and
+    ``trust_pickle_metadata=True``: its ``.metadata`` is a pickle). Targets:
+    gpuckpt, or safetensors (``auto`` picks it when ``dst`` ends in
+    ``.safetensors``). A gpuckpt state written to safetensors keeps its plain
+    values and nesting in ``__metadata__["gpuckpt.state"]`` (tagged JSON,
+    never pickle), so converting back restores the same state dict.
+
+    Examples
+    --------
+    >>> import numpy as np, gpuckpt, tempfile, os
+    >>> from gpuckpt.convert import convert
+    >>> d = tempfile.mkdtemp()
+    >>> _ = gpuckpt.save({"w": np.ones(4, np.float32), "step": 3}, os.path.join(d, "ckpt"))
+    >>> convert(os.path.join(d, "ckpt"), os.path.join(d, "model.safetensors")).tensors
+    1
+    """
+    src_p, dst_p = Path(src), Path(dst)
+    fmt_in = detect_format(src_p) if source_format == "auto" else source_format
+    if fmt_in not in SOURCE_FORMATS:
+        raise ValueError(
+            f"unknown source format {fmt_in!r}; expected auto or one of {', '.join(SOURCE_FORMATS)}"
+        )
+    fmt_out = target_format
+    if fmt_out == "auto":
+        fmt_out = "safetensors" if dst_p.suffix == ".safetensors" else "gpuckpt"
+    if fmt_out not in TARGET_FORMATS:
+        raise ValueError(
+            f"unknown target format {fmt_out!r}; expected auto or one of {', '.join(TARGET_FORMATS)}"
+        )
+    if src_p.absolute() == dst_p.absolute():
+        raise ValueError(f"source and destination are the same path ({src_p}); write to a new path")
+    if (dst_p.exists() or dst_p.is_symlink()) and not overwrite:
+        raise FileExistsError(
+            17, "destination exists (pass overwrite=True / --overwrite to replace it)", os.fspath(dst_p)
+        )
+    state = _read(
+        src_p,
+        fmt_in,
+        allow_pickle=allow_pickle,
+        trust_pickle_metadata=trust_pickle_metadata,
+        threads=threads,
+        progress=read_progress,
+    )
+    tensors, objects, skeleton = _flat(state)
+    nbytes = sum(t.nbytes for t in tensors.values())
+    if fmt_out == "gpuckpt":
+        api.save(
+            state,
+            dst_p,
+            overwrite=overwrite,
+            chunk_bytes=chunk_bytes,
+            allow_pickle=allow_pickle,
+            threads=threads,
+            progress=write_progress,
+        )
+    else:
+        for name, arr in tensors.items():
+            safetensors_code(arr.dtype, name)  # refuse before writing anything
+        meta = None
+        formats = {
+            f: fmt.name
+            for f, a in tensors.items()
+            if (fmt := detect_memory_format(a.shape, a.strides, a.itemsize)) != contiguous_format
+        }
+        if objects or formats or not _is_flat(skeleton):
+            enc = {f: encode_object(v, allow_pickle=allow_pickle, fqn=f) for f, v in objects.items()}
+            extra = {"structure": skeleton, "objects": enc, "memory_formats": formats}
+            meta = {STATE_KEY: json.dumps(extra, separators=(",", ":"))}
+        write_safetensors(tensors, dst_p, metadata=meta, overwrite=overwrite, progress=write_progress)
+    return ConvertResult(fmt_in, fmt_out, len(tensors), len(objects), nbytes)
+
+
+def _in_memory_format(arr: np.ndarray, name: Any, path: Path) -> np.ndarray:
+    """``arr`` (C order) copied into the strides of memory format ``name``."""
+    try:
+        fmt = memory_format_from_name(name)
+    except (KeyError, TypeError):
+        raise MetadataError(
+            f"{path}: unknown memory format {name!r} in __metadata__[{STATE_KEY!r}]"
+        ) from None
+    order = physical_order(arr.ndim, fmt)
+    physical = np.ascontiguousarray(arr.transpose(order))
+    return physical.transpose([order.index(a) for a in range(arr.ndim)])
+
+
+def _is_flat(skeleton: Any) -> bool:
+    """True when the state is one dict of tensors keyed by their names (nothing to record)."""
+    body = skeleton.get("d") if isinstance(skeleton, dict) else None
+    return isinstance(body, list) and all(
+        isinstance(item, list) and item[0] == "s" and item[2] == {"v": item[1]} for item in body
+    )

@@ -1,0 +1,228 @@
+"""Reading and writing safetensors files with NumPy alone.
+
+The format: 8 bytes (little-endian u64) giving the header length ``N``, ``N``
+bytes of JSON (``{"name": {"dtype": "F32", "shape": [..], "data_offsets":
+[begin, end]}, ..., "__metadata__": {str: str}}``), then the tensors' bytes,
+C order, little-endian, at those offsets from the end of the header. The
+header is validated as strictly as the reference implementation does: known
+dtypes, sizes that match the shapes, offsets that tile the data exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import secrets
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from gpuckpt.dtypes import dtype_name
+from gpuckpt.errors import CheckpointExistsError, MetadataError, UnsupportedValueError
+from gpuckpt.progress import ProgressCallback, ProgressCounter
+from gpuckpt.storage import fsutil
+from gpuckpt.storage.chunkio import read_exact, write_all
+
+__all__ = ["SAFETENSORS_DTYPES", "read_safetensors", "read_safetensors_header", "write_safetensors"]
+
+#: safetensors dtype code -> NumPy dtype (every code gpuckpt can store).
+SAFETENSORS_DTYPES: dict[str, np.dtype[Any]] = {
+    "BOOL": np.dtype(np.bool_),
+    "U8": np.dtype(np.uint8),
+    "I8": np.dtype(np.int8),
+    "U16": np.dtype(np.uint16),
+    "I16": np.dtype(np.int16),
+    "U32": np.dtype(np.uint32),
+    "I32": np.dtype(np.int32),
+    "U64": np.dtype(np.uint64),
+    "I64": np.dtype(np.int64),
+    "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "F32": np.dtype(np.float32),
+    "F64": np.dtype(np.float64),
+    "C64": np.dtype(np.complex64),
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
+    "F8_E8M0": np.dtype(ml_dtypes.float8_e8m0fnu),
+}
+_CODE_OF = {dt: code for code, dt in SAFETENSORS_DTYPES.items()}
+_MAX_HEADER = 100_000_000  # the reference implementation's limit
+
+
+def read_safetensors_header(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str, str], int]:
+    """Parse and validate the header: ``(entries, metadata, data_start)``."""
+    path = Path(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise MetadataError(
+                f"{path} is not a safetensors file: {len(head)} bytes, the header length needs 8"
+            )
+        n = int.from_bytes(head, "little")
+        if n > _MAX_HEADER:
+            raise MetadataError(f"{path} is not a safetensors file: header length {n} exceeds {_MAX_HEADER}")
+        raw = f.read(n)
+        size = os.fstat(f.fileno()).st_size
+    if len(raw) < n:
+        raise MetadataError(f"{path}: header of {n} bytes is truncated to {len(raw)}")
+    try:
+        header = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise MetadataError(f"{path} is not a safetensors file: its header is not JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise MetadataError(f"{path}: safetensors header must be a JSON object")
+    meta = header.pop("__metadata__", None) or {}
+    if not isinstance(meta, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in meta.items()
+    ):
+        raise MetadataError(f"{path}: __metadata__ must map strings to strings")
+    data_len = size - 8 - n
+    spans = []
+    for name, e in header.items():
+        where = f"{path}: tensor {name!r}"
+        if not isinstance(e, dict):
+            raise MetadataError(f"{where}: entry must be an object")
+        code, shape, offs = e.get("dtype"), e.get("shape"), e.get("data_offsets")
+        if code not in SAFETENSORS_DTYPES:
+            raise MetadataError(
+                f"{where}: dtype {code!r} is not supported; known: {', '.join(SAFETENSORS_DTYPES)}"
+            )
+        if not isinstance(shape, list) or not all(
+            isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape
+        ):
+            raise MetadataError(f"{where}: shape {shape!r} is not a list of non-negative integers")
+        if (
+            not isinstance(offs, list)
+            or len(offs) != 2
+            or not all(isinstance(o, int) and not isinstance(o, bool) for o in offs)
+            or not 0 <= offs[0] <= offs[1]
+        ):
+            raise MetadataError(f"{where}: data_offsets {offs!r} must be [begin, end] with begin <= end")
+        need = math.prod(shape) * SAFETENSORS_DTYPES[code].itemsize
+        if offs[1] - offs[0] != need:
+            raise MetadataError(
+                f"{where}: data_offsets span {offs[1] - offs[0]} bytes, shape {shape} needs {need}"
+            )
+        spans.append((offs[0], offs[1], name))
+    end = 0
+    for begin, stop, name in sorted(spans):
+        if begin != end:
+            raise MetadataError(
+                f"{path}: tensor {name!r} starts at {begin}, expected {end} (overlap or hole)"
+            )
+        end = stop
+    if end != data_len:
+        raise MetadataError(
+            f"{path}: tensors cover {end} bytes, the file holds {data_len} after the header (truncated?)"
+        )
+    return header, meta, 8 + n
+
+
+def read_safetensors(
+    path: str | os.PathLike[str], *, progress: ProgressCallback | None = None
+) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """All tensors of a safetensors file (new arrays, in file order) and its ``__metadata__``.
+
+    Examples
+    --------
+    >>> import numpy as np, tempfile, os
+    >>> p = os.path.join(tempfile.mkdtemp(), "m.safetensors")
+    >>> write_safetensors({"w": np.arange(3, dtype=np.float32)}, p)
+    >>> read_safetensors(p)[0]["w"]
+    array([0., 1., 2.], dtype=float32)
+    """
+    header, meta, start = read_safetensors_header(path)
+    order = sorted(header, key=lambda k: header[k]["data_offsets"][0])
+    counter = ProgressCounter(
+        progress, sum(header[k]["data_offsets"][1] - header[k]["data_offsets"][0] for k in order)
+    )
+    out: dict[str, np.ndarray] = {}
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for name in order:
+            e = header[name]
+            dt = SAFETENSORS_DTYPES[e["dtype"]]
+            arr = np.empty(e["shape"], dtype=dt.newbyteorder("<"))
+            os.lseek(fd, start + e["data_offsets"][0], os.SEEK_SET)
+            got = read_exact(fd, arr.reshape(-1).view(np.uint8))
+            if got != arr.nbytes:
+                raise MetadataError(f"{path}: tensor {name!r} is truncated ({got} of {arr.nbytes} bytes)")
+            out[name] = arr.astype(dt, copy=False)
+            counter.add(arr.nbytes)
+    finally:
+        os.close(fd)
+    return out, meta
+
+
+def safetensors_code(dtype: Any, name: str = "") -> str:
+    """The safetensors dtype code of ``dtype``; raises for dtypes the format lacks."""
+    dt = np.dtype(dtype)
+    dt = dt.newbyteorder("=") if dt.byteorder not in ("=", "|") else dt
+    code = _CODE_OF.get(dt)
+    if code is None:
+        raise UnsupportedValueError(
+            f"tensor {name!r} has dtype {dtype_name(dt)}, which safetensors cannot store "
+            f"(it has {', '.join(SAFETENSORS_DTYPES)}); convert the tensor first or keep the gpuckpt format"
+        )
+    return code
+
+
+def write_safetensors(
+    tensors: Mapping[str, np.ndarray],
+    path: str | os.PathLike[str],
+    *,
+    metadata: Mapping[str, str] | None = None,
+    overwrite: bool = False,
+    progress: ProgressCallback | None = None,
+) -> None:
+    """Write ``tensors`` to a safetensors file atomically (temporary file, fsync, rename).
+
+    Tensors are laid out by decreasing element size, then name, so every one
+    is aligned to its element size; the header is padded with spaces to a
+    multiple of 8 bytes, as the reference implementation does.
+    """
+    path = Path(path)
+    if (path.exists() or path.is_symlink()) and not overwrite:
+        raise CheckpointExistsError(f"{path} already exists; pass overwrite=True (--overwrite) to replace it")
+    items = sorted(tensors.items(), key=lambda kv: (-np.dtype(kv[1].dtype).itemsize, kv[0]))
+    header: dict[str, Any] = {}
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    offset = 0
+    for name, arr in items:
+        n = arr.size * arr.dtype.itemsize
+        header[name] = {
+            "dtype": safetensors_code(arr.dtype, name),
+            "shape": list(arr.shape),
+            "data_offsets": [offset, offset + n],
+        }
+        offset += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    counter = ProgressCounter(progress, offset)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.gpuckpt-tmp-{fsutil.tmp_owner()}-{secrets.token_hex(4)}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        try:
+            write_all(fd, len(raw).to_bytes(8, "little"))
+            write_all(fd, raw)
+            for _name, arr in items:
+                data = np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("<"))
+                write_all(fd, data.reshape(-1).view(np.uint8))
+                counter.add(data.nbytes)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        if overwrite:
+            os.replace(tmp, path)
+        else:
+            fsutil.rename_noreplace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsutil.fsync_dir(path.parent)

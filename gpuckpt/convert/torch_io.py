@@ -1,0 +1,114 @@
+"""Reading PyTorch checkpoints: ``torch.save`` files and torch.distributed.checkpoint directories.
+
+torch is an optional dependency, imported only when one of these is read.
+``torch.save`` files are loaded with ``weights_only=True`` (tensors and
+plain containers only, no arbitrary code). A DCP directory's ``.metadata``
+file is a pickle, and unpickling runs code: it is read only when the caller
+says it trusts it (``trust_pickle_metadata=True``, ``--trust-pickle-metadata``).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from gpuckpt.errors import UnsafeCheckpointError, UnsupportedValueError
+
+__all__ = ["import_torch", "load_dcp", "load_torch_save", "torch_to_numpy"]
+
+_VIEW_AS = {  # torch dtypes NumPy lacks: reinterpret their bits
+    "bfloat16": ("int16", ml_dtypes.bfloat16),
+    "float8_e4m3fn": ("uint8", ml_dtypes.float8_e4m3fn),
+    "float8_e5m2": ("uint8", ml_dtypes.float8_e5m2),
+    "float8_e4m3fnuz": ("uint8", ml_dtypes.float8_e4m3fnuz),
+    "float8_e5m2fnuz": ("uint8", ml_dtypes.float8_e5m2fnuz),
+    "float8_e8m0fnu": ("uint8", ml_dtypes.float8_e8m0fnu),
+}
+
+
+def import_torch() -> Any:
+    """torch, or an error that says how to install it."""
+    try:
+        import torch
+    except ImportError:
+        raise UnsupportedValueError(
+            "reading PyTorch checkpoints needs torch, which is not installed; "
+            "install it (pip install 'gpuckpt[torch]') or convert from safetensors"
+        ) from None
+    return torch
+
+
+def torch_to_numpy(t: Any, fqn: str = "") -> np.ndarray:
+    """A host NumPy array with the tensor's exact bits, dtype and memory format."""
+    torch = import_torch()
+    t = t.detach().cpu()
+    name = str(t.dtype).removeprefix("torch.")
+    perm: tuple[int, ...] | None = None
+    if t.dim() == 4 and not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last):
+        perm = (0, 2, 3, 1)
+    elif t.dim() == 5 and not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last_3d):
+        perm = (0, 2, 3, 4, 1)
+    physical = t.permute(*perm).contiguous() if perm else t.contiguous()
+    if name in _VIEW_AS:
+        as_int, np_dtype = _VIEW_AS[name]
+        arr = physical.view(getattr(torch, as_int)).numpy().view(np_dtype)
+    else:
+        try:
+            arr = physical.numpy()
+        except (TypeError, RuntimeError) as exc:
+            raise UnsupportedValueError(
+                f"tensor {fqn!r} has dtype {t.dtype}, which gpuckpt cannot store: {exc}"
+            ) from None
+    if perm:
+        arr = arr.transpose([perm.index(a) for a in range(len(perm))])
+    return np.asarray(arr)
+
+
+def _to_numpy_tree(value: Any, torch: Any, fqn: str = "") -> Any:
+    if isinstance(value, torch.Tensor):
+        return torch_to_numpy(value, fqn)
+    if isinstance(value, dict):
+        return {k: _to_numpy_tree(v, torch, f"{fqn}.{k}" if fqn else str(k)) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        items = [_to_numpy_tree(v, torch, f"{fqn}.{i}") for i, v in enumerate(value)]
+        return items if isinstance(value, list) else tuple(items)
+    if isinstance(value, torch.Size):
+        return tuple(int(s) for s in value)
+    return value
+
+
+def load_torch_save(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A ``torch.save`` state dict, loaded with ``weights_only=True``, as NumPy arrays."""
+    torch = import_torch()
+    obj = torch.load(os.fspath(path), weights_only=True, map_location="cpu")
+    if not isinstance(obj, dict):
+        raise UnsupportedValueError(f"{path} holds a {type(obj).__name__}, not a state dict (a dict)")
+    return {str(k): _to_numpy_tree(v, torch, str(k)) for k, v in obj.items()}
+
+
+def load_dcp(path: str | os.PathLike[str], *, trust_pickle_metadata: bool = False) -> dict[str, Any]:
+    """A torch.distributed.checkpoint directory as one state dict of NumPy arrays.
+
+    Its ``.metadata`` is a pickle: refused unless ``trust_pickle_metadata``.
+    """
+    path = Path(path)
+    if not trust_pickle_metadata:
+        raise UnsafeCheckpointError(
+            f"{path / '.metadata'} is a pickle, and reading it can run arbitrary code; "
+            "pass trust_pickle_metadata=True (--trust-pickle-metadata) if you trust where it came from"
+        )
+    torch = import_torch()
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory(prefix="gpuckpt-dcp-") as tmp:
+        out = Path(tmp) / "state.pt"
+        dcp_to_torch_save(os.fspath(path), os.fspath(out))
+        obj = torch.load(os.fspath(out), weights_only=True, map_location="cpu")
+    if not isinstance(obj, dict):
+        raise UnsupportedValueError(f"{path} holds a {type(obj).__name__}, not a state dict")
+    return {str(k): _to_numpy_tree(v, torch, str(k)) for k, v in obj.items()}

@@ -1,0 +1,230 @@
+"""The CuPy adapter: the only module that touches a GPU.
+
+CuPy is imported lazily and only here. Detection never crashes: CuPy that
+is installed without a driver or device raises ``CUDARuntimeError`` on first
+use, which :func:`gpu_available` turns into ``False``. A GPU feature used
+without CuPy or without a device raises
+:class:`~gpuckpt.errors.DeviceUnavailableError` with an install hint.
+
+What this module provides to the pipelines (see
+:mod:`gpuckpt.device.backend`): page-locked staging memory allocated in
+bounded pieces, asynchronous copies on a dedicated non-blocking stream with
+events, the channels-last kernels, and conversion of PyTorch, JAX and other
+DLPack / ``__cuda_array_interface__`` objects into CuPy views without copies.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from typing import Any
+
+import numpy as np
+
+from gpuckpt import memory_format as mf
+from gpuckpt.errors import DeviceUnavailableError
+
+__all__ = [
+    "CupyBackend",
+    "as_device_array",
+    "backend_for_device",
+    "gpu_available",
+    "import_cupy",
+    "is_pinned_pointer",
+]
+
+_INSTALL_HINT = "install CuPy for your CUDA version (pip install 'gpuckpt[gpu]') on a machine with an NVIDIA GPU"
+
+
+def import_cupy() -> Any:
+    """The ``cupy`` module, or :class:`DeviceUnavailableError` with an install hint."""
+    try:
+        import cupy
+    except ImportError as exc:
+        raise DeviceUnavailableError(f"device arrays need CuPy, which is not installed: {_INSTALL_HINT}") from exc
+    return cupy
+
+
+@functools.cache
+def gpu_available() -> bool:
+    """True when CuPy imports and at least one CUDA device answers."""
+    try:
+        import cupy
+
+        return int(cupy.cuda.runtime.getDeviceCount()) > 0
+    except Exception:  # ImportError, CUDARuntimeError (no driver), ...
+        return False
+
+
+def is_pinned_pointer(ptr: int) -> bool:
+    """Whether host address ``ptr`` is page-locked, from CUDA pointer attributes."""
+    if not gpu_available():
+        return False
+    cupy = import_cupy()
+    try:
+        attrs = cupy.cuda.runtime.pointerGetAttributes(ptr)
+    except Exception:
+        return False
+    # cudaMemoryTypeHost == 1: registered or cudaHostAlloc'ed memory
+    return int(getattr(attrs, "type", 0)) == 1
+
+
+_TORCH_BITS = {"bfloat16": "int16", "float8_e4m3fn": "uint8", "float8_e5m2": "uint8",
+               "float8_e4m3fnuz": "uint8", "float8_e5m2fnuz": "uint8"}  # fmt: skip
+
+
+def _torch_dtype(t: Any) -> tuple[np.dtype[Any], Any]:
+    """NumPy/ml_dtypes dtype of a torch tensor, and a same-size view CuPy can hold."""
+    from gpuckpt.dtypes import dtype_from_name
+
+    name = str(t.dtype).removeprefix("torch.")
+    if name in _TORCH_BITS:
+        import torch
+
+        return dtype_from_name(name), t.view(getattr(torch, _TORCH_BITS[name]))
+    return np.dtype(name), t
+
+
+def as_device_array(value: Any) -> tuple[Any, np.dtype[Any], bool]:
+    """A zero-copy CuPy view of ``value``, its logical dtype and ``requires_grad``.
+
+    PyTorch bfloat16/float8 tensors are viewed through integers of the same
+    size (CuPy has no such dtypes); the logical dtype is kept separately.
+    """
+    cupy = import_cupy()
+    if isinstance(value, cupy.ndarray):
+        return value, np.dtype(value.dtype), False
+    requires_grad = bool(getattr(value, "requires_grad", False))
+    if type(value).__module__.startswith("torch"):
+        dtype, view = _torch_dtype(value.detach())
+        return cupy.from_dlpack(view), dtype, requires_grad
+    if hasattr(value, "__cuda_array_interface__"):
+        arr = cupy.asarray(value)
+        return arr, np.dtype(arr.dtype), requires_grad
+    arr = cupy.from_dlpack(value)
+    return arr, np.dtype(arr.dtype), requires_grad
+
+
+class _EventTicket:
+    __slots__ = ("_event", "_keep")
+
+    def __init__(self, event: Any, keep: Any = None) -> None:
+        self._event = event
+        self._keep = keep  # device scratch must outlive the queued copy
+
+    def wait(self) -> None:
+        self._event.synchronize()
+        self._keep = None
+
+
+class CupyBackend:
+    """One CUDA device: a non-blocking copy stream, pinned staging, kernels."""
+
+    def __init__(self, device_id: int = 0) -> None:
+        cupy = import_cupy()
+        if not gpu_available():
+            raise DeviceUnavailableError(f"no usable CUDA device: {_INSTALL_HINT}")
+        self.cupy = cupy
+        self.device_id = device_id
+        self.name = f"cuda:{device_id}"
+        with cupy.cuda.Device(device_id):
+            self.stream = cupy.cuda.Stream(non_blocking=True)
+        self._lock = threading.Lock()
+
+    def _view(self, array: Any) -> Any:
+        return array if isinstance(array, self.cupy.ndarray) else as_device_array(array)[0]
+
+    def _contiguous_box(self, arr: Any, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> Any:
+        """The box as a C-contiguous device array: a view when possible, else a copy on ``stream``."""
+        from gpuckpt.device import kernels
+
+        box = arr[tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=True))] if sizes else arr[...]
+        if box.flags.c_contiguous:
+            return box
+        fmt = mf.detect_memory_format(arr.shape, arr.strides, arr.itemsize)
+        if fmt in (mf.channels_last, mf.channels_last_3d) and arr.itemsize in (1, 2, 4, 8):
+            return kernels.channels_last_to_contiguous(arr, box=(offsets, sizes))
+        return self.cupy.ascontiguousarray(box)
+
+    def stage_out(self, array: Any, offsets: tuple[int, ...], sizes: tuple[int, ...], dest: np.ndarray) -> Any:
+        cupy = self.cupy
+        with cupy.cuda.Device(self.device_id), self.stream:
+            src = self._contiguous_box(self._view(array), offsets, sizes)
+            nbytes = src.nbytes
+            cupy.cuda.runtime.memcpyAsync(
+                dest.ctypes.data, src.data.ptr, nbytes, cupy.cuda.runtime.memcpyDeviceToHost, self.stream.ptr
+            )
+            event = self.stream.record()
+        return _EventTicket(event, src)
+
+    def stage_in(self, src: np.ndarray, array: Any, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> Any:
+        from gpuckpt.device import kernels
+
+        cupy = self.cupy
+        arr = self._view(array)
+        with cupy.cuda.Device(self.device_id), self.stream:
+            box = arr[tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=True))] if sizes else arr[...]
+            direct = box.flags.c_contiguous
+            tmp = box if direct else cupy.empty(sizes, dtype=arr.dtype)
+            cupy.cuda.runtime.memcpyAsync(
+                tmp.data.ptr, src.ctypes.data, src.nbytes, cupy.cuda.runtime.memcpyHostToDevice, self.stream.ptr
+            )
+            if not direct:
+                fmt = mf.detect_memory_format(arr.shape, arr.strides, arr.itemsize)
+                if fmt in (mf.channels_last, mf.channels_last_3d) and arr.itemsize in (1, 2, 4, 8):
+                    kernels.contiguous_to_channels_last(tmp, arr, box=(offsets, sizes))
+                else:
+                    box[...] = tmp
+            event = self.stream.record()
+        return _EventTicket(event, tmp)
+
+    def pinned_allocator(self) -> Any:
+        cupy = self.cupy
+
+        def alloc(nbytes: int) -> np.ndarray:
+            with cupy.cuda.Device(self.device_id):
+                mem = cupy.cuda.alloc_pinned_memory(nbytes)
+            # the ndarray keeps the PinnedMemoryPointer alive through its base
+            return np.frombuffer(mem, np.uint8, nbytes)
+
+        return alloc
+
+    def allocate(self, shape: tuple[int, ...], dtype: np.dtype[Any], memory_format: Any) -> Any:
+        cupy = self.cupy
+        order = mf.physical_order(len(shape), memory_format)
+        store = _cupy_dtype(dtype)
+        with cupy.cuda.Device(self.device_id):
+            physical = cupy.empty(tuple(shape[a] for a in order), dtype=store)
+        return physical.transpose([order.index(a) for a in range(len(shape))])
+
+    def copy_on_device(self, array: Any) -> Any:
+        arr = self._view(array)
+        fmt = mf.detect_memory_format(arr.shape, arr.strides, arr.itemsize)
+        with self.cupy.cuda.Device(self.device_id), self.stream:
+            out = self.allocate(arr.shape, arr.dtype, fmt)
+            out[...] = arr
+        return out
+
+    def synchronize(self) -> None:
+        self.stream.synchronize()
+
+
+def _cupy_dtype(dtype: np.dtype[Any]) -> np.dtype[Any]:
+    """CuPy has no bfloat16/float8: such tensors live as integers of the same size."""
+    dt = np.dtype(dtype)
+    if dt.kind == "V" or dt.type.__module__.startswith("ml_dtypes"):
+        return np.dtype(f"u{dt.itemsize}")
+    return dt
+
+
+_backends: dict[int, CupyBackend] = {}
+_backends_lock = threading.Lock()
+
+
+def backend_for_device(device_id: int) -> CupyBackend:
+    """The (cached) backend of CUDA device ``device_id``."""
+    with _backends_lock:
+        b = _backends.get(device_id)
+        if b is None:
+            b = _backends[device_id] = CupyBackend(device_id)
+        return b

@@ -1,0 +1,317 @@
+"""A directory of step checkpoints: periodic saves, retention, restore of the latest.
+
+Layout::
+
+    ROOT/
+      step_00000040/      a committed checkpoint (its zarr.json exists)
+      step_00000080/
+      .step_00000120.gpuckpt-tmp-...   a save in flight or interrupted: ignored
+
+Step directories are named ``step_<step>`` (zero-padded to 8 digits) and
+are ordered by their number, never by name; plain integer names (``42``)
+are read too. A step counts only once it is committed, so an interrupted or
+failed save is never returned by :meth:`CheckpointManager.latest_step`.
+Retention runs only after a newer save's commit has been observed, and it
+never deletes the latest committed step.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import gpuckpt.api as api
+from gpuckpt.background import SaveFuture
+from gpuckpt.background import async_save as _async_save
+from gpuckpt.errors import CheckpointExistsError, CheckpointNotFoundError, GpuckptError
+from gpuckpt.metadata import STATE_DICT_TYPE
+from gpuckpt.storage import fsutil
+from gpuckpt.storage.local import cleanup_stale_temporaries, is_committed
+
+__all__ = ["CheckpointManager", "step_of"]
+
+_STEP_RE = re.compile(r"^(?:step_)?([0-9]{1,19})$")
+_TMP_TAGS = (".gpuckpt-tmp-", ".gpuckpt-old-")
+_DEL_TAG = ".gpuckpt-del-"
+_SAVE_OPTIONS = frozenset(("chunk_bytes", "allow_pickle", "sync", "threads", "progress"))
+
+
+def step_of(name: str) -> int | None:
+    """The step a directory name stands for (``step_00000042`` or ``42``), else None."""
+    m = _STEP_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def _check_count(name: str, value: int | None, minimum: int) -> None:
+    if value is None:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum} or None, got {value!r}")
+
+
+class CheckpointManager:
+    """Saves a training state every few steps under ``root`` and restores the latest.
+
+    Parameters
+    ----------
+    root
+        Directory holding one sub-directory per saved step (created if needed).
+    max_to_keep
+        Keep at most this many of the newest steps (``None``: keep all).
+        Steps kept by ``keep_period`` do not count against it.
+    save_interval_steps
+        :meth:`save` saves steps that are multiples of this (others need ``force``).
+    keep_period
+        Keep every step that is a multiple of this for good.
+    async_save
+        Save in the background (default): :meth:`save` returns once the state
+        is snapshotted. At most one save is in flight; the next one waits for it.
+    **save_options
+        Passed to :func:`gpuckpt.save`: ``chunk_bytes``, ``allow_pickle``,
+        ``sync``, ``threads``, ``progress``.
+
+    Notes
+    -----
+    An error of a background save is raised by the next :meth:`save`,
+    :meth:`wait` or :meth:`close` (once). Each step is saved once: saving a
+    step that already exists raises :class:`~gpuckpt.CheckpointExistsError`.
+    A manager is meant for one thread.
+
+    Examples
+    --------
+    >>> import numpy as np, gpuckpt, tempfile
+    >>> state = {"w": np.zeros(3), "step": 0}
+    >>> with gpuckpt.CheckpointManager(tempfile.mkdtemp(), max_to_keep=2, save_interval_steps=10) as mgr:
+    ...     for step in range(1, 31):
+    ...         state["w"] += 1
+    ...         state["step"] = step
+    ...         _ = mgr.save(step, state)
+    ...     mgr.wait()
+    ...     print(mgr.all_steps(), mgr.latest_step())
+    [20, 30] 30
+    >>> mgr.restore_state_dict()["step"]
+    30
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        max_to_keep: int | None = None,
+        save_interval_steps: int = 1,
+        keep_period: int | None = None,
+        async_save: bool = True,
+        **save_options: Any,
+    ) -> None:
+        _check_count("max_to_keep", max_to_keep, 1)
+        _check_count("save_interval_steps", save_interval_steps, 1)
+        _check_count("keep_period", keep_period, 1)
+        unknown = sorted(set(save_options) - _SAVE_OPTIONS)
+        if unknown:
+            hint = "; the manager never overwrites a step" if "overwrite" in unknown else ""
+            raise TypeError(
+                f"CheckpointManager got unknown save option(s) {', '.join(unknown)}; "
+                f"expected some of {', '.join(sorted(_SAVE_OPTIONS))}{hint}"
+            )
+        self.root = Path(root).absolute()
+        if self.root.exists() and not self.root.is_dir():
+            raise NotADirectoryError(f"checkpoint root {self.root} exists and is not a directory")
+        self.max_to_keep = max_to_keep
+        self.save_interval_steps = save_interval_steps
+        self.keep_period = keep_period
+        self.async_save = async_save
+        self.save_options = dict(save_options)
+        self._pending: tuple[int, SaveFuture] | None = None
+        self._error: BaseException | None = None
+        self._closed = False
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._cleanup_leftovers()
+
+    # directory scanning ------------------------------------------------------
+
+    def _scan(self) -> dict[int, Path]:
+        found: dict[int, Path] = {}
+        try:
+            entries = sorted(os.scandir(self.root), key=lambda e: e.name)
+        except FileNotFoundError:
+            return found
+        for entry in entries:
+            step = step_of(entry.name)
+            if step is None or step in found:
+                continue
+            path = Path(entry.path)
+            if entry.is_dir(follow_symlinks=False) and is_committed(path):
+                found[step] = path
+        return found
+
+    def _cleanup_leftovers(self) -> None:
+        """Remove temporaries of dead saves and half-done deletions."""
+        for entry in os.scandir(self.root):
+            if not entry.name.startswith("."):
+                continue
+            if _DEL_TAG in entry.name:
+                fsutil.rmtree_quiet(Path(entry.path))
+                continue
+            for tag in _TMP_TAGS:
+                if tag in entry.name:
+                    cleanup_stale_temporaries(self.root / entry.name[1:].split(tag, 1)[0])
+
+    def step_path(self, step: int) -> Path:
+        """Directory of ``step``: the existing one, else where a save would put it."""
+        return self._scan().get(step, self.root / f"step_{step:08d}")
+
+    def all_steps(self) -> list[int]:
+        """Committed steps, in increasing order."""
+        self._poll()
+        return sorted(self._scan())
+
+    def latest_step(self) -> int | None:
+        """The highest committed step, or None when there is none."""
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    # saving ------------------------------------------------------------------
+
+    def should_save(self, step: int) -> bool:
+        """Whether :meth:`save` would save ``step`` without ``force``."""
+        return step % self.save_interval_steps == 0
+
+    def save(self, step: int, state_dict: STATE_DICT_TYPE, force: bool = False) -> bool:
+        """Save ``state_dict`` as ``step`` if the interval says so (or ``force``); True if saved.
+
+        In async mode this returns once the state is snapshotted (the caller
+        may change its arrays right away), after waiting for the previous
+        save. Raises the error of a failed earlier background save, if any,
+        before saving anything.
+        """
+        if self._closed:
+            raise GpuckptError(f"CheckpointManager for {self.root} is closed; create a new one to save")
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ValueError(f"step must be a non-negative integer, got {step!r}")
+        if not force and not self.should_save(step):
+            return False
+        self._settle()
+        existing = self._scan().get(step)
+        if existing is not None:
+            raise CheckpointExistsError(
+                f"step {step} is already saved at {existing}; each step is saved once: "
+                "save under another step number or delete that directory first"
+            )
+        path = self.root / f"step_{step:08d}"
+        if self.async_save:
+            self._pending = (step, _async_save(state_dict, path, overwrite=False, **self.save_options))
+        else:
+            api.save(state_dict, path, overwrite=False, **self.save_options)
+            self._apply_retention()
+        return True
+
+    def _poll(self) -> None:
+        """Take note of a finished background save without blocking."""
+        if self._pending is not None and self._pending[1].done():
+            self._finish_pending()
+
+    def _finish_pending(self) -> None:
+        assert self._pending is not None
+        _step, fut = self._pending
+        self._pending = None
+        err = fut.exception()
+        if err is not None:
+            self._error = err
+            return
+        self._apply_retention()
+
+    def _settle(self, *, raise_error: bool = True) -> None:
+        """Wait for the save in flight, apply retention, raise a stored error."""
+        if self._pending is not None:
+            self._pending[1].exception()  # blocks until done
+            self._finish_pending()
+        if raise_error and self._error is not None:
+            err, self._error = self._error, None
+            raise err
+
+    def wait(self) -> None:
+        """Block until the save in flight is committed; raises its error if it failed."""
+        self._settle()
+
+    def close(self) -> None:
+        """Wait for the save in flight (raising its error) and refuse further saves."""
+        if self._closed:
+            return
+        self._closed = True
+        self._settle()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if exc is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except Exception as err:  # do not mask the exception that ends the block
+            exc.add_note(f"also, a background checkpoint save failed: {err}")
+
+    # retention ---------------------------------------------------------------
+
+    def _apply_retention(self) -> None:
+        if self.max_to_keep is None:
+            return
+        steps = sorted(self._scan().items())
+        if len(steps) <= self.max_to_keep:
+            return
+        for step, path in steps[: -self.max_to_keep]:
+            if self.keep_period is not None and step % self.keep_period == 0:
+                continue
+            self._delete(path)
+
+    def _delete(self, path: Path) -> None:
+        # rename first: the step disappears in one step, then the files go
+        doomed = self.root / f".{path.name}{_DEL_TAG}{secrets.token_hex(4)}"
+        try:
+            os.rename(path, doomed)
+        except FileNotFoundError:
+            return
+        fsutil.rmtree_quiet(doomed)
+
+    # restoring ---------------------------------------------------------------
+
+    def _resolve(self, step: int | None) -> tuple[int, Path]:
+        self._settle(raise_error=False)
+        steps = self._scan()
+        if not steps:
+            raise CheckpointNotFoundError(f"no committed checkpoint under {self.root}; save one first")
+        if step is None:
+            step = max(steps)
+        if step not in steps:
+            shown = sorted(steps)
+            raise CheckpointNotFoundError(
+                f"step {step} has no committed checkpoint under {self.root}; "
+                f"available steps: {shown[:20]}{' ...' if len(shown) > 20 else ''}"
+            )
+        return step, steps[step]
+
+    def restore(self, state_dict: STATE_DICT_TYPE, step: int | None = None, **options: Any) -> int:
+        """Load ``step`` (default: the latest) into ``state_dict`` in place; returns the step.
+
+        ``options`` go to :func:`gpuckpt.load` (``strict``, ``allow_pickle``,
+        ``threads``, ``progress``). A save in flight is waited for first.
+        """
+        step, path = self._resolve(step)
+        api.load(state_dict, path, **options)
+        return step
+
+    def restore_state_dict(self, step: int | None = None, **options: Any) -> dict[str, Any]:
+        """Load ``step`` (default: the latest) into a new dict (see :func:`gpuckpt.load_state_dict`)."""
+        _step, path = self._resolve(step)
+        return api.load_state_dict(path, **options)
+
+    def __repr__(self) -> str:
+        pending = f", step {self._pending[0]} in flight" if self._pending else ""
+        return f"<CheckpointManager {self.root}{pending}>"

@@ -1,0 +1,216 @@
+"""The ``gpuckpt`` command, run as a real subprocess: output, exit codes, one-line errors."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import gpuckpt
+from gpuckpt.cli import main
+from gpuckpt.cli.progressbar import ProgressBar, format_bytes, progress_for
+from gpuckpt.manager import CheckpointManager
+
+
+def gpuckpt_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "GPUCKPT_DEBUG": ""}
+    return subprocess.run(
+        [sys.executable, "-m", "gpuckpt.cli", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=env,
+        timeout=120,
+    )
+
+
+def assert_one_line_error(r: subprocess.CompletedProcess[str], code: int, match: str) -> None:
+    assert r.returncode == code, (r.stdout, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith("gpuckpt: error: ") and match in lines[0], lines[0]
+    assert "Traceback" not in r.stderr + r.stdout
+
+
+@pytest.fixture
+def ckpt(tmp_path: Path) -> Path:
+    rng = np.random.default_rng(0)
+    sd = {
+        "layer": {"weight": rng.standard_normal((64, 16)).astype(np.float32)},
+        "bf": np.ones(7, ml_dtypes.bfloat16),
+        "conv": np.zeros((2, 5, 6, 3), np.float32).transpose(0, 3, 1, 2),
+        "step": 3,
+        "note": "hello",
+    }
+    gpuckpt.save(sd, tmp_path / "c", chunk_bytes=1024, sync="none")
+    return tmp_path / "c"
+
+
+def test_inspect_table(ckpt: Path) -> None:
+    r = gpuckpt_cli("inspect", str(ckpt))
+    assert r.returncode == 0 and r.stderr == ""
+    out = r.stdout
+    for text in (
+        "layer.weight",
+        "64x16",
+        "float32",
+        "4 of 16x16",
+        "bfloat16",
+        "channels_last",
+        "2x3x5x6",
+        "'hello'",
+    ):
+        assert text in out
+    assert "total: 3 tensors, 6 chunks" in out and "2 objects" in out
+
+
+def test_inspect_json(ckpt: Path) -> None:
+    r = gpuckpt_cli("inspect", "--json", str(ckpt))
+    d = json.loads(r.stdout)
+    rows = {t["name"]: t for t in d["tensors"]}
+    assert rows["layer.weight"] == {
+        "name": "layer.weight", "shape": [64, 16], "dtype": "float32", "memory_format": "contiguous_format",
+        "chunks": 4, "chunk_shape": [16, 16], "bytes": 4096, "stored_bytes": 4 * (16 * 16 * 4 + 4),
+    }  # fmt: skip
+    assert {o["name"]: o["type"] for o in d["objects"]} == {"step": "int", "note": "str"}
+    assert d["totals"]["bytes"] == 4096 + 14 + 720
+
+
+def test_inspect_manager_root(tmp_path: Path) -> None:
+    with CheckpointManager(tmp_path, async_save=False, sync="none") as mgr:
+        for s in (5, 10):
+            mgr.save(s, {"x": np.ones(2)})
+    r = gpuckpt_cli("inspect", "--json", str(tmp_path))
+    assert json.loads(r.stdout)["latest_step"] == 10
+    assert "latest step: 10" in gpuckpt_cli("inspect", str(tmp_path)).stdout
+
+
+def test_verify_ok_and_damaged(ckpt: Path) -> None:
+    r = gpuckpt_cli("verify", str(ckpt))
+    assert r.returncode == 0 and r.stdout.startswith("OK:")
+    p = ckpt / "layer.weight" / "c.1.0"
+    raw = bytearray(p.read_bytes())
+    raw[5] ^= 1
+    p.write_bytes(raw)
+    os.remove(ckpt / "layer.weight" / "c.3.0")
+    r = gpuckpt_cli("verify", str(ckpt))
+    assert_one_line_error(r, 1, "is damaged: 2 problem(s)")
+    assert "layer.weight/c.1.0: checksum mismatch" in r.stdout and "layer.weight/c.3.0: missing" in r.stdout
+    d = json.loads(gpuckpt_cli("verify", "--json", str(ckpt)).stdout)
+    assert d["ok"] is False and len(d["damage"]) == 2
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "match"),
+    [
+        (["inspect", "/no/such/ckpt"], 1, "no checkpoint at /no/such/ckpt"),
+        (["verify", "/no/such/ckpt"], 1, "no checkpoint at"),
+        (["bogus"], 2, "invalid choice: 'bogus'"),
+        (["inspect"], 2, "required: PATH"),
+        (["verify", "x", "--threads", "zero"], 2, "invalid int value"),
+        (["verify", "x", "--threads", "0"], 2, "--threads must be at least 1"),
+        (["convert", "/no/such/file", "/tmp/out"], 1, "No such file or directory"),
+        (["bench", "--size-mb", "0"], 2, "--size-mb"),
+        (["demo", "--steps", "0"], 2, "--steps must be at least 1"),
+        ([], 2, "required: COMMAND"),
+    ],
+)
+def test_bad_arguments_one_line(args: list[str], code: int, match: str) -> None:
+    assert_one_line_error(gpuckpt_cli(*args), code, match)
+
+
+def test_bad_checkpoints_one_line(tmp_path: Path, ckpt: Path) -> None:
+    (ckpt / "zarr.json").write_text("{not json")
+    assert_one_line_error(gpuckpt_cli("inspect", str(ckpt)), 1, "not valid JSON")
+    r = gpuckpt_cli("verify", str(ckpt))
+    assert_one_line_error(r, 1, "is damaged")
+    (tmp_path / "empty").mkdir()
+    assert_one_line_error(gpuckpt_cli("inspect", str(tmp_path / "empty")), 1, "not a committed checkpoint")
+
+
+def test_help_exits_zero() -> None:
+    r = gpuckpt_cli("--help")
+    assert r.returncode == 0 and "inspect" in r.stdout and "convert" in r.stdout
+    assert gpuckpt_cli("convert", "--help").returncode == 0
+
+
+def test_convert_roundtrip_and_errors(tmp_path: Path, ckpt: Path) -> None:
+    st = tmp_path / "m.safetensors"
+    r = gpuckpt_cli("convert", str(ckpt), str(st))
+    assert r.returncode == 0 and "3 tensors" in r.stdout and r.stderr == ""
+    r = gpuckpt_cli("convert", "-q", str(st), str(tmp_path / "back"))
+    assert r.returncode == 0
+    back = gpuckpt.load_state_dict(tmp_path / "back")
+    assert back["note"] == "hello" and back["bf"].dtype == ml_dtypes.bfloat16
+    assert_one_line_error(gpuckpt_cli("convert", str(st), str(tmp_path / "back")), 1, "destination exists")
+    assert gpuckpt_cli("convert", "--overwrite", str(st), str(tmp_path / "back")).returncode == 0
+    (tmp_path / "dcp").mkdir()
+    (tmp_path / "dcp" / ".metadata").write_bytes(b"\x80\x04x")
+    assert_one_line_error(
+        gpuckpt_cli("convert", str(tmp_path / "dcp"), str(tmp_path / "o")), 1, "--trust-pickle-metadata"
+    )
+    gpuckpt.save({"z": np.zeros(2, np.complex128)}, tmp_path / "cx", sync="none")
+    assert_one_line_error(
+        gpuckpt_cli("convert", str(tmp_path / "cx"), str(tmp_path / "cx.safetensors")), 1, "complex128"
+    )
+    assert_one_line_error(
+        gpuckpt_cli("convert", str(st), str(tmp_path / "o2"), "--to", "onnx"), 2, "invalid choice"
+    )
+
+
+def test_demo_small(tmp_path: Path) -> None:
+    r = gpuckpt_cli(
+        "demo", str(tmp_path), "--layers", "1", "--steps", "8", "--save-every", "2", "--kill-at", "4"
+    )
+    assert r.returncode == 0, r.stderr
+    assert "killed it with SIGKILL" in r.stdout and "bit-exact" in r.stdout and "GB/s" in r.stdout
+    assert CheckpointManager(tmp_path / "checkpoints").latest_step() == 8
+
+
+def test_demo_module_entry_point() -> None:
+    r = subprocess.run(
+        [sys.executable, "-m", "gpuckpt.demo", "--help"], capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 0 and "--kill-at" in r.stdout
+
+
+def test_bench_json(tmp_path: Path) -> None:
+    r = gpuckpt_cli("bench", "--size-mb", "4", "--rounds", "1", "--json", "--dir", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert set(d["systems"]) == {"raw-files", "raw-single", "gpuckpt"}
+    assert d["systems"]["gpuckpt"]["save"]["gbps"] > 0
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_main_in_process_returns_codes(ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["inspect", str(ckpt)]) == 0
+    assert main(["inspect", str(ckpt / "nope")]) == 1
+    assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_progress_bar_draws_and_stays_quiet_without_a_terminal() -> None:
+    buf = io.StringIO()
+    bar = ProgressBar("save", buf, interval=0)
+    bar(0, 2048)
+    bar(1024, 2048)
+    bar(2048, 2048)
+    bar.close()
+    out = buf.getvalue()
+    assert out.count("\r") == 4 and "100%" in out and out.endswith("\n") and "2.0 KiB/2.0 KiB" in out
+    assert progress_for("x", quiet=False, stream=io.StringIO()) is None  # not a terminal
+
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    assert progress_for("x", quiet=False, stream=Tty()) is not None
+    assert progress_for("x", quiet=True, stream=Tty()) is None
+    assert [format_bytes(n) for n in (5, 1536, 3 << 30)] == ["5 B", "1.5 KiB", "3.0 GiB"]

@@ -1,0 +1,133 @@
+"""verify_checkpoint reads everything and lists every damaged part."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import gpuckpt
+from gpuckpt.verify import verify_checkpoint
+
+
+def make(path: Path, **kw: object) -> Path:
+    rng = np.random.default_rng(0)
+    sd = {
+        "layer": {"weight": rng.standard_normal((64, 16)).astype(np.float32)},
+        "bias": np.ones(5),
+        "conv": np.zeros((2, 5, 6, 3), np.float32).transpose(0, 3, 1, 2),
+        "step": 3,
+        **kw,
+    }
+    gpuckpt.save(sd, path, chunk_bytes=1024, sync="none", allow_pickle=True)
+    return path
+
+
+def flip(p: Path, at: int = 10) -> None:
+    raw = bytearray(p.read_bytes())
+    raw[at] ^= 0x10
+    p.write_bytes(raw)
+
+
+def test_good_checkpoint(tmp_path: Path) -> None:
+    seen: list[tuple[int, int]] = []
+    r = verify_checkpoint(make(tmp_path / "c"), progress=lambda d, t: seen.append((d, t)))
+    assert r.ok and r.tensors == 3 and r.objects == 1 and r.chunks == 6
+    assert r.bytes_checked == 64 * 16 * 4 + 5 * 8 + 180 * 4
+    assert seen[-1] == (r.bytes_checked, r.bytes_checked)
+    assert "OK" in r.format() and json.loads(json.dumps(r.to_json()))["ok"] is True
+
+
+def test_every_damaged_chunk_is_listed(tmp_path: Path) -> None:
+    c = make(tmp_path / "c")
+    flip(c / "layer.weight" / "c.0.0")
+    flip(c / "layer.weight" / "c.3.0", at=-1)  # the stored checksum itself
+    os.remove(c / "layer.weight" / "c.2.0")
+    p = c / "bias" / "c.0"
+    p.write_bytes(p.read_bytes()[:-3])
+    r = verify_checkpoint(c, group_bytes=1)
+    assert not r.ok
+    assert sorted(d.where for d in r.damage) == [
+        "bias/c.0",
+        "layer.weight/c.0.0",
+        "layer.weight/c.2.0",
+        "layer.weight/c.3.0",
+    ]
+    by = {d.where: d.problem for d in r.damage}
+    assert "checksum mismatch" in by["layer.weight/c.0.0"]
+    assert by["layer.weight/c.2.0"] == "missing"
+    assert "truncated" in by["bias/c.0"]
+    assert r.damaged_tensors() == ["bias", "layer.weight"]
+    assert "layer.weight/c.2.0: missing" in r.format()
+
+
+def test_swapped_valid_chunks(tmp_path: Path) -> None:
+    c = make(tmp_path / "c")
+    a, b = c / "layer.weight" / "c.0.0", c / "layer.weight" / "c.1.0"
+    da, db = a.read_bytes(), b.read_bytes()
+    a.write_bytes(db)
+    b.write_bytes(da)
+    r = verify_checkpoint(c)
+    assert {d.where for d in r.damage} == {"layer.weight/c.0.0", "layer.weight/c.1.0"}
+    assert all("not the one the metadata lists" in d.problem for d in r.damage)
+
+
+def test_array_document_checked_against_metadata(tmp_path: Path) -> None:
+    c = make(tmp_path / "c")
+    doc_path = c / "conv" / "zarr.json"
+    doc = json.loads(doc_path.read_text())
+    doc["shape"] = [2, 3, 5, 7]
+    doc_path.write_text(json.dumps(doc))
+    os.remove(c / "bias" / "zarr.json")
+    r = verify_checkpoint(c)
+    by = {d.where: d.problem for d in r.damage}
+    assert "shape is [2, 3, 5, 7]" in by["conv/zarr.json"]
+    assert by["bias/zarr.json"] == "missing"
+
+
+def test_damaged_root_metadata_and_not_a_checkpoint(tmp_path: Path) -> None:
+    c = make(tmp_path / "c")
+    root = c / "zarr.json"
+    root.write_text(root.read_text().replace('"step"', '"stop"'))
+    r = verify_checkpoint(c)
+    assert [d.where for d in r.damage] == ["zarr.json"] and "checksum mismatch" in r.damage[0].problem
+    with pytest.raises(gpuckpt.CheckpointNotFoundError):
+        verify_checkpoint(tmp_path / "nothing")
+
+
+def test_pickled_values_are_decoded_only_when_allowed(tmp_path: Path) -> None:
+    c = make(tmp_path / "c", obj=complex_object())
+    r = verify_checkpoint(c)
+    assert r.ok and len(r.skipped) == 1 and "allow_pickle" in r.skipped[0]
+    assert verify_checkpoint(c, allow_pickle=True).skipped == []
+
+
+class Thing:
+    pass
+
+
+def complex_object() -> Thing:
+    return Thing()
+
+
+@settings(max_examples=20, deadline=None)
+@given(data=st.data())
+def test_any_flipped_byte_is_found_in_its_chunk(data: st.DataObject) -> None:
+    base = Path(tempfile.mkdtemp())
+    try:
+        c = make(base / "c")
+        chunks = sorted(p for p in c.rglob("c*") if p.is_file() and p.parent != c)
+        victim = data.draw(st.sampled_from(chunks))
+        at = data.draw(st.integers(0, victim.stat().st_size - 1))
+        flip(victim, at)
+        r = verify_checkpoint(c)
+        assert [d.where for d in r.damage] == [f"{victim.parent.name}/{victim.name}"]
+    finally:
+        shutil.rmtree(base)
