@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from gpuckpt.device.arrays import HostMemory, adapt, is_array
+from gpuckpt.device.backend import DEFAULT_STAGING_BYTES, DeviceArray, DeviceBackend
 from gpuckpt.errors import DTypeMismatchError, MissingKeyError, ShapeMismatchError
 from gpuckpt.metadata import STATE_DICT_TYPE, Metadata
 from gpuckpt.planning import DEFAULT_CHUNK_BYTES
@@ -36,6 +37,7 @@ def save(
     sync: str = "auto",
     threads: int | None = None,
     progress: ProgressCallback | None = None,
+    staging_bytes: int = DEFAULT_STAGING_BYTES,
 ) -> Metadata:
     """Save ``state_dict`` as a checkpoint at ``path`` and return its metadata.
 
@@ -64,6 +66,9 @@ def save(
         I/O threads (default: twice the CPU count, between 2 and 8).
     progress
         ``callback(done_bytes, total_bytes)``, called as chunks are written.
+    staging_bytes
+        Budget of (page-locked) host memory through which device arrays are
+        streamed; host memory use stays within it whatever the state size.
 
     Examples
     --------
@@ -77,7 +82,9 @@ def save(
         raise ValueError(f"chunk_bytes must be a positive integer, got {chunk_bytes!r}")
     plan = build_save_plan(state_dict, chunk_bytes=chunk_bytes, allow_pickle=allow_pickle)
     writer = LocalWriter(path, overwrite=overwrite, sync=sync, expected_files=plan.nfiles)
-    return execute_save(plan, writer, threads=threads, checkpoint_id=str(uuid.uuid4()), progress=progress)
+    return execute_save(
+        plan, writer, threads=threads, checkpoint_id=str(uuid.uuid4()), progress=progress, staging_bytes=staging_bytes
+    )
 
 
 def read_metadata(path: PathLike) -> Metadata:
@@ -103,6 +110,7 @@ def load(
     allow_pickle: bool = False,
     threads: int | None = None,
     progress: ProgressCallback | None = None,
+    staging_bytes: int = DEFAULT_STAGING_BYTES,
 ) -> None:
     """Load the checkpoint at ``path`` into ``state_dict`` in place.
 
@@ -153,28 +161,50 @@ def load(
                         f"tensor {fqn!r}: the checkpoint has dtype {t.dtype}, the target has {arr.dtype}; "
                         "load into an array of the stored dtype and convert afterwards"
                     )
-                targets.append((t, arr.host_array()))
+                targets.append((t, arr if arr.is_device else arr.host_array()))
             else:
                 dest = memory.allocate(t.shape, t.dtype, t.metadata.properties.memory_format)
                 targets.append((t, dest))
                 fresh.append((leaf, dest))
     check_chunk_files(reader, (t for t, _ in targets))
-    read_tensors(reader, targets, threads=threads, progress=progress)
+    read_tensors(reader, targets, threads=threads, progress=progress, staging_bytes=staging_bytes)
     for leaf, value in (*fresh, *decoded):
         leaf.replace(value)
+
+
+def _backend_for(device: Any) -> DeviceBackend | None:
+    """None for host memory, else the backend that allocates on ``device``."""
+    if device is None or device == "cpu":
+        return None
+    if isinstance(device, str):
+        kind, _, index = device.partition(":")
+        if kind == "cuda" and (index == "" or index.isdigit()):
+            from gpuckpt.device.cuda import backend_for_device
+
+            return backend_for_device(int(index or 0))
+        raise ValueError(f"device={device!r}; expected 'cpu', 'cuda' or 'cuda:N'")
+    if isinstance(device, DeviceBackend):
+        return device
+    raise TypeError(f"device must be a string like 'cuda:0' or a DeviceBackend, got {type(device).__name__}")
 
 
 def load_state_dict(
     path: PathLike,
     *,
     keys: list[str] | str | None = None,
+    device: Any = "cpu",
     allow_pickle: bool = False,
     threads: int | None = None,
     progress: ProgressCallback | None = None,
+    staging_bytes: int = DEFAULT_STAGING_BYTES,
 ) -> dict[str, Any]:
     """Load the checkpoint at ``path`` into a new nested dict.
 
-    Arrays are allocated with the stored shape, dtype and memory format.
+    Arrays are allocated with the stored shape, dtype and memory format, as
+    NumPy arrays (``device="cpu"``, the default) or as CuPy arrays on a GPU
+    (``device="cuda"`` or ``"cuda:N"``; CuPy has no bfloat16/float8, so such
+    tensors come back as unsigned integers of the same size, to be viewed
+    with the right dtype by the framework, e.g. ``torch.from_dlpack(x).view(torch.bfloat16)``).
     ``keys`` selects entries by FQN or by ``.``-prefix (``"model"`` selects
     everything under it); an unknown key is an error.
 
@@ -190,15 +220,20 @@ def load_state_dict(
     chosen = select_fqns(md.state_dict_metadata, keys)
     entries = [tensors[f] for f in chosen if f in tensors]
     check_chunk_files(reader, entries)
-    memory = HostMemory()
+    backend = _backend_for(device)
     values: dict[str, Any] = {}
-    targets = []
+    targets: list[tuple[TensorEntry, Any]] = []
     for t in entries:
-        dest = memory.allocate(t.shape, t.dtype, t.metadata.properties.memory_format)
-        targets.append((t, dest))
+        fmt = t.metadata.properties.memory_format
+        if backend is None:
+            dest = HostMemory().allocate(t.shape, t.dtype, fmt)
+            targets.append((t, dest))
+        else:
+            dest = backend.allocate(t.shape, t.dtype, fmt)
+            targets.append((t, DeviceArray(dest, backend, t.dtype)))
         values[t.fqn] = dest
     for f in chosen:
         if f in objects:
             values[f] = decode_object(objects[f], allow_pickle=allow_pickle, fqn=f)
-    read_tensors(reader, targets, threads=threads, progress=progress)
+    read_tensors(reader, targets, threads=threads, progress=progress, staging_bytes=staging_bytes)
     return unflatten_state_dict(md.planner_data["structure"], values)

@@ -22,8 +22,9 @@ from concurrent.futures import TimeoutError as FutureTimeout
 import numpy as np
 
 from gpuckpt.device.arrays import HostArray
+from gpuckpt.device.backend import DEFAULT_STAGING_BYTES, DeviceArray
 from gpuckpt.device.staging import ArenaPool, StagingArena
-from gpuckpt.memory_format import physical_order
+from gpuckpt.memory_format import physical_order, preserve_format
 from gpuckpt.metadata import STATE_DICT_TYPE, Metadata
 from gpuckpt.planning import DEFAULT_CHUNK_BYTES
 from gpuckpt.progress import ProgressCallback
@@ -34,9 +35,21 @@ __all__ = ["SaveFuture", "async_save", "wait_all"]
 
 _lock = threading.Lock()
 _executor: ThreadPoolExecutor | None = None
-_pool = ArenaPool(max_arenas=2)
+_pools: dict[int, ArenaPool] = {}
 _copy_threads = ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1)), thread_name_prefix="gpuckpt-snap")
 _SLAB = 32 << 20
+
+
+def _arena_pool(plan: SavePlan) -> ArenaPool:
+    """The arena pool for this state: page-locked memory when device arrays are involved."""
+    backend = next((t.array.backend for t in plan.tensors if t.array.is_device), None)
+    key = id(backend) if backend is not None else 0
+    with _lock:
+        pool = _pools.get(key)
+        if pool is None:
+            allocator = backend.pinned_allocator() if backend is not None else None
+            pool = _pools[key] = ArenaPool(allocator, max_arenas=2)
+        return pool
 
 
 def _writer_executor() -> ThreadPoolExecutor:
@@ -88,20 +101,56 @@ def _copy_slabs(dst: np.ndarray, src: np.ndarray) -> list[tuple[np.ndarray, np.n
 
 
 def snapshot(plan: SavePlan, arena: StagingArena) -> None:
-    """Copy every tensor of ``plan`` into ``arena`` and point the plan at the copies."""
+    """Copy every tensor of ``plan`` into ``arena`` (host memory) and point the plan at the copies.
+
+    Host tensors are copied keeping their memory layout (slabs in parallel);
+    dense device tensors are copied as their raw memory image, one
+    device-to-host copy each, so a channels-last tensor is transposed later,
+    by the background writer, not while the caller waits.
+    """
     copies: list[tuple[np.ndarray, np.ndarray]] = []
+    tickets = []
+    for t in {id(t.array.backend): t.array.backend for t in plan.tensors if t.array.is_device}.values():
+        t.wait_for_producers()
     for t in plan.tensors:
-        src = t.array.host_array()
-        order = physical_order(src.ndim, t.properties.memory_format)
-        dst = arena.take_array(src.shape, src.dtype, order)
-        copies.extend(_copy_slabs(dst, src))
+        fmt = t.properties.memory_format
+        order = physical_order(len(t.array.shape), fmt)
+        dst = arena.take_array(t.array.shape, t.array.dtype, order)
+        if t.array.is_device:
+            dev = t.array
+            assert isinstance(dev, DeviceArray)
+            raw = dst.transpose(order).reshape(-1).view(np.uint8)
+            if fmt is preserve_format:
+                tickets.append(dev.backend.stage_out(dev.data, (0,) * dst.ndim, dst.shape, raw))
+            else:
+                tickets.append(dev.backend.snapshot_to_host(dev.data, raw))
+        else:
+            copies.extend(_copy_slabs(dst, t.array.host_array()))
         t.array = HostArray(dst, requires_grad=t.properties.requires_grad, pinned=t.properties.pin_memory)
     if len(copies) == 1:
         np.copyto(*copies[0])
-        return
-    # NumPy releases the GIL for plain copies: slabs copy in parallel
-    for f in [_copy_threads.submit(np.copyto, d, s) for d, s in copies]:
-        f.result()
+    elif copies:
+        # NumPy releases the GIL for plain copies: slabs copy in parallel
+        for f in [_copy_threads.submit(np.copyto, d, s) for d, s in copies]:
+            f.result()
+    for ticket in tickets:
+        ticket.wait()
+
+
+def snapshot_on_device(plan: SavePlan) -> None:
+    """Copy every device tensor of ``plan`` within device memory (``staging="device"``)."""
+    backends = {id(t.array.backend): t.array.backend for t in plan.tensors if t.array.is_device}
+    for b in backends.values():
+        b.wait_for_producers()
+    for t in plan.tensors:
+        if t.array.is_device:
+            dev = t.array
+            assert isinstance(dev, DeviceArray)
+            t.array = DeviceArray(dev.backend.copy_on_device(dev.data), dev.backend, dev.dtype, dev.requires_grad)
+        else:
+            t.array = HostArray(t.array.host_array().copy(), t.properties.requires_grad, t.properties.pin_memory)
+    for b in backends.values():
+        b.synchronize()
 
 
 def async_save(
@@ -114,6 +163,8 @@ def async_save(
     sync: str = "auto",
     threads: int | None = None,
     progress: ProgressCallback | None = None,
+    staging: str = "host",
+    staging_bytes: int = DEFAULT_STAGING_BYTES,
 ) -> SaveFuture:
     """Snapshot ``state_dict`` and save it to ``path`` in the background.
 
@@ -121,6 +172,13 @@ def async_save(
     its arrays. Options are those of :func:`gpuckpt.save`. Errors (including
     an existing ``path`` without ``overwrite``) surface from the future's
     ``result()``; a failed background save publishes nothing.
+
+    ``staging="host"`` (default) snapshots into reusable host memory
+    (page-locked for device arrays): the call blocks for about one
+    device-to-host copy of the state. ``staging="device"`` snapshots device
+    arrays into spare device memory (about one device-to-device copy) and
+    drains them to storage through the pinned staging pipeline in the
+    background; it needs free device memory the size of the state.
 
     Examples
     --------
@@ -131,21 +189,33 @@ def async_save(
     >>> fut.result().state_dict_metadata["w"].size
     (4,)
     """
+    if staging not in ("host", "device"):
+        raise ValueError(f"staging={staging!r}; expected 'host' or 'device'")
     plan = build_save_plan(state_dict, chunk_bytes=chunk_bytes, allow_pickle=allow_pickle)
-    total = sum(t.array.host_array().nbytes for t in plan.tensors)
-    arena = _pool.acquire(total)
-    try:
-        snapshot(plan, arena)
-    except BaseException:
-        _pool.release(arena)
-        raise
+    total = sum(int(np.prod(t.array.shape, dtype=np.int64)) * t.array.dtype.itemsize for t in plan.tensors)
+    pool: ArenaPool | None = None
+    arena: StagingArena | None = None
+    if staging == "device":
+        snapshot_on_device(plan)
+    else:
+        pool = _arena_pool(plan)
+        arena = pool.acquire(total)
+        try:
+            snapshot(plan, arena)
+        except BaseException:
+            pool.release(arena)
+            raise
     writer = LocalWriter(path, overwrite=overwrite, sync=sync, expected_files=plan.nfiles)
 
     def run() -> Metadata:
         try:
-            return execute_save(plan, writer, threads=threads, checkpoint_id=str(uuid.uuid4()), progress=progress)
+            return execute_save(
+                plan, writer, threads=threads, checkpoint_id=str(uuid.uuid4()), progress=progress,
+                staging_bytes=staging_bytes,
+            )
         finally:
-            _pool.release(arena)
+            if pool is not None and arena is not None:
+                pool.release(arena)
 
     return SaveFuture(_writer_executor().submit(run), os.fspath(path))
 
@@ -158,7 +228,10 @@ def wait_all() -> None:
 
 def release_staging() -> None:
     """Free the cached staging memory of finished saves."""
-    _pool.clear()
+    with _lock:
+        pools = list(_pools.values())
+    for p in pools:
+        p.clear()
 
 
 def _drain_at_exit() -> None:

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from gpuckpt.device.backend import DEFAULT_STAGING_BYTES, BufferPool, DeviceArray, buffer_pool, staging_buffer_bytes
 from gpuckpt.errors import (
     CheckpointCorruptedError,
     ChecksumError,
@@ -145,6 +146,20 @@ def check_chunk_files(reader: CheckpointReader, entries: Iterable[TensorEntry]) 
                 )
 
 
+def _check_crc(t: TensorEntry, c: ChunkRead, value: int, stored_crc: int) -> None:
+    if value != stored_crc or value != c.crc:
+        what = (
+            "its bytes do not match their checksum"
+            if value != stored_crc
+            else "it is a valid chunk but not the one the metadata lists"
+        )
+        raise ChecksumError(
+            f"chunk {c.key} of tensor {t.fqn!r} failed its CRC32C check ({what}: computed {value:#010x}, "
+            f"chunk file {stored_crc:#010x}, metadata {c.crc:#010x}); the checkpoint is damaged: restore it "
+            "from a copy or load an earlier checkpoint (arrays loaded in place may be partly overwritten)"
+        )
+
+
 def _read_chunk(
     reader: CheckpointReader, t: TensorEntry, c: ChunkRead, dest: np.ndarray, counter: ProgressCounter
 ) -> None:
@@ -171,40 +186,74 @@ def _read_chunk(
     value = crc32c(data)
     if direct and pad.nbytes:
         value = crc32c(pad, value)
-    stored_crc = int.from_bytes(crc_buf, "little")
-    if value != stored_crc or value != c.crc:
-        what = (
-            "its bytes do not match their checksum"
-            if value != stored_crc
-            else "it is a valid chunk but not the one the metadata lists"
-        )
-        raise ChecksumError(
-            f"chunk {c.key} of tensor {t.fqn!r} failed its CRC32C check ({what}: computed {value:#010x}, "
-            f"chunk file {stored_crc:#010x}, metadata {c.crc:#010x}); the checkpoint is damaged: restore it "
-            "from a copy or load an earlier checkpoint (arrays loaded in place may be partly overwritten)"
-        )
+    _check_crc(t, c, value, int.from_bytes(crc_buf, "little"))
     if not direct:
         box[...] = scratch[tuple(slice(0, s) for s in c.spec.sizes)]
     counter.add(box.nbytes)
 
 
+def _read_chunk_to_device(
+    reader: CheckpointReader, t: TensorEntry, c: ChunkRead, dest: DeviceArray, pool: BufferPool, counter: ProgressCounter
+) -> None:
+    """Read a chunk into a staging buffer, verify it, and copy its box into the device array."""
+    buf = pool.acquire(c.nbytes - CRC_BYTES)
+    try:
+        stored = buf[: c.nbytes - CRC_BYTES]
+        crc_buf = bytearray(CRC_BYTES)
+        try:
+            got = reader.read_chunk_into(t.name, c.key, [stored, crc_buf])
+        except FileNotFoundError:
+            raise MissingChunkError(f"chunk {c.key} of tensor {t.fqn!r} disappeared while loading") from None
+        if got != c.nbytes:
+            raise CheckpointCorruptedError(
+                f"chunk {c.key} of tensor {t.fqn!r}: read {got} bytes, expected {c.nbytes}; the file is truncated"
+            )
+        _check_crc(t, c, crc32c(stored), int.from_bytes(crc_buf, "little"))
+        itemsize = t.dtype.itemsize
+        if is_prefix_box(c.spec.sizes, c.stored):
+            block = stored[: c.spec.nelem * itemsize]
+        else:
+            full = stored.view(t.dtype.newbyteorder("<")).reshape(c.stored)
+            block = np.ascontiguousarray(full[tuple(slice(0, s) for s in c.spec.sizes)]).reshape(-1).view(np.uint8)
+        dest.backend.stage_in(block, dest.data, c.spec.offsets, c.spec.sizes).wait()
+    finally:
+        pool.release(buf)
+    counter.add(c.spec.nelem * t.dtype.itemsize)
+
+
 def read_tensors(
     reader: CheckpointReader,
-    targets: list[tuple[TensorEntry, np.ndarray]],
+    targets: list[tuple[TensorEntry, Any]],
     *,
     threads: int | None = None,
     progress: ProgressCallback | None = None,
+    staging_bytes: int = DEFAULT_STAGING_BYTES,
 ) -> None:
-    """Fill each host array of ``targets`` with its tensor's chunks, in parallel."""
+    """Fill each target (a host array or a :class:`DeviceArray`) with its tensor's chunks, in parallel.
+
+    Host targets are read straight into their memory where the layout allows.
+    Device targets go through a bounded pool of staging buffers: I/O threads
+    read and verify chunks into buffers and queue the host-to-device copies,
+    so reads of the next chunks overlap the copies of earlier ones.
+    """
     counter = ProgressCounter(progress, sum(t.nbytes for t, _ in targets))
-    jobs = [(t, c, dest) for t, dest in targets for c in t.chunks]
+    jobs: list[tuple[Any, ...]] = []
+    for t, dest in targets:
+        if isinstance(dest, DeviceArray):
+            if not t.chunks:
+                continue
+            largest = max(c.nbytes for c in t.chunks) - CRC_BYTES
+            pool = buffer_pool(dest.backend, staging_buffer_bytes(largest), staging_bytes)
+            jobs.extend((_read_chunk_to_device, reader, t, c, dest, pool, counter) for c in t.chunks)
+        else:
+            jobs.extend((_read_chunk, reader, t, c, dest, counter) for c in t.chunks)
     if not jobs:
         return
     if len(jobs) == 1:
-        _read_chunk(reader, *jobs[0], counter)
+        jobs[0][0](*jobs[0][1:])
         return
-    with ThreadPoolExecutor(max_workers=threads or default_threads(), thread_name_prefix="gpuckpt-read") as pool:
-        futures = [pool.submit(_read_chunk, reader, t, c, d, counter) for t, c, d in jobs]
+    with ThreadPoolExecutor(max_workers=threads or default_threads(), thread_name_prefix="gpuckpt-read") as pool_:
+        futures = [pool_.submit(*job) for job in jobs]
         try:
             for f in futures:
                 f.result()

@@ -17,6 +17,14 @@ from typing import Any
 import numpy as np
 
 from gpuckpt.device.arrays import ArrayAdapter, adapt, is_array
+from gpuckpt.device.backend import (
+    DEFAULT_STAGING_BYTES,
+    BufferPool,
+    DeviceArray,
+    Ticket,
+    buffer_pool,
+    staging_buffer_bytes,
+)
 from gpuckpt.metadata import (
     BytesStorageMetadata,
     Metadata,
@@ -85,9 +93,8 @@ def build_save_plan(
     return SavePlan(tensors, objects, skeleton)
 
 
-def _encode_chunk(host: np.ndarray, grid: ChunkGrid, spec: ChunkSpec) -> tuple[list[Any], int, int]:
-    """Buffers making up one stored chunk, its total size and its CRC32C."""
-    box = spec.view(host)
+def _encode_box(box: np.ndarray, grid: ChunkGrid, spec: ChunkSpec) -> tuple[list[Any], int, int]:
+    """Buffers making up one stored chunk holding ``box``, its total size and its CRC32C."""
     if box.dtype.byteorder == ">":
         box = box.astype(box.dtype.newbyteorder("<"))
     stored = grid.stored_chunk_shape(spec)
@@ -108,6 +115,17 @@ def _encode_chunk(host: np.ndarray, grid: ChunkGrid, spec: ChunkSpec) -> tuple[l
     return parts, data.nbytes + pad + CRC_BYTES, crc
 
 
+class _Failure:
+    """Lets the producer stop queueing work once any I/O job has failed."""
+
+    def __init__(self) -> None:
+        self.error: BaseException | None = None
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+
 def execute_save(
     plan: SavePlan,
     writer: CheckpointWriter,
@@ -115,17 +133,39 @@ def execute_save(
     threads: int | None = None,
     checkpoint_id: str | None = None,
     progress: ProgressCallback | None = None,
+    staging_bytes: int = DEFAULT_STAGING_BYTES,
 ) -> Metadata:
-    """Write ``plan`` through ``writer`` and commit; aborts the writer on any error."""
-    counter = ProgressCounter(progress, sum(t.array.host_array().nbytes for t in plan.tensors))
+    """Write ``plan`` through ``writer`` and commit; aborts the writer on any error.
+
+    Host tensors are encoded straight from their memory by the I/O threads.
+    Device tensors stream through a bounded pool of staging buffers: the
+    calling thread queues device-to-host copies of the next chunks (blocking
+    when the pool is exhausted) while the I/O threads wait for each copy,
+    checksum and write its buffer, and return it to the pool.
+    """
+    counter = ProgressCounter(progress, sum(_nbytes(t) for t in plan.tensors))
     state_md: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
     tensors_sd: dict[str, Any] = {}
+    failure = _Failure()
     writer.begin()
     try:
-        with ThreadPoolExecutor(max_workers=threads or default_threads(), thread_name_prefix="gpuckpt-write") as pool:
+        with ThreadPoolExecutor(max_workers=threads or default_threads(), thread_name_prefix="gpuckpt-write") as io:
             pending: list[tuple[dict[str, Any], Future[tuple[int, int]]]] = []
+
+            def submit(info: dict[str, Any], fn: Any, *args: Any) -> None:
+                def job() -> tuple[int, int]:
+                    try:
+                        return fn(*args)  # type: ignore[no-any-return]
+                    except BaseException as exc:
+                        failure.error = failure.error or exc
+                        raise
+
+                pending.append((info, io.submit(job)))
+
+            for backend in {id(t.array.backend): t.array.backend for t in plan.tensors if t.array.is_device}.values():
+                backend.wait_for_producers()
             for t in plan.tensors:
-                host = t.array.host_array()
+                failure.check()
                 writer.write_array_document(
                     t.name,
                     array_document(
@@ -139,7 +179,11 @@ def execute_save(
                 for spec in t.specs:
                     info: dict[str, Any] = {"key": chunk_file_key(spec.coords)}
                     infos.append(info)
-                    pending.append((info, pool.submit(_write_one, writer, t.name, info["key"], host, t.grid, spec, counter)))
+                    if t.array.is_device:
+                        failure.check()
+                        _queue_device_chunk(submit, info, writer, t, spec, staging_bytes, counter)
+                    else:
+                        submit(info, _write_host_chunk, writer, t.name, info["key"], t.array.host_array(), t.grid, spec, counter)
                 state_md[t.fqn] = TensorStorageMetadata(
                     properties=t.properties, size=t.array.shape, chunks=[s.as_metadata() for s in t.specs]
                 )
@@ -167,7 +211,11 @@ def execute_save(
     return metadata
 
 
-def _write_one(
+def _nbytes(t: TensorPlan) -> int:
+    return int(np.prod(t.array.shape, dtype=np.int64)) * t.array.dtype.itemsize
+
+
+def _write_host_chunk(
     writer: CheckpointWriter,
     name: str,
     key: str,
@@ -176,7 +224,54 @@ def _write_one(
     spec: ChunkSpec,
     counter: ProgressCounter,
 ) -> tuple[int, int]:
-    parts, nbytes, crc = _encode_chunk(host, grid, spec)
+    parts, nbytes, crc = _encode_box(spec.view(host), grid, spec)
     writer.write_chunk(name, key, parts)
     counter.add(spec.nelem * host.dtype.itemsize)
     return nbytes, crc
+
+
+def _queue_device_chunk(
+    submit: Any,
+    info: dict[str, Any],
+    writer: CheckpointWriter,
+    t: TensorPlan,
+    spec: ChunkSpec,
+    staging_bytes: int,
+    counter: ProgressCounter,
+) -> None:
+    dev = t.array
+    assert isinstance(dev, DeviceArray)
+    nbytes = spec.nelem * dev.dtype.itemsize
+    largest = max(s.nelem for s in t.specs) * dev.dtype.itemsize
+    pool = buffer_pool(dev.backend, staging_buffer_bytes(largest), staging_bytes)
+    buf = pool.acquire(nbytes)  # blocks while the budget is in use: back-pressure
+    try:
+        ticket = dev.backend.stage_out(dev.data, spec.offsets, spec.sizes, buf[:nbytes])
+    except BaseException:
+        pool.release(buf)
+        raise
+    submit(info, _write_staged_chunk, writer, t.name, info["key"], buf, nbytes, dev.dtype, t.grid, spec, ticket, pool, counter)
+
+
+def _write_staged_chunk(
+    writer: CheckpointWriter,
+    name: str,
+    key: str,
+    buf: np.ndarray,
+    nbytes: int,
+    dtype: np.dtype[Any],
+    grid: ChunkGrid,
+    spec: ChunkSpec,
+    ticket: Ticket,
+    pool: BufferPool,
+    counter: ProgressCounter,
+) -> tuple[int, int]:
+    try:
+        ticket.wait()
+        box = buf[:nbytes].view(dtype).reshape(spec.sizes)
+        parts, total, crc = _encode_box(box, grid, spec)
+        writer.write_chunk(name, key, parts)
+    finally:
+        pool.release(buf)
+    counter.add(nbytes)
+    return total, crc

@@ -15,7 +15,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from gpuckpt import memory_format as mf
-from gpuckpt.errors import UnsupportedValueError
+from gpuckpt.errors import DeviceUnavailableError, UnsupportedValueError
 
 __all__ = ["ArrayAdapter", "HostArray", "HostMemory", "adapt", "is_array"]
 
@@ -43,7 +43,8 @@ def is_array(value: Any) -> bool:
     if isinstance(value, (np.generic, str, bytes, int, float, complex, bool, type(None), list, tuple, dict)):
         return False
     return any(
-        hasattr(value, a) for a in ("__cuda_array_interface__", "__dlpack__", "__array_interface__")
+        hasattr(value, a)
+        for a in ("__gpuckpt_adapter__", "__cuda_array_interface__", "__dlpack__", "__array_interface__")
     )
 
 
@@ -122,6 +123,12 @@ def adapt(value: Any) -> ArrayAdapter:
         from gpuckpt.device import cuda
         from gpuckpt.device.backend import DeviceArray
 
+        if not cuda.gpu_available():
+            raise DeviceUnavailableError(
+                f"{type(value).__module__}.{type(value).__qualname__} lives in device memory, but no usable "
+                "GPU was found (CuPy missing, or no driver/device); install CuPy for your CUDA version "
+                "(pip install 'gpuckpt[gpu]') on a machine with an NVIDIA GPU"
+            )
         data, dtype, requires_grad = cuda.as_device_array(value)
         return DeviceArray(data, cuda.backend_for_device(int(data.device.id)), dtype, requires_grad)
     try:

@@ -73,6 +73,14 @@ class DeviceBackend(Protocol):
         """Queue a copy of the C-ordered host block ``src`` into ``array[box]``."""
         ...
 
+    def snapshot_to_host(self, array: Any, dest: np.ndarray) -> Ticket:
+        """Queue a copy of the memory image of a dense ``array`` (C or channels-last order) into ``dest``."""
+        ...
+
+    def wait_for_producers(self) -> None:
+        """Order the backend's stream after work already queued by the caller (its current stream)."""
+        ...
+
     def pinned_allocator(self) -> Any:
         """Callable ``(nbytes) -> uint8 ndarray`` of host memory suited to fast copies."""
         ...
@@ -209,6 +217,16 @@ class HostBackend:
 
         return self._run(copy, src.nbytes)
 
+    def snapshot_to_host(self, array: Any, dest: np.ndarray) -> Ticket:
+        order = mf.physical_order(array.ndim, mf.detect_memory_format(array.shape, array.strides, array.itemsize))
+        physical = array.transpose(order)
+        if not physical.flags.c_contiguous:
+            raise ValueError(f"snapshot_to_host needs a dense array, got strides {array.strides}")
+        return self._run(lambda: np.copyto(dest.view(array.dtype).reshape(physical.shape), physical), dest.nbytes)
+
+    def wait_for_producers(self) -> None:
+        """Host arrays have no pending producers."""
+
     def pinned_allocator(self) -> Any:
         return lambda nbytes: np.empty(nbytes, np.uint8)
 
@@ -292,9 +310,9 @@ _pools_lock = threading.Lock()
 def staging_buffer_bytes(largest_chunk: int) -> int:
     """Buffer size for a pipeline whose largest chunk is ``largest_chunk`` bytes.
 
-    A power of two of at least 1 MiB, so that saves of similar states share a pool.
+    A power of two (at least 4 KiB), so that saves of similar states share a pool.
     """
-    return max(1 << 20, 1 << max(0, largest_chunk - 1).bit_length())
+    return max(4096, 1 << max(0, largest_chunk - 1).bit_length())
 
 
 def buffer_pool(backend: DeviceBackend, buffer_bytes: int, budget_bytes: int = DEFAULT_STAGING_BYTES) -> BufferPool:

@@ -178,6 +178,25 @@ class CupyBackend:
             event = self.stream.record()
         return _EventTicket(event, tmp)
 
+    def snapshot_to_host(self, array: Any, dest: np.ndarray) -> Any:
+        cupy = self.cupy
+        arr = self._view(array)
+        order = mf.physical_order(arr.ndim, mf.detect_memory_format(arr.shape, arr.strides, arr.itemsize))
+        if not arr.transpose(order).flags.c_contiguous:
+            raise ValueError(f"snapshot_to_host needs a dense array, got strides {arr.strides}")
+        with cupy.cuda.Device(self.device_id):
+            # dense with positive strides: the memory image starts at data.ptr
+            cupy.cuda.runtime.memcpyAsync(
+                dest.ctypes.data, arr.data.ptr, arr.nbytes, cupy.cuda.runtime.memcpyDeviceToHost, self.stream.ptr
+            )
+            event = self.stream.record()
+        return _EventTicket(event, arr)
+
+    def wait_for_producers(self) -> None:
+        cupy = self.cupy
+        with cupy.cuda.Device(self.device_id):
+            self.stream.wait_event(cupy.cuda.get_current_stream().record())
+
     def pinned_allocator(self) -> Any:
         cupy = self.cupy
 
