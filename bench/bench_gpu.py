@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
 import sys
@@ -89,8 +88,16 @@ def main(argv: list[str] | None = None) -> int:
 
     disk_w = host_bytes / median_time(disk_write, args.rounds)[0] / 1e9
     scratch = [np.empty_like(a) for a in host_arrays]
-    disk_r = host_bytes / median_time(lambda: rawio.raw_single_load(scratch, base / "raw"), args.rounds)[0] / 1e9
-    res["ceilings_GBps"] = {"d2h_pinned": d2h, "h2d_pinned": h2d, "d2d_read_plus_write": d2d, "disk_write_fsync": disk_w, "disk_read_warm": disk_r}
+    disk_r = (
+        host_bytes / median_time(lambda: rawio.raw_single_load(scratch, base / "raw"), args.rounds)[0] / 1e9
+    )
+    res["ceilings_GBps"] = {
+        "d2h_pinned": d2h,
+        "h2d_pinned": h2d,
+        "d2d_read_plus_write": d2d,
+        "disk_write_fsync": disk_w,
+        "disk_read_warm": disk_r,
+    }
 
     # gpuckpt ------------------------------------------------------------
     k = [0]
@@ -104,7 +111,9 @@ def main(argv: list[str] | None = None) -> int:
     last = base / f"s{k[0]}"
     targets = {"layers": [{"w": cp.empty_like(x["w"])} for x in state["layers"]]}
     t_load = median_time(lambda: gpuckpt.load(targets, last), args.rounds)
-    assert all(bool((a["w"] == b["w"]).all()) for a, b in zip(targets["layers"], state["layers"]))
+    assert all(
+        bool((a["w"] == b["w"]).all()) for a, b in zip(targets["layers"], state["layers"], strict=True)
+    )
 
     def blocking(staging: str) -> tuple[float, float, float]:
         times = []
@@ -137,12 +146,22 @@ def main(argv: list[str] | None = None) -> int:
     shutil.rmtree(base, ignore_errors=True)
     c, g = res["ceilings_GBps"], res["gpuckpt"]
     print(f"\nGPU benchmark on {res['device']}, state {total / 2**30:.2f} GiB")
-    print(f"ceilings GB/s: D2H {c['d2h_pinned']:.1f}  H2D {c['h2d_pinned']:.1f}  D2D {c['d2d_read_plus_write']:.1f}  "
-          f"disk write+fsync {c['disk_write_fsync']:.2f}  disk read warm {c['disk_read_warm']:.2f}")
-    print(f"save          {g['save_GBps']:6.2f} GB/s  ratio to min(D2H, disk)      {g['save_ratio_to_min_d2h_disk']:.2f}  (target >= 0.85)")
-    print(f"load          {g['load_GBps']:6.2f} GB/s  ratio to min(H2D, warm read) {g['load_ratio_to_min_h2d_warm_read']:.2f}  (target >= 0.80)")
-    print(f"async_save    blocks {g['async_block_s']:.3f} s = {g['async_block_ratio_to_one_d2h']:.2f} x one D2H copy  (target <= 1.1)")
-    print(f"async device  blocks {g['async_device_block_s']:.3f} s = {g['async_device_block_ratio_to_one_d2d']:.2f} x one D2D copy")
+    print(
+        f"ceilings GB/s: D2H {c['d2h_pinned']:.1f}  H2D {c['h2d_pinned']:.1f}  D2D {c['d2d_read_plus_write']:.1f}  "
+        f"disk write+fsync {c['disk_write_fsync']:.2f}  disk read warm {c['disk_read_warm']:.2f}"
+    )
+    print(
+        f"save          {g['save_GBps']:6.2f} GB/s  ratio to min(D2H, disk)      {g['save_ratio_to_min_d2h_disk']:.2f}  (target >= 0.85)"
+    )
+    print(
+        f"load          {g['load_GBps']:6.2f} GB/s  ratio to min(H2D, warm read) {g['load_ratio_to_min_h2d_warm_read']:.2f}  (target >= 0.80)"
+    )
+    print(
+        f"async_save    blocks {g['async_block_s']:.3f} s = {g['async_block_ratio_to_one_d2h']:.2f} x one D2H copy  (target <= 1.1)"
+    )
+    print(
+        f"async device  blocks {g['async_device_block_s']:.3f} s = {g['async_device_block_ratio_to_one_d2d']:.2f} x one D2D copy"
+    )
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "bench_gpu.json").write_text(json.dumps(res, indent=2))

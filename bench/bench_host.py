@@ -98,7 +98,9 @@ def bench_state(label: str, sd: dict[str, Any], rounds: int, base: Path) -> dict
 
 def print_table(res: dict[str, Any]) -> None:
     print(f"\n{res['label']}: {res['tensors']} tensors, {res['bytes'] / 2**30:.3f} GiB")
-    print(f"{'system':<12} {'save GB/s':>10} {'(min-max s)':>16} {'ratio':>6}   {'load GB/s':>10} {'(min-max s)':>16} {'ratio':>6}")
+    print(
+        f"{'system':<12} {'save GB/s':>10} {'(min-max s)':>16} {'ratio':>6}   {'load GB/s':>10} {'(min-max s)':>16} {'ratio':>6}"
+    )
     for name, s in res["systems"].items():
         sv, ld = s["save"], s["load"]
         print(

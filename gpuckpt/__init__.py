@@ -2,7 +2,6 @@
 
 from gpuckpt.api import load, load_state_dict, read_metadata, save
 from gpuckpt.background import SaveFuture, async_save
-from gpuckpt.manager import CheckpointManager
 from gpuckpt.dtypes import get_default_dtype, set_default_dtype
 from gpuckpt.errors import (
     CheckpointCorruptedError,
@@ -20,6 +19,7 @@ from gpuckpt.errors import (
     UnsupportedValueError,
     UnsupportedVersionError,
 )
+from gpuckpt.manager import CheckpointManager
 from gpuckpt.memory_format import (
     channels_last,
     channels_last_3d,

@@ -83,7 +83,12 @@ def save(
     plan = build_save_plan(state_dict, chunk_bytes=chunk_bytes, allow_pickle=allow_pickle)
     writer = LocalWriter(path, overwrite=overwrite, sync=sync, expected_files=plan.nfiles)
     return execute_save(
-        plan, writer, threads=threads, checkpoint_id=str(uuid.uuid4()), progress=progress, staging_bytes=staging_bytes
+        plan,
+        writer,
+        threads=threads,
+        checkpoint_id=str(uuid.uuid4()),
+        progress=progress,
+        staging_bytes=staging_bytes,
     )
 
 

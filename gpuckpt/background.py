@@ -36,7 +36,9 @@ __all__ = ["SaveFuture", "async_save", "wait_all"]
 _lock = threading.Lock()
 _executor: ThreadPoolExecutor | None = None
 _pools: dict[int, ArenaPool] = {}
-_copy_threads = ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1)), thread_name_prefix="gpuckpt-snap")
+_copy_threads = ThreadPoolExecutor(
+    max_workers=max(1, min(4, os.cpu_count() or 1)), thread_name_prefix="gpuckpt-snap"
+)
 _SLAB = 32 << 20
 
 
@@ -146,9 +148,13 @@ def snapshot_on_device(plan: SavePlan) -> None:
         if t.array.is_device:
             dev = t.array
             assert isinstance(dev, DeviceArray)
-            t.array = DeviceArray(dev.backend.copy_on_device(dev.data), dev.backend, dev.dtype, dev.requires_grad)
+            t.array = DeviceArray(
+                dev.backend.copy_on_device(dev.data), dev.backend, dev.dtype, dev.requires_grad
+            )
         else:
-            t.array = HostArray(t.array.host_array().copy(), t.properties.requires_grad, t.properties.pin_memory)
+            t.array = HostArray(
+                t.array.host_array().copy(), t.properties.requires_grad, t.properties.pin_memory
+            )
     for b in backends.values():
         b.synchronize()
 
@@ -210,7 +216,11 @@ def async_save(
     def run() -> Metadata:
         try:
             return execute_save(
-                plan, writer, threads=threads, checkpoint_id=str(uuid.uuid4()), progress=progress,
+                plan,
+                writer,
+                threads=threads,
+                checkpoint_id=str(uuid.uuid4()),
+                progress=progress,
                 staging_bytes=staging_bytes,
             )
         finally:

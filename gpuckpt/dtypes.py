@@ -61,9 +61,7 @@ ML_DTYPE_NAMES: tuple[str, ...] = (
     "float8_e8m0fnu",
 )
 
-_ML_NAMES: dict[str, np.dtype[Any]] = {
-    name: np.dtype(getattr(ml_dtypes, name)) for name in ML_DTYPE_NAMES
-}
+_ML_NAMES: dict[str, np.dtype[Any]] = {name: np.dtype(getattr(ml_dtypes, name)) for name in ML_DTYPE_NAMES}
 
 _BY_NAME: dict[str, np.dtype[Any]] = {**_NUMPY_NAMES, **_ML_NAMES}
 _BY_DTYPE: dict[np.dtype[Any], str] = {dt: name for name, dt in _BY_NAME.items()}

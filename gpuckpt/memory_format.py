@@ -94,9 +94,7 @@ def _is_dense_in_order(
     return True
 
 
-def detect_memory_format(
-    shape: Sequence[int], strides: Sequence[int], itemsize: int
-) -> MemoryFormat:
+def detect_memory_format(shape: Sequence[int], strides: Sequence[int], itemsize: int) -> MemoryFormat:
     """Memory format of a dense array from its shape and byte strides.
 
     C-contiguous wins over channels-last when both describe the array (for

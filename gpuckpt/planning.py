@@ -151,7 +151,9 @@ class ChunkGrid:
             raise ValueError(f"chunk_grid.configuration must be an object, found {conf!r}")
         if name == "regular":
             cs = conf.get("chunk_shape")
-            if not isinstance(cs, list) or not all(isinstance(c, int) and not isinstance(c, bool) for c in cs):
+            if not isinstance(cs, list) or not all(
+                isinstance(c, int) and not isinstance(c, bool) for c in cs
+            ):
                 raise ValueError(f"chunk_shape must be a list of integers, found {cs!r}")
             return cls.regular(shape, cs)
         if name == "rectilinear":

@@ -19,7 +19,13 @@ from typing import Any
 
 import numpy as np
 
-from gpuckpt.device.backend import DEFAULT_STAGING_BYTES, BufferPool, DeviceArray, buffer_pool, staging_buffer_bytes
+from gpuckpt.device.backend import (
+    DEFAULT_STAGING_BYTES,
+    BufferPool,
+    DeviceArray,
+    buffer_pool,
+    staging_buffer_bytes,
+)
 from gpuckpt.errors import (
     CheckpointCorruptedError,
     ChecksumError,
@@ -28,11 +34,11 @@ from gpuckpt.errors import (
 )
 from gpuckpt.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 from gpuckpt.planning import ChunkGrid, ChunkSpec
+from gpuckpt.progress import ProgressCallback, ProgressCounter
 from gpuckpt.storage.base import CheckpointReader
 from gpuckpt.storage.chunkio import CRC_BYTES, crc32c, is_prefix_box, stored_nbytes
 from gpuckpt.storage.layout import chunk_file_key, is_chunk_file_key
 from gpuckpt.storage.names import is_safe_name
-from gpuckpt.progress import ProgressCallback, ProgressCounter
 from gpuckpt.writing import default_threads
 
 __all__ = ["ChunkRead", "TensorEntry", "check_chunk_files", "read_tensors", "validate_metadata"]
@@ -71,13 +77,20 @@ class TensorEntry:
 
 
 def _bad(fqn: str, what: str) -> MetadataError:
-    return MetadataError(f"metadata of tensor {fqn!r} is inconsistent: {what}; the checkpoint is damaged or was not written by gpuckpt")
+    return MetadataError(
+        f"metadata of tensor {fqn!r} is inconsistent: {what}; "
+        "the checkpoint is damaged or was not written by gpuckpt"
+    )
 
 
 def validate_metadata(md: Metadata) -> tuple[dict[str, TensorEntry], dict[str, Any]]:
     """Cross-check ``state_dict_metadata`` with ``storage_data``; returns tensors and encoded objects."""
     sd = md.storage_data
-    if not isinstance(sd, dict) or not isinstance(sd.get("tensors"), dict) or not isinstance(sd.get("objects"), dict):
+    if (
+        not isinstance(sd, dict)
+        or not isinstance(sd.get("tensors"), dict)
+        or not isinstance(sd.get("objects"), dict)
+    ):
         raise MetadataError("metadata.storage_data must hold 'tensors' and 'objects' objects")
     pd = md.planner_data
     if not isinstance(pd, dict) or "structure" not in pd:
@@ -121,7 +134,10 @@ def validate_metadata(md: Metadata) -> tuple[dict[str, TensorEntry], dict[str, A
                 raise _bad(fqn, f"chunk {i} key {key!r} is not {chunk_file_key(spec.coords)!r}")
             stored = grid.stored_chunk_shape(spec)
             if nbytes != stored_nbytes(stored, itemsize) or isinstance(nbytes, bool):
-                raise _bad(fqn, f"chunk {key} claims {nbytes!r} bytes, its shape needs {stored_nbytes(stored, itemsize)}")
+                raise _bad(
+                    fqn,
+                    f"chunk {key} claims {nbytes!r} bytes, its shape needs {stored_nbytes(stored, itemsize)}",
+                )
             if not isinstance(crc, int) or isinstance(crc, bool) or not 0 <= crc < 2**32:
                 raise _bad(fqn, f"chunk {key} checksum {crc!r} is not a 32-bit value")
             chunks.append(ChunkRead(spec, key, nbytes, crc, tuple(stored)))
@@ -160,61 +176,62 @@ def _check_crc(t: TensorEntry, c: ChunkRead, value: int, stored_crc: int) -> Non
         )
 
 
-def _read_chunk(
-    reader: CheckpointReader, t: TensorEntry, c: ChunkRead, dest: np.ndarray, counter: ProgressCounter
-) -> None:
-    box = c.spec.view(dest)
-    itemsize = t.dtype.itemsize
+def _fetch_verified(reader: CheckpointReader, t: TensorEntry, c: ChunkRead, parts: list[Any]) -> None:
+    """Read chunk ``c`` into the buffers ``parts`` (its stored bytes) and check its size and CRC32C."""
     crc_buf = bytearray(CRC_BYTES)
-    direct = box.flags.c_contiguous and box.dtype.byteorder != ">" and is_prefix_box(c.spec.sizes, c.stored)
-    if direct:
-        data = box.reshape(-1).view(np.uint8)
-        pad = np.empty(c.nbytes - CRC_BYTES - data.nbytes, np.uint8)
-        parts: list[Any] = [data, pad, crc_buf] if pad.nbytes else [data, crc_buf]
-    else:
-        scratch = np.empty(c.stored, dtype=t.dtype.newbyteorder("<"))
-        data = scratch.reshape(-1).view(np.uint8)
-        parts = [data, crc_buf]
     try:
-        got = reader.read_chunk_into(t.name, c.key, parts)
+        got = reader.read_chunk_into(t.name, c.key, [*parts, crc_buf])
     except FileNotFoundError:
         raise MissingChunkError(f"chunk {c.key} of tensor {t.fqn!r} disappeared while loading") from None
     if got != c.nbytes:
         raise CheckpointCorruptedError(
             f"chunk {c.key} of tensor {t.fqn!r}: read {got} bytes, expected {c.nbytes}; the file is truncated"
         )
-    value = crc32c(data)
-    if direct and pad.nbytes:
-        value = crc32c(pad, value)
+    value = 0
+    for p in parts:
+        value = crc32c(p, value)
     _check_crc(t, c, value, int.from_bytes(crc_buf, "little"))
-    if not direct:
+
+
+def _read_chunk(
+    reader: CheckpointReader, t: TensorEntry, c: ChunkRead, dest: np.ndarray, counter: ProgressCounter
+) -> None:
+    box = c.spec.view(dest)
+    direct = box.flags.c_contiguous and box.dtype.byteorder != ">" and is_prefix_box(c.spec.sizes, c.stored)
+    if direct:
+        # straight into the destination; padding of an edge chunk goes to scratch
+        data = box.reshape(-1).view(np.uint8)
+        pad = c.nbytes - CRC_BYTES - data.nbytes
+        _fetch_verified(reader, t, c, [data, np.empty(pad, np.uint8)] if pad else [data])
+    else:
+        scratch = np.empty(c.stored, dtype=t.dtype.newbyteorder("<"))
+        _fetch_verified(reader, t, c, [scratch.reshape(-1).view(np.uint8)])
         box[...] = scratch[tuple(slice(0, s) for s in c.spec.sizes)]
     counter.add(box.nbytes)
 
 
 def _read_chunk_to_device(
-    reader: CheckpointReader, t: TensorEntry, c: ChunkRead, dest: DeviceArray, pool: BufferPool, counter: ProgressCounter
+    reader: CheckpointReader,
+    t: TensorEntry,
+    c: ChunkRead,
+    dest: DeviceArray,
+    pool: BufferPool,
+    counter: ProgressCounter,
 ) -> None:
     """Read a chunk into a staging buffer, verify it, and copy its box into the device array."""
     buf = pool.acquire(c.nbytes - CRC_BYTES)
     try:
         stored = buf[: c.nbytes - CRC_BYTES]
-        crc_buf = bytearray(CRC_BYTES)
-        try:
-            got = reader.read_chunk_into(t.name, c.key, [stored, crc_buf])
-        except FileNotFoundError:
-            raise MissingChunkError(f"chunk {c.key} of tensor {t.fqn!r} disappeared while loading") from None
-        if got != c.nbytes:
-            raise CheckpointCorruptedError(
-                f"chunk {c.key} of tensor {t.fqn!r}: read {got} bytes, expected {c.nbytes}; the file is truncated"
-            )
-        _check_crc(t, c, crc32c(stored), int.from_bytes(crc_buf, "little"))
-        itemsize = t.dtype.itemsize
+        _fetch_verified(reader, t, c, [stored])
         if is_prefix_box(c.spec.sizes, c.stored):
-            block = stored[: c.spec.nelem * itemsize]
+            block = stored[: c.spec.nelem * t.dtype.itemsize]
         else:
             full = stored.view(t.dtype.newbyteorder("<")).reshape(c.stored)
-            block = np.ascontiguousarray(full[tuple(slice(0, s) for s in c.spec.sizes)]).reshape(-1).view(np.uint8)
+            block = (
+                np.ascontiguousarray(full[tuple(slice(0, s) for s in c.spec.sizes)])
+                .reshape(-1)
+                .view(np.uint8)
+            )
         dest.backend.stage_in(block, dest.data, c.spec.offsets, c.spec.sizes).wait()
     finally:
         pool.release(buf)
@@ -252,7 +269,9 @@ def read_tensors(
     if len(jobs) == 1:
         jobs[0][0](*jobs[0][1:])
         return
-    with ThreadPoolExecutor(max_workers=threads or default_threads(), thread_name_prefix="gpuckpt-read") as pool_:
+    with ThreadPoolExecutor(
+        max_workers=threads or default_threads(), thread_name_prefix="gpuckpt-read"
+    ) as pool_:
         futures = [pool_.submit(*job) for job in jobs]
         try:
             for f in futures:

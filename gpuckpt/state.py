@@ -98,7 +98,9 @@ def flatten_state_dict(
                     items.append(["i" if isinstance(k, int) else "s", k, visit(value, k, v, name, depth + 1)])
                 return {"d": items}
             seq = value if isinstance(value, list) else list(value)
-            kids = [visit(seq, i, v, f"{prefix}.{i}" if depth else str(i), depth + 1) for i, v in enumerate(seq)]
+            kids = [
+                visit(seq, i, v, f"{prefix}.{i}" if depth else str(i), depth + 1) for i, v in enumerate(seq)
+            ]
             return {"l": kids} if isinstance(value, list) else {"t": kids}
         finally:
             active.discard(id(value))
@@ -116,7 +118,7 @@ def unflatten_state_dict(skeleton: Any, values: Mapping[str, Any]) -> dict[str, 
     def build(node: Any, depth: int) -> tuple[bool, Any]:
         if depth > _MAX_DEPTH or not isinstance(node, dict) or len(node) != 1:
             raise MetadataError(f"malformed structure node in planner_data: {str(node)[:200]}")
-        (tag, body), = node.items()
+        ((tag, body),) = node.items()
         if tag == "v":
             if not isinstance(body, str):
                 raise MetadataError(f"malformed structure leaf in planner_data: {body!r}")

@@ -32,8 +32,8 @@ from gpuckpt.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
-from gpuckpt.progress import ProgressCallback, ProgressCounter
 from gpuckpt.planning import DEFAULT_CHUNK_BYTES, ChunkGrid, ChunkSpec, plan_regular_grid
+from gpuckpt.progress import ProgressCallback, ProgressCounter
 from gpuckpt.state import flatten_state_dict
 from gpuckpt.storage.base import CheckpointWriter
 from gpuckpt.storage.chunkio import CRC_BYTES, crc32c, is_prefix_box, padded_chunk, zeros_crc
@@ -149,7 +149,9 @@ def execute_save(
     failure = _Failure()
     writer.begin()
     try:
-        with ThreadPoolExecutor(max_workers=threads or default_threads(), thread_name_prefix="gpuckpt-write") as io:
+        with ThreadPoolExecutor(
+            max_workers=threads or default_threads(), thread_name_prefix="gpuckpt-write"
+        ) as io:
             pending: list[tuple[dict[str, Any], Future[tuple[int, int]]]] = []
 
             def submit(info: dict[str, Any], fn: Any, *args: Any) -> None:
@@ -162,7 +164,9 @@ def execute_save(
 
                 pending.append((info, io.submit(job)))
 
-            for backend in {id(t.array.backend): t.array.backend for t in plan.tensors if t.array.is_device}.values():
+            for backend in {
+                id(t.array.backend): t.array.backend for t in plan.tensors if t.array.is_device
+            }.values():
                 backend.wait_for_producers()
             for t in plan.tensors:
                 failure.check()
@@ -172,7 +176,9 @@ def execute_save(
                         shape=t.array.shape,
                         dtype=t.array.dtype,
                         grid=t.grid,
-                        attributes={"gpuckpt": {"fqn": t.fqn, "memory_format": t.properties.memory_format.name}},
+                        attributes={
+                            "gpuckpt": {"fqn": t.fqn, "memory_format": t.properties.memory_format.name}
+                        },
                     ),
                 )
                 infos = []
@@ -183,7 +189,17 @@ def execute_save(
                         failure.check()
                         _queue_device_chunk(submit, info, writer, t, spec, staging_bytes, counter)
                     else:
-                        submit(info, _write_host_chunk, writer, t.name, info["key"], t.array.host_array(), t.grid, spec, counter)
+                        submit(
+                            info,
+                            _write_host_chunk,
+                            writer,
+                            t.name,
+                            info["key"],
+                            t.array.host_array(),
+                            t.grid,
+                            spec,
+                            counter,
+                        )
                 state_md[t.fqn] = TensorStorageMetadata(
                     properties=t.properties, size=t.array.shape, chunks=[s.as_metadata() for s in t.specs]
                 )
@@ -250,7 +266,21 @@ def _queue_device_chunk(
     except BaseException:
         pool.release(buf)
         raise
-    submit(info, _write_staged_chunk, writer, t.name, info["key"], buf, nbytes, dev.dtype, t.grid, spec, ticket, pool, counter)
+    submit(
+        info,
+        _write_staged_chunk,
+        writer,
+        t.name,
+        info["key"],
+        buf,
+        nbytes,
+        dev.dtype,
+        t.grid,
+        spec,
+        ticket,
+        pool,
+        counter,
+    )
 
 
 def _write_staged_chunk(

@@ -149,7 +149,9 @@ def adapt(value: Any) -> ArrayAdapter:
             f"cannot view {type(value).__qualname__} as a host array without copying: {exc}"
         ) from exc
     if arr.dtype == object:
-        raise UnsupportedValueError(f"{type(value).__qualname__} converts to an object array; it cannot be stored")
+        raise UnsupportedValueError(
+            f"{type(value).__qualname__} converts to an object array; it cannot be stored"
+        )
     return HostArray(arr, requires_grad=requires_grad, pinned=pinned)
 
 

@@ -65,11 +65,15 @@ class DeviceBackend(Protocol):
 
     name: str
 
-    def stage_out(self, array: Any, offsets: tuple[int, ...], sizes: tuple[int, ...], dest: np.ndarray) -> Ticket:
+    def stage_out(
+        self, array: Any, offsets: tuple[int, ...], sizes: tuple[int, ...], dest: np.ndarray
+    ) -> Ticket:
         """Queue a copy of ``array[box]`` in logical C order into the host buffer ``dest``."""
         ...
 
-    def stage_in(self, src: np.ndarray, array: Any, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> Ticket:
+    def stage_in(
+        self, src: np.ndarray, array: Any, offsets: tuple[int, ...], sizes: tuple[int, ...]
+    ) -> Ticket:
         """Queue a copy of the C-ordered host block ``src`` into ``array[box]``."""
         ...
 
@@ -188,7 +192,9 @@ class HostBackend:
 
         return _FutureTicket(self._stream.submit(job))
 
-    def stage_out(self, array: Any, offsets: tuple[int, ...], sizes: tuple[int, ...], dest: np.ndarray) -> Ticket:
+    def stage_out(
+        self, array: Any, offsets: tuple[int, ...], sizes: tuple[int, ...], dest: np.ndarray
+    ) -> Ticket:
         out = dest.view(array.dtype).reshape(sizes)
 
         def copy() -> None:
@@ -203,7 +209,9 @@ class HostBackend:
 
         return self._run(copy, dest.nbytes)
 
-    def stage_in(self, src: np.ndarray, array: Any, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> Ticket:
+    def stage_in(
+        self, src: np.ndarray, array: Any, offsets: tuple[int, ...], sizes: tuple[int, ...]
+    ) -> Ticket:
         block = src.view(array.dtype).reshape(sizes)
 
         def copy() -> None:
@@ -218,11 +226,15 @@ class HostBackend:
         return self._run(copy, src.nbytes)
 
     def snapshot_to_host(self, array: Any, dest: np.ndarray) -> Ticket:
-        order = mf.physical_order(array.ndim, mf.detect_memory_format(array.shape, array.strides, array.itemsize))
+        order = mf.physical_order(
+            array.ndim, mf.detect_memory_format(array.shape, array.strides, array.itemsize)
+        )
         physical = array.transpose(order)
         if not physical.flags.c_contiguous:
             raise ValueError(f"snapshot_to_host needs a dense array, got strides {array.strides}")
-        return self._run(lambda: np.copyto(dest.view(array.dtype).reshape(physical.shape), physical), dest.nbytes)
+        return self._run(
+            lambda: np.copyto(dest.view(array.dtype).reshape(physical.shape), physical), dest.nbytes
+        )
 
     def wait_for_producers(self) -> None:
         """Host arrays have no pending producers."""
@@ -236,7 +248,9 @@ class HostBackend:
         return HostMemory().allocate(shape, dtype, memory_format)
 
     def copy_on_device(self, array: Any) -> Any:
-        out = self.allocate(array.shape, array.dtype, mf.detect_memory_format(array.shape, array.strides, array.itemsize))
+        out = self.allocate(
+            array.shape, array.dtype, mf.detect_memory_format(array.shape, array.strides, array.itemsize)
+        )
         np.copyto(out, array)
         return out
 
@@ -315,7 +329,9 @@ def staging_buffer_bytes(largest_chunk: int) -> int:
     return max(4096, 1 << max(0, largest_chunk - 1).bit_length())
 
 
-def buffer_pool(backend: DeviceBackend, buffer_bytes: int, budget_bytes: int = DEFAULT_STAGING_BYTES) -> BufferPool:
+def buffer_pool(
+    backend: DeviceBackend, buffer_bytes: int, budget_bytes: int = DEFAULT_STAGING_BYTES
+) -> BufferPool:
     """The shared pool of ``backend`` for this buffer size and budget (created once, then reused)."""
     with _pools_lock:
         pools = _pools.setdefault(backend, {})

@@ -33,7 +33,9 @@ __all__ = [
     "is_pinned_pointer",
 ]
 
-_INSTALL_HINT = "install CuPy for your CUDA version (pip install 'gpuckpt[gpu]') on a machine with an NVIDIA GPU"
+_INSTALL_HINT = (
+    "install CuPy for your CUDA version (pip install 'gpuckpt[gpu]') on a machine with an NVIDIA GPU"
+)
 
 
 def import_cupy() -> Any:
@@ -41,7 +43,9 @@ def import_cupy() -> Any:
     try:
         import cupy
     except ImportError as exc:
-        raise DeviceUnavailableError(f"device arrays need CuPy, which is not installed: {_INSTALL_HINT}") from exc
+        raise DeviceUnavailableError(
+            f"device arrays need CuPy, which is not installed: {_INSTALL_HINT}"
+        ) from exc
     return cupy
 
 
@@ -146,7 +150,9 @@ class CupyBackend:
             return kernels.channels_last_to_contiguous(arr, box=(offsets, sizes))
         return self.cupy.ascontiguousarray(box)
 
-    def stage_out(self, array: Any, offsets: tuple[int, ...], sizes: tuple[int, ...], dest: np.ndarray) -> Any:
+    def stage_out(
+        self, array: Any, offsets: tuple[int, ...], sizes: tuple[int, ...], dest: np.ndarray
+    ) -> Any:
         cupy = self.cupy
         with cupy.cuda.Device(self.device_id), self.stream:
             src = self._contiguous_box(self._view(array), offsets, sizes)
@@ -163,11 +169,19 @@ class CupyBackend:
         cupy = self.cupy
         arr = self._view(array)
         with cupy.cuda.Device(self.device_id), self.stream:
-            box = arr[tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=True))] if sizes else arr[...]
+            box = (
+                arr[tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=True))]
+                if sizes
+                else arr[...]
+            )
             direct = box.flags.c_contiguous
             tmp = box if direct else cupy.empty(sizes, dtype=arr.dtype)
             cupy.cuda.runtime.memcpyAsync(
-                tmp.data.ptr, src.ctypes.data, src.nbytes, cupy.cuda.runtime.memcpyHostToDevice, self.stream.ptr
+                tmp.data.ptr,
+                src.ctypes.data,
+                src.nbytes,
+                cupy.cuda.runtime.memcpyHostToDevice,
+                self.stream.ptr,
             )
             if not direct:
                 fmt = mf.detect_memory_format(arr.shape, arr.strides, arr.itemsize)
@@ -187,7 +201,11 @@ class CupyBackend:
         with cupy.cuda.Device(self.device_id):
             # dense with positive strides: the memory image starts at data.ptr
             cupy.cuda.runtime.memcpyAsync(
-                dest.ctypes.data, arr.data.ptr, arr.nbytes, cupy.cuda.runtime.memcpyDeviceToHost, self.stream.ptr
+                dest.ctypes.data,
+                arr.data.ptr,
+                arr.nbytes,
+                cupy.cuda.runtime.memcpyDeviceToHost,
+                self.stream.ptr,
             )
             event = self.stream.record()
         return _EventTicket(event, arr)

@@ -61,5 +61,5 @@ class CheckpointReader(ABC):
     def read_chunk_into(self, name: str, key: str, dests: Sequence[Any]) -> int:
         """Fill the writable buffers ``dests`` in order from the chunk; returns bytes read."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional hook, not abstract
         """Release resources; the default does nothing."""

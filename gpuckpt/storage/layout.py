@@ -50,9 +50,7 @@ def is_chunk_file_key(key: object) -> bool:
     return isinstance(key, str) and _CHUNK_KEY_RE.match(key) is not None
 
 
-_INT_NAMES = frozenset(
-    ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")
-)
+_INT_NAMES = frozenset(("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"))
 
 
 def _fill_value(dtype: np.dtype[Any]) -> Any:
@@ -110,13 +108,17 @@ def metadata_from_root_document(raw: bytes, where: str) -> Metadata:
     try:
         doc = json.loads(raw)
     except (ValueError, RecursionError) as exc:
-        raise MetadataError(f"{where} is not valid JSON ({exc}); the checkpoint's root metadata is damaged") from None
+        raise MetadataError(
+            f"{where} is not valid JSON ({exc}); the checkpoint's root metadata is damaged"
+        ) from None
     if not isinstance(doc, dict) or doc.get("zarr_format") != 3 or doc.get("node_type") != "group":
         raise MetadataError(f"{where} is not a Zarr v3 group document")
     attrs = doc.get("attributes")
     entry = attrs.get(ATTRIBUTE) if isinstance(attrs, dict) else None
     if not isinstance(entry, dict) or "metadata" not in entry:
-        raise MetadataError(f"{where} is a Zarr group but not a gpuckpt checkpoint (no attributes.{ATTRIBUTE})")
+        raise MetadataError(
+            f"{where} is a Zarr group but not a gpuckpt checkpoint (no attributes.{ATTRIBUTE})"
+        )
     md = entry["metadata"]
     expected = entry.get("metadata_crc32c")
     try:

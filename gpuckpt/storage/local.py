@@ -81,7 +81,9 @@ class LocalWriter(CheckpointWriter):
         if sync == "auto":
             sync = "fs" if expected_files > _MANY_FILES else "file"
         self.sync = sync
-        self.tmp = self.path.parent / f".{self.path.name}{_TMP_TAG}{fsutil.tmp_owner()}-{secrets.token_hex(4)}"
+        self.tmp = (
+            self.path.parent / f".{self.path.name}{_TMP_TAG}{fsutil.tmp_owner()}-{secrets.token_hex(4)}"
+        )
         self._dirs: list[Path] = []
 
     def _check_target(self) -> None:
@@ -92,8 +94,10 @@ class LocalWriter(CheckpointWriter):
                     f"{self.path} already exists ({what}); pass overwrite=True to replace it, "
                     "or save to a new path"
                 )
-            if not self.path.is_dir() or self.path.is_symlink() or not (
-                is_committed(self.path) or not any(self.path.iterdir())
+            if (
+                not self.path.is_dir()
+                or self.path.is_symlink()
+                or not (is_committed(self.path) or not any(self.path.iterdir()))
             ):
                 raise CheckpointExistsError(
                     f"{self.path} exists and is not a gpuckpt checkpoint; refusing to replace it "
@@ -151,7 +155,10 @@ class LocalWriter(CheckpointWriter):
             self._check_target()
             if not fsutil.exchange(self.tmp, self.path):
                 # no atomic exchange here: move the old one aside first
-                old = self.path.parent / f".{self.path.name}{_OLD_TAG}{fsutil.tmp_owner()}-{secrets.token_hex(4)}"
+                old = (
+                    self.path.parent
+                    / f".{self.path.name}{_OLD_TAG}{fsutil.tmp_owner()}-{secrets.token_hex(4)}"
+                )
                 os.rename(self.path, old)
                 os.rename(self.tmp, self.path)
                 self.tmp = old

@@ -51,7 +51,12 @@ def encode_object(value: Any, *, allow_pickle: bool = False, fqn: str = "") -> d
         if isinstance(v, np.generic):
             if not is_storable_dtype(v.dtype):
                 return fallback(v)
-            return {"numpy": {"dtype": dtype_name(v.dtype), "hex": np.asarray(v).astype(v.dtype.newbyteorder("<")).tobytes().hex()}}
+            return {
+                "numpy": {
+                    "dtype": dtype_name(v.dtype),
+                    "hex": np.asarray(v).astype(v.dtype.newbyteorder("<")).tobytes().hex(),
+                }
+            }
         # exact types: subclasses (enums, named tuples, ...) would not come back as themselves
         t = type(v)
         if t is bool:
@@ -102,7 +107,7 @@ def decode_object(data: Any, *, allow_pickle: bool = False, fqn: str = "") -> An
             raise bad(f"nested deeper than {_MAX_DEPTH} levels")
         if not isinstance(d, dict) or len(d) != 1:
             raise bad(f"expected a one-member object, found {str(d)[:100]}")
-        (tag, body), = d.items()
+        ((tag, body),) = d.items()
         try:
             if tag == "none" and body is None:
                 return None
@@ -141,7 +146,7 @@ def decode_object(data: Any, *, allow_pickle: bool = False, fqn: str = "") -> An
                         f"entry {fqn!r} is a pickle; loading it could run arbitrary code. Pass "
                         "allow_pickle=True only if you trust the checkpoint's origin"
                     )
-                return pickle.loads(base64.b64decode(body, validate=True))  # noqa: S301 - opt-in
+                return pickle.loads(base64.b64decode(body, validate=True))
         except MetadataError:
             raise
         except (ValueError, TypeError, OverflowError, binascii.Error) as exc:

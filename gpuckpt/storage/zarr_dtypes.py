@@ -226,9 +226,7 @@ class _MLFloat(ZDType[TBaseDType, np.generic], HasItemSize):
         if isinstance(data, np.ndarray):
             # A 0-d array stands for the scalar it holds, as in NumPy.
             return data.shape == () and self._check_scalar(data[()])
-        return isinstance(data, numbers.Real | np.number | np.bool_) or (
-            type(data) in _ML_SCALAR_TYPES
-        )
+        return isinstance(data, numbers.Real | np.number | np.bool_) or (type(data) in _ML_SCALAR_TYPES)
 
     def cast_scalar(self, data: object) -> np.generic:
         """Convert a Python or NumPy value to a scalar of this type.
@@ -421,9 +419,7 @@ class _MLFloat8(_MLFloat):
         """
         if cls._check_native_dtype(dtype):
             return cls()
-        raise DataTypeValidationError(
-            f"Invalid data type: {dtype}. Expected an instance of {cls.dtype_cls}"
-        )
+        raise DataTypeValidationError(f"Invalid data type: {dtype}. Expected an instance of {cls.dtype_cls}")
 
     def to_native_dtype(self) -> TBaseDType:
         """Return the NumPy dtype of this type.
@@ -467,9 +463,7 @@ class _MLFloat16(_MLFloat, HasEndianness):
         """
         if cls._check_native_dtype(dtype):
             return cls(endianness=get_endianness_from_numpy_dtype(dtype))
-        raise DataTypeValidationError(
-            f"Invalid data type: {dtype}. Expected an instance of {cls.dtype_cls}"
-        )
+        raise DataTypeValidationError(f"Invalid data type: {dtype}. Expected an instance of {cls.dtype_cls}")
 
     def to_native_dtype(self) -> TBaseDType:
         """Return the NumPy dtype of this type in the data type's byte order.

@@ -33,7 +33,9 @@ def golden_state() -> dict[str, Any]:
         "dtypes": tensors,
         "layouts": {
             "channels_last": base.transpose(0, 3, 1, 2),
-            "channels_last_3d": np.arange(2 * 3 * 2 * 2 * 2, dtype=np.int16).reshape(2, 2, 2, 2, 3).transpose(0, 4, 1, 2, 3),
+            "channels_last_3d": np.arange(2 * 3 * 2 * 2 * 2, dtype=np.int16)
+            .reshape(2, 2, 2, 2, 3)
+            .transpose(0, 4, 1, 2, 3),
             "fortran": np.asfortranarray(np.arange(12.0).reshape(3, 4)),
             "scalar": np.array(3.25),
             "empty": np.zeros((0, 4), np.int32),

@@ -74,7 +74,10 @@ def gpt_state_dict(
                     walk(f"{prefix}.{i}", v)
 
         walk("", model)
-        state["optimizer"] = {"state": moments, "param_groups": [{"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8}]}
+        state["optimizer"] = {
+            "state": moments,
+            "param_groups": [{"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8}],
+        }
     return state
 
 

@@ -111,6 +111,9 @@ def test_torch_cuda_tensors(tmp_path: Path) -> None:
     gpuckpt.save({"w": w, "bf": bf, "cl": cl, "pinned": pinned}, tmp_path / "c")
     back = gpuckpt.load_state_dict(tmp_path / "c")
     assert np.array_equal(back["bf"].view(np.uint16), bf.view(torch.int16).cpu().numpy().view(np.uint16))
-    tgt = {"w": torch.zeros(64, 32, device="cuda"), "cl": torch.zeros(4, 16, 5, 5, device="cuda").to(memory_format=torch.channels_last)}
+    tgt = {
+        "w": torch.zeros(64, 32, device="cuda"),
+        "cl": torch.zeros(4, 16, 5, 5, device="cuda").to(memory_format=torch.channels_last),
+    }
     gpuckpt.load(tgt, tmp_path / "c", strict=False)
     assert torch.equal(tgt["w"], w.detach()) and torch.equal(tgt["cl"], cl)

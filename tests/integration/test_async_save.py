@@ -75,7 +75,9 @@ def test_result_timeout(tmp_path: Path) -> None:
 
 def test_progress_callback(tmp_path: Path) -> None:
     seen: list[tuple[int, int]] = []
-    gpuckpt.save({"a": np.ones(4096)}, tmp_path / "c", chunk_bytes=4096, progress=lambda d, t: seen.append((d, t)))
+    gpuckpt.save(
+        {"a": np.ones(4096)}, tmp_path / "c", chunk_bytes=4096, progress=lambda d, t: seen.append((d, t))
+    )
     assert seen[0] == (0, 32768) and seen[-1] == (32768, 32768) and len(seen) == 9
     seen.clear()
     gpuckpt.load_state_dict(tmp_path / "c", progress=lambda d, t: seen.append((d, t)))

@@ -15,7 +15,11 @@ import gpuckpt
 @pytest.fixture
 def ckpt(tmp_path: Path) -> Path:
     rng = np.random.default_rng(0)
-    sd = {"layer": {"weight": rng.standard_normal((64, 16)).astype(np.float32)}, "bias": np.ones(5), "step": 3}
+    sd = {
+        "layer": {"weight": rng.standard_normal((64, 16)).astype(np.float32)},
+        "bias": np.ones(5),
+        "step": 3,
+    }
     gpuckpt.save(sd, tmp_path / "c", chunk_bytes=1024)
     return tmp_path / "c"
 
@@ -74,8 +78,8 @@ def test_damaged_root_metadata(ckpt: Path) -> None:
 
 
 def _rewrite_metadata(ckpt: Path, edit: object) -> None:
-    from gpuckpt.storage.layout import _canonical
     from gpuckpt.storage.chunkio import crc32c
+    from gpuckpt.storage.layout import _canonical
 
     doc = json.loads((ckpt / "zarr.json").read_text())
     md = doc["attributes"]["gpuckpt"]["metadata"]

@@ -123,7 +123,7 @@ class RecordingBackend(HostBackend):
         queued = time.perf_counter()
 
         class T:
-            def wait(inner) -> None:  # noqa: N805
+            def wait(inner) -> None:
                 ticket.wait()
                 self.spans.append((queued, time.perf_counter()))
 
@@ -165,7 +165,9 @@ def test_load_copy_failure_is_raised(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("staging", ["host", "device"])
-def test_async_save_of_device_arrays_snapshots(tmp_path: Path, rng: np.random.Generator, staging: str) -> None:
+def test_async_save_of_device_arrays_snapshots(
+    tmp_path: Path, rng: np.random.Generator, staging: str
+) -> None:
     backend = HostBackend()
     src = arrays(rng)
     live = {k: v.copy(order="K") for k, v in src.items()}

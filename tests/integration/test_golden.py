@@ -39,5 +39,7 @@ def test_golden_v1_metadata_and_zarr_readers() -> None:
     assert md.version == "1"
     assert md.state_dict_metadata["layouts.channels_last"].properties.memory_format is gpuckpt.channels_last
     g = zarr.open_group(FIXTURE, mode="r")
-    assert np.array_equal(g["dtypes.bfloat16"][...].view(np.uint16), golden_state()["dtypes"]["bfloat16"].view(np.uint16))
+    assert np.array_equal(
+        g["dtypes.bfloat16"][...].view(np.uint16), golden_state()["dtypes"]["bfloat16"].view(np.uint16)
+    )
     assert np.array_equal(g["layouts.chunked"][...], np.arange(1000).reshape(100, 10))

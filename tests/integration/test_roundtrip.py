@@ -146,7 +146,9 @@ def test_partial_loads(tmp_path: Path, rng: np.random.Generator) -> None:
     gpuckpt.load(part, tmp_path / "c")
     assert np.array_equal(part["model"]["embed"], sd["model"]["embed"])
     sub = gpuckpt.load_state_dict(tmp_path / "c", keys=["model.layers", "step"])
-    assert set(sub) == {"model", "step"} and set(sub["model"]) == {"layers"} and len(sub["model"]["layers"]) == 3
+    assert (
+        set(sub) == {"model", "step"} and set(sub["model"]) == {"layers"} and len(sub["model"]["layers"]) == 3
+    )
 
 
 def test_strict_missing_keys(tmp_path: Path) -> None:
@@ -272,5 +274,7 @@ def test_tensorstore_reads_checkpoint_if_installed(tmp_path: Path, rng: np.rando
     y = rng.standard_normal((2, 5, 6, 3)).astype(np.float32).transpose(0, 3, 1, 2)
     gpuckpt.save({"x": x, "y": y}, tmp_path / "c", chunk_bytes=128)
     for name, ref in (("x", x), ("y", y)):
-        arr = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": str(tmp_path / "c" / name)}}).result()
+        arr = ts.open(
+            {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(tmp_path / "c" / name)}}
+        ).result()
         assert bits(arr.read().result()) == bits(ref)

@@ -24,7 +24,6 @@ if str(HERE) not in sys.path:
 import kernel_emu  # noqa: E402
 
 
-
 class EmuBuilds:
     """Session-wide, lazily started builds of every emulation variant."""
 

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 import gpuckpt
 from gpuckpt.metadata import (
+    _MEM_FORMAT_ENCODING,
     FORMAT_VERSION,
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -18,10 +19,14 @@ from gpuckpt.metadata import (
     StorageMeta,
     TensorProperties,
     TensorStorageMetadata,
-    _MEM_FORMAT_ENCODING,
 )
 
-FORMATS = [gpuckpt.contiguous_format, gpuckpt.channels_last, gpuckpt.channels_last_3d, gpuckpt.preserve_format]
+FORMATS = [
+    gpuckpt.contiguous_format,
+    gpuckpt.channels_last,
+    gpuckpt.channels_last_3d,
+    gpuckpt.preserve_format,
+]
 
 
 def test_public_names_from_both_modules() -> None:
@@ -49,7 +54,9 @@ def test_defaults() -> None:
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_properties_pickle_round_trip(fmt: object) -> None:
-    p = TensorProperties(dtype=np.dtype(ml_dtypes.bfloat16), requires_grad=True, memory_format=fmt, pin_memory=True)
+    p = TensorProperties(
+        dtype=np.dtype(ml_dtypes.bfloat16), requires_grad=True, memory_format=fmt, pin_memory=True
+    )
     q = pickle.loads(pickle.dumps(p))
     assert q == p and q.memory_format is fmt
 
@@ -73,10 +80,18 @@ def test_create_from_numpy() -> None:
     p = TensorProperties.create_from_tensor(x)
     assert (p.dtype, p.layout, p.requires_grad, p.pin_memory) == (np.float16, gpuckpt.strided, False, False)
     assert p.memory_format is gpuckpt.contiguous_format
-    assert TensorProperties.create_from_tensor(x.transpose(0, 2, 3, 1).copy().transpose(0, 3, 1, 2)).memory_format is gpuckpt.channels_last
+    assert (
+        TensorProperties.create_from_tensor(
+            x.transpose(0, 2, 3, 1).copy().transpose(0, 3, 1, 2)
+        ).memory_format
+        is gpuckpt.channels_last
+    )
     y = np.zeros((2, 4, 5, 6, 3)).transpose(0, 4, 1, 2, 3)
     assert TensorProperties.create_from_tensor(y).memory_format is gpuckpt.channels_last_3d
-    assert TensorProperties.create_from_tensor(np.asfortranarray(np.zeros((3, 4)))).memory_format is gpuckpt.preserve_format
+    assert (
+        TensorProperties.create_from_tensor(np.asfortranarray(np.zeros((3, 4)))).memory_format
+        is gpuckpt.preserve_format
+    )
 
 
 def test_metadata_index_semantics() -> None:
@@ -114,7 +129,9 @@ dims = st.lists(st.integers(0, 50), min_size=0, max_size=4)
                 ),
                 dims,
                 st.sampled_from(FORMATS),
-                st.sampled_from(["float32", "int8", "bool", "complex128", ml_dtypes.bfloat16, ml_dtypes.float8_e5m2]),
+                st.sampled_from(
+                    ["float32", "int8", "bool", "complex128", ml_dtypes.bfloat16, ml_dtypes.float8_e5m2]
+                ),
                 st.booleans(),
             ),
         ),
@@ -151,11 +168,21 @@ def test_newer_version_is_a_clear_error() -> None:
         lambda d: d["state_dict_metadata"].__setitem__("x", {"type": "weird"}),
         lambda d: d["state_dict_metadata"].__setitem__(
             "x",
-            {"type": "tensor", "size": [4], "chunks": [{"offsets": [3], "sizes": [2]}],
-             "properties": TensorProperties().to_json()},
+            {
+                "type": "tensor",
+                "size": [4],
+                "chunks": [{"offsets": [3], "sizes": [2]}],
+                "properties": TensorProperties().to_json(),
+            },
         ),
         lambda d: d["state_dict_metadata"].__setitem__(
-            "x", {"type": "tensor", "size": [4], "chunks": [], "properties": {**TensorProperties().to_json(), "dtype": "object"}}
+            "x",
+            {
+                "type": "tensor",
+                "size": [4],
+                "chunks": [],
+                "properties": {**TensorProperties().to_json(), "dtype": "object"},
+            },
         ),
         lambda d: d["state_dict_metadata"].__setitem__(
             "x", {"type": "tensor", "size": [True], "chunks": [], "properties": TensorProperties().to_json()}

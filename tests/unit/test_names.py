@@ -55,6 +55,8 @@ def test_long_names_are_shortened_with_a_digest() -> None:
     assert is_safe_name(encode_name("é" * 150))
 
 
-@pytest.mark.parametrize("bad", ["..", ".", "a/b", "", "../x", "x\x00", "%zz", 5, None, "a" * 300, "_x", "zarr.json"])
+@pytest.mark.parametrize(
+    "bad", ["..", ".", "a/b", "", "../x", "x\x00", "%zz", 5, None, "a" * 300, "_x", "zarr.json"]
+)
 def test_unsafe_names_rejected(bad: object) -> None:
     assert not is_safe_name(bad)

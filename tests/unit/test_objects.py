@@ -37,10 +37,14 @@ def test_round_trip_keeps_types(value: object) -> None:
 def test_special_floats_and_big_ints() -> None:
     v = [float("inf"), -0.0, 2**200, float("nan")]
     back = decode_object(json.loads(json.dumps(encode_object(v))))
-    assert back[0] == math.inf and math.copysign(1, back[1]) == -1 and back[2] == 2**200 and math.isnan(back[3])
+    assert (
+        back[0] == math.inf and math.copysign(1, back[1]) == -1 and back[2] == 2**200 and math.isnan(back[3])
+    )
 
 
-@pytest.mark.parametrize("x", [np.float32(1.5), np.int64(-3), np.bool_(True), ml_dtypes.bfloat16(2.5), np.complex64(1j)])
+@pytest.mark.parametrize(
+    "x", [np.float32(1.5), np.int64(-3), np.bool_(True), ml_dtypes.bfloat16(2.5), np.complex64(1j)]
+)
 def test_numpy_scalars(x: object) -> None:
     back = decode_object(encode_object(x))
     assert type(back) is type(x) and back == x

@@ -39,13 +39,11 @@ def test_regular_plan_covers_every_element_once(shape: list[int], itemsize: int,
         assert math.prod(stored) * itemsize <= max(target, itemsize)
         # every default chunk is one contiguous byte run of a C-ordered tensor
         assert is_prefix_box(spec.sizes, stored)
-        sub = np.zeros(shape)[tuple(slice(o, o + s) for o, s in zip(spec.offsets, spec.sizes))]
+        sub = np.zeros(shape)[tuple(slice(o, o + s) for o, s in zip(spec.offsets, spec.sizes, strict=True))]
         assert sub.flags.c_contiguous
 
 
-@given(
-    st.lists(st.lists(st.integers(1, 6), min_size=1, max_size=4), min_size=1, max_size=3)
-)
+@given(st.lists(st.lists(st.integers(1, 6), min_size=1, max_size=4), min_size=1, max_size=3))
 def test_rectilinear_grid_covers_every_element_once(edges: list[list[int]]) -> None:
     shape = [sum(e) for e in edges]
     grid = ChunkGrid.rectilinear(shape, edges)

@@ -22,7 +22,11 @@ def test_fqns_of_nested_dicts_and_lists() -> None:
 
 
 def test_round_trip_preserves_containers_and_key_types() -> None:
-    sd = {"opt": {"state": {0: {"m": np.ones(1)}, 1: {"m": np.ones(1)}}}, "t": (np.ones(1), {"a": 1}), "l": [1, 2]}
+    sd = {
+        "opt": {"state": {0: {"m": np.ones(1)}, 1: {"m": np.ones(1)}}},
+        "t": (np.ones(1), {"a": 1}),
+        "l": [1, 2],
+    }
     leaves, skel = flatten_state_dict(sd, is_array)
     back = unflatten_state_dict(skel, {k: v.value for k, v in leaves.items()})
     assert list(back["opt"]["state"]) == [0, 1]
@@ -81,7 +85,9 @@ def test_select_fqns() -> None:
         select_fqns(avail, ["mod"])
 
 
-@pytest.mark.parametrize("skel", [[], {"d": [["x", "k", {"v": "a"}]]}, {"q": []}, {"d": [["i", "k", {"v": "a"}]]}, {"v": 1}])
+@pytest.mark.parametrize(
+    "skel", [[], {"d": [["x", "k", {"v": "a"}]]}, {"q": []}, {"d": [["i", "k", {"v": "a"}]]}, {"v": 1}]
+)
 def test_malformed_skeleton(skel: object) -> None:
     with pytest.raises(MetadataError):
         unflatten_state_dict(skel, {"a": 1})

@@ -143,9 +143,7 @@ def test_match_dtype_picks_the_plugin_class(name: str) -> None:
 @pytest.mark.parametrize("name", ML_DTYPE_NAMES)
 def test_unwritten_chunks_read_as_the_zero_bits_fill_value(tmp_path: Path, name: str) -> None:
     array = zarr.create_array(LocalStore(tmp_path), shape=(5,), dtype=_np_dtype(name))
-    assert _read_json(tmp_path / "zarr.json")["fill_value"] == (
-        0 if name != "float8_e8m0fnu" else 2.0**-127
-    )
+    assert _read_json(tmp_path / "zarr.json")["fill_value"] == (0 if name != "float8_e8m0fnu" else 2.0**-127)
     assert not _read_all(array).view(_bits_dtype(name)).any()
 
 
@@ -447,8 +445,7 @@ def test_installed_entry_points_register_without_calling_register(tmp_path: Path
         "Metadata-Version: 2.1\nName: gpuckpt-entry-point-probe\nVersion: 0\n"
     )
     lines = [
-        f"{name} = gpuckpt.storage.zarr_dtypes:{cls.__name__}"
-        for name, cls in ZARR_DTYPE_CLASSES.items()
+        f"{name} = gpuckpt.storage.zarr_dtypes:{cls.__name__}" for name, cls in ZARR_DTYPE_CLASSES.items()
     ]
     (dist_info / "entry_points.txt").write_text("[zarr.data_type]\n" + "\n".join(lines) + "\n")
     script = (
@@ -460,9 +457,7 @@ def test_installed_entry_points_register_without_calling_register(tmp_path: Path
     )
     env = {
         **os.environ,
-        "PYTHONPATH": os.pathsep.join(
-            [str(tmp_path), str(_REPO_ROOT), os.environ.get("PYTHONPATH", "")]
-        ),
+        "PYTHONPATH": os.pathsep.join([str(tmp_path), str(_REPO_ROOT), os.environ.get("PYTHONPATH", "")]),
     }
     result = subprocess.run(
         [sys.executable, "-c", script],
