@@ -145,7 +145,7 @@ def load(
             f"{', '.join(repr(m) for m in missing[:10])}{' ...' if len(missing) > 10 else ''}; "
             "pass strict=False to load the others"
         )
-    targets: list[tuple[TensorEntry, np.ndarray]] = []
+    targets: list[tuple[TensorEntry, Any]] = []
     fresh: list[tuple[Any, np.ndarray]] = []
     decoded: list[tuple[Any, Any]] = []
     memory = HostMemory()

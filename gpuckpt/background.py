@@ -29,7 +29,7 @@ from gpuckpt.metadata import STATE_DICT_TYPE, Metadata
 from gpuckpt.planning import DEFAULT_CHUNK_BYTES
 from gpuckpt.progress import ProgressCallback
 from gpuckpt.storage.local import LocalWriter
-from gpuckpt.writing import SavePlan, build_save_plan, execute_save
+from gpuckpt.writing import SavePlan, device_backends, build_save_plan, execute_save
 
 __all__ = ["SaveFuture", "async_save", "wait_all"]
 
@@ -44,7 +44,7 @@ _SLAB = 32 << 20
 
 def _arena_pool(plan: SavePlan) -> ArenaPool:
     """The arena pool for this state: page-locked memory when device arrays are involved."""
-    backend = next((t.array.backend for t in plan.tensors if t.array.is_device), None)
+    backend = next(iter(device_backends(plan)), None)
     key = id(backend) if backend is not None else 0
     with _lock:
         pool = _pools.get(key)
@@ -112,8 +112,8 @@ def snapshot(plan: SavePlan, arena: StagingArena) -> None:
     """
     copies: list[tuple[np.ndarray, np.ndarray]] = []
     tickets = []
-    for t in {id(t.array.backend): t.array.backend for t in plan.tensors if t.array.is_device}.values():
-        t.wait_for_producers()
+    for b in device_backends(plan):
+        b.wait_for_producers()
     for t in plan.tensors:
         fmt = t.properties.memory_format
         order = physical_order(len(t.array.shape), fmt)
@@ -141,8 +141,8 @@ def snapshot(plan: SavePlan, arena: StagingArena) -> None:
 
 def snapshot_on_device(plan: SavePlan) -> None:
     """Copy every device tensor of ``plan`` within device memory (``staging="device"``)."""
-    backends = {id(t.array.backend): t.array.backend for t in plan.tensors if t.array.is_device}
-    for b in backends.values():
+    backends = device_backends(plan)
+    for b in backends:
         b.wait_for_producers()
     for t in plan.tensors:
         if t.array.is_device:
@@ -155,7 +155,7 @@ def snapshot_on_device(plan: SavePlan) -> None:
             t.array = HostArray(
                 t.array.host_array().copy(), t.properties.requires_grad, t.properties.pin_memory
             )
-    for b in backends.values():
+    for b in backends:
         b.synchronize()
 
 

@@ -111,7 +111,8 @@ class TensorProperties:
         """
         from gpuckpt.device.arrays import adapt
 
-        return adapt(tensor).properties()
+        props: TensorProperties = adapt(tensor).properties()
+        return props
 
     # JSON form -------------------------------------------------------------
 

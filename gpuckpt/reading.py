@@ -69,7 +69,8 @@ class TensorEntry:
 
     @property
     def dtype(self) -> np.dtype[Any]:
-        return np.dtype(self.metadata.properties.dtype)
+        dt: np.dtype[Any] = np.dtype(self.metadata.properties.dtype)
+        return dt
 
     @property
     def nbytes(self) -> int:
@@ -109,7 +110,7 @@ def validate_metadata(md: Metadata) -> tuple[dict[str, TensorEntry], dict[str, A
         if not isinstance(info, dict):
             raise _bad(fqn, "no storage entry")
         name = info.get("name")
-        if not is_safe_name(name) or name in names or name == "zarr.json":
+        if not isinstance(name, str) or not is_safe_name(name) or name in names:
             raise _bad(fqn, f"array name {name!r} is not a safe, unique path component")
         names.add(name)
         try:

@@ -164,9 +164,7 @@ def execute_save(
 
                 pending.append((info, io.submit(job)))
 
-            for backend in {
-                id(t.array.backend): t.array.backend for t in plan.tensors if t.array.is_device
-            }.values():
+            for backend in device_backends(plan):
                 backend.wait_for_producers()
             for t in plan.tensors:
                 failure.check()
@@ -225,6 +223,15 @@ def execute_save(
         raise
     metadata.version = metadata.to_json_dict()["version"]
     return metadata
+
+
+def device_backends(plan: SavePlan) -> list[Any]:
+    """The distinct backends of the plan's device tensors."""
+    seen: dict[int, Any] = {}
+    for t in plan.tensors:
+        if isinstance(t.array, DeviceArray):
+            seen.setdefault(id(t.array.backend), t.array.backend)
+    return list(seen.values())
 
 
 def _nbytes(t: TensorPlan) -> int:

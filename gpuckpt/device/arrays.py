@@ -27,9 +27,14 @@ _DLPACK_CUDA_HOST = 3  # kDLCUDAHost: page-locked host memory
 class ArrayAdapter(Protocol):
     """What the checkpoint logic reads from an array."""
 
-    shape: tuple[int, ...]
-    dtype: np.dtype[Any]
-    is_device: bool
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+    @property
+    def dtype(self) -> np.dtype[Any]: ...
+
+    @property
+    def is_device(self) -> bool: ...
 
     def properties(self) -> Any: ...
 
@@ -55,7 +60,10 @@ class HostArray:
     array: np.ndarray
     requires_grad: bool = False
     pinned: bool = False
-    is_device = False
+
+    @property
+    def is_device(self) -> bool:
+        return False
 
     @property
     def shape(self) -> tuple[int, ...]:

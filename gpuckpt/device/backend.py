@@ -24,7 +24,7 @@ import threading
 import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -108,7 +108,10 @@ class DeviceArray:
     backend: DeviceBackend
     dtype: np.dtype[Any]
     requires_grad: bool = False
-    is_device: bool = field(default=True, init=False)
+
+    @property
+    def is_device(self) -> bool:
+        return True
 
     @property
     def shape(self) -> tuple[int, ...]:

@@ -76,7 +76,7 @@ class StagingArena:
         dt = np.dtype(dtype)
         physical = tuple(shape[a] for a in order)
         raw = self.take(int(np.prod(physical, dtype=np.int64)) * dt.itemsize)
-        arr = raw.view(dt).reshape(physical)
+        arr: np.ndarray = raw.view(dt).reshape(physical)
         return arr.transpose([order.index(a) for a in range(len(shape))])
 
 

@@ -22,7 +22,8 @@ def random_array(rng: np.random.Generator, shape: tuple[int, ...], dtype: Any) -
     if dt == np.bool_:
         return rng.integers(0, 2, size=shape).astype(np.bool_)
     raw = rng.integers(0, 256, size=(*shape, dt.itemsize), dtype=np.uint8)
-    return raw.view(dt).reshape(shape)
+    out: np.ndarray = raw.view(dt).reshape(shape)
+    return out
 
 
 def gpt_state_dict(
