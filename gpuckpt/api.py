@@ -4,22 +4,22 @@ from __future__ import annotations
 
 import os
 import uuid
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from gpuckpt.device.arrays import HostMemory, adapt, is_array
 from gpuckpt.device.backend import DEFAULT_STAGING_BYTES, DeviceArray, DeviceBackend
-from gpuckpt.errors import DTypeMismatchError, MissingKeyError, ShapeMismatchError
+from gpuckpt.errors import CheckpointTooLargeError, DTypeMismatchError, MissingKeyError, ShapeMismatchError
 from gpuckpt.metadata import STATE_DICT_TYPE, Metadata
 from gpuckpt.planning import DEFAULT_CHUNK_BYTES
 from gpuckpt.progress import ProgressCallback
 from gpuckpt.reading import TensorEntry, check_chunk_files, read_tensors, validate_metadata
 from gpuckpt.state import flatten_state_dict, select_fqns, unflatten_state_dict
+from gpuckpt.storage.base import CheckpointReader
 from gpuckpt.storage.layout import metadata_from_root_document
-from gpuckpt.storage.local import LocalReader, LocalWriter
 from gpuckpt.storage.objects import decode_object
+from gpuckpt.storage.stores import open_reader, open_writer
 from gpuckpt.writing import build_save_plan, execute_save
 
 __all__ = ["load", "load_state_dict", "read_metadata", "save"]
@@ -38,6 +38,7 @@ def save(
     threads: int | None = None,
     progress: ProgressCallback | None = None,
     staging_bytes: int = DEFAULT_STAGING_BYTES,
+    storage_options: dict[str, Any] | None = None,
 ) -> Metadata:
     """Save ``state_dict`` as a checkpoint at ``path`` and return its metadata.
 
@@ -69,6 +70,8 @@ def save(
     staging_bytes
         Budget of (page-locked) host memory through which device arrays are
         streamed; host memory use stays within it whatever the state size.
+    storage_options
+        Options for URL back ends (e.g. endpoint and credentials for ``s3://``).
 
     Examples
     --------
@@ -81,7 +84,9 @@ def save(
     if not isinstance(chunk_bytes, int) or chunk_bytes < 1:
         raise ValueError(f"chunk_bytes must be a positive integer, got {chunk_bytes!r}")
     plan = build_save_plan(state_dict, chunk_bytes=chunk_bytes, allow_pickle=allow_pickle)
-    writer = LocalWriter(path, overwrite=overwrite, sync=sync, expected_files=plan.nfiles)
+    writer = open_writer(
+        path, overwrite=overwrite, sync=sync, expected_files=plan.nfiles, storage_options=storage_options
+    )
     return execute_save(
         plan,
         writer,
@@ -92,17 +97,16 @@ def save(
     )
 
 
-def read_metadata(path: PathLike) -> Metadata:
+def read_metadata(path: PathLike, *, storage_options: dict[str, Any] | None = None) -> Metadata:
     """Metadata of the checkpoint at ``path`` (validated, nothing else read)."""
-    reader = LocalReader(path)
-    md = metadata_from_root_document(reader.read_root(), f"{Path(path) / 'zarr.json'}")
-    validate_metadata(md)
-    return md
+    return _open(path, storage_options)[1]
 
 
-def _open(path: PathLike) -> tuple[LocalReader, Metadata, dict[str, TensorEntry], dict[str, Any]]:
-    reader = LocalReader(path)
-    md = metadata_from_root_document(reader.read_root(), f"{Path(path) / 'zarr.json'}")
+def _open(
+    path: PathLike, storage_options: dict[str, Any] | None = None
+) -> tuple[CheckpointReader, Metadata, dict[str, TensorEntry], dict[str, Any]]:
+    reader = open_reader(path, storage_options=storage_options)
+    md = metadata_from_root_document(reader.read_root(), f"{os.fspath(path).rstrip('/')}/zarr.json")
     tensors, objects = validate_metadata(md)
     return reader, md, tensors, objects
 
@@ -116,6 +120,7 @@ def load(
     threads: int | None = None,
     progress: ProgressCallback | None = None,
     staging_bytes: int = DEFAULT_STAGING_BYTES,
+    storage_options: dict[str, Any] | None = None,
 ) -> None:
     """Load the checkpoint at ``path`` into ``state_dict`` in place.
 
@@ -136,7 +141,7 @@ def load(
     >>> sd["w"]
     array([0., 1., 2., 3.])
     """
-    reader, _md, tensors, objects = _open(path)
+    reader, _md, tensors, objects = _open(path, storage_options)
     leaves, _ = flatten_state_dict(state_dict, is_array)
     missing = [f for f in leaves if f not in tensors and f not in objects]
     if missing and strict:
@@ -146,9 +151,8 @@ def load(
             "pass strict=False to load the others"
         )
     targets: list[tuple[TensorEntry, Any]] = []
-    fresh: list[tuple[Any, np.ndarray]] = []
+    placeholders: list[tuple[Any, TensorEntry]] = []
     decoded: list[tuple[Any, Any]] = []
-    memory = HostMemory()
     for fqn, leaf in leaves.items():
         if fqn in objects:
             decoded.append((leaf, decode_object(objects[fqn], allow_pickle=allow_pickle, fqn=fqn)))
@@ -168,13 +172,31 @@ def load(
                     )
                 targets.append((t, arr if arr.is_device else arr.host_array()))
             else:
-                dest = memory.allocate(t.shape, t.dtype, t.metadata.properties.memory_format)
-                targets.append((t, dest))
-                fresh.append((leaf, dest))
-    check_chunk_files(reader, (t for t, _ in targets))
+                placeholders.append((leaf, t))
+    # sizes are checked against the files before anything is allocated
+    check_chunk_files(reader, [*(t for t, _ in targets), *(t for _, t in placeholders)])
+    fresh: list[tuple[Any, np.ndarray]] = []
+    for leaf, t in placeholders:
+        dest = _allocate(None, t)
+        targets.append((t, dest))
+        fresh.append((leaf, dest))
     read_tensors(reader, targets, threads=threads, progress=progress, staging_bytes=staging_bytes)
     for leaf, value in (*fresh, *decoded):
         leaf.replace(value)
+
+
+def _allocate(backend: DeviceBackend | None, t: TensorEntry) -> Any:
+    """A new array for tensor ``t`` (host memory when ``backend`` is None)."""
+    fmt = t.metadata.properties.memory_format
+    try:
+        if backend is None:
+            return HostMemory().allocate(t.shape, t.dtype, fmt)
+        return backend.allocate(t.shape, t.dtype, fmt)
+    except MemoryError as exc:
+        raise CheckpointTooLargeError(
+            f"tensor {t.fqn!r} of shape {t.shape} needs {t.nbytes} bytes, which cannot be allocated ({exc}); "
+            "the checkpoint is larger than the available memory, or its chunk files are sparse (hostile)"
+        ) from None
 
 
 def _backend_for(device: Any) -> DeviceBackend | None:
@@ -202,6 +224,7 @@ def load_state_dict(
     threads: int | None = None,
     progress: ProgressCallback | None = None,
     staging_bytes: int = DEFAULT_STAGING_BYTES,
+    storage_options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Load the checkpoint at ``path`` into a new nested dict.
 
@@ -221,7 +244,7 @@ def load_state_dict(
     >>> gpuckpt.load_state_dict(p, keys=["step"])
     {'step': 3}
     """
-    reader, md, tensors, objects = _open(path)
+    reader, md, tensors, objects = _open(path, storage_options)
     chosen = select_fqns(md.state_dict_metadata, keys)
     entries = [tensors[f] for f in chosen if f in tensors]
     check_chunk_files(reader, entries)
@@ -229,13 +252,8 @@ def load_state_dict(
     values: dict[str, Any] = {}
     targets: list[tuple[TensorEntry, Any]] = []
     for t in entries:
-        fmt = t.metadata.properties.memory_format
-        if backend is None:
-            dest = HostMemory().allocate(t.shape, t.dtype, fmt)
-            targets.append((t, dest))
-        else:
-            dest = backend.allocate(t.shape, t.dtype, fmt)
-            targets.append((t, DeviceArray(dest, backend, t.dtype)))
+        dest = _allocate(backend, t)
+        targets.append((t, dest if backend is None else DeviceArray(dest, backend, t.dtype)))
         values[t.fqn] = dest
     for f in chosen:
         if f in objects:

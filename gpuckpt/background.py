@@ -18,6 +18,7 @@ import threading
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
 
 import numpy as np
 
@@ -28,8 +29,8 @@ from gpuckpt.memory_format import physical_order, preserve_format
 from gpuckpt.metadata import STATE_DICT_TYPE, Metadata
 from gpuckpt.planning import DEFAULT_CHUNK_BYTES
 from gpuckpt.progress import ProgressCallback
-from gpuckpt.storage.local import LocalWriter
-from gpuckpt.writing import SavePlan, device_backends, build_save_plan, execute_save
+from gpuckpt.storage.stores import open_writer
+from gpuckpt.writing import SavePlan, build_save_plan, device_backends, execute_save
 
 __all__ = ["SaveFuture", "async_save", "wait_all"]
 
@@ -171,6 +172,7 @@ def async_save(
     progress: ProgressCallback | None = None,
     staging: str = "host",
     staging_bytes: int = DEFAULT_STAGING_BYTES,
+    storage_options: dict[str, Any] | None = None,
 ) -> SaveFuture:
     """Snapshot ``state_dict`` and save it to ``path`` in the background.
 
@@ -211,7 +213,9 @@ def async_save(
         except BaseException:
             pool.release(arena)
             raise
-    writer = LocalWriter(path, overwrite=overwrite, sync=sync, expected_files=plan.nfiles)
+    writer = open_writer(
+        path, overwrite=overwrite, sync=sync, expected_files=plan.nfiles, storage_options=storage_options
+    )
 
     def run() -> Metadata:
         try:

@@ -12,6 +12,8 @@ __all__ = [
     "CheckpointCorruptedError",
     "CheckpointExistsError",
     "CheckpointNotFoundError",
+    "CheckpointTooLargeError",
+    "CheckpointWriteError",
     "ChecksumError",
     "DeviceUnavailableError",
     "GpuckptError",
@@ -38,6 +40,10 @@ class CheckpointExistsError(GpuckptError, FileExistsError):
     """A save would overwrite an existing checkpoint without ``overwrite=True``."""
 
 
+class CheckpointWriteError(GpuckptError, OSError):
+    """Writing a checkpoint failed (disk full, I/O error); ``errno`` is the system's."""
+
+
 class MetadataError(GpuckptError, ValueError):
     """The checkpoint's metadata is malformed or inconsistent."""
 
@@ -56,6 +62,10 @@ class ChecksumError(CheckpointCorruptedError):
 
 class MissingChunkError(CheckpointCorruptedError):
     """A chunk the metadata lists is absent from the store."""
+
+
+class CheckpointTooLargeError(GpuckptError, MemoryError):
+    """Memory for a tensor of the checkpoint cannot be allocated."""
 
 
 class MissingKeyError(GpuckptError, KeyError):

@@ -247,7 +247,8 @@ class Metadata:
         if not isinstance(version, str):
             raise MetadataError(f"metadata.version must be a string, found {version!r}")
         if version != FORMAT_VERSION:
-            if version.isdigit() and int(version) > int(FORMAT_VERSION):
+            numeric = version.isascii() and version.isdigit() and len(version) <= 9
+            if numeric and int(version) > int(FORMAT_VERSION):
                 raise UnsupportedVersionError(
                     f"checkpoint format version {version} is newer than this gpuckpt "
                     f"understands (version {FORMAT_VERSION}); upgrade gpuckpt to read it"

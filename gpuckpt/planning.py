@@ -108,7 +108,7 @@ class ChunkGrid:
     def grid_shape(self) -> tuple[int, ...]:
         # arithmetic, not enumeration: a hostile shape must not make this slow
         if self.kind == "regular":
-            return tuple(math.ceil(n / c) for n, c in zip(self.shape, self.chunk_shape, strict=True))
+            return tuple(-(-n // c) for n, c in zip(self.shape, self.chunk_shape, strict=True))
         return tuple(len(e) for e in self.edges)
 
     @property

@@ -77,6 +77,9 @@ class TensorEntry:
         return math.prod(self.shape) * self.dtype.itemsize
 
 
+_MAX_EXTENT = 2**62
+
+
 def _bad(fqn: str, what: str) -> MetadataError:
     return MetadataError(
         f"metadata of tensor {fqn!r} is inconsistent: {what}; "
@@ -113,6 +116,9 @@ def validate_metadata(md: Metadata) -> tuple[dict[str, TensorEntry], dict[str, A
         if not isinstance(name, str) or not is_safe_name(name) or name in names:
             raise _bad(fqn, f"array name {name!r} is not a safe, unique path component")
         names.add(name)
+        itemsize = np.dtype(entry.properties.dtype).itemsize
+        if any(n >= _MAX_EXTENT for n in entry.size) or math.prod(entry.size) * itemsize >= _MAX_EXTENT:
+            raise _bad(fqn, f"size {entry.size} is larger than any array can be")
         try:
             grid = ChunkGrid.from_zarr_json(entry.size, info.get("chunk_grid"))
         except ValueError as exc:
@@ -123,7 +129,6 @@ def validate_metadata(md: Metadata) -> tuple[dict[str, TensorEntry], dict[str, A
         expected_n = 0 if any(n == 0 for n in entry.size) else math.prod(grid.grid_shape)
         if expected_n != len(entry.chunks):
             raise _bad(fqn, f"{len(entry.chunks)} chunks listed, the grid has {expected_n}")
-        itemsize = np.dtype(entry.properties.dtype).itemsize
         chunks: list[ChunkRead] = []
         for i, (spec, cmeta, raw) in enumerate(zip(grid.chunks(), entry.chunks, raw_chunks, strict=True)):
             if tuple(cmeta.offsets) != spec.offsets or tuple(cmeta.sizes) != spec.sizes:
@@ -134,7 +139,7 @@ def validate_metadata(md: Metadata) -> tuple[dict[str, TensorEntry], dict[str, A
             if not is_chunk_file_key(key) or key != chunk_file_key(spec.coords):
                 raise _bad(fqn, f"chunk {i} key {key!r} is not {chunk_file_key(spec.coords)!r}")
             stored = grid.stored_chunk_shape(spec)
-            if nbytes != stored_nbytes(stored, itemsize) or isinstance(nbytes, bool):
+            if type(nbytes) is not int or nbytes != stored_nbytes(stored, itemsize):
                 raise _bad(
                     fqn,
                     f"chunk {key} claims {nbytes!r} bytes, its shape needs {stored_nbytes(stored, itemsize)}",
@@ -172,8 +177,9 @@ def _check_crc(t: TensorEntry, c: ChunkRead, value: int, stored_crc: int) -> Non
         )
         raise ChecksumError(
             f"chunk {c.key} of tensor {t.fqn!r} failed its CRC32C check ({what}: computed {value:#010x}, "
-            f"chunk file {stored_crc:#010x}, metadata {c.crc:#010x}); the checkpoint is damaged: restore it "
-            "from a copy or load an earlier checkpoint (arrays loaded in place may be partly overwritten)"
+            f"chunk file {stored_crc:#010x}, metadata {c.crc:#010x}); the checkpoint is damaged, or was "
+            "replaced by a concurrent save while loading (then load again): restore it from a copy or load "
+            "an earlier checkpoint (arrays loaded in place may be partly overwritten)"
         )
 
 
@@ -183,7 +189,10 @@ def _fetch_verified(reader: CheckpointReader, t: TensorEntry, c: ChunkRead, part
     try:
         got = reader.read_chunk_into(t.name, c.key, [*parts, crc_buf])
     except FileNotFoundError:
-        raise MissingChunkError(f"chunk {c.key} of tensor {t.fqn!r} disappeared while loading") from None
+        raise MissingChunkError(
+            f"chunk {c.key} of tensor {t.fqn!r} disappeared while loading; the checkpoint was "
+            "deleted or replaced by a concurrent save (load again), or is damaged"
+        ) from None
     if got != c.nbytes:
         raise CheckpointCorruptedError(
             f"chunk {c.key} of tensor {t.fqn!r}: read {got} bytes, expected {c.nbytes}; the file is truncated"

@@ -9,6 +9,7 @@ the metadata is written last by :meth:`CheckpointWriter.commit`.
 
 from __future__ import annotations
 
+import errno
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from gpuckpt.device.backend import (
     buffer_pool,
     staging_buffer_bytes,
 )
+from gpuckpt.errors import CheckpointWriteError, GpuckptError
 from gpuckpt.metadata import (
     BytesStorageMetadata,
     Metadata,
@@ -147,8 +149,8 @@ def execute_save(
     state_md: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
     tensors_sd: dict[str, Any] = {}
     failure = _Failure()
-    writer.begin()
     try:
+        writer.begin()
         with ThreadPoolExecutor(
             max_workers=threads or default_threads(), thread_name_prefix="gpuckpt-write"
         ) as io:
@@ -218,6 +220,17 @@ def execute_save(
             storage_meta=StorageMeta(checkpoint_id=checkpoint_id, modules=["gpuckpt"]),
         )
         writer.commit(root_document(metadata))
+    except GpuckptError:
+        writer.abort()
+        raise
+    except OSError as exc:
+        writer.abort()
+        where = getattr(writer, "path", "the checkpoint")
+        raise CheckpointWriteError(
+            exc.errno or errno.EIO,
+            f"saving {where} failed: {exc.strerror or exc}; nothing was published and any earlier "
+            "checkpoint there is intact (free space or fix the device, then save again)",
+        ) from exc
     except BaseException:
         writer.abort()
         raise

@@ -20,7 +20,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from gpuckpt.errors import CheckpointExistsError, CheckpointNotFoundError, MetadataError
+from gpuckpt.errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CheckpointWriteError,
+    MetadataError,
+)
 from gpuckpt.storage import fsutil
 from gpuckpt.storage.base import CheckpointReader, CheckpointWriter
 from gpuckpt.storage.chunkio import read_exact, write_all
@@ -160,7 +165,11 @@ class LocalWriter(CheckpointWriter):
                     / f".{self.path.name}{_OLD_TAG}{fsutil.tmp_owner()}-{secrets.token_hex(4)}"
                 )
                 os.rename(self.path, old)
-                os.rename(self.tmp, self.path)
+                try:
+                    os.rename(self.tmp, self.path)
+                except BaseException:
+                    os.rename(old, self.path)  # put the previous checkpoint back
+                    raise
                 self.tmp = old
             # self.tmp now holds the previous checkpoint
             fsutil.rmtree_quiet(self.tmp)
@@ -175,7 +184,14 @@ class LocalWriter(CheckpointWriter):
                     ) from None
                 raise
         if self.sync != "none":
-            fsutil.fsync_dir(self.path.parent)
+            try:
+                fsutil.fsync_dir(self.path.parent)
+            except OSError as exc:
+                raise CheckpointWriteError(
+                    exc.errno or errno.EIO,
+                    f"checkpoint {self.path} was published complete, but syncing its parent directory "
+                    f"failed ({exc.strerror or exc}): it may not survive a power loss; save again to be sure",
+                ) from exc
 
     def abort(self) -> None:
         fsutil.rmtree_quiet(self.tmp)
@@ -198,7 +214,8 @@ class LocalReader(CheckpointReader):
     def read_root(self) -> bytes:
         root = self.path / ROOT_KEY
         try:
-            fd = os.open(root, os.O_RDONLY | os.O_NOFOLLOW)
+            # O_NONBLOCK: a FIFO planted as zarr.json must not hang the open
+            fd = os.open(root, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         except FileNotFoundError:
             hint = ""
             with contextlib.suppress(OSError):

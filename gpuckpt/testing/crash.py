@@ -5,18 +5,72 @@ state to ``ROOT/good`` (printing ``good``), then starts the save named by
 MODE (printing ``start``) and prints ``done`` when that save returned:
 
 ``new``        a different state to ``ROOT/next``;
-``overwrite``  a different state over ``ROOT/good``.
+``overwrite``  a different state over ``ROOT/good``;
+``async``      ``async_save`` of a different state to ``ROOT/next``; once it
+               returns the child scribbles over its arrays (what is saved
+               must not change), then waits for the future;
+``manager``    a :class:`~gpuckpt.manager.CheckpointManager` under
+               ``ROOT/mgr`` (``max_to_keep=2``, async) saving steps 1, 2, ...
+               with ``make_state(SEED + step)``; after ``save(step)`` returns
+               it prints ``committed STEP-1`` (the manager waited for it).
+
+Two environment variables serve the harness (read only here):
+
+``GPUCKPT_TEST_TRACE=FILE``
+    Append one line per event of the save to FILE with unbuffered writes
+    (they survive SIGKILL): ``start``, ``begin``, ``tmp-created``,
+    ``array-doc``, ``chunk``, ``mid-file`` (half of a buffer written),
+    ``fsync``, ``root-write``, ``durable``, ``fsync-dir``, ``publish``,
+    ``published``, ``retention``, ``returned``. :func:`phase_of` maps the
+    last line to a phase.
+``GPUCKPT_TEST_KILL_AT=EVENT:N``
+    SIGKILL this process at the N-th occurrence of EVENT (deterministic
+    kill points, so every phase is hit, including the middle of a file).
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 import gpuckpt
+
+__all__ = ["PHASES", "make_state", "phase_of"]
+
+#: Phases of a save, in order, and the trace events that belong to each.
+PHASES: dict[str, tuple[str, ...]] = {
+    "before-files": ("start", "begin"),
+    "writing-chunks": ("tmp-created", "array-doc", "chunk", "mid-file"),
+    "fsync": ("fsync",),
+    "root-and-durability": ("root-write", "durable", "fsync-dir"),
+    "renaming": ("publish",),
+    "after-rename": ("published", "fsync-dir-after-publish", "retention"),
+    "returned": ("returned",),
+}
+
+
+def phase_of(trace: list[str]) -> str:
+    """Phase of a save whose trace (event lines) ends as given."""
+    if "begin" in trace:  # a manager traces several saves: look at the last one
+        trace = trace[len(trace) - 1 - trace[::-1].index("begin") :]
+    if not trace:
+        return "before-files"
+    last = trace[-1]
+    if last == "fsync" and "root-write" in trace:
+        last = "fsync-dir"  # fsyncs after the root write are part of durability
+    if last == "fsync-dir" and "published" in trace:
+        last = "fsync-dir-after-publish"
+    for phase, events in PHASES.items():
+        if last in events:
+            return phase
+    raise ValueError(f"unknown trace event {last!r}")
 
 
 def make_state(seed: int, ntensors: int = 24, elems: int = 64 * 1024) -> dict[str, Any]:
@@ -27,19 +81,122 @@ def make_state(seed: int, ntensors: int = 24, elems: int = 64 * 1024) -> dict[st
     }
 
 
+class _Tracer:
+    def __init__(self, trace_file: str | None, kill_at: str | None) -> None:
+        self.fd = os.open(trace_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644) if trace_file else None
+        self.counts: dict[str, int] = {}
+        self.kill_event, self.kill_n = None, 0
+        if kill_at:
+            ev, _, n = kill_at.partition(":")
+            self.kill_event, self.kill_n = ev, int(n or 1)
+
+    def __call__(self, event: str) -> None:
+        n = self.counts[event] = self.counts.get(event, 0) + 1
+        if self.fd is not None:
+            os.write(self.fd, f"{event}\n".encode())
+        if event == self.kill_event and n == self.kill_n:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def _traced(emit: _Tracer) -> Iterator[None]:
+    """Wrap the writer's steps so each one emits its event (and may be killed there)."""
+    from gpuckpt.storage import fsutil, local
+    from gpuckpt.storage.layout import ROOT_KEY
+    from gpuckpt.testing.faults import inject_os_faults
+
+    W = local.LocalWriter
+    patches: list[tuple[Any, str, Any]] = []
+
+    def wrap(obj: Any, name: str, before: Callable[..., None], after: str | None = None) -> None:
+        orig = getattr(obj, name)
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            before(*args, **kwargs)
+            out = orig(*args, **kwargs)
+            if after:
+                emit(after)
+            return out
+
+        patches.append((obj, name, orig))
+        setattr(obj, name, wrapper)
+
+    wrap(W, "begin", lambda *a, **k: emit("begin"), after="tmp-created")
+    wrap(W, "write_array_document", lambda *a, **k: emit("array-doc"))
+    wrap(W, "write_chunk", lambda *a, **k: emit("chunk"))
+    wrap(W, "_write_file", lambda self, rel, parts: emit("root-write") if rel == ROOT_KEY else None)
+    wrap(W, "_make_durable", lambda *a, **k: emit("durable"))
+    wrap(fsutil, "fsync_dir", lambda *a, **k: emit("fsync-dir"))
+    wrap(fsutil, "exchange", lambda *a, **k: emit("publish"), after="published")
+    wrap(fsutil, "rename_noreplace", lambda *a, **k: emit("publish"), after="published")
+    with contextlib.suppress(ImportError):
+        from gpuckpt import manager
+
+        wrap(manager.CheckpointManager, "_delete", lambda *a, **k: emit("retention"))
+
+    real_write_all = local.write_all  # type: ignore[attr-defined]
+
+    def write_all(fd: int, data: Any) -> None:
+        view = memoryview(data).cast("B")
+        half = view.nbytes // 2
+        real_write_all(fd, view[:half])
+        emit("mid-file")
+        real_write_all(fd, view[half:])
+
+    patches.append((local, "write_all", real_write_all))
+    local.write_all = write_all  # type: ignore[attr-defined]
+
+    def on_os_call(name: str) -> None:
+        if name == "fsync":
+            emit("fsync")
+
+    try:
+        with inject_os_faults(hook=on_os_call):
+            yield
+    finally:
+        for obj, name, orig in reversed(patches):
+            setattr(obj, name, orig)
+
+
+def _scribble(state: dict[str, Any]) -> None:
+    for arr in state["model"].values():
+        arr[:] = np.float32(-12345.0)
+    state["seed"] = -1
+
+
 def main(argv: list[str]) -> None:
     root, seed, mode = Path(argv[0]), int(argv[1]), argv[2]
-    if not (root / "good").exists():
+    emit = _Tracer(os.environ.get("GPUCKPT_TEST_TRACE"), os.environ.get("GPUCKPT_TEST_KILL_AT"))
+    if mode != "manager" and not (root / "good").exists():
         gpuckpt.save(make_state(seed), root / "good", sync="file")
     print("good", flush=True)
-    state = make_state(seed + 1)
-    print("start", flush=True)
-    if mode == "new":
-        gpuckpt.save(state, root / "next", sync="file", chunk_bytes=16 * 1024)
-    elif mode == "overwrite":
-        gpuckpt.save(state, root / "good", sync="file", chunk_bytes=16 * 1024, overwrite=True)
-    else:
-        raise SystemExit(f"unknown mode {mode!r}")
+    opts: dict[str, Any] = {"sync": "file", "chunk_bytes": 16 * 1024}
+    with _traced(emit):
+        if mode == "manager":
+            from gpuckpt.manager import CheckpointManager
+
+            mgr = CheckpointManager(root / "mgr", max_to_keep=2, async_save=True, **opts)
+            print("start", flush=True)
+            emit("start")
+            for step in range(1, 10_000):
+                mgr.save(step, make_state(seed + step))
+                if step > 1:
+                    print(f"committed {step - 1}", flush=True)
+            return
+        state = make_state(seed + 1)
+        print("start", flush=True)
+        emit("start")
+        if mode == "new":
+            gpuckpt.save(state, root / "next", **opts)
+        elif mode == "overwrite":
+            gpuckpt.save(state, root / "good", overwrite=True, **opts)
+        elif mode == "async":
+            fut = gpuckpt.async_save(state, root / "next", **opts)
+            _scribble(state)
+            fut.result()
+        else:
+            raise SystemExit(f"unknown mode {mode!r}")
+        emit("returned")
     print("done", flush=True)
 
 
