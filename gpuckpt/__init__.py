@@ -2,6 +2,7 @@
 
 from gpuckpt.api import load, load_state_dict, read_metadata, save
 from gpuckpt.background import SaveFuture, async_save
+from gpuckpt.distributed.sharded import ShardedArray
 from gpuckpt.dtypes import get_default_dtype, set_default_dtype
 from gpuckpt.errors import (
     CheckpointCorruptedError,
@@ -64,6 +65,7 @@ __all__ = [
     "MissingChunkError",
     "MissingKeyError",
     "SaveFuture",
+    "ShardedArray",
     "ShapeMismatchError",
     "StorageMeta",
     "TensorProperties",

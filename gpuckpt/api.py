@@ -10,6 +10,11 @@ import numpy as np
 
 from gpuckpt.device.arrays import HostMemory, adapt, is_array
 from gpuckpt.device.backend import DEFAULT_STAGING_BYTES, DeviceArray, DeviceBackend
+from gpuckpt.distributed.coordinator import Coordinator, SingleProcessCoordinator
+from gpuckpt.distributed.load import read_boxes
+from gpuckpt.distributed.planner import Box
+from gpuckpt.distributed.save import contains_sharded, distributed_save, is_leaf
+from gpuckpt.distributed.sharded import is_sharded_leaf, sharded_boxes
 from gpuckpt.errors import CheckpointTooLargeError, DTypeMismatchError, MissingKeyError, ShapeMismatchError
 from gpuckpt.metadata import STATE_DICT_TYPE, Metadata
 from gpuckpt.planning import DEFAULT_CHUNK_BYTES
@@ -39,6 +44,8 @@ def save(
     progress: ProgressCallback | None = None,
     staging_bytes: int = DEFAULT_STAGING_BYTES,
     storage_options: dict[str, Any] | None = None,
+    coordinator: Coordinator | None = None,
+    portable: bool = False,
 ) -> Metadata:
     """Save ``state_dict`` as a checkpoint at ``path`` and return its metadata.
 
@@ -72,6 +79,14 @@ def save(
         streamed; host memory use stays within it whatever the state size.
     storage_options
         Options for URL back ends (e.g. endpoint and credentials for ``s3://``).
+    coordinator
+        For a distributed save: every rank calls ``save`` with its own state
+        dict (``ShardedArray`` boxes, replicated arrays, plain values) and a
+        :class:`gpuckpt.distributed.Coordinator`; the ranks write one shared
+        checkpoint, published only after every rank has finished.
+    portable
+        Distributed saves: use a regular chunk grid even for uneven boxes
+        (every box a union of whole chunks) instead of a rectilinear grid.
 
     Examples
     --------
@@ -83,6 +98,20 @@ def save(
     """
     if not isinstance(chunk_bytes, int) or chunk_bytes < 1:
         raise ValueError(f"chunk_bytes must be a positive integer, got {chunk_bytes!r}")
+    if coordinator is not None or contains_sharded(state_dict):
+        return distributed_save(
+            state_dict,
+            path,
+            coordinator or SingleProcessCoordinator(),
+            overwrite=overwrite,
+            chunk_bytes=chunk_bytes,
+            allow_pickle=allow_pickle,
+            sync=sync,
+            threads=threads,
+            progress=progress,
+            staging_bytes=staging_bytes,
+            portable=portable,
+        )
     plan = build_save_plan(state_dict, chunk_bytes=chunk_bytes, allow_pickle=allow_pickle)
     writer = open_writer(
         path, overwrite=overwrite, sync=sync, expected_files=plan.nfiles, storage_options=storage_options
@@ -121,6 +150,7 @@ def load(
     progress: ProgressCallback | None = None,
     staging_bytes: int = DEFAULT_STAGING_BYTES,
     storage_options: dict[str, Any] | None = None,
+    coordinator: Coordinator | None = None,
 ) -> None:
     """Load the checkpoint at ``path`` into ``state_dict`` in place.
 
@@ -141,8 +171,29 @@ def load(
     >>> sd["w"]
     array([0., 1., 2., 3.])
     """
+    if coordinator is None:
+        _load(state_dict, path, strict, allow_pickle, threads, progress, staging_bytes, storage_options)
+        return
+    error = None
+    try:
+        _load(state_dict, path, strict, allow_pickle, threads, progress, staging_bytes, storage_options)
+    except Exception as exc:  # every rank learns of any rank's failure
+        error = exc
+    coordinator.all_reduce_errors(error)
+
+
+def _load(
+    state_dict: STATE_DICT_TYPE,
+    path: PathLike,
+    strict: bool,
+    allow_pickle: bool,
+    threads: int | None,
+    progress: ProgressCallback | None,
+    staging_bytes: int,
+    storage_options: dict[str, Any] | None,
+) -> None:
     reader, _md, tensors, objects = _open(path, storage_options)
-    leaves, _ = flatten_state_dict(state_dict, is_array)
+    leaves, _ = flatten_state_dict(state_dict, is_leaf)
     missing = [f for f in leaves if f not in tensors and f not in objects]
     if missing and strict:
         raise MissingKeyError(
@@ -153,12 +204,15 @@ def load(
     targets: list[tuple[TensorEntry, Any]] = []
     placeholders: list[tuple[Any, TensorEntry]] = []
     decoded: list[tuple[Any, Any]] = []
+    requests: list[tuple[TensorEntry, list[tuple[Any, Box]]]] = []
     for fqn, leaf in leaves.items():
         if fqn in objects:
             decoded.append((leaf, decode_object(objects[fqn], allow_pickle=allow_pickle, fqn=fqn)))
         elif fqn in tensors:
             t = tensors[fqn]
-            if is_array(leaf.value):
+            if is_sharded_leaf(leaf.value):
+                requests.append((t, _shard_targets(t, leaf.value)))
+            elif is_array(leaf.value):
                 arr = adapt(leaf.value)
                 if arr.shape != t.shape:
                     raise ShapeMismatchError(
@@ -174,15 +228,36 @@ def load(
             else:
                 placeholders.append((leaf, t))
     # sizes are checked against the files before anything is allocated
-    check_chunk_files(reader, [*(t for t, _ in targets), *(t for _, t in placeholders)])
+    check_chunk_files(
+        reader, [*(t for t, _ in targets), *(t for _, t in placeholders), *(t for t, _ in requests)]
+    )
     fresh: list[tuple[Any, np.ndarray]] = []
     for leaf, t in placeholders:
         dest = _allocate(None, t)
         targets.append((t, dest))
         fresh.append((leaf, dest))
     read_tensors(reader, targets, threads=threads, progress=progress, staging_bytes=staging_bytes)
+    read_boxes(reader, requests, threads=threads, progress=progress)
     for leaf, value in (*fresh, *decoded):
         leaf.replace(value)
+
+
+def _shard_targets(t: TensorEntry, value: Any) -> list[tuple[Any, Box]]:
+    """The ``(adapter, box)`` pairs of a ShardedArray target, checked against tensor ``t``."""
+    out = []
+    for b in sharded_boxes(value):
+        if b.global_shape != t.shape:
+            raise ShapeMismatchError(
+                f"tensor {t.fqn!r}: the checkpoint has shape {t.shape}, the ShardedArray says "
+                f"{b.global_shape}; fix global_shape"
+            )
+        arr = adapt(b.local)
+        if arr.dtype.newbyteorder("=") != t.dtype:
+            raise DTypeMismatchError(
+                f"tensor {t.fqn!r}: the checkpoint has dtype {t.dtype}, the ShardedArray holds {arr.dtype}"
+            )
+        out.append((arr, (b.offsets, b.sizes)))
+    return out
 
 
 def _allocate(backend: DeviceBackend | None, t: TensorEntry) -> Any:

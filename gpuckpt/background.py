@@ -30,12 +30,12 @@ from gpuckpt.metadata import STATE_DICT_TYPE, Metadata
 from gpuckpt.planning import DEFAULT_CHUNK_BYTES
 from gpuckpt.progress import ProgressCallback
 from gpuckpt.storage.stores import open_writer
-from gpuckpt.writing import SavePlan, build_save_plan, device_backends, execute_save
+from gpuckpt.writing import SavePlan, TensorPlan, build_save_plan, device_backends, execute_save
 
 __all__ = ["SaveFuture", "async_save", "wait_all"]
 
 _lock = threading.Lock()
-_executor: ThreadPoolExecutor | None = None
+_executors: dict[int, ThreadPoolExecutor] = {}
 _pools: dict[int, ArenaPool] = {}
 _copy_threads = ThreadPoolExecutor(
     max_workers=max(1, min(4, os.cpu_count() or 1)), thread_name_prefix="gpuckpt-snap"
@@ -55,12 +55,15 @@ def _arena_pool(plan: SavePlan) -> ArenaPool:
         return pool
 
 
-def _writer_executor() -> ThreadPoolExecutor:
-    global _executor
+def _writer_executor(coordinator: Any = None) -> ThreadPoolExecutor:
+    """The background writer: one per process, and one per coordinator (rank) for distributed saves,
+    so that ranks simulated by threads of one process do not queue behind each other."""
+    key = 0 if coordinator is None else id(coordinator)
     with _lock:
-        if _executor is None:
-            _executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpuckpt-async")
-        return _executor
+        ex = _executors.get(key)
+        if ex is None:
+            ex = _executors[key] = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpuckpt-async")
+        return ex
 
 
 class SaveFuture:
@@ -103,6 +106,12 @@ def _copy_slabs(dst: np.ndarray, src: np.ndarray) -> list[tuple[np.ndarray, np.n
     return [(dst[i : i + rows], src[i : i + rows]) for i in range(0, dst.shape[0], rows)]
 
 
+def _rebind(t: TensorPlan, array: Any) -> None:
+    t.array = array
+    for j in t.jobs:
+        j.source = array
+
+
 def snapshot(plan: SavePlan, arena: StagingArena) -> None:
     """Copy every tensor of ``plan`` into ``arena`` (host memory) and point the plan at the copies.
 
@@ -117,19 +126,20 @@ def snapshot(plan: SavePlan, arena: StagingArena) -> None:
         b.wait_for_producers()
     for t in plan.tensors:
         fmt = t.properties.memory_format
-        order = physical_order(len(t.array.shape), fmt)
-        dst = arena.take_array(t.array.shape, t.array.dtype, order)
-        if t.array.is_device:
-            dev = t.array
-            assert isinstance(dev, DeviceArray)
+        order = physical_order(len(t.shape), fmt)
+        dst = arena.take_array(t.shape, t.dtype, order)
+        src = t.array
+        assert src is not None, "snapshots are taken of single-process plans"
+        if isinstance(src, DeviceArray):
+            dev = src
             raw = dst.transpose(order).reshape(-1).view(np.uint8)
             if fmt is preserve_format:
                 tickets.append(dev.backend.stage_out(dev.data, (0,) * dst.ndim, dst.shape, raw))
             else:
                 tickets.append(dev.backend.snapshot_to_host(dev.data, raw))
         else:
-            copies.extend(_copy_slabs(dst, t.array.host_array()))
-        t.array = HostArray(dst, requires_grad=t.properties.requires_grad, pinned=t.properties.pin_memory)
+            copies.extend(_copy_slabs(dst, src.host_array()))
+        _rebind(t, HostArray(dst, requires_grad=t.properties.requires_grad, pinned=t.properties.pin_memory))
     if len(copies) == 1:
         np.copyto(*copies[0])
     elif copies:
@@ -146,18 +156,59 @@ def snapshot_on_device(plan: SavePlan) -> None:
     for b in backends:
         b.wait_for_producers()
     for t in plan.tensors:
-        if t.array.is_device:
-            dev = t.array
-            assert isinstance(dev, DeviceArray)
-            t.array = DeviceArray(
-                dev.backend.copy_on_device(dev.data), dev.backend, dev.dtype, dev.requires_grad
-            )
+        src = t.array
+        assert src is not None, "snapshots are taken of single-process plans"
+        if isinstance(src, DeviceArray):
+            copy = src.backend.copy_on_device(src.data)
+            _rebind(t, DeviceArray(copy, src.backend, src.dtype, src.requires_grad))
         else:
-            t.array = HostArray(
-                t.array.host_array().copy(), t.properties.requires_grad, t.properties.pin_memory
+            _rebind(
+                t, HostArray(src.host_array().copy(), t.properties.requires_grad, t.properties.pin_memory)
             )
     for b in backends:
         b.synchronize()
+
+
+def _copy_array(value: Any) -> Any:
+    from gpuckpt.device.arrays import adapt
+
+    a = adapt(value)
+    if isinstance(a, DeviceArray):
+        copy = a.backend.copy_on_device(a.data)
+        a.backend.synchronize()
+        return _Adapted(DeviceArray(copy, a.backend, a.dtype, a.requires_grad))
+    return a.host_array().copy(order="K")
+
+
+class _Adapted:
+    """A snapshot copy that keeps its adapter (dtype, requires_grad) for the save."""
+
+    def __init__(self, adapter: Any) -> None:
+        self.adapter = adapter
+        self.shape = adapter.shape
+
+    def __gpuckpt_adapter__(self) -> Any:
+        return self.adapter
+
+
+def _copy_state(value: Any, depth: int = 0) -> Any:
+    """A copy of a state dict whose arrays (and ShardedArray locals) are snapshots."""
+    import copy
+
+    from gpuckpt.device.arrays import is_array
+    from gpuckpt.distributed.sharded import ShardedArray
+
+    if isinstance(value, ShardedArray):
+        return ShardedArray(_copy_array(value.local), value.offsets, value.global_shape)
+    if is_array(value):
+        return _copy_array(value)
+    if isinstance(value, dict):
+        return {k: _copy_state(v, depth + 1) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_copy_state(v, depth + 1) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_copy_state(v, depth + 1) for v in value)
+    return copy.deepcopy(value)
 
 
 def async_save(
@@ -173,6 +224,8 @@ def async_save(
     staging: str = "host",
     staging_bytes: int = DEFAULT_STAGING_BYTES,
     storage_options: dict[str, Any] | None = None,
+    coordinator: Any = None,
+    portable: bool = False,
 ) -> SaveFuture:
     """Snapshot ``state_dict`` and save it to ``path`` in the background.
 
@@ -188,6 +241,11 @@ def async_save(
     drains them to storage through the pinned staging pipeline in the
     background; it needs free device memory the size of the state.
 
+    With a ``coordinator`` (a distributed save), every rank snapshots its own
+    arrays and the collective save runs on the background thread: the
+    application must not use the same communicator until ``result()`` returns
+    (with MPI, or use an ``MPI_THREAD_MULTIPLE`` build and a separate communicator).
+
     Examples
     --------
     >>> import numpy as np, gpuckpt, tempfile, os
@@ -199,8 +257,32 @@ def async_save(
     """
     if staging not in ("host", "device"):
         raise ValueError(f"staging={staging!r}; expected 'host' or 'device'")
+    from gpuckpt.distributed.save import contains_sharded, distributed_save
+
+    if coordinator is not None or contains_sharded(state_dict):
+        from gpuckpt.distributed.coordinator import SingleProcessCoordinator
+
+        copied = _copy_state(state_dict)
+        coord = coordinator or SingleProcessCoordinator()
+        return SaveFuture(
+            _writer_executor(coord).submit(
+                distributed_save,
+                copied,
+                path,
+                coord,
+                overwrite=overwrite,
+                chunk_bytes=chunk_bytes,
+                allow_pickle=allow_pickle,
+                sync=sync,
+                threads=threads,
+                progress=progress,
+                staging_bytes=staging_bytes,
+                portable=portable,
+            ),
+            os.fspath(path),
+        )
     plan = build_save_plan(state_dict, chunk_bytes=chunk_bytes, allow_pickle=allow_pickle)
-    total = sum(int(np.prod(t.array.shape, dtype=np.int64)) * t.array.dtype.itemsize for t in plan.tensors)
+    total = sum(t.nbytes for t in plan.tensors)
     pool: ArenaPool | None = None
     arena: StagingArena | None = None
     if staging == "device":
@@ -251,8 +333,10 @@ def release_staging() -> None:
 def _drain_at_exit() -> None:
     # queued saves finish before the interpreter exits: a return from
     # async_save promised that the state would be written
-    if _executor is not None:
-        _executor.shutdown(wait=True)
+    with _lock:
+        executors = list(_executors.values())
+    for ex in executors:
+        ex.shutdown(wait=True)
 
 
 atexit.register(_drain_at_exit)

@@ -206,10 +206,8 @@ class Metadata:
                     "type": "tensor",
                     "properties": md.properties.to_json(),
                     "size": [int(s) for s in md.size],
-                    "chunks": [
-                        {"offsets": [int(o) for o in c.offsets], "sizes": [int(s) for s in c.sizes]}
-                        for c in md.chunks
-                    ],
+                    # chunk boxes come from the planner as Python ints: no per-element conversion
+                    "chunks": [{"offsets": list(c.offsets), "sizes": list(c.sizes)} for c in md.chunks],
                 }
             elif isinstance(md, BytesStorageMetadata):
                 entries[fqn] = {"type": "bytes"}

@@ -183,7 +183,7 @@ def _check_crc(t: TensorEntry, c: ChunkRead, value: int, stored_crc: int) -> Non
         )
 
 
-def _fetch_verified(reader: CheckpointReader, t: TensorEntry, c: ChunkRead, parts: list[Any]) -> None:
+def fetch_verified(reader: CheckpointReader, t: TensorEntry, c: ChunkRead, parts: list[Any]) -> None:
     """Read chunk ``c`` into the buffers ``parts`` (its stored bytes) and check its size and CRC32C."""
     crc_buf = bytearray(CRC_BYTES)
     try:
@@ -212,10 +212,10 @@ def _read_chunk(
         # straight into the destination; padding of an edge chunk goes to scratch
         data = box.reshape(-1).view(np.uint8)
         pad = c.nbytes - CRC_BYTES - data.nbytes
-        _fetch_verified(reader, t, c, [data, np.empty(pad, np.uint8)] if pad else [data])
+        fetch_verified(reader, t, c, [data, np.empty(pad, np.uint8)] if pad else [data])
     else:
         scratch = np.empty(c.stored, dtype=t.dtype.newbyteorder("<"))
-        _fetch_verified(reader, t, c, [scratch.reshape(-1).view(np.uint8)])
+        fetch_verified(reader, t, c, [scratch.reshape(-1).view(np.uint8)])
         box[...] = scratch[tuple(slice(0, s) for s in c.spec.sizes)]
     counter.add(box.nbytes)
 
@@ -232,7 +232,7 @@ def _read_chunk_to_device(
     buf = pool.acquire(c.nbytes - CRC_BYTES)
     try:
         stored = buf[: c.nbytes - CRC_BYTES]
-        _fetch_verified(reader, t, c, [stored])
+        fetch_verified(reader, t, c, [stored])
         if is_prefix_box(c.spec.sizes, c.stored):
             block = stored[: c.spec.nelem * t.dtype.itemsize]
         else:

@@ -1,17 +1,22 @@
 """Executing a save: from flattened leaves to a published checkpoint.
 
-Tensors become Zarr arrays (:mod:`gpuckpt.storage.layout`), their chunks are
-encoded and written by a thread pool straight from the arrays' memory when
-a chunk is one contiguous byte run (the common case: see
-:func:`gpuckpt.planning.plan_regular_grid`), and the root document carrying
-the metadata is written last by :meth:`CheckpointWriter.commit`.
+A save is a list of :class:`ChunkJob` (one per stored chunk this process
+writes) plus the documents around them. Tensors become Zarr arrays
+(:mod:`gpuckpt.storage.layout`); chunk jobs run on a thread pool, straight
+from host memory when a chunk is one contiguous byte run (the common case,
+see :func:`gpuckpt.planning.plan_regular_grid`), or through a bounded pool of
+staging buffers for device memory; the root document carrying the metadata
+is written last by :meth:`CheckpointWriter.commit`. Distributed saves
+(:mod:`gpuckpt.distributed.save`) run the same jobs on every rank.
 """
 
 from __future__ import annotations
 
 import errno
 import os
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +34,7 @@ from gpuckpt.device.backend import (
 from gpuckpt.errors import CheckpointWriteError, GpuckptError
 from gpuckpt.metadata import (
     BytesStorageMetadata,
+    ChunkStorageMetadata,
     Metadata,
     StorageMeta,
     TensorProperties,
@@ -43,7 +49,18 @@ from gpuckpt.storage.layout import array_document, chunk_file_key, root_document
 from gpuckpt.storage.names import encode_name
 from gpuckpt.storage.objects import encode_object
 
-__all__ = ["TensorPlan", "build_save_plan", "default_threads", "execute_save"]
+__all__ = [
+    "ChunkJob",
+    "SavePlan",
+    "TensorPlan",
+    "assemble_metadata",
+    "build_save_plan",
+    "default_threads",
+    "device_backends",
+    "execute_save",
+    "write_array_documents",
+    "write_chunks",
+]
 
 
 def default_threads() -> int:
@@ -52,15 +69,42 @@ def default_threads() -> int:
 
 
 @dataclass(slots=True)
+class ChunkJob:
+    """One stored chunk to write: where its data is, and its stored shape."""
+
+    name: str
+    coords: tuple[int, ...]
+    source: ArrayAdapter
+    offsets: tuple[int, ...]  # of the chunk's box within ``source``
+    sizes: tuple[int, ...]
+    stored: tuple[int, ...]
+
+    @property
+    def key(self) -> str:
+        return chunk_file_key(self.coords)
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.sizes, dtype=np.int64)) * self.source.dtype.itemsize
+
+
+@dataclass(slots=True)
 class TensorPlan:
-    """One tensor to write."""
+    """One tensor of a save: its global description and the chunk jobs of this process."""
 
     fqn: str
     name: str
-    array: ArrayAdapter
+    shape: tuple[int, ...]
+    dtype: np.dtype[Any]
     grid: ChunkGrid
     properties: TensorProperties
     specs: list[ChunkSpec] = field(default_factory=list)
+    jobs: list[ChunkJob] = field(default_factory=list)
+    array: ArrayAdapter | None = None  # the whole tensor, for single-process saves
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
 
 
 @dataclass(slots=True)
@@ -72,6 +116,15 @@ class SavePlan:
     @property
     def nfiles(self) -> int:
         return sum(1 + len(t.specs) for t in self.tensors) + 1
+
+    def jobs(self) -> list[ChunkJob]:
+        return [j for t in self.tensors for j in t.jobs]
+
+
+def whole_tensor_jobs(
+    name: str, array: ArrayAdapter, grid: ChunkGrid, specs: Sequence[ChunkSpec]
+) -> list[ChunkJob]:
+    return [ChunkJob(name, s.coords, array, s.offsets, s.sizes, grid.stored_chunk_shape(s)) for s in specs]
 
 
 def build_save_plan(
@@ -87,21 +140,42 @@ def build_save_plan(
     for fqn, leaf in leaves.items():
         if is_array(leaf.value):
             arr = adapt(leaf.value)
-            props = arr.properties()
             grid = plan_regular_grid(arr.shape, arr.dtype.itemsize, chunk_bytes)
-            tensors.append(TensorPlan(fqn, encode_name(fqn), arr, grid, props, list(grid.chunks())))
+            specs = list(grid.chunks())
+            name = encode_name(fqn)
+            tensors.append(
+                TensorPlan(
+                    fqn,
+                    name,
+                    arr.shape,
+                    arr.dtype,
+                    grid,
+                    arr.properties(),
+                    specs,
+                    whole_tensor_jobs(name, arr, grid, specs),
+                    arr,
+                )
+            )
         else:
             objects[fqn] = encode_object(leaf.value, allow_pickle=allow_pickle, fqn=fqn)
     return SavePlan(tensors, objects, skeleton)
 
 
-def _encode_box(box: np.ndarray, grid: ChunkGrid, spec: ChunkSpec) -> tuple[list[Any], int, int]:
+def rebind(plan: SavePlan, fqn: str, array: ArrayAdapter) -> None:
+    """Point tensor ``fqn`` of a single-process plan (and its jobs) at another array (a snapshot)."""
+    for t in plan.tensors:
+        if t.fqn == fqn:
+            t.array = array
+            for j in t.jobs:
+                j.source = array
+
+
+def _encode_box(box: np.ndarray, stored: tuple[int, ...]) -> tuple[list[Any], int, int]:
     """Buffers making up one stored chunk holding ``box``, its total size and its CRC32C."""
     if box.dtype.byteorder == ">":
         box = box.astype(box.dtype.newbyteorder("<"))
-    stored = grid.stored_chunk_shape(spec)
     itemsize = box.dtype.itemsize
-    if is_prefix_box(spec.sizes, stored):
+    if is_prefix_box(box.shape, stored):
         data = np.ascontiguousarray(box).reshape(-1).view(np.uint8)
         pad = (int(np.prod(stored, dtype=np.int64)) - box.size) * itemsize
         crc = zeros_crc(crc32c(data), pad)
@@ -117,6 +191,18 @@ def _encode_box(box: np.ndarray, grid: ChunkGrid, spec: ChunkSpec) -> tuple[list
     return parts, data.nbytes + pad + CRC_BYTES, crc
 
 
+def device_backends(plan: SavePlan) -> list[Any]:
+    """The distinct backends of the plan's device arrays."""
+    seen: dict[int, Any] = {}
+    for j in plan.jobs():
+        if isinstance(j.source, DeviceArray):
+            seen.setdefault(id(j.source.backend), j.source.backend)
+    for t in plan.tensors:
+        if isinstance(t.array, DeviceArray):
+            seen.setdefault(id(t.array.backend), t.array.backend)
+    return list(seen.values())
+
+
 class _Failure:
     """Lets the producer stop queueing work once any I/O job has failed."""
 
@@ -128,98 +214,149 @@ class _Failure:
             raise self.error
 
 
-def execute_save(
-    plan: SavePlan,
+def write_array_documents(plan: SavePlan, writer: CheckpointWriter) -> None:
+    for t in plan.tensors:
+        writer.write_array_document(
+            t.name,
+            array_document(
+                shape=t.shape,
+                dtype=t.dtype,
+                grid=t.grid,
+                attributes={"gpuckpt": {"fqn": t.fqn, "memory_format": t.properties.memory_format.name}},
+            ),
+        )
+
+
+def write_chunks(
+    jobs: Sequence[ChunkJob],
     writer: CheckpointWriter,
     *,
     threads: int | None = None,
-    checkpoint_id: str | None = None,
-    progress: ProgressCallback | None = None,
     staging_bytes: int = DEFAULT_STAGING_BYTES,
-) -> Metadata:
-    """Write ``plan`` through ``writer`` and commit; aborts the writer on any error.
+    progress: ProgressCallback | None = None,
+) -> list[tuple[int, int]]:
+    """Write every job's chunk; returns ``(stored bytes, CRC32C)`` per job, in order.
 
-    Host tensors are encoded straight from their memory by the I/O threads.
-    Device tensors stream through a bounded pool of staging buffers: the
+    Host sources are encoded straight from their memory by the I/O threads.
+    Device sources stream through a bounded pool of staging buffers: the
     calling thread queues device-to-host copies of the next chunks (blocking
     when the pool is exhausted) while the I/O threads wait for each copy,
     checksum and write its buffer, and return it to the pool.
     """
-    counter = ProgressCounter(progress, sum(_nbytes(t) for t in plan.tensors))
+    counter = ProgressCounter(progress, sum(j.nbytes for j in jobs))
+    failure = _Failure()
+    for backend in {
+        id(j.source.backend): j.source.backend for j in jobs if isinstance(j.source, DeviceArray)
+    }.values():
+        backend.wait_for_producers()
+    pools: dict[int, BufferPool] = {}
+    with ThreadPoolExecutor(
+        max_workers=threads or default_threads(), thread_name_prefix="gpuckpt-write"
+    ) as io:
+        pending: list[Future[tuple[int, int]]] = []
+
+        def submit(fn: Any, *args: Any) -> None:
+            def job() -> tuple[int, int]:
+                try:
+                    return fn(*args)  # type: ignore[no-any-return]
+                except BaseException as exc:
+                    failure.error = failure.error or exc
+                    raise
+
+            pending.append(io.submit(job))
+
+        for j in jobs:
+            failure.check()
+            src = j.source
+            if isinstance(src, DeviceArray):
+                pool = pools.get(id(src.backend))
+                if pool is None:
+                    largest = max(k.nbytes for k in jobs if isinstance(k.source, DeviceArray))
+                    pool = pools[id(src.backend)] = buffer_pool(
+                        src.backend, staging_buffer_bytes(largest), staging_bytes
+                    )
+                buf = pool.acquire(j.nbytes)  # blocks while the budget is in use: back-pressure
+                try:
+                    ticket = src.backend.stage_out(src.data, j.offsets, j.sizes, buf[: j.nbytes])
+                except BaseException:
+                    pool.release(buf)
+                    raise
+                submit(_write_staged_chunk, writer, j, buf, ticket, pool, counter)
+            else:
+                submit(_write_host_chunk, writer, j, counter)
+        try:
+            return [f.result() for f in pending]
+        except BaseException:
+            for f in pending:
+                f.cancel()
+            raise
+
+
+def _write_host_chunk(writer: CheckpointWriter, j: ChunkJob, counter: ProgressCounter) -> tuple[int, int]:
+    host = j.source.host_array()
+    box = (
+        host[...]
+        if not j.sizes
+        else host[tuple(slice(o, o + s) for o, s in zip(j.offsets, j.sizes, strict=True))]
+    )
+    parts, nbytes, crc = _encode_box(box, j.stored)
+    writer.write_chunk(j.name, j.key, parts)
+    counter.add(j.nbytes)
+    return nbytes, crc
+
+
+def _write_staged_chunk(
+    writer: CheckpointWriter,
+    j: ChunkJob,
+    buf: np.ndarray,
+    ticket: Ticket,
+    pool: BufferPool,
+    counter: ProgressCounter,
+) -> tuple[int, int]:
+    try:
+        ticket.wait()
+        box = buf[: j.nbytes].view(j.source.dtype).reshape(j.sizes)
+        parts, total, crc = _encode_box(box, j.stored)
+        writer.write_chunk(j.name, j.key, parts)
+    finally:
+        pool.release(buf)
+    counter.add(j.nbytes)
+    return total, crc
+
+
+def assemble_metadata(
+    plan: SavePlan, results: dict[tuple[str, tuple[int, ...]], tuple[int, int]], checkpoint_id: str | None
+) -> Metadata:
+    """The checkpoint's Metadata from the plan and every chunk's ``(stored bytes, CRC32C)``."""
     state_md: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
     tensors_sd: dict[str, Any] = {}
-    failure = _Failure()
-    try:
-        writer.begin()
-        with ThreadPoolExecutor(
-            max_workers=threads or default_threads(), thread_name_prefix="gpuckpt-write"
-        ) as io:
-            pending: list[tuple[dict[str, Any], Future[tuple[int, int]]]] = []
-
-            def submit(info: dict[str, Any], fn: Any, *args: Any) -> None:
-                def job() -> tuple[int, int]:
-                    try:
-                        return fn(*args)  # type: ignore[no-any-return]
-                    except BaseException as exc:
-                        failure.error = failure.error or exc
-                        raise
-
-                pending.append((info, io.submit(job)))
-
-            for backend in device_backends(plan):
-                backend.wait_for_producers()
-            for t in plan.tensors:
-                failure.check()
-                writer.write_array_document(
-                    t.name,
-                    array_document(
-                        shape=t.array.shape,
-                        dtype=t.array.dtype,
-                        grid=t.grid,
-                        attributes={
-                            "gpuckpt": {"fqn": t.fqn, "memory_format": t.properties.memory_format.name}
-                        },
-                    ),
-                )
-                infos = []
-                for spec in t.specs:
-                    info: dict[str, Any] = {"key": chunk_file_key(spec.coords)}
-                    infos.append(info)
-                    if t.array.is_device:
-                        failure.check()
-                        _queue_device_chunk(submit, info, writer, t, spec, staging_bytes, counter)
-                    else:
-                        submit(
-                            info,
-                            _write_host_chunk,
-                            writer,
-                            t.name,
-                            info["key"],
-                            t.array.host_array(),
-                            t.grid,
-                            spec,
-                            counter,
-                        )
-                state_md[t.fqn] = TensorStorageMetadata(
-                    properties=t.properties, size=t.array.shape, chunks=[s.as_metadata() for s in t.specs]
-                )
-                tensors_sd[t.fqn] = {"name": t.name, "chunk_grid": t.grid.to_zarr_json(), "chunks": infos}
-            try:
-                for info, fut in pending:
-                    info["nbytes"], info["crc32c"] = fut.result()
-            except BaseException:
-                for _, fut in pending:
-                    fut.cancel()
-                raise
-        for fqn in plan.objects:
-            state_md[fqn] = BytesStorageMetadata()
-        metadata = Metadata(
-            state_dict_metadata=state_md,
-            planner_data={"structure": plan.skeleton},
-            storage_data={"tensors": tensors_sd, "objects": plan.objects},
-            storage_meta=StorageMeta(checkpoint_id=checkpoint_id, modules=["gpuckpt"]),
+    for t in plan.tensors:
+        infos = []
+        for s in t.specs:
+            nbytes, crc = results[(t.name, s.coords)]
+            infos.append({"key": chunk_file_key(s.coords), "nbytes": nbytes, "crc32c": crc})
+        state_md[t.fqn] = TensorStorageMetadata(
+            properties=t.properties,
+            size=t.shape,
+            chunks=[ChunkStorageMetadata(offsets=s.offsets, sizes=s.sizes) for s in t.specs],
         )
-        writer.commit(root_document(metadata))
+        tensors_sd[t.fqn] = {"name": t.name, "chunk_grid": t.grid.to_zarr_json(), "chunks": infos}
+    for fqn in plan.objects:
+        state_md[fqn] = BytesStorageMetadata()
+    return Metadata(
+        state_dict_metadata=state_md,
+        planner_data={"structure": plan.skeleton},
+        storage_data={"tensors": tensors_sd, "objects": plan.objects},
+        storage_meta=StorageMeta(checkpoint_id=checkpoint_id, modules=["gpuckpt"]),
+        version=None,
+    )
+
+
+@contextmanager
+def writing(writer: CheckpointWriter) -> Iterator[None]:
+    """Abort ``writer`` on any error; report system I/O errors as :class:`CheckpointWriteError`."""
+    try:
+        yield
     except GpuckptError:
         writer.abort()
         raise
@@ -234,94 +371,25 @@ def execute_save(
     except BaseException:
         writer.abort()
         raise
+
+
+def execute_save(
+    plan: SavePlan,
+    writer: CheckpointWriter,
+    *,
+    threads: int | None = None,
+    checkpoint_id: str | None = None,
+    progress: ProgressCallback | None = None,
+    staging_bytes: int = DEFAULT_STAGING_BYTES,
+) -> Metadata:
+    """Write ``plan`` through ``writer`` and commit; aborts the writer on any error."""
+    with writing(writer):
+        writer.begin()
+        write_array_documents(plan, writer)
+        jobs = plan.jobs()
+        sizes = write_chunks(jobs, writer, threads=threads, staging_bytes=staging_bytes, progress=progress)
+        results = {(j.name, j.coords): r for j, r in zip(jobs, sizes, strict=True)}
+        metadata = assemble_metadata(plan, results, checkpoint_id)
+        writer.commit(root_document(metadata))
     metadata.version = metadata.to_json_dict()["version"]
     return metadata
-
-
-def device_backends(plan: SavePlan) -> list[Any]:
-    """The distinct backends of the plan's device tensors."""
-    seen: dict[int, Any] = {}
-    for t in plan.tensors:
-        if isinstance(t.array, DeviceArray):
-            seen.setdefault(id(t.array.backend), t.array.backend)
-    return list(seen.values())
-
-
-def _nbytes(t: TensorPlan) -> int:
-    return int(np.prod(t.array.shape, dtype=np.int64)) * t.array.dtype.itemsize
-
-
-def _write_host_chunk(
-    writer: CheckpointWriter,
-    name: str,
-    key: str,
-    host: np.ndarray,
-    grid: ChunkGrid,
-    spec: ChunkSpec,
-    counter: ProgressCounter,
-) -> tuple[int, int]:
-    parts, nbytes, crc = _encode_box(spec.view(host), grid, spec)
-    writer.write_chunk(name, key, parts)
-    counter.add(spec.nelem * host.dtype.itemsize)
-    return nbytes, crc
-
-
-def _queue_device_chunk(
-    submit: Any,
-    info: dict[str, Any],
-    writer: CheckpointWriter,
-    t: TensorPlan,
-    spec: ChunkSpec,
-    staging_bytes: int,
-    counter: ProgressCounter,
-) -> None:
-    dev = t.array
-    assert isinstance(dev, DeviceArray)
-    nbytes = spec.nelem * dev.dtype.itemsize
-    largest = max(s.nelem for s in t.specs) * dev.dtype.itemsize
-    pool = buffer_pool(dev.backend, staging_buffer_bytes(largest), staging_bytes)
-    buf = pool.acquire(nbytes)  # blocks while the budget is in use: back-pressure
-    try:
-        ticket = dev.backend.stage_out(dev.data, spec.offsets, spec.sizes, buf[:nbytes])
-    except BaseException:
-        pool.release(buf)
-        raise
-    submit(
-        info,
-        _write_staged_chunk,
-        writer,
-        t.name,
-        info["key"],
-        buf,
-        nbytes,
-        dev.dtype,
-        t.grid,
-        spec,
-        ticket,
-        pool,
-        counter,
-    )
-
-
-def _write_staged_chunk(
-    writer: CheckpointWriter,
-    name: str,
-    key: str,
-    buf: np.ndarray,
-    nbytes: int,
-    dtype: np.dtype[Any],
-    grid: ChunkGrid,
-    spec: ChunkSpec,
-    ticket: Ticket,
-    pool: BufferPool,
-    counter: ProgressCounter,
-) -> tuple[int, int]:
-    try:
-        ticket.wait()
-        box = buf[:nbytes].view(dtype).reshape(spec.sizes)
-        parts, total, crc = _encode_box(box, grid, spec)
-        writer.write_chunk(name, key, parts)
-    finally:
-        pool.release(buf)
-    counter.add(nbytes)
-    return total, crc

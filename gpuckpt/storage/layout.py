@@ -43,7 +43,7 @@ _CHUNK_KEY_RE = re.compile(r"^c(\.(0|[1-9][0-9]{0,17}))*$")
 
 def chunk_file_key(coords: tuple[int, ...]) -> str:
     """File name of a chunk inside its array directory (``c.0.1``; ``c`` for 0-d)."""
-    return ".".join(("c", *(str(c) for c in coords)))
+    return "c." + ".".join(map(str, coords)) if coords else "c"
 
 
 def is_chunk_file_key(key: object) -> bool:
@@ -93,14 +93,21 @@ def _canonical(value: Any) -> bytes:
 
 
 def root_document(metadata: Metadata) -> bytes:
-    """The root group's ``zarr.json``, carrying the metadata and its CRC32C."""
-    md = metadata.to_json_dict()
-    doc = {
-        "zarr_format": 3,
-        "node_type": "group",
-        "attributes": {ATTRIBUTE: {"metadata": md, "metadata_crc32c": crc32c(_canonical(md))}},
-    }
-    return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+    """The root group's ``zarr.json``, carrying the metadata and its CRC32C.
+
+    The metadata is embedded in its canonical form (sorted keys, compact), so
+    it is encoded once and its checksum covers exactly those bytes.
+    """
+    canonical = _canonical(metadata.to_json_dict())
+    return (
+        b'{"zarr_format":3,"node_type":"group","attributes":{"'
+        + ATTRIBUTE.encode()
+        + b'":{"metadata":'
+        + canonical
+        + b',"metadata_crc32c":'
+        + str(crc32c(canonical)).encode()
+        + b"}}}"
+    )
 
 
 def metadata_from_root_document(raw: bytes, where: str) -> Metadata:

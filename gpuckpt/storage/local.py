@@ -91,6 +91,25 @@ class LocalWriter(CheckpointWriter):
         )
         self._dirs: list[Path] = []
 
+    @property
+    def token(self) -> str:
+        """What other processes need to write into this save (see :meth:`attach`)."""
+        return os.fspath(self.tmp)
+
+    @classmethod
+    def attach(cls, path: str | os.PathLike[str], token: str) -> LocalWriter:
+        """A participant writing chunks into the save ``token`` that another process began.
+
+        A participant only calls :meth:`write_chunk`; each of its files is
+        fsynced as it is written, and the process that began the save commits it.
+        """
+        w = cls(path, sync="file")
+        tmp = Path(token)
+        if tmp.parent != w.path.parent or not tmp.name.startswith(f".{w.path.name}{_TMP_TAG}"):
+            raise ValueError(f"{token!r} is not a temporary of a save to {w.path}")
+        w.tmp = tmp
+        return w
+
     def _check_target(self) -> None:
         if self.path.exists() or self.path.is_symlink():
             if not self.overwrite:

@@ -1,0 +1,89 @@
+"""Resharding loads: fill any requested boxes from any saved chunking.
+
+For each requested box (a :class:`~gpuckpt.distributed.sharded.ShardedArray`
+target), the chunks of the stored grid that overlap it are found by
+bisection on the grid's edges; each such chunk is read once per process,
+verified against its CRC32C (which covers the whole chunk: a verified read
+cannot be narrower), and the overlapping part of it is copied into every
+target box that needs it. Chunks that overlap no requested box are never
+read.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from gpuckpt.device.backend import DeviceArray
+from gpuckpt.distributed.planner import Box, intersect, overlapping_chunks
+from gpuckpt.progress import ProgressCallback, ProgressCounter
+from gpuckpt.reading import ChunkRead, TensorEntry, fetch_verified
+from gpuckpt.storage.base import CheckpointReader
+from gpuckpt.writing import default_threads
+
+__all__ = ["read_boxes"]
+
+
+def _slices(outer: tuple[int, ...], inner: Box) -> tuple[slice, ...]:
+    return tuple(slice(o - base, o - base + s) for o, s, base in zip(inner[0], inner[1], outer, strict=True))
+
+
+def _read_one(
+    reader: CheckpointReader,
+    t: TensorEntry,
+    c: ChunkRead,
+    targets: list[tuple[Any, Box]],
+    counter: ProgressCounter,
+) -> None:
+    scratch = np.empty(c.stored, dtype=t.dtype.newbyteorder("<"))
+    fetch_verified(reader, t, c, [scratch.reshape(-1).view(np.uint8)])
+    chunk_box: Box = (c.spec.offsets, c.spec.sizes)
+    for adapter, box in targets:
+        inter = intersect(chunk_box, box)
+        if inter is None:
+            continue
+        part = scratch[_slices(c.spec.offsets, inter)]
+        if isinstance(adapter, DeviceArray):
+            block = np.ascontiguousarray(part).reshape(-1).view(np.uint8)
+            local_offsets = tuple(o - b for o, b in zip(inter[0], box[0], strict=True))
+            adapter.backend.stage_in(block, adapter.data, local_offsets, inter[1]).wait()
+        else:
+            adapter.host_array()[_slices(box[0], inter)] = part
+        counter.add(part.nbytes)
+
+
+def read_boxes(
+    reader: CheckpointReader,
+    requests: list[tuple[TensorEntry, list[tuple[Any, Box]]]],
+    *,
+    threads: int | None = None,
+    progress: ProgressCallback | None = None,
+) -> None:
+    """Fill every ``(adapter, box)`` of ``requests`` from the stored chunks that overlap it."""
+    total = sum(
+        int(np.prod(b[1], dtype=np.int64)) * t.dtype.itemsize for t, boxes in requests for _, b in boxes
+    )
+    counter = ProgressCounter(progress, total)
+    jobs: list[tuple[TensorEntry, ChunkRead, list[tuple[Any, Box]]]] = []
+    for t, boxes in requests:
+        by_coords = {c.spec.coords: c for c in t.chunks}
+        wanted: dict[tuple[int, ...], list[tuple[Any, Box]]] = {}
+        for adapter, box in boxes:
+            for coords in overlapping_chunks(t.grid, box):
+                wanted.setdefault(coords, []).append((adapter, box))
+        jobs.extend((t, by_coords[coords], targets) for coords, targets in wanted.items())
+    if not jobs:
+        return
+    with ThreadPoolExecutor(
+        max_workers=threads or default_threads(), thread_name_prefix="gpuckpt-reshard"
+    ) as pool:
+        futures = [pool.submit(_read_one, reader, t, c, targets, counter) for t, c, targets in jobs]
+        try:
+            for f in futures:
+                f.result()
+        except BaseException:
+            for f in futures:
+                f.cancel()
+            raise

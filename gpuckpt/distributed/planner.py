@@ -1,0 +1,198 @@
+"""Global planning of distributed saves, and box overlaps for resharding loads.
+
+Pure data: shapes, offsets, boxes and ranks; no arrays and no I/O, so that
+plans are tested as data (and with Hypothesis). Every function here is
+linear or ``n log n`` in the number of boxes: a job of 64 ranks with 1,000
+tensors each is planned in well under a second.
+
+A distributed save proceeds as:
+
+1. each rank describes its tensors (:class:`LocalTensor`: global shape, dtype,
+   properties, the boxes it holds);
+2. the coordinator merges them (:func:`plan_global`): boxes held by several
+   ranks are written once, by the least-loaded holder; the boxes of each
+   tensor must tile it exactly; the chunk grid is the grid of box edges
+   (regular when the boxes are an even split, rectilinear otherwise, or a
+   regular refinement on request) so that every chunk lies in one box;
+3. each rank writes the chunks assigned to it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpuckpt.errors import UnsupportedValueError
+from gpuckpt.planning import ChunkGrid
+
+__all__ = [
+    "Box",
+    "GlobalTensorPlan",
+    "LocalTensor",
+    "grid_for_boxes",
+    "intersect",
+    "overlapping_chunks",
+    "plan_global",
+]
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
+
+
+@dataclass(slots=True)
+class LocalTensor:
+    """What one rank holds of one tensor (small and picklable: no data)."""
+
+    fqn: str
+    global_shape: tuple[int, ...]
+    dtype: str
+    itemsize: int
+    properties: dict[str, Any]
+    boxes: list[Box]
+
+
+@dataclass(slots=True)
+class GlobalTensorPlan:
+    """One tensor of a distributed save, as decided by the coordinator."""
+
+    fqn: str
+    global_shape: tuple[int, ...]
+    dtype: str
+    properties: dict[str, Any]
+    grid: ChunkGrid
+    # chunk coords -> (writer rank, index of the box in that rank's LocalTensor.boxes)
+    writers: dict[tuple[int, ...], tuple[int, int]] = field(default_factory=dict)
+
+
+def intersect(a: Box, b: Box) -> Box | None:
+    """The overlap of two boxes, or None."""
+    offs, sizes = [], []
+    for ao, asz, bo, bsz in zip(a[0], a[1], b[0], b[1], strict=True):
+        lo, hi = max(ao, bo), min(ao + asz, bo + bsz)
+        if hi <= lo:
+            return None
+        offs.append(lo)
+        sizes.append(hi - lo)
+    return tuple(offs), tuple(sizes)
+
+
+def _edges(boxes: Iterable[Box], shape: tuple[int, ...]) -> list[list[int]]:
+    edges: list[set[int]] = [{0, n} for n in shape]
+    for offs, sizes in boxes:
+        for d, (o, s) in enumerate(zip(offs, sizes, strict=True)):
+            edges[d].add(o)
+            edges[d].add(o + s)
+    return [sorted(e) for e in edges]
+
+
+def _refine(edges: list[int], max_len: int) -> list[int]:
+    """Split every interval longer than ``max_len`` into near-equal parts."""
+    out = [edges[0]]
+    for lo, hi in itertools.pairwise(edges):
+        parts = max(1, math.ceil((hi - lo) / max_len))
+        out.extend(lo + round(k * (hi - lo) / parts) for k in range(1, parts + 1))
+    return out
+
+
+def grid_for_boxes(
+    boxes: Sequence[Box], shape: tuple[int, ...], itemsize: int, *, chunk_bytes: int, portable: bool = False
+) -> ChunkGrid:
+    """A chunk grid in which every chunk lies inside one of ``boxes``.
+
+    The grid of box edges along each axis, with the first axis refined so
+    that chunks stay near ``chunk_bytes``. Regular when every axis is an even
+    split (a smaller last interval allowed), else rectilinear; with
+    ``portable=True`` always regular, with the greatest common divisor of the
+    intervals as chunk size.
+    """
+    if any(n == 0 for n in shape):
+        return ChunkGrid.regular(shape, tuple(max(1, n) for n in shape))
+    edges = _edges(boxes, shape)
+    if shape:
+        inner = math.prod(max(b - a for a, b in itertools.pairwise(e)) for e in edges[1:]) * itemsize
+        edges[0] = _refine(edges[0], max(1, chunk_bytes // max(1, inner)))
+    intervals = [[b - a for a, b in itertools.pairwise(e)] for e in edges]
+    if portable:
+        return ChunkGrid.regular(shape, tuple(math.gcd(*iv) for iv in intervals))
+    if all(len(set(iv[:-1])) <= 1 and iv[-1] <= iv[0] for iv in intervals):
+        return ChunkGrid.regular(shape, tuple(iv[0] for iv in intervals))
+    return ChunkGrid.rectilinear(shape, intervals)
+
+
+def _axis_starts(grid: ChunkGrid) -> list[list[int]]:
+    if grid.kind == "regular":
+        return [list(range(0, max(n, 1), c)) for n, c in zip(grid.shape, grid.chunk_shape, strict=True)]
+    return [list(itertools.accumulate(e, initial=0))[:-1] for e in grid.edges]
+
+
+def overlapping_chunks(
+    grid: ChunkGrid, box: Box, starts: list[list[int]] | None = None
+) -> Iterable[tuple[int, ...]]:
+    """Grid coordinates of every chunk that overlaps ``box`` (``starts``: the grid's, if known)."""
+    if starts is None:
+        starts = _axis_starts(grid)
+    ranges = []
+    for d, (o, s) in enumerate(zip(box[0], box[1], strict=True)):
+        if s == 0:
+            return
+        first = bisect.bisect_right(starts[d], o) - 1
+        last = bisect.bisect_left(starts[d], o + s) - 1
+        ranges.append(range(max(first, 0), last + 1))
+    yield from itertools.product(*ranges)
+
+
+def plan_global(
+    locals_by_rank: Sequence[Sequence[LocalTensor]],
+    *,
+    chunk_bytes: int,
+    portable: bool = False,
+) -> list[GlobalTensorPlan]:
+    """Merge every rank's tensors into one plan; raises on inconsistent or incomplete boxes."""
+    by_fqn: dict[str, list[tuple[int, LocalTensor]]] = {}
+    for rank, tensors in enumerate(locals_by_rank):
+        for lt in tensors:
+            by_fqn.setdefault(lt.fqn, []).append((rank, lt))
+    load = [0] * len(locals_by_rank)
+    plans = []
+    for fqn, held in by_fqn.items():
+        first = held[0][1]
+        for rank, lt in held[1:]:
+            if (lt.global_shape, lt.dtype) != (first.global_shape, first.dtype):
+                raise UnsupportedValueError(
+                    f"tensor {fqn!r}: rank {held[0][0]} has shape {first.global_shape} and dtype "
+                    f"{first.dtype}, rank {rank} has {lt.global_shape} and {lt.dtype}; every rank must agree"
+                )
+        shape = first.global_shape
+        # replicated boxes are written once, by the least-loaded holder
+        holders: dict[Box, list[tuple[int, int]]] = {}
+        for rank, lt in held:
+            for i, box in enumerate(lt.boxes):
+                holders.setdefault(box, []).append((rank, i))
+        unique = list(holders)
+        volume = sum(math.prod(s) for _, s in unique)
+        if volume != math.prod(shape):
+            raise UnsupportedValueError(
+                f"tensor {fqn!r} of shape {shape}: its boxes cover {volume} elements of {math.prod(shape)}; "
+                "together the ranks' ShardedArray boxes must tile the whole tensor exactly"
+            )
+        grid = grid_for_boxes(unique, shape, first.itemsize, chunk_bytes=chunk_bytes, portable=portable)
+        plan = GlobalTensorPlan(fqn, shape, first.dtype, first.properties, grid)
+        starts = _axis_starts(grid)
+        for box in unique:
+            hs = holders[box]
+            rank, idx = hs[0] if len(hs) == 1 else min(hs, key=lambda h: (load[h[0]], h[0]))
+            load[rank] += math.prod(box[1]) * first.itemsize
+            for coords in overlapping_chunks(grid, box, starts):
+                if coords in plan.writers:
+                    raise UnsupportedValueError(
+                        f"tensor {fqn!r}: boxes overlap (around chunk {coords}); the ranks' ShardedArray "
+                        "boxes must not overlap unless they are identical (replicas)"
+                    )
+                plan.writers[coords] = (rank, idx)
+        if len(plan.writers) != (0 if any(n == 0 for n in shape) else grid.nchunks):
+            raise UnsupportedValueError(f"tensor {fqn!r}: the boxes leave parts of the tensor uncovered")
+        plans.append(plan)
+    return plans

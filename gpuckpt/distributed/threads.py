@@ -1,0 +1,271 @@
+"""N threads acting as N ranks of one process: fast, in-process distributed tests.
+
+A :class:`ThreadGroup` holds the state its :class:`ThreadCoordinator` ranks
+share. Its collectives have the semantics of the MPI ones: objects are
+pickled by the sender and unpickled by each receiver (no rank ever shares an
+object with another, and an object MPI could not send fails here too), and
+every rank must call the same collective in the same order with the same
+``root``. Where MPI would hang or pair up the wrong messages, the group
+raises :class:`~gpuckpt.distributed.coordinator.CoordinatorError` on every
+rank: a rank calling another collective, a rank that left (returned or
+raised) while others wait for it, or a rank not arriving within ``timeout``.
+"""
+
+from __future__ import annotations
+
+import pickle
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from gpuckpt.distributed.coordinator import Coordinator, CoordinatorError
+
+__all__ = ["ThreadCoordinator", "ThreadGroup", "run_ranks"]
+
+_Entry = tuple[str, int | None, Any]  # (collective, root, pickled payload or None)
+
+
+def _dumps(obj: Any) -> bytes:
+    return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _loads(data: bytes | None) -> Any:
+    return None if data is None else pickle.loads(data)
+
+
+class ThreadGroup:
+    """Shared state of ``world_size`` in-process ranks, one :class:`ThreadCoordinator` each.
+
+    Each collective is one rendezvous of all ranks: a rank deposits its entry
+    and waits until the last rank arrives; the entries of that round are then
+    read by every rank. Rounds are numbered, so a fast rank can start the next
+    collective while slow ones still read the previous one.
+
+    Parameters
+    ----------
+    world_size
+        Number of ranks (threads), at least 1.
+    timeout
+        Seconds a rank waits in one collective for the others before the
+        group is broken and every waiting rank raises; ``None`` waits forever.
+
+    Examples
+    --------
+    >>> import threading
+    >>> group = ThreadGroup(2)
+    >>> out = [None, None]
+    >>> def rank_main(c):
+    ...     out[c.rank] = c.all_gather(c.rank * 10)
+    >>> ts = [threading.Thread(target=rank_main, args=(c,)) for c in group.coordinators]
+    >>> for t in ts: t.start()
+    >>> for t in ts: t.join()
+    >>> out
+    [[0, 10], [0, 10]]
+    """
+
+    def __init__(self, world_size: int, *, timeout: float | None = 60.0) -> None:
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+        self.world_size = world_size
+        self.timeout = timeout
+        self._cond = threading.Condition()
+        self._round = 0
+        self._pending: list[_Entry | None] = [None] * world_size
+        self._arrived = 0
+        self._done: dict[int, list[_Entry]] = {}  # finished rounds not yet read by every rank
+        self._readers: dict[int, int] = {}
+        self._departed: dict[int, str] = {}  # rank -> how it left
+        self._broken: str | None = None
+        self.coordinators = [ThreadCoordinator(self, rank) for rank in range(world_size)]
+
+    def depart(self, rank: int, error: BaseException | None = None) -> None:
+        """Record that ``rank`` left (returned, or raised ``error``): it will call no more collectives.
+
+        Ranks waiting for it, and later collectives, raise instead of waiting.
+        """
+        how = "returned" if error is None else f"raised {type(error).__name__}: {error}"
+        with self._cond:
+            self._departed[rank] = how
+            self._cond.notify_all()
+
+    def abort(self, reason: str = "the group was aborted") -> None:
+        """Break the group: every waiting and later collective raises :class:`CoordinatorError`."""
+        with self._cond:
+            if self._broken is None:
+                self._broken = reason
+            self._cond.notify_all()
+
+    def _failure(self, rank: int, op: str) -> CoordinatorError | None:
+        """Why ``rank`` cannot complete ``op`` now, or None (the lock is held)."""
+        if self._broken is not None:
+            return CoordinatorError(f"rank {rank} in {op}: {self._broken}")
+        if self._departed:
+            left = ", ".join(f"rank {r} {how}" for r, how in sorted(self._departed.items()))
+            return CoordinatorError(
+                f"rank {rank} in {op}: {left} without calling it; every rank must call the same "
+                "collectives in the same order (catch errors and pass them to all_reduce_errors)"
+            )
+        return None
+
+    def exchange(self, rank: int, op: str, root: int | None, payload: Any) -> list[_Entry]:
+        """One collective round: deposit ``(op, root, payload)``, return every rank's entry."""
+        with self._cond:
+            failure = self._failure(rank, op)
+            if failure is not None:
+                raise failure
+            this_round = self._round
+            self._pending[rank] = (op, root, payload)
+            self._arrived += 1
+            if self._arrived == self.world_size:
+                self._done[this_round] = [e for e in self._pending if e is not None]
+                self._readers[this_round] = self.world_size
+                self._pending = [None] * self.world_size
+                self._arrived = 0
+                self._round += 1
+                self._cond.notify_all()
+            else:
+                released = self._cond.wait_for(
+                    lambda: self._round != this_round or self._broken is not None or bool(self._departed),
+                    self.timeout,
+                )
+                if self._round == this_round:  # not released: broken, a rank left, or timed out
+                    if not released:
+                        missing = [r for r, e in enumerate(self._pending) if e is None]
+                        self._broken = (
+                            f"ranks {missing} did not reach {op} within {self.timeout} s "
+                            "(a rank hangs, or the ranks call different collectives)"
+                        )
+                        self._cond.notify_all()
+                    failure = self._failure(rank, op)
+                    assert failure is not None
+                    raise failure
+            entries = self._done[this_round]
+            self._readers[this_round] -= 1
+            if self._readers[this_round] == 0:
+                del self._done[this_round], self._readers[this_round]
+        calls = {(e[0], e[1]) for e in entries}
+        if len(calls) > 1:
+            seen = ", ".join(
+                f"rank {r}: {op_}" + ("" if root_ is None else f"(root={root_})")
+                for r, (op_, root_, _) in enumerate(entries)
+            )
+            raise CoordinatorError(
+                f"rank {rank}: the ranks called different collectives in one round ({seen}); every rank "
+                "must call the same collectives in the same order with the same root"
+            )
+        return entries
+
+
+class ThreadCoordinator(Coordinator):
+    """Rank ``rank`` of a :class:`ThreadGroup`; used from that rank's thread.
+
+    Obtain them from :attr:`ThreadGroup.coordinators` or through
+    :func:`run_ranks`.
+    """
+
+    def __init__(self, group: ThreadGroup, rank: int) -> None:
+        if not 0 <= rank < group.world_size:
+            raise ValueError(f"rank {rank} is not in a group of {group.world_size}")
+        self._group = group
+        self._rank = rank
+
+    @property
+    def group(self) -> ThreadGroup:
+        """The shared state of the ranks."""
+        return self._group
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._group.world_size
+
+    def gather(self, obj: Any, root: int = 0) -> list[Any] | None:
+        self._check_root(root)
+        entries = self._group.exchange(self._rank, "gather", root, _dumps(obj))
+        return [_loads(e[2]) for e in entries] if self._rank == root else None
+
+    def scatter(self, objs: list[Any] | None, root: int = 0) -> Any:
+        self._check_root(root)
+        payload = [_dumps(o) for o in self._scatter_payload(objs)] if self._rank == root else None
+        entries = self._group.exchange(self._rank, "scatter", root, payload)
+        return self._scatter_result(_loads(entries[root][2][self._rank]))
+
+    def broadcast(self, obj: Any, root: int = 0) -> Any:
+        self._check_root(root)
+        payload = _dumps(obj) if self._rank == root else None
+        entries = self._group.exchange(self._rank, "broadcast", root, payload)
+        return _loads(entries[root][2])
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        entries = self._group.exchange(self._rank, "all_gather", None, _dumps(obj))
+        return [_loads(e[2]) for e in entries]
+
+    def barrier(self) -> None:
+        self._group.exchange(self._rank, "barrier", None, None)
+
+    def __repr__(self) -> str:
+        return f"ThreadCoordinator(rank={self._rank}, world_size={self.world_size})"
+
+
+def run_ranks[T](n: int, fn: Callable[[ThreadCoordinator], T], *, timeout: float | None = 60.0) -> list[T]:
+    """Run ``fn(coordinator)`` as ranks ``0..n-1`` of a new :class:`ThreadGroup`, one thread each.
+
+    Parameters
+    ----------
+    n
+        Number of ranks.
+    fn
+        Called once per rank with that rank's :class:`ThreadCoordinator`.
+    timeout
+        Per-collective wait limit of the group (see :class:`ThreadGroup`).
+
+    Returns
+    -------
+    list
+        ``fn``'s results, indexed by rank.
+
+    Raises
+    ------
+    BaseException
+        If any rank raised: the exception of the rank that raised first,
+        re-raised with a note naming its rank and the other ranks' errors.
+
+    Examples
+    --------
+    >>> run_ranks(3, lambda c: c.all_gather(c.rank ** 2))
+    [[0, 1, 4], [0, 1, 4], [0, 1, 4]]
+    """
+    group = ThreadGroup(n, timeout=timeout)
+    results: list[Any] = [None] * n
+    errors: list[tuple[int, BaseException]] = []
+    lock = threading.Lock()
+
+    def target(coordinator: ThreadCoordinator) -> None:
+        try:
+            results[coordinator.rank] = fn(coordinator)
+        except BaseException as exc:
+            with lock:
+                errors.append((coordinator.rank, exc))
+            group.depart(coordinator.rank, exc)
+        else:
+            group.depart(coordinator.rank)
+
+    threads = [
+        threading.Thread(target=target, args=(c,), name=f"gpuckpt-rank-{c.rank}", daemon=True)
+        for c in group.coordinators
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        rank, first = errors[0]
+        first.add_note(f"raised on rank {rank} of {n} (run_ranks)")
+        others = [f"rank {r}: {type(e).__name__}: {e}" for r, e in sorted(errors[1:], key=lambda x: x[0])]
+        if others:
+            first.add_note("other ranks also raised: " + "; ".join(others))
+        raise first
+    return results

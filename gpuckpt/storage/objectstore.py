@@ -1,0 +1,554 @@
+"""Checkpoints in S3-compatible object storage (``s3://bucket/prefix``).
+
+Object stores have no rename, so a checkpoint is published by its commit
+object: the root ``zarr.json`` (:data:`~gpuckpt.storage.layout.ROOT_KEY`) is
+written last, and a prefix without it is not a checkpoint. Every object sits
+at its final key; a reader that finds the root finds everything it lists.
+
+A save to ``s3://bucket/prefix`` goes:
+
+1. ``begin``: refuse if the root exists. Create the *claim* object
+   ``prefix/.gpuckpt-writer`` with a conditional put (``If-None-Match: *``),
+   so one writer at a time owns the prefix. A claim left by a save that died
+   (its process is gone from this machine and pid namespace, or the claim was
+   not refreshed for ``lease_seconds`` by the server's clock against ours) is
+   taken over with a compare-and-swap on its ETag. Then, with the root
+   checked again, objects of an unfinished earlier save are deleted; any
+   other object under the prefix is refused, never deleted.
+2. Array documents and chunks are plain puts (zarr's
+   :class:`zarr.storage.ObjectStore`); a thread refreshes the claim every
+   quarter lease.
+3. ``commit``: check the claim is still ours, create the root with a
+   conditional put (of two writers, exactly one commits; the other gets
+   :class:`~gpuckpt.errors.CheckpointExistsError`), delete the claim.
+4. ``abort`` deletes the objects this writer put and its claim, unless the
+   prefix has meanwhile passed to another writer or was published.
+
+``overwrite=True`` cannot replace a published checkpoint: an object store
+cannot swap two sets of objects atomically, and deleting the old root first
+would leave no checkpoint at all if the save then failed. Such a save is
+refused; save to a new prefix (as :class:`gpuckpt.CheckpointManager` does
+with one prefix per step) and delete the old one afterwards.
+
+The back end is obstore's ``S3Store``, wrapped in zarr's
+:class:`zarr.storage.ObjectStore` for the plain puts of documents and chunks
+(:func:`zarr_store` opens a checkpoint with zarr itself). obstore is called
+directly where zarr's store API cannot express the operation: conditional
+puts with their outcome, gets with a size limit, listings with sizes, bulk
+deletes, and streamed reads into the caller's buffers. Conditional puts need
+a server that honours ``If-None-Match``/``If-Match`` on PUT (AWS S3, MinIO,
+Cloudflare R2, moto); for others pass ``conditional_writes=False``, which
+keeps atomic publication but not the guarantees between concurrent saves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import secrets
+import threading
+from collections.abc import Iterator, Sequence
+from datetime import UTC, datetime
+from typing import Any
+
+from gpuckpt.errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CheckpointWriteError,
+    MetadataError,
+)
+from gpuckpt.storage import fsutil
+from gpuckpt.storage.base import CheckpointReader, CheckpointWriter
+from gpuckpt.storage.layout import ROOT_KEY, is_chunk_file_key
+from gpuckpt.storage.names import is_safe_name
+from gpuckpt.storage.stores import SCHEMES
+
+__all__ = ["CLAIM_KEY", "ObjectStoreReader", "ObjectStoreWriter", "parse_s3_url", "zarr_store"]
+
+CLAIM_KEY = ".gpuckpt-writer"
+DEFAULT_LEASE_SECONDS = 60.0
+_MAX_ROOT_BYTES = 1 << 31
+_MAX_DOCUMENT_BYTES = 1 << 24
+_STREAM_PIECE = 4 << 20
+
+# storage_options spellings (fsspec/s3fs and boto) -> obstore S3Config keys
+_ALIASES = {
+    "endpoint_url": "endpoint",
+    "region_name": "region",
+    "key": "access_key_id",
+    "aws_access_key_id": "access_key_id",
+    "secret": "secret_access_key",
+    "aws_secret_access_key": "secret_access_key",
+    "token": "session_token",
+    "aws_session_token": "session_token",
+    "anon": "skip_signature",
+}
+
+
+def parse_s3_url(url: str) -> tuple[str, str]:
+    """Split ``s3://bucket/some/prefix`` into bucket and normalised prefix.
+
+    Raises
+    ------
+    ValueError
+        For another scheme, no bucket, no prefix (a checkpoint never takes a
+        whole bucket), or a prefix with empty, ``.`` or ``..`` segments.
+    """
+    scheme, sep, rest = url.partition("://")
+    if scheme.lower() != "s3" or not sep:
+        raise ValueError(f"{url!r} is not an s3:// URL; expected s3://bucket/prefix")
+    bucket, _, prefix = rest.partition("/")
+    prefix = prefix.strip("/")
+    segments = prefix.split("/") if prefix else []
+    bad = [s for s in segments if s in ("", ".", "..") or any(c in s for c in "\\\0?#")]
+    if not bucket or not segments or bad:
+        raise ValueError(
+            f"{url!r}: expected s3://bucket/prefix with a non-empty prefix of plain segments "
+            f"(no '', '.', '..', '?', '#'); found bucket {bucket!r}, prefix {prefix!r}"
+        )
+    return bucket, prefix
+
+
+def _s3_config(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``storage_options`` -> (S3Store keyword arguments, client options)."""
+    config: dict[str, Any] = {}
+    client = dict(options.pop("client_options", None) or {})
+    for k, v in options.items():
+        config[_ALIASES.get(k, k)] = v
+    if "allow_http" in config:
+        client["allow_http"] = bool(config.pop("allow_http"))
+    elif str(config.get("endpoint", "")).startswith("http://"):
+        client["allow_http"] = True  # the caller named a plain-HTTP endpoint
+    return config, client
+
+
+def _obstore_for(url: str, options: dict[str, Any]) -> Any:
+    try:
+        from obstore.exceptions import BaseError
+        from obstore.store import S3Store
+    except ImportError:
+        raise ImportError(
+            f"{url}: s3:// checkpoints need the obstore package; install it with pip install 'gpuckpt[s3]'"
+        ) from None
+
+    bucket, prefix = parse_s3_url(url)
+    config, client = _s3_config(dict(options))
+    retry = config.pop("retry_config", None)
+    try:
+        return S3Store(bucket, prefix=prefix, client_options=client, retry_config=retry, **config)  # type: ignore[arg-type]
+    except (BaseError, TypeError) as exc:
+        raise ValueError(
+            f"storage_options for {url} are not valid S3 settings ({_first_line(exc)}); use endpoint_url, "
+            "region, access_key_id, secret_access_key, session_token, allow_http, skip_signature, "
+            "or another obstore S3Config key"
+        ) from None
+
+
+def zarr_store(url: str, *, read_only: bool = True, **storage_options: Any) -> Any:
+    """A :class:`zarr.storage.ObjectStore` on the prefix of ``url``, to open a checkpoint with zarr.
+
+    Examples
+    --------
+    >>> store = zarr_store("s3://bucket/ckpt", endpoint_url="http://127.0.0.1:9000")  # doctest: +SKIP
+    >>> zarr.open_array(store, path="model.w", mode="r")[:]  # doctest: +SKIP
+    """
+    from zarr.storage import ObjectStore
+
+    return ObjectStore(_obstore_for(url, storage_options), read_only=read_only)
+
+
+def _machine() -> str:
+    """Boot and pid-namespace identity: a pid is only comparable where both match ("" if unknown)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        return f"{boot}/{os.readlink('/proc/self/ns/pid')}"
+    except OSError:
+        return ""
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
+def _rel(name: str, key: str) -> str:
+    """Key of ``name/key`` inside the prefix; refuses anything that could leave it."""
+    if not is_safe_name(name) or not (key == ROOT_KEY or is_chunk_file_key(key)):
+        raise ValueError(f"refusing object key {name!r}/{key!r}: not a checkpoint array name and key")
+    return f"{name}/{key}"
+
+
+class _Prefix:
+    """What readers and writers share: the stores and error translation."""
+
+    def __init__(self, url: str, storage_options: dict[str, Any]) -> None:
+        from zarr.storage import ObjectStore
+
+        self.lease = float(storage_options.pop("lease_seconds", DEFAULT_LEASE_SECONDS))
+        if not self.lease > 0:
+            raise ValueError(f"lease_seconds must be a positive number of seconds, got {self.lease!r}")
+        self.conditional = bool(storage_options.pop("conditional_writes", True))
+        self.path = url.rstrip("/")
+        self._obs = _obstore_for(url, storage_options)
+        self.zarr_store = ObjectStore(self._obs)
+
+    @contextlib.contextmanager
+    def _io(self, what: str, error: type[OSError] = OSError) -> Iterator[None]:
+        """Turn obstore's errors (not OSErrors, except not-found) into ``error`` naming ``what``."""
+        from obstore.exceptions import (
+            BaseError,
+            NotSupportedError,
+            PermissionDeniedError,
+            UnauthenticatedError,
+        )
+
+        try:
+            yield
+        except (PermissionDeniedError, UnauthenticatedError) as exc:
+            raise error(
+                errno.EACCES,
+                f"{what} at {self.path} was refused ({_first_line(exc)}); check the credentials "
+                "and bucket policy in storage_options",
+            ) from None
+        except NotSupportedError as exc:
+            raise error(
+                errno.EOPNOTSUPP,
+                f"{what} at {self.path}: the server refused a request ({_first_line(exc)}); if it does not "
+                "support conditional puts (If-None-Match), pass storage_options conditional_writes=False",
+            ) from None
+        except BaseError as exc:
+            raise error(errno.EIO, f"{what} at {self.path} failed: {_first_line(exc)}") from exc
+
+    def _run(self, coro: Any) -> Any:
+        from zarr.core.sync import sync
+
+        return sync(coro)
+
+    def _get_small(self, rel: str, limit: int) -> bytes | None:
+        """The object ``rel`` (None when absent), refused when larger than ``limit``."""
+        import obstore as obs
+
+        try:
+            res = obs.get(self._obs, rel)
+        except FileNotFoundError:
+            return None
+        size = res.meta["size"]
+        if size > limit:
+            raise MetadataError(f"{self.path}/{rel} is {size} bytes; refusing to parse metadata that large")
+        return bytes(res.bytes())
+
+    def _list(self) -> dict[str, int]:
+        """Every object under the prefix: relative key -> size."""
+        import obstore as obs
+
+        return {m["path"]: m["size"] for batch in obs.list(self._obs) for m in batch}
+
+
+class ObjectStoreWriter(_Prefix, CheckpointWriter):
+    """Writes a checkpoint under an ``s3://`` prefix; see the module docstring for the protocol.
+
+    Parameters
+    ----------
+    url
+        ``s3://bucket/prefix``.
+    overwrite
+        Accepted for a prefix without a checkpoint; a published one is never
+        replaced (see the module docstring).
+    **storage_options
+        ``endpoint_url``, ``region``, ``access_key_id``, ``secret_access_key``,
+        ``session_token``, ``allow_http`` (implied by an ``http://`` endpoint),
+        ``skip_signature``, ``client_options``, ``retry_config``, other obstore
+        ``S3Config`` keys; and ``lease_seconds`` (claim lease, default 60) and
+        ``conditional_writes`` (default True; False for servers without
+        ``If-None-Match``/``If-Match`` on PUT, losing the concurrency guarantees).
+    """
+
+    def __init__(self, url: str, *, overwrite: bool = False, **storage_options: Any) -> None:
+        super().__init__(url, storage_options)
+        self.overwrite = overwrite
+        self._token = secrets.token_hex(8)
+        self._claim_body = json.dumps(
+            {
+                "owner": fsutil.tmp_owner(),
+                "machine": _machine(),
+                "token": self._token,
+                "started": datetime.now(UTC).isoformat(),
+            }
+        ).encode()
+        self._claim_etag: str | None = None
+        self._written: set[str] = set()
+        self._lost: str | None = None
+        self._committed = False
+        self._stop = threading.Event()
+        self._heartbeat: threading.Thread | None = None
+
+    # -- conditional puts -------------------------------------------------
+    def _put(self, rel: str, data: Any, mode: Any) -> str | None:
+        """Put with ``mode`` ("create" or {"e_tag": ...}); plain put when conditional writes are off."""
+        import obstore as obs
+
+        if not self.conditional:
+            if mode == "create" and self._exists(rel):
+                from obstore.exceptions import AlreadyExistsError
+
+                raise AlreadyExistsError(rel)
+            mode = "overwrite"
+        return obs.put(self._obs, rel, data, mode=mode)["e_tag"]
+
+    def _exists(self, rel: str) -> bool:
+        import obstore as obs
+
+        try:
+            obs.head(self._obs, rel)
+        except FileNotFoundError:
+            return False
+        return True
+
+    def _refuse_published(self) -> None:
+        if not self._exists(ROOT_KEY):
+            return
+        if self.overwrite:
+            raise CheckpointExistsError(
+                f"{self.path} holds a checkpoint and overwrite=True cannot replace it: object storage has "
+                "no atomic swap, and unpublishing it first could leave no checkpoint at all; save to a "
+                "new prefix, then delete the old one"
+            )
+        raise CheckpointExistsError(f"{self.path} already holds a checkpoint; save to a new prefix")
+
+    def _claim(self) -> None:
+        import obstore as obs
+        from obstore.exceptions import AlreadyExistsError, PreconditionError
+
+        for _ in range(3):
+            try:
+                self._claim_etag = self._put(CLAIM_KEY, self._claim_body, "create")
+                return
+            except AlreadyExistsError:
+                pass
+            try:
+                res = obs.get(self._obs, CLAIM_KEY)
+            except FileNotFoundError:
+                continue  # released meanwhile: try to create it again
+            meta, raw = res.meta, bytes(res.bytes())
+            try:
+                info = json.loads(raw)
+                owner, machine = str(info["owner"]), str(info.get("machine", ""))
+            except (ValueError, KeyError, TypeError):
+                owner, machine = "?", ""
+            host, _, pid = owner.rpartition("-")
+            age = (datetime.now(UTC) - meta["last_modified"]).total_seconds()
+            # a pid means something only on the same machine and in the same pid namespace
+            same = machine != "" and machine == _machine()
+            dead = same and pid.isdigit() and not fsutil.pid_alive(host, int(pid))
+            if not dead and age <= self.lease:
+                raise CheckpointExistsError(
+                    f"{self.path} has no checkpoint but another save to it is running (claimed by "
+                    f"{owner}, refreshed {age:.0f} s ago); wait for it or save to another prefix. If that "
+                    f"save died, its claim {self.path}/{CLAIM_KEY} expires {self.lease:.0f} s after its "
+                    "last refresh (or delete it)"
+                )
+            try:  # take the abandoned claim over, unless another writer does so first
+                self._claim_etag = self._put(CLAIM_KEY, self._claim_body, {"e_tag": meta["e_tag"]})
+                return
+            except (PreconditionError, AlreadyExistsError, FileNotFoundError):
+                continue
+        raise CheckpointExistsError(
+            f"{self.path}: other saves keep claiming this prefix; save to another prefix"
+        )
+
+    def _refresh(self) -> None:
+        from obstore.exceptions import AlreadyExistsError, PreconditionError
+
+        while not self._stop.wait(self.lease / 4):
+            try:
+                self._claim_etag = self._put(CLAIM_KEY, self._claim_body, {"e_tag": self._claim_etag})
+            except (PreconditionError, AlreadyExistsError, FileNotFoundError):
+                self._lost = (
+                    f"the claim on {self.path} was taken over by another save while this one ran "
+                    f"(more than {self.lease:.0f} s without a refresh); this save was discarded"
+                )
+                return
+            except Exception:  # transient: retry at the next beat, commit checks
+                continue
+
+    def _still_ours(self) -> bool:
+        import obstore as obs
+
+        if self._lost is not None:
+            return False
+        try:
+            return bytes(obs.get(self._obs, CLAIM_KEY).bytes()) == self._claim_body
+        except FileNotFoundError:
+            return False
+
+    def _stop_refresh(self) -> None:
+        self._stop.set()
+        if self._heartbeat is not None:
+            self._heartbeat.join()
+            self._heartbeat = None
+
+    # -- the CheckpointWriter protocol ------------------------------------
+    def begin(self) -> None:
+        with self._io("starting a save", CheckpointWriteError):
+            self._refuse_published()
+            self._claim()
+            try:
+                # the root may have been committed between the first check and the claim
+                self._refuse_published()
+                self._delete_leftovers()
+            except BaseException:
+                self._delete_quietly([CLAIM_KEY])
+                raise
+        self._heartbeat = threading.Thread(target=self._refresh, name="gpuckpt-s3-claim", daemon=True)
+        self._heartbeat.start()
+
+    def _delete_leftovers(self) -> None:
+        import obstore as obs
+
+        keys = [k for k in self._list() if k != CLAIM_KEY]
+        foreign = [k for k in keys if not self._is_checkpoint_key(k)]
+        if foreign:
+            raise CheckpointExistsError(
+                f"{self.path} has no checkpoint but holds {len(foreign)} other object(s), e.g. "
+                f"{foreign[:3]}; refusing to delete them: save to an empty prefix"
+            )
+        if keys:
+            obs.delete(self._obs, keys)
+
+    @staticmethod
+    def _is_checkpoint_key(rel: str) -> bool:
+        name, sep, key = rel.partition("/")
+        return bool(sep) and is_safe_name(name) and (key == ROOT_KEY or is_chunk_file_key(key))
+
+    def _write(self, rel: str, data: Any) -> None:
+        from zarr.core.buffer import default_buffer_prototype
+
+        if self._lost is not None:
+            raise CheckpointExistsError(self._lost)
+        self._written.add(rel)
+        with self._io(f"writing {rel}", CheckpointWriteError):
+            self._run(self.zarr_store.set(rel, default_buffer_prototype().buffer.from_bytes(data)))
+
+    def write_array_document(self, name: str, document: bytes) -> None:
+        self._write(_rel(name, ROOT_KEY), document)
+
+    def write_chunk(self, name: str, key: str, parts: Sequence[Any]) -> None:
+        views = [memoryview(p).cast("B") for p in parts]
+        if len(views) == 1:
+            data: Any = views[0]
+        else:
+            data = bytearray(sum(v.nbytes for v in views))
+            pos = 0
+            for v in views:
+                data[pos : pos + v.nbytes] = v
+                pos += v.nbytes
+        self._write(_rel(name, key), data)
+
+    def commit(self, root_document: bytes) -> None:
+        from obstore.exceptions import AlreadyExistsError
+
+        self._stop_refresh()
+        with self._io("publishing the checkpoint", CheckpointWriteError):
+            if not self._still_ours():
+                self._lost = self._lost or (
+                    f"the claim on {self.path} passed to another save while this one ran; this save "
+                    "was discarded"
+                )
+                raise CheckpointExistsError(self._lost)
+            try:
+                self._put(ROOT_KEY, root_document, "create")
+            except AlreadyExistsError:
+                self._lost = (
+                    f"{self.path} was published by another save while this one ran; this save was "
+                    "discarded and the other one kept"
+                )
+                raise CheckpointExistsError(self._lost) from None
+            self._committed = True
+        self._delete_quietly([CLAIM_KEY])
+
+    def abort(self) -> None:
+        self._stop_refresh()
+        if self._committed or self._claim_etag is None:
+            return
+        try:
+            ours = self._still_ours() and not self._exists(ROOT_KEY)
+        except Exception:  # cannot tell: leave the objects to the next save's cleanup
+            ours = False
+        if not ours:
+            return  # the prefix belongs to another save now: its objects are not ours to delete
+        self._delete_quietly(sorted(self._written))
+        self._delete_quietly([CLAIM_KEY])
+
+    def _delete_quietly(self, keys: list[str]) -> None:
+        import obstore as obs
+
+        with contextlib.suppress(Exception):
+            if keys:
+                obs.delete(self._obs, keys)
+
+
+class ObjectStoreReader(_Prefix, CheckpointReader):
+    """Reads a checkpoint published under an ``s3://`` prefix.
+
+    Object sizes come from one listing of the prefix (not a HEAD per chunk);
+    chunks are streamed with a ranged GET into the caller's buffers. Keys are
+    checked to stay inside the prefix.
+    """
+
+    def __init__(self, url: str, **storage_options: Any) -> None:
+        super().__init__(url, storage_options)
+        self._sizes: dict[str, int] | None = None
+        self._lock = threading.Lock()
+
+    def read_root(self) -> bytes:
+        with self._io("reading the root metadata"):
+            raw = self._get_small(ROOT_KEY, _MAX_ROOT_BYTES)
+            if raw is not None:
+                return raw
+            claimed = self._get_small(CLAIM_KEY, _MAX_DOCUMENT_BYTES) is not None
+        hint = " (a save to it is running or died: its claim object is there)" if claimed else ""
+        raise CheckpointNotFoundError(f"no checkpoint at {self.path}: it has no {ROOT_KEY}{hint}")
+
+    def read_array_document(self, name: str) -> bytes:
+        rel = _rel(name, ROOT_KEY)
+        with self._io(f"reading {rel}"):
+            raw = self._get_small(rel, _MAX_DOCUMENT_BYTES)
+        if raw is None:
+            raise FileNotFoundError(errno.ENOENT, "array document missing", f"{self.path}/{rel}")
+        return raw
+
+    def chunk_nbytes(self, name: str, key: str) -> int | None:
+        rel = _rel(name, key)
+        with self._lock:
+            if self._sizes is None:
+                with self._io("listing the checkpoint"):
+                    self._sizes = self._list()
+        return self._sizes.get(rel)
+
+    def read_chunk_into(self, name: str, key: str, dests: Sequence[Any]) -> int:
+        import obstore as obs
+
+        rel = _rel(name, key)
+        views = [memoryview(d).cast("B") for d in dests]
+        want = sum(v.nbytes for v in views)
+        if want == 0:
+            return 0
+        with self._io(f"reading {rel}"):
+            res = obs.get(self._obs, rel, options={"range": (0, want)})
+            i, pos, total = 0, 0, 0
+            for piece in res.stream(min_chunk_size=_STREAM_PIECE):
+                src = memoryview(piece)
+                while src.nbytes and i < len(views):
+                    n = min(src.nbytes, views[i].nbytes - pos)
+                    views[i][pos : pos + n] = src[:n]
+                    src, pos, total = src[n:], pos + n, total + n
+                    if pos == views[i].nbytes:
+                        i, pos = i + 1, 0
+                if i == len(views):
+                    break
+        return total
+
+
+SCHEMES["s3"] = (ObjectStoreWriter, ObjectStoreReader)

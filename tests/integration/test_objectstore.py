@@ -1,0 +1,415 @@
+"""Checkpoints in S3 object storage, against a real S3-protocol server on loopback.
+
+moto's server runs in a thread on 127.0.0.1 for this module; the AWS
+environment is replaced with dummy credentials and no proxy, so nothing
+leaves the machine.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import gpuckpt
+from gpuckpt.errors import CheckpointExistsError, CheckpointNotFoundError, ChecksumError
+from gpuckpt.storage import fsutil
+
+pytest.importorskip("obstore")
+moto_server = pytest.importorskip("moto.server")
+boto3 = pytest.importorskip("boto3")
+
+from gpuckpt.storage.objectstore import (  # noqa: E402 - after the skips
+    CLAIM_KEY,
+    ObjectStoreReader,
+    ObjectStoreWriter,
+    _machine,
+    parse_s3_url,
+    zarr_store,
+)
+
+BUCKET = "ckpts"
+_ENV = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+    "AWS_REGION": "us-east-1",
+    "AWS_EC2_METADATA_DISABLED": "true",
+    "NO_PROXY": "127.0.0.1,localhost",
+    "no_proxy": "127.0.0.1,localhost",
+}
+_UNSET = (
+    "AWS_SESSION_TOKEN",
+    "HTTP_PROXY",
+    "HTTPS_PROXY",
+    "ALL_PROXY",
+    "http_proxy",
+    "https_proxy",
+    "all_proxy",
+    "AWS_PROFILE",
+)
+
+
+@pytest.fixture(scope="module")
+def endpoint() -> Iterator[str]:
+    """A moto S3 server on a free loopback port, with the bucket created."""
+    import logging
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in _ENV.items():
+            mp.setenv(k, v)
+        for k in _UNSET:
+            mp.delenv(k, raising=False)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+        server.start()
+        url = f"http://127.0.0.1:{port}"
+        mp.setenv("AWS_ENDPOINT_URL", url)
+        try:
+            _client(url).create_bucket(Bucket=BUCKET)
+            yield url
+        finally:
+            server.stop()
+
+
+def _client(url: str) -> Any:
+    return boto3.client(
+        "s3",
+        endpoint_url=url,
+        region_name="us-east-1",
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+    )
+
+
+@pytest.fixture
+def s3(endpoint: str) -> Any:
+    return _client(endpoint)
+
+
+@pytest.fixture
+def opts(endpoint: str) -> dict[str, Any]:
+    return {
+        "endpoint_url": endpoint,
+        "region": "us-east-1",
+        "aws_access_key_id": "testing",
+        "aws_secret_access_key": "testing",
+        "allow_http": True,
+    }
+
+
+@pytest.fixture
+def prefix() -> str:
+    return f"run-{uuid.uuid4().hex[:8]}/ckpt"
+
+
+def _objects(s3: Any, prefix: str) -> dict[str, str]:
+    """Key -> ETag of every object under ``prefix/``."""
+    out: dict[str, str] = {}
+    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix + "/"):
+        out.update({o["Key"]: o["ETag"] for o in page.get("Contents", [])})
+    return out
+
+
+def _state(seed: int = 0) -> dict[str, Any]:
+    rng = np.random.default_rng(seed)
+    return {
+        "model": {
+            "embed": rng.standard_normal((37, 16)).astype(np.float32),
+            "proj": rng.standard_normal((24, 33)).astype(ml_dtypes.bfloat16),
+            "norm": rng.standard_normal(33).astype(np.float16),
+            # channels-last: N, C, H, W logically, N, H, W, C in memory
+            "conv": rng.standard_normal((2, 5, 7, 3)).astype(np.float32).transpose(0, 3, 1, 2),
+        },
+        "optim": {"step": np.int64(1234 + seed), "mask": rng.random(19) > 0.5, "ids": np.arange(11)},
+        "step": 7 + seed,
+        "lr": 3e-4,
+        "meta": {"name": "run", "milestones": [10, 20], "pair": (1, "two"), "none": None},
+    }
+
+
+def _assert_same(got: dict[str, Any], want: dict[str, Any]) -> None:
+    assert got.keys() == want.keys()
+    for k, v in want.items():
+        if isinstance(v, dict):
+            _assert_same(got[k], v)
+        elif isinstance(v, np.ndarray | np.generic):
+            assert np.asarray(got[k]).dtype == np.asarray(v).dtype, k
+            assert np.array_equal(np.asarray(got[k]), np.asarray(v)), k
+        else:
+            assert got[k] == v, k
+
+
+def _save(state: dict[str, Any], prefix: str, opts: dict[str, Any], **kw: Any) -> gpuckpt.Metadata:
+    return gpuckpt.save(state, f"s3://{BUCKET}/{prefix}", storage_options=opts, chunk_bytes=1 << 10, **kw)
+
+
+def test_round_trip(opts: dict[str, Any], prefix: str, s3: Any) -> None:
+    state = _state()
+    md = _save(state, prefix, opts)
+    url = f"s3://{BUCKET}/{prefix}"
+    assert len(md.state_dict_metadata["model.proj"].chunks) > 1
+    got = gpuckpt.load_state_dict(url, storage_options=opts)
+    _assert_same(got, state)
+    assert got["model"]["conv"].strides == state["model"]["conv"].strides
+    assert gpuckpt.read_metadata(url, storage_options=opts).storage_meta.checkpoint_id == (
+        md.storage_meta.checkpoint_id
+    )
+    target = _state(seed=1)
+    target["model"]["conv"] = np.zeros((2, 5, 7, 3), np.float32).transpose(0, 3, 1, 2)
+    gpuckpt.load(target, url, storage_options=opts)
+    _assert_same(target, state)
+    # published: no claim left behind, and the commit object is there
+    keys = _objects(s3, prefix)
+    assert f"{prefix}/zarr.json" in keys and f"{prefix}/{CLAIM_KEY}" not in keys
+
+
+def test_large_chunk_round_trip(opts: dict[str, Any], prefix: str) -> None:
+    """A chunk above obstore's 5 MiB part size goes up as a multipart upload."""
+    big = {"w": np.random.default_rng(0).standard_normal(6 << 18).astype(np.float32)}
+    url = f"s3://{BUCKET}/{prefix}"
+    md = gpuckpt.save(big, url, storage_options=opts)
+    assert len(md.state_dict_metadata["w"].chunks) == 1
+    assert np.array_equal(gpuckpt.load_state_dict(url, storage_options=opts)["w"], big["w"])
+
+
+def test_zarr_reads_arrays_straight_from_s3(opts: dict[str, Any], prefix: str, endpoint: str) -> None:
+    import zarr
+    from obstore.store import S3Store
+    from zarr.storage import ObjectStore
+
+    state = _state()
+    md = _save(state, prefix, opts)
+    names = {fqn: t["name"] for fqn, t in md.storage_data["tensors"].items()}
+    # zarr's own store over obstore, built here without gpuckpt's help
+    store = ObjectStore(
+        S3Store(
+            BUCKET,
+            prefix=prefix,
+            endpoint=endpoint,
+            region="us-east-1",
+            access_key_id="testing",
+            secret_access_key="testing",
+            client_options={"allow_http": True},
+        ),
+        read_only=True,
+    )
+    for fqn in ("model.embed", "model.proj", "model.conv"):
+        want = state["model"][fqn.split(".")[1]]
+        arr = zarr.open_array(store, path=names[fqn], mode="r")
+        assert arr.shape == want.shape and np.array_equal(arr[...], want), fqn
+    group = zarr.open_group(zarr_store(f"s3://{BUCKET}/{prefix}", **opts), mode="r")
+    assert "gpuckpt" in group.attrs
+
+
+def test_prefix_without_root_is_no_checkpoint(opts: dict[str, Any], prefix: str, s3: Any) -> None:
+    url = f"s3://{BUCKET}/{prefix}"
+    with pytest.raises(CheckpointNotFoundError, match="no checkpoint"):
+        gpuckpt.load_state_dict(url, storage_options=opts)
+    _save(_state(), prefix, opts)
+    s3.delete_object(Bucket=BUCKET, Key=f"{prefix}/zarr.json")  # everything but the commit object
+    with pytest.raises(CheckpointNotFoundError, match="zarr.json"):
+        gpuckpt.read_metadata(url, storage_options=opts)
+
+
+def test_existing_checkpoint_is_kept(opts: dict[str, Any], prefix: str, s3: Any) -> None:
+    state = _state()
+    _save(state, prefix, opts)
+    before = _objects(s3, prefix)
+    with pytest.raises(CheckpointExistsError, match="already holds a checkpoint"):
+        _save(_state(seed=1), prefix, opts)
+    with pytest.raises(CheckpointExistsError, match="cannot replace"):
+        _save(_state(seed=1), prefix, opts, overwrite=True)
+    assert _objects(s3, prefix) == before
+    _assert_same(gpuckpt.load_state_dict(f"s3://{BUCKET}/{prefix}", storage_options=opts), state)
+
+
+def test_failure_mid_save_publishes_nothing(
+    opts: dict[str, Any], prefix: str, s3: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    state = _state()
+    _save(state, prefix, opts)
+    before = _objects(s3, prefix)
+    other = prefix + "-next"
+    real = ObjectStoreWriter._write
+    lock, count = threading.Lock(), [0]
+
+    def failing(self: ObjectStoreWriter, rel: str, data: Any) -> None:
+        with lock:
+            if "/c" in rel:
+                count[0] += 1
+            if count[0] == 3:
+                raise OSError(5, "injected: connection reset")
+        real(self, rel, data)
+
+    monkeypatch.setattr(ObjectStoreWriter, "_write", failing)
+    with pytest.raises(OSError, match="injected"):
+        _save(_state(seed=1), other, opts, threads=4)
+    monkeypatch.undo()
+    assert _objects(s3, other) == {}  # aborted: chunks, documents and claim deleted
+    with pytest.raises(CheckpointNotFoundError):
+        gpuckpt.read_metadata(f"s3://{BUCKET}/{other}", storage_options=opts)
+    assert _objects(s3, prefix) == before
+    _assert_same(gpuckpt.load_state_dict(f"s3://{BUCKET}/{prefix}", storage_options=opts), state)
+    # the failed prefix is usable afterwards
+    _save(_state(seed=2), other, opts)
+
+
+def test_concurrent_writers_exactly_one_wins(opts: dict[str, Any], prefix: str) -> None:
+    barrier = threading.Barrier(2)
+    outcome: dict[int, BaseException | None] = {}
+
+    def run(seed: int) -> None:
+        barrier.wait()
+        try:
+            _save(_state(seed), prefix, opts)
+            outcome[seed] = None
+        except BaseException as exc:
+            outcome[seed] = exc
+
+    threads = [threading.Thread(target=run, args=(s,)) for s in (1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    winners = [s for s, e in outcome.items() if e is None]
+    assert len(winners) == 1, outcome
+    loser = next(e for e in outcome.values() if e is not None)
+    assert isinstance(loser, CheckpointExistsError), loser
+    _assert_same(gpuckpt.load_state_dict(f"s3://{BUCKET}/{prefix}", storage_options=opts), _state(winners[0]))
+
+
+def test_commit_race_lost_keeps_the_winner(opts: dict[str, Any], prefix: str, s3: Any) -> None:
+    """If another save publishes first, the conditional put of the root fails and abort deletes nothing."""
+    url = f"s3://{BUCKET}/{prefix}"
+    w = ObjectStoreWriter(url, **opts)
+    w.begin()
+    w.write_array_document("a", b'{"zarr_format":3}')
+    w.write_chunk("a", "c.0", [b"abc", b"defg"])
+    s3.put_object(Bucket=BUCKET, Key=f"{prefix}/zarr.json", Body=b"{}")  # someone else's commit
+    with pytest.raises(CheckpointExistsError, match="published by another save"):
+        w.commit(b"{}")
+    w.abort()
+    assert f"{prefix}/a/c.0" in _objects(s3, prefix)
+    r = ObjectStoreReader(url, **opts)
+    buf = [bytearray(2), bytearray(5)]
+    assert r.read_chunk_into("a", "c.0", buf) == 7 and bytes(buf[0] + buf[1]) == b"abcdefg"
+    assert r.chunk_nbytes("a", "c.0") == 7 and r.chunk_nbytes("a", "c.9") is None
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def _put_claim(s3: Any, prefix: str, owner: str, machine: str = "") -> None:
+    body = json.dumps(
+        {"owner": owner, "machine": machine, "token": "x", "started": "2020-01-01T00:00:00+00:00"}
+    )
+    s3.put_object(Bucket=BUCKET, Key=f"{prefix}/{CLAIM_KEY}", Body=body.encode())
+
+
+def test_leftovers_of_a_dead_save_are_cleaned(opts: dict[str, Any], prefix: str, s3: Any) -> None:
+    machine = _machine()
+    if not machine:
+        pytest.skip("no /proc: a dead owner is recognised by its lease only")
+    _put_claim(s3, prefix, f"{fsutil.tmp_owner().rsplit('-', 1)[0]}-{_dead_pid()}", machine)
+    s3.put_object(Bucket=BUCKET, Key=f"{prefix}/stale/zarr.json", Body=b"{}")
+    s3.put_object(Bucket=BUCKET, Key=f"{prefix}/stale/c.0.1", Body=b"junk")
+    sibling = f"{prefix}2/stale/c.0"  # a different prefix that merely starts with the same text
+    s3.put_object(Bucket=BUCKET, Key=sibling, Body=b"keep")
+    state = _state()
+    _save(state, prefix, opts)
+    keys = _objects(s3, prefix)
+    assert not any("/stale/" in k for k in keys) and f"{prefix}/{CLAIM_KEY}" not in keys
+    assert s3.get_object(Bucket=BUCKET, Key=sibling)["Body"].read() == b"keep"
+    _assert_same(gpuckpt.load_state_dict(f"s3://{BUCKET}/{prefix}", storage_options=opts), state)
+
+
+def test_live_claim_blocks_until_its_lease_expires(opts: dict[str, Any], prefix: str, s3: Any) -> None:
+    # the same host name and a dead pid, but another machine: only the lease can free it
+    _put_claim(s3, prefix, f"{fsutil.tmp_owner().rsplit('-', 1)[0]}-{_dead_pid()}", "other-boot/pid:[1]")
+    with pytest.raises(CheckpointExistsError, match="another save to it is running"):
+        _save(_state(), prefix, opts)
+    with pytest.raises(CheckpointNotFoundError, match="claim"):
+        gpuckpt.read_metadata(f"s3://{BUCKET}/{prefix}", storage_options=opts)
+    time.sleep(1.2)  # S3 timestamps have one-second resolution
+    _save(_state(), prefix, {**opts, "lease_seconds": 1.0})
+    assert f"{prefix}/{CLAIM_KEY}" not in _objects(s3, prefix)
+
+
+def test_foreign_objects_are_never_deleted(opts: dict[str, Any], prefix: str, s3: Any) -> None:
+    s3.put_object(Bucket=BUCKET, Key=f"{prefix}/notes.txt", Body=b"mine")
+    with pytest.raises(CheckpointExistsError, match="refusing to delete"):
+        _save(_state(), prefix, opts)
+    assert set(_objects(s3, prefix)) == {f"{prefix}/notes.txt"}
+
+
+def test_corrupted_object_names_the_tensor(opts: dict[str, Any], prefix: str, s3: Any) -> None:
+    md = _save(_state(), prefix, opts)
+    info = md.storage_data["tensors"]["model.proj"]
+    key = f"{prefix}/{info['name']}/{info['chunks'][1]['key']}"
+    data = bytearray(s3.get_object(Bucket=BUCKET, Key=key)["Body"].read())
+    data[5] ^= 0x40
+    s3.put_object(Bucket=BUCKET, Key=key, Body=bytes(data))
+    with pytest.raises(ChecksumError, match="model.proj"):
+        gpuckpt.load_state_dict(f"s3://{BUCKET}/{prefix}", storage_options=opts)
+    # tensors not read are unaffected
+    got = gpuckpt.load_state_dict(f"s3://{BUCKET}/{prefix}", keys=["model.embed"], storage_options=opts)
+    assert np.array_equal(got["model"]["embed"], _state()["model"]["embed"])
+
+
+@pytest.mark.parametrize(
+    "url", ["s3://ckpts", "s3://ckpts/", "s3://ckpts/a/../b", "s3://ckpts/a//b", "s3:///x", "gs://b/x"]
+)
+def test_bad_urls_are_refused(url: str) -> None:
+    with pytest.raises(ValueError, match="s3://"):
+        parse_s3_url(url)
+
+
+def test_keys_cannot_leave_the_prefix(opts: dict[str, Any], prefix: str) -> None:
+    r = ObjectStoreReader(f"s3://{BUCKET}/{prefix}", **opts)
+    for name, key in (("..", "c.0"), ("a", "../b"), ("a/b", "c.0"), ("a", "c.0/../../x")):
+        with pytest.raises(ValueError, match="refusing"):
+            r.read_chunk_into(name, key, [bytearray(1)])
+
+
+def test_claim_is_refreshed_while_a_save_runs(opts: dict[str, Any], prefix: str, s3: Any) -> None:
+    url = f"s3://{BUCKET}/{prefix}"
+    short = {**opts, "lease_seconds": 2.0}
+    a = ObjectStoreWriter(url, **short)
+    a.begin()
+    time.sleep(3.0)  # longer than the lease: only the refreshes keep the claim alive
+    with pytest.raises(CheckpointExistsError, match="another save to it is running"):
+        ObjectStoreWriter(url, **short).begin()
+    a.write_array_document("a", b"{}")
+    # a takeover (as if this save had stalled past its lease) makes the commit fail and abort keep out
+    s3.put_object(Bucket=BUCKET, Key=f"{prefix}/{CLAIM_KEY}", Body=b'{"owner": "otherhost-1"}')
+    with pytest.raises(CheckpointExistsError, match="another save"):
+        a.commit(b"{}")
+    a.abort()
+    assert set(_objects(s3, prefix)) == {f"{prefix}/a/zarr.json", f"{prefix}/{CLAIM_KEY}"}
+
+
+def test_without_conditional_writes(opts: dict[str, Any], prefix: str) -> None:
+    """For servers without If-None-Match: check-then-put, same results for one writer at a time."""
+    plain = {**opts, "conditional_writes": False}
+    state = _state()
+    _save(state, prefix, plain)
+    with pytest.raises(CheckpointExistsError):
+        _save(state, prefix, plain)
+    _assert_same(gpuckpt.load_state_dict(f"s3://{BUCKET}/{prefix}", storage_options=plain), state)
