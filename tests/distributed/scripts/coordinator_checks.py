@@ -1,0 +1,146 @@
+"""Every collective of a Coordinator, as run by each rank; ``expected`` says what each rank must see.
+
+Run under a launcher (``mpiexec -n N python coordinator_checks.py mpi``, or N
+processes with ``torch``), or in-process through ``run_checks`` with
+``ThreadCoordinator`` ranks. The results are JSON-ready, so the three runs are
+checked against the same ``expected(rank, n)``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from _rank_io import finish, jsonable, make_coordinator, process_rank, run_rank
+
+from gpuckpt.distributed import Coordinator, CoordinatorError, DistributedError
+from gpuckpt.errors import GpuckptError
+
+
+def _error_report(exc: DistributedError, own: BaseException | None) -> dict[str, Any]:
+    return {
+        "type": type(exc).__name__,
+        "is_runtime_error": isinstance(exc, RuntimeError),
+        "is_gpuckpt_error": isinstance(exc, GpuckptError),
+        "failures": {str(r): m for r, m in exc.failures.items()},
+        "message_names_each": all(f"rank {r}" in str(exc) and m in str(exc) for r, m in exc.failures.items()),
+        "cause_is_own": exc.__cause__ is own if own is not None else exc.__cause__ is None,
+    }
+
+
+def _reduce(c: Coordinator, own: BaseException | None) -> dict[str, Any] | str:
+    try:
+        c.all_reduce_errors(own)
+    except DistributedError as exc:
+        return _error_report(exc, own)
+    return "no error"
+
+
+def run_checks(c: Coordinator, workdir: Path) -> dict[str, Any]:
+    """Run each collective on rank ``c.rank``; return what it saw (JSON-ready)."""
+    r, n = c.rank, c.world_size
+    last = n - 1
+    seen: dict[str, Any] = {"rank": r, "world_size": n}
+    seen["gather_root0"] = c.gather({"rank": r, "square": r * r}, root=0)
+    seen["gather_root_last"] = c.gather(("t", r), root=last)
+    seen["scatter_from_last"] = c.scatter(
+        [{"to": i, "pad": "x" * i} for i in range(n)] if r == last else None, root=last
+    )
+    sent = {"from": r, "array": np.arange(4) * (r + 1)}
+    got = c.broadcast(sent, root=1 % n)
+    seen["broadcast_from_1"] = {
+        "from": got["from"],
+        "array": got["array"],
+        "array_type": type(got["array"]).__name__,
+        "copied": r == 1 % n or got is not sent,
+    }
+    seen["all_gather"] = c.all_gather(r * 10)
+    seen["rounds"] = [c.all_gather((i, r))[(i + 1) % n] for i in range(20)]
+
+    # every rank leaves its mark before the barrier; after it, each must see all marks
+    marks = workdir / "barrier-marks"
+    marks.mkdir(exist_ok=True)
+    time.sleep(0.02 * (n - r))
+    (marks / str(r)).touch()
+    c.barrier()
+    seen["marks_after_barrier"] = sorted(int(p.name) for p in marks.iterdir())
+
+    seen["no_failure"] = _reduce(c, None)
+    one = ValueError(f"boom on rank {1 % n}") if r == 1 % n else None
+    seen["one_failure"] = _reduce(c, one)
+    even = KeyError(f"key-{r}") if r % 2 == 0 else None
+    seen["even_failures"] = _reduce(c, even)
+    seen["after_failures"] = c.all_gather(r)  # the group is still usable
+
+    try:
+        c.scatter(list(range(n + 1)) if r == 0 else None, root=0)
+        seen["scatter_misuse"] = "no error"
+    except CoordinatorError as exc:
+        seen["scatter_misuse"] = "world_size" in str(exc)
+    seen["after_misuse"] = c.broadcast(f"still aligned {r}", root=last)
+    return jsonable(seen)
+
+
+def _expected_report(failures: dict[int, str], rank: int) -> dict[str, Any]:
+    return {
+        "type": "DistributedError",
+        "is_runtime_error": True,
+        "is_gpuckpt_error": True,
+        "failures": {str(k): v for k, v in failures.items()},
+        "message_names_each": True,
+        "cause_is_own": True,
+    }
+
+
+def expected(rank: int, n: int) -> dict[str, Any]:
+    """What ``run_checks`` must return on ``rank`` of ``n``."""
+    last = n - 1
+    root_b = 1 % n
+    return {
+        "rank": rank,
+        "world_size": n,
+        "gather_root0": [{"rank": i, "square": i * i} for i in range(n)] if rank == 0 else None,
+        "gather_root_last": [["t", i] for i in range(n)] if rank == last else None,
+        "scatter_from_last": {"to": rank, "pad": "x" * rank},
+        "broadcast_from_1": {
+            "from": root_b,
+            "array": [x * (root_b + 1) for x in range(4)],
+            "array_type": "ndarray",
+            "copied": True,
+        },
+        "all_gather": [i * 10 for i in range(n)],
+        "rounds": [[i, (i + 1) % n] for i in range(20)],
+        "marks_after_barrier": list(range(n)),
+        "no_failure": "no error",
+        "one_failure": _expected_report({root_b: f"ValueError: boom on rank {root_b}"}, rank),
+        "even_failures": _expected_report({i: f"KeyError: 'key-{i}'" for i in range(0, n, 2)}, rank),
+        "after_failures": list(range(n)),
+        "scatter_misuse": True,
+        "after_misuse": f"still aligned {last}",
+    }
+
+
+def main(backend: str) -> None:
+    rank = process_rank(backend)
+
+    def work() -> dict[str, Any]:
+        c = make_coordinator(backend)
+        workdir = Path(os.environ["GPUCKPT_TEST_OUT"])
+        if backend.endswith("-split"):  # one barrier folder per sub-group
+            workdir = workdir / f"group-{rank % 2}"
+            workdir.mkdir(exist_ok=True)
+        else:
+            assert c.rank == rank, (c.rank, rank)
+        seen = run_checks(c, workdir)
+        finish(backend)
+        return seen
+
+    run_rank(rank, work, backend)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
