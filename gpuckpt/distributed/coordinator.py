@@ -15,10 +15,9 @@ and :class:`~gpuckpt.distributed.torch_dist.TorchCoordinator`
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
 from typing import Any
 
-from gpuckpt.errors import GpuckptError
+from gpuckpt.errors import CoordinatorError, DistributedError, MissingDependencyError
 
 __all__ = [
     "Coordinator",
@@ -28,41 +27,6 @@ __all__ = [
     "SingleProcessCoordinator",
     "describe_error",
 ]
-
-
-class MissingDependencyError(GpuckptError, ImportError):
-    """An optional dependency (mpi4py, torch) is needed for the feature that was used."""
-
-
-class CoordinatorError(GpuckptError, RuntimeError):
-    """A coordinator cannot be set up, or a collective was called against its discipline."""
-
-
-class DistributedError(GpuckptError, RuntimeError):
-    """One or more ranks failed a collective step; raised on every rank.
-
-    Attributes
-    ----------
-    failures
-        Rank -> ``"TypeName: message"`` of the error that rank reported.
-    """
-
-    failures: dict[int, str]
-
-    def __init__(self, failures: Mapping[int, str], world_size: int | None = None) -> None:
-        self.failures = {int(r): str(m) for r, m in sorted(failures.items())}
-        self.world_size = world_size
-        of = f" (of {world_size})" if world_size is not None else ""
-        if len(self.failures) == 1:
-            ((rank, report),) = self.failures.items()
-            message = f"rank {rank}{of} failed: {report}"
-        else:
-            details = "; ".join(f"rank {r}: {m}" for r, m in self.failures.items())
-            message = f"{len(self.failures)} ranks{of} failed: {details}"
-        super().__init__(message)
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.failures, self.world_size))
 
 
 def describe_error(error: BaseException) -> str:
