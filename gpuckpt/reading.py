@@ -186,8 +186,13 @@ def _check_crc(t: TensorEntry, c: ChunkRead, value: int, stored_crc: int) -> Non
 def fetch_verified(reader: CheckpointReader, t: TensorEntry, c: ChunkRead, parts: list[Any]) -> None:
     """Read chunk ``c`` into the buffers ``parts`` (its stored bytes) and check its size and CRC32C."""
     crc_buf = bytearray(CRC_BYTES)
+    state = [0]
+
+    def digest(piece: Any) -> None:
+        state[0] = crc32c(piece, state[0])
+
     try:
-        got = reader.read_chunk_into(t.name, c.key, [*parts, crc_buf])
+        got = reader.read_chunk_checked(t.name, c.key, [*parts, crc_buf], digest)
     except FileNotFoundError:
         raise MissingChunkError(
             f"chunk {c.key} of tensor {t.fqn!r} disappeared while loading; the checkpoint was "
@@ -197,10 +202,7 @@ def fetch_verified(reader: CheckpointReader, t: TensorEntry, c: ChunkRead, parts
         raise CheckpointCorruptedError(
             f"chunk {c.key} of tensor {t.fqn!r}: read {got} bytes, expected {c.nbytes}; the file is truncated"
         )
-    value = 0
-    for p in parts:
-        value = crc32c(p, value)
-    _check_crc(t, c, value, int.from_bytes(crc_buf, "little"))
+    _check_crc(t, c, state[0], int.from_bytes(crc_buf, "little"))
 
 
 def _read_chunk(

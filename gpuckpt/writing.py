@@ -44,7 +44,7 @@ from gpuckpt.planning import DEFAULT_CHUNK_BYTES, ChunkGrid, ChunkSpec, plan_reg
 from gpuckpt.progress import ProgressCallback, ProgressCounter
 from gpuckpt.state import flatten_state_dict
 from gpuckpt.storage.base import CheckpointWriter
-from gpuckpt.storage.chunkio import CRC_BYTES, crc32c, is_prefix_box, padded_chunk, zeros_crc
+from gpuckpt.storage.chunkio import CRC_BYTES, crc32c, is_prefix_box, padded_chunk
 from gpuckpt.storage.layout import array_document, chunk_file_key, root_document
 from gpuckpt.storage.names import encode_name
 from gpuckpt.storage.objects import encode_object
@@ -170,25 +170,25 @@ def rebind(plan: SavePlan, fqn: str, array: ArrayAdapter) -> None:
                 j.source = array
 
 
-def _encode_box(box: np.ndarray, stored: tuple[int, ...]) -> tuple[list[Any], int, int]:
-    """Buffers making up one stored chunk holding ``box``, its total size and its CRC32C."""
+def _write_box(
+    writer: CheckpointWriter, name: str, key: str, box: np.ndarray, stored: tuple[int, ...]
+) -> tuple[int, int]:
+    """Write one stored chunk holding ``box``; returns its total size and its CRC32C."""
     if box.dtype.byteorder == ">":
         box = box.astype(box.dtype.newbyteorder("<"))
-    itemsize = box.dtype.itemsize
     if is_prefix_box(box.shape, stored):
         data = np.ascontiguousarray(box).reshape(-1).view(np.uint8)
-        pad = (int(np.prod(stored, dtype=np.int64)) - box.size) * itemsize
-        crc = zeros_crc(crc32c(data), pad)
-        parts: list[Any] = [data]
-        if pad:
-            parts.append(np.zeros(pad, np.uint8))
+        pad = (int(np.prod(stored, dtype=np.int64)) - box.size) * box.dtype.itemsize
+        parts: list[Any] = [data, np.zeros(pad, np.uint8)] if pad else [data]
     else:
-        data = padded_chunk(box, stored).reshape(-1).view(np.uint8)
-        crc = crc32c(data)
-        parts = [data]
-        pad = 0
-    parts.append(crc.to_bytes(CRC_BYTES, "little"))
-    return parts, data.nbytes + pad + CRC_BYTES, crc
+        parts = [padded_chunk(box, stored).reshape(-1).view(np.uint8)]
+    state = [0]
+
+    def digest(piece: Any) -> None:
+        state[0] = crc32c(piece, state[0])
+
+    writer.write_chunk_checked(name, key, parts, digest, lambda: state[0].to_bytes(CRC_BYTES, "little"))
+    return sum(p.nbytes for p in parts) + CRC_BYTES, state[0]
 
 
 def device_backends(plan: SavePlan) -> list[Any]:
@@ -299,8 +299,7 @@ def _write_host_chunk(writer: CheckpointWriter, j: ChunkJob, counter: ProgressCo
         if not j.sizes
         else host[tuple(slice(o, o + s) for o, s in zip(j.offsets, j.sizes, strict=True))]
     )
-    parts, nbytes, crc = _encode_box(box, j.stored)
-    writer.write_chunk(j.name, j.key, parts)
+    nbytes, crc = _write_box(writer, j.name, j.key, box, j.stored)
     counter.add(j.nbytes)
     return nbytes, crc
 
@@ -316,8 +315,7 @@ def _write_staged_chunk(
     try:
         ticket.wait()
         box = buf[: j.nbytes].view(j.source.dtype).reshape(j.sizes)
-        parts, total, crc = _encode_box(box, j.stored)
-        writer.write_chunk(j.name, j.key, parts)
+        total, crc = _write_box(writer, j.name, j.key, box, j.stored)
     finally:
         pool.release(buf)
     counter.add(j.nbytes)

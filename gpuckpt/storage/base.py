@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 __all__ = ["CheckpointReader", "CheckpointWriter"]
@@ -31,6 +31,25 @@ class CheckpointWriter(ABC):
     @abstractmethod
     def write_chunk(self, name: str, key: str, parts: Sequence[Any]) -> None:
         """Store the concatenation of the buffers ``parts`` as chunk ``key`` of array ``name``."""
+
+    def write_chunk_checked(
+        self,
+        name: str,
+        key: str,
+        parts: Sequence[Any],
+        digest: Callable[[Any], None],
+        trailer: Callable[[], bytes],
+    ) -> None:
+        """Store ``parts`` followed by ``trailer()``, calling ``digest`` on every byte of ``parts`` first.
+
+        ``digest`` sees the data in order; ``trailer`` (the checksum) is asked
+        for once all of it was digested. The default digests everything, then
+        writes; back ends that stream may interleave the two piece by piece,
+        while each piece is still in the CPU cache.
+        """
+        for p in parts:
+            digest(p)
+        self.write_chunk(name, key, [*parts, trailer()])
 
     @abstractmethod
     def commit(self, root_document: bytes) -> None: ...
@@ -60,6 +79,19 @@ class CheckpointReader(ABC):
     @abstractmethod
     def read_chunk_into(self, name: str, key: str, dests: Sequence[Any]) -> int:
         """Fill the writable buffers ``dests`` in order from the chunk; returns bytes read."""
+
+    def read_chunk_checked(
+        self, name: str, key: str, dests: Sequence[Any], digest: Callable[[Any], None]
+    ) -> int:
+        """Like :meth:`read_chunk_into`, calling ``digest`` on the bytes read into every buffer but the last.
+
+        The last buffer receives the checksum trailer. The default reads, then
+        digests; back ends may interleave the two piece by piece.
+        """
+        n = self.read_chunk_into(name, key, dests)
+        for d in dests[:-1]:
+            digest(d)
+        return n
 
     def close(self) -> None:  # noqa: B027 - optional hook, not abstract
         """Release resources; the default does nothing."""

@@ -34,8 +34,12 @@ _ZERO_BLOCK = bytes(1 << 20)
 
 
 def crc32c(data: Any, value: int = 0) -> int:
-    """CRC32C of ``data`` (any buffer), continuing from ``value``."""
-    return int(_crc32c.crc32c(data, value))
+    """CRC32C of ``data`` (any buffer), continuing from ``value``.
+
+    The GIL is released for buffers of 64 KiB and more, so that I/O threads
+    checksum in parallel.
+    """
+    return int(_crc32c.crc32c(data, value, gil_release_mode=1 if memoryview(data).nbytes >= 65536 else 0))
 
 
 def is_prefix_box(sizes: Sequence[int], stored: Sequence[int]) -> bool:

@@ -16,7 +16,7 @@ import errno
 import os
 import secrets
 import stat
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +37,7 @@ SYNC_MODES = ("auto", "file", "fs", "none")
 _TMP_TAG = ".gpuckpt-tmp-"
 _OLD_TAG = ".gpuckpt-old-"
 _MANY_FILES = 64
+_PIECE = 1 << 20
 
 
 def is_committed(path: Path) -> bool:
@@ -154,6 +155,31 @@ class LocalWriter(CheckpointWriter):
 
     def write_chunk(self, name: str, key: str, parts: Sequence[Any]) -> None:
         self._write_file(f"{name}/{key}", parts)
+
+    def write_chunk_checked(
+        self,
+        name: str,
+        key: str,
+        parts: Sequence[Any],
+        digest: Callable[[Any], None],
+        trailer: Callable[[], bytes],
+    ) -> None:
+        # checksum and write in pieces that are still in the CPU cache
+        fd = os.open(
+            self.tmp / name / key, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644
+        )
+        try:
+            for p in parts:
+                view = memoryview(p).cast("B")
+                for i in range(0, view.nbytes, _PIECE):
+                    piece = view[i : i + _PIECE]
+                    digest(piece)
+                    write_all(fd, piece)
+            write_all(fd, trailer())
+            if self.sync == "file":
+                os.fsync(fd)
+        finally:
+            os.close(fd)
 
     def _make_durable(self) -> None:
         if self.sync == "none":
@@ -291,6 +317,34 @@ class LocalReader(CheckpointReader):
         if not stat.S_ISREG(st.st_mode):
             return None
         return st.st_size
+
+    def read_chunk_checked(
+        self, name: str, key: str, dests: Sequence[Any], digest: Callable[[Any], None]
+    ) -> int:
+        # read and checksum in pieces that are still in the CPU cache
+        fd = self._open_chunk(name, key)
+        try:
+            total = 0
+            for d in dests[:-1]:
+                view = memoryview(d).cast("B")
+                for i in range(0, view.nbytes, _PIECE):
+                    piece = view[i : i + _PIECE]
+                    n = read_exact(fd, piece)
+                    total += n
+                    if n < piece.nbytes:
+                        return total
+                    digest(piece)
+            return total + read_exact(fd, dests[-1])
+        finally:
+            os.close(fd)
+
+    def _open_chunk(self, name: str, key: str) -> int:
+        try:
+            return self._open(name, key)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:  # O_NOFOLLOW met a symlink
+                raise FileNotFoundError(errno.ENOENT, "chunk is a symlink", key) from None
+            raise
 
     def read_chunk_into(self, name: str, key: str, dests: Sequence[Any]) -> int:
         try:

@@ -124,6 +124,7 @@ def _traced(emit: _Tracer) -> Iterator[None]:
     wrap(W, "begin", lambda *a, **k: emit("begin"), after="tmp-created")
     wrap(W, "write_array_document", lambda *a, **k: emit("array-doc"))
     wrap(W, "write_chunk", lambda *a, **k: emit("chunk"))
+    wrap(W, "write_chunk_checked", lambda *a, **k: emit("chunk"))
     wrap(W, "_write_file", lambda self, rel, parts: emit("root-write") if rel == ROOT_KEY else None)
     wrap(W, "_make_durable", lambda *a, **k: emit("durable"))
     wrap(fsutil, "fsync_dir", lambda *a, **k: emit("fsync-dir"))

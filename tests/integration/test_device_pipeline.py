@@ -105,10 +105,10 @@ class RecordingWriter(LocalWriter):
         self.spans: list[tuple[float, float]] = []
         self._lock = threading.Lock()
 
-    def write_chunk(self, name: str, key: str, parts: Any) -> None:
+    def write_chunk_checked(self, name: str, key: str, parts: Any, digest: Any, trailer: Any) -> None:
         start = time.perf_counter()
         time.sleep(0.02)  # a slow disk
-        super().write_chunk(name, key, parts)
+        super().write_chunk_checked(name, key, parts, digest, trailer)
         with self._lock:
             self.spans.append((start, time.perf_counter()))
 
