@@ -22,6 +22,8 @@ status() { if [ "$1" -eq 0 ]; then echo ok; else echo "FAILED (rc=$1)"; fi; }
 
 timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/device tests/kernels > "$OUT/pytest_gpu.txt" 2>&1
 rc_tests=$?
+timeout 90 python3 -m gpuckpt.demo --device gpu > "$OUT/demo_gpu.txt" 2>&1
+rc_demo=$?
 timeout 120 python3 bench/bench_kernels.py --quick --out "$OUT" > "$OUT/bench_kernels.txt" 2>&1
 rc_kernels=$?
 timeout 150 python3 bench/bench_gpu.py --gib 4 --rounds 3 --out "$OUT" > "$OUT/bench_gpu.txt" 2>&1
@@ -29,6 +31,7 @@ rc_gpu=$?
 
 echo "== gpuckpt GPU check ($(date -u +%F), $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)) =="
 echo "gpu tests:      $(status $rc_tests)  $(tail -1 "$OUT/pytest_gpu.txt")"
+echo "demo on GPU:    $(status $rc_demo)  $(tail -1 "$OUT/demo_gpu.txt")"
 echo "kernel bench:   $(status $rc_kernels)"
 tail -n 25 "$OUT/bench_kernels.txt"
 echo "gpu bench:      $(status $rc_gpu)"

@@ -40,8 +40,32 @@ HELP = "train a small model with checkpoints, kill it mid-save, resume, and veri
 _IN, _HIDDEN, _OUT, _BATCH = 64, 128, 10, 256
 
 
-def build_state(seed: int = 0, layers: int = 2, width: int = 1024) -> dict[str, Any]:
-    """Initial training state: MLP weights, Adam moments, a GPT-like payload, counters."""
+def array_module(device: str = "auto") -> Any:
+    """NumPy, or CuPy when ``device`` is ``"gpu"`` (or ``"auto"`` and a GPU answers)."""
+    from gpuckpt.device.cuda import gpu_available, import_cupy
+
+    if device == "gpu" or (device == "auto" and gpu_available()):
+        return import_cupy()
+    return np
+
+
+def _to(xp: Any, value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _to(xp, v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_to(xp, v) for v in value]
+    return xp.asarray(value) if isinstance(value, np.ndarray) else value
+
+
+def _host(x: Any) -> Any:
+    return x.get() if hasattr(x, "get") and not isinstance(x, np.ndarray) else x
+
+
+def build_state(seed: int = 0, layers: int = 2, width: int = 1024, xp: Any = np) -> dict[str, Any]:
+    """Initial training state: MLP weights, Adam moments, a GPT-like payload, counters.
+
+    Built with NumPy's generator (the same bits everywhere), then moved to ``xp``'s memory.
+    """
     rng = np.random.default_rng(seed)
     model = {
         "w1": (rng.standard_normal((_IN, _HIDDEN), dtype=np.float32) * np.float32(0.1)),
@@ -50,37 +74,44 @@ def build_state(seed: int = 0, layers: int = 2, width: int = 1024) -> dict[str, 
         "b2": np.zeros(_OUT, np.float32),
     }
     payload = gpt_state_dict(rng, vocab=32000, width=width, layers=layers, mlp=4 * width)["model"]
-    return {
-        "model": model,
-        "optimizer": {
-            "exp_avg": {k: np.zeros_like(v) for k, v in model.items()},
-            "exp_avg_sq": {k: np.zeros_like(v) for k, v in model.items()},
-            "lr": 1e-2,
-            "betas": (0.9, 0.999),
-            "eps": 1e-8,
+    state: dict[str, Any] = _to(
+        xp,
+        {
+            "model": model,
+            "optimizer": {
+                "exp_avg": {k: np.zeros_like(v) for k, v in model.items()},
+                "exp_avg_sq": {k: np.zeros_like(v) for k, v in model.items()},
+                "lr": 1e-2,
+                "betas": (0.9, 0.999),
+                "eps": 1e-8,
+            },
+            "payload": payload,
+            "data_seed": seed + 1,
+            "step": 0,
+            "loss": float("nan"),
         },
-        "payload": payload,
-        "data_seed": seed + 1,
-        "step": 0,
-        "loss": float("nan"),
-    }
+    )
+    return state
 
 
 def train_step(state: dict[str, Any], step: int) -> None:
     """One Adam step on a batch drawn from ``step``: deterministic given the state."""
     m, opt = state["model"], state["optimizer"]
+    xp = np if isinstance(m["w1"], np.ndarray) else array_module("gpu")
     rng = np.random.default_rng([state["data_seed"], step])
-    x = rng.standard_normal((_BATCH, _IN), dtype=np.float32)
-    y = (x[:, :_OUT] * np.arange(1, _OUT + 1, dtype=np.float32)).argmax(axis=1)
+    x_host = rng.standard_normal((_BATCH, _IN), dtype=np.float32)
+    y_host = (x_host[:, :_OUT] * np.arange(1, _OUT + 1, dtype=np.float32)).argmax(axis=1)
+    x, y = xp.asarray(x_host), xp.asarray(y_host)
+    rows = xp.arange(_BATCH)
     h_pre = x @ m["w1"] + m["b1"]
-    h = np.maximum(h_pre, np.float32(0))
+    h = xp.maximum(h_pre, np.float32(0))
     logits = h @ m["w2"] + m["b2"]
     logits -= logits.max(axis=1, keepdims=True)
-    p = np.exp(logits)
+    p = xp.exp(logits)
     p /= p.sum(axis=1, keepdims=True)
-    loss = float(-np.log(p[np.arange(_BATCH), y] + np.float32(1e-12)).mean())
+    loss = float(-xp.log(p[rows, y] + np.float32(1e-12)).mean())
     d = p
-    d[np.arange(_BATCH), y] -= 1
+    d[rows, y] -= 1
     d /= np.float32(_BATCH)
     dh = (d @ m["w2"].T) * (h_pre > 0)
     grads = {"w2": h.T @ d, "b2": d.sum(axis=0), "w1": x.T @ dh, "b1": dh.sum(axis=0)}
@@ -94,7 +125,7 @@ def train_step(state: dict[str, Any], step: int) -> None:
         eas += np.float32(1 - b2) * g * g
         m_hat = ea / np.float32(1 - b1**t)
         v_hat = eas / np.float32(1 - b2**t)
-        m[k] -= np.float32(opt["lr"]) * m_hat / (np.sqrt(v_hat) + np.float32(opt["eps"]))
+        m[k] -= np.float32(opt["lr"]) * m_hat / (xp.sqrt(v_hat) + np.float32(opt["eps"]))
     emb = state["payload"]["embed"]["weight"]
     emb[step % emb.shape[0], :_HIDDEN] += np.float32(loss) * m["w1"][0]  # fine-tune one row
     state["step"] = step
@@ -112,7 +143,7 @@ def compare(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
     lb, _ = flatten_state_dict(b, is_array)
     bad = sorted(set(la) ^ set(lb))
     for k in sorted(set(la) & set(lb)):
-        x, y = la[k].value, lb[k].value
+        x, y = _host(la[k].value), _host(lb[k].value)
         if is_array(x) or is_array(y):
             if (
                 not (is_array(x) and is_array(y))
@@ -145,11 +176,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="GPT-like payload layers, ~48 MB each over a 131 MB embedding (2)",
     )
     p.add_argument("--keep", type=int, default=2, help="max_to_keep of the manager (2)")
+    p.add_argument(
+        "--device",
+        choices=("auto", "host", "gpu"),
+        default="auto",
+        help="where the model lives: the GPU if one answers (auto), else host memory",
+    )
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
 
 
 def _worker(args: argparse.Namespace, root: Path) -> int:
-    state = build_state(layers=args.layers)
+    state = build_state(layers=args.layers, xp=array_module(args.device))
     with CheckpointManager(root, max_to_keep=args.keep, save_interval_steps=args.save_every) as mgr:
         for step in range(1, args.steps + 1):
             train_step(state, step)
@@ -174,6 +211,8 @@ def _run_child(args: argparse.Namespace, root: Path) -> tuple[int | None, str]:
         str(args.layers),
         "--keep",
         str(args.keep),
+        "--device",
+        args.device,
     ]
     with tempfile.TemporaryFile() as err:
         child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
@@ -222,7 +261,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _main_job(args: argparse.Namespace, root: Path) -> int:
-    print(f"device: host (NumPy); checkpoints in {root}", flush=True)
+    xp = array_module(args.device)
+    where = "GPU (CuPy arrays, pinned staging)" if xp is not np else "host (NumPy)"
+    print(f"device: {where}; checkpoints in {root}", flush=True)
     print(
         f"1. training {args.steps} steps in a child process, saving every {args.save_every} ...", flush=True
     )
@@ -246,7 +287,7 @@ def _main_job(args: argparse.Namespace, root: Path) -> int:
     )
     bar = progress_for("   load", quiet=args.quiet)
     t0 = time.perf_counter()
-    state = mgr.restore_state_dict(progress=bar)
+    state = mgr.restore_state_dict(progress=bar, device="cpu" if xp is np else "cuda")
     t_load = time.perf_counter() - t0
     if bar is not None:
         bar.close()
@@ -286,7 +327,7 @@ def _main_job(args: argparse.Namespace, root: Path) -> int:
     )
 
     t0 = time.perf_counter()
-    reference = build_state(layers=args.layers)
+    reference = build_state(layers=args.layers, xp=xp)
     for step in range(1, args.steps + 1):
         train_step(reference, step)
     bad = compare(state, reference)
