@@ -214,17 +214,18 @@ class _Failure:
             raise self.error
 
 
+def _array_document(t: TensorPlan) -> bytes:
+    return array_document(
+        shape=t.shape,
+        dtype=t.dtype,
+        grid=t.grid,
+        attributes={"gpuckpt": {"fqn": t.fqn, "memory_format": t.properties.memory_format.name}},
+    )
+
+
 def write_array_documents(plan: SavePlan, writer: CheckpointWriter) -> None:
     for t in plan.tensors:
-        writer.write_array_document(
-            t.name,
-            array_document(
-                shape=t.shape,
-                dtype=t.dtype,
-                grid=t.grid,
-                attributes={"gpuckpt": {"fqn": t.fqn, "memory_format": t.properties.memory_format.name}},
-            ),
-        )
+        writer.write_array_document(t.name, _array_document(t))
 
 
 def write_chunks(
@@ -234,8 +235,14 @@ def write_chunks(
     threads: int | None = None,
     staging_bytes: int = DEFAULT_STAGING_BYTES,
     progress: ProgressCallback | None = None,
+    documents: dict[str, bytes] | None = None,
 ) -> list[tuple[int, int]]:
     """Write every job's chunk; returns ``(stored bytes, CRC32C)`` per job, in order.
+
+    ``documents`` maps array names whose directory does not exist yet to their
+    ``zarr.json``; each such array must have exactly one job, which writes the
+    document first (so that the many file-system operations of small tensors
+    run on the I/O threads too).
 
     Host sources are encoded straight from their memory by the I/O threads.
     Device sources stream through a bounded pool of staging buffers: the
@@ -244,6 +251,7 @@ def write_chunks(
     checksum and write its buffer, and return it to the pool.
     """
     counter = ProgressCounter(progress, sum(j.nbytes for j in jobs))
+    docs = dict(documents or {})
     failure = _Failure()
     for backend in {
         id(j.source.backend): j.source.backend for j in jobs if isinstance(j.source, DeviceArray)
@@ -281,9 +289,9 @@ def write_chunks(
                 except BaseException:
                     pool.release(buf)
                     raise
-                submit(_write_staged_chunk, writer, j, buf, ticket, pool, counter)
+                submit(_write_staged_chunk, writer, j, buf, ticket, pool, counter, docs.pop(j.name, None))
             else:
-                submit(_write_host_chunk, writer, j, counter)
+                submit(_write_host_chunk, writer, j, counter, docs.pop(j.name, None))
         try:
             return [f.result() for f in pending]
         except BaseException:
@@ -292,7 +300,11 @@ def write_chunks(
             raise
 
 
-def _write_host_chunk(writer: CheckpointWriter, j: ChunkJob, counter: ProgressCounter) -> tuple[int, int]:
+def _write_host_chunk(
+    writer: CheckpointWriter, j: ChunkJob, counter: ProgressCounter, document: bytes | None = None
+) -> tuple[int, int]:
+    if document is not None:
+        writer.write_array_document(j.name, document)
     host = j.source.host_array()
     box = (
         host[...]
@@ -311,8 +323,11 @@ def _write_staged_chunk(
     ticket: Ticket,
     pool: BufferPool,
     counter: ProgressCounter,
+    document: bytes | None = None,
 ) -> tuple[int, int]:
     try:
+        if document is not None:
+            writer.write_array_document(j.name, document)
         ticket.wait()
         box = buf[: j.nbytes].view(j.source.dtype).reshape(j.sizes)
         total, crc = _write_box(writer, j.name, j.key, box, j.stored)
@@ -383,9 +398,16 @@ def execute_save(
     """Write ``plan`` through ``writer`` and commit; aborts the writer on any error."""
     with writing(writer):
         writer.begin()
-        write_array_documents(plan, writer)
+        # single-chunk arrays get their directory and document from the I/O thread
+        # that writes their chunk; the others' must exist before any chunk lands
+        single = {t.name: _array_document(t) for t in plan.tensors if len(t.jobs) == 1}
+        for t in plan.tensors:
+            if t.name not in single:
+                writer.write_array_document(t.name, _array_document(t))
         jobs = plan.jobs()
-        sizes = write_chunks(jobs, writer, threads=threads, staging_bytes=staging_bytes, progress=progress)
+        sizes = write_chunks(
+            jobs, writer, threads=threads, staging_bytes=staging_bytes, progress=progress, documents=single
+        )
         results = {(j.name, j.coords): r for j, r in zip(jobs, sizes, strict=True)}
         metadata = assemble_metadata(plan, results, checkpoint_id)
         writer.commit(root_document(metadata))

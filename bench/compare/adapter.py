@@ -1,0 +1,108 @@
+"""The interface every compared system implements (NumPy only; Python 3.11 syntax)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from bench.compare.common import peak_rss, prefault, reset_peak, rss
+
+__all__ = ["Adapter", "timed_copy"]
+
+
+class Adapter:
+    """One checkpoint system, bound to one state.
+
+    The runner calls, in this order: ``save(path)``; then for each load,
+    ``prepare_load()`` (untimed: allocate and touch the targets), ``load(path)``
+    (timed), ``loaded()`` (the arrays to check, untimed), ``clear()``; and
+    ``async_variants()`` for the ``async`` operation.
+
+    ``durable``: whether ``save`` makes its files durable by itself (if not,
+    the runner fsyncs every file and counts it). ``fresh``: whether ``load``
+    allocates its result instead of filling preallocated arrays (the result's
+    size is then not counted as extra memory).
+    """
+
+    durable = True
+    fresh = False
+
+    def __init__(self, state: dict[str, np.ndarray]) -> None:
+        self.state = state
+        self.targets: dict[str, np.ndarray] = {}
+
+    def version(self) -> str:
+        return ""
+
+    def save(self, path: str) -> None:
+        raise NotImplementedError
+
+    def prepare_load(self) -> None:
+        """Preallocated, touched targets of the state's shapes and dtypes."""
+        self.targets = {k: np.empty_like(v) for k, v in self.state.items()}
+        prefault(self.targets.values())
+
+    def load(self, path: str) -> None:
+        raise NotImplementedError
+
+    def loaded(self) -> dict[str, Any]:
+        """What the last load produced, as NumPy arrays."""
+        return self.targets
+
+    def clear(self) -> None:
+        self.targets = {}
+
+    def async_variants(self) -> dict[str, Callable[[str], dict[str, Any]]]:
+        return {}
+
+
+def timed_copy(state: dict[str, np.ndarray]) -> float:
+    """Seconds of one copy of ``state`` into already-allocated, touched memory (``np.copyto``)."""
+    dst = {k: np.empty_like(v) for k, v in state.items()}
+    prefault(dst.values())
+    t0 = time.perf_counter()
+    for k, v in state.items():
+        np.copyto(dst[k], v)
+    return time.perf_counter() - t0
+
+
+def measure_async(
+    start: Callable[[str], Any],
+    wait: Callable[[Any], float | None],
+    prefix: str,
+    copy_s: float,
+) -> dict[str, Any]:
+    """Two asynchronous saves back to back; the second one (cached staging, if any) is reported.
+
+    ``start(path)`` begins a save and returns a handle; ``wait(handle)`` blocks
+    until it is durable and returns when (perf_counter) staging finished, or
+    None where staging is part of the call. Extra memory is the peak RSS
+    above the resident size before the first call.
+    """
+    r0 = rss()
+    reset_peak()
+    t0 = time.perf_counter()
+    h = start(f"{prefix}-1")
+    first_block = time.perf_counter() - t0
+    wait(h)
+    first_durable = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    h = start(f"{prefix}-2")
+    block = time.perf_counter() - t0
+    staged_at = wait(h)
+    durable = time.perf_counter() - t0
+    rec: dict[str, Any] = {
+        "op": "async",
+        "blocking_first_s": first_block,
+        "durable_first_s": first_durable,
+        "blocking_s": block,
+        "seconds": durable,
+        "copy_ref_s": copy_s,
+        "extra_peak": peak_rss() - r0,
+    }
+    if staged_at is not None:
+        rec["staged_s"] = staged_at - t0
+    return rec

@@ -1,0 +1,240 @@
+"""Helpers shared by every runner: states, fingerprints, memory, durability, cache dropping.
+
+This module needs only NumPy and the standard library (it runs in the peer
+environment too, where gpuckpt is not installed), and keeps to syntax that
+Python 3.11 accepts.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import hashlib
+import json
+import mmap
+import os
+import resource
+import sys
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "STATE_KINDS",
+    "build_state",
+    "drop_cache",
+    "emit",
+    "fingerprint",
+    "fsync_tree",
+    "peak_rss",
+    "prefault",
+    "reset_peak",
+    "resident_fraction",
+    "rss",
+    "state_bytes",
+    "tree_files",
+]
+
+STATE_KINDS = ("gpt", "gpt-adam", "small")
+_BLOCK = 4 << 20  # elements of the random block every tensor is cut from (16 MiB of float32)
+
+# Toy sizes for --quick, full sizes otherwise; the GPT shapes are those of
+# gpuckpt.testing.states.gpt_state_dict (about 1.25 GiB of float32 weights).
+GPT_FULL = {"vocab": 32000, "width": 1024, "layers": 24, "mlp": 4096}
+GPT_QUICK = {"vocab": 512, "width": 64, "layers": 2, "mlp": 256}
+SMALL_FULL = 10_000
+SMALL_QUICK = 200
+
+
+def _gpt_shapes(vocab: int, width: int, layers: int, mlp: int) -> list[tuple[str, tuple[int, ...]]]:
+    shapes: list[tuple[str, tuple[int, ...]]] = [("model.embed.weight", (vocab, width))]
+    for i in range(layers):
+        p = f"model.layers.{i}"
+        shapes += [(f"{p}.attn.{n}", (width, width)) for n in ("q", "k", "v", "o")]
+        shapes += [
+            (f"{p}.mlp.up", (width, mlp)),
+            (f"{p}.mlp.down", (mlp, width)),
+            (f"{p}.mlp.up_bias", (mlp,)),
+        ]
+        shapes += [(f"{p}.{n}.{w}", (width,)) for n in ("norm1", "norm2") for w in ("weight", "bias")]
+    return shapes
+
+
+def build_state(kind: str, *, quick: bool = False, seed: int = 0) -> dict[str, np.ndarray]:
+    """The benchmark state as a flat ``{fqn: float32 array}``; the same bytes for the same arguments.
+
+    ``gpt``: the GPT-like weights; ``gpt-adam``: the same plus two Adam moments
+    per weight (3x); ``small``: 10,000 tensors of 4-64 KiB (200 with ``quick``).
+    Every tensor is cut from one seeded block of normal values at a
+    per-tensor offset, so building even 3 GiB takes a fraction of a second.
+    """
+    rng = np.random.default_rng(seed)
+    block = (rng.standard_normal(_BLOCK, dtype=np.float32) * np.float32(0.02)).astype(np.float32)
+    if kind in ("gpt", "gpt-adam"):
+        shapes = _gpt_shapes(**(GPT_QUICK if quick else GPT_FULL))
+        if kind == "gpt-adam":
+            shapes += [(f"optim.{n}.{m}", s) for n, s in list(shapes) for m in ("exp_avg", "exp_avg_sq")]
+    elif kind == "small":
+        sizes = rng.integers(1024, 16 * 1024 + 1, size=SMALL_QUICK if quick else SMALL_FULL)
+        shapes = [(f"t{i:05d}", (int(n),)) for i, n in enumerate(sizes)]
+    else:
+        raise ValueError(f"unknown state kind {kind!r}; expected one of {STATE_KINDS}")
+    offsets = rng.integers(0, _BLOCK, size=len(shapes))
+    out: dict[str, np.ndarray] = {}
+    for (name, shape), off in zip(shapes, offsets, strict=True):
+        a = np.empty(shape, np.float32)
+        flat = a.reshape(-1)
+        pos, start = 0, int(off)
+        while pos < flat.size:
+            k = min(flat.size - pos, _BLOCK - start)
+            flat[pos : pos + k] = block[start : start + k]
+            pos, start = pos + k, 0
+        out[name] = a
+    return out
+
+
+def state_bytes(state: Mapping[str, Any]) -> int:
+    """Total bytes of the arrays of ``state``."""
+    return sum(int(a.nbytes) for a in state.values())
+
+
+def fingerprint(arrays: Mapping[str, Any]) -> str:
+    """A digest of every byte of every array (wrapping 64-bit sum and xor per tensor, in key order).
+
+    Reading every byte is the point: it proves a load really delivered the
+    data, and is computed outside the timed region.
+    """
+    h = hashlib.sha256()
+    for name in sorted(arrays):
+        a = np.ascontiguousarray(arrays[name])
+        raw = a.reshape(-1).view(np.uint8)
+        if raw.size % 8 == 0 and raw.size:
+            w = raw.view(np.uint64)
+            s, x = int(w.sum(dtype=np.uint64)), int(np.bitwise_xor.reduce(w))
+        else:
+            s, x = int(raw.sum(dtype=np.uint64)), int(np.bitwise_xor.reduce(raw)) if raw.size else 0
+        h.update(f"{name}:{a.dtype.str}:{a.shape}:{s}:{x};".encode())
+    return h.hexdigest()[:32]
+
+
+def prefault(arrays: Iterable[np.ndarray]) -> None:
+    """Touch every page of ``arrays`` (a model already in memory is not a fresh allocation)."""
+    for a in arrays:
+        a.reshape(-1).view(np.uint8)[:] = 0
+
+
+def rss() -> int:
+    """Resident set size of this process, bytes."""
+    return _status_kb("VmRSS:") * 1024
+
+
+def peak_rss() -> int:
+    """Peak resident set size since the last :func:`reset_peak` (or the start), bytes."""
+    kb = _status_kb("VmHWM:")
+    if kb:
+        return kb * 1024
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def reset_peak() -> None:
+    """Reset the peak RSS to the current RSS (Linux: ``/proc/self/clear_refs``)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def _status_kb(field: str) -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def tree_files(path: str) -> list[str]:
+    """Every regular file under ``path``."""
+    out = []
+    for root, _dirs, files in os.walk(path):
+        out.extend(os.path.join(root, f) for f in files)
+    return out
+
+
+def fsync_tree(path: str) -> None:
+    """fsync every file and directory under ``path`` and ``path``'s parent (for systems that do not)."""
+    targets = [path] if os.path.isfile(path) else [*tree_files(path), *(r for r, _d, _f in os.walk(path))]
+    for p in [*targets, os.path.dirname(os.path.abspath(path))]:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def drop_cache(path: str) -> float:
+    """Evict ``path``'s files from the page cache; returns the fraction still resident after.
+
+    ``os.sync()`` first (dirty pages cannot be dropped), then
+    ``posix_fadvise(DONTNEED)`` on every file.
+    """
+    os.sync()
+    files = [path] if os.path.isfile(path) else tree_files(path)
+    for p in files:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    return resident_fraction(files)
+
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_long,
+]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+
+
+def resident_fraction(files: Iterable[str]) -> float:
+    """Fraction of the pages of ``files`` that are in the page cache (``mincore``; NaN if unknown)."""
+    page = mmap.PAGESIZE
+    total = resident = 0
+    for p in files:
+        size = os.path.getsize(p)
+        if size == 0:
+            continue
+        npages = (size + page - 1) // page
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+            if addr in (None, ctypes.c_void_p(-1).value):
+                return float("nan")
+            try:
+                vec = (ctypes.c_ubyte * npages)()
+                if _libc.mincore(addr, size, vec) != 0:
+                    return float("nan")
+            finally:
+                _libc.munmap(addr, size)
+        finally:
+            os.close(fd)
+        resident += int(np.frombuffer(vec, np.uint8).__and__(1).sum())
+        total += npages
+    return resident / total if total else 0.0
+
+
+def emit(record: Mapping[str, Any]) -> None:
+    """Print one result record as a JSON line tagged for the driver."""
+    sys.stdout.write("@@RESULT " + json.dumps(record, sort_keys=True) + "\n")
+    sys.stdout.flush()

@@ -1,0 +1,86 @@
+"""Smoke test of the comparison harness (bench/compare) at toy size.
+
+Runs ``python -m bench.compare --quick`` with the systems this environment
+has: gpuckpt, the raw baselines, dd and TensorStore in the project's
+interpreter; the PyTorch peers only where their environment exists (they
+are skipped, with the harness's reason, where it does not).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+MAIN_SYSTEMS = "dd,raw-files,raw-single,gpuckpt,gpuckpt-async,tensorstore"
+PEER_SYSTEMS = "torch-save,dcp-t2,dcp-async"
+
+
+def run_harness(tmp_path: Path, systems: str, states: str) -> dict[str, Any]:
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "bench.compare", "--quick", "--systems", systems, "--states", states]
+    cmd += ["--async-states", states, "--out", str(out), "--md", str(tmp_path / "r.md")]
+    cmd += ["--plot", str(tmp_path / "p.png"), "--dir", str(tmp_path)]
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    result: dict[str, Any] = json.loads((out / "compare-quick.json").read_text())
+    result["stderr"] = p.stderr
+    return result
+
+
+def check_records(result: dict[str, Any], systems: str, states: str) -> None:
+    records = result["records"]
+    errors = [r for r in records if "error" in r]
+    assert not errors, errors
+    ran = {s for s in systems.split(",") if s not in result["meta"]["skipped"]}
+    seen = {r["system"] for r in records}
+    for s in ran - {"dd", "gpuckpt-async", "dcp-async"}:
+        assert s in seen, f"no record for {s}"
+        for st in states.split(","):
+            ops = {r["op"] for r in records if r["system"] == s and r["state"] == st}
+            assert ops == {"save", "load_warm", "load_cold"}, (s, st, ops)
+    for r in records:
+        assert r["bytes"] > 0 and r["seconds"] > 0, r
+        if r["op"] == "save" and not r["system"].startswith("dd"):
+            assert r["files"] >= 1 and r["disk_bytes"] > 0, r
+        if r["op"].startswith("load") and not r["system"].startswith("dd"):
+            assert r["verified"] is True, r  # loaded bytes match the source's checksum
+        if r["op"] == "load_cold" and not r["system"].startswith("dd"):
+            assert r["resident_before"] < 0.5, r  # the cache really was dropped
+        if r["op"] == "async":
+            assert 0 < r["blocking_s"] <= r["seconds"], r
+            assert r["copy_ref_s"] > 0, r
+
+
+def test_harness_main_systems(tmp_path: Path) -> None:
+    if importlib.util.find_spec("tensorstore") is None:
+        systems = MAIN_SYSTEMS.replace(",tensorstore", "")
+    else:
+        systems = MAIN_SYSTEMS
+    states = "gpt,gpt-adam,small"
+    result = run_harness(tmp_path, systems, states)
+    check_records(result, systems, states)
+    assert {r["system"] for r in result["records"]} >= {"dd-direct", "dd-fdatasync", "gpuckpt-async"}
+    report = (tmp_path / "r.md").read_text()
+    assert "## Targets" in report and "| gpuckpt |" in report
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (tmp_path / "p.png").stat().st_size > 0
+
+
+def test_harness_peers(tmp_path: Path) -> None:
+    result = run_harness(tmp_path, PEER_SYSTEMS, "gpt")
+    skipped = result["meta"]["skipped"]
+    if set(PEER_SYSTEMS.split(",")) <= set(skipped):
+        pytest.skip("; ".join(sorted(set(skipped.values()))))
+    check_records(result, PEER_SYSTEMS, "gpt")
+    assert {"dcp-async-default", "dcp-async-cached", "dcp-async-bgstage"} <= {
+        r["system"] for r in result["records"]
+    }
