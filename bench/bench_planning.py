@@ -63,13 +63,15 @@ def simulate(ranks: int, tensors: int, rows: int = 4096, cols: int = 1024) -> fl
         for s in specs:
             results[(name, s.coords)] = (s.sizes[0] * cols * 4 + 4, 0)
     md = assemble_metadata(SavePlan(tensor_plans, {"step": {"int": "1"}}, {"d": []}), results, "bench")
+    assembled = time.perf_counter() - t0
     doc = root_document(md)
     elapsed = time.perf_counter() - t0
     nchunks = sum(len(t.specs) for t in tensor_plans)
     print(
-        f"{ranks:4d} ranks x {tensors:5d} tensors: {elapsed:6.3f} s  ({nchunks} chunks, metadata {len(doc) / 2**20:.1f} MiB)"
+        f"{ranks:4d} ranks x {tensors:5d} tensors: planning + metadata assembly {assembled:6.3f} s; "
+        f"with JSON encoding of the root document {elapsed:6.3f} s ({nchunks} chunks, {len(doc) / 2**20:.1f} MiB)"
     )
-    return elapsed
+    return assembled
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -144,6 +144,16 @@ def overlapping_chunks(
     yield from itertools.product(*ranges)
 
 
+def _box_chunks(grid: ChunkGrid, box: Box, starts: list[list[int]]) -> Iterable[tuple[int, ...]]:
+    """Chunks inside ``box`` (whose edges are grid edges); the common one-chunk case without a generator."""
+    first = tuple(bisect.bisect_right(st, o) - 1 for st, o in zip(starts, box[0], strict=True))
+    one = all(
+        i + 1 < len(st) and st[i + 1] == o + s or i + 1 == len(st) and o + s == n
+        for st, i, o, s, n in zip(starts, first, box[0], box[1], grid.shape, strict=True)
+    )
+    return (first,) if one and all(s > 0 for s in box[1]) else overlapping_chunks(grid, box, starts)
+
+
 def plan_global(
     locals_by_rank: Sequence[Sequence[LocalTensor]],
     *,
@@ -185,7 +195,7 @@ def plan_global(
             hs = holders[box]
             rank, idx = hs[0] if len(hs) == 1 else min(hs, key=lambda h: (load[h[0]], h[0]))
             load[rank] += math.prod(box[1]) * first.itemsize
-            for coords in overlapping_chunks(grid, box, starts):
+            for coords in _box_chunks(grid, box, starts):
                 if coords in plan.writers:
                     raise UnsupportedValueError(
                         f"tensor {fqn!r}: boxes overlap (around chunk {coords}); the ranks' ShardedArray "
