@@ -1,0 +1,38 @@
+"""PyTorch CPU tensors through DLPack (skipped where torch is not installed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import gpuckpt
+
+torch = pytest.importorskip("torch")
+
+
+def test_torch_cpu_tensors_round_trip_in_place(tmp_path: Path) -> None:
+    w = torch.randn(64, 32, requires_grad=True)
+    bf = torch.randn(40, 8).to(torch.bfloat16)
+    f8 = torch.randn(16).to(torch.float8_e4m3fn)
+    cl = torch.randn(4, 16, 5, 5).to(memory_format=torch.channels_last)
+    props = gpuckpt.TensorProperties.create_from_tensor(w)
+    assert props.requires_grad and props.dtype == np.float32
+    assert gpuckpt.TensorProperties.create_from_tensor(bf).dtype == ml_dtypes.bfloat16
+    assert gpuckpt.TensorProperties.create_from_tensor(cl).memory_format is gpuckpt.channels_last
+    gpuckpt.save({"w": w, "bf": bf, "f8": f8, "cl": cl}, tmp_path / "c")
+    back = gpuckpt.load_state_dict(tmp_path / "c")
+    assert back["bf"].dtype == ml_dtypes.bfloat16
+    assert np.array_equal(back["bf"].view(np.uint16), bf.view(torch.int16).numpy().view(np.uint16))
+    assert back["cl"].strides == tuple(s * 4 for s in cl.stride())
+    tgt = {
+        "w": torch.zeros(64, 32),
+        "bf": torch.zeros(40, 8, dtype=torch.bfloat16),
+        "cl": torch.zeros(4, 16, 5, 5).to(memory_format=torch.channels_last),
+        "f8": torch.zeros(16, dtype=torch.float8_e4m3fn),
+    }
+    gpuckpt.load(tgt, tmp_path / "c")
+    assert torch.equal(tgt["w"], w.detach()) and torch.equal(tgt["bf"], bf) and torch.equal(tgt["cl"], cl)
+    assert torch.equal(tgt["f8"].view(torch.uint8), f8.view(torch.uint8))
