@@ -161,15 +161,6 @@ def build_save_plan(
     return SavePlan(tensors, objects, skeleton)
 
 
-def rebind(plan: SavePlan, fqn: str, array: ArrayAdapter) -> None:
-    """Point tensor ``fqn`` of a single-process plan (and its jobs) at another array (a snapshot)."""
-    for t in plan.tensors:
-        if t.fqn == fqn:
-            t.array = array
-            for j in t.jobs:
-                j.source = array
-
-
 def _write_box(
     writer: CheckpointWriter, name: str, key: str, box: np.ndarray, stored: tuple[int, ...]
 ) -> tuple[int, int]:

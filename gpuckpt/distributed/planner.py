@@ -147,11 +147,9 @@ def overlapping_chunks(
 def _box_chunks(grid: ChunkGrid, box: Box, starts: list[list[int]]) -> Iterable[tuple[int, ...]]:
     """Chunks inside ``box`` (whose edges are grid edges); the common one-chunk case without a generator."""
     first = tuple(bisect.bisect_right(st, o) - 1 for st, o in zip(starts, box[0], strict=True))
-    one = all(
-        i + 1 < len(st) and st[i + 1] == o + s or i + 1 == len(st) and o + s == n
-        for st, i, o, s, n in zip(starts, first, box[0], box[1], grid.shape, strict=True)
-    )
-    return (first,) if one and all(s > 0 for s in box[1]) else overlapping_chunks(grid, box, starts)
+    ends = [(st[i + 1] if i + 1 < len(st) else n) for st, i, n in zip(starts, first, grid.shape, strict=True)]
+    one = all(s > 0 and o + s == e for o, s, e in zip(box[0], box[1], ends, strict=True))
+    return (first,) if one else overlapping_chunks(grid, box, starts)
 
 
 def plan_global(

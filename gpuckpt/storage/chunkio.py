@@ -25,12 +25,9 @@ __all__ = [
     "read_exact",
     "stored_nbytes",
     "write_all",
-    "write_zeros",
-    "zeros_crc",
 ]
 
 CRC_BYTES = 4
-_ZERO_BLOCK = bytes(1 << 20)
 
 
 def crc32c(data: Any, value: int = 0) -> int:
@@ -65,23 +62,6 @@ def write_all(fd: int, data: Any) -> None:
     while view.nbytes:
         n = os.write(fd, view)
         view = view[n:]
-
-
-def write_zeros(fd: int, n: int) -> None:
-    """Append ``n`` zero bytes to ``fd``."""
-    while n > 0:
-        k = min(n, len(_ZERO_BLOCK))
-        write_all(fd, memoryview(_ZERO_BLOCK)[:k])
-        n -= k
-
-
-def zeros_crc(value: int, n: int) -> int:
-    """Extend a CRC32C over ``n`` zero bytes."""
-    while n > 0:
-        k = min(n, len(_ZERO_BLOCK))
-        value = crc32c(memoryview(_ZERO_BLOCK)[:k], value)
-        n -= k
-    return value
 
 
 def read_exact(fd: int, dest: Any) -> int:
