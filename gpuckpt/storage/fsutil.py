@@ -13,6 +13,7 @@ from pathlib import Path
 __all__ = [
     "exchange",
     "fsync_dir",
+    "start_writeback",
     "pid_alive",
     "rename_noreplace",
     "rmtree_quiet",
@@ -58,6 +59,20 @@ def rename_noreplace(src: Path, dst: Path) -> None:
 def exchange(a: Path, b: Path) -> bool:
     """Atomically swap two paths; False where the system cannot."""
     return _renameat2(a, b, _RENAME_EXCHANGE)
+
+
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+def start_writeback(fd: int) -> None:
+    """Ask the kernel to start writing ``fd``'s dirty pages now, without waiting (Linux).
+
+    Writeback of earlier chunks then overlaps the writing of later ones, and
+    the durability barrier at the end has less left to do. A no-op elsewhere.
+    """
+    fn = getattr(_libc, "sync_file_range", None)
+    if fn is not None:
+        fn(fd, ctypes.c_int64(0), ctypes.c_int64(0), ctypes.c_uint(_SYNC_FILE_RANGE_WRITE))
 
 
 def fsync_dir(path: Path) -> None:

@@ -178,6 +178,8 @@ class LocalWriter(CheckpointWriter):
             write_all(fd, trailer())
             if self.sync == "file":
                 os.fsync(fd)
+            elif self.sync == "fs":
+                fsutil.start_writeback(fd)
         finally:
             os.close(fd)
 
