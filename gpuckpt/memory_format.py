@@ -28,6 +28,7 @@ __all__ = [
     "channels_last_3d",
     "contiguous_format",
     "detect_memory_format",
+    "is_dense_in_order",
     "memory_format_from_name",
     "physical_order",
     "preserve_format",
@@ -81,7 +82,7 @@ def physical_order(ndim: int, memory_format: MemoryFormat) -> tuple[int, ...]:
     return tuple(range(ndim))
 
 
-def _is_dense_in_order(
+def is_dense_in_order(
     shape: Sequence[int], strides: Sequence[int], itemsize: int, order: Sequence[int]
 ) -> bool:
     # Walk axes from innermost to outermost; size-1 axes may carry any stride,
@@ -110,10 +111,10 @@ def detect_memory_format(shape: Sequence[int], strides: Sequence[int], itemsize:
     ndim = len(shape)
     if any(s == 0 for s in shape):
         return contiguous_format
-    if _is_dense_in_order(shape, strides, itemsize, tuple(range(ndim))):
+    if is_dense_in_order(shape, strides, itemsize, tuple(range(ndim))):
         return contiguous_format
-    if ndim == 4 and _is_dense_in_order(shape, strides, itemsize, (0, 2, 3, 1)):
+    if ndim == 4 and is_dense_in_order(shape, strides, itemsize, physical_order(4, channels_last)):
         return channels_last
-    if ndim == 5 and _is_dense_in_order(shape, strides, itemsize, (0, 2, 3, 4, 1)):
+    if ndim == 5 and is_dense_in_order(shape, strides, itemsize, physical_order(5, channels_last_3d)):
         return channels_last_3d
     return preserve_format

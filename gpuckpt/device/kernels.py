@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gpuckpt import memory_format as mf
+
 __all__ = [
     "KERNEL_FILE",
     "BoxCopyPlan",
@@ -237,8 +239,8 @@ def is_channels_last(shape: Sequence[int], strides: Sequence[int], itemsize: int
         return False
     if 0 in shape:
         return True
-    expected = channels_last_strides(shape, itemsize)
-    return all(n == 1 or s == e for n, s, e in zip(shape, strides, expected, strict=True))
+    fmt = mf.channels_last if len(shape) == 4 else mf.channels_last_3d
+    return mf.is_dense_in_order(shape, strides, itemsize, mf.physical_order(len(shape), fmt))
 
 
 def check_channels_last(
