@@ -123,6 +123,11 @@ class ChunkGrid:
         """Every chunk in C order of grid coordinates; none if the tensor is empty."""
         if any(n == 0 for n in self.shape):
             return
+        if self.kind == "regular" and all(
+            c >= n for c, n in zip(self.chunk_shape, self.shape, strict=True)
+        ):  # one chunk: the common case of small tensors, without the general machinery
+            yield ChunkSpec((0,) * len(self.shape), (0,) * len(self.shape), self.shape)
+            return
         bounds = [self._axis_bounds(d) for d in range(len(self.shape))]
         for coords in itertools.product(*(range(len(b)) for b in bounds)):
             lo_hi = [bounds[d][i] for d, i in enumerate(coords)]

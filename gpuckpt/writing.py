@@ -13,6 +13,7 @@ is written last by :meth:`CheckpointWriter.commit`. Distributed saves
 from __future__ import annotations
 
 import errno
+import math
 import os
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -33,6 +34,7 @@ from gpuckpt.device.backend import (
 )
 from gpuckpt.errors import CheckpointWriteError, GpuckptError
 from gpuckpt.metadata import (
+    FORMAT_VERSION,
     BytesStorageMetadata,
     ChunkStorageMetadata,
     Metadata,
@@ -63,6 +65,11 @@ __all__ = [
 ]
 
 
+# host chunks are queued to the I/O threads in batches of about this many bytes or jobs
+_BATCH_BYTES = 1 << 20
+_BATCH_JOBS = 64
+
+
 def default_threads() -> int:
     """I/O threads: enough to overlap checksums, writes and fsyncs on small machines."""
     return max(2, min(8, (os.cpu_count() or 2) * 2))
@@ -85,7 +92,7 @@ class ChunkJob:
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.sizes, dtype=np.int64)) * self.source.dtype.itemsize
+        return math.prod(self.sizes) * self.source.dtype.itemsize
 
 
 @dataclass(slots=True)
@@ -104,7 +111,7 @@ class TensorPlan:
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 @dataclass(slots=True)
@@ -169,7 +176,7 @@ def _write_box(
         box = box.astype(box.dtype.newbyteorder("<"))
     if is_prefix_box(box.shape, stored):
         data = np.ascontiguousarray(box).reshape(-1).view(np.uint8)
-        pad = (int(np.prod(stored, dtype=np.int64)) - box.size) * box.dtype.itemsize
+        pad = (math.prod(stored) - box.size) * box.dtype.itemsize
         parts: list[Any] = [data, np.zeros(pad, np.uint8)] if pad else [data]
     else:
         parts = [padded_chunk(box, stored).reshape(-1).view(np.uint8)]
@@ -252,10 +259,12 @@ def write_chunks(
     with ThreadPoolExecutor(
         max_workers=threads or default_threads(), thread_name_prefix="gpuckpt-write"
     ) as io:
-        pending: list[Future[tuple[int, int]]] = []
+        pending: list[Future[list[tuple[int, int]]]] = []
+        batch: list[tuple[ChunkJob, bytes | None]] = []
+        batch_bytes = 0
 
         def submit(fn: Any, *args: Any) -> None:
-            def job() -> tuple[int, int]:
+            def job() -> list[tuple[int, int]]:
                 try:
                     return fn(*args)  # type: ignore[no-any-return]
                 except BaseException as exc:
@@ -264,10 +273,24 @@ def write_chunks(
 
             pending.append(io.submit(job))
 
+        def flush() -> None:
+            nonlocal batch, batch_bytes
+            if batch:
+                submit(_write_host_batch, writer, batch, counter)
+                batch, batch_bytes = [], 0
+
         for j in jobs:
             failure.check()
             src = j.source
-            if isinstance(src, DeviceArray):
+            if not isinstance(src, DeviceArray):
+                # small host chunks go to the I/O threads in batches: one task per
+                # chunk would cost more than writing a few KiB
+                batch.append((j, docs.pop(j.name, None)))
+                batch_bytes += j.nbytes
+                if batch_bytes >= _BATCH_BYTES or len(batch) >= _BATCH_JOBS:
+                    flush()
+            else:
+                flush()
                 pool = pools.get(id(src.backend))
                 if pool is None:
                     largest = max(k.nbytes for k in jobs if isinstance(k.source, DeviceArray))
@@ -281,30 +304,32 @@ def write_chunks(
                     pool.release(buf)
                     raise
                 submit(_write_staged_chunk, writer, j, buf, ticket, pool, counter, docs.pop(j.name, None))
-            else:
-                submit(_write_host_chunk, writer, j, counter, docs.pop(j.name, None))
+        flush()
         try:
-            return [f.result() for f in pending]
+            return [r for f in pending for r in f.result()]
         except BaseException:
             for f in pending:
                 f.cancel()
             raise
 
 
-def _write_host_chunk(
-    writer: CheckpointWriter, j: ChunkJob, counter: ProgressCounter, document: bytes | None = None
-) -> tuple[int, int]:
-    if document is not None:
-        writer.write_array_document(j.name, document)
-    host = j.source.host_array()
-    box = (
-        host[...]
-        if not j.sizes
-        else host[tuple(slice(o, o + s) for o, s in zip(j.offsets, j.sizes, strict=True))]
-    )
-    nbytes, crc = _write_box(writer, j.name, j.key, box, j.stored)
-    counter.add(j.nbytes)
-    return nbytes, crc
+def _write_host_batch(
+    writer: CheckpointWriter, batch: Sequence[tuple[ChunkJob, bytes | None]], counter: ProgressCounter
+) -> list[tuple[int, int]]:
+    """Write host chunks one after the other (with their array's document where given)."""
+    out = []
+    for j, document in batch:
+        if document is not None:
+            writer.write_array_document(j.name, document)
+        host = j.source.host_array()
+        box = (
+            host[...]
+            if not j.sizes
+            else host[tuple(slice(o, o + s) for o, s in zip(j.offsets, j.sizes, strict=True))]
+        )
+        out.append(_write_box(writer, j.name, j.key, box, j.stored))
+        counter.add(j.nbytes)
+    return out
 
 
 def _write_staged_chunk(
@@ -315,17 +340,17 @@ def _write_staged_chunk(
     pool: BufferPool,
     counter: ProgressCounter,
     document: bytes | None = None,
-) -> tuple[int, int]:
+) -> list[tuple[int, int]]:
     try:
         if document is not None:
             writer.write_array_document(j.name, document)
         ticket.wait()
         box = buf[: j.nbytes].view(j.source.dtype).reshape(j.sizes)
-        total, crc = _write_box(writer, j.name, j.key, box, j.stored)
+        result = _write_box(writer, j.name, j.key, box, j.stored)
     finally:
         pool.release(buf)
     counter.add(j.nbytes)
-    return total, crc
+    return [result]
 
 
 def assemble_metadata(
@@ -402,5 +427,5 @@ def execute_save(
         results = {(j.name, j.coords): r for j, r in zip(jobs, sizes, strict=True)}
         metadata = assemble_metadata(plan, results, checkpoint_id)
         writer.commit(root_document(metadata))
-    metadata.version = metadata.to_json_dict()["version"]
+    metadata.version = metadata.version or FORMAT_VERSION
     return metadata

@@ -20,6 +20,7 @@ bounded size), reused across saves and loads, never more than a byte budget.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 import weakref
@@ -123,7 +124,7 @@ class DeviceArray:
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+        return math.prod(self.shape) * self.dtype.itemsize
 
     def properties(self) -> Any:
         from gpuckpt.metadata import TensorProperties

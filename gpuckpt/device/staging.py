@@ -14,6 +14,7 @@ memory here; page-locked memory in the GPU adapter).
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -75,7 +76,7 @@ class StagingArena:
         """An array of logical ``shape`` whose memory follows the axis ``order`` (outermost first)."""
         dt = np.dtype(dtype)
         physical = tuple(shape[a] for a in order)
-        raw = self.take(int(np.prod(physical, dtype=np.int64)) * dt.itemsize)
+        raw = self.take(math.prod(physical) * dt.itemsize)
         arr: np.ndarray = raw.view(dt).reshape(physical)
         return arr.transpose([order.index(a) for a in range(len(shape))])
 

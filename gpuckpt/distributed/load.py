@@ -11,6 +11,7 @@ read.
 
 from __future__ import annotations
 
+import math
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -62,9 +63,7 @@ def read_boxes(
     progress: ProgressCallback | None = None,
 ) -> None:
     """Fill every ``(adapter, box)`` of ``requests`` from the stored chunks that overlap it."""
-    total = sum(
-        int(np.prod(b[1], dtype=np.int64)) * t.dtype.itemsize for t, boxes in requests for _, b in boxes
-    )
+    total = sum(math.prod(b[1]) * t.dtype.itemsize for t, boxes in requests for _, b in boxes)
     counter = ProgressCounter(progress, total)
     jobs: list[tuple[TensorEntry, ChunkRead, list[tuple[Any, Box]]]] = []
     for t, boxes in requests:

@@ -15,6 +15,7 @@ directory or prefix without it is not a checkpoint.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from typing import Any
@@ -41,6 +42,7 @@ ATTRIBUTE = "gpuckpt"
 _CHUNK_KEY_RE = re.compile(r"^c(\.(0|[1-9][0-9]{0,17}))*$")
 
 
+@functools.lru_cache(maxsize=4096)
 def chunk_file_key(coords: tuple[int, ...]) -> str:
     """File name of a chunk inside its array directory (``c.0.1``; ``c`` for 0-d)."""
     return "c." + ".".join(map(str, coords)) if coords else "c"

@@ -38,6 +38,8 @@ _TMP_TAG = ".gpuckpt-tmp-"
 _OLD_TAG = ".gpuckpt-old-"
 _MANY_FILES = 64
 _PIECE = 1 << 20
+_WRITEBACK_MIN = 1 << 20
+_CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
 
 
 def is_committed(path: Path) -> bool:
@@ -136,9 +138,11 @@ class LocalWriter(CheckpointWriter):
         os.mkdir(self.tmp)
         self._dirs.append(self.tmp)
 
+    def _create(self, rel: str) -> int:
+        return os.open(f"{self.tmp}/{rel}", _CREATE_FLAGS, 0o644)
+
     def _write_file(self, rel: str, parts: Sequence[Any]) -> None:
-        target = self.tmp / rel
-        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+        fd = self._create(rel)
         try:
             for p in parts:
                 write_all(fd, p)
@@ -148,9 +152,10 @@ class LocalWriter(CheckpointWriter):
             os.close(fd)
 
     def write_array_document(self, name: str, document: bytes) -> None:
-        d = self.tmp / name
+        d = f"{self.tmp}/{name}"
         os.mkdir(d)
-        self._dirs.append(d)
+        if self.sync == "file":
+            self._dirs.append(Path(d))
         self._write_file(f"{name}/zarr.json", [document])
 
     def write_chunk(self, name: str, key: str, parts: Sequence[Any]) -> None:
@@ -165,12 +170,12 @@ class LocalWriter(CheckpointWriter):
         trailer: Callable[[], bytes],
     ) -> None:
         # checksum and write in pieces that are still in the CPU cache
-        fd = os.open(
-            self.tmp / name / key, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644
-        )
+        fd = self._create(f"{name}/{key}")
         try:
+            total = 0
             for p in parts:
                 view = memoryview(p).cast("B")
+                total += view.nbytes
                 for i in range(0, view.nbytes, _PIECE):
                     piece = view[i : i + _PIECE]
                     digest(piece)
@@ -178,7 +183,9 @@ class LocalWriter(CheckpointWriter):
             write_all(fd, trailer())
             if self.sync == "file":
                 os.fsync(fd)
-            elif self.sync == "fs":
+            elif self.sync == "fs" and total >= _WRITEBACK_MIN:
+                # large files start their writeback now, so that the final syncfs
+                # waits for less; for small ones the extra call costs more than it saves
                 fsutil.start_writeback(fd)
         finally:
             os.close(fd)
@@ -188,16 +195,19 @@ class LocalWriter(CheckpointWriter):
             return
         if self.sync == "fs" and fsutil.syncfs(self.tmp):
             return
+        dirs = list(self._dirs)
         if self.sync == "fs":
             # no syncfs here: files were not fsynced as they were written
             for root, _dirs, files in os.walk(self.tmp):
+                if root != os.fspath(self.tmp):
+                    dirs.append(Path(root))
                 for f in files:
                     fd = os.open(os.path.join(root, f), os.O_RDONLY)
                     try:
                         os.fsync(fd)
                     finally:
                         os.close(fd)
-        for d in reversed(self._dirs):
+        for d in reversed(dirs):
             fsutil.fsync_dir(d)
 
     def commit(self, root_document: bytes) -> None:

@@ -37,7 +37,9 @@ def assert_holds(path: Path, seed: int, mib: float = 1.0) -> None:
 
 
 def assert_clean_failure(exc: BaseException, err: int, parent: Path) -> None:
-    assert isinstance(exc, gpuckpt.CheckpointWriteError), f"expected CheckpointWriteError, got {type(exc).__name__}: {exc}"
+    assert isinstance(exc, gpuckpt.CheckpointWriteError), (
+        f"expected CheckpointWriteError, got {type(exc).__name__}: {exc}"
+    )
     assert isinstance(exc, OSError) and exc.errno == err, exc
     assert "nothing was published" in str(exc) and str(parent) in str(exc), exc
     assert os.strerror(err) in str(exc), f"the message does not say what failed: {exc}"
