@@ -37,9 +37,8 @@ __all__ = ["SaveFuture", "async_save", "wait_all"]
 _lock = threading.Lock()
 _executors: dict[int, ThreadPoolExecutor] = {}
 _pools: dict[int, ArenaPool] = {}
-_copy_threads = ThreadPoolExecutor(
-    max_workers=max(1, min(4, os.cpu_count() or 1)), thread_name_prefix="gpuckpt-snap"
-)
+_COPY_THREADS = max(1, min(4, os.cpu_count() or 1))
+_copy_threads = ThreadPoolExecutor(max_workers=_COPY_THREADS, thread_name_prefix="gpuckpt-snap")
 _SLAB = 32 << 20
 
 
@@ -106,6 +105,33 @@ def _copy_slabs(dst: np.ndarray, src: np.ndarray) -> list[tuple[np.ndarray, np.n
     return [(dst[i : i + rows], src[i : i + rows]) for i in range(0, dst.shape[0], rows)]
 
 
+def _copy_all(copies: list[tuple[np.ndarray, np.ndarray]]) -> None:
+    for d, s in copies:
+        np.copyto(d, s)
+
+
+def _run_copies(copies: list[tuple[np.ndarray, np.ndarray]]) -> None:
+    """Run the copies on the copy threads, in about equal byte batches (one task per
+    thread and slab, not per tensor: thousands of small tensors would otherwise pay
+    more for the tasks than for the copies)."""
+    total = sum(d.nbytes for d, _ in copies)
+    if len(copies) <= 1 or total <= _SLAB:
+        _copy_all(copies)
+        return
+    per = max(_SLAB, total // (2 * _COPY_THREADS))
+    batches: list[list[tuple[np.ndarray, np.ndarray]]] = [[]]
+    size = 0
+    for c in copies:
+        if size >= per:
+            batches.append([])
+            size = 0
+        batches[-1].append(c)
+        size += c[0].nbytes
+    # NumPy releases the GIL for plain copies: batches copy in parallel
+    for f in [_copy_threads.submit(_copy_all, b) for b in batches]:
+        f.result()
+
+
 def _rebind(t: TensorPlan, array: Any) -> None:
     t.array = array
     for j in t.jobs:
@@ -140,12 +166,7 @@ def snapshot(plan: SavePlan, arena: StagingArena) -> None:
         else:
             copies.extend(_copy_slabs(dst, src.host_array()))
         _rebind(t, HostArray(dst, requires_grad=t.properties.requires_grad, pinned=t.properties.pin_memory))
-    if len(copies) == 1:
-        np.copyto(*copies[0])
-    elif copies:
-        # NumPy releases the GIL for plain copies: slabs copy in parallel
-        for f in [_copy_threads.submit(np.copyto, d, s) for d, s in copies]:
-            f.result()
+    _run_copies(copies)
     for ticket in tickets:
         ticket.wait()
 

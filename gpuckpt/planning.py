@@ -123,11 +123,6 @@ class ChunkGrid:
         """Every chunk in C order of grid coordinates; none if the tensor is empty."""
         if any(n == 0 for n in self.shape):
             return
-        if self.kind == "regular" and all(
-            c >= n for c, n in zip(self.chunk_shape, self.shape, strict=True)
-        ):  # one chunk: the common case of small tensors, without the general machinery
-            yield ChunkSpec((0,) * len(self.shape), (0,) * len(self.shape), self.shape)
-            return
         bounds = [self._axis_bounds(d) for d in range(len(self.shape))]
         for coords in itertools.product(*(range(len(b)) for b in bounds)):
             lo_hi = [bounds[d][i] for d, i in enumerate(coords)]
@@ -136,6 +131,17 @@ class ChunkGrid:
                 offsets=tuple(lo for lo, _ in lo_hi),
                 sizes=tuple(hi - lo for lo, hi in lo_hi),
             )
+
+    def chunk_list(self) -> list[ChunkSpec]:
+        """:meth:`chunks` as a list; cheap for a one-chunk grid, the common case of small tensors."""
+        if (
+            self.kind == "regular"
+            and 0 not in self.shape
+            and all(c >= n for c, n in zip(self.chunk_shape, self.shape, strict=True))
+        ):
+            zero = (0,) * len(self.shape)
+            return [ChunkSpec(zero, zero, self.shape)]
+        return list(self.chunks())
 
     def to_zarr_json(self) -> dict[str, object]:
         """The ``chunk_grid`` member of the array's ``zarr.json``."""
@@ -188,7 +194,7 @@ def plan_regular_grid(
     >>> plan_regular_grid((1000, 1024), 4, 1 << 20).chunk_shape
     (250, 1024)
     """
-    shape = tuple(int(s) for s in shape)
+    shape = tuple(map(int, shape))
     if itemsize < 1 or target_bytes < 1:
         raise ValueError(f"itemsize ({itemsize}) and target_bytes ({target_bytes}) must be positive")
     ndim = len(shape)

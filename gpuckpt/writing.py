@@ -148,7 +148,7 @@ def build_save_plan(
         if is_array(leaf.value):
             arr = adapt(leaf.value)
             grid = plan_regular_grid(arr.shape, arr.dtype.itemsize, chunk_bytes)
-            specs = list(grid.chunks())
+            specs = grid.chunk_list()
             name = encode_name(fqn)
             tensors.append(
                 TensorPlan(

@@ -50,14 +50,21 @@ def import_cupy() -> Any:
 
 
 @functools.cache
-def gpu_available() -> bool:
-    """True when CuPy imports and at least one CUDA device answers."""
+@functools.cache
+def _device_count() -> int:
+    # asked once per process: a failed import is not cached by Python, and
+    # this is asked for every array of a save
     try:
         import cupy
 
-        return int(cupy.cuda.runtime.getDeviceCount()) > 0
+        return int(cupy.cuda.runtime.getDeviceCount())
     except Exception:  # ImportError, CUDARuntimeError (no driver), ...
-        return False
+        return 0
+
+
+def gpu_available() -> bool:
+    """True when CuPy imports and at least one CUDA device answers."""
+    return _device_count() > 0
 
 
 def is_pinned_pointer(ptr: int) -> bool:

@@ -165,7 +165,7 @@ def distributed_save(
         for gp in plans:
             name = encode_name(gp.fqn)
             grid = gp.grid
-            specs = list(grid.chunks())
+            specs = grid.chunk_list()
             props = TensorProperties.from_json(gp.properties)
             tensor_plans.append(
                 TensorPlan(gp.fqn, name, gp.global_shape, dtype_from_name(gp.dtype), grid, props, specs)

@@ -32,6 +32,23 @@ def test_async_save_snapshots_before_returning(tmp_path: Path) -> None:
     assert back["cfg"] == {"lr": 0.1}
 
 
+def test_snapshot_of_many_tensors_in_batches(tmp_path: Path) -> None:
+    # more than one copy slab in total: the copies run in batches on the copy
+    # threads; every tensor must be copied before async_save returns
+    rng = np.random.default_rng(3)
+    state = {f"t{i}": rng.standard_normal(int(rng.integers(1000, 16_000))) for i in range(700)}
+    state["big"] = rng.standard_normal(5_000_000)  # 40 MB: split into slabs itself
+    want = {k: v.copy() for k, v in state.items()}
+    assert sum(v.nbytes for v in state.values()) > 64 << 20
+    fut = gpuckpt.async_save(state, tmp_path / "c")
+    for v in state.values():
+        v[...] = np.nan
+    fut.result(timeout=120)
+    back = gpuckpt.load_state_dict(tmp_path / "c")
+    for k, v in want.items():
+        np.testing.assert_array_equal(back[k], v)
+
+
 def test_back_to_back_saves_queue_in_order(tmp_path: Path) -> None:
     x = np.zeros(100_000)
     futs = []

@@ -95,3 +95,13 @@ def test_prefix_box() -> None:
     assert not is_prefix_box((3, 4), (4, 5))
     assert is_prefix_box((1, 1, 3), (1, 1, 8))
     assert is_prefix_box((), ())
+
+
+@given(
+    shape=st.lists(st.integers(0, 6), min_size=0, max_size=4),
+    chunk=st.lists(st.integers(1, 7), min_size=4, max_size=4),
+)
+def test_chunk_list_equals_chunks(shape, chunk):
+    # the one-chunk shortcut of chunk_list gives what the general enumeration gives
+    g = ChunkGrid.regular(shape, chunk[: len(shape)])
+    assert g.chunk_list() == list(g.chunks())
