@@ -10,6 +10,9 @@ gpuckpt is measured durable (its default ``sync="auto"``): ``save`` of the state
 and ``load`` in place into preallocated arrays (page cache warm). Each round runs
 A B C ... in turn; medians, min and max over rounds are reported, with ratios to the
 best raw baseline. Absolute numbers on a shared machine mean little; ratios do.
+Every save starts after an ``os.sync()``, and outputs with many files are set
+aside and deleted between states (``bench.compare.common.set_aside``), so that no
+system pays for the previous one's dirty data or deletions.
 
 Usage: ``python bench/bench_host.py [--rounds 5] [--layers 24] [--small 10000] [--dir DIR] [--json OUT]``
 """
@@ -31,7 +34,10 @@ from typing import Any
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository, for bench.compare
+
 import gpuckpt
+from bench.compare.common import empty_trash, set_aside
 from gpuckpt.device.arrays import is_array
 from gpuckpt.state import flatten_state_dict
 from gpuckpt.testing.rawio import (
@@ -61,15 +67,18 @@ def bench_state(label: str, sd: dict[str, Any], rounds: int, base: Path) -> dict
         "gpuckpt": (lambda p: gpuckpt.save(sd, p) and None, lambda p: gpuckpt.load(target_sd, p)),
     }
     times: dict[str, dict[str, list[float]]] = {k: {"save": [], "load": []} for k in systems}
+    trash = base / ".trash"
     for r in range(rounds + 1):  # round 0 is a warm-up
         for name, (save, load) in systems.items():
             p = base / f"{label}-{name}-{r}"
+            os.sync()  # nothing dirty from the previous system is flushed on this one's time
             ts = timed(lambda: save(p))
             tl = timed(lambda: load(p))
             if r > 0:
                 times[name]["save"].append(ts)
                 times[name]["load"].append(tl)
-            shutil.rmtree(p)
+            set_aside(p, trash)
+    empty_trash(trash)
     # the loads really happened: gpuckpt's target equals the source
     for a, b in zip(tensors_of(sd), tensors_of(target_sd), strict=True):
         assert a.tobytes() == b.tobytes()

@@ -23,6 +23,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from bench.compare.common import empty_trash
+
 REPO = Path(__file__).resolve().parents[2]
 PEER_HOME = Path(os.environ.get("GPUCKPT_PEERS", "/tmp/gpuckpt-peers"))
 PEER_PYTHON = PEER_HOME / "py311" / "bin" / "python"
@@ -124,10 +126,22 @@ def probe(systems: list[System]) -> tuple[list[System], dict[str, str]]:
 
 
 def run_one(s: System, state: str, rnd: int, workdir: Path, quick: bool, seed: int) -> list[dict[str, Any]]:
-    """One fresh measurement process; its result records (an error record if it failed)."""
+    """One fresh measurement process; its result records (an error record if it failed).
+
+    Outputs with many files go to ``workdir/.trash`` and are deleted between
+    states (see :func:`gpuckpt.testing.rawio.set_aside`)."""
     ops = s.ops
     cmd = [interpreter(s.env), "-m", "bench.compare.runner", s.name, "--state", state, "--ops", ops]
-    cmd += ["--dir", str(workdir), "--round", str(rnd), "--seed", str(seed)]
+    cmd += [
+        "--dir",
+        str(workdir),
+        "--round",
+        str(rnd),
+        "--seed",
+        str(seed),
+        "--trash",
+        str(workdir / ".trash"),
+    ]
     if quick:
         cmd.append("--quick")
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -313,6 +327,7 @@ def main(argv: list[str] | None = None) -> int:
                             records.append(r)
                             f.write(json.dumps(r) + "\n")
                             f.flush()
+                empty_trash(base / ".trash", settle_s=1.0 if args.quick else 61.0)
     finally:
         shutil.rmtree(base, ignore_errors=True)
     meta["load_after"] = loadavg()

@@ -29,11 +29,11 @@ import argparse
 import importlib
 import os
 import re
-import shutil
 import subprocess
 import sys
 import time
 import traceback
+from pathlib import Path
 from typing import Any
 
 from bench.compare.common import (
@@ -45,6 +45,7 @@ from bench.compare.common import (
     peak_rss,
     reset_peak,
     rss,
+    set_aside,
     state_bytes,
     tree_files,
 )
@@ -158,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--round", type=int, default=0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--trash", help="move outputs with many files here instead of deleting them")
     args = ap.parse_args(argv)
     ops = [o for o in args.ops.split(",") if o]
     state = build_state(args.state, quick=args.quick, seed=args.seed)
@@ -199,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
                 traceback.print_exc()
             emit(rec)
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        set_aside(Path(work), Path(args.trash) if args.trash else None)
     return 0
 
 
