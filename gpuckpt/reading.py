@@ -39,7 +39,7 @@ from gpuckpt.storage.base import CheckpointReader
 from gpuckpt.storage.chunkio import CRC_BYTES, crc32c, is_prefix_box, stored_nbytes
 from gpuckpt.storage.layout import chunk_file_key, is_chunk_file_key
 from gpuckpt.storage.names import is_safe_name
-from gpuckpt.writing import default_threads
+from gpuckpt.writing import IO_BATCH_BYTES, IO_BATCH_JOBS, default_threads
 
 __all__ = ["ChunkRead", "TensorEntry", "check_chunk_files", "read_tensors", "validate_metadata"]
 
@@ -130,7 +130,7 @@ def validate_metadata(md: Metadata) -> tuple[dict[str, TensorEntry], dict[str, A
         if expected_n != len(entry.chunks):
             raise _bad(fqn, f"{len(entry.chunks)} chunks listed, the grid has {expected_n}")
         chunks: list[ChunkRead] = []
-        for i, (spec, cmeta, raw) in enumerate(zip(grid.chunks(), entry.chunks, raw_chunks, strict=True)):
+        for i, (spec, cmeta, raw) in enumerate(zip(grid.chunk_list(), entry.chunks, raw_chunks, strict=True)):
             if tuple(cmeta.offsets) != spec.offsets or tuple(cmeta.sizes) != spec.sizes:
                 raise _bad(fqn, f"chunk {i} box {cmeta} does not match the grid {spec}")
             if not isinstance(raw, dict):
@@ -222,6 +222,15 @@ def _read_chunk(
     counter.add(box.nbytes)
 
 
+def _read_host_batch(
+    reader: CheckpointReader,
+    batch: list[tuple[TensorEntry, ChunkRead, np.ndarray]],
+    counter: ProgressCounter,
+) -> None:
+    for t, c, dest in batch:
+        _read_chunk(reader, t, c, dest, counter)
+
+
 def _read_chunk_to_device(
     reader: CheckpointReader,
     t: TensorEntry,
@@ -267,6 +276,8 @@ def read_tensors(
     """
     counter = ProgressCounter(progress, sum(t.nbytes for t, _ in targets))
     jobs: list[tuple[Any, ...]] = []
+    batch: list[tuple[TensorEntry, ChunkRead, np.ndarray]] = []
+    batch_bytes = 0
     for t, dest in targets:
         if isinstance(dest, DeviceArray):
             if not t.chunks:
@@ -274,8 +285,16 @@ def read_tensors(
             largest = max(c.nbytes for c in t.chunks) - CRC_BYTES
             pool = buffer_pool(dest.backend, staging_buffer_bytes(largest), staging_bytes)
             jobs.extend((_read_chunk_to_device, reader, t, c, dest, pool, counter) for c in t.chunks)
-        else:
-            jobs.extend((_read_chunk, reader, t, c, dest, counter) for c in t.chunks)
+            continue
+        for c in t.chunks:
+            # small host chunks go to the I/O threads in batches, as on save
+            batch.append((t, c, dest))
+            batch_bytes += c.nbytes
+            if batch_bytes >= IO_BATCH_BYTES or len(batch) >= IO_BATCH_JOBS:
+                jobs.append((_read_host_batch, reader, batch, counter))
+                batch, batch_bytes = [], 0
+    if batch:
+        jobs.append((_read_host_batch, reader, batch, counter))
     if not jobs:
         return
     if len(jobs) == 1:

@@ -52,6 +52,8 @@ from gpuckpt.storage.names import encode_name
 from gpuckpt.storage.objects import encode_object
 
 __all__ = [
+    "IO_BATCH_BYTES",
+    "IO_BATCH_JOBS",
     "ChunkJob",
     "SavePlan",
     "TensorPlan",
@@ -65,9 +67,9 @@ __all__ = [
 ]
 
 
-# host chunks are queued to the I/O threads in batches of about this many bytes or jobs
-_BATCH_BYTES = 1 << 20
-_BATCH_JOBS = 64
+#: host chunks go to the I/O threads in batches of about this many bytes or chunks
+IO_BATCH_BYTES = 1 << 20
+IO_BATCH_JOBS = 64
 
 
 def default_threads() -> int:
@@ -287,7 +289,7 @@ def write_chunks(
                 # chunk would cost more than writing a few KiB
                 batch.append((j, docs.pop(j.name, None)))
                 batch_bytes += j.nbytes
-                if batch_bytes >= _BATCH_BYTES or len(batch) >= _BATCH_JOBS:
+                if batch_bytes >= IO_BATCH_BYTES or len(batch) >= IO_BATCH_JOBS:
                     flush()
             else:
                 flush()

@@ -76,6 +76,38 @@ def read_exact(fd: int, dest: Any) -> int:
     return total
 
 
+def _advance(views: list[memoryview], n: int) -> list[memoryview]:
+    """``views`` without their first ``n`` bytes."""
+    while views and n >= views[0].nbytes:
+        n -= views[0].nbytes
+        views = views[1:]
+    if views and n:
+        views = [views[0][n:], *views[1:]]
+    return views
+
+
+def writev_all(fd: int, buffers: Sequence[Any]) -> None:
+    """Write every byte of ``buffers``, in order, with as few system calls as possible."""
+    views = [memoryview(b).cast("B") for b in buffers]
+    views = [v for v in views if v.nbytes]
+    while views:
+        views = _advance(views, os.writev(fd, views))
+
+
+def readv_exact(fd: int, buffers: Sequence[Any]) -> int:
+    """Fill ``buffers`` in order from ``fd``; returns the number of bytes read (short at EOF)."""
+    views = [memoryview(b).cast("B") for b in buffers]
+    total = 0
+    views = [v for v in views if v.nbytes]
+    while views:
+        n = os.readv(fd, views)
+        if n == 0:
+            break
+        total += n
+        views = _advance(views, n)
+    return total
+
+
 def stored_nbytes(stored: Sequence[int], itemsize: int) -> int:
     """Size in bytes of a stored chunk file, checksum included."""
     return math.prod(stored) * itemsize + CRC_BYTES

@@ -28,7 +28,7 @@ from gpuckpt.errors import (
 )
 from gpuckpt.storage import fsutil
 from gpuckpt.storage.base import CheckpointReader, CheckpointWriter
-from gpuckpt.storage.chunkio import read_exact, write_all
+from gpuckpt.storage.chunkio import read_exact, readv_exact, write_all, writev_all
 from gpuckpt.storage.layout import ROOT_KEY
 
 __all__ = ["LocalReader", "LocalWriter", "SYNC_MODES", "cleanup_stale_temporaries", "is_committed"]
@@ -173,14 +173,20 @@ class LocalWriter(CheckpointWriter):
         fd = self._create(f"{name}/{key}")
         try:
             total = 0
-            for p in parts:
-                view = memoryview(p).cast("B")
-                total += view.nbytes
-                for i in range(0, view.nbytes, _PIECE):
-                    piece = view[i : i + _PIECE]
-                    digest(piece)
-                    write_all(fd, piece)
-            write_all(fd, trailer())
+            if len(parts) == 1 and memoryview(parts[0]).nbytes <= _PIECE:
+                # a small chunk: one system call for its bytes and its checksum
+                digest(parts[0])
+                writev_all(fd, [parts[0], trailer()])
+                total = memoryview(parts[0]).nbytes
+            else:
+                for p in parts:
+                    view = memoryview(p).cast("B")
+                    total += view.nbytes
+                    for i in range(0, view.nbytes, _PIECE):
+                        piece = view[i : i + _PIECE]
+                        digest(piece)
+                        write_all(fd, piece)
+                write_all(fd, trailer())
             if self.sync == "file":
                 os.fsync(fd)
             elif self.sync == "fs" and total >= _WRITEBACK_MIN:
@@ -336,6 +342,12 @@ class LocalReader(CheckpointReader):
         # read and checksum in pieces that are still in the CPU cache
         fd = self._open_chunk(name, key)
         try:
+            if len(dests) == 2 and memoryview(dests[0]).nbytes <= _PIECE:
+                # a small chunk: one system call for its bytes and its checksum
+                total = readv_exact(fd, dests)
+                if total >= memoryview(dests[0]).nbytes:
+                    digest(dests[0])
+                return total
             total = 0
             for d in dests[:-1]:
                 view = memoryview(d).cast("B")
