@@ -68,6 +68,7 @@ def bench_state(label: str, sd: dict[str, Any], rounds: int, base: Path) -> dict
     }
     times: dict[str, dict[str, list[float]]] = {k: {"save": [], "load": []} for k in systems}
     trash = base / ".trash"
+    empty_trash(trash)  # start on a settled file system
     for r in range(rounds + 1):  # round 0 is a warm-up
         for name, (save, load) in systems.items():
             p = base / f"{label}-{name}-{r}"
@@ -78,7 +79,7 @@ def bench_state(label: str, sd: dict[str, Any], rounds: int, base: Path) -> dict
                 times[name]["save"].append(ts)
                 times[name]["load"].append(tl)
             set_aside(p, trash)
-    empty_trash(trash)
+    shutil.rmtree(trash, ignore_errors=True)
     # the loads really happened: gpuckpt's target equals the source
     for a, b in zip(tensors_of(sd), tensors_of(target_sd), strict=True):
         assert a.tobytes() == b.tobytes()

@@ -278,10 +278,12 @@ def set_aside(path: Path, trash: Path | None) -> None:
 
 
 def empty_trash(trash: Path, settle_s: float = 61.0) -> None:
-    """Delete what :func:`set_aside` moved into ``trash``, sync, and wait ``settle_s``
-    so that the freed inodes no longer slow down the next file creations."""
-    if not trash.is_dir():
-        return
+    """Delete what :func:`set_aside` moved into ``trash``, sync, and wait ``settle_s``.
+
+    Called between states: the wait lets every inode freed so far (by this
+    and by the outputs deleted directly) age out of the window in which it
+    slows down new creations, so the next state starts on a settled file system.
+    """
     shutil.rmtree(trash, ignore_errors=True)
     os.sync()
     time.sleep(settle_s)

@@ -317,6 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with jsonl.open("w") as f:
             for state in states:
+                empty_trash(base / ".trash", settle_s=1.0 if args.quick else 61.0)  # a settled start
                 for rnd in range(warmup + rounds):
                     print(f"{state} round {rnd}{' (warm-up)' if rnd < warmup else ''}", file=sys.stderr)
                     for s in systems:
@@ -327,7 +328,6 @@ def main(argv: list[str] | None = None) -> int:
                             records.append(r)
                             f.write(json.dumps(r) + "\n")
                             f.flush()
-                empty_trash(base / ".trash", settle_s=1.0 if args.quick else 61.0)
     finally:
         shutil.rmtree(base, ignore_errors=True)
     meta["load_after"] = loadavg()
