@@ -10,9 +10,10 @@ gpuckpt is measured durable (its default ``sync="auto"``): ``save`` of the state
 and ``load`` in place into preallocated arrays (page cache warm). Each round runs
 A B C ... in turn; medians, min and max over rounds are reported, with ratios to the
 best raw baseline. Absolute numbers on a shared machine mean little; ratios do.
-Every save starts after an ``os.sync()``, and outputs with many files are set
-aside and deleted between states (``bench.compare.common.set_aside``), so that no
-system pays for the previous one's dirty data or deletions.
+Every save starts after an ``os.sync()``; the run starts on a settled file
+system (``--settle``), measures the state with many small files first, and sets
+outputs with many files aside until the end (``bench.compare.common.set_aside``),
+so that no system pays for another's dirty data or deleted files.
 
 Usage: ``python bench/bench_host.py [--rounds 5] [--layers 24] [--small 10000] [--dir DIR] [--json OUT]``
 """
@@ -37,7 +38,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository, for bench.compare
 
 import gpuckpt
-from bench.compare.common import empty_trash, set_aside
+from bench.compare.common import SETTLE_S, set_aside, settle
 from gpuckpt.device.arrays import is_array
 from gpuckpt.state import flatten_state_dict
 from gpuckpt.testing.rawio import (
@@ -68,7 +69,6 @@ def bench_state(label: str, sd: dict[str, Any], rounds: int, base: Path) -> dict
     }
     times: dict[str, dict[str, list[float]]] = {k: {"save": [], "load": []} for k in systems}
     trash = base / ".trash"
-    empty_trash(trash)  # start on a settled file system
     for r in range(rounds + 1):  # round 0 is a warm-up
         for name, (save, load) in systems.items():
             p = base / f"{label}-{name}-{r}"
@@ -79,7 +79,6 @@ def bench_state(label: str, sd: dict[str, Any], rounds: int, base: Path) -> dict
                 times[name]["save"].append(ts)
                 times[name]["load"].append(tl)
             set_aside(p, trash)
-    shutil.rmtree(trash, ignore_errors=True)
     # the loads really happened: gpuckpt's target equals the source
     for a, b in zip(tensors_of(sd), tensors_of(target_sd), strict=True):
         assert a.tobytes() == b.tobytes()
@@ -128,6 +127,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--dir", help="directory on the file system to measure (default: a temp dir)")
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument(
+        "--settle",
+        type=float,
+        default=SETTLE_S,
+        help="seconds to wait after a sync before measuring, for files deleted earlier to stop "
+        "slowing down file creation (see bench.compare.common.SETTLE_S)",
+    )
     args = ap.parse_args(argv)
     base = Path(tempfile.mkdtemp(prefix="gpuckpt-bench-", dir=args.dir))
     rng = np.random.default_rng(0)
@@ -138,14 +144,16 @@ def main(argv: list[str] | None = None) -> int:
         "runs": [],
     }
     try:
-        if args.layers:
-            sd = gpt_state_dict(rng, layers=args.layers, dtype=args.dtype)
-            results["runs"].append(bench_state(f"gpt-{args.layers}L-{args.dtype}", sd, args.rounds, base))
-            print_table(results["runs"][-1])
-            del sd
+        settle(base / ".trash", args.settle)
+        # the state that creates many files first, before any deletion of this run
         if args.small:
             sd = small_tensors_state_dict(rng, args.small)
             results["runs"].append(bench_state(f"small-{args.small}", sd, args.rounds, base))
+            print_table(results["runs"][-1])
+            del sd
+        if args.layers:
+            sd = gpt_state_dict(rng, layers=args.layers, dtype=args.dtype)
+            results["runs"].append(bench_state(f"gpt-{args.layers}L-{args.dtype}", sd, args.rounds, base))
             print_table(results["runs"][-1])
     finally:
         shutil.rmtree(base, ignore_errors=True)

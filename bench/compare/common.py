@@ -257,17 +257,23 @@ def _count_entries(path: Path, limit: int) -> int:
     return n
 
 
-def set_aside(path: Path, trash: Path | None) -> None:
-    """Remove a benchmark output without charging the next measurement for it.
+#: seconds after which freed inodes no longer slow down creations: ext4 without
+#: a journal skips inodes freed in the last 60 s, or 360 s while their inode
+#: table block is dirty (which new creations in the same block make it)
+SETTLE_S = 361.0
 
-    Deleting tens of thousands of files makes the next file creations slow for
-    a minute or more on some file systems (ext4 without a journal checks, one
-    by one, inodes freed in the last minute before reusing them: here about
-    0.5 ms per create after 30,000 deletions, against 0.03 ms otherwise). A
-    tree with more than :data:`MANY_FILES` entries is therefore moved into
-    ``trash`` (one rename) and deleted between states by :func:`empty_trash`;
-    other trees are deleted now. Either way the change is synced out before
-    the next measurement starts.
+
+def set_aside(path: Path, trash: Path | None) -> None:
+    """Remove a benchmark output without charging later measurements for it.
+
+    Deleting tens of thousands of files makes later file creations slow for
+    minutes on some file systems (ext4 without a journal checks, one by one,
+    recently freed inodes before reusing one: here creating 30,000 files and
+    directories took 1 s on a settled file system and 3-7 s in the minutes
+    after deleting as many). A tree with more than :data:`MANY_FILES` entries
+    is therefore moved into ``trash`` (one rename), to be deleted at the end
+    of the run; smaller trees are deleted now. Either way the change is
+    synced out before the next measurement starts.
     """
     if trash is not None and _count_entries(path, MANY_FILES) > MANY_FILES:
         trash.mkdir(parents=True, exist_ok=True)
@@ -277,13 +283,10 @@ def set_aside(path: Path, trash: Path | None) -> None:
     os.sync()
 
 
-def empty_trash(trash: Path, settle_s: float = 61.0) -> None:
-    """Delete what :func:`set_aside` moved into ``trash``, sync, and wait ``settle_s``.
-
-    Called between states: the wait lets every inode freed so far (by this
-    and by the outputs deleted directly) age out of the window in which it
-    slows down new creations, so the next state starts on a settled file system.
-    """
+def settle(trash: Path, settle_s: float = SETTLE_S) -> None:
+    """Delete what :func:`set_aside` moved into ``trash``, sync, and wait ``settle_s``
+    for the freed inodes to age out (see :data:`SETTLE_S`): a run starts with
+    this, so that files deleted before it do not slow down its first state."""
     shutil.rmtree(trash, ignore_errors=True)
     os.sync()
     time.sleep(settle_s)

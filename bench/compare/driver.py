@@ -23,7 +23,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from bench.compare.common import empty_trash
+from bench.compare.common import SETTLE_S, settle
 
 REPO = Path(__file__).resolve().parents[2]
 PEER_HOME = Path(os.environ.get("GPUCKPT_PEERS", "/tmp/gpuckpt-peers"))
@@ -249,7 +249,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="toy sizes, 1 round, no warm-up (smoke test)")
     ap.add_argument("--rounds", type=int, default=5, help="measured rounds (after one warm-up round)")
     ap.add_argument("--warmup", type=int, default=1, help="warm-up rounds (discarded)")
-    ap.add_argument("--states", default="gpt,gpt-adam,small")
+    ap.add_argument(
+        "--states",
+        default="small,gpt,gpt-adam",
+        help="in this order; the one with many small files first, before this run deletes anything",
+    )
+    ap.add_argument(
+        "--settle",
+        type=float,
+        default=SETTLE_S,
+        help="seconds to wait (after a sync) before the first measurement, for files deleted "
+        "earlier to stop slowing down file creation",
+    )
     ap.add_argument("--async-states", default="gpt,small", help="states the async systems run on")
     ap.add_argument("--systems", default=",".join(s.name for s in SYSTEMS))
     ap.add_argument("--dir", help="where checkpoints are written (default: a temp dir on /tmp's disk)")
@@ -310,14 +321,14 @@ def main(argv: list[str] | None = None) -> int:
     }
     records: list[dict[str, Any]] = []
     stem = "compare-quick" if args.quick else "compare"
-    if not args.quick and args.states != "gpt,gpt-adam,small":
+    if not args.quick and args.states != "small,gpt,gpt-adam":
         stem += "-" + args.states.replace(",", "-")
     jsonl = out / f"{stem}.jsonl"
     t_start = time.monotonic()
     try:
         with jsonl.open("w") as f:
+            settle(base / ".trash", 0.0 if args.quick else args.settle)
             for state in states:
-                empty_trash(base / ".trash", settle_s=1.0 if args.quick else 61.0)  # a settled start
                 for rnd in range(warmup + rounds):
                     print(f"{state} round {rnd}{' (warm-up)' if rnd < warmup else ''}", file=sys.stderr)
                     for s in systems:
