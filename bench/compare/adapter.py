@@ -74,13 +74,17 @@ def measure_async(
     wait: Callable[[Any], float | None],
     prefix: str,
     copy_s: float,
+    sync_save: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Two asynchronous saves back to back; the second one (cached staging, if any) is reported.
 
     ``start(path)`` begins a save and returns a handle; ``wait(handle)`` blocks
     until it is durable and returns when (perf_counter) staging finished, or
     None where staging is part of the call. Extra memory is the peak RSS
-    above the resident size before the first call.
+    above the resident size before the first call. ``sync_save``, if given,
+    is the same system's synchronous save, timed right after the second
+    asynchronous one: a reference taken in the same position (a durable save
+    right after another one is slower on this disk than the first of a process).
     """
     r0 = rss()
     reset_peak()
@@ -105,4 +109,9 @@ def measure_async(
     }
     if staged_at is not None:
         rec["staged_s"] = staged_at - t0
+    if sync_save is not None:
+        t0 = time.perf_counter()
+        sync_save(f"{prefix}-3")
+        rec["sync_after_s"] = time.perf_counter() - t0
+        rec["durable_over_sync"] = durable / rec["sync_after_s"]
     return rec

@@ -75,7 +75,11 @@ class Gpuckpt(Adapter):
         def run(prefix: str) -> dict[str, Any]:
             copy_s = timed_copy(self.state)
             return measure_async(
-                lambda p: gpuckpt.async_save(self.state, p), lambda f: f.result() and None, prefix, copy_s
+                lambda p: gpuckpt.async_save(self.state, p),
+                lambda f: f.result() and None,
+                prefix,
+                copy_s,
+                sync_save=self.save,
             )
 
         return {"gpuckpt-async": run}

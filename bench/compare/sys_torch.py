@@ -119,7 +119,7 @@ class _DCP(_TorchAdapter):
                     h.result()
                     return None
 
-                rec = measure_async(start, wait, prefix, copy_s)
+                rec = measure_async(start, wait, prefix, copy_s, sync_save=self.save)
                 if stager is not None:
                     stager.close()
                 return rec

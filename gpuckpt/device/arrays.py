@@ -9,6 +9,7 @@ device arrays go through the GPU adapter.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -107,9 +108,14 @@ def _is_device_object(value: Any, dev: tuple[int, int] | None) -> bool:
 
 
 def _host_pinned(arr: np.ndarray) -> bool:
+    # host memory is page-locked through a CUDA library; where CuPy is not loaded
+    # yet, loading it (tens of MB, for every save of plain NumPy arrays) to ask is
+    # not worth it: such memory then reports as not pinned
+    if arr.size == 0 or "cupy" not in sys.modules:
+        return False
     from gpuckpt.device import cuda
 
-    return arr.size > 0 and cuda.gpu_available() and cuda.is_pinned_pointer(arr.ctypes.data)
+    return cuda.gpu_available() and cuda.is_pinned_pointer(arr.ctypes.data)
 
 
 def adapt(value: Any) -> ArrayAdapter:

@@ -58,6 +58,7 @@ def check_records(result: dict[str, Any], systems: str, states: str) -> None:
         if r["op"] == "async":
             assert 0 < r["blocking_s"] <= r["seconds"], r
             assert r["copy_ref_s"] > 0, r
+            assert r["sync_after_s"] > 0 and r["durable_over_sync"] == r["seconds"] / r["sync_after_s"], r
 
 
 def test_harness_main_systems(tmp_path: Path) -> None:

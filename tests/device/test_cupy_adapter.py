@@ -38,6 +38,23 @@ def test_import_does_not_touch_cupy() -> None:
     assert out.strip() == "False"
 
 
+def test_saving_host_arrays_does_not_load_cupy(tmp_path: Path) -> None:
+    # CuPy costs tens of MB of memory and a second to import: a save, load or
+    # async save of host arrays must not bring it in (it is installed here)
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, numpy as np, gpuckpt; p = sys.argv[1]; s = {'w': np.ones((4, 3, 5, 2)), 'n': 1};"
+        "gpuckpt.save(s, p + '/a'); gpuckpt.async_save(s, p + '/b').result();"
+        "gpuckpt.load(s, p + '/a'); gpuckpt.load_state_dict(p + '/b');"
+        "print('cupy' in sys.modules)"
+    )
+    run = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "False"
+
+
 gpu = pytest.mark.gpu
 
 
