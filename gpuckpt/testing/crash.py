@@ -144,8 +144,20 @@ def _traced(emit: _Tracer) -> Iterator[None]:
         emit("mid-file")
         real_write_all(fd, view[half:])
 
+    real_writev_all = local.writev_all  # type: ignore[attr-defined]
+
+    def writev_all(fd: int, buffers: Any) -> None:
+        # the vectored write of small chunks: also stopped half-way
+        data = b"".join(memoryview(b).cast("B").tobytes() for b in buffers)
+        half = len(data) // 2
+        real_write_all(fd, data[:half])
+        emit("mid-file")
+        real_write_all(fd, data[half:])
+
     patches.append((local, "write_all", real_write_all))
+    patches.append((local, "writev_all", real_writev_all))
     local.write_all = write_all  # type: ignore[attr-defined]
+    local.writev_all = writev_all  # type: ignore[attr-defined]
 
     def on_os_call(name: str) -> None:
         if name == "fsync":

@@ -50,6 +50,7 @@ class Fault:
 
     ``once=True`` fails only that call. For ``write``, ``partial`` bytes of
     the failing call's buffer are written first (a disk that fills mid-write).
+    ``write`` faults count and fail vectored writes (``writev``) too.
     """
 
     call: str
@@ -80,7 +81,8 @@ class FaultyOS(types.ModuleType):
         real = getattr(os, name)
         if not callable(real) or isinstance(real, type):
             return real
-        faults = [f for f in self._faults if f.call == name]
+        # a "write" fault also stands for the vectored write (small chunks use writev)
+        faults = [f for f in self._faults if f.call == name or (name == "writev" and f.call == "write")]
         hook = self._hook
         if not faults and hook is None:
             return real
@@ -92,6 +94,8 @@ class FaultyOS(types.ModuleType):
                 if f.should_fail():
                     if name == "write" and f.partial and len(args) >= 2:
                         real(args[0], memoryview(args[1]).cast("B")[: f.partial])
+                    elif name == "writev" and f.partial and len(args) >= 2 and args[1]:
+                        os.write(args[0], memoryview(args[1][0]).cast("B")[: f.partial])
                     raise OSError(f.err, os.strerror(f.err))
             return real(*args, **kwargs)
 
