@@ -37,8 +37,9 @@ __all__ = ["SaveFuture", "async_save", "wait_all"]
 _lock = threading.Lock()
 _executors: dict[int, ThreadPoolExecutor] = {}
 _pools: dict[int, ArenaPool] = {}
-_COPY_THREADS = max(1, min(4, os.cpu_count() or 1))
-_copy_threads = ThreadPoolExecutor(max_workers=_COPY_THREADS, thread_name_prefix="gpuckpt-snap")
+_copy_threads = ThreadPoolExecutor(
+    max_workers=max(1, min(4, os.cpu_count() or 1)), thread_name_prefix="gpuckpt-snap"
+)
 _SLAB = 32 << 20
 
 
@@ -111,18 +112,18 @@ def _copy_all(copies: list[tuple[np.ndarray, np.ndarray]]) -> None:
 
 
 def _run_copies(copies: list[tuple[np.ndarray, np.ndarray]]) -> None:
-    """Run the copies on the copy threads, in about equal byte batches (one task per
-    thread and slab, not per tensor: thousands of small tensors would otherwise pay
-    more for the tasks than for the copies)."""
+    """Run the copies on the copy threads in tasks of about one slab each: small
+    tensors are gathered into slab-sized batches (one task per tensor would cost
+    thousands of small tensors more than their copies), and slab-sized tasks keep
+    the threads evenly loaded when one of them is slowed down."""
     total = sum(d.nbytes for d, _ in copies)
     if len(copies) <= 1 or total <= _SLAB:
         _copy_all(copies)
         return
-    per = max(_SLAB, total // (2 * _COPY_THREADS))
     batches: list[list[tuple[np.ndarray, np.ndarray]]] = [[]]
     size = 0
     for c in copies:
-        if size >= per:
+        if size >= _SLAB:
             batches.append([])
             size = 0
         batches[-1].append(c)

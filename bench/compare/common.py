@@ -248,13 +248,17 @@ def emit(record: Mapping[str, Any]) -> None:
 MANY_FILES = 1000
 
 
-def _count_entries(path: Path, limit: int) -> int:
-    n = 0
-    for _root, dirs, files in os.walk(path):
+#: ... unless they hold more bytes than this (the disk must not fill up)
+MAX_ASIDE_BYTES = 1 << 30
+
+
+def _tree_stats(path: Path) -> tuple[int, int]:
+    """Entries (files and directories) and bytes of the files below ``path``."""
+    n = size = 0
+    for root, dirs, files in os.walk(path):
         n += len(files) + len(dirs)
-        if n > limit:
-            break
-    return n
+        size += sum(os.lstat(os.path.join(root, f)).st_size for f in files)
+    return n, size
 
 
 #: seconds after which freed inodes no longer slow down creations: ext4 without
@@ -271,11 +275,13 @@ def set_aside(path: Path, trash: Path | None) -> None:
     recently freed inodes before reusing one: here creating 30,000 files and
     directories took 1 s on a settled file system and 3-7 s in the minutes
     after deleting as many). A tree with more than :data:`MANY_FILES` entries
-    is therefore moved into ``trash`` (one rename), to be deleted at the end
-    of the run; smaller trees are deleted now. Either way the change is
+    and at most :data:`MAX_ASIDE_BYTES` is therefore moved into ``trash`` (one
+    rename), to be deleted at the end of the run; other trees are deleted now
+    (large states have few files per byte, and must not fill the disk). Either way the change is
     synced out before the next measurement starts.
     """
-    if trash is not None and _count_entries(path, MANY_FILES) > MANY_FILES:
+    entries, nbytes = _tree_stats(path) if trash is not None else (0, 0)
+    if trash is not None and entries > MANY_FILES and nbytes <= MAX_ASIDE_BYTES:
         trash.mkdir(parents=True, exist_ok=True)
         os.rename(path, trash / f"{path.name}-{secrets.token_hex(4)}")
     else:
