@@ -29,6 +29,7 @@ import numpy as np
 
 from gpuckpt.cli.progressbar import progress_for
 from gpuckpt.device.arrays import is_array
+from gpuckpt.errors import DeviceUnavailableError
 from gpuckpt.manager import CheckpointManager
 from gpuckpt.state import flatten_state_dict
 from gpuckpt.testing.states import gpt_state_dict
@@ -44,7 +45,15 @@ def array_module(device: str = "auto") -> Any:
     """NumPy, or CuPy when ``device`` is ``"gpu"`` (or ``"auto"`` and a GPU answers)."""
     from gpuckpt.device.cuda import gpu_available, import_cupy
 
-    if device == "gpu" or (device == "auto" and gpu_available()):
+    if device == "gpu":
+        cupy = import_cupy()
+        if not gpu_available():
+            raise DeviceUnavailableError(
+                "--device gpu needs a CUDA device, and CuPy found none (no driver, or no GPU); "
+                "run with --device host, or on a machine with an NVIDIA GPU"
+            )
+        return cupy
+    if device == "auto" and gpu_available():
         return import_cupy()
     return np
 

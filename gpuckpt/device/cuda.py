@@ -50,7 +50,6 @@ def import_cupy() -> Any:
 
 
 @functools.cache
-@functools.cache
 def _device_count() -> int:
     # asked once per process: a failed import is not cached by Python, and
     # this is asked for every array of a save

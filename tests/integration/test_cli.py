@@ -174,6 +174,16 @@ def test_demo_small(tmp_path: Path) -> None:
     assert CheckpointManager(tmp_path / "checkpoints").latest_step() == 8
 
 
+def test_demo_on_gpu_without_one_says_so(tmp_path: Path) -> None:
+    from gpuckpt.device import cuda
+
+    if cuda.gpu_available():
+        pytest.skip("a GPU is present")
+    r = gpuckpt_cli("demo", str(tmp_path), "--device", "gpu", "--steps", "2")
+    assert_one_line_error(r, 1, "NVIDIA GPU")  # CuPy missing, or no device
+    assert not (tmp_path / "checkpoints").exists()
+
+
 def test_demo_module_entry_point() -> None:
     r = subprocess.run(
         [sys.executable, "-m", "gpuckpt.demo", "--help"], capture_output=True, text=True, timeout=60
