@@ -49,9 +49,19 @@ def is_array(value: Any) -> bool:
     if isinstance(value, (np.generic, str, bytes, int, float, complex, bool, type(None), list, tuple, dict)):
         return False
     return any(
-        hasattr(value, a)
+        _has_attribute(value, a)
         for a in ("__gpuckpt_adapter__", "__cuda_array_interface__", "__dlpack__", "__array_interface__")
     )
+
+
+def _has_attribute(value: Any, name: str) -> bool:
+    # hasattr runs properties: PyTorch's __cuda_array_interface__ raises
+    # RuntimeError (not AttributeError) for a CUDA tensor that requires grad,
+    # which means the attribute is there but refuses
+    try:
+        return hasattr(value, name)
+    except Exception:
+        return True
 
 
 @dataclass(slots=True)
@@ -102,9 +112,9 @@ def _dlpack_device(value: Any) -> tuple[int, int] | None:
 
 
 def _is_device_object(value: Any, dev: tuple[int, int] | None) -> bool:
-    if hasattr(value, "__cuda_array_interface__"):
-        return True
-    return dev is not None and dev[0] not in (_DLPACK_CPU, _DLPACK_CUDA_HOST)
+    if dev is not None:  # DLPack says where the memory is
+        return dev[0] not in (_DLPACK_CPU, _DLPACK_CUDA_HOST)
+    return _has_attribute(value, "__cuda_array_interface__")
 
 
 def _host_pinned(arr: np.ndarray) -> bool:

@@ -108,7 +108,11 @@ def as_device_array(value: Any) -> tuple[Any, np.dtype[Any], bool]:
     if type(value).__module__.startswith("torch"):
         dtype, view = _torch_dtype(value.detach())
         return cupy.from_dlpack(view), dtype, requires_grad
-    if hasattr(value, "__cuda_array_interface__"):
+    try:
+        has_cai = hasattr(value, "__cuda_array_interface__")
+    except Exception:  # present, but refuses (e.g. a tensor that requires grad)
+        has_cai = False
+    if has_cai:
         arr = cupy.asarray(value)
         return arr, np.dtype(arr.dtype), requires_grad
     arr = cupy.from_dlpack(value)

@@ -19,6 +19,7 @@ run the very same launch plans.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -129,6 +130,9 @@ def load_module(device_id: int | None = None, *, options: Sequence[str] = ()) ->
     if device_id is None:
         device_id = cupy.cuda.Device().id
     key = (int(device_id), tuple(options))
+    module = _modules.get(key)  # compiled already: no lock needed to read it
+    if module is not None:
+        return module
     with _modules_lock:
         module = _modules.get(key)
         if module is None:
@@ -560,22 +564,82 @@ def _check_no_overlap(a: Any, b: Any) -> None:
         raise ValueError("source and destination memory overlap; the kernels need distinct buffers")
 
 
-def _launch(cupy: Any, plan: BoxCopyPlan, to_channels_last: bool, src: Any, dst: Any) -> None:
-    if plan.empty:
-        return
+@dataclass(frozen=True)
+class _Launch:
+    """A validated, planned box copy: what a launch needs besides the two arrays."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    plan: BoxCopyPlan
+    name: str
+    args: tuple[Any, ...]  # the kernel parameters after the two pointers, as NumPy scalars
+
+
+def _box_key(box: Any) -> Any:
+    """A hashable form of ``box`` (the same box), or ``None`` if it has none."""
+    if box is None:
+        return ("whole",)
+    try:
+        hash(box)
+        return ("box", box)
+    except TypeError:
+        pass
+    try:
+        return ("box", tuple(tuple(int(v) for v in part) for part in box))
+    except (TypeError, ValueError):
+        return None
+
+
+@functools.lru_cache(maxsize=4096)
+def _prepare_cached(
+    shape: tuple[int, ...], strides: tuple[int, ...], dtype: Any, box_key: tuple[Any, ...], to_cl: bool
+) -> _Launch:
+    return _prepare(shape, strides, dtype, None if box_key[0] == "whole" else box_key[1], to_cl)
+
+
+def _prepare(shape: tuple[int, ...], strides: tuple[int, ...], dtype: Any, box: Any, to_cl: bool) -> _Launch:
     import numpy as np
 
+    name = "dst" if to_cl else "src"
+    itemsize = check_itemsize(dtype, name=name)
+    check_channels_last(shape, strides, itemsize, name=name)
+    offsets, sizes = normalize_box(box, shape)
+    plan = plan_box_copy(shape, offsets, sizes, itemsize)
+    args = (*(np.int64(v) for v in plan.params()), np.int32(plan.log_tc), np.int32(plan.log_tq))
+    return _Launch(offsets, sizes, plan, plan.kernel_name(to_cl), args)
+
+
+def _prepared(array: Any, box: Any, to_cl: bool) -> _Launch:
+    """Validation and plan of a box copy, cached per layout and box: a launch
+    then costs little more than the kernel call itself."""
+    shape, strides, dtype = tuple(array.shape), tuple(array.strides), array.dtype
+    key = _box_key(box)
+    if key is None:  # not hashable: checked and planned every time
+        return _prepare(shape, strides, dtype, box, to_cl)
+    return _prepare_cached(shape, strides, dtype, key, to_cl)
+
+
+_functions: dict[tuple[int, str], Any] = {}
+
+
+def _launch(cupy: Any, prep: _Launch, src: Any, dst: Any) -> None:
+    if prep.plan.empty:
+        return
     device_id = src.device.id
-    kernel = load_module(device_id).get_function(plan.kernel_name(to_channels_last))
-    args = (
-        src,
-        dst,
-        *(np.int64(v) for v in plan.params()),
-        np.int32(plan.log_tc),
-        np.int32(plan.log_tq),
-    )
-    with cupy.cuda.Device(device_id):
-        kernel(plan.grid, plan.block, args)
+    module = load_module(device_id)
+    kernel = _functions.get((id(module), prep.name))
+    if kernel is None:
+        kernel = _functions[(id(module), prep.name)] = module.get_function(prep.name)
+    if _single_device(cupy):
+        kernel(prep.plan.grid, prep.plan.block, (src, dst, *prep.args))
+    else:
+        with cupy.cuda.Device(device_id):
+            kernel(prep.plan.grid, prep.plan.block, (src, dst, *prep.args))
+
+
+@functools.cache
+def _single_device(cupy: Any) -> bool:
+    return int(cupy.cuda.runtime.getDeviceCount()) == 1
 
 
 def channels_last_to_contiguous(src: Any, out: Any = None, *, box: Any = None) -> Any:
@@ -611,20 +675,22 @@ def channels_last_to_contiguous(src: Any, out: Any = None, *, box: Any = None) -
     import cupy
 
     _require_cupy_array(cupy, src, "src")
-    itemsize = check_itemsize(src.dtype, name="src")
-    check_channels_last(src.shape, src.strides, itemsize, name="src")
-    offsets, sizes = normalize_box(box, src.shape)
+    prep = _prepared(src, box, False)
     if out is None:
-        with cupy.cuda.Device(src.device.id):
-            out = cupy.empty(sizes, dtype=src.dtype)
+        if _single_device(cupy):
+            out = cupy.empty(prep.sizes, dtype=src.dtype)
+        else:
+            with cupy.cuda.Device(src.device.id):
+                out = cupy.empty(prep.sizes, dtype=src.dtype)
     else:
         _require_cupy_array(cupy, out, "out")
-        check_contiguous_block(out.shape, out.dtype, out.flags.c_contiguous, sizes, src.dtype, name="out")
+        check_contiguous_block(
+            out.shape, out.dtype, out.flags.c_contiguous, prep.sizes, src.dtype, name="out"
+        )
         if out.device.id != src.device.id:
             raise ValueError(f"out is on device {out.device.id}, src on device {src.device.id}")
         _check_no_overlap(src, out)
-    plan = plan_box_copy(src.shape, offsets, sizes, itemsize)
-    _launch(cupy, plan, False, src, out)
+    _launch(cupy, prep, src, out)
     return out
 
 
@@ -656,13 +722,10 @@ def contiguous_to_channels_last(src: Any, dst: Any, *, box: Any = None) -> Any:
 
     _require_cupy_array(cupy, dst, "dst")
     _require_cupy_array(cupy, src, "src")
-    itemsize = check_itemsize(dst.dtype, name="dst")
-    check_channels_last(dst.shape, dst.strides, itemsize, name="dst")
-    offsets, sizes = normalize_box(box, dst.shape)
-    check_contiguous_block(src.shape, src.dtype, src.flags.c_contiguous, sizes, dst.dtype, name="src")
+    prep = _prepared(dst, box, True)
+    check_contiguous_block(src.shape, src.dtype, src.flags.c_contiguous, prep.sizes, dst.dtype, name="src")
     if src.device.id != dst.device.id:
         raise ValueError(f"src is on device {src.device.id}, dst on device {dst.device.id}")
     _check_no_overlap(src, dst)
-    plan = plan_box_copy(dst.shape, offsets, sizes, itemsize)
-    _launch(cupy, plan, True, src, dst)
+    _launch(cupy, prep, src, dst)
     return dst

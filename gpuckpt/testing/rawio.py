@@ -97,6 +97,36 @@ def raw_single_load(arrays: list[np.ndarray], d: Path) -> None:
             f.readinto(memoryview(a.reshape(-1).view(np.uint8)))
 
 
+def raw_single_load_parallel(
+    arrays: list[np.ndarray], d: Path, *, threads: int = 8, piece: int = 64 << 20
+) -> None:
+    """As :func:`raw_single_load`, with ``threads`` threads reading ``piece``-byte ranges."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    jobs = []
+    offset = 0
+    for a in arrays:
+        mv = memoryview(a.reshape(-1).view(np.uint8))
+        for start in range(0, len(mv), piece):
+            jobs.append((mv[start : start + piece], offset + start))
+        offset += len(mv)
+    fd = os.open(d / "all.bin", os.O_RDONLY)
+    try:
+
+        def read(job: tuple[memoryview, int]) -> None:
+            view, at = job
+            while len(view):
+                n = os.preadv(fd, [view], at)
+                if n == 0:
+                    raise EOFError(f"{d / 'all.bin'} ended early")
+                view, at = view[n:], at + n
+
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(read, jobs))
+    finally:
+        os.close(fd)
+
+
 def timed(fn: Callable[[], object]) -> float:
     """Seconds ``fn()`` takes."""
     t = time.perf_counter()

@@ -3,7 +3,7 @@
 // run it on a machine without a GPU.
 //
 // Supported: __global__/__device__/__forceinline__/__launch_bounds__,
-// __restrict__, __shared__ (function-scope), threadIdx/blockIdx/blockDim/
+// __noinline__, __restrict__, __shared__ (function-scope), threadIdx/blockIdx/blockDim/
 // gridDim and __syncthreads().  Nothing else.
 //
 // Two execution modes:
@@ -65,6 +65,7 @@ extern "C" void __sanitizer_finish_switch_fiber(void* fake_stack_save,
 #define __device__
 #define __host__
 #define __forceinline__ inline __attribute__((always_inline))
+#define __noinline__ __attribute__((noinline))
 #define __launch_bounds__(...)
 // Blocks never run concurrently, so block-shared storage is static storage.
 #define __shared__ static

@@ -29,6 +29,45 @@ def test_no_gpu_is_detected_without_crashing() -> None:
     assert gpuckpt.TensorProperties.create_from_tensor(np.zeros(3)).pin_memory is False
 
 
+class GradCudaTensor:
+    """Like a PyTorch CUDA tensor that requires grad: its
+    ``__cuda_array_interface__`` raises RuntimeError, not AttributeError."""
+
+    requires_grad = True
+
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        raise RuntimeError("Can't get __cuda_array_interface__ on Variable that requires grad.")
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return (2, 0)  # kDLCUDA
+
+    def __dlpack__(self, **kwargs: object) -> object:
+        raise BufferError("no device memory behind this test double")
+
+
+class GradCudaNoDlpack:
+    requires_grad = True
+
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        raise RuntimeError("refuses")
+
+
+@pytest.mark.parametrize("cls", [GradCudaTensor, GradCudaNoDlpack])
+def test_refusing_cuda_array_interface_is_still_a_device_array(cls: type) -> None:
+    from gpuckpt.device.arrays import adapt, is_array
+
+    value = cls()
+    assert is_array(value)
+    if cuda.gpu_available():
+        pytest.skip("a GPU is present (the real case runs in test_torch_cuda_tensors)")
+    with pytest.raises(gpuckpt.DeviceUnavailableError, match="lives in device memory"):
+        adapt(value)
+    with pytest.raises(gpuckpt.DeviceUnavailableError, match="lives in device memory"):
+        gpuckpt.TensorProperties.create_from_tensor(value)
+
+
 def test_import_does_not_touch_cupy() -> None:
     import subprocess
     import sys

@@ -20,7 +20,7 @@ ENTRY_POINTS = {f"gpuckpt_{d}_{es}" for d in ("cl_to_cf", "cf_to_cl") for es in 
 
 
 def check_ptxas_report(log: str, arch: str) -> None:
-    """Every entry point was compiled for ``arch`` and none spills."""
+    """Every entry point was compiled for ``arch`` and no function spills."""
     compiled = set(re.findall(rf"Compiling entry function '(\w+)' for '{arch}'", log))
     assert compiled == ENTRY_POINTS, log
     properties = re.findall(
@@ -28,7 +28,8 @@ def check_ptxas_report(log: str, arch: str) -> None:
         r"(\d+) bytes spill stores, (\d+) bytes spill loads",
         log,
     )
-    assert {name for name, *_ in properties} == ENTRY_POINTS, log
+    # entry points, and the out-of-line device functions they call
+    assert {name for name, *_ in properties} >= ENTRY_POINTS, log
     for name, frame, stores, loads in properties:
         assert (frame, stores, loads) == ("0", "0", "0"), (
             f"{name} on {arch}: stack {frame}, spill stores {stores}, spill loads {loads}"

@@ -31,6 +31,14 @@ SHAPES = [
     (2, 3, 4, 5, 6),
     (1, 17, 3, 1, 7),
     (2, 40, 2, 9, 11),
+    # interior tiles (the unchecked path), with 32-bit words on both sides,
+    # on one side only, or none (odd channel count, odd run), beside edge tiles
+    (2, 64, 8, 16),
+    (1, 66, 16, 9),
+    (1, 65, 8, 16),
+    (1, 65, 9, 15),
+    (1, 128, 5, 27),
+    (1, 64, 4, 8, 8),
 ]
 
 
@@ -58,6 +66,9 @@ BOXES = [
     ((2, 5, 4, 6, 8), ((0, 0, 0, 2, 0), (2, 5, 4, 3, 8))),  # H slab, W merged
     ((2, 9, 4, 6, 8), ((0, 0, 0, 0, 7), (2, 9, 4, 6, 1))),  # a single W column
     ((2, 6, 5, 7), ((1, 2, 3, 4), (0, 2, 1, 1))),  # empty box
+    ((1, 300, 16, 16), ((0, 37, 0, 0), (1, 256, 16, 16))),  # interior tiles, odd channel offset
+    ((1, 300, 16, 16), ((0, 36, 0, 0), (1, 256, 16, 16))),  # interior tiles, even offset
+    ((2, 70, 12, 16), ((1, 2, 3, 0), (1, 66, 8, 16))),  # interior tiles inside a box
 ]
 
 
@@ -73,19 +84,26 @@ def test_boxes(
 
 @pytest.mark.parametrize("grid_limit", [(1, 1, 1), (2, 1, 3), (3, 2, 1)])
 @pytest.mark.parametrize("to_cl", [False, True], ids=["to_contiguous", "to_channels_last"])
+@pytest.mark.parametrize(
+    "shape,box",
+    [
+        ((3, 80, 4, 3, 45), ((0, 1, 1, 0, 0), (3, 70, 2, 2, 45))),
+        ((3, 130, 2, 8, 16), ((0, 0, 0, 0, 0), (3, 130, 2, 8, 16))),  # interior and edge tiles
+    ],
+    ids=["edge-tiles", "interior-tiles"],
+)
 def test_grid_stride_loops(
-    emu_lib: kernel_emu.EmuLibrary, grid_limit: tuple[int, int, int], to_cl: bool
+    emu_lib: kernel_emu.EmuLibrary, grid_limit: tuple[int, int, int], to_cl: bool, shape: tuple, box: tuple
 ) -> None:
     # A grid smaller than the tile count: each block loops over several tiles
     # in all three dimensions.
     for itemsize in ITEMSIZES:
-        box = ((0, 1, 1, 0, 0), (3, 70, 2, 2, 45))
-        plan = K.plan_box_copy((3, 80, 4, 3, 45), *box, itemsize)
-        assert all(t > 1 for t in plan.tiles[:1]) and plan.tiles[2] > 1
+        plan = K.plan_box_copy(shape, *box, itemsize)
+        assert plan.tiles[1] > 1 and plan.tiles[2] > 1
         for order in ORDERS:
             kernel_emu.check_case(
                 emu_lib,
-                (3, 80, 4, 3, 45),
+                shape,
                 itemsize,
                 box,
                 to_channels_last=to_cl,
