@@ -75,6 +75,7 @@ def measure_async(
     prefix: str,
     copy_s: float,
     sync_save: Callable[[str], None] | None = None,
+    copy_after: Callable[[], float] | None = None,
 ) -> dict[str, Any]:
     """Two asynchronous saves back to back; the second one (cached staging, if any) is reported.
 
@@ -85,6 +86,11 @@ def measure_async(
     is the same system's synchronous save, timed right after the second
     asynchronous one: a reference taken in the same position (a durable save
     right after another one is slower on this disk than the first of a process).
+    ``copy_after``, if given, times one copy of the state into touched memory
+    right after the second save is durable (after its memory was read): the
+    copy reference in the same position as the second call, reported as
+    ``copy_ref_s`` (``copy_s``, taken before the first call, as
+    ``copy_ref_before_s``).
     """
     r0 = rss()
     reset_peak()
@@ -107,6 +113,9 @@ def measure_async(
         "copy_ref_s": copy_s,
         "extra_peak": peak_rss() - r0,
     }
+    if copy_after is not None:
+        rec["copy_ref_before_s"] = copy_s
+        rec["copy_ref_s"] = copy_after()
     if staged_at is not None:
         rec["staged_s"] = staged_at - t0
     if sync_save is not None:

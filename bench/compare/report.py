@@ -35,7 +35,7 @@ def aggregate(records: Iterable[dict[str, Any]]) -> dict[tuple[str, str, str], d
     out: dict[tuple[str, str, str], dict[str, Any]] = {}
     for key, rs in groups.items():
         agg: dict[str, Any] = {"bytes": rs[0]["bytes"], "tensors": rs[0].get("tensors"), "records": len(rs)}
-        for field in ("seconds", "extra_peak", "blocking_s", "blocking_first_s", "staged_s", "copy_ref_s",
+        for field in ("seconds", "extra_peak", "blocking_s", "blocking_first_s", "staged_s", "copy_ref_s", "copy_ref_before_s",
                       "durable_first_s", "sync_seconds", "resident_before", "sync_after_s",
                       "durable_over_sync"):  # fmt: skip
             vals = [float(r[field]) for r in rs if r.get(field) is not None]

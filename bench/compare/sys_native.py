@@ -80,6 +80,7 @@ class Gpuckpt(Adapter):
                 prefix,
                 copy_s,
                 sync_save=self.save,
+                copy_after=lambda: timed_copy(self.state),
             )
 
         return {"gpuckpt-async": run}

@@ -119,7 +119,14 @@ class _DCP(_TorchAdapter):
                     h.result()
                     return None
 
-                rec = measure_async(start, wait, prefix, copy_s, sync_save=self.save)
+                rec = measure_async(
+                    start,
+                    wait,
+                    prefix,
+                    copy_s,
+                    sync_save=self.save,
+                    copy_after=lambda: timed_copy(self.state),
+                )
                 if stager is not None:
                     stager.close()
                 return rec

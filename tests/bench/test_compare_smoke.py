@@ -57,7 +57,7 @@ def check_records(result: dict[str, Any], systems: str, states: str) -> None:
             assert r["resident_before"] < 0.5, r  # the cache really was dropped
         if r["op"] == "async":
             assert 0 < r["blocking_s"] <= r["seconds"], r
-            assert r["copy_ref_s"] > 0, r
+            assert r["copy_ref_s"] > 0 and r["copy_ref_before_s"] > 0, r  # same position, and before
             assert r["sync_after_s"] > 0 and r["durable_over_sync"] == r["seconds"] / r["sync_after_s"], r
 
 
