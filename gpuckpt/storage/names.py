@@ -28,6 +28,8 @@ __all__ = ["MAX_NAME_BYTES", "decode_name", "encode_name", "is_safe_name"]
 MAX_NAME_BYTES = 200
 _SAFE = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-.")
 _ALNUM = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789")
+# names that encode to themselves: ASCII letters and digits first, then also _ - .
+_PLAIN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]*", re.ASCII)
 _NAME_RE = re.compile(r"^(%|(?:[A-Za-z0-9]|%[0-9A-F]{2})(?:[A-Za-z0-9_.\-]|%[0-9A-F]{2}|~)*)$")
 
 
@@ -41,6 +43,8 @@ def encode_name(fqn: str) -> str:
     >>> encode_name("../etc/passwd")
     '%2E.%2Fetc%2Fpasswd'
     """
+    if len(fqn) <= MAX_NAME_BYTES and fqn != "zarr.json" and _PLAIN.fullmatch(fqn):
+        return fqn  # nothing to escape (the common case, checked in one regex match)
     if fqn == "":
         return "%"
     raw = fqn.encode("utf-8", "surrogatepass")

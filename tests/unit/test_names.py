@@ -60,3 +60,29 @@ def test_long_names_are_shortened_with_a_digest() -> None:
 )
 def test_unsafe_names_rejected(bad: object) -> None:
     assert not is_safe_name(bad)
+
+
+def _escaped(fqn: str) -> str:
+    """The escaping rule written out byte by byte (names up to 200 bytes)."""
+    raw = fqn.encode("utf-8", "surrogatepass")
+    out = "".join(
+        chr(b) if chr(b) in _SAFE_CHARS and (i > 0 or chr(b).isalnum()) else f"%{b:02X}"
+        for i, b in enumerate(raw)
+    )
+    return {"": "%", "zarr.json": "%7Aarr.json"}.get(out, out)
+
+
+_SAFE_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-.")
+
+
+@given(st.text(alphabet=st.characters(max_codepoint=0x17F), max_size=40))
+def test_encoding_follows_the_rule(fqn: str) -> None:
+    # plain names take a shortcut; every name must still follow the rule
+    assert encode_name(fqn) == _escaped(fqn)
+
+
+@pytest.mark.parametrize(
+    "fqn", ["model.layers.0.weight", "a", "A-b_c.d", "x" * 200, "zarr.json", "_x", ".x", "-x"]
+)
+def test_encoding_of_plain_looking_names(fqn: str) -> None:
+    assert encode_name(fqn) == _escaped(fqn)
