@@ -15,6 +15,7 @@ memory here; page-locked memory in the GPU adapter).
 from __future__ import annotations
 
 import math
+import mmap
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -28,12 +29,22 @@ DEFAULT_PIECE_BYTES = 256 << 20
 
 
 class HostAllocator:
-    """Ordinary (pageable) host memory."""
+    """Ordinary (pageable) host memory, mapped directly from the system.
+
+    Not ``np.empty``: NumPy asks for transparent huge pages on large
+    allocations, and the partly used 2 MiB page at the end of each piece would
+    then be resident in full (about 2 MiB per piece beyond the data staged in
+    it). Anonymous mappings use huge pages only where the system enables them
+    for all memory; copies into them measured as fast.
+    """
 
     pinned = False
 
     def __call__(self, nbytes: int) -> np.ndarray:
-        return np.empty(nbytes, np.uint8)
+        if nbytes <= 0:
+            return np.empty(0, np.uint8)
+        # the array keeps the mapping alive; it is unmapped when both are gone
+        return np.frombuffer(mmap.mmap(-1, nbytes), np.uint8, nbytes)
 
 
 class StagingArena:

@@ -1,0 +1,57 @@
+"""Host staging memory is resident only where data was staged."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from gpuckpt.device.staging import HostAllocator, StagingArena
+
+MIB = 1 << 20
+
+
+def _resident_bytes(address: int, nbytes: int) -> int:
+    """Rss of the mappings that overlap [address, address + nbytes), from /proc/self/smaps."""
+    total = 0
+    overlaps = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split(maxsplit=1)[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            overlaps = lo < address + nbytes and address < hi
+        elif overlaps and line.startswith("Rss:"):
+            total += int(line.split()[1]) * 1024
+    return total
+
+
+def _thp_always() -> bool:
+    try:
+        return "[always]" in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs /proc/self/smaps (Linux)")
+@pytest.mark.skipif(_thp_always(), reason="transparent huge pages are on for all memory here")
+def test_arena_pieces_are_resident_only_where_written() -> None:
+    arena = StagingArena(HostAllocator(), piece_bytes=64 * MIB)
+    sizes = [3 * MIB + 100, 5 * MIB + 7, 60 * MIB]  # the last one needs a second piece
+    for n in sizes:
+        arena.take(n)[:] = 1
+    assert len(arena.pieces) == 2
+    first, second = arena.pieces
+    used_first = 3 * MIB + 100 + 5 * MIB + 7
+    page = 4096
+    # NumPy's own large allocations would round the end up to a whole 2 MiB huge page
+    assert _resident_bytes(first.ctypes.data, first.nbytes) <= used_first + 3 * page
+    assert _resident_bytes(second.ctypes.data, second.nbytes) <= 60 * MIB + 2 * page
+
+
+def test_host_allocator_memory_is_writable_and_sized() -> None:
+    a = HostAllocator()(12345)
+    assert a.dtype == np.uint8 and a.nbytes == 12345 and a.flags.writeable
+    a[:] = 7
+    assert int(a.sum()) == 7 * 12345
+    assert HostAllocator()(0).nbytes == 0
