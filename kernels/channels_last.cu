@@ -18,6 +18,11 @@
 //     the logical buffer.
 // The whole-tensor transpose is the box that covers everything.
 //
+// Tiles that lie wholly inside the box (all of them but the edges, for large
+// tensors) take a path without bounds checks, with 32-bit offsets inside the
+// tile, and with 2-byte elements moved through global memory as 32-bit words
+// where the addresses allow it.  Edge tiles take the checked path.
+//
 // This file includes nothing and uses only what NVRTC provides without headers
 // and what the CPU emulation (kernels/emu/cuda_emu.h) supports, so that the
 // very same text runs on the GPU and, through g++, on the CPU in the tests.
@@ -237,10 +242,10 @@ __device__ __forceinline__ void gk_edge_tile(
   const int tq = 1 << log_tq;
   const int tile_elems = tc << log_tq;
   // Phase 1: global -> registers -> tile, GK_BATCH loads in flight together.
-    const int n_all = TILE / GK_THREADS;
-    const int batch = n_all < GK_BATCH ? n_all : GK_BATCH;
+  const int n_all = TILE / GK_THREADS;
+  const int batch = n_all < GK_BATCH ? n_all : GK_BATCH;
 #pragma unroll
-    for (int k0 = 0; k0 < n_all; k0 += batch) {
+  for (int k0 = 0; k0 < n_all; k0 += batch) {
     T v[batch];
 #pragma unroll
     for (int k = 0; k < batch; ++k) {
@@ -277,36 +282,36 @@ __device__ __forceinline__ void gk_edge_tile(
         }
       }
     }
-    }
+  }
 
 #ifdef GPUCKPT_BREAK_DIVERGENCE
-    // broken: one thread skips the barrier
-    if (threadIdx.x != GK_THREADS - 1)
+  // broken: one thread skips the barrier
+  if (threadIdx.x != GK_THREADS - 1)
 #endif
 #ifndef GPUCKPT_BREAK_SYNC
     __syncthreads();  // the tile is complete before anyone reads it
 #endif
 
-    // Phase 2: tile -> global, in the other orientation.
+  // Phase 2: tile -> global, in the other orientation.
 #pragma unroll
-    for (int k = 0; k < TILE / GK_THREADS; ++k) {
-      const int i = (int)threadIdx.x + k * GK_THREADS;
-      if (i < tile_elems) {
-        if (TO_CF) {
-          const int c = i >> log_tq;
-          const int r = i & (tq - 1);
-          const gk_index q = q0 + r;
-          if (GK_IN_RUN(q) && c0 + c < nch)
-            dst[cf_line + (c0 + c) * cf_cs + q] = tile[r * rs + c];
-        } else {
-          const int r = i >> log_tc;
-          const int c = i & (tc - 1);
-          const gk_index q = q0 + r;
-          if (GK_IN_RUN(q) && c0 + c < nch)
-            dst[cl_line + q * cl_qs + c0 + c] = tile[r * rs + c];
-        }
+  for (int k = 0; k < TILE / GK_THREADS; ++k) {
+    const int i = (int)threadIdx.x + k * GK_THREADS;
+    if (i < tile_elems) {
+      if (TO_CF) {
+        const int c = i >> log_tq;
+        const int r = i & (tq - 1);
+        const gk_index q = q0 + r;
+        if (GK_IN_RUN(q) && c0 + c < nch)
+          dst[cf_line + (c0 + c) * cf_cs + q] = tile[r * rs + c];
+      } else {
+        const int r = i >> log_tc;
+        const int c = i & (tc - 1);
+        const gk_index q = q0 + r;
+        if (GK_IN_RUN(q) && c0 + c < nch)
+          dst[cl_line + q * cl_qs + c0 + c] = tile[r * rs + c];
       }
     }
+  }
 }
 
 // The same, out of line: where the interior-tile path is compiled in, its
