@@ -164,12 +164,23 @@ def test_torch_cuda_tensors(tmp_path: Path) -> None:
     assert gpuckpt.TensorProperties.create_from_tensor(bf).dtype == ml_dtypes.bfloat16
     assert gpuckpt.TensorProperties.create_from_tensor(cl).memory_format is gpuckpt.channels_last
     assert gpuckpt.TensorProperties.create_from_tensor(pinned).pin_memory is True
-    gpuckpt.save({"w": w, "bf": bf, "cl": cl, "pinned": pinned}, tmp_path / "c")
+    clbf = torch.randn(3, 64, 9, 16, device="cuda").to(torch.bfloat16).to(memory_format=torch.channels_last)
+    gpuckpt.save({"w": w, "bf": bf, "cl": cl, "clbf": clbf, "pinned": pinned}, tmp_path / "c")
     back = gpuckpt.load_state_dict(tmp_path / "c")
     assert np.array_equal(back["bf"].view(np.uint16), bf.view(torch.int16).cpu().numpy().view(np.uint16))
+    # stored in logical order, whatever the memory format
+    assert np.array_equal(
+        back["clbf"].view(np.uint16), clbf.contiguous().view(torch.int16).cpu().numpy().view(np.uint16)
+    )
     tgt = {
         "w": torch.zeros(64, 32, device="cuda"),
         "cl": torch.zeros(4, 16, 5, 5, device="cuda").to(memory_format=torch.channels_last),
+        "bf": torch.zeros(40, 8, device="cuda", dtype=torch.bfloat16),
+        "clbf": torch.zeros(3, 64, 9, 16, device="cuda", dtype=torch.bfloat16).to(
+            memory_format=torch.channels_last
+        ),
     }
     gpuckpt.load(tgt, tmp_path / "c", strict=False)
     assert torch.equal(tgt["w"], w.detach()) and torch.equal(tgt["cl"], cl)
+    assert torch.equal(tgt["bf"], bf) and torch.equal(tgt["clbf"], clbf)
+    assert tgt["clbf"].is_contiguous(memory_format=torch.channels_last)
