@@ -109,15 +109,18 @@ def main(argv: list[str] | None = None) -> int:
     }
 
     # gpuckpt ------------------------------------------------------------
-    k = [0]
+    def timed_saves(st: Any, prefix: str) -> tuple[tuple[float, float, float], Path]:
+        """Median (min, max) seconds of durable saves of ``st``, each deleting the one before; the last path."""
+        n = [0]
 
-    def save() -> None:
-        k[0] += 1
-        gpuckpt.save(state, base / f"s{k[0]}")
-        shutil.rmtree(base / f"s{k[0] - 1}", ignore_errors=True)
+        def save() -> None:
+            n[0] += 1
+            gpuckpt.save(st, base / f"{prefix}{n[0]}")
+            shutil.rmtree(base / f"{prefix}{n[0] - 1}", ignore_errors=True)
 
-    t_save = median_time(save, args.rounds)
-    last = base / f"s{k[0]}"
+        return median_time(save, args.rounds), base / f"{prefix}{n[0]}"
+
+    t_save, last = timed_saves(state, "s")
     targets = {"layers": [{"w": cp.empty_like(x["w"])} for x in state["layers"]]}
     t_load = median_time(lambda: gpuckpt.load(targets, last), args.rounds)
     assert all(
@@ -148,16 +151,9 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(4)
     }
     cl_total = sum(int(v.nbytes) for v in cl_state.values())
-    kc = [0]
-
-    def cl_save() -> None:
-        kc[0] += 1
-        gpuckpt.save(cl_state, base / f"cl{kc[0]}")
-        shutil.rmtree(base / f"cl{kc[0] - 1}", ignore_errors=True)
-
-    t_cl_save = median_time(cl_save, args.rounds)
+    t_cl_save, cl_last = timed_saves(cl_state, "cl")
     cl_targets = {k: cp.empty_like(v) for k, v in cl_state.items()}  # keeps the channels-last strides
-    t_cl_load = median_time(lambda: gpuckpt.load(cl_targets, base / f"cl{kc[0]}"), args.rounds)
+    t_cl_load = median_time(lambda: gpuckpt.load(cl_targets, cl_last), args.rounds)
     assert all(
         cl_targets[k].strides == v.strides and bool((cl_targets[k] == v).all()) for k, v in cl_state.items()
     )
