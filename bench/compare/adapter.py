@@ -82,10 +82,13 @@ def measure_async(
     ``start(path)`` begins a save and returns a handle; ``wait(handle)`` blocks
     until it is durable and returns when (perf_counter) staging finished, or
     None where staging is part of the call. Extra memory is the peak RSS
-    above the resident size before the first call. ``sync_save``, if given,
+    above the resident size before the first call, over the two asynchronous
+    saves (not the synchronous reference between them). ``sync_save``, if given,
     is the same system's synchronous save, timed right after the second
-    asynchronous one: a reference taken in the same position (a durable save
-    right after another one is slower on this disk than the first of a process).
+    asynchronous one and also right before it (after the first): references
+    taken in the same position (a durable save right after another one is
+    slower on this disk than the first of a process), on both sides of the
+    measured call so that a drift over the sequence cancels.
     ``copy_after``, if given, times one copy of the state into touched memory
     right after the second save is durable (after its memory was read): the
     copy reference in the same position as the second call, reported as
@@ -99,6 +102,13 @@ def measure_async(
     first_block = time.perf_counter() - t0
     wait(h)
     first_durable = time.perf_counter() - t0
+    peak_first = peak_rss()
+    sync_before = None
+    if sync_save is not None:
+        t0 = time.perf_counter()
+        sync_save(f"{prefix}-0")
+        sync_before = time.perf_counter() - t0
+        reset_peak()  # the reference's own memory is not the asynchronous saves'
     t0 = time.perf_counter()
     h = start(f"{prefix}-2")
     block = time.perf_counter() - t0
@@ -111,16 +121,19 @@ def measure_async(
         "blocking_s": block,
         "seconds": durable,
         "copy_ref_s": copy_s,
-        "extra_peak": peak_rss() - r0,
+        "extra_peak": max(peak_first, peak_rss()) - r0,
     }
     if copy_after is not None:
         rec["copy_ref_before_s"] = copy_s
         rec["copy_ref_s"] = copy_after()
     if staged_at is not None:
         rec["staged_s"] = staged_at - t0
-    if sync_save is not None:
+    if sync_save is not None and sync_before is not None:
         t0 = time.perf_counter()
         sync_save(f"{prefix}-3")
         rec["sync_after_s"] = time.perf_counter() - t0
-        rec["durable_over_sync"] = durable / rec["sync_after_s"]
+        rec["sync_before_s"] = sync_before
+        rec["durable_over_sync_after"] = durable / rec["sync_after_s"]
+        # against the mean of the two references on either side
+        rec["durable_over_sync"] = durable / ((sync_before + rec["sync_after_s"]) / 2)
     return rec

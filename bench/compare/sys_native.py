@@ -56,8 +56,9 @@ class Gpuckpt(Adapter):
 
     def version(self) -> str:
         import gpuckpt
+        from gpuckpt.storage.chunkio import crc32c_backend
 
-        return str(gpuckpt.__version__)
+        return f"{gpuckpt.__version__} (CRC32C: {crc32c_backend()})"
 
     def save(self, path: str) -> None:
         import gpuckpt

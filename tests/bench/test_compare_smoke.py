@@ -58,7 +58,9 @@ def check_records(result: dict[str, Any], systems: str, states: str) -> None:
         if r["op"] == "async":
             assert 0 < r["blocking_s"] <= r["seconds"], r
             assert r["copy_ref_s"] > 0 and r["copy_ref_before_s"] > 0, r  # same position, and before
-            assert r["sync_after_s"] > 0 and r["durable_over_sync"] == r["seconds"] / r["sync_after_s"], r
+            assert r["sync_after_s"] > 0 and r["sync_before_s"] > 0, r  # references on both sides
+            assert r["durable_over_sync"] == r["seconds"] / ((r["sync_before_s"] + r["sync_after_s"]) / 2), r
+            assert r["durable_over_sync_after"] == r["seconds"] / r["sync_after_s"], r
 
 
 def test_harness_main_systems(tmp_path: Path) -> None:
