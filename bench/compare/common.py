@@ -35,6 +35,7 @@ __all__ = [
     "prefault",
     "reset_peak",
     "resident_fraction",
+    "warm_cache",
     "rss",
     "state_bytes",
     "tree_files",
@@ -197,6 +198,27 @@ def drop_cache(path: str) -> float:
     return resident_fraction(files)
 
 
+def warm_cache(path: str) -> float:
+    """Read every byte of ``path``'s files (untimed) so that they are in the page cache; returns
+    the fraction that was resident before.
+
+    A warm load means the data is in the page cache, whatever the save left
+    there: a system that writes with ``O_DIRECT`` leaves none of it cached,
+    one that writes through the cache leaves all of it (while memory lasts).
+    """
+    files = [path] if os.path.isfile(path) else tree_files(path)
+    before = resident_fraction(files)
+    buf = bytearray(8 << 20)
+    for p in files:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            while os.readv(fd, [buf]):
+                pass
+        finally:
+            os.close(fd)
+    return before
+
+
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = [
@@ -248,8 +270,13 @@ def emit(record: Mapping[str, Any]) -> None:
 MANY_FILES = 1000
 
 
-#: ... unless they hold more bytes than this (the disk must not fill up)
-MAX_ASIDE_BYTES = 1 << 30
+#: ... unless they hold more bytes than this (the disk must not fill up): the
+#: small-tensor state's asynchronous runs leave four checkpoints of 0.4 GB with
+#: 30,000 entries each in one tree, which must not be deleted during the state
+MAX_ASIDE_BYTES = 2 << 30
+
+#: ... or the file system has less free space than this
+ASIDE_FREE_BYTES = 16 << 30
 
 
 def _tree_stats(path: Path) -> tuple[int, int]:
@@ -276,12 +303,14 @@ def set_aside(path: Path, trash: Path | None) -> None:
     directories took 1 s on a settled file system and 3-7 s in the minutes
     after deleting as many). A tree with more than :data:`MANY_FILES` entries
     and at most :data:`MAX_ASIDE_BYTES` is therefore moved into ``trash`` (one
-    rename), to be deleted at the end of the run; other trees are deleted now
+    rename; unless less than :data:`ASIDE_FREE_BYTES` are free), to be deleted
+    at the end of the state; other trees are deleted now
     (large states have few files per byte, and must not fill the disk). Either way the change is
     synced out before the next measurement starts.
     """
     entries, nbytes = _tree_stats(path) if trash is not None else (0, 0)
-    if trash is not None and entries > MANY_FILES and nbytes <= MAX_ASIDE_BYTES:
+    room = shutil.disk_usage(path.parent).free >= ASIDE_FREE_BYTES if trash is not None else False
+    if trash is not None and entries > MANY_FILES and nbytes <= MAX_ASIDE_BYTES and room:
         trash.mkdir(parents=True, exist_ok=True)
         os.rename(path, trash / f"{path.name}-{secrets.token_hex(4)}")
     else:

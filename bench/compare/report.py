@@ -36,7 +36,7 @@ def aggregate(records: Iterable[dict[str, Any]]) -> dict[tuple[str, str, str], d
     for key, rs in groups.items():
         agg: dict[str, Any] = {"bytes": rs[0]["bytes"], "tensors": rs[0].get("tensors"), "records": len(rs)}
         for field in ("seconds", "extra_peak", "blocking_s", "blocking_first_s", "staged_s", "copy_ref_s", "copy_ref_before_s",
-                      "durable_first_s", "sync_seconds", "resident_before", "sync_after_s",
+                      "durable_first_s", "sync_seconds", "resident_before", "sync_after_s", "resident_after_save",
                       "sync_before_s", "durable_over_sync", "durable_over_sync_after"):  # fmt: skip
             vals = [float(r[field]) for r in rs if r.get(field) is not None]
             if vals:
@@ -214,6 +214,17 @@ def _state_table(agg: dict[tuple[str, str, str], dict[str, Any]], state: str) ->
         cells.append("yes" if all(x and x["verified"] for x in loads) else "NO")
         cells.append(str(sv["version"]) if sv else "")
         lines.append("| " + " | ".join(cells) + " |")
+    left = [
+        f"{n} {a['resident_after_save']['median'] * 100:.0f}%"
+        for n in names
+        if (a := agg.get((state, n, "load_warm"))) and "resident_after_save" in a
+    ]
+    if left:
+        lines += [
+            "",
+            "Warm loads read every file once (untimed) first; what the save itself left in the page cache "
+            "(median fraction of the files resident before that read): " + ", ".join(left) + ".",
+        ]
     dd = [
         (n, op, agg.get((state, n, op)))
         for n, op in (("dd-direct", "save"), ("dd-fdatasync", "save"), ("dd-direct", "load_cold"))

@@ -10,8 +10,10 @@ Operations:
 * ``save``: the system's save, made durable (its own fsync, or an explicit
   fsync of every file, timed, where it has none);
 * ``load_warm`` / ``load_cold``: load what ``save`` wrote, with the page cache
-  warm, and after ``os.sync`` + ``posix_fadvise(DONTNEED)`` on every file
-  (the fraction still resident is recorded); the loaded bytes are checked
+  warm (every file read once first, untimed: a save may bypass the cache; the
+  fraction the save left resident is recorded), and after ``os.sync`` +
+  ``posix_fadvise(DONTNEED)`` on every file (the fraction still resident is
+  recorded); the loaded bytes are checked
   against the source (outside the timed region);
 * ``async``: the system's asynchronous save variants (time to return, to
   durable, extra memory);
@@ -48,6 +50,7 @@ from bench.compare.common import (
     set_aside,
     state_bytes,
     tree_files,
+    warm_cache,
 )
 
 # system name -> "module:Class"; the module is imported only when that system runs
@@ -100,7 +103,8 @@ def op_save(ad: Any, path: str, base: dict[str, Any]) -> dict[str, Any]:
 
 def op_load(ad: Any, path: str, base: dict[str, Any], expected: str, cold: bool) -> dict[str, Any]:
     ad.prepare_load()
-    resident = drop_cache(path) if cold else None
+    # warm: every byte in the page cache first (the save may have bypassed it)
+    resident = drop_cache(path) if cold else warm_cache(path)
     r0 = rss()
     reset_peak()
     t0 = time.perf_counter()
@@ -110,8 +114,7 @@ def op_load(ad: Any, path: str, base: dict[str, Any], expected: str, cold: bool)
     got = fingerprint(ad.loaded())
     ad.clear()
     rec = {**base, "seconds": t1 - t0, "extra_peak": extra, "verified": got == expected}
-    if cold:
-        rec["resident_before"] = resident
+    rec["resident_before" if cold else "resident_after_save"] = resident
     return rec
 
 

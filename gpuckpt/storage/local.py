@@ -7,18 +7,32 @@ files), then renamed to ``<name>`` in one step, and the parent directory is
 fsynced. A reader therefore sees either no checkpoint or a complete one.
 Temporaries left by crashed processes are removed by the next save to the
 same path.
+
+Large chunk files (1 MiB and more) are written with ``O_DIRECT`` where the
+file system supports it: the bytes go from a page-aligned bounce buffer,
+checksummed there, straight to the device, so a save neither fills the page
+cache with dirty pages that the durability barrier then has to wait for, nor
+evicts what the training process has cached. The unaligned tail of each file
+(and every small file) is written through the page cache as before. Where
+``O_DIRECT`` is refused the writer falls back to buffered writes for the rest
+of the save. ``GPUCKPT_DIRECT_IO=0`` (or ``LocalWriter(direct_io=False)``)
+turns it off.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import mmap
 import os
 import secrets
 import stat
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from gpuckpt.errors import (
     CheckpointExistsError,
@@ -40,6 +54,36 @@ _MANY_FILES = 64
 _PIECE = 1 << 20
 _WRITEBACK_MIN = 1 << 20
 _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+#: chunk files of at least this size are written with O_DIRECT (where supported)
+DIRECT_MIN_BYTES = 1 << 20
+#: O_DIRECT offsets, lengths and buffer addresses are kept multiples of this
+_DIRECT_ALIGN = 4096
+
+
+def direct_io_default() -> bool:
+    """Whether writers use ``O_DIRECT`` unless told otherwise (``GPUCKPT_DIRECT_IO``)."""
+    value = os.environ.get("GPUCKPT_DIRECT_IO", "1").strip().lower()
+    if value in ("1", "on", "true", "yes", "auto", ""):
+        return bool(_O_DIRECT)
+    if value in ("0", "off", "false", "no"):
+        return False
+    raise ValueError(f"GPUCKPT_DIRECT_IO={value!r}; expected 1/on or 0/off")
+
+
+def _open_direct(path: str) -> int:
+    """Create ``path`` for writing with ``O_DIRECT`` (a seam for tests of the fallback)."""
+    return os.open(path, _CREATE_FLAGS | _O_DIRECT, 0o644)
+
+
+def _address(view: memoryview) -> int:
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data) if view.nbytes else 0
+
+
+def _clear_direct(fd: int) -> None:
+    import fcntl  # POSIX only; O_DIRECT exists only where it does
+
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_O_DIRECT)
 
 
 def is_committed(path: Path) -> bool:
@@ -78,10 +122,13 @@ class LocalWriter(CheckpointWriter):
         overwrite: bool = False,
         sync: str = "auto",
         expected_files: int = 0,
+        direct_io: bool | None = None,
     ) -> None:
         """``sync``: ``"file"`` fsyncs each file as it is written, ``"fs"`` runs one
         syncfs before publishing (cheaper for many small files), ``"none"`` skips
-        durability (tests, scratch data); ``"auto"`` picks ``"fs"`` above 64 files."""
+        durability (tests, scratch data); ``"auto"`` picks ``"fs"`` above 64 files.
+        ``direct_io``: write large chunk files with ``O_DIRECT`` (default: on where
+        the platform has it, unless ``GPUCKPT_DIRECT_IO=0``); never with ``sync="none"``."""
         if sync not in SYNC_MODES:
             raise ValueError(f"sync={sync!r}; expected one of {SYNC_MODES}")
         self.path = Path(path).absolute()
@@ -93,6 +140,10 @@ class LocalWriter(CheckpointWriter):
             self.path.parent / f".{self.path.name}{_TMP_TAG}{fsutil.tmp_owner()}-{secrets.token_hex(4)}"
         )
         self._dirs: list[Path] = []
+        self.direct_io = (direct_io_default() if direct_io is None else bool(direct_io and _O_DIRECT)) and (
+            sync != "none"
+        )
+        self._bounce = threading.local()  # one aligned buffer per I/O thread
 
     @property
     def token(self) -> str:
@@ -169,6 +220,11 @@ class LocalWriter(CheckpointWriter):
         digest: Callable[[Any], None],
         trailer: Callable[[], bytes],
     ) -> None:
+        if self.direct_io and sum(memoryview(p).nbytes for p in parts) >= DIRECT_MIN_BYTES:
+            fd = self._create_direct(f"{name}/{key}")
+            if fd is not None:
+                self._write_direct(fd, parts, digest, trailer)
+                return
         # checksum and write in pieces that are still in the CPU cache
         fd = self._create(f"{name}/{key}")
         try:
@@ -195,6 +251,88 @@ class LocalWriter(CheckpointWriter):
                 fsutil.start_writeback(fd)
         finally:
             os.close(fd)
+
+    def _create_direct(self, rel: str) -> int | None:
+        """The new file opened with ``O_DIRECT``; None (and buffered from now on) where refused."""
+        try:
+            return _open_direct(f"{self.tmp}/{rel}")
+        except OSError as exc:
+            if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):
+                raise
+            self.direct_io = False
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(f"{self.tmp}/{rel}")  # created before the flag was refused
+            return None
+
+    def _bounce_buffer(self) -> memoryview:
+        buf = getattr(self._bounce, "buf", None)
+        if buf is None:
+            buf = self._bounce.buf = mmap.mmap(-1, _PIECE)  # page-aligned
+        return memoryview(buf)
+
+    def _write_direct(
+        self, fd: int, parts: Sequence[Any], digest: Callable[[Any], None], trailer: Callable[[], bytes]
+    ) -> None:
+        """Write ``parts`` with ``O_DIRECT`` in pieces, each checksummed just before it is written:
+        straight from page-aligned memory, else copied through the aligned bounce buffer (and
+        checksummed there). The unaligned tail and the trailer go through the page cache."""
+        bounce = self._bounce_buffer()
+        direct = True
+        try:
+            fill = 0
+            for p in parts:
+                view = memoryview(p).cast("B")
+                i = 0
+                if fill == 0 and _address(view) % _DIRECT_ALIGN == 0:
+                    # page-aligned memory (a staging arena): written straight from it
+                    aligned = view.nbytes - view.nbytes % _DIRECT_ALIGN
+                    for i in range(0, aligned, _PIECE):
+                        piece = view[i : min(aligned, i + _PIECE)]
+                        digest(piece)
+                        direct = self._write_aligned(fd, piece, direct)
+                    i = aligned
+                while i < view.nbytes:
+                    take = min(_PIECE - fill, view.nbytes - i)
+                    bounce[fill : fill + take] = view[i : i + take]
+                    fill += take
+                    i += take
+                    if fill == _PIECE:
+                        digest(bounce)
+                        direct = self._write_aligned(fd, bounce, direct)
+                        fill = 0
+            if fill:
+                digest(bounce[:fill])
+            aligned = fill - fill % _DIRECT_ALIGN
+            if aligned:
+                direct = self._write_aligned(fd, bounce[:aligned], direct)
+            if direct:
+                _clear_direct(fd)
+            writev_all(fd, [bounce[aligned:fill], trailer()])
+            if self.sync == "file":
+                os.fsync(fd)
+            elif self.sync == "fs":
+                fsutil.start_writeback(fd)  # the buffered tail
+        finally:
+            os.close(fd)
+
+    def _write_aligned(self, fd: int, data: memoryview, direct: bool) -> bool:
+        """Write aligned ``data``; returns whether ``fd`` is still in direct mode (a file system may
+        accept the flag at open and refuse the write: the rest of this save is then buffered)."""
+        if not direct:
+            write_all(fd, data)
+            return False
+        at = os.lseek(fd, 0, os.SEEK_CUR)
+        try:
+            write_all(fd, data)
+            return True
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+        _clear_direct(fd)
+        self.direct_io = False
+        os.lseek(fd, at, os.SEEK_SET)
+        write_all(fd, data)
+        return False
 
     def _make_durable(self) -> None:
         if self.sync == "none":
