@@ -38,7 +38,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository, for bench.compare
 
 import gpuckpt
-from bench.compare.common import SETTLE_S, set_aside, settle
+from bench.compare.common import SETTLE_S, set_aside, settle, warm_cache
 from gpuckpt.device.arrays import is_array
 from gpuckpt.state import flatten_state_dict
 from gpuckpt.testing.rawio import (
@@ -74,6 +74,7 @@ def bench_state(label: str, sd: dict[str, Any], rounds: int, base: Path) -> dict
             p = base / f"{label}-{name}-{r}"
             os.sync()  # nothing dirty from the previous system is flushed on this one's time
             ts = timed(lambda: save(p))
+            warm_cache(os.fspath(p))  # warm means cached, whatever the save left (O_DIRECT leaves nothing)
             tl = timed(lambda: load(p))
             if r > 0:
                 times[name]["save"].append(ts)
