@@ -50,6 +50,9 @@ SYSTEMS = [
     System("raw-single", "main", LOAD_OPS),
     System("gpuckpt", "main", LOAD_OPS, ("gpuckpt",)),
     System("gpuckpt-async", "main", "async", ("gpuckpt",)),
+    # the same with GPUCKPT_DIRECT_IO=0 (every write through the page cache): opt-in, --systems
+    System("gpuckpt-buffered", "main", LOAD_OPS, ("gpuckpt",)),
+    System("gpuckpt-async-buffered", "main", "async", ("gpuckpt",)),
     System("tensorstore", "main", LOAD_OPS, ("tensorstore",)),
     System("torch-save", "peer", LOAD_OPS, ("torch",)),
     System("safetensors", "peer", LOAD_OPS, ("torch", "safetensors")),
@@ -58,7 +61,9 @@ SYSTEMS = [
     System("dcp-async", "peer", "async", ("torch",)),
     System("orbax", "peer", LOAD_OPS, ("orbax.checkpoint",)),
 ]
-ASYNC_SYSTEMS = {"gpuckpt-async", "dcp-async"}
+ASYNC_SYSTEMS = {"gpuckpt-async", "gpuckpt-async-buffered", "dcp-async"}
+#: run only when named in --systems
+OPT_IN_SYSTEMS = {"gpuckpt-buffered", "gpuckpt-async-buffered"}
 
 
 def setup_peers(base_python: str = PEER_BASE_PYTHON) -> int:
@@ -262,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         "earlier to stop slowing down file creation",
     )
     ap.add_argument("--async-states", default="gpt,small", help="states the async systems run on")
-    ap.add_argument("--systems", default=",".join(s.name for s in SYSTEMS))
+    ap.add_argument("--systems", default=",".join(s.name for s in SYSTEMS if s.name not in OPT_IN_SYSTEMS))
     ap.add_argument("--dir", help="where checkpoints are written (default: a temp dir on /tmp's disk)")
     ap.add_argument("--out", default=str(REPO / "bench" / "out"), help="folder for the raw JSON records")
     ap.add_argument("--md", default=str(REPO / "bench" / "RESULTS-compare.md"))

@@ -12,7 +12,7 @@ import numpy as np
 
 from bench.compare.adapter import Adapter, measure_async, timed_copy
 
-__all__ = ["Gpuckpt", "RawFiles", "RawSingle", "TensorStoreZarr3"]
+__all__ = ["Gpuckpt", "GpuckptBuffered", "RawFiles", "RawSingle", "TensorStoreZarr3"]
 
 _CHUNK_BYTES = 64 << 20
 
@@ -84,7 +84,19 @@ class Gpuckpt(Adapter):
                 copy_after=lambda: timed_copy(self.state),
             )
 
-        return {"gpuckpt-async": run}
+        return {self.async_name: run}
+
+    async_name = "gpuckpt-async"
+
+
+class GpuckptBuffered(Gpuckpt):
+    """gpuckpt with ``GPUCKPT_DIRECT_IO=0``: large chunk files written through the page cache too."""
+
+    async_name = "gpuckpt-async-buffered"
+
+    def __init__(self, state: dict[str, np.ndarray]) -> None:
+        os.environ["GPUCKPT_DIRECT_IO"] = "0"  # this measurement process only
+        super().__init__(state)
 
 
 def _chunk_shape(shape: tuple[int, ...], itemsize: int) -> list[int]:
