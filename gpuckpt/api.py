@@ -23,6 +23,7 @@ from gpuckpt.reading import TensorEntry, check_chunk_files, read_tensors, valida
 from gpuckpt.state import flatten_state_dict, select_fqns, unflatten_state_dict
 from gpuckpt.storage.base import CheckpointReader
 from gpuckpt.storage.layout import metadata_from_root_document
+from gpuckpt.storage.local import direct_io_setting
 from gpuckpt.storage.objects import decode_object
 from gpuckpt.storage.stores import open_reader, open_writer
 from gpuckpt.writing import build_save_plan, execute_save
@@ -114,7 +115,12 @@ def save(
         )
     plan = build_save_plan(state_dict, chunk_bytes=chunk_bytes, allow_pickle=allow_pickle)
     writer = open_writer(
-        path, overwrite=overwrite, sync=sync, expected_files=plan.nfiles, storage_options=storage_options
+        path,
+        overwrite=overwrite,
+        sync=sync,
+        expected_files=plan.nfiles,
+        storage_options=storage_options,
+        direct_io=direct_io_setting(False),  # what is just written stays cached for a reader
     )
     return execute_save(
         plan,

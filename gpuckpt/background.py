@@ -29,6 +29,7 @@ from gpuckpt.memory_format import physical_order, preserve_format
 from gpuckpt.metadata import STATE_DICT_TYPE, Metadata
 from gpuckpt.planning import DEFAULT_CHUNK_BYTES
 from gpuckpt.progress import ProgressCallback
+from gpuckpt.storage.local import direct_io_setting
 from gpuckpt.storage.stores import open_writer
 from gpuckpt.writing import SavePlan, TensorPlan, build_save_plan, device_backends, execute_save
 
@@ -318,7 +319,13 @@ def async_save(
             pool.release(arena)
             raise
     writer = open_writer(
-        path, overwrite=overwrite, sync=sync, expected_files=plan.nfiles, storage_options=storage_options
+        path,
+        overwrite=overwrite,
+        sync=sync,
+        expected_files=plan.nfiles,
+        storage_options=storage_options,
+        # straight from the arena to the device: no dirty page cache next to the training process
+        direct_io=direct_io_setting(True),
     )
 
     def run() -> Metadata:

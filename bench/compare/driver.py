@@ -50,8 +50,9 @@ SYSTEMS = [
     System("raw-single", "main", LOAD_OPS),
     System("gpuckpt", "main", LOAD_OPS, ("gpuckpt",)),
     System("gpuckpt-async", "main", "async", ("gpuckpt",)),
-    # the same with GPUCKPT_DIRECT_IO=0 (every write through the page cache): opt-in, --systems
-    System("gpuckpt-buffered", "main", LOAD_OPS, ("gpuckpt",)),
+    # the same with the other setting of GPUCKPT_DIRECT_IO (sync saves direct, async saves
+    # buffered): opt-in, by --systems
+    System("gpuckpt-direct", "main", LOAD_OPS, ("gpuckpt",)),
     System("gpuckpt-async-buffered", "main", "async", ("gpuckpt",)),
     System("tensorstore", "main", LOAD_OPS, ("tensorstore",)),
     System("torch-save", "peer", LOAD_OPS, ("torch",)),
@@ -63,7 +64,7 @@ SYSTEMS = [
 ]
 ASYNC_SYSTEMS = {"gpuckpt-async", "gpuckpt-async-buffered", "dcp-async"}
 #: run only when named in --systems
-OPT_IN_SYSTEMS = {"gpuckpt-buffered", "gpuckpt-async-buffered"}
+OPT_IN_SYSTEMS = {"gpuckpt-direct", "gpuckpt-async-buffered"}
 
 
 def setup_peers(base_python: str = PEER_BASE_PYTHON) -> int:

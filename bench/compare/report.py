@@ -18,7 +18,7 @@ STATE_TITLES = {
     "gpt-adam": "GPT-like model + Adam moments",
     "small": "small tensors (4-64 KiB each)",
 }
-ORDER = ["raw-files", "raw-single", "gpuckpt", "gpuckpt-buffered", *PEERS]
+ORDER = ["raw-files", "raw-single", "gpuckpt", "gpuckpt-direct", *PEERS]
 
 
 def _stats(values: list[float]) -> dict[str, float]:
@@ -246,7 +246,7 @@ def _async_table(agg: dict[tuple[str, str, str], dict[str, Any]], state: str) ->
     rows = [(n, a) for (s, n, op), a in agg.items() if s == state and op == "async"]
     if not rows:
         return []
-    sync_ref = {"gpuckpt-async": "gpuckpt", "gpuckpt-async-buffered": "gpuckpt-buffered", "dcp-async-default": "dcp-t2", "dcp-async-cached": "dcp-t2",
+    sync_ref = {"gpuckpt-async": "gpuckpt", "gpuckpt-async-buffered": "gpuckpt", "dcp-async-default": "dcp-t2", "dcp-async-cached": "dcp-t2",
                 "dcp-async-bgstage": "dcp-t2"}  # fmt: skip
     lines = [
         f"#### async save, {STATE_TITLES.get(state, state)}",

@@ -59,7 +59,7 @@ ADAPTERS = {
     "raw-single": "bench.compare.sys_native:RawSingle",
     "gpuckpt": "bench.compare.sys_native:Gpuckpt",
     "gpuckpt-async": "bench.compare.sys_native:Gpuckpt",
-    "gpuckpt-buffered": "bench.compare.sys_native:GpuckptBuffered",
+    "gpuckpt-direct": "bench.compare.sys_native:GpuckptDirect",
     "gpuckpt-async-buffered": "bench.compare.sys_native:GpuckptBuffered",
     "tensorstore": "bench.compare.sys_native:TensorStoreZarr3",
     "torch-save": "bench.compare.sys_torch:TorchSave",

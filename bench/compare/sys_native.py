@@ -12,7 +12,7 @@ import numpy as np
 
 from bench.compare.adapter import Adapter, measure_async, timed_copy
 
-__all__ = ["Gpuckpt", "GpuckptBuffered", "RawFiles", "RawSingle", "TensorStoreZarr3"]
+__all__ = ["Gpuckpt", "GpuckptBuffered", "GpuckptDirect", "RawFiles", "RawSingle", "TensorStoreZarr3"]
 
 _CHUNK_BYTES = 64 << 20
 
@@ -90,12 +90,20 @@ class Gpuckpt(Adapter):
 
 
 class GpuckptBuffered(Gpuckpt):
-    """gpuckpt with ``GPUCKPT_DIRECT_IO=0``: large chunk files written through the page cache too."""
+    """gpuckpt with ``GPUCKPT_DIRECT_IO=0``: the async save writes through the page cache too."""
 
     async_name = "gpuckpt-async-buffered"
 
     def __init__(self, state: dict[str, np.ndarray]) -> None:
         os.environ["GPUCKPT_DIRECT_IO"] = "0"  # this measurement process only
+        super().__init__(state)
+
+
+class GpuckptDirect(Gpuckpt):
+    """gpuckpt with ``GPUCKPT_DIRECT_IO=1``: the synchronous save writes with O_DIRECT too."""
+
+    def __init__(self, state: dict[str, np.ndarray]) -> None:
+        os.environ["GPUCKPT_DIRECT_IO"] = "1"  # this measurement process only
         super().__init__(state)
 
 

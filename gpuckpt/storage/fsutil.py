@@ -13,6 +13,7 @@ from pathlib import Path
 __all__ = [
     "exchange",
     "fsync_dir",
+    "preallocate",
     "start_writeback",
     "pid_alive",
     "rename_noreplace",
@@ -73,6 +74,21 @@ def start_writeback(fd: int) -> None:
     fn = getattr(_libc, "sync_file_range", None)
     if fn is not None:
         fn(fd, ctypes.c_int64(0), ctypes.c_int64(0), ctypes.c_uint(_SYNC_FILE_RANGE_WRITE))
+
+
+_FALLOC_FL_KEEP_SIZE = 1
+
+
+def preallocate(fd: int, nbytes: int) -> None:
+    """Reserve ``nbytes`` of space for ``fd`` from offset 0 in as few extents as the file
+    system can (Linux ``fallocate`` with ``FALLOC_FL_KEEP_SIZE``: the size stays as written).
+
+    A hint: where the call or the mode is unsupported, or space is short (the
+    write that follows reports that), nothing happens.
+    """
+    fn = getattr(_libc, "fallocate", None)
+    if fn is not None:
+        fn(fd, ctypes.c_int(_FALLOC_FL_KEEP_SIZE), ctypes.c_int64(0), ctypes.c_int64(nbytes))
 
 
 def fsync_dir(path: Path) -> None:

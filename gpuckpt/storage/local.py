@@ -8,15 +8,18 @@ fsynced. A reader therefore sees either no checkpoint or a complete one.
 Temporaries left by crashed processes are removed by the next save to the
 same path.
 
-Large chunk files (1 MiB and more) are written with ``O_DIRECT`` where the
-file system supports it: the bytes go from a page-aligned bounce buffer,
-checksummed there, straight to the device, so a save neither fills the page
-cache with dirty pages that the durability barrier then has to wait for, nor
-evicts what the training process has cached. The unaligned tail of each file
-(and every small file) is written through the page cache as before. Where
-``O_DIRECT`` is refused the writer falls back to buffered writes for the rest
-of the save. ``GPUCKPT_DIRECT_IO=0`` (or ``LocalWriter(direct_io=False)``)
-turns it off.
+A writer made with ``direct_io=True`` (what :func:`gpuckpt.async_save` uses)
+writes large chunk files (1 MiB and more) with ``O_DIRECT`` where the file
+system supports it: the bytes go from page-aligned memory (the staging
+arena) or a page-aligned bounce buffer, checksummed there, straight to the
+device, into space allocated up front for the whole file. A background save
+then neither fills the page cache with dirty pages that its durability
+barrier has to wait for, nor evicts what the training process has cached.
+The unaligned tail of each file (and every small file) goes through the
+page cache. Where ``O_DIRECT`` is refused the writer falls back to buffered
+writes for the rest of the save. Synchronous saves write through the page
+cache, so that a checkpoint read soon after is served from memory;
+``GPUCKPT_DIRECT_IO=1`` or ``0`` forces either for every save.
 """
 
 from __future__ import annotations
@@ -61,14 +64,20 @@ DIRECT_MIN_BYTES = 1 << 20
 _DIRECT_ALIGN = 4096
 
 
-def direct_io_default() -> bool:
-    """Whether writers use ``O_DIRECT`` unless told otherwise (``GPUCKPT_DIRECT_IO``)."""
-    value = os.environ.get("GPUCKPT_DIRECT_IO", "1").strip().lower()
-    if value in ("1", "on", "true", "yes", "auto", ""):
-        return bool(_O_DIRECT)
-    if value in ("0", "off", "false", "no"):
-        return False
-    raise ValueError(f"GPUCKPT_DIRECT_IO={value!r}; expected 1/on or 0/off")
+def direct_io_setting(default: bool) -> bool:
+    """Whether a save writes large chunk files with ``O_DIRECT``: ``default`` (the caller's
+    choice: on for background saves, off for synchronous ones) unless ``GPUCKPT_DIRECT_IO``
+    says ``1``/``on`` or ``0``/``off``; never where the platform has no ``O_DIRECT``."""
+    value = os.environ.get("GPUCKPT_DIRECT_IO", "auto").strip().lower()
+    if value in ("auto", ""):
+        choice = default
+    elif value in ("1", "on", "true", "yes"):
+        choice = True
+    elif value in ("0", "off", "false", "no"):
+        choice = False
+    else:
+        raise ValueError(f"GPUCKPT_DIRECT_IO={value!r}; expected auto, 1/on or 0/off")
+    return choice and bool(_O_DIRECT)
 
 
 def _open_direct(path: str) -> int:
@@ -122,13 +131,13 @@ class LocalWriter(CheckpointWriter):
         overwrite: bool = False,
         sync: str = "auto",
         expected_files: int = 0,
-        direct_io: bool | None = None,
+        direct_io: bool = False,
     ) -> None:
         """``sync``: ``"file"`` fsyncs each file as it is written, ``"fs"`` runs one
         syncfs before publishing (cheaper for many small files), ``"none"`` skips
         durability (tests, scratch data); ``"auto"`` picks ``"fs"`` above 64 files.
-        ``direct_io``: write large chunk files with ``O_DIRECT`` (default: on where
-        the platform has it, unless ``GPUCKPT_DIRECT_IO=0``); never with ``sync="none"``."""
+        ``direct_io``: write large chunk files with ``O_DIRECT`` where the platform
+        and the file system allow it (see the module docstring); never with ``sync="none"``."""
         if sync not in SYNC_MODES:
             raise ValueError(f"sync={sync!r}; expected one of {SYNC_MODES}")
         self.path = Path(path).absolute()
@@ -140,9 +149,7 @@ class LocalWriter(CheckpointWriter):
             self.path.parent / f".{self.path.name}{_TMP_TAG}{fsutil.tmp_owner()}-{secrets.token_hex(4)}"
         )
         self._dirs: list[Path] = []
-        self.direct_io = (direct_io_default() if direct_io is None else bool(direct_io and _O_DIRECT)) and (
-            sync != "none"
-        )
+        self.direct_io = bool(direct_io and _O_DIRECT) and sync != "none"
         self._bounce = threading.local()  # one aligned buffer per I/O thread
 
     @property
@@ -220,9 +227,11 @@ class LocalWriter(CheckpointWriter):
         digest: Callable[[Any], None],
         trailer: Callable[[], bytes],
     ) -> None:
-        if self.direct_io and sum(memoryview(p).nbytes for p in parts) >= DIRECT_MIN_BYTES:
+        if self.direct_io and (size := sum(memoryview(p).nbytes for p in parts)) >= DIRECT_MIN_BYTES:
             fd = self._create_direct(f"{name}/{key}")
             if fd is not None:
+                # direct writes allocate blocks as they land: concurrent files would interleave
+                fsutil.preallocate(fd, size)
                 self._write_direct(fd, parts, digest, trailer)
                 return
         # checksum and write in pieces that are still in the CPU cache

@@ -58,10 +58,17 @@ def open_writer(
     sync: str = "auto",
     expected_files: int = 0,
     storage_options: dict[str, Any] | None = None,
+    direct_io: bool = False,
 ) -> CheckpointWriter:
-    """A writer for a new checkpoint at ``path``."""
+    """A writer for a new checkpoint at ``path`` (``direct_io``: see :mod:`gpuckpt.storage.local`)."""
     if scheme_of(path) == "file":
-        return LocalWriter(_local_path(path), overwrite=overwrite, sync=sync, expected_files=expected_files)
+        return LocalWriter(
+            _local_path(path),
+            overwrite=overwrite,
+            sync=sync,
+            expected_files=expected_files,
+            direct_io=direct_io,
+        )
     writer, _ = _lookup(path)
     return writer(os.fspath(path), overwrite=overwrite, **(storage_options or {}))
 

@@ -1,4 +1,5 @@
-"""Large chunk files written with O_DIRECT: same bytes as buffered writes, and real fallbacks."""
+"""Large chunk files written with O_DIRECT: same bytes as buffered writes, the defaults
+(background saves direct, synchronous ones buffered), and real fallbacks."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 
 import gpuckpt
 from gpuckpt.storage import local
-from gpuckpt.storage.local import DIRECT_MIN_BYTES, LocalWriter
+from gpuckpt.storage.local import DIRECT_MIN_BYTES, LocalWriter, direct_io_setting
 from gpuckpt.verify import verify_checkpoint
 
 MiB = 1 << 20
@@ -183,13 +184,52 @@ def test_other_errors_fail_the_save_and_publish_nothing(tmp_path, monkeypatch):
 
 
 def test_switches(tmp_path, monkeypatch):
-    monkeypatch.setenv("GPUCKPT_DIRECT_IO", "0")
-    assert not LocalWriter(tmp_path / "a").direct_io
-    assert LocalWriter(tmp_path / "a", direct_io=True).direct_io == bool(getattr(os, "O_DIRECT", 0))
+    has = bool(getattr(os, "O_DIRECT", 0))
+    assert not LocalWriter(tmp_path / "a").direct_io  # a plain writer is buffered
+    assert LocalWriter(tmp_path / "a", direct_io=True).direct_io == has
+    assert not LocalWriter(tmp_path / "a", direct_io=True, sync="none").direct_io  # scratch data
+    monkeypatch.delenv("GPUCKPT_DIRECT_IO", raising=False)
+    assert (direct_io_setting(True), direct_io_setting(False)) == (has, False)
+    monkeypatch.setenv("GPUCKPT_DIRECT_IO", "auto")
+    assert (direct_io_setting(True), direct_io_setting(False)) == (has, False)
     monkeypatch.setenv("GPUCKPT_DIRECT_IO", "on")
-    assert LocalWriter(tmp_path / "a").direct_io == bool(getattr(os, "O_DIRECT", 0))
-    assert not LocalWriter(tmp_path / "a", direct_io=False).direct_io
-    assert not LocalWriter(tmp_path / "a", sync="none").direct_io  # scratch data: no point
+    assert (direct_io_setting(True), direct_io_setting(False)) == (has, has)
+    monkeypatch.setenv("GPUCKPT_DIRECT_IO", "0")
+    assert (direct_io_setting(True), direct_io_setting(False)) == (False, False)
     monkeypatch.setenv("GPUCKPT_DIRECT_IO", "sometimes")
     with pytest.raises(ValueError, match="GPUCKPT_DIRECT_IO='sometimes'"):
-        LocalWriter(tmp_path / "a")
+        direct_io_setting(True)
+    with pytest.raises(ValueError, match="GPUCKPT_DIRECT_IO='sometimes'"):
+        gpuckpt.save({"w": np.ones(3)}, tmp_path / "ck")
+    assert not (tmp_path / "ck").exists()
+
+
+@pytest.mark.skipif(not hasattr(os, "RWF_NOWAIT"), reason="needs preadv2(RWF_NOWAIT) to see the page cache")
+def test_by_default_background_saves_bypass_the_cache_and_synchronous_ones_do_not(tmp_path, monkeypatch):
+    if not _direct_supported(tmp_path):
+        pytest.skip(f"{tmp_path} refuses O_DIRECT")
+    monkeypatch.delenv("GPUCKPT_DIRECT_IO", raising=False)
+    state = {"w": np.ones(2 * MiB // 4, np.float32)}
+    gpuckpt.save(state, tmp_path / "sync")
+    gpuckpt.async_save(state, tmp_path / "async").result()
+    chunk = Path("w") / "c.0"
+    assert _cached(tmp_path / "sync" / chunk)
+    assert not _cached(tmp_path / "async" / chunk)
+    assert (tmp_path / "sync" / chunk).read_bytes() == (tmp_path / "async" / chunk).read_bytes()
+
+
+def test_direct_files_are_allocated_in_few_extents(tmp_path, monkeypatch):
+    # concurrent direct writes allocate as they land; the space reserved up front keeps
+    # each file contiguous where the file system can (FIEMAP through filefrag, if present)
+    import shutil
+    import subprocess
+
+    if not _direct_supported(tmp_path) or shutil.which("filefrag") is None:
+        pytest.skip("needs O_DIRECT on the temporary directory and filefrag")
+    state = {f"w{i}": np.full(8 * MiB // 4, i, np.float32) for i in range(8)}
+    _save(state, tmp_path / "ck", monkeypatch, "1")
+    files = [os.fspath(p) for p in (tmp_path / "ck").glob("w*/c.0")]
+    out = subprocess.run(["filefrag", *files], capture_output=True, text=True, check=True).stdout
+    extents = [int(line.rsplit(":", 1)[1].split()[0]) for line in out.splitlines() if "extent" in line]
+    assert len(extents) == 8
+    assert max(extents) <= 2, out
