@@ -233,3 +233,29 @@ def test_direct_files_are_allocated_in_few_extents(tmp_path, monkeypatch):
     extents = [int(line.rsplit(":", 1)[1].split()[0]) for line in out.splitlines() if "extent" in line]
     assert len(extents) == 8
     assert max(extents) <= 2, out
+
+
+def test_a_failed_direct_write_fails_the_async_save_and_keeps_the_old_one(tmp_path, monkeypatch):
+    if not _direct_supported(tmp_path):
+        pytest.skip(f"{tmp_path} refuses O_DIRECT")
+    import fcntl
+
+    monkeypatch.delenv("GPUCKPT_DIRECT_IO", raising=False)
+    old = tmp_path / "ck"
+    gpuckpt.save({"w": np.zeros(MiB, np.float32)}, old)
+    real = local.write_all
+    hits: list[int] = []
+
+    def write_all(fd: int, data) -> None:
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            hits.append(fd)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real(fd, data)
+
+    monkeypatch.setattr(local, "write_all", write_all)
+    exc = gpuckpt.async_save({"w": np.ones(MiB, np.float32)}, old, overwrite=True).exception(timeout=60)
+    assert hits, "the direct path was not taken"
+    assert isinstance(exc, gpuckpt.CheckpointWriteError) and exc.errno == errno.ENOSPC, exc
+    assert "nothing was published" in str(exc)
+    assert [p.name for p in tmp_path.iterdir()] == ["ck"]  # no temporary left
+    np.testing.assert_array_equal(gpuckpt.load_state_dict(old)["w"], np.zeros(MiB, np.float32))

@@ -174,3 +174,22 @@ def test_full_tmpfs_publishes_nothing_and_frees_space(small_fs: Path, sync: str,
     # a save that fits still works on the same file system
     gpuckpt.save(state(3, 1.0), target, overwrite=True, sync=sync)
     assert_holds(target, 3, 1.0)
+
+
+@pytest.mark.parametrize(
+    "fault",
+    [Fault("write", 3, errno.ENOSPC), Fault("open", 4, errno.ENOSPC), Fault("fsync", 2, errno.EIO)],
+    ids=["write-enospc", "create-enospc", "fsync-eio"],
+)
+def test_injected_io_error_in_async_save_of_large_chunks(tmp_path: Path, fault: Fault) -> None:
+    # 2 MiB chunk files: async_save writes them with O_DIRECT where the file system allows
+    old = tmp_path / "ckpt"
+    gpuckpt.save(state(1, mib=16), old)
+    with inject_os_faults(fault):
+        fut = gpuckpt.async_save(state(2, mib=16), old, overwrite=True, sync="file")
+        exc = fut.exception(timeout=60)
+    assert exc is not None
+    assert_clean_failure(exc, fault.err, tmp_path)
+    assert_holds(old, 1, mib=16)
+    gpuckpt.async_save(state(2, mib=16), old, overwrite=True, sync="file").result()
+    assert_holds(old, 2, mib=16)
