@@ -252,14 +252,18 @@ class LocalWriter(CheckpointWriter):
                         digest(piece)
                         write_all(fd, piece)
                 write_all(fd, trailer())
-            if self.sync == "file":
-                os.fsync(fd)
-            elif self.sync == "fs" and total >= _WRITEBACK_MIN:
-                # large files start their writeback now, so that the final syncfs
-                # waits for less; for small ones the extra call costs more than it saves
-                fsutil.start_writeback(fd)
+            self._settle(fd, total)
         finally:
             os.close(fd)
+
+    def _settle(self, fd: int, nbytes: int) -> None:
+        """A written chunk file's share of durability: its fsync (``"file"``), or the start
+        of its writeback (``"fs"``) for large files, so that the final syncfs waits for
+        less; for small ones the extra call costs more than it saves."""
+        if self.sync == "file":
+            os.fsync(fd)
+        elif self.sync == "fs" and nbytes >= _WRITEBACK_MIN:
+            fsutil.start_writeback(fd)
 
     def _create_direct(self, rel: str) -> int | None:
         """The new file opened with ``O_DIRECT``; None (and buffered from now on) where refused."""
@@ -317,10 +321,7 @@ class LocalWriter(CheckpointWriter):
             if direct:
                 _clear_direct(fd)
             writev_all(fd, [bounce[aligned:fill], trailer()])
-            if self.sync == "file":
-                os.fsync(fd)
-            elif self.sync == "fs":
-                fsutil.start_writeback(fd)  # the buffered tail
+            self._settle(fd, sum(memoryview(p).nbytes for p in parts))
         finally:
             os.close(fd)
 
