@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: setup demo test test-fast bench bench-kernels gpu-check lint typecheck clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml hatch_build.py gpuckpt/storage/crccopy.c
 	$(PY) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 12) else "gpuckpt needs Python >= 3.12: run with PY=python3.12")'
 	$(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip

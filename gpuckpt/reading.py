@@ -36,7 +36,7 @@ from gpuckpt.metadata import BytesStorageMetadata, Metadata, TensorStorageMetada
 from gpuckpt.planning import ChunkGrid, ChunkSpec
 from gpuckpt.progress import ProgressCallback, ProgressCounter
 from gpuckpt.storage.base import CheckpointReader
-from gpuckpt.storage.chunkio import CRC_BYTES, crc32c, is_prefix_box, stored_nbytes
+from gpuckpt.storage.chunkio import CRC_BYTES, is_prefix_box, stored_nbytes
 from gpuckpt.storage.layout import chunk_file_key, is_chunk_file_key
 from gpuckpt.storage.names import is_safe_name
 from gpuckpt.writing import IO_BATCH_BYTES, IO_BATCH_JOBS, default_threads
@@ -186,13 +186,8 @@ def _check_crc(t: TensorEntry, c: ChunkRead, value: int, stored_crc: int) -> Non
 def fetch_verified(reader: CheckpointReader, t: TensorEntry, c: ChunkRead, parts: list[Any]) -> None:
     """Read chunk ``c`` into the buffers ``parts`` (its stored bytes) and check its size and CRC32C."""
     crc_buf = bytearray(CRC_BYTES)
-    state = [0]
-
-    def digest(piece: Any) -> None:
-        state[0] = crc32c(piece, state[0])
-
     try:
-        got = reader.read_chunk_checked(t.name, c.key, [*parts, crc_buf], digest)
+        got, value = reader.read_chunk_crc(t.name, c.key, [*parts, crc_buf])
     except FileNotFoundError:
         raise MissingChunkError(
             f"chunk {c.key} of tensor {t.fqn!r} disappeared while loading; the checkpoint was "
@@ -202,7 +197,7 @@ def fetch_verified(reader: CheckpointReader, t: TensorEntry, c: ChunkRead, parts
         raise CheckpointCorruptedError(
             f"chunk {c.key} of tensor {t.fqn!r}: read {got} bytes, expected {c.nbytes}; the file is truncated"
         )
-    _check_crc(t, c, state[0], int.from_bytes(crc_buf, "little"))
+    _check_crc(t, c, value, int.from_bytes(crc_buf, "little"))
 
 
 def _read_chunk(

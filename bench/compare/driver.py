@@ -54,6 +54,8 @@ SYSTEMS = [
     # buffered): opt-in, by --systems
     System("gpuckpt-direct", "main", LOAD_OPS, ("gpuckpt",)),
     System("gpuckpt-async-buffered", "main", "async", ("gpuckpt",)),
+    # loads through pread + a CRC library instead of the native copy-with-CRC loop
+    System("gpuckpt-pread", "main", LOAD_OPS, ("gpuckpt",)),
     System("tensorstore", "main", LOAD_OPS, ("tensorstore",)),
     System("torch-save", "peer", LOAD_OPS, ("torch",)),
     System("safetensors", "peer", LOAD_OPS, ("torch", "safetensors")),
@@ -64,7 +66,7 @@ SYSTEMS = [
 ]
 ASYNC_SYSTEMS = {"gpuckpt-async", "gpuckpt-async-buffered", "dcp-async"}
 #: run only when named in --systems
-OPT_IN_SYSTEMS = {"gpuckpt-direct", "gpuckpt-async-buffered"}
+OPT_IN_SYSTEMS = {"gpuckpt-direct", "gpuckpt-async-buffered", "gpuckpt-pread"}
 
 
 def setup_peers(base_python: str = PEER_BASE_PYTHON) -> int:

@@ -18,7 +18,7 @@ STATE_TITLES = {
     "gpt-adam": "GPT-like model + Adam moments",
     "small": "small tensors (4-64 KiB each)",
 }
-ORDER = ["raw-files", "raw-single", "gpuckpt", "gpuckpt-direct", *PEERS]
+ORDER = ["raw-files", "raw-single", "gpuckpt", "gpuckpt-direct", "gpuckpt-pread", *PEERS]
 
 
 def _stats(values: list[float]) -> dict[str, float]:

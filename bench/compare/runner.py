@@ -61,6 +61,7 @@ ADAPTERS = {
     "gpuckpt-async": "bench.compare.sys_native:Gpuckpt",
     "gpuckpt-direct": "bench.compare.sys_native:GpuckptDirect",
     "gpuckpt-async-buffered": "bench.compare.sys_native:GpuckptBuffered",
+    "gpuckpt-pread": "bench.compare.sys_native:GpuckptPread",
     "tensorstore": "bench.compare.sys_native:TensorStoreZarr3",
     "torch-save": "bench.compare.sys_torch:TorchSave",
     "safetensors": "bench.compare.sys_torch:Safetensors",

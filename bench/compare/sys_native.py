@@ -12,7 +12,15 @@ import numpy as np
 
 from bench.compare.adapter import Adapter, measure_async, timed_copy
 
-__all__ = ["Gpuckpt", "GpuckptBuffered", "GpuckptDirect", "RawFiles", "RawSingle", "TensorStoreZarr3"]
+__all__ = [
+    "Gpuckpt",
+    "GpuckptBuffered",
+    "GpuckptDirect",
+    "GpuckptPread",
+    "RawFiles",
+    "RawSingle",
+    "TensorStoreZarr3",
+]
 
 _CHUNK_BYTES = 64 << 20
 
@@ -57,8 +65,9 @@ class Gpuckpt(Adapter):
     def version(self) -> str:
         import gpuckpt
         from gpuckpt.storage.chunkio import crc32c_backend
+        from gpuckpt.storage.crccopy import instruction_set
 
-        return f"{gpuckpt.__version__} (CRC32C: {crc32c_backend()})"
+        return f"{gpuckpt.__version__} (CRC32C: {crc32c_backend()}; copy-with-CRC: {instruction_set()})"
 
     def save(self, path: str) -> None:
         import gpuckpt
@@ -104,6 +113,14 @@ class GpuckptDirect(Gpuckpt):
 
     def __init__(self, state: dict[str, np.ndarray]) -> None:
         os.environ["GPUCKPT_DIRECT_IO"] = "1"  # this measurement process only
+        super().__init__(state)
+
+
+class GpuckptPread(Gpuckpt):
+    """gpuckpt with ``GPUCKPT_CRCCOPY=off``: loads read with pread and checksum after (no fused loop)."""
+
+    def __init__(self, state: dict[str, np.ndarray]) -> None:
+        os.environ["GPUCKPT_CRCCOPY"] = "off"  # this measurement process only
         super().__init__(state)
 
 

@@ -6,6 +6,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from gpuckpt.storage.chunkio import crc32c
+
 __all__ = ["CheckpointReader", "CheckpointWriter"]
 
 
@@ -80,18 +82,18 @@ class CheckpointReader(ABC):
     def read_chunk_into(self, name: str, key: str, dests: Sequence[Any]) -> int:
         """Fill the writable buffers ``dests`` in order from the chunk; returns bytes read."""
 
-    def read_chunk_checked(
-        self, name: str, key: str, dests: Sequence[Any], digest: Callable[[Any], None]
-    ) -> int:
-        """Like :meth:`read_chunk_into`, calling ``digest`` on the bytes read into every buffer but the last.
+    def read_chunk_crc(self, name: str, key: str, dests: Sequence[Any]) -> tuple[int, int]:
+        """Like :meth:`read_chunk_into`, and the CRC32C of the bytes read into every buffer but the last.
 
-        The last buffer receives the checksum trailer. The default reads, then
-        digests; back ends may interleave the two piece by piece.
+        The last buffer receives the checksum trailer. Returns ``(bytes read,
+        CRC32C)``; the CRC is meaningful only when every buffer was filled. The
+        default reads, then checksums; back ends may fuse the two.
         """
         n = self.read_chunk_into(name, key, dests)
+        value = 0
         for d in dests[:-1]:
-            digest(d)
-        return n
+            value = crc32c(d, value)
+        return n, value
 
     def close(self) -> None:  # noqa: B027 - optional hook, not abstract
         """Release resources; the default does nothing."""

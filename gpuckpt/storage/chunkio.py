@@ -25,6 +25,7 @@ __all__ = [
     "is_prefix_box",
     "padded_chunk",
     "read_exact",
+    "read_exact_at",
     "stored_nbytes",
     "write_all",
 ]
@@ -138,6 +139,18 @@ def read_exact(fd: int, dest: Any) -> int:
     total = 0
     while total < view.nbytes:
         n = os.readv(fd, [view[total:]])
+        if n == 0:
+            break
+        total += n
+    return total
+
+
+def read_exact_at(fd: int, dest: Any, offset: int) -> int:
+    """Fill ``dest`` from ``fd`` at ``offset`` (the file position is not used); returns bytes read."""
+    view = memoryview(dest).cast("B")
+    total = 0
+    while total < view.nbytes:
+        n = os.preadv(fd, [view[total:]], offset + total)
         if n == 0:
             break
         total += n

@@ -43,9 +43,9 @@ from gpuckpt.errors import (
     CheckpointWriteError,
     MetadataError,
 )
-from gpuckpt.storage import fsutil
+from gpuckpt.storage import crccopy, fsutil
 from gpuckpt.storage.base import CheckpointReader, CheckpointWriter
-from gpuckpt.storage.chunkio import read_exact, readv_exact, write_all, writev_all
+from gpuckpt.storage.chunkio import crc32c, read_exact, read_exact_at, readv_exact, write_all, writev_all
 from gpuckpt.storage.layout import ROOT_KEY
 
 __all__ = ["LocalReader", "LocalWriter", "SYNC_MODES", "cleanup_stale_temporaries", "is_committed"]
@@ -484,29 +484,32 @@ class LocalReader(CheckpointReader):
             return None
         return st.st_size
 
-    def read_chunk_checked(
-        self, name: str, key: str, dests: Sequence[Any], digest: Callable[[Any], None]
-    ) -> int:
-        # read and checksum in pieces that are still in the CPU cache
+    def read_chunk_crc(self, name: str, key: str, dests: Sequence[Any]) -> tuple[int, int]:
         fd = self._open_chunk(name, key)
         try:
             if len(dests) == 2 and memoryview(dests[0]).nbytes <= _PIECE:
                 # a small chunk: one system call for its bytes and its checksum
                 total = readv_exact(fd, dests)
-                if total >= memoryview(dests[0]).nbytes:
-                    digest(dests[0])
-                return total
-            total = 0
+                return total, crc32c(dests[0]) if total >= memoryview(dests[0]).nbytes else 0
+            total = value = 0
             for d in dests[:-1]:
                 view = memoryview(d).cast("B")
+                if view.nbytes >= _PIECE:
+                    # in the page cache: copied and checksummed in one pass (crccopy.c)
+                    fused = crccopy.cached_copy_crc(fd, total, view, value)
+                    if fused is not None:
+                        value = fused
+                        total += view.nbytes
+                        continue
+                # read and checksum in pieces that are still in the CPU cache
                 for i in range(0, view.nbytes, _PIECE):
                     piece = view[i : i + _PIECE]
-                    n = read_exact(fd, piece)
+                    n = read_exact_at(fd, piece, total)
                     total += n
                     if n < piece.nbytes:
-                        return total
-                    digest(piece)
-            return total + read_exact(fd, dests[-1])
+                        return total, value
+                    value = crc32c(piece, value)
+            return total + read_exact_at(fd, dests[-1], total), value
         finally:
             os.close(fd)
 

@@ -1,0 +1,249 @@
+"""The native copy-with-CRC32C loop (gpuckpt/storage/crccopy.c), built here from its source.
+
+Each instruction-set path (AVX-512 + VPCLMULQDQ, SSE PCLMULQDQ) is checked against
+the crc32c package on lengths around every threshold of the vector loops, with
+misaligned sources and destinations; the page-cache read is checked on cached,
+uncached and short files.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import subprocess
+from pathlib import Path
+
+import crc32c as crc32c_package
+import numpy as np
+import pytest
+
+from gpuckpt.storage import crccopy
+from gpuckpt.storage.crccopy import CrcCopy, load_library
+
+SOURCE = Path(crccopy.__file__).with_name("crccopy.c")
+X86 = platform.machine() in ("x86_64", "AMD64")
+
+
+def _reference(data: bytes, value: int = 0) -> int:
+    return int(crc32c_package.crc32c(data, value))
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    cc = shutil.which(os.environ.get("CC", "cc"))
+    if cc is None:
+        pytest.skip("no C compiler: crccopy.c cannot be built here")
+    out = tmp_path_factory.mktemp("crccopy") / "_crccopy.so"
+    subprocess.run(
+        [cc, "-O2", "-std=gnu11", "-Wall", "-Werror", "-shared", "-fPIC", "-o", str(out), str(SOURCE)],
+        check=True,
+    )
+    return out
+
+
+def _levels(built: Path) -> list[str]:
+    best = CrcCopy(built).isa
+    return {"avx512": ["avx512", "pclmul"], "pclmul": ["pclmul"]}.get(best, [])
+
+
+@pytest.fixture(params=["avx512", "pclmul"])
+def lib(request: pytest.FixtureRequest, built: Path, tmp_path: Path) -> CrcCopy:
+    if request.param not in _levels(built):
+        pytest.skip(f"this CPU has no {request.param} path")
+    # a copy under another name loads as a separate library with its own state
+    path = tmp_path / f"_crccopy_{request.param}.so"
+    shutil.copy(built, path)
+    loaded = CrcCopy(path)
+    assert loaded.limit(request.param) == request.param
+    return loaded
+
+
+def test_the_source_builds_with_a_vector_path_on_x86(built: Path) -> None:
+    if not X86:
+        assert CrcCopy(built).isa == "none"  # other CPUs: a stub, the reader uses pread
+        assert load_library(built) is None
+        return
+    assert CrcCopy(built).isa in ("avx512", "pclmul")
+    assert load_library(built) is not None
+
+
+LENGTHS = [
+    *range(0, 70),
+    127,
+    128,
+    129,
+    255,
+    256,
+    257,
+    511,
+    512,
+    513,
+    575,
+    576,
+    1023,
+    1024,
+    4095,
+    65537,
+    1 << 20,
+]
+
+
+@pytest.mark.parametrize("n", LENGTHS)
+def test_crc_and_copy_match_the_reference(lib: CrcCopy, n: int) -> None:
+    rng = np.random.default_rng(n)
+    data = rng.integers(0, 256, n, dtype=np.uint8)
+    for start in (0, 0xFFFFFFFF, 0x1234ABCD):
+        assert lib.crc_copy(data, None, start) == _reference(data.tobytes(), start)
+        out = np.full(n, 0xA5, np.uint8)
+        assert lib.crc_copy(data, out, start) == _reference(data.tobytes(), start)
+        np.testing.assert_array_equal(out, data)
+
+
+@pytest.mark.parametrize("src_shift", [0, 1, 3, 8, 17, 63])
+@pytest.mark.parametrize("dst_shift", [0, 1, 5, 16, 33, 64])
+def test_misaligned_source_and_destination_leave_neighbours_alone(
+    lib: CrcCopy, src_shift: int, dst_shift: int
+) -> None:
+    n = 3000 + src_shift * 7
+    rng = np.random.default_rng(src_shift * 100 + dst_shift)
+    src_buf = rng.integers(0, 256, n + 128, dtype=np.uint8)
+    dst_buf = np.full(n + 256, 0x5A, np.uint8)
+    src = src_buf[src_shift : src_shift + n]
+    dst = dst_buf[dst_shift : dst_shift + n]
+    assert lib.crc_copy(src, dst, 7) == _reference(src.tobytes(), 7)
+    np.testing.assert_array_equal(dst, src)
+    assert (dst_buf[:dst_shift] == 0x5A).all() and (dst_buf[dst_shift + n :] == 0x5A).all()
+
+
+def test_continuing_a_crc_across_calls_equals_one_call(lib: CrcCopy) -> None:
+    data = np.random.default_rng(1).integers(0, 256, 10_000, dtype=np.uint8)
+    value = 0
+    for a, b in [(0, 3), (3, 700), (700, 701), (701, 9000), (9000, 10_000)]:
+        value = lib.crc_copy(data[a:b], None, value)
+    assert value == _reference(data.tobytes())
+
+
+def test_crc_copy_refuses_a_destination_of_another_size(lib: CrcCopy) -> None:
+    with pytest.raises(ValueError, match="destination is 9 bytes, source 10"):
+        lib.crc_copy(bytes(10), bytearray(9))
+
+
+def _write(path: Path, data: np.ndarray) -> None:
+    with open(path, "wb") as f:
+        f.write(data.tobytes())
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _cached(fd: int, size: int) -> bool:
+    """Whether every page of the file is in the page cache (preadv2 with RWF_NOWAIT)."""
+    buf = bytearray(1 << 20)
+    for off in range(0, size, len(buf)):
+        try:
+            n = os.preadv(fd, [buf], off, os.RWF_NOWAIT)
+        except BlockingIOError:
+            return False
+        if n < min(len(buf), size - off):
+            return False
+    return True
+
+
+def test_cached_copy_reads_a_cached_file(lib: CrcCopy, tmp_path: Path) -> None:
+    data = np.random.default_rng(2).integers(0, 256, (3 << 20) + 12345, dtype=np.uint8)
+    path = tmp_path / "chunk"
+    _write(path, data)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.preadv(fd, [bytearray(data.nbytes)], 0)  # into the page cache
+        for offset, n in [(0, data.nbytes), (4097, 2 << 20), (data.nbytes - 5, 5), (100, 0)]:
+            out = np.zeros(n, np.uint8)
+            got = lib.cached_copy_crc(fd, offset, memoryview(out), 11)
+            assert got == _reference(data[offset : offset + n].tobytes(), 11)
+            np.testing.assert_array_equal(out, data[offset : offset + n])
+        # past the end of the file: nothing copied, the caller reads another way
+        out = np.zeros(10, np.uint8)
+        assert lib.cached_copy_crc(fd, data.nbytes - 5, memoryview(out)) is None
+        assert not out.any()
+    finally:
+        os.close(fd)
+
+
+def test_cached_copy_declines_a_file_not_in_the_page_cache(lib: CrcCopy, tmp_path: Path) -> None:
+    data = np.random.default_rng(3).integers(0, 256, 4 << 20, dtype=np.uint8)
+    path = tmp_path / "chunk"
+    _write(path, data)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        if _cached(fd, data.nbytes):
+            pytest.skip("this file system keeps the file cached after POSIX_FADV_DONTNEED")
+        out = np.zeros(data.nbytes, np.uint8)
+        assert lib.cached_copy_crc(fd, 0, memoryview(out)) is None
+        assert not out.any()
+    finally:
+        os.close(fd)
+
+
+def test_cached_copy_reports_a_bad_descriptor(lib: CrcCopy) -> None:
+    with pytest.raises(OSError, match="Bad file descriptor"):
+        lib.cached_copy_crc(-1, 0, memoryview(bytearray(10)))
+
+
+def test_a_library_from_another_source_version_is_refused(tmp_path: Path, built: Path) -> None:
+    source = SOURCE.read_text().replace("#define GCK_ABI 1", "#define GCK_ABI 999")
+    (tmp_path / "old.c").write_text(source)
+    out = tmp_path / "old.so"
+    subprocess.run(
+        [
+            shutil.which(os.environ.get("CC", "cc")) or "cc",
+            "-O2",
+            "-shared",
+            "-fPIC",
+            "-o",
+            str(out),
+            str(tmp_path / "old.c"),
+        ],
+        check=True,
+    )
+    with pytest.raises(ImportError, match="another version of crccopy.c"):
+        CrcCopy(out)
+    assert load_library(out) is None
+    assert load_library(tmp_path / "missing.so") is None
+
+
+def test_the_installed_package_has_the_library_where_it_can(built: Path) -> None:
+    """The build hook compiled it at install time wherever this test can compile it."""
+    if os.environ.get("GPUCKPT_CRCCOPY", "auto") == "off":
+        pytest.skip("GPUCKPT_CRCCOPY=off in this environment")
+    if not X86:
+        assert not crccopy.available()
+        return
+    assert crccopy.LIBRARY.exists(), (
+        f"{crccopy.LIBRARY} missing: reinstall (pip install -e .) with a C compiler"
+    )
+    assert crccopy.available()
+    assert crccopy.instruction_set() == CrcCopy(built).isa
+
+
+def test_the_environment_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    try:
+        monkeypatch.setenv("GPUCKPT_CRCCOPY", "off")
+        crccopy._instance.cache_clear()
+        assert not crccopy.available()
+        assert crccopy.instruction_set() == "none"
+        assert crccopy.cached_copy_crc(0, 0, memoryview(bytearray(1))) is None
+        with pytest.raises(RuntimeError, match="not available"):
+            crccopy.crc_copy(b"x")
+        monkeypatch.setenv("GPUCKPT_CRCCOPY", "fast")
+        crccopy._instance.cache_clear()
+        with pytest.raises(ValueError, match="GPUCKPT_CRCCOPY='fast'; expected 'auto', 'on' or 'off'"):
+            crccopy.available()
+        monkeypatch.setattr(crccopy, "LIBRARY", Path("/nonexistent/_crccopy.so"))
+        monkeypatch.setenv("GPUCKPT_CRCCOPY", "on")
+        crccopy._instance.cache_clear()
+        with pytest.raises(ImportError, match="GPUCKPT_CRCCOPY=on but"):
+            crccopy.available()
+    finally:
+        monkeypatch.undo()
+        crccopy._instance.cache_clear()
