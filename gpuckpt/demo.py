@@ -33,6 +33,7 @@ from gpuckpt.errors import DeviceUnavailableError
 from gpuckpt.manager import CheckpointManager
 from gpuckpt.state import flatten_state_dict
 from gpuckpt.storage.chunkio import crc32c_backend
+from gpuckpt.storage.crccopy import instruction_set
 from gpuckpt.testing.states import gpt_state_dict
 from gpuckpt.verify import verify_checkpoint
 
@@ -273,7 +274,11 @@ def run(args: argparse.Namespace) -> int:
 def _main_job(args: argparse.Namespace, root: Path) -> int:
     xp = array_module(args.device)
     where = "GPU (CuPy arrays, pinned staging)" if xp is not np else "host (NumPy)"
-    print(f"device: {where}; CRC32C: {crc32c_backend()}; checkpoints in {root}", flush=True)
+    print(
+        f"device: {where}; CRC32C: {crc32c_backend()}; one-pass checked load: {instruction_set()}; "
+        f"checkpoints in {root}",
+        flush=True,
+    )
     print(
         f"1. training {args.steps} steps in a child process, saving every {args.save_every} ...", flush=True
     )
