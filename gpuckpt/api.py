@@ -19,7 +19,7 @@ from gpuckpt.errors import CheckpointTooLargeError, DTypeMismatchError, MissingK
 from gpuckpt.metadata import STATE_DICT_TYPE, Metadata
 from gpuckpt.planning import DEFAULT_CHUNK_BYTES
 from gpuckpt.progress import ProgressCallback
-from gpuckpt.reading import TensorEntry, check_chunk_files, read_tensors, validate_metadata
+from gpuckpt.reading import TensorEntry, check_chunk_files, paused_gc, read_tensors, validate_metadata
 from gpuckpt.state import flatten_state_dict, select_fqns, unflatten_state_dict
 from gpuckpt.storage.base import CheckpointReader
 from gpuckpt.storage.layout import metadata_from_root_document
@@ -132,6 +132,7 @@ def save(
     )
 
 
+@paused_gc()
 def read_metadata(path: PathLike, *, storage_options: dict[str, Any] | None = None) -> Metadata:
     """Metadata of the checkpoint at ``path`` (validated, nothing else read)."""
     return _open(path, storage_options)[1]
@@ -188,6 +189,7 @@ def load(
     coordinator.all_reduce_errors(error)
 
 
+@paused_gc()
 def _load(
     state_dict: STATE_DICT_TYPE,
     path: PathLike,
@@ -296,6 +298,7 @@ def _backend_for(device: Any) -> DeviceBackend | None:
     raise TypeError(f"device must be a string like 'cuda:0' or a DeviceBackend, got {type(device).__name__}")
 
 
+@paused_gc()
 def load_state_dict(
     path: PathLike,
     *,

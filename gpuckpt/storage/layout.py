@@ -94,6 +94,12 @@ def _canonical(value: Any) -> bytes:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
 
 
+_ROOT_PREFIX = (
+    b'{"zarr_format":3,"node_type":"group","attributes":{"' + ATTRIBUTE.encode() + b'":{"metadata":'
+)
+_ROOT_SUFFIX = re.compile(rb',"metadata_crc32c":(0|[1-9][0-9]{0,9})\}\}\}\Z')
+
+
 def root_document(metadata: Metadata) -> bytes:
     """The root group's ``zarr.json``, carrying the metadata and its CRC32C.
 
@@ -101,19 +107,35 @@ def root_document(metadata: Metadata) -> bytes:
     it is encoded once and its checksum covers exactly those bytes.
     """
     canonical = _canonical(metadata.to_json_dict())
-    return (
-        b'{"zarr_format":3,"node_type":"group","attributes":{"'
-        + ATTRIBUTE.encode()
-        + b'":{"metadata":'
-        + canonical
-        + b',"metadata_crc32c":'
-        + str(crc32c(canonical)).encode()
-        + b"}}}"
-    )
+    return _ROOT_PREFIX + canonical + b',"metadata_crc32c":' + str(crc32c(canonical)).encode() + b"}}}"
+
+
+def _as_written(raw: bytes) -> Any:
+    """The metadata of a root document exactly as :func:`root_document` writes it, or None.
+
+    Then the checksum is checked on the stored bytes themselves, and only they are
+    parsed; any other layout (a document re-serialized by another tool, a damaged
+    one) takes the general path, which re-encodes the parsed metadata.
+    """
+    if not raw.startswith(_ROOT_PREFIX):
+        return None
+    tail = _ROOT_SUFFIX.search(raw, len(_ROOT_PREFIX))
+    if tail is None:
+        return None
+    canonical = memoryview(raw)[len(_ROOT_PREFIX) : tail.start()]
+    if crc32c(canonical) != int(tail.group(1)):
+        return None
+    try:
+        return json.loads(bytes(canonical))
+    except (ValueError, RecursionError):
+        return None
 
 
 def metadata_from_root_document(raw: bytes, where: str) -> Metadata:
     """Parse and check a root ``zarr.json``; every defect raises :class:`MetadataError`."""
+    md = _as_written(raw)
+    if md is not None:
+        return Metadata.from_json_dict(md)
     try:
         doc = json.loads(raw)
     except (ValueError, RecursionError) as exc:
