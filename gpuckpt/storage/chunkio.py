@@ -20,6 +20,7 @@ import numpy as np
 
 __all__ = [
     "CRC_BYTES",
+    "buffer_address",
     "crc32c",
     "crc32c_backend",
     "is_prefix_box",
@@ -143,6 +144,11 @@ def read_exact(fd: int, dest: Any) -> int:
             break
         total += n
     return total
+
+
+def buffer_address(view: memoryview) -> int:
+    """Address of the first byte of a contiguous buffer (0 when it is empty)."""
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data) if view.nbytes else 0
 
 
 def read_exact_at(fd: int, dest: Any, offset: int) -> int:

@@ -20,17 +20,13 @@ import os
 from pathlib import Path
 from typing import Any
 
-from gpuckpt.storage.chunkio import crc32c
+from gpuckpt.storage.chunkio import buffer_address, crc32c
 
 __all__ = ["LIBRARY", "available", "cached_copy_crc", "crc_copy", "instruction_set", "load_library"]
 
 LIBRARY = Path(__file__).with_name("_crccopy.so")
 _ABI = 1
 _ISA_NAMES = {0: "none", 1: "pclmul", 2: "avx512"}
-
-
-def _address(view: memoryview) -> int:
-    return ctypes.addressof(ctypes.c_char.from_buffer(view)) if view.nbytes else 0
 
 
 class CrcCopy:
@@ -69,17 +65,15 @@ class CrcCopy:
     def crc_copy(self, src: Any, dst: Any | None = None, value: int = 0) -> int:
         """CRC32C of ``src`` continued from ``value``; copies ``src`` into ``dst`` (same size) too."""
         s = memoryview(src).cast("B")
-        if s.readonly:
-            keep = ctypes.create_string_buffer(bytes(s), s.nbytes)  # read-only sources: a copy to address
-            src_addr = ctypes.addressof(keep) if s.nbytes else 0
-        else:
-            src_addr = _address(s)
+        src_addr = buffer_address(s)
         dst_addr = None
         if dst is not None:
             d = memoryview(dst).cast("B")
             if d.nbytes != s.nbytes:
                 raise ValueError(f"crc_copy: destination is {d.nbytes} bytes, source {s.nbytes}")
-            dst_addr = _address(d)
+            if d.readonly:
+                raise ValueError("crc_copy: the destination is read-only")
+            dst_addr = buffer_address(d)
         return int(self._lib.gck_crc_copy(value, src_addr, dst_addr, s.nbytes))
 
     def cached_copy_crc(self, fd: int, offset: int, dst: memoryview, value: int = 0) -> int | None:
@@ -89,8 +83,11 @@ class CrcCopy:
         when part of the range is not in the page cache or lies past the end of
         the file (read it with ``pread`` then).
         """
+        if dst.readonly:
+            raise ValueError("cached_copy_crc: the destination is read-only")
         out = ctypes.c_uint32()
-        rc = self._lib.gck_cached_copy_crc(fd, offset, _address(dst), dst.nbytes, value, ctypes.byref(out))
+        address = buffer_address(dst)
+        rc = self._lib.gck_cached_copy_crc(fd, offset, address, dst.nbytes, value, ctypes.byref(out))
         if rc < 0:
             raise OSError(-rc, os.strerror(-rc))
         return None if rc else int(out.value)

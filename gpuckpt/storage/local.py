@@ -35,8 +35,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from gpuckpt.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -45,7 +43,15 @@ from gpuckpt.errors import (
 )
 from gpuckpt.storage import crccopy, fsutil
 from gpuckpt.storage.base import CheckpointReader, CheckpointWriter
-from gpuckpt.storage.chunkio import crc32c, read_exact, read_exact_at, readv_exact, write_all, writev_all
+from gpuckpt.storage.chunkio import (
+    buffer_address,
+    crc32c,
+    read_exact,
+    read_exact_at,
+    readv_exact,
+    write_all,
+    writev_all,
+)
 from gpuckpt.storage.layout import ROOT_KEY
 
 __all__ = ["LocalReader", "LocalWriter", "SYNC_MODES", "cleanup_stale_temporaries", "is_committed"]
@@ -83,10 +89,6 @@ def direct_io_setting(default: bool) -> bool:
 def _open_direct(path: str) -> int:
     """Create ``path`` for writing with ``O_DIRECT`` (a seam for tests of the fallback)."""
     return os.open(path, _CREATE_FLAGS | _O_DIRECT, 0o644)
-
-
-def _address(view: memoryview) -> int:
-    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data) if view.nbytes else 0
 
 
 def _clear_direct(fd: int) -> None:
@@ -296,7 +298,7 @@ class LocalWriter(CheckpointWriter):
             for p in parts:
                 view = memoryview(p).cast("B")
                 i = 0
-                if fill == 0 and _address(view) % _DIRECT_ALIGN == 0:
+                if fill == 0 and buffer_address(view) % _DIRECT_ALIGN == 0:
                     # page-aligned memory (a staging arena): written straight from it
                     aligned = view.nbytes - view.nbytes % _DIRECT_ALIGN
                     for i in range(0, aligned, _PIECE):

@@ -124,9 +124,13 @@ def test_continuing_a_crc_across_calls_equals_one_call(lib: CrcCopy) -> None:
     assert value == _reference(data.tobytes())
 
 
-def test_crc_copy_refuses_a_destination_of_another_size(lib: CrcCopy) -> None:
+def test_crc_copy_refuses_a_destination_of_another_size_or_read_only(lib: CrcCopy) -> None:
     with pytest.raises(ValueError, match="destination is 9 bytes, source 10"):
         lib.crc_copy(bytes(10), bytearray(9))
+    with pytest.raises(ValueError, match="destination is read-only"):
+        lib.crc_copy(bytes(10), bytes(10))
+    with pytest.raises(ValueError, match="destination is read-only"):
+        lib.cached_copy_crc(0, 0, memoryview(bytes(10)))
 
 
 def _write(path: Path, data: np.ndarray) -> None:
