@@ -318,7 +318,12 @@ def load_state_dict(
     tensors come back as unsigned integers of the same size, to be viewed
     with the right dtype by the framework, e.g. ``torch.from_dlpack(x).view(torch.bfloat16)``).
     ``keys`` selects entries by FQN or by ``.``-prefix (``"model"`` selects
-    everything under it); an unknown key is an error.
+    everything under it); an unknown key is an error, raised before anything
+    is read. The result keeps the nesting of the selected entries; a list or
+    tuple of which only some positions are selected comes back as a dict from
+    position to entry (``keys=["layers.1"]`` gives ``{"layers": {1: ...}}``),
+    so that indexing by position works as on the full list and no
+    placeholder stands for what was not loaded.
 
     Examples
     --------
@@ -327,6 +332,9 @@ def load_state_dict(
     >>> _ = gpuckpt.save({"model": {"w": np.eye(2)}, "step": 3}, p)
     >>> gpuckpt.load_state_dict(p, keys=["step"])
     {'step': 3}
+    >>> _ = gpuckpt.save({"layers": [{"w": np.ones(1)}, {"w": np.zeros(1)}]}, p, overwrite=True)
+    >>> gpuckpt.load_state_dict(p, keys=["layers.1"])
+    {'layers': {1: {'w': array([0.])}}}
     """
     reader, md, tensors, objects = _open(path, storage_options)
     chosen = select_fqns(md.state_dict_metadata, keys)
@@ -343,4 +351,4 @@ def load_state_dict(
         if f in objects:
             values[f] = decode_object(objects[f], allow_pickle=allow_pickle, fqn=f)
     read_tensors(reader, targets, threads=threads, progress=progress, staging_bytes=staging_bytes)
-    return unflatten_state_dict(md.planner_data["structure"], values)
+    return unflatten_state_dict(md.planner_data["structure"], values, keys)

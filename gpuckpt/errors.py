@@ -27,6 +27,7 @@ __all__ = [
     "MissingChunkError",
     "MissingKeyError",
     "ShapeMismatchError",
+    "StepOrderError",
     "DTypeMismatchError",
     "UnsafeCheckpointError",
     "UnsupportedValueError",
@@ -87,6 +88,10 @@ class ShapeMismatchError(GpuckptError, ValueError):
 
 class DTypeMismatchError(GpuckptError, TypeError):
     """A target array's dtype differs from the stored tensor's dtype."""
+
+
+class StepOrderError(GpuckptError, ValueError):
+    """A :class:`~gpuckpt.CheckpointManager` save of a step older than a committed step."""
 
 
 class UnsupportedValueError(GpuckptError, TypeError):

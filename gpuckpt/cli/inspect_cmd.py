@@ -48,9 +48,14 @@ def _object_row(fqn: str, enc: Any) -> dict[str, Any]:
         value = f"<pickled, {len(str(enc['pickle'])) * 3 // 4} bytes; not decoded>"
     else:
         try:
-            value = repr(decode_object(enc, fqn=fqn))
+            decoded = decode_object(enc, fqn=fqn)
         except GpuckptError as exc:
             value = f"<undecodable: {exc}>"
+        else:
+            try:
+                value = repr(decoded)
+            except ValueError:  # holds an int past Python's int-to-str digit limit
+                value = f"<{type(decoded).__name__} holding an int too long to print>"
     if len(value) > 60:
         value = value[:57] + "..."
     return {"name": fqn, "type": tag, "value": value}
