@@ -26,6 +26,7 @@ __all__ = [
     "MetadataError",
     "MissingChunkError",
     "MissingKeyError",
+    "ReadOnlyTargetError",
     "ShapeMismatchError",
     "DTypeMismatchError",
     "UnsafeCheckpointError",
@@ -87,6 +88,10 @@ class ShapeMismatchError(GpuckptError, ValueError):
 
 class DTypeMismatchError(GpuckptError, TypeError):
     """A target array's dtype differs from the stored tensor's dtype."""
+
+
+class ReadOnlyTargetError(GpuckptError, ValueError):
+    """A target array of a load in place cannot be written (read-only NumPy array or memmap)."""
 
 
 class UnsupportedValueError(GpuckptError, TypeError):
