@@ -423,7 +423,7 @@ _KINDS = (
 
 
 def _kind(mode: int) -> str:
-    return next((what for test, what in _KINDS if test(mode)), "not a regular file")
+    return next((what for test, what in _KINDS if test(mode)), f"of file type {stat.S_IFMT(mode):#o}")
 
 
 class NotRegularFileError(FileNotFoundError):
