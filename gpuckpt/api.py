@@ -2,20 +2,27 @@
 
 from __future__ import annotations
 
+import mmap
 import os
 import uuid
 from typing import Any
 
 import numpy as np
 
-from gpuckpt.device.arrays import HostMemory, adapt, is_array
+from gpuckpt.device.arrays import ArrayAdapter, HostMemory, adapt, is_array
 from gpuckpt.device.backend import DEFAULT_STAGING_BYTES, DeviceArray, DeviceBackend
 from gpuckpt.distributed.coordinator import Coordinator, SingleProcessCoordinator
 from gpuckpt.distributed.load import read_boxes
 from gpuckpt.distributed.planner import Box
 from gpuckpt.distributed.save import contains_sharded, distributed_save, is_leaf
 from gpuckpt.distributed.sharded import is_sharded_leaf, sharded_boxes
-from gpuckpt.errors import CheckpointTooLargeError, DTypeMismatchError, MissingKeyError, ShapeMismatchError
+from gpuckpt.errors import (
+    CheckpointTooLargeError,
+    DTypeMismatchError,
+    MissingKeyError,
+    ReadOnlyTargetError,
+    ShapeMismatchError,
+)
 from gpuckpt.metadata import STATE_DICT_TYPE, Metadata
 from gpuckpt.planning import DEFAULT_CHUNK_BYTES
 from gpuckpt.progress import ProgressCallback
@@ -166,7 +173,8 @@ def load(
     an array but was stored as a tensor receives a new array. Keys missing
     from the checkpoint are an error unless ``strict=False``; checkpoint keys
     absent from ``state_dict`` are not read (partial load). All checks run
-    before anything is read, so a mismatch changes nothing.
+    before anything is read (shapes, dtypes, writability of every target, the
+    size of every chunk file), so a mismatch changes nothing.
 
     Examples
     --------
@@ -232,6 +240,7 @@ def _load(
                         f"tensor {fqn!r}: the checkpoint has dtype {t.dtype}, the target has {arr.dtype}; "
                         "load into an array of the stored dtype and convert afterwards"
                     )
+                _check_writable(fqn, arr, "the target")
                 targets.append((t, arr if arr.is_device else arr.host_array()))
             else:
                 placeholders.append((leaf, t))
@@ -250,6 +259,20 @@ def _load(
         leaf.replace(value)
 
 
+def _check_writable(fqn: str, arr: ArrayAdapter, what: str) -> None:
+    """Refuse a read-only target before anything is read (device arrays are always writable)."""
+    if arr.is_device:
+        return
+    host = arr.host_array()
+    if not host.flags.writeable:
+        kind = "memory map" if isinstance(host, np.memmap) or isinstance(host.base, mmap.mmap) else "array"
+        raise ReadOnlyTargetError(
+            f"tensor {fqn!r}: {what} is a read-only {kind} ({type(host).__name__}, writeable=False), "
+            "so it cannot be loaded in place; pass a writable array (np.array(x) copies one; open a "
+            "memmap with mode='r+'), or use load_state_dict to get new arrays"
+        )
+
+
 def _shard_targets(t: TensorEntry, value: Any) -> list[tuple[Any, Box]]:
     """The ``(adapter, box)`` pairs of a ShardedArray target, checked against tensor ``t``."""
     out = []
@@ -264,6 +287,7 @@ def _shard_targets(t: TensorEntry, value: Any) -> list[tuple[Any, Box]]:
             raise DTypeMismatchError(
                 f"tensor {t.fqn!r}: the checkpoint has dtype {t.dtype}, the ShardedArray holds {arr.dtype}"
             )
+        _check_writable(t.fqn, arr, f"the local shard at offsets {b.offsets}")
         out.append((arr, (b.offsets, b.sizes)))
     return out
 

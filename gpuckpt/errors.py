@@ -26,6 +26,7 @@ __all__ = [
     "MetadataError",
     "MissingChunkError",
     "MissingKeyError",
+    "ReadOnlyTargetError",
     "ShapeMismatchError",
     "StepOrderError",
     "DTypeMismatchError",
@@ -92,6 +93,10 @@ class DTypeMismatchError(GpuckptError, TypeError):
 
 class StepOrderError(GpuckptError, ValueError):
     """A :class:`~gpuckpt.CheckpointManager` save of a step older than a committed step."""
+
+
+class ReadOnlyTargetError(GpuckptError, ValueError):
+    """A target array of a load in place cannot be written (read-only NumPy array or memmap)."""
 
 
 class UnsupportedValueError(GpuckptError, TypeError):

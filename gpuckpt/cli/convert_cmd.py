@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from gpuckpt.cli.progressbar import format_bytes, progress_for
+from gpuckpt.cli.text import printable
 from gpuckpt.convert.core import SOURCE_FORMATS, TARGET_FORMATS, convert
 
 HELP = (
@@ -101,7 +102,8 @@ def run(args: argparse.Namespace) -> int:
             if bar is not None:
                 bar.close()
     print(
-        f"converted {args.src} ({res.source_format}) -> {args.dst} ({res.target_format}): "
-        f"{res.tensors} tensors, {format_bytes(res.nbytes)}, {res.objects} plain values"
+        f"converted {printable(args.src)} ({res.source_format}) -> {printable(args.dst)} "
+        f"({res.target_format}): {res.tensors} tensors, {format_bytes(res.nbytes)}, "
+        f"{res.objects} plain values"
     )
     return 0

@@ -44,6 +44,7 @@ from gpuckpt.errors import (
 from gpuckpt.storage import crccopy, fsutil
 from gpuckpt.storage.base import CheckpointReader, CheckpointWriter
 from gpuckpt.storage.chunkio import (
+    CRC_BYTES,
     buffer_address,
     crc32c,
     read_exact,
@@ -52,7 +53,7 @@ from gpuckpt.storage.chunkio import (
     write_all,
     writev_all,
 )
-from gpuckpt.storage.layout import ROOT_KEY
+from gpuckpt.storage.layout import MAX_ARRAY_DOCUMENT_BYTES, MAX_ROOT_DOCUMENT_BYTES, ROOT_KEY, too_large
 
 __all__ = ["LocalReader", "LocalWriter", "SYNC_MODES", "cleanup_stale_temporaries", "is_committed"]
 
@@ -410,13 +411,85 @@ class LocalWriter(CheckpointWriter):
         fsutil.rmtree_quiet(self.tmp)
 
 
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+_KINDS = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISLNK, "a symlink"),
+)
+
+
+def _kind(mode: int) -> str:
+    return next((what for test, what in _KINDS if test(mode)), f"of file type {stat.S_IFMT(mode):#o}")
+
+
+class NotRegularFileError(FileNotFoundError):
+    """A checkpoint file that is a FIFO, directory, device, socket or symlink: never read.
+
+    A :class:`FileNotFoundError` (what is there is not the file the checkpoint
+    needs); ``mode`` is the ``st_mode`` found.
+    """
+
+    def __init__(self, path: str, mode: int) -> None:
+        super().__init__(errno.ENOENT, f"is {_kind(mode)}, not a regular file", path)
+        self.mode = mode
+
+
+def open_regular(path: str) -> int:
+    """Open a file of a checkpoint for reading, or raise :class:`NotRegularFileError`.
+
+    ``O_NONBLOCK``: a FIFO or device planted in a checkpoint cannot block the
+    open (it is not even opened when ``lstat`` already shows what it is);
+    ``O_NOFOLLOW``: a symlink is not followed; ``fstat`` then checks that what
+    was opened is a regular file (it may have been replaced since the ``lstat``).
+    """
+    st = os.lstat(path)
+    if not stat.S_ISREG(st.st_mode):
+        raise NotRegularFileError(path, st.st_mode)
+    try:
+        fd = os.open(path, _READ_FLAGS)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:  # replaced by a symlink since the lstat
+            raise NotRegularFileError(path, stat.S_IFLNK) from None
+        raise
+    try:
+        st = os.fstat(fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise NotRegularFileError(path, st.st_mode)
+    return fd
+
+
+def _read_document(path: str, limit: int, name: str) -> bytearray:
+    """The whole regular file ``path``, refused unread when larger than ``limit`` (the cap ``name``)."""
+    fd = open_regular(path)
+    try:
+        size = os.fstat(fd).st_size
+        if size > limit:
+            raise too_large(path, size, limit, name)
+        buf = bytearray(size)
+        del buf[read_exact(fd, buf) :]  # shorter if it shrank meanwhile: the parser says so
+        return buf
+    finally:
+        os.close(fd)
+
+
 class LocalReader(CheckpointReader):
     """Reads a published checkpoint directory without following symlinks out of it.
 
     The array directories are listed once (one ``scandir`` of the root); a name
-    that is a symlink or not a directory there is treated as missing, and chunk
-    files are opened with ``O_NOFOLLOW``. So a symlink planted in a checkpoint
-    cannot make a read leave it.
+    that is a symlink or not a directory there is treated as missing. Every
+    file is opened with :func:`open_regular` (``O_NOFOLLOW | O_NONBLOCK``, then
+    checked to be a regular file), documents are size-capped before they are
+    read, and chunks are read only up to the size the metadata gives. So a
+    symlink, FIFO or device planted in a checkpoint cannot make a read leave
+    it, block, or read without end.
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
@@ -424,11 +497,17 @@ class LocalReader(CheckpointReader):
         self._root = os.fspath(self.path)
         self._dirs: set[str] | None = None
 
-    def read_root(self) -> bytes:
-        root = self.path / ROOT_KEY
+    def read_root(self) -> bytearray:
+        """The root document's bytes (a buffer the caller parses in place, never copied)."""
+        root = os.path.join(self._root, ROOT_KEY)
         try:
-            # O_NONBLOCK: a FIFO planted as zarr.json must not hang the open
-            fd = os.open(root, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+            return _read_document(root, MAX_ROOT_DOCUMENT_BYTES, "MAX_ROOT_DOCUMENT_BYTES")
+        except NotRegularFileError as exc:
+            if stat.S_ISLNK(exc.mode):
+                raise CheckpointNotFoundError(
+                    f"cannot open {root}: it is a symlink, which gpuckpt does not follow"
+                ) from None
+            raise MetadataError(f"{root} {exc.strerror}; the checkpoint is damaged") from None
         except FileNotFoundError:
             hint = ""
             with contextlib.suppress(OSError):
@@ -441,18 +520,6 @@ class LocalReader(CheckpointReader):
             raise CheckpointNotFoundError(f"no checkpoint at {self.path}{hint}") from None
         except OSError as exc:
             raise CheckpointNotFoundError(f"cannot open {root}: {exc.strerror}") from None
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise MetadataError(f"{root} is not a regular file; the checkpoint is damaged")
-            size = st.st_size
-            if size > 1 << 31:
-                raise MetadataError(f"{root} is {size} bytes; refusing to parse metadata that large")
-            buf = bytearray(size)
-            read_exact(fd, buf)
-            return bytes(buf)
-        finally:
-            os.close(fd)
 
     def _array_dir(self, name: str) -> str:
         if self._dirs is None:
@@ -462,29 +529,25 @@ class LocalReader(CheckpointReader):
             raise FileNotFoundError(errno.ENOENT, "array directory missing or not a directory", name)
         return f"{self._root}/{name}"
 
-    def _open(self, name: str, key: str) -> int:
-        return os.open(f"{self._array_dir(name)}/{key}", os.O_RDONLY | os.O_NOFOLLOW)
+    def read_array_document(self, name: str) -> bytearray:
+        return _read_document(
+            f"{self._array_dir(name)}/zarr.json", MAX_ARRAY_DOCUMENT_BYTES, "MAX_ARRAY_DOCUMENT_BYTES"
+        )
 
-    def read_array_document(self, name: str) -> bytes:
-        fd = self._open(name, "zarr.json")
-        try:
-            size = os.fstat(fd).st_size
-            if size > 1 << 24:
-                raise MetadataError(f"{self.path / name / 'zarr.json'} is {size} bytes; too large")
-            buf = bytearray(size)
-            read_exact(fd, buf)
-            return bytes(buf)
-        finally:
-            os.close(fd)
-
-    def chunk_nbytes(self, name: str, key: str) -> int | None:
+    def _lstat_chunk(self, name: str, key: str) -> os.stat_result | None:
         try:
             st = os.lstat(f"{self._array_dir(name)}/{key}")
         except (FileNotFoundError, NotADirectoryError):
             return None
-        if not stat.S_ISREG(st.st_mode):
-            return None
-        return st.st_size
+        return st if stat.S_ISREG(st.st_mode) else None
+
+    def chunk_nbytes(self, name: str, key: str) -> int | None:
+        st = self._lstat_chunk(name, key)
+        return None if st is None else st.st_size
+
+    def chunk_usage(self, name: str, key: str) -> tuple[int, int] | None:
+        st = self._lstat_chunk(name, key)
+        return None if st is None else (st.st_size, st.st_blocks * 512)
 
     def read_chunk_crc(self, name: str, key: str, dests: Sequence[Any]) -> tuple[int, int]:
         fd = self._open_chunk(name, key)
@@ -515,21 +578,34 @@ class LocalReader(CheckpointReader):
         finally:
             os.close(fd)
 
+    def read_chunk_checksum(self, name: str, key: str, nbytes: int, piece: int) -> tuple[int, int, int]:
+        """Streams the chunk through one buffer of at most ``piece`` bytes."""
+        data = max(0, nbytes - CRC_BYTES)
+        buf = memoryview(bytearray(max(1, min(piece, data))))
+        fd = self._open_chunk(name, key)
+        try:
+            total = value = 0
+            while total < data:
+                view = buf[: min(buf.nbytes, data - total)]
+                n = read_exact_at(fd, view, total)
+                value = crc32c(view[:n], value)
+                total += n
+                if n < view.nbytes:
+                    return total, value, 0
+            trailer = bytearray(CRC_BYTES)
+            total += read_exact_at(fd, trailer, total)
+            return total, value, int.from_bytes(trailer, "little")
+        finally:
+            os.close(fd)
+
     def _open_chunk(self, name: str, key: str) -> int:
         try:
-            return self._open(name, key)
-        except OSError as exc:
-            if exc.errno == errno.ELOOP:  # O_NOFOLLOW met a symlink
-                raise FileNotFoundError(errno.ENOENT, "chunk is a symlink", key) from None
-            raise
+            return open_regular(f"{self._array_dir(name)}/{key}")
+        except NotADirectoryError:
+            raise FileNotFoundError(errno.ENOENT, "array directory is not a directory", name) from None
 
     def read_chunk_into(self, name: str, key: str, dests: Sequence[Any]) -> int:
-        try:
-            fd = self._open(name, key)
-        except OSError as exc:
-            if exc.errno == errno.ELOOP:  # O_NOFOLLOW met a symlink
-                raise FileNotFoundError(errno.ENOENT, "chunk is a symlink", key) from None
-            raise
+        fd = self._open_chunk(name, key)
         try:
             total = 0
             for d in dests:

@@ -57,11 +57,16 @@ from gpuckpt.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
     CheckpointWriteError,
-    MetadataError,
 )
 from gpuckpt.storage import fsutil
 from gpuckpt.storage.base import CheckpointReader, CheckpointWriter
-from gpuckpt.storage.layout import ROOT_KEY, is_chunk_file_key
+from gpuckpt.storage.layout import (
+    MAX_ARRAY_DOCUMENT_BYTES,
+    MAX_ROOT_DOCUMENT_BYTES,
+    ROOT_KEY,
+    is_chunk_file_key,
+    too_large,
+)
 from gpuckpt.storage.names import is_safe_name
 from gpuckpt.storage.stores import SCHEMES
 
@@ -69,8 +74,7 @@ __all__ = ["CLAIM_KEY", "ObjectStoreReader", "ObjectStoreWriter", "parse_s3_url"
 
 CLAIM_KEY = ".gpuckpt-writer"
 DEFAULT_LEASE_SECONDS = 60.0
-_MAX_ROOT_BYTES = 1 << 31
-_MAX_DOCUMENT_BYTES = 1 << 24
+_MAX_CLAIM_BYTES = 1 << 24
 _STREAM_PIECE = 4 << 20
 
 # storage_options spellings (fsspec/s3fs and boto) -> obstore S3Config keys
@@ -226,8 +230,8 @@ class _Prefix:
 
         return sync(coro)
 
-    def _get_small(self, rel: str, limit: int) -> bytes | None:
-        """The object ``rel`` (None when absent), refused when larger than ``limit``."""
+    def _get_small(self, rel: str, limit: int, name: str) -> bytes | None:
+        """The object ``rel`` (None when absent), refused unread above ``limit`` (the cap ``name``)."""
         import obstore as obs
 
         try:
@@ -236,7 +240,7 @@ class _Prefix:
             return None
         size = res.meta["size"]
         if size > limit:
-            raise MetadataError(f"{self.path}/{rel} is {size} bytes; refusing to parse metadata that large")
+            raise too_large(f"{self.path}/{rel}", size, limit, name)
         return bytes(res.bytes())
 
     def _list(self) -> dict[str, int]:
@@ -504,17 +508,17 @@ class ObjectStoreReader(_Prefix, CheckpointReader):
 
     def read_root(self) -> bytes:
         with self._io("reading the root metadata"):
-            raw = self._get_small(ROOT_KEY, _MAX_ROOT_BYTES)
+            raw = self._get_small(ROOT_KEY, MAX_ROOT_DOCUMENT_BYTES, "MAX_ROOT_DOCUMENT_BYTES")
             if raw is not None:
                 return raw
-            claimed = self._get_small(CLAIM_KEY, _MAX_DOCUMENT_BYTES) is not None
+            claimed = self._get_small(CLAIM_KEY, _MAX_CLAIM_BYTES, "the claim object's limit") is not None
         hint = " (a save to it is running or died: its claim object is there)" if claimed else ""
         raise CheckpointNotFoundError(f"no checkpoint at {self.path}: it has no {ROOT_KEY}{hint}")
 
     def read_array_document(self, name: str) -> bytes:
         rel = _rel(name, ROOT_KEY)
         with self._io(f"reading {rel}"):
-            raw = self._get_small(rel, _MAX_DOCUMENT_BYTES)
+            raw = self._get_small(rel, MAX_ARRAY_DOCUMENT_BYTES, "MAX_ARRAY_DOCUMENT_BYTES")
         if raw is None:
             raise FileNotFoundError(errno.ENOENT, "array document missing", f"{self.path}/{rel}")
         return raw
