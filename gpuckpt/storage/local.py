@@ -8,6 +8,26 @@ fsynced. A reader therefore sees either no checkpoint or a complete one.
 Temporaries left by crashed processes are removed by the next save to the
 same path.
 
+Whose temporaries are dead: a writer holds an exclusive ``flock`` on its
+temporary directory from the moment it creates it until the save is
+published or aborted, and ``<random>`` is ``k`` + the kernel's boot tag +
+random digits. A temporary made on this kernel (the same boot tag, whatever
+the host name or pid namespace: containers share it) is dead exactly when
+its lock is free, so a writer that was PID 1 of a container is recognised
+too. Temporaries of other kernels and of older gpuckpt versions (eight
+random digits, no lock) fall back to the pid in the name: dead when the host
+name is ours and no such process exists.
+
+Replacing a checkpoint (``overwrite=True``) replaces only a gpuckpt
+checkpoint (its root ``zarr.json`` says so; see
+:func:`~gpuckpt.storage.layout.root_document_problem`) or an empty directory,
+by one ``RENAME_EXCHANGE``. Where the file system has none, the old
+checkpoint is renamed aside to ``.<name>.gpuckpt-old-...`` (locked the same
+way) and the new one into place. A crash between those two renames leaves no
+checkpoint at ``<name>``; the complete old copy is then kept until a
+checkpoint is back at ``<name>``: the next save (or
+:class:`~gpuckpt.CheckpointManager`) to that path puts it back first.
+
 A writer made with ``direct_io=True`` (what :func:`gpuckpt.async_save` uses)
 writes large chunk files (1 MiB and more) with ``O_DIRECT`` where the file
 system supports it: the bytes go from page-aligned memory (the staging
@@ -28,6 +48,7 @@ import contextlib
 import errno
 import mmap
 import os
+import re
 import secrets
 import stat
 import threading
@@ -52,13 +73,23 @@ from gpuckpt.storage.chunkio import (
     write_all,
     writev_all,
 )
-from gpuckpt.storage.layout import ROOT_KEY
+from gpuckpt.storage.layout import ROOT_DOCUMENT_PREFIX, ROOT_KEY, root_document_problem
 
-__all__ = ["LocalReader", "LocalWriter", "SYNC_MODES", "cleanup_stale_temporaries", "is_committed"]
+__all__ = [
+    "LocalReader",
+    "LocalWriter",
+    "SYNC_MODES",
+    "cleanup_stale_temporaries",
+    "is_committed",
+    "set_aside_copies",
+]
 
 SYNC_MODES = ("auto", "file", "fs", "none")
 _TMP_TAG = ".gpuckpt-tmp-"
 _OLD_TAG = ".gpuckpt-old-"
+#: the random part of a locked temporary's name: k, the boot tag, eight random hex digits
+_LOCKED_RAND = re.compile(r"k([0-9a-f]{8})[0-9a-f]{8}")
+_MAX_ROOT_BYTES = 1 << 31
 _MANY_FILES = 64
 _PIECE = 1 << 20
 _WRITEBACK_MIN = 1 << 20
@@ -97,29 +128,153 @@ def _clear_direct(fd: int) -> None:
     fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_O_DIRECT)
 
 
+def _root_problem(path: Path) -> str | None:
+    """Why the directory ``path`` is not a gpuckpt checkpoint; None when it is one (damaged or not).
+
+    Reads the first bytes of its root ``zarr.json`` (the whole document only when
+    they are not the ones gpuckpt writes), without following a symlink or
+    blocking on a FIFO.
+    """
+    try:
+        fd = os.open(path / ROOT_KEY, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return f"it has no {ROOT_KEY}"
+    except OSError as exc:
+        return f"its {ROOT_KEY} cannot be opened ({exc.strerror})"
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return f"its {ROOT_KEY} is not a regular file"
+        head = os.pread(fd, len(ROOT_DOCUMENT_PREFIX), 0)
+        if head == ROOT_DOCUMENT_PREFIX:
+            return None
+        if st.st_size > _MAX_ROOT_BYTES:
+            return f"its {ROOT_KEY} is {st.st_size} bytes, more than any gpuckpt root document"
+        buf = bytearray(st.st_size)
+        n = read_exact_at(fd, buf, 0)
+        return root_document_problem(bytes(buf[:n]))
+    except OSError as exc:
+        return f"its {ROOT_KEY} cannot be read ({exc.strerror})"
+    finally:
+        os.close(fd)
+
+
 def is_committed(path: Path) -> bool:
-    """True when ``path`` holds a published checkpoint (its root document exists)."""
-    return (path / ROOT_KEY).is_file()
+    """True when ``path`` holds a published gpuckpt checkpoint: its root document exists and
+    says so (the identity test of :func:`gpuckpt.read_metadata`; a Zarr store of another
+    program is not one)."""
+    return path.is_dir() and not path.is_symlink() and _root_problem(path) is None
+
+
+def _replace_problem(path: Path) -> str | None:
+    """Why an existing ``path`` may not be replaced by a save; None for a checkpoint or an empty directory."""
+    if path.is_symlink():
+        return "it is a symbolic link"
+    if not path.is_dir():
+        return "it is not a directory"
+    problem = _root_problem(path)
+    if problem is None:
+        return None
+    try:
+        with os.scandir(path) as it:
+            empty = next(it, None) is None
+    except OSError:
+        empty = False
+    return None if empty else problem
+
+
+def _new_owner() -> str:
+    """``HOST-PID-RAND`` of a new temporary: RAND is ``k``, the boot tag and random digits where
+    the boot tag is known (the writer then holds the temporary's lock while it lives)."""
+    boot = fsutil.boot_tag()
+    rand = secrets.token_hex(4)
+    return f"{fsutil.tmp_owner()}-{'k' + boot + rand if boot else rand}"
+
+
+def _abandoned(path: Path, owner: str) -> tuple[bool, int | None]:
+    """Whether the writer of the temporary ``path`` (named for ``owner``, ``HOST-PID-RAND``) is gone,
+    and the fd holding its lock (to keep while it is removed or put back), if it has one."""
+    host_pid, _, rand = owner.rpartition("-")
+    host, _, pid = host_pid.rpartition("-")
+    locked = _LOCKED_RAND.fullmatch(rand)
+    if locked is not None and locked.group(1) == fsutil.boot_tag():
+        try:
+            fd = fsutil.lock_dir(path)
+        except OSError as exc:
+            if not fsutil.lock_unsupported(exc):
+                return False, None  # gone, a symlink, not a directory: nothing of ours
+        else:
+            if fd is None:
+                return False, None  # its writer holds the lock: alive
+            if fsutil.same_file(fd, path):
+                return True, fd
+            fsutil.unlock(fd)
+            return False, None
+    # another kernel's temporary, an older version's (no lock), or no locks here: the pid tells
+    return pid.isdigit() and not fsutil.pid_alive(host, int(pid)), None
+
+
+def set_aside_copies(path: Path) -> list[Path]:
+    """Complete checkpoints that an interrupted overwrite of ``path`` left aside
+    (``.NAME.gpuckpt-old-...``), newest name last."""
+    prefix = f".{path.name}{_OLD_TAG}"
+    try:
+        with os.scandir(path.parent) as it:
+            names = sorted(e.name for e in it if e.name.startswith(prefix))
+    except OSError:
+        return []
+    return [path.parent / n for n in names if is_committed(path.parent / n)]
+
+
+def _settle_set_aside(path: Path, old: Path) -> bool:
+    """For a dead writer's set-aside copy ``old`` of ``path``: put it back if ``path`` has no
+    checkpoint; returns whether it may be deleted (``path`` holds a checkpoint again, or
+    ``old`` is an empty directory). Never deletes the last complete copy."""
+    if is_committed(path):
+        return True
+    if not is_committed(old):
+        return _replace_problem(old) is None  # an empty directory was set aside
+    if os.path.lexists(path):
+        return False  # something else is there now: keep the copy, and do not touch that
+    try:
+        fsutil.rename_noreplace(old, path)
+    except OSError as exc:
+        if exc.errno in (errno.EEXIST, errno.ENOTEMPTY):
+            return False  # another save published meanwhile; a later cleanup deletes the copy
+        raise
+    fsutil.fsync_dir(path.parent)
+    return False
 
 
 def cleanup_stale_temporaries(path: Path) -> list[Path]:
-    """Remove temporaries of saves to ``path`` whose process is gone; returns what was removed."""
+    """Remove what dead saves to ``path`` left; returns what was removed.
+
+    Temporaries of dead writers are deleted. A checkpoint that a dead writer's
+    interrupted overwrite set aside is put back at ``path`` when ``path`` has
+    no checkpoint, and deleted only once it does. A live writer's temporaries
+    are never touched (see the module docstring).
+    """
     removed: list[Path] = []
     parent, name = path.parent, path.name
     try:
-        entries = list(os.scandir(parent))
-    except FileNotFoundError:
+        with os.scandir(parent) as it:
+            entries = sorted(e.name for e in it if e.is_dir(follow_symlinks=False))
+    except (FileNotFoundError, NotADirectoryError):
         return removed
     for entry in entries:
         for tag in (_TMP_TAG, _OLD_TAG):
             prefix = f".{name}{tag}"
-            if not entry.name.startswith(prefix):
+            if not entry.startswith(prefix):
                 continue
-            owner = entry.name[len(prefix) :].rsplit("-", 1)[0]
-            host, _, pid = owner.rpartition("-")
-            if pid.isdigit() and not fsutil.pid_alive(host, int(pid)):
-                fsutil.rmtree_quiet(Path(entry.path))
-                removed.append(Path(entry.path))
+            where = parent / entry
+            dead, fd = _abandoned(where, entry[len(prefix) :])
+            try:
+                if dead and (tag == _TMP_TAG or _settle_set_aside(path, where)):
+                    fsutil.rmtree_quiet(where)
+                    removed.append(where)
+            finally:
+                if fd is not None:
+                    fsutil.unlock(fd)
     return removed
 
 
@@ -147,9 +302,8 @@ class LocalWriter(CheckpointWriter):
         if sync == "auto":
             sync = "fs" if expected_files > _MANY_FILES else "file"
         self.sync = sync
-        self.tmp = (
-            self.path.parent / f".{self.path.name}{_TMP_TAG}{fsutil.tmp_owner()}-{secrets.token_hex(4)}"
-        )
+        self.tmp = self._new_name(_TMP_TAG)
+        self._lock: int | None = None  # held on self.tmp from begin to commit or abort
         self._dirs: list[Path] = []
         self.direct_io = bool(direct_io and _O_DIRECT) and sync != "none"
         self._bounce = threading.local()  # one aligned buffer per I/O thread
@@ -173,30 +327,64 @@ class LocalWriter(CheckpointWriter):
         w.tmp = tmp
         return w
 
+    def _new_name(self, tag: str) -> Path:
+        return self.path.parent / f".{self.path.name}{tag}{_new_owner()}"
+
     def _check_target(self) -> None:
-        if self.path.exists() or self.path.is_symlink():
-            if not self.overwrite:
-                what = "a checkpoint" if is_committed(self.path) else "a file or directory"
-                raise CheckpointExistsError(
-                    f"{self.path} already exists ({what}); pass overwrite=True to replace it, "
-                    "or save to a new path"
-                )
-            if (
-                not self.path.is_dir()
-                or self.path.is_symlink()
-                or not (is_committed(self.path) or not any(self.path.iterdir()))
-            ):
-                raise CheckpointExistsError(
-                    f"{self.path} exists and is not a gpuckpt checkpoint; refusing to replace it "
-                    "even with overwrite=True"
-                )
+        if not (self.path.exists() or self.path.is_symlink()):
+            return
+        problem = _replace_problem(self.path)
+        if problem is not None:
+            raise CheckpointExistsError(
+                f"{self.path} exists and is not a gpuckpt checkpoint: {problem}; refusing to replace it"
+                f"{' even with overwrite=True' if self.overwrite else ''}, nothing was deleted. Save to "
+                "another path, or remove it yourself if it is yours to delete"
+            )
+        if not self.overwrite:
+            what = "a checkpoint" if is_committed(self.path) else "an empty directory"
+            raise CheckpointExistsError(
+                f"{self.path} already exists ({what}); pass overwrite=True to replace it, "
+                "or save to a new path"
+            )
 
     def begin(self) -> None:
+        # first: a checkpoint a crashed overwrite set aside is put back before anything is judged
+        cleanup_stale_temporaries(self.path)
         self._check_target()
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        cleanup_stale_temporaries(self.path)
-        os.mkdir(self.tmp)
-        self._dirs.append(self.tmp)
+        self._make_tmp()
+
+    def _make_tmp(self) -> None:
+        """Create the temporary and take its lock (which tells cleaners that its writer lives)."""
+        for _ in range(8):
+            os.mkdir(self.tmp)
+            try:
+                fd = fsutil.lock_dir(self.tmp)
+            except FileNotFoundError:
+                fd = None  # removed by a cleaner that took it for a dead writer's: try another name
+            except OSError as exc:
+                if not fsutil.lock_unsupported(exc):
+                    raise
+                self._dirs.append(self.tmp)  # no locks on this file system: cleaners go by the pid
+                return
+            if fd is not None and fsutil.same_file(fd, self.tmp):
+                self._lock = fd
+                self._dirs.append(self.tmp)
+                return
+            if fd is not None:
+                fsutil.unlock(fd)
+            # a cleaner locked the new directory between its mkdir and our lock and removes it
+            self.tmp = self._new_name(_TMP_TAG)
+        raise CheckpointWriteError(
+            errno.EBUSY,
+            f"saving {self.path}: every new temporary directory was removed right after it was made "
+            "(another process keeps cleaning this directory); nothing was published",
+        )
+
+    def _unlock(self) -> None:
+        fd, self._lock = self._lock, None
+        if fd is not None:
+            fsutil.unlock(fd)
 
     def _create(self, rel: str) -> int:
         return os.open(f"{self.tmp}/{rel}", _CREATE_FLAGS, 0o644)
@@ -372,20 +560,9 @@ class LocalWriter(CheckpointWriter):
         if self.overwrite and (self.path.exists() or self.path.is_symlink()):
             self._check_target()
             if not fsutil.exchange(self.tmp, self.path):
-                # no atomic exchange here: move the old one aside first
-                old = (
-                    self.path.parent
-                    / f".{self.path.name}{_OLD_TAG}{fsutil.tmp_owner()}-{secrets.token_hex(4)}"
-                )
-                os.rename(self.path, old)
-                try:
-                    os.rename(self.tmp, self.path)
-                except BaseException:
-                    os.rename(old, self.path)  # put the previous checkpoint back
-                    raise
-                self.tmp = old
-            # self.tmp now holds the previous checkpoint
-            fsutil.rmtree_quiet(self.tmp)
+                self._replace_by_two_renames()
+            else:
+                fsutil.rmtree_quiet(self.tmp)  # it holds the previous checkpoint now
         else:
             try:
                 fsutil.rename_noreplace(self.tmp, self.path)
@@ -405,9 +582,51 @@ class LocalWriter(CheckpointWriter):
                     f"checkpoint {self.path} was published complete, but syncing its parent directory "
                     f"failed ({exc.strerror or exc}): it may not survive a power loss; save again to be sure",
                 ) from exc
+        self._unlock()
+
+    def _replace_by_two_renames(self) -> None:
+        """No atomic exchange here: move the old checkpoint aside, then the new one into place.
+
+        The old one is locked first and stays locked (a live writer's) until this
+        save is done with it: a crash between the two renames leaves it, complete
+        and unlocked, for the next save to put back (:func:`cleanup_stale_temporaries`).
+        """
+        held = self._lock_target()
+        try:
+            old = self._new_name(_OLD_TAG)
+            os.rename(self.path, old)
+            try:
+                os.rename(self.tmp, self.path)
+            except BaseException:
+                os.rename(old, self.path)  # put the previous checkpoint back
+                raise
+            self.tmp = old
+            fsutil.rmtree_quiet(old)  # still locked: no cleaner takes it for a dead writer's
+        finally:
+            if held is not None:
+                fsutil.unlock(held)
+
+    def _lock_target(self) -> int | None:
+        """The lock of the checkpoint at ``path`` (waiting for a save that is setting it aside or
+        has just published it); None where the file system has no locks."""
+        for _ in range(100):
+            try:
+                fd = fsutil.lock_dir(self.path, wait=True)
+            except OSError as exc:
+                if fsutil.lock_unsupported(exc):
+                    return None
+                raise
+            assert fd is not None
+            if fsutil.same_file(fd, self.path):
+                return fd
+            fsutil.unlock(fd)  # replaced while we waited: lock the new one
+        raise CheckpointWriteError(
+            errno.EBUSY, f"saving {self.path}: it kept being replaced by other saves; nothing was published"
+        )
 
     def abort(self) -> None:
         fsutil.rmtree_quiet(self.tmp)
+        self._unlock()
 
 
 class LocalReader(CheckpointReader):
@@ -434,6 +653,14 @@ class LocalReader(CheckpointReader):
             with contextlib.suppress(OSError):
                 if any(p.name.startswith(f".{self.path.name}{_TMP_TAG}") for p in self.path.parent.iterdir()):
                     hint = " (an unfinished or crashed save left a temporary next to it)"
+            aside = set_aside_copies(self.path) if not os.path.lexists(self.path) else []
+            if aside:
+                raise CheckpointNotFoundError(
+                    f"no checkpoint at {self.path}, but an overwrite that was interrupted between its two "
+                    f"renames (a file system without RENAME_EXCHANGE) left the previous checkpoint, complete, "
+                    f"at {aside[-1]}: the next save to {self.path} puts it back first, or recover it now "
+                    f"with: mv '{aside[-1]}' '{self.path}' (unless a save to it is running right now)"
+                ) from None
             if self.path.is_dir():
                 raise CheckpointNotFoundError(
                     f"{self.path} is not a committed checkpoint: it has no {ROOT_KEY}{hint}"
