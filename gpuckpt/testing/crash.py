@@ -30,8 +30,11 @@ These environment variables serve the harness (read only here):
     SIGKILL this process at the N-th occurrence of EVENT (deterministic
     kill points, so every phase is hit, including the middle of a file).
 ``GPUCKPT_TEST_STOP_AT=EVENT:N``
-    SIGSTOP this process there instead: a live writer frozen mid-save, which
-    the test resumes with SIGCONT.
+    Hold the thread that reached the N-th EVENT there instead: it prints
+    ``stopped`` and waits for a line on stdin (a live writer caught mid-save,
+    resumed by that line or killed from outside, which also works for a
+    child that is PID 1 of its own pid namespace and so ignores signals sent
+    from inside).
 ``GPUCKPT_TEST_NO_EXCHANGE=1``
     Act as a file system without ``RENAME_EXCHANGE``: an overwrite takes the
     two-rename fallback (old aside: ``rename:1``; new in place: ``rename:2``).
@@ -111,7 +114,8 @@ class _Tracer:
         if event == self.kill_event and n == self.kill_n:
             os.kill(os.getpid(), signal.SIGKILL)
         if event == self.stop_event and n == self.stop_n:
-            os.kill(os.getpid(), signal.SIGSTOP)
+            print("stopped", flush=True)
+            sys.stdin.readline()
 
 
 @contextlib.contextmanager
