@@ -204,9 +204,17 @@ def _host() -> str:
     return fsutil.tmp_owner().rsplit("-", 1)[0]
 
 
+def _boot_tag() -> str:
+    """The kernel's boot tag as temporaries carry it: the first 8 hex digits of its boot id."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip().replace("-", "")[:8]
+    except OSError:
+        return ""
+
+
 def _locked_name(path: Path, pid: int, tag: str = "tmp") -> Path:
     """A temporary's name as a writer of this kernel with process id ``pid`` makes it."""
-    return path.parent / f".{path.name}.gpuckpt-{tag}-{_host()}-{pid}-k{fsutil.boot_tag()}{secrets.token_hex(4)}"
+    return path.parent / f".{path.name}.gpuckpt-{tag}-{_host()}-{pid}-k{_boot_tag()}{secrets.token_hex(4)}"
 
 
 def _dead_pid() -> int:
@@ -215,7 +223,7 @@ def _dead_pid() -> int:
     return p.pid
 
 
-needs_boot_tag = pytest.mark.skipif(not fsutil.boot_tag(), reason="no /proc boot id: temporaries go by pid")
+needs_boot_tag = pytest.mark.skipif(not _boot_tag(), reason="no /proc boot id: temporaries go by pid")
 
 
 @needs_boot_tag
