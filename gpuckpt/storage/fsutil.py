@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import errno
@@ -182,10 +183,8 @@ def lock_dir(path: Path, *, wait: bool = False) -> int | None:
 def unlock(fd: int) -> None:
     """Release a lock taken by :func:`lock_dir`."""
     _HELD.discard(fd)
-    try:
+    with contextlib.suppress(OSError):  # the lock goes with the descriptor all the same
         os.close(fd)
-    except OSError:
-        pass  # the lock goes with the descriptor all the same
 
 
 def _forget_locks() -> None:
@@ -193,10 +192,8 @@ def _forget_locks() -> None:
     # locks: without this, a long-lived child (a data-loader worker forked during a
     # save) would keep a dead parent's temporary "alive" and its checkpoint locked.
     for fd in _HELD:
-        try:
+        with contextlib.suppress(OSError):
             os.close(fd)
-        except OSError:
-            pass
     _HELD.clear()
 
 

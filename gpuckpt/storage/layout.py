@@ -192,5 +192,5 @@ def root_document_problem(raw: bytes) -> str | None:
     attrs = doc.get("attributes")
     entry = attrs.get(ATTRIBUTE) if isinstance(attrs, dict) else None
     if not isinstance(entry, dict) or "metadata" not in entry:
-        return f"its {ROOT_KEY} is a Zarr group without attributes.{ATTRIBUTE} (a Zarr store of another program)"
+        return f"its {ROOT_KEY} is a Zarr group without attributes.{ATTRIBUTE} (another program's Zarr store)"
     return None

@@ -657,7 +657,7 @@ class LocalReader(CheckpointReader):
             if aside:
                 raise CheckpointNotFoundError(
                     f"no checkpoint at {self.path}, but an overwrite that was interrupted between its two "
-                    f"renames (a file system without RENAME_EXCHANGE) left the previous checkpoint, complete, "
+                    "renames (a file system without RENAME_EXCHANGE) left the previous checkpoint, complete, "
                     f"at {aside[-1]}: the next save to {self.path} puts it back first, or recover it now "
                     f"with: mv '{aside[-1]}' '{self.path}' (unless a save to it is running right now)"
                 ) from None

@@ -152,7 +152,7 @@ def _traced(emit: _Tracer) -> Iterator[None]:
     wrap(fsutil, "rename_noreplace", lambda *a, **k: emit("publish"), after="published")
     if os.environ.get("GPUCKPT_TEST_NO_EXCHANGE") == "1":
         patches.append((fsutil, "exchange", fsutil.exchange))
-        fsutil.exchange = lambda a, b: False  # type: ignore[assignment]
+        fsutil.exchange = lambda a, b: False
     with contextlib.suppress(ImportError):
         from gpuckpt import manager
 

@@ -76,7 +76,9 @@ def zarr_dataset(path: Path, *, array_at_root: bool = False) -> dict[str, bytes]
 
 
 @pytest.mark.parametrize("array_at_root", [False, True], ids=["group", "array"])
-def test_overwrite_refuses_a_foreign_zarr_store_and_deletes_nothing(tmp_path: Path, array_at_root: bool) -> None:
+def test_overwrite_refuses_a_foreign_zarr_store_and_deletes_nothing(
+    tmp_path: Path, array_at_root: bool
+) -> None:
     data = tmp_path / "data"
     before = zarr_dataset(data, array_at_root=array_at_root)
     with pytest.raises(gpuckpt.MetadataError, match="not a gpuckpt checkpoint|not a Zarr v3 group"):
@@ -188,7 +190,9 @@ def test_second_crash_after_a_crash_between_the_two_renames_keeps_the_old_checkp
     assert temporaries(root) == []
 
 
-def test_fallback_overwrite_still_replaces_and_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fallback_overwrite_still_replaces_and_leaves_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     root = tmp_path / "root"
     monkeypatch.setenv("GPUCKPT_TEST_NO_EXCHANGE", "1")
     run = run_child(root, SEED, "overwrite")
@@ -291,7 +295,9 @@ def _unshare_pid_ns() -> list[str]:
     argv = ["unshare", "--user", "--map-root-user", "--pid", "--fork"]
     if shutil.which("unshare") is None:
         pytest.skip("no unshare command here")
-    probe = subprocess.run([*argv, sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    probe = subprocess.run(
+        [*argv, sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
     if probe.returncode != 0 or probe.stdout.strip() != "1":
         pytest.skip(f"cannot make a pid namespace here: {probe.stderr.strip()[:200]}")
     return argv
