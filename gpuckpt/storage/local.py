@@ -8,25 +8,10 @@ fsynced. A reader therefore sees either no checkpoint or a complete one.
 Temporaries left by crashed processes are removed by the next save to the
 same path.
 
-Whose temporaries are dead: a writer holds an exclusive ``flock`` on its
-temporary directory from the moment it creates it until the save is
-published or aborted, and ``<random>`` is ``k`` + the kernel's boot tag +
-random digits. A temporary made on this kernel (the same boot tag, whatever
-the host name or pid namespace: containers share it) is dead exactly when
-its lock is free, so a writer that was PID 1 of a container is recognised
-too. Temporaries of other kernels and of older gpuckpt versions (eight
-random digits, no lock) fall back to the pid in the name: dead when the host
-name is ours and no such process exists.
-
-Replacing a checkpoint (``overwrite=True``) replaces only a gpuckpt
-checkpoint (its root ``zarr.json`` says so; see
-:func:`~gpuckpt.storage.layout.root_document_problem`) or an empty directory,
-by one ``RENAME_EXCHANGE``. Where the file system has none, the old
-checkpoint is renamed aside to ``.<name>.gpuckpt-old-...`` (locked the same
-way) and the new one into place. A crash between those two renames leaves no
-checkpoint at ``<name>``; the complete old copy is then kept until a
-checkpoint is back at ``<name>``: the next save (or
-:class:`~gpuckpt.CheckpointManager`) to that path puts it back first.
+A writer holds a lock on its temporary while it lives, and replaces only a
+gpuckpt checkpoint or an empty directory: ``RENAME_EXCHANGE``, else two
+renames (old aside, new in place). What is dead, foreign or set aside is
+decided in :mod:`gpuckpt.storage.leftovers`.
 
 A writer made with ``direct_io=True`` (what :func:`gpuckpt.async_save` uses)
 writes large chunk files (1 MiB and more) with ``O_DIRECT`` where the file
@@ -48,8 +33,6 @@ import contextlib
 import errno
 import mmap
 import os
-import re
-import secrets
 import stat
 import threading
 from collections.abc import Callable, Sequence
@@ -73,7 +56,16 @@ from gpuckpt.storage.chunkio import (
     write_all,
     writev_all,
 )
-from gpuckpt.storage.layout import ROOT_DOCUMENT_PREFIX, ROOT_KEY, root_document_problem
+from gpuckpt.storage.layout import ROOT_KEY
+from gpuckpt.storage.leftovers import (
+    OLD_TAG,
+    TMP_TAG,
+    cleanup_stale_temporaries,
+    is_committed,
+    new_owner,
+    replace_problem,
+    set_aside_copies,
+)
 
 __all__ = [
     "LocalReader",
@@ -85,11 +77,6 @@ __all__ = [
 ]
 
 SYNC_MODES = ("auto", "file", "fs", "none")
-_TMP_TAG = ".gpuckpt-tmp-"
-_OLD_TAG = ".gpuckpt-old-"
-#: the random part of a locked temporary's name: k, the boot tag, eight random hex digits
-_LOCKED_RAND = re.compile(r"k([0-9a-f]{8})[0-9a-f]{8}")
-_MAX_ROOT_BYTES = 1 << 31
 _MANY_FILES = 64
 _PIECE = 1 << 20
 _WRITEBACK_MIN = 1 << 20
@@ -128,156 +115,6 @@ def _clear_direct(fd: int) -> None:
     fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_O_DIRECT)
 
 
-def _root_problem(path: Path) -> str | None:
-    """Why the directory ``path`` is not a gpuckpt checkpoint; None when it is one (damaged or not).
-
-    Reads the first bytes of its root ``zarr.json`` (the whole document only when
-    they are not the ones gpuckpt writes), without following a symlink or
-    blocking on a FIFO.
-    """
-    try:
-        fd = os.open(path / ROOT_KEY, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return f"it has no {ROOT_KEY}"
-    except OSError as exc:
-        return f"its {ROOT_KEY} cannot be opened ({exc.strerror})"
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            return f"its {ROOT_KEY} is not a regular file"
-        head = os.pread(fd, len(ROOT_DOCUMENT_PREFIX), 0)
-        if head == ROOT_DOCUMENT_PREFIX:
-            return None
-        if st.st_size > _MAX_ROOT_BYTES:
-            return f"its {ROOT_KEY} is {st.st_size} bytes, more than any gpuckpt root document"
-        buf = bytearray(st.st_size)
-        n = read_exact_at(fd, buf, 0)
-        return root_document_problem(bytes(buf[:n]))
-    except OSError as exc:
-        return f"its {ROOT_KEY} cannot be read ({exc.strerror})"
-    finally:
-        os.close(fd)
-
-
-def is_committed(path: Path) -> bool:
-    """True when ``path`` holds a published gpuckpt checkpoint: its root document exists and
-    says so (the identity test of :func:`gpuckpt.read_metadata`; a Zarr store of another
-    program is not one)."""
-    return path.is_dir() and not path.is_symlink() and _root_problem(path) is None
-
-
-def _replace_problem(path: Path) -> str | None:
-    """Why an existing ``path`` may not be replaced by a save; None for a checkpoint or an empty directory."""
-    if path.is_symlink():
-        return "it is a symbolic link"
-    if not path.is_dir():
-        return "it is not a directory"
-    problem = _root_problem(path)
-    if problem is None:
-        return None
-    try:
-        with os.scandir(path) as it:
-            empty = next(it, None) is None
-    except OSError:
-        empty = False
-    return None if empty else problem
-
-
-def _new_owner() -> str:
-    """``HOST-PID-RAND`` of a new temporary: RAND is ``k``, the boot tag and random digits where
-    the boot tag is known (the writer then holds the temporary's lock while it lives)."""
-    boot = fsutil.boot_tag()
-    rand = secrets.token_hex(4)
-    return f"{fsutil.tmp_owner()}-{'k' + boot + rand if boot else rand}"
-
-
-def _abandoned(path: Path, owner: str) -> tuple[bool, int | None]:
-    """Whether the writer of the temporary ``path`` (named for ``owner``, ``HOST-PID-RAND``) is gone,
-    and the fd holding its lock (to keep while it is removed or put back), if it has one."""
-    host_pid, _, rand = owner.rpartition("-")
-    host, _, pid = host_pid.rpartition("-")
-    locked = _LOCKED_RAND.fullmatch(rand)
-    if locked is not None and locked.group(1) == fsutil.boot_tag():
-        try:
-            fd = fsutil.lock_dir(path)
-        except OSError as exc:
-            if not fsutil.lock_unsupported(exc):
-                return False, None  # gone, a symlink, not a directory: nothing of ours
-        else:
-            if fd is None:
-                return False, None  # its writer holds the lock: alive
-            if fsutil.same_file(fd, path):
-                return True, fd
-            fsutil.unlock(fd)
-            return False, None
-    # another kernel's temporary, an older version's (no lock), or no locks here: the pid tells
-    return pid.isdigit() and not fsutil.pid_alive(host, int(pid)), None
-
-
-def set_aside_copies(path: Path) -> list[Path]:
-    """Complete checkpoints that an interrupted overwrite of ``path`` left aside
-    (``.NAME.gpuckpt-old-...``), newest name last."""
-    prefix = f".{path.name}{_OLD_TAG}"
-    try:
-        with os.scandir(path.parent) as it:
-            names = sorted(e.name for e in it if e.name.startswith(prefix))
-    except OSError:
-        return []
-    return [path.parent / n for n in names if is_committed(path.parent / n)]
-
-
-def _settle_set_aside(path: Path, old: Path) -> bool:
-    """For a dead writer's set-aside copy ``old`` of ``path``: put it back if ``path`` has no
-    checkpoint; returns whether it may be deleted (``path`` holds a checkpoint again, or
-    ``old`` is an empty directory). Never deletes the last complete copy."""
-    if is_committed(path):
-        return True
-    if not is_committed(old):
-        return _replace_problem(old) is None  # an empty directory was set aside
-    if os.path.lexists(path):
-        return False  # something else is there now: keep the copy, and do not touch that
-    try:
-        fsutil.rename_noreplace(old, path)
-    except OSError as exc:
-        if exc.errno in (errno.EEXIST, errno.ENOTEMPTY):
-            return False  # another save published meanwhile; a later cleanup deletes the copy
-        raise
-    fsutil.fsync_dir(path.parent)
-    return False
-
-
-def cleanup_stale_temporaries(path: Path) -> list[Path]:
-    """Remove what dead saves to ``path`` left; returns what was removed.
-
-    Temporaries of dead writers are deleted. A checkpoint that a dead writer's
-    interrupted overwrite set aside is put back at ``path`` when ``path`` has
-    no checkpoint, and deleted only once it does. A live writer's temporaries
-    are never touched (see the module docstring).
-    """
-    removed: list[Path] = []
-    parent, name = path.parent, path.name
-    try:
-        with os.scandir(parent) as it:
-            entries = sorted(e.name for e in it if e.is_dir(follow_symlinks=False))
-    except (FileNotFoundError, NotADirectoryError):
-        return removed
-    for entry in entries:
-        for tag in (_TMP_TAG, _OLD_TAG):
-            prefix = f".{name}{tag}"
-            if not entry.startswith(prefix):
-                continue
-            where = parent / entry
-            dead, fd = _abandoned(where, entry[len(prefix) :])
-            try:
-                if dead and (tag == _TMP_TAG or _settle_set_aside(path, where)):
-                    fsutil.rmtree_quiet(where)
-                    removed.append(where)
-            finally:
-                if fd is not None:
-                    fsutil.unlock(fd)
-    return removed
-
-
 class LocalWriter(CheckpointWriter):
     """Writes a checkpoint directory; see the module docstring for the protocol."""
 
@@ -302,7 +139,7 @@ class LocalWriter(CheckpointWriter):
         if sync == "auto":
             sync = "fs" if expected_files > _MANY_FILES else "file"
         self.sync = sync
-        self.tmp = self._new_name(_TMP_TAG)
+        self.tmp = self._new_name(TMP_TAG)
         self._lock: int | None = None  # held on self.tmp from begin to commit or abort
         self._dirs: list[Path] = []
         self.direct_io = bool(direct_io and _O_DIRECT) and sync != "none"
@@ -322,18 +159,18 @@ class LocalWriter(CheckpointWriter):
         """
         w = cls(path, sync="file")
         tmp = Path(token)
-        if tmp.parent != w.path.parent or not tmp.name.startswith(f".{w.path.name}{_TMP_TAG}"):
+        if tmp.parent != w.path.parent or not tmp.name.startswith(f".{w.path.name}{TMP_TAG}"):
             raise ValueError(f"{token!r} is not a temporary of a save to {w.path}")
         w.tmp = tmp
         return w
 
     def _new_name(self, tag: str) -> Path:
-        return self.path.parent / f".{self.path.name}{tag}{_new_owner()}"
+        return self.path.parent / f".{self.path.name}{tag}{new_owner()}"
 
     def _check_target(self) -> None:
         if not (self.path.exists() or self.path.is_symlink()):
             return
-        problem = _replace_problem(self.path)
+        problem = replace_problem(self.path)
         if problem is not None:
             raise CheckpointExistsError(
                 f"{self.path} exists and is not a gpuckpt checkpoint: {problem}; refusing to replace it"
@@ -374,7 +211,7 @@ class LocalWriter(CheckpointWriter):
             if fd is not None:
                 fsutil.unlock(fd)
             # a cleaner locked the new directory between its mkdir and our lock and removes it
-            self.tmp = self._new_name(_TMP_TAG)
+            self.tmp = self._new_name(TMP_TAG)
         raise CheckpointWriteError(
             errno.EBUSY,
             f"saving {self.path}: every new temporary directory was removed right after it was made "
@@ -593,7 +430,7 @@ class LocalWriter(CheckpointWriter):
         """
         held = self._lock_target()
         try:
-            old = self._new_name(_OLD_TAG)
+            old = self._new_name(OLD_TAG)
             os.rename(self.path, old)
             try:
                 os.rename(self.tmp, self.path)
@@ -651,7 +488,7 @@ class LocalReader(CheckpointReader):
         except FileNotFoundError:
             hint = ""
             with contextlib.suppress(OSError):
-                if any(p.name.startswith(f".{self.path.name}{_TMP_TAG}") for p in self.path.parent.iterdir()):
+                if any(p.name.startswith(f".{self.path.name}{TMP_TAG}") for p in self.path.parent.iterdir()):
                     hint = " (an unfinished or crashed save left a temporary next to it)"
             aside = set_aside_copies(self.path) if not os.path.lexists(self.path) else []
             if aside:
