@@ -143,7 +143,7 @@ def _abandoned(path: Path, owner: str) -> tuple[bool, int | None]:
 
 def set_aside_copies(path: Path) -> list[Path]:
     """Complete checkpoints that an interrupted overwrite of ``path`` left aside
-    (``.NAME.gpuckpt-old-...``), newest name last."""
+    (``.NAME.gpuckpt-old-...``), in name order."""
     prefix = f".{path.name}{OLD_TAG}"
     try:
         with os.scandir(path.parent) as it:
