@@ -39,12 +39,14 @@ from gpuckpt.storage.chunkio import crc32c
 __all__ = [
     "MAX_ARRAY_DOCUMENT_BYTES",
     "MAX_ROOT_DOCUMENT_BYTES",
+    "ROOT_DOCUMENT_PREFIX",
     "ROOT_KEY",
     "array_document",
     "chunk_file_key",
     "is_chunk_file_key",
     "metadata_from_root_document",
     "root_document",
+    "root_document_problem",
 ]
 
 ROOT_KEY = "zarr.json"
@@ -203,3 +205,33 @@ def metadata_from_root_document(raw: bytes | bytearray, where: str) -> Metadata:
             "the root metadata is damaged"
         )
     return Metadata.from_json_dict(md)
+
+
+#: how every root document written by :func:`root_document` begins
+ROOT_DOCUMENT_PREFIX = _ROOT_PREFIX
+
+
+def root_document_problem(raw: bytes) -> str | None:
+    """Why ``raw`` is not the root ``zarr.json`` of a gpuckpt checkpoint; None when it is one.
+
+    This is the identity test of :func:`metadata_from_root_document` (a Zarr v3
+    group carrying ``attributes.gpuckpt.metadata``) without its integrity
+    checks: a damaged checkpoint still counts as one, a Zarr store of another
+    program does not. A document as gpuckpt writes it is recognised by its
+    first bytes (:data:`ROOT_DOCUMENT_PREFIX`) without being parsed.
+    """
+    if raw.startswith(_ROOT_PREFIX):
+        return None
+    try:
+        doc = json.loads(raw)
+    except (ValueError, RecursionError):
+        return f"its {ROOT_KEY} is not JSON"
+    if not isinstance(doc, dict) or doc.get("zarr_format") != 3:
+        return f"its {ROOT_KEY} is not a Zarr v3 document"
+    if doc.get("node_type") != "group":
+        return f"its {ROOT_KEY} describes a Zarr {str(doc.get('node_type'))[:20]!r} node, not a gpuckpt group"
+    attrs = doc.get("attributes")
+    entry = attrs.get(ATTRIBUTE) if isinstance(attrs, dict) else None
+    if not isinstance(entry, dict) or "metadata" not in entry:
+        return f"its {ROOT_KEY} is a Zarr group without attributes.{ATTRIBUTE} (another program's Zarr store)"
+    return None

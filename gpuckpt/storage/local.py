@@ -8,6 +8,11 @@ fsynced. A reader therefore sees either no checkpoint or a complete one.
 Temporaries left by crashed processes are removed by the next save to the
 same path.
 
+A writer holds a lock on its temporary while it lives, and replaces only a
+gpuckpt checkpoint or an empty directory: ``RENAME_EXCHANGE``, else two
+renames (old aside, new in place). What is dead, foreign or set aside is
+decided in :mod:`gpuckpt.storage.leftovers`.
+
 A writer made with ``direct_io=True`` (what :func:`gpuckpt.async_save` uses)
 writes large chunk files (1 MiB and more) with ``O_DIRECT`` where the file
 system supports it: the bytes go from page-aligned memory (the staging
@@ -28,7 +33,6 @@ import contextlib
 import errno
 import mmap
 import os
-import secrets
 import stat
 import threading
 from collections.abc import Callable, Sequence
@@ -54,12 +58,26 @@ from gpuckpt.storage.chunkio import (
     writev_all,
 )
 from gpuckpt.storage.layout import MAX_ARRAY_DOCUMENT_BYTES, MAX_ROOT_DOCUMENT_BYTES, ROOT_KEY, too_large
+from gpuckpt.storage.leftovers import (
+    OLD_TAG,
+    TMP_TAG,
+    cleanup_stale_temporaries,
+    is_committed,
+    new_owner,
+    replace_problem,
+    set_aside_copies,
+)
 
-__all__ = ["LocalReader", "LocalWriter", "SYNC_MODES", "cleanup_stale_temporaries", "is_committed"]
+__all__ = [
+    "LocalReader",
+    "LocalWriter",
+    "SYNC_MODES",
+    "cleanup_stale_temporaries",
+    "is_committed",
+    "set_aside_copies",
+]
 
 SYNC_MODES = ("auto", "file", "fs", "none")
-_TMP_TAG = ".gpuckpt-tmp-"
-_OLD_TAG = ".gpuckpt-old-"
 _MANY_FILES = 64
 _PIECE = 1 << 20
 _WRITEBACK_MIN = 1 << 20
@@ -98,32 +116,6 @@ def _clear_direct(fd: int) -> None:
     fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_O_DIRECT)
 
 
-def is_committed(path: Path) -> bool:
-    """True when ``path`` holds a published checkpoint (its root document exists)."""
-    return (path / ROOT_KEY).is_file()
-
-
-def cleanup_stale_temporaries(path: Path) -> list[Path]:
-    """Remove temporaries of saves to ``path`` whose process is gone; returns what was removed."""
-    removed: list[Path] = []
-    parent, name = path.parent, path.name
-    try:
-        entries = list(os.scandir(parent))
-    except FileNotFoundError:
-        return removed
-    for entry in entries:
-        for tag in (_TMP_TAG, _OLD_TAG):
-            prefix = f".{name}{tag}"
-            if not entry.name.startswith(prefix):
-                continue
-            owner = entry.name[len(prefix) :].rsplit("-", 1)[0]
-            host, _, pid = owner.rpartition("-")
-            if pid.isdigit() and not fsutil.pid_alive(host, int(pid)):
-                fsutil.rmtree_quiet(Path(entry.path))
-                removed.append(Path(entry.path))
-    return removed
-
-
 class LocalWriter(CheckpointWriter):
     """Writes a checkpoint directory; see the module docstring for the protocol."""
 
@@ -148,9 +140,8 @@ class LocalWriter(CheckpointWriter):
         if sync == "auto":
             sync = "fs" if expected_files > _MANY_FILES else "file"
         self.sync = sync
-        self.tmp = (
-            self.path.parent / f".{self.path.name}{_TMP_TAG}{fsutil.tmp_owner()}-{secrets.token_hex(4)}"
-        )
+        self.tmp = self._new_name(TMP_TAG)
+        self._lock: int | None = None  # held on self.tmp from begin to commit or abort
         self._dirs: list[Path] = []
         self.direct_io = bool(direct_io and _O_DIRECT) and sync != "none"
         self._bounce = threading.local()  # one aligned buffer per I/O thread
@@ -169,35 +160,69 @@ class LocalWriter(CheckpointWriter):
         """
         w = cls(path, sync="file")
         tmp = Path(token)
-        if tmp.parent != w.path.parent or not tmp.name.startswith(f".{w.path.name}{_TMP_TAG}"):
+        if tmp.parent != w.path.parent or not tmp.name.startswith(f".{w.path.name}{TMP_TAG}"):
             raise ValueError(f"{token!r} is not a temporary of a save to {w.path}")
         w.tmp = tmp
         return w
 
+    def _new_name(self, tag: str) -> Path:
+        return self.path.parent / f".{self.path.name}{tag}{new_owner()}"
+
     def _check_target(self) -> None:
-        if self.path.exists() or self.path.is_symlink():
-            if not self.overwrite:
-                what = "a checkpoint" if is_committed(self.path) else "a file or directory"
-                raise CheckpointExistsError(
-                    f"{self.path} already exists ({what}); pass overwrite=True to replace it, "
-                    "or save to a new path"
-                )
-            if (
-                not self.path.is_dir()
-                or self.path.is_symlink()
-                or not (is_committed(self.path) or not any(self.path.iterdir()))
-            ):
-                raise CheckpointExistsError(
-                    f"{self.path} exists and is not a gpuckpt checkpoint; refusing to replace it "
-                    "even with overwrite=True"
-                )
+        if not (self.path.exists() or self.path.is_symlink()):
+            return
+        problem = replace_problem(self.path)
+        if problem is not None:
+            raise CheckpointExistsError(
+                f"{self.path} exists and is not a gpuckpt checkpoint: {problem}; refusing to replace it"
+                f"{' even with overwrite=True' if self.overwrite else ''}, nothing was deleted. Save to "
+                "another path, or remove it yourself if it is yours to delete"
+            )
+        if not self.overwrite:
+            what = "a checkpoint" if is_committed(self.path) else "an empty directory"
+            raise CheckpointExistsError(
+                f"{self.path} already exists ({what}); pass overwrite=True to replace it, "
+                "or save to a new path"
+            )
 
     def begin(self) -> None:
+        # first: a checkpoint a crashed overwrite set aside is put back before anything is judged
+        cleanup_stale_temporaries(self.path)
         self._check_target()
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        cleanup_stale_temporaries(self.path)
-        os.mkdir(self.tmp)
-        self._dirs.append(self.tmp)
+        self._make_tmp()
+
+    def _make_tmp(self) -> None:
+        """Create the temporary and take its lock (which tells cleaners that its writer lives)."""
+        for _ in range(8):
+            os.mkdir(self.tmp)
+            try:
+                fd = fsutil.lock_dir(self.tmp)
+            except FileNotFoundError:
+                fd = None  # removed by a cleaner that took it for a dead writer's: try another name
+            except OSError as exc:
+                if not fsutil.lock_unsupported(exc):
+                    raise
+                self._dirs.append(self.tmp)  # no locks on this file system: cleaners go by the pid
+                return
+            if fd is not None and fsutil.same_file(fd, self.tmp):
+                self._lock = fd
+                self._dirs.append(self.tmp)
+                return
+            if fd is not None:
+                fsutil.unlock(fd)
+            # a cleaner locked the new directory between its mkdir and our lock and removes it
+            self.tmp = self._new_name(TMP_TAG)
+        raise CheckpointWriteError(
+            errno.EBUSY,
+            f"saving {self.path}: every new temporary directory was removed right after it was made "
+            "(another process keeps cleaning this directory); nothing was published",
+        )
+
+    def _unlock(self) -> None:
+        fd, self._lock = self._lock, None
+        if fd is not None:
+            fsutil.unlock(fd)
 
     def _create(self, rel: str) -> int:
         return os.open(f"{self.tmp}/{rel}", _CREATE_FLAGS, 0o644)
@@ -373,20 +398,9 @@ class LocalWriter(CheckpointWriter):
         if self.overwrite and (self.path.exists() or self.path.is_symlink()):
             self._check_target()
             if not fsutil.exchange(self.tmp, self.path):
-                # no atomic exchange here: move the old one aside first
-                old = (
-                    self.path.parent
-                    / f".{self.path.name}{_OLD_TAG}{fsutil.tmp_owner()}-{secrets.token_hex(4)}"
-                )
-                os.rename(self.path, old)
-                try:
-                    os.rename(self.tmp, self.path)
-                except BaseException:
-                    os.rename(old, self.path)  # put the previous checkpoint back
-                    raise
-                self.tmp = old
-            # self.tmp now holds the previous checkpoint
-            fsutil.rmtree_quiet(self.tmp)
+                self._replace_by_two_renames()
+            else:
+                fsutil.rmtree_quiet(self.tmp)  # it holds the previous checkpoint now
         else:
             try:
                 fsutil.rename_noreplace(self.tmp, self.path)
@@ -406,9 +420,51 @@ class LocalWriter(CheckpointWriter):
                     f"checkpoint {self.path} was published complete, but syncing its parent directory "
                     f"failed ({exc.strerror or exc}): it may not survive a power loss; save again to be sure",
                 ) from exc
+        self._unlock()
+
+    def _replace_by_two_renames(self) -> None:
+        """No atomic exchange here: move the old checkpoint aside, then the new one into place.
+
+        The old one is locked first and stays locked (a live writer's) until this
+        save is done with it: a crash between the two renames leaves it, complete
+        and unlocked, for the next save to put back (:func:`cleanup_stale_temporaries`).
+        """
+        held = self._lock_target()
+        try:
+            old = self._new_name(OLD_TAG)
+            os.rename(self.path, old)
+            try:
+                os.rename(self.tmp, self.path)
+            except BaseException:
+                os.rename(old, self.path)  # put the previous checkpoint back
+                raise
+            self.tmp = old
+            fsutil.rmtree_quiet(old)  # still locked: no cleaner takes it for a dead writer's
+        finally:
+            if held is not None:
+                fsutil.unlock(held)
+
+    def _lock_target(self) -> int | None:
+        """The lock of the checkpoint at ``path`` (waiting for a save that is setting it aside or
+        has just published it); None where the file system has no locks."""
+        for _ in range(100):
+            try:
+                fd = fsutil.lock_dir(self.path, wait=True)
+            except OSError as exc:
+                if fsutil.lock_unsupported(exc):
+                    return None
+                raise
+            assert fd is not None
+            if fsutil.same_file(fd, self.path):
+                return fd
+            fsutil.unlock(fd)  # replaced while we waited: lock the new one
+        raise CheckpointWriteError(
+            errno.EBUSY, f"saving {self.path}: it kept being replaced by other saves; nothing was published"
+        )
 
     def abort(self) -> None:
         fsutil.rmtree_quiet(self.tmp)
+        self._unlock()
 
 
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
@@ -511,8 +567,16 @@ class LocalReader(CheckpointReader):
         except FileNotFoundError:
             hint = ""
             with contextlib.suppress(OSError):
-                if any(p.name.startswith(f".{self.path.name}{_TMP_TAG}") for p in self.path.parent.iterdir()):
+                if any(p.name.startswith(f".{self.path.name}{TMP_TAG}") for p in self.path.parent.iterdir()):
                     hint = " (an unfinished or crashed save left a temporary next to it)"
+            aside = set_aside_copies(self.path) if not os.path.lexists(self.path) else []
+            if aside:
+                raise CheckpointNotFoundError(
+                    f"no checkpoint at {self.path}, but an overwrite that was interrupted between its two "
+                    "renames (a file system without RENAME_EXCHANGE) left the previous checkpoint, complete, "
+                    f"at {aside[-1]}: the next save to {self.path} puts it back first, or recover it now "
+                    f"with: mv '{aside[-1]}' '{self.path}' (unless a save to it is running right now)"
+                ) from None
             if self.path.is_dir():
                 raise CheckpointNotFoundError(
                     f"{self.path} is not a committed checkpoint: it has no {ROOT_KEY}{hint}"

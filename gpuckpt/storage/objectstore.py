@@ -13,8 +13,11 @@ A save to ``s3://bucket/prefix`` goes:
    (its process is gone from this machine and pid namespace, or the claim was
    not refreshed for ``lease_seconds`` by the server's clock against ours) is
    taken over with a compare-and-swap on its ETag. Then, with the root
-   checked again, objects of an unfinished earlier save are deleted; any
-   other object under the prefix is refused, never deleted.
+   checked again, objects of the unfinished save whose claim was taken over
+   are deleted. Objects under a prefix that had no claim, and objects no
+   gpuckpt save writes, are refused, never deleted: a prefix holding another
+   program's Zarr store (even one whose keys look like a checkpoint's) is
+   left as it is.
 2. Array documents and chunks are plain puts (zarr's
    :class:`zarr.storage.ObjectStore`); a thread refreshes the claim every
    quarter lease.
@@ -23,6 +26,9 @@ A save to ``s3://bucket/prefix`` goes:
    :class:`~gpuckpt.errors.CheckpointExistsError`), delete the claim.
 4. ``abort`` deletes the objects this writer put and its claim, unless the
    prefix has meanwhile passed to another writer or was published.
+
+A root ``zarr.json`` that is not a gpuckpt checkpoint's (another program's
+Zarr store at that prefix) is refused with a message that says so.
 
 ``overwrite=True`` cannot replace a published checkpoint: an object store
 cannot swap two sets of objects atomically, and deleting the old root first
@@ -57,14 +63,17 @@ from gpuckpt.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
     CheckpointWriteError,
+    MetadataError,
 )
 from gpuckpt.storage import fsutil
 from gpuckpt.storage.base import CheckpointReader, CheckpointWriter
 from gpuckpt.storage.layout import (
     MAX_ARRAY_DOCUMENT_BYTES,
     MAX_ROOT_DOCUMENT_BYTES,
+    ROOT_DOCUMENT_PREFIX,
     ROOT_KEY,
     is_chunk_file_key,
+    root_document_problem,
     too_large,
 )
 from gpuckpt.storage.names import is_safe_name
@@ -310,9 +319,34 @@ class ObjectStoreWriter(_Prefix, CheckpointWriter):
             return False
         return True
 
+    def _root_problem(self) -> str | None:
+        """Why the root object is not a gpuckpt checkpoint's; None when it is (damaged or not)."""
+        import obstore as obs
+
+        n = len(ROOT_DOCUMENT_PREFIX)
+        try:
+            if obs.head(self._obs, ROOT_KEY)["size"] >= n:
+                head = bytes(obs.get(self._obs, ROOT_KEY, options={"range": (0, n)}).bytes())
+                if head == ROOT_DOCUMENT_PREFIX:
+                    return None
+        except FileNotFoundError:
+            return None  # deleted meanwhile: nothing to protect, the conditional put decides
+        try:
+            raw = self._get_small(ROOT_KEY, MAX_ROOT_DOCUMENT_BYTES, "MAX_ROOT_DOCUMENT_BYTES")
+        except MetadataError:
+            return f"its {ROOT_KEY} is larger than any gpuckpt root document"
+        return None if raw is None else root_document_problem(raw)
+
     def _refuse_published(self) -> None:
         if not self._exists(ROOT_KEY):
             return
+        problem = self._root_problem()
+        if problem is not None:
+            raise CheckpointExistsError(
+                f"{self.path} holds something that is not a gpuckpt checkpoint: {problem}; refusing to "
+                f"touch it{' even with overwrite=True' if self.overwrite else ''}, nothing was deleted. "
+                "Save to another prefix"
+            )
         if self.overwrite:
             raise CheckpointExistsError(
                 f"{self.path} holds a checkpoint and overwrite=True cannot replace it: object storage has "
@@ -321,14 +355,15 @@ class ObjectStoreWriter(_Prefix, CheckpointWriter):
             )
         raise CheckpointExistsError(f"{self.path} already holds a checkpoint; save to a new prefix")
 
-    def _claim(self) -> None:
+    def _claim(self) -> bool:
+        """Claim the prefix; True when that took over the claim of an abandoned save."""
         import obstore as obs
         from obstore.exceptions import AlreadyExistsError, PreconditionError
 
         for _ in range(3):
             try:
                 self._claim_etag = self._put(CLAIM_KEY, self._claim_body, "create")
-                return
+                return False
             except AlreadyExistsError:
                 pass
             try:
@@ -355,7 +390,7 @@ class ObjectStoreWriter(_Prefix, CheckpointWriter):
                 )
             try:  # take the abandoned claim over, unless another writer does so first
                 self._claim_etag = self._put(CLAIM_KEY, self._claim_body, {"e_tag": meta["e_tag"]})
-                return
+                return True
             except (PreconditionError, AlreadyExistsError, FileNotFoundError):
                 continue
         raise CheckpointExistsError(
@@ -397,18 +432,25 @@ class ObjectStoreWriter(_Prefix, CheckpointWriter):
     def begin(self) -> None:
         with self._io("starting a save", CheckpointWriteError):
             self._refuse_published()
-            self._claim()
+            took_over = self._claim()
             try:
                 # the root may have been committed between the first check and the claim
                 self._refuse_published()
-                self._delete_leftovers()
+                self._delete_leftovers(took_over)
             except BaseException:
                 self._delete_quietly([CLAIM_KEY])
                 raise
         self._heartbeat = threading.Thread(target=self._refresh, name="gpuckpt-s3-claim", daemon=True)
         self._heartbeat.start()
 
-    def _delete_leftovers(self) -> None:
+    def _delete_leftovers(self, took_over: bool) -> None:
+        """Delete what the abandoned save whose claim we took over left; refuse anything else.
+
+        Keys shaped like a checkpoint's are not proof enough: a Zarr v3 store of
+        another program can have only such keys. Only a claim left behind says
+        that the objects are a gpuckpt save's (a save aborts its objects before
+        its claim).
+        """
         import obstore as obs
 
         keys = [k for k in self._list() if k != CLAIM_KEY]
@@ -417,6 +459,12 @@ class ObjectStoreWriter(_Prefix, CheckpointWriter):
             raise CheckpointExistsError(
                 f"{self.path} has no checkpoint but holds {len(foreign)} other object(s), e.g. "
                 f"{foreign[:3]}; refusing to delete them: save to an empty prefix"
+            )
+        if keys and not took_over:
+            raise CheckpointExistsError(
+                f"{self.path} has no checkpoint and no claim of an unfinished gpuckpt save, but holds "
+                f"{len(keys)} object(s), e.g. {keys[:3]} (another program's Zarr store?); refusing to "
+                "delete them, nothing was deleted: save to an empty prefix"
             )
         if keys:
             obs.delete(self._obs, keys)
@@ -482,15 +530,20 @@ class ObjectStoreWriter(_Prefix, CheckpointWriter):
             ours = False
         if not ours:
             return  # the prefix belongs to another save now: its objects are not ours to delete
-        self._delete_quietly(sorted(self._written))
-        self._delete_quietly([CLAIM_KEY])
+        # the claim goes only once the objects are gone: it is what lets the next save delete them
+        if self._delete_quietly(sorted(self._written)):
+            self._delete_quietly([CLAIM_KEY])
 
-    def _delete_quietly(self, keys: list[str]) -> None:
+    def _delete_quietly(self, keys: list[str]) -> bool:
+        """Delete ``keys``; False (and no exception) when that failed."""
         import obstore as obs
 
-        with contextlib.suppress(Exception):
+        try:
             if keys:
                 obs.delete(self._obs, keys)
+        except Exception:
+            return False
+        return True
 
 
 class ObjectStoreReader(_Prefix, CheckpointReader):
