@@ -21,9 +21,9 @@ def _register_dtypes_where_zarr_ignores_entry_points() -> None:
     so there the types are registered explicitly, as its users must do (README); the
     entry-point route itself is tested in tests/unit/test_zarr_dtypes.py.
     """
-    import zarr
+    from gpuckpt.storage._zarr_compat import ZARR_BEFORE_3_4
 
-    if tuple(int(part) for part in zarr.__version__.split(".")[:2]) < (3, 4):
+    if ZARR_BEFORE_3_4:
         from gpuckpt.storage.zarr_dtypes import register_zarr_dtypes
 
         register_zarr_dtypes()
