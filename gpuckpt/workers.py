@@ -1,0 +1,187 @@
+"""Worker threads that gpuckpt owns: the thread pool behind saves, usable until the process ends.
+
+:class:`concurrent.futures.ThreadPoolExecutor` is unusable for work that must
+finish while the interpreter exits: once its exit hook has run it refuses new
+work ("cannot schedule new futures after interpreter shutdown"), and since
+Python 3.12 no thread at all can be started once shutdown has begun. Its pools
+also lose their threads in a child created by ``fork()`` while still believing
+they have some, so work submitted in the child never runs.
+
+:class:`Workers` keeps the same ``submit`` / ``shutdown`` / ``with`` interface
+with these differences:
+
+* it never refuses work because the interpreter is exiting; a call that cannot
+  get a thread (none can be started any more and none is left) runs in the
+  calling thread instead, so work submitted during exit still completes;
+* its threads are daemon threads: exit does not wait for idle workers. Work
+  that must finish at exit is waited for explicitly (:meth:`Workers.drain`,
+  see :mod:`gpuckpt.background`);
+* in a child created by ``fork()`` every pool starts empty (no threads, no
+  queued work: the parent's queued calls run in the parent only) with fresh
+  locks, and starts threads again on demand.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from types import TracebackType
+from typing import Any, ParamSpec, TypeVar
+
+__all__ = ["Workers"]
+
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
+
+_Item = tuple[Future[Any], Callable[..., Any], tuple[Any, ...], dict[str, Any]]
+
+_all_pools: weakref.WeakSet[Workers] = weakref.WeakSet()
+
+
+def _run(item: _Item) -> None:
+    future, fn, args, kwargs = item
+    if not future.set_running_or_notify_cancel():
+        return
+    try:
+        result = fn(*args, **kwargs)
+    except BaseException as exc:
+        future.set_exception(exc)
+    else:
+        future.set_result(result)
+
+
+class Workers:
+    """Up to ``max_workers`` threads (started on demand) running submitted calls in order.
+
+    Call order: :meth:`submit` any number of times (from any thread), then
+    :meth:`shutdown` once (or leave a ``with`` block); a pool that lives as
+    long as the process is never shut down, and :meth:`drain` waits until its
+    queued work is done.
+    """
+
+    def __init__(self, max_workers: int, name: str) -> None:
+        if not isinstance(max_workers, int) or isinstance(max_workers, bool) or max_workers < 1:
+            raise ValueError(f"max_workers must be an integer >= 1, got {max_workers!r}")
+        self.max_workers = max_workers
+        self.name = name
+        self._reset()
+        _all_pools.add(self)
+
+    def _reset(self) -> None:
+        self._cond = threading.Condition()
+        self._queue: deque[_Item] = deque()
+        self._threads: set[threading.Thread] = set()
+        self._idle = 0
+        self._running = 0
+        self._closed = False
+
+    def submit(self, fn: Callable[_P, _T], /, *args: _P.args, **kwargs: _P.kwargs) -> Future[_T]:
+        """Queue ``fn(*args, **kwargs)``; returns its future."""
+        future: Future[_T] = Future()
+        item: _Item = (future, fn, args, kwargs)
+        thread = None
+        with self._cond:
+            if self._closed:
+                raise RuntimeError(f"the {self.name} workers are shut down; no new work is accepted")
+            self._queue.append(item)
+            if len(self._queue) > self._idle and len(self._threads) < self.max_workers:
+                thread = threading.Thread(
+                    target=self._work, name=f"{self.name}_{len(self._threads)}", daemon=True
+                )
+                self._threads.add(thread)
+            self._cond.notify()
+        if thread is not None and not self._start(thread):
+            with self._cond:
+                # no thread could be started (interpreter exit, or the system's thread
+                # limit): with none left to take it, the call runs here
+                # (found by identity: comparing items would compare their arguments)
+                inline = not self._threads and any(queued is item for queued in self._queue)
+                if inline:
+                    self._queue = deque(queued for queued in self._queue if queued is not item)
+                    self._running += 1
+            if inline:
+                try:
+                    _run(item)
+                finally:
+                    with self._cond:
+                        self._running -= 1
+                        self._cond.notify_all()
+        return future
+
+    def _start(self, thread: threading.Thread) -> bool:
+        try:
+            thread.start()
+        except RuntimeError:
+            with self._cond:
+                self._threads.discard(thread)
+            return False
+        return True
+
+    def _work(self) -> None:
+        me = threading.current_thread()
+        cond = self._cond
+        while True:
+            with cond:
+                while not self._queue and not self._closed:
+                    self._idle += 1
+                    try:
+                        cond.wait()
+                    finally:
+                        self._idle -= 1
+                if not self._queue:
+                    self._threads.discard(me)
+                    cond.notify_all()
+                    return
+                item = self._queue.popleft()
+                self._running += 1
+            try:
+                _run(item)
+            finally:
+                del item
+                with cond:
+                    self._running -= 1
+                    cond.notify_all()
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until no work is queued or running (including work submitted meanwhile).
+
+        Returns False if ``timeout`` seconds passed first.
+        """
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._queue and not self._running, timeout)
+
+    def pending(self) -> int:
+        """Calls queued or running."""
+        with self._cond:
+            return len(self._queue) + self._running
+
+    def shutdown(self, wait: bool = True) -> None:
+        """Accept no more work; with ``wait``, return once the queued work is done and the threads ended."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+            if wait:
+                self._cond.wait_for(lambda: not self._threads and not self._running)
+
+    def __enter__(self) -> Workers:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.shutdown(wait=True)
+
+
+def _after_fork_in_child() -> None:
+    # only the forking thread exists in the child: threads, locks (possibly held
+    # by a thread that is gone) and the parent's queued work are all dropped
+    for pool in list(_all_pools):
+        pool._reset()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
