@@ -72,7 +72,11 @@ class Workers:
         _all_pools.add(self)
 
     def _reset(self) -> None:
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
+        # idle workers wait on one condition, callers of drain/shutdown on the other:
+        # a finished call wakes no idle worker
+        self._ready = threading.Condition(self._lock)
+        self._changed = threading.Condition(self._lock)
         self._queue: deque[_Item] = deque()
         self._threads: set[threading.Thread] = set()
         self._idle = 0
@@ -84,7 +88,7 @@ class Workers:
         future: Future[_T] = Future()
         item: _Item = (future, fn, args, kwargs)
         thread = None
-        with self._cond:
+        with self._lock:
             if self._closed:
                 raise RuntimeError(f"the {self.name} workers are shut down; no new work is accepted")
             self._queue.append(item)
@@ -93,48 +97,48 @@ class Workers:
                     target=self._work, name=f"{self.name}_{len(self._threads)}", daemon=True
                 )
                 self._threads.add(thread)
-            self._cond.notify()
+            self._ready.notify()
         if thread is not None and not self._start(thread):
-            with self._cond:
-                # no thread could be started (interpreter exit, or the system's thread
-                # limit): with none left to take it, the call runs here
-                # (found by identity: comparing items would compare their arguments)
-                inline = not self._threads and any(queued is item for queued in self._queue)
-                if inline:
-                    self._queue = deque(queued for queued in self._queue if queued is not item)
+            # no thread could be started (interpreter exit, or the system's thread limit):
+            # with no thread left to take the queued calls, they run here
+            while True:
+                with self._lock:
+                    if self._threads or not self._queue:
+                        break
+                    queued = self._queue.popleft()
                     self._running += 1
-            if inline:
                 try:
-                    _run(item)
+                    _run(queued)
                 finally:
-                    with self._cond:
+                    del queued
+                    with self._lock:
                         self._running -= 1
-                        self._cond.notify_all()
+                        self._changed.notify_all()
         return future
 
     def _start(self, thread: threading.Thread) -> bool:
         try:
             thread.start()
         except RuntimeError:
-            with self._cond:
+            with self._lock:
                 self._threads.discard(thread)
+                self._changed.notify_all()
             return False
         return True
 
     def _work(self) -> None:
         me = threading.current_thread()
-        cond = self._cond
         while True:
-            with cond:
+            with self._lock:
                 while not self._queue and not self._closed:
                     self._idle += 1
                     try:
-                        cond.wait()
+                        self._ready.wait()
                     finally:
                         self._idle -= 1
                 if not self._queue:
                     self._threads.discard(me)
-                    cond.notify_all()
+                    self._changed.notify_all()
                     return
                 item = self._queue.popleft()
                 self._running += 1
@@ -142,30 +146,30 @@ class Workers:
                 _run(item)
             finally:
                 del item
-                with cond:
+                with self._lock:
                     self._running -= 1
-                    cond.notify_all()
+                    self._changed.notify_all()
 
     def drain(self, timeout: float | None = None) -> bool:
         """Wait until no work is queued or running (including work submitted meanwhile).
 
         Returns False if ``timeout`` seconds passed first.
         """
-        with self._cond:
-            return self._cond.wait_for(lambda: not self._queue and not self._running, timeout)
+        with self._lock:
+            return self._changed.wait_for(lambda: not self._queue and not self._running, timeout)
 
     def pending(self) -> int:
         """Calls queued or running."""
-        with self._cond:
+        with self._lock:
             return len(self._queue) + self._running
 
     def shutdown(self, wait: bool = True) -> None:
         """Accept no more work; with ``wait``, return once the queued work is done and the threads ended."""
-        with self._cond:
+        with self._lock:
             self._closed = True
-            self._cond.notify_all()
+            self._ready.notify_all()
             if wait:
-                self._cond.wait_for(lambda: not self._threads and not self._running)
+                self._changed.wait_for(lambda: not self._threads and not self._running)
 
     def __enter__(self) -> Workers:
         return self

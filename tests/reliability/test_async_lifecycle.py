@@ -266,13 +266,15 @@ def test_bad_options_take_no_staging_and_later_saves_work(tmp_path: Path) -> Non
 )
 def test_manager_rejects_bad_options_at_construction(tmp_path: Path, option: str, value: object) -> None:
     with pytest.raises(InvalidOptionError, match=option):
-        gpuckpt.CheckpointManager(tmp_path / "m", **{option: value})
+        gpuckpt.CheckpointManager(tmp_path / "m", **{option: value})  # type: ignore[arg-type]
     with pytest.raises(InvalidOptionError, match=option):
         gpuckpt.save(state(0), tmp_path / "s", **{option: value})  # type: ignore[arg-type]
     assert not (tmp_path / "s").exists()
 
 
 def test_small_state_takes_little_staging_memory(tmp_path: Path) -> None:
+    background.wait_all()
+    background.release_staging()  # arenas of earlier, larger saves in this process
     gpuckpt.async_save({"w": np.ones(512)}, tmp_path / "c").result(timeout=60)  # 4 KiB
     with background._lock:
         pools = list(background._pools.values())
