@@ -174,8 +174,29 @@ def _run_copies(copies: list[tuple[np.ndarray, np.ndarray]]) -> None:
         batches[-1].append(c)
         size += c[0].nbytes
     # NumPy releases the GIL for plain copies: batches copy in parallel
-    for f in [_copy_threads.submit(_copy_all, b) for b in batches]:
-        f.result()
+    _wait_for_all([f.result for f in [_copy_threads.submit(_copy_all, b) for b in batches]])
+
+
+def _wait_for_all(waits: list[Callable[[], Any]]) -> None:
+    """Call every wait, even after one failed or was interrupted, then raise the first error.
+
+    The arena is given back when a snapshot fails: no copy may still be writing
+    into it then (it would write into the next snapshot). An interrupted wait
+    is retried; a copy ends soon.
+    """
+    error: BaseException | None = None
+    for wait in waits:
+        while True:
+            try:
+                wait()
+            except KeyboardInterrupt as exc:
+                error = error or exc
+                continue
+            except BaseException as exc:
+                error = error or exc
+            break
+    if error is not None:
+        raise error
 
 
 def _rebind(t: TensorPlan, array: Any) -> None:
@@ -212,9 +233,10 @@ def snapshot(plan: SavePlan, arena: StagingArena) -> None:
         else:
             copies.extend(_copy_slabs(dst, src.host_array()))
         _rebind(t, HostArray(dst, requires_grad=t.properties.requires_grad, pinned=t.properties.pin_memory))
-    _run_copies(copies)
-    for ticket in tickets:
-        ticket.wait()
+    try:
+        _run_copies(copies)
+    finally:
+        _wait_for_all([ticket.wait for ticket in tickets])
 
 
 def snapshot_on_device(plan: SavePlan) -> None:

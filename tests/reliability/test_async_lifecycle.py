@@ -23,6 +23,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -30,8 +31,10 @@ import pytest
 import gpuckpt
 from gpuckpt import background
 from gpuckpt.device import staging
+from gpuckpt.device.backend import HostBackend
 from gpuckpt.device.staging import ArenaPool
 from gpuckpt.errors import InvalidOptionError, StagingTimeoutError
+from gpuckpt.testing.fakedevice import EmulatedDeviceArray
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -370,6 +373,39 @@ def test_arena_held_by_a_pending_save_is_waited_for(monkeypatch: pytest.MonkeyPa
     save.set_result(None)
     t.join(60)
     assert out == [arena]
+
+
+class FailingCopyBackend(HostBackend):
+    """A slow host 'device' whose copies of one array fail at once."""
+
+    def __init__(self, bad: np.ndarray) -> None:
+        super().__init__(bytes_per_second=4 << 20)
+        self.bad = bad
+
+    def snapshot_to_host(self, array: Any, dest: np.ndarray) -> Any:
+        if array is self.bad:
+            return _FailedTicket()
+        return super().snapshot_to_host(array, dest)
+
+
+class _FailedTicket:
+    def wait(self) -> None:
+        raise RuntimeError("injected device copy failure")
+
+
+def test_failed_snapshot_gives_back_its_arena_only_after_every_copy_ended(tmp_path: Path) -> None:
+    # the first copy fails at once while a slow one is still writing into the arena:
+    # the arena must not be given back (to the next snapshot) before that one ends
+    bad = np.ones(1024, np.float32)
+    backend = FailingCopyBackend(bad)
+    slow = np.arange(1 << 18, dtype=np.float32)  # 1 MiB: about 0.25 s at the backend's rate
+    state_ = {"a": EmulatedDeviceArray(bad, backend), "b": EmulatedDeviceArray(slow, backend)}
+    with pytest.raises(RuntimeError, match="injected device copy failure"):
+        gpuckpt.async_save(state_, tmp_path / "c")
+    assert backend._in_flight == 0 and backend.copies == 1
+    gpuckpt.async_save({"b": EmulatedDeviceArray(slow, backend)}, tmp_path / "d").result(timeout=60)
+    assert gpuckpt.load_state_dict(tmp_path / "d")["b"].tobytes() == slow.tobytes()
+    assert not (tmp_path / "c").exists()
 
 
 # -- fork ---------------------------------------------------------------------
