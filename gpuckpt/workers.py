@@ -13,9 +13,10 @@ with these differences:
 * it never refuses work because the interpreter is exiting; a call that cannot
   get a thread (none can be started any more and none is left) runs in the
   calling thread instead, so work submitted during exit still completes;
-* its threads are daemon threads: exit does not wait for idle workers. Work
+* its threads are daemon threads, and end after a few idle seconds: exit
+  does not wait for idle workers, and a pool no longer used is collected. Work
   that must finish at exit is waited for explicitly (:meth:`Workers.drain`,
-  see :mod:`gpuckpt.background`);
+  see :mod:`gpuckpt.pending`);
 * in a child created by ``fork()`` every pool starts empty (no threads, no
   queued work: the parent's queued calls run in the parent only) with fresh
   locks, and starts threads again on demand.
@@ -40,6 +41,9 @@ _T = TypeVar("_T")
 _Item = tuple[Future[Any], Callable[..., Any], tuple[Any, ...], dict[str, Any]]
 
 _all_pools: weakref.WeakSet[Workers] = weakref.WeakSet()
+#: an idle thread ends after this long (the next call starts one again), so that a pool
+#: nobody uses any more holds no thread and can be collected
+_IDLE_SECONDS = 5.0
 
 
 def _run(item: _Item) -> None:
@@ -130,10 +134,11 @@ class Workers:
         me = threading.current_thread()
         while True:
             with self._lock:
-                while not self._queue and not self._closed:
+                idle_out = False
+                while not self._queue and not self._closed and not idle_out:
                     self._idle += 1
                     try:
-                        self._ready.wait()
+                        idle_out = not self._ready.wait(_IDLE_SECONDS)
                     finally:
                         self._idle -= 1
                 if not self._queue:
