@@ -244,7 +244,14 @@ def async_save(
     Returns once the snapshot is taken: the caller may then change or free
     its arrays. Options are those of :func:`gpuckpt.save`. Errors (including
     an existing ``path`` without ``overwrite``) surface from the future's
-    ``result()``; a failed background save publishes nothing.
+    ``result()``; a failed background save publishes nothing. Invalid
+    options raise :class:`~gpuckpt.errors.InvalidOptionError` from the call
+    itself, before anything is taken; staging memory that cannot be had
+    raises :class:`~gpuckpt.errors.StagingMemoryError`.
+
+    The process does not exit before the saves it queued are written; a save
+    that failed without its ``result()`` or ``exception()`` being asked for is
+    reported on standard error at exit and makes the exit status 1.
 
     ``staging="host"`` (default) snapshots into reusable host memory
     (page-locked for device arrays): the call blocks for about one
