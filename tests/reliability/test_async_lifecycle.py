@@ -90,7 +90,7 @@ def assert_saved(path: Path, i: int) -> None:
     assert back["w"].tobytes() == want["w"].tobytes()  # type: ignore[attr-defined]
 
 
-def no_temporaries(root: Path) -> list[str]:
+def temporaries(root: Path) -> list[str]:
     return [p.name for p in root.rglob("*") if ".gpuckpt-" in p.name]
 
 
@@ -120,7 +120,7 @@ def test_queued_async_saves_are_written_before_exit(tmp_path: Path, ending: str)
     assert run.returncode == status, run.stderr
     for i in range(1, 4):
         assert_saved(tmp_path / f"c{i}", i)
-    assert not no_temporaries(tmp_path)
+    assert not temporaries(tmp_path)
 
 
 def test_manager_without_close_writes_its_last_step(tmp_path: Path) -> None:
