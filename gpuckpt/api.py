@@ -33,7 +33,7 @@ from gpuckpt.storage.layout import metadata_from_root_document
 from gpuckpt.storage.local import direct_io_setting
 from gpuckpt.storage.objects import decode_object
 from gpuckpt.storage.stores import open_reader, open_writer
-from gpuckpt.writing import build_save_plan, execute_save
+from gpuckpt.writing import build_save_plan, check_save_options, execute_save
 
 __all__ = ["load", "load_state_dict", "read_metadata", "save"]
 
@@ -104,8 +104,9 @@ def save(
     >>> sorted(md.state_dict_metadata)
     ['step', 'w']
     """
-    if not isinstance(chunk_bytes, int) or chunk_bytes < 1:
-        raise ValueError(f"chunk_bytes must be a positive integer, got {chunk_bytes!r}")
+    check_save_options(
+        chunk_bytes=chunk_bytes, sync=sync, threads=threads, staging_bytes=staging_bytes, progress=progress
+    )
     if coordinator is not None or contains_sharded(state_dict):
         return distributed_save(
             state_dict,

@@ -33,6 +33,10 @@ __all__ = [
     "UnsafeCheckpointError",
     "UnsupportedValueError",
     "UnsupportedVersionError",
+    "InvalidOptionError",
+    "StagingMemoryError",
+    "StagingTimeoutError",
+    "ForkedSaveError",
 ]
 
 
@@ -144,3 +148,19 @@ class DistributedError(GpuckptError, RuntimeError):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.failures, self.world_size))
+
+
+class InvalidOptionError(GpuckptError, ValueError):
+    """An option of a save (or of the manager that saves) has a value that cannot work."""
+
+
+class StagingMemoryError(GpuckptError, MemoryError):
+    """Staging memory for a snapshot cannot be allocated (memory or address space limit)."""
+
+
+class StagingTimeoutError(GpuckptError, TimeoutError):
+    """No staging memory became free: within the timeout, or ever (no save in flight holds it)."""
+
+
+class ForkedSaveError(GpuckptError, RuntimeError):
+    """A background save was started by the parent of a ``fork()``; it completes there only."""

@@ -36,6 +36,7 @@ from gpuckpt.errors import CheckpointExistsError, CheckpointNotFoundError, Gpuck
 from gpuckpt.metadata import STATE_DICT_TYPE
 from gpuckpt.storage import fsutil
 from gpuckpt.storage.local import cleanup_stale_temporaries, is_committed
+from gpuckpt.writing import check_save_options
 
 __all__ = ["CheckpointManager", "step_of"]
 
@@ -137,6 +138,8 @@ class CheckpointManager:
                 f"CheckpointManager got unknown save option(s) {', '.join(unknown)}; "
                 f"expected some of {', '.join(sorted(_SAVE_OPTIONS))}{hint}"
             )
+        # bad values fail here, not at some later save (which could have taken staging memory)
+        check_save_options(**{k: v for k, v in save_options.items() if k != "allow_pickle"})
         self.root = Path(root).absolute()
         if self.root.exists() and not self.root.is_dir():
             raise NotADirectoryError(f"checkpoint root {self.root} exists and is not a directory")

@@ -234,11 +234,6 @@ class _Prefix:
         except BaseError as exc:
             raise error(errno.EIO, f"{what} at {self.path} failed: {_first_line(exc)}") from exc
 
-    def _run(self, coro: Any) -> Any:
-        from zarr.core.sync import sync
-
-        return sync(coro)
-
     def _get_small(self, rel: str, limit: int, name: str) -> bytes | None:
         """The object ``rel`` (None when absent), refused unread above ``limit`` (the cap ``name``)."""
         import obstore as obs
@@ -440,8 +435,14 @@ class ObjectStoreWriter(_Prefix, CheckpointWriter):
             except BaseException:
                 self._delete_quietly([CLAIM_KEY])
                 raise
-        self._heartbeat = threading.Thread(target=self._refresh, name="gpuckpt-s3-claim", daemon=True)
-        self._heartbeat.start()
+        heartbeat = threading.Thread(target=self._refresh, name="gpuckpt-s3-claim", daemon=True)
+        try:
+            heartbeat.start()
+        except RuntimeError:
+            # no thread can be started (a save finished while the interpreter exits): the
+            # claim is not refreshed, and commit still refuses to publish if it was lost
+            return
+        self._heartbeat = heartbeat
 
     def _delete_leftovers(self, took_over: bool) -> None:
         """Delete what the abandoned save whose claim we took over left; refuse anything else.
@@ -475,13 +476,15 @@ class ObjectStoreWriter(_Prefix, CheckpointWriter):
         return bool(sep) and is_safe_name(name) and (key == ROOT_KEY or is_chunk_file_key(key))
 
     def _write(self, rel: str, data: Any) -> None:
-        from zarr.core.buffer import default_buffer_prototype
+        import obstore as obs
 
         if self._lost is not None:
             raise CheckpointExistsError(self._lost)
         self._written.add(rel)
         with self._io(f"writing {rel}", CheckpointWriteError):
-            self._run(self.zarr_store.set(rel, default_buffer_prototype().buffer.from_bytes(data)))
+            # the put zarr's ObjectStore.set makes, without its event-loop thread: that thread
+            # cannot be started while the interpreter exits, when queued saves still run
+            obs.put(self._obs, rel, data)
 
     def write_array_document(self, name: str, document: bytes) -> None:
         self._write(_rel(name, ROOT_KEY), document)
