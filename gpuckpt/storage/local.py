@@ -141,7 +141,7 @@ class LocalWriter(CheckpointWriter):
             sync = "fs" if expected_files > _MANY_FILES else "file"
         self.sync = sync
         self.tmp = self._new_name(TMP_TAG)
-        self._lock: int | None = None  # held on self.tmp from begin to commit or abort
+        self._lock_fd: int | None = None  # held on self.tmp from begin to commit or abort
         self._dirs: list[Path] = []
         self.direct_io = bool(direct_io and _O_DIRECT) and sync != "none"
         self._bounce = threading.local()  # one aligned buffer per I/O thread
@@ -206,7 +206,7 @@ class LocalWriter(CheckpointWriter):
                 self._dirs.append(self.tmp)  # no locks on this file system: cleaners go by the pid
                 return
             if fd is not None and fsutil.same_file(fd, self.tmp):
-                self._lock = fd
+                self._lock_fd = fd
                 self._dirs.append(self.tmp)
                 return
             if fd is not None:
@@ -220,7 +220,7 @@ class LocalWriter(CheckpointWriter):
         )
 
     def _unlock(self) -> None:
-        fd, self._lock = self._lock, None
+        fd, self._lock_fd = self._lock_fd, None
         if fd is not None:
             fsutil.unlock(fd)
 

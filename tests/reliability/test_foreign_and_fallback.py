@@ -415,10 +415,10 @@ def test_a_forked_child_does_not_keep_a_writers_lock(tmp_path: Path) -> None:
     assert os.read(ready_r, 1) == b"r"
     os.close(ready_r)
     try:
-        fd: Any = w._lock
+        fd: Any = w._lock_fd
         assert fd is not None
         fsutil.unlock(fd)  # the writer lets go (as when it dies): the child must not hold it
-        w._lock = None
+        w._lock_fd = None
         again = fsutil.lock_dir(w.tmp)
         assert again is not None, "a forked child kept the writer's lock"
         fsutil.unlock(again)
