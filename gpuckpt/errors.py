@@ -23,6 +23,7 @@ __all__ = [
     "ChecksumError",
     "DeviceUnavailableError",
     "GpuckptError",
+    "InvalidOptionError",
     "MetadataError",
     "MissingChunkError",
     "MissingKeyError",
@@ -113,6 +114,10 @@ class DeviceUnavailableError(GpuckptError, RuntimeError):
 
 class MissingDependencyError(GpuckptError, ImportError):
     """An optional dependency (mpi4py, torch) is needed for the feature that was used."""
+
+
+class InvalidOptionError(GpuckptError, ValueError, TypeError):
+    """An option of a save or a load has a wrong type or value (caught as ValueError or TypeError)."""
 
 
 class CoordinatorError(GpuckptError, RuntimeError):
