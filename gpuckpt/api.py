@@ -31,8 +31,8 @@ from gpuckpt.state import flatten_state_dict, select_fqns, unflatten_state_dict
 from gpuckpt.storage.base import CheckpointReader
 from gpuckpt.storage.layout import metadata_from_root_document
 from gpuckpt.storage.local import direct_io_setting
-from gpuckpt.storage.objects import decode_object
 from gpuckpt.storage.stores import open_reader, open_writer
+from gpuckpt.storage.values import decode_object
 from gpuckpt.writing import build_save_plan, execute_save
 
 __all__ = ["load", "load_state_dict", "read_metadata", "save"]

@@ -27,7 +27,7 @@ from gpuckpt.progress import ProgressCallback, ProgressCounter
 from gpuckpt.reading import ChunkRead, TensorEntry, checksum_verified, validate_metadata
 from gpuckpt.storage.layout import metadata_from_root_document
 from gpuckpt.storage.local import LocalReader, NotRegularFileError
-from gpuckpt.storage.objects import decode_object
+from gpuckpt.storage.values import decode_object
 from gpuckpt.writing import default_threads
 
 __all__ = ["Damage", "VerifyReport", "verify_checkpoint"]

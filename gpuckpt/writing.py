@@ -49,7 +49,7 @@ from gpuckpt.storage.base import CheckpointWriter
 from gpuckpt.storage.chunkio import CRC_BYTES, crc32c, is_prefix_box, padded_chunk
 from gpuckpt.storage.layout import array_document, chunk_file_key, root_document
 from gpuckpt.storage.names import encode_name
-from gpuckpt.storage.objects import encode_object
+from gpuckpt.storage.values import encode_object
 
 __all__ = [
     "IO_BATCH_BYTES",

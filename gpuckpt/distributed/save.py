@@ -32,8 +32,8 @@ from gpuckpt.state import flatten_state_dict
 from gpuckpt.storage.layout import root_document
 from gpuckpt.storage.local import LocalWriter
 from gpuckpt.storage.names import encode_name
-from gpuckpt.storage.objects import encode_object
 from gpuckpt.storage.stores import open_writer, scheme_of
+from gpuckpt.storage.values import encode_object
 from gpuckpt.writing import (
     ChunkJob,
     SavePlan,

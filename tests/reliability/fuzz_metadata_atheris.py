@@ -24,7 +24,7 @@ with atheris.instrument_imports():
     import gpuckpt.reading
     import gpuckpt.state
     import gpuckpt.storage.layout
-    import gpuckpt.storage.objects
+    import gpuckpt.storage.values
 
 sys.path.insert(0, str(Path(__file__).parent))
 from hostile import is_known_bug, make_state
