@@ -3,7 +3,7 @@
 A plain path (or ``file://`` URL) is a directory on a local or shared POSIX
 file system (:mod:`gpuckpt.storage.local`). Other URL schemes are looked up
 in :data:`SCHEMES`, which object-storage back ends extend (``s3://`` in
-:mod:`gpuckpt.storage.objectstore`).
+:mod:`gpuckpt.storage.s3`).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ _Factories = tuple[Callable[..., CheckpointWriter], Callable[..., CheckpointRead
 def _lookup(path: str | os.PathLike[str]) -> _Factories:
     scheme = scheme_of(path)
     if scheme not in SCHEMES and scheme == "s3":
-        import gpuckpt.storage.objectstore  # noqa: F401 - registers "s3"
+        import gpuckpt.storage.s3  # noqa: F401 - registers "s3"
     try:
         return SCHEMES[scheme]
     except KeyError:

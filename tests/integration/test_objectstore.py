@@ -29,7 +29,7 @@ pytest.importorskip("obstore")
 moto_server = pytest.importorskip("moto.server")
 boto3 = pytest.importorskip("boto3")
 
-from gpuckpt.storage.objectstore import (  # noqa: E402 - after the skips
+from gpuckpt.storage.s3 import (  # noqa: E402 - after the skips
     CLAIM_KEY,
     ObjectStoreReader,
     ObjectStoreWriter,
