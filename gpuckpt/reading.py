@@ -39,7 +39,8 @@ from gpuckpt.metadata import BytesStorageMetadata, Metadata, TensorStorageMetada
 from gpuckpt.planning import ChunkGrid, ChunkSpec
 from gpuckpt.progress import ProgressCallback, ProgressCounter
 from gpuckpt.storage.base import CheckpointReader
-from gpuckpt.storage.chunkio import CRC_BYTES, is_prefix_box, stored_nbytes
+from gpuckpt.storage.checksum import CRC_BYTES
+from gpuckpt.storage.chunks import is_prefix_box, stored_nbytes
 from gpuckpt.storage.layout import chunk_file_key, is_chunk_file_key
 from gpuckpt.storage.names import is_safe_name
 from gpuckpt.writing import IO_BATCH_BYTES, IO_BATCH_JOBS, default_threads

@@ -46,7 +46,8 @@ from gpuckpt.planning import DEFAULT_CHUNK_BYTES, ChunkGrid, ChunkSpec, plan_reg
 from gpuckpt.progress import ProgressCallback, ProgressCounter
 from gpuckpt.state import flatten_state_dict
 from gpuckpt.storage.base import CheckpointWriter
-from gpuckpt.storage.chunkio import CRC_BYTES, crc32c, is_prefix_box, padded_chunk
+from gpuckpt.storage.checksum import CRC_BYTES, crc32c
+from gpuckpt.storage.chunks import is_prefix_box, padded_chunk
 from gpuckpt.storage.layout import array_document, chunk_file_key, root_document
 from gpuckpt.storage.names import encode_name
 from gpuckpt.storage.values import encode_object

@@ -6,7 +6,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from gpuckpt.storage.chunkio import CRC_BYTES, crc32c
+from gpuckpt.storage.checksum import CRC_BYTES, crc32c
 
 __all__ = ["CheckpointReader", "CheckpointWriter"]
 

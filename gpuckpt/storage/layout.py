@@ -34,7 +34,7 @@ from gpuckpt.dtypes import dtype_name
 from gpuckpt.errors import MetadataError
 from gpuckpt.metadata import Metadata
 from gpuckpt.planning import ChunkGrid
-from gpuckpt.storage.chunkio import crc32c
+from gpuckpt.storage.checksum import crc32c
 
 __all__ = [
     "MAX_ARRAY_DOCUMENT_BYTES",

@@ -35,7 +35,7 @@ import stat
 from pathlib import Path
 
 from gpuckpt.storage import fsutil
-from gpuckpt.storage.chunkio import read_exact_at
+from gpuckpt.storage.fileio import read_exact_at
 from gpuckpt.storage.layout import ROOT_DOCUMENT_PREFIX, ROOT_KEY, root_document_problem
 
 __all__ = [

@@ -47,10 +47,9 @@ from gpuckpt.errors import (
 )
 from gpuckpt.storage import crccopy, fsutil
 from gpuckpt.storage.base import CheckpointReader, CheckpointWriter
-from gpuckpt.storage.chunkio import (
-    CRC_BYTES,
+from gpuckpt.storage.checksum import CRC_BYTES, crc32c
+from gpuckpt.storage.fileio import (
     buffer_address,
-    crc32c,
     read_exact,
     read_exact_at,
     readv_exact,

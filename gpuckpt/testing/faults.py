@@ -3,7 +3,7 @@
 Two families of tools:
 
 * **I/O faults** — :func:`inject_os_faults` swaps the ``os`` module seen by
-  the storage modules (:mod:`gpuckpt.storage.chunkio`,
+  the storage modules (:mod:`gpuckpt.storage.fileio`,
   :mod:`gpuckpt.storage.local`, :mod:`gpuckpt.storage.leftovers`,
   :mod:`gpuckpt.storage.fsutil`) for a
   :class:`FaultyOS` proxy that raises a chosen ``OSError`` on the n-th call
@@ -43,7 +43,7 @@ __all__ = [
 ]
 
 STORAGE_MODULES = (
-    "gpuckpt.storage.chunkio",
+    "gpuckpt.storage.fileio",
     "gpuckpt.storage.local",
     "gpuckpt.storage.leftovers",
     "gpuckpt.storage.fsutil",
@@ -225,7 +225,7 @@ def rewrite_root_metadata(path: Path, edit: Callable[[dict[str, Any]], Any]) -> 
     This is what a hostile author does: the root document stays
     self-consistent, so only validation can catch the edit.
     """
-    from gpuckpt.storage.chunkio import crc32c
+    from gpuckpt.storage.checksum import crc32c
     from gpuckpt.storage.layout import _canonical
 
     doc = json.loads((path / "zarr.json").read_bytes())

@@ -78,7 +78,7 @@ def test_damaged_root_metadata(ckpt: Path) -> None:
 
 
 def _rewrite_metadata(ckpt: Path, edit: object) -> None:
-    from gpuckpt.storage.chunkio import crc32c
+    from gpuckpt.storage.checksum import crc32c
     from gpuckpt.storage.layout import _canonical
 
     doc = json.loads((ckpt / "zarr.json").read_text())
