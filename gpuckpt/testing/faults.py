@@ -3,8 +3,8 @@
 Two families of tools:
 
 * **I/O faults** — :func:`inject_os_faults` swaps the ``os`` module seen by
-  the storage modules (:mod:`gpuckpt.storage.fileio`,
-  :mod:`gpuckpt.storage.local`, :mod:`gpuckpt.storage.leftovers`,
+  the storage modules (:mod:`gpuckpt.storage.fileio`, :mod:`gpuckpt.storage.local`,
+  :mod:`gpuckpt.storage.direct`, :mod:`gpuckpt.storage.leftovers`,
   :mod:`gpuckpt.storage.fsutil`) for a
   :class:`FaultyOS` proxy that raises a chosen ``OSError`` on the n-th call
   of a function (``write``, ``fsync``, ``mkdir``, ``rename``, ...), optionally
@@ -45,6 +45,7 @@ __all__ = [
 STORAGE_MODULES = (
     "gpuckpt.storage.fileio",
     "gpuckpt.storage.local",
+    "gpuckpt.storage.direct",
     "gpuckpt.storage.leftovers",
     "gpuckpt.storage.fsutil",
 )
