@@ -223,7 +223,12 @@ def _check_crc(t: TensorEntry, c: ChunkRead, value: int, stored_crc: int) -> Non
             f"chunk {c.key} of tensor {t.fqn!r} failed its CRC32C check ({what}: computed {value:#010x}, "
             f"chunk file {stored_crc:#010x}, metadata {c.crc:#010x}); the checkpoint is damaged, or was "
             "replaced by a concurrent save while loading (then load again): restore it from a copy or load "
-            "an earlier checkpoint (arrays loaded in place may be partly overwritten)"
+            "an earlier checkpoint (arrays loaded in place may be partly overwritten)",
+            fqn=t.fqn,
+            key=c.key,
+            computed=value,
+            stored=stored_crc,
+            expected=c.crc,
         )
 
 

@@ -217,10 +217,7 @@ class _Failure:
 
 def _array_document(t: TensorPlan) -> bytes:
     return array_document(
-        shape=t.shape,
-        dtype=t.dtype,
-        grid=t.grid,
-        attributes={"gpuckpt": {"fqn": t.fqn, "memory_format": t.properties.memory_format.name}},
+        shape=t.shape, dtype=t.dtype, grid=t.grid, fqn=t.fqn, memory_format=t.properties.memory_format.name
     )
 
 
