@@ -24,15 +24,15 @@ from gpuckpt.errors import (
     ShapeMismatchError,
 )
 from gpuckpt.metadata import STATE_DICT_TYPE, Metadata
+from gpuckpt.options import SaveOptions
 from gpuckpt.planning import DEFAULT_CHUNK_BYTES
 from gpuckpt.progress import ProgressCallback
 from gpuckpt.reading import TensorEntry, check_chunk_files, paused_gc, read_tensors, validate_metadata
 from gpuckpt.state import flatten_state_dict, select_fqns, unflatten_state_dict
 from gpuckpt.storage.base import CheckpointReader
 from gpuckpt.storage.layout import metadata_from_root_document
-from gpuckpt.storage.local import direct_io_setting
-from gpuckpt.storage.objects import decode_object
 from gpuckpt.storage.stores import open_reader, open_writer
+from gpuckpt.storage.values import decode_object
 from gpuckpt.writing import build_save_plan, check_save_options, execute_save
 
 __all__ = ["load", "load_state_dict", "read_metadata", "save"]
@@ -128,7 +128,7 @@ def save(
         sync=sync,
         expected_files=plan.nfiles,
         storage_options=storage_options,
-        direct_io=direct_io_setting(False),  # what is just written stays cached for a reader
+        direct_io=SaveOptions().use_direct_io(False),  # what is just written stays cached for a reader
     )
     return execute_save(
         plan,

@@ -30,10 +30,10 @@ from gpuckpt.device.staging import ArenaPool, StagingArena, aligned_bytes
 from gpuckpt.errors import InvalidOptionError
 from gpuckpt.memory_format import physical_order, preserve_format
 from gpuckpt.metadata import STATE_DICT_TYPE, Metadata
+from gpuckpt.options import SaveOptions
 from gpuckpt.pending import SaveFuture, submit, wait_all, writer_executor
 from gpuckpt.planning import DEFAULT_CHUNK_BYTES
 from gpuckpt.progress import ProgressCallback
-from gpuckpt.storage.local import direct_io_setting
 from gpuckpt.storage.stores import open_writer
 from gpuckpt.workers import Workers
 from gpuckpt.writing import (
@@ -316,7 +316,7 @@ def async_save(
         expected_files=plan.nfiles,
         storage_options=storage_options,
         # straight from the arena to the device: no dirty page cache next to the training process
-        direct_io=direct_io_setting(True),
+        direct_io=SaveOptions().use_direct_io(True),
     )
 
     def run() -> Metadata:

@@ -35,13 +35,12 @@ from gpuckpt.background import async_save as _async_save
 from gpuckpt.errors import CheckpointExistsError, CheckpointNotFoundError, GpuckptError, StepOrderError
 from gpuckpt.metadata import STATE_DICT_TYPE
 from gpuckpt.storage import fsutil
-from gpuckpt.storage.local import cleanup_stale_temporaries, is_committed
+from gpuckpt.storage.stores import cleanup_leftovers, is_committed
 from gpuckpt.writing import check_save_options
 
 __all__ = ["CheckpointManager", "step_of"]
 
 _STEP_RE = re.compile(r"^(?:step_)?([0-9]{1,19})$")
-_TMP_TAGS = (".gpuckpt-tmp-", ".gpuckpt-old-")
 _DEL_TAG = ".gpuckpt-del-"
 _SAVE_OPTIONS = frozenset(("chunk_bytes", "allow_pickle", "sync", "threads", "progress"))
 
@@ -174,14 +173,9 @@ class CheckpointManager:
     def _cleanup_leftovers(self) -> None:
         """Remove temporaries of dead saves and half-done deletions."""
         for entry in os.scandir(self.root):
-            if not entry.name.startswith("."):
-                continue
-            if _DEL_TAG in entry.name:
+            if entry.name.startswith(".") and _DEL_TAG in entry.name:
                 fsutil.rmtree_quiet(Path(entry.path))
-                continue
-            for tag in _TMP_TAGS:
-                if tag in entry.name:
-                    cleanup_stale_temporaries(self.root / entry.name[1:].split(tag, 1)[0])
+        cleanup_leftovers(self.root)
 
     def step_path(self, step: int) -> Path:
         """Directory of ``step``: the existing one, else where a save would put it."""

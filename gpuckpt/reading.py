@@ -39,7 +39,8 @@ from gpuckpt.metadata import BytesStorageMetadata, Metadata, TensorStorageMetada
 from gpuckpt.planning import ChunkGrid, ChunkSpec
 from gpuckpt.progress import ProgressCallback, ProgressCounter
 from gpuckpt.storage.base import CheckpointReader
-from gpuckpt.storage.chunkio import CRC_BYTES, is_prefix_box, stored_nbytes
+from gpuckpt.storage.checksum import CRC_BYTES
+from gpuckpt.storage.chunks import is_prefix_box, stored_nbytes
 from gpuckpt.storage.layout import chunk_file_key, is_chunk_file_key
 from gpuckpt.storage.names import is_safe_name
 from gpuckpt.writing import IO_BATCH_BYTES, IO_BATCH_JOBS, default_threads
@@ -222,7 +223,12 @@ def _check_crc(t: TensorEntry, c: ChunkRead, value: int, stored_crc: int) -> Non
             f"chunk {c.key} of tensor {t.fqn!r} failed its CRC32C check ({what}: computed {value:#010x}, "
             f"chunk file {stored_crc:#010x}, metadata {c.crc:#010x}); the checkpoint is damaged, or was "
             "replaced by a concurrent save while loading (then load again): restore it from a copy or load "
-            "an earlier checkpoint (arrays loaded in place may be partly overwritten)"
+            "an earlier checkpoint (arrays loaded in place may be partly overwritten)",
+            fqn=t.fqn,
+            key=c.key,
+            computed=value,
+            stored=stored_crc,
+            expected=c.crc,
         )
 
 

@@ -13,21 +13,19 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from gpuckpt.cli.text import printable
-from gpuckpt.dtypes import dtype_name
 from gpuckpt.errors import CheckpointCorruptedError, ChecksumError, MetadataError, UnsafeCheckpointError
 from gpuckpt.progress import ProgressCallback, ProgressCounter
 from gpuckpt.reading import ChunkRead, TensorEntry, checksum_verified, validate_metadata
-from gpuckpt.storage.layout import metadata_from_root_document
-from gpuckpt.storage.local import LocalReader, NotRegularFileError
-from gpuckpt.storage.objects import decode_object
+from gpuckpt.storage.base import CheckpointReader, NotRegularFileError
+from gpuckpt.storage.layout import ATTRIBUTE, expected_array_document, metadata_from_root_document
+from gpuckpt.storage.stores import open_reader
+from gpuckpt.storage.values import decode_object
 from gpuckpt.writing import default_threads
 
 __all__ = ["Damage", "VerifyReport", "verify_checkpoint"]
@@ -96,22 +94,7 @@ class VerifyReport:
         return "\n".join(lines)
 
 
-def _expected_array_doc(t: TensorEntry) -> dict[str, Any]:
-    codecs: list[dict[str, Any]] = [{"name": "bytes"}, {"name": "crc32c"}]
-    if t.dtype.itemsize > 1:
-        codecs[0]["configuration"] = {"endian": "little"}
-    return {
-        "zarr_format": 3,
-        "node_type": "array",
-        "shape": list(t.shape),
-        "data_type": dtype_name(t.dtype),
-        "chunk_grid": t.grid.to_zarr_json(),
-        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "."}},
-        "codecs": codecs,
-    }
-
-
-def _check_array_doc(reader: LocalReader, t: TensorEntry) -> Damage | None:
+def _check_array_doc(reader: CheckpointReader, t: TensorEntry) -> Damage | None:
     where = f"{t.name}/zarr.json"
     try:
         doc = json.loads(reader.read_array_document(t.name))
@@ -123,20 +106,27 @@ def _check_array_doc(reader: LocalReader, t: TensorEntry) -> Damage | None:
         return Damage(where, f"unreadable ({exc})", t.fqn)
     if not isinstance(doc, dict):
         return Damage(where, "is not a JSON object", t.fqn)
-    for key, want in _expected_array_doc(t).items():
+    fmt = t.metadata.properties.memory_format.name
+    expected = expected_array_document(
+        shape=t.shape, dtype=t.dtype, grid=t.grid, fqn=t.fqn, memory_format=fmt
+    )
+    # other attributes (added by another tool) are allowed; gpuckpt's own must be as written
+    want_attrs = expected.pop("attributes")[ATTRIBUTE]
+    for key, want in expected.items():
         if doc.get(key) != want:
             return Damage(where, f"{key} is {doc.get(key)!r}, the metadata says {want!r}", t.fqn)
     attrs = doc.get("attributes")
-    mine = attrs.get("gpuckpt") if isinstance(attrs, dict) else None
-    fmt = t.metadata.properties.memory_format.name
-    if not isinstance(mine, dict) or mine.get("fqn") != t.fqn or mine.get("memory_format") != fmt:
+    mine = attrs.get(ATTRIBUTE) if isinstance(attrs, dict) else None
+    if not isinstance(mine, dict) or any(mine.get(k) != v for k, v in want_attrs.items()):
         return Damage(
-            where, f"attributes.gpuckpt is {mine!r}, expected fqn {t.fqn!r} and memory format {fmt}", t.fqn
+            where,
+            f"attributes.{ATTRIBUTE} is {mine!r}, expected fqn {t.fqn!r} and memory format {fmt}",
+            t.fqn,
         )
     return None
 
 
-def _check_chunk(reader: LocalReader, t: TensorEntry, c: ChunkRead, piece: int) -> Damage | None:
+def _check_chunk(reader: CheckpointReader, t: TensorEntry, c: ChunkRead, piece: int) -> Damage | None:
     where = f"{t.name}/{c.key}"
     # the size first: a claim the file cannot back is damage, never an allocation
     size = reader.chunk_nbytes(t.name, c.key)
@@ -146,13 +136,11 @@ def _check_chunk(reader: LocalReader, t: TensorEntry, c: ChunkRead, piece: int) 
         return Damage(where, f"is {size} bytes, expected {c.nbytes} (truncated or overwritten)", t.fqn)
     try:
         checksum_verified(reader, t, c, piece)
+    except ChecksumError as exc:
+        # the "computed / chunk file / metadata" detail, without the advice meant for loads
+        return Damage(where, f"checksum mismatch ({exc.mismatch})" if exc.mismatch else str(exc), t.fqn)
     except CheckpointCorruptedError as exc:
-        problem = str(exc)
-        if isinstance(exc, ChecksumError):
-            # keep the "computed / chunk file / metadata" detail, drop the advice meant for loads
-            m = re.search(r"\((.*?)\)", problem)
-            problem = f"checksum mismatch ({m.group(1)})" if m else problem
-        return Damage(where, problem, t.fqn)
+        return Damage(where, str(exc), t.fqn)
     except OSError as exc:
         return Damage(where, f"unreadable ({exc.strerror or exc})", t.fqn)
     return None
@@ -169,8 +157,12 @@ def verify_checkpoint(
     threads: int | None = None,
     progress: ProgressCallback | None = None,
     group_bytes: int = 256 << 20,
+    storage_options: dict[str, Any] | None = None,
 ) -> VerifyReport:
     """Read every part of the checkpoint at ``path`` and report all damage.
+
+    ``path`` is anything :func:`gpuckpt.load` reads: a directory, or an
+    ``s3://bucket/prefix`` URL (with ``storage_options`` as for a load).
 
     Checks the root metadata (and its checksum), each array's ``zarr.json``
     against the metadata, every chunk's size and CRC32C (against the chunk
@@ -195,11 +187,11 @@ def verify_checkpoint(
     >>> report.ok, report.tensors, report.objects
     (True, 1, 1)
     """
-    reader = LocalReader(path)
+    reader = open_reader(path, storage_options=storage_options)
     report = VerifyReport(path=os.fspath(path))
     try:
         # not a checkpoint at all: CheckpointNotFoundError, raised
-        md = metadata_from_root_document(reader.read_root(), f"{Path(path) / 'zarr.json'}")
+        md = metadata_from_root_document(reader.read_root(), f"{os.fspath(path).rstrip('/')}/zarr.json")
         tensors, objects = validate_metadata(md)
     except MetadataError as exc:
         report.damage.append(Damage("zarr.json", str(exc)))

@@ -42,15 +42,16 @@ from gpuckpt.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
+from gpuckpt.options import SYNC_MODES, direct_io_from_env
 from gpuckpt.planning import DEFAULT_CHUNK_BYTES, ChunkGrid, ChunkSpec, plan_regular_grid
 from gpuckpt.progress import ProgressCallback, ProgressCounter
 from gpuckpt.state import flatten_state_dict
 from gpuckpt.storage.base import CheckpointWriter
-from gpuckpt.storage.chunkio import CRC_BYTES, crc32c, is_prefix_box, padded_chunk
+from gpuckpt.storage.checksum import CRC_BYTES, crc32c
+from gpuckpt.storage.chunks import is_prefix_box, padded_chunk
 from gpuckpt.storage.layout import array_document, chunk_file_key, root_document
-from gpuckpt.storage.local import SYNC_MODES, direct_io_setting
 from gpuckpt.storage.names import encode_name
-from gpuckpt.storage.objects import encode_object
+from gpuckpt.storage.values import encode_object
 from gpuckpt.workers import Workers
 
 __all__ = [
@@ -118,10 +119,7 @@ def check_save_options(
         raise InvalidOptionError(
             f"progress must be a callable progress(done_bytes, total_bytes) or None, got {progress!r}"
         )
-    try:
-        direct_io_setting(False)
-    except ValueError as exc:
-        raise InvalidOptionError(f"{exc}; fix or unset the environment variable") from None
+    direct_io_from_env()
 
 
 @dataclass(slots=True)
@@ -263,10 +261,7 @@ class _Failure:
 
 def _array_document(t: TensorPlan) -> bytes:
     return array_document(
-        shape=t.shape,
-        dtype=t.dtype,
-        grid=t.grid,
-        attributes={"gpuckpt": {"fqn": t.fqn, "memory_format": t.properties.memory_format.name}},
+        shape=t.shape, dtype=t.dtype, grid=t.grid, fqn=t.fqn, memory_format=t.properties.memory_format.name
     )
 
 

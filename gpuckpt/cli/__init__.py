@@ -18,16 +18,10 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from gpuckpt.cli.text import one_line, printable
+from gpuckpt.cli.usage import EXIT_FAILURE, EXIT_USAGE, UsageError
 from gpuckpt.errors import GpuckptError
 
-__all__ = ["EXIT_FAILURE", "EXIT_USAGE", "main", "one_line", "printable"]
-
-EXIT_FAILURE = 1
-EXIT_USAGE = 2
-
-
-class UsageError(Exception):
-    """Bad command-line arguments (exit code 2)."""
+__all__ = ["EXIT_FAILURE", "EXIT_USAGE", "UsageError", "main", "one_line", "printable"]
 
 
 class _Parser(argparse.ArgumentParser):
@@ -36,8 +30,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from gpuckpt import demo
-    from gpuckpt.cli import bench, convert_cmd, inspect_cmd, verify_cmd
+    from gpuckpt.cli import bench, convert_cmd, demo, inspect_cmd, verify_cmd
 
     common = _Parser(add_help=False)
     common.add_argument("-q", "--quiet", action="store_true", help="no progress bars")

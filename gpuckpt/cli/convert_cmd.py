@@ -6,6 +6,7 @@ import argparse
 
 from gpuckpt.cli.progressbar import format_bytes, progress_for
 from gpuckpt.cli.text import printable
+from gpuckpt.cli.usage import UsageError
 from gpuckpt.convert.core import SOURCE_FORMATS, TARGET_FORMATS, convert
 
 HELP = (
@@ -70,8 +71,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from gpuckpt.cli import UsageError
-
     if not 0 < args.chunk_mb <= MAX_CHUNK_MB:  # when called without the parser
         raise UsageError(f"--chunk-mb must be in (0, {MAX_CHUNK_MB}], got {args.chunk_mb}")
     read_bar = progress_for("read ", quiet=args.quiet)

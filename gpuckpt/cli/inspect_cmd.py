@@ -22,8 +22,8 @@ from gpuckpt.errors import CheckpointNotFoundError, GpuckptError
 from gpuckpt.manager import step_of
 from gpuckpt.reading import TensorEntry, paused_gc
 from gpuckpt.storage.base import CheckpointReader
-from gpuckpt.storage.local import is_committed
-from gpuckpt.storage.objects import decode_object
+from gpuckpt.storage.stores import is_committed
+from gpuckpt.storage.values import decode_object
 
 HELP = "list the tensors and values of a checkpoint (or the steps under a manager's root)"
 

@@ -1,4 +1,4 @@
-"""``gpuckpt verify PATH``: read every chunk, check every checksum."""
+"""``gpuckpt verify PATH``: read every chunk, check every checksum (a directory or an ``s3://`` URL)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,12 @@ HELP = "read every chunk of a checkpoint and check every checksum; exit 1 if any
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("path", metavar="PATH", help="checkpoint directory")
+    p.add_argument(
+        "path",
+        metavar="PATH",
+        help="checkpoint directory, or s3://bucket/prefix (endpoint and credentials from the AWS_* "
+        "environment variables, e.g. AWS_ENDPOINT_URL)",
+    )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--allow-pickle", action="store_true", help="also decode pickled values (runs their code)")
 

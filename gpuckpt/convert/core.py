@@ -31,7 +31,7 @@ from gpuckpt.memory_format import (
 from gpuckpt.planning import DEFAULT_CHUNK_BYTES
 from gpuckpt.progress import ProgressCallback
 from gpuckpt.state import flatten_state_dict, unflatten_state_dict
-from gpuckpt.storage.objects import decode_object, encode_object
+from gpuckpt.storage.values import decode_object, encode_object
 
 __all__ = ["SOURCE_FORMATS", "TARGET_FORMATS", "ConvertResult", "convert", "detect_format"]
 

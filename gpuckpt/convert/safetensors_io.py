@@ -25,7 +25,7 @@ from gpuckpt.dtypes import dtype_name
 from gpuckpt.errors import CheckpointExistsError, MetadataError, UnsupportedValueError
 from gpuckpt.progress import ProgressCallback, ProgressCounter
 from gpuckpt.storage import fsutil
-from gpuckpt.storage.chunkio import read_exact, write_all
+from gpuckpt.storage.fileio import read_exact, write_all
 
 __all__ = [
     "METADATA_KEY",

@@ -30,10 +30,9 @@ from gpuckpt.planning import DEFAULT_CHUNK_BYTES
 from gpuckpt.progress import ProgressCallback
 from gpuckpt.state import flatten_state_dict
 from gpuckpt.storage.layout import root_document
-from gpuckpt.storage.local import LocalWriter
 from gpuckpt.storage.names import encode_name
-from gpuckpt.storage.objects import encode_object
-from gpuckpt.storage.stores import open_writer, scheme_of
+from gpuckpt.storage.stores import attach_writer, open_writer, scheme_of
+from gpuckpt.storage.values import encode_object
 from gpuckpt.writing import (
     ChunkJob,
     SavePlan,
@@ -188,7 +187,7 @@ def distributed_save(
     token = coord.broadcast(token, root=0)
 
     def write_mine() -> list[tuple[tuple[str, tuple[int, ...]], tuple[int, int]]]:
-        w = writer if coord.rank == 0 else LocalWriter.attach(path, token)
+        w = writer if coord.rank == 0 else attach_writer(path, token)
         boxes = {t.fqn: t.boxes for t in tensors}
         jobs = []
         for fqn, name, coords, offsets, sizes, stored, idx in mine:

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import errno
+import stat
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from gpuckpt.storage.chunkio import CRC_BYTES, crc32c
+from gpuckpt.storage.checksum import CRC_BYTES, crc32c
 
-__all__ = ["CheckpointReader", "CheckpointWriter"]
+__all__ = ["CheckpointReader", "CheckpointWriter", "NotRegularFileError"]
 
 
 class CheckpointWriter(ABC):
@@ -23,6 +25,13 @@ class CheckpointWriter(ABC):
        everything or nothing; or :meth:`abort` after any failure, which
        removes what was written and never touches a published checkpoint.
     """
+
+    @property
+    def token(self) -> str | None:
+        """What another process needs to write chunks into this save once it has begun
+        (:func:`gpuckpt.storage.stores.attach_writer`); None where a store takes a save
+        from one process only (the default)."""
+        return None
 
     @abstractmethod
     def begin(self) -> None: ...
@@ -120,3 +129,29 @@ class CheckpointReader(ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook, not abstract
         """Release resources; the default does nothing."""
+
+
+_KINDS = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISLNK, "a symlink"),
+)
+
+
+def _kind(mode: int) -> str:
+    return next((what for test, what in _KINDS if test(mode)), f"of file type {stat.S_IFMT(mode):#o}")
+
+
+class NotRegularFileError(FileNotFoundError):
+    """A checkpoint file that is a FIFO, directory, device, socket or symlink: never read.
+
+    A :class:`FileNotFoundError` (what is there is not the file the checkpoint
+    needs); ``mode`` is the ``st_mode`` found.
+    """
+
+    def __init__(self, path: str, mode: int) -> None:
+        super().__init__(errno.ENOENT, f"is {_kind(mode)}, not a regular file", path)
+        self.mode = mode

@@ -34,15 +34,17 @@ from gpuckpt.dtypes import dtype_name
 from gpuckpt.errors import MetadataError
 from gpuckpt.metadata import Metadata
 from gpuckpt.planning import ChunkGrid
-from gpuckpt.storage.chunkio import crc32c
+from gpuckpt.storage.checksum import crc32c
 
 __all__ = [
+    "ATTRIBUTE",
     "MAX_ARRAY_DOCUMENT_BYTES",
     "MAX_ROOT_DOCUMENT_BYTES",
     "ROOT_DOCUMENT_PREFIX",
     "ROOT_KEY",
     "array_document",
     "chunk_file_key",
+    "expected_array_document",
     "is_chunk_file_key",
     "metadata_from_root_document",
     "root_document",
@@ -85,14 +87,20 @@ def _fill_value(dtype: np.dtype[Any]) -> Any:
     return 0
 
 
-def array_document(
-    *, shape: tuple[int, ...], dtype: np.dtype[Any], grid: ChunkGrid, attributes: dict[str, Any]
-) -> bytes:
-    """The ``zarr.json`` of one tensor's array."""
+def expected_array_document(
+    *, shape: tuple[int, ...], dtype: np.dtype[Any], grid: ChunkGrid, fqn: str, memory_format: str
+) -> dict[str, Any]:
+    """The ``zarr.json`` of one tensor's array, as the JSON object a save writes.
+
+    The one definition of that document: :func:`array_document` encodes it for
+    a writer, and :func:`gpuckpt.verify.verify_checkpoint` compares a stored
+    document with it. ``attributes.gpuckpt`` names the tensor (``fqn``) and
+    its ``memory_format`` (a :class:`~gpuckpt.memory_format.MemoryFormat` name).
+    """
     codecs: list[dict[str, Any]] = [{"name": "bytes"}, {"name": "crc32c"}]
     if dtype.itemsize > 1:
         codecs[0]["configuration"] = {"endian": "little"}
-    doc = {
+    return {
         "zarr_format": 3,
         "node_type": "array",
         "shape": list(shape),
@@ -101,8 +109,15 @@ def array_document(
         "chunk_key_encoding": {"name": "default", "configuration": {"separator": "."}},
         "fill_value": _fill_value(dtype),
         "codecs": codecs,
-        "attributes": attributes,
+        "attributes": {ATTRIBUTE: {"fqn": fqn, "memory_format": memory_format}},
     }
+
+
+def array_document(
+    *, shape: tuple[int, ...], dtype: np.dtype[Any], grid: ChunkGrid, fqn: str, memory_format: str
+) -> bytes:
+    """The ``zarr.json`` of one tensor's array (:func:`expected_array_document`), encoded."""
+    doc = expected_array_document(shape=shape, dtype=dtype, grid=grid, fqn=fqn, memory_format=memory_format)
     return json.dumps(doc, separators=(",", ":")).encode()
 
 

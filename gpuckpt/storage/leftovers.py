@@ -35,12 +35,13 @@ import stat
 from pathlib import Path
 
 from gpuckpt.storage import fsutil
-from gpuckpt.storage.chunkio import read_exact_at
+from gpuckpt.storage.fileio import read_exact_at
 from gpuckpt.storage.layout import ROOT_DOCUMENT_PREFIX, ROOT_KEY, root_document_problem
 
 __all__ = [
     "OLD_TAG",
     "TMP_TAG",
+    "cleanup_directory",
     "cleanup_stale_temporaries",
     "is_committed",
     "new_owner",
@@ -202,4 +203,18 @@ def cleanup_stale_temporaries(path: Path) -> list[Path]:
             finally:
                 if fd is not None:
                     fsutil.unlock(fd)
+    return removed
+
+
+def cleanup_directory(directory: Path) -> list[Path]:
+    """:func:`cleanup_stale_temporaries` for every checkpoint of ``directory`` that has leftovers there."""
+    try:
+        with os.scandir(directory) as it:
+            hidden = sorted(e.name for e in it if e.name.startswith("."))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    names = {entry[1:].split(tag, 1)[0] for entry in hidden for tag in (TMP_TAG, OLD_TAG) if tag in entry}
+    removed: list[Path] = []
+    for name in sorted(names):
+        removed.extend(cleanup_stale_temporaries(directory / name))
     return removed

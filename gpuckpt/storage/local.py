@@ -14,27 +14,19 @@ renames (old aside, new in place). What is dead, foreign or set aside is
 decided in :mod:`gpuckpt.storage.leftovers`.
 
 A writer made with ``direct_io=True`` (what :func:`gpuckpt.async_save` uses)
-writes large chunk files (1 MiB and more) with ``O_DIRECT`` where the file
-system supports it: the bytes go from page-aligned memory (the staging
-arena) or a page-aligned bounce buffer, checksummed there, straight to the
-device, into space allocated up front for the whole file. A background save
-then neither fills the page cache with dirty pages that its durability
-barrier has to wait for, nor evicts what the training process has cached.
-The unaligned tail of each file (and every small file) goes through the
-page cache. Where ``O_DIRECT`` is refused the writer falls back to buffered
-writes for the rest of the save. Synchronous saves write through the page
-cache, so that a checkpoint read soon after is served from memory;
-``GPUCKPT_DIRECT_IO=1`` or ``0`` forces either for every save.
+writes large chunk files (1 MiB and more) around the page cache, into space
+allocated up front for the whole file, through :mod:`gpuckpt.storage.direct`
+(which falls back to buffered writes where the file system refuses).
+Synchronous saves write through the page cache, so that a checkpoint read
+soon after is served from memory.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
-import mmap
 import os
 import stat
-import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -46,11 +38,11 @@ from gpuckpt.errors import (
     MetadataError,
 )
 from gpuckpt.storage import crccopy, fsutil
-from gpuckpt.storage.base import CheckpointReader, CheckpointWriter
-from gpuckpt.storage.chunkio import (
-    CRC_BYTES,
-    buffer_address,
-    crc32c,
+from gpuckpt.storage.base import CheckpointReader, CheckpointWriter, NotRegularFileError
+from gpuckpt.storage.checksum import CRC_BYTES, crc32c
+from gpuckpt.storage.direct import DIRECT_MIN_BYTES, DirectWriter
+from gpuckpt.storage.direct import available as direct_io_available
+from gpuckpt.storage.fileio import (
     read_exact,
     read_exact_at,
     readv_exact,
@@ -71,6 +63,7 @@ from gpuckpt.storage.leftovers import (
 __all__ = [
     "LocalReader",
     "LocalWriter",
+    "NotRegularFileError",
     "SYNC_MODES",
     "cleanup_stale_temporaries",
     "is_committed",
@@ -82,38 +75,6 @@ _MANY_FILES = 64
 _PIECE = 1 << 20
 _WRITEBACK_MIN = 1 << 20
 _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
-_O_DIRECT = getattr(os, "O_DIRECT", 0)
-#: chunk files of at least this size are written with O_DIRECT (where supported)
-DIRECT_MIN_BYTES = 1 << 20
-#: O_DIRECT offsets, lengths and buffer addresses are kept multiples of this
-_DIRECT_ALIGN = 4096
-
-
-def direct_io_setting(default: bool) -> bool:
-    """Whether a save writes large chunk files with ``O_DIRECT``: ``default`` (the caller's
-    choice: on for background saves, off for synchronous ones) unless ``GPUCKPT_DIRECT_IO``
-    says ``1``/``on`` or ``0``/``off``; never where the platform has no ``O_DIRECT``."""
-    value = os.environ.get("GPUCKPT_DIRECT_IO", "auto").strip().lower()
-    if value in ("auto", ""):
-        choice = default
-    elif value in ("1", "on", "true", "yes"):
-        choice = True
-    elif value in ("0", "off", "false", "no"):
-        choice = False
-    else:
-        raise ValueError(f"GPUCKPT_DIRECT_IO={value!r}; expected auto, 1/on or 0/off")
-    return choice and bool(_O_DIRECT)
-
-
-def _open_direct(path: str) -> int:
-    """Create ``path`` for writing with ``O_DIRECT`` (a seam for tests of the fallback)."""
-    return os.open(path, _CREATE_FLAGS | _O_DIRECT, 0o644)
-
-
-def _clear_direct(fd: int) -> None:
-    import fcntl  # POSIX only; O_DIRECT exists only where it does
-
-    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_O_DIRECT)
 
 
 class LocalWriter(CheckpointWriter):
@@ -132,7 +93,7 @@ class LocalWriter(CheckpointWriter):
         syncfs before publishing (cheaper for many small files), ``"none"`` skips
         durability (tests, scratch data); ``"auto"`` picks ``"fs"`` above 64 files.
         ``direct_io``: write large chunk files with ``O_DIRECT`` where the platform
-        and the file system allow it (see the module docstring); never with ``sync="none"``."""
+        and the file system allow it (:mod:`gpuckpt.storage.direct`); never with ``sync="none"``."""
         if sync not in SYNC_MODES:
             raise ValueError(f"sync={sync!r}; expected one of {SYNC_MODES}")
         self.path = Path(path).absolute()
@@ -143,8 +104,13 @@ class LocalWriter(CheckpointWriter):
         self.tmp = self._new_name(TMP_TAG)
         self._lock_fd: int | None = None  # held on self.tmp from begin to commit or abort
         self._dirs: list[Path] = []
-        self.direct_io = bool(direct_io and _O_DIRECT) and sync != "none"
-        self._bounce = threading.local()  # one aligned buffer per I/O thread
+        use_direct = direct_io and sync != "none" and direct_io_available()
+        self._direct = DirectWriter() if use_direct else None
+
+    @property
+    def direct_io(self) -> bool:
+        """Whether large chunk files are (still) written with ``O_DIRECT``."""
+        return self._direct is not None and self._direct.enabled
 
     @property
     def token(self) -> str:
@@ -255,12 +221,18 @@ class LocalWriter(CheckpointWriter):
         digest: Callable[[Any], None],
         trailer: Callable[[], bytes],
     ) -> None:
-        if self.direct_io and (size := sum(memoryview(p).nbytes for p in parts)) >= DIRECT_MIN_BYTES:
-            fd = self._create_direct(f"{name}/{key}")
+        direct = self._direct
+        if direct is not None and direct.enabled:
+            size = sum(memoryview(p).nbytes for p in parts)
+            fd = direct.create(f"{self.tmp}/{name}/{key}") if size >= DIRECT_MIN_BYTES else None
             if fd is not None:
-                # direct writes allocate blocks as they land: concurrent files would interleave
-                fsutil.preallocate(fd, size)
-                self._write_direct(fd, parts, digest, trailer)
+                try:
+                    # direct writes allocate blocks as they land: concurrent files would interleave
+                    fsutil.preallocate(fd, size)
+                    direct.write(fd, parts, digest, trailer)
+                    self._settle(fd, size)
+                finally:
+                    os.close(fd)
                 return
         # checksum and write in pieces that are still in the CPU cache
         fd = self._create(f"{name}/{key}")
@@ -292,85 +264,6 @@ class LocalWriter(CheckpointWriter):
             os.fsync(fd)
         elif self.sync == "fs" and nbytes >= _WRITEBACK_MIN:
             fsutil.start_writeback(fd)
-
-    def _create_direct(self, rel: str) -> int | None:
-        """The new file opened with ``O_DIRECT``; None (and buffered from now on) where refused."""
-        try:
-            return _open_direct(f"{self.tmp}/{rel}")
-        except OSError as exc:
-            if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):
-                raise
-            self.direct_io = False
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(f"{self.tmp}/{rel}")  # created before the flag was refused
-            return None
-
-    def _bounce_buffer(self) -> memoryview:
-        buf = getattr(self._bounce, "buf", None)
-        if buf is None:
-            buf = self._bounce.buf = mmap.mmap(-1, _PIECE)  # page-aligned
-        return memoryview(buf)
-
-    def _write_direct(
-        self, fd: int, parts: Sequence[Any], digest: Callable[[Any], None], trailer: Callable[[], bytes]
-    ) -> None:
-        """Write ``parts`` with ``O_DIRECT`` in pieces, each checksummed just before it is written:
-        straight from page-aligned memory, else copied through the aligned bounce buffer (and
-        checksummed there). The unaligned tail and the trailer go through the page cache."""
-        bounce = self._bounce_buffer()
-        direct = True
-        try:
-            fill = 0
-            for p in parts:
-                view = memoryview(p).cast("B")
-                i = 0
-                if fill == 0 and buffer_address(view) % _DIRECT_ALIGN == 0:
-                    # page-aligned memory (a staging arena): written straight from it
-                    aligned = view.nbytes - view.nbytes % _DIRECT_ALIGN
-                    for i in range(0, aligned, _PIECE):
-                        piece = view[i : min(aligned, i + _PIECE)]
-                        digest(piece)
-                        direct = self._write_aligned(fd, piece, direct)
-                    i = aligned
-                while i < view.nbytes:
-                    take = min(_PIECE - fill, view.nbytes - i)
-                    bounce[fill : fill + take] = view[i : i + take]
-                    fill += take
-                    i += take
-                    if fill == _PIECE:
-                        digest(bounce)
-                        direct = self._write_aligned(fd, bounce, direct)
-                        fill = 0
-            if fill:
-                digest(bounce[:fill])
-            aligned = fill - fill % _DIRECT_ALIGN
-            if aligned:
-                direct = self._write_aligned(fd, bounce[:aligned], direct)
-            if direct:
-                _clear_direct(fd)
-            writev_all(fd, [bounce[aligned:fill], trailer()])
-            self._settle(fd, sum(memoryview(p).nbytes for p in parts))
-        finally:
-            os.close(fd)
-
-    def _write_aligned(self, fd: int, data: memoryview, direct: bool) -> bool:
-        """Write aligned ``data``; returns whether ``fd`` is still in direct mode (a file system may
-        accept the flag at open and refuse the write: the rest of this save is then buffered)."""
-        if not direct:
-            write_all(fd, data)
-            return False
-        at = os.lseek(fd, 0, os.SEEK_CUR)
-        try:
-            write_all(fd, data)
-            return True
-        except OSError as exc:
-            if exc.errno != errno.EINVAL:
-                raise
-        _clear_direct(fd)
-        self.direct_io = False
-        os.lseek(fd, at, os.SEEK_SET)
-        write_all(fd, data)
-        return False
 
     def _make_durable(self) -> None:
         if self.sync == "none":
@@ -468,30 +361,6 @@ class LocalWriter(CheckpointWriter):
 
 
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
-_KINDS = (
-    (stat.S_ISDIR, "a directory"),
-    (stat.S_ISFIFO, "a FIFO"),
-    (stat.S_ISCHR, "a character device"),
-    (stat.S_ISBLK, "a block device"),
-    (stat.S_ISSOCK, "a socket"),
-    (stat.S_ISLNK, "a symlink"),
-)
-
-
-def _kind(mode: int) -> str:
-    return next((what for test, what in _KINDS if test(mode)), f"of file type {stat.S_IFMT(mode):#o}")
-
-
-class NotRegularFileError(FileNotFoundError):
-    """A checkpoint file that is a FIFO, directory, device, socket or symlink: never read.
-
-    A :class:`FileNotFoundError` (what is there is not the file the checkpoint
-    needs); ``mode`` is the ``st_mode`` found.
-    """
-
-    def __init__(self, path: str, mode: int) -> None:
-        super().__init__(errno.ENOENT, f"is {_kind(mode)}, not a regular file", path)
-        self.mode = mode
 
 
 def open_regular(path: str) -> int:

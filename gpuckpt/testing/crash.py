@@ -121,7 +121,7 @@ class _Tracer:
 @contextlib.contextmanager
 def _traced(emit: _Tracer) -> Iterator[None]:
     """Wrap the writer's steps so each one emits its event (and may be killed there)."""
-    from gpuckpt.storage import fsutil, local
+    from gpuckpt.storage import direct, fsutil, local
     from gpuckpt.storage.layout import ROOT_KEY
     from gpuckpt.testing.faults import inject_os_faults
 
@@ -167,8 +167,6 @@ def _traced(emit: _Tracer) -> Iterator[None]:
         emit("mid-file")
         real_write_all(fd, view[half:])
 
-    real_writev_all = local.writev_all  # type: ignore[attr-defined]
-
     def writev_all(fd: int, buffers: Any) -> None:
         # the vectored write of small chunks: also stopped half-way
         data = b"".join(memoryview(b).cast("B").tobytes() for b in buffers)
@@ -177,10 +175,11 @@ def _traced(emit: _Tracer) -> Iterator[None]:
         emit("mid-file")
         real_write_all(fd, data[half:])
 
-    patches.append((local, "write_all", real_write_all))
-    patches.append((local, "writev_all", real_writev_all))
-    local.write_all = write_all  # type: ignore[attr-defined]
-    local.writev_all = writev_all  # type: ignore[attr-defined]
+    for module in (local, direct):  # buffered files, and files written around the page cache
+        patches.append((module, "write_all", module.write_all))
+        patches.append((module, "writev_all", module.writev_all))
+        module.write_all = write_all  # type: ignore[attr-defined]
+        module.writev_all = writev_all  # type: ignore[attr-defined]
 
     def on_os_call(name: str) -> None:
         if name in ("fsync", "rename"):

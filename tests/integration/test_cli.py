@@ -190,7 +190,7 @@ def test_demo_on_gpu_without_one_says_so(tmp_path: Path) -> None:
 
 def test_demo_module_entry_point() -> None:
     r = subprocess.run(
-        [sys.executable, "-m", "gpuckpt.demo", "--help"], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "gpuckpt.cli", "demo", "--help"], capture_output=True, text=True, timeout=60
     )
     assert r.returncode == 0 and "--kill-at" in r.stdout
 

@@ -103,13 +103,13 @@ class RecordingWriter(LocalWriter):
     def __init__(self, *a: Any, **k: Any) -> None:
         super().__init__(*a, **k)
         self.spans: list[tuple[float, float]] = []
-        self._lock = threading.Lock()
+        self._spans_lock = threading.Lock()
 
     def write_chunk_checked(self, name: str, key: str, parts: Any, digest: Any, trailer: Any) -> None:
         start = time.perf_counter()
         time.sleep(0.02)  # a slow disk
         super().write_chunk_checked(name, key, parts, digest, trailer)
-        with self._lock:
+        with self._spans_lock:
             self.spans.append((start, time.perf_counter()))
 
 

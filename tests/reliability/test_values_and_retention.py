@@ -24,7 +24,7 @@ from gpuckpt.cli import main as cli_main
 from gpuckpt.convert import convert, detect_format, read_safetensors, write_safetensors
 from gpuckpt.errors import MetadataError, StepOrderError, UnsupportedValueError
 from gpuckpt.manager import CheckpointManager
-from gpuckpt.storage.objects import MAX_INT_BITS, decode_object, encode_object
+from gpuckpt.storage.values import MAX_INT_BITS, decode_object, encode_object
 
 
 def bits(x: float) -> int:

@@ -67,6 +67,7 @@ from gpuckpt.errors import (
 )
 from gpuckpt.storage import fsutil
 from gpuckpt.storage.base import CheckpointReader, CheckpointWriter
+from gpuckpt.storage.checksum import CRC_BYTES, crc32c
 from gpuckpt.storage.layout import (
     MAX_ARRAY_DOCUMENT_BYTES,
     MAX_ROOT_DOCUMENT_BYTES,
@@ -77,7 +78,6 @@ from gpuckpt.storage.layout import (
     too_large,
 )
 from gpuckpt.storage.names import is_safe_name
-from gpuckpt.storage.stores import SCHEMES
 
 __all__ = ["CLAIM_KEY", "ObjectStoreReader", "ObjectStoreWriter", "parse_s3_url", "zarr_store"]
 
@@ -130,9 +130,11 @@ def _s3_config(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]
     client = dict(options.pop("client_options", None) or {})
     for k, v in options.items():
         config[_ALIASES.get(k, k)] = v
+    # the endpoint given, else the one obstore takes from the environment (gpuckpt verify s3://...)
+    endpoint = config.get("endpoint") or os.environ.get("AWS_ENDPOINT_URL") or os.environ.get("AWS_ENDPOINT")
     if "allow_http" in config:
         client["allow_http"] = bool(config.pop("allow_http"))
-    elif str(config.get("endpoint", "")).startswith("http://"):
+    elif str(endpoint or "").startswith("http://"):
         client["allow_http"] = True  # the caller named a plain-HTTP endpoint
     return config, client
 
@@ -610,5 +612,26 @@ class ObjectStoreReader(_Prefix, CheckpointReader):
                     break
         return total
 
+    def read_chunk_checksum(self, name: str, key: str, nbytes: int, piece: int) -> tuple[int, int, int]:
+        """Streams the object in pieces of about ``piece`` bytes, checksummed as they arrive."""
+        import obstore as obs
 
-SCHEMES["s3"] = (ObjectStoreWriter, ObjectStoreReader)
+        rel = _rel(name, key)
+        data = max(0, nbytes - CRC_BYTES)
+        total = value = 0
+        trailer = bytearray()
+        if nbytes == 0:
+            return 0, 0, 0
+        with self._io(f"reading {rel}"):
+            res = obs.get(self._obs, rel, options={"range": (0, nbytes)})
+            for part in res.stream(min_chunk_size=max(1, piece)):
+                view = memoryview(part).cast("B")[: nbytes - total]
+                take = min(view.nbytes, max(0, data - total))
+                if take:
+                    value = crc32c(view[:take], value)
+                trailer += view[take:]
+                total += view.nbytes
+                if total == nbytes:
+                    break
+        stored = int.from_bytes(trailer, "little") if len(trailer) == CRC_BYTES else 0
+        return total, value, stored
