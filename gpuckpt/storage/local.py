@@ -37,8 +37,15 @@ from gpuckpt.errors import (
     CheckpointWriteError,
     MetadataError,
 )
-from gpuckpt.storage import crccopy, fsutil
-from gpuckpt.storage.base import CheckpointReader, CheckpointWriter, NotRegularFileError
+from gpuckpt.storage import batchio, crccopy, fsutil
+from gpuckpt.storage.base import (
+    CheckpointReader,
+    CheckpointWriter,
+    ChunkReads,
+    ChunkWrites,
+    NotRegularFileError,
+    ReadStop,
+)
 from gpuckpt.storage.checksum import CRC_BYTES, crc32c
 from gpuckpt.storage.direct import DIRECT_MIN_BYTES, DirectWriter
 from gpuckpt.storage.direct import available as direct_io_available
@@ -255,6 +262,55 @@ class LocalWriter(CheckpointWriter):
             self._settle(fd, total)
         finally:
             os.close(fd)
+
+    def write_chunks(self, batch: ChunkWrites) -> list[int]:
+        """The whole batch in one native call with the GIL released (:mod:`gpuckpt.storage.batchio`)
+        where the library is available; else, or when some chunk goes around the page cache
+        (``direct_io``), one file at a time."""
+        lib = batchio.instance()
+        direct = self._direct is not None and self._direct.enabled
+        if lib is None or (
+            direct
+            and any(
+                memoryview(b).nbytes + p >= DIRECT_MIN_BYTES
+                for b, p in zip(batch.buffers, batch.pads, strict=True)
+            )
+        ):
+            return super().write_chunks(batch)
+        kinds: list[int] = []
+        paths: list[str] = []
+        buffers: list[Any] = []
+        pads: list[int] = []
+        made: list[Path] = []
+        documents = batch.documents or [None] * len(batch.names)
+        for name, key, buf, pad, document in zip(
+            batch.names, batch.keys, batch.buffers, batch.pads, documents, strict=True
+        ):
+            if document is not None:
+                kinds += (batchio.MKDIR, batchio.FILE)
+                paths += (name, f"{name}/zarr.json")
+                buffers += (b"", document)
+                pads += (0, 0)
+                made.append(Path(f"{self.tmp}/{name}"))
+            kinds.append(batchio.CHUNK)
+            paths.append(f"{name}/{key}")
+            buffers.append(buf)
+            pads.append(pad)
+        tmp = os.fspath(self.tmp)
+        items, stop = lib.write(
+            tmp,
+            kinds,
+            paths,
+            buffers,
+            pads,
+            fsync="group" if self.sync == "file" else None,
+            writeback_min=_WRITEBACK_MIN if self.sync == "fs" else None,
+        )
+        if self.sync == "file":
+            self._dirs.extend(made)
+        if stop is not None:
+            raise stop.os_error(f"{tmp}/{paths[stop.index]}")
+        return [int(c) for c in items["crc"][items["kind"] == batchio.CHUNK]]
 
     def _settle(self, fd: int, nbytes: int) -> None:
         """A written chunk file's share of durability: its fsync (``"file"``), or the start
@@ -510,6 +566,40 @@ class LocalReader(CheckpointReader):
             return total + read_exact_at(fd, dests[-1], total), value
         finally:
             os.close(fd)
+
+    def read_chunks(self, batch: ChunkReads) -> ReadStop | None:
+        """The whole batch in one native call with the GIL released (:mod:`gpuckpt.storage.batchio`)
+        where the library is available, else one file at a time. Files are opened as
+        :func:`open_regular` does, in array directories checked as :meth:`read_chunk_crc` does."""
+        lib = batchio.instance()
+        if lib is None:
+            return super().read_chunks(batch)
+        missing: ReadStop | None = None
+        count = len(batch.names)
+        for i, name in enumerate(batch.names):
+            try:
+                self._array_dir(name)
+            except FileNotFoundError as exc:
+                missing, count = ReadStop(i, error=exc), i
+                break
+        paths = [f"{n}/{k}" for n, k in zip(batch.names[:count], batch.keys[:count], strict=True)]
+        _items, stop = lib.read(
+            self._root, paths, batch.buffers[:count], batch.pads[:count], batch.expected[:count]
+        )
+        if stop is None:
+            return missing
+        path = f"{self._root}/{paths[stop.index]}"
+        if stop.step == "not-regular":
+            return ReadStop(stop.index, error=NotRegularFileError(path, stop.mode))
+        if stop.step == "short":
+            return ReadStop(stop.index, stop.done)
+        if stop.step == "mismatch":
+            return ReadStop(stop.index, stop.done, stop.crc, stop.stored)
+        if stop.err == errno.ENOTDIR:
+            name = batch.names[stop.index]
+            error: OSError = FileNotFoundError(errno.ENOENT, "array directory is not a directory", name)
+            return ReadStop(stop.index, error=error)
+        return ReadStop(stop.index, error=stop.os_error(path))
 
     def read_chunk_checksum(self, name: str, key: str, nbytes: int, piece: int) -> tuple[int, int, int]:
         """Streams the chunk through one buffer of at most ``piece`` bytes."""
