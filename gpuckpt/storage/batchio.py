@@ -194,8 +194,9 @@ class BatchIO:
         :data:`CHUNK` (``buffers[i]``, ``pads[i]`` zero bytes, and for a chunk
         its CRC32C). ``fsync="each"`` syncs each file as it is written, ``"group"``
         syncs them a group at a time once written (fewer journal commits); else
-        ``writeback_min`` (if not None) starts the writeback of files at least that large. Returns the items (their
-        ``crc`` field holds each chunk's CRC32C) and where it stopped, if it did.
+        ``writeback_min`` (if not None) starts the writeback of files at least that
+        large. Returns the items (their ``crc`` field holds each chunk's CRC32C) and
+        where it stopped, if it did.
         """
         items, blob = self._items(paths, kinds)
         self._buffers(items, [b if k != MKDIR else b"" for b, k in zip(buffers, kinds, strict=True)], False)
