@@ -204,6 +204,11 @@ def bench_state(
     med = {k: v["median_s"] for k, v in out["times"].items()}
     out["ratios"] = {
         "save / floor save": med["gpuckpt save"] / med["floor save"],
+        **(
+            {"save / floor-fsync save": med["gpuckpt save"] / med["floor-fsync save"]}
+            if "floor-fsync save" in med
+            else {}
+        ),
         "warm load / floor warm load": med["gpuckpt warm load"] / med["floor warm load"],
         "cold load / floor cold load": med["gpuckpt cold load"] / med["floor cold load"],
         "load_state_dict / floor warm load": med["gpuckpt load_state_dict"] / med["floor warm load"],

@@ -3,7 +3,7 @@
 Two families of tools:
 
 * **I/O faults** — :func:`inject_os_faults` swaps the ``os`` module seen by
-  the storage modules (:mod:`gpuckpt.storage.fileio`, :mod:`gpuckpt.storage.local`,
+  the storage modules (and turns the native small-file batches off meanwhile) (:mod:`gpuckpt.storage.fileio`, :mod:`gpuckpt.storage.local`,
   :mod:`gpuckpt.storage.direct`, :mod:`gpuckpt.storage.leftovers`,
   :mod:`gpuckpt.storage.fsutil`) for a
   :class:`FaultyOS` proxy that raises a chosen ``OSError`` on the n-th call
@@ -137,6 +137,12 @@ def inject_os_faults(
     proxy = FaultyOS(list(faults), hook)
     mods = [importlib.import_module(m) for m in STORAGE_MODULES]
     saved: list[tuple[Any, str, Any]] = [(m, "os", m.os) for m in mods]
+    # native batches call libc, not this proxy: inside the block the storage code goes
+    # file by file through Python, where the faults land (the native path meets the same
+    # faults one level lower, through build_fault_shim)
+    batchio = importlib.import_module("gpuckpt.storage.batchio")
+    saved.append((batchio, "instance", batchio.instance))
+    batchio.instance = lambda: None  # type: ignore[attr-defined]
     fsutil = importlib.import_module("gpuckpt.storage.fsutil")
     for fn_name, err in (libc or {}).items():
         saved.append((fsutil, fn_name, getattr(fsutil, fn_name)))
