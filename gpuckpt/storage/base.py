@@ -39,6 +39,17 @@ class ChunkWrites:
     pads: Sequence[int]
     documents: Sequence[bytes | None] = ()
 
+    def select(self, indices: Sequence[int]) -> ChunkWrites:
+        """The items at ``indices``, in that order."""
+        docs = self.documents
+        return ChunkWrites(
+            [self.names[i] for i in indices],
+            [self.keys[i] for i in indices],
+            [self.buffers[i] for i in indices],
+            [self.pads[i] for i in indices],
+            [docs[i] for i in indices] if docs else (),
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class ChunkReads:
@@ -52,6 +63,16 @@ class ChunkReads:
     buffers: Sequence[Any]
     pads: Sequence[int]
     expected: Sequence[int]
+
+    def select(self, indices: Sequence[int]) -> ChunkReads:
+        """The items at ``indices``, in that order."""
+        return ChunkReads(
+            [self.names[i] for i in indices],
+            [self.keys[i] for i in indices],
+            [self.buffers[i] for i in indices],
+            [self.pads[i] for i in indices],
+            [self.expected[i] for i in indices],
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,6 +28,7 @@ import errno
 import os
 import stat
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +82,9 @@ SYNC_MODES = ("auto", "file", "fs", "none")
 _MANY_FILES = 64
 _PIECE = 1 << 20
 _WRITEBACK_MIN = 1 << 20
+#: chunk files smaller than this go through the native batches (larger ones are read
+#: and written piece by piece, around the page cache where chosen, one by one)
+_NATIVE_MAX = min(_PIECE, DIRECT_MIN_BYTES)
 _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
 
 
@@ -264,19 +268,29 @@ class LocalWriter(CheckpointWriter):
             os.close(fd)
 
     def write_chunks(self, batch: ChunkWrites) -> list[int]:
-        """The whole batch in one native call with the GIL released (:mod:`gpuckpt.storage.batchio`)
-        where the library is available; else, or when some chunk goes around the page cache
-        (``direct_io``), one file at a time."""
+        """Chunks under 1 MiB in one native call with the GIL released
+        (:mod:`gpuckpt.storage.batchio`) where the library is available; larger ones,
+        and all without the library, one file at a time (:meth:`write_chunk_checked`:
+        checksummed piece by piece while in the CPU cache, ``O_DIRECT`` where chosen)."""
         lib = batchio.instance()
-        direct = self._direct is not None and self._direct.enabled
-        if lib is None or (
-            direct
-            and any(
-                memoryview(b).nbytes + p >= DIRECT_MIN_BYTES
-                for b, p in zip(batch.buffers, batch.pads, strict=True)
-            )
-        ):
+        small = [
+            i
+            for i, (b, p) in enumerate(zip(batch.buffers, batch.pads, strict=True))
+            if memoryview(b).nbytes + p < _NATIVE_MAX
+        ]
+        if lib is None or not small:
             return super().write_chunks(batch)
+        crcs = [0] * len(batch.names)
+        if len(small) < len(crcs):
+            large = sorted(set(range(len(crcs))) - set(small))
+            for i, c in zip(large, super().write_chunks(batch.select(large)), strict=True):
+                crcs[i] = c
+            batch = batch.select(small)
+        for i, c in zip(small, self._write_native(lib, batch), strict=True):
+            crcs[i] = c
+        return crcs
+
+    def _write_native(self, lib: batchio.BatchIO, batch: ChunkWrites) -> list[int]:
         kinds: list[int] = []
         paths: list[str] = []
         buffers: list[Any] = []
@@ -568,12 +582,30 @@ class LocalReader(CheckpointReader):
             os.close(fd)
 
     def read_chunks(self, batch: ChunkReads) -> ReadStop | None:
-        """The whole batch in one native call with the GIL released (:mod:`gpuckpt.storage.batchio`)
-        where the library is available, else one file at a time. Files are opened as
-        :func:`open_regular` does, in array directories checked as :meth:`read_chunk_crc` does."""
+        """Runs of chunks under 1 MiB in one native call each, with the GIL released
+        (:mod:`gpuckpt.storage.batchio`), where the library is available; larger ones,
+        and all without the library, one file at a time (:meth:`read_chunk_crc`: copied and
+        checksummed in one pass when cached). Files are opened as :func:`open_regular`
+        does, in array directories checked as :meth:`read_chunk_crc` checks them."""
         lib = batchio.instance()
         if lib is None:
             return super().read_chunks(batch)
+        small = [
+            memoryview(b).nbytes + p < _NATIVE_MAX for b, p in zip(batch.buffers, batch.pads, strict=True)
+        ]
+        start = 0
+        while start < len(small):
+            end = start
+            while end < len(small) and small[end] == small[start]:
+                end += 1
+            run = batch.select(range(start, end))
+            stop = self._read_native(lib, run) if small[start] else super().read_chunks(run)
+            if stop is not None:
+                return replace(stop, index=start + stop.index)
+            start = end
+        return None
+
+    def _read_native(self, lib: batchio.BatchIO, batch: ChunkReads) -> ReadStop | None:
         missing: ReadStop | None = None
         count = len(batch.names)
         for i, name in enumerate(batch.names):

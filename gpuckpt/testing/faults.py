@@ -1,11 +1,11 @@
 """Fault injection and damage helpers for reliability tests.
 
-Two families of tools:
+Three families of tools:
 
 * **I/O faults** — :func:`inject_os_faults` swaps the ``os`` module seen by
-  the storage modules (and turns the native small-file batches off meanwhile) (:mod:`gpuckpt.storage.fileio`, :mod:`gpuckpt.storage.local`,
+  the storage modules (:mod:`gpuckpt.storage.fileio`, :mod:`gpuckpt.storage.local`,
   :mod:`gpuckpt.storage.direct`, :mod:`gpuckpt.storage.leftovers`,
-  :mod:`gpuckpt.storage.fsutil`) for a
+  :mod:`gpuckpt.storage.fsutil`; the native small-file batches are off meanwhile) for a
   :class:`FaultyOS` proxy that raises a chosen ``OSError`` on the n-th call
   of a function (``write``, ``fsync``, ``mkdir``, ``rename``, ...), optionally
   after writing part of the data, as a full disk does. The publication
@@ -183,14 +183,24 @@ def build_fault_shim(out_dir: Path) -> Path | None:
 
 
 def fault_shim_env(
-    shim: Path, directory: Path, call: str, *, nth: int = 1, err: int = errno.EIO, partial: int = 0
+    shim: Path,
+    directory: Path,
+    call: str,
+    *,
+    nth: int = 1,
+    err: int = errno.EIO,
+    partial: int = 0,
+    trace: Path | None = None,
 ) -> dict[str, str]:
     """Environment for a subprocess whose ``call`` (``open`` of a new file, ``mkdir``, ``write``,
     ``fsync``, ``read``, ``close``) fails with ``err`` on files under ``directory``, from its ``nth``
     such call on; a ``write`` fault with ``partial`` first writes that many bytes (a short
-    write), as a file system that fills up does."""
+    write), as a file system that fills up does. ``call="none"`` injects nothing.
+    ``trace``: a file where every ``fsync``, ``fdatasync`` and ``sync_file_range`` of a
+    file under ``directory`` is logged as ``"<call> <st_dev> <st_ino> <st_size>"``."""
     return {
         **os.environ,
+        **({"GCK_TRACE_FILE": os.fspath(trace)} if trace is not None else {}),
         "LD_PRELOAD": os.fspath(shim),
         "GCK_FAULT_DIR": os.fspath(directory.resolve()),
         "GCK_FAULT_CALL": call,

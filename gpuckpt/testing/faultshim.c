@@ -21,6 +21,10 @@
  *   GCK_FAULT_PARTIAL  write only: the failing call first writes this many bytes and returns
  *                      that short count; the next write fails (a file system that fills up)
  *
+ *   GCK_TRACE_FILE     optional: a file (outside GCK_FAULT_DIR) where every fsync, fdatasync
+ *                      and sync_file_range of a file under GCK_FAULT_DIR is logged as a line
+ *                      "<call> <st_dev> <st_ino> <st_size>" (GCK_FAULT_CALL=none: trace only)
+ *
  * gck_fault_reset() starts the count again (a test runs the native and the Python path
  * of one operation in one process, each meeting the same fault).
  *
@@ -52,6 +56,9 @@ static atomic_long seen;
 static atomic_int partial_done;
 static atomic_uchar marked[MAX_FD]; /* fds of files under dir */
 static int configured = -1;
+static int trace_fd = -1;
+
+static void *real(const char *name);
 
 static void configure(void)
 {
@@ -65,6 +72,21 @@ static void configure(void)
     nth = getenv("GCK_FAULT_NTH") ? atol(getenv("GCK_FAULT_NTH")) : 1;
     err_no = getenv("GCK_FAULT_ERRNO") ? atoi(getenv("GCK_FAULT_ERRNO")) : EIO;
     partial = getenv("GCK_FAULT_PARTIAL") ? atol(getenv("GCK_FAULT_PARTIAL")) : 0;
+    const char *t = getenv("GCK_TRACE_FILE");
+    if (t && *t)
+        trace_fd = ((int (*)(const char *, int, ...))real("open"))(t, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC,
+                                                                    0644);
+}
+
+/* one line per traced call (a single write with O_APPEND: lines of threads do not mix) */
+static void trace(const char *what, int fd)
+{
+    struct stat st;
+    if (trace_fd < 0 || fstat(fd, &st)) return;
+    char line[128];
+    int n = snprintf(line, sizeof line, "%s %llu %llu %lld\n", what, (unsigned long long)st.st_dev,
+                     (unsigned long long)st.st_ino, (long long)st.st_size);
+    ((ssize_t(*)(int, const void *, size_t))real("write"))(trace_fd, line, (size_t)n);
 }
 
 void gck_fault_reset(void)
@@ -236,7 +258,9 @@ int fsync(int fd)
         errno = err_no;
         return -1;
     }
-    return ((int (*)(int))real("fsync"))(fd);
+    int rc = ((int (*)(int))real("fsync"))(fd);
+    if (rc == 0 && is_marked(fd)) trace("fsync", fd);
+    return rc;
 }
 
 int fdatasync(int fd)
@@ -245,7 +269,15 @@ int fdatasync(int fd)
         errno = err_no;
         return -1;
     }
-    return ((int (*)(int))real("fdatasync"))(fd);
+    int rc = ((int (*)(int))real("fdatasync"))(fd);
+    if (rc == 0 && is_marked(fd)) trace("fdatasync", fd);
+    return rc;
+}
+
+int sync_file_range(int fd, off64_t off, off64_t n, unsigned int flags)
+{
+    if (is_marked(fd)) trace("sync_file_range", fd);
+    return ((int (*)(int, off64_t, off64_t, unsigned int))real("sync_file_range"))(fd, off, n, flags);
 }
 
 ssize_t read(int fd, void *buf, size_t n)
