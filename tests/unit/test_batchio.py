@@ -615,3 +615,35 @@ def test_the_sanitizer_run_catches_an_overrun(tmp_path: Path) -> None:
     p = _run_sanitized(tmp_path, control=True)
     assert p.returncode != 0
     assert "heap-buffer-overflow" in p.stderr, p.stderr[-5000:]
+
+
+def test_batches_mixing_small_and_large_chunks_keep_their_order(lib: BatchIO, tmp_path: Path) -> None:
+    """Chunks of 1 MiB and more go one by one (piecewise checksums, O_DIRECT, fused reads),
+    the others natively; results and the first stop keep the batch's order."""
+    rng = np.random.default_rng(11)
+    sizes = [100, (1 << 20) + 3, 5000, 2 << 20, 7, (1 << 20) - 10]
+    pads = [0, 0, 9, 0, 0, 20]
+    buffers = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
+    trees, crcs = [], []
+    for tag, chosen in (("native", lib), ("python", None)):
+        w, b = _write(tmp_path / tag, buffers, pads, [b"{}", None, b"{}", b"{}", None, b"{}"])
+        with using(chosen):
+            crcs.append(w.write_chunks(b))
+        w.commit(ROOT_DOC)
+        trees.append(_tree(tmp_path / tag))
+    assert (
+        crcs[0]
+        == crcs[1]
+        == [crc32c_package.crc32c(x.tobytes() + bytes(p)) for x, p in zip(buffers, pads, strict=True)]
+    )
+    assert trees[0] == trees[1]
+    root = tmp_path / "native"
+    for victim in (3, 4):  # a large chunk, then a small one after it
+        _damage(root, "flip", f"a{victim}", random.Random(victim))
+        stops = []
+        for chosen in (lib, None):
+            dests = [np.empty_like(x) for x in buffers]
+            reads = ChunkReads([f"a{i}" for i in range(6)], ["c.0"] * 6, dests, pads, crcs[0])
+            with using(chosen):
+                stops.append(_stop_fields(LocalReader(root).read_chunks(reads)))
+        assert stops[0] == stops[1] and stops[0][0] == 3
