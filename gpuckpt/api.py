@@ -2,20 +2,27 @@
 
 from __future__ import annotations
 
+import mmap
 import os
 import uuid
 from typing import Any
 
 import numpy as np
 
-from gpuckpt.device.arrays import HostMemory, adapt, is_array
+from gpuckpt.device.arrays import ArrayAdapter, HostMemory, adapt, is_array
 from gpuckpt.device.backend import DEFAULT_STAGING_BYTES, DeviceArray, DeviceBackend
 from gpuckpt.distributed.coordinator import Coordinator, SingleProcessCoordinator
 from gpuckpt.distributed.load import read_boxes
 from gpuckpt.distributed.planner import Box
 from gpuckpt.distributed.save import contains_sharded, distributed_save, is_leaf
 from gpuckpt.distributed.sharded import is_sharded_leaf, sharded_boxes
-from gpuckpt.errors import CheckpointTooLargeError, DTypeMismatchError, MissingKeyError, ShapeMismatchError
+from gpuckpt.errors import (
+    CheckpointTooLargeError,
+    DTypeMismatchError,
+    MissingKeyError,
+    ReadOnlyTargetError,
+    ShapeMismatchError,
+)
 from gpuckpt.metadata import STATE_DICT_TYPE, Metadata
 from gpuckpt.planning import DEFAULT_CHUNK_BYTES
 from gpuckpt.progress import ProgressCallback
@@ -26,7 +33,7 @@ from gpuckpt.storage.layout import metadata_from_root_document
 from gpuckpt.storage.local import direct_io_setting
 from gpuckpt.storage.objects import decode_object
 from gpuckpt.storage.stores import open_reader, open_writer
-from gpuckpt.writing import build_save_plan, execute_save
+from gpuckpt.writing import build_save_plan, check_save_options, execute_save
 
 __all__ = ["load", "load_state_dict", "read_metadata", "save"]
 
@@ -97,8 +104,9 @@ def save(
     >>> sorted(md.state_dict_metadata)
     ['step', 'w']
     """
-    if not isinstance(chunk_bytes, int) or chunk_bytes < 1:
-        raise ValueError(f"chunk_bytes must be a positive integer, got {chunk_bytes!r}")
+    check_save_options(
+        chunk_bytes=chunk_bytes, sync=sync, threads=threads, staging_bytes=staging_bytes, progress=progress
+    )
     if coordinator is not None or contains_sharded(state_dict):
         return distributed_save(
             state_dict,
@@ -166,7 +174,8 @@ def load(
     an array but was stored as a tensor receives a new array. Keys missing
     from the checkpoint are an error unless ``strict=False``; checkpoint keys
     absent from ``state_dict`` are not read (partial load). All checks run
-    before anything is read, so a mismatch changes nothing.
+    before anything is read (shapes, dtypes, writability of every target, the
+    size of every chunk file), so a mismatch changes nothing.
 
     Examples
     --------
@@ -232,6 +241,7 @@ def _load(
                         f"tensor {fqn!r}: the checkpoint has dtype {t.dtype}, the target has {arr.dtype}; "
                         "load into an array of the stored dtype and convert afterwards"
                     )
+                _check_writable(fqn, arr, "the target")
                 targets.append((t, arr if arr.is_device else arr.host_array()))
             else:
                 placeholders.append((leaf, t))
@@ -250,6 +260,20 @@ def _load(
         leaf.replace(value)
 
 
+def _check_writable(fqn: str, arr: ArrayAdapter, what: str) -> None:
+    """Refuse a read-only target before anything is read (device arrays are always writable)."""
+    if arr.is_device:
+        return
+    host = arr.host_array()
+    if not host.flags.writeable:
+        kind = "memory map" if isinstance(host, np.memmap) or isinstance(host.base, mmap.mmap) else "array"
+        raise ReadOnlyTargetError(
+            f"tensor {fqn!r}: {what} is a read-only {kind} ({type(host).__name__}, writeable=False), "
+            "so it cannot be loaded in place; pass a writable array (np.array(x) copies one; open a "
+            "memmap with mode='r+'), or use load_state_dict to get new arrays"
+        )
+
+
 def _shard_targets(t: TensorEntry, value: Any) -> list[tuple[Any, Box]]:
     """The ``(adapter, box)`` pairs of a ShardedArray target, checked against tensor ``t``."""
     out = []
@@ -264,6 +288,7 @@ def _shard_targets(t: TensorEntry, value: Any) -> list[tuple[Any, Box]]:
             raise DTypeMismatchError(
                 f"tensor {t.fqn!r}: the checkpoint has dtype {t.dtype}, the ShardedArray holds {arr.dtype}"
             )
+        _check_writable(t.fqn, arr, f"the local shard at offsets {b.offsets}")
         out.append((arr, (b.offsets, b.sizes)))
     return out
 
@@ -318,7 +343,12 @@ def load_state_dict(
     tensors come back as unsigned integers of the same size, to be viewed
     with the right dtype by the framework, e.g. ``torch.from_dlpack(x).view(torch.bfloat16)``).
     ``keys`` selects entries by FQN or by ``.``-prefix (``"model"`` selects
-    everything under it); an unknown key is an error.
+    everything under it); an unknown key is an error, raised before anything
+    is read. The result keeps the nesting of the selected entries; a list or
+    tuple of which only some positions are selected comes back as a dict from
+    position to entry (``keys=["layers.1"]`` gives ``{"layers": {1: ...}}``),
+    so that indexing by position works as on the full list and no
+    placeholder stands for what was not loaded.
 
     Examples
     --------
@@ -327,6 +357,9 @@ def load_state_dict(
     >>> _ = gpuckpt.save({"model": {"w": np.eye(2)}, "step": 3}, p)
     >>> gpuckpt.load_state_dict(p, keys=["step"])
     {'step': 3}
+    >>> _ = gpuckpt.save({"layers": [{"w": np.ones(1)}, {"w": np.zeros(1)}]}, p, overwrite=True)
+    >>> gpuckpt.load_state_dict(p, keys=["layers.1"])
+    {'layers': {1: {'w': array([0.])}}}
     """
     reader, md, tensors, objects = _open(path, storage_options)
     chosen = select_fqns(md.state_dict_metadata, keys)
@@ -343,4 +376,4 @@ def load_state_dict(
         if f in objects:
             values[f] = decode_object(objects[f], allow_pickle=allow_pickle, fqn=f)
     read_tensors(reader, targets, threads=threads, progress=progress, staging_bytes=staging_bytes)
-    return unflatten_state_dict(md.planner_data["structure"], values)
+    return unflatten_state_dict(md.planner_data["structure"], values, keys)

@@ -8,40 +8,50 @@ to back queue up in order instead of racing. Staging memory comes from an
 :class:`~gpuckpt.device.staging.ArenaPool` and is reused by later saves, so a
 training loop allocates it once; at most two snapshots exist at a time (one
 being written, one being taken), and a third call waits for a free arena.
+
+The returned future is a promise kept at exit, and a forked child saves on
+its own: see :mod:`gpuckpt.pending`.
 """
 
 from __future__ import annotations
 
-import atexit
 import os
 import threading
 import uuid
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
+from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
 
 from gpuckpt.device.arrays import HostArray
 from gpuckpt.device.backend import DEFAULT_STAGING_BYTES, DeviceArray
-from gpuckpt.device.staging import ArenaPool, StagingArena
+from gpuckpt.device.staging import ArenaPool, StagingArena, aligned_bytes
+from gpuckpt.errors import InvalidOptionError
 from gpuckpt.memory_format import physical_order, preserve_format
 from gpuckpt.metadata import STATE_DICT_TYPE, Metadata
+from gpuckpt.pending import SaveFuture, submit, wait_all, writer_executor
 from gpuckpt.planning import DEFAULT_CHUNK_BYTES
 from gpuckpt.progress import ProgressCallback
 from gpuckpt.storage.local import direct_io_setting
 from gpuckpt.storage.stores import open_writer
-from gpuckpt.writing import SavePlan, TensorPlan, build_save_plan, device_backends, execute_save
+from gpuckpt.workers import Workers
+from gpuckpt.writing import (
+    SavePlan,
+    TensorPlan,
+    build_save_plan,
+    check_save_options,
+    device_backends,
+    execute_save,
+)
 
-__all__ = ["SaveFuture", "async_save", "wait_all"]
+__all__ = ["SaveFuture", "async_save", "release_staging", "wait_all"]
 
 _lock = threading.Lock()
-_executors: dict[int, ThreadPoolExecutor] = {}
 _pools: dict[int, ArenaPool] = {}
-_copy_threads = ThreadPoolExecutor(
-    max_workers=max(1, min(4, os.cpu_count() or 1)), thread_name_prefix="gpuckpt-snap"
-)
+_copy_threads = Workers(max(1, min(4, os.cpu_count() or 1)), "gpuckpt-snap")
 _SLAB = 32 << 20
+_writer_executor = writer_executor  # the name tests use to occupy the writer
 
 
 def _arena_pool(plan: SavePlan) -> ArenaPool:
@@ -54,49 +64,6 @@ def _arena_pool(plan: SavePlan) -> ArenaPool:
             allocator = backend.pinned_allocator() if backend is not None else None
             pool = _pools[key] = ArenaPool(allocator, max_arenas=2)
         return pool
-
-
-def _writer_executor(coordinator: Any = None) -> ThreadPoolExecutor:
-    """The background writer: one per process, and one per coordinator (rank) for distributed saves,
-    so that ranks simulated by threads of one process do not queue behind each other."""
-    key = 0 if coordinator is None else id(coordinator)
-    with _lock:
-        ex = _executors.get(key)
-        if ex is None:
-            ex = _executors[key] = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpuckpt-async")
-        return ex
-
-
-class SaveFuture:
-    """The result of :func:`async_save`: ``done()``, ``result(timeout)``, ``exception(timeout)``."""
-
-    def __init__(self, future: Future[Metadata], path: str) -> None:
-        self._future = future
-        self.path = path
-
-    def done(self) -> bool:
-        """True once the checkpoint is published (or the save failed)."""
-        return self._future.done()
-
-    def result(self, timeout: float | None = None) -> Metadata:
-        """Wait for the save; returns its metadata or raises its error.
-
-        Raises ``TimeoutError`` if it is not finished within ``timeout`` seconds.
-        """
-        try:
-            return self._future.result(timeout)
-        except FutureTimeout:
-            raise TimeoutError(f"async save to {self.path} not finished after {timeout} s") from None
-
-    def exception(self, timeout: float | None = None) -> BaseException | None:
-        try:
-            return self._future.exception(timeout)
-        except FutureTimeout:
-            raise TimeoutError(f"async save to {self.path} not finished after {timeout} s") from None
-
-    def __repr__(self) -> str:
-        state = "done" if self.done() else "pending"
-        return f"<SaveFuture {self.path} {state}>"
 
 
 def _copy_slabs(dst: np.ndarray, src: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -130,8 +97,29 @@ def _run_copies(copies: list[tuple[np.ndarray, np.ndarray]]) -> None:
         batches[-1].append(c)
         size += c[0].nbytes
     # NumPy releases the GIL for plain copies: batches copy in parallel
-    for f in [_copy_threads.submit(_copy_all, b) for b in batches]:
-        f.result()
+    _wait_for_all([f.result for f in [_copy_threads.submit(_copy_all, b) for b in batches]])
+
+
+def _wait_for_all(waits: list[Callable[[], Any]]) -> None:
+    """Call every wait, even after one failed or was interrupted, then raise the first error.
+
+    The arena is given back when a snapshot fails: no copy may still be writing
+    into it then (it would write into the next snapshot). An interrupted wait
+    is retried; a copy ends soon.
+    """
+    error: BaseException | None = None
+    for wait in waits:
+        while True:
+            try:
+                wait()
+            except KeyboardInterrupt as exc:
+                error = error or exc
+                continue
+            except BaseException as exc:
+                error = error or exc
+            break
+    if error is not None:
+        raise error
 
 
 def _rebind(t: TensorPlan, array: Any) -> None:
@@ -168,9 +156,10 @@ def snapshot(plan: SavePlan, arena: StagingArena) -> None:
         else:
             copies.extend(_copy_slabs(dst, src.host_array()))
         _rebind(t, HostArray(dst, requires_grad=t.properties.requires_grad, pinned=t.properties.pin_memory))
-    _run_copies(copies)
-    for ticket in tickets:
-        ticket.wait()
+    try:
+        _run_copies(copies)
+    finally:
+        _wait_for_all([ticket.wait for ticket in tickets])
 
 
 def snapshot_on_device(plan: SavePlan) -> None:
@@ -255,7 +244,14 @@ def async_save(
     Returns once the snapshot is taken: the caller may then change or free
     its arrays. Options are those of :func:`gpuckpt.save`. Errors (including
     an existing ``path`` without ``overwrite``) surface from the future's
-    ``result()``; a failed background save publishes nothing.
+    ``result()``; a failed background save publishes nothing. Invalid
+    options raise :class:`~gpuckpt.errors.InvalidOptionError` from the call
+    itself, before anything is taken; staging memory that cannot be had
+    raises :class:`~gpuckpt.errors.StagingMemoryError`.
+
+    The process does not exit before the saves it queued are written; a save
+    that failed without its ``result()`` or ``exception()`` being asked for is
+    reported on standard error at exit and makes the exit status 1.
 
     ``staging="host"`` (default) snapshots into reusable host memory
     (page-locked for device arrays): the call blocks for about one
@@ -279,7 +275,14 @@ def async_save(
     (4,)
     """
     if staging not in ("host", "device"):
-        raise ValueError(f"staging={staging!r}; expected 'host' or 'device'")
+        raise InvalidOptionError(
+            f"staging={staging!r} is not a staging mode; expected 'host' (snapshot into host memory) "
+            "or 'device' (snapshot into spare device memory)"
+        )
+    # every option is checked before anything is taken (staging memory, copies, files)
+    check_save_options(
+        chunk_bytes=chunk_bytes, sync=sync, threads=threads, staging_bytes=staging_bytes, progress=progress
+    )
     from gpuckpt.distributed.save import contains_sharded, distributed_save
 
     if coordinator is not None or contains_sharded(state_dict):
@@ -287,9 +290,9 @@ def async_save(
 
         copied = _copy_state(state_dict)
         coord = coordinator or SingleProcessCoordinator()
-        return SaveFuture(
-            _writer_executor(coord).submit(
-                distributed_save,
+        return submit(
+            writer_executor(coord),
+            lambda: distributed_save(
                 copied,
                 path,
                 coord,
@@ -305,19 +308,7 @@ def async_save(
             os.fspath(path),
         )
     plan = build_save_plan(state_dict, chunk_bytes=chunk_bytes, allow_pickle=allow_pickle)
-    total = sum(t.nbytes for t in plan.tensors)
-    pool: ArenaPool | None = None
-    arena: StagingArena | None = None
-    if staging == "device":
-        snapshot_on_device(plan)
-    else:
-        pool = _arena_pool(plan)
-        arena = pool.acquire(total)
-        try:
-            snapshot(plan, arena)
-        except BaseException:
-            pool.release(arena)
-            raise
+    # opening the writer checks the path's scheme and the writer's options; it touches no file
     writer = open_writer(
         path,
         overwrite=overwrite,
@@ -329,26 +320,36 @@ def async_save(
     )
 
     def run() -> Metadata:
-        try:
-            return execute_save(
-                plan,
-                writer,
-                threads=threads,
-                checkpoint_id=str(uuid.uuid4()),
-                progress=progress,
-                staging_bytes=staging_bytes,
-            )
-        finally:
-            if pool is not None and arena is not None:
-                pool.release(arena)
+        return execute_save(
+            plan,
+            writer,
+            threads=threads,
+            checkpoint_id=str(uuid.uuid4()),
+            progress=progress,
+            staging_bytes=staging_bytes,
+        )
 
-    return SaveFuture(_writer_executor().submit(run), os.fspath(path))
+    if staging == "device":
+        snapshot_on_device(plan)
+        return submit(writer_executor(), run, os.fspath(path))
+    pool = _arena_pool(plan)
+    arena = pool.acquire(sum(aligned_bytes(t.nbytes) for t in plan.tensors))
+    handed_over = False
 
+    def hand_over(raw: Future[Metadata]) -> None:
+        # from here on the arena belongs to the save, and is released when it is done
+        nonlocal handed_over
+        pool.hold(arena, raw)
+        raw.add_done_callback(lambda _: pool.release(arena))
+        handed_over = True
 
-def wait_all() -> None:
-    """Block until every queued async save has finished (errors stay in their futures)."""
-    ex = _writer_executor()
-    ex.submit(lambda: None).result()
+    try:
+        snapshot(plan, arena)
+        return submit(writer_executor(), run, os.fspath(path), hand_over)
+    except BaseException:
+        if not handed_over:  # never while the save may still be writing from it
+            pool.release(arena)
+        raise
 
 
 def release_staging() -> None:
@@ -359,13 +360,10 @@ def release_staging() -> None:
         p.clear()
 
 
-def _drain_at_exit() -> None:
-    # queued saves finish before the interpreter exits: a return from
-    # async_save promised that the state would be written
-    with _lock:
-        executors = list(_executors.values())
-    for ex in executors:
-        ex.shutdown(wait=True)
+def _after_fork_in_child() -> None:
+    global _lock
+    _lock = threading.Lock()  # it may have been held by a thread the child does not have
 
 
-atexit.register(_drain_at_exit)
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)

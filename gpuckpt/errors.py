@@ -27,11 +27,17 @@ __all__ = [
     "MetadataError",
     "MissingChunkError",
     "MissingKeyError",
+    "ReadOnlyTargetError",
     "ShapeMismatchError",
+    "StepOrderError",
     "DTypeMismatchError",
     "UnsafeCheckpointError",
     "UnsupportedValueError",
     "UnsupportedVersionError",
+    "InvalidOptionError",
+    "StagingMemoryError",
+    "StagingTimeoutError",
+    "ForkedSaveError",
 ]
 
 
@@ -90,6 +96,14 @@ class DTypeMismatchError(GpuckptError, TypeError):
     """A target array's dtype differs from the stored tensor's dtype."""
 
 
+class StepOrderError(GpuckptError, ValueError):
+    """A :class:`~gpuckpt.CheckpointManager` save of a step older than a committed step."""
+
+
+class ReadOnlyTargetError(GpuckptError, ValueError):
+    """A target array of a load in place cannot be written (read-only NumPy array or memmap)."""
+
+
 class UnsupportedValueError(GpuckptError, TypeError):
     """A value in the state dict cannot be stored safely."""
 
@@ -139,3 +153,19 @@ class DistributedError(GpuckptError, RuntimeError):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.failures, self.world_size))
+
+
+class InvalidOptionError(GpuckptError, ValueError):
+    """An option of a save (or of the manager that saves) has a value that cannot work."""
+
+
+class StagingMemoryError(GpuckptError, MemoryError):
+    """Staging memory for a snapshot cannot be allocated (memory or address space limit)."""
+
+
+class StagingTimeoutError(GpuckptError, TimeoutError):
+    """No staging memory became free: within the timeout, or ever (no save in flight holds it)."""
+
+
+class ForkedSaveError(GpuckptError, RuntimeError):
+    """A background save was started by the parent of a ``fork()``; it completes there only."""

@@ -12,7 +12,12 @@ are ordered by their number, never by name; plain integer names (``42``)
 are read too. A step counts only once it is committed, so an interrupted or
 failed save is never returned by :meth:`CheckpointManager.latest_step`.
 Retention runs only after a newer save's commit has been observed, and it
-never deletes the latest committed step.
+never deletes the latest committed step nor the step just saved.
+
+The steps form one line: a save of a step older than a committed step is
+refused (:class:`~gpuckpt.StepOrderError`), so the step last saved is always
+the latest. To continue training from an earlier step (a roll-back), delete
+the newer steps with :meth:`CheckpointManager.delete` first.
 """
 
 from __future__ import annotations
@@ -27,10 +32,11 @@ from typing import Any
 import gpuckpt.api as api
 from gpuckpt.background import SaveFuture
 from gpuckpt.background import async_save as _async_save
-from gpuckpt.errors import CheckpointExistsError, CheckpointNotFoundError, GpuckptError
+from gpuckpt.errors import CheckpointExistsError, CheckpointNotFoundError, GpuckptError, StepOrderError
 from gpuckpt.metadata import STATE_DICT_TYPE
 from gpuckpt.storage import fsutil
 from gpuckpt.storage.local import cleanup_stale_temporaries, is_committed
+from gpuckpt.writing import check_save_options
 
 __all__ = ["CheckpointManager", "step_of"]
 
@@ -81,6 +87,21 @@ class CheckpointManager:
     step that already exists raises :class:`~gpuckpt.CheckpointExistsError`.
     A manager is meant for one thread.
 
+    Steps only move forward: saving a step older than a committed one raises
+    :class:`~gpuckpt.StepOrderError` before anything is written. Otherwise the
+    newer step would stay :meth:`latest_step` (a restarted job would resume
+    from the line it rolled back from) and retention, which keeps the newest
+    ``max_to_keep`` steps, would delete each step saved after a roll-back
+    right after its commit. To roll back, restore the earlier step, delete
+    the newer ones, and go on saving::
+
+        mgr.restore(state, step=100)
+        for s in [s for s in mgr.all_steps() if s > 100]:
+            mgr.delete(s)
+        mgr.save(110, state)
+
+    Retention never deletes the step just saved.
+
     Examples
     --------
     >>> import numpy as np, gpuckpt, tempfile
@@ -117,6 +138,8 @@ class CheckpointManager:
                 f"CheckpointManager got unknown save option(s) {', '.join(unknown)}; "
                 f"expected some of {', '.join(sorted(_SAVE_OPTIONS))}{hint}"
             )
+        # bad values fail here, not at some later save (which could have taken staging memory)
+        check_save_options(**{k: v for k, v in save_options.items() if k != "allow_pickle"})
         self.root = Path(root).absolute()
         if self.root.exists() and not self.root.is_dir():
             raise NotADirectoryError(f"checkpoint root {self.root} exists and is not a directory")
@@ -195,18 +218,30 @@ class CheckpointManager:
         if not force and not self.should_save(step):
             return False
         self._settle()
-        existing = self._scan().get(step)
+        steps = self._scan()
+        existing = steps.get(step)
         if existing is not None:
             raise CheckpointExistsError(
                 f"step {step} is already saved at {existing}; each step is saved once: "
                 "save under another step number or delete that directory first"
+            )
+        newer = sorted(s for s in steps if s > step)
+        if newer:
+            shown = f"{newer[:10]}{' ...' if len(newer) > 10 else ''}"
+            raise StepOrderError(
+                f"step {step} is older than the committed step(s) {shown} under {self.root}; "
+                f"saved, it would not be the latest: latest_step() and restore() would still give "
+                f"step {newer[-1]}, and retention would count the newer steps and delete the new ones. "
+                "To continue from an earlier step (a roll-back), delete the newer steps first "
+                "(for s in [s for s in mgr.all_steps() if s > "
+                f"{step}]: mgr.delete(s)), or save the new line under another root"
             )
         path = self.root / f"step_{step:08d}"
         if self.async_save:
             self._pending = (step, _async_save(state_dict, path, overwrite=False, **self.save_options))
         else:
             api.save(state_dict, path, overwrite=False, **self.save_options)
-            self._apply_retention()
+            self._apply_retention(step)
         return True
 
     def _poll(self) -> None:
@@ -216,13 +251,13 @@ class CheckpointManager:
 
     def _finish_pending(self) -> None:
         assert self._pending is not None
-        _step, fut = self._pending
+        step, fut = self._pending
         self._pending = None
         err = fut.exception()
         if err is not None:
             self._error = err
             return
-        self._apply_retention()
+        self._apply_retention(step)
 
     def _settle(self, *, raise_error: bool = True) -> None:
         """Wait for the save in flight, apply retention, raise a stored error."""
@@ -260,16 +295,39 @@ class CheckpointManager:
 
     # retention ---------------------------------------------------------------
 
-    def _apply_retention(self) -> None:
+    def _apply_retention(self, saved: int) -> None:
+        """Keep the newest ``max_to_keep`` steps (and ``keep_period`` ones) after ``saved`` committed.
+
+        ``saved`` itself is never deleted, whatever else the directory holds
+        (a newer step written behind the manager's back, for one).
+        """
         if self.max_to_keep is None:
             return
         steps = sorted(self._scan().items())
         if len(steps) <= self.max_to_keep:
             return
         for step, path in steps[: -self.max_to_keep]:
-            if self.keep_period is not None and step % self.keep_period == 0:
+            if step == saved or (self.keep_period is not None and step % self.keep_period == 0):
                 continue
             self._delete(path)
+
+    def delete(self, step: int) -> None:
+        """Delete the committed checkpoint of ``step``, e.g. the steps after one rolled back to.
+
+        A save in flight is waited for first (its error, if any, is raised by
+        the next :meth:`save` or :meth:`wait`). The step disappears in one
+        rename, made durable, before its files are removed.
+
+        Raises
+        ------
+        CheckpointNotFoundError
+            When ``step`` has no committed checkpoint.
+        """
+        if not isinstance(step, int) or isinstance(step, bool):
+            raise TypeError(f"step must be an int, got {step!r}")
+        step, path = self._resolve(step)
+        self._delete(path)
+        fsutil.fsync_dir(self.root)
 
     def _delete(self, path: Path) -> None:
         # rename first: the step disappears in one step, then the files go
@@ -302,6 +360,9 @@ class CheckpointManager:
 
         ``options`` go to :func:`gpuckpt.load` (``strict``, ``allow_pickle``,
         ``threads``, ``progress``). A save in flight is waited for first.
+        Restoring an earlier step changes nothing on disk; to go on saving
+        from it, delete the newer steps (:meth:`delete`): a save of a step
+        older than a committed one is refused (see the class notes).
         """
         step, path = self._resolve(step)
         api.load(state_dict, path, **options)

@@ -30,6 +30,7 @@ from gpuckpt.device.backend import (
 )
 from gpuckpt.errors import (
     CheckpointCorruptedError,
+    CheckpointTooLargeError,
     ChecksumError,
     MetadataError,
     MissingChunkError,
@@ -43,7 +44,17 @@ from gpuckpt.storage.layout import chunk_file_key, is_chunk_file_key
 from gpuckpt.storage.names import is_safe_name
 from gpuckpt.writing import IO_BATCH_BYTES, IO_BATCH_JOBS, default_threads
 
-__all__ = ["ChunkRead", "TensorEntry", "check_chunk_files", "paused_gc", "read_tensors", "validate_metadata"]
+__all__ = [
+    "ChunkRead",
+    "TensorEntry",
+    "check_chunk_files",
+    "checksum_verified",
+    "fetch_verified",
+    "paused_gc",
+    "read_tensors",
+    "scratch",
+    "validate_metadata",
+]
 
 
 @dataclass(slots=True)
@@ -145,6 +156,16 @@ def validate_metadata(md: Metadata) -> tuple[dict[str, TensorEntry], dict[str, A
             grid = ChunkGrid.from_zarr_json(entry.size, info.get("chunk_grid"))
         except ValueError as exc:
             raise _bad(fqn, f"chunk grid: {exc}") from None
+        if grid.kind == "regular" and any(
+            c > max(n, 1) for c, n in zip(grid.chunk_shape, entry.size, strict=True)
+        ):
+            # gpuckpt never writes one: each chunk would be read through padding (a sparse
+            # file costs no disk) that every load has to allocate
+            raise _bad(
+                fqn,
+                f"regular chunk shape {list(grid.chunk_shape)} is larger than the tensor's shape "
+                f"{list(entry.size)}; no chunk may exceed the tensor along any axis",
+            )
         raw_chunks = info.get("chunks")
         if not isinstance(raw_chunks, list) or len(raw_chunks) != len(entry.chunks):
             raise _bad(fqn, "storage chunk list does not match the chunk metadata")
@@ -205,16 +226,48 @@ def _check_crc(t: TensorEntry, c: ChunkRead, value: int, stored_crc: int) -> Non
         )
 
 
+def _vanished(t: TensorEntry, c: ChunkRead, exc: FileNotFoundError) -> MissingChunkError:
+    what = f"file {t.name}/{c.key} {exc.strerror}" if exc.strerror else "it disappeared"
+    return MissingChunkError(
+        f"chunk {c.key} of tensor {t.fqn!r} cannot be read while loading ({what}); the checkpoint "
+        "was deleted or replaced by a concurrent save (load again), or is damaged"
+    )
+
+
+def scratch(shape: tuple[int, ...], dtype: np.dtype[Any], t: TensorEntry) -> np.ndarray:
+    """Scratch memory for a chunk of ``t`` (validation keeps it within the tensor's own size)."""
+    try:
+        return np.empty(shape, dtype)
+    except MemoryError:
+        raise CheckpointTooLargeError(
+            f"tensor {t.fqn!r}: a scratch buffer of shape {shape} ({math.prod(shape) * dtype.itemsize} "
+            "bytes) for reading one of its chunks cannot be allocated; free memory and load again"
+        ) from None
+
+
+def checksum_verified(reader: CheckpointReader, t: TensorEntry, c: ChunkRead, piece: int) -> None:
+    """Read chunk ``c`` through buffers of at most ``piece`` bytes and check its size and CRC32C.
+
+    Nothing of the chunk is kept; ``c.nbytes`` must have been checked against the file first.
+    """
+    try:
+        got, value, stored_crc = reader.read_chunk_checksum(t.name, c.key, c.nbytes, piece)
+    except FileNotFoundError as exc:
+        raise _vanished(t, c, exc) from None
+    if got != c.nbytes:
+        raise CheckpointCorruptedError(
+            f"chunk {c.key} of tensor {t.fqn!r}: read {got} bytes, expected {c.nbytes}; the file is truncated"
+        )
+    _check_crc(t, c, value, stored_crc)
+
+
 def fetch_verified(reader: CheckpointReader, t: TensorEntry, c: ChunkRead, parts: list[Any]) -> None:
     """Read chunk ``c`` into the buffers ``parts`` (its stored bytes) and check its size and CRC32C."""
     crc_buf = bytearray(CRC_BYTES)
     try:
         got, value = reader.read_chunk_crc(t.name, c.key, [*parts, crc_buf])
-    except FileNotFoundError:
-        raise MissingChunkError(
-            f"chunk {c.key} of tensor {t.fqn!r} disappeared while loading; the checkpoint was "
-            "deleted or replaced by a concurrent save (load again), or is damaged"
-        ) from None
+    except FileNotFoundError as exc:
+        raise _vanished(t, c, exc) from None
     if got != c.nbytes:
         raise CheckpointCorruptedError(
             f"chunk {c.key} of tensor {t.fqn!r}: read {got} bytes, expected {c.nbytes}; the file is truncated"
@@ -231,11 +284,11 @@ def _read_chunk(
         # straight into the destination; padding of an edge chunk goes to scratch
         data = box.reshape(-1).view(np.uint8)
         pad = c.nbytes - CRC_BYTES - data.nbytes
-        fetch_verified(reader, t, c, [data, np.empty(pad, np.uint8)] if pad else [data])
+        fetch_verified(reader, t, c, [data, scratch((pad,), np.dtype(np.uint8), t)] if pad else [data])
     else:
-        scratch = np.empty(c.stored, dtype=t.dtype.newbyteorder("<"))
-        fetch_verified(reader, t, c, [scratch.reshape(-1).view(np.uint8)])
-        box[...] = scratch[tuple(slice(0, s) for s in c.spec.sizes)]
+        stored = scratch(c.stored, t.dtype.newbyteorder("<"), t)
+        fetch_verified(reader, t, c, [stored.reshape(-1).view(np.uint8)])
+        box[...] = stored[tuple(slice(0, s) for s in c.spec.sizes)]
     counter.add(box.nbytes)
 
 

@@ -16,7 +16,7 @@ import errno
 import math
 import os
 from collections.abc import Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,7 +32,7 @@ from gpuckpt.device.backend import (
     buffer_pool,
     staging_buffer_bytes,
 )
-from gpuckpt.errors import CheckpointWriteError, GpuckptError
+from gpuckpt.errors import CheckpointWriteError, GpuckptError, InvalidOptionError
 from gpuckpt.metadata import (
     FORMAT_VERSION,
     BytesStorageMetadata,
@@ -48,8 +48,10 @@ from gpuckpt.state import flatten_state_dict
 from gpuckpt.storage.base import CheckpointWriter
 from gpuckpt.storage.chunkio import CRC_BYTES, crc32c, is_prefix_box, padded_chunk
 from gpuckpt.storage.layout import array_document, chunk_file_key, root_document
+from gpuckpt.storage.local import SYNC_MODES, direct_io_setting
 from gpuckpt.storage.names import encode_name
 from gpuckpt.storage.objects import encode_object
+from gpuckpt.workers import Workers
 
 __all__ = [
     "IO_BATCH_BYTES",
@@ -59,6 +61,7 @@ __all__ = [
     "TensorPlan",
     "assemble_metadata",
     "build_save_plan",
+    "check_save_options",
     "default_threads",
     "device_backends",
     "execute_save",
@@ -75,6 +78,50 @@ IO_BATCH_JOBS = 64
 def default_threads() -> int:
     """I/O threads: enough to overlap checksums, writes and fsyncs on small machines."""
     return max(2, min(8, (os.cpu_count() or 2) * 2))
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_save_options(
+    *,
+    chunk_bytes: Any = DEFAULT_CHUNK_BYTES,
+    sync: Any = "auto",
+    threads: Any = None,
+    staging_bytes: Any = DEFAULT_STAGING_BYTES,
+    progress: Any = None,
+) -> None:
+    """Raise :class:`~gpuckpt.errors.InvalidOptionError` for a save option that cannot work.
+
+    The entry points (save, async_save, the manager) call this before taking
+    anything (staging memory, copies, files), so that a bad value fails at the
+    call and leaves nothing behind. The ``GPUCKPT_DIRECT_IO`` environment
+    variable is checked too.
+    """
+    if not _is_int(chunk_bytes) or chunk_bytes < 1:
+        raise InvalidOptionError(
+            f"chunk_bytes must be a positive integer (bytes per stored chunk), got {chunk_bytes!r}"
+        )
+    if not isinstance(sync, str) or sync not in SYNC_MODES:
+        raise InvalidOptionError(
+            f"sync={sync!r} is not a durability mode; expected one of {', '.join(map(repr, SYNC_MODES))} "
+            "('file': fsync each file, 'fs': one syncfs, 'none': no durability, 'auto': choose)"
+        )
+    if threads is not None and (not _is_int(threads) or threads < 1):
+        raise InvalidOptionError(f"threads must be an integer >= 1 or None (the default), got {threads!r}")
+    if not _is_int(staging_bytes) or staging_bytes < 1:
+        raise InvalidOptionError(
+            f"staging_bytes must be a positive integer (bytes of staging memory), got {staging_bytes!r}"
+        )
+    if progress is not None and not callable(progress):
+        raise InvalidOptionError(
+            f"progress must be a callable progress(done_bytes, total_bytes) or None, got {progress!r}"
+        )
+    try:
+        direct_io_setting(False)
+    except ValueError as exc:
+        raise InvalidOptionError(f"{exc}; fix or unset the environment variable") from None
 
 
 @dataclass(slots=True)
@@ -258,9 +305,7 @@ def write_chunks(
     }.values():
         backend.wait_for_producers()
     pools: dict[int, BufferPool] = {}
-    with ThreadPoolExecutor(
-        max_workers=threads or default_threads(), thread_name_prefix="gpuckpt-write"
-    ) as io:
+    with Workers(threads or default_threads(), "gpuckpt-write") as io:
         pending: list[Future[list[tuple[int, int]]]] = []
         batch: list[tuple[ChunkJob, bytes | None]] = []
         batch_bytes = 0

@@ -3,7 +3,9 @@
 Every command exits 0 on success, 1 when the work failed (a damaged or
 missing checkpoint, a failed conversion) and 2 for bad arguments; errors
 are one line on stderr (``gpuckpt: error: ...``), never a traceback (set
-``GPUCKPT_DEBUG=1`` to get one). ``python -m gpuckpt.cli`` runs it too.
+``GPUCKPT_DEBUG=1`` to get one). Text that comes from a checkpoint (names,
+values, paths) is printed with its non-printable characters escaped
+(:func:`gpuckpt.cli.text.printable`). ``python -m gpuckpt.cli`` runs it too.
 """
 
 from __future__ import annotations
@@ -15,9 +17,10 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
+from gpuckpt.cli.text import one_line, printable
 from gpuckpt.errors import GpuckptError
 
-__all__ = ["EXIT_FAILURE", "EXIT_USAGE", "main"]
+__all__ = ["EXIT_FAILURE", "EXIT_USAGE", "main", "one_line", "printable"]
 
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
@@ -30,11 +33,6 @@ class UsageError(Exception):
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         raise UsageError(f"{message} (see '{self.prog} --help')")
-
-
-def one_line(text: object) -> str:
-    """``text`` with every run of white space (newlines included) made one space."""
-    return " ".join(str(text).split())
 
 
 def build_parser() -> argparse.ArgumentParser:

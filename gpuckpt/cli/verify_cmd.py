@@ -7,6 +7,7 @@ import json
 import sys
 
 from gpuckpt.cli.progressbar import progress_for
+from gpuckpt.cli.text import one_line, printable
 from gpuckpt.verify import verify_checkpoint
 
 HELP = "read every chunk of a checkpoint and check every checksum; exit 1 if anything is damaged"
@@ -30,9 +31,10 @@ def run(args: argparse.Namespace) -> int:
     print(json.dumps(report.to_json(), indent=2) if args.json else report.format())
     if report.ok:
         return 0
+    first = report.damage[0]
     print(
-        f"gpuckpt: error: {args.path} is damaged: {len(report.damage)} problem(s), first: "
-        f"{report.damage[0].where}: {' '.join(report.damage[0].problem.split())}",
+        f"gpuckpt: error: {printable(args.path)} is damaged: {len(report.damage)} problem(s), first: "
+        f"{one_line(first.where)}: {one_line(first.problem)}",
         file=sys.stderr,
     )
     return 1

@@ -21,10 +21,11 @@ bounded size), reused across saves and loads, never more than a byte budget.
 from __future__ import annotations
 
 import math
+import os
 import threading
 import time
 import weakref
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -32,6 +33,7 @@ import numpy as np
 
 from gpuckpt import memory_format as mf
 from gpuckpt.device import _kernel_ref
+from gpuckpt.workers import Workers
 
 __all__ = [
     "DEFAULT_STAGING_BYTES",
@@ -173,7 +175,7 @@ class HostBackend:
         self.max_in_flight = 0
         self._in_flight = 0
         self._lock = threading.Lock()
-        self._stream = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpuckpt-hoststream")
+        self._stream = Workers(1, "gpuckpt-hoststream")
 
     def _run(self, fn: Any, nbytes: int) -> Ticket:
         with self._lock:
@@ -323,6 +325,17 @@ class BufferPool:
 
 _pools: weakref.WeakKeyDictionary[Any, dict[tuple[int, int], BufferPool]] = weakref.WeakKeyDictionary()
 _pools_lock = threading.Lock()
+
+
+def _after_fork_in_child() -> None:
+    # buffers in use belong to the parent's transfers; the child starts new pools under a new lock
+    global _pools, _pools_lock
+    _pools = weakref.WeakKeyDictionary()
+    _pools_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def staging_buffer_bytes(largest_chunk: int) -> int:

@@ -20,7 +20,7 @@ import numpy as np
 from gpuckpt.device.backend import DeviceArray
 from gpuckpt.distributed.planner import Box, intersect, overlapping_chunks
 from gpuckpt.progress import ProgressCallback, ProgressCounter
-from gpuckpt.reading import ChunkRead, TensorEntry, fetch_verified
+from gpuckpt.reading import ChunkRead, TensorEntry, fetch_verified, scratch
 from gpuckpt.storage.base import CheckpointReader
 from gpuckpt.writing import default_threads
 
@@ -38,14 +38,14 @@ def _read_one(
     targets: list[tuple[Any, Box]],
     counter: ProgressCounter,
 ) -> None:
-    scratch = np.empty(c.stored, dtype=t.dtype.newbyteorder("<"))
-    fetch_verified(reader, t, c, [scratch.reshape(-1).view(np.uint8)])
+    stored = scratch(c.stored, t.dtype.newbyteorder("<"), t)
+    fetch_verified(reader, t, c, [stored.reshape(-1).view(np.uint8)])
     chunk_box: Box = (c.spec.offsets, c.spec.sizes)
     for adapter, box in targets:
         inter = intersect(chunk_box, box)
         if inter is None:
             continue
-        part = scratch[_slices(c.spec.offsets, inter)]
+        part = stored[_slices(c.spec.offsets, inter)]
         if isinstance(adapter, DeviceArray):
             block = np.ascontiguousarray(part).reshape(-1).view(np.uint8)
             local_offsets = tuple(o - b for o, b in zip(inter[0], box[0], strict=True))

@@ -6,7 +6,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from gpuckpt.storage.chunkio import crc32c
+from gpuckpt.storage.chunkio import CRC_BYTES, crc32c
 
 __all__ = ["CheckpointReader", "CheckpointWriter"]
 
@@ -65,18 +65,28 @@ class CheckpointReader(ABC):
 
     Call :meth:`read_root` first; the other methods may then be called in
     any order and concurrently. Names and keys have been validated by the
-    caller; implementations must still refuse to leave the checkpoint.
+    caller; implementations must still refuse to leave the checkpoint, and
+    refuse documents over :data:`~gpuckpt.storage.layout.MAX_ROOT_DOCUMENT_BYTES`
+    and :data:`~gpuckpt.storage.layout.MAX_ARRAY_DOCUMENT_BYTES` before reading them.
     """
 
     @abstractmethod
-    def read_root(self) -> bytes: ...
+    def read_root(self) -> bytes | bytearray: ...
 
     @abstractmethod
-    def read_array_document(self, name: str) -> bytes: ...
+    def read_array_document(self, name: str) -> bytes | bytearray: ...
 
     @abstractmethod
     def chunk_nbytes(self, name: str, key: str) -> int | None:
         """Size of a stored chunk, or None when it is missing."""
+
+    def chunk_usage(self, name: str, key: str) -> tuple[int, int] | None:
+        """``(size, bytes it takes on the device)`` of a stored chunk, or None when it is missing.
+
+        The two differ for sparse files; the default takes the size for both.
+        """
+        size = self.chunk_nbytes(name, key)
+        return None if size is None else (size, size)
 
     @abstractmethod
     def read_chunk_into(self, name: str, key: str, dests: Sequence[Any]) -> int:
@@ -94,6 +104,19 @@ class CheckpointReader(ABC):
         for d in dests[:-1]:
             value = crc32c(d, value)
         return n, value
+
+    def read_chunk_checksum(self, name: str, key: str, nbytes: int, piece: int) -> tuple[int, int, int]:
+        """Read the ``nbytes`` of a chunk (checksum trailer included) without keeping them.
+
+        Returns ``(bytes read, CRC32C of the bytes before the trailer, the trailer's value)``.
+        Back ends that read at offsets stream the chunk through buffers of ``piece``
+        bytes; the default reads it into one buffer of ``nbytes``, so callers check
+        ``nbytes`` against :meth:`chunk_nbytes` first.
+        """
+        data = bytearray(max(0, nbytes - CRC_BYTES))
+        trailer = bytearray(CRC_BYTES)
+        n, value = self.read_chunk_crc(name, key, [data, trailer])
+        return n, value, int.from_bytes(trailer, "little")
 
     def close(self) -> None:  # noqa: B027 - optional hook, not abstract
         """Release resources; the default does nothing."""

@@ -4,7 +4,8 @@ Two families of tools:
 
 * **I/O faults** — :func:`inject_os_faults` swaps the ``os`` module seen by
   the storage modules (:mod:`gpuckpt.storage.chunkio`,
-  :mod:`gpuckpt.storage.local`, :mod:`gpuckpt.storage.fsutil`) for a
+  :mod:`gpuckpt.storage.local`, :mod:`gpuckpt.storage.leftovers`,
+  :mod:`gpuckpt.storage.fsutil`) for a
   :class:`FaultyOS` proxy that raises a chosen ``OSError`` on the n-th call
   of a function (``write``, ``fsync``, ``mkdir``, ``rename``, ...), optionally
   after writing part of the data, as a full disk does. The publication
@@ -41,7 +42,12 @@ __all__ = [
     "temporaries",
 ]
 
-STORAGE_MODULES = ("gpuckpt.storage.chunkio", "gpuckpt.storage.local", "gpuckpt.storage.fsutil")
+STORAGE_MODULES = (
+    "gpuckpt.storage.chunkio",
+    "gpuckpt.storage.local",
+    "gpuckpt.storage.leftovers",
+    "gpuckpt.storage.fsutil",
+)
 
 
 @dataclass

@@ -359,6 +359,37 @@ def test_foreign_objects_are_never_deleted(opts: dict[str, Any], prefix: str, s3
     assert set(_objects(s3, prefix)) == {f"{prefix}/notes.txt"}
 
 
+def _foreign_zarr(url: str, opts: dict[str, Any], *, with_root: bool) -> None:
+    """Another program's Zarr v3 data at ``url``: a group with an array, or only an array one level
+    down whose keys (``x/zarr.json``, ``x/c.0``) are shaped exactly like a checkpoint's."""
+    import zarr
+
+    dots: Any = {"name": "default", "separator": "."}  # c.0, c.1: the chunk keys of a checkpoint
+    if with_root:
+        group = zarr.create_group(store=zarr_store(url, read_only=False, **opts))
+        arr = group.create_array("x", shape=(8,), chunks=(4,), dtype="f4", chunk_key_encoding=dots)
+    else:
+        store = zarr_store(f"{url}/x", read_only=False, **opts)
+        arr = zarr.create_array(store=store, shape=(8,), chunks=(4,), dtype="f4", chunk_key_encoding=dots)
+    arr[:] = np.arange(8, dtype=np.float32)
+
+
+@pytest.mark.parametrize("with_root", [True, False], ids=["group", "arrays-only"])
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_foreign_zarr_store_is_refused_and_never_deleted(
+    opts: dict[str, Any], prefix: str, s3: Any, with_root: bool, overwrite: bool
+) -> None:
+    url = f"s3://{BUCKET}/{prefix}"
+    _foreign_zarr(url, opts, with_root=with_root)
+    before = _objects(s3, prefix)
+    assert (f"{prefix}/zarr.json" in before) == with_root and f"{prefix}/x/c.1" in before, before
+    why = "not a gpuckpt checkpoint" if with_root else "no claim of an unfinished gpuckpt save"
+    with pytest.raises(CheckpointExistsError) as info:
+        _save(_state(), prefix, opts, overwrite=overwrite)
+    assert url in str(info.value) and why in str(info.value) and "nothing was deleted" in str(info.value)
+    assert _objects(s3, prefix) == before  # every object kept, and no claim left behind
+
+
 def test_corrupted_object_names_the_tensor(opts: dict[str, Any], prefix: str, s3: Any) -> None:
     md = _save(_state(), prefix, opts)
     info = md.storage_data["tensors"]["model.proj"]
