@@ -34,7 +34,6 @@ __all__ = [
     "UnsafeCheckpointError",
     "UnsupportedValueError",
     "UnsupportedVersionError",
-    "InvalidOptionError",
     "StagingMemoryError",
     "StagingTimeoutError",
     "ForkedSaveError",
@@ -153,10 +152,6 @@ class DistributedError(GpuckptError, RuntimeError):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.failures, self.world_size))
-
-
-class InvalidOptionError(GpuckptError, ValueError):
-    """An option of a save (or of the manager that saves) has a value that cannot work."""
 
 
 class StagingMemoryError(GpuckptError, MemoryError):
