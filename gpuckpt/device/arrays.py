@@ -156,6 +156,9 @@ class ArrayAdapter(Protocol):
     def copy(self) -> ArrayAdapter:
         """A copy in the same kind of memory, with the same facts (a snapshot of this array).
 
+        The layout of a memory format (C order, channels-last) is kept; any
+        other (e.g. Fortran order) may become C order on a device.
+
         A device copy is queued on its back end: synchronize the back end
         (see :func:`device_backends`) before the original may change.
         """
