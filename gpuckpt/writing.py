@@ -262,9 +262,10 @@ def write_chunks(
     pool is exhausted) while the I/O threads wait for each copy, write its
     buffer and return it to the pool. The first error stops the run.
     """
-    counter = ProgressCounter(progress, sum(j.nbytes for j in jobs))
+    sizes = [j.nbytes for j in jobs]
+    counter = ProgressCounter(progress, sum(sizes))
     docs = dict(documents or {})
-    staging = Staging(((j.source.backend, j.nbytes) for j in jobs), staging_bytes)
+    staging = Staging(((j.source.backend, n) for j, n in zip(jobs, sizes, strict=True)), staging_bytes)
     staging.wait_for_producers()
     batch: Batcher[_Item] = Batcher()
     with Runner[list[tuple[int, int]]](threads, name="gpuckpt-write") as run:
@@ -284,7 +285,7 @@ def write_chunks(
                         _release_all(rest)
                     raise
 
-        for j in jobs:
+        for j, nbytes in zip(jobs, sizes, strict=True):
             run.check()
             # device memory: blocks while the staging budget is in use (back-pressure)
             staged = j.source.stage_out(j.offsets, j.sizes, staging)
@@ -292,7 +293,9 @@ def write_chunks(
             if staged.ready:
                 # small chunks go to the I/O threads in batches: one task per
                 # chunk would cost more than writing a few KiB
-                submit(batch.add(item, j.nbytes) or [])
+                full = batch.add(item, nbytes)
+                if full:
+                    submit(full)
             else:
                 # it holds a staging buffer: queued at once, never held back in a batch
                 submit(batch.take(), [item])
@@ -313,10 +316,9 @@ def _write_items(
             if document is not None:
                 writer.write_array_document(j.name, document)
             out.append(_write_box(writer, j.name, j.key, staged.wait(), j.stored))
-            staged.release()
             counter.add(j.nbytes)
     finally:
-        _release_all(items)
+        _release_all(items)  # staging buffers go back to their pool
     return out
 
 
