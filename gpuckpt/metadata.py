@@ -112,7 +112,7 @@ class TensorProperties:
         >>> TensorProperties.create_from_tensor(x).memory_format
         gpuckpt.contiguous_format
         """
-        # at call time: the format layer does not load the array adapters (CuPy, DLPack) on import
+        # at call time: the format layer depends on no array kind; only this convenience reads one
         from gpuckpt.device.arrays import adapt
 
         return TensorProperties.from_array(adapt(tensor))
