@@ -9,8 +9,8 @@ from typing import Any
 
 import numpy as np
 
-from gpuckpt.device.arrays import ArrayAdapter, HostMemory, adapt, is_array
-from gpuckpt.device.backend import DEFAULT_STAGING_BYTES, DeviceArray, DeviceBackend
+from gpuckpt.device.arrays import ArrayAdapter, DeviceArray, HostArray, HostMemory, adapt, is_array
+from gpuckpt.device.backend import DEFAULT_STAGING_BYTES, DeviceBackend
 from gpuckpt.distributed.coordinator import Coordinator, SingleProcessCoordinator
 from gpuckpt.distributed.load import read_boxes
 from gpuckpt.distributed.planner import Box
@@ -218,7 +218,7 @@ def _load(
             f"{', '.join(repr(m) for m in missing[:10])}{' ...' if len(missing) > 10 else ''}; "
             "pass strict=False to load the others"
         )
-    targets: list[tuple[TensorEntry, Any]] = []
+    targets: list[tuple[TensorEntry, ArrayAdapter]] = []
     placeholders: list[tuple[Any, TensorEntry]] = []
     decoded: list[tuple[Any, Any]] = []
     requests: list[tuple[TensorEntry, list[tuple[Any, Box]]]] = []
@@ -242,7 +242,7 @@ def _load(
                         "load into an array of the stored dtype and convert afterwards"
                     )
                 _check_writable(fqn, arr, "the target")
-                targets.append((t, arr if arr.is_device else arr.host_array()))
+                targets.append((t, arr))
             else:
                 placeholders.append((leaf, t))
     # sizes are checked against the files before anything is allocated
@@ -252,7 +252,7 @@ def _load(
     fresh: list[tuple[Any, np.ndarray]] = []
     for leaf, t in placeholders:
         dest = _allocate(None, t)
-        targets.append((t, dest))
+        targets.append((t, HostArray(dest)))
         fresh.append((leaf, dest))
     read_tensors(reader, targets, threads=threads, progress=progress, staging_bytes=staging_bytes)
     read_boxes(reader, requests, threads=threads, progress=progress)
@@ -262,7 +262,7 @@ def _load(
 
 def _check_writable(fqn: str, arr: ArrayAdapter, what: str) -> None:
     """Refuse a read-only target before anything is read (device arrays are always writable)."""
-    if arr.is_device:
+    if arr.writable:
         return
     host = arr.host_array()
     if not host.flags.writeable:
@@ -367,10 +367,10 @@ def load_state_dict(
     check_chunk_files(reader, entries)
     backend = _backend_for(device)
     values: dict[str, Any] = {}
-    targets: list[tuple[TensorEntry, Any]] = []
+    targets: list[tuple[TensorEntry, ArrayAdapter]] = []
     for t in entries:
         dest = _allocate(backend, t)
-        targets.append((t, dest if backend is None else DeviceArray(dest, backend, t.dtype)))
+        targets.append((t, HostArray(dest) if backend is None else DeviceArray(dest, backend, t.dtype)))
         values[t.fqn] = dest
     for f in chosen:
         if f in objects:

@@ -24,8 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from gpuckpt.device.arrays import HostArray
-from gpuckpt.device.backend import DEFAULT_STAGING_BYTES, DeviceArray
+from gpuckpt.device.arrays import DeviceArray, HostArray
+from gpuckpt.device.backend import DEFAULT_STAGING_BYTES
 from gpuckpt.device.staging import ArenaPool, StagingArena, aligned_bytes
 from gpuckpt.errors import InvalidOptionError
 from gpuckpt.memory_format import physical_order, preserve_format

@@ -13,25 +13,17 @@ is written last by :meth:`CheckpointWriter.commit`. Distributed saves
 from __future__ import annotations
 
 import errno
+import functools
 import math
-import os
 from collections.abc import Iterator, Sequence
-from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from gpuckpt.device.arrays import ArrayAdapter, adapt, is_array
-from gpuckpt.device.backend import (
-    DEFAULT_STAGING_BYTES,
-    BufferPool,
-    DeviceArray,
-    Ticket,
-    buffer_pool,
-    staging_buffer_bytes,
-)
+from gpuckpt.device.arrays import ArrayAdapter, StagedOut, adapt, is_array
+from gpuckpt.device.backend import DEFAULT_STAGING_BYTES, DeviceBackend, Staging, distinct_backends
 from gpuckpt.errors import CheckpointWriteError, GpuckptError, InvalidOptionError
 from gpuckpt.metadata import (
     FORMAT_VERSION,
@@ -45,6 +37,7 @@ from gpuckpt.metadata import (
 from gpuckpt.options import SYNC_MODES, direct_io_from_env
 from gpuckpt.planning import DEFAULT_CHUNK_BYTES, ChunkGrid, ChunkSpec, plan_regular_grid
 from gpuckpt.progress import ProgressCallback, ProgressCounter
+from gpuckpt.runner import Batcher, Runner
 from gpuckpt.state import flatten_state_dict
 from gpuckpt.storage.base import CheckpointWriter
 from gpuckpt.storage.checksum import CRC_BYTES, crc32c
@@ -52,33 +45,19 @@ from gpuckpt.storage.chunks import is_prefix_box, padded_chunk
 from gpuckpt.storage.layout import array_document, chunk_file_key, root_document
 from gpuckpt.storage.names import encode_name
 from gpuckpt.storage.values import encode_object
-from gpuckpt.workers import Workers
 
 __all__ = [
-    "IO_BATCH_BYTES",
-    "IO_BATCH_JOBS",
     "ChunkJob",
     "SavePlan",
     "TensorPlan",
     "assemble_metadata",
     "build_save_plan",
     "check_save_options",
-    "default_threads",
     "device_backends",
     "execute_save",
     "write_array_documents",
     "write_chunks",
 ]
-
-
-#: host chunks go to the I/O threads in batches of about this many bytes or chunks
-IO_BATCH_BYTES = 1 << 20
-IO_BATCH_JOBS = 64
-
-
-def default_threads() -> int:
-    """I/O threads: enough to overlap checksums, writes and fsyncs on small machines."""
-    return max(2, min(8, (os.cpu_count() or 2) * 2))
 
 
 def _is_int(value: Any) -> bool:
@@ -204,7 +183,7 @@ def build_save_plan(
                     arr.shape,
                     arr.dtype,
                     grid,
-                    arr.properties(),
+                    TensorProperties.from_array(arr),
                     specs,
                     whole_tensor_jobs(name, arr, grid, specs),
                     arr,
@@ -236,27 +215,10 @@ def _write_box(
     return sum(p.nbytes for p in parts) + CRC_BYTES, state[0]
 
 
-def device_backends(plan: SavePlan) -> list[Any]:
-    """The distinct backends of the plan's device arrays."""
-    seen: dict[int, Any] = {}
-    for j in plan.jobs():
-        if isinstance(j.source, DeviceArray):
-            seen.setdefault(id(j.source.backend), j.source.backend)
-    for t in plan.tensors:
-        if isinstance(t.array, DeviceArray):
-            seen.setdefault(id(t.array.backend), t.array.backend)
-    return list(seen.values())
-
-
-class _Failure:
-    """Lets the producer stop queueing work once any I/O job has failed."""
-
-    def __init__(self) -> None:
-        self.error: BaseException | None = None
-
-    def check(self) -> None:
-        if self.error is not None:
-            raise self.error
+def device_backends(plan: SavePlan) -> list[DeviceBackend]:
+    """The distinct back ends of the plan's device arrays."""
+    arrays = [*(j.source for j in plan.jobs()), *(t.array for t in plan.tensors if t.array is not None)]
+    return distinct_backends(a.backend for a in arrays)
 
 
 def _array_document(t: TensorPlan) -> bytes:
@@ -286,113 +248,78 @@ def write_chunks(
     document first (so that the many file-system operations of small tensors
     run on the I/O threads too).
 
-    Host sources are encoded straight from their memory by the I/O threads.
-    Device sources stream through a bounded pool of staging buffers: the
-    calling thread queues device-to-host copies of the next chunks (blocking
-    when the pool is exhausted) while the I/O threads wait for each copy,
-    checksum and write its buffer, and return it to the pool.
+    The calling thread stages every job's box out of its source (see
+    :meth:`~gpuckpt.device.arrays.ArrayAdapter.stage_out`) and hands it to the
+    I/O threads, which checksum and write it. Boxes readable at once (host
+    memory) go in batches and are encoded straight from their memory; the
+    others (device memory) hold a buffer of a bounded staging pool, so the
+    calling thread queues the copies of the next chunks (blocking when the
+    pool is exhausted) while the I/O threads wait for each copy, write its
+    buffer and return it to the pool. The first error stops the run.
     """
-    counter = ProgressCounter(progress, sum(j.nbytes for j in jobs))
+    sizes = [j.nbytes for j in jobs]
+    counter = ProgressCounter(progress, sum(sizes))
     docs = dict(documents or {})
-    failure = _Failure()
-    for backend in {
-        id(j.source.backend): j.source.backend for j in jobs if isinstance(j.source, DeviceArray)
-    }.values():
-        backend.wait_for_producers()
-    pools: dict[int, BufferPool] = {}
-    with Workers(threads or default_threads(), "gpuckpt-write") as io:
-        pending: list[Future[list[tuple[int, int]]]] = []
-        batch: list[tuple[ChunkJob, bytes | None]] = []
-        batch_bytes = 0
+    staging = Staging(((j.source.backend, n) for j, n in zip(jobs, sizes, strict=True)), staging_bytes)
+    staging.wait_for_producers()
+    batch: Batcher[_Item] = Batcher()
+    with Runner[list[tuple[int, int]]](threads, name="gpuckpt-write") as run:
 
-        def submit(fn: Any, *args: Any) -> None:
-            def job() -> list[tuple[int, int]]:
+        def submit(*groups: list[_Item]) -> None:
+            """One job per group, in order; what cannot be queued any more is released."""
+            for i, items in enumerate(groups):
+                if not items:
+                    continue
                 try:
-                    return fn(*args)  # type: ignore[no-any-return]
-                except BaseException as exc:
-                    failure.error = failure.error or exc
-                    raise
-
-            pending.append(io.submit(job))
-
-        def flush() -> None:
-            nonlocal batch, batch_bytes
-            if batch:
-                submit(_write_host_batch, writer, batch, counter)
-                batch, batch_bytes = [], 0
-
-        for j in jobs:
-            failure.check()
-            src = j.source
-            if not isinstance(src, DeviceArray):
-                # small host chunks go to the I/O threads in batches: one task per
-                # chunk would cost more than writing a few KiB
-                batch.append((j, docs.pop(j.name, None)))
-                batch_bytes += j.nbytes
-                if batch_bytes >= IO_BATCH_BYTES or len(batch) >= IO_BATCH_JOBS:
-                    flush()
-            else:
-                flush()
-                pool = pools.get(id(src.backend))
-                if pool is None:
-                    largest = max(k.nbytes for k in jobs if isinstance(k.source, DeviceArray))
-                    pool = pools[id(src.backend)] = buffer_pool(
-                        src.backend, staging_buffer_bytes(largest), staging_bytes
+                    run.submit(
+                        functools.partial(_write_items, writer, items, counter),
+                        cancel=functools.partial(_release_all, items),
                     )
-                buf = pool.acquire(j.nbytes)  # blocks while the budget is in use: back-pressure
-                try:
-                    ticket = src.backend.stage_out(src.data, j.offsets, j.sizes, buf[: j.nbytes])
                 except BaseException:
-                    pool.release(buf)
+                    for rest in groups[i + 1 :]:
+                        _release_all(rest)
                     raise
-                submit(_write_staged_chunk, writer, j, buf, ticket, pool, counter, docs.pop(j.name, None))
-        flush()
-        try:
-            return [r for f in pending for r in f.result()]
-        except BaseException:
-            for f in pending:
-                f.cancel()
-            raise
+
+        for j, nbytes in zip(jobs, sizes, strict=True):
+            run.check()
+            # device memory: blocks while the staging budget is in use (back-pressure)
+            staged = j.source.stage_out(j.offsets, j.sizes, staging)
+            item = (j, staged, docs.pop(j.name, None))
+            if staged.ready:
+                # small chunks go to the I/O threads in batches: one task per
+                # chunk would cost more than writing a few KiB
+                full = batch.add(item, nbytes)
+                if full:
+                    submit(full)
+            else:
+                # it holds a staging buffer: queued at once, never held back in a batch
+                submit(batch.take(), [item])
+        submit(batch.take())
+        return [r for rs in run.results() for r in rs]
 
 
-def _write_host_batch(
-    writer: CheckpointWriter, batch: Sequence[tuple[ChunkJob, bytes | None]], counter: ProgressCounter
+_Item = tuple[ChunkJob, StagedOut, bytes | None]
+
+
+def _write_items(
+    writer: CheckpointWriter, items: Sequence[_Item], counter: ProgressCounter
 ) -> list[tuple[int, int]]:
-    """Write host chunks one after the other (with their array's document where given)."""
+    """Write staged chunks one after the other (with their array's document where given)."""
     out = []
-    for j, document in batch:
-        if document is not None:
-            writer.write_array_document(j.name, document)
-        host = j.source.host_array()
-        box = (
-            host[...]
-            if not j.sizes
-            else host[tuple(slice(o, o + s) for o, s in zip(j.offsets, j.sizes, strict=True))]
-        )
-        out.append(_write_box(writer, j.name, j.key, box, j.stored))
-        counter.add(j.nbytes)
+    try:
+        for j, staged, document in items:
+            if document is not None:
+                writer.write_array_document(j.name, document)
+            out.append(_write_box(writer, j.name, j.key, staged.wait(), j.stored))
+            counter.add(j.nbytes)
+    finally:
+        _release_all(items)  # staging buffers go back to their pool
     return out
 
 
-def _write_staged_chunk(
-    writer: CheckpointWriter,
-    j: ChunkJob,
-    buf: np.ndarray,
-    ticket: Ticket,
-    pool: BufferPool,
-    counter: ProgressCounter,
-    document: bytes | None = None,
-) -> list[tuple[int, int]]:
-    try:
-        if document is not None:
-            writer.write_array_document(j.name, document)
-        ticket.wait()
-        box = buf[: j.nbytes].view(j.source.dtype).reshape(j.sizes)
-        result = _write_box(writer, j.name, j.key, box, j.stored)
-    finally:
-        pool.release(buf)
-    counter.add(j.nbytes)
-    return [result]
+def _release_all(items: Sequence[_Item]) -> None:
+    for _, staged, _ in items:
+        staged.release()
 
 
 def assemble_metadata(

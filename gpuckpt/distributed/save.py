@@ -89,7 +89,7 @@ def _describe(
         else:
             objects[fqn] = encode_object(v, allow_pickle=allow_pickle, fqn=fqn)
             continue
-        props = adapters[0].properties()
+        props = TensorProperties.from_array(adapters[0])
         tensors.append(
             LocalTensor(
                 fqn,

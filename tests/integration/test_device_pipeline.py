@@ -19,7 +19,8 @@ import pytest
 
 import gpuckpt
 from gpuckpt.device import _kernel_ref
-from gpuckpt.device.backend import BufferPool, HostBackend, buffer_pool, staging_buffer_bytes
+from gpuckpt.device.backend import BufferPool, buffer_pool, staging_buffer_bytes
+from gpuckpt.device.host_backend import HostBackend
 from gpuckpt.storage.local import LocalWriter
 from gpuckpt.testing.fakedevice import EmulatedDeviceArray
 from gpuckpt.writing import build_save_plan, execute_save

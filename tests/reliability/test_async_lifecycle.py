@@ -33,7 +33,7 @@ import pytest
 import gpuckpt
 from gpuckpt import background
 from gpuckpt.device import staging
-from gpuckpt.device.backend import HostBackend
+from gpuckpt.device.host_backend import HostBackend
 from gpuckpt.device.staging import ArenaPool
 from gpuckpt.errors import InvalidOptionError, StagingTimeoutError
 from gpuckpt.testing.fakedevice import EmulatedDeviceArray
