@@ -22,7 +22,6 @@ from typing import Any
 import numpy as np
 
 from gpuckpt.device.backend import (
-    DEFAULT_STAGING_BYTES,
     BufferPool,
     DeviceArray,
     buffer_pool,
@@ -36,8 +35,9 @@ from gpuckpt.errors import (
     MissingChunkError,
 )
 from gpuckpt.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+from gpuckpt.options import LoadOptions
 from gpuckpt.planning import ChunkGrid, ChunkSpec
-from gpuckpt.progress import ProgressCallback, ProgressCounter
+from gpuckpt.progress import ProgressCounter
 from gpuckpt.storage.base import CheckpointReader
 from gpuckpt.storage.chunkio import CRC_BYTES, is_prefix_box, stored_nbytes
 from gpuckpt.storage.layout import chunk_file_key, is_chunk_file_key
@@ -332,18 +332,19 @@ def _read_chunk_to_device(
 def read_tensors(
     reader: CheckpointReader,
     targets: list[tuple[TensorEntry, Any]],
-    *,
-    threads: int | None = None,
-    progress: ProgressCallback | None = None,
-    staging_bytes: int = DEFAULT_STAGING_BYTES,
+    options: LoadOptions,
 ) -> None:
     """Fill each target (a host array or a :class:`DeviceArray`) with its tensor's chunks, in parallel.
+
+    Of ``options``, ``threads``, ``progress`` and ``staging_bytes`` (the
+    staging budget of device targets) apply.
 
     Host targets are read straight into their memory where the layout allows.
     Device targets go through a bounded pool of staging buffers: I/O threads
     read and verify chunks into buffers and queue the host-to-device copies,
     so reads of the next chunks overlap the copies of earlier ones.
     """
+    threads, progress, staging_bytes = options.threads, options.progress, options.staging_bytes
     counter = ProgressCounter(progress, sum(t.nbytes for t, _ in targets))
     jobs: list[tuple[Any, ...]] = []
     batch: list[tuple[TensorEntry, ChunkRead, np.ndarray]] = []

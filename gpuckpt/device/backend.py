@@ -33,10 +33,10 @@ import numpy as np
 
 from gpuckpt import memory_format as mf
 from gpuckpt.device import _kernel_ref
+from gpuckpt.options import DEFAULT_STAGING_BYTES
 from gpuckpt.workers import Workers
 
 __all__ = [
-    "DEFAULT_STAGING_BYTES",
     "BufferPool",
     "DeviceArray",
     "DeviceBackend",
@@ -45,9 +45,6 @@ __all__ = [
     "buffer_pool",
     "staging_buffer_bytes",
 ]
-
-#: Default budget of staging memory a save or load pipeline may hold.
-DEFAULT_STAGING_BYTES = 512 << 20
 
 
 @runtime_checkable

@@ -18,8 +18,9 @@ from typing import Any
 import numpy as np
 
 from gpuckpt.device.backend import DeviceArray
-from gpuckpt.distributed.planner import Box, intersect, overlapping_chunks
-from gpuckpt.progress import ProgressCallback, ProgressCounter
+from gpuckpt.options import LoadOptions
+from gpuckpt.planning.boxes import Box, intersect, overlapping_chunks
+from gpuckpt.progress import ProgressCounter
 from gpuckpt.reading import ChunkRead, TensorEntry, fetch_verified, scratch
 from gpuckpt.storage.base import CheckpointReader
 from gpuckpt.writing import default_threads
@@ -58,11 +59,11 @@ def _read_one(
 def read_boxes(
     reader: CheckpointReader,
     requests: list[tuple[TensorEntry, list[tuple[Any, Box]]]],
-    *,
-    threads: int | None = None,
-    progress: ProgressCallback | None = None,
+    options: LoadOptions,
 ) -> None:
-    """Fill every ``(adapter, box)`` of ``requests`` from the stored chunks that overlap it."""
+    """Fill every ``(adapter, box)`` of ``requests`` from the stored chunks that overlap it
+    (of ``options``, ``threads`` and ``progress`` apply)."""
+    threads, progress = options.threads, options.progress
     total = sum(math.prod(b[1]) * t.dtype.itemsize for t, boxes in requests for _, b in boxes)
     counter = ProgressCounter(progress, total)
     jobs: list[tuple[TensorEntry, ChunkRead, list[tuple[Any, Box]]]] = []
