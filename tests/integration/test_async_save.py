@@ -181,3 +181,18 @@ def test_a_state_that_contains_itself_is_a_typed_error(tmp_path: Path, how: str)
         assert isinstance(err, gpuckpt.GpuckptError), repr(err)
         assert "reference cycle at 'self'" in str(err)
     assert not (tmp_path / "c").exists()
+
+
+def test_wait_all_waits_for_the_saves_of_every_writer(tmp_path: Path) -> None:
+    # a distributed save runs on its coordinator's writer, not the process's: wait_all
+    # returns only once that one is done too (it is queued behind a busy writer here)
+    from gpuckpt.distributed import SingleProcessCoordinator
+    from gpuckpt.pending import writer_executor
+
+    coord = SingleProcessCoordinator()
+    writer_executor(coord).submit(time.sleep, 0.3)
+    s = gpuckpt.ShardedArray(np.arange(6.0), (0,), (6,))
+    fut = gpuckpt.async_save({"w": s}, tmp_path / "c", coordinator=coord)
+    wait_all()
+    assert fut.done()
+    assert np.array_equal(gpuckpt.load_state_dict(tmp_path / "c")["w"], np.arange(6.0))
