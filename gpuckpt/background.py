@@ -142,28 +142,29 @@ def snapshot(
     for b in device_backends(_arrays(sources)):
         b.wait_for_producers()
     out: dict[str, tuple[Source, ...]] = {}
-    for t in local.tensors:
-        held = sources[t.fqn]
-        snap = []
-        for s in held:
-            src = s.array
-            # a tensor held whole has the description's layout; ShardedArray boxes each their own
-            fmt = t.properties.memory_format if len(held) == 1 else src.properties().memory_format
-            order = physical_order(len(src.shape), fmt)
-            dst = arena.take_array(src.shape, src.dtype, order)
-            if isinstance(src, DeviceArray):
-                raw = dst.transpose(order).reshape(-1).view(np.uint8)
-                if fmt is preserve_format:
-                    tickets.append(src.backend.stage_out(src.data, (0,) * dst.ndim, dst.shape, raw))
-                else:
-                    tickets.append(src.backend.snapshot_to_host(src.data, raw))
-            else:
-                copies.extend(_copy_slabs(dst, src.host_array()))
-            snap.append(Source(HostArray(dst), s.offsets))
-        out[t.fqn] = tuple(snap)
     try:
+        for t in local.tensors:
+            held = sources[t.fqn]
+            snap = []
+            for s in held:
+                src = s.array
+                # a tensor held whole has the description's layout; ShardedArray boxes each their own
+                fmt = t.properties.memory_format if len(held) == 1 else src.properties().memory_format
+                order = physical_order(len(src.shape), fmt)
+                dst = arena.take_array(src.shape, src.dtype, order)
+                if isinstance(src, DeviceArray):
+                    raw = dst.transpose(order).reshape(-1).view(np.uint8)
+                    if fmt is preserve_format:
+                        tickets.append(src.backend.stage_out(src.data, (0,) * dst.ndim, dst.shape, raw))
+                    else:
+                        tickets.append(src.backend.snapshot_to_host(src.data, raw))
+                else:
+                    copies.extend(_copy_slabs(dst, src.host_array()))
+                snap.append(Source(HostArray(dst), s.offsets))
+            out[t.fqn] = tuple(snap)
         _run_copies(copies)
     finally:
+        # also when taking memory failed half-way: no copy may still write into the arena
         _wait_for_all([ticket.wait for ticket in tickets])
     return out
 
