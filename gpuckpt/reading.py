@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from gpuckpt.device.arrays import ArrayAdapter
-from gpuckpt.device.backend import DEFAULT_STAGING_BYTES, Staging
+from gpuckpt.device.backend import Staging
 from gpuckpt.errors import (
     CheckpointCorruptedError,
     CheckpointTooLargeError,
@@ -31,8 +31,9 @@ from gpuckpt.errors import (
     MissingChunkError,
 )
 from gpuckpt.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+from gpuckpt.options import LoadOptions
 from gpuckpt.planning import ChunkGrid, ChunkSpec
-from gpuckpt.progress import ProgressCallback, ProgressCounter
+from gpuckpt.progress import ProgressCounter
 from gpuckpt.runner import batches, run_all
 from gpuckpt.storage.base import CheckpointReader
 from gpuckpt.storage.checksum import CRC_BYTES
@@ -319,19 +320,19 @@ def _read_chunks(
 def read_tensors(
     reader: CheckpointReader,
     targets: list[tuple[TensorEntry, ArrayAdapter]],
-    *,
-    threads: int | None = None,
-    progress: ProgressCallback | None = None,
-    staging_bytes: int = DEFAULT_STAGING_BYTES,
+    options: LoadOptions,
 ) -> None:
     """Fill each target array (an adapter of any kind of memory) with its tensor's chunks, in parallel.
 
-    Chunks go to the I/O threads in batches (small ones together). Host
-    targets are read straight into their memory where the layout allows.
+    Of ``options``, ``threads``, ``progress`` and ``staging_bytes`` (the
+    staging budget of device targets) apply. Chunks go to the I/O threads in
+    batches (small ones together). Host targets are read straight into their
+    memory where the layout allows.
     Device targets go through a bounded pool of staging buffers: I/O threads
     read and verify chunks into buffers and copy them to the device, so reads
     of the next chunks overlap the copies of earlier ones.
     """
+    threads, progress, staging_bytes = options.threads, options.progress, options.staging_bytes
     counter = ProgressCounter(progress, sum(t.nbytes for t, _ in targets))
     staging = Staging(
         ((dest.backend, c.spec.nelem * t.dtype.itemsize) for t, dest in targets for c in t.chunks),

@@ -1,12 +1,14 @@
-"""Executing a save: from flattened leaves to a published checkpoint.
+"""Executing a save: a :class:`~gpuckpt.planning.plan.SavePlan` bound to arrays, written and published.
 
-A save is a list of :class:`ChunkJob` (one per stored chunk this process
-writes) plus the documents around them. Tensors become Zarr arrays
-(:mod:`gpuckpt.storage.layout`); chunk jobs run on a thread pool, straight
-from host memory when a chunk is one contiguous byte run (the common case,
-see :func:`gpuckpt.planning.plan_regular_grid`), or through a bounded pool of
-staging buffers for device memory; the root document carrying the metadata
-is written last by :meth:`CheckpointWriter.commit`. Distributed saves
+A plan (made by :func:`gpuckpt.planning.plan.plan_save`) says which chunks
+this process writes; :func:`bind_jobs` binds them to the arrays holding them
+(one :class:`ChunkJob` per stored chunk) when the save runs. Tensors become
+Zarr arrays (:mod:`gpuckpt.storage.layout`); chunk jobs run on a thread pool,
+straight from host memory when a chunk is one contiguous byte run (the
+common case, see :func:`gpuckpt.planning.grid.plan_regular_grid`), or
+through a bounded pool of staging buffers for device memory; the root
+document carrying the metadata is written last by
+:meth:`CheckpointWriter.commit`. Distributed saves
 (:mod:`gpuckpt.distributed.save`) run the same jobs on every rank.
 """
 
@@ -15,95 +17,56 @@ from __future__ import annotations
 import errno
 import functools
 import math
-from collections.abc import Iterator, Sequence
+import os
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from gpuckpt.device.arrays import ArrayAdapter, StagedOut, adapt, is_array
-from gpuckpt.device.backend import DEFAULT_STAGING_BYTES, DeviceBackend, Staging, distinct_backends
-from gpuckpt.errors import CheckpointWriteError, GpuckptError, InvalidOptionError
+from gpuckpt.device.arrays import ArrayAdapter, StagedOut
+from gpuckpt.device.backend import DeviceBackend, Staging, distinct_backends
+from gpuckpt.errors import CheckpointWriteError, GpuckptError
 from gpuckpt.metadata import (
     FORMAT_VERSION,
     BytesStorageMetadata,
     ChunkStorageMetadata,
     Metadata,
     StorageMeta,
-    TensorProperties,
     TensorStorageMetadata,
 )
-from gpuckpt.options import SYNC_MODES, direct_io_from_env
-from gpuckpt.planning import DEFAULT_CHUNK_BYTES, ChunkGrid, ChunkSpec, plan_regular_grid
-from gpuckpt.progress import ProgressCallback, ProgressCounter
+from gpuckpt.options import SaveOptions
+from gpuckpt.planning.plan import ChunkAssignment, SavePlan, TensorPlan
+from gpuckpt.progress import ProgressCounter
 from gpuckpt.runner import Batcher, Runner
-from gpuckpt.state import flatten_state_dict
+from gpuckpt.sources import Sources
 from gpuckpt.storage.base import CheckpointWriter
 from gpuckpt.storage.checksum import CRC_BYTES, crc32c
 from gpuckpt.storage.chunks import is_prefix_box, padded_chunk
 from gpuckpt.storage.layout import array_document, chunk_file_key, root_document
-from gpuckpt.storage.names import encode_name
-from gpuckpt.storage.values import encode_object
+from gpuckpt.storage.stores import open_writer
 
 __all__ = [
     "ChunkJob",
-    "SavePlan",
-    "TensorPlan",
     "assemble_metadata",
-    "build_save_plan",
-    "check_save_options",
+    "bind_jobs",
     "device_backends",
     "execute_save",
+    "open_save_writer",
     "write_array_documents",
     "write_chunks",
 ]
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def check_save_options(
-    *,
-    chunk_bytes: Any = DEFAULT_CHUNK_BYTES,
-    sync: Any = "auto",
-    threads: Any = None,
-    staging_bytes: Any = DEFAULT_STAGING_BYTES,
-    progress: Any = None,
-) -> None:
-    """Raise :class:`~gpuckpt.errors.InvalidOptionError` for a save option that cannot work.
-
-    The entry points (save, async_save, the manager) call this before taking
-    anything (staging memory, copies, files), so that a bad value fails at the
-    call and leaves nothing behind. The ``GPUCKPT_DIRECT_IO`` environment
-    variable is checked too.
-    """
-    if not _is_int(chunk_bytes) or chunk_bytes < 1:
-        raise InvalidOptionError(
-            f"chunk_bytes must be a positive integer (bytes per stored chunk), got {chunk_bytes!r}"
-        )
-    if not isinstance(sync, str) or sync not in SYNC_MODES:
-        raise InvalidOptionError(
-            f"sync={sync!r} is not a durability mode; expected one of {', '.join(map(repr, SYNC_MODES))} "
-            "('file': fsync each file, 'fs': one syncfs, 'none': no durability, 'auto': choose)"
-        )
-    if threads is not None and (not _is_int(threads) or threads < 1):
-        raise InvalidOptionError(f"threads must be an integer >= 1 or None (the default), got {threads!r}")
-    if not _is_int(staging_bytes) or staging_bytes < 1:
-        raise InvalidOptionError(
-            f"staging_bytes must be a positive integer (bytes of staging memory), got {staging_bytes!r}"
-        )
-    if progress is not None and not callable(progress):
-        raise InvalidOptionError(
-            f"progress must be a callable progress(done_bytes, total_bytes) or None, got {progress!r}"
-        )
-    direct_io_from_env()
 
 
 @dataclass(slots=True)
 class ChunkJob:
-    """One stored chunk to write: where its data is, and its stored shape."""
+    """One stored chunk to write, bound to the array holding it (made by :func:`bind_jobs`).
+
+    Work for the I/O threads, not part of the plan: a plain (not frozen) record,
+    since a save makes one per chunk while the caller waits."""
 
     name: str
     coords: tuple[int, ...]
@@ -121,77 +84,33 @@ class ChunkJob:
         return math.prod(self.sizes) * self.source.dtype.itemsize
 
 
-@dataclass(slots=True)
-class TensorPlan:
-    """One tensor of a save: its global description and the chunk jobs of this process."""
-
-    fqn: str
-    name: str
-    shape: tuple[int, ...]
-    dtype: np.dtype[Any]
-    grid: ChunkGrid
-    properties: TensorProperties
-    specs: list[ChunkSpec] = field(default_factory=list)
-    jobs: list[ChunkJob] = field(default_factory=list)
-    array: ArrayAdapter | None = None  # the whole tensor, for single-process saves
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
+def bind_jobs(assignments: Iterable[ChunkAssignment], sources: Sources) -> list[ChunkJob]:
+    """Bind a process's chunk assignments to its arrays: ``sources[fqn][box]`` holds each chunk."""
+    jobs = []
+    for a in assignments:
+        src = sources[a.fqn][a.box]
+        local = (
+            a.offsets
+            if not any(src.offsets)
+            else tuple(o - b for o, b in zip(a.offsets, src.offsets, strict=True))
+        )
+        jobs.append(ChunkJob(a.name, a.coords, src.array, local, a.sizes, a.stored))
+    return jobs
 
 
-@dataclass(slots=True)
-class SavePlan:
-    tensors: list[TensorPlan]
-    objects: dict[str, Any]
-    skeleton: Any
-
-    @property
-    def nfiles(self) -> int:
-        return sum(1 + len(t.specs) for t in self.tensors) + 1
-
-    def jobs(self) -> list[ChunkJob]:
-        return [j for t in self.tensors for j in t.jobs]
-
-
-def whole_tensor_jobs(
-    name: str, array: ArrayAdapter, grid: ChunkGrid, specs: Sequence[ChunkSpec]
-) -> list[ChunkJob]:
-    return [ChunkJob(name, s.coords, array, s.offsets, s.sizes, grid.stored_chunk_shape(s)) for s in specs]
-
-
-def build_save_plan(
-    state_dict: dict[str, Any],
-    *,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-    allow_pickle: bool = False,
-) -> SavePlan:
-    """Flatten ``state_dict``, plan every tensor's chunks and encode every object."""
-    leaves, skeleton = flatten_state_dict(state_dict, is_array)
-    tensors: list[TensorPlan] = []
-    objects: dict[str, Any] = {}
-    for fqn, leaf in leaves.items():
-        if is_array(leaf.value):
-            arr = adapt(leaf.value)
-            grid = plan_regular_grid(arr.shape, arr.dtype.itemsize, chunk_bytes)
-            specs = grid.chunk_list()
-            name = encode_name(fqn)
-            tensors.append(
-                TensorPlan(
-                    fqn,
-                    name,
-                    arr.shape,
-                    arr.dtype,
-                    grid,
-                    TensorProperties.from_array(arr),
-                    specs,
-                    whole_tensor_jobs(name, arr, grid, specs),
-                    arr,
-                )
-            )
-        else:
-            objects[fqn] = encode_object(leaf.value, allow_pickle=allow_pickle, fqn=fqn)
-    return SavePlan(tensors, objects, skeleton)
+def open_save_writer(
+    path: str | os.PathLike[str], options: SaveOptions, *, expected_files: int, direct_io: bool
+) -> CheckpointWriter:
+    """The writer of a save to ``path`` with ``options`` (``direct_io``: whether large chunk
+    files go around the page cache, see :meth:`SaveOptions.use_direct_io`); touches no file."""
+    return open_writer(
+        path,
+        overwrite=options.overwrite,
+        sync=options.sync,
+        expected_files=expected_files,
+        storage_options=options.store_options(),
+        direct_io=direct_io,
+    )
 
 
 def _write_box(
@@ -215,9 +134,8 @@ def _write_box(
     return sum(p.nbytes for p in parts) + CRC_BYTES, state[0]
 
 
-def device_backends(plan: SavePlan) -> list[DeviceBackend]:
-    """The distinct back ends of the plan's device arrays."""
-    arrays = [*(j.source for j in plan.jobs()), *(t.array for t in plan.tensors if t.array is not None)]
+def device_backends(arrays: Iterable[ArrayAdapter]) -> list[DeviceBackend]:
+    """The distinct back ends of the device arrays among ``arrays``."""
     return distinct_backends(a.backend for a in arrays)
 
 
@@ -235,13 +153,14 @@ def write_array_documents(plan: SavePlan, writer: CheckpointWriter) -> None:
 def write_chunks(
     jobs: Sequence[ChunkJob],
     writer: CheckpointWriter,
+    options: SaveOptions,
     *,
-    threads: int | None = None,
-    staging_bytes: int = DEFAULT_STAGING_BYTES,
-    progress: ProgressCallback | None = None,
     documents: dict[str, bytes] | None = None,
 ) -> list[tuple[int, int]]:
     """Write every job's chunk; returns ``(stored bytes, CRC32C)`` per job, in order.
+
+    Of ``options``, ``threads`` (I/O threads), ``staging_bytes`` (the staging
+    budget of device sources) and ``progress`` apply.
 
     ``documents`` maps array names whose directory does not exist yet to their
     ``zarr.json``; each such array must have exactly one job, which writes the
@@ -258,6 +177,7 @@ def write_chunks(
     buffer and return it to the pool. The first error stops the run.
     """
     sizes = [j.nbytes for j in jobs]
+    threads, staging_bytes, progress = options.threads, options.staging_bytes, options.progress
     counter = ProgressCounter(progress, sum(sizes))
     docs = dict(documents or {})
     staging = Staging(((j.source.backend, n) for j, n in zip(jobs, sizes, strict=True)), staging_bytes)
@@ -344,7 +264,7 @@ def assemble_metadata(
     return Metadata(
         state_dict_metadata=state_md,
         planner_data={"structure": plan.skeleton},
-        storage_data={"tensors": tensors_sd, "objects": plan.objects},
+        storage_data={"tensors": tensors_sd, "objects": dict(plan.objects)},
         storage_meta=StorageMeta(checkpoint_id=checkpoint_id, modules=["gpuckpt"]),
         version=None,
     )
@@ -373,26 +293,28 @@ def writing(writer: CheckpointWriter) -> Iterator[None]:
 
 def execute_save(
     plan: SavePlan,
+    sources: Sources,
     writer: CheckpointWriter,
+    options: SaveOptions,
     *,
-    threads: int | None = None,
     checkpoint_id: str | None = None,
-    progress: ProgressCallback | None = None,
-    staging_bytes: int = DEFAULT_STAGING_BYTES,
 ) -> Metadata:
-    """Write ``plan`` through ``writer`` and commit; aborts the writer on any error."""
+    """Write the single-process ``plan`` from ``sources`` through ``writer`` and commit.
+
+    Aborts the writer on any error. ``sources`` are the arrays the plan was
+    described from, or a snapshot of them.
+    """
+    (mine,) = plan.assignments
     with writing(writer):
         writer.begin()
         # single-chunk arrays get their directory and document from the I/O thread
         # that writes their chunk; the others' must exist before any chunk lands
-        single = {t.name: _array_document(t) for t in plan.tensors if len(t.jobs) == 1}
+        single = {t.name: _array_document(t) for t in plan.tensors if len(t.specs) == 1}
         for t in plan.tensors:
             if t.name not in single:
                 writer.write_array_document(t.name, _array_document(t))
-        jobs = plan.jobs()
-        sizes = write_chunks(
-            jobs, writer, threads=threads, staging_bytes=staging_bytes, progress=progress, documents=single
-        )
+        jobs = bind_jobs(mine, sources)
+        sizes = write_chunks(jobs, writer, options, documents=single)
         results = {(j.name, j.coords): r for j, r in zip(jobs, sizes, strict=True)}
         metadata = assemble_metadata(plan, results, checkpoint_id)
         writer.commit(root_document(metadata))

@@ -27,8 +27,9 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from gpuckpt.options import DEFAULT_STAGING_BYTES
+
 __all__ = [
-    "DEFAULT_STAGING_BYTES",
     "FINISHED",
     "BufferPool",
     "DeviceBackend",
@@ -38,9 +39,6 @@ __all__ = [
     "distinct_backends",
     "staging_buffer_bytes",
 ]
-
-#: Default budget of staging memory a save or load pipeline may hold.
-DEFAULT_STAGING_BYTES = 512 << 20
 
 
 @runtime_checkable

@@ -17,9 +17,10 @@ import math
 import numpy as np
 
 from gpuckpt.device.arrays import ArrayAdapter
-from gpuckpt.device.backend import DEFAULT_STAGING_BYTES, Staging
-from gpuckpt.distributed.planner import Box, intersect, overlapping_chunks
-from gpuckpt.progress import ProgressCallback, ProgressCounter
+from gpuckpt.device.backend import Staging
+from gpuckpt.options import LoadOptions
+from gpuckpt.planning.boxes import Box, intersect, overlapping_chunks
+from gpuckpt.progress import ProgressCounter
 from gpuckpt.reading import ChunkRead, TensorEntry, fetch_verified, scratch
 from gpuckpt.runner import run_all
 from gpuckpt.storage.base import CheckpointReader
@@ -60,17 +61,16 @@ def _read_one(
 def read_boxes(
     reader: CheckpointReader,
     requests: list[tuple[TensorEntry, list[tuple[ArrayAdapter, Box]]]],
-    *,
-    threads: int | None = None,
-    progress: ProgressCallback | None = None,
-    staging_bytes: int = DEFAULT_STAGING_BYTES,
+    options: LoadOptions,
 ) -> None:
     """Fill every ``(adapter, box)`` of ``requests`` from the stored chunks that overlap it.
 
     ``box`` is the adapter's place in the tensor (offsets, sizes); each stored
     chunk that overlaps any requested box is read and verified once, by one
-    job, and its overlap with each box is staged into that box's adapter.
+    job, and its overlap with each box is staged into that box's adapter. Of
+    ``options``, ``threads``, ``progress`` and ``staging_bytes`` apply.
     """
+    threads, progress, staging_bytes = options.threads, options.progress, options.staging_bytes
     total = sum(math.prod(b[1]) * t.dtype.itemsize for t, boxes in requests for _, b in boxes)
     counter = ProgressCounter(progress, total)
     reads: list[tuple[TensorEntry, ChunkRead, list[tuple[ArrayAdapter, Box]]]] = []
