@@ -59,8 +59,6 @@ __all__ = [
 ]
 
 
-
-
 @dataclass(slots=True)
 class ChunkJob:
     """One stored chunk to write, bound to the array holding it (made by :func:`bind_jobs`).
