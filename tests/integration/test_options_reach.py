@@ -32,7 +32,7 @@ import pytest
 import gpuckpt
 from gpuckpt import CheckpointManager, ShardedArray
 from gpuckpt.background import wait_all
-from gpuckpt.device.backend import HostBackend
+from gpuckpt.device.host_backend import HostBackend
 from gpuckpt.distributed import run_ranks
 from gpuckpt.testing.fakedevice import EmulatedDeviceArray
 
