@@ -5,16 +5,16 @@ from __future__ import annotations
 import mmap
 import os
 import uuid
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
-from gpuckpt.device.arrays import ArrayAdapter, HostMemory, adapt, is_array
-from gpuckpt.device.backend import DEFAULT_STAGING_BYTES, DeviceArray, DeviceBackend
+from gpuckpt.device.arrays import ArrayAdapter, DeviceArray, HostArray, HostMemory, adapt, is_array
+from gpuckpt.device.backend import DeviceBackend
 from gpuckpt.distributed.coordinator import Coordinator, SingleProcessCoordinator
 from gpuckpt.distributed.load import read_boxes
-from gpuckpt.distributed.planner import Box
-from gpuckpt.distributed.save import contains_sharded, distributed_save, is_leaf
+from gpuckpt.distributed.save import distributed_save
 from gpuckpt.distributed.sharded import is_sharded_leaf, sharded_boxes
 from gpuckpt.errors import (
     CheckpointTooLargeError,
@@ -24,18 +24,20 @@ from gpuckpt.errors import (
     ShapeMismatchError,
 )
 from gpuckpt.metadata import STATE_DICT_TYPE, Metadata
-from gpuckpt.options import SaveOptions
-from gpuckpt.planning import DEFAULT_CHUNK_BYTES
+from gpuckpt.options import DEFAULT_CHUNK_BYTES, DEFAULT_STAGING_BYTES, LoadOptions, SaveOptions
+from gpuckpt.planning.boxes import Box
+from gpuckpt.planning.plan import plan_save
 from gpuckpt.progress import ProgressCallback
 from gpuckpt.reading import TensorEntry, check_chunk_files, paused_gc, read_tensors, validate_metadata
+from gpuckpt.sources import contains_sharded, describe_state, is_leaf
 from gpuckpt.state import flatten_state_dict, select_fqns, unflatten_state_dict
 from gpuckpt.storage.base import CheckpointReader
 from gpuckpt.storage.layout import metadata_from_root_document
-from gpuckpt.storage.stores import open_reader, open_writer
+from gpuckpt.storage.stores import open_reader
 from gpuckpt.storage.values import decode_object
-from gpuckpt.writing import build_save_plan, check_save_options, execute_save
+from gpuckpt.writing import execute_save, open_save_writer
 
-__all__ = ["load", "load_state_dict", "read_metadata", "save"]
+__all__ = ["load", "load_state_dict", "load_with_options", "read_metadata", "save", "save_with_options"]
 
 PathLike = str | os.PathLike[str]
 
@@ -104,52 +106,45 @@ def save(
     >>> sorted(md.state_dict_metadata)
     ['step', 'w']
     """
-    check_save_options(
-        chunk_bytes=chunk_bytes, sync=sync, threads=threads, staging_bytes=staging_bytes, progress=progress
-    )
-    if coordinator is not None or contains_sharded(state_dict):
-        return distributed_save(
-            state_dict,
-            path,
-            coordinator or SingleProcessCoordinator(),
-            overwrite=overwrite,
-            chunk_bytes=chunk_bytes,
-            allow_pickle=allow_pickle,
-            sync=sync,
-            threads=threads,
-            progress=progress,
-            staging_bytes=staging_bytes,
-            portable=portable,
-        )
-    plan = build_save_plan(state_dict, chunk_bytes=chunk_bytes, allow_pickle=allow_pickle)
-    writer = open_writer(
-        path,
+    options = SaveOptions(
         overwrite=overwrite,
+        chunk_bytes=chunk_bytes,
+        allow_pickle=allow_pickle,
         sync=sync,
-        expected_files=plan.nfiles,
-        storage_options=storage_options,
-        direct_io=SaveOptions().use_direct_io(False),  # what is just written stays cached for a reader
-    )
-    return execute_save(
-        plan,
-        writer,
         threads=threads,
-        checkpoint_id=str(uuid.uuid4()),
         progress=progress,
         staging_bytes=staging_bytes,
+        storage_options=storage_options,
+        portable=portable,
     )
+    return save_with_options(state_dict, path, options, coordinator)
+
+
+def save_with_options(
+    state_dict: STATE_DICT_TYPE, path: PathLike, options: SaveOptions, coordinator: Coordinator | None = None
+) -> Metadata:
+    """:func:`save` with its options made (what :class:`~gpuckpt.CheckpointManager` calls)."""
+    if coordinator is not None or contains_sharded(state_dict):
+        return distributed_save(state_dict, path, coordinator or SingleProcessCoordinator(), options)
+    local, sources = describe_state(state_dict, allow_pickle=options.allow_pickle)
+    plan = plan_save([local], chunk_bytes=options.chunk_bytes, portable=options.portable)
+    # what is just written stays cached for a reader (no O_DIRECT unless asked for)
+    writer = open_save_writer(
+        path, options, expected_files=plan.nfiles, direct_io=options.use_direct_io(False)
+    )
+    return execute_save(plan, sources, writer, options, checkpoint_id=str(uuid.uuid4()))
 
 
 @paused_gc()
 def read_metadata(path: PathLike, *, storage_options: dict[str, Any] | None = None) -> Metadata:
     """Metadata of the checkpoint at ``path`` (validated, nothing else read)."""
-    return _open(path, storage_options)[1]
+    return _open(path, LoadOptions(storage_options=storage_options).storage_options)[1]
 
 
 def _open(
-    path: PathLike, storage_options: dict[str, Any] | None = None
+    path: PathLike, storage_options: Mapping[str, Any] | None = None
 ) -> tuple[CheckpointReader, Metadata, dict[str, TensorEntry], dict[str, Any]]:
-    reader = open_reader(path, storage_options=storage_options)
+    reader = open_reader(path, storage_options=dict(storage_options) if storage_options is not None else None)
     md = metadata_from_root_document(reader.read_root(), f"{os.fspath(path).rstrip('/')}/zarr.json")
     tensors, objects = validate_metadata(md)
     return reader, md, tensors, objects
@@ -187,44 +182,50 @@ def load(
     >>> sd["w"]
     array([0., 1., 2., 3.])
     """
+    options = LoadOptions(
+        strict=strict,
+        allow_pickle=allow_pickle,
+        threads=threads,
+        progress=progress,
+        staging_bytes=staging_bytes,
+        storage_options=storage_options,
+    )
+    load_with_options(state_dict, path, options, coordinator)
+
+
+def load_with_options(
+    state_dict: STATE_DICT_TYPE, path: PathLike, options: LoadOptions, coordinator: Coordinator | None = None
+) -> None:
+    """:func:`load` with its options made."""
     if coordinator is None:
-        _load(state_dict, path, strict, allow_pickle, threads, progress, staging_bytes, storage_options)
+        _load(state_dict, path, options)
         return
     error = None
     try:
-        _load(state_dict, path, strict, allow_pickle, threads, progress, staging_bytes, storage_options)
+        _load(state_dict, path, options)
     except Exception as exc:  # every rank learns of any rank's failure
         error = exc
     coordinator.all_reduce_errors(error)
 
 
 @paused_gc()
-def _load(
-    state_dict: STATE_DICT_TYPE,
-    path: PathLike,
-    strict: bool,
-    allow_pickle: bool,
-    threads: int | None,
-    progress: ProgressCallback | None,
-    staging_bytes: int,
-    storage_options: dict[str, Any] | None,
-) -> None:
-    reader, _md, tensors, objects = _open(path, storage_options)
+def _load(state_dict: STATE_DICT_TYPE, path: PathLike, options: LoadOptions) -> None:
+    reader, _md, tensors, objects = _open(path, options.storage_options)
     leaves, _ = flatten_state_dict(state_dict, is_leaf)
     missing = [f for f in leaves if f not in tensors and f not in objects]
-    if missing and strict:
+    if missing and options.strict:
         raise MissingKeyError(
             f"{len(missing)} key(s) of the state dict are not in the checkpoint at {path}: "
             f"{', '.join(repr(m) for m in missing[:10])}{' ...' if len(missing) > 10 else ''}; "
             "pass strict=False to load the others"
         )
-    targets: list[tuple[TensorEntry, Any]] = []
+    targets: list[tuple[TensorEntry, ArrayAdapter]] = []
     placeholders: list[tuple[Any, TensorEntry]] = []
     decoded: list[tuple[Any, Any]] = []
     requests: list[tuple[TensorEntry, list[tuple[Any, Box]]]] = []
     for fqn, leaf in leaves.items():
         if fqn in objects:
-            decoded.append((leaf, decode_object(objects[fqn], allow_pickle=allow_pickle, fqn=fqn)))
+            decoded.append((leaf, decode_object(objects[fqn], allow_pickle=options.allow_pickle, fqn=fqn)))
         elif fqn in tensors:
             t = tensors[fqn]
             if is_sharded_leaf(leaf.value):
@@ -242,7 +243,7 @@ def _load(
                         "load into an array of the stored dtype and convert afterwards"
                     )
                 _check_writable(fqn, arr, "the target")
-                targets.append((t, arr if arr.is_device else arr.host_array()))
+                targets.append((t, arr))
             else:
                 placeholders.append((leaf, t))
     # sizes are checked against the files before anything is allocated
@@ -252,17 +253,17 @@ def _load(
     fresh: list[tuple[Any, np.ndarray]] = []
     for leaf, t in placeholders:
         dest = _allocate(None, t)
-        targets.append((t, dest))
+        targets.append((t, HostArray(dest)))
         fresh.append((leaf, dest))
-    read_tensors(reader, targets, threads=threads, progress=progress, staging_bytes=staging_bytes)
-    read_boxes(reader, requests, threads=threads, progress=progress)
+    read_tensors(reader, targets, options)
+    read_boxes(reader, requests, options)
     for leaf, value in (*fresh, *decoded):
         leaf.replace(value)
 
 
 def _check_writable(fqn: str, arr: ArrayAdapter, what: str) -> None:
     """Refuse a read-only target before anything is read (device arrays are always writable)."""
-    if arr.is_device:
+    if arr.writable:
         return
     host = arr.host_array()
     if not host.flags.writeable:
@@ -361,19 +362,26 @@ def load_state_dict(
     >>> gpuckpt.load_state_dict(p, keys=["layers.1"])
     {'layers': {1: {'w': array([0.])}}}
     """
-    reader, md, tensors, objects = _open(path, storage_options)
+    options = LoadOptions(
+        allow_pickle=allow_pickle,
+        threads=threads,
+        progress=progress,
+        staging_bytes=staging_bytes,
+        storage_options=storage_options,
+    )
+    reader, md, tensors, objects = _open(path, options.storage_options)
     chosen = select_fqns(md.state_dict_metadata, keys)
     entries = [tensors[f] for f in chosen if f in tensors]
     check_chunk_files(reader, entries)
     backend = _backend_for(device)
     values: dict[str, Any] = {}
-    targets: list[tuple[TensorEntry, Any]] = []
+    targets: list[tuple[TensorEntry, ArrayAdapter]] = []
     for t in entries:
         dest = _allocate(backend, t)
-        targets.append((t, dest if backend is None else DeviceArray(dest, backend, t.dtype)))
+        targets.append((t, HostArray(dest) if backend is None else DeviceArray(dest, backend, t.dtype)))
         values[t.fqn] = dest
     for f in chosen:
         if f in objects:
-            values[f] = decode_object(objects[f], allow_pickle=allow_pickle, fqn=f)
-    read_tensors(reader, targets, threads=threads, progress=progress, staging_bytes=staging_bytes)
+            values[f] = decode_object(objects[f], allow_pickle=options.allow_pickle, fqn=f)
+    read_tensors(reader, targets, options)
     return unflatten_state_dict(md.planner_data["structure"], values, keys)

@@ -30,19 +30,27 @@ from types import TracebackType
 from typing import Any
 
 import gpuckpt.api as api
-from gpuckpt.background import SaveFuture
-from gpuckpt.background import async_save as _async_save
+from gpuckpt.background import SaveFuture, async_save_with_options
 from gpuckpt.errors import CheckpointExistsError, CheckpointNotFoundError, GpuckptError, StepOrderError
 from gpuckpt.metadata import STATE_DICT_TYPE
+from gpuckpt.options import SaveOptions
 from gpuckpt.storage import fsutil
 from gpuckpt.storage.stores import cleanup_leftovers, is_committed
-from gpuckpt.writing import check_save_options
 
 __all__ = ["CheckpointManager", "step_of"]
 
 _STEP_RE = re.compile(r"^(?:step_)?([0-9]{1,19})$")
 _DEL_TAG = ".gpuckpt-del-"
-_SAVE_OPTIONS = frozenset(("chunk_bytes", "allow_pickle", "sync", "threads", "progress"))
+#: the options of gpuckpt.async_save a manager passes on to each save
+_SAVE_OPTIONS = frozenset(
+    ("chunk_bytes", "allow_pickle", "sync", "threads", "progress", "staging", "staging_bytes", "portable")
+)
+#: options of gpuckpt.save that a manager cannot take, and why
+_REFUSED = {
+    "overwrite": "the manager never overwrites a step",
+    "storage_options": "the manager's root is a local directory (storage_options are for URL back ends)",
+    "coordinator": "a manager saves from one process",
+}
 
 
 def step_of(name: str) -> int | None:
@@ -76,8 +84,10 @@ class CheckpointManager:
         Save in the background (default): :meth:`save` returns once the state
         is snapshotted. At most one save is in flight; the next one waits for it.
     **save_options
-        Passed to :func:`gpuckpt.save`: ``chunk_bytes``, ``allow_pickle``,
-        ``sync``, ``threads``, ``progress``.
+        Options of every save, as for :func:`gpuckpt.async_save`:
+        ``chunk_bytes``, ``allow_pickle``, ``sync``, ``threads``, ``progress``,
+        ``staging``, ``staging_bytes``, ``portable``; checked here
+        (:class:`~gpuckpt.errors.InvalidOptionError` for a bad value).
 
     Notes
     -----
@@ -132,13 +142,13 @@ class CheckpointManager:
         _check_count("keep_period", keep_period, 1)
         unknown = sorted(set(save_options) - _SAVE_OPTIONS)
         if unknown:
-            hint = "; the manager never overwrites a step" if "overwrite" in unknown else ""
+            hints = "".join(f"; {k}: {_REFUSED[k]}" for k in unknown if k in _REFUSED)
             raise TypeError(
                 f"CheckpointManager got unknown save option(s) {', '.join(unknown)}; "
-                f"expected some of {', '.join(sorted(_SAVE_OPTIONS))}{hint}"
+                f"expected some of {', '.join(sorted(_SAVE_OPTIONS))}{hints}"
             )
         # bad values fail here, not at some later save (which could have taken staging memory)
-        check_save_options(**{k: v for k, v in save_options.items() if k != "allow_pickle"})
+        self.options = SaveOptions(**save_options)
         self.root = Path(root).absolute()
         if self.root.exists() and not self.root.is_dir():
             raise NotADirectoryError(f"checkpoint root {self.root} exists and is not a directory")
@@ -146,7 +156,6 @@ class CheckpointManager:
         self.save_interval_steps = save_interval_steps
         self.keep_period = keep_period
         self.async_save = async_save
-        self.save_options = dict(save_options)
         self._pending: tuple[int, SaveFuture] | None = None
         self._error: BaseException | None = None
         self._closed = False
@@ -232,9 +241,9 @@ class CheckpointManager:
             )
         path = self.root / f"step_{step:08d}"
         if self.async_save:
-            self._pending = (step, _async_save(state_dict, path, overwrite=False, **self.save_options))
+            self._pending = (step, async_save_with_options(state_dict, path, self.options))
         else:
-            api.save(state_dict, path, overwrite=False, **self.save_options)
+            api.save_with_options(state_dict, path, self.options)
             self._apply_retention(step)
         return True
 

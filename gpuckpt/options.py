@@ -41,11 +41,14 @@ DEFAULT_CHUNK_BYTES = 64 << 20
 #: budget of (page-locked) host memory through which device arrays stream
 DEFAULT_STAGING_BYTES = 512 << 20
 #: durability modes of a save (see :mod:`gpuckpt.storage.local`)
-SYNC_MODES = ("auto", "file", "fs", "none")
+_SYNC_MEANINGS = {"auto": "choose", "file": "fsync each file", "fs": "one syncfs", "none": "no durability"}
+SYNC_MODES = tuple(_SYNC_MEANINGS)
 #: where :func:`gpuckpt.async_save` takes its snapshot
-STAGING_MODES = ("host", "device")
+_STAGING_MEANINGS = {"host": "snapshot into host memory", "device": "snapshot into spare device memory"}
+STAGING_MODES = tuple(_STAGING_MEANINGS)
 #: ``O_DIRECT`` writes of large chunk files: the caller's default, or forced on or off
-DIRECT_IO_MODES = ("auto", "on", "off")
+_DIRECT_IO_MEANINGS = {"auto": "background saves only", "on": "always", "off": "never"}
+DIRECT_IO_MODES = tuple(_DIRECT_IO_MEANINGS)
 
 _ENV_DIRECT_IO = "GPUCKPT_DIRECT_IO"
 _ON = ("1", "on", "true", "yes")
@@ -71,29 +74,36 @@ def _flag(name: str, value: Any) -> None:
         raise InvalidOptionError(f"{name} must be True or False, got {value!r}")
 
 
-def _count(name: str, value: Any, *, optional: bool = False) -> None:
+def _count(name: str, value: Any, meaning: str, *, optional: bool = False) -> None:
     if value is None and optional:
         return
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        what = "a positive integer" + (" or None" if optional else "")
+        what = "an integer >= 1 or None (the default)" if optional else f"a positive integer ({meaning})"
         raise InvalidOptionError(f"{name} must be {what}, got {value!r}")
 
 
-def _choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+def _choice(name: str, value: Any, choices: dict[str, str], kind: str) -> None:
     if not isinstance(value, str) or value not in choices:
-        raise InvalidOptionError(f"{name}={value!r}; expected one of {', '.join(map(repr, choices))}")
+        names = ", ".join(map(repr, choices))
+        meanings = ", ".join(f"{k!r}: {v}" for k, v in choices.items())
+        raise InvalidOptionError(f"{name}={value!r} is not {kind}; expected one of {names} ({meanings})")
 
 
 def _callback(name: str, value: Any) -> None:
     if value is not None and not callable(value):
-        raise InvalidOptionError(f"{name} must be a callable(done_bytes, total_bytes) or None, got {value!r}")
+        raise InvalidOptionError(
+            f"{name} must be a callable {name}(done_bytes, total_bytes) or None, got {value!r}"
+        )
 
 
 def _mapping(name: str, value: Any) -> Mapping[str, Any] | None:
     if value is None:
         return None
     if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
-        raise InvalidOptionError(f"{name} must be a dict with string keys or None, got {value!r}")
+        raise InvalidOptionError(
+            f"{name} must be a dict with string keys or None (e.g. endpoint and credentials for s3://), "
+            f"got {value!r}"
+        )
     # a private read-only copy: later changes to the caller's dict do not reach a queued save
     return MappingProxyType(dict(value))
 
@@ -111,10 +121,10 @@ class SaveOptions:
     >>> o = SaveOptions(chunk_bytes=1 << 20, sync="file")
     >>> o.replace(overwrite=True).overwrite
     True
-    >>> SaveOptions(sync="fsync")
+    >>> SaveOptions(sync="fsync")  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    gpuckpt.errors.InvalidOptionError: sync='fsync'; expected one of 'auto', 'file', 'fs', 'none'
+    gpuckpt.errors.InvalidOptionError: sync='fsync' is not a durability mode; expected one of 'auto', ...
     """
 
     overwrite: bool = False
@@ -131,16 +141,16 @@ class SaveOptions:
 
     def __post_init__(self) -> None:
         _flag("overwrite", self.overwrite)
-        _count("chunk_bytes", self.chunk_bytes)
+        _count("chunk_bytes", self.chunk_bytes, "bytes per stored chunk")
         _flag("allow_pickle", self.allow_pickle)
-        _choice("sync", self.sync, SYNC_MODES)
-        _count("threads", self.threads, optional=True)
+        _choice("sync", self.sync, _SYNC_MEANINGS, "a durability mode")
+        _count("threads", self.threads, "I/O threads", optional=True)
         _callback("progress", self.progress)
-        _choice("staging", self.staging, STAGING_MODES)
-        _count("staging_bytes", self.staging_bytes)
+        _choice("staging", self.staging, _STAGING_MEANINGS, "a staging mode")
+        _count("staging_bytes", self.staging_bytes, "bytes of staging memory")
         object.__setattr__(self, "storage_options", _mapping("storage_options", self.storage_options))
         _flag("portable", self.portable)
-        _choice("direct_io", self.direct_io, DIRECT_IO_MODES)
+        _choice("direct_io", self.direct_io, _DIRECT_IO_MEANINGS, "a direct I/O mode")
 
     def replace(self, **changes: Any) -> SaveOptions:
         """A copy with ``changes`` applied (and validated)."""
@@ -173,9 +183,9 @@ class LoadOptions:
     def __post_init__(self) -> None:
         _flag("strict", self.strict)
         _flag("allow_pickle", self.allow_pickle)
-        _count("threads", self.threads, optional=True)
+        _count("threads", self.threads, "I/O threads", optional=True)
         _callback("progress", self.progress)
-        _count("staging_bytes", self.staging_bytes)
+        _count("staging_bytes", self.staging_bytes, "bytes of staging memory")
         object.__setattr__(self, "storage_options", _mapping("storage_options", self.storage_options))
 
     def replace(self, **changes: Any) -> LoadOptions:

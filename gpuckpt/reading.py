@@ -12,22 +12,17 @@ the metadata.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import math
 from collections.abc import Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from gpuckpt.device.backend import (
-    DEFAULT_STAGING_BYTES,
-    BufferPool,
-    DeviceArray,
-    buffer_pool,
-    staging_buffer_bytes,
-)
+from gpuckpt.device.arrays import ArrayAdapter
+from gpuckpt.device.backend import Staging
 from gpuckpt.errors import (
     CheckpointCorruptedError,
     CheckpointTooLargeError,
@@ -36,14 +31,15 @@ from gpuckpt.errors import (
     MissingChunkError,
 )
 from gpuckpt.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+from gpuckpt.options import LoadOptions
 from gpuckpt.planning import ChunkGrid, ChunkSpec
-from gpuckpt.progress import ProgressCallback, ProgressCounter
+from gpuckpt.progress import ProgressCounter
+from gpuckpt.runner import batches, run_all
 from gpuckpt.storage.base import CheckpointReader
 from gpuckpt.storage.checksum import CRC_BYTES
 from gpuckpt.storage.chunks import is_prefix_box, stored_nbytes
 from gpuckpt.storage.layout import chunk_file_key, is_chunk_file_key
 from gpuckpt.storage.names import is_safe_name
-from gpuckpt.writing import IO_BATCH_BYTES, IO_BATCH_JOBS, default_threads
 
 __all__ = [
     "ChunkRead",
@@ -282,108 +278,66 @@ def fetch_verified(reader: CheckpointReader, t: TensorEntry, c: ChunkRead, parts
 
 
 def _read_chunk(
-    reader: CheckpointReader, t: TensorEntry, c: ChunkRead, dest: np.ndarray, counter: ProgressCounter
-) -> None:
-    box = c.spec.view(dest)
-    direct = box.flags.c_contiguous and box.dtype.byteorder != ">" and is_prefix_box(c.spec.sizes, c.stored)
-    if direct:
-        # straight into the destination; padding of an edge chunk goes to scratch
-        data = box.reshape(-1).view(np.uint8)
-        pad = c.nbytes - CRC_BYTES - data.nbytes
-        fetch_verified(reader, t, c, [data, scratch((pad,), np.dtype(np.uint8), t)] if pad else [data])
-    else:
-        stored = scratch(c.stored, t.dtype.newbyteorder("<"), t)
-        fetch_verified(reader, t, c, [stored.reshape(-1).view(np.uint8)])
-        box[...] = stored[tuple(slice(0, s) for s in c.spec.sizes)]
-    counter.add(box.nbytes)
-
-
-def _read_host_batch(
-    reader: CheckpointReader,
-    batch: list[tuple[TensorEntry, ChunkRead, np.ndarray]],
-    counter: ProgressCounter,
-) -> None:
-    for t, c, dest in batch:
-        _read_chunk(reader, t, c, dest, counter)
-
-
-def _read_chunk_to_device(
     reader: CheckpointReader,
     t: TensorEntry,
     c: ChunkRead,
-    dest: DeviceArray,
-    pool: BufferPool,
+    dest: ArrayAdapter,
+    staging: Staging,
     counter: ProgressCounter,
 ) -> None:
-    """Read a chunk into a staging buffer, verify it, and copy its box into the device array."""
-    buf = pool.acquire(c.nbytes - CRC_BYTES)
+    """Read and verify chunk ``c`` into its box of ``dest``."""
+    incoming = dest.stage_in(c.spec.offsets, c.spec.sizes, staging)
     try:
-        stored = buf[: c.nbytes - CRC_BYTES]
-        fetch_verified(reader, t, c, [stored])
-        if is_prefix_box(c.spec.sizes, c.stored):
-            block = stored[: c.spec.nelem * t.dtype.itemsize]
+        box = incoming.box
+        direct = (
+            box.flags.c_contiguous and box.dtype.byteorder != ">" and is_prefix_box(c.spec.sizes, c.stored)
+        )
+        if direct:
+            # straight into the box; padding of an edge chunk goes to scratch
+            data = box.reshape(-1).view(np.uint8)
+            pad = c.nbytes - CRC_BYTES - data.nbytes
+            fetch_verified(reader, t, c, [data, scratch((pad,), np.dtype(np.uint8), t)] if pad else [data])
         else:
-            full = stored.view(t.dtype.newbyteorder("<")).reshape(c.stored)
-            block = (
-                np.ascontiguousarray(full[tuple(slice(0, s) for s in c.spec.sizes)])
-                .reshape(-1)
-                .view(np.uint8)
-            )
-        dest.backend.stage_in(block, dest.data, c.spec.offsets, c.spec.sizes).wait()
+            stored = scratch(c.stored, t.dtype.newbyteorder("<"), t)
+            fetch_verified(reader, t, c, [stored.reshape(-1).view(np.uint8)])
+            box[...] = stored[tuple(slice(0, s) for s in c.spec.sizes)]
+        incoming.finish()
     finally:
-        pool.release(buf)
-    counter.add(c.spec.nelem * t.dtype.itemsize)
+        incoming.release()
+    counter.add(box.nbytes)
+
+
+def _read_chunks(
+    reader: CheckpointReader,
+    reads: list[tuple[TensorEntry, ChunkRead, ArrayAdapter]],
+    staging: Staging,
+    counter: ProgressCounter,
+) -> None:
+    for t, c, dest in reads:
+        _read_chunk(reader, t, c, dest, staging, counter)
 
 
 def read_tensors(
     reader: CheckpointReader,
-    targets: list[tuple[TensorEntry, Any]],
-    *,
-    threads: int | None = None,
-    progress: ProgressCallback | None = None,
-    staging_bytes: int = DEFAULT_STAGING_BYTES,
+    targets: list[tuple[TensorEntry, ArrayAdapter]],
+    options: LoadOptions,
 ) -> None:
-    """Fill each target (a host array or a :class:`DeviceArray`) with its tensor's chunks, in parallel.
+    """Fill each target array (an adapter of any kind of memory) with its tensor's chunks, in parallel.
 
-    Host targets are read straight into their memory where the layout allows.
+    Of ``options``, ``threads``, ``progress`` and ``staging_bytes`` (the
+    staging budget of device targets) apply. Chunks go to the I/O threads in
+    batches (small ones together). Host targets are read straight into their
+    memory where the layout allows.
     Device targets go through a bounded pool of staging buffers: I/O threads
-    read and verify chunks into buffers and queue the host-to-device copies,
-    so reads of the next chunks overlap the copies of earlier ones.
+    read and verify chunks into buffers and copy them to the device, so reads
+    of the next chunks overlap the copies of earlier ones.
     """
+    threads, progress, staging_bytes = options.threads, options.progress, options.staging_bytes
     counter = ProgressCounter(progress, sum(t.nbytes for t, _ in targets))
-    jobs: list[tuple[Any, ...]] = []
-    batch: list[tuple[TensorEntry, ChunkRead, np.ndarray]] = []
-    batch_bytes = 0
-    for t, dest in targets:
-        if isinstance(dest, DeviceArray):
-            if not t.chunks:
-                continue
-            largest = max(c.nbytes for c in t.chunks) - CRC_BYTES
-            pool = buffer_pool(dest.backend, staging_buffer_bytes(largest), staging_bytes)
-            jobs.extend((_read_chunk_to_device, reader, t, c, dest, pool, counter) for c in t.chunks)
-            continue
-        for c in t.chunks:
-            # small host chunks go to the I/O threads in batches, as on save
-            batch.append((t, c, dest))
-            batch_bytes += c.nbytes
-            if batch_bytes >= IO_BATCH_BYTES or len(batch) >= IO_BATCH_JOBS:
-                jobs.append((_read_host_batch, reader, batch, counter))
-                batch, batch_bytes = [], 0
-    if batch:
-        jobs.append((_read_host_batch, reader, batch, counter))
-    if not jobs:
-        return
-    if len(jobs) == 1:
-        jobs[0][0](*jobs[0][1:])
-        return
-    with ThreadPoolExecutor(
-        max_workers=threads or default_threads(), thread_name_prefix="gpuckpt-read"
-    ) as pool_:
-        futures = [pool_.submit(*job) for job in jobs]
-        try:
-            for f in futures:
-                f.result()
-        except BaseException:
-            for f in futures:
-                f.cancel()
-            raise
+    staging = Staging(
+        ((dest.backend, c.spec.nelem * t.dtype.itemsize) for t, dest in targets for c in t.chunks),
+        staging_bytes,
+    )
+    reads = (((t, c, dest), c.nbytes) for t, dest in targets for c in t.chunks)
+    jobs = [functools.partial(_read_chunks, reader, batch, staging, counter) for batch in batches(reads)]
+    run_all(jobs, threads=threads, name="gpuckpt-read")

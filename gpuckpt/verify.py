@@ -10,11 +10,11 @@ memory stays bounded by ``group_bytes`` whatever the metadata claims.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import json
 import os
-from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,11 +22,11 @@ from gpuckpt.cli.text import printable
 from gpuckpt.errors import CheckpointCorruptedError, ChecksumError, MetadataError, UnsafeCheckpointError
 from gpuckpt.progress import ProgressCallback, ProgressCounter
 from gpuckpt.reading import ChunkRead, TensorEntry, checksum_verified, validate_metadata
+from gpuckpt.runner import default_threads, run_ordered
 from gpuckpt.storage.base import CheckpointReader, NotRegularFileError
 from gpuckpt.storage.layout import ATTRIBUTE, expected_array_document, metadata_from_root_document
 from gpuckpt.storage.stores import open_reader
 from gpuckpt.storage.values import decode_object
-from gpuckpt.writing import default_threads
 
 __all__ = ["Damage", "VerifyReport", "verify_checkpoint"]
 
@@ -218,24 +218,16 @@ def verify_checkpoint(
     counter = ProgressCounter(progress, sum(t.nbytes for t in entries))
     workers = threads or default_threads()
     piece = max(_MIN_PIECE, min(_MAX_PIECE, group_bytes // workers))
-    jobs = ((t, c) for t in entries for c in t.chunks)
-    pending: deque[tuple[TensorEntry, ChunkRead, Future[Damage | None]]] = deque()
-
-    def settle() -> None:
-        t, c, fut = pending.popleft()
-        found = fut.result()
-        if found is not None:
-            report.damage.append(found)
-        nbytes = c.spec.nelem * t.dtype.itemsize
-        report.bytes_checked += nbytes
-        counter.add(nbytes)
-
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="gpuckpt-verify") as pool:
-        # a window of jobs in flight, not one future per chunk of a million-chunk checkpoint
-        for t, c in jobs:
-            pending.append((t, c, pool.submit(_check_chunk, reader, t, c, piece)))
-            if len(pending) >= 4 * workers:
-                settle()
-        while pending:
-            settle()
+    jobs = (functools.partial(_check_chunk, reader, t, c, piece) for t in entries for c in t.chunks)
+    chunks = ((t, c) for t in entries for c in t.chunks)
+    # a window of jobs in flight, not one future per chunk of a million-chunk checkpoint
+    with contextlib.closing(
+        run_ordered(jobs, window=4 * workers, threads=workers, name="gpuckpt-verify")
+    ) as found:
+        for (t, c), damage in zip(chunks, found, strict=True):
+            if damage is not None:
+                report.damage.append(damage)
+            nbytes = c.spec.nelem * t.dtype.itemsize
+            report.bytes_checked += nbytes
+            counter.add(nbytes)
     return report

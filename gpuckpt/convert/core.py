@@ -28,7 +28,7 @@ from gpuckpt.memory_format import (
     memory_format_from_name,
     physical_order,
 )
-from gpuckpt.planning import DEFAULT_CHUNK_BYTES
+from gpuckpt.options import DEFAULT_CHUNK_BYTES
 from gpuckpt.progress import ProgressCallback
 from gpuckpt.state import flatten_state_dict, unflatten_state_dict
 from gpuckpt.storage.values import decode_object, encode_object

@@ -11,18 +11,19 @@ read.
 
 from __future__ import annotations
 
+import functools
 import math
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 import numpy as np
 
-from gpuckpt.device.backend import DeviceArray
-from gpuckpt.distributed.planner import Box, intersect, overlapping_chunks
-from gpuckpt.progress import ProgressCallback, ProgressCounter
+from gpuckpt.device.arrays import ArrayAdapter
+from gpuckpt.device.backend import Staging
+from gpuckpt.options import LoadOptions
+from gpuckpt.planning.boxes import Box, intersect, overlapping_chunks
+from gpuckpt.progress import ProgressCounter
 from gpuckpt.reading import ChunkRead, TensorEntry, fetch_verified, scratch
+from gpuckpt.runner import run_all
 from gpuckpt.storage.base import CheckpointReader
-from gpuckpt.writing import default_threads
 
 __all__ = ["read_boxes"]
 
@@ -35,7 +36,8 @@ def _read_one(
     reader: CheckpointReader,
     t: TensorEntry,
     c: ChunkRead,
-    targets: list[tuple[Any, Box]],
+    targets: list[tuple[ArrayAdapter, Box]],
+    staging: Staging,
     counter: ProgressCounter,
 ) -> None:
     stored = scratch(c.stored, t.dtype.newbyteorder("<"), t)
@@ -46,43 +48,43 @@ def _read_one(
         if inter is None:
             continue
         part = stored[_slices(c.spec.offsets, inter)]
-        if isinstance(adapter, DeviceArray):
-            block = np.ascontiguousarray(part).reshape(-1).view(np.uint8)
-            local_offsets = tuple(o - b for o, b in zip(inter[0], box[0], strict=True))
-            adapter.backend.stage_in(block, adapter.data, local_offsets, inter[1]).wait()
-        else:
-            adapter.host_array()[_slices(box[0], inter)] = part
+        local_offsets = tuple(o - b for o, b in zip(inter[0], box[0], strict=True))
+        incoming = adapter.stage_in(local_offsets, inter[1], staging)
+        try:
+            incoming.box[...] = part
+            incoming.finish()
+        finally:
+            incoming.release()
         counter.add(part.nbytes)
 
 
 def read_boxes(
     reader: CheckpointReader,
-    requests: list[tuple[TensorEntry, list[tuple[Any, Box]]]],
-    *,
-    threads: int | None = None,
-    progress: ProgressCallback | None = None,
+    requests: list[tuple[TensorEntry, list[tuple[ArrayAdapter, Box]]]],
+    options: LoadOptions,
 ) -> None:
-    """Fill every ``(adapter, box)`` of ``requests`` from the stored chunks that overlap it."""
+    """Fill every ``(adapter, box)`` of ``requests`` from the stored chunks that overlap it.
+
+    ``box`` is the adapter's place in the tensor (offsets, sizes); each stored
+    chunk that overlaps any requested box is read and verified once, by one
+    job, and its overlap with each box is staged into that box's adapter. Of
+    ``options``, ``threads``, ``progress`` and ``staging_bytes`` apply.
+    """
+    threads, progress, staging_bytes = options.threads, options.progress, options.staging_bytes
     total = sum(math.prod(b[1]) * t.dtype.itemsize for t, boxes in requests for _, b in boxes)
     counter = ProgressCounter(progress, total)
-    jobs: list[tuple[TensorEntry, ChunkRead, list[tuple[Any, Box]]]] = []
+    reads: list[tuple[TensorEntry, ChunkRead, list[tuple[ArrayAdapter, Box]]]] = []
     for t, boxes in requests:
         by_coords = {c.spec.coords: c for c in t.chunks}
-        wanted: dict[tuple[int, ...], list[tuple[Any, Box]]] = {}
+        wanted: dict[tuple[int, ...], list[tuple[ArrayAdapter, Box]]] = {}
         for adapter, box in boxes:
             for coords in overlapping_chunks(t.grid, box):
                 wanted.setdefault(coords, []).append((adapter, box))
-        jobs.extend((t, by_coords[coords], targets) for coords, targets in wanted.items())
-    if not jobs:
-        return
-    with ThreadPoolExecutor(
-        max_workers=threads or default_threads(), thread_name_prefix="gpuckpt-reshard"
-    ) as pool:
-        futures = [pool.submit(_read_one, reader, t, c, targets, counter) for t, c, targets in jobs]
-        try:
-            for f in futures:
-                f.result()
-        except BaseException:
-            for f in futures:
-                f.cancel()
-            raise
+        reads.extend((t, by_coords[coords], targets) for coords, targets in wanted.items())
+    # an overlap is at most the chunk's box
+    staging = Staging(
+        ((a.backend, c.spec.nelem * t.dtype.itemsize) for t, c, targets in reads for a, _ in targets),
+        staging_bytes,
+    )
+    jobs = [functools.partial(_read_one, reader, t, c, targets, staging, counter) for t, c, targets in reads]
+    run_all(jobs, threads=threads, name="gpuckpt-reshard")

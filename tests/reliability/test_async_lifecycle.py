@@ -33,9 +33,9 @@ import pytest
 import gpuckpt
 from gpuckpt import background
 from gpuckpt.device import staging
-from gpuckpt.device.backend import HostBackend
+from gpuckpt.device.host_backend import HostBackend
 from gpuckpt.device.staging import ArenaPool
-from gpuckpt.errors import InvalidOptionError, StagingTimeoutError
+from gpuckpt.errors import InvalidOptionError, StagingMemoryError, StagingTimeoutError
 from gpuckpt.testing.fakedevice import EmulatedDeviceArray
 
 REPO = Path(__file__).resolve().parents[2]
@@ -279,7 +279,9 @@ def test_manager_rejects_bad_options_at_construction(tmp_path: Path, option: str
 
 def test_small_state_takes_little_staging_memory(tmp_path: Path) -> None:
     background.wait_all()
-    background.release_staging()  # arenas of earlier, larger saves in this process
+    with background._lock:  # drop the free arenas of earlier, larger saves in this process
+        for pool in background._pools.values():
+            pool.clear()
     gpuckpt.async_save({"w": np.ones(512)}, tmp_path / "c").result(timeout=60)  # 4 KiB
     with background._lock:
         pools = list(background._pools.values())
@@ -407,6 +409,40 @@ def test_failed_snapshot_gives_back_its_arena_only_after_every_copy_ended(tmp_pa
     assert backend._in_flight == 0 and backend.copies == 1
     gpuckpt.async_save({"b": EmulatedDeviceArray(slow, backend)}, tmp_path / "d").result(timeout=60)
     assert gpuckpt.load_state_dict(tmp_path / "d")["b"].tobytes() == slow.tobytes()
+    assert not (tmp_path / "c").exists()
+
+
+class RefusingMemoryBackend(HostBackend):
+    """A slow host 'device' whose staging memory can be refused from some point on."""
+
+    def __init__(self) -> None:
+        super().__init__(bytes_per_second=4 << 20)
+        self.refuse = False
+
+    def pinned_allocator(self) -> Any:
+        def allocate(nbytes: int) -> np.ndarray:
+            if self.refuse:
+                raise MemoryError(f"injected: no {nbytes} bytes of staging memory")
+            return np.empty(nbytes, np.uint8)
+
+        return allocate
+
+
+def test_snapshot_that_cannot_get_memory_ends_its_copies_first(tmp_path: Path) -> None:
+    # the first tensor is copied into the arena kept from an earlier save while the second
+    # needs memory that cannot be had: the error comes only after that copy has ended
+    backend = RefusingMemoryBackend()
+    slow = np.arange(1 << 18, dtype=np.float32)  # 1 MiB: about 0.25 s at the backend's rate
+    gpuckpt.async_save({"a": EmulatedDeviceArray(slow, backend)}, tmp_path / "warm").result(timeout=60)
+    backend.refuse = True
+    big = np.ones(1 << 20, np.float32)  # does not fit the arena kept: new memory is needed
+    state_ = {"a": EmulatedDeviceArray(slow, backend), "b": EmulatedDeviceArray(big, backend)}
+    with pytest.raises(StagingMemoryError, match="injected"):
+        gpuckpt.async_save(state_, tmp_path / "c")
+    assert backend._in_flight == 0
+    backend.refuse = False
+    gpuckpt.async_save({"a": EmulatedDeviceArray(slow, backend)}, tmp_path / "d").result(timeout=60)
+    assert gpuckpt.load_state_dict(tmp_path / "d")["a"].tobytes() == slow.tobytes()
     assert not (tmp_path / "c").exists()
 
 
