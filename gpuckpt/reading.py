@@ -35,7 +35,7 @@ from gpuckpt.options import LoadOptions
 from gpuckpt.planning import ChunkGrid, ChunkSpec
 from gpuckpt.progress import ProgressCounter
 from gpuckpt.runner import batches, run_all
-from gpuckpt.storage.base import CheckpointReader
+from gpuckpt.storage.base import CheckpointReader, ChunkReads
 from gpuckpt.storage.checksum import CRC_BYTES
 from gpuckpt.storage.chunks import is_prefix_box, stored_nbytes
 from gpuckpt.storage.layout import chunk_file_key, is_chunk_file_key
@@ -313,8 +313,79 @@ def _read_chunks(
     staging: Staging,
     counter: ProgressCounter,
 ) -> None:
+    """Chunks of host targets as one batch of the reader's (native code for the small
+    chunk files of a local checkpoint); chunks of device targets one by one, each
+    through a staging buffer."""
+    host = [r for r in reads if r[2].backend is None]
+    if host:
+        _read_host_batch(reader, host, staging, counter)
     for t, c, dest in reads:
-        _read_chunk(reader, t, c, dest, staging, counter)
+        if dest.backend is not None:
+            _read_chunk(reader, t, c, dest, staging, counter)
+
+
+def _read_host_batch(
+    reader: CheckpointReader,
+    reads: list[tuple[TensorEntry, ChunkRead, ArrayAdapter]],
+    staging: Staging,
+    counter: ProgressCounter,
+) -> None:
+    """Read and verify chunks into their boxes of host arrays with one
+    :meth:`~gpuckpt.storage.base.CheckpointReader.read_chunks`: straight into the box
+    where the layout allows, else into scratch copied into place afterwards. Raises
+    what :func:`fetch_verified` raises, for the first chunk that fails."""
+    incoming = [dest.stage_in(c.spec.offsets, c.spec.sizes, staging) for _, c, dest in reads]
+    try:
+        buffers: list[np.ndarray] = []
+        pads: list[int] = []
+        copies: list[tuple[int, np.ndarray]] = []
+        for i, ((t, c, _dest), into) in enumerate(zip(reads, incoming, strict=True)):
+            box = into.box
+            if (
+                box.flags.c_contiguous
+                and box.dtype.byteorder != ">"
+                and is_prefix_box(c.spec.sizes, c.stored)
+            ):
+                data = box.reshape(-1).view(np.uint8)
+                buffers.append(data)
+                pads.append(c.nbytes - CRC_BYTES - data.nbytes)
+            else:
+                stored = scratch(c.stored, t.dtype.newbyteorder("<"), t)
+                buffers.append(stored.reshape(-1).view(np.uint8))
+                pads.append(0)
+                copies.append((i, stored))
+        batch = ChunkReads(
+            [t.name for t, _, _ in reads],
+            [c.key for _, c, _ in reads],
+            buffers,
+            pads,
+            [c.crc for _, c, _ in reads],
+        )
+        stop = reader.read_chunks(batch)
+        done = len(reads) if stop is None else stop.index
+        for i, stored in copies:
+            if i < done:
+                c = reads[i][1]
+                incoming[i].box[...] = stored[tuple(slice(0, s) for s in c.spec.sizes)]
+        for (t, c, _dest), into in zip(reads[:done], incoming, strict=False):
+            into.finish()
+            counter.add(c.spec.nelem * t.dtype.itemsize)
+    finally:
+        for into in incoming:
+            into.release()
+    if stop is None:
+        return
+    t, c, _ = reads[stop.index]
+    if stop.error is not None:
+        if isinstance(stop.error, FileNotFoundError):
+            raise _vanished(t, c, stop.error) from None
+        raise stop.error
+    if stop.got != c.nbytes:
+        raise CheckpointCorruptedError(
+            f"chunk {c.key} of tensor {t.fqn!r}: read {stop.got} bytes, expected {c.nbytes}; "
+            "the file is truncated"
+        )
+    _check_crc(t, c, stop.crc, stop.stored)
 
 
 def read_tensors(
