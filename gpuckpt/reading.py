@@ -11,10 +11,13 @@ the metadata.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import gc
+import hashlib
 import math
+import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -38,7 +41,7 @@ from gpuckpt.runner import batches, run_all
 from gpuckpt.storage.base import CheckpointReader, ChunkReads
 from gpuckpt.storage.checksum import CRC_BYTES
 from gpuckpt.storage.chunks import is_prefix_box, stored_nbytes
-from gpuckpt.storage.layout import chunk_file_key, is_chunk_file_key
+from gpuckpt.storage.layout import chunk_file_key, is_chunk_file_key, metadata_from_root_document
 from gpuckpt.storage.names import is_safe_name
 
 __all__ = [
@@ -51,6 +54,7 @@ __all__ = [
     "read_tensors",
     "scratch",
     "validate_metadata",
+    "validated_metadata",
 ]
 
 
@@ -189,6 +193,41 @@ def validate_metadata(md: Metadata) -> tuple[dict[str, TensorEntry], dict[str, A
             chunks.append(ChunkRead(spec, key, nbytes, crc, tuple(stored)))
         tensors[fqn] = TensorEntry(fqn, name, entry, grid, chunks)
     return tensors, objects
+
+
+#: validated root documents kept per process (see :func:`validated_metadata`)
+_VALIDATED_KEEP = 2
+_validated: collections.OrderedDict[bytes, tuple[Metadata, dict[str, TensorEntry], dict[str, Any]]] = (
+    collections.OrderedDict()
+)
+_validated_lock = threading.Lock()
+
+
+def validated_metadata(
+    root: bytes | bytearray, where: str
+) -> tuple[Metadata, dict[str, TensorEntry], dict[str, Any]]:
+    """The metadata of a root document, parsed and validated once per document.
+
+    Parsing and cross-checking the metadata of 10,000 tensors takes longer than
+    reading their chunks. The last :data:`_VALIDATED_KEEP` results are kept, keyed
+    by a 256-bit BLAKE2b digest of the document's bytes: the same bytes always give
+    the same result, and no one can make other bytes with the same digest. The
+    results are shared: callers must not change them (loads only read them;
+    :func:`gpuckpt.read_metadata`, which hands the metadata out, parses its own).
+    """
+    key = hashlib.blake2b(root, digest_size=32).digest()
+    with _validated_lock:
+        hit = _validated.get(key)
+        if hit is not None:
+            _validated.move_to_end(key)
+            return hit
+    md = metadata_from_root_document(root, where)
+    tensors, objects = validate_metadata(md)
+    with _validated_lock:
+        _validated[key] = (md, tensors, objects)
+        while len(_validated) > _VALIDATED_KEEP:
+            _validated.popitem(last=False)
+    return md, tensors, objects
 
 
 def check_chunk_files(reader: CheckpointReader, entries: Iterable[TensorEntry]) -> None:
@@ -341,10 +380,11 @@ def _read_host_batch(
         copies: list[tuple[int, np.ndarray]] = []
         for i, ((t, c, _dest), into) in enumerate(zip(reads, incoming, strict=True)):
             box = into.box
+            sizes = c.spec.sizes
             if (
                 box.flags.c_contiguous
                 and box.dtype.byteorder != ">"
-                and is_prefix_box(c.spec.sizes, c.stored)
+                and (sizes == c.stored or is_prefix_box(sizes, c.stored))
             ):
                 data = box.reshape(-1).view(np.uint8)
                 buffers.append(data)
