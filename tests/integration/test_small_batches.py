@@ -293,3 +293,14 @@ def test_with_native_batches_every_file_and_directory_is_fsynced(shim: Path, tmp
     assert len(inodes) > 120
     missing = inodes - synced
     assert not missing, f"{len(missing)} files or directories of the checkpoint were never fsynced"
+
+
+@needs_native
+def test_async_saves_write_small_chunks_through_the_native_batches(tmp_path: Path) -> None:
+    sd = {f"t{i}": np.full(100 + i, i, np.float32) for i in range(50)}
+    with native(True) as calls:
+        gpuckpt.async_save(sd, tmp_path / "c").result()
+    assert sum(calls) == 150  # a directory, a document and a chunk per tensor
+    back = gpuckpt.load_state_dict(tmp_path / "c")
+    for k, v in sd.items():
+        np.testing.assert_array_equal(back[k], v)
