@@ -43,7 +43,15 @@ from gpuckpt.storage.layout import chunk_file_key, is_chunk_file_key
 from gpuckpt.storage.names import is_safe_name
 from gpuckpt.writing import IO_BATCH_BYTES, IO_BATCH_JOBS, default_threads
 
-__all__ = ["ChunkRead", "TensorEntry", "check_chunk_files", "paused_gc", "read_tensors", "validate_metadata"]
+__all__ = [
+    "ChunkRead",
+    "TensorEntry",
+    "check_chunk_files",
+    "paused_gc",
+    "read_chunk_into_box",
+    "read_tensors",
+    "validate_metadata",
+]
 
 
 @dataclass(slots=True)
@@ -225,7 +233,16 @@ def fetch_verified(reader: CheckpointReader, t: TensorEntry, c: ChunkRead, parts
 def _read_chunk(
     reader: CheckpointReader, t: TensorEntry, c: ChunkRead, dest: np.ndarray, counter: ProgressCounter
 ) -> None:
-    box = c.spec.view(dest)
+    read_chunk_into_box(reader, t, c, c.spec.view(dest), counter)
+
+
+def read_chunk_into_box(
+    reader: CheckpointReader, t: TensorEntry, c: ChunkRead, box: np.ndarray, counter: ProgressCounter
+) -> None:
+    """Read chunk ``c`` into ``box`` (host memory of the chunk's extent), verifying its CRC32C.
+
+    Straight into ``box`` when it is C-contiguous, else through a scratch buffer.
+    """
     direct = box.flags.c_contiguous and box.dtype.byteorder != ">" and is_prefix_box(c.spec.sizes, c.stored)
     if direct:
         # straight into the destination; padding of an edge chunk goes to scratch

@@ -20,7 +20,7 @@ import numpy as np
 from gpuckpt.device.backend import DeviceArray
 from gpuckpt.distributed.planner import Box, intersect, overlapping_chunks
 from gpuckpt.progress import ProgressCallback, ProgressCounter
-from gpuckpt.reading import ChunkRead, TensorEntry, fetch_verified
+from gpuckpt.reading import ChunkRead, TensorEntry, fetch_verified, read_chunk_into_box
 from gpuckpt.storage.base import CheckpointReader
 from gpuckpt.writing import default_threads
 
@@ -38,9 +38,18 @@ def _read_one(
     targets: list[tuple[Any, Box]],
     counter: ProgressCounter,
 ) -> None:
+    chunk_box: Box = (c.spec.offsets, c.spec.sizes)
+    if len(targets) == 1 and not isinstance(targets[0][0], DeviceArray):
+        adapter, box = targets[0]
+        if intersect(chunk_box, box) == chunk_box:
+            # the whole chunk goes to one host box: read it in place (straight into
+            # the box where its layout allows), as an unsharded load does
+            host = adapter.host_array()
+            dest = host[_slices(box[0], chunk_box)] if host.ndim else host[...]
+            read_chunk_into_box(reader, t, c, dest, counter)
+            return
     scratch = np.empty(c.stored, dtype=t.dtype.newbyteorder("<"))
     fetch_verified(reader, t, c, [scratch.reshape(-1).view(np.uint8)])
-    chunk_box: Box = (c.spec.offsets, c.spec.sizes)
     for adapter, box in targets:
         inter = intersect(chunk_box, box)
         if inter is None:

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import os
 import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from gpuckpt.device.arrays import ArrayAdapter, adapt, is_array
@@ -44,7 +46,14 @@ from gpuckpt.writing import (
     writing,
 )
 
-__all__ = ["contains_sharded", "distributed_save", "is_leaf"]
+__all__ = [
+    "ChunkAssignment",
+    "assigned_jobs",
+    "contains_sharded",
+    "distributed_save",
+    "is_leaf",
+    "plan_tensors",
+]
 
 
 def is_leaf(value: Any) -> bool:
@@ -126,6 +135,68 @@ def _run(coord: Coordinator, fn: Any, *args: Any) -> Any:
     return result
 
 
+@dataclass(frozen=True, slots=True)
+class ChunkAssignment:
+    """One stored chunk that one rank writes: where it goes, and which of the rank's boxes holds it."""
+
+    fqn: str
+    name: str  # the tensor's array name
+    coords: tuple[int, ...]  # grid coordinates of the chunk
+    offsets: tuple[int, ...]  # of the chunk in the global tensor
+    sizes: tuple[int, ...]
+    stored: tuple[int, ...]  # stored (possibly padded) chunk shape
+    box: int  # index of the box in the rank's ``LocalTensor.boxes`` of this tensor
+
+
+def plan_tensors(
+    locals_by_rank: Sequence[Sequence[LocalTensor]],
+    *,
+    chunk_bytes: int,
+    portable: bool = False,
+) -> tuple[list[TensorPlan], list[list[ChunkAssignment]]]:
+    """The tensors of a distributed save, and each rank's chunks to write (pure data).
+
+    Plans the chunk grids of every tensor from the boxes the ranks hold
+    (:func:`gpuckpt.distributed.planner.plan_global`) and assigns each chunk
+    to one rank holding it.
+    """
+    plans = plan_global(locals_by_rank, chunk_bytes=chunk_bytes, portable=portable)
+    tensor_plans = []
+    assignments: list[list[ChunkAssignment]] = [[] for _ in range(len(locals_by_rank))]
+    for gp in plans:
+        name = encode_name(gp.fqn)
+        grid = gp.grid
+        specs = grid.chunk_list()
+        props = TensorProperties.from_json(gp.properties)
+        tensor_plans.append(
+            TensorPlan(gp.fqn, name, gp.global_shape, dtype_from_name(gp.dtype), grid, props, specs)
+        )
+        for spec in specs:
+            rank, idx = gp.writers[spec.coords]
+            assignments[rank].append(
+                ChunkAssignment(
+                    gp.fqn, name, spec.coords, spec.offsets, spec.sizes, grid.stored_chunk_shape(spec), idx
+                )
+            )
+    return tensor_plans, assignments
+
+
+def assigned_jobs(
+    mine: Sequence[ChunkAssignment], source: Callable[[str, int], tuple[ArrayAdapter, tuple[int, ...]]]
+) -> list[ChunkJob]:
+    """The chunk jobs of one rank's assignments.
+
+    ``source(fqn, box)`` gives the array holding box number ``box`` of tensor
+    ``fqn`` on this rank, and the box's offsets in the global tensor.
+    """
+    jobs = []
+    for a in mine:
+        src, box_offsets = source(a.fqn, a.box)
+        local = tuple(o - bo for o, bo in zip(a.offsets, box_offsets, strict=True))
+        jobs.append(ChunkJob(a.name, a.coords, src, local, a.sizes, a.stored))
+    return jobs
+
+
 def distributed_save(
     state_dict: dict[str, Any],
     path: str | os.PathLike[str],
@@ -150,31 +221,18 @@ def distributed_save(
     gathered = coord.gather((tensors, objects, skeleton))
     writer: Any = None
 
-    def plan_on_root() -> tuple[SavePlan, list[list[tuple[Any, ...]]], str]:
+    def plan_on_root() -> tuple[SavePlan, list[list[ChunkAssignment]], str]:
         nonlocal writer
         assert gathered is not None
-        plans = plan_global([g[0] for g in gathered], chunk_bytes=chunk_bytes, portable=portable)
+        tensor_plans, assignments = plan_tensors(
+            [g[0] for g in gathered], chunk_bytes=chunk_bytes, portable=portable
+        )
         all_objects: dict[str, Any] = {}
         skel = gathered[0][2]
         for _, objs, sk in gathered:
             for k, v in objs.items():
                 all_objects.setdefault(k, v)
             skel = _merge_skeletons(skel, sk)
-        tensor_plans = []
-        assignments: list[list[tuple[Any, ...]]] = [[] for _ in range(coord.world_size)]
-        for gp in plans:
-            name = encode_name(gp.fqn)
-            grid = gp.grid
-            specs = grid.chunk_list()
-            props = TensorProperties.from_json(gp.properties)
-            tensor_plans.append(
-                TensorPlan(gp.fqn, name, gp.global_shape, dtype_from_name(gp.dtype), grid, props, specs)
-            )
-            for spec in specs:
-                rank, idx = gp.writers[spec.coords]
-                assignments[rank].append(
-                    (gp.fqn, name, spec.coords, spec.offsets, spec.sizes, grid.stored_chunk_shape(spec), idx)
-                )
         plan = SavePlan(tensor_plans, all_objects, skel)
         writer = open_writer(path, overwrite=overwrite, sync=sync, expected_files=plan.nfiles)
         with writing(writer):
@@ -190,12 +248,7 @@ def distributed_save(
     def write_mine() -> list[tuple[tuple[str, tuple[int, ...]], tuple[int, int]]]:
         w = writer if coord.rank == 0 else LocalWriter.attach(path, token)
         boxes = {t.fqn: t.boxes for t in tensors}
-        jobs = []
-        for fqn, name, coords, offsets, sizes, stored, idx in mine:
-            src = sources[fqn][idx]
-            box_offsets = boxes[fqn][idx][0]
-            local = tuple(o - bo for o, bo in zip(offsets, box_offsets, strict=True))
-            jobs.append(ChunkJob(name, tuple(coords), src, local, tuple(sizes), tuple(stored)))
+        jobs = assigned_jobs(mine, lambda fqn, idx: (sources[fqn][idx], boxes[fqn][idx][0]))
         sizes_crcs = write_chunks(jobs, w, threads=threads, staging_bytes=staging_bytes, progress=progress)
         return [((j.name, j.coords), r) for j, r in zip(jobs, sizes_crcs, strict=True)]
 
