@@ -99,13 +99,13 @@ class ArenaPool:
         self.allocator = allocator or HostAllocator()
         self.max_arenas = max_arenas
         self._free: list[StagingArena] = []
-        self._count = 0
+        self._arenas: list[StagingArena] = []  # every arena of the pool, free or in use
         self._cond = threading.Condition()
 
     def acquire(self, nbytes_hint: int = 0, timeout: float | None = None) -> StagingArena:
         """A reset arena, preferably one already at least ``nbytes_hint`` large."""
         with self._cond:
-            while not self._free and self._count >= self.max_arenas:
+            while not self._free and len(self._arenas) >= self.max_arenas:
                 if not self._cond.wait(timeout):
                     raise TimeoutError("no staging arena became free in time")
             if self._free:
@@ -115,7 +115,7 @@ class ArenaPool:
                 self._free.remove(arena)
             else:
                 arena = StagingArena(self.allocator)
-                self._count += 1
+                self._arenas.append(arena)
         arena.reset()
         return arena
 
@@ -127,5 +127,10 @@ class ArenaPool:
     def clear(self) -> None:
         """Drop the free arenas (their memory goes back to the system)."""
         with self._cond:
-            self._count -= len(self._free)
+            self._arenas = [a for a in self._arenas if all(a is not f for f in self._free)]
             self._free.clear()
+
+    def reserved_bytes(self) -> int:
+        """Bytes of staging memory the pool holds, in its free arenas and in those in use."""
+        with self._cond:
+            return sum(a.capacity for a in self._arenas)

@@ -55,3 +55,26 @@ def test_host_allocator_memory_is_writable_and_sized() -> None:
     a[:] = 7
     assert int(a.sum()) == 7 * 12345
     assert HostAllocator()(0).nbytes == 0
+
+
+def test_arena_pool_reports_the_memory_it_holds() -> None:
+    from gpuckpt.device.staging import ArenaPool
+
+    small = 1 << 16
+    pool = ArenaPool(lambda n: np.zeros(n, np.uint8), max_arenas=2)
+    assert pool.reserved_bytes() == 0
+    a = pool.acquire()
+    a.take(small)
+    b = pool.acquire()
+    b.take(small)
+    held = pool.reserved_bytes()
+    assert held == a.capacity + b.capacity >= 2 * small  # in use counts too
+    pool.release(a)
+    pool.release(b)
+    for _ in range(5):  # reuse: no growth
+        c = pool.acquire(small)
+        c.take(small)
+        pool.release(c)
+    assert pool.reserved_bytes() == held
+    pool.clear()
+    assert pool.reserved_bytes() == 0
