@@ -10,6 +10,25 @@ settings.register_profile("dev", max_examples=30, deadline=None)
 settings.load_profile("ci")
 
 
+def _register_dtypes_where_zarr_ignores_entry_points() -> None:
+    """Give zarr 3.1 the ml_dtypes data types, as an installed gpuckpt gives them to zarr >= 3.4.
+
+    Many tests read checkpoints back with plain zarr-python. zarr 3.1.x (the line that
+    Python 3.11 gets) collects the ``zarr.data_type`` entry points but never loads them,
+    so there the types are registered explicitly, as its users must do (README); the
+    entry-point route itself is tested in tests/unit/test_zarr_dtypes.py.
+    """
+    import zarr
+
+    if tuple(int(part) for part in zarr.__version__.split(".")[:2]) < (3, 4):
+        from gpuckpt.storage.zarr_dtypes import register_zarr_dtypes
+
+        register_zarr_dtypes()
+
+
+_register_dtypes_where_zarr_ignores_entry_points()
+
+
 def _gpu_available() -> bool:
     if importlib.util.find_spec("cupy") is None:
         return False

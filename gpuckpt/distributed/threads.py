@@ -16,13 +16,16 @@ from __future__ import annotations
 import pickle
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from gpuckpt.distributed.coordinator import Coordinator, CoordinatorError
 
 __all__ = ["ThreadCoordinator", "ThreadGroup", "run_ranks"]
 
 _Entry = tuple[str, int | None, Any]  # (collective, root, pickled payload or None)
+
+# A module-level TypeVar, not PEP 695 syntax (`def run_ranks[T]`): that needs Python 3.12.
+_T = TypeVar("_T")
 
 
 def _dumps(obj: Any) -> bytes:
@@ -210,7 +213,7 @@ class ThreadCoordinator(Coordinator):
         return f"ThreadCoordinator(rank={self._rank}, world_size={self.world_size})"
 
 
-def run_ranks[T](n: int, fn: Callable[[ThreadCoordinator], T], *, timeout: float | None = 60.0) -> list[T]:
+def run_ranks(n: int, fn: Callable[[ThreadCoordinator], _T], *, timeout: float | None = 60.0) -> list[_T]:
     """Run ``fn(coordinator)`` as ranks ``0..n-1`` of a new :class:`ThreadGroup`, one thread each.
 
     Parameters

@@ -33,21 +33,15 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, Self, TypeGuard, cast,
 
 import numpy as np
 from zarr.core.dtype import data_type_registry
-from zarr.core.dtype.common import (
-    DTypeConfig_V2,
-    DTypeJSON,
-    HasEndianness,
-    HasItemSize,
-    check_dtype_spec_no_object_codec_v2,
-)
+from zarr.core.dtype.common import DTypeConfig_V2, DTypeJSON, HasEndianness, HasItemSize
 from zarr.core.dtype.npy.common import (
     endianness_to_numpy_str,
     get_endianness_from_numpy_dtype,
 )
 from zarr.core.dtype.wrapper import TBaseDType, ZDType
-from zarr.errors import DataTypeValidationError
 
 from gpuckpt.dtypes import ML_DTYPE_NAMES, dtype_from_name
+from gpuckpt.storage._zarr_compat import DataTypeValidationError, check_dtype_spec_no_object_codec_v2
 
 if TYPE_CHECKING:
     from zarr.core.common import JSON, ZarrFormat

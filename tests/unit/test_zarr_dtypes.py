@@ -22,10 +22,10 @@ from zarr.codecs import BytesCodec
 from zarr.core.dtype import data_type_registry
 from zarr.core.dtype.wrapper import ZDType
 from zarr.core.metadata import ArrayV3Metadata
-from zarr.errors import DataTypeValidationError
 from zarr.storage import LocalStore
 
 from gpuckpt.dtypes import ML_DTYPE_NAMES
+from gpuckpt.storage._zarr_compat import DataTypeValidationError
 from gpuckpt.storage.zarr_dtypes import (
     ZARR_DTYPE_CLASSES,
     BFloat16,
@@ -436,6 +436,18 @@ def test_classes_are_loadable_as_zarr_data_type_entry_points() -> None:
         assert loaded._zarr_v3_name == name
 
 
+# zarr 3.1.x, the line that Python 3.11 gets, collects the "zarr.data_type" entry
+# points but never loads them (its registry never calls its _lazy_load); from 3.4
+# on, the registry loads them on first use. With zarr 3.1 only an explicit
+# register_zarr_dtypes() teaches zarr these types.
+_ZARR_LOADS_DTYPE_ENTRY_POINTS = tuple(int(part) for part in zarr.__version__.split(".")[:2]) >= (3, 4)
+
+
+@pytest.mark.xfail(
+    not _ZARR_LOADS_DTYPE_ENTRY_POINTS,
+    strict=True,
+    reason=f"zarr {zarr.__version__} does not load zarr.data_type entry points",
+)
 def test_installed_entry_points_register_without_calling_register(tmp_path: Path) -> None:
     # A fresh interpreter with an installed distribution whose entry points
     # are exactly the lines pyproject.toml declares, and no explicit register.
