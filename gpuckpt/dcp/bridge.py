@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import stat
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -322,8 +323,20 @@ def is_checkpoint(path: str | os.PathLike[str]) -> bool:
         return False
     if scheme_of(path) != "file":
         return True
-    text = os.fspath(path)
-    return os.path.isfile(os.path.join(text.removeprefix("file://"), "zarr.json"))
+    root = os.path.join(os.fspath(path).removeprefix("file://"), "zarr.json")
+    try:
+        # non-blocking and regular files only: a FIFO planted there must not hang the check
+        fd = os.open(root, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return False
+        head = os.read(fd, 4096)
+    finally:
+        os.close(fd)
+    # the root group's attributes carry gpuckpt's metadata (the full check is the load's)
+    return b'"gpuckpt"' in head
 
 
 # snapshots ------------------------------------------------------------------
