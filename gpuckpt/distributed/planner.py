@@ -99,10 +99,8 @@ def _regular_step(intervals: list[int], max_len: int) -> int | None:
     if any(iv != first for iv in intervals[:-1]) or intervals[-1] > first:
         return None
     # equal boxes: the largest divisor of their extent that fits, if not much smaller
-    best = max(
-        (d for k in range(1, math.isqrt(first) + 1) if first % k == 0 for d in (k, first // k) if d <= max_len),
-        default=1,
-    )
+    divisors = (d for k in range(1, math.isqrt(first) + 1) if first % k == 0 for d in (k, first // k))
+    best = max((d for d in divisors if d <= max_len), default=1)
     return best if 2 * best >= max_len else None
 
 
