@@ -15,7 +15,7 @@ from __future__ import annotations
 import errno
 import math
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -57,6 +57,7 @@ __all__ = [
     "ChunkJob",
     "SavePlan",
     "TensorPlan",
+    "array_documents",
     "assemble_metadata",
     "build_save_plan",
     "default_threads",
@@ -221,6 +222,11 @@ def _array_document(t: TensorPlan) -> bytes:
         grid=t.grid,
         attributes={"gpuckpt": {"fqn": t.fqn, "memory_format": t.properties.memory_format.name}},
     )
+
+
+def array_documents(tensors: Iterable[TensorPlan]) -> dict[str, bytes]:
+    """The ``zarr.json`` of each tensor's array, by array name."""
+    return {t.name: _array_document(t) for t in tensors}
 
 
 def write_array_documents(plan: SavePlan, writer: CheckpointWriter) -> None:

@@ -11,7 +11,7 @@ is repeated. The internals they rely on:
   :func:`gpuckpt.distributed.save.assigned_jobs`;
 - writing: :func:`gpuckpt.storage.stores.open_writer`, ``LocalWriter.attach``
   (ranks other than the coordinator), :func:`gpuckpt.writing.write_chunks`,
-  :func:`gpuckpt.writing.write_array_documents`,
+  :func:`gpuckpt.writing.array_documents`,
   :func:`gpuckpt.writing.assemble_metadata`, the ``writing`` abort guard and
   :func:`gpuckpt.storage.layout.root_document` + ``CheckpointWriter.commit``;
 - reading: :func:`gpuckpt.storage.stores.open_reader`,
@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import stat
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,10 +54,10 @@ from gpuckpt.storage.stores import open_reader, open_writer, scheme_of
 from gpuckpt.writing import (
     SavePlan,
     TensorPlan,
+    array_documents,
     assemble_metadata,
     build_save_plan,
     device_backends,
-    write_array_documents,
     write_chunks,
     writing,
 )
@@ -151,18 +151,30 @@ def plan_save(
 
 @dataclass(slots=True)
 class OpenSave:
-    """A save the coordinator has begun: its writer (holding the temporary) and its tensors."""
+    """A save the coordinator has begun: its writer (holding the temporary), its tensors, and the
+    array documents left to be written with their array's one chunk (``deferred``)."""
 
     path: str
     writer: CheckpointWriter
     tensors: list[TensorPlan]
     token: str
+    deferred: dict[str, bytes]
 
 
 def begin_save(
-    path: str, tensors: list[TensorPlan], nobjects: int, world_size: int, options: SaveOptions
+    path: str,
+    tensors: list[TensorPlan],
+    nobjects: int,
+    world_size: int,
+    options: SaveOptions,
+    deferred: Collection[str] = (),
 ) -> OpenSave:
-    """Open the writer of a new checkpoint, create its temporary and write the array documents."""
+    """Open the writer of a new checkpoint, create its temporary and write the array documents.
+
+    The documents of the arrays named in ``deferred`` (one chunk each, written by the
+    coordinator) are not written here: they go to :func:`write_assigned` with that chunk,
+    so that the I/O threads write them, as :func:`gpuckpt.save` does.
+    """
     if world_size > 1 and scheme_of(path) != "file":
         raise UnsupportedValueError(
             f"{path}: saves from {world_size} ranks go to a shared file system path; object stores take "
@@ -177,10 +189,13 @@ def begin_save(
         storage_options=None if options.storage_options is None else dict(options.storage_options),
         direct_io=direct_io_setting(False),  # as gpuckpt.save: what is just written stays cached
     )
+    documents = array_documents(tensors)
+    later = {name: documents.pop(name) for name in deferred}
     with writing(writer):
         writer.begin()
-        write_array_documents(plan, writer)
-    return OpenSave(path, writer, tensors, getattr(writer, "token", ""))
+        for name, document in documents.items():
+            writer.write_array_document(name, document)
+    return OpenSave(path, writer, tensors, getattr(writer, "token", ""), later)
 
 
 def attach(path: str, token: str) -> CheckpointWriter:
@@ -193,8 +208,11 @@ def write_assigned(
     mine: Sequence[ChunkAssignment],
     source: Callable[[str, int], tuple[Any, tuple[int, ...]]],
     options: SaveOptions,
+    documents: Mapping[str, bytes] | None = None,
 ) -> tuple[list[tuple[tuple[str, tuple[int, ...]], tuple[int, int]]], dict[str, Any]]:
     """Write this rank's chunks; ``source(fqn, box)`` gives the tensor holding that box and its offsets.
+
+    ``documents``: array documents to write with their array's one chunk (see :func:`begin_save`).
 
     Returns ``((array name, chunk coords), (stored bytes, CRC32C))`` per chunk, and
     the memory format of each tensor as found in this rank's boxes.
@@ -212,7 +230,12 @@ def write_assigned(
 
     jobs = assigned_jobs(mine, adapted)
     results = write_chunks(
-        jobs, writer, threads=options.threads, staging_bytes=options.staging_bytes, progress=options.progress
+        jobs,
+        writer,
+        threads=options.threads,
+        staging_bytes=options.staging_bytes,
+        progress=options.progress,
+        documents=None if documents is None else dict(documents),
     )
     return [((j.name, j.coords), r) for j, r in zip(jobs, results, strict=True)], formats
 

@@ -167,7 +167,10 @@ class Writer(StorageWriter):  # type: ignore[misc,unused-ignore]
         tensors, assignments = bridge.plan_save(described, self.options)
         nvalues = len({i.index.fqn for p in plans for i in p.items if i.type == WriteItemType.BYTE_IO})
         self._discard()
-        opened = bridge.begin_save(self._path, tensors, nvalues, len(plans), self.options)
+        # one-chunk arrays the coordinator writes itself: their documents go with their chunk
+        one_chunk = {t.name for t in tensors if len(t.specs) == 1}
+        mine = {a.name for a in assignments[self._rank] if a.name in one_chunk}
+        opened = bridge.begin_save(self._path, tensors, nvalues, len(plans), self.options, mine)
         self._open = opened
         self._cleanup = weakref.finalize(self, bridge.abort_save, opened)
         return [
@@ -210,11 +213,13 @@ class Writer(StorageWriter):  # type: ignore[misc,unused-ignore]
                 )
             return tensor, offsets
 
+        documents = None
         if self._coordinator and self._open is not None:
             writer = self._open.writer
+            documents = self._open.deferred
         else:
             writer = bridge.attach(mine.path, mine.token)
-        written, formats = bridge.write_assigned(writer, mine.chunks, source, self.options)
+        written, formats = bridge.write_assigned(writer, mine.chunks, source, self.options, documents)
         per_box: dict[tuple[str, tuple[int, ...]], list[Any]] = {}
         for a, result in zip(mine.chunks, written, strict=True):
             per_box.setdefault((a.fqn, mine.boxes[a.fqn][a.box]), []).append(result)

@@ -22,7 +22,7 @@ from gpuckpt.distributed.planner import Box, intersect, overlapping_chunks
 from gpuckpt.progress import ProgressCallback, ProgressCounter
 from gpuckpt.reading import ChunkRead, TensorEntry, fetch_verified, read_chunk_into_box
 from gpuckpt.storage.base import CheckpointReader
-from gpuckpt.writing import default_threads
+from gpuckpt.writing import IO_BATCH_BYTES, IO_BATCH_JOBS, default_threads
 
 __all__ = ["read_boxes"]
 
@@ -64,6 +64,15 @@ def _read_one(
         counter.add(part.nbytes)
 
 
+def _read_batch(
+    reader: CheckpointReader,
+    batch: list[tuple[TensorEntry, ChunkRead, list[tuple[Any, Box]]]],
+    counter: ProgressCounter,
+) -> None:
+    for t, c, targets in batch:
+        _read_one(reader, t, c, targets, counter)
+
+
 def read_boxes(
     reader: CheckpointReader,
     requests: list[tuple[TensorEntry, list[tuple[Any, Box]]]],
@@ -82,12 +91,24 @@ def read_boxes(
             for coords in overlapping_chunks(t.grid, box):
                 wanted.setdefault(coords, []).append((adapter, box))
         jobs.extend((t, by_coords[coords], targets) for coords, targets in wanted.items())
-    if not jobs:
+    # small chunks go to the I/O threads in batches, as in an unsharded load: one task per
+    # chunk would cost more than reading a few KiB
+    batches: list[list[tuple[TensorEntry, ChunkRead, list[tuple[Any, Box]]]]] = []
+    size = IO_BATCH_BYTES
+    for job in jobs:
+        if size >= IO_BATCH_BYTES or len(batches[-1]) >= IO_BATCH_JOBS:
+            batches.append([])
+            size = 0
+        batches[-1].append(job)
+        size += job[1].nbytes
+    if len(batches) <= 1:
+        for t, c, targets in jobs:
+            _read_one(reader, t, c, targets, counter)
         return
     with ThreadPoolExecutor(
         max_workers=threads or default_threads(), thread_name_prefix="gpuckpt-reshard"
     ) as pool:
-        futures = [pool.submit(_read_one, reader, t, c, targets, counter) for t, c, targets in jobs]
+        futures = [pool.submit(_read_batch, reader, batch, counter) for batch in batches]
         try:
             for f in futures:
                 f.result()
