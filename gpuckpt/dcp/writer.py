@@ -150,6 +150,11 @@ class Writer(StorageWriter):  # type: ignore[misc,unused-ignore]
         return plan
 
     def prepare_global_plan(self, plans: list[DcpSavePlan]) -> list[DcpSavePlan]:
+        if not all(getattr(p, "usable", True) for p in plans):
+            raise UnsupportedValueError(
+                "gpuckpt.dcp.Writer cannot reuse cached save plans (each save writes into its own "
+                "temporary): make the DefaultSavePlanner without enable_plan_caching=True"
+            )
         per_rank = [convert.local_boxes(p.items) for p in plans]
         described = [
             [

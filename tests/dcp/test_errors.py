@@ -175,3 +175,19 @@ def test_hostile_planner_data_is_a_metadata_error(saved: Path) -> None:
         dcp.load({"w": torch.zeros(4, 3)}, storage_reader=gpuckpt.dcp.Reader(saved))
     # DCP reports a failed read_metadata as "metadata is None", with gpuckpt's message
     assert "planner_data names 'ghost', which the checkpoint does not hold" in str(info.value)
+
+
+def test_cached_save_plans_are_refused_clearly(tmp_path: Path) -> None:
+    """DCP's plan caching would hand the ranks the temporary of an earlier save: refused, nothing written."""
+    planner = DefaultSavePlanner(enable_plan_caching=True)
+    sd = {"w": torch.ones(3)}
+    dcp.save(sd, storage_writer=gpuckpt.dcp.Writer(tmp_path / "first"), planner=planner)
+    assert gpuckpt.load_state_dict(tmp_path / "first")["w"].tolist() == [1.0, 1.0, 1.0]
+    with pytest.raises(CheckpointException) as info:
+        dcp.save(
+            sd,
+            storage_writer=gpuckpt.dcp.Writer(tmp_path / "second"),
+            planner=DefaultSavePlanner(enable_plan_caching=True),
+        )
+    assert "enable_plan_caching" in str(info.value)
+    assert not (tmp_path / "second").exists() and temporaries(tmp_path / "second") == []
