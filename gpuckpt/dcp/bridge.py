@@ -434,6 +434,9 @@ def snapshot(
     return Snapshot(out, pool, arena)
 
 
+_GRACE_S = 0.05
+
+
 def _acquire(pool: ArenaPool, nbytes: int, timeout: float | None) -> StagingArena:
     """An arena; when all are taken, collect garbage once (a finished save's snapshot may be
     held only by a reference cycle), then wait up to ``timeout`` seconds for one to be released
@@ -441,7 +444,9 @@ def _acquire(pool: ArenaPool, nbytes: int, timeout: float | None) -> StagingAren
     import gc
 
     try:
-        return pool.acquire(nbytes, timeout=0)
+        # the snapshot of a save that just finished is released when the thread that ran
+        # it lets go of the state dict: wait a moment for it rather than make a second arena
+        return pool.acquire(nbytes, timeout=0, grace=_GRACE_S)
     except TimeoutError:
         gc.collect()
         return pool.acquire(nbytes, timeout=timeout)

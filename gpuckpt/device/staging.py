@@ -102,9 +102,16 @@ class ArenaPool:
         self._arenas: list[StagingArena] = []  # every arena of the pool, free or in use
         self._cond = threading.Condition()
 
-    def acquire(self, nbytes_hint: int = 0, timeout: float | None = None) -> StagingArena:
-        """A reset arena, preferably one already at least ``nbytes_hint`` large."""
+    def acquire(self, nbytes_hint: int = 0, timeout: float | None = None, grace: float = 0.0) -> StagingArena:
+        """A reset arena, preferably one already at least ``nbytes_hint`` large.
+
+        ``grace``: when none is free but some are in use, wait up to that many seconds for
+        one to come back before making another (a save that has just finished may release
+        its arena a moment after its caller has seen it finish).
+        """
         with self._cond:
+            if grace > 0 and not self._free and self._arenas:
+                self._cond.wait_for(lambda: bool(self._free), grace)
             while not self._free and len(self._arenas) >= self.max_arenas:
                 if not self._cond.wait(timeout):
                     raise TimeoutError("no staging arena became free in time")

@@ -282,6 +282,17 @@ def test_async_save_with_stager_snapshot_and_reuse(tmp_path: Path) -> None:
     assert stager.reserved_bytes == held  # no growth over 10 saves
     assert np.array_equal(gpuckpt.load_state_dict(tmp_path / "b9")["w"], live["w"].numpy())
     stager.close()
+    # one save at a time: one snapshot's memory, reused (the previous save's arena comes back
+    # as its thread lets go of the state dict, a moment after its future is done)
+    single = gpuckpt.dcp.Stager()
+    for i in range(5):
+        dcp.async_save(
+            live, storage_writer=gpuckpt.dcp.Writer(tmp_path / f"s{i}"), async_stager=single
+        ).result()
+        if i == 0:
+            one = single.reserved_bytes
+    assert single.reserved_bytes == one
+    single.close()
 
 
 def test_stager_device_option_copies_host_tensors(tmp_path: Path) -> None:
