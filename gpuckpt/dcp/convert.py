@@ -258,7 +258,7 @@ def dcp_view(md: Metadata, tensor_fqns: set[str], value_fqns: set[str], checkpoi
     meta = md.storage_meta
     storage_meta = dm.StorageMeta(
         checkpoint_id=checkpoint_id,
-        save_id=None if meta is None else meta.checkpoint_id,
+        save_id=None if meta is None or meta.checkpoint_id is None else str(meta.checkpoint_id),
         modules=[] if meta is None else list(meta.modules),
     )
     return View(dm.Metadata(state, planner_data=paths, storage_meta=storage_meta), entries)

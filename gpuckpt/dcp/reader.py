@@ -13,7 +13,13 @@ from torch.futures import Future
 
 from gpuckpt.dcp import bridge, convert
 from gpuckpt.dcp.tensors import as_torch, torch, torch_dtype
-from gpuckpt.errors import MetadataError, MissingKeyError, ShapeMismatchError, UnsafeCheckpointError
+from gpuckpt.errors import (
+    MetadataError,
+    MissingKeyError,
+    ShapeMismatchError,
+    UnsafeCheckpointError,
+    UnsupportedValueError,
+)
 
 __all__ = ["Reader"]
 
@@ -93,7 +99,8 @@ class Reader(StorageReader):  # type: ignore[misc,unused-ignore]
         ck = bridge.open_checkpoint(self._path, self.storage_options)
         view = convert.dcp_view(ck.metadata, set(ck.tensors), set(ck.values), self._path)
         self._checkpoint, self._view = ck, view
-        return view.metadata
+        metadata: DcpMetadata = view.metadata
+        return metadata
 
     def set_up_storage_reader(
         self, metadata: DcpMetadata, is_coordinator: bool, *args: Any, **kwargs: Any
@@ -122,9 +129,14 @@ class Reader(StorageReader):  # type: ignore[misc,unused-ignore]
                     f"{item.storage_index.fqn!r} is not in the checkpoint at {self._path}; list its keys "
                     "with gpuckpt.read_metadata(path).state_dict_metadata"
                 )
-            if item.type == LoadItemType.BYTE_IO or entry.kind != "tensor":
+            if entry.kind != "tensor":
                 values.append((item, entry))
                 continue
+            if item.type != LoadItemType.TENSOR:
+                raise UnsupportedValueError(
+                    f"{entry.fqn!r} is a tensor in the checkpoint at {self._path}, but the load plan asks "
+                    "for it as a non-tensor value; load it into a tensor"
+                )
             t = ck.tensors[entry.fqn]
             chunk = tuple(int(o) for o in (item.storage_index.offset or ()))
             offsets = tuple(c + int(o) for c, o in zip(chunk, item.storage_offsets, strict=True))

@@ -139,7 +139,7 @@ class Stager(AsyncStager):  # type: ignore[misc,unused-ignore]
         while arrays:
             copy_, dtype, on_device = arrays.pop(0)
             if on_device:
-                t = torch.from_dlpack(copy_)
+                t = torch.utils.dlpack.from_dlpack(copy_)
                 want = torch_dtype(dtype, "<snapshot>")
                 out.append(t if t.dtype == want else t.view(want))
             else:
@@ -178,7 +178,7 @@ class _DTensorSlot(_Slot):
 def _fill(node: Any, tensors: list[Any]) -> Any:
     if isinstance(node, _DTensorSlot):
         # the original's sharding spec around the copied local shard (as DCP's own stagers do)
-        return DTensor(tensors[node.index], node.spec, requires_grad=False)
+        return DTensor(tensors[node.index], node.spec, requires_grad=False)  # type: ignore[no-untyped-call,unused-ignore]
     if isinstance(node, _Slot):
         return tensors[node.index]
     if isinstance(node, dict):

@@ -18,6 +18,7 @@ from torch.futures import Future
 
 from gpuckpt import memory_format as mf
 from gpuckpt.dcp import bridge, convert
+from gpuckpt.dcp.tensors import torch
 from gpuckpt.device.backend import DEFAULT_STAGING_BYTES
 from gpuckpt.errors import GpuckptError, UnsupportedValueError
 from gpuckpt.planning import DEFAULT_CHUNK_BYTES
@@ -209,12 +210,14 @@ class Writer(StorageWriter):  # type: ignore[misc,unused-ignore]
         def source(fqn: str, box: int) -> tuple[Any, tuple[int, ...]]:
             offsets = mine.boxes[fqn][box]
             item = by_box[(fqn, offsets)]
+            assert item.tensor_data is not None  # by_box holds tensor items only
             tensor = planner.resolve_data(item)
             expected = tuple(int(s) for s in item.tensor_data.chunk.sizes)
-            if tuple(tensor.shape) != expected:
+            if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != expected:
                 raise UnsupportedValueError(
-                    f"tensor {fqn!r}: the planner resolved the box at {offsets} to a tensor of shape "
-                    f"{tuple(tensor.shape)}, its write item says {expected}"
+                    f"tensor {fqn!r}: the planner resolved the box at {offsets} to "
+                    f"{type(tensor).__name__} of shape {tuple(getattr(tensor, 'shape', ()))}, "
+                    f"its write item says a tensor of {expected}"
                 )
             return tensor, offsets
 
