@@ -1,27 +1,36 @@
 """Every call ``gpuckpt.dcp`` makes into gpuckpt's save and load machinery, in one module.
 
 The DCP classes (:mod:`~gpuckpt.dcp.writer`, :mod:`~gpuckpt.dcp.reader`,
-:mod:`~gpuckpt.dcp.stager`) use gpuckpt only through the functions here,
-which in turn use the same entry points as gpuckpt's own distributed save,
-resharding load and background snapshot; nothing of the save or load logic
-is repeated. The internals they rely on:
+:mod:`~gpuckpt.dcp.stager`) use gpuckpt's internals only through the functions
+here (besides the public metadata model, dtypes, memory formats and errors),
+and these use the same entry points as gpuckpt's own distributed save,
+resharding load and background snapshot: nothing of the save or load logic is
+repeated. What they rely on:
 
+- options: the names and checks of :func:`gpuckpt.save`'s options
+  (:class:`SaveOptions` here until gpuckpt has one options value);
 - planning: :func:`gpuckpt.distributed.save.plan_tensors` (box grids and
-  per-rank chunk assignments, as for ``ShardedArray`` saves) and
-  :func:`gpuckpt.distributed.save.assigned_jobs`;
-- writing: :func:`gpuckpt.storage.stores.open_writer`, ``LocalWriter.attach``
-  (ranks other than the coordinator), :func:`gpuckpt.writing.write_chunks`,
-  :func:`gpuckpt.writing.array_documents`,
-  :func:`gpuckpt.writing.assemble_metadata`, the ``writing`` abort guard and
-  :func:`gpuckpt.storage.layout.root_document` + ``CheckpointWriter.commit``;
+  per-rank :class:`~gpuckpt.distributed.save.ChunkAssignment` records, as for
+  ``ShardedArray`` saves, from :class:`~gpuckpt.distributed.planner.LocalTensor`
+  descriptions) and :func:`gpuckpt.distributed.save.assigned_jobs`;
+- writing: :func:`gpuckpt.storage.stores.open_writer` (with
+  ``direct_io_setting``), ``LocalWriter.attach`` (ranks other than the
+  coordinator), :func:`gpuckpt.writing.array_documents`,
+  :func:`gpuckpt.writing.write_chunks` (its ``documents`` argument),
+  :func:`gpuckpt.writing.assemble_metadata`, the ``writing`` abort guard,
+  :func:`gpuckpt.storage.objects.encode_object` and
+  :func:`gpuckpt.storage.layout.root_document` with ``CheckpointWriter.commit``
+  / ``abort``; arrays through :func:`gpuckpt.device.arrays.adapt`;
 - reading: :func:`gpuckpt.storage.stores.open_reader`,
   :func:`gpuckpt.storage.layout.metadata_from_root_document`,
-  :func:`gpuckpt.reading.validate_metadata`, ``check_chunk_files``,
-  :func:`gpuckpt.distributed.load.read_boxes`, ``read_tensors`` and
-  :func:`gpuckpt.storage.objects.decode_object`;
-- snapshots: :func:`gpuckpt.writing.build_save_plan`,
+  :func:`gpuckpt.reading.validate_metadata` (its ``TensorEntry`` values),
+  ``check_chunk_files``, :func:`gpuckpt.distributed.load.read_boxes`,
+  ``read_tensors``, :func:`gpuckpt.storage.objects.decode_object` and
+  :func:`gpuckpt.state.unflatten_state_dict`;
+- snapshots: :func:`gpuckpt.writing.build_save_plan` and ``device_backends``,
   :func:`gpuckpt.background.snapshot` / ``snapshot_on_device`` and the
-  :class:`~gpuckpt.device.staging.ArenaPool` of staging memory.
+  :class:`~gpuckpt.device.staging.ArenaPool` of staging memory (its
+  ``reserved_bytes`` and ``grace``).
 """
 
 from __future__ import annotations
@@ -63,10 +72,13 @@ from gpuckpt.writing import (
 )
 
 __all__ = [
+    "DEFAULT_CHUNK_BYTES",
+    "DEFAULT_STAGING_BYTES",
     "Box",
     "ChunkAssignment",
     "OpenCheckpoint",
     "OpenSave",
+    "ProgressCallback",
     "SaveOptions",
     "Snapshot",
     "attach",

@@ -18,11 +18,9 @@ from torch.futures import Future
 
 from gpuckpt import memory_format as mf
 from gpuckpt.dcp import bridge, convert
+from gpuckpt.dcp.bridge import DEFAULT_CHUNK_BYTES, DEFAULT_STAGING_BYTES, ProgressCallback
 from gpuckpt.dcp.tensors import torch
-from gpuckpt.device.backend import DEFAULT_STAGING_BYTES
 from gpuckpt.errors import GpuckptError, UnsupportedValueError
-from gpuckpt.planning import DEFAULT_CHUNK_BYTES
-from gpuckpt.progress import ProgressCallback
 
 __all__ = ["Writer"]
 
