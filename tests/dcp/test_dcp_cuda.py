@@ -16,8 +16,8 @@ import torch.distributed.checkpoint as dcp  # noqa: E402 - after the skips
 import gpuckpt  # noqa: E402
 import gpuckpt.dcp  # noqa: E402
 
+# a GPU test (not in the CPU torch suite, where no test may skip)
 pytestmark = [
-    pytest.mark.torch,
     pytest.mark.gpu,
     pytest.mark.filterwarnings("ignore::UserWarning"),
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs torch with CUDA and a device"),
