@@ -1,27 +1,50 @@
 # Every target installs what it needs into .venv first (Python >= 3.12; see .python-version).
+# `make test` also runs the torch suite in a second venv, .venv311, on Python 3.11 (gpuckpt
+# supports 3.11 too, and the CPU build of torch that it installs there is a 3.11 wheel).
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# PY311 picks the Python 3.11 (else .ci/find-python311 looks for one)
+PY311 ?=
+TORCH_VERSION ?= 2.13.0
+VENV311 := .venv311
+BIN311 := $(VENV311)/bin
+STAMP311 := $(VENV311)/.installed
+INSTALL_INPUTS := pyproject.toml hatch_build.py gpuckpt/storage/crccopy.c
 
-.PHONY: setup demo test test-fast bench bench-kernels gpu-check lint typecheck clean
+.PHONY: setup setup-torch demo test test-main test-torch test-fast bench bench-kernels gpu-check lint typecheck clean
 
-$(STAMP): pyproject.toml hatch_build.py gpuckpt/storage/crccopy.c
-	$(PY) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 12) else "gpuckpt needs Python >= 3.12: run with PY=python3.12")'
+$(STAMP): $(INSTALL_INPUTS)
+	$(PY) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 12) else "the main venv (.venv) needs Python >= 3.12: run with PY=python3.12")'
 	$(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e ".[dev]"
 	touch $(STAMP)
 
+# only what the torch-marked tests need (the test-torch extra), and torch itself
+$(STAMP311): $(INSTALL_INPUTS) .ci/find-python311
+	py311=$$(PY311='$(PY311)' sh .ci/find-python311) && $$py311 -m venv $(VENV311)
+	$(BIN311)/python -m pip install -q -e ".[test-torch]" "torch==$(TORCH_VERSION)"
+	touch $(STAMP311)
+
 setup: $(STAMP)
+
+setup-torch: $(STAMP311)
 
 ## the main job: save a realistic model state, reload it, verify bit-exact, print throughput
 demo: $(STAMP)
 	$(BIN)/gpuckpt demo
 
-## the whole test suite (CPU; GPU tests skip cleanly without a device)
-test: $(STAMP)
-	$(BIN)/python -m pytest -q
+## the whole test suite (CPU; GPU tests skip cleanly without a device): the main suite on
+## Python >= 3.12, then the torch suite on Python 3.11, where no torch test may skip
+test: test-main test-torch
+
+test-main: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not torch"
+
+test-torch: $(STAMP311)
+	GPUCKPT_REQUIRE_TORCH=1 $(BIN311)/python -m pytest -q -m torch
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -x tests/unit
@@ -43,4 +66,4 @@ typecheck: $(STAMP)
 	$(BIN)/mypy
 
 clean:
-	rm -rf $(VENV) build dist .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(VENV311) build dist .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -2,8 +2,8 @@
 
 Simulates a job of ``--ranks`` ranks that each hold a row shard of every one of
 ``--tensors`` tensors, plus one replicated tensor per rank, and times:
-planning (:func:`gpuckpt.distributed.planner.plan_global`), building the save
-plan, and assembling and serialising the global Metadata — everything rank 0
+planning (:func:`gpuckpt.planning.plan.plan_save`: the grids, every rank's
+chunk assignments, the save plan), and assembling and serialising the global Metadata — everything rank 0
 does between gathering the descriptions and committing. Prints seconds
 (target: under 1 s for 64 ranks x 1,000 tensors) and the growth when the
 rank count doubles (linear, not quadratic).
@@ -14,6 +14,7 @@ Usage: ``python bench/bench_planning.py [--ranks 64] [--tensors 1000]``
 from __future__ import annotations
 
 import argparse
+import math
 import platform
 import sys
 import time
@@ -21,52 +22,34 @@ from datetime import date
 
 import numpy as np
 
-from gpuckpt.distributed.planner import LocalTensor, plan_global
-from gpuckpt.dtypes import dtype_from_name
 from gpuckpt.metadata import TensorProperties
+from gpuckpt.planning.boxes import LocalTensor
+from gpuckpt.planning.plan import StateDescription, plan_save
 from gpuckpt.storage.layout import root_document
-from gpuckpt.storage.names import encode_name
-from gpuckpt.writing import SavePlan, TensorPlan, assemble_metadata
+from gpuckpt.writing import assemble_metadata
 
 
 def simulate(ranks: int, tensors: int, rows: int = 4096, cols: int = 1024) -> float:
-    props = TensorProperties(dtype=np.dtype("float32")).to_json()
+    props = TensorProperties(dtype=np.dtype("float32"))
     per = rows // ranks
     descs = []
     for r in range(ranks):
         mine = [
             LocalTensor(
-                f"model.layers.{i}.weight", (rows, cols), "float32", 4, props, [((r * per, 0), (per, cols))]
+                f"model.layers.{i}.weight", (rows, cols), "float32", 4, props, (((r * per, 0), (per, cols)),)
             )
             for i in range(tensors)
         ]
-        mine.append(LocalTensor("model.norm", (cols,), "float32", 4, props, [((0,), (cols,))]))
-        descs.append(mine)
+        mine.append(LocalTensor("model.norm", (cols,), "float32", 4, props, (((0,), (cols,)),)))
+        descs.append(StateDescription(tuple(mine), {"step": {"int": "1"}} if r == 0 else {}, {"d": []}))
     t0 = time.perf_counter()
-    plans = plan_global(descs, chunk_bytes=64 << 20)
-    tensor_plans = []
-    results = {}
-    for gp in plans:
-        name = encode_name(gp.fqn)
-        specs = list(gp.grid.chunks())
-        tensor_plans.append(
-            TensorPlan(
-                gp.fqn,
-                name,
-                gp.global_shape,
-                dtype_from_name(gp.dtype),
-                gp.grid,
-                TensorProperties.from_json(gp.properties),
-                specs,
-            )
-        )
-        for s in specs:
-            results[(name, s.coords)] = (s.sizes[0] * cols * 4 + 4, 0)
-    md = assemble_metadata(SavePlan(tensor_plans, {"step": {"int": "1"}}, {"d": []}), results, "bench")
+    plan = plan_save(descs, chunk_bytes=64 << 20)
+    results = {(t.name, s.coords): (math.prod(s.sizes) * 4 + 4, 0) for t in plan.tensors for s in t.specs}
+    md = assemble_metadata(plan, results, "bench")
     assembled = time.perf_counter() - t0
     doc = root_document(md)
     elapsed = time.perf_counter() - t0
-    nchunks = sum(len(t.specs) for t in tensor_plans)
+    nchunks = sum(len(t.specs) for t in plan.tensors)
     print(
         f"{ranks:4d} ranks x {tensors:5d} tensors: planning + metadata assembly {assembled:6.3f} s; "
         f"with JSON encoding of the root document {elapsed:6.3f} s ({nchunks} chunks, {len(doc) / 2**20:.1f} MiB)"

@@ -1,5 +1,7 @@
 """gpuckpt: GPU-aware checkpoints of model state in Zarr v3 stores."""
 
+from importlib import metadata as _metadata
+
 from gpuckpt.api import load, load_state_dict, read_metadata, save
 from gpuckpt.background import SaveFuture, async_save
 from gpuckpt.distributed.sharded import ShardedArray
@@ -19,7 +21,9 @@ from gpuckpt.errors import (
     MetadataError,
     MissingChunkError,
     MissingKeyError,
+    ReadOnlyTargetError,
     ShapeMismatchError,
+    StepOrderError,
     UnsafeCheckpointError,
     UnsupportedValueError,
     UnsupportedVersionError,
@@ -44,7 +48,10 @@ from gpuckpt.metadata import (
     TensorStorageMetadata,
 )
 
-__version__ = "0.1.0"
+try:
+    __version__ = _metadata.version("gpuckpt")  # one source: the version the package was installed as
+except _metadata.PackageNotFoundError:  # a source tree used without installing it
+    __version__ = "0+unknown"
 
 __all__ = [
     "STATE_DICT_TYPE",
@@ -68,9 +75,11 @@ __all__ = [
     "MetadataIndex",
     "MissingChunkError",
     "MissingKeyError",
+    "ReadOnlyTargetError",
     "SaveFuture",
     "ShardedArray",
     "ShapeMismatchError",
+    "StepOrderError",
     "StorageMeta",
     "TensorProperties",
     "TensorStorageMetadata",

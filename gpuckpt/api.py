@@ -2,33 +2,42 @@
 
 from __future__ import annotations
 
+import mmap
 import os
 import uuid
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
-from gpuckpt.device.arrays import HostMemory, adapt, is_array
-from gpuckpt.device.backend import DEFAULT_STAGING_BYTES, DeviceArray, DeviceBackend
+from gpuckpt.device.arrays import ArrayAdapter, DeviceArray, HostArray, HostMemory, adapt, is_array
+from gpuckpt.device.backend import DeviceBackend
 from gpuckpt.distributed.coordinator import Coordinator, SingleProcessCoordinator
 from gpuckpt.distributed.load import read_boxes
-from gpuckpt.distributed.planner import Box
-from gpuckpt.distributed.save import contains_sharded, distributed_save, is_leaf
+from gpuckpt.distributed.save import distributed_save
 from gpuckpt.distributed.sharded import is_sharded_leaf, sharded_boxes
-from gpuckpt.errors import CheckpointTooLargeError, DTypeMismatchError, MissingKeyError, ShapeMismatchError
+from gpuckpt.errors import (
+    CheckpointTooLargeError,
+    DTypeMismatchError,
+    MissingKeyError,
+    ReadOnlyTargetError,
+    ShapeMismatchError,
+)
 from gpuckpt.metadata import STATE_DICT_TYPE, Metadata
-from gpuckpt.planning import DEFAULT_CHUNK_BYTES
+from gpuckpt.options import DEFAULT_CHUNK_BYTES, DEFAULT_STAGING_BYTES, LoadOptions, SaveOptions
+from gpuckpt.planning.boxes import Box
+from gpuckpt.planning.plan import plan_save
 from gpuckpt.progress import ProgressCallback
 from gpuckpt.reading import TensorEntry, check_chunk_files, paused_gc, read_tensors, validate_metadata
+from gpuckpt.sources import contains_sharded, describe_state, is_leaf
 from gpuckpt.state import flatten_state_dict, select_fqns, unflatten_state_dict
 from gpuckpt.storage.base import CheckpointReader
 from gpuckpt.storage.layout import metadata_from_root_document
-from gpuckpt.storage.local import direct_io_setting
-from gpuckpt.storage.objects import decode_object
-from gpuckpt.storage.stores import open_reader, open_writer
-from gpuckpt.writing import build_save_plan, execute_save
+from gpuckpt.storage.stores import open_reader
+from gpuckpt.storage.values import decode_object
+from gpuckpt.writing import execute_save, open_save_writer
 
-__all__ = ["load", "load_state_dict", "read_metadata", "save"]
+__all__ = ["load", "load_state_dict", "load_with_options", "read_metadata", "save", "save_with_options"]
 
 PathLike = str | os.PathLike[str]
 
@@ -97,51 +106,45 @@ def save(
     >>> sorted(md.state_dict_metadata)
     ['step', 'w']
     """
-    if not isinstance(chunk_bytes, int) or chunk_bytes < 1:
-        raise ValueError(f"chunk_bytes must be a positive integer, got {chunk_bytes!r}")
-    if coordinator is not None or contains_sharded(state_dict):
-        return distributed_save(
-            state_dict,
-            path,
-            coordinator or SingleProcessCoordinator(),
-            overwrite=overwrite,
-            chunk_bytes=chunk_bytes,
-            allow_pickle=allow_pickle,
-            sync=sync,
-            threads=threads,
-            progress=progress,
-            staging_bytes=staging_bytes,
-            portable=portable,
-        )
-    plan = build_save_plan(state_dict, chunk_bytes=chunk_bytes, allow_pickle=allow_pickle)
-    writer = open_writer(
-        path,
+    options = SaveOptions(
         overwrite=overwrite,
+        chunk_bytes=chunk_bytes,
+        allow_pickle=allow_pickle,
         sync=sync,
-        expected_files=plan.nfiles,
-        storage_options=storage_options,
-        direct_io=direct_io_setting(False),  # what is just written stays cached for a reader
-    )
-    return execute_save(
-        plan,
-        writer,
         threads=threads,
-        checkpoint_id=str(uuid.uuid4()),
         progress=progress,
         staging_bytes=staging_bytes,
+        storage_options=storage_options,
+        portable=portable,
     )
+    return save_with_options(state_dict, path, options, coordinator)
+
+
+def save_with_options(
+    state_dict: STATE_DICT_TYPE, path: PathLike, options: SaveOptions, coordinator: Coordinator | None = None
+) -> Metadata:
+    """:func:`save` with its options made (what :class:`~gpuckpt.CheckpointManager` calls)."""
+    if coordinator is not None or contains_sharded(state_dict):
+        return distributed_save(state_dict, path, coordinator or SingleProcessCoordinator(), options)
+    local, sources = describe_state(state_dict, allow_pickle=options.allow_pickle)
+    plan = plan_save([local], chunk_bytes=options.chunk_bytes, portable=options.portable)
+    # what is just written stays cached for a reader (no O_DIRECT unless asked for)
+    writer = open_save_writer(
+        path, options, expected_files=plan.nfiles, direct_io=options.use_direct_io(False)
+    )
+    return execute_save(plan, sources, writer, options, checkpoint_id=str(uuid.uuid4()))
 
 
 @paused_gc()
 def read_metadata(path: PathLike, *, storage_options: dict[str, Any] | None = None) -> Metadata:
     """Metadata of the checkpoint at ``path`` (validated, nothing else read)."""
-    return _open(path, storage_options)[1]
+    return _open(path, LoadOptions(storage_options=storage_options).storage_options)[1]
 
 
 def _open(
-    path: PathLike, storage_options: dict[str, Any] | None = None
+    path: PathLike, storage_options: Mapping[str, Any] | None = None
 ) -> tuple[CheckpointReader, Metadata, dict[str, TensorEntry], dict[str, Any]]:
-    reader = open_reader(path, storage_options=storage_options)
+    reader = open_reader(path, storage_options=dict(storage_options) if storage_options is not None else None)
     md = metadata_from_root_document(reader.read_root(), f"{os.fspath(path).rstrip('/')}/zarr.json")
     tensors, objects = validate_metadata(md)
     return reader, md, tensors, objects
@@ -166,7 +169,8 @@ def load(
     an array but was stored as a tensor receives a new array. Keys missing
     from the checkpoint are an error unless ``strict=False``; checkpoint keys
     absent from ``state_dict`` are not read (partial load). All checks run
-    before anything is read, so a mismatch changes nothing.
+    before anything is read (shapes, dtypes, writability of every target, the
+    size of every chunk file), so a mismatch changes nothing.
 
     Examples
     --------
@@ -178,44 +182,50 @@ def load(
     >>> sd["w"]
     array([0., 1., 2., 3.])
     """
+    options = LoadOptions(
+        strict=strict,
+        allow_pickle=allow_pickle,
+        threads=threads,
+        progress=progress,
+        staging_bytes=staging_bytes,
+        storage_options=storage_options,
+    )
+    load_with_options(state_dict, path, options, coordinator)
+
+
+def load_with_options(
+    state_dict: STATE_DICT_TYPE, path: PathLike, options: LoadOptions, coordinator: Coordinator | None = None
+) -> None:
+    """:func:`load` with its options made."""
     if coordinator is None:
-        _load(state_dict, path, strict, allow_pickle, threads, progress, staging_bytes, storage_options)
+        _load(state_dict, path, options)
         return
     error = None
     try:
-        _load(state_dict, path, strict, allow_pickle, threads, progress, staging_bytes, storage_options)
+        _load(state_dict, path, options)
     except Exception as exc:  # every rank learns of any rank's failure
         error = exc
     coordinator.all_reduce_errors(error)
 
 
 @paused_gc()
-def _load(
-    state_dict: STATE_DICT_TYPE,
-    path: PathLike,
-    strict: bool,
-    allow_pickle: bool,
-    threads: int | None,
-    progress: ProgressCallback | None,
-    staging_bytes: int,
-    storage_options: dict[str, Any] | None,
-) -> None:
-    reader, _md, tensors, objects = _open(path, storage_options)
+def _load(state_dict: STATE_DICT_TYPE, path: PathLike, options: LoadOptions) -> None:
+    reader, _md, tensors, objects = _open(path, options.storage_options)
     leaves, _ = flatten_state_dict(state_dict, is_leaf)
     missing = [f for f in leaves if f not in tensors and f not in objects]
-    if missing and strict:
+    if missing and options.strict:
         raise MissingKeyError(
             f"{len(missing)} key(s) of the state dict are not in the checkpoint at {path}: "
             f"{', '.join(repr(m) for m in missing[:10])}{' ...' if len(missing) > 10 else ''}; "
             "pass strict=False to load the others"
         )
-    targets: list[tuple[TensorEntry, Any]] = []
+    targets: list[tuple[TensorEntry, ArrayAdapter]] = []
     placeholders: list[tuple[Any, TensorEntry]] = []
     decoded: list[tuple[Any, Any]] = []
     requests: list[tuple[TensorEntry, list[tuple[Any, Box]]]] = []
     for fqn, leaf in leaves.items():
         if fqn in objects:
-            decoded.append((leaf, decode_object(objects[fqn], allow_pickle=allow_pickle, fqn=fqn)))
+            decoded.append((leaf, decode_object(objects[fqn], allow_pickle=options.allow_pickle, fqn=fqn)))
         elif fqn in tensors:
             t = tensors[fqn]
             if is_sharded_leaf(leaf.value):
@@ -232,7 +242,8 @@ def _load(
                         f"tensor {fqn!r}: the checkpoint has dtype {t.dtype}, the target has {arr.dtype}; "
                         "load into an array of the stored dtype and convert afterwards"
                     )
-                targets.append((t, arr if arr.is_device else arr.host_array()))
+                _check_writable(fqn, arr, "the target")
+                targets.append((t, arr))
             else:
                 placeholders.append((leaf, t))
     # sizes are checked against the files before anything is allocated
@@ -242,12 +253,26 @@ def _load(
     fresh: list[tuple[Any, np.ndarray]] = []
     for leaf, t in placeholders:
         dest = _allocate(None, t)
-        targets.append((t, dest))
+        targets.append((t, HostArray(dest)))
         fresh.append((leaf, dest))
-    read_tensors(reader, targets, threads=threads, progress=progress, staging_bytes=staging_bytes)
-    read_boxes(reader, requests, threads=threads, progress=progress)
+    read_tensors(reader, targets, options)
+    read_boxes(reader, requests, options)
     for leaf, value in (*fresh, *decoded):
         leaf.replace(value)
+
+
+def _check_writable(fqn: str, arr: ArrayAdapter, what: str) -> None:
+    """Refuse a read-only target before anything is read (device arrays are always writable)."""
+    if arr.writable:
+        return
+    host = arr.host_array()
+    if not host.flags.writeable:
+        kind = "memory map" if isinstance(host, np.memmap) or isinstance(host.base, mmap.mmap) else "array"
+        raise ReadOnlyTargetError(
+            f"tensor {fqn!r}: {what} is a read-only {kind} ({type(host).__name__}, writeable=False), "
+            "so it cannot be loaded in place; pass a writable array (np.array(x) copies one; open a "
+            "memmap with mode='r+'), or use load_state_dict to get new arrays"
+        )
 
 
 def _shard_targets(t: TensorEntry, value: Any) -> list[tuple[Any, Box]]:
@@ -264,6 +289,7 @@ def _shard_targets(t: TensorEntry, value: Any) -> list[tuple[Any, Box]]:
             raise DTypeMismatchError(
                 f"tensor {t.fqn!r}: the checkpoint has dtype {t.dtype}, the ShardedArray holds {arr.dtype}"
             )
+        _check_writable(t.fqn, arr, f"the local shard at offsets {b.offsets}")
         out.append((arr, (b.offsets, b.sizes)))
     return out
 
@@ -318,7 +344,12 @@ def load_state_dict(
     tensors come back as unsigned integers of the same size, to be viewed
     with the right dtype by the framework, e.g. ``torch.from_dlpack(x).view(torch.bfloat16)``).
     ``keys`` selects entries by FQN or by ``.``-prefix (``"model"`` selects
-    everything under it); an unknown key is an error.
+    everything under it); an unknown key is an error, raised before anything
+    is read. The result keeps the nesting of the selected entries; a list or
+    tuple of which only some positions are selected comes back as a dict from
+    position to entry (``keys=["layers.1"]`` gives ``{"layers": {1: ...}}``),
+    so that indexing by position works as on the full list and no
+    placeholder stands for what was not loaded.
 
     Examples
     --------
@@ -327,20 +358,30 @@ def load_state_dict(
     >>> _ = gpuckpt.save({"model": {"w": np.eye(2)}, "step": 3}, p)
     >>> gpuckpt.load_state_dict(p, keys=["step"])
     {'step': 3}
+    >>> _ = gpuckpt.save({"layers": [{"w": np.ones(1)}, {"w": np.zeros(1)}]}, p, overwrite=True)
+    >>> gpuckpt.load_state_dict(p, keys=["layers.1"])
+    {'layers': {1: {'w': array([0.])}}}
     """
-    reader, md, tensors, objects = _open(path, storage_options)
+    options = LoadOptions(
+        allow_pickle=allow_pickle,
+        threads=threads,
+        progress=progress,
+        staging_bytes=staging_bytes,
+        storage_options=storage_options,
+    )
+    reader, md, tensors, objects = _open(path, options.storage_options)
     chosen = select_fqns(md.state_dict_metadata, keys)
     entries = [tensors[f] for f in chosen if f in tensors]
     check_chunk_files(reader, entries)
     backend = _backend_for(device)
     values: dict[str, Any] = {}
-    targets: list[tuple[TensorEntry, Any]] = []
+    targets: list[tuple[TensorEntry, ArrayAdapter]] = []
     for t in entries:
         dest = _allocate(backend, t)
-        targets.append((t, dest if backend is None else DeviceArray(dest, backend, t.dtype)))
+        targets.append((t, HostArray(dest) if backend is None else DeviceArray(dest, backend, t.dtype)))
         values[t.fqn] = dest
     for f in chosen:
         if f in objects:
-            values[f] = decode_object(objects[f], allow_pickle=allow_pickle, fqn=f)
-    read_tensors(reader, targets, threads=threads, progress=progress, staging_bytes=staging_bytes)
-    return unflatten_state_dict(md.planner_data["structure"], values)
+            values[f] = decode_object(objects[f], allow_pickle=options.allow_pickle, fqn=f)
+    read_tensors(reader, targets, options)
+    return unflatten_state_dict(md.planner_data["structure"], values, keys)

@@ -8,45 +8,61 @@ to back queue up in order instead of racing. Staging memory comes from an
 :class:`~gpuckpt.device.staging.ArenaPool` and is reused by later saves, so a
 training loop allocates it once; at most two snapshots exist at a time (one
 being written, one being taken), and a third call waits for a free arena.
+
+The returned future is a promise kept at exit, and a forked child saves on
+its own: see :mod:`gpuckpt.pending`.
 """
 
 from __future__ import annotations
 
-import atexit
+import math
 import os
 import threading
 import uuid
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
 
-from gpuckpt.device.arrays import HostArray
-from gpuckpt.device.backend import DEFAULT_STAGING_BYTES, DeviceArray
-from gpuckpt.device.staging import ArenaPool, StagingArena
-from gpuckpt.memory_format import physical_order, preserve_format
+from gpuckpt.device.arrays import ArrayAdapter, HostArray
+from gpuckpt.device.staging import ArenaPool, HostAllocator, StagingArena, aligned_bytes
+from gpuckpt.distributed.coordinator import Coordinator, SingleProcessCoordinator
+from gpuckpt.distributed.save import Described, save_described
+from gpuckpt.memory_format import physical_order
 from gpuckpt.metadata import STATE_DICT_TYPE, Metadata
-from gpuckpt.planning import DEFAULT_CHUNK_BYTES
+from gpuckpt.options import DEFAULT_CHUNK_BYTES, DEFAULT_STAGING_BYTES, SaveOptions
+from gpuckpt.pending import SaveFuture, submit, wait_all, writer_executor
+from gpuckpt.planning.plan import StateDescription, plan_save
 from gpuckpt.progress import ProgressCallback
-from gpuckpt.storage.local import direct_io_setting
-from gpuckpt.storage.stores import open_writer
-from gpuckpt.writing import SavePlan, TensorPlan, build_save_plan, device_backends, execute_save
+from gpuckpt.sources import Source, contains_sharded, describe_state
+from gpuckpt.workers import Workers
+from gpuckpt.writing import device_backends, execute_save, open_save_writer
 
-__all__ = ["SaveFuture", "async_save", "wait_all"]
+__all__ = [
+    "SaveFuture",
+    "async_save",
+    "async_save_with_options",
+    "snapshot",
+    "snapshot_bytes",
+    "snapshot_on_device",
+    "wait_all",
+]
 
 _lock = threading.Lock()
-_executors: dict[int, ThreadPoolExecutor] = {}
 _pools: dict[int, ArenaPool] = {}
-_copy_threads = ThreadPoolExecutor(
-    max_workers=max(1, min(4, os.cpu_count() or 1)), thread_name_prefix="gpuckpt-snap"
-)
+_copy_threads = Workers(max(1, min(4, os.cpu_count() or 1)), "gpuckpt-snap")
 _SLAB = 32 << 20
+_writer_executor = writer_executor  # the name tests use to occupy the writer
 
 
-def _arena_pool(plan: SavePlan) -> ArenaPool:
+def _arrays(sources: dict[str, tuple[Source, ...]]) -> Iterable[ArrayAdapter]:
+    return (s.array for held in sources.values() for s in held)
+
+
+def _arena_pool(sources: dict[str, tuple[Source, ...]]) -> ArenaPool:
     """The arena pool for this state: page-locked memory when device arrays are involved."""
-    backend = next(iter(device_backends(plan)), None)
+    backend = next(iter(device_backends(_arrays(sources))), None)
     key = id(backend) if backend is not None else 0
     with _lock:
         pool = _pools.get(key)
@@ -56,47 +72,9 @@ def _arena_pool(plan: SavePlan) -> ArenaPool:
         return pool
 
 
-def _writer_executor(coordinator: Any = None) -> ThreadPoolExecutor:
-    """The background writer: one per process, and one per coordinator (rank) for distributed saves,
-    so that ranks simulated by threads of one process do not queue behind each other."""
-    key = 0 if coordinator is None else id(coordinator)
-    with _lock:
-        ex = _executors.get(key)
-        if ex is None:
-            ex = _executors[key] = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpuckpt-async")
-        return ex
-
-
-class SaveFuture:
-    """The result of :func:`async_save`: ``done()``, ``result(timeout)``, ``exception(timeout)``."""
-
-    def __init__(self, future: Future[Metadata], path: str) -> None:
-        self._future = future
-        self.path = path
-
-    def done(self) -> bool:
-        """True once the checkpoint is published (or the save failed)."""
-        return self._future.done()
-
-    def result(self, timeout: float | None = None) -> Metadata:
-        """Wait for the save; returns its metadata or raises its error.
-
-        Raises ``TimeoutError`` if it is not finished within ``timeout`` seconds.
-        """
-        try:
-            return self._future.result(timeout)
-        except FutureTimeout:
-            raise TimeoutError(f"async save to {self.path} not finished after {timeout} s") from None
-
-    def exception(self, timeout: float | None = None) -> BaseException | None:
-        try:
-            return self._future.exception(timeout)
-        except FutureTimeout:
-            raise TimeoutError(f"async save to {self.path} not finished after {timeout} s") from None
-
-    def __repr__(self) -> str:
-        state = "done" if self.done() else "pending"
-        return f"<SaveFuture {self.path} {state}>"
+def snapshot_bytes(sources: dict[str, tuple[Source, ...]]) -> int:
+    """What a snapshot of ``sources`` takes of an arena."""
+    return sum(aligned_bytes(math.prod(a.shape) * a.dtype.itemsize) for a in _arrays(sources))
 
 
 def _copy_slabs(dst: np.ndarray, src: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -130,108 +108,82 @@ def _run_copies(copies: list[tuple[np.ndarray, np.ndarray]]) -> None:
         batches[-1].append(c)
         size += c[0].nbytes
     # NumPy releases the GIL for plain copies: batches copy in parallel
-    for f in [_copy_threads.submit(_copy_all, b) for b in batches]:
-        f.result()
+    _wait_for_all([f.result for f in [_copy_threads.submit(_copy_all, b) for b in batches]])
 
 
-def _rebind(t: TensorPlan, array: Any) -> None:
-    t.array = array
-    for j in t.jobs:
-        j.source = array
+def _wait_for_all(waits: list[Callable[[], Any]]) -> None:
+    """Call every wait, even after one failed or was interrupted, then raise the first error.
+
+    The arena is given back when a snapshot fails: no copy may still be writing
+    into it then (it would write into the next snapshot). An interrupted wait
+    is retried; a copy ends soon.
+    """
+    error: BaseException | None = None
+    for wait in waits:
+        while True:
+            try:
+                wait()
+            except KeyboardInterrupt as exc:
+                error = error or exc
+                continue
+            except BaseException as exc:
+                error = error or exc
+            break
+    if error is not None:
+        raise error
 
 
-def snapshot(plan: SavePlan, arena: StagingArena) -> None:
-    """Copy every tensor of ``plan`` into ``arena`` (host memory) and point the plan at the copies.
+def snapshot(
+    local: StateDescription, sources: dict[str, tuple[Source, ...]], arena: StagingArena
+) -> dict[str, tuple[Source, ...]]:
+    """Copies in ``arena`` (host memory) of the arrays of the state described by ``local``:
+    the sources a save of it is bound to.
 
-    Host tensors are copied keeping their memory layout (slabs in parallel);
-    dense device tensors are copied as their raw memory image, one
+    Host arrays are copied keeping their memory layout (slabs in parallel);
+    dense device arrays are copied as their raw memory image, one
     device-to-host copy each, so a channels-last tensor is transposed later,
     by the background writer, not while the caller waits.
     """
     copies: list[tuple[np.ndarray, np.ndarray]] = []
     tickets = []
-    for b in device_backends(plan):
+    for b in device_backends(_arrays(sources)):
         b.wait_for_producers()
-    for t in plan.tensors:
-        fmt = t.properties.memory_format
-        order = physical_order(len(t.shape), fmt)
-        dst = arena.take_array(t.shape, t.dtype, order)
-        src = t.array
-        assert src is not None, "snapshots are taken of single-process plans"
-        if isinstance(src, DeviceArray):
-            dev = src
-            raw = dst.transpose(order).reshape(-1).view(np.uint8)
-            if fmt is preserve_format:
-                tickets.append(dev.backend.stage_out(dev.data, (0,) * dst.ndim, dst.shape, raw))
-            else:
-                tickets.append(dev.backend.snapshot_to_host(dev.data, raw))
-        else:
-            copies.extend(_copy_slabs(dst, src.host_array()))
-        _rebind(t, HostArray(dst, requires_grad=t.properties.requires_grad, pinned=t.properties.pin_memory))
-    _run_copies(copies)
-    for ticket in tickets:
-        ticket.wait()
+    out: dict[str, tuple[Source, ...]] = {}
+    try:
+        for t in local.tensors:
+            held = sources[t.fqn]
+            snap = []
+            for s in held:
+                src = s.array
+                # a tensor held whole has the description's layout; ShardedArray boxes each their own
+                fmt = t.properties.memory_format if len(held) == 1 else src.memory_format
+                dst = arena.take_array(src.shape, src.dtype, physical_order(len(src.shape), fmt))
+                # device memory: one queued copy of the raw image; host memory: slabs copied in parallel
+                tickets.append(src.copy_to_host(dst, lambda d, a: copies.extend(_copy_slabs(d, a))))
+                snap.append(Source(HostArray(dst), s.offsets))
+            out[t.fqn] = tuple(snap)
+        _run_copies(copies)
+    finally:
+        # also when taking memory failed half-way: no copy may still write into the arena
+        _wait_for_all([ticket.wait for ticket in tickets])
+    return out
 
 
-def snapshot_on_device(plan: SavePlan) -> None:
-    """Copy every device tensor of ``plan`` within device memory (``staging="device"``)."""
-    backends = device_backends(plan)
+def snapshot_on_device(sources: dict[str, tuple[Source, ...]]) -> dict[str, tuple[Source, ...]]:
+    """Copies of every source array: device arrays within device memory (``staging="device"``),
+    host arrays in host memory."""
+    backends = device_backends(_arrays(sources))
     for b in backends:
         b.wait_for_producers()
-    for t in plan.tensors:
-        src = t.array
-        assert src is not None, "snapshots are taken of single-process plans"
-        if isinstance(src, DeviceArray):
-            copy = src.backend.copy_on_device(src.data)
-            _rebind(t, DeviceArray(copy, src.backend, src.dtype, src.requires_grad))
-        else:
-            _rebind(
-                t, HostArray(src.host_array().copy(), t.properties.requires_grad, t.properties.pin_memory)
-            )
+    out: dict[str, tuple[Source, ...]] = {}
+    for fqn, held in sources.items():
+        snap = []
+        for s in held:
+            snap.append(Source(s.array.copy(), s.offsets))
+        out[fqn] = tuple(snap)
     for b in backends:
         b.synchronize()
-
-
-def _copy_array(value: Any) -> Any:
-    from gpuckpt.device.arrays import adapt
-
-    a = adapt(value)
-    if isinstance(a, DeviceArray):
-        copy = a.backend.copy_on_device(a.data)
-        a.backend.synchronize()
-        return _Adapted(DeviceArray(copy, a.backend, a.dtype, a.requires_grad))
-    return a.host_array().copy(order="K")
-
-
-class _Adapted:
-    """A snapshot copy that keeps its adapter (dtype, requires_grad) for the save."""
-
-    def __init__(self, adapter: Any) -> None:
-        self.adapter = adapter
-        self.shape = adapter.shape
-
-    def __gpuckpt_adapter__(self) -> Any:
-        return self.adapter
-
-
-def _copy_state(value: Any, depth: int = 0) -> Any:
-    """A copy of a state dict whose arrays (and ShardedArray locals) are snapshots."""
-    import copy
-
-    from gpuckpt.device.arrays import is_array
-    from gpuckpt.distributed.sharded import ShardedArray
-
-    if isinstance(value, ShardedArray):
-        return ShardedArray(_copy_array(value.local), value.offsets, value.global_shape)
-    if is_array(value):
-        return _copy_array(value)
-    if isinstance(value, dict):
-        return {k: _copy_state(v, depth + 1) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_copy_state(v, depth + 1) for v in value]
-    if isinstance(value, tuple):
-        return tuple(_copy_state(v, depth + 1) for v in value)
-    return copy.deepcopy(value)
+    return out
 
 
 def async_save(
@@ -255,7 +207,14 @@ def async_save(
     Returns once the snapshot is taken: the caller may then change or free
     its arrays. Options are those of :func:`gpuckpt.save`. Errors (including
     an existing ``path`` without ``overwrite``) surface from the future's
-    ``result()``; a failed background save publishes nothing.
+    ``result()``; a failed background save publishes nothing. Invalid
+    options raise :class:`~gpuckpt.errors.InvalidOptionError` from the call
+    itself, before anything is taken; staging memory that cannot be had
+    raises :class:`~gpuckpt.errors.StagingMemoryError`.
+
+    The process does not exit before the saves it queued are written; a save
+    that failed without its ``result()`` or ``exception()`` being asked for is
+    reported on standard error at exit and makes the exit status 1.
 
     ``staging="host"`` (default) snapshots into reusable host memory
     (page-locked for device arrays): the call blocks for about one
@@ -268,6 +227,10 @@ def async_save(
     arrays and the collective save runs on the background thread: the
     application must not use the same communicator until ``result()`` returns
     (with MPI, or use an ``MPI_THREAD_MULTIPLE`` build and a separate communicator).
+    A distributed save's snapshot is taken into memory of its own (ranks
+    simulated by threads of one process must not wait for each other's
+    arenas), and what fails on one rank, in the snapshot too, fails the save
+    on every rank, from ``result()``.
 
     Examples
     --------
@@ -278,94 +241,101 @@ def async_save(
     >>> fut.result().state_dict_metadata["w"].size
     (4,)
     """
-    if staging not in ("host", "device"):
-        raise ValueError(f"staging={staging!r}; expected 'host' or 'device'")
-    from gpuckpt.distributed.save import contains_sharded, distributed_save
-
-    if coordinator is not None or contains_sharded(state_dict):
-        from gpuckpt.distributed.coordinator import SingleProcessCoordinator
-
-        copied = _copy_state(state_dict)
-        coord = coordinator or SingleProcessCoordinator()
-        return SaveFuture(
-            _writer_executor(coord).submit(
-                distributed_save,
-                copied,
-                path,
-                coord,
-                overwrite=overwrite,
-                chunk_bytes=chunk_bytes,
-                allow_pickle=allow_pickle,
-                sync=sync,
-                threads=threads,
-                progress=progress,
-                staging_bytes=staging_bytes,
-                portable=portable,
-            ),
-            os.fspath(path),
-        )
-    plan = build_save_plan(state_dict, chunk_bytes=chunk_bytes, allow_pickle=allow_pickle)
-    total = sum(t.nbytes for t in plan.tensors)
-    pool: ArenaPool | None = None
-    arena: StagingArena | None = None
-    if staging == "device":
-        snapshot_on_device(plan)
-    else:
-        pool = _arena_pool(plan)
-        arena = pool.acquire(total)
-        try:
-            snapshot(plan, arena)
-        except BaseException:
-            pool.release(arena)
-            raise
-    writer = open_writer(
-        path,
+    # every option is checked before anything is taken (staging memory, copies, files)
+    options = SaveOptions(
         overwrite=overwrite,
+        chunk_bytes=chunk_bytes,
+        allow_pickle=allow_pickle,
         sync=sync,
-        expected_files=plan.nfiles,
+        threads=threads,
+        progress=progress,
+        staging=staging,
+        staging_bytes=staging_bytes,
         storage_options=storage_options,
-        # straight from the arena to the device: no dirty page cache next to the training process
-        direct_io=direct_io_setting(True),
+        portable=portable,
+    )
+    return async_save_with_options(state_dict, path, options, coordinator)
+
+
+def async_save_with_options(
+    state_dict: STATE_DICT_TYPE,
+    path: str | os.PathLike[str],
+    options: SaveOptions,
+    coordinator: Coordinator | None = None,
+) -> SaveFuture:
+    """:func:`async_save` with its options made (what :class:`~gpuckpt.CheckpointManager` calls)."""
+    if coordinator is not None or contains_sharded(state_dict):
+        return _async_distributed(state_dict, path, options, coordinator or SingleProcessCoordinator())
+    local, sources = describe_state(state_dict, allow_pickle=options.allow_pickle)
+    plan = plan_save([local], chunk_bytes=options.chunk_bytes, portable=options.portable)
+    # opening the writer checks the path's scheme and the writer's options; it touches no file.
+    # Large chunks go straight from the snapshot to the device: no dirty page cache next to
+    # the training process
+    writer = open_save_writer(
+        path, options, expected_files=plan.nfiles, direct_io=options.use_direct_io(True)
     )
 
-    def run() -> Metadata:
-        try:
-            return execute_save(
-                plan,
-                writer,
-                threads=threads,
-                checkpoint_id=str(uuid.uuid4()),
-                progress=progress,
-                staging_bytes=staging_bytes,
-            )
-        finally:
-            if pool is not None and arena is not None:
-                pool.release(arena)
+    def run(snap: dict[str, tuple[Source, ...]]) -> Callable[[], Metadata]:
+        return lambda: execute_save(plan, snap, writer, options, checkpoint_id=str(uuid.uuid4()))
 
-    return SaveFuture(_writer_executor().submit(run), os.fspath(path))
+    if options.staging == "device":
+        return submit(writer_executor(), run(snapshot_on_device(sources)), os.fspath(path))
+    pool = _arena_pool(sources)
+    arena = pool.acquire(snapshot_bytes(sources))
+    handed_over = False
 
+    def hand_over(raw: Future[Metadata]) -> None:
+        # from here on the arena belongs to the save, and is released when it is done
+        nonlocal handed_over
+        pool.hold(arena, raw)
+        raw.add_done_callback(lambda _: pool.release(arena))
+        handed_over = True
 
-def wait_all() -> None:
-    """Block until every queued async save has finished (errors stay in their futures)."""
-    ex = _writer_executor()
-    ex.submit(lambda: None).result()
-
-
-def release_staging() -> None:
-    """Free the cached staging memory of finished saves."""
-    with _lock:
-        pools = list(_pools.values())
-    for p in pools:
-        p.clear()
+    try:
+        snap = snapshot(local, sources, arena)
+        return submit(writer_executor(), run(snap), os.fspath(path), hand_over)
+    except BaseException:
+        if not handed_over:  # never while the save may still be writing from it
+            pool.release(arena)
+        raise
 
 
-def _drain_at_exit() -> None:
-    # queued saves finish before the interpreter exits: a return from
-    # async_save promised that the state would be written
-    with _lock:
-        executors = list(_executors.values())
-    for ex in executors:
-        ex.shutdown(wait=True)
+def _async_distributed(
+    state_dict: STATE_DICT_TYPE, path: str | os.PathLike[str], options: SaveOptions, coord: Coordinator
+) -> SaveFuture:
+    """A distributed save of a snapshot of this rank's state, on the rank's writer thread."""
+    described: Described | None = None
+    error: Exception | None = None
+    try:
+        local, sources = describe_state(state_dict, allow_pickle=options.allow_pickle)
+        if options.staging == "device":
+            snap = snapshot_on_device(sources)
+        else:
+            # memory of this save's own: pooled arenas would make ranks that are threads of one
+            # process wait for each other's saves, which need every rank to finish
+            backend = next(iter(device_backends(_arrays(sources))), None)
+            arena = StagingArena(backend.pinned_allocator() if backend is not None else HostAllocator())
+            arena.reset(snapshot_bytes(sources))
+            snap = snapshot(local, sources, arena)
+        described = (local, snap)
+    except Exception as exc:  # the other ranks learn of it in the save's first collective step
+        error = exc
+
+    def describe() -> Described:
+        if error is not None:
+            raise error
+        assert described is not None
+        return described
+
+    return submit(
+        writer_executor(coord), lambda: save_described(describe, path, coord, options), os.fspath(path)
+    )
 
 
-atexit.register(_drain_at_exit)
+def _after_fork_in_child() -> None:
+    global _lock
+    _lock = threading.Lock()  # it may have been held by a thread the child does not have
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -23,14 +23,20 @@ __all__ = [
     "ChecksumError",
     "DeviceUnavailableError",
     "GpuckptError",
+    "InvalidOptionError",
     "MetadataError",
     "MissingChunkError",
     "MissingKeyError",
+    "ReadOnlyTargetError",
     "ShapeMismatchError",
+    "StepOrderError",
     "DTypeMismatchError",
     "UnsafeCheckpointError",
     "UnsupportedValueError",
     "UnsupportedVersionError",
+    "StagingMemoryError",
+    "StagingTimeoutError",
+    "ForkedSaveError",
 ]
 
 
@@ -63,7 +69,54 @@ class CheckpointCorruptedError(GpuckptError, OSError):
 
 
 class ChecksumError(CheckpointCorruptedError):
-    """A chunk's CRC32C checksum does not match its bytes."""
+    """A chunk's CRC32C checksum does not match its bytes.
+
+    Attributes
+    ----------
+    fqn, key
+        The tensor and its chunk's key (``c.1.0``); None when not given.
+    computed
+        The CRC32C of the chunk's bytes as read.
+    stored
+        The checksum stored with the chunk (the 4 bytes after its data).
+    expected
+        The checksum the checkpoint's metadata lists for the chunk.
+
+    The three values are None when not given; they survive pickling (an error
+    reported by another process keeps them).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        fqn: str | None = None,
+        key: str | None = None,
+        computed: int | None = None,
+        stored: int | None = None,
+        expected: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.fqn = fqn
+        self.key = key
+        self.computed = computed
+        self.stored = stored
+        self.expected = expected
+
+    @property
+    def mismatch(self) -> str:
+        """What disagrees, in words, from the fields (``""`` when they were not given)."""
+        if self.computed is None or self.stored is None or self.expected is None:
+            return ""
+        what = (
+            "its bytes do not match their checksum"
+            if self.computed != self.stored
+            else "it is a valid chunk but not the one the metadata lists"
+        )
+        return (
+            f"{what}: computed {self.computed:#010x}, chunk file {self.stored:#010x}, "
+            f"metadata {self.expected:#010x}"
+        )
 
 
 class MissingChunkError(CheckpointCorruptedError):
@@ -89,6 +142,14 @@ class DTypeMismatchError(GpuckptError, TypeError):
     """A target array's dtype differs from the stored tensor's dtype."""
 
 
+class StepOrderError(GpuckptError, ValueError):
+    """A :class:`~gpuckpt.CheckpointManager` save of a step older than a committed step."""
+
+
+class ReadOnlyTargetError(GpuckptError, ValueError):
+    """A target array of a load in place cannot be written (read-only NumPy array or memmap)."""
+
+
 class UnsupportedValueError(GpuckptError, TypeError):
     """A value in the state dict cannot be stored safely."""
 
@@ -103,6 +164,10 @@ class DeviceUnavailableError(GpuckptError, RuntimeError):
 
 class MissingDependencyError(GpuckptError, ImportError):
     """An optional dependency (mpi4py, torch) is needed for the feature that was used."""
+
+
+class InvalidOptionError(GpuckptError, ValueError, TypeError):
+    """An option of a save or a load has a wrong type or value (caught as ValueError or TypeError)."""
 
 
 class CoordinatorError(GpuckptError, RuntimeError):
@@ -134,3 +199,15 @@ class DistributedError(GpuckptError, RuntimeError):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.failures, self.world_size))
+
+
+class StagingMemoryError(GpuckptError, MemoryError):
+    """Staging memory for a snapshot cannot be allocated (memory or address space limit)."""
+
+
+class StagingTimeoutError(GpuckptError, TimeoutError):
+    """No staging memory became free: within the timeout, or ever (no save in flight holds it)."""
+
+
+class ForkedSaveError(GpuckptError, RuntimeError):
+    """A background save was started by the parent of a ``fork()``; it completes there only."""

@@ -12,7 +12,12 @@ are ordered by their number, never by name; plain integer names (``42``)
 are read too. A step counts only once it is committed, so an interrupted or
 failed save is never returned by :meth:`CheckpointManager.latest_step`.
 Retention runs only after a newer save's commit has been observed, and it
-never deletes the latest committed step.
+never deletes the latest committed step nor the step just saved.
+
+The steps form one line: a save of a step older than a committed step is
+refused (:class:`~gpuckpt.StepOrderError`), so the step last saved is always
+the latest. To continue training from an earlier step (a roll-back), delete
+the newer steps with :meth:`CheckpointManager.delete` first.
 """
 
 from __future__ import annotations
@@ -25,19 +30,27 @@ from types import TracebackType
 from typing import Any
 
 import gpuckpt.api as api
-from gpuckpt.background import SaveFuture
-from gpuckpt.background import async_save as _async_save
-from gpuckpt.errors import CheckpointExistsError, CheckpointNotFoundError, GpuckptError
+from gpuckpt.background import SaveFuture, async_save_with_options
+from gpuckpt.errors import CheckpointExistsError, CheckpointNotFoundError, GpuckptError, StepOrderError
 from gpuckpt.metadata import STATE_DICT_TYPE
+from gpuckpt.options import SaveOptions
 from gpuckpt.storage import fsutil
-from gpuckpt.storage.local import cleanup_stale_temporaries, is_committed
+from gpuckpt.storage.stores import cleanup_leftovers, is_committed
 
 __all__ = ["CheckpointManager", "step_of"]
 
 _STEP_RE = re.compile(r"^(?:step_)?([0-9]{1,19})$")
-_TMP_TAGS = (".gpuckpt-tmp-", ".gpuckpt-old-")
 _DEL_TAG = ".gpuckpt-del-"
-_SAVE_OPTIONS = frozenset(("chunk_bytes", "allow_pickle", "sync", "threads", "progress"))
+#: the options of gpuckpt.async_save a manager passes on to each save
+_SAVE_OPTIONS = frozenset(
+    ("chunk_bytes", "allow_pickle", "sync", "threads", "progress", "staging", "staging_bytes", "portable")
+)
+#: options of gpuckpt.save that a manager cannot take, and why
+_REFUSED = {
+    "overwrite": "the manager never overwrites a step",
+    "storage_options": "the manager's root is a local directory (storage_options are for URL back ends)",
+    "coordinator": "a manager saves from one process",
+}
 
 
 def step_of(name: str) -> int | None:
@@ -71,8 +84,10 @@ class CheckpointManager:
         Save in the background (default): :meth:`save` returns once the state
         is snapshotted. At most one save is in flight; the next one waits for it.
     **save_options
-        Passed to :func:`gpuckpt.save`: ``chunk_bytes``, ``allow_pickle``,
-        ``sync``, ``threads``, ``progress``.
+        Options of every save, as for :func:`gpuckpt.async_save`:
+        ``chunk_bytes``, ``allow_pickle``, ``sync``, ``threads``, ``progress``,
+        ``staging``, ``staging_bytes``, ``portable``; checked here
+        (:class:`~gpuckpt.errors.InvalidOptionError` for a bad value).
 
     Notes
     -----
@@ -80,6 +95,21 @@ class CheckpointManager:
     :meth:`wait` or :meth:`close` (once). Each step is saved once: saving a
     step that already exists raises :class:`~gpuckpt.CheckpointExistsError`.
     A manager is meant for one thread.
+
+    Steps only move forward: saving a step older than a committed one raises
+    :class:`~gpuckpt.StepOrderError` before anything is written. Otherwise the
+    newer step would stay :meth:`latest_step` (a restarted job would resume
+    from the line it rolled back from) and retention, which keeps the newest
+    ``max_to_keep`` steps, would delete each step saved after a roll-back
+    right after its commit. To roll back, restore the earlier step, delete
+    the newer ones, and go on saving::
+
+        mgr.restore(state, step=100)
+        for s in [s for s in mgr.all_steps() if s > 100]:
+            mgr.delete(s)
+        mgr.save(110, state)
+
+    Retention never deletes the step just saved.
 
     Examples
     --------
@@ -112,11 +142,13 @@ class CheckpointManager:
         _check_count("keep_period", keep_period, 1)
         unknown = sorted(set(save_options) - _SAVE_OPTIONS)
         if unknown:
-            hint = "; the manager never overwrites a step" if "overwrite" in unknown else ""
+            hints = "".join(f"; {k}: {_REFUSED[k]}" for k in unknown if k in _REFUSED)
             raise TypeError(
                 f"CheckpointManager got unknown save option(s) {', '.join(unknown)}; "
-                f"expected some of {', '.join(sorted(_SAVE_OPTIONS))}{hint}"
+                f"expected some of {', '.join(sorted(_SAVE_OPTIONS))}{hints}"
             )
+        # bad values fail here, not at some later save (which could have taken staging memory)
+        self.options = SaveOptions(**save_options)
         self.root = Path(root).absolute()
         if self.root.exists() and not self.root.is_dir():
             raise NotADirectoryError(f"checkpoint root {self.root} exists and is not a directory")
@@ -124,7 +156,6 @@ class CheckpointManager:
         self.save_interval_steps = save_interval_steps
         self.keep_period = keep_period
         self.async_save = async_save
-        self.save_options = dict(save_options)
         self._pending: tuple[int, SaveFuture] | None = None
         self._error: BaseException | None = None
         self._closed = False
@@ -151,14 +182,9 @@ class CheckpointManager:
     def _cleanup_leftovers(self) -> None:
         """Remove temporaries of dead saves and half-done deletions."""
         for entry in os.scandir(self.root):
-            if not entry.name.startswith("."):
-                continue
-            if _DEL_TAG in entry.name:
+            if entry.name.startswith(".") and _DEL_TAG in entry.name:
                 fsutil.rmtree_quiet(Path(entry.path))
-                continue
-            for tag in _TMP_TAGS:
-                if tag in entry.name:
-                    cleanup_stale_temporaries(self.root / entry.name[1:].split(tag, 1)[0])
+        cleanup_leftovers(self.root)
 
     def step_path(self, step: int) -> Path:
         """Directory of ``step``: the existing one, else where a save would put it."""
@@ -195,18 +221,30 @@ class CheckpointManager:
         if not force and not self.should_save(step):
             return False
         self._settle()
-        existing = self._scan().get(step)
+        steps = self._scan()
+        existing = steps.get(step)
         if existing is not None:
             raise CheckpointExistsError(
                 f"step {step} is already saved at {existing}; each step is saved once: "
                 "save under another step number or delete that directory first"
             )
+        newer = sorted(s for s in steps if s > step)
+        if newer:
+            shown = f"{newer[:10]}{' ...' if len(newer) > 10 else ''}"
+            raise StepOrderError(
+                f"step {step} is older than the committed step(s) {shown} under {self.root}; "
+                f"saved, it would not be the latest: latest_step() and restore() would still give "
+                f"step {newer[-1]}, and retention would count the newer steps and delete the new ones. "
+                "To continue from an earlier step (a roll-back), delete the newer steps first "
+                "(for s in [s for s in mgr.all_steps() if s > "
+                f"{step}]: mgr.delete(s)), or save the new line under another root"
+            )
         path = self.root / f"step_{step:08d}"
         if self.async_save:
-            self._pending = (step, _async_save(state_dict, path, overwrite=False, **self.save_options))
+            self._pending = (step, async_save_with_options(state_dict, path, self.options))
         else:
-            api.save(state_dict, path, overwrite=False, **self.save_options)
-            self._apply_retention()
+            api.save_with_options(state_dict, path, self.options)
+            self._apply_retention(step)
         return True
 
     def _poll(self) -> None:
@@ -216,13 +254,13 @@ class CheckpointManager:
 
     def _finish_pending(self) -> None:
         assert self._pending is not None
-        _step, fut = self._pending
+        step, fut = self._pending
         self._pending = None
         err = fut.exception()
         if err is not None:
             self._error = err
             return
-        self._apply_retention()
+        self._apply_retention(step)
 
     def _settle(self, *, raise_error: bool = True) -> None:
         """Wait for the save in flight, apply retention, raise a stored error."""
@@ -260,16 +298,39 @@ class CheckpointManager:
 
     # retention ---------------------------------------------------------------
 
-    def _apply_retention(self) -> None:
+    def _apply_retention(self, saved: int) -> None:
+        """Keep the newest ``max_to_keep`` steps (and ``keep_period`` ones) after ``saved`` committed.
+
+        ``saved`` itself is never deleted, whatever else the directory holds
+        (a newer step written behind the manager's back, for one).
+        """
         if self.max_to_keep is None:
             return
         steps = sorted(self._scan().items())
         if len(steps) <= self.max_to_keep:
             return
         for step, path in steps[: -self.max_to_keep]:
-            if self.keep_period is not None and step % self.keep_period == 0:
+            if step == saved or (self.keep_period is not None and step % self.keep_period == 0):
                 continue
             self._delete(path)
+
+    def delete(self, step: int) -> None:
+        """Delete the committed checkpoint of ``step``, e.g. the steps after one rolled back to.
+
+        A save in flight is waited for first (its error, if any, is raised by
+        the next :meth:`save` or :meth:`wait`). The step disappears in one
+        rename, made durable, before its files are removed.
+
+        Raises
+        ------
+        CheckpointNotFoundError
+            When ``step`` has no committed checkpoint.
+        """
+        if not isinstance(step, int) or isinstance(step, bool):
+            raise TypeError(f"step must be an int, got {step!r}")
+        step, path = self._resolve(step)
+        self._delete(path)
+        fsutil.fsync_dir(self.root)
 
     def _delete(self, path: Path) -> None:
         # rename first: the step disappears in one step, then the files go
@@ -302,6 +363,9 @@ class CheckpointManager:
 
         ``options`` go to :func:`gpuckpt.load` (``strict``, ``allow_pickle``,
         ``threads``, ``progress``). A save in flight is waited for first.
+        Restoring an earlier step changes nothing on disk; to go on saving
+        from it, delete the newer steps (:meth:`delete`): a save of a step
+        older than a committed one is refused (see the class notes).
         """
         step, path = self._resolve(step)
         api.load(state_dict, path, **options)

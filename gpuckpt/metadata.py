@@ -15,11 +15,14 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpuckpt import memory_format as mf
 from gpuckpt.dtypes import dtype_from_name, dtype_name, get_default_dtype
 from gpuckpt.errors import MetadataError, UnsupportedVersionError
+
+if TYPE_CHECKING:
+    from gpuckpt.device.arrays import ArrayAdapter
 
 __all__ = [
     "FORMAT_VERSION",
@@ -109,10 +112,21 @@ class TensorProperties:
         >>> TensorProperties.create_from_tensor(x).memory_format
         gpuckpt.contiguous_format
         """
+        # at call time: the format layer depends on no array kind; only this convenience reads one
         from gpuckpt.device.arrays import adapt
 
-        props: TensorProperties = adapt(tensor).properties()
-        return props
+        return TensorProperties.from_array(adapt(tensor))
+
+    @staticmethod
+    def from_array(array: ArrayAdapter) -> TensorProperties:
+        """The properties of the array behind ``array`` (an adapter of :mod:`gpuckpt.device.arrays`)."""
+        return TensorProperties(
+            dtype=array.dtype,
+            layout=mf.strided,
+            requires_grad=bool(array.requires_grad),
+            memory_format=array.memory_format,
+            pin_memory=bool(array.pinned),
+        )
 
     # JSON form -------------------------------------------------------------
 

@@ -12,44 +12,45 @@ the metadata.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import math
 from collections.abc import Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from gpuckpt.device.backend import (
-    DEFAULT_STAGING_BYTES,
-    BufferPool,
-    DeviceArray,
-    buffer_pool,
-    staging_buffer_bytes,
-)
+from gpuckpt.device.arrays import ArrayAdapter
+from gpuckpt.device.backend import Staging
 from gpuckpt.errors import (
     CheckpointCorruptedError,
+    CheckpointTooLargeError,
     ChecksumError,
     MetadataError,
     MissingChunkError,
 )
 from gpuckpt.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+from gpuckpt.options import LoadOptions
 from gpuckpt.planning import ChunkGrid, ChunkSpec
-from gpuckpt.progress import ProgressCallback, ProgressCounter
+from gpuckpt.progress import ProgressCounter
+from gpuckpt.runner import batches, run_all
 from gpuckpt.storage.base import CheckpointReader
-from gpuckpt.storage.chunkio import CRC_BYTES, is_prefix_box, stored_nbytes
+from gpuckpt.storage.checksum import CRC_BYTES
+from gpuckpt.storage.chunks import is_prefix_box, stored_nbytes
 from gpuckpt.storage.layout import chunk_file_key, is_chunk_file_key
 from gpuckpt.storage.names import is_safe_name
-from gpuckpt.writing import IO_BATCH_BYTES, IO_BATCH_JOBS, default_threads
 
 __all__ = [
     "ChunkRead",
     "TensorEntry",
     "check_chunk_files",
+    "checksum_verified",
+    "fetch_verified",
     "paused_gc",
-    "read_chunk_into_box",
+    "read_chunk_into",
     "read_tensors",
+    "scratch",
     "validate_metadata",
 ]
 
@@ -153,6 +154,16 @@ def validate_metadata(md: Metadata) -> tuple[dict[str, TensorEntry], dict[str, A
             grid = ChunkGrid.from_zarr_json(entry.size, info.get("chunk_grid"))
         except ValueError as exc:
             raise _bad(fqn, f"chunk grid: {exc}") from None
+        if grid.kind == "regular" and any(
+            c > max(n, 1) for c, n in zip(grid.chunk_shape, entry.size, strict=True)
+        ):
+            # gpuckpt never writes one: each chunk would be read through padding (a sparse
+            # file costs no disk) that every load has to allocate
+            raise _bad(
+                fqn,
+                f"regular chunk shape {list(grid.chunk_shape)} is larger than the tensor's shape "
+                f"{list(entry.size)}; no chunk may exceed the tensor along any axis",
+            )
         raw_chunks = info.get("chunks")
         if not isinstance(raw_chunks, list) or len(raw_chunks) != len(entry.chunks):
             raise _bad(fqn, "storage chunk list does not match the chunk metadata")
@@ -209,8 +220,48 @@ def _check_crc(t: TensorEntry, c: ChunkRead, value: int, stored_crc: int) -> Non
             f"chunk {c.key} of tensor {t.fqn!r} failed its CRC32C check ({what}: computed {value:#010x}, "
             f"chunk file {stored_crc:#010x}, metadata {c.crc:#010x}); the checkpoint is damaged, or was "
             "replaced by a concurrent save while loading (then load again): restore it from a copy or load "
-            "an earlier checkpoint (arrays loaded in place may be partly overwritten)"
+            "an earlier checkpoint (arrays loaded in place may be partly overwritten)",
+            fqn=t.fqn,
+            key=c.key,
+            computed=value,
+            stored=stored_crc,
+            expected=c.crc,
         )
+
+
+def _vanished(t: TensorEntry, c: ChunkRead, exc: FileNotFoundError) -> MissingChunkError:
+    what = f"file {t.name}/{c.key} {exc.strerror}" if exc.strerror else "it disappeared"
+    return MissingChunkError(
+        f"chunk {c.key} of tensor {t.fqn!r} cannot be read while loading ({what}); the checkpoint "
+        "was deleted or replaced by a concurrent save (load again), or is damaged"
+    )
+
+
+def scratch(shape: tuple[int, ...], dtype: np.dtype[Any], t: TensorEntry) -> np.ndarray:
+    """Scratch memory for a chunk of ``t`` (validation keeps it within the tensor's own size)."""
+    try:
+        return np.empty(shape, dtype)
+    except MemoryError:
+        raise CheckpointTooLargeError(
+            f"tensor {t.fqn!r}: a scratch buffer of shape {shape} ({math.prod(shape) * dtype.itemsize} "
+            "bytes) for reading one of its chunks cannot be allocated; free memory and load again"
+        ) from None
+
+
+def checksum_verified(reader: CheckpointReader, t: TensorEntry, c: ChunkRead, piece: int) -> None:
+    """Read chunk ``c`` through buffers of at most ``piece`` bytes and check its size and CRC32C.
+
+    Nothing of the chunk is kept; ``c.nbytes`` must have been checked against the file first.
+    """
+    try:
+        got, value, stored_crc = reader.read_chunk_checksum(t.name, c.key, c.nbytes, piece)
+    except FileNotFoundError as exc:
+        raise _vanished(t, c, exc) from None
+    if got != c.nbytes:
+        raise CheckpointCorruptedError(
+            f"chunk {c.key} of tensor {t.fqn!r}: read {got} bytes, expected {c.nbytes}; the file is truncated"
+        )
+    _check_crc(t, c, value, stored_crc)
 
 
 def fetch_verified(reader: CheckpointReader, t: TensorEntry, c: ChunkRead, parts: list[Any]) -> None:
@@ -218,11 +269,8 @@ def fetch_verified(reader: CheckpointReader, t: TensorEntry, c: ChunkRead, parts
     crc_buf = bytearray(CRC_BYTES)
     try:
         got, value = reader.read_chunk_crc(t.name, c.key, [*parts, crc_buf])
-    except FileNotFoundError:
-        raise MissingChunkError(
-            f"chunk {c.key} of tensor {t.fqn!r} disappeared while loading; the checkpoint was "
-            "deleted or replaced by a concurrent save (load again), or is damaged"
-        ) from None
+    except FileNotFoundError as exc:
+        raise _vanished(t, c, exc) from None
     if got != c.nbytes:
         raise CheckpointCorruptedError(
             f"chunk {c.key} of tensor {t.fqn!r}: read {got} bytes, expected {c.nbytes}; the file is truncated"
@@ -230,118 +278,72 @@ def fetch_verified(reader: CheckpointReader, t: TensorEntry, c: ChunkRead, parts
     _check_crc(t, c, value, int.from_bytes(crc_buf, "little"))
 
 
-def _read_chunk(
-    reader: CheckpointReader, t: TensorEntry, c: ChunkRead, dest: np.ndarray, counter: ProgressCounter
-) -> None:
-    read_chunk_into_box(reader, t, c, c.spec.view(dest), counter)
-
-
-def read_chunk_into_box(
-    reader: CheckpointReader, t: TensorEntry, c: ChunkRead, box: np.ndarray, counter: ProgressCounter
-) -> None:
-    """Read chunk ``c`` into ``box`` (host memory of the chunk's extent), verifying its CRC32C.
-
-    Straight into ``box`` when it is C-contiguous, else through a scratch buffer.
-    """
-    direct = box.flags.c_contiguous and box.dtype.byteorder != ">" and is_prefix_box(c.spec.sizes, c.stored)
-    if direct:
-        # straight into the destination; padding of an edge chunk goes to scratch
-        data = box.reshape(-1).view(np.uint8)
-        pad = c.nbytes - CRC_BYTES - data.nbytes
-        fetch_verified(reader, t, c, [data, np.empty(pad, np.uint8)] if pad else [data])
-    else:
-        scratch = np.empty(c.stored, dtype=t.dtype.newbyteorder("<"))
-        fetch_verified(reader, t, c, [scratch.reshape(-1).view(np.uint8)])
-        box[...] = scratch[tuple(slice(0, s) for s in c.spec.sizes)]
-    counter.add(box.nbytes)
-
-
-def _read_host_batch(
-    reader: CheckpointReader,
-    batch: list[tuple[TensorEntry, ChunkRead, np.ndarray]],
-    counter: ProgressCounter,
-) -> None:
-    for t, c, dest in batch:
-        _read_chunk(reader, t, c, dest, counter)
-
-
-def _read_chunk_to_device(
+def read_chunk_into(
     reader: CheckpointReader,
     t: TensorEntry,
     c: ChunkRead,
-    dest: DeviceArray,
-    pool: BufferPool,
+    dest: ArrayAdapter,
+    offsets: tuple[int, ...],
+    staging: Staging,
     counter: ProgressCounter,
 ) -> None:
-    """Read a chunk into a staging buffer, verify it, and copy its box into the device array."""
-    buf = pool.acquire(c.nbytes - CRC_BYTES)
+    """Read and verify chunk ``c`` into the box of ``dest`` at ``offsets`` (the chunk's extent).
+
+    Straight into the box's memory where its layout allows (host boxes, or the
+    staging buffer of a device box), else through scratch memory.
+    """
+    incoming = dest.stage_in(offsets, c.spec.sizes, staging)
     try:
-        stored = buf[: c.nbytes - CRC_BYTES]
-        fetch_verified(reader, t, c, [stored])
-        if is_prefix_box(c.spec.sizes, c.stored):
-            block = stored[: c.spec.nelem * t.dtype.itemsize]
+        box = incoming.box
+        direct = (
+            box.flags.c_contiguous and box.dtype.byteorder != ">" and is_prefix_box(c.spec.sizes, c.stored)
+        )
+        if direct:
+            # straight into the box; padding of an edge chunk goes to scratch
+            data = box.reshape(-1).view(np.uint8)
+            pad = c.nbytes - CRC_BYTES - data.nbytes
+            fetch_verified(reader, t, c, [data, scratch((pad,), np.dtype(np.uint8), t)] if pad else [data])
         else:
-            full = stored.view(t.dtype.newbyteorder("<")).reshape(c.stored)
-            block = (
-                np.ascontiguousarray(full[tuple(slice(0, s) for s in c.spec.sizes)])
-                .reshape(-1)
-                .view(np.uint8)
-            )
-        dest.backend.stage_in(block, dest.data, c.spec.offsets, c.spec.sizes).wait()
+            stored = scratch(c.stored, t.dtype.newbyteorder("<"), t)
+            fetch_verified(reader, t, c, [stored.reshape(-1).view(np.uint8)])
+            box[...] = stored[tuple(slice(0, s) for s in c.spec.sizes)]
+        incoming.finish()
     finally:
-        pool.release(buf)
-    counter.add(c.spec.nelem * t.dtype.itemsize)
+        incoming.release()
+    counter.add(box.nbytes)
+
+
+def _read_chunks(
+    reader: CheckpointReader,
+    reads: list[tuple[TensorEntry, ChunkRead, ArrayAdapter]],
+    staging: Staging,
+    counter: ProgressCounter,
+) -> None:
+    for t, c, dest in reads:
+        read_chunk_into(reader, t, c, dest, c.spec.offsets, staging, counter)
 
 
 def read_tensors(
     reader: CheckpointReader,
-    targets: list[tuple[TensorEntry, Any]],
-    *,
-    threads: int | None = None,
-    progress: ProgressCallback | None = None,
-    staging_bytes: int = DEFAULT_STAGING_BYTES,
+    targets: list[tuple[TensorEntry, ArrayAdapter]],
+    options: LoadOptions,
 ) -> None:
-    """Fill each target (a host array or a :class:`DeviceArray`) with its tensor's chunks, in parallel.
+    """Fill each target array (an adapter of any kind of memory) with its tensor's chunks, in parallel.
 
-    Host targets are read straight into their memory where the layout allows.
+    Of ``options``, ``threads``, ``progress`` and ``staging_bytes`` (the
+    staging budget of device targets) apply. Chunks go to the I/O threads in
+    batches (small ones together). Host targets are read straight into their
+    memory where the layout allows.
     Device targets go through a bounded pool of staging buffers: I/O threads
-    read and verify chunks into buffers and queue the host-to-device copies,
-    so reads of the next chunks overlap the copies of earlier ones.
+    read and verify chunks into buffers and copy them to the device, so reads
+    of the next chunks overlap the copies of earlier ones.
     """
+    threads, progress, staging_bytes = options.threads, options.progress, options.staging_bytes
     counter = ProgressCounter(progress, sum(t.nbytes for t, _ in targets))
-    jobs: list[tuple[Any, ...]] = []
-    batch: list[tuple[TensorEntry, ChunkRead, np.ndarray]] = []
-    batch_bytes = 0
-    for t, dest in targets:
-        if isinstance(dest, DeviceArray):
-            if not t.chunks:
-                continue
-            largest = max(c.nbytes for c in t.chunks) - CRC_BYTES
-            pool = buffer_pool(dest.backend, staging_buffer_bytes(largest), staging_bytes)
-            jobs.extend((_read_chunk_to_device, reader, t, c, dest, pool, counter) for c in t.chunks)
-            continue
-        for c in t.chunks:
-            # small host chunks go to the I/O threads in batches, as on save
-            batch.append((t, c, dest))
-            batch_bytes += c.nbytes
-            if batch_bytes >= IO_BATCH_BYTES or len(batch) >= IO_BATCH_JOBS:
-                jobs.append((_read_host_batch, reader, batch, counter))
-                batch, batch_bytes = [], 0
-    if batch:
-        jobs.append((_read_host_batch, reader, batch, counter))
-    if not jobs:
-        return
-    if len(jobs) == 1:
-        jobs[0][0](*jobs[0][1:])
-        return
-    with ThreadPoolExecutor(
-        max_workers=threads or default_threads(), thread_name_prefix="gpuckpt-read"
-    ) as pool_:
-        futures = [pool_.submit(*job) for job in jobs]
-        try:
-            for f in futures:
-                f.result()
-        except BaseException:
-            for f in futures:
-                f.cancel()
-            raise
+    staging = Staging(
+        ((dest.backend, c.spec.nelem * t.dtype.itemsize) for t, dest in targets for c in t.chunks),
+        staging_bytes,
+    )
+    reads = (((t, c, dest), c.nbytes) for t, dest in targets for c in t.chunks)
+    jobs = [functools.partial(_read_chunks, reader, batch, staging, counter) for batch in batches(reads)]
+    run_all(jobs, threads=threads, name="gpuckpt-read")

@@ -8,7 +8,17 @@ traversed when they contain an array or a dict somewhere, otherwise they are
 one plain value (``"betas": (0.9, 0.999)`` stays a tuple).
 
 The nesting is recorded as a JSON *skeleton* so that a load rebuilds the same
-containers with the same key types (``str`` or ``int``) and order.
+containers with the same key types (``str`` or ``int``) and order, empty
+ones included.
+
+A partial load (``keys=...``) rebuilds only the containers on the way to the
+selected leaves. A list or tuple of which only some positions are selected
+comes back as a ``dict`` from position (``int``) to entry:
+``{"layers": [a, b, c]}`` loaded with ``keys=["layers.1"]`` gives
+``{"layers": {1: b}}``. Indexing by position works as on the full list, and
+no placeholder stands in for the positions not loaded, where it could be
+taken for a stored value. A sequence whose every position is selected comes
+back as itself.
 """
 
 from __future__ import annotations
@@ -94,7 +104,14 @@ def flatten_state_dict(
                             f"key {k!r} under {prefix or '<root>'!r} has type {type(k).__name__}; "
                             "only str and int keys can be stored"
                         )
-                    name = str(k) if depth == 0 else f"{prefix}.{k}"
+                    try:
+                        name = str(k) if depth == 0 else f"{prefix}.{k}"
+                    except ValueError:  # an int past the interpreter's int-to-str digit limit
+                        raise UnsupportedValueError(
+                            f"an int key under {prefix or '<root>'!r} has {int(k).bit_length()} bits, "
+                            "too many digits to be part of an entry name (see sys.get_int_max_str_digits()); "
+                            "use a shorter key, or store the number as a value"
+                        ) from None
                     items.append(["i" if isinstance(k, int) else "s", k, visit(value, k, v, name, depth + 1)])
                 return {"d": items}
             seq = value if isinstance(value, list) else list(value)
@@ -109,13 +126,28 @@ def flatten_state_dict(
     return leaves, skeleton
 
 
-def unflatten_state_dict(skeleton: Any, values: Mapping[str, Any]) -> dict[str, Any]:
-    """Rebuild nested containers from ``skeleton``; leaves absent from ``values`` are dropped.
+def unflatten_state_dict(
+    skeleton: Any, values: Mapping[str, Any], selection: Iterable[str] | None = None
+) -> dict[str, Any]:
+    """Rebuild nested containers from ``skeleton`` with the leaves in ``values``.
 
-    Containers left empty by a partial selection are dropped too, except the root.
+    ``selection`` is None for a whole state (``values`` holds every leaf):
+    every container comes back, empty ones included. For a partial load it
+    holds the selected keys (FQNs or ``.``-prefixes): leaves absent from
+    ``values`` are left out, containers holding none of the selected leaves
+    are dropped (an empty one is kept when a selected key covers it), and a
+    list or tuple with only some positions selected becomes a ``dict`` from
+    position to entry (see the module docstring). The root is always a dict.
     """
+    keys = None if selection is None else ([selection] if isinstance(selection, str) else list(selection))
 
-    def build(node: Any, depth: int) -> tuple[bool, Any]:
+    def keep_empty(path: tuple[Any, ...]) -> bool:
+        if keys is None:
+            return True
+        name = ".".join(str(p) for p in path)
+        return any(name == k or name.startswith(k + ".") for k in keys)
+
+    def build(node: Any, depth: int, path: tuple[Any, ...]) -> tuple[bool, Any]:
         if depth > _MAX_DEPTH or not isinstance(node, dict) or len(node) != 1:
             raise MetadataError(f"malformed structure node in planner_data: {str(node)[:200]}")
         ((tag, body),) = node.items()
@@ -135,20 +167,21 @@ def unflatten_state_dict(skeleton: Any, values: Mapping[str, Any]) -> dict[str, 
                     kt == "i" and (not isinstance(k, int) or isinstance(k, bool))
                 ):
                     raise MetadataError(f"malformed dict key in planner_data: {k!r}")
-                present, v = build(child, depth + 1)
+                present, v = build(child, depth + 1, (*path, k))
                 if present:
                     out[k] = v
-            return (bool(out) or depth == 0, out)
+            return (bool(out) or depth == 0 or (not body and keep_empty(path)), out)
         if tag in ("l", "t"):
-            parts = [build(child, depth + 1) for child in body]
-            if not all(p for p, _ in parts):
-                # a sequence is all or nothing: indices must keep their meaning
-                return (False, None)
-            seq = [v for _, v in parts]
-            return (True, seq if tag == "l" else tuple(seq))
+            parts = [build(child, depth + 1, (*path, i)) for i, child in enumerate(body)]
+            if all(p for p, _ in parts):
+                seq = [v for _, v in parts]
+                return (bool(seq) or keep_empty(path), seq if tag == "l" else tuple(seq))
+            # some positions only: keyed by position, so that indices keep their meaning
+            partial = {i: v for i, (p, v) in enumerate(parts) if p}
+            return (bool(partial), partial)
         raise MetadataError(f"unknown structure tag {tag!r} in planner_data")
 
-    _, root = build(skeleton, 0)
+    _, root = build(skeleton, 0, ())
     if not isinstance(root, dict):
         raise MetadataError("planner_data structure root is not a dict")
     return root

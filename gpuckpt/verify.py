@@ -2,32 +2,31 @@
 
 Unlike a load, which stops at the first problem, :func:`verify_checkpoint`
 reads everything and lists every damaged part, so that one report tells
-what is left to salvage. Chunks are read into scratch memory a group of
-tensors at a time, so memory stays bounded by the largest tensor (or
-``group_bytes``), not by the checkpoint.
+what is left to salvage. Each chunk file's size is checked against the
+metadata before it is read, and a chunk is then streamed through one small
+buffer per thread (its checksum needs its bytes, not a copy of them), so
+memory stays bounded by ``group_bytes`` whatever the metadata claims.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import json
 import os
-import re
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from gpuckpt.dtypes import dtype_name
+from gpuckpt.cli.text import printable
 from gpuckpt.errors import CheckpointCorruptedError, ChecksumError, MetadataError, UnsafeCheckpointError
 from gpuckpt.progress import ProgressCallback, ProgressCounter
-from gpuckpt.reading import ChunkRead, TensorEntry, read_tensors, validate_metadata
-from gpuckpt.storage.layout import metadata_from_root_document
-from gpuckpt.storage.local import LocalReader
-from gpuckpt.storage.objects import decode_object
-from gpuckpt.writing import default_threads
+from gpuckpt.reading import ChunkRead, TensorEntry, checksum_verified, validate_metadata
+from gpuckpt.runner import default_threads, run_ordered
+from gpuckpt.storage.base import CheckpointReader, NotRegularFileError
+from gpuckpt.storage.layout import ATTRIBUTE, expected_array_document, metadata_from_root_document
+from gpuckpt.storage.stores import open_reader
+from gpuckpt.storage.values import decode_object
 
 __all__ = ["Damage", "VerifyReport", "verify_checkpoint"]
 
@@ -73,93 +72,82 @@ class VerifyReport:
         }
 
     def format(self) -> str:
-        """A human-readable summary, one damaged part per line."""
+        """A human-readable summary, one damaged part per line.
+
+        Text from the checkpoint (names, problems) has its non-printable
+        characters escaped: a hostile name cannot forge lines or drive the terminal.
+        """
         lines = []
+        path = printable(self.path)
         if self.ok:
             lines.append(
-                f"OK: {self.path}: {self.tensors} tensors ({self.chunks} chunks, "
+                f"OK: {path}: {self.tensors} tensors ({self.chunks} chunks, "
                 f"{self.bytes_checked / 1e6:.1f} MB) and {self.objects} values verified"
             )
         else:
             lines.append(
-                f"DAMAGED: {self.path}: {len(self.damage)} problem(s) in "
+                f"DAMAGED: {path}: {len(self.damage)} problem(s) in "
                 f"{len(self.damaged_tensors())} tensor(s) of {self.tensors}"
             )
-            lines.extend(f"  {d.where}: {d.problem}" for d in self.damage)
-        lines.extend(f"  not checked: {s}" for s in self.skipped)
+            lines.extend(f"  {printable(d.where)}: {printable(d.problem)}" for d in self.damage)
+        lines.extend(f"  not checked: {printable(s)}" for s in self.skipped)
         return "\n".join(lines)
 
 
-def _expected_array_doc(t: TensorEntry) -> dict[str, Any]:
-    codecs: list[dict[str, Any]] = [{"name": "bytes"}, {"name": "crc32c"}]
-    if t.dtype.itemsize > 1:
-        codecs[0]["configuration"] = {"endian": "little"}
-    return {
-        "zarr_format": 3,
-        "node_type": "array",
-        "shape": list(t.shape),
-        "data_type": dtype_name(t.dtype),
-        "chunk_grid": t.grid.to_zarr_json(),
-        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "."}},
-        "codecs": codecs,
-    }
-
-
-def _check_array_doc(reader: LocalReader, t: TensorEntry) -> Damage | None:
+def _check_array_doc(reader: CheckpointReader, t: TensorEntry) -> Damage | None:
     where = f"{t.name}/zarr.json"
     try:
         doc = json.loads(reader.read_array_document(t.name))
+    except NotRegularFileError as exc:
+        return Damage(where, f"unreadable: it {exc.strerror}", t.fqn)
     except FileNotFoundError:
         return Damage(where, "missing", t.fqn)
     except (OSError, ValueError, RecursionError) as exc:
         return Damage(where, f"unreadable ({exc})", t.fqn)
     if not isinstance(doc, dict):
         return Damage(where, "is not a JSON object", t.fqn)
-    for key, want in _expected_array_doc(t).items():
+    fmt = t.metadata.properties.memory_format.name
+    expected = expected_array_document(
+        shape=t.shape, dtype=t.dtype, grid=t.grid, fqn=t.fqn, memory_format=fmt
+    )
+    # other attributes (added by another tool) are allowed; gpuckpt's own must be as written
+    want_attrs = expected.pop("attributes")[ATTRIBUTE]
+    for key, want in expected.items():
         if doc.get(key) != want:
             return Damage(where, f"{key} is {doc.get(key)!r}, the metadata says {want!r}", t.fqn)
     attrs = doc.get("attributes")
-    mine = attrs.get("gpuckpt") if isinstance(attrs, dict) else None
-    fmt = t.metadata.properties.memory_format.name
-    if not isinstance(mine, dict) or mine.get("fqn") != t.fqn or mine.get("memory_format") != fmt:
+    mine = attrs.get(ATTRIBUTE) if isinstance(attrs, dict) else None
+    if not isinstance(mine, dict) or any(mine.get(k) != v for k, v in want_attrs.items()):
         return Damage(
-            where, f"attributes.gpuckpt is {mine!r}, expected fqn {t.fqn!r} and memory format {fmt}", t.fqn
+            where,
+            f"attributes.{ATTRIBUTE} is {mine!r}, expected fqn {t.fqn!r} and memory format {fmt}",
+            t.fqn,
         )
     return None
 
 
-def _check_chunk(reader: LocalReader, t: TensorEntry, c: ChunkRead, scratch: np.ndarray) -> Damage | None:
+def _check_chunk(reader: CheckpointReader, t: TensorEntry, c: ChunkRead, piece: int) -> Damage | None:
     where = f"{t.name}/{c.key}"
+    # the size first: a claim the file cannot back is damage, never an allocation
     size = reader.chunk_nbytes(t.name, c.key)
     if size is None:
         return Damage(where, "missing", t.fqn)
     if size != c.nbytes:
         return Damage(where, f"is {size} bytes, expected {c.nbytes} (truncated or overwritten)", t.fqn)
-    one = TensorEntry(t.fqn, t.name, t.metadata, t.grid, [c])
     try:
-        read_tensors(reader, [(one, scratch)], threads=1)
+        checksum_verified(reader, t, c, piece)
+    except ChecksumError as exc:
+        # the "computed / chunk file / metadata" detail, without the advice meant for loads
+        return Damage(where, f"checksum mismatch ({exc.mismatch})" if exc.mismatch else str(exc), t.fqn)
     except CheckpointCorruptedError as exc:
-        problem = str(exc)
-        if isinstance(exc, ChecksumError):
-            # keep the "computed / chunk file / metadata" detail, drop the advice meant for loads
-            m = re.search(r"\((.*?)\)", problem)
-            problem = f"checksum mismatch ({m.group(1)})" if m else problem
-        return Damage(where, problem, t.fqn)
+        return Damage(where, str(exc), t.fqn)
     except OSError as exc:
         return Damage(where, f"unreadable ({exc.strerror or exc})", t.fqn)
     return None
 
 
-def _groups(tensors: list[TensorEntry], group_bytes: int) -> list[list[TensorEntry]]:
-    groups: list[list[TensorEntry]] = [[]]
-    size = 0
-    for t in tensors:
-        if groups[-1] and size + t.nbytes > group_bytes:
-            groups.append([])
-            size = 0
-        groups[-1].append(t)
-        size += t.nbytes
-    return [g for g in groups if g]
+_MIN_PIECE = 64 << 10
+_MAX_PIECE = 4 << 20
 
 
 def verify_checkpoint(
@@ -169,14 +157,20 @@ def verify_checkpoint(
     threads: int | None = None,
     progress: ProgressCallback | None = None,
     group_bytes: int = 256 << 20,
+    storage_options: dict[str, Any] | None = None,
 ) -> VerifyReport:
     """Read every part of the checkpoint at ``path`` and report all damage.
+
+    ``path`` is anything :func:`gpuckpt.load` reads: a directory, or an
+    ``s3://bucket/prefix`` URL (with ``storage_options`` as for a load).
 
     Checks the root metadata (and its checksum), each array's ``zarr.json``
     against the metadata, every chunk's size and CRC32C (against the chunk
     file and against the metadata), and decodes every plain value. Pickled
     values are decoded only with ``allow_pickle=True``; otherwise they are
-    listed as not checked.
+    listed as not checked. A chunk file whose size differs from the metadata's
+    is listed as damaged unread; the others are streamed through one buffer per
+    thread, all of them together within ``group_bytes`` (at least 64 KiB each).
 
     Raises
     ------
@@ -193,11 +187,11 @@ def verify_checkpoint(
     >>> report.ok, report.tensors, report.objects
     (True, 1, 1)
     """
-    reader = LocalReader(path)
+    reader = open_reader(path, storage_options=storage_options)
     report = VerifyReport(path=os.fspath(path))
-    raw = reader.read_root()  # not a checkpoint at all: raises CheckpointNotFoundError
     try:
-        md = metadata_from_root_document(raw, f"{Path(path) / 'zarr.json'}")
+        # not a checkpoint at all: CheckpointNotFoundError, raised
+        md = metadata_from_root_document(reader.read_root(), f"{os.fspath(path).rstrip('/')}/zarr.json")
         tensors, objects = validate_metadata(md)
     except MetadataError as exc:
         report.damage.append(Damage("zarr.json", str(exc)))
@@ -222,19 +216,18 @@ def verify_checkpoint(
             report.damage.append(bad)
 
     counter = ProgressCounter(progress, sum(t.nbytes for t in entries))
-    found: list[Damage | None] = []
-    with ThreadPoolExecutor(
-        max_workers=threads or default_threads(), thread_name_prefix="gpuckpt-verify"
-    ) as pool:
-        for group in _groups(entries, group_bytes):
-            scratch = {t.fqn: np.empty(t.shape, t.dtype) for t in group}
-            jobs = [(t, c) for t in group for c in t.chunks]
-            futures = [pool.submit(_check_chunk, reader, t, c, scratch[t.fqn]) for t, c in jobs]
-            for (t, c), fut in zip(jobs, futures, strict=True):
-                found.append(fut.result())
-                nbytes = c.spec.nelem * t.dtype.itemsize
-                report.bytes_checked += nbytes
-                counter.add(nbytes)
-            del scratch
-    report.damage.extend(d for d in found if d is not None)
+    workers = threads or default_threads()
+    piece = max(_MIN_PIECE, min(_MAX_PIECE, group_bytes // workers))
+    jobs = (functools.partial(_check_chunk, reader, t, c, piece) for t in entries for c in t.chunks)
+    chunks = ((t, c) for t in entries for c in t.chunks)
+    # a window of jobs in flight, not one future per chunk of a million-chunk checkpoint
+    with contextlib.closing(
+        run_ordered(jobs, window=4 * workers, threads=workers, name="gpuckpt-verify")
+    ) as found:
+        for (t, c), damage in zip(chunks, found, strict=True):
+            if damage is not None:
+                report.damage.append(damage)
+            nbytes = c.spec.nelem * t.dtype.itemsize
+            report.bytes_checked += nbytes
+            counter.add(nbytes)
     return report

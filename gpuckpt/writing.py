@@ -1,37 +1,32 @@
-"""Executing a save: from flattened leaves to a published checkpoint.
+"""Executing a save: a :class:`~gpuckpt.planning.plan.SavePlan` bound to arrays, written and published.
 
-A save is a list of :class:`ChunkJob` (one per stored chunk this process
-writes) plus the documents around them. Tensors become Zarr arrays
-(:mod:`gpuckpt.storage.layout`); chunk jobs run on a thread pool, straight
-from host memory when a chunk is one contiguous byte run (the common case,
-see :func:`gpuckpt.planning.plan_regular_grid`), or through a bounded pool of
-staging buffers for device memory; the root document carrying the metadata
-is written last by :meth:`CheckpointWriter.commit`. Distributed saves
+A plan (made by :func:`gpuckpt.planning.plan.plan_save`) says which chunks
+this process writes; :func:`bind_jobs` binds them to the arrays holding them
+(one :class:`ChunkJob` per stored chunk) when the save runs. Tensors become
+Zarr arrays (:mod:`gpuckpt.storage.layout`); chunk jobs run on a thread pool,
+straight from host memory when a chunk is one contiguous byte run (the
+common case, see :func:`gpuckpt.planning.grid.plan_regular_grid`), or
+through a bounded pool of staging buffers for device memory; the root
+document carrying the metadata is written last by
+:meth:`CheckpointWriter.commit`. Distributed saves
 (:mod:`gpuckpt.distributed.save`) run the same jobs on every rank.
 """
 
 from __future__ import annotations
 
 import errno
+import functools
 import math
 import os
-from collections.abc import Iterable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from gpuckpt.device.arrays import ArrayAdapter, adapt, is_array
-from gpuckpt.device.backend import (
-    DEFAULT_STAGING_BYTES,
-    BufferPool,
-    DeviceArray,
-    Ticket,
-    buffer_pool,
-    staging_buffer_bytes,
-)
+from gpuckpt.device.arrays import ArrayAdapter, StagedOut
+from gpuckpt.device.backend import DeviceBackend, Staging, distinct_backends
 from gpuckpt.errors import CheckpointWriteError, GpuckptError
 from gpuckpt.metadata import (
     FORMAT_VERSION,
@@ -39,48 +34,37 @@ from gpuckpt.metadata import (
     ChunkStorageMetadata,
     Metadata,
     StorageMeta,
-    TensorProperties,
     TensorStorageMetadata,
 )
-from gpuckpt.planning import DEFAULT_CHUNK_BYTES, ChunkGrid, ChunkSpec, plan_regular_grid
-from gpuckpt.progress import ProgressCallback, ProgressCounter
-from gpuckpt.state import flatten_state_dict
+from gpuckpt.options import SaveOptions
+from gpuckpt.planning.plan import ChunkAssignment, SavePlan, TensorPlan
+from gpuckpt.progress import ProgressCounter
+from gpuckpt.runner import Batcher, Runner
+from gpuckpt.sources import Sources
 from gpuckpt.storage.base import CheckpointWriter
-from gpuckpt.storage.chunkio import CRC_BYTES, crc32c, is_prefix_box, padded_chunk
+from gpuckpt.storage.checksum import CRC_BYTES, crc32c
+from gpuckpt.storage.chunks import is_prefix_box, padded_chunk
 from gpuckpt.storage.layout import array_document, chunk_file_key, root_document
-from gpuckpt.storage.names import encode_name
-from gpuckpt.storage.objects import encode_object
+from gpuckpt.storage.stores import open_writer
 
 __all__ = [
-    "IO_BATCH_BYTES",
-    "IO_BATCH_JOBS",
     "ChunkJob",
-    "SavePlan",
-    "TensorPlan",
-    "array_documents",
     "assemble_metadata",
-    "build_save_plan",
-    "default_threads",
+    "bind_jobs",
     "device_backends",
     "execute_save",
+    "open_save_writer",
     "write_array_documents",
     "write_chunks",
 ]
 
 
-#: host chunks go to the I/O threads in batches of about this many bytes or chunks
-IO_BATCH_BYTES = 1 << 20
-IO_BATCH_JOBS = 64
-
-
-def default_threads() -> int:
-    """I/O threads: enough to overlap checksums, writes and fsyncs on small machines."""
-    return max(2, min(8, (os.cpu_count() or 2) * 2))
-
-
 @dataclass(slots=True)
 class ChunkJob:
-    """One stored chunk to write: where its data is, and its stored shape."""
+    """One stored chunk to write, bound to the array holding it (made by :func:`bind_jobs`).
+
+    Work for the I/O threads, not part of the plan: a plain (not frozen) record,
+    since a save makes one per chunk while the caller waits."""
 
     name: str
     coords: tuple[int, ...]
@@ -98,77 +82,33 @@ class ChunkJob:
         return math.prod(self.sizes) * self.source.dtype.itemsize
 
 
-@dataclass(slots=True)
-class TensorPlan:
-    """One tensor of a save: its global description and the chunk jobs of this process."""
-
-    fqn: str
-    name: str
-    shape: tuple[int, ...]
-    dtype: np.dtype[Any]
-    grid: ChunkGrid
-    properties: TensorProperties
-    specs: list[ChunkSpec] = field(default_factory=list)
-    jobs: list[ChunkJob] = field(default_factory=list)
-    array: ArrayAdapter | None = None  # the whole tensor, for single-process saves
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
+def bind_jobs(assignments: Iterable[ChunkAssignment], sources: Sources) -> list[ChunkJob]:
+    """Bind a process's chunk assignments to its arrays: ``sources[fqn][box]`` holds each chunk."""
+    jobs = []
+    for a in assignments:
+        src = sources[a.fqn][a.box]
+        local = (
+            a.offsets
+            if not any(src.offsets)
+            else tuple(o - b for o, b in zip(a.offsets, src.offsets, strict=True))
+        )
+        jobs.append(ChunkJob(a.name, a.coords, src.array, local, a.sizes, a.stored))
+    return jobs
 
 
-@dataclass(slots=True)
-class SavePlan:
-    tensors: list[TensorPlan]
-    objects: dict[str, Any]
-    skeleton: Any
-
-    @property
-    def nfiles(self) -> int:
-        return sum(1 + len(t.specs) for t in self.tensors) + 1
-
-    def jobs(self) -> list[ChunkJob]:
-        return [j for t in self.tensors for j in t.jobs]
-
-
-def whole_tensor_jobs(
-    name: str, array: ArrayAdapter, grid: ChunkGrid, specs: Sequence[ChunkSpec]
-) -> list[ChunkJob]:
-    return [ChunkJob(name, s.coords, array, s.offsets, s.sizes, grid.stored_chunk_shape(s)) for s in specs]
-
-
-def build_save_plan(
-    state_dict: dict[str, Any],
-    *,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-    allow_pickle: bool = False,
-) -> SavePlan:
-    """Flatten ``state_dict``, plan every tensor's chunks and encode every object."""
-    leaves, skeleton = flatten_state_dict(state_dict, is_array)
-    tensors: list[TensorPlan] = []
-    objects: dict[str, Any] = {}
-    for fqn, leaf in leaves.items():
-        if is_array(leaf.value):
-            arr = adapt(leaf.value)
-            grid = plan_regular_grid(arr.shape, arr.dtype.itemsize, chunk_bytes)
-            specs = grid.chunk_list()
-            name = encode_name(fqn)
-            tensors.append(
-                TensorPlan(
-                    fqn,
-                    name,
-                    arr.shape,
-                    arr.dtype,
-                    grid,
-                    arr.properties(),
-                    specs,
-                    whole_tensor_jobs(name, arr, grid, specs),
-                    arr,
-                )
-            )
-        else:
-            objects[fqn] = encode_object(leaf.value, allow_pickle=allow_pickle, fqn=fqn)
-    return SavePlan(tensors, objects, skeleton)
+def open_save_writer(
+    path: str | os.PathLike[str], options: SaveOptions, *, expected_files: int, direct_io: bool
+) -> CheckpointWriter:
+    """The writer of a save to ``path`` with ``options`` (``direct_io``: whether large chunk
+    files go around the page cache, see :meth:`SaveOptions.use_direct_io`); touches no file."""
+    return open_writer(
+        path,
+        overwrite=options.overwrite,
+        sync=options.sync,
+        expected_files=expected_files,
+        storage_options=options.store_options(),
+        direct_io=direct_io,
+    )
 
 
 def _write_box(
@@ -192,173 +132,121 @@ def _write_box(
     return sum(p.nbytes for p in parts) + CRC_BYTES, state[0]
 
 
-def device_backends(plan: SavePlan) -> list[Any]:
-    """The distinct backends of the plan's device arrays."""
-    seen: dict[int, Any] = {}
-    for j in plan.jobs():
-        if isinstance(j.source, DeviceArray):
-            seen.setdefault(id(j.source.backend), j.source.backend)
-    for t in plan.tensors:
-        if isinstance(t.array, DeviceArray):
-            seen.setdefault(id(t.array.backend), t.array.backend)
-    return list(seen.values())
-
-
-class _Failure:
-    """Lets the producer stop queueing work once any I/O job has failed."""
-
-    def __init__(self) -> None:
-        self.error: BaseException | None = None
-
-    def check(self) -> None:
-        if self.error is not None:
-            raise self.error
+def device_backends(arrays: Iterable[ArrayAdapter]) -> list[DeviceBackend]:
+    """The distinct back ends of the device arrays among ``arrays``."""
+    return distinct_backends(a.backend for a in arrays)
 
 
 def _array_document(t: TensorPlan) -> bytes:
     return array_document(
-        shape=t.shape,
-        dtype=t.dtype,
-        grid=t.grid,
-        attributes={"gpuckpt": {"fqn": t.fqn, "memory_format": t.properties.memory_format.name}},
+        shape=t.shape, dtype=t.dtype, grid=t.grid, fqn=t.fqn, memory_format=t.properties.memory_format.name
     )
 
 
-def array_documents(tensors: Iterable[TensorPlan]) -> dict[str, bytes]:
-    """The ``zarr.json`` of each tensor's array, by array name."""
-    return {t.name: _array_document(t) for t in tensors}
-
-
-def write_array_documents(plan: SavePlan, writer: CheckpointWriter) -> None:
+def write_array_documents(
+    plan: SavePlan, writer: CheckpointWriter, *, defer: Collection[str] = ()
+) -> dict[str, bytes]:
+    """Write the ``zarr.json`` of every array of ``plan`` but those named in ``defer``; returns
+    the documents of those, by array name, for :func:`write_chunks` to write with their one chunk."""
+    deferred = {}
     for t in plan.tensors:
-        writer.write_array_document(t.name, _array_document(t))
+        if t.name in defer:
+            deferred[t.name] = _array_document(t)
+        else:
+            writer.write_array_document(t.name, _array_document(t))
+    return deferred
 
 
 def write_chunks(
     jobs: Sequence[ChunkJob],
     writer: CheckpointWriter,
+    options: SaveOptions,
     *,
-    threads: int | None = None,
-    staging_bytes: int = DEFAULT_STAGING_BYTES,
-    progress: ProgressCallback | None = None,
     documents: dict[str, bytes] | None = None,
 ) -> list[tuple[int, int]]:
     """Write every job's chunk; returns ``(stored bytes, CRC32C)`` per job, in order.
+
+    Of ``options``, ``threads`` (I/O threads), ``staging_bytes`` (the staging
+    budget of device sources) and ``progress`` apply.
 
     ``documents`` maps array names whose directory does not exist yet to their
     ``zarr.json``; each such array must have exactly one job, which writes the
     document first (so that the many file-system operations of small tensors
     run on the I/O threads too).
 
-    Host sources are encoded straight from their memory by the I/O threads.
-    Device sources stream through a bounded pool of staging buffers: the
-    calling thread queues device-to-host copies of the next chunks (blocking
-    when the pool is exhausted) while the I/O threads wait for each copy,
-    checksum and write its buffer, and return it to the pool.
+    The calling thread stages every job's box out of its source (see
+    :meth:`~gpuckpt.device.arrays.ArrayAdapter.stage_out`) and hands it to the
+    I/O threads, which checksum and write it. Boxes readable at once (host
+    memory) go in batches and are encoded straight from their memory; the
+    others (device memory) hold a buffer of a bounded staging pool, so the
+    calling thread queues the copies of the next chunks (blocking when the
+    pool is exhausted) while the I/O threads wait for each copy, write its
+    buffer and return it to the pool. The first error stops the run.
     """
-    counter = ProgressCounter(progress, sum(j.nbytes for j in jobs))
+    sizes = [j.nbytes for j in jobs]
+    threads, staging_bytes, progress = options.threads, options.staging_bytes, options.progress
+    counter = ProgressCounter(progress, sum(sizes))
     docs = dict(documents or {})
-    failure = _Failure()
-    for backend in {
-        id(j.source.backend): j.source.backend for j in jobs if isinstance(j.source, DeviceArray)
-    }.values():
-        backend.wait_for_producers()
-    pools: dict[int, BufferPool] = {}
-    with ThreadPoolExecutor(
-        max_workers=threads or default_threads(), thread_name_prefix="gpuckpt-write"
-    ) as io:
-        pending: list[Future[list[tuple[int, int]]]] = []
-        batch: list[tuple[ChunkJob, bytes | None]] = []
-        batch_bytes = 0
+    staging = Staging(((j.source.backend, n) for j, n in zip(jobs, sizes, strict=True)), staging_bytes)
+    staging.wait_for_producers()
+    batch: Batcher[_Item] = Batcher()
+    with Runner[list[tuple[int, int]]](threads, name="gpuckpt-write") as run:
 
-        def submit(fn: Any, *args: Any) -> None:
-            def job() -> list[tuple[int, int]]:
+        def submit(*groups: list[_Item]) -> None:
+            """One job per group, in order; what cannot be queued any more is released."""
+            for i, items in enumerate(groups):
+                if not items:
+                    continue
                 try:
-                    return fn(*args)  # type: ignore[no-any-return]
-                except BaseException as exc:
-                    failure.error = failure.error or exc
-                    raise
-
-            pending.append(io.submit(job))
-
-        def flush() -> None:
-            nonlocal batch, batch_bytes
-            if batch:
-                submit(_write_host_batch, writer, batch, counter)
-                batch, batch_bytes = [], 0
-
-        for j in jobs:
-            failure.check()
-            src = j.source
-            if not isinstance(src, DeviceArray):
-                # small host chunks go to the I/O threads in batches: one task per
-                # chunk would cost more than writing a few KiB
-                batch.append((j, docs.pop(j.name, None)))
-                batch_bytes += j.nbytes
-                if batch_bytes >= IO_BATCH_BYTES or len(batch) >= IO_BATCH_JOBS:
-                    flush()
-            else:
-                flush()
-                pool = pools.get(id(src.backend))
-                if pool is None:
-                    largest = max(k.nbytes for k in jobs if isinstance(k.source, DeviceArray))
-                    pool = pools[id(src.backend)] = buffer_pool(
-                        src.backend, staging_buffer_bytes(largest), staging_bytes
+                    run.submit(
+                        functools.partial(_write_items, writer, items, counter),
+                        cancel=functools.partial(_release_all, items),
                     )
-                buf = pool.acquire(j.nbytes)  # blocks while the budget is in use: back-pressure
-                try:
-                    ticket = src.backend.stage_out(src.data, j.offsets, j.sizes, buf[: j.nbytes])
                 except BaseException:
-                    pool.release(buf)
+                    for rest in groups[i + 1 :]:
+                        _release_all(rest)
                     raise
-                submit(_write_staged_chunk, writer, j, buf, ticket, pool, counter, docs.pop(j.name, None))
-        flush()
-        try:
-            return [r for f in pending for r in f.result()]
-        except BaseException:
-            for f in pending:
-                f.cancel()
-            raise
+
+        for j, nbytes in zip(jobs, sizes, strict=True):
+            run.check()
+            # device memory: blocks while the staging budget is in use (back-pressure)
+            staged = j.source.stage_out(j.offsets, j.sizes, staging)
+            item = (j, staged, docs.pop(j.name, None))
+            if staged.ready:
+                # small chunks go to the I/O threads in batches: one task per
+                # chunk would cost more than writing a few KiB
+                full = batch.add(item, nbytes)
+                if full:
+                    submit(full)
+            else:
+                # it holds a staging buffer: queued at once, never held back in a batch
+                submit(batch.take(), [item])
+        submit(batch.take())
+        return [r for rs in run.results() for r in rs]
 
 
-def _write_host_batch(
-    writer: CheckpointWriter, batch: Sequence[tuple[ChunkJob, bytes | None]], counter: ProgressCounter
+_Item = tuple[ChunkJob, StagedOut, bytes | None]
+
+
+def _write_items(
+    writer: CheckpointWriter, items: Sequence[_Item], counter: ProgressCounter
 ) -> list[tuple[int, int]]:
-    """Write host chunks one after the other (with their array's document where given)."""
+    """Write staged chunks one after the other (with their array's document where given)."""
     out = []
-    for j, document in batch:
-        if document is not None:
-            writer.write_array_document(j.name, document)
-        host = j.source.host_array()
-        box = (
-            host[...]
-            if not j.sizes
-            else host[tuple(slice(o, o + s) for o, s in zip(j.offsets, j.sizes, strict=True))]
-        )
-        out.append(_write_box(writer, j.name, j.key, box, j.stored))
-        counter.add(j.nbytes)
+    try:
+        for j, staged, document in items:
+            if document is not None:
+                writer.write_array_document(j.name, document)
+            out.append(_write_box(writer, j.name, j.key, staged.wait(), j.stored))
+            counter.add(j.nbytes)
+    finally:
+        _release_all(items)  # staging buffers go back to their pool
     return out
 
 
-def _write_staged_chunk(
-    writer: CheckpointWriter,
-    j: ChunkJob,
-    buf: np.ndarray,
-    ticket: Ticket,
-    pool: BufferPool,
-    counter: ProgressCounter,
-    document: bytes | None = None,
-) -> list[tuple[int, int]]:
-    try:
-        if document is not None:
-            writer.write_array_document(j.name, document)
-        ticket.wait()
-        box = buf[: j.nbytes].view(j.source.dtype).reshape(j.sizes)
-        result = _write_box(writer, j.name, j.key, box, j.stored)
-    finally:
-        pool.release(buf)
-    counter.add(j.nbytes)
-    return [result]
+def _release_all(items: Sequence[_Item]) -> None:
+    for _, staged, _ in items:
+        staged.release()
 
 
 def assemble_metadata(
@@ -383,7 +271,7 @@ def assemble_metadata(
     return Metadata(
         state_dict_metadata=state_md,
         planner_data={"structure": plan.skeleton},
-        storage_data={"tensors": tensors_sd, "objects": plan.objects},
+        storage_data={"tensors": tensors_sd, "objects": dict(plan.objects)},
         storage_meta=StorageMeta(checkpoint_id=checkpoint_id, modules=["gpuckpt"]),
         version=None,
     )
@@ -412,26 +300,27 @@ def writing(writer: CheckpointWriter) -> Iterator[None]:
 
 def execute_save(
     plan: SavePlan,
+    sources: Sources,
     writer: CheckpointWriter,
+    options: SaveOptions,
     *,
-    threads: int | None = None,
     checkpoint_id: str | None = None,
-    progress: ProgressCallback | None = None,
-    staging_bytes: int = DEFAULT_STAGING_BYTES,
 ) -> Metadata:
-    """Write ``plan`` through ``writer`` and commit; aborts the writer on any error."""
+    """Write the single-process ``plan`` from ``sources`` through ``writer`` and commit.
+
+    Aborts the writer on any error. ``sources`` are the arrays the plan was
+    described from, or a snapshot of them.
+    """
+    (mine,) = plan.assignments
     with writing(writer):
         writer.begin()
         # single-chunk arrays get their directory and document from the I/O thread
         # that writes their chunk; the others' must exist before any chunk lands
-        single = {t.name: _array_document(t) for t in plan.tensors if len(t.jobs) == 1}
-        for t in plan.tensors:
-            if t.name not in single:
-                writer.write_array_document(t.name, _array_document(t))
-        jobs = plan.jobs()
-        sizes = write_chunks(
-            jobs, writer, threads=threads, staging_bytes=staging_bytes, progress=progress, documents=single
+        single = write_array_documents(
+            plan, writer, defer={t.name for t in plan.tensors if len(t.specs) == 1}
         )
+        jobs = bind_jobs(mine, sources)
+        sizes = write_chunks(jobs, writer, options, documents=single)
         results = {(j.name, j.coords): r for j, r in zip(jobs, sizes, strict=True)}
         metadata = assemble_metadata(plan, results, checkpoint_id)
         writer.commit(root_document(metadata))

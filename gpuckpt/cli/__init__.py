@@ -3,7 +3,9 @@
 Every command exits 0 on success, 1 when the work failed (a damaged or
 missing checkpoint, a failed conversion) and 2 for bad arguments; errors
 are one line on stderr (``gpuckpt: error: ...``), never a traceback (set
-``GPUCKPT_DEBUG=1`` to get one). ``python -m gpuckpt.cli`` runs it too.
+``GPUCKPT_DEBUG=1`` to get one). Text that comes from a checkpoint (names,
+values, paths) is printed with its non-printable characters escaped
+(:func:`gpuckpt.cli.text.printable`). ``python -m gpuckpt.cli`` runs it too.
 """
 
 from __future__ import annotations
@@ -15,16 +17,11 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
+from gpuckpt.cli.text import one_line, printable
+from gpuckpt.cli.usage import EXIT_FAILURE, EXIT_USAGE, UsageError
 from gpuckpt.errors import GpuckptError
 
-__all__ = ["EXIT_FAILURE", "EXIT_USAGE", "main"]
-
-EXIT_FAILURE = 1
-EXIT_USAGE = 2
-
-
-class UsageError(Exception):
-    """Bad command-line arguments (exit code 2)."""
+__all__ = ["EXIT_FAILURE", "EXIT_USAGE", "UsageError", "main", "one_line", "printable"]
 
 
 class _Parser(argparse.ArgumentParser):
@@ -32,14 +29,8 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see '{self.prog} --help')")
 
 
-def one_line(text: object) -> str:
-    """``text`` with every run of white space (newlines included) made one space."""
-    return " ".join(str(text).split())
-
-
 def build_parser() -> argparse.ArgumentParser:
-    from gpuckpt import demo
-    from gpuckpt.cli import bench, convert_cmd, inspect_cmd, verify_cmd
+    from gpuckpt.cli import bench, convert_cmd, demo, inspect_cmd, verify_cmd
 
     common = _Parser(add_help=False)
     common.add_argument("-q", "--quiet", action="store_true", help="no progress bars")

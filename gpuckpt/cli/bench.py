@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 import gpuckpt
+from gpuckpt.cli.usage import UsageError
 from gpuckpt.testing.rawio import (
     raw_files_load,
     raw_files_save,
@@ -115,8 +116,6 @@ def gpu_ceilings(nbytes: int) -> dict[str, float] | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from gpuckpt.cli import UsageError
-
     if args.size_mb < 1 or args.rounds < 1:
         raise UsageError("--size-mb and --rounds must be at least 1")
     # embedding 8000 x W plus layers of 12 W^2 floats: pick W for the size asked

@@ -5,12 +5,32 @@ from __future__ import annotations
 import argparse
 
 from gpuckpt.cli.progressbar import format_bytes, progress_for
+from gpuckpt.cli.text import printable
+from gpuckpt.cli.usage import UsageError
 from gpuckpt.convert.core import SOURCE_FORMATS, TARGET_FORMATS, convert
 
 HELP = (
     "convert a safetensors file, a torch.save state dict or a torch.distributed.checkpoint directory "
     "into gpuckpt, or a gpuckpt checkpoint into safetensors"
 )
+
+
+#: The largest ``--chunk-mb`` (1 TiB): a chunk is one file, read and checked whole.
+MAX_CHUNK_MB = 1 << 20
+
+
+def _chunk_mb(text: str) -> float:
+    """``--chunk-mb``: a finite number of MiB in (0, MAX_CHUNK_MB] of at least one byte."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of MiB, got {text!r}") from None
+    # written so that NaN fails too; int() of inf or of 1e308 MiB in bytes would overflow
+    if not (0 < value <= MAX_CHUNK_MB and value * 2**20 >= 1):
+        raise argparse.ArgumentTypeError(
+            f"must be a number of MiB of at least one byte and at most {MAX_CHUNK_MB}, got {text!r}"
+        )
+    return value
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -32,7 +52,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     p.add_argument(
-        "--chunk-mb", type=float, default=64.0, help="target chunk size of a gpuckpt DST in MiB (64)"
+        "--chunk-mb",
+        type=_chunk_mb,
+        default=64.0,
+        help=f"target chunk size of a gpuckpt DST in MiB (64; more than 0, at most {MAX_CHUNK_MB})",
     )
     p.add_argument(
         "--allow-pickle",
@@ -48,10 +71,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from gpuckpt.cli import UsageError
-
-    if not args.chunk_mb > 0:
-        raise UsageError(f"--chunk-mb must be positive, got {args.chunk_mb}")
+    if not 0 < args.chunk_mb <= MAX_CHUNK_MB:  # when called without the parser
+        raise UsageError(f"--chunk-mb must be in (0, {MAX_CHUNK_MB}], got {args.chunk_mb}")
     read_bar = progress_for("read ", quiet=args.quiet)
     write_bar = progress_for("write", quiet=args.quiet)
 
@@ -70,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
             overwrite=args.overwrite,
             allow_pickle=args.allow_pickle,
             trust_pickle_metadata=args.trust_pickle_metadata,
-            chunk_bytes=max(1, int(args.chunk_mb * 2**20)),
+            chunk_bytes=int(args.chunk_mb * 2**20),
             threads=args.threads,
             read_progress=read_bar,
             write_progress=on_write,
@@ -80,7 +101,8 @@ def run(args: argparse.Namespace) -> int:
             if bar is not None:
                 bar.close()
     print(
-        f"converted {args.src} ({res.source_format}) -> {args.dst} ({res.target_format}): "
-        f"{res.tensors} tensors, {format_bytes(res.nbytes)}, {res.objects} plain values"
+        f"converted {printable(args.src)} ({res.source_format}) -> {printable(args.dst)} "
+        f"({res.target_format}): {res.tensors} tensors, {format_bytes(res.nbytes)}, "
+        f"{res.objects} plain values"
     )
     return 0

@@ -1,4 +1,11 @@
-"""``gpuckpt inspect PATH``: what a checkpoint holds, from its metadata alone."""
+"""``gpuckpt inspect PATH``: what a checkpoint holds, from its metadata and its files' sizes.
+
+Sizes come in three kinds, because a hostile or damaged checkpoint may
+claim far more than it holds: the bytes the metadata claims, the apparent
+size of the chunk files found (``st_size``), and what they take on disk
+(allocated blocks; a sparse file claims terabytes in a few kilobytes).
+Only the file sizes are looked at; ``gpuckpt verify`` reads the bytes.
+"""
 
 from __future__ import annotations
 
@@ -7,14 +14,16 @@ import json
 from pathlib import Path
 from typing import Any
 
-from gpuckpt.api import read_metadata
+from gpuckpt.api import _open
 from gpuckpt.cli.progressbar import format_bytes
+from gpuckpt.cli.text import printable
 from gpuckpt.dtypes import dtype_name
 from gpuckpt.errors import CheckpointNotFoundError, GpuckptError
 from gpuckpt.manager import step_of
-from gpuckpt.reading import TensorEntry, validate_metadata
-from gpuckpt.storage.local import is_committed
-from gpuckpt.storage.objects import decode_object
+from gpuckpt.reading import TensorEntry, paused_gc
+from gpuckpt.storage.base import CheckpointReader
+from gpuckpt.storage.stores import is_committed
+from gpuckpt.storage.values import decode_object
 
 HELP = "list the tensors and values of a checkpoint (or the steps under a manager's root)"
 
@@ -28,8 +37,10 @@ def _shape(shape: tuple[int, ...]) -> str:
     return "x".join(str(s) for s in shape) if shape else "()"
 
 
-def _tensor_row(t: TensorEntry) -> dict[str, Any]:
+def _tensor_row(reader: CheckpointReader, t: TensorEntry) -> dict[str, Any]:
     grid = t.grid
+    usage = [reader.chunk_usage(t.name, c.key) for c in t.chunks]
+    found = [u for u in usage if u is not None]
     return {
         "name": t.fqn,
         "shape": list(t.shape),
@@ -38,7 +49,10 @@ def _tensor_row(t: TensorEntry) -> dict[str, Any]:
         "chunks": len(t.chunks),
         "chunk_shape": list(grid.chunk_shape) if grid.kind == "regular" else None,
         "bytes": t.nbytes,
-        "stored_bytes": sum(c.nbytes for c in t.chunks),
+        "stored_bytes": sum(c.nbytes for c in t.chunks),  # what the metadata claims
+        "file_bytes": sum(size for size, _ in found),  # apparent size of the chunk files found
+        "disk_bytes": sum(used for _, used in found),  # what they take on disk
+        "missing_chunks": len(usage) - len(found),
     }
 
 
@@ -48,9 +62,14 @@ def _object_row(fqn: str, enc: Any) -> dict[str, Any]:
         value = f"<pickled, {len(str(enc['pickle'])) * 3 // 4} bytes; not decoded>"
     else:
         try:
-            value = repr(decode_object(enc, fqn=fqn))
+            decoded = decode_object(enc, fqn=fqn)
         except GpuckptError as exc:
             value = f"<undecodable: {exc}>"
+        else:
+            try:
+                value = repr(decoded)
+            except ValueError:  # holds an int past Python's int-to-str digit limit
+                value = f"<{type(decoded).__name__} holding an int too long to print>"
     if len(value) > 60:
         value = value[:57] + "..."
     return {"name": fqn, "type": tag, "value": value}
@@ -58,9 +77,9 @@ def _object_row(fqn: str, enc: Any) -> dict[str, Any]:
 
 def describe_checkpoint(path: Path) -> dict[str, Any]:
     """Everything ``inspect`` shows, as JSON values."""
-    md = read_metadata(path)
-    tensors, objects = validate_metadata(md)
-    rows = [_tensor_row(t) for t in tensors.values()]
+    with paused_gc():
+        reader, md, tensors, objects = _open(path)
+        rows = [_tensor_row(reader, t) for t in tensors.values()]
     meta = md.storage_meta
     return {
         "path": str(path),
@@ -73,12 +92,16 @@ def describe_checkpoint(path: Path) -> dict[str, Any]:
             "chunks": sum(r["chunks"] for r in rows),
             "bytes": sum(r["bytes"] for r in rows),
             "stored_bytes": sum(r["stored_bytes"] for r in rows),
+            "file_bytes": sum(r["file_bytes"] for r in rows),
+            "disk_bytes": sum(r["disk_bytes"] for r in rows),
+            "missing_chunks": sum(r["missing_chunks"] for r in rows),
             "objects": len(objects),
         },
     }
 
 
 def _table(header: list[str], rows: list[list[str]], right: set[int]) -> list[str]:
+    rows = [[printable(c) for c in r] for r in rows]  # names and values are the checkpoint's
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
 
     def fmt(cells: list[str]) -> str:
@@ -91,7 +114,11 @@ def _table(header: list[str], rows: list[list[str]], right: set[int]) -> list[st
 
 
 def format_description(d: dict[str, Any]) -> str:
-    out = [f"checkpoint {d['path']} (format version {d['version']}, id {d['checkpoint_id']})", ""]
+    out = [
+        f"checkpoint {printable(d['path'])} (format version {printable(d['version'])}, "
+        f"id {printable(d['checkpoint_id'])})",
+        "",
+    ]
     rows = []
     for r in d["tensors"]:
         chunks = str(r["chunks"])
@@ -119,9 +146,17 @@ def format_description(d: dict[str, Any]) -> str:
     t = d["totals"]
     out += [
         "",
-        f"total: {t['tensors']} tensors, {t['chunks']} chunks, {format_bytes(t['bytes'])} "
-        f"({format_bytes(t['stored_bytes'])} on disk); {t['objects']} objects",
+        f"total: {t['tensors']} tensors, {t['chunks']} chunks, {format_bytes(t['bytes'])}; "
+        f"chunk files: {format_bytes(t['stored_bytes'])} claimed by the metadata, "
+        f"{format_bytes(t['file_bytes'])} found ({format_bytes(t['disk_bytes'])} allocated on disk); "
+        f"{t['objects']} objects",
     ]
+    if t["missing_chunks"] or t["file_bytes"] != t["stored_bytes"]:
+        out.append(
+            f"warning: {t['missing_chunks']} chunk file(s) missing, and the chunk files found hold "
+            f"{t['file_bytes']} bytes where the metadata claims {t['stored_bytes']}: the checkpoint "
+            "is damaged or not what it claims; run gpuckpt verify"
+        )
     return "\n".join(out)
 
 
@@ -149,12 +184,12 @@ def run(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps(root, indent=2))
         else:
-            print(f"{path} is a checkpoint root with {len(root['steps'])} committed step(s):")
+            print(f"{printable(path)} is a checkpoint root with {len(root['steps'])} committed step(s):")
             for s in root["steps"]:
-                print(f"  {s['step']:>10}  {s['path']}")
+                print(f"  {s['step']:>10}  {printable(s['path'])}")
             print(
                 f"latest step: {root['latest_step']} "
-                f"(inspect it with: gpuckpt inspect {root['steps'][-1]['path']})"
+                f"(inspect it with: gpuckpt inspect {printable(root['steps'][-1]['path'])})"
             )
         return 0
     print(json.dumps(d, indent=2) if args.json else format_description(d))

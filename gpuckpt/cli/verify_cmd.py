@@ -1,4 +1,4 @@
-"""``gpuckpt verify PATH``: read every chunk, check every checksum."""
+"""``gpuckpt verify PATH``: read every chunk, check every checksum (a directory or an ``s3://`` URL)."""
 
 from __future__ import annotations
 
@@ -7,13 +7,19 @@ import json
 import sys
 
 from gpuckpt.cli.progressbar import progress_for
+from gpuckpt.cli.text import one_line, printable
 from gpuckpt.verify import verify_checkpoint
 
 HELP = "read every chunk of a checkpoint and check every checksum; exit 1 if anything is damaged"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("path", metavar="PATH", help="checkpoint directory")
+    p.add_argument(
+        "path",
+        metavar="PATH",
+        help="checkpoint directory, or s3://bucket/prefix (endpoint and credentials from the AWS_* "
+        "environment variables, e.g. AWS_ENDPOINT_URL)",
+    )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--allow-pickle", action="store_true", help="also decode pickled values (runs their code)")
 
@@ -30,9 +36,10 @@ def run(args: argparse.Namespace) -> int:
     print(json.dumps(report.to_json(), indent=2) if args.json else report.format())
     if report.ok:
         return 0
+    first = report.damage[0]
     print(
-        f"gpuckpt: error: {args.path} is damaged: {len(report.damage)} problem(s), first: "
-        f"{report.damage[0].where}: {' '.join(report.damage[0].problem.split())}",
+        f"gpuckpt: error: {printable(args.path)} is damaged: {len(report.damage)} problem(s), first: "
+        f"{one_line(first.where)}: {one_line(first.problem)}",
         file=sys.stderr,
     )
     return 1

@@ -12,6 +12,8 @@ import numpy as np
 
 from gpuckpt import api
 from gpuckpt.convert.safetensors_io import (
+    check_tensor_name,
+    is_safetensors,
     read_safetensors,
     read_safetensors_header,
     safetensors_code,
@@ -26,10 +28,10 @@ from gpuckpt.memory_format import (
     memory_format_from_name,
     physical_order,
 )
-from gpuckpt.planning import DEFAULT_CHUNK_BYTES
+from gpuckpt.options import DEFAULT_CHUNK_BYTES
 from gpuckpt.progress import ProgressCallback
 from gpuckpt.state import flatten_state_dict, unflatten_state_dict
-from gpuckpt.storage.objects import decode_object, encode_object
+from gpuckpt.storage.values import decode_object, encode_object
 
 __all__ = ["SOURCE_FORMATS", "TARGET_FORMATS", "ConvertResult", "convert", "detect_format"]
 
@@ -51,7 +53,13 @@ class ConvertResult:
 
 
 def detect_format(path: str | os.PathLike[str]) -> str:
-    """``gpuckpt``, ``dcp``, ``safetensors`` or ``torch``, from the content at ``path``."""
+    """``gpuckpt``, ``dcp``, ``safetensors`` or ``torch``, from the content at ``path``.
+
+    A file is safetensors when its first 8 bytes give a header length that
+    fits in the file and the header is a JSON object (see
+    :func:`~gpuckpt.convert.safetensors_io.is_safetensors`); else a zip or
+    pickle start means ``torch.save``.
+    """
     p = Path(path)
     if p.is_dir():
         if (p / "zarr.json").is_file():
@@ -64,12 +72,14 @@ def detect_format(path: str | os.PathLike[str]) -> str:
         )
     if not p.exists():
         raise FileNotFoundError(2, "No such file or directory", os.fspath(p))
-    with open(p, "rb") as f:
-        head = f.read(9)
-    if head[:4] == b"PK\x03\x04" or head[:1] == b"\x80":  # zip (torch >= 1.6) or legacy pickle
-        return "torch"
-    if len(head) == 9 and head[8:9] == b"{":
+    # by the header's structure first: a header length of 128 mod 256 makes a
+    # safetensors file start with 0x80, the first byte of a pickle
+    if is_safetensors(p):
         return "safetensors"
+    with open(p, "rb") as f:
+        head = f.read(4)
+    if head == b"PK\x03\x04" or head[:1] == b"\x80":  # zip (torch >= 1.6) or legacy pickle
+        return "torch"
     raise UnsupportedValueError(
         f"cannot tell the format of {p}: not safetensors, not a torch.save file; "
         "pass the source format explicitly (--from)"
@@ -198,8 +208,9 @@ def convert(
             progress=write_progress,
         )
     else:
-        for name, arr in tensors.items():
-            safetensors_code(arr.dtype, name)  # refuse before writing anything
+        for name, arr in tensors.items():  # refuse before writing anything
+            check_tensor_name(name)
+            safetensors_code(arr.dtype, name)
         meta = None
         formats = {
             f: fmt.name

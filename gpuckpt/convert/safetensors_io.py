@@ -25,9 +25,16 @@ from gpuckpt.dtypes import dtype_name
 from gpuckpt.errors import CheckpointExistsError, MetadataError, UnsupportedValueError
 from gpuckpt.progress import ProgressCallback, ProgressCounter
 from gpuckpt.storage import fsutil
-from gpuckpt.storage.chunkio import read_exact, write_all
+from gpuckpt.storage.fileio import read_exact, write_all
 
-__all__ = ["SAFETENSORS_DTYPES", "read_safetensors", "read_safetensors_header", "write_safetensors"]
+__all__ = [
+    "METADATA_KEY",
+    "SAFETENSORS_DTYPES",
+    "is_safetensors",
+    "read_safetensors",
+    "read_safetensors_header",
+    "write_safetensors",
+]
 
 #: safetensors dtype code -> NumPy dtype (every code gpuckpt can store).
 SAFETENSORS_DTYPES: dict[str, np.dtype[Any]] = {
@@ -51,6 +58,36 @@ SAFETENSORS_DTYPES: dict[str, np.dtype[Any]] = {
 }
 _CODE_OF = {dt: code for code, dt in SAFETENSORS_DTYPES.items()}
 _MAX_HEADER = 100_000_000  # the reference implementation's limit
+#: The header key of the file's string metadata: no tensor can have this name.
+METADATA_KEY = "__metadata__"
+
+
+def is_safetensors(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` has the structure of a safetensors file.
+
+    Its first 8 bytes (little-endian) give a header length ``N`` of at least
+    2 that fits in the file and in the format's limit, and the ``N`` bytes
+    after them, starting with ``{``, parse as a JSON object. The first byte
+    alone says nothing: a header length of 128 mod 256 starts the file with
+    0x80, as a pickle starts. Tensor entries are validated when the file is
+    read (:func:`read_safetensors_header`).
+    """
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            return False
+        n = int.from_bytes(head, "little")
+        if not 2 <= n <= min(_MAX_HEADER, os.fstat(f.fileno()).st_size - 8):
+            return False
+        if f.read(1) != b"{":
+            return False
+        raw = b"{" + f.read(n - 1)
+    if len(raw) < n:
+        return False
+    try:
+        return isinstance(json.loads(raw), dict)
+    except (ValueError, RecursionError):
+        return False
 
 
 def read_safetensors_header(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str, str], int]:
@@ -75,7 +112,7 @@ def read_safetensors_header(path: str | os.PathLike[str]) -> tuple[dict[str, Any
         raise MetadataError(f"{path} is not a safetensors file: its header is not JSON ({exc})") from None
     if not isinstance(header, dict):
         raise MetadataError(f"{path}: safetensors header must be a JSON object")
-    meta = header.pop("__metadata__", None) or {}
+    meta = header.pop(METADATA_KEY, None) or {}
     if not isinstance(meta, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in meta.items()
     ):
@@ -158,6 +195,17 @@ def read_safetensors(
     return out, meta
 
 
+def check_tensor_name(name: str) -> None:
+    """Refuse a tensor name the safetensors header cannot hold (``__metadata__``)."""
+    if name == METADATA_KEY:
+        raise UnsupportedValueError(
+            f"tensor {name!r} cannot be stored in safetensors: the format reserves the header key "
+            f"{METADATA_KEY!r} for string metadata, and a tensor of that name makes a file no reader "
+            "accepts; rename the tensor (e.g. state['metadata'] = state.pop('__metadata__')) or keep "
+            "the gpuckpt format"
+        )
+
+
 def safetensors_code(dtype: Any, name: str = "") -> str:
     """The safetensors dtype code of ``dtype``; raises for dtypes the format lacks."""
     dt = np.dtype(dtype)
@@ -186,12 +234,14 @@ def write_safetensors(
     multiple of 8 bytes, as the reference implementation does.
     """
     path = Path(path)
+    for name in tensors:
+        check_tensor_name(name)
     if (path.exists() or path.is_symlink()) and not overwrite:
         raise CheckpointExistsError(f"{path} already exists; pass overwrite=True (--overwrite) to replace it")
     items = sorted(tensors.items(), key=lambda kv: (-np.dtype(kv[1].dtype).itemsize, kv[0]))
     header: dict[str, Any] = {}
     if metadata:
-        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+        header[METADATA_KEY] = {str(k): str(v) for k, v in metadata.items()}
     offset = 0
     for name, arr in items:
         n = arr.size * arr.dtype.itemsize

@@ -94,15 +94,15 @@ def local_boxes(items: Iterable[Any]) -> list[LocalBoxes]:
     return out
 
 
-def stored_properties(props: Any, dtype: np.dtype[Any], memory_format: Any) -> dict[str, Any]:
-    """gpuckpt's JSON properties of a tensor from DCP's properties and the memory format seen on write."""
+def stored_properties(props: Any, dtype: np.dtype[Any], memory_format: Any) -> TensorProperties:
+    """gpuckpt's properties of a tensor from DCP's properties and the memory format seen on write."""
     return TensorProperties(
         dtype=dtype,
         layout=mf.strided,
         requires_grad=bool(props.requires_grad),
         memory_format=memory_format,
         pin_memory=bool(props.pin_memory),
-    ).to_json()
+    )
 
 
 def skeleton_from_paths(paths: Any, fqns: Iterable[str]) -> Any:

@@ -11,7 +11,8 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from gpuckpt.dcp import bridge, convert
+import gpuckpt.dcp.bridge as bridge
+import gpuckpt.dcp.convert as convert
 from gpuckpt.dcp.tensors import as_torch, torch, torch_dtype
 from gpuckpt.errors import (
     MetadataError,
@@ -20,6 +21,7 @@ from gpuckpt.errors import (
     UnsafeCheckpointError,
     UnsupportedValueError,
 )
+from gpuckpt.options import LoadOptions
 
 __all__ = ["Reader"]
 
@@ -72,14 +74,10 @@ class Reader(StorageReader):  # type: ignore[misc,unused-ignore]
         storage_options: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
-        if not isinstance(allow_pickle, bool):
-            raise ValueError(f"allow_pickle must be True or False, got {allow_pickle!r}")
-        if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
-            raise ValueError(f"threads must be a positive integer or None, got {threads!r}")
+        self.options = LoadOptions(
+            allow_pickle=allow_pickle, threads=threads, storage_options=storage_options
+        )
         self._path = os.fspath(path)
-        self.allow_pickle = allow_pickle
-        self.threads = threads
-        self.storage_options = None if storage_options is None else dict(storage_options)
         self._checkpoint: bridge.OpenCheckpoint | None = None
         self._view: convert.View | None = None
 
@@ -96,7 +94,7 @@ class Reader(StorageReader):  # type: ignore[misc,unused-ignore]
 
     def read_metadata(self, *args: Any) -> DcpMetadata:
         # no **kwargs: DCP then does not retry with per-rank metadata, which gpuckpt has none of
-        ck = bridge.open_checkpoint(self._path, self.storage_options)
+        ck = bridge.open_checkpoint(self._path, self.options)
         view = convert.dcp_view(ck.metadata, set(ck.tensors), set(ck.values), self._path)
         self._checkpoint, self._view = ck, view
         metadata: DcpMetadata = view.metadata
@@ -153,7 +151,7 @@ class Reader(StorageReader):  # type: ignore[misc,unused-ignore]
             )
             requests.setdefault(entry.fqn, []).append((into, box))
             done.append((item, target, None if into is target else into))
-        bridge.read_boxes_into(ck, requests, self.threads)
+        bridge.read_boxes_into(ck, requests, self.options)
         for item, target, converted in done:
             if converted is not None:
                 target.copy_(converted)
@@ -173,7 +171,7 @@ class Reader(StorageReader):  # type: ignore[misc,unused-ignore]
                     f"entry {entry.fqn!r} is listed as DCP's serialised bytes but holds a "
                     f"{type(blob).__name__}; the checkpoint is damaged"
                 )
-            if self.allow_pickle:
+            if self.options.allow_pickle:
                 return blob
             try:
                 value = torch.load(io.BytesIO(blob), weights_only=True)
@@ -184,13 +182,13 @@ class Reader(StorageReader):  # type: ignore[misc,unused-ignore]
                     "if you trust the checkpoint's origin"
                 ) from None
         elif entry.kind == "value":
-            value = bridge.read_value(ck, entry.fqn, self.allow_pickle)
+            value = bridge.read_value(ck, entry.fqn, self.options.allow_pickle)
         else:  # a list or tuple DCP takes as one value
             leaves = convert.leaves(entry.node)
             got = {
-                f: as_torch(bridge.read_whole(ck, f, self.threads))
+                f: as_torch(bridge.read_whole(ck, f, self.options))
                 if f in ck.tensors
-                else bridge.read_value(ck, f, self.allow_pickle)
+                else bridge.read_value(ck, f, self.options.allow_pickle)
                 for f in leaves
             }
             value = bridge.rebuild(entry.node, got)

@@ -9,17 +9,13 @@ from typing import Any
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.tensor import DTensor
 
-from gpuckpt.dcp import bridge
+import gpuckpt.dcp.bridge as bridge
 from gpuckpt.dcp.tensors import as_torch, numpy_dtype, torch, torch_dtype
-from gpuckpt.errors import GpuckptError
+from gpuckpt.errors import InvalidOptionError, StagingTimeoutError
 
 __all__ = ["Stager", "StagingTimeoutError"]
 
 _MAX_DEPTH = 200
-
-
-class StagingTimeoutError(GpuckptError, TimeoutError):
-    """No staging memory became free in time: earlier snapshots are still held by saves in flight."""
 
 
 class Stager(AsyncStager):  # type: ignore[misc,unused-ignore]
@@ -57,13 +53,15 @@ class Stager(AsyncStager):  # type: ignore[misc,unused-ignore]
         self, *, staging: str = "host", max_snapshots: int = 2, timeout: float | None = 300.0
     ) -> None:
         if staging not in ("host", "device"):
-            raise ValueError(f"staging={staging!r}; expected 'host' or 'device'")
+            raise InvalidOptionError(f"staging={staging!r}; expected 'host' or 'device'")
         if isinstance(max_snapshots, bool) or not isinstance(max_snapshots, int) or max_snapshots < 1:
-            raise ValueError(f"max_snapshots must be a positive integer, got {max_snapshots!r}")
+            raise InvalidOptionError(f"max_snapshots must be a positive integer, got {max_snapshots!r}")
         if timeout is not None and (
             isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0
         ):
-            raise ValueError(f"timeout must be a non-negative number of seconds or None, got {timeout!r}")
+            raise InvalidOptionError(
+                f"timeout must be a non-negative number of seconds or None, got {timeout!r}"
+            )
         self.staging = staging
         self.max_snapshots = max_snapshots
         self.timeout = timeout
@@ -111,7 +109,7 @@ class Stager(AsyncStager):  # type: ignore[misc,unused-ignore]
                     max_arenas=self.max_snapshots,
                     timeout=self.timeout,
                 )
-            except TimeoutError:
+            except StagingTimeoutError:
                 raise StagingTimeoutError(
                     f"no staging memory became free within {self.timeout} s: {self.max_snapshots} earlier "
                     "snapshots are still held by saves in flight; wait for their futures before saving "

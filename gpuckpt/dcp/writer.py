@@ -16,11 +16,13 @@ from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteIt
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
+import gpuckpt.dcp.bridge as bridge
+import gpuckpt.dcp.convert as convert
 from gpuckpt import memory_format as mf
-from gpuckpt.dcp import bridge, convert
-from gpuckpt.dcp.bridge import DEFAULT_CHUNK_BYTES, DEFAULT_STAGING_BYTES, ProgressCallback
 from gpuckpt.dcp.tensors import torch
 from gpuckpt.errors import GpuckptError, UnsupportedValueError
+from gpuckpt.options import DEFAULT_CHUNK_BYTES, DEFAULT_STAGING_BYTES, SaveOptions
+from gpuckpt.progress import ProgressCallback
 
 __all__ = ["Writer"]
 
@@ -101,7 +103,7 @@ class Writer(StorageWriter):  # type: ignore[misc,unused-ignore]
         portable: bool = False,
     ) -> None:
         super().__init__()
-        self.options = bridge.SaveOptions(
+        self.options = SaveOptions(
             overwrite=overwrite,
             chunk_bytes=chunk_bytes,
             sync=sync,
@@ -162,19 +164,20 @@ class Writer(StorageWriter):  # type: ignore[misc,unused-ignore]
                     b.global_shape,
                     b.dtype,
                     convert.stored_properties(b.properties, b.dtype, mf.contiguous_format),
-                    list(b.boxes),
+                    b.boxes,
                 )
                 for b in rank
             ]
             for rank in per_rank
         ]
-        tensors, assignments = bridge.plan_save(described, self.options)
+        save_plan = bridge.plan(described, self.options)
+        assignments = save_plan.assignments
         nvalues = len({i.index.fqn for p in plans for i in p.items if i.type == WriteItemType.BYTE_IO})
         self._discard()
         # one-chunk arrays the coordinator writes itself: their documents go with their chunk
-        one_chunk = {t.name for t in tensors if len(t.specs) == 1}
+        one_chunk = {t.name for t in save_plan.tensors if len(t.specs) == 1}
         mine = {a.name for a in assignments[self._rank] if a.name in one_chunk}
-        opened = bridge.begin_save(self._path, tensors, nvalues, len(plans), self.options, mine)
+        opened = bridge.begin_save(self._path, save_plan, nvalues, self.options, mine)
         self._open = opened
         self._cleanup = weakref.finalize(self, bridge.abort_save, opened)
         return [
@@ -225,7 +228,13 @@ class Writer(StorageWriter):  # type: ignore[misc,unused-ignore]
             documents = self._open.deferred
         else:
             writer = bridge.attach(mine.path, mine.token)
-        written, formats = bridge.write_assigned(writer, mine.chunks, source, self.options, documents)
+        # the boxes of the tensors this rank writes chunks of (a replicated tensor another rank
+        # writes is never resolved here)
+        held = {
+            fqn: [source(fqn, i) for i in range(len(mine.boxes[fqn]))]
+            for fqn in dict.fromkeys(a.fqn for a in mine.chunks)
+        }
+        written, formats = bridge.write_assigned(writer, mine.chunks, held, self.options, documents)
         per_box: dict[tuple[str, tuple[int, ...]], list[Any]] = {}
         for a, result in zip(mine.chunks, written, strict=True):
             per_box.setdefault((a.fqn, mine.boxes[a.fqn][a.box]), []).append(result)

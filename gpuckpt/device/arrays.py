@@ -1,32 +1,108 @@
 """Array adapters: one view of every array kind gpuckpt accepts.
 
-An adapter exposes what the checkpoint logic needs from an array — shape,
-dtype, strides, properties, and host access — so that the rest of the
-package never checks array types itself. Host memory (NumPy, and CPU arrays
-reachable through ``__array_interface__`` or DLPack) is handled here;
-device arrays go through the GPU adapter.
+An adapter reports plain facts about an array (shape, dtype, memory format,
+whether it requires grad, is pinned, is writable) and says how its bytes are
+staged out of it and into it, so that the save and load pipelines have one
+path for every kind of memory and never check array types themselves:
+
+* :class:`HostArray` (NumPy, and CPU arrays reachable through
+  ``__array_interface__`` or DLPack) finishes at once: staging out hands out a
+  view of its own memory, staging in a view to fill;
+* :class:`DeviceArray` (device memory, with the
+  :class:`~gpuckpt.device.backend.DeviceBackend` that copies it) queues copies
+  through staging buffers of a :class:`~gpuckpt.device.backend.Staging`.
+
+Adapters know nothing of the checkpoint format: :mod:`gpuckpt.metadata`
+builds tensor properties from their facts.
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
 import sys
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
 from gpuckpt import memory_format as mf
+from gpuckpt.device.backend import FINISHED, BufferPool, DeviceBackend, Staging, Ticket, distinct_backends
 from gpuckpt.errors import DeviceUnavailableError, UnsupportedValueError
 
-__all__ = ["ArrayAdapter", "HostArray", "HostMemory", "adapt", "is_array"]
+__all__ = [
+    "ArrayAdapter",
+    "DeviceArray",
+    "HostArray",
+    "HostMemory",
+    "StagedIn",
+    "StagedOut",
+    "adapt",
+    "device_backends",
+    "is_array",
+]
 
 _DLPACK_CPU = 1  # kDLCPU
 _DLPACK_CUDA_HOST = 3  # kDLCUDAHost: page-locked host memory
 
+#: ``host_copy(dst, src)``: a host-to-host copy that the caller runs (see :meth:`ArrayAdapter.copy_to_host`)
+HostCopy = Callable[[np.ndarray, np.ndarray], None]
+
+
+class StagedOut(Protocol):
+    """A box of an array made readable in host memory (see :meth:`ArrayAdapter.stage_out`).
+
+    Call order: :meth:`wait` (at most once, from any thread), then
+    :meth:`release` (always, also when :meth:`wait` was never called or failed).
+    """
+
+    @property
+    def ready(self) -> bool:
+        """True when the box was readable at once and nothing is held (it may wait in a batch)."""
+        ...
+
+    def wait(self) -> np.ndarray:
+        """The box in host memory (logical shape ``sizes``), once its copy is done."""
+        ...
+
+    def release(self) -> None:
+        """Give back what the box holds (after its copy ended); later calls do nothing."""
+        ...
+
+
+class StagedIn(Protocol):
+    """Host memory to fill with a box's values (see :meth:`ArrayAdapter.stage_in`).
+
+    Call order: fill :attr:`box`, :meth:`finish`, then :meth:`release` (always,
+    also after a failure).
+    """
+
+    @property
+    def box(self) -> np.ndarray:
+        """Writable host memory of the box (logical shape ``sizes``)."""
+        ...
+
+    def finish(self) -> None:
+        """Move the filled box into the array and wait until it is there."""
+        ...
+
+    def release(self) -> None:
+        """Give back what the box holds; later calls do nothing."""
+        ...
+
 
 @runtime_checkable
 class ArrayAdapter(Protocol):
-    """What the checkpoint logic reads from an array."""
+    """What the checkpoint logic reads from an array, and how its bytes move.
+
+    Facts: :attr:`shape`, :attr:`dtype`, :attr:`memory_format`,
+    :attr:`requires_grad`, :attr:`pinned`, :attr:`writable`, and
+    :attr:`backend`, the device back end that stages the array (``None`` for
+    host memory). Moving bytes, for any kind of memory: :meth:`stage_out`
+    and :meth:`stage_in` (a box, through the run's :class:`Staging`),
+    :meth:`copy_to_host` and :meth:`copy` (the whole array, for snapshots).
+    """
 
     @property
     def shape(self) -> tuple[int, ...]: ...
@@ -35,11 +111,74 @@ class ArrayAdapter(Protocol):
     def dtype(self) -> np.dtype[Any]: ...
 
     @property
-    def is_device(self) -> bool: ...
+    def memory_format(self) -> mf.MemoryFormat: ...
 
-    def properties(self) -> Any: ...
+    @property
+    def requires_grad(self) -> bool: ...
 
-    def host_array(self) -> np.ndarray: ...
+    @property
+    def pinned(self) -> bool: ...
+
+    @property
+    def writable(self) -> bool: ...
+
+    @property
+    def backend(self) -> DeviceBackend | None: ...
+
+    def stage_out(self, offsets: tuple[int, ...], sizes: tuple[int, ...], staging: Staging) -> StagedOut:
+        """Make the box ``(offsets, sizes)`` readable in host memory.
+
+        Host memory: a view, at once. Device memory: takes a staging buffer
+        (blocking while the run's budget is in use: back-pressure) and queues
+        the copy into it.
+        """
+        ...
+
+    def stage_in(self, offsets: tuple[int, ...], sizes: tuple[int, ...], staging: Staging) -> StagedIn:
+        """Host memory to fill with the box ``(offsets, sizes)``, then move into the array.
+
+        Host memory: a view of the array itself (finishing does nothing).
+        Device memory: a staging buffer, copied into the array by ``finish()``.
+        """
+        ...
+
+    def copy_to_host(self, dst: np.ndarray, host_copy: HostCopy) -> Ticket:
+        """Start copying the whole array into the host array ``dst``.
+
+        ``dst`` has the array's shape and dtype and is dense, in C order or in
+        the array's own memory format. Device memory queues the copy on its
+        back end and returns its ticket; host memory hands ``(dst, source)``
+        to ``host_copy`` (the caller runs such copies, e.g. in parallel) and
+        returns a finished ticket.
+        """
+        ...
+
+    def copy(self) -> ArrayAdapter:
+        """A copy in the same kind of memory, with the same facts (a snapshot of this array).
+
+        The layout of a memory format (C order, channels-last) is kept; any
+        other (e.g. Fortran order) may become C order on a device.
+
+        A device copy is queued on its back end: synchronize the back end
+        (see :func:`device_backends`) before the original may change.
+        """
+        ...
+
+    def host_array(self) -> np.ndarray:
+        """The array as a NumPy array without copying (host memory only; device memory raises TypeError)."""
+        ...
+
+
+def device_backends(arrays: Iterable[ArrayAdapter]) -> list[DeviceBackend]:
+    """The distinct device back ends of ``arrays`` (host arrays have none)."""
+    return distinct_backends(a.backend for a in arrays)
+
+
+def _box(array: Any, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> Any:
+    """The box of ``array`` as a view (an array even for 0-d arrays)."""
+    if not sizes:
+        return array[...]
+    return array[tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=True))]
 
 
 def is_array(value: Any) -> bool:
@@ -64,6 +203,37 @@ def _has_attribute(value: Any, name: str) -> bool:
         return True
 
 
+class _HostOut:
+    """A box of host memory: readable at once, holding nothing."""
+
+    __slots__ = ("_box",)
+    ready = True
+
+    def __init__(self, box: np.ndarray) -> None:
+        self._box = box
+
+    def wait(self) -> np.ndarray:
+        return self._box
+
+    def release(self) -> None:
+        pass
+
+
+class _HostIn:
+    """A box of host memory filled in place."""
+
+    __slots__ = ("box",)
+
+    def __init__(self, box: np.ndarray) -> None:
+        self.box = box
+
+    def finish(self) -> None:
+        pass
+
+    def release(self) -> None:
+        pass
+
+
 @dataclass(slots=True)
 class HostArray:
     """A host array viewed as a NumPy array, without copying."""
@@ -73,8 +243,8 @@ class HostArray:
     pinned: bool = False
 
     @property
-    def is_device(self) -> bool:
-        return False
+    def backend(self) -> None:
+        return None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -84,20 +254,169 @@ class HostArray:
     def dtype(self) -> np.dtype[Any]:
         return self.array.dtype
 
-    def properties(self) -> Any:
-        from gpuckpt.metadata import TensorProperties
-
+    @property
+    def memory_format(self) -> mf.MemoryFormat:
         a = self.array
-        return TensorProperties(
-            dtype=a.dtype,
-            layout=mf.strided,
-            requires_grad=self.requires_grad,
-            memory_format=mf.detect_memory_format(a.shape, a.strides, a.itemsize),
-            pin_memory=self.pinned,
-        )
+        return mf.detect_memory_format(a.shape, a.strides, a.itemsize)
+
+    @property
+    def writable(self) -> bool:
+        return bool(self.array.flags.writeable)
+
+    def stage_out(self, offsets: tuple[int, ...], sizes: tuple[int, ...], staging: Staging) -> StagedOut:
+        return _HostOut(_box(self.array, offsets, sizes))
+
+    def stage_in(self, offsets: tuple[int, ...], sizes: tuple[int, ...], staging: Staging) -> StagedIn:
+        return _HostIn(_box(self.array, offsets, sizes))
+
+    def copy_to_host(self, dst: np.ndarray, host_copy: HostCopy) -> Ticket:
+        host_copy(dst, self.array)
+        return FINISHED
+
+    def copy(self) -> HostArray:
+        return HostArray(self.array.copy(order="K"), self.requires_grad, self.pinned)
 
     def host_array(self) -> np.ndarray:
         return self.array
+
+
+class _DeviceOut:
+    """A box of device memory being copied into a staging buffer."""
+
+    __slots__ = ("_buf", "_done", "_nbytes", "_pool", "_shape", "_ticket", "_type")
+    ready = False
+
+    def __init__(
+        self,
+        buf: np.ndarray,
+        nbytes: int,
+        dtype: np.dtype[Any],
+        sizes: tuple[int, ...],
+        ticket: Ticket,
+        pool: BufferPool,
+    ) -> None:
+        self._buf: np.ndarray | None = buf
+        self._nbytes = nbytes
+        self._type = dtype
+        self._shape = sizes
+        self._ticket = ticket
+        self._pool = pool
+        self._done = False
+
+    def wait(self) -> np.ndarray:
+        assert self._buf is not None, "wait() after release()"
+        self._ticket.wait()
+        self._done = True
+        return self._buf[: self._nbytes].view(self._type).reshape(self._shape)
+
+    def release(self) -> None:
+        buf, self._buf = self._buf, None
+        if buf is None:
+            return
+        if not self._done:
+            # the queued copy may still be writing into the buffer: never hand it
+            # to the next box before the copy ended (its error is the job's to report)
+            with contextlib.suppress(Exception):
+                self._ticket.wait()
+        self._pool.release(buf)
+
+
+class _DeviceIn:
+    """A staging buffer to fill, then copied into a box of device memory."""
+
+    __slots__ = ("_array", "_buf", "_nbytes", "_offsets", "_pool", "_sizes", "box")
+
+    def __init__(
+        self, array: DeviceArray, offsets: tuple[int, ...], sizes: tuple[int, ...], pool: BufferPool
+    ) -> None:
+        self._nbytes = math.prod(sizes) * array.dtype.itemsize
+        buf = pool.acquire(self._nbytes)
+        self._buf: np.ndarray | None = buf
+        self._pool = pool
+        self._array = array
+        self._offsets = offsets
+        self._sizes = sizes
+        self.box = buf[: self._nbytes].view(array.dtype).reshape(sizes)
+
+    def finish(self) -> None:
+        assert self._buf is not None, "finish() after release()"
+        a = self._array
+        a.backend.stage_in(self._buf[: self._nbytes], a.data, self._offsets, self._sizes).wait()
+
+    def release(self) -> None:
+        # finish() waited for its copy: the buffer is free again
+        buf, self._buf = self._buf, None
+        if buf is not None:
+            self._pool.release(buf)
+
+
+@dataclass(slots=True)
+class DeviceArray:
+    """An array in device memory, with the back end that copies it."""
+
+    data: Any
+    backend: DeviceBackend
+    dtype: np.dtype[Any]
+    requires_grad: bool = False
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(int(s) for s in self.data.shape)
+
+    @property
+    def strides(self) -> tuple[int, ...]:
+        return tuple(int(s) for s in self.data.strides)
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    @property
+    def memory_format(self) -> mf.MemoryFormat:
+        return mf.detect_memory_format(self.shape, self.strides, self.dtype.itemsize)
+
+    @property
+    def pinned(self) -> bool:
+        return False
+
+    @property
+    def writable(self) -> bool:
+        return True
+
+    def stage_out(self, offsets: tuple[int, ...], sizes: tuple[int, ...], staging: Staging) -> StagedOut:
+        nbytes = math.prod(sizes) * self.dtype.itemsize
+        pool = staging.pool(self.backend)
+        buf = pool.acquire(nbytes)  # blocks while the budget is in use: back-pressure
+        try:
+            ticket = self.backend.stage_out(self.data, offsets, sizes, buf[:nbytes])
+        except BaseException:
+            pool.release(buf)
+            raise
+        return _DeviceOut(buf, nbytes, self.dtype, sizes, ticket, pool)
+
+    def stage_in(self, offsets: tuple[int, ...], sizes: tuple[int, ...], staging: Staging) -> StagedIn:
+        return _DeviceIn(self, offsets, sizes, staging.pool(self.backend))
+
+    def copy_to_host(self, dst: np.ndarray, host_copy: HostCopy) -> Ticket:
+        fmt = self.memory_format
+        physical = dst.transpose(mf.physical_order(dst.ndim, fmt))
+        if fmt is not mf.preserve_format and physical.flags.c_contiguous:
+            # the raw memory image, one copy; a channels-last layout stays as it is
+            return self.backend.snapshot_to_host(self.data, physical.reshape(-1).view(np.uint8))
+        if not dst.flags.c_contiguous:
+            raise ValueError(
+                f"copy_to_host needs a dense destination in C order or in the array's memory format "
+                f"({fmt.name}), got strides {dst.strides} for shape {dst.shape}"
+            )
+        return self.backend.stage_out(self.data, (0,) * dst.ndim, self.shape, dst.reshape(-1).view(np.uint8))
+
+    def copy(self) -> DeviceArray:
+        return DeviceArray(
+            self.backend.copy_on_device(self.data), self.backend, self.dtype, self.requires_grad
+        )
+
+    def host_array(self) -> np.ndarray:
+        raise TypeError("a device array has no host view; stage it through its backend")
 
 
 def _dlpack_device(value: Any) -> tuple[int, int] | None:
@@ -145,7 +464,6 @@ def adapt(value: Any) -> ArrayAdapter:
     dev = _dlpack_device(value)
     if _is_device_object(value, dev):
         from gpuckpt.device import cuda
-        from gpuckpt.device.backend import DeviceArray
 
         if not cuda.gpu_available():
             raise DeviceUnavailableError(

@@ -1,51 +1,44 @@
 """Device backends and the staging buffers they move chunks through.
 
-The save and load pipelines (:mod:`gpuckpt.writing`, :mod:`gpuckpt.reading`)
-only speak to a :class:`DeviceBackend`: "copy this box of a device array into
-this host buffer, asynchronously", "copy this host block into that box",
-"allocate an array". Two backends exist:
+A :class:`DeviceBackend` is what the array adapters of device memory
+(:class:`gpuckpt.device.arrays.DeviceArray`) stage through: "copy this box
+of a device array into this host buffer, asynchronously", "copy this host
+block into that box", "allocate an array". Two backends exist:
 
 * :class:`gpuckpt.device.cuda.CupyBackend` drives a real GPU: page-locked
   staging buffers, a dedicated copy stream, events, the channels-last
   kernels. It is the only code that needs a GPU.
-* :class:`HostBackend` stands in for a device with host memory: "device"
-  arrays are NumPy arrays and copies run in order on one worker thread (a
-  stream), optionally slowed down. Everything else in the pipeline (pool,
-  ordering, back-pressure, overlap, error propagation, snapshot semantics)
-  is therefore tested on machines without a GPU.
+* :class:`gpuckpt.device.host_backend.HostBackend` stands in for a device
+  with host memory, so that the whole pipeline is tested without a GPU.
 
 :class:`BufferPool` holds the staging buffers: allocated once (in pieces of
 bounded size), reused across saves and loads, never more than a byte budget.
+:class:`Staging` gives one pipeline run the pool of each back end it uses.
+This module knows nothing of array adapters (they import it).
 """
 
 from __future__ import annotations
 
-import math
+import os
 import threading
-import time
 import weakref
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from collections.abc import Iterable
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from gpuckpt import memory_format as mf
-from gpuckpt.device import _kernel_ref
+from gpuckpt.options import DEFAULT_STAGING_BYTES
 
 __all__ = [
-    "DEFAULT_STAGING_BYTES",
+    "FINISHED",
     "BufferPool",
-    "DeviceArray",
     "DeviceBackend",
-    "HostBackend",
+    "Staging",
     "Ticket",
     "buffer_pool",
+    "distinct_backends",
     "staging_buffer_bytes",
 ]
-
-#: Default budget of staging memory a save or load pipeline may hold.
-DEFAULT_STAGING_BYTES = 512 << 20
 
 
 @runtime_checkable
@@ -53,6 +46,19 @@ class Ticket(Protocol):
     """A queued copy; ``wait()`` blocks until it is done and raises its error."""
 
     def wait(self) -> None: ...
+
+
+class _Finished:
+    """The ticket of work that was done at once."""
+
+    __slots__ = ()
+
+    def wait(self) -> None:
+        pass
+
+
+#: A ticket that is already done (host memory needs no queued copy).
+FINISHED: Ticket = _Finished()
 
 
 @runtime_checkable
@@ -99,167 +105,6 @@ class DeviceBackend(Protocol):
         ...
 
     def synchronize(self) -> None: ...
-
-
-@dataclass(slots=True)
-class DeviceArray:
-    """Adapter of an array in device memory."""
-
-    data: Any
-    backend: DeviceBackend
-    dtype: np.dtype[Any]
-    requires_grad: bool = False
-
-    @property
-    def is_device(self) -> bool:
-        return True
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(int(s) for s in self.data.shape)
-
-    @property
-    def strides(self) -> tuple[int, ...]:
-        return tuple(int(s) for s in self.data.strides)
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
-
-    def properties(self) -> Any:
-        from gpuckpt.metadata import TensorProperties
-
-        return TensorProperties(
-            dtype=self.dtype,
-            layout=mf.strided,
-            requires_grad=self.requires_grad,
-            memory_format=mf.detect_memory_format(self.shape, self.strides, self.dtype.itemsize),
-            pin_memory=False,
-        )
-
-    def host_array(self) -> np.ndarray:
-        raise TypeError("a device array has no host view; stage it through its backend")
-
-
-class _FutureTicket:
-    __slots__ = ("_future",)
-
-    def __init__(self, future: Future[None]) -> None:
-        self._future = future
-
-    def wait(self) -> None:
-        self._future.result()
-
-
-def _box(array: Any, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> Any:
-    if not sizes:
-        return array[...]
-    return array[tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=True))]
-
-
-class HostBackend:
-    """Host memory standing in for a device (tests and machines without a GPU).
-
-    ``bytes_per_second`` slows every copy down to that rate, to make overlap
-    measurable; ``fail_after`` makes the n-th copy raise, to test error paths.
-    """
-
-    name = "host"
-
-    def __init__(self, *, bytes_per_second: float | None = None, fail_after: int | None = None) -> None:
-        self.bytes_per_second = bytes_per_second
-        self.fail_after = fail_after
-        self.copies = 0
-        self.max_in_flight = 0
-        self._in_flight = 0
-        self._lock = threading.Lock()
-        self._stream = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpuckpt-hoststream")
-
-    def _run(self, fn: Any, nbytes: int) -> Ticket:
-        with self._lock:
-            self._in_flight += 1
-            self.max_in_flight = max(self.max_in_flight, self._in_flight)
-
-        def job() -> None:
-            try:
-                with self._lock:
-                    self.copies += 1
-                    n = self.copies
-                if self.fail_after is not None and n > self.fail_after:
-                    raise RuntimeError(f"injected copy failure (copy {n})")
-                if self.bytes_per_second:
-                    time.sleep(nbytes / self.bytes_per_second)
-                fn()
-            finally:
-                with self._lock:
-                    self._in_flight -= 1
-
-        return _FutureTicket(self._stream.submit(job))
-
-    def stage_out(
-        self, array: Any, offsets: tuple[int, ...], sizes: tuple[int, ...], dest: np.ndarray
-    ) -> Ticket:
-        out = dest.view(array.dtype).reshape(sizes)
-
-        def copy() -> None:
-            if mf.detect_memory_format(array.shape, array.strides, array.itemsize) in (
-                mf.channels_last,
-                mf.channels_last_3d,
-            ):
-                # the same validation and box semantics as the device kernels
-                _kernel_ref.channels_last_to_contiguous(array, out, box=(offsets, sizes))
-            else:
-                np.copyto(out, _box(array, offsets, sizes))
-
-        return self._run(copy, dest.nbytes)
-
-    def stage_in(
-        self, src: np.ndarray, array: Any, offsets: tuple[int, ...], sizes: tuple[int, ...]
-    ) -> Ticket:
-        block = src.view(array.dtype).reshape(sizes)
-
-        def copy() -> None:
-            if mf.detect_memory_format(array.shape, array.strides, array.itemsize) in (
-                mf.channels_last,
-                mf.channels_last_3d,
-            ):
-                _kernel_ref.contiguous_to_channels_last(block, array, box=(offsets, sizes))
-            else:
-                _box(array, offsets, sizes)[...] = block
-
-        return self._run(copy, src.nbytes)
-
-    def snapshot_to_host(self, array: Any, dest: np.ndarray) -> Ticket:
-        order = mf.physical_order(
-            array.ndim, mf.detect_memory_format(array.shape, array.strides, array.itemsize)
-        )
-        physical = array.transpose(order)
-        if not physical.flags.c_contiguous:
-            raise ValueError(f"snapshot_to_host needs a dense array, got strides {array.strides}")
-        return self._run(
-            lambda: np.copyto(dest.view(array.dtype).reshape(physical.shape), physical), dest.nbytes
-        )
-
-    def wait_for_producers(self) -> None:
-        """Host arrays have no pending producers."""
-
-    def pinned_allocator(self) -> Any:
-        return lambda nbytes: np.empty(nbytes, np.uint8)
-
-    def allocate(self, shape: tuple[int, ...], dtype: np.dtype[Any], memory_format: Any) -> Any:
-        from gpuckpt.device.arrays import HostMemory
-
-        return HostMemory().allocate(shape, dtype, memory_format)
-
-    def copy_on_device(self, array: Any) -> Any:
-        out = self.allocate(
-            array.shape, array.dtype, mf.detect_memory_format(array.shape, array.strides, array.itemsize)
-        )
-        np.copyto(out, array)
-        return out
-
-    def synchronize(self) -> None:
-        self._stream.submit(lambda: None).result()
 
 
 class BufferPool:
@@ -325,6 +170,17 @@ _pools: weakref.WeakKeyDictionary[Any, dict[tuple[int, int], BufferPool]] = weak
 _pools_lock = threading.Lock()
 
 
+def _after_fork_in_child() -> None:
+    # buffers in use belong to the parent's transfers; the child starts new pools under a new lock
+    global _pools, _pools_lock
+    _pools = weakref.WeakKeyDictionary()
+    _pools_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def staging_buffer_bytes(largest_chunk: int) -> int:
     """Buffer size for a pipeline whose largest chunk is ``largest_chunk`` bytes.
 
@@ -345,3 +201,50 @@ def buffer_pool(
                 backend.pinned_allocator(), buffer_bytes, max(budget_bytes, buffer_bytes)
             )
         return pool
+
+
+def distinct_backends(backends: Iterable[DeviceBackend | None]) -> list[DeviceBackend]:
+    """The distinct back ends among ``backends`` (``None``, host memory, left out), in first-seen order."""
+    seen: dict[int, DeviceBackend] = {}
+    for b in backends:
+        if b is not None:
+            seen.setdefault(id(b), b)
+    return list(seen.values())
+
+
+class Staging:
+    """The staging buffers of one pipeline run: the shared pool of each device back end it uses.
+
+    ``needs`` lists ``(backend, nbytes)`` for every box the run moves
+    (``backend`` None for host memory, which needs no staging); each back end's
+    pool has buffers of a size that fits its largest box, at most
+    ``budget_bytes`` of them. Made once per run, before any job starts.
+    """
+
+    def __init__(
+        self, needs: Iterable[tuple[DeviceBackend | None, int]], budget_bytes: int = DEFAULT_STAGING_BYTES
+    ) -> None:
+        largest: dict[int, tuple[DeviceBackend, int]] = {}
+        for backend, nbytes in needs:
+            if backend is not None:
+                _, most = largest.get(id(backend), (backend, 0))
+                largest[id(backend)] = (backend, max(most, nbytes))
+        self.backends = [b for b, _ in largest.values()]
+        self._pools = {
+            key: buffer_pool(b, staging_buffer_bytes(n), budget_bytes) for key, (b, n) in largest.items()
+        }
+
+    def wait_for_producers(self) -> None:
+        """Order every back end's copies after the work its caller already queued."""
+        for b in self.backends:
+            b.wait_for_producers()
+
+    def pool(self, backend: DeviceBackend) -> BufferPool:
+        """The pool of ``backend``; it must be one of the back ends named in ``needs``."""
+        try:
+            return self._pools[id(backend)]
+        except KeyError:
+            raise ValueError(
+                f"no staging was planned for back end {getattr(backend, 'name', backend)!r}; "
+                "list every box the run moves in Staging(needs)"
+            ) from None

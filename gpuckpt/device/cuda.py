@@ -16,6 +16,7 @@ DLPack / ``__cuda_array_interface__`` objects into CuPy views without copies.
 from __future__ import annotations
 
 import functools
+import os
 import threading
 from typing import Any
 
@@ -266,6 +267,15 @@ def _cupy_dtype(dtype: np.dtype[Any]) -> np.dtype[Any]:
 
 _backends: dict[int, CupyBackend] = {}
 _backends_lock = threading.Lock()
+
+
+def _new_lock_after_fork() -> None:
+    global _backends_lock
+    _backends_lock = threading.Lock()  # it may have been held by a thread that the child does not have
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_new_lock_after_fork)
 
 
 def backend_for_device(device_id: int) -> CupyBackend:

@@ -20,6 +20,7 @@ run the very same launch plans.
 from __future__ import annotations
 
 import functools
+import os
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -107,6 +108,15 @@ def kernel_source() -> str:
 
 _modules: dict[tuple[int, tuple[str, ...]], Any] = {}
 _modules_lock = threading.Lock()
+
+
+def _new_lock_after_fork() -> None:
+    global _modules_lock
+    _modules_lock = threading.Lock()  # it may have been held by a thread that the child does not have
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_new_lock_after_fork)
 
 
 def load_module(device_id: int | None = None, *, options: Sequence[str] = ()) -> Any:

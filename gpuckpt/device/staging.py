@@ -6,7 +6,12 @@ so pieces are allocated once and kept). An arena hands out aligned byte
 ranges until it is reset. :class:`ArenaPool` keeps arenas between saves so
 that a steady training loop allocates nothing after its first save, and
 bounds how many exist at once: a caller that needs one while all are busy
-waits (back-pressure) instead of allocating more.
+waits (back-pressure) instead of allocating more, but never for an arena
+that no live holder will give back (that raises
+:class:`~gpuckpt.errors.StagingTimeoutError`). An arena is sized to what
+its user said it would take, not to a fixed piece size, so a small state
+reserves little memory; memory that cannot be had raises
+:class:`~gpuckpt.errors.StagingMemoryError`.
 
 What memory backs the pieces is chosen by passing an allocator (host NumPy
 memory here; page-locked memory in the GPU adapter).
@@ -16,16 +21,29 @@ from __future__ import annotations
 
 import math
 import mmap
+import os
 import threading
+import time
+import weakref
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
+
+from gpuckpt.errors import StagingMemoryError, StagingTimeoutError
 
 __all__ = ["ArenaPool", "HostAllocator", "StagingArena"]
 
 _ALIGN = 4096
 DEFAULT_PIECE_BYTES = 256 << 20
+#: how often a caller waiting for an arena checks that the busy ones still have live holders
+_CHECK_SECONDS = 0.5
+
+
+def aligned_bytes(nbytes: int) -> int:
+    """What :meth:`StagingArena.take` of ``nbytes`` uses up at most: whole 4 KiB blocks."""
+    return -(-max(nbytes, 1) // _ALIGN) * _ALIGN
 
 
 class HostAllocator:
@@ -56,17 +74,26 @@ class StagingArena:
         self.pieces: list[np.ndarray] = []
         self._piece = 0
         self._offset = 0
+        self._expected = 0
+        self._taken = 0
 
     @property
     def capacity(self) -> int:
         return sum(p.nbytes for p in self.pieces)
 
-    def reset(self) -> None:
+    def reset(self, expected_bytes: int = 0) -> None:
+        """Start over; ``expected_bytes``: about how much the next user will take in all
+        (sum of :func:`aligned_bytes`), so that new pieces are sized to it, not to ``piece_bytes``."""
         self._piece = 0
         self._offset = 0
+        self._expected = max(0, expected_bytes)
+        self._taken = 0
 
     def take(self, nbytes: int) -> np.ndarray:
-        """``nbytes`` of staging memory (uint8), aligned to 4 KiB; grows the arena if needed."""
+        """``nbytes`` of staging memory (uint8), aligned to 4 KiB; grows the arena if needed.
+
+        Raises :class:`~gpuckpt.errors.StagingMemoryError` if the memory cannot be allocated.
+        """
         need = max(nbytes, 1)
         while self._piece < len(self.pieces):
             piece = self.pieces[self._piece]
@@ -74,10 +101,25 @@ class StagingArena:
             start = -(-(base + self._offset) // _ALIGN) * _ALIGN - base
             if start + need <= piece.nbytes:
                 self._offset = start + need
+                self._taken += aligned_bytes(need)
                 return piece[start : start + nbytes]
             self._piece += 1
             self._offset = 0
-        piece = np.asarray(self.allocator(max(need, self.piece_bytes) + _ALIGN)).view(np.uint8).reshape(-1)
+        # a piece holds what is still expected, at most piece_bytes (one huge pinned
+        # allocation fails, and a fixed large piece would reserve memory a small state never uses)
+        if self._expected:
+            size = max(need, min(self.piece_bytes, self._expected - self._taken))
+        else:
+            size = max(need, self.piece_bytes)
+        try:
+            piece = np.asarray(self.allocator(size + _ALIGN)).view(np.uint8).reshape(-1)
+        except (MemoryError, OSError) as exc:
+            raise StagingMemoryError(
+                f"cannot allocate {size + _ALIGN} bytes of staging memory for a snapshot "
+                f"({self.capacity} bytes already held by this arena): {exc}; free memory or raise "
+                "the process's memory limit (ulimit -v), or save with gpuckpt.save, which needs "
+                "no snapshot of host arrays"
+            ) from exc
         self.pieces.append(piece)
         self._piece = len(self.pieces) - 1
         self._offset = 0
@@ -93,28 +135,73 @@ class StagingArena:
 
 
 class ArenaPool:
-    """At most ``max_arenas`` arenas; :meth:`acquire` waits while all are in use."""
+    """At most ``max_arenas`` arenas; :meth:`acquire` waits while all are in use.
+
+    Each arena in use has a holder: the thread that acquired it, or the future
+    it was handed to (:meth:`hold`) and that releases it when done. A caller
+    waits only while some busy arena has a holder that can still release it:
+    an arena held by the waiting thread itself, by a thread that has ended or
+    by a finished future would never come back, and waiting for it raises
+    :class:`~gpuckpt.errors.StagingTimeoutError` instead of blocking forever.
+    """
 
     def __init__(self, allocator: Callable[[int], Any] | None = None, *, max_arenas: int = 2) -> None:
         self.allocator = allocator or HostAllocator()
         self.max_arenas = max_arenas
         self._free: list[StagingArena] = []
         self._arenas: list[StagingArena] = []  # every arena of the pool, free or in use
+        self._holders: dict[int, threading.Thread | Future[Any]] = {}
         self._cond = threading.Condition()
+        _all_pools.add(self)
 
-    def acquire(self, nbytes_hint: int = 0, timeout: float | None = None, grace: float = 0.0) -> StagingArena:
+    def _can_come_back(self) -> bool:
+        """Whether a busy arena has a holder that may still release it: a running thread
+        other than the caller (who cannot release anything while it waits), or a future
+        not yet done."""
+        me = threading.current_thread()
+        return any(
+            (h.is_alive() and h is not me) if isinstance(h, threading.Thread) else not h.done()
+            for h in self._holders.values()
+        )
+
+    def acquire(
+        self, nbytes_hint: int = 0, timeout: float | None = None, *, grace: float = 0.0
+    ) -> StagingArena:
         """A reset arena, preferably one already at least ``nbytes_hint`` large.
 
-        ``grace``: when none is free but some are in use, wait up to that many seconds for
-        one to come back before making another (a save that has just finished may release
-        its arena a moment after its caller has seen it finish).
+        Waits while all arenas are in use, at most ``timeout`` seconds (None:
+        as long as their holders may release them). Raises
+        :class:`~gpuckpt.errors.StagingTimeoutError` when none becomes free.
+
+        ``grace``: when none is free but fewer than ``max_arenas`` exist, wait up
+        to that many seconds for one in use to come back before making another
+        (the holder of a save that has just finished may release its arena a
+        moment after its caller has seen it finish).
         """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        lost = 0
         with self._cond:
             if grace > 0 and not self._free and self._arenas:
                 self._cond.wait_for(lambda: bool(self._free), grace)
             while not self._free and len(self._arenas) >= self.max_arenas:
-                if not self._cond.wait(timeout):
-                    raise TimeoutError("no staging arena became free in time")
+                wait = _CHECK_SECONDS
+                if deadline is not None:
+                    wait = min(wait, deadline - time.monotonic())
+                    if wait <= 0:
+                        raise StagingTimeoutError(
+                            f"no staging arena became free within {timeout} s (all {self.max_arenas} "
+                            "are in use by saves in flight); wait for them or pass a longer timeout"
+                        )
+                if self._cond.wait(wait):
+                    continue
+                # two checks in a row: a finished holder's release may have been on its way
+                lost = 0 if self._can_come_back() else lost + 1
+                if lost >= 2:
+                    raise StagingTimeoutError(
+                        f"all {self.max_arenas} staging arenas are held by no save in flight (an "
+                        "earlier failure did not give them back) and none will become free; this "
+                        "is a bug in gpuckpt: please report it. gpuckpt.save still works"
+                    )
             if self._free:
                 self._free.sort(key=lambda a: a.capacity)
                 fits = [a for a in self._free if a.capacity >= nbytes_hint]
@@ -123,11 +210,21 @@ class ArenaPool:
             else:
                 arena = StagingArena(self.allocator)
                 self._arenas.append(arena)
-        arena.reset()
+            self._holders[id(arena)] = threading.current_thread()
+        arena.reset(nbytes_hint)
         return arena
 
-    def release(self, arena: StagingArena) -> None:
+    def hold(self, arena: StagingArena, future: Future[Any]) -> None:
+        """Hand ``arena`` over to ``future``, which must :meth:`release` it when done."""
         with self._cond:
+            self._holders[id(arena)] = future
+
+    def release(self, arena: StagingArena) -> None:
+        """Give ``arena`` back (once; a second release of the same arena changes nothing)."""
+        with self._cond:
+            if any(a is arena for a in self._free):
+                return
+            self._holders.pop(id(arena), None)
             self._free.append(arena)
             self._cond.notify()
 
@@ -141,3 +238,22 @@ class ArenaPool:
         """Bytes of staging memory the pool holds, in its free arenas and in those in use."""
         with self._cond:
             return sum(a.capacity for a in self._arenas)
+
+    def _after_fork(self) -> None:
+        # arenas in use belong to the parent's saves: forget them (the parent releases
+        # its own); the free ones stay usable, under a fresh lock
+        self._cond = threading.Condition()
+        self._holders = {}
+        self._arenas = list(self._free)
+
+
+_all_pools: weakref.WeakSet[ArenaPool] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for pool in list(_all_pools):
+        pool._after_fork()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)

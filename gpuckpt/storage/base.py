@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import errno
+import stat
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from gpuckpt.storage.chunkio import crc32c
+from gpuckpt.storage.checksum import CRC_BYTES, crc32c
 
-__all__ = ["CheckpointReader", "CheckpointWriter"]
+__all__ = ["CheckpointReader", "CheckpointWriter", "NotRegularFileError"]
 
 
 class CheckpointWriter(ABC):
@@ -23,6 +25,13 @@ class CheckpointWriter(ABC):
        everything or nothing; or :meth:`abort` after any failure, which
        removes what was written and never touches a published checkpoint.
     """
+
+    @property
+    def token(self) -> str | None:
+        """What another process needs to write chunks into this save once it has begun
+        (:func:`gpuckpt.storage.stores.attach_writer`); None where a store takes a save
+        from one process only (the default)."""
+        return None
 
     @abstractmethod
     def begin(self) -> None: ...
@@ -65,18 +74,28 @@ class CheckpointReader(ABC):
 
     Call :meth:`read_root` first; the other methods may then be called in
     any order and concurrently. Names and keys have been validated by the
-    caller; implementations must still refuse to leave the checkpoint.
+    caller; implementations must still refuse to leave the checkpoint, and
+    refuse documents over :data:`~gpuckpt.storage.layout.MAX_ROOT_DOCUMENT_BYTES`
+    and :data:`~gpuckpt.storage.layout.MAX_ARRAY_DOCUMENT_BYTES` before reading them.
     """
 
     @abstractmethod
-    def read_root(self) -> bytes: ...
+    def read_root(self) -> bytes | bytearray: ...
 
     @abstractmethod
-    def read_array_document(self, name: str) -> bytes: ...
+    def read_array_document(self, name: str) -> bytes | bytearray: ...
 
     @abstractmethod
     def chunk_nbytes(self, name: str, key: str) -> int | None:
         """Size of a stored chunk, or None when it is missing."""
+
+    def chunk_usage(self, name: str, key: str) -> tuple[int, int] | None:
+        """``(size, bytes it takes on the device)`` of a stored chunk, or None when it is missing.
+
+        The two differ for sparse files; the default takes the size for both.
+        """
+        size = self.chunk_nbytes(name, key)
+        return None if size is None else (size, size)
 
     @abstractmethod
     def read_chunk_into(self, name: str, key: str, dests: Sequence[Any]) -> int:
@@ -95,5 +114,44 @@ class CheckpointReader(ABC):
             value = crc32c(d, value)
         return n, value
 
+    def read_chunk_checksum(self, name: str, key: str, nbytes: int, piece: int) -> tuple[int, int, int]:
+        """Read the ``nbytes`` of a chunk (checksum trailer included) without keeping them.
+
+        Returns ``(bytes read, CRC32C of the bytes before the trailer, the trailer's value)``.
+        Back ends that read at offsets stream the chunk through buffers of ``piece``
+        bytes; the default reads it into one buffer of ``nbytes``, so callers check
+        ``nbytes`` against :meth:`chunk_nbytes` first.
+        """
+        data = bytearray(max(0, nbytes - CRC_BYTES))
+        trailer = bytearray(CRC_BYTES)
+        n, value = self.read_chunk_crc(name, key, [data, trailer])
+        return n, value, int.from_bytes(trailer, "little")
+
     def close(self) -> None:  # noqa: B027 - optional hook, not abstract
         """Release resources; the default does nothing."""
+
+
+_KINDS = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISLNK, "a symlink"),
+)
+
+
+def _kind(mode: int) -> str:
+    return next((what for test, what in _KINDS if test(mode)), f"of file type {stat.S_IFMT(mode):#o}")
+
+
+class NotRegularFileError(FileNotFoundError):
+    """A checkpoint file that is a FIFO, directory, device, socket or symlink: never read.
+
+    A :class:`FileNotFoundError` (what is there is not the file the checkpoint
+    needs); ``mode`` is the ``st_mode`` found.
+    """
+
+    def __init__(self, path: str, mode: int) -> None:
+        super().__init__(errno.ENOENT, f"is {_kind(mode)}, not a regular file", path)
+        self.mode = mode

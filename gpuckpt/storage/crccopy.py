@@ -20,7 +20,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from gpuckpt.storage.chunkio import buffer_address, crc32c
+from gpuckpt.storage.checksum import crc32c
+from gpuckpt.storage.fileio import buffer_address
 
 __all__ = ["LIBRARY", "available", "cached_copy_crc", "crc_copy", "instruction_set", "load_library"]
 

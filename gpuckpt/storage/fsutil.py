@@ -2,24 +2,32 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import errno
+import fcntl
+import functools
 import os
 import shutil
 import socket
 from pathlib import Path
 
 __all__ = [
+    "boot_tag",
     "exchange",
     "fsync_dir",
+    "lock_dir",
     "preallocate",
     "start_writeback",
     "pid_alive",
     "rename_noreplace",
+    "lock_unsupported",
     "rmtree_quiet",
+    "same_file",
     "syncfs",
     "tmp_owner",
+    "unlock",
 ]
 
 _AT_FDCWD = -100
@@ -130,6 +138,81 @@ def pid_alive(host: str, pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+@functools.cache
+def boot_tag() -> str:
+    """Eight hex digits of this kernel's boot id, shared by every container on the machine
+    ("" where unknown). Two processes with the same tag see each other's ``flock`` s on any
+    file system, whatever their host names and pid namespaces."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            tag = f.read().strip().replace("-", "")[:8].lower()
+    except OSError:
+        return ""
+    return tag if len(tag) == 8 and all(c in "0123456789abcdef" for c in tag) else ""
+
+
+_LOCK_UNSUPPORTED = frozenset((errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL, errno.ENOSYS))
+_HELD: set[int] = set()  # fds of the locks this process holds (see _forget_locks)
+
+
+def lock_dir(path: Path, *, wait: bool = False) -> int | None:
+    """An fd of the directory ``path`` holding an exclusive ``flock`` on it, or None when
+    another open file description holds one (``wait=False``). Release it with :func:`unlock`.
+
+    The lock belongs to the directory itself, so it follows the directory through
+    renames, and it is released when the process dies, however it dies (a child
+    forked meanwhile does not inherit it). Raises ``OSError``: ``ENOTDIR``/``ELOOP``
+    for a non-directory or a symlink, ``ENOENT`` when it is gone, and where the file
+    system has no locks an error for which :func:`lock_unsupported` is true.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    except BaseException:
+        os.close(fd)
+        raise
+    _HELD.add(fd)
+    return fd
+
+
+def unlock(fd: int) -> None:
+    """Release a lock taken by :func:`lock_dir`."""
+    _HELD.discard(fd)
+    with contextlib.suppress(OSError):  # the lock goes with the descriptor all the same
+        os.close(fd)
+
+
+def _forget_locks() -> None:
+    # A forked child shares the parent's open file descriptions, and with them its
+    # locks: without this, a long-lived child (a data-loader worker forked during a
+    # save) would keep a dead parent's temporary "alive" and its checkpoint locked.
+    for fd in _HELD:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _HELD.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_locks)
+
+
+def lock_unsupported(exc: OSError) -> bool:
+    """Whether ``exc`` from :func:`lock_dir` means "this file system has no locks"."""
+    return exc.errno in _LOCK_UNSUPPORTED
+
+
+def same_file(fd: int, path: Path) -> bool:
+    """Whether ``path`` (not followed if a symlink) is still the file open as ``fd``."""
+    try:
+        a, b = os.fstat(fd), os.lstat(path)
+    except OSError:
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
 def rmtree_quiet(path: Path) -> None:

@@ -11,6 +11,14 @@ Array names come from FQNs (:mod:`gpuckpt.storage.names`). Chunk keys use
 Zarr's ``default`` encoding with the ``.`` separator, so an array's chunks
 are plain files in its directory. The root ``zarr.json`` is written last; a
 directory or prefix without it is not a checkpoint.
+
+Documents are size-capped, by the writer and by every reader, before a byte
+of them is read: :data:`MAX_ROOT_DOCUMENT_BYTES` for the root (about 100
+bytes per chunk: room for some 2 million chunks, or some 450,000 single-chunk
+tensors with 40-character names) and :data:`MAX_ARRAY_DOCUMENT_BYTES` for an
+array's ``zarr.json`` (a regular grid takes a few hundred bytes; a
+rectilinear one at most about 20 bytes per chunk edge, well under what the
+same chunks take in the root document).
 """
 
 from __future__ import annotations
@@ -26,18 +34,28 @@ from gpuckpt.dtypes import dtype_name
 from gpuckpt.errors import MetadataError
 from gpuckpt.metadata import Metadata
 from gpuckpt.planning import ChunkGrid
-from gpuckpt.storage.chunkio import crc32c
+from gpuckpt.storage.checksum import crc32c
 
 __all__ = [
+    "ATTRIBUTE",
+    "MAX_ARRAY_DOCUMENT_BYTES",
+    "MAX_ROOT_DOCUMENT_BYTES",
+    "ROOT_DOCUMENT_PREFIX",
     "ROOT_KEY",
     "array_document",
     "chunk_file_key",
+    "expected_array_document",
     "is_chunk_file_key",
     "metadata_from_root_document",
     "root_document",
+    "root_document_problem",
 ]
 
 ROOT_KEY = "zarr.json"
+#: Largest root ``zarr.json`` gpuckpt writes or reads (256 MiB): larger ones are refused unread.
+MAX_ROOT_DOCUMENT_BYTES = 256 << 20
+#: Largest array ``zarr.json`` gpuckpt reads (64 MiB): larger ones are refused unread.
+MAX_ARRAY_DOCUMENT_BYTES = 64 << 20
 ATTRIBUTE = "gpuckpt"
 _CHUNK_KEY_RE = re.compile(r"^c(\.(0|[1-9][0-9]{0,17}))*$")
 
@@ -69,14 +87,20 @@ def _fill_value(dtype: np.dtype[Any]) -> Any:
     return 0
 
 
-def array_document(
-    *, shape: tuple[int, ...], dtype: np.dtype[Any], grid: ChunkGrid, attributes: dict[str, Any]
-) -> bytes:
-    """The ``zarr.json`` of one tensor's array."""
+def expected_array_document(
+    *, shape: tuple[int, ...], dtype: np.dtype[Any], grid: ChunkGrid, fqn: str, memory_format: str
+) -> dict[str, Any]:
+    """The ``zarr.json`` of one tensor's array, as the JSON object a save writes.
+
+    The one definition of that document: :func:`array_document` encodes it for
+    a writer, and :func:`gpuckpt.verify.verify_checkpoint` compares a stored
+    document with it. ``attributes.gpuckpt`` names the tensor (``fqn``) and
+    its ``memory_format`` (a :class:`~gpuckpt.memory_format.MemoryFormat` name).
+    """
     codecs: list[dict[str, Any]] = [{"name": "bytes"}, {"name": "crc32c"}]
     if dtype.itemsize > 1:
         codecs[0]["configuration"] = {"endian": "little"}
-    doc = {
+    return {
         "zarr_format": 3,
         "node_type": "array",
         "shape": list(shape),
@@ -85,8 +109,15 @@ def array_document(
         "chunk_key_encoding": {"name": "default", "configuration": {"separator": "."}},
         "fill_value": _fill_value(dtype),
         "codecs": codecs,
-        "attributes": attributes,
+        "attributes": {ATTRIBUTE: {"fqn": fqn, "memory_format": memory_format}},
     }
+
+
+def array_document(
+    *, shape: tuple[int, ...], dtype: np.dtype[Any], grid: ChunkGrid, fqn: str, memory_format: str
+) -> bytes:
+    """The ``zarr.json`` of one tensor's array (:func:`expected_array_document`), encoded."""
+    doc = expected_array_document(shape=shape, dtype=dtype, grid=grid, fqn=fqn, memory_format=memory_format)
     return json.dumps(doc, separators=(",", ":")).encode()
 
 
@@ -107,10 +138,32 @@ def root_document(metadata: Metadata) -> bytes:
     it is encoded once and its checksum covers exactly those bytes.
     """
     canonical = _canonical(metadata.to_json_dict())
-    return _ROOT_PREFIX + canonical + b',"metadata_crc32c":' + str(crc32c(canonical)).encode() + b"}}}"
+    doc = _ROOT_PREFIX + canonical + b',"metadata_crc32c":' + str(crc32c(canonical)).encode() + b"}}}"
+    if len(doc) > MAX_ROOT_DOCUMENT_BYTES:
+        # readers refuse it unread: never publish a checkpoint that cannot be loaded
+        raise MetadataError(
+            f"the checkpoint's root metadata would be {len(doc)} bytes, more than "
+            f"MAX_ROOT_DOCUMENT_BYTES ({MAX_ROOT_DOCUMENT_BYTES} bytes) that gpuckpt reads back; "
+            "nothing was published: save with a larger chunk_bytes (fewer chunks), or split the state "
+            "into several checkpoints"
+        )
+    return doc
 
 
-def _as_written(raw: bytes) -> Any:
+def too_large(where: str, size: int, limit: int, name: str) -> MetadataError:
+    """The error for a document of ``size`` bytes over the cap ``name`` (= ``limit``)."""
+    return MetadataError(
+        f"{where} is {size} bytes, more than {name} ({limit} bytes) that gpuckpt reads; "
+        "refusing to read it: the checkpoint is damaged or hostile, or was not written by gpuckpt"
+    )
+
+
+def _text(view: memoryview) -> str:
+    """The JSON text in ``view``, decoded as :func:`json.loads` decodes bytes, with no copy of the bytes."""
+    return str(view, json.detect_encoding(bytes(view[:4])), "surrogatepass")
+
+
+def _as_written(raw: bytes | bytearray) -> Any:
     """The metadata of a root document exactly as :func:`root_document` writes it, or None.
 
     Then the checksum is checked on the stored bytes themselves, and only they are
@@ -126,13 +179,18 @@ def _as_written(raw: bytes) -> Any:
     if crc32c(canonical) != int(tail.group(1)):
         return None
     try:
-        return json.loads(bytes(canonical))
+        return json.loads(_text(canonical))
     except (ValueError, RecursionError):
         return None
 
 
-def metadata_from_root_document(raw: bytes, where: str) -> Metadata:
-    """Parse and check a root ``zarr.json``; every defect raises :class:`MetadataError`."""
+def metadata_from_root_document(raw: bytes | bytearray, where: str) -> Metadata:
+    """Parse and check a root ``zarr.json``; every defect raises :class:`MetadataError`.
+
+    ``raw`` is parsed where it lies (a reader's buffer is never copied).
+    """
+    if len(raw) > MAX_ROOT_DOCUMENT_BYTES:
+        raise too_large(where, len(raw), MAX_ROOT_DOCUMENT_BYTES, "MAX_ROOT_DOCUMENT_BYTES")
     md = _as_written(raw)
     if md is not None:
         return Metadata.from_json_dict(md)
@@ -162,3 +220,33 @@ def metadata_from_root_document(raw: bytes, where: str) -> Metadata:
             "the root metadata is damaged"
         )
     return Metadata.from_json_dict(md)
+
+
+#: how every root document written by :func:`root_document` begins
+ROOT_DOCUMENT_PREFIX = _ROOT_PREFIX
+
+
+def root_document_problem(raw: bytes) -> str | None:
+    """Why ``raw`` is not the root ``zarr.json`` of a gpuckpt checkpoint; None when it is one.
+
+    This is the identity test of :func:`metadata_from_root_document` (a Zarr v3
+    group carrying ``attributes.gpuckpt.metadata``) without its integrity
+    checks: a damaged checkpoint still counts as one, a Zarr store of another
+    program does not. A document as gpuckpt writes it is recognised by its
+    first bytes (:data:`ROOT_DOCUMENT_PREFIX`) without being parsed.
+    """
+    if raw.startswith(_ROOT_PREFIX):
+        return None
+    try:
+        doc = json.loads(raw)
+    except (ValueError, RecursionError):
+        return f"its {ROOT_KEY} is not JSON"
+    if not isinstance(doc, dict) or doc.get("zarr_format") != 3:
+        return f"its {ROOT_KEY} is not a Zarr v3 document"
+    if doc.get("node_type") != "group":
+        return f"its {ROOT_KEY} describes a Zarr {str(doc.get('node_type'))[:20]!r} node, not a gpuckpt group"
+    attrs = doc.get("attributes")
+    entry = attrs.get(ATTRIBUTE) if isinstance(attrs, dict) else None
+    if not isinstance(entry, dict) or "metadata" not in entry:
+        return f"its {ROOT_KEY} is a Zarr group without attributes.{ATTRIBUTE} (another program's Zarr store)"
+    return None

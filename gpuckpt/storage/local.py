@@ -8,29 +8,25 @@ fsynced. A reader therefore sees either no checkpoint or a complete one.
 Temporaries left by crashed processes are removed by the next save to the
 same path.
 
+A writer holds a lock on its temporary while it lives, and replaces only a
+gpuckpt checkpoint or an empty directory: ``RENAME_EXCHANGE``, else two
+renames (old aside, new in place). What is dead, foreign or set aside is
+decided in :mod:`gpuckpt.storage.leftovers`.
+
 A writer made with ``direct_io=True`` (what :func:`gpuckpt.async_save` uses)
-writes large chunk files (1 MiB and more) with ``O_DIRECT`` where the file
-system supports it: the bytes go from page-aligned memory (the staging
-arena) or a page-aligned bounce buffer, checksummed there, straight to the
-device, into space allocated up front for the whole file. A background save
-then neither fills the page cache with dirty pages that its durability
-barrier has to wait for, nor evicts what the training process has cached.
-The unaligned tail of each file (and every small file) goes through the
-page cache. Where ``O_DIRECT`` is refused the writer falls back to buffered
-writes for the rest of the save. Synchronous saves write through the page
-cache, so that a checkpoint read soon after is served from memory;
-``GPUCKPT_DIRECT_IO=1`` or ``0`` forces either for every save.
+writes large chunk files (1 MiB and more) around the page cache, into space
+allocated up front for the whole file, through :mod:`gpuckpt.storage.direct`
+(which falls back to buffered writes where the file system refuses).
+Synchronous saves write through the page cache, so that a checkpoint read
+soon after is served from memory.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
-import mmap
 import os
-import secrets
 import stat
-import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -42,85 +38,43 @@ from gpuckpt.errors import (
     MetadataError,
 )
 from gpuckpt.storage import crccopy, fsutil
-from gpuckpt.storage.base import CheckpointReader, CheckpointWriter
-from gpuckpt.storage.chunkio import (
-    buffer_address,
-    crc32c,
+from gpuckpt.storage.base import CheckpointReader, CheckpointWriter, NotRegularFileError
+from gpuckpt.storage.checksum import CRC_BYTES, crc32c
+from gpuckpt.storage.direct import DIRECT_MIN_BYTES, DirectWriter
+from gpuckpt.storage.direct import available as direct_io_available
+from gpuckpt.storage.fileio import (
     read_exact,
     read_exact_at,
     readv_exact,
     write_all,
     writev_all,
 )
-from gpuckpt.storage.layout import ROOT_KEY
+from gpuckpt.storage.layout import MAX_ARRAY_DOCUMENT_BYTES, MAX_ROOT_DOCUMENT_BYTES, ROOT_KEY, too_large
+from gpuckpt.storage.leftovers import (
+    OLD_TAG,
+    TMP_TAG,
+    cleanup_stale_temporaries,
+    is_committed,
+    new_owner,
+    replace_problem,
+    set_aside_copies,
+)
 
-__all__ = ["LocalReader", "LocalWriter", "SYNC_MODES", "cleanup_stale_temporaries", "is_committed"]
+__all__ = [
+    "LocalReader",
+    "LocalWriter",
+    "NotRegularFileError",
+    "SYNC_MODES",
+    "cleanup_stale_temporaries",
+    "is_committed",
+    "set_aside_copies",
+]
 
 SYNC_MODES = ("auto", "file", "fs", "none")
-_TMP_TAG = ".gpuckpt-tmp-"
-_OLD_TAG = ".gpuckpt-old-"
 _MANY_FILES = 64
 _PIECE = 1 << 20
 _WRITEBACK_MIN = 1 << 20
 _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
-_O_DIRECT = getattr(os, "O_DIRECT", 0)
-#: chunk files of at least this size are written with O_DIRECT (where supported)
-DIRECT_MIN_BYTES = 1 << 20
-#: O_DIRECT offsets, lengths and buffer addresses are kept multiples of this
-_DIRECT_ALIGN = 4096
-
-
-def direct_io_setting(default: bool) -> bool:
-    """Whether a save writes large chunk files with ``O_DIRECT``: ``default`` (the caller's
-    choice: on for background saves, off for synchronous ones) unless ``GPUCKPT_DIRECT_IO``
-    says ``1``/``on`` or ``0``/``off``; never where the platform has no ``O_DIRECT``."""
-    value = os.environ.get("GPUCKPT_DIRECT_IO", "auto").strip().lower()
-    if value in ("auto", ""):
-        choice = default
-    elif value in ("1", "on", "true", "yes"):
-        choice = True
-    elif value in ("0", "off", "false", "no"):
-        choice = False
-    else:
-        raise ValueError(f"GPUCKPT_DIRECT_IO={value!r}; expected auto, 1/on or 0/off")
-    return choice and bool(_O_DIRECT)
-
-
-def _open_direct(path: str) -> int:
-    """Create ``path`` for writing with ``O_DIRECT`` (a seam for tests of the fallback)."""
-    return os.open(path, _CREATE_FLAGS | _O_DIRECT, 0o644)
-
-
-def _clear_direct(fd: int) -> None:
-    import fcntl  # POSIX only; O_DIRECT exists only where it does
-
-    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_O_DIRECT)
-
-
-def is_committed(path: Path) -> bool:
-    """True when ``path`` holds a published checkpoint (its root document exists)."""
-    return (path / ROOT_KEY).is_file()
-
-
-def cleanup_stale_temporaries(path: Path) -> list[Path]:
-    """Remove temporaries of saves to ``path`` whose process is gone; returns what was removed."""
-    removed: list[Path] = []
-    parent, name = path.parent, path.name
-    try:
-        entries = list(os.scandir(parent))
-    except FileNotFoundError:
-        return removed
-    for entry in entries:
-        for tag in (_TMP_TAG, _OLD_TAG):
-            prefix = f".{name}{tag}"
-            if not entry.name.startswith(prefix):
-                continue
-            owner = entry.name[len(prefix) :].rsplit("-", 1)[0]
-            host, _, pid = owner.rpartition("-")
-            if pid.isdigit() and not fsutil.pid_alive(host, int(pid)):
-                fsutil.rmtree_quiet(Path(entry.path))
-                removed.append(Path(entry.path))
-    return removed
 
 
 class LocalWriter(CheckpointWriter):
@@ -139,7 +93,7 @@ class LocalWriter(CheckpointWriter):
         syncfs before publishing (cheaper for many small files), ``"none"`` skips
         durability (tests, scratch data); ``"auto"`` picks ``"fs"`` above 64 files.
         ``direct_io``: write large chunk files with ``O_DIRECT`` where the platform
-        and the file system allow it (see the module docstring); never with ``sync="none"``."""
+        and the file system allow it (:mod:`gpuckpt.storage.direct`); never with ``sync="none"``."""
         if sync not in SYNC_MODES:
             raise ValueError(f"sync={sync!r}; expected one of {SYNC_MODES}")
         self.path = Path(path).absolute()
@@ -147,12 +101,16 @@ class LocalWriter(CheckpointWriter):
         if sync == "auto":
             sync = "fs" if expected_files > _MANY_FILES else "file"
         self.sync = sync
-        self.tmp = (
-            self.path.parent / f".{self.path.name}{_TMP_TAG}{fsutil.tmp_owner()}-{secrets.token_hex(4)}"
-        )
+        self.tmp = self._new_name(TMP_TAG)
+        self._lock_fd: int | None = None  # held on self.tmp from begin to commit or abort
         self._dirs: list[Path] = []
-        self.direct_io = bool(direct_io and _O_DIRECT) and sync != "none"
-        self._bounce = threading.local()  # one aligned buffer per I/O thread
+        use_direct = direct_io and sync != "none" and direct_io_available()
+        self._direct = DirectWriter() if use_direct else None
+
+    @property
+    def direct_io(self) -> bool:
+        """Whether large chunk files are (still) written with ``O_DIRECT``."""
+        return self._direct is not None and self._direct.enabled
 
     @property
     def token(self) -> str:
@@ -168,35 +126,69 @@ class LocalWriter(CheckpointWriter):
         """
         w = cls(path, sync="file")
         tmp = Path(token)
-        if tmp.parent != w.path.parent or not tmp.name.startswith(f".{w.path.name}{_TMP_TAG}"):
+        if tmp.parent != w.path.parent or not tmp.name.startswith(f".{w.path.name}{TMP_TAG}"):
             raise ValueError(f"{token!r} is not a temporary of a save to {w.path}")
         w.tmp = tmp
         return w
 
+    def _new_name(self, tag: str) -> Path:
+        return self.path.parent / f".{self.path.name}{tag}{new_owner()}"
+
     def _check_target(self) -> None:
-        if self.path.exists() or self.path.is_symlink():
-            if not self.overwrite:
-                what = "a checkpoint" if is_committed(self.path) else "a file or directory"
-                raise CheckpointExistsError(
-                    f"{self.path} already exists ({what}); pass overwrite=True to replace it, "
-                    "or save to a new path"
-                )
-            if (
-                not self.path.is_dir()
-                or self.path.is_symlink()
-                or not (is_committed(self.path) or not any(self.path.iterdir()))
-            ):
-                raise CheckpointExistsError(
-                    f"{self.path} exists and is not a gpuckpt checkpoint; refusing to replace it "
-                    "even with overwrite=True"
-                )
+        if not (self.path.exists() or self.path.is_symlink()):
+            return
+        problem = replace_problem(self.path)
+        if problem is not None:
+            raise CheckpointExistsError(
+                f"{self.path} exists and is not a gpuckpt checkpoint: {problem}; refusing to replace it"
+                f"{' even with overwrite=True' if self.overwrite else ''}, nothing was deleted. Save to "
+                "another path, or remove it yourself if it is yours to delete"
+            )
+        if not self.overwrite:
+            what = "a checkpoint" if is_committed(self.path) else "an empty directory"
+            raise CheckpointExistsError(
+                f"{self.path} already exists ({what}); pass overwrite=True to replace it, "
+                "or save to a new path"
+            )
 
     def begin(self) -> None:
+        # first: a checkpoint a crashed overwrite set aside is put back before anything is judged
+        cleanup_stale_temporaries(self.path)
         self._check_target()
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        cleanup_stale_temporaries(self.path)
-        os.mkdir(self.tmp)
-        self._dirs.append(self.tmp)
+        self._make_tmp()
+
+    def _make_tmp(self) -> None:
+        """Create the temporary and take its lock (which tells cleaners that its writer lives)."""
+        for _ in range(8):
+            os.mkdir(self.tmp)
+            try:
+                fd = fsutil.lock_dir(self.tmp)
+            except FileNotFoundError:
+                fd = None  # removed by a cleaner that took it for a dead writer's: try another name
+            except OSError as exc:
+                if not fsutil.lock_unsupported(exc):
+                    raise
+                self._dirs.append(self.tmp)  # no locks on this file system: cleaners go by the pid
+                return
+            if fd is not None and fsutil.same_file(fd, self.tmp):
+                self._lock_fd = fd
+                self._dirs.append(self.tmp)
+                return
+            if fd is not None:
+                fsutil.unlock(fd)
+            # a cleaner locked the new directory between its mkdir and our lock and removes it
+            self.tmp = self._new_name(TMP_TAG)
+        raise CheckpointWriteError(
+            errno.EBUSY,
+            f"saving {self.path}: every new temporary directory was removed right after it was made "
+            "(another process keeps cleaning this directory); nothing was published",
+        )
+
+    def _unlock(self) -> None:
+        fd, self._lock_fd = self._lock_fd, None
+        if fd is not None:
+            fsutil.unlock(fd)
 
     def _create(self, rel: str) -> int:
         return os.open(f"{self.tmp}/{rel}", _CREATE_FLAGS, 0o644)
@@ -229,12 +221,18 @@ class LocalWriter(CheckpointWriter):
         digest: Callable[[Any], None],
         trailer: Callable[[], bytes],
     ) -> None:
-        if self.direct_io and (size := sum(memoryview(p).nbytes for p in parts)) >= DIRECT_MIN_BYTES:
-            fd = self._create_direct(f"{name}/{key}")
+        direct = self._direct
+        if direct is not None and direct.enabled:
+            size = sum(memoryview(p).nbytes for p in parts)
+            fd = direct.create(f"{self.tmp}/{name}/{key}") if size >= DIRECT_MIN_BYTES else None
             if fd is not None:
-                # direct writes allocate blocks as they land: concurrent files would interleave
-                fsutil.preallocate(fd, size)
-                self._write_direct(fd, parts, digest, trailer)
+                try:
+                    # direct writes allocate blocks as they land: concurrent files would interleave
+                    fsutil.preallocate(fd, size)
+                    direct.write(fd, parts, digest, trailer)
+                    self._settle(fd, size)
+                finally:
+                    os.close(fd)
                 return
         # checksum and write in pieces that are still in the CPU cache
         fd = self._create(f"{name}/{key}")
@@ -267,85 +265,6 @@ class LocalWriter(CheckpointWriter):
         elif self.sync == "fs" and nbytes >= _WRITEBACK_MIN:
             fsutil.start_writeback(fd)
 
-    def _create_direct(self, rel: str) -> int | None:
-        """The new file opened with ``O_DIRECT``; None (and buffered from now on) where refused."""
-        try:
-            return _open_direct(f"{self.tmp}/{rel}")
-        except OSError as exc:
-            if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):
-                raise
-            self.direct_io = False
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(f"{self.tmp}/{rel}")  # created before the flag was refused
-            return None
-
-    def _bounce_buffer(self) -> memoryview:
-        buf = getattr(self._bounce, "buf", None)
-        if buf is None:
-            buf = self._bounce.buf = mmap.mmap(-1, _PIECE)  # page-aligned
-        return memoryview(buf)
-
-    def _write_direct(
-        self, fd: int, parts: Sequence[Any], digest: Callable[[Any], None], trailer: Callable[[], bytes]
-    ) -> None:
-        """Write ``parts`` with ``O_DIRECT`` in pieces, each checksummed just before it is written:
-        straight from page-aligned memory, else copied through the aligned bounce buffer (and
-        checksummed there). The unaligned tail and the trailer go through the page cache."""
-        bounce = self._bounce_buffer()
-        direct = True
-        try:
-            fill = 0
-            for p in parts:
-                view = memoryview(p).cast("B")
-                i = 0
-                if fill == 0 and buffer_address(view) % _DIRECT_ALIGN == 0:
-                    # page-aligned memory (a staging arena): written straight from it
-                    aligned = view.nbytes - view.nbytes % _DIRECT_ALIGN
-                    for i in range(0, aligned, _PIECE):
-                        piece = view[i : min(aligned, i + _PIECE)]
-                        digest(piece)
-                        direct = self._write_aligned(fd, piece, direct)
-                    i = aligned
-                while i < view.nbytes:
-                    take = min(_PIECE - fill, view.nbytes - i)
-                    bounce[fill : fill + take] = view[i : i + take]
-                    fill += take
-                    i += take
-                    if fill == _PIECE:
-                        digest(bounce)
-                        direct = self._write_aligned(fd, bounce, direct)
-                        fill = 0
-            if fill:
-                digest(bounce[:fill])
-            aligned = fill - fill % _DIRECT_ALIGN
-            if aligned:
-                direct = self._write_aligned(fd, bounce[:aligned], direct)
-            if direct:
-                _clear_direct(fd)
-            writev_all(fd, [bounce[aligned:fill], trailer()])
-            self._settle(fd, sum(memoryview(p).nbytes for p in parts))
-        finally:
-            os.close(fd)
-
-    def _write_aligned(self, fd: int, data: memoryview, direct: bool) -> bool:
-        """Write aligned ``data``; returns whether ``fd`` is still in direct mode (a file system may
-        accept the flag at open and refuse the write: the rest of this save is then buffered)."""
-        if not direct:
-            write_all(fd, data)
-            return False
-        at = os.lseek(fd, 0, os.SEEK_CUR)
-        try:
-            write_all(fd, data)
-            return True
-        except OSError as exc:
-            if exc.errno != errno.EINVAL:
-                raise
-        _clear_direct(fd)
-        self.direct_io = False
-        os.lseek(fd, at, os.SEEK_SET)
-        write_all(fd, data)
-        return False
-
     def _make_durable(self) -> None:
         if self.sync == "none":
             return
@@ -372,20 +291,9 @@ class LocalWriter(CheckpointWriter):
         if self.overwrite and (self.path.exists() or self.path.is_symlink()):
             self._check_target()
             if not fsutil.exchange(self.tmp, self.path):
-                # no atomic exchange here: move the old one aside first
-                old = (
-                    self.path.parent
-                    / f".{self.path.name}{_OLD_TAG}{fsutil.tmp_owner()}-{secrets.token_hex(4)}"
-                )
-                os.rename(self.path, old)
-                try:
-                    os.rename(self.tmp, self.path)
-                except BaseException:
-                    os.rename(old, self.path)  # put the previous checkpoint back
-                    raise
-                self.tmp = old
-            # self.tmp now holds the previous checkpoint
-            fsutil.rmtree_quiet(self.tmp)
+                self._replace_by_two_renames()
+            else:
+                fsutil.rmtree_quiet(self.tmp)  # it holds the previous checkpoint now
         else:
             try:
                 fsutil.rename_noreplace(self.tmp, self.path)
@@ -405,18 +313,108 @@ class LocalWriter(CheckpointWriter):
                     f"checkpoint {self.path} was published complete, but syncing its parent directory "
                     f"failed ({exc.strerror or exc}): it may not survive a power loss; save again to be sure",
                 ) from exc
+        self._unlock()
+
+    def _replace_by_two_renames(self) -> None:
+        """No atomic exchange here: move the old checkpoint aside, then the new one into place.
+
+        The old one is locked first and stays locked (a live writer's) until this
+        save is done with it: a crash between the two renames leaves it, complete
+        and unlocked, for the next save to put back (:func:`cleanup_stale_temporaries`).
+        """
+        held = self._lock_target()
+        try:
+            old = self._new_name(OLD_TAG)
+            os.rename(self.path, old)
+            try:
+                os.rename(self.tmp, self.path)
+            except BaseException:
+                os.rename(old, self.path)  # put the previous checkpoint back
+                raise
+            self.tmp = old
+            fsutil.rmtree_quiet(old)  # still locked: no cleaner takes it for a dead writer's
+        finally:
+            if held is not None:
+                fsutil.unlock(held)
+
+    def _lock_target(self) -> int | None:
+        """The lock of the checkpoint at ``path`` (waiting for a save that is setting it aside or
+        has just published it); None where the file system has no locks."""
+        for _ in range(100):
+            try:
+                fd = fsutil.lock_dir(self.path, wait=True)
+            except OSError as exc:
+                if fsutil.lock_unsupported(exc):
+                    return None
+                raise
+            assert fd is not None
+            if fsutil.same_file(fd, self.path):
+                return fd
+            fsutil.unlock(fd)  # replaced while we waited: lock the new one
+        raise CheckpointWriteError(
+            errno.EBUSY, f"saving {self.path}: it kept being replaced by other saves; nothing was published"
+        )
 
     def abort(self) -> None:
         fsutil.rmtree_quiet(self.tmp)
+        self._unlock()
+
+
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+
+
+def open_regular(path: str) -> int:
+    """Open a file of a checkpoint for reading, or raise :class:`NotRegularFileError`.
+
+    ``O_NONBLOCK``: a FIFO or device planted in a checkpoint cannot block the
+    open (it is not even opened when ``lstat`` already shows what it is);
+    ``O_NOFOLLOW``: a symlink is not followed; ``fstat`` then checks that what
+    was opened is a regular file (it may have been replaced since the ``lstat``).
+    """
+    st = os.lstat(path)
+    if not stat.S_ISREG(st.st_mode):
+        raise NotRegularFileError(path, st.st_mode)
+    try:
+        fd = os.open(path, _READ_FLAGS)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:  # replaced by a symlink since the lstat
+            raise NotRegularFileError(path, stat.S_IFLNK) from None
+        raise
+    try:
+        st = os.fstat(fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise NotRegularFileError(path, st.st_mode)
+    return fd
+
+
+def _read_document(path: str, limit: int, name: str) -> bytearray:
+    """The whole regular file ``path``, refused unread when larger than ``limit`` (the cap ``name``)."""
+    fd = open_regular(path)
+    try:
+        size = os.fstat(fd).st_size
+        if size > limit:
+            raise too_large(path, size, limit, name)
+        buf = bytearray(size)
+        del buf[read_exact(fd, buf) :]  # shorter if it shrank meanwhile: the parser says so
+        return buf
+    finally:
+        os.close(fd)
 
 
 class LocalReader(CheckpointReader):
     """Reads a published checkpoint directory without following symlinks out of it.
 
     The array directories are listed once (one ``scandir`` of the root); a name
-    that is a symlink or not a directory there is treated as missing, and chunk
-    files are opened with ``O_NOFOLLOW``. So a symlink planted in a checkpoint
-    cannot make a read leave it.
+    that is a symlink or not a directory there is treated as missing. Every
+    file is opened with :func:`open_regular` (``O_NOFOLLOW | O_NONBLOCK``, then
+    checked to be a regular file), documents are size-capped before they are
+    read, and chunks are read only up to the size the metadata gives. So a
+    symlink, FIFO or device planted in a checkpoint cannot make a read leave
+    it, block, or read without end.
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
@@ -424,16 +422,30 @@ class LocalReader(CheckpointReader):
         self._root = os.fspath(self.path)
         self._dirs: set[str] | None = None
 
-    def read_root(self) -> bytes:
-        root = self.path / ROOT_KEY
+    def read_root(self) -> bytearray:
+        """The root document's bytes (a buffer the caller parses in place, never copied)."""
+        root = os.path.join(self._root, ROOT_KEY)
         try:
-            # O_NONBLOCK: a FIFO planted as zarr.json must not hang the open
-            fd = os.open(root, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+            return _read_document(root, MAX_ROOT_DOCUMENT_BYTES, "MAX_ROOT_DOCUMENT_BYTES")
+        except NotRegularFileError as exc:
+            if stat.S_ISLNK(exc.mode):
+                raise CheckpointNotFoundError(
+                    f"cannot open {root}: it is a symlink, which gpuckpt does not follow"
+                ) from None
+            raise MetadataError(f"{root} {exc.strerror}; the checkpoint is damaged") from None
         except FileNotFoundError:
             hint = ""
             with contextlib.suppress(OSError):
-                if any(p.name.startswith(f".{self.path.name}{_TMP_TAG}") for p in self.path.parent.iterdir()):
+                if any(p.name.startswith(f".{self.path.name}{TMP_TAG}") for p in self.path.parent.iterdir()):
                     hint = " (an unfinished or crashed save left a temporary next to it)"
+            aside = set_aside_copies(self.path) if not os.path.lexists(self.path) else []
+            if aside:
+                raise CheckpointNotFoundError(
+                    f"no checkpoint at {self.path}, but an overwrite that was interrupted between its two "
+                    "renames (a file system without RENAME_EXCHANGE) left the previous checkpoint, complete, "
+                    f"at {aside[-1]}: the next save to {self.path} puts it back first, or recover it now "
+                    f"with: mv '{aside[-1]}' '{self.path}' (unless a save to it is running right now)"
+                ) from None
             if self.path.is_dir():
                 raise CheckpointNotFoundError(
                     f"{self.path} is not a committed checkpoint: it has no {ROOT_KEY}{hint}"
@@ -441,18 +453,6 @@ class LocalReader(CheckpointReader):
             raise CheckpointNotFoundError(f"no checkpoint at {self.path}{hint}") from None
         except OSError as exc:
             raise CheckpointNotFoundError(f"cannot open {root}: {exc.strerror}") from None
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise MetadataError(f"{root} is not a regular file; the checkpoint is damaged")
-            size = st.st_size
-            if size > 1 << 31:
-                raise MetadataError(f"{root} is {size} bytes; refusing to parse metadata that large")
-            buf = bytearray(size)
-            read_exact(fd, buf)
-            return bytes(buf)
-        finally:
-            os.close(fd)
 
     def _array_dir(self, name: str) -> str:
         if self._dirs is None:
@@ -462,29 +462,25 @@ class LocalReader(CheckpointReader):
             raise FileNotFoundError(errno.ENOENT, "array directory missing or not a directory", name)
         return f"{self._root}/{name}"
 
-    def _open(self, name: str, key: str) -> int:
-        return os.open(f"{self._array_dir(name)}/{key}", os.O_RDONLY | os.O_NOFOLLOW)
+    def read_array_document(self, name: str) -> bytearray:
+        return _read_document(
+            f"{self._array_dir(name)}/zarr.json", MAX_ARRAY_DOCUMENT_BYTES, "MAX_ARRAY_DOCUMENT_BYTES"
+        )
 
-    def read_array_document(self, name: str) -> bytes:
-        fd = self._open(name, "zarr.json")
-        try:
-            size = os.fstat(fd).st_size
-            if size > 1 << 24:
-                raise MetadataError(f"{self.path / name / 'zarr.json'} is {size} bytes; too large")
-            buf = bytearray(size)
-            read_exact(fd, buf)
-            return bytes(buf)
-        finally:
-            os.close(fd)
-
-    def chunk_nbytes(self, name: str, key: str) -> int | None:
+    def _lstat_chunk(self, name: str, key: str) -> os.stat_result | None:
         try:
             st = os.lstat(f"{self._array_dir(name)}/{key}")
         except (FileNotFoundError, NotADirectoryError):
             return None
-        if not stat.S_ISREG(st.st_mode):
-            return None
-        return st.st_size
+        return st if stat.S_ISREG(st.st_mode) else None
+
+    def chunk_nbytes(self, name: str, key: str) -> int | None:
+        st = self._lstat_chunk(name, key)
+        return None if st is None else st.st_size
+
+    def chunk_usage(self, name: str, key: str) -> tuple[int, int] | None:
+        st = self._lstat_chunk(name, key)
+        return None if st is None else (st.st_size, st.st_blocks * 512)
 
     def read_chunk_crc(self, name: str, key: str, dests: Sequence[Any]) -> tuple[int, int]:
         fd = self._open_chunk(name, key)
@@ -515,21 +511,34 @@ class LocalReader(CheckpointReader):
         finally:
             os.close(fd)
 
+    def read_chunk_checksum(self, name: str, key: str, nbytes: int, piece: int) -> tuple[int, int, int]:
+        """Streams the chunk through one buffer of at most ``piece`` bytes."""
+        data = max(0, nbytes - CRC_BYTES)
+        buf = memoryview(bytearray(max(1, min(piece, data))))
+        fd = self._open_chunk(name, key)
+        try:
+            total = value = 0
+            while total < data:
+                view = buf[: min(buf.nbytes, data - total)]
+                n = read_exact_at(fd, view, total)
+                value = crc32c(view[:n], value)
+                total += n
+                if n < view.nbytes:
+                    return total, value, 0
+            trailer = bytearray(CRC_BYTES)
+            total += read_exact_at(fd, trailer, total)
+            return total, value, int.from_bytes(trailer, "little")
+        finally:
+            os.close(fd)
+
     def _open_chunk(self, name: str, key: str) -> int:
         try:
-            return self._open(name, key)
-        except OSError as exc:
-            if exc.errno == errno.ELOOP:  # O_NOFOLLOW met a symlink
-                raise FileNotFoundError(errno.ENOENT, "chunk is a symlink", key) from None
-            raise
+            return open_regular(f"{self._array_dir(name)}/{key}")
+        except NotADirectoryError:
+            raise FileNotFoundError(errno.ENOENT, "array directory is not a directory", name) from None
 
     def read_chunk_into(self, name: str, key: str, dests: Sequence[Any]) -> int:
-        try:
-            fd = self._open(name, key)
-        except OSError as exc:
-            if exc.errno == errno.ELOOP:  # O_NOFOLLOW met a symlink
-                raise FileNotFoundError(errno.ENOENT, "chunk is a symlink", key) from None
-            raise
+        fd = self._open_chunk(name, key)
         try:
             total = 0
             for d in dests:

@@ -1,24 +1,44 @@
 """Where a checkpoint lives: a path or URL to a writer and a reader.
 
+This module is the storage layer's one door: code outside :mod:`gpuckpt.storage`
+opens stores here (:func:`open_writer`, :func:`attach_writer`,
+:func:`open_reader`) and asks here about checkpoint directories
+(:func:`is_committed`, :func:`cleanup_leftovers`), never a back end directly.
+
 A plain path (or ``file://`` URL) is a directory on a local or shared POSIX
-file system (:mod:`gpuckpt.storage.local`). Other URL schemes are looked up
-in :data:`SCHEMES`, which object-storage back ends extend (``s3://`` in
-:mod:`gpuckpt.storage.objectstore`).
+file system (:mod:`gpuckpt.storage.local`); ``s3://`` URLs go to
+:mod:`gpuckpt.storage.s3`; :data:`SCHEMES` maps URL schemes to back ends
+and may be extended. The registry imports the back ends it knows, never the
+other way round.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+from gpuckpt.errors import UnsupportedValueError
+from gpuckpt.storage import leftovers
 from gpuckpt.storage.base import CheckpointReader, CheckpointWriter
 from gpuckpt.storage.local import LocalReader, LocalWriter
+from gpuckpt.storage.s3 import ObjectStoreReader, ObjectStoreWriter
 
-__all__ = ["SCHEMES", "open_reader", "open_writer", "scheme_of"]
+__all__ = [
+    "SCHEMES",
+    "attach_writer",
+    "cleanup_leftovers",
+    "is_committed",
+    "open_reader",
+    "open_writer",
+    "scheme_of",
+]
+
+_Factories = tuple[Callable[..., CheckpointWriter], Callable[..., CheckpointReader]]
 
 #: scheme -> (writer factory, reader factory); factories take (url, **options).
-SCHEMES: dict[str, tuple[Callable[..., CheckpointWriter], Callable[..., CheckpointReader]]] = {}
+SCHEMES: dict[str, _Factories] = {"s3": (ObjectStoreWriter, ObjectStoreReader)}
 
 
 def scheme_of(path: str | os.PathLike[str]) -> str:
@@ -35,13 +55,8 @@ def _local_path(path: str | os.PathLike[str]) -> str:
     return text[len("file://") :] if text.startswith("file://") else text
 
 
-_Factories = tuple[Callable[..., CheckpointWriter], Callable[..., CheckpointReader]]
-
-
 def _lookup(path: str | os.PathLike[str]) -> _Factories:
     scheme = scheme_of(path)
-    if scheme not in SCHEMES and scheme == "s3":
-        import gpuckpt.storage.objectstore  # noqa: F401 - registers "s3"
     try:
         return SCHEMES[scheme]
     except KeyError:
@@ -60,7 +75,12 @@ def open_writer(
     storage_options: dict[str, Any] | None = None,
     direct_io: bool = False,
 ) -> CheckpointWriter:
-    """A writer for a new checkpoint at ``path`` (``direct_io``: see :mod:`gpuckpt.storage.local`)."""
+    """A writer for a new checkpoint at ``path``.
+
+    ``direct_io``: write large chunk files around the page cache where the file
+    system allows it (see :mod:`gpuckpt.storage.direct`); the caller decides
+    (:meth:`gpuckpt.options.SaveOptions.use_direct_io`). Object stores ignore it.
+    """
     if scheme_of(path) == "file":
         return LocalWriter(
             _local_path(path),
@@ -73,6 +93,29 @@ def open_writer(
     return writer(os.fspath(path), overwrite=overwrite, **(storage_options or {}))
 
 
+def attach_writer(
+    path: str | os.PathLike[str], token: str | None, *, storage_options: dict[str, Any] | None = None
+) -> CheckpointWriter:
+    """A writer of chunks into the save to ``path`` that another process began.
+
+    ``token`` is that process's :attr:`CheckpointWriter.token`. The returned
+    writer only writes chunks (:meth:`~CheckpointWriter.write_chunk` and
+    :meth:`~CheckpointWriter.write_chunk_checked`); the process that began the
+    save commits or aborts it.
+
+    Raises
+    ------
+    UnsupportedValueError
+        For a store that takes a save from one process only (``s3://``).
+    """
+    if scheme_of(path) == "file" and token:
+        return LocalWriter.attach(_local_path(path), token)
+    raise UnsupportedValueError(
+        f"{os.fspath(path)!r}: a save to a {scheme_of(path)}:// store is written by the one process that "
+        "began it, other processes cannot join it; save from several processes to a shared file system path"
+    )
+
+
 def open_reader(
     path: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = None
 ) -> CheckpointReader:
@@ -81,3 +124,23 @@ def open_reader(
         return LocalReader(_local_path(path))
     _, reader = _lookup(path)
     return reader(os.fspath(path), **(storage_options or {}))
+
+
+def is_committed(path: str | os.PathLike[str]) -> bool:
+    """True when the directory ``path`` holds a published gpuckpt checkpoint (damaged or not).
+
+    The identity test of :func:`gpuckpt.read_metadata`: another program's Zarr
+    store is not one, nor a save's temporary, nor a symbolic link.
+    """
+    return leftovers.is_committed(Path(_local_path(path)))
+
+
+def cleanup_leftovers(directory: str | os.PathLike[str]) -> list[Path]:
+    """Remove what dead saves left in ``directory`` beside its checkpoints; returns what was removed.
+
+    For every checkpoint name with a save's temporary or set-aside copy there,
+    the cleanup a new save to it runs first (a checkpoint an interrupted
+    overwrite set aside is put back, never lost; live saves' temporaries are
+    never touched): see :mod:`gpuckpt.storage.leftovers`.
+    """
+    return leftovers.cleanup_directory(Path(_local_path(directory)))

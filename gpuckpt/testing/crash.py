@@ -6,6 +6,8 @@ MODE (printing ``start``) and prints ``done`` when that save returned:
 
 ``new``        a different state to ``ROOT/next``;
 ``overwrite``  a different state over ``ROOT/good``;
+``reoverwrite`` as ``overwrite``, but ``ROOT/good`` is never saved first
+               (after a crash it may be missing, set aside by the one before);
 ``async``      ``async_save`` of a different state to ``ROOT/next``; once it
                returns the child scribbles over its arrays (what is saved
                must not change), then waits for the future;
@@ -14,18 +16,28 @@ MODE (printing ``start``) and prints ``done`` when that save returned:
                with ``make_state(SEED + step)``; after ``save(step)`` returns
                it prints ``committed STEP-1`` (the manager waited for it).
 
-Two environment variables serve the harness (read only here):
+These environment variables serve the harness (read only here):
 
 ``GPUCKPT_TEST_TRACE=FILE``
     Append one line per event of the save to FILE with unbuffered writes
     (they survive SIGKILL): ``start``, ``begin``, ``tmp-created``,
     ``array-doc``, ``chunk``, ``mid-file`` (half of a buffer written),
     ``fsync``, ``root-write``, ``durable``, ``fsync-dir``, ``publish``,
+    ``rename`` (a plain ``os.rename`` of the storage code, about to run),
     ``published``, ``retention``, ``returned``. :func:`phase_of` maps the
     last line to a phase.
 ``GPUCKPT_TEST_KILL_AT=EVENT:N``
     SIGKILL this process at the N-th occurrence of EVENT (deterministic
     kill points, so every phase is hit, including the middle of a file).
+``GPUCKPT_TEST_STOP_AT=EVENT:N``
+    Hold the thread that reached the N-th EVENT there instead: it prints
+    ``stopped`` and waits for a line on stdin (a live writer caught mid-save,
+    resumed by that line or killed from outside, which also works for a
+    child that is PID 1 of its own pid namespace and so ignores signals sent
+    from inside).
+``GPUCKPT_TEST_NO_EXCHANGE=1``
+    Act as a file system without ``RENAME_EXCHANGE``: an overwrite takes the
+    two-rename fallback (old aside: ``rename:1``; new in place: ``rename:2``).
 """
 
 from __future__ import annotations
@@ -50,7 +62,7 @@ PHASES: dict[str, tuple[str, ...]] = {
     "writing-chunks": ("tmp-created", "array-doc", "chunk", "mid-file"),
     "fsync": ("fsync",),
     "root-and-durability": ("root-write", "durable", "fsync-dir"),
-    "renaming": ("publish",),
+    "renaming": ("publish", "rename"),
     "after-rename": ("published", "fsync-dir-after-publish", "retention"),
     "returned": ("returned",),
 }
@@ -81,14 +93,19 @@ def make_state(seed: int, ntensors: int = 24, elems: int = 64 * 1024) -> dict[st
     }
 
 
+def _point(spec: str | None) -> tuple[str | None, int]:
+    if not spec:
+        return None, 0
+    ev, _, n = spec.partition(":")
+    return ev, int(n or 1)
+
+
 class _Tracer:
-    def __init__(self, trace_file: str | None, kill_at: str | None) -> None:
+    def __init__(self, trace_file: str | None, kill_at: str | None, stop_at: str | None = None) -> None:
         self.fd = os.open(trace_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644) if trace_file else None
         self.counts: dict[str, int] = {}
-        self.kill_event, self.kill_n = None, 0
-        if kill_at:
-            ev, _, n = kill_at.partition(":")
-            self.kill_event, self.kill_n = ev, int(n or 1)
+        self.kill_event, self.kill_n = _point(kill_at)
+        self.stop_event, self.stop_n = _point(stop_at)
 
     def __call__(self, event: str) -> None:
         n = self.counts[event] = self.counts.get(event, 0) + 1
@@ -96,12 +113,15 @@ class _Tracer:
             os.write(self.fd, f"{event}\n".encode())
         if event == self.kill_event and n == self.kill_n:
             os.kill(os.getpid(), signal.SIGKILL)
+        if event == self.stop_event and n == self.stop_n:
+            print("stopped", flush=True)
+            sys.stdin.readline()
 
 
 @contextlib.contextmanager
 def _traced(emit: _Tracer) -> Iterator[None]:
     """Wrap the writer's steps so each one emits its event (and may be killed there)."""
-    from gpuckpt.storage import fsutil, local
+    from gpuckpt.storage import direct, fsutil, local
     from gpuckpt.storage.layout import ROOT_KEY
     from gpuckpt.testing.faults import inject_os_faults
 
@@ -130,6 +150,9 @@ def _traced(emit: _Tracer) -> Iterator[None]:
     wrap(fsutil, "fsync_dir", lambda *a, **k: emit("fsync-dir"))
     wrap(fsutil, "exchange", lambda *a, **k: emit("publish"), after="published")
     wrap(fsutil, "rename_noreplace", lambda *a, **k: emit("publish"), after="published")
+    if os.environ.get("GPUCKPT_TEST_NO_EXCHANGE") == "1":
+        patches.append((fsutil, "exchange", fsutil.exchange))
+        fsutil.exchange = lambda a, b: False
     with contextlib.suppress(ImportError):
         from gpuckpt import manager
 
@@ -144,8 +167,6 @@ def _traced(emit: _Tracer) -> Iterator[None]:
         emit("mid-file")
         real_write_all(fd, view[half:])
 
-    real_writev_all = local.writev_all  # type: ignore[attr-defined]
-
     def writev_all(fd: int, buffers: Any) -> None:
         # the vectored write of small chunks: also stopped half-way
         data = b"".join(memoryview(b).cast("B").tobytes() for b in buffers)
@@ -154,14 +175,15 @@ def _traced(emit: _Tracer) -> Iterator[None]:
         emit("mid-file")
         real_write_all(fd, data[half:])
 
-    patches.append((local, "write_all", real_write_all))
-    patches.append((local, "writev_all", real_writev_all))
-    local.write_all = write_all  # type: ignore[attr-defined]
-    local.writev_all = writev_all  # type: ignore[attr-defined]
+    for module in (local, direct):  # buffered files, and files written around the page cache
+        patches.append((module, "write_all", module.write_all))
+        patches.append((module, "writev_all", module.writev_all))
+        module.write_all = write_all  # type: ignore[attr-defined]
+        module.writev_all = writev_all  # type: ignore[attr-defined]
 
     def on_os_call(name: str) -> None:
-        if name == "fsync":
-            emit("fsync")
+        if name in ("fsync", "rename"):
+            emit(name)
 
     try:
         with inject_os_faults(hook=on_os_call):
@@ -179,8 +201,12 @@ def _scribble(state: dict[str, Any]) -> None:
 
 def main(argv: list[str]) -> None:
     root, seed, mode = Path(argv[0]), int(argv[1]), argv[2]
-    emit = _Tracer(os.environ.get("GPUCKPT_TEST_TRACE"), os.environ.get("GPUCKPT_TEST_KILL_AT"))
-    if mode != "manager" and not (root / "good").exists():
+    emit = _Tracer(
+        os.environ.get("GPUCKPT_TEST_TRACE"),
+        os.environ.get("GPUCKPT_TEST_KILL_AT"),
+        os.environ.get("GPUCKPT_TEST_STOP_AT"),
+    )
+    if mode not in ("manager", "reoverwrite") and not (root / "good").exists():
         gpuckpt.save(make_state(seed), root / "good", sync="file")
     print("good", flush=True)
     opts: dict[str, Any] = {"sync": "file", "chunk_bytes": 16 * 1024}
@@ -201,7 +227,7 @@ def main(argv: list[str]) -> None:
         emit("start")
         if mode == "new":
             gpuckpt.save(state, root / "next", **opts)
-        elif mode == "overwrite":
+        elif mode in ("overwrite", "reoverwrite"):
             gpuckpt.save(state, root / "good", overwrite=True, **opts)
         elif mode == "async":
             fut = gpuckpt.async_save(state, root / "next", **opts)

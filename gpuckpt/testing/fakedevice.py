@@ -3,7 +3,7 @@
 ``EmulatedDeviceArray(np_array, backend)`` is accepted by ``save``, ``load``
 and ``async_save`` like a GPU array: it has no host view, so every byte goes
 through the backend's staging pipeline exactly as device memory would. With
-a :class:`~gpuckpt.device.backend.HostBackend` that slows copies down, the
+a :class:`~gpuckpt.device.host_backend.HostBackend` that slows copies down, the
 pipeline's overlap and back-pressure become measurable without a GPU.
 """
 
@@ -13,7 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from gpuckpt.device.backend import DeviceArray, HostBackend
+from gpuckpt.device.arrays import DeviceArray
+from gpuckpt.device.host_backend import HostBackend
 
 __all__ = ["EmulatedDeviceArray"]
 

@@ -3,8 +3,9 @@
 Two families of tools:
 
 * **I/O faults** — :func:`inject_os_faults` swaps the ``os`` module seen by
-  the storage modules (:mod:`gpuckpt.storage.chunkio`,
-  :mod:`gpuckpt.storage.local`, :mod:`gpuckpt.storage.fsutil`) for a
+  the storage modules (:mod:`gpuckpt.storage.fileio`, :mod:`gpuckpt.storage.local`,
+  :mod:`gpuckpt.storage.direct`, :mod:`gpuckpt.storage.leftovers`,
+  :mod:`gpuckpt.storage.fsutil`) for a
   :class:`FaultyOS` proxy that raises a chosen ``OSError`` on the n-th call
   of a function (``write``, ``fsync``, ``mkdir``, ``rename``, ...), optionally
   after writing part of the data, as a full disk does. The publication
@@ -41,7 +42,13 @@ __all__ = [
     "temporaries",
 ]
 
-STORAGE_MODULES = ("gpuckpt.storage.chunkio", "gpuckpt.storage.local", "gpuckpt.storage.fsutil")
+STORAGE_MODULES = (
+    "gpuckpt.storage.fileio",
+    "gpuckpt.storage.local",
+    "gpuckpt.storage.direct",
+    "gpuckpt.storage.leftovers",
+    "gpuckpt.storage.fsutil",
+)
 
 
 @dataclass
@@ -219,7 +226,7 @@ def rewrite_root_metadata(path: Path, edit: Callable[[dict[str, Any]], Any]) -> 
     This is what a hostile author does: the root document stays
     self-consistent, so only validation can catch the edit.
     """
-    from gpuckpt.storage.chunkio import crc32c
+    from gpuckpt.storage.checksum import crc32c
     from gpuckpt.storage.layout import _canonical
 
     doc = json.loads((path / "zarr.json").read_bytes())

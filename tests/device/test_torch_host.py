@@ -1,4 +1,8 @@
-"""PyTorch CPU tensors through DLPack (skipped where torch is not installed)."""
+"""PyTorch CPU tensors through DLPack (skipped where torch is not installed).
+
+The tests import torch themselves, so that a run with ``-m "not torch"`` deselects
+them without importing this module's dependencies.
+"""
 
 from __future__ import annotations
 
@@ -10,10 +14,11 @@ import pytest
 
 import gpuckpt
 
-torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.torch
 
 
 def test_torch_cpu_tensors_round_trip_in_place(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
     w = torch.randn(64, 32, requires_grad=True)
     bf = torch.randn(40, 8).to(torch.bfloat16)
     f8 = torch.randn(16).to(torch.float8_e4m3fn)

@@ -1,6 +1,8 @@
 """TorchCoordinator over gloo (CPU) process groups of 2, 3 and 4 processes.
 
 The ``run_torch`` fixture skips a test when torch.distributed is not importable.
+The tests that need torch carry the ``torch`` marker (run by ``make test`` in
+its Python 3.11 venv, where a skip is a failure).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import pytest
 from gpuckpt.distributed import CoordinatorError, MissingDependencyError, TorchCoordinator
 
 
+@pytest.mark.torch
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_collectives_over_gloo(run_torch: Any, load_script: Any, n: int) -> None:
     expected = load_script("coordinator_checks").expected
@@ -21,6 +24,7 @@ def test_collectives_over_gloo(run_torch: Any, load_script: Any, n: int) -> None
         assert results[rank] == expected(rank, n)
 
 
+@pytest.mark.torch
 @pytest.mark.parametrize("n", [3, 4])
 def test_collectives_over_a_subgroup(run_torch: Any, load_script: Any, n: int) -> None:
     """Ranks and roots are those of the given group (torch's src/dst are global ranks)."""
@@ -30,6 +34,7 @@ def test_collectives_over_a_subgroup(run_torch: Any, load_script: Any, n: int) -
         assert results[rank] == expected(rank // 2, len(range(rank % 2, n, 2)))
 
 
+@pytest.mark.torch
 def test_an_uninitialised_process_group_is_a_clear_error() -> None:
     dist = pytest.importorskip("torch.distributed", reason="torch is not installed")
 

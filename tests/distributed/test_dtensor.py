@@ -1,4 +1,8 @@
-"""PyTorch DTensor shards as ShardedArrays (skipped where torch is not installed)."""
+"""PyTorch DTensor shards as ShardedArrays (skipped where torch is not installed).
+
+The tests import torch themselves, so that a run with ``-m "not torch"`` deselects
+them without importing this module's dependencies.
+"""
 
 from __future__ import annotations
 
@@ -9,11 +13,12 @@ import pytest
 
 import gpuckpt
 
-torch = pytest.importorskip("torch")
-dist = pytest.importorskip("torch.distributed")
+pytestmark = pytest.mark.torch
 
 
 def test_from_dtensor_single_rank(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    dist = pytest.importorskip("torch.distributed")
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 

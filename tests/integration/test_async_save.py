@@ -132,3 +132,67 @@ def test_arena_pool_bounds_and_waits() -> None:
     start = time.perf_counter()
     b = pool.acquire(timeout=5)
     assert b is a and time.perf_counter() - start >= 0.04
+
+
+def _saves_of_a_state_that_contains_itself(how: str, path: Path) -> list[BaseException | None]:
+    """Save, along path ``how``, a state dict holding itself; the error each rank gets (None: saved)."""
+
+    def state(cyclic: bool = True) -> dict[str, object]:
+        s: dict[str, object] = {"w": np.ones(3), "b": gpuckpt.ShardedArray(np.ones(2), (0,), (2,))}
+        if cyclic:
+            s["self"] = s
+        return s
+
+    def attempt(fn: object) -> BaseException | None:
+        try:
+            fn()  # type: ignore[operator]
+        except Exception as exc:
+            return exc
+        return None
+
+    if how in ("save", "async_save"):
+        plain = state()
+        del plain["b"]  # no ShardedArray: the single-process path
+        if how == "save":
+            return [attempt(lambda: gpuckpt.save(plain, path))]
+        return [attempt(lambda: gpuckpt.async_save(plain, path).result(timeout=60))]
+    if how == "distributed save":
+        return [attempt(lambda: gpuckpt.save(state(), path))]
+    if how == "distributed async_save":
+        return [attempt(lambda: gpuckpt.async_save(state(), path).result(timeout=60))]
+    # two ranks, the second holding the cycle: both fail, neither waits for the other forever
+    from gpuckpt.distributed import run_ranks
+
+    def rank(c: object) -> BaseException | None:
+        s = state(cyclic=c.rank == 1)  # type: ignore[attr-defined]
+        s["b"] = gpuckpt.ShardedArray(np.ones(1), (c.rank,), (2,))  # type: ignore[attr-defined]
+        return attempt(lambda: gpuckpt.async_save(s, path, coordinator=c).result(timeout=60))
+
+    return run_ranks(2, rank, timeout=60)
+
+
+@pytest.mark.parametrize(
+    "how",
+    ["save", "async_save", "distributed save", "distributed async_save", "distributed async_save, 2 ranks"],
+)
+def test_a_state_that_contains_itself_is_a_typed_error(tmp_path: Path, how: str) -> None:
+    errors = _saves_of_a_state_that_contains_itself(how, tmp_path / "c")
+    for err in errors:
+        assert isinstance(err, gpuckpt.GpuckptError), repr(err)
+        assert "reference cycle at 'self'" in str(err)
+    assert not (tmp_path / "c").exists()
+
+
+def test_wait_all_waits_for_the_saves_of_every_writer(tmp_path: Path) -> None:
+    # a distributed save runs on its coordinator's writer, not the process's: wait_all
+    # returns only once that one is done too (it is queued behind a busy writer here)
+    from gpuckpt.distributed import SingleProcessCoordinator
+    from gpuckpt.pending import writer_executor
+
+    coord = SingleProcessCoordinator()
+    writer_executor(coord).submit(time.sleep, 0.3)
+    s = gpuckpt.ShardedArray(np.arange(6.0), (0,), (6,))
+    fut = gpuckpt.async_save({"w": s}, tmp_path / "c", coordinator=coord)
+    wait_all()
+    assert fut.done()
+    assert np.array_equal(gpuckpt.load_state_dict(tmp_path / "c")["w"], np.arange(6.0))

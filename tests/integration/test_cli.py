@@ -75,9 +75,13 @@ def test_inspect_json(ckpt: Path) -> None:
     r = gpuckpt_cli("inspect", "--json", str(ckpt))
     d = json.loads(r.stdout)
     rows = {t["name"]: t for t in d["tensors"]}
+    disk = rows["layer.weight"].pop("disk_bytes")  # allocated blocks: up to the file system
+    assert isinstance(disk, int) and disk % 512 == 0
+    stored = 4 * (16 * 16 * 4 + 4)
     assert rows["layer.weight"] == {
         "name": "layer.weight", "shape": [64, 16], "dtype": "float32", "memory_format": "contiguous_format",
-        "chunks": 4, "chunk_shape": [16, 16], "bytes": 4096, "stored_bytes": 4 * (16 * 16 * 4 + 4),
+        "chunks": 4, "chunk_shape": [16, 16], "bytes": 4096, "stored_bytes": stored,
+        "file_bytes": stored, "missing_chunks": 0,
     }  # fmt: skip
     assert {o["name"]: o["type"] for o in d["objects"]} == {"step": "int", "note": "str"}
     assert d["totals"]["bytes"] == 4096 + 14 + 720
@@ -186,7 +190,7 @@ def test_demo_on_gpu_without_one_says_so(tmp_path: Path) -> None:
 
 def test_demo_module_entry_point() -> None:
     r = subprocess.run(
-        [sys.executable, "-m", "gpuckpt.demo", "--help"], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "gpuckpt.cli", "demo", "--help"], capture_output=True, text=True, timeout=60
     )
     assert r.returncode == 0 and "--kill-at" in r.stdout
 

@@ -230,6 +230,7 @@ def test_reference_safetensors_header_for_ml_dtypes(tmp_path: Path) -> None:
 # PyTorch sources (skipped without torch) ----------------------------------------------------------
 
 
+@pytest.mark.torch
 def test_torch_save_roundtrip(tmp_path: Path) -> None:
     torch = pytest.importorskip("torch")
     sd = {
@@ -254,6 +255,7 @@ def test_torch_save_roundtrip(tmp_path: Path) -> None:
     assert back["nested"]["step"] == 3
 
 
+@pytest.mark.torch
 def test_dcp_directory_roundtrip(tmp_path: Path) -> None:
     torch = pytest.importorskip("torch")
     dcp = pytest.importorskip("torch.distributed.checkpoint")

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 import gpuckpt
+from gpuckpt.storage.checksum import crc32c
 
 
 @pytest.fixture
@@ -33,6 +35,27 @@ def test_flipped_byte_names_tensor_and_chunk(ckpt: Path) -> None:
         gpuckpt.load_state_dict(ckpt)
     # the undamaged tensor still loads on its own
     assert gpuckpt.load_state_dict(ckpt, keys=["bias"])["bias"].all()
+
+
+def test_checksum_error_carries_its_fields_through_pickling(ckpt: Path) -> None:
+    chunk = ckpt / "layer.weight" / "c.1.0"
+    listed = gpuckpt.read_metadata(ckpt).storage_data["tensors"]["layer.weight"]["chunks"][1]
+    raw = bytearray(chunk.read_bytes())
+    stored = int.from_bytes(raw[-4:], "little")
+    raw[100] ^= 0x40
+    chunk.write_bytes(raw)
+    with pytest.raises(gpuckpt.ChecksumError) as info:
+        gpuckpt.load_state_dict(ckpt)
+    for exc in (info.value, pickle.loads(pickle.dumps(info.value))):
+        assert type(exc) is gpuckpt.ChecksumError and str(exc) == str(info.value)
+        assert (exc.fqn, exc.key) == ("layer.weight", "c.1.0") and listed["key"] == "c.1.0"
+        assert exc.computed == crc32c(bytes(raw[:-4])) != stored
+        assert (exc.stored, exc.expected) == (stored, listed["crc32c"])
+        assert exc.mismatch == (
+            f"its bytes do not match their checksum: computed {exc.computed:#010x}, "
+            f"chunk file {stored:#010x}, metadata {stored:#010x}"
+        )
+        assert exc.mismatch in str(exc)  # the message says the same
 
 
 def test_flipped_checksum_byte(ckpt: Path) -> None:
@@ -78,7 +101,7 @@ def test_damaged_root_metadata(ckpt: Path) -> None:
 
 
 def _rewrite_metadata(ckpt: Path, edit: object) -> None:
-    from gpuckpt.storage.chunkio import crc32c
+    from gpuckpt.storage.checksum import crc32c
     from gpuckpt.storage.layout import _canonical
 
     doc = json.loads((ckpt / "zarr.json").read_text())

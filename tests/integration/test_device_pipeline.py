@@ -19,10 +19,14 @@ import pytest
 
 import gpuckpt
 from gpuckpt.device import _kernel_ref
-from gpuckpt.device.backend import BufferPool, HostBackend, buffer_pool, staging_buffer_bytes
+from gpuckpt.device.backend import BufferPool, buffer_pool, staging_buffer_bytes
+from gpuckpt.device.host_backend import HostBackend
+from gpuckpt.options import SaveOptions
+from gpuckpt.planning.plan import plan_save
+from gpuckpt.sources import describe_state
 from gpuckpt.storage.local import LocalWriter
 from gpuckpt.testing.fakedevice import EmulatedDeviceArray
-from gpuckpt.writing import build_save_plan, execute_save
+from gpuckpt.writing import execute_save
 
 
 @pytest.fixture
@@ -103,13 +107,13 @@ class RecordingWriter(LocalWriter):
     def __init__(self, *a: Any, **k: Any) -> None:
         super().__init__(*a, **k)
         self.spans: list[tuple[float, float]] = []
-        self._lock = threading.Lock()
+        self._spans_lock = threading.Lock()
 
     def write_chunk_checked(self, name: str, key: str, parts: Any, digest: Any, trailer: Any) -> None:
         start = time.perf_counter()
         time.sleep(0.02)  # a slow disk
         super().write_chunk_checked(name, key, parts, digest, trailer)
-        with self._lock:
+        with self._spans_lock:
             self.spans.append((start, time.perf_counter()))
 
 
@@ -133,9 +137,11 @@ class RecordingBackend(HostBackend):
 def test_copies_of_next_chunks_overlap_writes(tmp_path: Path) -> None:
     backend = RecordingBackend()
     state = {"w": EmulatedDeviceArray(np.arange(16 * 16384, dtype=np.float32).reshape(16, 16384), backend)}
-    plan = build_save_plan(state, chunk_bytes=64 << 10)
+    options = SaveOptions(chunk_bytes=64 << 10, threads=4, staging_bytes=4 * (64 << 10))
+    local, sources = describe_state(state, allow_pickle=False)
+    plan = plan_save([local], chunk_bytes=options.chunk_bytes)
     writer = RecordingWriter(tmp_path / "c", sync="none")
-    execute_save(plan, writer, threads=4, staging_bytes=4 * (64 << 10))
+    execute_save(plan, sources, writer, options)
     assert len(writer.spans) == 16
     # more than one copy was queued while writes were running ...
     assert backend.max_in_flight >= 2

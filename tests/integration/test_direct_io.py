@@ -12,8 +12,10 @@ import numpy as np
 import pytest
 
 import gpuckpt
-from gpuckpt.storage import local
-from gpuckpt.storage.local import DIRECT_MIN_BYTES, LocalWriter, direct_io_setting
+from gpuckpt.options import SaveOptions
+from gpuckpt.storage import direct
+from gpuckpt.storage.direct import DIRECT_MIN_BYTES
+from gpuckpt.storage.local import LocalWriter
 from gpuckpt.verify import verify_checkpoint
 
 MiB = 1 << 20
@@ -132,11 +134,11 @@ def test_refused_at_open_falls_back_to_buffered_writes(tmp_path, monkeypatch):
 
     def refuse(path: str) -> int:
         opened.append(path)
-        fd = os.open(path, local._CREATE_FLAGS, 0o644)  # created, as the kernel does before refusing
+        fd = os.open(path, direct._CREATE_FLAGS, 0o644)  # created, as the kernel does before refusing
         os.close(fd)
         raise OSError(errno.EINVAL, "Invalid argument", path)
 
-    monkeypatch.setattr(local, "_open_direct", refuse)
+    monkeypatch.setattr(direct, "_open_direct", refuse)
     state = _state()
     _save(state, tmp_path / "fallback", monkeypatch, "1")
     # refused once per I/O thread at most (others may be opening at the same time), then buffered
@@ -150,7 +152,7 @@ def test_refused_at_write_rewrites_the_piece_buffered(tmp_path, monkeypatch):
         pytest.skip(f"{tmp_path} refuses O_DIRECT")
     import fcntl
 
-    real = local.write_all
+    real = direct.write_all
     refused: list[int] = []
 
     def write_all(fd: int, data) -> None:
@@ -162,7 +164,7 @@ def test_refused_at_write_rewrites_the_piece_buffered(tmp_path, monkeypatch):
             raise OSError(errno.EINVAL, "Invalid argument")
         real(fd, data)
 
-    monkeypatch.setattr(local, "write_all", write_all)
+    monkeypatch.setattr(direct, "write_all", write_all)
     state = _state()
     _save(state, tmp_path / "fallback", monkeypatch, "1")
     assert 1 <= len(refused) <= 8  # files already open in direct mode on other I/O threads refuse too
@@ -175,7 +177,7 @@ def test_other_errors_fail_the_save_and_publish_nothing(tmp_path, monkeypatch):
     def broken(path: str) -> int:
         raise OSError(errno.EIO, "Input/output error", path)
 
-    monkeypatch.setattr(local, "_open_direct", broken)
+    monkeypatch.setattr(direct, "_open_direct", broken)
     monkeypatch.setenv("GPUCKPT_DIRECT_IO", "1")
     with pytest.raises(OSError, match="Input/output error"):
         gpuckpt.save(_state(), tmp_path / "ck", chunk_bytes=2 * MiB)
@@ -188,17 +190,23 @@ def test_switches(tmp_path, monkeypatch):
     assert not LocalWriter(tmp_path / "a").direct_io  # a plain writer is buffered
     assert LocalWriter(tmp_path / "a", direct_io=True).direct_io == has
     assert not LocalWriter(tmp_path / "a", direct_io=True, sync="none").direct_io  # scratch data
+
+    def setting(background: bool) -> bool:
+        # what a save asks of its writer, and what the writer then does on this platform
+        decided = SaveOptions().use_direct_io(background)
+        return LocalWriter(tmp_path / "a", direct_io=decided).direct_io
+
     monkeypatch.delenv("GPUCKPT_DIRECT_IO", raising=False)
-    assert (direct_io_setting(True), direct_io_setting(False)) == (has, False)
+    assert (setting(True), setting(False)) == (has, False)
     monkeypatch.setenv("GPUCKPT_DIRECT_IO", "auto")
-    assert (direct_io_setting(True), direct_io_setting(False)) == (has, False)
+    assert (setting(True), setting(False)) == (has, False)
     monkeypatch.setenv("GPUCKPT_DIRECT_IO", "on")
-    assert (direct_io_setting(True), direct_io_setting(False)) == (has, has)
+    assert (setting(True), setting(False)) == (has, has)
     monkeypatch.setenv("GPUCKPT_DIRECT_IO", "0")
-    assert (direct_io_setting(True), direct_io_setting(False)) == (False, False)
+    assert (setting(True), setting(False)) == (False, False)
     monkeypatch.setenv("GPUCKPT_DIRECT_IO", "sometimes")
     with pytest.raises(ValueError, match="GPUCKPT_DIRECT_IO='sometimes'"):
-        direct_io_setting(True)
+        SaveOptions()
     with pytest.raises(ValueError, match="GPUCKPT_DIRECT_IO='sometimes'"):
         gpuckpt.save({"w": np.ones(3)}, tmp_path / "ck")
     assert not (tmp_path / "ck").exists()
@@ -243,7 +251,7 @@ def test_a_failed_direct_write_fails_the_async_save_and_keeps_the_old_one(tmp_pa
     monkeypatch.delenv("GPUCKPT_DIRECT_IO", raising=False)
     old = tmp_path / "ck"
     gpuckpt.save({"w": np.zeros(MiB, np.float32)}, old)
-    real = local.write_all
+    real = direct.write_all
     hits: list[int] = []
 
     def write_all(fd: int, data) -> None:
@@ -252,10 +260,33 @@ def test_a_failed_direct_write_fails_the_async_save_and_keeps_the_old_one(tmp_pa
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         real(fd, data)
 
-    monkeypatch.setattr(local, "write_all", write_all)
+    monkeypatch.setattr(direct, "write_all", write_all)
     exc = gpuckpt.async_save({"w": np.ones(MiB, np.float32)}, old, overwrite=True).exception(timeout=60)
     assert hits, "the direct path was not taken"
     assert isinstance(exc, gpuckpt.CheckpointWriteError) and exc.errno == errno.ENOSPC, exc
     assert "nothing was published" in str(exc)
     assert [p.name for p in tmp_path.iterdir()] == ["ck"]  # no temporary left
     np.testing.assert_array_equal(gpuckpt.load_state_dict(old)["w"], np.zeros(MiB, np.float32))
+
+
+def test_the_direct_writer_on_its_own(tmp_path):
+    """storage.direct writes a whole file, digesting every byte in order, without LocalWriter."""
+    if not _direct_supported(tmp_path):
+        pytest.skip(f"{tmp_path} refuses O_DIRECT")
+    rng = np.random.default_rng(1)
+    aligned = _page_aligned(2 * MiB)
+    aligned[:] = rng.standard_normal(aligned.size, dtype=np.float32)
+    parts = [aligned, rng.integers(0, 255, MiB + 4097, dtype=np.uint8), b"tail"]
+    seen = bytearray()
+    w = direct.DirectWriter()
+    fd = w.create(os.fspath(tmp_path / "f"))
+    assert fd is not None
+    try:
+        w.write(fd, parts, lambda piece: seen.extend(memoryview(piece).cast("B")), lambda: b"CRC!")
+    finally:
+        os.close(fd)
+    data = b"".join(memoryview(p).cast("B").tobytes() for p in parts)
+    assert bytes(seen) == data and (tmp_path / "f").read_bytes() == data + b"CRC!"
+    with pytest.raises(FileExistsError):  # a new file, never an existing one
+        w.create(os.fspath(tmp_path / "f"))
+    assert w.enabled  # only a refusal of O_DIRECT turns it off

@@ -8,6 +8,7 @@ leaves the machine.
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -24,12 +25,14 @@ import pytest
 import gpuckpt
 from gpuckpt.errors import CheckpointExistsError, CheckpointNotFoundError, ChecksumError
 from gpuckpt.storage import fsutil
+from gpuckpt.storage.checksum import crc32c
+from gpuckpt.verify import verify_checkpoint
 
 pytest.importorskip("obstore")
 moto_server = pytest.importorskip("moto.server")
 boto3 = pytest.importorskip("boto3")
 
-from gpuckpt.storage.objectstore import (  # noqa: E402 - after the skips
+from gpuckpt.storage.s3 import (  # noqa: E402 - after the skips
     CLAIM_KEY,
     ObjectStoreReader,
     ObjectStoreWriter,
@@ -359,6 +362,37 @@ def test_foreign_objects_are_never_deleted(opts: dict[str, Any], prefix: str, s3
     assert set(_objects(s3, prefix)) == {f"{prefix}/notes.txt"}
 
 
+def _foreign_zarr(url: str, opts: dict[str, Any], *, with_root: bool) -> None:
+    """Another program's Zarr v3 data at ``url``: a group with an array, or only an array one level
+    down whose keys (``x/zarr.json``, ``x/c.0``) are shaped exactly like a checkpoint's."""
+    import zarr
+
+    dots: Any = {"name": "default", "separator": "."}  # c.0, c.1: the chunk keys of a checkpoint
+    if with_root:
+        group = zarr.create_group(store=zarr_store(url, read_only=False, **opts))
+        arr = group.create_array("x", shape=(8,), chunks=(4,), dtype="f4", chunk_key_encoding=dots)
+    else:
+        store = zarr_store(f"{url}/x", read_only=False, **opts)
+        arr = zarr.create_array(store=store, shape=(8,), chunks=(4,), dtype="f4", chunk_key_encoding=dots)
+    arr[:] = np.arange(8, dtype=np.float32)
+
+
+@pytest.mark.parametrize("with_root", [True, False], ids=["group", "arrays-only"])
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_foreign_zarr_store_is_refused_and_never_deleted(
+    opts: dict[str, Any], prefix: str, s3: Any, with_root: bool, overwrite: bool
+) -> None:
+    url = f"s3://{BUCKET}/{prefix}"
+    _foreign_zarr(url, opts, with_root=with_root)
+    before = _objects(s3, prefix)
+    assert (f"{prefix}/zarr.json" in before) == with_root and f"{prefix}/x/c.1" in before, before
+    why = "not a gpuckpt checkpoint" if with_root else "no claim of an unfinished gpuckpt save"
+    with pytest.raises(CheckpointExistsError) as info:
+        _save(_state(), prefix, opts, overwrite=overwrite)
+    assert url in str(info.value) and why in str(info.value) and "nothing was deleted" in str(info.value)
+    assert _objects(s3, prefix) == before  # every object kept, and no claim left behind
+
+
 def test_corrupted_object_names_the_tensor(opts: dict[str, Any], prefix: str, s3: Any) -> None:
     md = _save(_state(), prefix, opts)
     info = md.storage_data["tensors"]["model.proj"]
@@ -413,3 +447,81 @@ def test_without_conditional_writes(opts: dict[str, Any], prefix: str) -> None:
     with pytest.raises(CheckpointExistsError):
         _save(state, prefix, plain)
     _assert_same(gpuckpt.load_state_dict(f"s3://{BUCKET}/{prefix}", storage_options=plain), state)
+
+
+def _flip_byte(s3: Any, key: str, at: int) -> None:
+    data = bytearray(s3.get_object(Bucket=BUCKET, Key=key)["Body"].read())
+    data[at] ^= 0x40
+    s3.put_object(Bucket=BUCKET, Key=key, Body=bytes(data))
+
+
+def test_verify_reads_an_s3_checkpoint(opts: dict[str, Any], prefix: str, s3: Any) -> None:
+    """verify_checkpoint takes what a load takes: an s3:// URL and its storage_options."""
+    url = f"s3://{BUCKET}/{prefix}"
+    md = _save(_state(), prefix, opts)
+    report = verify_checkpoint(url, storage_options=opts)
+    assert report.ok, report.format()
+    tensors = md.storage_data["tensors"]
+    assert report.tensors == len(tensors) and report.chunks == sum(len(t["chunks"]) for t in tensors.values())
+    assert report.objects == len(md.storage_data["objects"]) and report.bytes_checked > 0
+    proj = tensors["model.proj"]
+    name, (c1, c2) = proj["name"], [c["key"] for c in proj["chunks"]]
+    _flip_byte(s3, f"{prefix}/{name}/{c1}", 5)
+    s3.delete_object(Bucket=BUCKET, Key=f"{prefix}/{name}/{c2}")
+    doc = json.loads(s3.get_object(Bucket=BUCKET, Key=f"{prefix}/{name}/zarr.json")["Body"].read())
+    doc["shape"] = [1, 1]
+    s3.put_object(Bucket=BUCKET, Key=f"{prefix}/{name}/zarr.json", Body=json.dumps(doc).encode())
+    report = verify_checkpoint(url, storage_options=opts)
+    by = {d.where: d.problem for d in report.damage}
+    assert set(by) == {f"{name}/{c1}", f"{name}/{c2}", f"{name}/zarr.json"}, by
+    assert by[f"{name}/{c1}"].startswith(
+        "checksum mismatch (its bytes do not match their checksum: computed 0x"
+    )
+    assert by[f"{name}/{c2}"] == "missing"
+    assert by[f"{name}/zarr.json"].startswith("shape is [1, 1]")
+    assert report.damaged_tensors() == ["model.proj"]
+
+
+def test_verify_streams_large_s3_chunks(opts: dict[str, Any], prefix: str, s3: Any) -> None:
+    """A chunk many times the verify buffer: read in pieces, the checksum trailer found across them."""
+    url = f"s3://{BUCKET}/{prefix}"
+    w = np.random.default_rng(3).standard_normal(300_001).astype(np.float32)  # one chunk of 1.2 MB
+    gpuckpt.save({"w": w}, url, storage_options=opts)
+    key = f"{prefix}/w/c.0"
+    small = {"storage_options": opts, "group_bytes": 1, "threads": 1}  # 64 KiB pieces
+    assert verify_checkpoint(url, **small).ok
+    good = s3.get_object(Bucket=BUCKET, Key=key)["Body"].read()
+    for at in (700_001, len(good) - 1):  # in the data, in the trailer
+        _flip_byte(s3, key, at)
+        (d,) = verify_checkpoint(url, **small).damage
+        assert d.where == "w/c.0" and "its bytes do not match their checksum" in d.problem, d
+        s3.put_object(Bucket=BUCKET, Key=key, Body=good)
+    # a valid chunk (bytes and trailer agree) that is not the one the metadata lists
+    other = np.frombuffer(good[:-4], np.float32).copy()
+    other[0] += 1
+    body = other.tobytes() + crc32c(other.tobytes()).to_bytes(4, "little")
+    s3.put_object(Bucket=BUCKET, Key=key, Body=body)
+    (d,) = verify_checkpoint(url, **small).damage
+    assert "it is a valid chunk but not the one the metadata lists" in d.problem, d
+    assert f"computed {crc32c(other.tobytes()):#010x}" in d.problem
+
+
+def test_verify_command_on_s3(endpoint: str, opts: dict[str, Any], prefix: str, s3: Any) -> None:
+    """``gpuckpt verify s3://...``: the endpoint and credentials from the AWS_* environment."""
+    url = f"s3://{BUCKET}/{prefix}"
+    md = _save(_state(), prefix, opts)
+    env = {**os.environ, "AWS_ENDPOINT_URL": endpoint}  # plain HTTP: allowed for an http:// endpoint
+
+    def verify() -> subprocess.CompletedProcess[str]:
+        cmd = [sys.executable, "-m", "gpuckpt.cli", "verify", "--quiet", url]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+
+    r = verify()
+    assert r.returncode == 0 and r.stdout.startswith(f"OK: {url}: "), (r.stdout, r.stderr)
+    info = md.storage_data["tensors"]["model.embed"]
+    where = f"{info['name']}/{info['chunks'][0]['key']}"
+    _flip_byte(s3, f"{prefix}/{where}", 0)
+    r = verify()
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    assert f"{where}: checksum mismatch" in r.stdout and "is damaged" in r.stderr
+    assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr

@@ -14,6 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import gpuckpt
+from gpuckpt.reading import validate_metadata
+from gpuckpt.storage.layout import expected_array_document
 from gpuckpt.verify import verify_checkpoint
 
 
@@ -90,6 +92,34 @@ def test_array_document_checked_against_metadata(tmp_path: Path) -> None:
     by = {d.where: d.problem for d in r.damage}
     assert "shape is [2, 3, 5, 7]" in by["conv/zarr.json"]
     assert by["bias/zarr.json"] == "missing"
+
+
+def test_array_documents_are_what_layout_defines(tmp_path: Path) -> None:
+    """The writer writes expected_array_document, and verify holds every field of it to that."""
+    c = make(tmp_path / "c")
+    tensors, _ = validate_metadata(gpuckpt.read_metadata(c))
+    assert len(tensors) == 3
+    for t in tensors.values():
+        want = expected_array_document(
+            shape=t.shape,
+            dtype=t.dtype,
+            grid=t.grid,
+            fqn=t.fqn,
+            memory_format=t.metadata.properties.memory_format.name,
+        )
+        assert json.loads((c / t.name / "zarr.json").read_bytes()) == want, t.fqn
+    doc_path = c / "layer.weight" / "zarr.json"
+    doc = json.loads(doc_path.read_text())
+    doc["fill_value"] = 1.5  # what zarr reads in the padding of edge chunks
+    doc["attributes"]["other tool"] = {"note": "kept"}  # attributes of others are allowed
+    doc_path.write_text(json.dumps(doc))
+    (bad,) = verify_checkpoint(c).damage
+    assert (bad.where, bad.problem) == ("layer.weight/zarr.json", "fill_value is 1.5, the metadata says 0.0")
+    doc["fill_value"] = 0.0
+    doc["attributes"]["gpuckpt"]["memory_format"] = "channels_last"
+    doc_path.write_text(json.dumps(doc))
+    (bad,) = verify_checkpoint(c).damage
+    assert bad.where == "layer.weight/zarr.json" and bad.problem.startswith("attributes.gpuckpt is ")
 
 
 def test_damaged_root_metadata_and_not_a_checkpoint(tmp_path: Path) -> None:

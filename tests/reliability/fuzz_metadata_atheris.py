@@ -24,12 +24,12 @@ with atheris.instrument_imports():
     import gpuckpt.reading
     import gpuckpt.state
     import gpuckpt.storage.layout
-    import gpuckpt.storage.objects
+    import gpuckpt.storage.values
 
 sys.path.insert(0, str(Path(__file__).parent))
 from hostile import is_known_bug, make_state
 
-from gpuckpt.storage.chunkio import crc32c
+from gpuckpt.storage.checksum import crc32c
 from gpuckpt.storage.layout import _canonical
 
 _DIR = Path(tempfile.mkdtemp(prefix="gpuckpt-atheris-"))

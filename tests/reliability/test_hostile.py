@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import gpuckpt
-from gpuckpt.storage.chunkio import crc32c
+from gpuckpt.storage.checksum import crc32c
 from gpuckpt.storage.layout import _canonical
 from gpuckpt.testing.faults import copy_checkpoint, rewrite_root_metadata
 

@@ -3,22 +3,24 @@ from __future__ import annotations
 import itertools
 import math
 
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpuckpt.distributed.planner import (
+from gpuckpt.errors import UnsupportedValueError
+from gpuckpt.metadata import TensorProperties
+from gpuckpt.planning.boxes import (
     LocalTensor,
     grid_for_boxes,
     intersect,
     overlapping_chunks,
     plan_global,
 )
-from gpuckpt.errors import UnsupportedValueError
 
 
 def lt(fqn: str, shape: tuple[int, ...], boxes: list, dtype: str = "float32") -> LocalTensor:
-    return LocalTensor(fqn, shape, dtype, 4, {}, boxes)
+    return LocalTensor(fqn, shape, dtype, 4, TensorProperties(np.dtype(dtype)), tuple(boxes))
 
 
 def rows(shape: tuple[int, int], splits: list[int]) -> list:

@@ -8,7 +8,7 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from gpuckpt.planning import ChunkGrid, plan_regular_grid
-from gpuckpt.storage.chunkio import is_prefix_box
+from gpuckpt.storage.chunks import is_prefix_box
 from gpuckpt.storage.layout import chunk_file_key
 
 

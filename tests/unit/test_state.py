@@ -34,11 +34,13 @@ def test_round_trip_preserves_containers_and_key_types() -> None:
     assert back["l"] == [1, 2]
 
 
-def test_partial_unflatten_drops_empty_containers_and_partial_sequences() -> None:
+def test_partial_unflatten_drops_unselected_containers_and_keys_partial_sequences_by_position() -> None:
     sd = {"a": {"x": np.ones(1), "y": np.ones(1)}, "b": {"z": np.ones(1)}, "s": [np.ones(1), np.ones(1)]}
     _, skel = flatten_state_dict(sd, is_array)
-    back = unflatten_state_dict(skel, {"a.x": 1, "s.0": 2})
-    assert back == {"a": {"x": 1}}
+    back = unflatten_state_dict(skel, {"a.x": 1, "s.0": 2}, ["a.x", "s.0"])
+    assert back == {"a": {"x": 1}, "s": {0: 2}}
+    back = unflatten_state_dict(skel, {"s.0": 2, "s.1": 3}, ["s"])
+    assert back == {"s": [2, 3]}
 
 
 def test_collision_is_an_error() -> None:

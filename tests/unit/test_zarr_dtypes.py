@@ -25,7 +25,7 @@ from zarr.core.metadata import ArrayV3Metadata
 from zarr.storage import LocalStore
 
 from gpuckpt.dtypes import ML_DTYPE_NAMES
-from gpuckpt.storage._zarr_compat import DataTypeValidationError
+from gpuckpt.storage._zarr_compat import ZARR_BEFORE_3_4, DataTypeValidationError
 from gpuckpt.storage.zarr_dtypes import (
     ZARR_DTYPE_CLASSES,
     BFloat16,
@@ -440,11 +440,8 @@ def test_classes_are_loadable_as_zarr_data_type_entry_points() -> None:
 # points but never loads them (its registry never calls its _lazy_load); from 3.4
 # on, the registry loads them on first use. With zarr 3.1 only an explicit
 # register_zarr_dtypes() teaches zarr these types.
-_ZARR_LOADS_DTYPE_ENTRY_POINTS = tuple(int(part) for part in zarr.__version__.split(".")[:2]) >= (3, 4)
-
-
 @pytest.mark.xfail(
-    not _ZARR_LOADS_DTYPE_ENTRY_POINTS,
+    ZARR_BEFORE_3_4,
     strict=True,
     reason=f"zarr {zarr.__version__} does not load zarr.data_type entry points",
 )

@@ -13,8 +13,11 @@ A save to ``s3://bucket/prefix`` goes:
    (its process is gone from this machine and pid namespace, or the claim was
    not refreshed for ``lease_seconds`` by the server's clock against ours) is
    taken over with a compare-and-swap on its ETag. Then, with the root
-   checked again, objects of an unfinished earlier save are deleted; any
-   other object under the prefix is refused, never deleted.
+   checked again, objects of the unfinished save whose claim was taken over
+   are deleted. Objects under a prefix that had no claim, and objects no
+   gpuckpt save writes, are refused, never deleted: a prefix holding another
+   program's Zarr store (even one whose keys look like a checkpoint's) is
+   left as it is.
 2. Array documents and chunks are plain puts (zarr's
    :class:`zarr.storage.ObjectStore`); a thread refreshes the claim every
    quarter lease.
@@ -23,6 +26,9 @@ A save to ``s3://bucket/prefix`` goes:
    :class:`~gpuckpt.errors.CheckpointExistsError`), delete the claim.
 4. ``abort`` deletes the objects this writer put and its claim, unless the
    prefix has meanwhile passed to another writer or was published.
+
+A root ``zarr.json`` that is not a gpuckpt checkpoint's (another program's
+Zarr store at that prefix) is refused with a message that says so.
 
 ``overwrite=True`` cannot replace a published checkpoint: an object store
 cannot swap two sets of objects atomically, and deleting the old root first
@@ -61,16 +67,23 @@ from gpuckpt.errors import (
 )
 from gpuckpt.storage import fsutil
 from gpuckpt.storage.base import CheckpointReader, CheckpointWriter
-from gpuckpt.storage.layout import ROOT_KEY, is_chunk_file_key
+from gpuckpt.storage.checksum import CRC_BYTES, crc32c
+from gpuckpt.storage.layout import (
+    MAX_ARRAY_DOCUMENT_BYTES,
+    MAX_ROOT_DOCUMENT_BYTES,
+    ROOT_DOCUMENT_PREFIX,
+    ROOT_KEY,
+    is_chunk_file_key,
+    root_document_problem,
+    too_large,
+)
 from gpuckpt.storage.names import is_safe_name
-from gpuckpt.storage.stores import SCHEMES
 
 __all__ = ["CLAIM_KEY", "ObjectStoreReader", "ObjectStoreWriter", "parse_s3_url", "zarr_store"]
 
 CLAIM_KEY = ".gpuckpt-writer"
 DEFAULT_LEASE_SECONDS = 60.0
-_MAX_ROOT_BYTES = 1 << 31
-_MAX_DOCUMENT_BYTES = 1 << 24
+_MAX_CLAIM_BYTES = 1 << 24
 _STREAM_PIECE = 4 << 20
 
 # storage_options spellings (fsspec/s3fs and boto) -> obstore S3Config keys
@@ -117,9 +130,11 @@ def _s3_config(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]
     client = dict(options.pop("client_options", None) or {})
     for k, v in options.items():
         config[_ALIASES.get(k, k)] = v
+    # the endpoint given, else the one obstore takes from the environment (gpuckpt verify s3://...)
+    endpoint = config.get("endpoint") or os.environ.get("AWS_ENDPOINT_URL") or os.environ.get("AWS_ENDPOINT")
     if "allow_http" in config:
         client["allow_http"] = bool(config.pop("allow_http"))
-    elif str(config.get("endpoint", "")).startswith("http://"):
+    elif str(endpoint or "").startswith("http://"):
         client["allow_http"] = True  # the caller named a plain-HTTP endpoint
     return config, client
 
@@ -221,13 +236,8 @@ class _Prefix:
         except BaseError as exc:
             raise error(errno.EIO, f"{what} at {self.path} failed: {_first_line(exc)}") from exc
 
-    def _run(self, coro: Any) -> Any:
-        from zarr.core.sync import sync
-
-        return sync(coro)
-
-    def _get_small(self, rel: str, limit: int) -> bytes | None:
-        """The object ``rel`` (None when absent), refused when larger than ``limit``."""
+    def _get_small(self, rel: str, limit: int, name: str) -> bytes | None:
+        """The object ``rel`` (None when absent), refused unread above ``limit`` (the cap ``name``)."""
         import obstore as obs
 
         try:
@@ -236,7 +246,7 @@ class _Prefix:
             return None
         size = res.meta["size"]
         if size > limit:
-            raise MetadataError(f"{self.path}/{rel} is {size} bytes; refusing to parse metadata that large")
+            raise too_large(f"{self.path}/{rel}", size, limit, name)
         return bytes(res.bytes())
 
     def _list(self) -> dict[str, int]:
@@ -306,9 +316,34 @@ class ObjectStoreWriter(_Prefix, CheckpointWriter):
             return False
         return True
 
+    def _root_problem(self) -> str | None:
+        """Why the root object is not a gpuckpt checkpoint's; None when it is (damaged or not)."""
+        import obstore as obs
+
+        n = len(ROOT_DOCUMENT_PREFIX)
+        try:
+            if obs.head(self._obs, ROOT_KEY)["size"] >= n:
+                head = bytes(obs.get(self._obs, ROOT_KEY, options={"range": (0, n)}).bytes())
+                if head == ROOT_DOCUMENT_PREFIX:
+                    return None
+        except FileNotFoundError:
+            return None  # deleted meanwhile: nothing to protect, the conditional put decides
+        try:
+            raw = self._get_small(ROOT_KEY, MAX_ROOT_DOCUMENT_BYTES, "MAX_ROOT_DOCUMENT_BYTES")
+        except MetadataError:
+            return f"its {ROOT_KEY} is larger than any gpuckpt root document"
+        return None if raw is None else root_document_problem(raw)
+
     def _refuse_published(self) -> None:
         if not self._exists(ROOT_KEY):
             return
+        problem = self._root_problem()
+        if problem is not None:
+            raise CheckpointExistsError(
+                f"{self.path} holds something that is not a gpuckpt checkpoint: {problem}; refusing to "
+                f"touch it{' even with overwrite=True' if self.overwrite else ''}, nothing was deleted. "
+                "Save to another prefix"
+            )
         if self.overwrite:
             raise CheckpointExistsError(
                 f"{self.path} holds a checkpoint and overwrite=True cannot replace it: object storage has "
@@ -317,14 +352,15 @@ class ObjectStoreWriter(_Prefix, CheckpointWriter):
             )
         raise CheckpointExistsError(f"{self.path} already holds a checkpoint; save to a new prefix")
 
-    def _claim(self) -> None:
+    def _claim(self) -> bool:
+        """Claim the prefix; True when that took over the claim of an abandoned save."""
         import obstore as obs
         from obstore.exceptions import AlreadyExistsError, PreconditionError
 
         for _ in range(3):
             try:
                 self._claim_etag = self._put(CLAIM_KEY, self._claim_body, "create")
-                return
+                return False
             except AlreadyExistsError:
                 pass
             try:
@@ -351,7 +387,7 @@ class ObjectStoreWriter(_Prefix, CheckpointWriter):
                 )
             try:  # take the abandoned claim over, unless another writer does so first
                 self._claim_etag = self._put(CLAIM_KEY, self._claim_body, {"e_tag": meta["e_tag"]})
-                return
+                return True
             except (PreconditionError, AlreadyExistsError, FileNotFoundError):
                 continue
         raise CheckpointExistsError(
@@ -393,18 +429,31 @@ class ObjectStoreWriter(_Prefix, CheckpointWriter):
     def begin(self) -> None:
         with self._io("starting a save", CheckpointWriteError):
             self._refuse_published()
-            self._claim()
+            took_over = self._claim()
             try:
                 # the root may have been committed between the first check and the claim
                 self._refuse_published()
-                self._delete_leftovers()
+                self._delete_leftovers(took_over)
             except BaseException:
                 self._delete_quietly([CLAIM_KEY])
                 raise
-        self._heartbeat = threading.Thread(target=self._refresh, name="gpuckpt-s3-claim", daemon=True)
-        self._heartbeat.start()
+        heartbeat = threading.Thread(target=self._refresh, name="gpuckpt-s3-claim", daemon=True)
+        try:
+            heartbeat.start()
+        except RuntimeError:
+            # no thread can be started (a save finished while the interpreter exits): the
+            # claim is not refreshed, and commit still refuses to publish if it was lost
+            return
+        self._heartbeat = heartbeat
 
-    def _delete_leftovers(self) -> None:
+    def _delete_leftovers(self, took_over: bool) -> None:
+        """Delete what the abandoned save whose claim we took over left; refuse anything else.
+
+        Keys shaped like a checkpoint's are not proof enough: a Zarr v3 store of
+        another program can have only such keys. Only a claim left behind says
+        that the objects are a gpuckpt save's (a save aborts its objects before
+        its claim).
+        """
         import obstore as obs
 
         keys = [k for k in self._list() if k != CLAIM_KEY]
@@ -413,6 +462,12 @@ class ObjectStoreWriter(_Prefix, CheckpointWriter):
             raise CheckpointExistsError(
                 f"{self.path} has no checkpoint but holds {len(foreign)} other object(s), e.g. "
                 f"{foreign[:3]}; refusing to delete them: save to an empty prefix"
+            )
+        if keys and not took_over:
+            raise CheckpointExistsError(
+                f"{self.path} has no checkpoint and no claim of an unfinished gpuckpt save, but holds "
+                f"{len(keys)} object(s), e.g. {keys[:3]} (another program's Zarr store?); refusing to "
+                "delete them, nothing was deleted: save to an empty prefix"
             )
         if keys:
             obs.delete(self._obs, keys)
@@ -423,13 +478,15 @@ class ObjectStoreWriter(_Prefix, CheckpointWriter):
         return bool(sep) and is_safe_name(name) and (key == ROOT_KEY or is_chunk_file_key(key))
 
     def _write(self, rel: str, data: Any) -> None:
-        from zarr.core.buffer import default_buffer_prototype
+        import obstore as obs
 
         if self._lost is not None:
             raise CheckpointExistsError(self._lost)
         self._written.add(rel)
         with self._io(f"writing {rel}", CheckpointWriteError):
-            self._run(self.zarr_store.set(rel, default_buffer_prototype().buffer.from_bytes(data)))
+            # the put zarr's ObjectStore.set makes, without its event-loop thread: that thread
+            # cannot be started while the interpreter exits, when queued saves still run
+            obs.put(self._obs, rel, data)
 
     def write_array_document(self, name: str, document: bytes) -> None:
         self._write(_rel(name, ROOT_KEY), document)
@@ -478,15 +535,20 @@ class ObjectStoreWriter(_Prefix, CheckpointWriter):
             ours = False
         if not ours:
             return  # the prefix belongs to another save now: its objects are not ours to delete
-        self._delete_quietly(sorted(self._written))
-        self._delete_quietly([CLAIM_KEY])
+        # the claim goes only once the objects are gone: it is what lets the next save delete them
+        if self._delete_quietly(sorted(self._written)):
+            self._delete_quietly([CLAIM_KEY])
 
-    def _delete_quietly(self, keys: list[str]) -> None:
+    def _delete_quietly(self, keys: list[str]) -> bool:
+        """Delete ``keys``; False (and no exception) when that failed."""
         import obstore as obs
 
-        with contextlib.suppress(Exception):
+        try:
             if keys:
                 obs.delete(self._obs, keys)
+        except Exception:
+            return False
+        return True
 
 
 class ObjectStoreReader(_Prefix, CheckpointReader):
@@ -504,17 +566,17 @@ class ObjectStoreReader(_Prefix, CheckpointReader):
 
     def read_root(self) -> bytes:
         with self._io("reading the root metadata"):
-            raw = self._get_small(ROOT_KEY, _MAX_ROOT_BYTES)
+            raw = self._get_small(ROOT_KEY, MAX_ROOT_DOCUMENT_BYTES, "MAX_ROOT_DOCUMENT_BYTES")
             if raw is not None:
                 return raw
-            claimed = self._get_small(CLAIM_KEY, _MAX_DOCUMENT_BYTES) is not None
+            claimed = self._get_small(CLAIM_KEY, _MAX_CLAIM_BYTES, "the claim object's limit") is not None
         hint = " (a save to it is running or died: its claim object is there)" if claimed else ""
         raise CheckpointNotFoundError(f"no checkpoint at {self.path}: it has no {ROOT_KEY}{hint}")
 
     def read_array_document(self, name: str) -> bytes:
         rel = _rel(name, ROOT_KEY)
         with self._io(f"reading {rel}"):
-            raw = self._get_small(rel, _MAX_DOCUMENT_BYTES)
+            raw = self._get_small(rel, MAX_ARRAY_DOCUMENT_BYTES, "MAX_ARRAY_DOCUMENT_BYTES")
         if raw is None:
             raise FileNotFoundError(errno.ENOENT, "array document missing", f"{self.path}/{rel}")
         return raw
@@ -550,5 +612,26 @@ class ObjectStoreReader(_Prefix, CheckpointReader):
                     break
         return total
 
+    def read_chunk_checksum(self, name: str, key: str, nbytes: int, piece: int) -> tuple[int, int, int]:
+        """Streams the object in pieces of about ``piece`` bytes, checksummed as they arrive."""
+        import obstore as obs
 
-SCHEMES["s3"] = (ObjectStoreWriter, ObjectStoreReader)
+        rel = _rel(name, key)
+        data = max(0, nbytes - CRC_BYTES)
+        total = value = 0
+        trailer = bytearray()
+        if nbytes == 0:
+            return 0, 0, 0
+        with self._io(f"reading {rel}"):
+            res = obs.get(self._obs, rel, options={"range": (0, nbytes)})
+            for part in res.stream(min_chunk_size=max(1, piece)):
+                view = memoryview(part).cast("B")[: nbytes - total]
+                take = min(view.nbytes, max(0, data - total))
+                if take:
+                    value = crc32c(view[:take], value)
+                trailer += view[take:]
+                total += view.nbytes
+                if total == nbytes:
+                    break
+        stored = int.from_bytes(trailer, "little") if len(trailer) == CRC_BYTES else 0
+        return total, value, stored

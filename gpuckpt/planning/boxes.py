@@ -1,20 +1,23 @@
-"""Global planning of distributed saves, and box overlaps for resharding loads.
+"""Boxes: which process writes which chunk of a tensor, and box overlaps for resharding loads.
 
 Pure data: shapes, offsets, boxes and ranks; no arrays and no I/O, so that
 plans are tested as data (and with Hypothesis). Every function here is
 linear or ``n log n`` in the number of boxes: a job of 64 ranks with 1,000
 tensors each is planned in well under a second.
 
-A distributed save proceeds as:
+Every save is planned this way (a single-process save is one rank holding
+each tensor whole):
 
 1. each rank describes its tensors (:class:`LocalTensor`: global shape, dtype,
    properties, the boxes it holds);
-2. the coordinator merges them (:func:`plan_global`): boxes held by several
-   ranks are written once, by the least-loaded holder; the boxes of each
-   tensor must tile it exactly; the chunk grid is the grid of box edges
-   (regular when the boxes are an even split, rectilinear otherwise, or a
-   regular refinement on request) so that every chunk lies in one box;
-3. each rank writes the chunks assigned to it.
+2. :func:`plan_global` merges them: boxes held by several ranks are written
+   once, by the least-loaded holder; the boxes of each tensor must tile it
+   exactly. A tensor held whole gets the grid :func:`~gpuckpt.planning.grid.plan_regular_grid`
+   chooses; otherwise the chunk grid is the grid of box edges (regular when
+   the boxes are an even split, rectilinear otherwise, or a regular
+   refinement on request) so that every chunk lies in one box;
+3. each rank writes the chunks assigned to it
+   (:func:`gpuckpt.planning.plan.plan_save` turns this into the save plan).
 """
 
 from __future__ import annotations
@@ -22,12 +25,12 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 
 from gpuckpt.errors import UnsupportedValueError
-from gpuckpt.planning import ChunkGrid
+from gpuckpt.metadata import TensorProperties
+from gpuckpt.planning.grid import ChunkGrid, ChunkSpec, plan_regular_grid
 
 __all__ = [
     "Box",
@@ -37,34 +40,42 @@ __all__ = [
     "intersect",
     "overlapping_chunks",
     "plan_global",
+    "plan_tensors",
 ]
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class LocalTensor:
-    """What one rank holds of one tensor (small and picklable: no data)."""
+    """What one rank holds of one tensor (small and picklable: no data).
+
+    ``dtype`` is the stored dtype name (:func:`gpuckpt.dtypes.dtype_name`, so that
+    ranks holding different byte orders agree); ``boxes`` are the ``(offsets,
+    sizes)`` of the rank's pieces in the global tensor, a whole tensor being
+    one box at the origin.
+    """
 
     fqn: str
     global_shape: tuple[int, ...]
     dtype: str
     itemsize: int
-    properties: dict[str, Any]
-    boxes: list[Box]
+    properties: TensorProperties
+    boxes: tuple[Box, ...]
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class GlobalTensorPlan:
-    """One tensor of a distributed save, as decided by the coordinator."""
+    """One tensor of a save, as :func:`plan_global` decided it."""
 
     fqn: str
     global_shape: tuple[int, ...]
     dtype: str
-    properties: dict[str, Any]
+    properties: TensorProperties
     grid: ChunkGrid
+    specs: tuple[ChunkSpec, ...]  # every chunk of the grid (:meth:`ChunkGrid.chunk_list`)
     # chunk coords -> (writer rank, index of the box in that rank's LocalTensor.boxes)
-    writers: dict[tuple[int, ...], tuple[int, int]] = field(default_factory=dict)
+    writers: dict[tuple[int, ...], tuple[int, int]]
 
 
 def intersect(a: Box, b: Box) -> Box | None:
@@ -176,28 +187,39 @@ def _box_chunks(grid: ChunkGrid, box: Box, starts: list[list[int]]) -> Iterable[
     return (first,) if one else overlapping_chunks(grid, box, starts)
 
 
-def plan_global(
-    locals_by_rank: Sequence[Sequence[LocalTensor]],
-    *,
-    chunk_bytes: int,
-    portable: bool = False,
-) -> list[GlobalTensorPlan]:
-    """Merge every rank's tensors into one plan; raises on inconsistent or incomplete boxes."""
+#: who writes a tensor's chunks: one ``(rank, box index)`` for all of them (a tensor held
+#: whole), or chunk coords -> ``(rank, box index)``
+Writers = tuple[int, int] | dict[tuple[int, ...], tuple[int, int]]
+
+
+def plan_tensors(
+    locals_by_rank: Sequence[Sequence[LocalTensor]], *, chunk_bytes: int, portable: bool = False
+) -> Iterator[tuple[LocalTensor, ChunkGrid, tuple[ChunkSpec, ...], Writers]]:
+    """Each tensor's description (the first rank's), chunk grid, chunks and writers; see
+    :func:`plan_global`, of which this is the core (without a record per tensor)."""
     by_fqn: dict[str, list[tuple[int, LocalTensor]]] = {}
     for rank, tensors in enumerate(locals_by_rank):
         for lt in tensors:
             by_fqn.setdefault(lt.fqn, []).append((rank, lt))
     load = [0] * len(locals_by_rank)
-    plans = []
     for fqn, held in by_fqn.items():
         first = held[0][1]
+        shape = first.global_shape
+        if len(held) == 1 and len(first.boxes) == 1:
+            ((offsets, sizes),) = first.boxes
+            if sizes == shape and not any(offsets):
+                # the common case (every tensor of a single-process save): one holder, one box
+                grid = plan_regular_grid(shape, first.itemsize, chunk_bytes)
+                load[held[0][0]] += math.prod(shape) * first.itemsize
+                yield first, grid, tuple(grid.chunk_list()), (held[0][0], 0)
+                continue
+        whole = ((0,) * len(shape), shape)
         for rank, lt in held[1:]:
             if (lt.global_shape, lt.dtype) != (first.global_shape, first.dtype):
                 raise UnsupportedValueError(
                     f"tensor {fqn!r}: rank {held[0][0]} has shape {first.global_shape} and dtype "
                     f"{first.dtype}, rank {rank} has {lt.global_shape} and {lt.dtype}; every rank must agree"
                 )
-        shape = first.global_shape
         # replicated boxes are written once, by the least-loaded holder
         holders: dict[Box, list[tuple[int, int]]] = {}
         for rank, lt in held:
@@ -210,21 +232,43 @@ def plan_global(
                 f"tensor {fqn!r} of shape {shape}: its boxes cover {volume} elements of {math.prod(shape)}; "
                 "together the ranks' ShardedArray boxes must tile the whole tensor exactly"
             )
+        if unique == [whole]:
+            # held whole by several ranks (a replicated array): the grid a single-process
+            # save plans, so that the same array is chunked alike on every path
+            writer = min(holders[whole], key=lambda h: (load[h[0]], h[0]))
+            load[writer[0]] += math.prod(shape) * first.itemsize
+            grid = plan_regular_grid(shape, first.itemsize, chunk_bytes)
+            yield first, grid, tuple(grid.chunk_list()), writer
+            continue
         grid = grid_for_boxes(unique, shape, first.itemsize, chunk_bytes=chunk_bytes, portable=portable)
-        plan = GlobalTensorPlan(fqn, shape, first.dtype, first.properties, grid)
         starts = _axis_starts(grid)
+        writers: dict[tuple[int, ...], tuple[int, int]] = {}
         for box in unique:
             hs = holders[box]
             rank, idx = hs[0] if len(hs) == 1 else min(hs, key=lambda h: (load[h[0]], h[0]))
             load[rank] += math.prod(box[1]) * first.itemsize
             for coords in _box_chunks(grid, box, starts):
-                if coords in plan.writers:
+                if coords in writers:
                     raise UnsupportedValueError(
                         f"tensor {fqn!r}: boxes overlap (around chunk {coords}); the ranks' ShardedArray "
                         "boxes must not overlap unless they are identical (replicas)"
                     )
-                plan.writers[coords] = (rank, idx)
-        if len(plan.writers) != (0 if any(n == 0 for n in shape) else grid.nchunks):
+                writers[coords] = (rank, idx)
+        if len(writers) != (0 if any(n == 0 for n in shape) else grid.nchunks):
             raise UnsupportedValueError(f"tensor {fqn!r}: the boxes leave parts of the tensor uncovered")
-        plans.append(plan)
+        yield first, grid, tuple(grid.chunk_list()), writers
+
+
+def plan_global(
+    locals_by_rank: Sequence[Sequence[LocalTensor]],
+    *,
+    chunk_bytes: int,
+    portable: bool = False,
+) -> list[GlobalTensorPlan]:
+    """Merge every rank's tensors into one plan; raises on inconsistent or incomplete boxes."""
+    plans = []
+    for lt, grid, specs, writers in plan_tensors(locals_by_rank, chunk_bytes=chunk_bytes, portable=portable):
+        if not isinstance(writers, dict):
+            writers = dict.fromkeys((s.coords for s in specs), writers)
+        plans.append(GlobalTensorPlan(lt.fqn, lt.global_shape, lt.dtype, lt.properties, grid, specs, writers))
     return plans

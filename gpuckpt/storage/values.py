@@ -8,9 +8,9 @@ Python value       encoded as
 =================  ==============================================
 ``None``           ``{"none": null}``
 ``bool``           ``{"bool": true}``
-``int``            ``{"int": "123"}`` (a string: no precision loss)
-``float``          ``{"float": "0x1.8p+1"}`` (``float.hex``: exact, NaN/inf)
-``complex``        ``{"complex": ["0x1p+0", "-0x0p+0"]}``
+``int``            ``{"int": "123"}`` (decimal text), ``{"int": "-0x1f..."}`` (hex, large ints)
+``float``          ``{"float": "0x1.8p+1"}`` (``float.hex``), ``{"float": "nan:7ff8000000000001"}``
+``complex``        ``{"complex": ["0x1p+0", "-0x0.0p+0"]}`` (each part as for ``float``)
 ``str``            ``{"str": "text"}``
 ``bytes``          ``{"bytes": "<base64>"}``
 ``list``/``tuple``  ``{"list": [...]}`` / ``{"tuple": [...]}``
@@ -18,6 +18,17 @@ Python value       encoded as
 NumPy scalar       ``{"numpy": {"dtype": "float32", "hex": "0000803f"}}``
 other objects      ``{"pickle": "<base64>"}`` only with ``allow_pickle=True``
 =================  ==============================================
+
+Every value comes back bit for bit. ``float.hex`` is exact for every
+float but a NaN, whose sign and payload it drops (``"nan"``): a NaN is
+written as ``nan:`` and the 16 hex digits of its IEEE 754 bits instead
+(format v1 files holding ``"nan"`` still load, as the default quiet NaN).
+An int is written in decimal while it has at most 2,048 bits (617 digits,
+under the lowest limit Python's ``int``/``str`` conversion can be set to),
+in hex beyond that (linear time, no limit applies), up to
+:data:`MAX_INT_BITS` bits; a larger int is refused on save, and a stored
+one on load, so a hostile checkpoint cannot make the loader convert a
+number of unbounded size.
 
 Decoding never runs code: a ``pickle`` entry raises
 :class:`~gpuckpt.errors.UnsafeCheckpointError` unless the caller opted in.
@@ -28,6 +39,8 @@ from __future__ import annotations
 import base64
 import binascii
 import pickle
+import re
+import struct
 from typing import Any
 
 import numpy as np
@@ -35,9 +48,68 @@ import numpy as np
 from gpuckpt.dtypes import dtype_from_name, dtype_name, is_storable_dtype
 from gpuckpt.errors import MetadataError, UnsafeCheckpointError, UnsupportedValueError
 
-__all__ = ["decode_object", "encode_object"]
+__all__ = ["MAX_INT_BITS", "decode_object", "encode_object"]
 
 _MAX_DEPTH = 100
+#: The largest plain ``int`` stored, in bits (1 MiB of hex text).
+MAX_INT_BITS = 1 << 22
+_DECIMAL_BITS = 2048  # 617 digits: below 640, the lowest int_max_str_digits Python accepts
+_MAX_DECIMAL_CHARS = 10_000  # what format v1 readers accepted (v1 wrote str(int))
+_DECIMAL_RE = re.compile(r"-?[0-9]+")
+_HEX_INT_RE = re.compile(r"-?0x[0-9a-f]+")
+_NAN_RE = re.compile(r"nan:[0-9a-f]{16}")
+_MAX_FLOAT_CHARS = 64  # float.hex never writes more than 24
+
+
+def _int_text(v: int, fqn: str) -> str:
+    bits = abs(v).bit_length()
+    if bits <= _DECIMAL_BITS:
+        return str(v)
+    if bits > MAX_INT_BITS:
+        raise UnsupportedValueError(
+            f"value of {fqn!r} is an int of {bits} bits; plain ints are stored up to {MAX_INT_BITS} "
+            "bits: store it as bytes (v.to_bytes(...)) or as an array instead"
+        )
+    return hex(v)
+
+
+def _int_from_text(s: str) -> int:
+    if _HEX_INT_RE.fullmatch(s):
+        ndigits = len(s) - s.index("x") - 1
+        if ndigits > MAX_INT_BITS // 4:
+            raise ValueError(f"hex int of {ndigits} digits exceeds the {MAX_INT_BITS}-bit limit")
+        return int(s, 16)
+    if not _DECIMAL_RE.fullmatch(s):
+        raise ValueError(f"{s[:40]!r} is not a decimal or hex integer")
+    if len(s) > _MAX_DECIMAL_CHARS:
+        raise ValueError(f"decimal int of {len(s)} characters exceeds {_MAX_DECIMAL_CHARS}")
+    # in pieces below any int_max_str_digits setting; 10,000 digits cost microseconds
+    neg = s.startswith("-")
+    digits = s[1:] if neg else s
+    v = 0
+    for i in range(0, len(digits), 600):
+        part = digits[i : i + 600]
+        v = v * 10 ** len(part) + int(part)
+    return -v if neg else v
+
+
+def _float_text(x: float) -> str:
+    if x != x:  # float.hex would write "nan", dropping the sign and payload
+        return "nan:" + struct.pack(">d", x).hex()
+    return x.hex()
+
+
+def _float_from_text(s: Any) -> float:
+    if not isinstance(s, str) or len(s) > _MAX_FLOAT_CHARS:
+        raise ValueError(f"float text {str(s)[:40]!r} is not a string of at most {_MAX_FLOAT_CHARS} chars")
+    if s.startswith("nan:"):
+        if not _NAN_RE.fullmatch(s):
+            raise ValueError(f"{s!r} is not 'nan:' and 16 lowercase hex digits")
+        x: float = struct.unpack(">d", bytes.fromhex(s[4:]))[0]
+        if x == x:
+            raise ValueError(f"{s!r} holds the bits of a number, not of a NaN")
+        return x
+    return float.fromhex(s)
 
 
 def encode_object(value: Any, *, allow_pickle: bool = False, fqn: str = "") -> dict[str, Any]:
@@ -62,11 +134,11 @@ def encode_object(value: Any, *, allow_pickle: bool = False, fqn: str = "") -> d
         if t is bool:
             return {"bool": v}
         if t is int:
-            return {"int": str(v)}
+            return {"int": _int_text(v, fqn)}
         if t is float:
-            return {"float": v.hex()}
+            return {"float": _float_text(v)}
         if t is complex:
-            return {"complex": [v.real.hex(), v.imag.hex()]}
+            return {"complex": [_float_text(v.real), _float_text(v.imag)]}
         if t is str:
             return {"str": v}
         if t is bytes:
@@ -113,12 +185,12 @@ def decode_object(data: Any, *, allow_pickle: bool = False, fqn: str = "") -> An
                 return None
             if tag == "bool" and isinstance(body, bool):
                 return body
-            if tag == "int" and isinstance(body, str) and len(body) <= 10_000:
-                return int(body)
+            if tag == "int" and isinstance(body, str):
+                return _int_from_text(body)
             if tag == "float" and isinstance(body, str):
-                return float.fromhex(body)
+                return _float_from_text(body)
             if tag == "complex" and isinstance(body, list) and len(body) == 2:
-                return complex(float.fromhex(body[0]), float.fromhex(body[1]))
+                return complex(_float_from_text(body[0]), _float_from_text(body[1]))
             if tag == "str" and isinstance(body, str):
                 return body
             if tag == "bytes" and isinstance(body, str):

@@ -1,4 +1,4 @@
-"""Chunk planning: pure data, no arrays and no I/O.
+"""Chunk grids: pure data, no arrays and no I/O.
 
 A tensor is stored as a Zarr array whose chunk grid mirrors the metadata:
 every :class:`~gpuckpt.metadata.ChunkStorageMetadata` is exactly one Zarr
@@ -19,17 +19,13 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from gpuckpt.metadata import ChunkStorageMetadata
+from gpuckpt.options import DEFAULT_CHUNK_BYTES
 
 __all__ = [
-    "DEFAULT_CHUNK_BYTES",
     "ChunkGrid",
     "ChunkSpec",
     "plan_regular_grid",
 ]
-
-#: Default target size of one chunk in bytes.
-DEFAULT_CHUNK_BYTES = 64 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,9 +45,6 @@ class ChunkSpec:
     @property
     def nelem(self) -> int:
         return math.prod(self.sizes)
-
-    def as_metadata(self) -> ChunkStorageMetadata:
-        return ChunkStorageMetadata(offsets=self.offsets, sizes=self.sizes)
 
 
 @dataclass(frozen=True, slots=True)

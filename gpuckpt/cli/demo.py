@@ -9,7 +9,7 @@ it starts a save; the demo then resumes from the latest committed step,
 finishes the run, and checks that the final state is bit-exact with an
 uninterrupted reference run.
 
-Run ``gpuckpt demo [DIR]`` or ``python -m gpuckpt.demo [DIR]``.
+Run ``gpuckpt demo [DIR]`` (or ``python -m gpuckpt.cli demo [DIR]``).
 """
 
 from __future__ import annotations
@@ -28,16 +28,17 @@ from typing import Any
 import numpy as np
 
 from gpuckpt.cli.progressbar import progress_for
+from gpuckpt.cli.usage import UsageError
 from gpuckpt.device.arrays import is_array
 from gpuckpt.errors import DeviceUnavailableError
 from gpuckpt.manager import CheckpointManager
 from gpuckpt.state import flatten_state_dict
-from gpuckpt.storage.chunkio import crc32c_backend
+from gpuckpt.storage.checksum import crc32c_backend
 from gpuckpt.storage.crccopy import instruction_set
 from gpuckpt.testing.states import gpt_state_dict
 from gpuckpt.verify import verify_checkpoint
 
-__all__ = ["add_arguments", "build_state", "main", "run", "train_step"]
+__all__ = ["add_arguments", "build_state", "run", "train_step"]
 
 HELP = "train a small model with checkpoints, kill it mid-save, resume, and verify the result bit-exact"
 _IN, _HIDDEN, _OUT, _BATCH = 64, 128, 10, 256
@@ -211,7 +212,8 @@ def _run_child(args: argparse.Namespace, root: Path) -> tuple[int | None, str]:
     cmd = [
         sys.executable,
         "-m",
-        "gpuckpt.demo",
+        "gpuckpt.cli",
+        "demo",
         "--worker",
         str(root.parent),
         "--steps",
@@ -255,8 +257,6 @@ def _run_child(args: argparse.Namespace, root: Path) -> tuple[int | None, str]:
 def run(args: argparse.Namespace) -> int:
     for name in ("steps", "save_every", "kill_at", "layers", "keep"):
         if getattr(args, name) < 1:
-            from gpuckpt.cli import UsageError
-
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
     work = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="gpuckpt-demo-"))
     root = work / "checkpoints"
@@ -360,14 +360,3 @@ def _main_job(args: argparse.Namespace, root: Path) -> int:
         f"({nbytes / 1e6:.0f} MB, loss {state['loss']:.4f})"
     )
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m gpuckpt.demo [DIR]``: the same as ``gpuckpt demo [DIR]``."""
-    from gpuckpt.cli import main as cli_main
-
-    return cli_main(["demo", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,146 @@
+"""Host memory standing in for a device: the pipelines' back end on machines without a GPU.
+
+:class:`HostBackend` implements :class:`~gpuckpt.device.backend.DeviceBackend`
+with NumPy arrays as "device" arrays and one worker thread as the copy
+stream, optionally slowed down or failing on purpose. Arrays presented as
+device memory of such a back end (:mod:`gpuckpt.testing.fakedevice`) go
+through the whole staging pipeline (pool, ordering, back-pressure, overlap,
+error propagation, snapshot semantics), so all of it is tested without a GPU.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future
+from typing import Any
+
+import numpy as np
+
+from gpuckpt import memory_format as mf
+from gpuckpt.device import _kernel_ref
+from gpuckpt.device.arrays import HostMemory
+from gpuckpt.device.backend import Ticket
+from gpuckpt.workers import Workers
+
+__all__ = ["HostBackend"]
+
+
+class _FutureTicket:
+    __slots__ = ("_future",)
+
+    def __init__(self, future: Future[None]) -> None:
+        self._future = future
+
+    def wait(self) -> None:
+        self._future.result()
+
+
+def _box(array: Any, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> Any:
+    if not sizes:
+        return array[...]
+    return array[tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=True))]
+
+
+def _is_channels_last(array: Any) -> bool:
+    fmt = mf.detect_memory_format(array.shape, array.strides, array.itemsize)
+    return fmt in (mf.channels_last, mf.channels_last_3d)
+
+
+class HostBackend:
+    """Host memory standing in for a device (tests and machines without a GPU).
+
+    Copies run in call order on one worker thread (the stream).
+    ``bytes_per_second`` slows every copy down to that rate, to make overlap
+    measurable; ``fail_after`` makes the n-th copy raise, to test error paths.
+    ``copies`` counts the copies run, ``max_in_flight`` the most queued at once.
+    """
+
+    name = "host"
+
+    def __init__(self, *, bytes_per_second: float | None = None, fail_after: int | None = None) -> None:
+        self.bytes_per_second = bytes_per_second
+        self.fail_after = fail_after
+        self.copies = 0
+        self.max_in_flight = 0
+        self._in_flight = 0
+        self._lock = threading.Lock()
+        self._stream = Workers(1, "gpuckpt-hoststream")
+
+    def _run(self, fn: Any, nbytes: int) -> Ticket:
+        with self._lock:
+            self._in_flight += 1
+            self.max_in_flight = max(self.max_in_flight, self._in_flight)
+
+        def job() -> None:
+            try:
+                with self._lock:
+                    self.copies += 1
+                    n = self.copies
+                if self.fail_after is not None and n > self.fail_after:
+                    raise RuntimeError(f"injected copy failure (copy {n})")
+                if self.bytes_per_second:
+                    time.sleep(nbytes / self.bytes_per_second)
+                fn()
+            finally:
+                with self._lock:
+                    self._in_flight -= 1
+
+        return _FutureTicket(self._stream.submit(job))
+
+    def stage_out(
+        self, array: Any, offsets: tuple[int, ...], sizes: tuple[int, ...], dest: np.ndarray
+    ) -> Ticket:
+        out = dest.view(array.dtype).reshape(sizes)
+
+        def copy() -> None:
+            if _is_channels_last(array):
+                # the same validation and box semantics as the device kernels
+                _kernel_ref.channels_last_to_contiguous(array, out, box=(offsets, sizes))
+            else:
+                np.copyto(out, _box(array, offsets, sizes))
+
+        return self._run(copy, dest.nbytes)
+
+    def stage_in(
+        self, src: np.ndarray, array: Any, offsets: tuple[int, ...], sizes: tuple[int, ...]
+    ) -> Ticket:
+        block = src.view(array.dtype).reshape(sizes)
+
+        def copy() -> None:
+            if _is_channels_last(array):
+                _kernel_ref.contiguous_to_channels_last(block, array, box=(offsets, sizes))
+            else:
+                _box(array, offsets, sizes)[...] = block
+
+        return self._run(copy, src.nbytes)
+
+    def snapshot_to_host(self, array: Any, dest: np.ndarray) -> Ticket:
+        order = mf.physical_order(
+            array.ndim, mf.detect_memory_format(array.shape, array.strides, array.itemsize)
+        )
+        physical = array.transpose(order)
+        if not physical.flags.c_contiguous:
+            raise ValueError(f"snapshot_to_host needs a dense array, got strides {array.strides}")
+        return self._run(
+            lambda: np.copyto(dest.view(array.dtype).reshape(physical.shape), physical), dest.nbytes
+        )
+
+    def wait_for_producers(self) -> None:
+        """Host arrays have no pending producers."""
+
+    def pinned_allocator(self) -> Any:
+        return lambda nbytes: np.empty(nbytes, np.uint8)
+
+    def allocate(self, shape: tuple[int, ...], dtype: np.dtype[Any], memory_format: Any) -> Any:
+        return HostMemory().allocate(shape, dtype, memory_format)
+
+    def copy_on_device(self, array: Any) -> Any:
+        out = self.allocate(
+            array.shape, array.dtype, mf.detect_memory_format(array.shape, array.strides, array.itemsize)
+        )
+        np.copyto(out, array)
+        return out
+
+    def synchronize(self) -> None:
+        self._stream.submit(lambda: None).result()

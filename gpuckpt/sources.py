@@ -1,0 +1,112 @@
+"""A state dict split into what the planner sees and the arrays a save reads.
+
+:func:`describe_state` flattens a state dict once and returns two things:
+its :class:`~gpuckpt.planning.plan.StateDescription` (shapes, dtypes,
+properties and boxes of its tensors, its plain values encoded: pure data,
+what :func:`gpuckpt.planning.plan.plan_save` plans from) and its
+:data:`Sources` (for each tensor, the arrays holding the boxes this
+process has: what the plan is bound to when it runs). A background save
+replaces the sources by its snapshot of them; the description, and so the
+plan, stays as it was.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from gpuckpt.device.arrays import ArrayAdapter, adapt, is_array
+from gpuckpt.distributed.sharded import is_sharded_leaf, sharded_boxes
+from gpuckpt.dtypes import dtype_name
+from gpuckpt.errors import UnsupportedValueError
+from gpuckpt.metadata import TensorProperties
+from gpuckpt.planning.boxes import Box, LocalTensor
+from gpuckpt.planning.plan import StateDescription
+from gpuckpt.state import flatten_state_dict
+from gpuckpt.storage.values import encode_object
+
+__all__ = ["Source", "Sources", "contains_sharded", "describe_state", "is_leaf"]
+
+_MAX_DEPTH = 200
+
+
+@dataclass(frozen=True, slots=True)
+class Source:
+    """The array holding one box of a tensor in this process, and where the box starts."""
+
+    array: ArrayAdapter
+    offsets: tuple[int, ...]  # of the box in the global tensor
+
+
+#: FQN -> the sources of the tensor's boxes held here, in the order of ``LocalTensor.boxes``
+Sources = Mapping[str, tuple[Source, ...]]
+
+
+def is_leaf(value: Any) -> bool:
+    """Whether ``value`` is stored as (part of) a tensor: an array or ShardedArray boxes."""
+    return is_array(value) or is_sharded_leaf(value)
+
+
+def contains_sharded(value: Any, depth: int = 0) -> bool:
+    """Whether a state dict holds any ShardedArray (a quick walk, no flattening)."""
+    if is_sharded_leaf(value):
+        return True
+    if depth > _MAX_DEPTH:
+        return False  # flattening reports the nesting (or the cycle) as an error
+    if isinstance(value, dict):
+        return any(contains_sharded(v, depth + 1) for v in value.values())
+    if isinstance(value, (list, tuple)) and not is_array(value):
+        return any(contains_sharded(v, depth + 1) for v in value)
+    return False
+
+
+def describe_state(
+    state_dict: dict[str, Any], *, allow_pickle: bool
+) -> tuple[StateDescription, dict[str, tuple[Source, ...]]]:
+    """The description of ``state_dict`` for the planner, and the arrays behind it.
+
+    Raises :class:`~gpuckpt.errors.UnsupportedValueError` for what cannot be
+    stored (see :func:`gpuckpt.state.flatten_state_dict`, including a state
+    dict that contains itself, and :func:`gpuckpt.storage.values.encode_object`).
+    """
+    leaves, skeleton = flatten_state_dict(state_dict, is_leaf)
+    tensors: list[LocalTensor] = []
+    sources: dict[str, tuple[Source, ...]] = {}
+    objects: dict[str, Any] = {}
+    for fqn, leaf in leaves.items():
+        v = leaf.value
+        boxes: tuple[Box, ...]
+        if is_sharded_leaf(v):
+            parts = sharded_boxes(v)
+            held = tuple(Source(adapt(b.local), tuple(b.offsets)) for b in parts)
+            dts = {s.array.dtype for s in held}
+            if len(dts) != 1:
+                raise UnsupportedValueError(
+                    f"boxes of tensor {fqn!r} have different dtypes: {sorted(map(str, dts))}; "
+                    "every box of a tensor must have the tensor's dtype"
+                )
+            shape = tuple(parts[0].global_shape)
+            boxes = tuple((tuple(b.offsets), tuple(b.sizes)) for b in parts)
+            a = held[0].array
+        elif is_array(v):
+            a = adapt(v)
+            shape = a.shape
+            origin = (0,) * len(shape)
+            boxes = ((origin, shape),)
+            held = (Source(a, origin),)
+        else:
+            objects[fqn] = encode_object(v, allow_pickle=allow_pickle, fqn=fqn)
+            continue
+        tensors.append(
+            LocalTensor(
+                fqn,
+                tuple(shape),
+                dtype_name(a.dtype),
+                a.dtype.itemsize,
+                TensorProperties.from_array(a),
+                boxes,
+            )
+        )
+        sources[fqn] = held
+    return StateDescription(tuple(tensors), objects, skeleton), sources

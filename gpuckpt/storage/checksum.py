@@ -1,0 +1,95 @@
+"""CRC32C, the checksum of every stored chunk and of the root metadata, and which library computes it.
+
+Zarr's ``crc32c`` codec appends it to each chunk as :data:`CRC_BYTES` little-endian
+bytes (see :mod:`gpuckpt.storage.chunks`). Two libraries compute the same value:
+awscrt where it is installed and passes a self-test (the faster), else the
+``crc32c`` package; ``GPUCKPT_CRC32C`` forces either (:func:`crc32c_backend`).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable
+from typing import Any
+
+import crc32c as _crc32c
+
+__all__ = ["CRC_BYTES", "crc32c", "crc32c_backend"]
+
+CRC_BYTES = 4
+
+
+_CHECK_VECTOR = (b"123456789", 0xE3069283)  # the standard check value of CRC-32C (Castagnoli)
+_AWS_PIECE = 1 << 30  # the AWS C library takes an int length
+
+
+def _crc_package(data: Any, value: int = 0) -> int:
+    # the crc32c package: SSE4.2 / ARMv8 CRC instructions; releases the GIL from 64 KiB on
+    return int(_crc32c.crc32c(data, value, gil_release_mode=1 if memoryview(data).nbytes >= 65536 else 0))
+
+
+def _aws_function() -> Callable[[Any, int], int] | None:
+    """awscrt's CRC32C (carry-less multiply folding with AVX-512 where the CPU has it,
+    about twice the crc32c package's speed there), if it is installed and agrees with
+    the reference on a self-test; ``None`` otherwise."""
+    try:
+        from awscrt import checksums
+    except ImportError:
+        return None
+    aws = checksums.crc32c
+
+    def crc(data: Any, value: int = 0) -> int:
+        view = memoryview(data)
+        if not view.c_contiguous:
+            raise ValueError("CRC32C needs a C-contiguous buffer")
+        if view.nbytes <= _AWS_PIECE:
+            return int(aws(view, value))
+        flat = view.cast("B")
+        for i in range(0, flat.nbytes, _AWS_PIECE):
+            value = int(aws(flat[i : i + _AWS_PIECE], value))
+        return value
+
+    # lengths around the vector code's thresholds, continued from a non-zero value
+    sample = bytes(range(256)) * 80 + b"tail"
+    for n in (0, 1, 9, 255, 256, 257, 1000, 4096, len(sample)):
+        for start in (0, 0x12345678):
+            if crc(sample[:n], start) != _crc_package(sample[:n], start):
+                return None
+    return crc if crc(_CHECK_VECTOR[0]) == _CHECK_VECTOR[1] else None
+
+
+@functools.cache
+def _backend() -> tuple[str, Callable[[Any, int], int]]:
+    choice = os.environ.get("GPUCKPT_CRC32C", "auto")
+    if choice not in ("auto", "awscrt", "crc32c"):
+        raise ValueError(f"GPUCKPT_CRC32C={choice!r}; expected 'auto', 'awscrt' or 'crc32c'")
+    if choice != "crc32c":
+        aws = _aws_function()
+        if aws is not None:
+            return "awscrt", aws
+        if choice == "awscrt":
+            raise ImportError(
+                "GPUCKPT_CRC32C=awscrt but awscrt is not installed or failed its self-test: "
+                "pip install 'awscrt>=0.23', or unset GPUCKPT_CRC32C"
+            )
+    return "crc32c", _crc_package
+
+
+def crc32c_backend() -> str:
+    """The CRC32C implementation in use: ``"awscrt"`` (fastest) or ``"crc32c"``.
+
+    ``auto`` (the default) takes awscrt when it is installed and passes a
+    self-test against the crc32c package; the environment variable
+    ``GPUCKPT_CRC32C`` (``auto``, ``awscrt``, ``crc32c``) forces a choice.
+    Both compute the same checksum: the choice changes speed only.
+    """
+    return _backend()[0]
+
+
+def crc32c(data: Any, value: int = 0) -> int:
+    """CRC32C of ``data`` (any C-contiguous buffer), continuing from ``value``.
+
+    The GIL is released for large buffers, so that I/O threads checksum in parallel.
+    """
+    return _backend()[1](data, value)

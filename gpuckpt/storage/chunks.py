@@ -1,0 +1,41 @@
+"""Bytes of one chunk: the Zarr v3 ``bytes`` + ``crc32c`` codec chain, done by hand.
+
+A stored chunk is the chunk's elements in C order, little-endian, padded to
+the grid's chunk shape on regular grids, followed by the CRC32C of all those
+bytes as 4 little-endian bytes (:mod:`gpuckpt.storage.checksum`). zarr-python
+and TensorStore decode exactly this; doing it here avoids their per-chunk
+overhead and lets a read land straight in the destination array.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from gpuckpt.storage.checksum import CRC_BYTES
+
+__all__ = ["is_prefix_box", "padded_chunk", "stored_nbytes"]
+
+
+def is_prefix_box(sizes: Sequence[int], stored: Sequence[int]) -> bool:
+    """True when a ``sizes`` box at the origin of a C-ordered ``stored`` block is a byte prefix of it.
+
+    That holds when every axis after the first non-trivial stored axis is whole;
+    then padding is a zero tail and the data can be written or read as one run.
+    """
+    k = next((i for i, s in enumerate(stored) if s > 1), len(stored))
+    return all(sizes[j] == stored[j] for j in range(k + 1, len(stored)))
+
+
+def padded_chunk(box: np.ndarray, stored: Sequence[int]) -> np.ndarray:
+    """A C-contiguous array of shape ``stored`` with ``box`` at its origin, zeros elsewhere."""
+    out = np.zeros(tuple(stored), dtype=box.dtype)
+    out[tuple(slice(0, s) for s in box.shape)] = box
+    return out
+
+
+def stored_nbytes(stored: Sequence[int], itemsize: int) -> int:
+    """Size in bytes of a stored chunk file, checksum included."""
+    return math.prod(stored) * itemsize + CRC_BYTES
