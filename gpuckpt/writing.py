@@ -18,7 +18,7 @@ import errno
 import functools
 import math
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -143,9 +143,18 @@ def _array_document(t: TensorPlan) -> bytes:
     )
 
 
-def write_array_documents(plan: SavePlan, writer: CheckpointWriter) -> None:
+def write_array_documents(
+    plan: SavePlan, writer: CheckpointWriter, *, defer: Collection[str] = ()
+) -> dict[str, bytes]:
+    """Write the ``zarr.json`` of every array of ``plan`` but those named in ``defer``; returns
+    the documents of those, by array name, for :func:`write_chunks` to write with their one chunk."""
+    deferred = {}
     for t in plan.tensors:
-        writer.write_array_document(t.name, _array_document(t))
+        if t.name in defer:
+            deferred[t.name] = _array_document(t)
+        else:
+            writer.write_array_document(t.name, _array_document(t))
+    return deferred
 
 
 def write_chunks(
@@ -307,10 +316,9 @@ def execute_save(
         writer.begin()
         # single-chunk arrays get their directory and document from the I/O thread
         # that writes their chunk; the others' must exist before any chunk lands
-        single = {t.name: _array_document(t) for t in plan.tensors if len(t.specs) == 1}
-        for t in plan.tensors:
-            if t.name not in single:
-                writer.write_array_document(t.name, _array_document(t))
+        single = write_array_documents(
+            plan, writer, defer={t.name for t in plan.tensors if len(t.specs) == 1}
+        )
         jobs = bind_jobs(mine, sources)
         sizes = write_chunks(jobs, writer, options, documents=single)
         results = {(j.name, j.coords): r for j, r in zip(jobs, sizes, strict=True)}
