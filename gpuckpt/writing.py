@@ -54,6 +54,7 @@ __all__ = [
     "device_backends",
     "execute_save",
     "open_save_writer",
+    "array_document_of",
     "write_array_documents",
     "write_chunks",
 ]
@@ -137,7 +138,7 @@ def device_backends(arrays: Iterable[ArrayAdapter]) -> list[DeviceBackend]:
     return distinct_backends(a.backend for a in arrays)
 
 
-def _array_document(t: TensorPlan) -> bytes:
+def array_document_of(t: TensorPlan) -> bytes:
     return array_document(
         shape=t.shape, dtype=t.dtype, grid=t.grid, fqn=t.fqn, memory_format=t.properties.memory_format.name
     )
@@ -151,9 +152,9 @@ def write_array_documents(
     deferred = {}
     for t in plan.tensors:
         if t.name in defer:
-            deferred[t.name] = _array_document(t)
+            deferred[t.name] = array_document_of(t)
         else:
-            writer.write_array_document(t.name, _array_document(t))
+            writer.write_array_document(t.name, array_document_of(t))
     return deferred
 
 

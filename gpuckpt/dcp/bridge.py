@@ -67,6 +67,7 @@ from gpuckpt.storage.layout import metadata_from_root_document, root_document
 from gpuckpt.storage.stores import attach_writer, is_committed, open_reader, scheme_of
 from gpuckpt.storage.values import decode_object, encode_object
 from gpuckpt.writing import (
+    array_document_of,
     assemble_metadata,
     bind_jobs,
     open_save_writer,
@@ -223,6 +224,11 @@ def commit_save(
             else t
             for t in save.plan.tensors
         )
+        # the array documents were written with the memory format DCP's planner reports
+        # (always contiguous); a tensor found in another format gets its document again
+        for planned, found in zip(save.plan.tensors, tensors, strict=True):
+            if found.properties.memory_format is not planned.properties.memory_format:
+                save.writer.rewrite_array_document(found.name, array_document_of(found))
         objects = {fqn: encode_object(blob, fqn=fqn) for fqn, blob in values.items()}
         done = dataclasses.replace(save.plan, tensors=tensors, objects=objects, skeleton=skeleton)
         md = assemble_metadata(done, dict(results), checkpoint_id)
