@@ -2,13 +2,20 @@
 //
 // A channels-last tensor with logical shape (N, C, S...) lies in memory as
 // [N][S...][C]; its logical C-order copy is [N][C][S...].  Seen per batch item
-// that is a transpose of a (spatial x channel) matrix, so every copy here is a
-// batched 2-D transpose staged through a shared-memory tile: the channels-last
-// side is read (or written) along C, the logical side along the spatial run,
-// and both global accesses are coalesced.
+// that is a transpose of a (spatial x channel) matrix.  Two paths do it:
 //
-// A "box" (offsets and sizes in logical coordinates) is described by the host
-// planner (gpuckpt/device/kernels.py, plan_box_copy) as:
+//  * the tiled path (many channels): a batched 2-D transpose staged through a
+//    shared-memory tile; the channels-last side is read (or written) along C,
+//    the logical side along the spatial run, and both global accesses are
+//    coalesced (gpuckpt_cl_to_cf_<size>, gpuckpt_cf_to_cl_<size>);
+//  * the pixel path (C = 1..8): each thread moves whole pixels, the C channels
+//    of a few consecutive positions, with vector loads and stores on both
+//    sides and the transpose done in registers; no shared memory, no barrier
+//    (gpuckpt_px_cl_to_cf_<size>_<C>, gpuckpt_px_cf_to_cl_<size>_<C>).
+//
+// The host (gpuckpt/device/kernels.py: choose_path, plan_box_copy) picks the
+// path by shape, once per layout, and describes a "box" (offsets and sizes in
+// logical coordinates) as:
 //   * a run: the innermost spatial dimensions that the box covers whole merge
 //     into one run of `run_len` positions, `cl_qs` elements apart in the
 //     channels-last tensor and contiguous in the logical buffer;
@@ -18,10 +25,11 @@
 //     the logical buffer.
 // The whole-tensor transpose is the box that covers everything.
 //
-// Tiles that lie wholly inside the box (all of them but the edges, for large
-// tensors) take a path without bounds checks, with 32-bit offsets inside the
-// tile, and with 2-byte elements moved through global memory as 32-bit words
-// where the addresses allow it.  Edge tiles take the checked path.
+// In the tiled path, tiles that lie wholly inside the box (all of them but
+// the edges, for large tensors) take a path without bounds checks, with
+// 32-bit offsets inside the tile, and with 2-byte elements moved through
+// global memory as 32-bit words where the addresses allow it.  Edge tiles
+// take the checked path.
 //
 // This file includes nothing and uses only what NVRTC provides without headers
 // and what the CPU emulation (kernels/emu/cuda_emu.h) supports, so that the
@@ -454,6 +462,309 @@ __device__ __forceinline__ void gk_box_copy(
   }
 }
 
+// ==========================================================================
+// The pixel path: few channels (C = 1..8), whole pixels per thread.
+// ==========================================================================
+//
+// Each block covers GK_THREADS * M consecutive positions of one line of the
+// box, M = 16*G / sizeof(T) per thread (G = 4, 2, 1 for C = 1, 2, more: at
+// least 48 bytes in flight per thread).  A thread's positions come in K
+// "slots" of P = W / sizeof(T) positions: slot k of thread t starts at
+// position Q0 + (k*GK_THREADS + t)*P, so consecutive lanes own consecutive
+// slots.  A slot is W bytes of each plane (contiguous in the logical buffer)
+// and the W*C bytes of the same P pixels (contiguous in the channels-last
+// tensor): a warp access is 32*W contiguous bytes of a plane, or W bytes
+// W*C apart of the pixels (the C accesses of a slot together cover 32*W*C
+// contiguous bytes).  A thread issues all its loads first, so that they are
+// in flight together, then reorders in registers and stores.
+//
+// W, the access unit, is 16 bytes when both pointers and every stride are
+// aligned to 16 bytes, else 4 (8 for 8-byte elements) when they are aligned to
+// that; the kernel works it out from its arguments (a uniform branch), so the
+// plan does not depend on the pointers.  1- and 2-byte elements whose planes
+// are not even 4-byte aligned (odd sizes) go element by element, lanes on
+// consecutive positions, still coalesced on the plane side.
+//
+// The register layout does not depend on W: position m of the thread (slot
+// m / P) and channel c are pixel byte (m*C + c)*ES and plane byte
+// c*16*G + m*ES, so one reordering serves both units.
+//
+// The box may hold fewer channels than the tensor (nch < C, from channel c0):
+// whole pixels are still read, but written channel by channel (never a byte
+// outside the box).  A thread whose last slot runs past the end of the line
+// goes element by element.  No shared memory, no barrier.
+
+#ifdef GPUCKPT_BREAK_BOUNDS
+#define GK_PX_FULL(q, p) true  // broken: no bounds check along the run
+#else
+#define GK_PX_FULL(q, p) ((q) + (p) <= run_len)
+#endif
+
+// 16- and 8-byte access units.
+struct alignas(16) gk_u128 {
+  unsigned int w[4];
+};
+struct alignas(8) gk_u64p {
+  unsigned int w[2];
+};
+
+template <int C>
+__device__ __forceinline__ constexpr int gk_px_groups() {
+  return C == 1 ? 4 : (C == 2 ? 2 : 1);
+}
+
+// Load U bytes (4, 8 or 16) at p, aligned to U, into words w[o ..].
+template <int U>
+__device__ __forceinline__ void gk_ld_unit(const unsigned char* p,
+                                           unsigned int* w, int o) {
+  if constexpr (U == 16) {
+    const gk_u128 v = *reinterpret_cast<const gk_u128*>(p);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) w[o + j] = v.w[j];
+  } else if constexpr (U == 8) {
+    const gk_u64p v = *reinterpret_cast<const gk_u64p*>(p);
+    w[o] = v.w[0];
+    w[o + 1] = v.w[1];
+  } else {
+    w[o] = *reinterpret_cast<const unsigned int*>(p);
+  }
+}
+
+// Store U bytes (4, 8 or 16) from words w[o ..] at p, aligned to U.
+template <int U>
+__device__ __forceinline__ void gk_st_unit(unsigned char* p,
+                                           const unsigned int* w, int o) {
+  if constexpr (U == 16) {
+    gk_u128 v;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) v.w[j] = w[o + j];
+    *reinterpret_cast<gk_u128*>(p) = v;
+  } else if constexpr (U == 8) {
+    gk_u64p v;
+    v.w[0] = w[o];
+    v.w[1] = w[o + 1];
+    *reinterpret_cast<gk_u64p*>(p) = v;
+  } else {
+    *reinterpret_cast<unsigned int*>(p) = w[o];
+  }
+}
+
+// Copy one ES-byte element from byte a of s to byte b of d (register arrays;
+// a sub-word destination must be zero beforehand).  a and b are multiples of
+// ES, so an element never straddles two words.
+template <int ES>
+__device__ __forceinline__ void gk_mv(const unsigned int* s, int a,
+                                      unsigned int* d, int b) {
+  if constexpr (ES >= 4) {
+#pragma unroll
+    for (int j = 0; j < ES / 4; ++j) d[(b >> 2) + j] = s[(a >> 2) + j];
+  } else {
+    const unsigned int m = ES == 1 ? 0xffu : 0xffffu;
+    d[b >> 2] |= ((s[a >> 2] >> ((a & 3) * 8)) & m) << ((b & 3) * 8);
+  }
+}
+
+// Element by element: the k_n slots of p_n positions of one thread, from
+// position q0 (slot k at q0 + k*GK_THREADS*p_n), channels [c0, c0 + nch) of
+// the C = cl_qs of the tensor, positions past run_len skipped.  Serves
+// threads at the end of a line, boxes with some of the channels (to
+// channels-last) and, with p_n = 1, planes that are not aligned to the
+// access units (lanes on consecutive positions: still coalesced on the plane
+// side).
+template <typename T, bool TO_CF>
+__device__ __noinline__ void gk_px_elements(
+    const T* __restrict__ src, T* __restrict__ dst, gk_index cl_line,
+    gk_index cf_line, gk_index cf_cs, gk_index run_len, gk_index q0, int k_n,
+    int p_n, gk_index cl_qs, int c0, gk_index nch) {
+#pragma unroll 1
+  for (int k = 0; k < k_n; ++k) {
+    const gk_index qs = q0 + (gk_index)k * GK_THREADS * p_n;
+#pragma unroll 1
+    for (int j = 0; j < p_n; ++j) {
+      const gk_index q = qs + j;
+      if (!GK_PX_FULL(q, 1)) break;
+      const gk_index cl = cl_line + q * cl_qs + c0;
+      const gk_index cf = cf_line + q;
+#pragma unroll 4
+      for (gk_index c = 0; c < nch; ++c) {
+        if (TO_CF)
+          dst[cf + c * cf_cs] = src[cl + c];
+        else
+          dst[cl + c] = src[cf + c * cf_cs];
+      }
+    }
+  }
+}
+
+// The unrolled slots of one thread, access unit W (whole pixels when writing
+// channels-last).  Offsets in elements.
+template <typename T, int C, int W, bool TO_CF>
+__device__ __forceinline__ void gk_px_slots(const T* __restrict__ src,
+                                            T* __restrict__ dst,
+                                            gk_index cl_line, gk_index cf_line,
+                                            gk_index cf_cs, gk_index q0,
+                                            int c0, gk_index nch) {
+  constexpr int ES = (int)sizeof(T);
+  constexpr int G = gk_px_groups<C>();
+  constexpr int P = W / ES;      // positions per slot
+  constexpr int K = 16 * G / W;  // slots per thread
+  constexpr int M = K * P;       // positions per thread
+  constexpr int PB = 16 * G;     // bytes of one plane per thread
+  constexpr int NW = 4 * G * C;  // words of the thread's pixels
+  unsigned int px[NW];
+#pragma unroll
+  for (int i = 0; i < NW; ++i) px[i] = 0u;
+
+  if (TO_CF) {
+    // Pixels in: slot k is pixel bytes [k*W*C, (k+1)*W*C).
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const unsigned char* g = (const unsigned char*)(
+          src + cl_line + (q0 + (gk_index)k * GK_THREADS * P) * C);
+#pragma unroll
+      for (int u = 0; u < C; ++u)
+        gk_ld_unit<W>(g + u * W, px, (k * W * C + u * W) / 4);
+    }
+    // Planes out, one at a time (those of the box).
+#pragma unroll
+    for (int c = 0; c < C; ++c) {
+      const int cb = c - c0;
+      if (cb < 0 || (gk_index)cb >= nch) continue;
+      unsigned int pl[4 * G];
+#pragma unroll
+      for (int i = 0; i < 4 * G; ++i) pl[i] = 0u;
+      if constexpr (C == 1) {
+#pragma unroll
+        for (int i = 0; i < 4 * G; ++i) pl[i] = px[i];
+      } else {
+#pragma unroll
+        for (int m = 0; m < M; ++m)
+          gk_mv<ES>(px, (m * C + c) * ES, pl, m * ES);
+      }
+#pragma unroll
+      for (int k = 0; k < K; ++k)
+        gk_st_unit<W>((unsigned char*)(dst + cf_line + cb * cf_cs + q0 +
+                                       (gk_index)k * GK_THREADS * P),
+                      pl, k * W / 4);
+    }
+  } else {
+    (void)c0;
+    (void)nch;
+    // Planes in: channel c, position m at byte c*PB + m*ES.
+#pragma unroll
+    for (int c = 0; c < C; ++c) {
+#pragma unroll
+      for (int k = 0; k < K; ++k)
+        gk_ld_unit<W>((const unsigned char*)(src + cf_line + c * cf_cs + q0 +
+                                             (gk_index)k * GK_THREADS * P),
+                      px, (c * PB + k * W) / 4);
+    }
+    // Pixels out, W bytes at a time: piece v is pixel bytes [v*W, (v+1)*W)
+    // of slot v / C, element i = m*C + c of the thread's pixels.
+#pragma unroll
+    for (int v = 0; v < K * C; ++v) {
+      unsigned int pc[W / 4];
+#pragma unroll
+      for (int i = 0; i < W / 4; ++i) pc[i] = 0u;
+      if constexpr (C == 1) {
+#pragma unroll
+        for (int i = 0; i < W / 4; ++i) pc[i] = px[v * W / 4 + i];
+      } else {
+#pragma unroll
+        for (int e = 0; e < P; ++e) {
+          const int i = v * P + e;
+          gk_mv<ES>(px, (i % C) * PB + (i / C) * ES, pc, e * ES);
+        }
+      }
+      const int k = v / C;
+      gk_st_unit<W>(
+          (unsigned char*)(dst + cl_line +
+                           (q0 + (gk_index)k * GK_THREADS * P) * C) +
+              (v % C) * W,
+          pc, 0);
+    }
+  }
+}
+
+// TO_CF = true: src channels-last, dst logical; false: the reverse.  The
+// parameters are those of the tiled path (GK_PARAMS): cl_base points at
+// channel 0 of the box's first pixel, cl_qs == C, and the first int is the
+// box's first channel c0 (the second is unused).
+template <typename T, int C, bool TO_CF>
+__device__ __forceinline__ void gk_px_copy(
+    const T* __restrict__ src, T* __restrict__ dst, long long cl_base,
+    long long nlines, long long l1, long long l2, long long cl_s0,
+    long long cl_s1, long long cl_s2, long long cf_s0, long long cf_s1,
+    long long cf_s2, long long run_len_arg, long long cl_qs, long long nch_arg,
+    long long cf_cs_arg, int c0, int unused) {
+  (void)cl_qs;
+  (void)unused;
+  constexpr int ES = (int)sizeof(T);
+  constexpr int G = gk_px_groups<C>();
+  constexpr int M = 16 * G / ES;  // positions per thread
+  const gk_index run_len = run_len_arg;
+  const gk_index nch = nch_arg;
+  const gk_index cf_cs = cf_cs_arg;
+  // Every byte offset that enters an address, on both sides.
+  const unsigned long long bits =
+      (unsigned long long)src | (unsigned long long)dst |
+      (unsigned long long)((cl_base | cl_s0 | cl_s1 | cl_s2 | cf_s0 | cf_s1 |
+                            cf_s2 | cf_cs_arg) *
+                           ES);
+#ifdef GPUCKPT_BREAK_ALIGN
+  const int w = 16;  // broken: assumes 16-byte alignment
+  (void)bits;
+#else
+  const int w = (bits & 15ULL) == 0ULL ? 16 : ((bits & 3ULL) == 0ULL ? 4 : 0);
+#endif
+  // Writing channels-last needs whole pixels for the unrolled slots.
+  const bool slots_ok = TO_CF || nch == C;
+  const gk_index per_block = (gk_index)GK_THREADS * M;  // positions
+  for (gk_index line = blockIdx.y; line < nlines; line += gridDim.y) {
+    gk_index rest, a0, a1, a2;
+    gk_divmod(line, (gk_index)l2, rest, a2);
+    gk_divmod(rest, (gk_index)l1, a0, a1);
+    const gk_index cl_line = (gk_index)cl_base + a0 * (gk_index)cl_s0 +
+                             a1 * (gk_index)cl_s1 + a2 * (gk_index)cl_s2;
+    const gk_index cf_line =
+        a0 * (gk_index)cf_s0 + a1 * (gk_index)cf_s1 + a2 * (gk_index)cf_s2;
+    for (gk_index q_blk = (gk_index)blockIdx.x * per_block; q_blk < run_len;
+         q_blk += (gk_index)gridDim.x * per_block) {
+#ifdef GPUCKPT_BREAK_PX_SLOTS
+      const int t = (int)threadIdx.x / 2;  // broken: pairs of threads collide
+#else
+      const int t = (int)threadIdx.x;
+#endif
+      if (slots_ok && w == 16) {
+        constexpr int P = 16 / ES, K = M / P;
+        const gk_index q0 = q_blk + (gk_index)t * P;
+        if (GK_PX_FULL(q0 + (gk_index)(K - 1) * GK_THREADS * P, P))
+          gk_px_slots<T, C, 16, TO_CF>(src, dst, cl_line, cf_line, cf_cs, q0,
+                                       c0, nch);
+        else
+          gk_px_elements<T, TO_CF>(src, dst, cl_line, cf_line, cf_cs, run_len,
+                                   q0, K, P, C, c0, nch);
+        continue;
+      }
+      if constexpr (ES <= 2) {
+        if (slots_ok && w == 4) {
+          constexpr int P = 4 / ES, K = M / P;
+          const gk_index q0 = q_blk + (gk_index)t * P;
+          if (GK_PX_FULL(q0 + (gk_index)(K - 1) * GK_THREADS * P, P))
+            gk_px_slots<T, C, 4, TO_CF>(src, dst, cl_line, cf_line, cf_cs,
+                                        q0, c0, nch);
+          else
+            gk_px_elements<T, TO_CF>(src, dst, cl_line, cf_line, cf_cs,
+                                     run_len, q0, K, P, C, c0, nch);
+          continue;
+        }
+      }
+      gk_px_elements<T, TO_CF>(src, dst, cl_line, cf_line, cf_cs, run_len,
+                               q_blk + t, M, 1, C, c0, nch);
+    }
+  }
+}
+
 // Kernel parameters after the two pointers; the host planner fills them in
 // this order.
 #define GK_PARAMS                                                           \
@@ -477,8 +788,62 @@ __device__ __forceinline__ void gk_box_copy(
     gk_box_copy<T, TILE, false>(cf, cl, GK_ARGS);                         \
   }
 
+// Which entry points a build defines; everything by default.  The loader
+// compiles the tiled kernels and the pixel kernels of each element size as
+// separate modules, each on first use (-DGK_BUILD_TILED=0/1,
+// -DGK_BUILD_PX_SIZES=<mask of element sizes>); the tests' deliberately
+// broken builds compile only what they break.
+#ifndef GK_BUILD_TILED
+#define GK_BUILD_TILED 1
+#endif
+#ifndef GK_BUILD_PX_SIZES
+#define GK_BUILD_PX_SIZES 15  // 1 | 2 | 4 | 8
+#endif
+
+#if GK_BUILD_TILED
 // Tile capacity per element size (see GK_MIN_BLOCKS for the register cap).
 GK_DEFINE(1, unsigned char, 4096)
 GK_DEFINE(2, unsigned short, 4096)
 GK_DEFINE(4, unsigned int, 2048)
 GK_DEFINE(8, unsigned long long, 1024)
+#endif
+
+// The pixel path, per element size and channel count.  Up to 4 channels the
+// registers are capped as for the tiled path; more channels keep more bytes
+// in flight per thread and get twice the registers (half the threads).
+#define GK_PX_MIN_BLOCKS(C) ((C) <= 4 ? GK_MIN_BLOCKS : GK_MIN_BLOCKS / 2)
+#define GK_PX_DEFINE(ES, T, C)                                               \
+  extern "C" __global__ void __launch_bounds__(GK_THREADS,                   \
+                                               GK_PX_MIN_BLOCKS(C))          \
+      gpuckpt_px_cl_to_cf_##ES##_##C(const T* __restrict__ cl,               \
+                                     T* __restrict__ cf, GK_PARAMS) {        \
+    gk_px_copy<T, C, true>(cl, cf, GK_ARGS);                                 \
+  }                                                                          \
+  extern "C" __global__ void __launch_bounds__(GK_THREADS,                   \
+                                               GK_PX_MIN_BLOCKS(C))          \
+      gpuckpt_px_cf_to_cl_##ES##_##C(const T* __restrict__ cf,               \
+                                     T* __restrict__ cl, GK_PARAMS) {        \
+    gk_px_copy<T, C, false>(cf, cl, GK_ARGS);                                \
+  }
+#define GK_PX_DEFINE_ALL(ES, T) \
+  GK_PX_DEFINE(ES, T, 1)        \
+  GK_PX_DEFINE(ES, T, 2)        \
+  GK_PX_DEFINE(ES, T, 3)        \
+  GK_PX_DEFINE(ES, T, 4)        \
+  GK_PX_DEFINE(ES, T, 5)        \
+  GK_PX_DEFINE(ES, T, 6)        \
+  GK_PX_DEFINE(ES, T, 7)        \
+  GK_PX_DEFINE(ES, T, 8)
+
+#if GK_BUILD_PX_SIZES & 1
+GK_PX_DEFINE_ALL(1, unsigned char)
+#endif
+#if GK_BUILD_PX_SIZES & 2
+GK_PX_DEFINE_ALL(2, unsigned short)
+#endif
+#if GK_BUILD_PX_SIZES & 4
+GK_PX_DEFINE_ALL(4, unsigned int)
+#endif
+#if GK_BUILD_PX_SIZES & 8
+GK_PX_DEFINE_ALL(8, unsigned long long)
+#endif
