@@ -500,14 +500,10 @@ __device__ __forceinline__ void gk_box_copy(
 #define GK_PX_FULL(q, p) ((q) + (p) <= run_len)
 #endif
 
-// 16- and 8-byte access units.
-struct alignas(16) gk_u128 {
-  unsigned int w[4];
-};
-struct alignas(8) gk_u64p {
-  unsigned int w[2];
-};
-
+// 16- and 8-byte access units are CUDA's built-in uint4 and uint2 (NVRTC has
+// them without headers; the CPU emulation defines them).  Stores go through
+// __stwb (an ordinary write-back store) so that each is one vector
+// instruction: left to itself the compiler splits some into 32-bit stores.
 template <int C>
 __device__ __forceinline__ constexpr int gk_px_groups() {
   return C == 1 ? 4 : (C == 2 ? 2 : 1);
@@ -518,13 +514,15 @@ template <int U>
 __device__ __forceinline__ void gk_ld_unit(const unsigned char* p,
                                            unsigned int* w, int o) {
   if constexpr (U == 16) {
-    const gk_u128 v = *reinterpret_cast<const gk_u128*>(p);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) w[o + j] = v.w[j];
+    const uint4 v = *reinterpret_cast<const uint4*>(p);
+    w[o] = v.x;
+    w[o + 1] = v.y;
+    w[o + 2] = v.z;
+    w[o + 3] = v.w;
   } else if constexpr (U == 8) {
-    const gk_u64p v = *reinterpret_cast<const gk_u64p*>(p);
-    w[o] = v.w[0];
-    w[o + 1] = v.w[1];
+    const uint2 v = *reinterpret_cast<const uint2*>(p);
+    w[o] = v.x;
+    w[o + 1] = v.y;
   } else {
     w[o] = *reinterpret_cast<const unsigned int*>(p);
   }
@@ -535,15 +533,10 @@ template <int U>
 __device__ __forceinline__ void gk_st_unit(unsigned char* p,
                                            const unsigned int* w, int o) {
   if constexpr (U == 16) {
-    gk_u128 v;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) v.w[j] = w[o + j];
-    *reinterpret_cast<gk_u128*>(p) = v;
+    __stwb(reinterpret_cast<uint4*>(p),
+           make_uint4(w[o], w[o + 1], w[o + 2], w[o + 3]));
   } else if constexpr (U == 8) {
-    gk_u64p v;
-    v.w[0] = w[o];
-    v.w[1] = w[o + 1];
-    *reinterpret_cast<gk_u64p*>(p) = v;
+    __stwb(reinterpret_cast<uint2*>(p), make_uint2(w[o], w[o + 1]));
   } else {
     *reinterpret_cast<unsigned int*>(p) = w[o];
   }
@@ -808,19 +801,21 @@ GK_DEFINE(4, unsigned int, 2048)
 GK_DEFINE(8, unsigned long long, 1024)
 #endif
 
-// The pixel path, per element size and channel count.  Up to 4 channels the
-// registers are capped as for the tiled path; more channels keep more bytes
-// in flight per thread and get twice the registers (half the threads).
-#define GK_PX_MIN_BLOCKS(C) ((C) <= 4 ? GK_MIN_BLOCKS : GK_MIN_BLOCKS / 2)
+// The pixel path, per element size and channel count.  Three resident blocks
+// per SM cap the registers at 80 (the unrolled slots of eight channels need
+// about that); with at least 48 bytes in flight per thread, 768 threads keep
+// over 36 KiB of loads in flight per SM, more than the memory's latency
+// times its bandwidth share.
+#define GK_PX_MIN_BLOCKS 3
 #define GK_PX_DEFINE(ES, T, C)                                               \
   extern "C" __global__ void __launch_bounds__(GK_THREADS,                   \
-                                               GK_PX_MIN_BLOCKS(C))          \
+                                               GK_PX_MIN_BLOCKS)          \
       gpuckpt_px_cl_to_cf_##ES##_##C(const T* __restrict__ cl,               \
                                      T* __restrict__ cf, GK_PARAMS) {        \
     gk_px_copy<T, C, true>(cl, cf, GK_ARGS);                                 \
   }                                                                          \
   extern "C" __global__ void __launch_bounds__(GK_THREADS,                   \
-                                               GK_PX_MIN_BLOCKS(C))          \
+                                               GK_PX_MIN_BLOCKS)          \
       gpuckpt_px_cf_to_cl_##ES##_##C(const T* __restrict__ cf,               \
                                      T* __restrict__ cl, GK_PARAMS) {        \
     gk_px_copy<T, C, false>(cf, cl, GK_ARGS);                                \
