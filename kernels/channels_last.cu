@@ -569,6 +569,7 @@ __device__ __noinline__ void gk_px_elements(
     const T* __restrict__ src, T* __restrict__ dst, gk_index cl_line,
     gk_index cf_line, gk_index cf_cs, gk_index run_len, gk_index q0, int k_n,
     int p_n, gk_index cl_qs, int c0, gk_index nch) {
+  (void)run_len;  // unused in the GPUCKPT_BREAK_BOUNDS variant
 #pragma unroll 1
   for (int k = 0; k < k_n; ++k) {
     const gk_index qs = q0 + (gk_index)k * GK_THREADS * p_n;

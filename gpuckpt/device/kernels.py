@@ -163,9 +163,7 @@ def module_part_options(part: str | None) -> tuple[str, ...]:
     raise ValueError(f"kernel module part {part!r} is not one of 'tiled', 'px1', 'px2', 'px4', 'px8' or None")
 
 
-def load_module(
-    device_id: int | None = None, *, options: Sequence[str] = (), part: str | None = None
-) -> Any:
+def load_module(device_id: int | None = None, *, options: Sequence[str] = (), part: str | None = None) -> Any:
     """Compile (once per device and part) and return kernels as a CuPy module.
 
     Parameters
@@ -198,9 +196,7 @@ def load_module(
         module = _modules.get(key)
         if module is None:
             with cupy.cuda.Device(device_id):
-                module = cupy.RawModule(
-                    code=kernel_source(), options=("-std=c++17", *part_options, *options)
-                )
+                module = cupy.RawModule(code=kernel_source(), options=("-std=c++17", *part_options, *options))
                 # Compile now, on this device: RawModule would otherwise
                 # compile for whichever device is current at first use.
                 module.compile()
@@ -657,50 +653,42 @@ def plan_box_copy(
     cf_lines = tuple(0 if d is None or sizes[d] == 1 else cf_st[d] for d in line_dims)
     nch = int(sizes[1])
     nlines = _prod(line_sizes)
-    common = {
-        "itemsize": itemsize,
-        "nlines": nlines,
-        "l1": max(1, line_sizes[1]),
-        "l2": max(1, line_sizes[2]),
-        "cl_line_strides": (cl_lines[0], cl_lines[1], cl_lines[2]),
-        "cf_line_strides": (cf_lines[0], cf_lines[1], cf_lines[2]),
-        "run_len": run_len,
-        "cl_qs": cl_st[ndim - 1],
-        "nch": nch,
-        "cf_cs": cf_st[1],
-        "path": path,
-    }
 
     if path == "pixel":
         # cl_base points at channel 0 of the first pixel; the kernel reads
         # whole pixels and picks channels [c0, c0 + nch) itself.
         cl_base = sum(int(o) * s for d, (o, s) in enumerate(zip(offsets, cl_st, strict=True)) if d != 1)
         span = THREADS_PER_BLOCK * pixel_positions_per_thread(int(shape[1]), itemsize)
-        work = (-(-run_len // span), nlines)
-        grid = tuple(max(1, min(t, g)) for t, g in zip(work, grid_limit[:2], strict=True))
-        return BoxCopyPlan(
-            cl_base=cl_base,
-            log_tc=0,
-            log_tq=0,
-            grid=(grid[0], grid[1], 1),
-            c0=int(offsets[1]),
-            **common,
-        )
-
-    cl_base = sum(int(o) * s for o, s in zip(offsets, cl_st, strict=True))
-    tile = TILE_ELEMS[itemsize]
-    tc0 = min(TILE_MAX_CHANNELS[itemsize], _next_pow2(nch))
-    tq = min(_next_pow2(run_len), tile // tc0)
-    tc = min(_next_pow2(nch), tile // tq)
-    log_tq, log_tc = tq.bit_length() - 1, tc.bit_length() - 1
-    tiles = (-(-run_len // tq), -(-nch // tc), nlines)
-    tgrid = tuple(max(1, min(t, g)) for t, g in zip(tiles, grid_limit, strict=True))
+        work = (-(-run_len // span), nlines, 1)
+        log_tc = log_tq = 0
+        c0 = int(offsets[1])
+    else:
+        cl_base = sum(int(o) * s for o, s in zip(offsets, cl_st, strict=True))
+        tile = TILE_ELEMS[itemsize]
+        tc0 = min(TILE_MAX_CHANNELS[itemsize], _next_pow2(nch))
+        tq = min(_next_pow2(run_len), tile // tc0)
+        tc = min(_next_pow2(nch), tile // tq)
+        log_tq, log_tc = tq.bit_length() - 1, tc.bit_length() - 1
+        work = (-(-run_len // tq), -(-nch // tc), nlines)
+        c0 = 0
+    grid = tuple(max(1, min(t, g)) for t, g in zip(work, grid_limit, strict=True))
     return BoxCopyPlan(
+        itemsize=itemsize,
         cl_base=cl_base,
+        nlines=nlines,
+        l1=max(1, line_sizes[1]),
+        l2=max(1, line_sizes[2]),
+        cl_line_strides=(cl_lines[0], cl_lines[1], cl_lines[2]),
+        cf_line_strides=(cf_lines[0], cf_lines[1], cf_lines[2]),
+        run_len=run_len,
+        cl_qs=cl_st[ndim - 1],
+        nch=nch,
+        cf_cs=cf_st[1],
         log_tc=log_tc,
         log_tq=log_tq,
-        grid=(tgrid[0], tgrid[1], tgrid[2]),
-        **common,
+        grid=(grid[0], grid[1], grid[2]),
+        path=path,
+        c0=c0,
     )
 
 

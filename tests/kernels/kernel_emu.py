@@ -128,12 +128,12 @@ def build_command(variant: Variant, output: Path) -> list[str]:
     cmd += [f"-D{d}" for d in variant.defines]
     if variant.sanitize is None:
         cmd.append("-O2")
-    elif variant.os_threads:
-        cmd += ["-O1", "-fno-omit-frame-pointer", f"-fsanitize={variant.sanitize}"]
     else:
-        # -O0: ASan + UBSan at -O1 takes four times as long to compile the
-        # unrolled pixel kernels, for small runs that -O0 serves as well.
-        cmd += ["-O0", "-fno-omit-frame-pointer", f"-fsanitize={variant.sanitize}"]
+        # ASan + UBSan at -O1 takes four times as long to compile the
+        # unrolled pixel kernels as at -O0, which serves the small runs as
+        # well; ThreadSanitizer keeps -O1 (its OS threads are slow enough).
+        level = "-O1" if variant.os_threads else "-O0"
+        cmd += [level, "-fno-omit-frame-pointer", f"-fsanitize={variant.sanitize}"]
         if "undefined" in variant.sanitize:
             cmd.append("-fno-sanitize-recover=all")
         if variant.os_threads:
@@ -267,7 +267,9 @@ def random_channels_last(shape: tuple[int, ...], itemsize: int, seed: int, misal
     return channels_last_like(logical, misalign)
 
 
-def _launch_checked(lib: EmuLibrary, plan: BoxCopyPlan, to_cl: bool, src: int, dst: int, order: str, seed: int) -> None:
+def _launch_checked(
+    lib: EmuLibrary, plan: BoxCopyPlan, to_cl: bool, src: int, dst: int, order: str, seed: int
+) -> None:
     lib.set_order(order, seed)
     status = lib.launch(plan, to_cl, src, dst)
     if status != EMU_OK:
@@ -361,7 +363,15 @@ def check_case(
             shifted[...] = block
             block = shifted
         got = emu_to_channels_last(
-            lib, block, src_cl, box, order=order, seed=seed, grid_limit=grid_limit, path=path, misalign=misalign
+            lib,
+            block,
+            src_cl,
+            box,
+            order=order,
+            seed=seed,
+            grid_limit=grid_limit,
+            path=path,
+            misalign=misalign,
         )
         want = ref.contiguous_to_channels_last(block, src_cl.copy(order="K"), box=box)
     if not np.array_equal(got, want):

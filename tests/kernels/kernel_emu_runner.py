@@ -3,7 +3,8 @@
 Usage: ``python kernel_emu_runner.py LIBRARY CASES_JSON``
 
 Each case is a dict with ``shape``, ``itemsize``, ``to_channels_last`` and
-optionally ``box`` ([offsets, sizes]), ``order``, ``seed``, ``grid_limit``;
+optionally ``box`` ([offsets, sizes]), ``order``, ``seed``, ``grid_limit``,
+``path`` ("tiled" or "pixel"), ``misalign`` (elements off 64-byte boundaries);
 or ``{"huge": true, "shape": ..., "itemsize": ..., "to_channels_last": ...,
 "nblocks": k}`` for the far end of a tensor over 2**31 elements.
 
@@ -46,6 +47,8 @@ def main(argv: list[str]) -> int:
                 order=case.get("order", "forward"),
                 seed=case.get("seed", 0),
                 grid_limit=tuple(case.get("grid_limit") or kernel_emu.MAX_GRID),
+                path=case.get("path"),
+                misalign=case.get("misalign", 0),
             )
         except kernel_emu.EmuError as exc:
             print(f"emulator error in case {case}: {exc}", flush=True)

@@ -185,7 +185,7 @@ box_cases = st.integers(4, 5).flatmap(
 @given(box_cases)
 def test_plan_invariants(case: tuple) -> None:
     shape, (offsets, sizes), itemsize = case
-    plan = K.plan_box_copy(shape, offsets, sizes, itemsize)
+    plan = K.plan_box_copy(shape, offsets, sizes, itemsize, path="tiled")
     tc, tq = 1 << plan.log_tc, 1 << plan.log_tq
     tile = K.TILE_ELEMS[itemsize]
     assert tc * tq <= tile
@@ -198,6 +198,116 @@ def test_plan_invariants(case: tuple) -> None:
     assert len(plan.params()) == 14
 
 
+pixel_box_cases = st.integers(4, 5).flatmap(
+    lambda ndim: st.tuples(
+        st.integers(1, 3000), st.integers(1, K.PIXEL_MAX_CHANNELS), *[st.integers(1, 3000)] * (ndim - 2)
+    ).flatmap(
+        lambda shape: st.tuples(
+            st.just(shape),
+            st.tuples(*[st.integers(0, n - 1) for n in shape]).flatmap(
+                lambda offs: st.tuples(
+                    st.just(offs),
+                    st.tuples(*[st.integers(0, n - o) for n, o in zip(shape, offs, strict=True)]),
+                )
+            ),
+            st.sampled_from(K.SUPPORTED_ITEMSIZES),
+        )
+    )
+)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(pixel_box_cases)
+def test_pixel_plan_invariants(case: tuple) -> None:
+    shape, (offsets, sizes), itemsize = case
+    plan = K.plan_box_copy(shape, offsets, sizes, itemsize)
+    assert plan.path == "pixel" and plan.module_part == f"px{itemsize}"
+    assert plan.kernel_name(True) == f"gpuckpt_px_cf_to_cl_{itemsize}_{shape[1]}"
+    assert plan.int_params() == (offsets[1], 0) and plan.grid[2] == 1
+    assert all(1 <= g <= m for g, m in zip(plan.grid, K.MAX_GRID, strict=True))
+    span = K.THREADS_PER_BLOCK * K.pixel_positions_per_thread(shape[1], itemsize)
+    if not plan.empty:
+        assert plan.nlines * plan.run_len * plan.nch == int(np.prod(sizes))
+        # the grid covers the run and the lines (capped: loops cover the rest)
+        assert plan.tiles == (-(-plan.run_len // span), plan.nlines, 1)
+        assert plan.grid[:2] == (min(plan.tiles[0], K.MAX_GRID[0]), min(plan.tiles[1], K.MAX_GRID[1]))
+        # cl_base points at channel 0 of the first pixel of the box
+        cl_strides = [s // itemsize for s in K.channels_last_strides(shape, itemsize)]
+        first = sum(o * s for d, (o, s) in enumerate(zip(offsets, cl_strides, strict=True)) if d != 1)
+        assert plan.cl_base == first and plan.cl_qs == shape[1]
+    assert len(plan.params()) == 14
+
+
+@pytest.mark.parametrize("itemsize", K.SUPPORTED_ITEMSIZES)
+def test_choose_path_by_channel_count(itemsize: int) -> None:
+    for channels in range(1, K.PIXEL_MAX_CHANNELS + 1):
+        for shape in [(8, channels, 224, 224), (2, channels, 16, 112, 112), (1, channels, 1, 1)]:
+            assert K.choose_path(shape, shape, itemsize) == "pixel"
+            # boxes (chunks: a batch range, a channel slab, a row range) too
+            box = (1, max(1, channels // 2), *shape[2:])
+            assert K.choose_path(shape, box, itemsize) == "pixel"
+    for channels in (9, 16, 64, 256, 2048):
+        shape = (8, channels, 14, 14)
+        assert K.choose_path(shape, shape, itemsize) == "tiled"
+    assert K.choose_path((1, 0, 4, 4), (1, 0, 4, 4), itemsize) == "tiled"  # empty: either serves
+
+
+def test_choose_path_rejects_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="3 dimensions"):
+        K.choose_path((2, 3, 4), (2, 3, 4), 4)
+    with pytest.raises(TypeError, match="element size 3"):
+        K.choose_path((2, 3, 4, 4), (2, 3, 4, 4), 3)
+    with pytest.raises(ValueError, match="do not match the rank"):
+        K.choose_path((2, 3, 4, 4), (2, 3, 4), 4)
+    with pytest.raises(ValueError, match="serves 1 to 8 channels"):
+        K.plan_box_copy((1, 9, 2, 2), (0,) * 4, (1, 9, 2, 2), 4, path="pixel")
+    with pytest.raises(ValueError, match="kernel path 'vector'"):
+        K.plan_box_copy((1, 3, 2, 2), (0,) * 4, (1, 3, 2, 2), 4, path="vector")
+
+
+def test_pixel_positions_match_source() -> None:
+    # gk_px_groups in the CUDA source: G = 4, 2, 1 for 1, 2, more channels;
+    # a thread moves 16*G bytes of each plane.
+    src = K.kernel_source()
+    assert "return C == 1 ? 4 : (C == 2 ? 2 : 1);" in src
+    assert "constexpr int M = 16 * G / ES;  // positions per thread" in src
+    for channels, groups in [(1, 4), (2, 2), (3, 1), (8, 1)]:
+        for itemsize in K.SUPPORTED_ITEMSIZES:
+            assert K.pixel_positions_per_thread(channels, itemsize) == 16 * groups // itemsize
+
+
+def test_launch_plan_made_once_per_layout() -> None:
+    # The path choice and the plan are cached per (shape, strides, dtype, box,
+    # direction): a second launch of the same layout reuses the same plan.
+    K._prepare_cached.cache_clear()
+    a = ref.empty_channels_last((4, 3, 32, 32), np.float16)
+    b = ref.empty_channels_last((4, 3, 32, 32), np.float16)  # another tensor, same layout
+    first = K._prepared(a, None, False)
+    assert first.plan.path == "pixel" and first.name == "gpuckpt_px_cl_to_cf_2_3"
+    assert K._prepared(b, None, False) is first
+    assert K._prepared(a, ((1, 0, 0, 0), (2, 3, 32, 32)), False) is not first
+    info = K._prepare_cached.cache_info()
+    assert (info.hits, info.misses) == (1, 2)
+    back = K._prepared(a, None, True)
+    assert back.name == "gpuckpt_px_cf_to_cl_2_3" and back.plan is not first.plan
+    many = K._prepared(ref.empty_channels_last((2, 64, 8, 8), np.float32), None, False)
+    assert many.plan.path == "tiled" and many.name == "gpuckpt_cl_to_cf_4"
+    # the launch arguments: 14 int64 and 2 int32 (c0 for the pixel path)
+    assert [type(v).__name__ for v in first.args] == ["int64"] * 14 + ["int32"] * 2
+
+
+def test_module_part_options() -> None:
+    assert K.module_part_options(None) == ()
+    assert K.module_part_options("tiled") == ("-DGK_BUILD_TILED=1", "-DGK_BUILD_PX_SIZES=0")
+    assert K.module_part_options("px8") == ("-DGK_BUILD_TILED=0", "-DGK_BUILD_PX_SIZES=8")
+    with pytest.raises(ValueError, match="'px3'"):
+        K.module_part_options("px3")
+    src = K.kernel_source()
+    assert "#if GK_BUILD_TILED" in src
+    for es in K.SUPPORTED_ITEMSIZES:
+        assert f"#if GK_BUILD_PX_SIZES & {es}\nGK_PX_DEFINE_ALL({es}," in src
+
+
 def test_plan_merges_full_spatial_dims() -> None:
     plan = K.plan_box_copy((2, 64, 7, 9), (0, 0, 0, 0), (2, 64, 7, 9), 4)
     assert (plan.nlines, plan.run_len, plan.nch) == (2, 63, 64)
@@ -208,7 +318,7 @@ def test_plan_merges_full_spatial_dims() -> None:
 
 
 def test_plan_small_and_many_channels() -> None:
-    few = K.plan_box_copy((1, 3, 256, 256), (0,) * 4, (1, 3, 256, 256), 4)
+    few = K.plan_box_copy((1, 3, 256, 256), (0,) * 4, (1, 3, 256, 256), 4, path="tiled")
     assert (1 << few.log_tc, 1 << few.log_tq) == (4, 512)
     many = K.plan_box_copy((1, 2048, 56, 56), (0,) * 4, (1, 2048, 56, 56), 4)
     assert (1 << many.log_tc, 1 << many.log_tq) == (32, 64)
