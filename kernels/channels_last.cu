@@ -558,46 +558,53 @@ __device__ __forceinline__ void gk_mv(const unsigned int* s, int a,
 }
 
 // Element by element: the k_n slots of p_n positions of one thread, from
-// position q0 (slot k at q0 + k*GK_THREADS*p_n), channels [c0, c0 + nch) of
-// the C = cl_qs of the tensor, positions past run_len skipped.  Serves
-// threads at the end of a line, boxes with some of the channels (to
-// channels-last) and, with p_n = 1, planes that are not aligned to the
-// access units (lanes on consecutive positions: still coalesced on the plane
-// side).
-template <typename T, bool TO_CF>
-__device__ __noinline__ void gk_px_elements(
+// position q0 (slot k at q0 + k*GK_THREADS*p_n), channels [c0, c0 + nch),
+// positions past run_len skipped.  Serves the slot that runs past the end of
+// a line, boxes with some of the channels (to channels-last) and, with
+// p_n = 1, planes of 1- and 2-byte elements that are not 4-byte aligned
+// (lanes on consecutive positions: still coalesced on the plane side).  The
+// loads of a pixel's channels are in flight together.
+template <typename T, int C, bool TO_CF>
+__device__ __forceinline__ void gk_px_elements(
     const T* __restrict__ src, T* __restrict__ dst, gk_index cl_line,
     gk_index cf_line, gk_index cf_cs, gk_index run_len, gk_index q0, int k_n,
-    int p_n, gk_index cl_qs, int c0, gk_index nch) {
+    int p_n, int c0, gk_index nch) {
   (void)run_len;  // unused in the GPUCKPT_BREAK_BOUNDS variant
 #pragma unroll 1
   for (int k = 0; k < k_n; ++k) {
-    const gk_index qs = q0 + (gk_index)k * GK_THREADS * p_n;
 #pragma unroll 1
     for (int j = 0; j < p_n; ++j) {
-      const gk_index q = qs + j;
-      if (!GK_PX_FULL(q, 1)) break;
-      const gk_index cl = cl_line + q * cl_qs + c0;
-      const gk_index cf = cf_line + q;
-#pragma unroll 4
-      for (gk_index c = 0; c < nch; ++c) {
+      const gk_index q = q0 + (gk_index)k * GK_THREADS * p_n + j;
+      if (!GK_PX_FULL(q, 1)) return;  // the rest lies further along the run
+      T v[C];
+#pragma unroll
+      for (int c = 0; c < C; ++c) {
+        v[c] = (T)0;
+        if ((gk_index)c < nch)
+          v[c] = TO_CF ? src[cl_line + q * C + c0 + c]
+                       : src[cf_line + c * cf_cs + q];
+      }
+#pragma unroll
+      for (int c = 0; c < C; ++c) {
+        if ((gk_index)c >= nch) continue;
         if (TO_CF)
-          dst[cf + c * cf_cs] = src[cl + c];
+          dst[cf_line + c * cf_cs + q] = v[c];
         else
-          dst[cl + c] = src[cf + c * cf_cs];
+          dst[cl_line + q * C + c0 + c] = v[c];
       }
     }
   }
 }
 
 // The unrolled slots of one thread, access unit W (whole pixels when writing
-// channels-last).  Offsets in elements.
+// channels-last): the first k_full slots, those wholly inside the run.
+// Offsets in elements.
 template <typename T, int C, int W, bool TO_CF>
 __device__ __forceinline__ void gk_px_slots(const T* __restrict__ src,
                                             T* __restrict__ dst,
                                             gk_index cl_line, gk_index cf_line,
                                             gk_index cf_cs, gk_index q0,
-                                            int c0, gk_index nch) {
+                                            int k_full, int c0, gk_index nch) {
   constexpr int ES = (int)sizeof(T);
   constexpr int G = gk_px_groups<C>();
   constexpr int P = W / ES;      // positions per slot
@@ -605,6 +612,7 @@ __device__ __forceinline__ void gk_px_slots(const T* __restrict__ src,
   constexpr int M = K * P;       // positions per thread
   constexpr int PB = 16 * G;     // bytes of one plane per thread
   constexpr int NW = 4 * G * C;  // words of the thread's pixels
+  constexpr int UW = W / 4;      // words per unit
   unsigned int px[NW];
 #pragma unroll
   for (int i = 0; i < NW; ++i) px[i] = 0u;
@@ -613,11 +621,12 @@ __device__ __forceinline__ void gk_px_slots(const T* __restrict__ src,
     // Pixels in: slot k is pixel bytes [k*W*C, (k+1)*W*C).
 #pragma unroll
     for (int k = 0; k < K; ++k) {
+      if (k >= k_full) break;
       const unsigned char* g = (const unsigned char*)(
           src + cl_line + (q0 + (gk_index)k * GK_THREADS * P) * C);
 #pragma unroll
       for (int u = 0; u < C; ++u)
-        gk_ld_unit<W>(g + u * W, px, (k * W * C + u * W) / 4);
+        gk_ld_unit<W>(g + u * W, px, (k * C + u) * UW);
     }
     // Planes out, one at a time (those of the box).
 #pragma unroll
@@ -636,10 +645,12 @@ __device__ __forceinline__ void gk_px_slots(const T* __restrict__ src,
           gk_mv<ES>(px, (m * C + c) * ES, pl, m * ES);
       }
 #pragma unroll
-      for (int k = 0; k < K; ++k)
+      for (int k = 0; k < K; ++k) {
+        if (k >= k_full) break;
         gk_st_unit<W>((unsigned char*)(dst + cf_line + cb * cf_cs + q0 +
                                        (gk_index)k * GK_THREADS * P),
-                      pl, k * W / 4);
+                      pl, k * UW);
+      }
     }
   } else {
     (void)c0;
@@ -648,21 +659,25 @@ __device__ __forceinline__ void gk_px_slots(const T* __restrict__ src,
 #pragma unroll
     for (int c = 0; c < C; ++c) {
 #pragma unroll
-      for (int k = 0; k < K; ++k)
+      for (int k = 0; k < K; ++k) {
+        if (k >= k_full) break;
         gk_ld_unit<W>((const unsigned char*)(src + cf_line + c * cf_cs + q0 +
                                              (gk_index)k * GK_THREADS * P),
                       px, (c * PB + k * W) / 4);
+      }
     }
     // Pixels out, W bytes at a time: piece v is pixel bytes [v*W, (v+1)*W)
     // of slot v / C, element i = m*C + c of the thread's pixels.
 #pragma unroll
     for (int v = 0; v < K * C; ++v) {
-      unsigned int pc[W / 4];
+      const int k = v / C;
+      if (k >= k_full) break;
+      unsigned int pc[UW];
 #pragma unroll
-      for (int i = 0; i < W / 4; ++i) pc[i] = 0u;
+      for (int i = 0; i < UW; ++i) pc[i] = 0u;
       if constexpr (C == 1) {
 #pragma unroll
-        for (int i = 0; i < W / 4; ++i) pc[i] = px[v * W / 4 + i];
+        for (int i = 0; i < UW; ++i) pc[i] = px[v * UW + i];
       } else {
 #pragma unroll
         for (int e = 0; e < P; ++e) {
@@ -670,7 +685,6 @@ __device__ __forceinline__ void gk_px_slots(const T* __restrict__ src,
           gk_mv<ES>(px, (i % C) * PB + (i / C) * ES, pc, e * ES);
         }
       }
-      const int k = v / C;
       gk_st_unit<W>(
           (unsigned char*)(dst + cl_line +
                            (q0 + (gk_index)k * GK_THREADS * P) * C) +
@@ -678,6 +692,27 @@ __device__ __forceinline__ void gk_px_slots(const T* __restrict__ src,
           pc, 0);
     }
   }
+}
+
+// One thread's share of a block with access unit W: its full slots through
+// the registers.  Returns the first position of the slot that runs past the
+// end of the line, for the caller to copy element by element, or -1.
+template <typename T, int C, int W, bool TO_CF>
+__device__ __forceinline__ gk_index gk_px_thread(
+    const T* __restrict__ src, T* __restrict__ dst, gk_index cl_line,
+    gk_index cf_line, gk_index cf_cs, gk_index run_len, gk_index q0, int c0,
+    gk_index nch) {
+  constexpr int P = W / (int)sizeof(T);
+  constexpr int K = 16 * gk_px_groups<C>() / W;
+  int k_full = 0;  // slots lie in increasing positions: a prefix is full
+#pragma unroll
+  for (int k = 0; k < K; ++k)
+    if (GK_PX_FULL(q0 + (gk_index)k * GK_THREADS * P, P)) k_full = k + 1;
+  if (k_full > 0)
+    gk_px_slots<T, C, W, TO_CF>(src, dst, cl_line, cf_line, cf_cs, q0, k_full,
+                                c0, nch);
+  const gk_index q = q0 + (gk_index)k_full * GK_THREADS * P;
+  return k_full < K && q < run_len ? q : (gk_index)-1;
 }
 
 // TO_CF = true: src channels-last, dst logical; false: the reverse.  The
@@ -705,11 +740,15 @@ __device__ __forceinline__ void gk_px_copy(
       (unsigned long long)((cl_base | cl_s0 | cl_s1 | cl_s2 | cf_s0 | cf_s1 |
                             cf_s2 | cf_cs_arg) *
                            ES);
+  // The narrower unit: 4 bytes (8 for 8-byte elements).
+  constexpr int WN = ES == 8 ? 8 : 4;
 #ifdef GPUCKPT_BREAK_ALIGN
   const int w = 16;  // broken: assumes 16-byte alignment
   (void)bits;
 #else
-  const int w = (bits & 15ULL) == 0ULL ? 16 : ((bits & 3ULL) == 0ULL ? 4 : 0);
+  const int w = (bits & 15ULL) == 0ULL                              ? 16
+                : (bits & (unsigned long long)(WN - 1)) == 0ULL ? WN
+                                                                : 0;
 #endif
   // Writing channels-last needs whole pixels for the unrolled slots.
   const bool slots_ok = TO_CF || nch == C;
@@ -729,32 +768,33 @@ __device__ __forceinline__ void gk_px_copy(
 #else
       const int t = (int)threadIdx.x;
 #endif
+      // Element by element: the partial slot of a thread, or all of its
+      // positions (slots of one) where no unit fits; one call site, where
+      // few registers are live.
+      gk_index eq;
+      int ek, ep;
       if (slots_ok && w == 16) {
-        constexpr int P = 16 / ES, K = M / P;
-        const gk_index q0 = q_blk + (gk_index)t * P;
-        if (GK_PX_FULL(q0 + (gk_index)(K - 1) * GK_THREADS * P, P))
-          gk_px_slots<T, C, 16, TO_CF>(src, dst, cl_line, cf_line, cf_cs, q0,
-                                       c0, nch);
-        else
-          gk_px_elements<T, TO_CF>(src, dst, cl_line, cf_line, cf_cs, run_len,
-                                   q0, K, P, C, c0, nch);
-        continue;
+        eq = gk_px_thread<T, C, 16, TO_CF>(src, dst, cl_line, cf_line, cf_cs,
+                                           run_len,
+                                           q_blk + (gk_index)t * (16 / ES), c0,
+                                           nch);
+        ek = 1;
+        ep = 16 / ES;
+      } else if (slots_ok && w == WN) {
+        eq = gk_px_thread<T, C, WN, TO_CF>(src, dst, cl_line, cf_line, cf_cs,
+                                           run_len,
+                                           q_blk + (gk_index)t * (WN / ES), c0,
+                                           nch);
+        ek = 1;
+        ep = WN / ES;
+      } else {
+        eq = q_blk + t;
+        ek = M;
+        ep = 1;
       }
-      if constexpr (ES <= 2) {
-        if (slots_ok && w == 4) {
-          constexpr int P = 4 / ES, K = M / P;
-          const gk_index q0 = q_blk + (gk_index)t * P;
-          if (GK_PX_FULL(q0 + (gk_index)(K - 1) * GK_THREADS * P, P))
-            gk_px_slots<T, C, 4, TO_CF>(src, dst, cl_line, cf_line, cf_cs,
-                                        q0, c0, nch);
-          else
-            gk_px_elements<T, TO_CF>(src, dst, cl_line, cf_line, cf_cs,
-                                     run_len, q0, K, P, C, c0, nch);
-          continue;
-        }
-      }
-      gk_px_elements<T, TO_CF>(src, dst, cl_line, cf_line, cf_cs, run_len,
-                               q_blk + t, M, 1, C, c0, nch);
+      if (eq >= 0)
+        gk_px_elements<T, C, TO_CF>(src, dst, cl_line, cf_line, cf_cs,
+                                    run_len, eq, ek, ep, c0, nch);
     }
   }
 }
@@ -803,20 +843,21 @@ GK_DEFINE(8, unsigned long long, 1024)
 #endif
 
 // The pixel path, per element size and channel count.  Three resident blocks
-// per SM cap the registers at 80 (the unrolled slots of eight channels need
-// about that); with at least 48 bytes in flight per thread, 768 threads keep
-// over 36 KiB of loads in flight per SM, more than the memory's latency
-// times its bandwidth share.
-#define GK_PX_MIN_BLOCKS 3
+// per SM cap the registers at 80; the unrolled slots of 7 and 8 channels, and
+// of 8-byte elements with more than 4, need more and get two (128
+// registers).  With at least 48 bytes in flight per thread (over 80 for the
+// latter), 768 (512) threads keep over 36 KiB of loads in flight per SM,
+// more than the memory's latency times its bandwidth share.
+#define GK_PX_MIN_BLOCKS(ES, C) ((C) > 6 || ((ES) == 8 && (C) > 4) ? 2 : 3)
 #define GK_PX_DEFINE(ES, T, C)                                               \
   extern "C" __global__ void __launch_bounds__(GK_THREADS,                   \
-                                               GK_PX_MIN_BLOCKS)          \
+                                               GK_PX_MIN_BLOCKS(ES, C))          \
       gpuckpt_px_cl_to_cf_##ES##_##C(const T* __restrict__ cl,               \
                                      T* __restrict__ cf, GK_PARAMS) {        \
     gk_px_copy<T, C, true>(cl, cf, GK_ARGS);                                 \
   }                                                                          \
   extern "C" __global__ void __launch_bounds__(GK_THREADS,                   \
-                                               GK_PX_MIN_BLOCKS)          \
+                                               GK_PX_MIN_BLOCKS(ES, C))          \
       gpuckpt_px_cf_to_cl_##ES##_##C(const T* __restrict__ cf,               \
                                      T* __restrict__ cl, GK_PARAMS) {        \
     gk_px_copy<T, C, false>(cf, cl, GK_ARGS);                                \
