@@ -60,18 +60,12 @@ PIXEL_CASES = [
     },
 ]
 SMALL_CASES = TILED_CASES + PIXEL_CASES
-# One or two blocks each (ThreadSanitizer runs one OS thread per CUDA thread):
-# 16-byte units, 4-byte units with a partial slot, element-wise planes.
+# One block each (ThreadSanitizer runs one OS thread per CUDA thread): 16-byte
+# units, 4-byte units with a partial slot, some channels element by element.
 TSAN_PIXEL_CASES = [
     {"shape": [1, 4, 16, 16], "itemsize": 4, "to_channels_last": False, "order": "random"},
     {"shape": [1, 3, 9, 20], "itemsize": 1, "to_channels_last": True, "misalign": 4},
-    {
-        "shape": [2, 3, 5, 9],
-        "itemsize": 2,
-        "to_channels_last": False,
-        "box": [[0, 1, 0, 0], [2, 2, 5, 9]],
-        "misalign": 1,
-    },
+    {"shape": [1, 3, 5, 9], "itemsize": 2, "to_channels_last": True, "box": [[0, 1, 0, 0], [1, 2, 5, 9]]},
 ]
 
 # 64 * 32768 * 1040 = 2_181_038_080 elements > 2**31 (tiled path), and
