@@ -29,7 +29,7 @@ import functools
 import os
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -718,6 +718,16 @@ class _Launch:
     plan: BoxCopyPlan
     name: str
     args: tuple[Any, ...]  # the kernel parameters after the two pointers, as NumPy scalars
+    # device id -> the loaded kernel (filled on first launch per device)
+    kernels: dict[int, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
+
+
+def _check_block(block: Any, sizes: tuple[int, ...], dtype: Any, name: str) -> None:
+    """The logical-order block matches the box: the common case in three
+    attribute reads, the full check (with its messages) otherwise."""
+    if block.shape == sizes and block.dtype == dtype and block.flags.c_contiguous:
+        return
+    check_contiguous_block(block.shape, block.dtype, block.flags.c_contiguous, sizes, dtype, name=name)
 
 
 def _box_key(box: Any) -> Any:
@@ -780,11 +790,13 @@ def _kernel(device_id: int, prep: _Launch) -> Any:
 
 def _launch(cupy: Any, prep: _Launch, src: Any, dst: Any) -> None:
     """One kernel on the current stream; nothing else (no synchronisation,
-    no allocation)."""
+    no allocation): the launch plan and the kernel come from caches."""
     if prep.plan.empty:
         return
     device_id = src.data.device_id
-    kernel = _kernel(device_id, prep)
+    kernel = prep.kernels.get(device_id)
+    if kernel is None:
+        kernel = prep.kernels[device_id] = _kernel(device_id, prep)
     if _single_device(cupy):
         kernel(prep.plan.grid, prep.plan.block, (src, dst, *prep.args))
     else:
@@ -839,9 +851,7 @@ def channels_last_to_contiguous(src: Any, out: Any = None, *, box: Any = None) -
                 out = cupy.empty(prep.sizes, dtype=src.dtype)
     else:
         _require_cupy_array(cupy, out, "out")
-        check_contiguous_block(
-            out.shape, out.dtype, out.flags.c_contiguous, prep.sizes, src.dtype, name="out"
-        )
+        _check_block(out, prep.sizes, src.dtype, "out")
         if out.data.device_id != src.data.device_id:
             raise ValueError(f"out is on device {out.data.device_id}, src on device {src.data.device_id}")
         _check_no_overlap(src, out)
@@ -878,7 +888,7 @@ def contiguous_to_channels_last(src: Any, dst: Any, *, box: Any = None) -> Any:
     _require_cupy_array(cupy, dst, "dst")
     _require_cupy_array(cupy, src, "src")
     prep = _prepared(dst, box, True)
-    check_contiguous_block(src.shape, src.dtype, src.flags.c_contiguous, prep.sizes, dst.dtype, name="src")
+    _check_block(src, prep.sizes, dst.dtype, "src")
     if src.data.device_id != dst.data.device_id:
         raise ValueError(f"src is on device {src.data.device_id}, dst on device {dst.data.device_id}")
     _check_no_overlap(src, dst)

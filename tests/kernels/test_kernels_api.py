@@ -296,6 +296,21 @@ def test_launch_plan_made_once_per_layout() -> None:
     assert [type(v).__name__ for v in first.args] == ["int64"] * 14 + ["int32"] * 2
 
 
+def test_block_check_fast_path_and_messages() -> None:
+    # The common case passes on three attribute reads; anything else gets
+    # the full check and its message.
+    sizes = (2, 3, 4, 5)
+    K._check_block(np.empty(sizes, np.float32), sizes, np.dtype(np.float32), "out")
+    with pytest.raises(ValueError, match=r"out: shape \(2, 3, 4, 4\) does not match the box sizes"):
+        K._check_block(np.empty((2, 3, 4, 4), np.float32), sizes, np.dtype(np.float32), "out")
+    with pytest.raises(TypeError, match="src: dtype float64 does not match the tensor dtype float32"):
+        K._check_block(np.empty(sizes, np.float64), sizes, np.dtype(np.float32), "src")
+    with pytest.raises(ValueError, match="src: a C-contiguous array is required"):
+        K._check_block(
+            np.empty((2, 3, 5, 4), np.float32).transpose(0, 1, 3, 2), sizes, np.dtype(np.float32), "src"
+        )
+
+
 def test_module_part_options() -> None:
     assert K.module_part_options(None) == ()
     assert K.module_part_options("tiled") == ("-DGK_BUILD_TILED=1", "-DGK_BUILD_PX_SIZES=0")
