@@ -799,6 +799,258 @@ __device__ __forceinline__ void gk_px_copy(
   }
 }
 
+// ==========================================================================
+// The micro-tile path: many channels, in 16-byte groups.
+// ==========================================================================
+//
+// For boxes that span whole 16-byte groups of channels (the channel count,
+// the first channel's offset and the tensor's pixel size all multiples of 16
+// bytes), each thread moves micro-tiles of U = 16 / sizeof(T) channels by
+// M positions (M = 16 for 1-byte elements, 8 otherwise: 256 or 128 bytes):
+// one 16-byte load (or store) per position on the channels-last side, one
+// unit of W bytes per channel and slot on the logical side, the transpose in
+// registers.  No shared memory, no barrier.
+//
+// A block covers 2^log_cgs channel groups, the lanes' fastest index (a warp
+// reads whole pixels, or 512 contiguous bytes of one), by 256 >> log_cgs
+// position groups.  As on the pixel path a thread's positions come in K
+// slots of P = W / sizeof(T) positions, slot k of position group g at
+// Q0 + (k * (256 >> log_cgs) + g) * P, so that lanes of one channel group
+// write consecutive units of a plane; W is 16 bytes when the logical side is
+// 16-byte aligned, else 4 (8 for 8-byte elements), else the thread goes
+// element by element.  Grid: x along the run, y over tiles of channel
+// groups, z over lines; all three loop.
+
+#ifdef GPUCKPT_BREAK_PX_SLOTS
+#define GK_MT_LANE(t) ((t) / 2)  // broken: pairs of threads collide
+#else
+#define GK_MT_LANE(t) (t)
+#endif
+
+template <typename T>
+__device__ __forceinline__ constexpr int gk_mt_positions() {
+  return sizeof(T) == 1 ? 16 : 8;
+}
+
+// Element by element: k_n slots of p_n positions (slot k at q0 + k*stride),
+// the U channels from ch0.
+template <typename T, bool TO_CF>
+__device__ __forceinline__ void gk_mt_elements(
+    const T* __restrict__ src, T* __restrict__ dst, gk_index cl_line,
+    gk_index cf_line, gk_index cl_qs, gk_index cf_cs, gk_index run_len,
+    gk_index q0, gk_index stride, int k_n, int p_n, gk_index ch0) {
+  (void)run_len;  // unused in the GPUCKPT_BREAK_BOUNDS variant
+  constexpr int U = 16 / (int)sizeof(T);
+#pragma unroll 1
+  for (int k = 0; k < k_n; ++k) {
+#pragma unroll 1
+    for (int j = 0; j < p_n; ++j) {
+      const gk_index q = q0 + (gk_index)k * stride + j;
+      if (!GK_PX_FULL(q, 1)) return;  // the rest lies further along the run
+      T v[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+        v[u] = TO_CF ? src[cl_line + q * cl_qs + ch0 + u]
+                     : src[cf_line + (ch0 + u) * cf_cs + q];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        if (TO_CF)
+          dst[cf_line + (ch0 + u) * cf_cs + q] = v[u];
+        else
+          dst[cl_line + q * cl_qs + ch0 + u] = v[u];
+      }
+    }
+  }
+}
+
+// The first k_full slots of one thread's micro-tile, unit W.  cl_px is the
+// element offset of the channel group at position q0, cf_pl that of its
+// first plane at q0; slots are `stride` positions apart.
+template <typename T, int W, bool TO_CF>
+__device__ __forceinline__ void gk_mt_slots(const T* __restrict__ src,
+                                            T* __restrict__ dst,
+                                            gk_index cl_px, gk_index cl_qs,
+                                            gk_index cf_pl, gk_index cf_cs,
+                                            gk_index stride, int k_full) {
+  constexpr int ES = (int)sizeof(T);
+  constexpr int U = 16 / ES;                   // channels per group
+  constexpr int M = gk_mt_positions<T>();      // positions per thread
+  constexpr int P = W / ES;                    // positions per slot
+  constexpr int K = M / P;                     // slots
+  constexpr int UW = W / 4;                    // words per logical unit
+  // Position m = k*P + j, channel u: byte m*16 + u*ES (channels-last
+  // order) on the way in to logical order, byte u*M*ES + m*ES (logical
+  // order) on the way in to channels-last.
+  unsigned int r[4 * M];
+#pragma unroll
+  for (int i = 0; i < 4 * M; ++i) r[i] = 0u;
+  if (TO_CF) {
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      if (m / P >= k_full) break;
+      gk_ld_unit<16>(
+          (const unsigned char*)(src + cl_px +
+                                 ((gk_index)(m / P) * stride + m % P) * cl_qs),
+          r, 4 * m);
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+#pragma unroll
+      for (int k = 0; k < K; ++k) {
+        if (k >= k_full) break;
+        unsigned int pc[UW];
+#pragma unroll
+        for (int i = 0; i < UW; ++i) pc[i] = 0u;
+#pragma unroll
+        for (int j = 0; j < P; ++j)
+          gk_mv<ES>(r, (k * P + j) * 16 + u * ES, pc, j * ES);
+        gk_st_unit<W>(
+            (unsigned char*)(dst + cf_pl + u * cf_cs + (gk_index)k * stride),
+            pc, 0);
+      }
+    }
+  } else {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+#pragma unroll
+      for (int k = 0; k < K; ++k) {
+        if (k >= k_full) break;
+        gk_ld_unit<W>((const unsigned char*)(src + cf_pl + u * cf_cs +
+                                             (gk_index)k * stride),
+                      r, (u * M * ES + k * W) / 4);
+      }
+    }
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      if (m / P >= k_full) break;
+      unsigned int pc[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) pc[i] = 0u;
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+        gk_mv<ES>(r, u * M * ES + m * ES, pc, u * ES);
+      gk_st_unit<16>(
+          (unsigned char*)(dst + cl_px +
+                           ((gk_index)(m / P) * stride + m % P) * cl_qs),
+          pc, 0);
+    }
+  }
+}
+
+// One thread's micro-tile for unit W: the full slots through the registers.
+// Returns the first position of the slot that runs past the end of the
+// line, for the caller to copy element by element, or -1.
+template <typename T, int W, bool TO_CF>
+__device__ __forceinline__ gk_index gk_mt_thread(
+    const T* __restrict__ src, T* __restrict__ dst, gk_index cl_px,
+    gk_index cl_qs, gk_index cf_pl, gk_index cf_cs, gk_index run_len,
+    gk_index q0, gk_index stride) {
+  constexpr int P = W / (int)sizeof(T);
+  constexpr int K = gk_mt_positions<T>() / P;
+  int k_full = 0;  // slots lie in increasing positions: a prefix is full
+#pragma unroll
+  for (int k = 0; k < K; ++k)
+    if (GK_PX_FULL(q0 + (gk_index)k * stride, P)) k_full = k + 1;
+  if (k_full > 0)
+    gk_mt_slots<T, W, TO_CF>(src, dst, cl_px + q0 * cl_qs, cl_qs, cf_pl + q0,
+                             cf_cs, stride, k_full);
+  const gk_index q = q0 + (gk_index)k_full * stride;
+  return k_full < K && q < run_len ? q : (gk_index)-1;
+}
+
+// TO_CF = true: src channels-last, dst logical; false: the reverse.  The
+// parameters are those of the tiled path (GK_PARAMS); cl_base includes the
+// box's first channel, nch is a multiple of U, and the first int is log2 of
+// the channel groups per block (the second is unused).
+template <typename T, bool TO_CF>
+__device__ __forceinline__ void gk_mt_copy(
+    const T* __restrict__ src, T* __restrict__ dst, long long cl_base,
+    long long nlines, long long l1, long long l2, long long cl_s0,
+    long long cl_s1, long long cl_s2, long long cf_s0, long long cf_s1,
+    long long cf_s2, long long run_len_arg, long long cl_qs_arg,
+    long long nch_arg, long long cf_cs_arg, int log_cgs, int unused) {
+  (void)unused;
+  constexpr int ES = (int)sizeof(T);
+  constexpr int U = 16 / ES;
+  constexpr int M = gk_mt_positions<T>();
+  constexpr int WN = ES == 8 ? 8 : 4;  // the narrower logical unit
+  const gk_index run_len = run_len_arg;
+  const gk_index cl_qs = cl_qs_arg;
+  const gk_index cf_cs = cf_cs_arg;
+  const T* cl_ptr = TO_CF ? src : (const T*)dst;
+  const T* cf_ptr = TO_CF ? (const T*)dst : src;
+  const unsigned long long cl_bits =
+      (unsigned long long)cl_ptr |
+      (unsigned long long)((cl_base | cl_s0 | cl_s1 | cl_s2 | cl_qs_arg) * ES);
+  const unsigned long long cf_bits =
+      (unsigned long long)cf_ptr |
+      (unsigned long long)((cf_s0 | cf_s1 | cf_s2 | cf_cs_arg) * ES);
+#ifdef GPUCKPT_BREAK_ALIGN
+  const int w = 16;  // broken: assumes 16-byte alignment
+  (void)cl_bits;
+  (void)cf_bits;
+#else
+  const int w = (cl_bits & 15ULL) != 0ULL                       ? 0
+                : (cf_bits & 15ULL) == 0ULL                     ? 16
+                : (cf_bits & (unsigned long long)(WN - 1)) == 0 ? WN
+                                                                : 0;
+#endif
+  const int lane = GK_MT_LANE((int)threadIdx.x);
+  const int cgs = 1 << log_cgs;
+  const int pgs = GK_THREADS >> log_cgs;
+  const int cg_lane = lane & (cgs - 1);
+  const int pg = lane >> log_cgs;
+  const gk_index ncg = nch_arg / U;
+  const gk_index per_block = (gk_index)pgs * M;  // positions
+  for (gk_index line = blockIdx.z; line < nlines; line += gridDim.z) {
+    gk_index rest, a0, a1, a2;
+    gk_divmod(line, (gk_index)l2, rest, a2);
+    gk_divmod(rest, (gk_index)l1, a0, a1);
+    const gk_index cl_line = (gk_index)cl_base + a0 * (gk_index)cl_s0 +
+                             a1 * (gk_index)cl_s1 + a2 * (gk_index)cl_s2;
+    const gk_index cf_line =
+        a0 * (gk_index)cf_s0 + a1 * (gk_index)cf_s1 + a2 * (gk_index)cf_s2;
+    for (gk_index ct = blockIdx.y; ct * cgs < ncg; ct += gridDim.y) {
+      const gk_index cg = ct * cgs + cg_lane;
+      if (cg >= ncg) continue;  // no barrier: idle lanes may leave
+      const gk_index ch0 = cg * U;
+      const gk_index cl_px = cl_line + ch0;
+      const gk_index cf_pl = cf_line + ch0 * cf_cs;
+      for (gk_index q_blk = (gk_index)blockIdx.x * per_block; q_blk < run_len;
+           q_blk += (gk_index)gridDim.x * per_block) {
+        gk_index eq;
+        int ek, ep;
+        gk_index es;
+        if (w == 16) {
+          constexpr int P = 16 / ES;
+          es = (gk_index)pgs * P;
+          eq = gk_mt_thread<T, 16, TO_CF>(src, dst, cl_px, cl_qs, cf_pl, cf_cs,
+                                          run_len, q_blk + (gk_index)pg * P,
+                                          es);
+          ek = 1;
+          ep = P;
+        } else if (w == WN) {
+          constexpr int P = WN / ES;
+          es = (gk_index)pgs * P;
+          eq = gk_mt_thread<T, WN, TO_CF>(src, dst, cl_px, cl_qs, cf_pl, cf_cs,
+                                          run_len, q_blk + (gk_index)pg * P,
+                                          es);
+          ek = 1;
+          ep = P;
+        } else {
+          es = pgs;
+          eq = q_blk + pg;
+          ek = M;
+          ep = 1;
+        }
+        if (eq >= 0)
+          gk_mt_elements<T, TO_CF>(src, dst, cl_line, cf_line, cl_qs, cf_cs,
+                                   run_len, eq, es, ek, ep, ch0);
+      }
+    }
+  }
+}
+
 // Kernel parameters after the two pointers; the host planner fills them in
 // this order.
 #define GK_PARAMS                                                           \
@@ -823,15 +1075,19 @@ __device__ __forceinline__ void gk_px_copy(
   }
 
 // Which entry points a build defines; everything by default.  The loader
-// compiles the tiled kernels and the pixel kernels of each element size as
-// separate modules, each on first use (-DGK_BUILD_TILED=0/1,
-// -DGK_BUILD_PX_SIZES=<mask of element sizes>); the tests' deliberately
-// broken builds compile only what they break.
+// compiles the tiled kernels, the micro-tile kernels and the pixel kernels of
+// each element size as separate modules, each on first use
+// (-DGK_BUILD_TILED=0/1, -DGK_BUILD_MICRO=0/1, -DGK_BUILD_PX_SIZES=<mask of
+// element sizes>); the tests' deliberately broken builds compile only what
+// they break.
 #ifndef GK_BUILD_TILED
 #define GK_BUILD_TILED 1
 #endif
 #ifndef GK_BUILD_PX_SIZES
 #define GK_BUILD_PX_SIZES 15  // 1 | 2 | 4 | 8
+#endif
+#ifndef GK_BUILD_MICRO
+#define GK_BUILD_MICRO 1
 #endif
 
 #if GK_BUILD_TILED
@@ -883,4 +1139,25 @@ GK_PX_DEFINE_ALL(4, unsigned int)
 #endif
 #if GK_BUILD_PX_SIZES & 8
 GK_PX_DEFINE_ALL(8, unsigned long long)
+#endif
+
+// The micro-tile path, per element size.  Two resident blocks per SM: up to
+// 128 registers for the 256-byte micro-tiles of 1-byte elements.
+#define GK_MT_DEFINE(ES, T)                                                 \
+  extern "C" __global__ void __launch_bounds__(GK_THREADS, 2)               \
+      gpuckpt_mt_cl_to_cf_##ES(const T* __restrict__ cl, T* __restrict__ cf, \
+                               GK_PARAMS) {                                 \
+    gk_mt_copy<T, true>(cl, cf, GK_ARGS);                                   \
+  }                                                                         \
+  extern "C" __global__ void __launch_bounds__(GK_THREADS, 2)               \
+      gpuckpt_mt_cf_to_cl_##ES(const T* __restrict__ cf, T* __restrict__ cl, \
+                               GK_PARAMS) {                                 \
+    gk_mt_copy<T, false>(cf, cl, GK_ARGS);                                  \
+  }
+
+#if GK_BUILD_MICRO
+GK_MT_DEFINE(1, unsigned char)
+GK_MT_DEFINE(2, unsigned short)
+GK_MT_DEFINE(4, unsigned int)
+GK_MT_DEFINE(8, unsigned long long)
 #endif

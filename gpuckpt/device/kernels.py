@@ -11,11 +11,14 @@ checkout and in ``gpuckpt/_kernels/`` of an installed wheel.  It is compiled
 at run time through CuPy (NVRTC), lazily on first use and once per device;
 importing this module never imports CuPy.
 
-Two kernel paths do the work: a tiled transpose through shared memory for
-many channels, and a pixel path for few (C = 1..8) in which each thread
-moves whole pixels with vector loads and stores.  :func:`choose_path` picks
-one by shape; the choice and the whole launch plan are made once per layout
-and box and cached, so that a launch costs little more than the kernel call.
+Three kernel paths do the work, each thread transposing in registers where
+it can: a pixel path for few channels (C = 1..8), in which each thread moves
+whole pixels with vector loads and stores; a micro-tile path for many
+channels in 16-byte groups, in which each thread moves a 16-byte wide block
+of channels by a few positions; and a tiled transpose through shared memory
+for every other shape.  :func:`choose_path` picks one by shape; the choice
+and the whole launch plan are made once per layout and box and cached, so
+that a launch costs little more than the kernel call.
 
 Everything here except :func:`load_module` and the two copy functions is pure
 Python, shared with the NumPy reference implementation
@@ -51,6 +54,7 @@ __all__ = [
     "kernel_source_dir",
     "load_module",
     "normalize_box",
+    "micro_positions_per_thread",
     "pixel_positions_per_thread",
     "plan_box_copy",
 ]
@@ -78,7 +82,10 @@ SUPPORTED_ITEMSIZES = (1, 2, 4, 8)
 PIXEL_MAX_CHANNELS = 8
 
 #: The kernel paths (see :func:`choose_path`).
-PATHS = ("tiled", "pixel")
+PATHS = ("tiled", "pixel", "micro")
+
+#: Bytes of channels one micro-tile spans (``16 / itemsize`` channels).
+MICRO_GROUP_BYTES = 16
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]
 
@@ -140,14 +147,15 @@ def module_part_options(part: str | None) -> tuple[str, ...]:
     Parameters
     ----------
     part : str or None
-        ``"tiled"`` (the tiled kernels of every element size), ``"px1"``,
-        ``"px2"``, ``"px4"`` or ``"px8"`` (the pixel kernels of one element
-        size), or None for everything.
+        ``"tiled"`` or ``"micro"`` (those kernels for every element size),
+        ``"px1"``, ``"px2"``, ``"px4"`` or ``"px8"`` (the pixel kernels of
+        one element size), or None for everything.
 
     Returns
     -------
     tuple of str
-        ``-D`` options (``GK_BUILD_TILED``, ``GK_BUILD_PX_SIZES``).
+        ``-D`` options (``GK_BUILD_TILED``, ``GK_BUILD_MICRO``,
+        ``GK_BUILD_PX_SIZES``).
 
     Raises
     ------
@@ -157,10 +165,14 @@ def module_part_options(part: str | None) -> tuple[str, ...]:
     if part is None:
         return ()
     if part == "tiled":
-        return ("-DGK_BUILD_TILED=1", "-DGK_BUILD_PX_SIZES=0")
+        return ("-DGK_BUILD_TILED=1", "-DGK_BUILD_MICRO=0", "-DGK_BUILD_PX_SIZES=0")
+    if part == "micro":
+        return ("-DGK_BUILD_TILED=0", "-DGK_BUILD_MICRO=1", "-DGK_BUILD_PX_SIZES=0")
     if part.startswith("px") and part[2:] in {str(es) for es in SUPPORTED_ITEMSIZES}:
-        return ("-DGK_BUILD_TILED=0", f"-DGK_BUILD_PX_SIZES={part[2:]}")
-    raise ValueError(f"kernel module part {part!r} is not one of 'tiled', 'px1', 'px2', 'px4', 'px8' or None")
+        return ("-DGK_BUILD_TILED=0", "-DGK_BUILD_MICRO=0", f"-DGK_BUILD_PX_SIZES={part[2:]}")
+    raise ValueError(
+        f"kernel module part {part!r} is not one of 'tiled', 'micro', 'px1', 'px2', 'px4', 'px8' or None"
+    )
 
 
 def load_module(device_id: int | None = None, *, options: Sequence[str] = (), part: str | None = None) -> Any:
@@ -458,7 +470,9 @@ def _prod(values: Sequence[int]) -> int:
     return out
 
 
-def choose_path(shape: Sequence[int], sizes: Sequence[int], itemsize: int) -> str:
+def choose_path(
+    shape: Sequence[int], sizes: Sequence[int], itemsize: int, offsets: Sequence[int] | None = None
+) -> str:
     """Pick the kernel path for a box copy, by shape.
 
     Parameters
@@ -469,6 +483,8 @@ def choose_path(shape: Sequence[int], sizes: Sequence[int], itemsize: int) -> st
         Box sizes (the whole tensor: ``shape``).
     itemsize : int
         Element size in bytes: 1, 2, 4 or 8.
+    offsets : sequence of int, optional
+        Box offsets (the whole tensor when omitted).
 
     Returns
     -------
@@ -476,21 +492,59 @@ def choose_path(shape: Sequence[int], sizes: Sequence[int], itemsize: int) -> st
         ``"pixel"`` when the tensor has 1 to :data:`PIXEL_MAX_CHANNELS`
         channels: each thread moves whole pixels with vector accesses on
         both sides (a box with some of the channels still reads whole
-        pixels); ``"tiled"`` otherwise, the shared-memory transpose, whose
-        tiles are wide enough in C only for many channels.
+        pixels).  ``"micro"`` when the box's channels come in whole 16-byte
+        groups (the tensor's channels, the box's first channel and its
+        channel count: multiples of ``16 / itemsize``) and its planes are
+        4-byte aligned in the logical block: each thread moves a micro-tile
+        of one such group by a few positions.  ``"tiled"`` otherwise, the
+        shared-memory transpose.
 
     Notes
     -----
     Pure and cheap; the launch plan that holds its answer is cached per
     layout and box (see :func:`plan_box_copy`), so it runs once per layout.
-    Every box size is served by both paths: the choice is about speed only.
+    Every box is served by every path that accepts it: the choice is about
+    speed only.
     """
     _check_ndim(shape, "shape")
     if itemsize not in SUPPORTED_ITEMSIZES:
         raise TypeError(f"element size {itemsize} is not one of {SUPPORTED_ITEMSIZES}")
-    if len(sizes) != len(shape):
+    if len(sizes) != len(shape) or (offsets is not None and len(offsets) != len(shape)):
         raise ValueError(f"box sizes {tuple(sizes)} do not match the rank of shape {tuple(shape)}")
-    return "pixel" if 1 <= int(shape[1]) <= PIXEL_MAX_CHANNELS else "tiled"
+    channels = int(shape[1])
+    if 1 <= channels <= PIXEL_MAX_CHANNELS:
+        return "pixel"
+    c0 = 0 if offsets is None else int(offsets[1])
+    if (
+        all(v * itemsize % MICRO_GROUP_BYTES == 0 for v in (channels, c0, int(sizes[1])))
+        and int(sizes[1]) > 0
+        and _logical_strides_aligned(sizes, itemsize, 4)
+    ):
+        return "micro"
+    return "tiled"
+
+
+def _logical_strides_aligned(sizes: Sequence[int], itemsize: int, align: int) -> bool:
+    """The logical block's plane stride and spatial strides (the products of
+    the sizes after each spatial dimension) are multiples of ``align`` bytes,
+    so that every plane of every line starts on such a boundary."""
+    return all(_prod(sizes[d:]) * itemsize % align == 0 for d in range(3, len(sizes))) and (
+        _prod(sizes[2:]) * itemsize % align == 0
+    )
+
+
+def micro_positions_per_thread(itemsize: int) -> int:
+    """Spatial positions of one micro-tile: 16 for 1-byte elements, 8 for
+    the others (256 or 128 bytes per thread).  Must match
+    ``gk_mt_positions`` in the CUDA source."""
+    return 16 if itemsize == 1 else 8
+
+
+def micro_groups_log2(nch: int, itemsize: int) -> int:
+    """log2 of the channel groups per block of the micro-tile path: the
+    largest power of two up to 32 and up to the box's groups."""
+    groups = max(1, nch * itemsize // MICRO_GROUP_BYTES)
+    return min(5, groups.bit_length() - 1)
 
 
 def pixel_positions_per_thread(channels: int, itemsize: int) -> int:
@@ -512,9 +566,10 @@ class BoxCopyPlan:
     All offsets and strides are in elements.  The box is ``nlines`` lines
     (outer dimensions, up to three, sizes ``(*, l1, l2)``) of ``run_len``
     spatial positions and ``nch`` channels.  ``path`` is ``"tiled"`` (tile
-    sides ``2**log_tc`` channels by ``2**log_tq`` positions) or ``"pixel"``
+    sides ``2**log_tc`` channels by ``2**log_tq`` positions), ``"pixel"``
     (``cl_base`` then points at channel 0 of the first pixel, the box starts
-    at channel ``c0``, and ``cl_qs`` is the tensor's channel count).
+    at channel ``c0``, and ``cl_qs`` is the tensor's channel count) or
+    ``"micro"`` (``2**log_tc`` groups of 16 bytes of channels per block).
     """
 
     itemsize: int
@@ -544,10 +599,15 @@ class BoxCopyPlan:
     def tiles(self) -> tuple[int, int, int]:
         """Work items along the grid's (x, y, z) before capping to it: tiles
         along (run, channels, lines) on the tiled path; blocks' spans of the
-        run and lines on the pixel path."""
+        run and lines on the pixel path; blocks' spans of the run, tiles of
+        channel groups and lines on the micro-tile path."""
         if self.path == "pixel":
             span = THREADS_PER_BLOCK * pixel_positions_per_thread(self.cl_qs, self.itemsize)
             return (-(-self.run_len // span), self.nlines, 1)
+        if self.path == "micro":
+            span = (THREADS_PER_BLOCK >> self.log_tc) * micro_positions_per_thread(self.itemsize)
+            groups = self.nch * self.itemsize // MICRO_GROUP_BYTES
+            return (-(-self.run_len // span), -(-groups >> self.log_tc), self.nlines)
         tq, tc = 1 << self.log_tq, 1 << self.log_tc
         return (-(-self.run_len // tq), -(-self.nch // tc), self.nlines)
 
@@ -555,13 +615,15 @@ class BoxCopyPlan:
     def module_part(self) -> str:
         """The part of the source (see :func:`module_part_options`) that
         holds this plan's kernels."""
-        return f"px{self.itemsize}" if self.path == "pixel" else "tiled"
+        return f"px{self.itemsize}" if self.path == "pixel" else self.path
 
     def kernel_name(self, to_channels_last: bool) -> str:
         """Name of the ``extern "C"`` entry point for this element size."""
         direction = "cf_to_cl" if to_channels_last else "cl_to_cf"
         if self.path == "pixel":
             return f"gpuckpt_px_{direction}_{self.itemsize}_{self.cl_qs}"
+        if self.path == "micro":
+            return f"gpuckpt_mt_{direction}_{self.itemsize}"
         return f"gpuckpt_{direction}_{self.itemsize}"
 
     def params(self) -> tuple[int, ...]:
@@ -582,7 +644,8 @@ class BoxCopyPlan:
     def int_params(self) -> tuple[int, int]:
         """The two ``int`` kernel parameters after :meth:`params`: the tile
         sides (log2) on the tiled path, the box's first channel on the pixel
-        path."""
+        path, log2 of the channel groups per block on the micro-tile path
+        (held in ``log_tc``)."""
         if self.path == "pixel":
             return (self.c0, 0)
         return (self.log_tc, self.log_tq)
@@ -612,8 +675,9 @@ def plan_box_copy(
         Largest grid to launch; the kernels loop over the rest.  Tests lower
         it to exercise those loops.
     path : str, optional
-        ``"tiled"`` or ``"pixel"``; :func:`choose_path` decides when omitted.
-        Tests force one to run every box through both paths.
+        ``"tiled"``, ``"pixel"`` or ``"micro"``; :func:`choose_path` decides
+        when omitted.  Tests force one to run boxes through every path that
+        accepts them.
 
     Returns
     -------
@@ -624,12 +688,20 @@ def plan_box_copy(
     if itemsize not in SUPPORTED_ITEMSIZES:
         raise TypeError(f"element size {itemsize} is not one of {SUPPORTED_ITEMSIZES}")
     if path is None:
-        path = choose_path(shape, sizes, itemsize)
+        path = choose_path(shape, sizes, itemsize, offsets)
     elif path not in PATHS:
         raise ValueError(f"kernel path {path!r} is not one of {PATHS}")
     elif path == "pixel" and not 1 <= shape[1] <= PIXEL_MAX_CHANNELS:
         raise ValueError(
             f"the pixel path serves 1 to {PIXEL_MAX_CHANNELS} channels; shape {tuple(shape)} has {shape[1]}"
+        )
+    elif path == "micro" and any(
+        v * itemsize % MICRO_GROUP_BYTES for v in (int(shape[1]), int(offsets[1]), int(sizes[1]))
+    ):
+        raise ValueError(
+            f"the micro-tile path needs whole {MICRO_GROUP_BYTES}-byte groups of channels; shape "
+            f"{tuple(shape)} with box channels [{offsets[1]}, {offsets[1] + sizes[1]}) of {itemsize}-byte "
+            "elements has none"
         )
     ndim = len(shape)
     # Canonical element strides: a size-1 dimension is only ever indexed at 0,
@@ -662,6 +734,16 @@ def plan_box_copy(
         work = (-(-run_len // span), nlines, 1)
         log_tc = log_tq = 0
         c0 = int(offsets[1])
+    elif path == "micro":
+        # cl_base includes the first channel (16-byte aligned); the kernel
+        # gets log2 of the channel groups per block in the first int.
+        cl_base = sum(int(o) * s for o, s in zip(offsets, cl_st, strict=True))
+        log_cgs = micro_groups_log2(nch, itemsize)
+        span = (THREADS_PER_BLOCK >> log_cgs) * micro_positions_per_thread(itemsize)
+        ngroups = nch * itemsize // MICRO_GROUP_BYTES
+        work = (-(-run_len // span), -(-ngroups >> log_cgs), nlines)
+        log_tc, log_tq = log_cgs, 0
+        c0 = 0
     else:
         cl_base = sum(int(o) * s for o, s in zip(offsets, cl_st, strict=True))
         tile = TILE_ELEMS[itemsize]

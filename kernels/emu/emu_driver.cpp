@@ -51,6 +51,16 @@ GK_EMU_WRAP(gpuckpt_cf_to_cl_4, unsigned int)
 GK_EMU_WRAP(gpuckpt_cl_to_cf_8, unsigned long long)
 GK_EMU_WRAP(gpuckpt_cf_to_cl_8, unsigned long long)
 #endif
+#if GK_BUILD_MICRO
+GK_EMU_WRAP(gpuckpt_mt_cl_to_cf_1, unsigned char)
+GK_EMU_WRAP(gpuckpt_mt_cf_to_cl_1, unsigned char)
+GK_EMU_WRAP(gpuckpt_mt_cl_to_cf_2, unsigned short)
+GK_EMU_WRAP(gpuckpt_mt_cf_to_cl_2, unsigned short)
+GK_EMU_WRAP(gpuckpt_mt_cl_to_cf_4, unsigned int)
+GK_EMU_WRAP(gpuckpt_mt_cf_to_cl_4, unsigned int)
+GK_EMU_WRAP(gpuckpt_mt_cl_to_cf_8, unsigned long long)
+GK_EMU_WRAP(gpuckpt_mt_cf_to_cl_8, unsigned long long)
+#endif
 #if GK_BUILD_PX_SIZES & 1
 GK_EMU_WRAP_PX_ALL(1, unsigned char)
 #endif
@@ -90,6 +100,12 @@ const Entry kKernels[] = {
     GK_EMU_ENTRY(gpuckpt_cl_to_cf_2) GK_EMU_ENTRY(gpuckpt_cf_to_cl_2)
     GK_EMU_ENTRY(gpuckpt_cl_to_cf_4) GK_EMU_ENTRY(gpuckpt_cf_to_cl_4)
     GK_EMU_ENTRY(gpuckpt_cl_to_cf_8) GK_EMU_ENTRY(gpuckpt_cf_to_cl_8)
+#endif
+#if GK_BUILD_MICRO
+    GK_EMU_ENTRY(gpuckpt_mt_cl_to_cf_1) GK_EMU_ENTRY(gpuckpt_mt_cf_to_cl_1)
+    GK_EMU_ENTRY(gpuckpt_mt_cl_to_cf_2) GK_EMU_ENTRY(gpuckpt_mt_cf_to_cl_2)
+    GK_EMU_ENTRY(gpuckpt_mt_cl_to_cf_4) GK_EMU_ENTRY(gpuckpt_mt_cf_to_cl_4)
+    GK_EMU_ENTRY(gpuckpt_mt_cl_to_cf_8) GK_EMU_ENTRY(gpuckpt_mt_cf_to_cl_8)
 #endif
 #if GK_BUILD_PX_SIZES & 1
     GK_EMU_ENTRY_PX_ALL(1)

@@ -32,6 +32,7 @@ from gpuckpt.device.kernels import (  # noqa: E402
     THREADS_PER_BLOCK,
     BoxCopyPlan,
     kernel_source_dir,
+    micro_positions_per_thread,
     normalize_box,
     pixel_positions_per_thread,
     plan_box_copy,
@@ -67,10 +68,10 @@ class Variant:
 
 
 # Builds that break something compile only the kernels the break is about
-# (GK_BUILD_* in channels_last.cu): the pixel path has no barrier, the tiled
-# path no slots; that keeps the builds short.
-TILED_ONLY = ("GK_BUILD_PX_SIZES=0",)
-PIXEL_ONLY = ("GK_BUILD_TILED=0",)
+# (GK_BUILD_* in channels_last.cu): the pixel and micro-tile paths have no
+# barrier, the tiled path no slots; that keeps the builds short.
+TILED_ONLY = ("GK_BUILD_PX_SIZES=0", "GK_BUILD_MICRO=0")
+PIXEL_ONLY = ("GK_BUILD_TILED=0",)  # and the micro-tile kernels
 
 PLAIN = Variant("plain")
 BROKEN_SYNC = Variant("break_sync", ("GPUCKPT_BREAK_SYNC", *TILED_ONLY))
@@ -409,13 +410,24 @@ def block_regions(plan: BoxCopyPlan, block: int) -> list[tuple[int, int, int, in
         span = THREADS_PER_BLOCK * pixel_positions_per_thread(plan.cl_qs, plan.itemsize)
         q0 = bx * span
         return [(by, q0, min(q0 + span, plan.run_len), 0, plan.nch)]
+    if plan.path == "micro":
+        span = (THREADS_PER_BLOCK >> plan.log_tc) * micro_positions_per_thread(plan.itemsize)
+        chans = (16 // plan.itemsize) << plan.log_tc
+        q0, c0 = bx * span, by * chans
+        return [(bz, q0, min(q0 + span, plan.run_len), c0, min(c0 + chans, plan.nch))]
     tq, tc = 1 << plan.log_tq, 1 << plan.log_tc
     q0, c0 = bx * tq, by * tc
     return [(bz, q0, min(q0 + tq, plan.run_len), c0, min(c0 + tc, plan.nch))]
 
 
 def check_huge_tail(
-    lib: EmuLibrary, shape: tuple[int, ...], itemsize: int, *, to_channels_last: bool, nblocks: int
+    lib: EmuLibrary,
+    shape: tuple[int, ...],
+    itemsize: int,
+    *,
+    to_channels_last: bool,
+    nblocks: int,
+    path: str | None = None,
 ) -> int:
     """Run the last ``nblocks`` blocks of a whole-tensor copy of a huge tensor.
 
@@ -423,7 +435,7 @@ def check_huge_tail(
     touch ever get memory.  Returns the largest element offset checked.
     """
     n = int(np.prod(shape))
-    plan = plan_box_copy(shape, (0,) * len(shape), shape, itemsize)
+    plan = plan_box_copy(shape, (0,) * len(shape), shape, itemsize, path=path)
     total = plan.grid[0] * plan.grid[1] * plan.grid[2]
     dtype = UINT[itemsize]
     cl_buf, cf_buf = _virtual_buffer(n * itemsize), _virtual_buffer(n * itemsize)

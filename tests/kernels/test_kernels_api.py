@@ -246,10 +246,52 @@ def test_choose_path_by_channel_count(itemsize: int) -> None:
             # boxes (chunks: a batch range, a channel slab, a row range) too
             box = (1, max(1, channels // 2), *shape[2:])
             assert K.choose_path(shape, box, itemsize) == "pixel"
-    for channels in (9, 16, 64, 256, 2048):
+    for channels in (9, 17, 33, 65):  # odd: never whole 16-byte groups of channels
         shape = (8, channels, 14, 14)
         assert K.choose_path(shape, shape, itemsize) == "tiled"
     assert K.choose_path((1, 0, 4, 4), (1, 0, 4, 4), itemsize) == "tiled"  # empty: either serves
+
+
+@pytest.mark.parametrize("itemsize", K.SUPPORTED_ITEMSIZES)
+def test_choose_micro_for_whole_channel_groups(itemsize: int) -> None:
+    group = 16 // itemsize  # channels per 16 bytes
+    for channels in (64, 256, 2048):
+        shape = (8, channels, 28, 28)  # planes of 784 elements: 4-byte aligned
+        assert K.choose_path(shape, shape, itemsize) == "micro"
+        # channel slabs on group boundaries, or not
+        slab = (8, 2 * group, 28, 28)
+        assert K.choose_path(shape, slab, itemsize, (0, group, 0, 0)) == "micro"
+        assert K.choose_path(shape, (8, group + 1, 28, 28), itemsize, (0, 0, 0, 0)) == "tiled"
+        if group > 1:
+            assert K.choose_path(shape, slab, itemsize, (0, 1, 0, 0)) == "tiled"
+    # odd planes of 1- and 2-byte elements cannot take 4-byte units: tiled
+    odd = (8, 64, 7, 7)
+    assert K.choose_path(odd, odd, itemsize) == ("tiled" if itemsize < 4 else "micro")
+    # the tensor's channel count must be whole groups too (pixel stride)
+    if itemsize < 8:
+        shape = (8, 16 + 16 // itemsize // 2, 4, 4)
+        if shape[1] * itemsize % 16:
+            assert K.choose_path(shape, shape, itemsize) == "tiled"
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(box_cases)
+def test_micro_plan_invariants(case: tuple) -> None:
+    shape, (offsets, sizes), itemsize = case
+    if K.choose_path(shape, sizes, itemsize, offsets) != "micro":
+        return
+    plan = K.plan_box_copy(shape, offsets, sizes, itemsize)
+    assert plan.path == "micro" and plan.module_part == "micro"
+    assert plan.kernel_name(False) == f"gpuckpt_mt_cl_to_cf_{itemsize}"
+    groups = sizes[1] * itemsize // 16
+    assert 1 << plan.log_tc <= min(32, groups) < 2 << plan.log_tc
+    assert plan.int_params() == (plan.log_tc, 0)
+    assert all(1 <= g <= m for g, m in zip(plan.grid, K.MAX_GRID, strict=True))
+    if not plan.empty:
+        assert plan.nlines * plan.run_len * plan.nch == int(np.prod(sizes))
+        span = (K.THREADS_PER_BLOCK >> plan.log_tc) * K.micro_positions_per_thread(itemsize)
+        assert plan.tiles == (-(-plan.run_len // span), -(-groups >> plan.log_tc), plan.nlines)
+        assert plan.cl_base * itemsize % 16 == 0  # the first channel group is 16-byte aligned
 
 
 def test_choose_path_rejects_bad_arguments() -> None:
@@ -263,6 +305,15 @@ def test_choose_path_rejects_bad_arguments() -> None:
         K.plan_box_copy((1, 9, 2, 2), (0,) * 4, (1, 9, 2, 2), 4, path="pixel")
     with pytest.raises(ValueError, match="kernel path 'vector'"):
         K.plan_box_copy((1, 3, 2, 2), (0,) * 4, (1, 3, 2, 2), 4, path="vector")
+    with pytest.raises(ValueError, match=r"whole 16-byte groups of channels.*\[1, 17\)"):
+        K.plan_box_copy((1, 32, 2, 2), (0, 1, 0, 0), (1, 16, 2, 2), 1, path="micro")
+
+
+def test_micro_positions_match_source() -> None:
+    src = K.kernel_source()
+    assert "return sizeof(T) == 1 ? 16 : 8;" in src
+    assert [K.micro_positions_per_thread(es) for es in K.SUPPORTED_ITEMSIZES] == [16, 8, 8, 8]
+    assert [K.micro_groups_log2(n, 4) for n in (4, 8, 12, 64, 128, 4096)] == [0, 1, 1, 4, 5, 5]
 
 
 def test_pixel_positions_match_source() -> None:
@@ -291,7 +342,9 @@ def test_launch_plan_made_once_per_layout() -> None:
     back = K._prepared(a, None, True)
     assert back.name == "gpuckpt_px_cf_to_cl_2_3" and back.plan is not first.plan
     many = K._prepared(ref.empty_channels_last((2, 64, 8, 8), np.float32), None, False)
-    assert many.plan.path == "tiled" and many.name == "gpuckpt_cl_to_cf_4"
+    assert many.plan.path == "micro" and many.name == "gpuckpt_mt_cl_to_cf_4"
+    odd = K._prepared(ref.empty_channels_last((2, 33, 8, 8), np.float32), None, False)
+    assert odd.plan.path == "tiled" and odd.name == "gpuckpt_cl_to_cf_4"
     # the launch arguments: 14 int64 and 2 int32 (c0 for the pixel path)
     assert [type(v).__name__ for v in first.args] == ["int64"] * 14 + ["int32"] * 2
 
@@ -313,12 +366,25 @@ def test_block_check_fast_path_and_messages() -> None:
 
 def test_module_part_options() -> None:
     assert K.module_part_options(None) == ()
-    assert K.module_part_options("tiled") == ("-DGK_BUILD_TILED=1", "-DGK_BUILD_PX_SIZES=0")
-    assert K.module_part_options("px8") == ("-DGK_BUILD_TILED=0", "-DGK_BUILD_PX_SIZES=8")
+    assert K.module_part_options("tiled") == (
+        "-DGK_BUILD_TILED=1",
+        "-DGK_BUILD_MICRO=0",
+        "-DGK_BUILD_PX_SIZES=0",
+    )
+    assert K.module_part_options("micro") == (
+        "-DGK_BUILD_TILED=0",
+        "-DGK_BUILD_MICRO=1",
+        "-DGK_BUILD_PX_SIZES=0",
+    )
+    assert K.module_part_options("px8") == (
+        "-DGK_BUILD_TILED=0",
+        "-DGK_BUILD_MICRO=0",
+        "-DGK_BUILD_PX_SIZES=8",
+    )
     with pytest.raises(ValueError, match="'px3'"):
         K.module_part_options("px3")
     src = K.kernel_source()
-    assert "#if GK_BUILD_TILED" in src
+    assert "#if GK_BUILD_TILED" in src and "#if GK_BUILD_MICRO" in src
     for es in K.SUPPORTED_ITEMSIZES:
         assert f"#if GK_BUILD_PX_SIZES & {es}\nGK_PX_DEFINE_ALL({es}," in src
 
@@ -335,7 +401,7 @@ def test_plan_merges_full_spatial_dims() -> None:
 def test_plan_small_and_many_channels() -> None:
     few = K.plan_box_copy((1, 3, 256, 256), (0,) * 4, (1, 3, 256, 256), 4, path="tiled")
     assert (1 << few.log_tc, 1 << few.log_tq) == (4, 512)
-    many = K.plan_box_copy((1, 2048, 56, 56), (0,) * 4, (1, 2048, 56, 56), 4)
+    many = K.plan_box_copy((1, 2048, 56, 56), (0,) * 4, (1, 2048, 56, 56), 4, path="tiled")
     assert (1 << many.log_tc, 1 << many.log_tq) == (32, 64)
 
 

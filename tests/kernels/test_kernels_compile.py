@@ -25,7 +25,7 @@ def part_entry_points(part: str | None) -> set[str]:
     tiled = {f"gpuckpt_{d}_{es}" for d in DIRECTIONS for es in K.SUPPORTED_ITEMSIZES}
     if part is None:
         sizes: tuple[int, ...] = K.SUPPORTED_ITEMSIZES
-    elif part == "tiled":
+    elif part in ("tiled", "micro"):
         sizes = ()
     else:
         sizes = (int(part[2:]),)
@@ -35,7 +35,10 @@ def part_entry_points(part: str | None) -> set[str]:
         for es in sizes
         for c in range(1, K.PIXEL_MAX_CHANNELS + 1)
     }
-    return pixel | (tiled if part in (None, "tiled") else set())
+    micro = {f"gpuckpt_mt_{d}_{es}" for d in DIRECTIONS for es in K.SUPPORTED_ITEMSIZES}
+    return (
+        pixel | (tiled if part in (None, "tiled") else set()) | (micro if part in (None, "micro") else set())
+    )
 
 
 ENTRY_POINTS = part_entry_points(None)
@@ -48,7 +51,9 @@ def test_every_plan_names_an_entry_point() -> None:
             plan = K.plan_box_copy(shape, (0,) * 4, shape, itemsize)
             for to_cl in (False, True):
                 assert plan.kernel_name(to_cl) in part_entry_points(plan.module_part)
-    assert len(ENTRY_POINTS) == 2 * 4 + 2 * 4 * K.PIXEL_MAX_CHANNELS
+    assert len(ENTRY_POINTS) == 2 * 4 + 2 * 4 + 2 * 4 * K.PIXEL_MAX_CHANNELS
+    paths = {K.plan_box_copy(s, (0,) * 4, s, 4).path for s in [(1, c, 4, 4) for c in (1, 9, 64)]}
+    assert paths == set(K.PATHS)
 
 
 def check_ptxas_report(log: str, arch: str, entry_points: set[str] = ENTRY_POINTS) -> None:
@@ -217,7 +222,7 @@ def test_nvrtc_reports_errors(nvrtc_compile: Callable[[str, list[str]], tuple[bo
     assert not ok and "cstdio" in log
 
 
-@pytest.mark.parametrize("part", ["tiled", "px2"])
+@pytest.mark.parametrize("part", ["tiled", "micro", "px2"])
 def test_nvrtc_without_cupy_compiles_a_part(part: str) -> None:
     # CI may have the NVRTC wheel but no CuPy: the ctypes path must work too.
     # With the loader's options for one part, exactly that part's kernels.

@@ -55,6 +55,11 @@ def test_whole_tensor(
 ) -> None:
     for seed, order in enumerate(ORDERS):
         kernel_emu.check_case(emu_lib, shape, itemsize, None, to_channels_last=to_cl, order=order, seed=seed)
+    if K.choose_path(shape, shape, itemsize) == "micro":
+        # the tiled path serves these shapes too (interior tiles, words)
+        kernel_emu.check_case(
+            emu_lib, shape, itemsize, None, to_channels_last=to_cl, order="random", path="tiled"
+        )
 
 
 @pytest.mark.parametrize("to_cl", [False, True], ids=["to_contiguous", "to_channels_last"])
@@ -134,6 +139,68 @@ def test_pixel_long_runs_all_orders(emu_lib: kernel_emu.EmuLibrary, itemsize: in
                 )
 
 
+# ---- the micro-tile path: many channels in 16-byte groups ----------------------
+
+
+@pytest.mark.parametrize("itemsize", ITEMSIZES)
+def test_micro_sweep(emu_lib: kernel_emu.EmuLibrary, itemsize: int) -> None:
+    # Channel counts of 1 to 40 groups (one group is 16 bytes), planes
+    # 16-byte aligned (16-byte units), 4-byte aligned (the narrower unit)
+    # and odd (forced: element by element), buffers aligned or 16 bytes off
+    # (still 16-byte units) or one element off (element by element).
+    group = 16 // itemsize
+    cases = [
+        (1, 9 * group, 16, 16),
+        (2, 2 * group, 33, 35),
+        (1, 4 * group, 5, 12),
+        (3, group * 3, 7, 1, 8),
+        (1, 40 * group, 3, 5),
+        (2, 5 * group, 2, 3, 13),
+    ]
+    for i, shape in enumerate(cases):
+        if shape[1] <= K.PIXEL_MAX_CHANNELS:
+            continue  # the pixel path's
+        for to_cl in (False, True):
+            for misalign in (0, group, 1):
+                kernel_emu.check_case(
+                    emu_lib,
+                    shape,
+                    itemsize,
+                    None,
+                    to_channels_last=to_cl,
+                    order=ORDERS[(i + misalign) % 3],
+                    seed=i,
+                    misalign=misalign,
+                    path="micro",
+                )
+
+
+@pytest.mark.parametrize("itemsize", ITEMSIZES)
+def test_micro_boxes(emu_lib: kernel_emu.EmuLibrary, itemsize: int) -> None:
+    # Channel slabs on group boundaries, partial rows and columns, 5-D slabs.
+    g = 16 // itemsize
+    boxes = [
+        ((2, 4 * g, 9, 20), ((0, g, 0, 0), (2, 2 * g, 9, 20))),
+        ((2, 4 * g, 9, 20), ((1, 0, 2, 3), (1, 4 * g, 5, 16))),
+        ((1, 3 * g, 4, 6, 8), ((0, g, 1, 0, 0), (1, g, 2, 6, 8))),
+        ((2, 2 * g, 4, 6, 8), ((0, 0, 1, 2, 1), (2, 2 * g, 3, 3, 7))),
+    ]
+    for seed, (shape, box) in enumerate(boxes):
+        if shape[1] <= K.PIXEL_MAX_CHANNELS:
+            continue
+        for to_cl in (False, True):
+            kernel_emu.check_case(
+                emu_lib,
+                shape,
+                itemsize,
+                box,
+                to_channels_last=to_cl,
+                order=ORDERS[seed % 3],
+                seed=seed,
+                path="micro",
+            )
+
+
 BOXES = [
     ((2, 6, 5, 7), ((1, 1, 2, 3), (1, 4, 3, 4))),  # partial everywhere
     ((2, 6, 5, 7), ((0, 0, 2, 0), (2, 6, 3, 7))),  # rows of whole width merge
@@ -167,6 +234,10 @@ def test_boxes(
 ) -> None:
     for seed, order in enumerate(ORDERS):
         kernel_emu.check_case(emu_lib, shape, itemsize, box, to_channels_last=to_cl, order=order, seed=seed)
+    if K.choose_path(shape, box[1], itemsize, box[0]) == "micro":
+        kernel_emu.check_case(
+            emu_lib, shape, itemsize, box, to_channels_last=to_cl, order="random", path="tiled"
+        )
 
 
 @pytest.mark.parametrize("grid_limit", [(1, 1, 1), (2, 1, 3), (3, 2, 1)])
@@ -177,8 +248,9 @@ def test_boxes(
         ((3, 80, 4, 3, 45), ((0, 1, 1, 0, 0), (3, 70, 2, 2, 45))),
         ((3, 130, 2, 8, 16), ((0, 0, 0, 0, 0), (3, 130, 2, 8, 16))),  # interior and edge tiles
         ((3, 3, 100, 99), ((0, 0, 0, 0), (3, 3, 100, 99))),  # pixel path: blocks along the run, lines
+        ((2, 1040, 2, 5, 29), ((0, 16, 0, 0, 0), (2, 1024, 2, 5, 29))),  # micro-tile path, channel tiles
     ],
-    ids=["edge-tiles", "interior-tiles", "pixel"],
+    ids=["edge-tiles", "interior-tiles", "pixel", "micro"],
 )
 def test_grid_stride_loops(
     emu_lib: kernel_emu.EmuLibrary, grid_limit: tuple[int, int, int], to_cl: bool, shape: tuple, box: tuple
@@ -187,10 +259,7 @@ def test_grid_stride_loops(
     # spans of the run) in every grid dimension the path uses.
     for itemsize in ITEMSIZES:
         plan = K.plan_box_copy(shape, *box, itemsize)
-        if plan.path == "pixel":
-            assert plan.tiles[0] > 1 and plan.tiles[1] > 1
-        else:
-            assert plan.tiles[1] > 1 and plan.tiles[2] > 1
+        assert sum(t > 1 for t in plan.tiles) >= 2, plan.tiles
         for order in ORDERS:
             kernel_emu.check_case(
                 emu_lib,
@@ -293,14 +362,16 @@ def test_random_pixel_boxes(
 
 @pytest.mark.parametrize("path", K.PATHS)
 def test_outside_box_untouched(emu_lib: kernel_emu.EmuLibrary, path: str) -> None:
-    # Scatter into a box: every element outside it keeps its value.
-    dst = kernel_emu.random_channels_last((2, 6, 5, 7), 4, 1)
-    block = np.zeros((1, 4, 3, 4), np.uint32)
+    # Scatter into a box: every element outside it keeps its value (the
+    # micro-tile path needs whole groups of four 4-byte channels).
+    channels, c0, nch = (24, 4, 8) if path == "micro" else (6, 1, 4)
+    dst = kernel_emu.random_channels_last((2, channels, 5, 7), 4, 1)
+    block = np.zeros((1, nch, 3, 4), np.uint32)
     out = kernel_emu.emu_to_channels_last(
-        emu_lib, block, dst, ((1, 1, 2, 3), (1, 4, 3, 4)), order="random", path=path
+        emu_lib, block, dst, ((1, c0, 2, 3), (1, nch, 3, 4)), order="random", path=path
     )
     mask = np.ones(dst.shape, bool)
-    mask[1:2, 1:5, 2:5, 3:7] = False
+    mask[1:2, c0 : c0 + nch, 2:5, 3:7] = False
     assert np.array_equal(out[mask], dst[mask])
     assert not out[~mask].any()
 
@@ -313,13 +384,15 @@ def test_outside_box_untouched(emu_lib: kernel_emu.EmuLibrary, path: str) -> Non
 def test_missing_syncthreads_is_caught(emu_builds, order: str, to_cl: bool) -> None:
     lib = emu_builds.library(kernel_emu.BROKEN_SYNC)
     with pytest.raises(AssertionError, match="mismatch"):
-        kernel_emu.check_case(lib, (2, 64, 8, 8), 4, None, to_channels_last=to_cl, order=order, seed=5)
+        kernel_emu.check_case(
+            lib, (2, 64, 8, 8), 4, None, to_channels_last=to_cl, order=order, seed=5, path="tiled"
+        )
 
 
 def test_barrier_divergence_is_caught(emu_builds, capfd: pytest.CaptureFixture[str]) -> None:
     lib = emu_builds.library(kernel_emu.BROKEN_DIVERGENCE)
     with pytest.raises(kernel_emu.EmuError) as info:
-        kernel_emu.check_case(lib, (1, 16, 4, 4), 2, None, to_channels_last=False)
+        kernel_emu.check_case(lib, (1, 16, 4, 4), 2, None, to_channels_last=False, path="tiled")
     assert info.value.status == kernel_emu.EMU_BARRIER_DIVERGENCE
     assert "barrier divergence" in capfd.readouterr().err
 
@@ -345,20 +418,27 @@ def test_colliding_pixel_slots_are_caught(emu_builds, order: str, to_cl: bool) -
     lib = emu_builds.library(kernel_emu.BROKEN_PX_SLOTS)
     with pytest.raises(AssertionError, match="mismatch"):
         kernel_emu.check_case(lib, (2, 3, 40, 40), 4, None, to_channels_last=to_cl, order=order, seed=3)
+    with pytest.raises(AssertionError, match="mismatch"):  # the micro-tile path
+        kernel_emu.check_case(lib, (2, 64, 40, 40), 4, None, to_channels_last=to_cl, order=order, seed=3)
 
 
 def test_partial_builds_hold_only_their_kernels(emu_builds) -> None:
-    # GK_BUILD_*: the tiled-only build has no pixel kernel, the pixel-only
-    # build of 4-byte elements no tiled kernel and no other element size.
+    # GK_BUILD_*: the tiled-only build has no pixel or micro-tile kernel, the
+    # pixel-only build of 4-byte elements no tiled kernel and no other
+    # element size (it keeps the micro-tile kernels).
     tiled_only = emu_builds.library(kernel_emu.BROKEN_SYNC)
     pixel_only = emu_builds.library(kernel_emu.BROKEN_PX_SLOTS)
     src = np.zeros(4096, np.uint64)
     dst = np.zeros(4096, np.uint64)
     pixel = K.plan_box_copy((1, 3, 8, 8), (0,) * 4, (1, 3, 8, 8), 4)
-    tiled = K.plan_box_copy((1, 16, 8, 8), (0,) * 4, (1, 16, 8, 8), 4)
     pixel8 = K.plan_box_copy((1, 3, 8, 8), (0,) * 4, (1, 3, 8, 8), 8)
     args = (src.ctypes.data, dst.ctypes.data)
+    micro = K.plan_box_copy((1, 16, 8, 8), (0,) * 4, (1, 16, 8, 8), 4)
+    tiled = K.plan_box_copy((1, 16, 8, 8), (0,) * 4, (1, 16, 8, 8), 4, path="tiled")
+    assert micro.path == "micro"
     assert tiled_only.launch(pixel, False, *args) == kernel_emu.EMU_UNKNOWN_KERNEL
+    assert tiled_only.launch(micro, False, *args) == kernel_emu.EMU_UNKNOWN_KERNEL
+    assert pixel_only.launch(micro, False, *args) == kernel_emu.EMU_OK
     assert pixel_only.launch(tiled, False, *args) == kernel_emu.EMU_UNKNOWN_KERNEL
     assert pixel_only.launch(pixel8, False, *args) == kernel_emu.EMU_UNKNOWN_KERNEL
     assert tiled_only.launch(tiled, False, *args) == kernel_emu.EMU_OK

@@ -59,25 +59,55 @@ PIXEL_CASES = [
         "box": [[0, 1, 0, 2, 0], [2, 4, 4, 5, 10]],
     },
 ]
-SMALL_CASES = TILED_CASES + PIXEL_CASES
+MICRO_CASES = [
+    {"shape": [2, 64, 9, 16], "itemsize": 1, "to_channels_last": False, "order": "random"},
+    {"shape": [2, 32, 9, 15], "itemsize": 2, "to_channels_last": True, "order": "reverse"},
+    {"shape": [1, 48, 5, 7], "itemsize": 4, "to_channels_last": True, "misalign": 1},
+    {
+        "shape": [2, 8, 4, 6, 5],
+        "itemsize": 8,
+        "to_channels_last": False,
+        "box": [[0, 2, 1, 0, 0], [2, 4, 2, 6, 5]],
+        "path": "micro",
+    },
+]
+SMALL_CASES = TILED_CASES + PIXEL_CASES + MICRO_CASES
 # One block each (ThreadSanitizer runs one OS thread per CUDA thread): 16-byte
-# units, 4-byte units with a partial slot, some channels element by element.
+# units, 4-byte units with a partial slot, some channels element by element,
+# a micro-tile.
 TSAN_PIXEL_CASES = [
     {"shape": [1, 4, 16, 16], "itemsize": 4, "to_channels_last": False, "order": "random"},
     {"shape": [1, 3, 9, 20], "itemsize": 1, "to_channels_last": True, "misalign": 4},
     {"shape": [1, 3, 5, 9], "itemsize": 2, "to_channels_last": True, "box": [[0, 1, 0, 0], [1, 2, 5, 9]]},
+    {"shape": [1, 32, 4, 9], "itemsize": 4, "to_channels_last": True},  # the micro-tile path
 ]
 
-# 64 * 32768 * 1040 = 2_181_038_080 elements > 2**31 (tiled path), and
-# 3 * 32768 * 24000 = 2_359_296_000 (pixel path); 1 byte each, reserved but
-# never committed except where the last blocks touch it.
+# 64 * 32768 * 1040 = 2_181_038_080 elements > 2**31 (tiled and micro-tile
+# paths), and 3 * 32768 * 24000 = 2_359_296_000 (pixel path); 1 byte each,
+# reserved but never committed except where the last blocks touch it.
 HUGE_SHAPE = [1, 64, 32768, 1040]
 HUGE_PIXEL_SHAPE = [1, 3, 32768, 24000]
 HUGE_CASES = [
-    {"huge": True, "shape": HUGE_SHAPE, "itemsize": 1, "to_channels_last": False, "nblocks": 3},
-    {"huge": True, "shape": HUGE_SHAPE, "itemsize": 1, "to_channels_last": True, "nblocks": 3},
+    {
+        "huge": True,
+        "shape": HUGE_SHAPE,
+        "itemsize": 1,
+        "to_channels_last": False,
+        "nblocks": 3,
+        "path": "tiled",
+    },
+    {
+        "huge": True,
+        "shape": HUGE_SHAPE,
+        "itemsize": 1,
+        "to_channels_last": True,
+        "nblocks": 3,
+        "path": "tiled",
+    },
     {"huge": True, "shape": HUGE_PIXEL_SHAPE, "itemsize": 1, "to_channels_last": False, "nblocks": 2},
     {"huge": True, "shape": HUGE_PIXEL_SHAPE, "itemsize": 1, "to_channels_last": True, "nblocks": 2},
+    {"huge": True, "shape": HUGE_SHAPE, "itemsize": 1, "to_channels_last": False, "nblocks": 1},
+    {"huge": True, "shape": HUGE_SHAPE, "itemsize": 1, "to_channels_last": True, "nblocks": 1},
 ]
 
 
@@ -125,14 +155,15 @@ def test_asan_ubsan_clean(emu_builds) -> None:
     assert proc.returncode == 0, _explain(proc)
     assert "ERROR: AddressSanitizer" not in proc.stderr and "runtime error" not in proc.stderr
     tops = [int(line.rsplit(" ", 1)[1]) for line in proc.stdout.splitlines() if line.startswith("huge ok")]
-    assert len(tops) == 4 and min(tops) >= 2**31, proc.stdout
+    assert len(tops) == 6 and min(tops) >= 2**31, proc.stdout
 
 
 # A source read past its end: the buffers the runner allocates for sources
 # have no slack, so ASan sees the first element beyond them.
 BOUNDS_CASES = {
-    "tiled": {"shape": [2, 12, 5, 7], "itemsize": 4, "to_channels_last": False},
+    "tiled": {"shape": [2, 13, 5, 7], "itemsize": 4, "to_channels_last": False},
     "pixel": {"shape": [2, 3, 5, 7], "itemsize": 4, "to_channels_last": False},
+    "micro": {"shape": [2, 16, 5, 7], "itemsize": 4, "to_channels_last": False},
 }
 
 
@@ -150,7 +181,9 @@ def test_asan_catches_missing_bounds_check(emu_builds, path: str) -> None:
     assert summary and "channels_last.cu" in summary[0], _explain(proc)
 
 
-@pytest.mark.parametrize("case", [HUGE_CASES[0], HUGE_CASES[2]], ids=["tiled", "pixel"])
+@pytest.mark.parametrize(
+    "case", [HUGE_CASES[0], HUGE_CASES[2], HUGE_CASES[4]], ids=["tiled", "pixel", "micro"]
+)
 def test_ubsan_catches_32bit_indexing(emu_builds, case: dict) -> None:
     # The huge cases with int offsets: signed overflow (UBSan) before the
     # wild access (ASan) happens.
@@ -159,11 +192,19 @@ def test_ubsan_catches_32bit_indexing(emu_builds, case: dict) -> None:
     assert "signed integer overflow" in proc.stderr or "cannot be represented" in proc.stderr, _explain(proc)
 
 
-def test_ubsan_catches_misaligned_vector_access(emu_builds) -> None:
-    # The pixel path assuming 16-byte alignment (GPUCKPT_BREAK_ALIGN) on
-    # buffers one element off it: UBSan's alignment check fires on the first
-    # vector access, as the GPU would fault.
-    case = {"shape": [1, 3, 16, 16], "itemsize": 2, "to_channels_last": True, "misalign": 1}
+ALIGN_CASES = {
+    "pixel": {"shape": [1, 3, 16, 16], "itemsize": 2, "to_channels_last": True, "misalign": 1},
+    "micro": {"shape": [1, 16, 8, 8], "itemsize": 4, "to_channels_last": False, "misalign": 1},
+}
+
+
+@pytest.mark.parametrize("path", sorted(ALIGN_CASES))
+def test_ubsan_catches_misaligned_vector_access(emu_builds, path: str) -> None:
+    # The pixel and micro-tile paths assuming 16-byte alignment
+    # (GPUCKPT_BREAK_ALIGN) on buffers one element off it: UBSan's alignment
+    # check fires on the first vector access, as the GPU would fault.
+    case = ALIGN_CASES[path]
+    assert K.choose_path(case["shape"], case["shape"], case["itemsize"]) == path
     proc = _run(emu_builds, kernel_emu.ASAN_BROKEN_ALIGN, [case])
     assert proc.returncode != 0, _explain(proc)
     assert "misaligned address" in proc.stderr and "channels_last.cu" in proc.stderr, _explain(proc)
@@ -188,10 +229,18 @@ def test_tsan_catches_missing_syncthreads(emu_builds) -> None:
     assert "ThreadSanitizer: data race" in proc.stderr, _explain(proc)
 
 
-def test_tsan_catches_colliding_pixel_slots(emu_builds) -> None:
-    # The pixel path has no shared memory; its threads must still never write
-    # the same element.  Pairs of threads owning the same slots race.
-    case = {"shape": [1, 3, 16, 16], "itemsize": 4, "to_channels_last": False}
+@pytest.mark.parametrize(
+    "case",
+    [
+        {"shape": [1, 3, 16, 16], "itemsize": 4, "to_channels_last": False},
+        {"shape": [1, 32, 8, 8], "itemsize": 4, "to_channels_last": False},
+    ],
+    ids=["pixel", "micro"],
+)
+def test_tsan_catches_colliding_slots(emu_builds, case: dict) -> None:
+    # The pixel and micro-tile paths have no shared memory; their threads must
+    # still never write the same element.  Pairs of threads owning the same
+    # slots race.
     proc = _run(emu_builds, kernel_emu.TSAN_BROKEN_PX_SLOTS, [case])
     assert proc.returncode != 0, _explain(proc)
     assert "ThreadSanitizer: data race" in proc.stderr, _explain(proc)
