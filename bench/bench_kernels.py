@@ -20,6 +20,9 @@ For each row it measures
   channels-last view (to logical order), and CuPy's copy into the
   channels-last view (``view[...] = block``) for the other direction.
 
+Each row records the kernel path the planner chose (pixel for C <= 8, micro
+for whole 16-byte groups of channels, tiled otherwise).
+
 Targets (issue 23): every row of 16 MiB or more at >= 80 % of the copy
 bandwidth, and every row of 1 MiB or more no slower than CuPy.  Data is drawn
 at random (never zeros) and every result is checked against CuPy before it
@@ -278,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     device = cupy.cuda.Device()
     props = cupy.cuda.runtime.getDeviceProperties(device.id)
     compile_s = {}
-    for part in ("tiled", "px1", "px2", "px4", "px8"):
+    for part in ("tiled", "micro", "px1", "px2", "px4", "px8"):
         t0 = time.perf_counter()
         kernels.load_module(part=part)
         compile_s[part] = time.perf_counter() - t0

@@ -71,7 +71,10 @@ SHAPES = [
     (1, 5, 67, 67),
     (2, 3, 4, 5, 6),
     (2, 40, 5, 9, 11),
-    # the pixel path: images and video, planes 16-byte aligned or not
+    # the micro-tile path (C = 64, 256 above and here), then the pixel path:
+    # images and video, planes 16-byte aligned or not
+    (2, 256, 14, 14),
+    (2, 32, 3, 9, 9),
     (4, 3, 224, 224),
     (2, 4, 97, 101),
     (3, 1, 64, 130),
@@ -123,15 +126,15 @@ def test_boxes(cp: Any, shape: tuple[int, ...], box: tuple, itemsize: int) -> No
     assert _same(cp.ascontiguousarray(target).get(), np.ascontiguousarray(target_host))
 
 
+@pytest.mark.parametrize("shape", [(2, 3, 40, 48), (2, 64, 20, 24)], ids=["pixel", "micro"])
 @pytest.mark.parametrize("offset", [1, 2, 4, 8])
 @pytest.mark.parametrize(
     "dtype", [np.uint8, np.float16, np.float32, np.float64], ids=lambda d: np.dtype(d).name
 )
-def test_pixel_path_misaligned_buffers(cp: Any, dtype: Any, offset: int) -> None:
+def test_misaligned_buffers(cp: Any, dtype: Any, offset: int, shape: tuple[int, ...]) -> None:
     # Logical blocks that start `offset` elements into an allocation: the
-    # pixel kernels fall back to narrower units (or element by element)
-    # instead of faulting on a misaligned vector access.
-    shape = (2, 3, 40, 48)
+    # pixel and micro-tile kernels fall back to narrower units (or element by
+    # element) instead of faulting on a misaligned vector access.
     host = ref.as_channels_last(_random(shape, dtype, 4))
     dev = to_device(cp, host)
     n = int(np.prod(shape))
@@ -145,8 +148,8 @@ def test_pixel_path_misaligned_buffers(cp: Any, dtype: Any, offset: int) -> None
 
 
 def test_kernel_parts_compile_on_demand(cp: Any) -> None:
-    # Each launch compiles only its part: the tiled kernels, or one element
-    # size's pixel kernels; once per device.
+    # Each launch compiles only its part: the tiled or the micro-tile
+    # kernels, or one element size's pixel kernels; once per device.
     part = K.load_module(part="px2")
     assert K.load_module(cp.cuda.Device().id, part="px2") is part
     assert part.get_function("gpuckpt_px_cl_to_cf_2_3") is not None
@@ -154,6 +157,7 @@ def test_kernel_parts_compile_on_demand(cp: Any) -> None:
         part.get_function("gpuckpt_cl_to_cf_2")
     tiled = K.load_module(part="tiled")
     assert tiled.get_function("gpuckpt_cl_to_cf_2") is not None
+    assert K.load_module(part="micro").get_function("gpuckpt_mt_cf_to_cl_1") is not None
 
 
 def test_out_argument_and_stream(cp: Any) -> None:
