@@ -160,6 +160,39 @@ def test_kernel_parts_compile_on_demand(cp: Any) -> None:
     assert K.load_module(part="micro").get_function("gpuckpt_mt_cf_to_cl_1") is not None
 
 
+@pytest.mark.parametrize(
+    "shape", [(8, 3, 64, 64), (8, 64, 16, 16), (8, 33, 16, 16)], ids=["pixel", "micro", "tiled"]
+)
+def test_small_copy_is_capturable_in_a_cuda_graph(cp: Any, shape: tuple[int, ...]) -> None:
+    # A small (launch-bound) copy is one kernel on the current stream and
+    # nothing else: once its plan and kernel are warm, it can be captured in
+    # a CUDA graph, which any synchronisation, allocation or host-side wait
+    # in the call would break, and the replay gives the same result.
+    stream = cp.cuda.Stream(non_blocking=True)
+    if not hasattr(stream, "begin_capture"):
+        pytest.skip("this CuPy has no stream capture")
+    host = ref.as_channels_last(_random(shape, np.float16, 5))
+    dev = to_device(cp, host)
+    out = cp.empty(shape, np.float16)
+    back = to_device(cp, ref.empty_channels_last(shape, np.float16))
+    K.channels_last_to_contiguous(dev, out)  # warm: compile, plan, kernel
+    K.contiguous_to_channels_last(out, back)
+    cp.cuda.Device().synchronize()
+    out[...] = 0
+    back[...] = 0
+    cp.cuda.Device().synchronize()
+    with stream:
+        stream.begin_capture()
+        K.channels_last_to_contiguous(dev, out)
+        K.contiguous_to_channels_last(out, back)
+        graph = stream.end_capture()
+    assert not out.any().get()  # captured, not run
+    graph.launch(stream)
+    stream.synchronize()
+    assert _same(out.get(), np.ascontiguousarray(host))
+    assert _same(cp.ascontiguousarray(back).get(), np.ascontiguousarray(host))
+
+
 def test_out_argument_and_stream(cp: Any) -> None:
     host = ref.as_channels_last(_random((2, 8, 5, 5), np.float32, 3))
     dev = to_device(cp, host)
