@@ -491,8 +491,9 @@ __device__ __forceinline__ void gk_box_copy(
 //
 // The box may hold fewer channels than the tensor (nch < C, from channel c0):
 // whole pixels are still read, but written channel by channel (never a byte
-// outside the box).  A thread whose last slot runs past the end of the line
-// goes element by element.  No shared memory, no barrier.
+// outside the box).  A slot that runs past the end of the line goes element
+// by element (the thread's full slots before it do not).  No shared memory,
+// no barrier.
 
 #ifdef GPUCKPT_BREAK_BOUNDS
 #define GK_PX_FULL(q, p) true  // broken: no bounds check along the run
@@ -500,14 +501,17 @@ __device__ __forceinline__ void gk_box_copy(
 #define GK_PX_FULL(q, p) ((q) + (p) <= run_len)
 #endif
 
-// 16- and 8-byte access units are CUDA's built-in uint4 and uint2 (NVRTC has
-// them without headers; the CPU emulation defines them).  Stores go through
-// __stwb (an ordinary write-back store) so that each is one vector
-// instruction: left to itself the compiler splits some into 32-bit stores.
+// G: 16-byte groups of each plane per thread (must match
+// pixel_positions_per_thread in gpuckpt/device/kernels.py).
 template <int C>
 __device__ __forceinline__ constexpr int gk_px_groups() {
   return C == 1 ? 4 : (C == 2 ? 2 : 1);
 }
+
+// 16- and 8-byte access units are CUDA's built-in uint4 and uint2 (NVRTC has
+// them without headers; the CPU emulation defines them).  Stores go through
+// __stwb (an ordinary write-back store) so that each is one vector
+// instruction: left to itself the compiler splits some into 32-bit stores.
 
 // Load U bytes (4, 8 or 16) at p, aligned to U, into words w[o ..].
 template <int U>
@@ -562,35 +566,49 @@ __device__ __forceinline__ void gk_mv(const unsigned int* s, int a,
 // positions past run_len skipped.  Serves the slot that runs past the end of
 // a line, boxes with some of the channels (to channels-last) and, with
 // p_n = 1, planes of 1- and 2-byte elements that are not 4-byte aligned
-// (lanes on consecutive positions: still coalesced on the plane side).  The
-// loads of a pixel's channels are in flight together.
+// (lanes on consecutive positions: still coalesced on the plane side).  Two
+// slots at a time: the loads of two pixels are in flight together (more
+// would spill under the register cap).
+// Positions increase with (k, j), so the first one past the run ends it.
 template <typename T, int C, bool TO_CF>
 __device__ __forceinline__ void gk_px_elements(
     const T* __restrict__ src, T* __restrict__ dst, gk_index cl_line,
     gk_index cf_line, gk_index cf_cs, gk_index run_len, gk_index q0, int k_n,
     int p_n, int c0, gk_index nch) {
   (void)run_len;  // unused in the GPUCKPT_BREAK_BOUNDS variant
+  constexpr int B = 2;
 #pragma unroll 1
-  for (int k = 0; k < k_n; ++k) {
+  for (int k0 = 0; k0 < k_n; k0 += B) {
 #pragma unroll 1
     for (int j = 0; j < p_n; ++j) {
-      const gk_index q = q0 + (gk_index)k * GK_THREADS * p_n + j;
-      if (!GK_PX_FULL(q, 1)) return;  // the rest lies further along the run
-      T v[C];
+      const gk_index qb = q0 + (gk_index)k0 * GK_THREADS * p_n + j;
+      const gk_index step = (gk_index)GK_THREADS * p_n;
+      if (!GK_PX_FULL(qb, 1)) return;
+      T v[B][C];
 #pragma unroll
-      for (int c = 0; c < C; ++c) {
-        v[c] = (T)0;
-        if ((gk_index)c < nch)
-          v[c] = TO_CF ? src[cl_line + q * C + c0 + c]
-                       : src[cf_line + c * cf_cs + q];
+      for (int i = 0; i < B; ++i) {
+        const gk_index q = qb + i * step;
+        const bool in = k0 + i < k_n && GK_PX_FULL(q, 1);
+#pragma unroll
+        for (int c = 0; c < C; ++c) {
+          v[i][c] = (T)0;
+          if (in && (gk_index)c < nch)
+            v[i][c] = TO_CF ? src[cl_line + q * C + c0 + c]
+                            : src[cf_line + c * cf_cs + q];
+        }
       }
 #pragma unroll
-      for (int c = 0; c < C; ++c) {
-        if ((gk_index)c >= nch) continue;
-        if (TO_CF)
-          dst[cf_line + c * cf_cs + q] = v[c];
-        else
-          dst[cl_line + q * C + c0 + c] = v[c];
+      for (int i = 0; i < B; ++i) {
+        const gk_index q = qb + i * step;
+        if (!(k0 + i < k_n && GK_PX_FULL(q, 1))) break;
+#pragma unroll
+        for (int c = 0; c < C; ++c) {
+          if ((gk_index)c >= nch) continue;
+          if (TO_CF)
+            dst[cf_line + c * cf_cs + q] = v[i][c];
+          else
+            dst[cl_line + q * C + c0 + c] = v[i][c];
+        }
       }
     }
   }
@@ -827,6 +845,8 @@ __device__ __forceinline__ void gk_px_copy(
 #define GK_MT_LANE(t) (t)
 #endif
 
+// M: positions per thread (must match micro_positions_per_thread in
+// gpuckpt/device/kernels.py).
 template <typename T>
 __device__ __forceinline__ constexpr int gk_mt_positions() {
   return sizeof(T) == 1 ? 16 : 8;
