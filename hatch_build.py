@@ -1,9 +1,14 @@
-"""Build hook: compile gpuckpt/storage/crccopy.c into _crccopy.so where a C compiler is available.
+"""Build hook: compile gpuckpt's native libraries where a C compiler is available.
 
-The library is optional (gpuckpt falls back to pread + a CRC32C library), so a
-missing compiler or a failed build prints a warning and the build goes on. A
-wheel that contains the library is tagged for this platform; one without it
-stays pure Python. An editable install builds it in place, next to its source.
+* ``gpuckpt/storage/crccopy.c`` into ``_crccopy.so``: the one-pass copy-with-CRC32C
+  load loop (without it: pread + a CRC32C library);
+* ``gpuckpt/storage/batchio.c`` into ``_batchio.so``: batches of small chunk files
+  written and read with the GIL released (without it: one file at a time from Python).
+
+Both are optional, so a missing compiler or a failed build prints a warning and
+the build goes on. A wheel that contains a library is tagged for this platform;
+one without any stays pure Python. An editable install builds them in place,
+next to their sources.
 """
 
 from __future__ import annotations
@@ -18,10 +23,16 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from hatchling.builders.hooks.plugin.interface import BuildHookInterface
+try:
+    from hatchling.builders.hooks.plugin.interface import BuildHookInterface
+except ImportError:  # outside a build (the test suite imports compile_library): no hatchling needed
+    BuildHookInterface = object
 
-SOURCE = Path("gpuckpt/storage/crccopy.c")
-TARGET = "gpuckpt/storage/_crccopy.so"
+#: (source, what it is, where the library goes in the package)
+LIBRARIES = (
+    (Path("gpuckpt/storage/crccopy.c"), "the native copy-with-CRC loop", "gpuckpt/storage/_crccopy.so"),
+    (Path("gpuckpt/storage/batchio.c"), "the native small-file batches", "gpuckpt/storage/_batchio.so"),
+)
 
 
 def compile_library(source: Path, output: Path) -> str | None:
@@ -38,21 +49,24 @@ def compile_library(source: Path, output: Path) -> str | None:
     return None
 
 
-class CustomBuildHook(BuildHookInterface):  # type: ignore[type-arg]
+class CustomBuildHook(BuildHookInterface):  # type: ignore[type-arg,misc]
     def initialize(self, version: str, build_data: dict[str, Any]) -> None:
         if self.target_name != "wheel":
             return
-        source = Path(self.root) / SOURCE
-        if version == "editable":
-            output = Path(self.root) / TARGET
-        else:
-            output = Path(tempfile.mkdtemp(prefix="gpuckpt-build-")) / "_crccopy.so"
-        why = compile_library(source, output)
-        if why is not None:
-            print(f"gpuckpt: building without the native copy-with-CRC loop: {why}", file=sys.stderr)
-            return
-        if version != "editable":
-            build_data["force_include"][os.fspath(output)] = TARGET
-            # no Python C API in the library: any Python 3, this platform only
+        built = False
+        for source, what, target in LIBRARIES:
+            if version == "editable":
+                output = Path(self.root) / target
+            else:
+                output = Path(tempfile.mkdtemp(prefix="gpuckpt-build-")) / Path(target).name
+            why = compile_library(Path(self.root) / source, output)
+            if why is not None:
+                print(f"gpuckpt: building without {what}: {why}", file=sys.stderr)
+                continue
+            built = True
+            if version != "editable":
+                build_data["force_include"][os.fspath(output)] = target
+        if built and version != "editable":
+            # no Python C API in the libraries: any Python 3, this platform only
             build_data["pure_python"] = False
             build_data["tag"] = f"py3-none-{sysconfig.get_platform().replace('-', '_').replace('.', '_')}"

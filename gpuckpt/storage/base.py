@@ -6,11 +6,92 @@ import errno
 import stat
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from gpuckpt.storage.checksum import CRC_BYTES, crc32c
 
-__all__ = ["CheckpointReader", "CheckpointWriter", "NotRegularFileError"]
+__all__ = [
+    "CheckpointReader",
+    "CheckpointWriter",
+    "ChunkReads",
+    "ChunkWrites",
+    "NotRegularFileError",
+    "ReadStop",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkWrites:
+    """Chunk files to create in one call (for many small chunks): item ``i`` is chunk
+    ``keys[i]`` of array ``names[i]``.
+
+    Its stored bytes are ``buffers[i]`` (a C-contiguous buffer, little-endian)
+    followed by ``pads[i]`` zero bytes (the padding of an edge chunk), then the
+    CRC32C trailer. Where ``documents`` is given and ``documents[i]`` is not None,
+    the array's directory and its document are created first (an array stored
+    as one chunk).
+    """
+
+    names: Sequence[str]
+    keys: Sequence[str]
+    buffers: Sequence[Any]
+    pads: Sequence[int]
+    documents: Sequence[bytes | None] = ()
+
+    def select(self, indices: Sequence[int]) -> ChunkWrites:
+        """The items at ``indices``, in that order."""
+        docs = self.documents
+        return ChunkWrites(
+            [self.names[i] for i in indices],
+            [self.keys[i] for i in indices],
+            [self.buffers[i] for i in indices],
+            [self.pads[i] for i in indices],
+            [docs[i] for i in indices] if docs else (),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkReads:
+    """Chunk files to read and check in one call: item ``i`` is chunk ``keys[i]`` of array
+    ``names[i]``, whose first bytes land in the writable C-contiguous ``buffers[i]``,
+    followed by ``pads[i]`` bytes of padding (read, checksummed, dropped) and the CRC32C
+    trailer; the CRC32C of data and padding must equal the trailer and ``expected[i]``."""
+
+    names: Sequence[str]
+    keys: Sequence[str]
+    buffers: Sequence[Any]
+    pads: Sequence[int]
+    expected: Sequence[int]
+
+    def select(self, indices: Sequence[int]) -> ChunkReads:
+        """The items at ``indices``, in that order."""
+        return ChunkReads(
+            [self.names[i] for i in indices],
+            [self.keys[i] for i in indices],
+            [self.buffers[i] for i in indices],
+            [self.pads[i] for i in indices],
+            [self.expected[i] for i in indices],
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ReadStop:
+    """Where a :class:`ChunkReads` batch stopped: item ``index`` was not read whole and intact.
+
+    ``error`` is the system error that stopped it (``FileNotFoundError`` for a
+    missing chunk, :class:`NotRegularFileError` for one that is not a regular
+    file), else ``got`` bytes were read (trailer included): fewer than the item
+    needs means the file is truncated, otherwise ``crc`` (of data and padding)
+    differs from the trailer's ``stored`` value or from the expected one.
+    Items after ``index`` were not read.
+    """
+
+    index: int
+    got: int = 0
+    crc: int = 0
+    stored: int = 0
+    error: OSError | None = None
 
 
 class CheckpointWriter(ABC):
@@ -68,6 +149,34 @@ class CheckpointWriter(ABC):
         format of tensors handed over by another framework's planner)."""
         raise NotImplementedError(f"{type(self).__name__} cannot rewrite an array document")
 
+    def write_chunks(self, batch: ChunkWrites) -> list[int]:
+        """Create the chunks of ``batch`` in order (each array's document first where given);
+        returns the CRC32C of each chunk's bytes. Stops at the first error, which it raises.
+
+        The default writes them one by one; back ends may hand the whole batch to
+        native code.
+        """
+        crcs = []
+        documents = batch.documents or [None] * len(batch.names)
+        for name, key, buf, pad, document in zip(
+            batch.names, batch.keys, batch.buffers, batch.pads, documents, strict=True
+        ):
+            if document is not None:
+                self.write_array_document(name, document)
+            parts = [buf, bytes(pad)] if pad else [buf]
+            crcs.append(self._write_checked(name, key, parts))
+        return crcs
+
+    def _write_checked(self, name: str, key: str, parts: list[Any]) -> int:
+        value = 0
+
+        def digest(piece: Any) -> None:
+            nonlocal value
+            value = crc32c(piece, value)
+
+        self.write_chunk_checked(name, key, parts, digest, lambda: value.to_bytes(CRC_BYTES, "little"))
+        return value
+
     @abstractmethod
     def commit(self, root_document: bytes) -> None: ...
 
@@ -119,6 +228,30 @@ class CheckpointReader(ABC):
         for d in dests[:-1]:
             value = crc32c(d, value)
         return n, value
+
+    def read_chunks(self, batch: ChunkReads) -> ReadStop | None:
+        """Read and check the chunks of ``batch`` in order; None when every one was read
+        whole and matched its checksum, else where it stopped (nothing is raised for a
+        missing, truncated or damaged chunk: the caller names the tensor in its error).
+
+        The default reads them one by one with :meth:`read_chunk_crc`; back ends may
+        hand the whole batch to native code.
+        """
+        for i, (name, key, buf, pad, expected) in enumerate(
+            zip(batch.names, batch.keys, batch.buffers, batch.pads, batch.expected, strict=True)
+        ):
+            trailer = bytearray(CRC_BYTES)
+            dests = [buf, bytearray(pad), trailer] if pad else [buf, trailer]
+            try:
+                got, value = self.read_chunk_crc(name, key, dests)
+            except OSError as exc:
+                return ReadStop(i, error=exc)
+            if got != memoryview(buf).nbytes + pad + CRC_BYTES:
+                return ReadStop(i, got)
+            stored = int.from_bytes(trailer, "little")
+            if value != stored or value != expected:
+                return ReadStop(i, got, value, stored)
+        return None
 
     def read_chunk_checksum(self, name: str, key: str, nbytes: int, piece: int) -> tuple[int, int, int]:
         """Read the ``nbytes`` of a chunk (checksum trailer included) without keeping them.

@@ -16,7 +16,7 @@ import numpy as np
 
 from gpuckpt.storage.checksum import CRC_BYTES
 
-__all__ = ["is_prefix_box", "padded_chunk", "stored_nbytes"]
+__all__ = ["chunk_bytes", "is_prefix_box", "padded_chunk", "stored_nbytes"]
 
 
 def is_prefix_box(sizes: Sequence[int], stored: Sequence[int]) -> bool:
@@ -39,3 +39,19 @@ def padded_chunk(box: np.ndarray, stored: Sequence[int]) -> np.ndarray:
 def stored_nbytes(stored: Sequence[int], itemsize: int) -> int:
     """Size in bytes of a stored chunk file, checksum included."""
     return math.prod(stored) * itemsize + CRC_BYTES
+
+
+def chunk_bytes(box: np.ndarray, stored: Sequence[int]) -> tuple[np.ndarray, int]:
+    """The stored bytes of a chunk holding ``box`` at its origin, without the checksum:
+    ``(C-contiguous little-endian bytes, zero bytes that follow them)``.
+
+    When ``box`` is a byte prefix of the stored block (:func:`is_prefix_box`) its own
+    memory is used where it is already C-contiguous and little-endian, and the rest
+    of the block is the zero tail; otherwise the block is assembled with its padding.
+    """
+    if box.dtype.byteorder == ">":
+        box = box.astype(box.dtype.newbyteorder("<"))
+    if is_prefix_box(box.shape, stored):
+        data = np.ascontiguousarray(box).reshape(-1).view(np.uint8)
+        return data, (math.prod(stored) - box.size) * box.dtype.itemsize
+    return padded_chunk(box, stored).reshape(-1).view(np.uint8), 0

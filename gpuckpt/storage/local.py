@@ -28,6 +28,7 @@ import errno
 import os
 import stat
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +38,15 @@ from gpuckpt.errors import (
     CheckpointWriteError,
     MetadataError,
 )
-from gpuckpt.storage import crccopy, fsutil
-from gpuckpt.storage.base import CheckpointReader, CheckpointWriter, NotRegularFileError
+from gpuckpt.storage import batchio, crccopy, fsutil
+from gpuckpt.storage.base import (
+    CheckpointReader,
+    CheckpointWriter,
+    ChunkReads,
+    ChunkWrites,
+    NotRegularFileError,
+    ReadStop,
+)
 from gpuckpt.storage.checksum import CRC_BYTES, crc32c
 from gpuckpt.storage.direct import DIRECT_MIN_BYTES, DirectWriter
 from gpuckpt.storage.direct import available as direct_io_available
@@ -74,6 +82,9 @@ SYNC_MODES = ("auto", "file", "fs", "none")
 _MANY_FILES = 64
 _PIECE = 1 << 20
 _WRITEBACK_MIN = 1 << 20
+#: chunk files smaller than this go through the native batches (larger ones are read
+#: and written piece by piece, around the page cache where chosen, one by one)
+_NATIVE_MAX = min(_PIECE, DIRECT_MIN_BYTES)
 _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
 
 
@@ -260,6 +271,65 @@ class LocalWriter(CheckpointWriter):
             self._settle(fd, total)
         finally:
             os.close(fd)
+
+    def write_chunks(self, batch: ChunkWrites) -> list[int]:
+        """Chunks under 1 MiB in one native call with the GIL released
+        (:mod:`gpuckpt.storage.batchio`) where the library is available; larger ones,
+        and all without the library, one file at a time (:meth:`write_chunk_checked`:
+        checksummed piece by piece while in the CPU cache, ``O_DIRECT`` where chosen)."""
+        lib = batchio.instance()
+        small = [
+            i
+            for i, (b, p) in enumerate(zip(batch.buffers, batch.pads, strict=True))
+            if memoryview(b).nbytes + p < _NATIVE_MAX
+        ]
+        if lib is None or not small:
+            return super().write_chunks(batch)
+        crcs = [0] * len(batch.names)
+        if len(small) < len(crcs):
+            large = sorted(set(range(len(crcs))) - set(small))
+            for i, c in zip(large, super().write_chunks(batch.select(large)), strict=True):
+                crcs[i] = c
+            batch = batch.select(small)
+        for i, c in zip(small, self._write_native(lib, batch), strict=True):
+            crcs[i] = c
+        return crcs
+
+    def _write_native(self, lib: batchio.BatchIO, batch: ChunkWrites) -> list[int]:
+        kinds: list[int] = []
+        paths: list[str] = []
+        buffers: list[Any] = []
+        pads: list[int] = []
+        made: list[Path] = []
+        documents = batch.documents or [None] * len(batch.names)
+        for name, key, buf, pad, document in zip(
+            batch.names, batch.keys, batch.buffers, batch.pads, documents, strict=True
+        ):
+            if document is not None:
+                kinds += (batchio.MKDIR, batchio.FILE)
+                paths += (name, f"{name}/zarr.json")
+                buffers += (b"", document)
+                pads += (0, 0)
+                made.append(Path(f"{self.tmp}/{name}"))
+            kinds.append(batchio.CHUNK)
+            paths.append(f"{name}/{key}")
+            buffers.append(buf)
+            pads.append(pad)
+        tmp = os.fspath(self.tmp)
+        items, stop = lib.write(
+            tmp,
+            kinds,
+            paths,
+            buffers,
+            pads,
+            fsync="group" if self.sync == "file" else None,
+            writeback_min=_WRITEBACK_MIN if self.sync == "fs" else None,
+        )
+        if self.sync == "file":
+            self._dirs.extend(made)
+        if stop is not None:
+            raise stop.os_error(f"{tmp}/{paths[stop.index]}")
+        return [int(c) for c in items["crc"][items["kind"] == batchio.CHUNK]]
 
     def _settle(self, fd: int, nbytes: int) -> None:
         """A written chunk file's share of durability: its fsync (``"file"``), or the start
@@ -515,6 +585,58 @@ class LocalReader(CheckpointReader):
             return total + read_exact_at(fd, dests[-1], total), value
         finally:
             os.close(fd)
+
+    def read_chunks(self, batch: ChunkReads) -> ReadStop | None:
+        """Runs of chunks under 1 MiB in one native call each, with the GIL released
+        (:mod:`gpuckpt.storage.batchio`), where the library is available; larger ones,
+        and all without the library, one file at a time (:meth:`read_chunk_crc`: copied and
+        checksummed in one pass when cached). Files are opened as :func:`open_regular`
+        does, in array directories checked as :meth:`read_chunk_crc` checks them."""
+        lib = batchio.instance()
+        if lib is None:
+            return super().read_chunks(batch)
+        small = [
+            memoryview(b).nbytes + p < _NATIVE_MAX for b, p in zip(batch.buffers, batch.pads, strict=True)
+        ]
+        start = 0
+        while start < len(small):
+            end = start
+            while end < len(small) and small[end] == small[start]:
+                end += 1
+            run = batch.select(range(start, end))
+            stop = self._read_native(lib, run) if small[start] else super().read_chunks(run)
+            if stop is not None:
+                return replace(stop, index=start + stop.index)
+            start = end
+        return None
+
+    def _read_native(self, lib: batchio.BatchIO, batch: ChunkReads) -> ReadStop | None:
+        missing: ReadStop | None = None
+        count = len(batch.names)
+        for i, name in enumerate(batch.names):
+            try:
+                self._array_dir(name)
+            except FileNotFoundError as exc:
+                missing, count = ReadStop(i, error=exc), i
+                break
+        paths = [f"{n}/{k}" for n, k in zip(batch.names[:count], batch.keys[:count], strict=True)]
+        _items, stop = lib.read(
+            self._root, paths, batch.buffers[:count], batch.pads[:count], batch.expected[:count]
+        )
+        if stop is None:
+            return missing
+        path = f"{self._root}/{paths[stop.index]}"
+        if stop.step == "not-regular":
+            return ReadStop(stop.index, error=NotRegularFileError(path, stop.mode))
+        if stop.step == "short":
+            return ReadStop(stop.index, stop.done)
+        if stop.step == "mismatch":
+            return ReadStop(stop.index, stop.done, stop.crc, stop.stored)
+        if stop.err == errno.ENOTDIR:
+            name = batch.names[stop.index]
+            error: OSError = FileNotFoundError(errno.ENOENT, "array directory is not a directory", name)
+            return ReadStop(stop.index, error=error)
+        return ReadStop(stop.index, error=stop.os_error(path))
 
     def read_chunk_checksum(self, name: str, key: str, nbytes: int, piece: int) -> tuple[int, int, int]:
         """Streams the chunk through one buffer of at most ``piece`` bytes."""

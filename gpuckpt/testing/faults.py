@@ -1,17 +1,22 @@
 """Fault injection and damage helpers for reliability tests.
 
-Two families of tools:
+Three families of tools:
 
 * **I/O faults** — :func:`inject_os_faults` swaps the ``os`` module seen by
   the storage modules (:mod:`gpuckpt.storage.fileio`, :mod:`gpuckpt.storage.local`,
   :mod:`gpuckpt.storage.direct`, :mod:`gpuckpt.storage.leftovers`,
-  :mod:`gpuckpt.storage.fsutil`) for a
+  :mod:`gpuckpt.storage.fsutil`; the native small-file batches are off meanwhile) for a
   :class:`FaultyOS` proxy that raises a chosen ``OSError`` on the n-th call
   of a function (``write``, ``fsync``, ``mkdir``, ``rename``, ...), optionally
   after writing part of the data, as a full disk does. The publication
   primitives that go through libc (``syncfs``, ``renameat2``) are wrapped at
   the :mod:`gpuckpt.storage.fsutil` level. Nothing else in the process is
   touched, so pytest's own I/O keeps working.
+* **libc faults** for native code (:func:`build_fault_shim`, :func:`fault_shim_env`):
+  ``faultshim.c``, loaded with ``LD_PRELOAD`` into a subprocess, fails libc's file
+  calls (``open``, ``mkdir``, ``write``, ``fsync``, ``read``, ``close``) on files
+  under one directory, so that C code (``batchio.c``) and the Python path it
+  replaces meet the same faults.
 * **Damage** — flip bits, truncate, extend, delete or replace the files of a
   published checkpoint, and rewrite its root metadata with a valid checksum
   (to play a hostile author rather than a failing disk).
@@ -24,7 +29,10 @@ import errno
 import json
 import os
 import random
+import shlex
 import shutil
+import subprocess
+import sys
 import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -34,9 +42,11 @@ from typing import Any
 __all__ = [
     "Fault",
     "FaultyOS",
+    "build_fault_shim",
     "checkpoint_files",
     "copy_checkpoint",
     "damage",
+    "fault_shim_env",
     "inject_os_faults",
     "rewrite_root_metadata",
     "temporaries",
@@ -127,6 +137,12 @@ def inject_os_faults(
     proxy = FaultyOS(list(faults), hook)
     mods = [importlib.import_module(m) for m in STORAGE_MODULES]
     saved: list[tuple[Any, str, Any]] = [(m, "os", m.os) for m in mods]
+    # native batches call libc, not this proxy: inside the block the storage code goes
+    # file by file through Python, where the faults land (the native path meets the same
+    # faults one level lower, through build_fault_shim)
+    batchio = importlib.import_module("gpuckpt.storage.batchio")
+    saved.append((batchio, "instance", batchio.instance))
+    batchio.instance = lambda: None  # type: ignore[attr-defined]
     fsutil = importlib.import_module("gpuckpt.storage.fsutil")
     for fn_name, err in (libc or {}).items():
         saved.append((fsutil, fn_name, getattr(fsutil, fn_name)))
@@ -147,6 +163,51 @@ def _failing(fn_name: str, err: int) -> Callable[..., Any]:
         raise OSError(err, f"{os.strerror(err)} (injected into {fn_name})")
 
     return fail
+
+
+# libc faults --------------------------------------------------------------------
+
+FAULT_SHIM_SOURCE = Path(__file__).with_name("faultshim.c")
+
+
+def build_fault_shim(out_dir: Path) -> Path | None:
+    """Compile ``faultshim.c`` into ``out_dir``; None where that cannot be done (not Linux,
+    no C compiler: ``CC``, default ``cc``)."""
+    cc = shlex.split(os.environ.get("CC", "cc"))
+    if not sys.platform.startswith("linux") or not cc or shutil.which(cc[0]) is None:
+        return None
+    out = out_dir / "faultshim.so"
+    cmd = [*cc, "-O1", "-std=gnu11", "-Wall", "-shared", "-fPIC", "-o", os.fspath(out)]
+    subprocess.run([*cmd, os.fspath(FAULT_SHIM_SOURCE), "-ldl"], check=True, capture_output=True)
+    return out
+
+
+def fault_shim_env(
+    shim: Path,
+    directory: Path,
+    call: str,
+    *,
+    nth: int = 1,
+    err: int = errno.EIO,
+    partial: int = 0,
+    trace: Path | None = None,
+) -> dict[str, str]:
+    """Environment for a subprocess whose ``call`` (``open`` of a new file, ``mkdir``, ``write``,
+    ``fsync``, ``read``, ``close``) fails with ``err`` on files under ``directory``, from its ``nth``
+    such call on; a ``write`` fault with ``partial`` first writes that many bytes (a short
+    write), as a file system that fills up does. ``call="none"`` injects nothing.
+    ``trace``: a file where every ``fsync``, ``fdatasync`` and ``sync_file_range`` of a
+    file under ``directory`` is logged as ``"<call> <st_dev> <st_ino> <st_size>"``."""
+    return {
+        **os.environ,
+        **({"GCK_TRACE_FILE": os.fspath(trace)} if trace is not None else {}),
+        "LD_PRELOAD": os.fspath(shim),
+        "GCK_FAULT_DIR": os.fspath(directory.resolve()),
+        "GCK_FAULT_CALL": call,
+        "GCK_FAULT_NTH": str(nth),
+        "GCK_FAULT_ERRNO": str(err),
+        "GCK_FAULT_PARTIAL": str(partial),
+    }
 
 
 # damage -----------------------------------------------------------------------

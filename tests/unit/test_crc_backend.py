@@ -123,3 +123,25 @@ def test_checkpoints_verify_across_backends(tmp_path):
         )
         assert r.returncode == 0, r.stderr
         assert r.stdout.strip() == b
+
+
+def test_a_small_save_and_load_do_not_wait_for_awscrt_to_load(tmp_path):
+    """Loading awscrt's library takes 40-60 ms, more than a small state's whole save: buffers
+    under SMALL_BYTES go to the crc32c package, and awscrt is loaded by the first large one."""
+    if aws is None:
+        pytest.skip("awscrt is not installed here")
+    code = """
+        import sys, numpy as np, gpuckpt
+        from gpuckpt.storage.checksum import SMALL_BYTES, crc32c
+        sd = {f"t{i}": np.full(4096 + i, i, np.float32) for i in range(20)}
+        gpuckpt.save(sd, sys.argv[1])
+        gpuckpt.load(sd, sys.argv[1])
+        gpuckpt.load_state_dict(sys.argv[1])
+        print("awscrt" in sys.modules)
+        big = np.arange(SMALL_BYTES, dtype=np.uint8)
+        crc32c(big)
+        print("awscrt" in sys.modules)
+    """
+    r = _run(code.replace("sys.argv[1]", repr(str(tmp_path / "c"))), None)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["False", "True"]

@@ -204,6 +204,7 @@ def test_a_library_from_another_source_version_is_refused(tmp_path: Path, built:
             "-O2",
             "-shared",
             "-fPIC",
+            f"-I{SOURCE.parent}",  # the shared CRC kernels (crc32c_simd.h)
             "-o",
             str(out),
             str(tmp_path / "old.c"),

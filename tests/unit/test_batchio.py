@@ -1,0 +1,649 @@
+"""The native small-file batches (gpuckpt/storage/batchio.c) against the one-file-at-a-time Python path.
+
+The library is built here from its source. Its CRC32C code is checked against the
+crc32c package on every code path (AVX-512, PCLMULQDQ, table); writes and reads of
+the same batches by both paths must leave the same files and report the same
+outcome, on intact and on damaged checkpoints (Hypothesis); system-call faults
+(EIO, ENOSPC, short writes) are injected below both paths alike with an LD_PRELOAD
+shim (gpuckpt/testing/faultshim.c), and nothing is published; the library runs
+under AddressSanitizer + UndefinedBehaviorSanitizer; and gpuckpt works the same
+without it (no compiler, GPUCKPT_BATCHIO=off).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import platform
+import random
+import shutil
+import stat
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import crc32c as crc32c_package
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import hatch_build
+from gpuckpt.storage import batchio
+from gpuckpt.storage.base import ChunkReads, ChunkWrites, ReadStop
+from gpuckpt.storage.batchio import BatchIO, load_library
+from gpuckpt.storage.local import LocalReader, LocalWriter
+from gpuckpt.testing.faults import build_fault_shim, fault_shim_env
+
+SOURCE = Path(batchio.__file__).with_name("batchio.c")
+X86 = platform.machine() in ("x86_64", "AMD64")
+REPO = Path(__file__).resolve().parents[2]
+ROOT_DOC = b'{"zarr_format":3,"node_type":"group","attributes":{}}'
+
+
+def _cc() -> str | None:
+    return shutil.which(os.environ.get("CC", "cc"))
+
+
+def _compile(out: Path, *extra: str, source: Path = SOURCE) -> Path:
+    cc = _cc()
+    if cc is None:
+        pytest.skip("no C compiler: batchio.c cannot be built here")
+    flags = ["-O2", "-std=gnu11", "-Wall", "-Wextra", "-Werror", "-shared", "-fPIC", f"-I{SOURCE.parent}"]
+    subprocess.run([cc, *flags, *extra, "-o", str(out), str(source)], check=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _compile(tmp_path_factory.mktemp("batchio") / "_batchio.so")
+
+
+def _levels(built: Path) -> list[str]:
+    best = BatchIO(built).isa
+    return {"avx512": ["avx512", "pclmul", "table"], "pclmul": ["pclmul", "table"]}.get(best, ["table"])
+
+
+@pytest.fixture(scope="module", params=["avx512", "pclmul", "table"])
+def lib(request: pytest.FixtureRequest, built: Path, tmp_path_factory: pytest.TempPathFactory) -> BatchIO:
+    if request.param not in _levels(built):
+        pytest.skip(f"this CPU has no {request.param} path")
+    # a copy under another name loads as a separate library with its own state
+    path = tmp_path_factory.mktemp("levels") / f"_batchio_{request.param}.so"
+    shutil.copy(built, path)
+    loaded = BatchIO(path)
+    assert loaded.limit(request.param) == request.param
+    assert loaded.self_test()
+    return loaded
+
+
+@contextlib.contextmanager
+def using(lib: BatchIO | None) -> Iterator[None]:
+    """The local back end uses ``lib`` (None: the Python path) inside the block."""
+    saved = batchio.instance
+    batchio.instance = lambda: lib  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        batchio.instance = saved  # type: ignore[assignment]
+
+
+# ---- CRC32C ----------------------------------------------------------------------------
+
+
+LENGTHS = [*range(0, 70), 127, 128, 129, 255, 256, 257, 511, 512, 513, 1023, 4095, 65536, 65537, 1 << 20]
+
+
+def test_crc_matches_the_reference_on_every_code_path(lib: BatchIO) -> None:
+    rng = np.random.default_rng(7)
+    data = rng.integers(0, 256, (1 << 20) + 64, dtype=np.uint8)
+    for n in LENGTHS:
+        for shift in (0, 1, 13, 63):
+            piece = data[shift : shift + n]
+            for start in (0, 0xFFFFFFFF, 0x1234ABCD):
+                assert lib.crc32c(piece, start) == crc32c_package.crc32c(piece.tobytes(), start), (n, shift)
+
+
+@settings(max_examples=60, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.binary(max_size=3000), cut=st.integers(0, 3000), start=st.integers(0, 2**32 - 1))
+def test_crc_continues_across_calls(lib: BatchIO, data: bytes, cut: int, start: int) -> None:
+    cut = min(cut, len(data))
+    assert lib.crc32c(data[cut:], lib.crc32c(data[:cut], start)) == crc32c_package.crc32c(data, start)
+
+
+def test_the_source_builds_with_a_vector_path_on_x86(built: Path) -> None:
+    assert BatchIO(built).isa in (("avx512", "pclmul") if X86 else ("table",))
+    assert load_library(built) is not None
+
+
+def test_a_library_from_another_source_version_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "old.c").write_text(SOURCE.read_text().replace("#define GBIO_ABI 1", "#define GBIO_ABI 999"))
+    out = _compile(tmp_path / "old.so", source=tmp_path / "old.c")
+    with pytest.raises(ImportError, match="another version of batchio.c"):
+        BatchIO(out)
+    assert load_library(out) is None
+    assert load_library(tmp_path / "missing.so") is None
+
+
+def test_a_library_whose_item_layout_differs_is_refused(tmp_path: Path) -> None:
+    source = SOURCE.read_text().replace("    uint32_t reserved;\n", "    uint32_t reserved, more[2];\n")
+    (tmp_path / "wide.c").write_text(source)
+    out = _compile(tmp_path / "wide.so", source=tmp_path / "wide.c")
+    with pytest.raises(ImportError, match="struct gbio_item is 80 bytes, expected 72"):
+        BatchIO(out)
+
+
+def test_the_installed_package_has_the_library_where_it_can(built: Path) -> None:
+    """The build hook compiled it at install time wherever this test can compile it."""
+    if os.environ.get("GPUCKPT_BATCHIO", "auto") == "off":
+        pytest.skip("GPUCKPT_BATCHIO=off in this environment")
+    assert batchio.LIBRARY.exists(), (
+        f"{batchio.LIBRARY} missing: reinstall (pip install -e .) with a C compiler"
+    )
+    assert batchio.available()
+    assert batchio.instance().isa == BatchIO(built).isa  # type: ignore[union-attr]
+
+
+# ---- the same batches through both paths --------------------------------------------------
+
+
+@st.composite
+def write_batches(draw: st.DrawFn) -> tuple[list[np.ndarray], list[int], list[bytes | None]]:
+    n = draw(st.integers(0, 7))
+    sizes = draw(st.lists(st.one_of(st.integers(0, 300), st.integers(301, 70_000)), min_size=n, max_size=n))
+    shifts = draw(st.lists(st.integers(0, 63), min_size=n, max_size=n))
+    pads = draw(st.lists(st.one_of(st.just(0), st.integers(1, 70_000)), min_size=n, max_size=n))
+    docs = draw(st.lists(st.one_of(st.none(), st.binary(min_size=1, max_size=300)), min_size=n, max_size=n))
+    seed = draw(st.integers(0, 2**32 - 1))
+    rng = np.random.default_rng(seed)
+    # each buffer starts at a random alignment inside a larger one
+    buffers = [
+        rng.integers(0, 256, s + 64, dtype=np.uint8)[sh : sh + s] for s, sh in zip(sizes, shifts, strict=True)
+    ]
+    return buffers, pads, docs
+
+
+def _tree(root: Path) -> dict[str, bytes | None]:
+    out: dict[str, bytes | None] = {}
+    for p in sorted(root.rglob("*")):
+        out[os.fspath(p.relative_to(root))] = p.read_bytes() if p.is_file() else None
+    return out
+
+
+def _write(
+    where: Path, buffers: list[np.ndarray], pads: list[int], docs: list[bytes | None], *, sync: str = "none"
+) -> tuple[LocalWriter, ChunkWrites]:
+    """A begun writer with the directories of the document-less items made; and the batch."""
+    w = LocalWriter(where, sync=sync)
+    w.begin()
+    names = [f"a{i}" for i in range(len(buffers))]
+    for name, doc in zip(names, docs, strict=True):
+        if doc is None:
+            w.write_array_document(name, b"{}")
+    return w, ChunkWrites(names, ["c.0"] * len(names), buffers, pads, docs)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(batch=write_batches())
+def test_native_and_python_writes_leave_the_same_files(
+    lib: BatchIO, tmp_path_factory: pytest.TempPathFactory, batch: Any
+) -> None:
+    buffers, pads, docs = batch
+    base = tmp_path_factory.mktemp("w")
+    trees, crcs = [], []
+    for tag, chosen in (("native", lib), ("python", None)):
+        w, b = _write(base / tag, buffers, pads, docs)
+        with using(chosen):
+            crcs.append(w.write_chunks(b))
+        w.commit(ROOT_DOC)
+        trees.append(_tree(base / tag))
+    assert crcs[0] == crcs[1]
+    assert trees[0] == trees[1]
+    for i, (buf, pad) in enumerate(zip(buffers, pads, strict=True)):
+        stored = buf.tobytes() + bytes(pad)
+        assert crcs[0][i] == crc32c_package.crc32c(stored)
+        assert trees[0][f"a{i}/c.0"] == stored + crcs[0][i].to_bytes(4, "little")
+
+
+DAMAGE = [
+    "none",
+    "missing",
+    "truncate",
+    "flip",
+    "flip-trailer",
+    "extend",
+    "to-dir",
+    "symlink",
+    "fifo",
+    "wrong-expected",
+    "no-array-dir",
+    "array-dir-is-a-file",
+]
+
+
+def _damage(root: Path, kind: str, name: str, rng: random.Random) -> None:
+    path = root / name / "c.0"
+    size = path.stat().st_size
+    if kind == "missing":
+        path.unlink()
+    elif kind == "truncate":
+        os.truncate(path, rng.randrange(size))
+    elif kind in ("flip", "flip-trailer"):
+        raw = bytearray(path.read_bytes())
+        i = rng.randrange(size - 4) if kind == "flip" and size > 4 else rng.randrange(size - 4, size)
+        raw[i] ^= rng.randint(1, 255)
+        path.write_bytes(bytes(raw))
+    elif kind == "extend":
+        with open(path, "ab") as f:
+            f.write(b"more")
+    elif kind == "to-dir":
+        path.unlink()
+        path.mkdir()
+    elif kind == "symlink":
+        (root / name / "elsewhere").write_bytes(path.read_bytes())
+        path.unlink()
+        path.symlink_to("elsewhere")
+    elif kind == "fifo":
+        path.unlink()
+        os.mkfifo(path)
+    elif kind == "no-array-dir":
+        shutil.rmtree(root / name)
+    elif kind == "array-dir-is-a-file":
+        shutil.rmtree(root / name)
+        (root / name).write_bytes(b"x")
+
+
+def _stop_fields(stop: ReadStop | None) -> Any:
+    if stop is None:
+        return None
+    e = stop.error
+    error = (
+        None if e is None else (type(e).__name__, e.errno, getattr(e, "mode", None) and stat.S_IFMT(e.mode))
+    )
+    return (stop.index, stop.got, stop.crc, stop.stored, error)
+
+
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    batch=write_batches(),
+    damage=st.sampled_from(DAMAGE),
+    victim=st.integers(0, 6),
+    seed=st.integers(0, 2**32 - 1),
+    shifts=st.lists(st.integers(0, 63), min_size=7, max_size=7),
+)
+def test_native_and_python_reads_agree_on_intact_and_damaged_chunks(
+    lib: BatchIO,
+    tmp_path_factory: pytest.TempPathFactory,
+    batch: Any,
+    damage: str,
+    victim: int,
+    seed: int,
+    shifts: list[int],
+) -> None:
+    buffers, pads, docs = batch
+    root = tmp_path_factory.mktemp("r") / "ckpt"
+    w, b = _write(root, buffers, pads, docs)
+    with using(lib):
+        crcs = w.write_chunks(b)
+    w.commit(ROOT_DOC)
+    expected = list(crcs)
+    if buffers and damage != "none":
+        victim %= len(buffers)
+        if damage == "wrong-expected":
+            expected[victim] ^= 1 << (seed % 32)
+        else:
+            _damage(root, damage, f"a{victim}", random.Random(seed))
+    outcomes = []
+    for chosen in (lib, None):
+        dests = [
+            np.full(x.nbytes + 64, 0xA5, np.uint8)[s : s + x.nbytes]
+            for x, s in zip(buffers, shifts, strict=False)
+        ]
+        reads = ChunkReads(b.names, b.keys, dests, pads, expected)
+        with using(chosen):
+            stop = LocalReader(root).read_chunks(reads)
+        done = len(buffers) if stop is None else stop.index
+        for i in range(done):
+            np.testing.assert_array_equal(dests[i], buffers[i])
+        outcomes.append(_stop_fields(stop))
+    assert outcomes[0] == outcomes[1]
+    if damage in ("none", "extend") or not buffers:
+        assert outcomes[0] is None
+
+
+def test_a_read_stop_names_what_went_wrong(lib: BatchIO, tmp_path: Path) -> None:
+    """The native path's stops, one kind at a time (the property test compares them with Python's)."""
+    buffers = [np.arange(1000, dtype=np.uint8), np.arange(10, dtype=np.uint8)]
+    w, b = _write(tmp_path / "c", buffers, [0, 6], [b"{}", None])
+    with using(lib):
+        crcs = w.write_chunks(b)
+    w.commit(ROOT_DOC)
+    root = tmp_path / "c"
+
+    def read(expected: list[int]) -> ReadStop | None:
+        with using(lib):
+            return LocalReader(root).read_chunks(
+                ChunkReads(
+                    b.names, b.keys, [np.empty(1000, np.uint8), np.empty(10, np.uint8)], [0, 6], expected
+                )
+            )
+
+    assert read(crcs) is None
+    assert read([crcs[0], crcs[1] ^ 4]) == ReadStop(1, 10 + 6 + 4, crcs[1], crcs[1])
+    os.truncate(root / "a1" / "c.0", 12)
+    assert read(crcs) == ReadStop(1, 12)
+    (root / "a0" / "c.0").unlink()
+    stop = read(crcs)
+    assert stop is not None and stop.index == 0 and isinstance(stop.error, FileNotFoundError)
+    assert stop.error.filename == f"{root}/a0/c.0"
+
+
+# ---- writes under faults: the same error on both paths, nothing published ------------------
+
+_FAULTED_SAVE = """
+    import ctypes, json, os, sys
+    import numpy as np
+    from gpuckpt.storage import batchio
+    from gpuckpt.storage.base import CheckpointWriter, ChunkWrites, ChunkReads, CheckpointReader
+    from gpuckpt.storage.local import LocalReader, LocalWriter
+    base, sync, mode = sys.argv[1], sys.argv[2], sys.argv[3]
+    rng = np.random.default_rng(0)
+    buffers = [rng.integers(0, 256, n, dtype=np.uint8) for n in (5000, 70000, 300, 9000, 40000, 1)]
+    names = [f"a{i}" for i in range(len(buffers))]
+    batch = ChunkWrites(names, ["c.0"] * len(names), buffers, [0, 0, 100, 0, 70000, 3], [b"{}"] * len(names))
+    shim = ctypes.CDLL(None)
+    out = {}
+    for path in ("native", "python"):
+        shim.gck_fault_reset()
+        target = os.path.join(base, path)
+        if mode == "write":
+            w = LocalWriter(target, sync=sync)
+            try:
+                w.begin()
+                w.write_chunks(batch) if path == "native" else CheckpointWriter.write_chunks(w, batch)
+                w.commit(b"{}")
+                out[path] = None
+            except OSError as exc:
+                w.abort()
+                out[path] = [type(exc).__name__, exc.errno]
+        else:
+            dests = [np.empty_like(b) for b in buffers]
+            crcs = [int(x) for x in json.loads(open(os.path.join(base, "crcs.json")).read())]
+            reads = ChunkReads(names, ["c.0"] * len(names), dests, batch.pads, crcs)
+            r = LocalReader(os.path.join(base, "intact"))
+            stop = r.read_chunks(reads) if path == "native" else CheckpointReader.read_chunks(r, reads)
+            e = stop and stop.error
+            out[path] = stop and [stop.index, e and type(e).__name__, e and e.errno]
+    out["left"] = sorted(os.listdir(base))
+    out["native_available"] = batchio.available()
+    print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def shim(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    built = build_fault_shim(tmp_path_factory.mktemp("shim"))
+    if built is None:
+        pytest.skip("no C compiler (or not Linux): the libc fault shim cannot be built")
+    return built
+
+
+@pytest.mark.parametrize(
+    ("call", "nth", "err", "partial", "sync"),
+    [
+        ("write", 1, errno.EIO, 0, "none"),
+        ("write", 4, errno.ENOSPC, 0, "fs"),
+        ("write", 2, errno.ENOSPC, 1000, "file"),  # a short write, then a full disk
+        ("open", 3, errno.EIO, 0, "none"),
+        ("open", 1, errno.ENOSPC, 0, "file"),
+        ("mkdir", 2, errno.ENOSPC, 0, "none"),
+        ("fsync", 1, errno.EIO, 0, "file"),
+        ("fsync", 5, errno.EIO, 0, "file"),
+        ("close", 2, errno.EIO, 0, "none"),
+    ],
+)
+def test_write_faults_fail_both_paths_alike_and_publish_nothing(
+    shim: Path, tmp_path: Path, built: Path, call: str, nth: int, err: int, partial: int, sync: str
+) -> None:
+    base = tmp_path / "data"
+    base.mkdir()
+    env = fault_shim_env(shim, base, call, nth=nth, err=err, partial=partial)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    p = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(_FAULTED_SAVE), str(base), sync, "write"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = json.loads(p.stdout)
+    assert out["native_available"]
+    assert out["native"] == ["OSError", err], out
+    assert out["python"] == out["native"], out
+    assert out["left"] == [], out  # nothing published, no temporary left behind
+
+
+def test_read_faults_stop_both_paths_alike(shim: Path, tmp_path: Path, lib: BatchIO) -> None:
+    base = tmp_path / "data"
+    base.mkdir()
+    rng = np.random.default_rng(0)
+    buffers = [rng.integers(0, 256, n, dtype=np.uint8) for n in (5000, 70000, 300, 9000, 40000, 1)]
+    w, b = _write(base / "intact", buffers, [0, 0, 100, 0, 70000, 3], [b"{}"] * 6)
+    with using(lib):
+        crcs = w.write_chunks(b)
+    w.commit(ROOT_DOC)
+    (base / "crcs.json").write_text(json.dumps(crcs))
+    for nth in (1, 3):
+        env = fault_shim_env(shim, base / "intact", "read", nth=nth, err=errno.EIO)
+        env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+        p = subprocess.run(
+            [sys.executable, "-c", textwrap.dedent(_FAULTED_SAVE), str(base), "none", "read"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert p.returncode == 0, p.stderr[-3000:]
+        out = json.loads(p.stdout)
+        assert out["native"] is not None and out["native"][1:] == ["OSError", errno.EIO], out
+        assert out["python"] == out["native"], out
+
+
+# ---- without the library ------------------------------------------------------------------
+
+
+def test_without_a_compiler_the_build_goes_on_and_saves_go_file_by_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CC", "no-such-cc")
+    why = hatch_build.compile_library(REPO / "gpuckpt/storage/batchio.c", tmp_path / "_batchio.so")
+    assert why is not None and "no C compiler (no-such-cc not found" in why
+    assert not (tmp_path / "_batchio.so").exists()
+    # an installation without the library: the same files, written one by one
+    monkeypatch.setattr(batchio, "LIBRARY", tmp_path / "_batchio.so")
+    batchio.instance.cache_clear()
+    try:
+        assert not batchio.available()
+        buffers = [np.arange(100, dtype=np.uint8), np.arange(7, dtype=np.uint8)]
+        w, b = _write(tmp_path / "c", buffers, [0, 5], [b"{}", None])
+        crcs = w.write_chunks(b)
+        w.commit(ROOT_DOC)
+        assert crcs == [
+            crc32c_package.crc32c(bytes(range(100))),
+            crc32c_package.crc32c(bytes(range(7)) + bytes(5)),
+        ]
+        dests = [np.empty(100, np.uint8), np.empty(7, np.uint8)]
+        assert (
+            LocalReader(tmp_path / "c").read_chunks(ChunkReads(b.names, b.keys, dests, [0, 5], crcs)) is None
+        )
+        np.testing.assert_array_equal(dests[0], buffers[0])
+    finally:
+        batchio.instance.cache_clear()
+
+
+def test_the_environment_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    try:
+        monkeypatch.setenv("GPUCKPT_BATCHIO", "off")
+        batchio.instance.cache_clear()
+        assert not batchio.available()
+        monkeypatch.setenv("GPUCKPT_BATCHIO", "fast")
+        batchio.instance.cache_clear()
+        with pytest.raises(ValueError, match="GPUCKPT_BATCHIO='fast'; expected 'auto', 'on' or 'off'"):
+            batchio.available()
+        monkeypatch.setattr(batchio, "LIBRARY", Path("/nonexistent/_batchio.so"))
+        monkeypatch.setenv("GPUCKPT_BATCHIO", "on")
+        batchio.instance.cache_clear()
+        with pytest.raises(ImportError, match="GPUCKPT_BATCHIO=on but"):
+            batchio.available()
+    finally:
+        monkeypatch.undo()
+        batchio.instance.cache_clear()
+
+
+def test_the_build_hook_builds_both_native_libraries() -> None:
+    targets = [t for _, _, t in hatch_build.LIBRARIES]
+    assert targets == ["gpuckpt/storage/_crccopy.so", "gpuckpt/storage/_batchio.so"]
+    assert all((REPO / source).exists() for source, _, _ in hatch_build.LIBRARIES)
+
+
+# ---- under sanitizers ------------------------------------------------------------------------
+
+_SANITIZED = """
+    import ctypes, os, sys
+    import numpy as np
+    from gpuckpt.storage.batchio import BatchIO, CHUNK, FILE, MKDIR, ITEM
+    lib = BatchIO(sys.argv[1]); base = sys.argv[2]
+    rng = np.random.default_rng(3)
+    for level in ("avx512", "pclmul", "table"):
+        if lib.limit(level) != level:
+            continue
+        for n in (0, 1, 63, 64, 65, 255, 256, 257, 511, 512, 513, 4097, 70000):
+            for shift in (0, 1, 31):
+                a = rng.integers(0, 256, n + 64, dtype=np.uint8)[shift : shift + n].copy()
+                lib.crc32c(a)
+        root = os.path.join(base, level); os.mkdir(root)
+        sizes = [0, 1, 100, 4096, 70000, 300000]
+        pads = [0, 3, 70001, 0, 5, 0]
+        bufs = [rng.integers(0, 256, s, dtype=np.uint8) for s in sizes]
+        kinds, paths, data, pp = [], [], [], []
+        for i, (b, p) in enumerate(zip(bufs, pads)):
+            kinds += [MKDIR, FILE, CHUNK]; paths += [f"a{i}", f"a{i}/zarr.json", f"a{i}/c.0"]
+            data += [b"", b"{}", b]; pp += [0, 0, p]
+        items, stop = lib.write(root, kinds, paths, data, pp, fsync="group", writeback_min=None)
+        assert stop is None, stop
+        crcs = [int(c) for c in items["crc"][items["kind"] == CHUNK]]
+        dests = [np.empty_like(b) for b in bufs]
+        cpaths = [f"a{i}/c.0" for i in range(len(bufs))]
+        assert lib.read(root, cpaths, dests, pads, crcs)[1] is None
+        assert all((d == b).all() for d, b in zip(dests, bufs))
+        os.truncate(os.path.join(root, "a2/c.0"), 50)
+        assert lib.read(root, cpaths, dests, pads, crcs)[1].step == "short"
+        os.truncate(os.path.join(root, "a4/c.0"), 70000 + 3)
+        assert lib.read(root, cpaths[3:], dests[3:], pads[3:], crcs[3:])[1].step == "short"
+        assert lib.read(root, cpaths[:2], dests[:2], pads[:2], [crcs[0], 1])[1].step == "mismatch"
+        assert lib.read(root, ["nope/c.0"], dests[:1], [0], [0])[1].step == "stat"
+        assert lib.write(root, [CHUNK], ["a0/c.0"], [bufs[0]], [0], fsync=None, writeback_min=0)[1].step == "open"
+    if len(sys.argv) > 3:  # the control: a destination one byte shorter than the item says
+        items = np.zeros(1, ITEM)
+        short = np.empty(4099, np.uint8)  # over numpy's small-block cache: its own malloc block
+        path = b"a3/c.0\\0"
+        keep = ctypes.create_string_buffer(path)
+        items["path"] = ctypes.addressof(keep); items["data"] = short.ctypes.data; items["nbytes"] = 4100
+        items["kind"] = CHUNK
+        lib._lib.gbio_read(os.path.join(base, "table" if lib.isa == "table" else lib.isa).encode(), items.ctypes.data, 1)
+    print("ok")
+"""
+
+
+def _sanitizer_runtimes() -> list[str] | None:
+    cc = _cc()
+    if cc is None:
+        return None
+    libs = []
+    for name in ("libasan.so", "libubsan.so"):
+        path = subprocess.run([cc, f"-print-file-name={name}"], capture_output=True, text=True).stdout.strip()
+        if not os.path.isabs(path) or not os.path.exists(path):
+            return None
+        libs.append(path)
+    return libs
+
+
+def _run_sanitized(tmp_path: Path, control: bool) -> subprocess.CompletedProcess[str]:
+    runtimes = _sanitizer_runtimes()
+    if runtimes is None:
+        pytest.skip("no AddressSanitizer/UBSan runtime for this compiler")
+    out = _compile(
+        tmp_path / "_batchio_asan.so",
+        "-g",
+        "-fsanitize=address,undefined",
+        "-fno-sanitize-recover=all",
+        "-fno-omit-frame-pointer",
+    )
+    base = tmp_path / "files"
+    base.mkdir()
+    env = {
+        **os.environ,
+        "LD_PRELOAD": " ".join(runtimes),
+        "ASAN_OPTIONS": "detect_leaks=0:abort_on_error=0",
+        "UBSAN_OPTIONS": "halt_on_error=1:print_stacktrace=1",
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+        "PYTHONMALLOC": "malloc",
+    }
+    args = [sys.executable, "-c", textwrap.dedent(_SANITIZED), str(out), str(base)] + (
+        ["control"] if control else []
+    )
+    p = subprocess.run(args, env=env, capture_output=True, text=True, timeout=120)
+    if "Shadow memory range interleaves" in p.stderr or "does not come first" in p.stderr:
+        pytest.skip("AddressSanitizer cannot start in this process layout")
+    return p
+
+
+def test_batches_are_clean_under_address_and_undefined_behaviour_sanitizers(tmp_path: Path) -> None:
+    p = _run_sanitized(tmp_path, control=False)
+    assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr[-5000:]
+    assert "runtime error" not in p.stderr and "AddressSanitizer" not in p.stderr, p.stderr[-5000:]
+
+
+def test_the_sanitizer_run_catches_an_overrun(tmp_path: Path) -> None:
+    """The control: a read into a buffer one byte too short is reported, so the clean run means something."""
+    p = _run_sanitized(tmp_path, control=True)
+    assert p.returncode != 0
+    assert "heap-buffer-overflow" in p.stderr, p.stderr[-5000:]
+
+
+def test_batches_mixing_small_and_large_chunks_keep_their_order(lib: BatchIO, tmp_path: Path) -> None:
+    """Chunks of 1 MiB and more go one by one (piecewise checksums, O_DIRECT, fused reads),
+    the others natively; results and the first stop keep the batch's order."""
+    rng = np.random.default_rng(11)
+    sizes = [100, (1 << 20) + 3, 5000, 2 << 20, 7, (1 << 20) - 10]
+    pads = [0, 0, 9, 0, 0, 20]
+    buffers = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
+    trees, crcs = [], []
+    for tag, chosen in (("native", lib), ("python", None)):
+        w, b = _write(tmp_path / tag, buffers, pads, [b"{}", None, b"{}", b"{}", None, b"{}"])
+        with using(chosen):
+            crcs.append(w.write_chunks(b))
+        w.commit(ROOT_DOC)
+        trees.append(_tree(tmp_path / tag))
+    assert (
+        crcs[0]
+        == crcs[1]
+        == [crc32c_package.crc32c(x.tobytes() + bytes(p)) for x, p in zip(buffers, pads, strict=True)]
+    )
+    assert trees[0] == trees[1]
+    root = tmp_path / "native"
+    for victim in (3, 4):  # a large chunk, then a small one after it
+        _damage(root, "flip", f"a{victim}", random.Random(victim))
+        stops = []
+        for chosen in (lib, None):
+            dests = [np.empty_like(x) for x in buffers]
+            reads = ChunkReads([f"a{i}" for i in range(6)], ["c.0"] * 6, dests, pads, crcs[0])
+            with using(chosen):
+                stops.append(_stop_fields(LocalReader(root).read_chunks(reads)))
+        assert stops[0] == stops[1] and stops[0][0] == 3
