@@ -28,7 +28,14 @@ from gpuckpt.options import DEFAULT_CHUNK_BYTES, DEFAULT_STAGING_BYTES, LoadOpti
 from gpuckpt.planning.boxes import Box
 from gpuckpt.planning.plan import plan_save
 from gpuckpt.progress import ProgressCallback
-from gpuckpt.reading import TensorEntry, check_chunk_files, paused_gc, read_tensors, validate_metadata
+from gpuckpt.reading import (
+    TensorEntry,
+    check_chunk_files,
+    paused_gc,
+    read_tensors,
+    validate_metadata,
+    validated_metadata,
+)
 from gpuckpt.sources import contains_sharded, describe_state, is_leaf
 from gpuckpt.state import flatten_state_dict, select_fqns, unflatten_state_dict
 from gpuckpt.storage.base import CheckpointReader
@@ -138,15 +145,22 @@ def save_with_options(
 @paused_gc()
 def read_metadata(path: PathLike, *, storage_options: dict[str, Any] | None = None) -> Metadata:
     """Metadata of the checkpoint at ``path`` (validated, nothing else read)."""
-    return _open(path, LoadOptions(storage_options=storage_options).storage_options)[1]
+    return _open(path, LoadOptions(storage_options=storage_options).storage_options, shared=False)[1]
 
 
 def _open(
-    path: PathLike, storage_options: Mapping[str, Any] | None = None
+    path: PathLike, storage_options: Mapping[str, Any] | None = None, *, shared: bool = True
 ) -> tuple[CheckpointReader, Metadata, dict[str, TensorEntry], dict[str, Any]]:
+    """The reader, metadata, tensors and objects of the checkpoint at ``path``. ``shared``:
+    the metadata may come from the per-process cache of validated root documents
+    (:func:`~gpuckpt.reading.validated_metadata`) and must not be changed."""
     reader = open_reader(path, storage_options=dict(storage_options) if storage_options is not None else None)
-    md = metadata_from_root_document(reader.read_root(), f"{os.fspath(path).rstrip('/')}/zarr.json")
-    tensors, objects = validate_metadata(md)
+    root, where = reader.read_root(), f"{os.fspath(path).rstrip('/')}/zarr.json"
+    if shared:
+        md, tensors, objects = validated_metadata(root, where)
+    else:
+        md = metadata_from_root_document(root, where)
+        tensors, objects = validate_metadata(md)
     return reader, md, tensors, objects
 
 

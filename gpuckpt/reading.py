@@ -11,10 +11,13 @@ the metadata.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import gc
+import hashlib
 import math
+import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -35,10 +38,10 @@ from gpuckpt.options import LoadOptions
 from gpuckpt.planning import ChunkGrid, ChunkSpec
 from gpuckpt.progress import ProgressCounter
 from gpuckpt.runner import batches, run_all
-from gpuckpt.storage.base import CheckpointReader
+from gpuckpt.storage.base import CheckpointReader, ChunkReads
 from gpuckpt.storage.checksum import CRC_BYTES
 from gpuckpt.storage.chunks import is_prefix_box, stored_nbytes
-from gpuckpt.storage.layout import chunk_file_key, is_chunk_file_key
+from gpuckpt.storage.layout import chunk_file_key, is_chunk_file_key, metadata_from_root_document
 from gpuckpt.storage.names import is_safe_name
 
 __all__ = [
@@ -52,6 +55,7 @@ __all__ = [
     "read_tensors",
     "scratch",
     "validate_metadata",
+    "validated_metadata",
 ]
 
 
@@ -192,6 +196,41 @@ def validate_metadata(md: Metadata) -> tuple[dict[str, TensorEntry], dict[str, A
     return tensors, objects
 
 
+#: validated root documents kept per process (see :func:`validated_metadata`)
+_VALIDATED_KEEP = 2
+_validated: collections.OrderedDict[bytes, tuple[Metadata, dict[str, TensorEntry], dict[str, Any]]] = (
+    collections.OrderedDict()
+)
+_validated_lock = threading.Lock()
+
+
+def validated_metadata(
+    root: bytes | bytearray, where: str
+) -> tuple[Metadata, dict[str, TensorEntry], dict[str, Any]]:
+    """The metadata of a root document, parsed and validated once per document.
+
+    Parsing and cross-checking the metadata of 10,000 tensors takes longer than
+    reading their chunks. The last :data:`_VALIDATED_KEEP` results are kept, keyed
+    by a 256-bit BLAKE2b digest of the document's bytes: the same bytes always give
+    the same result, and no one can make other bytes with the same digest. The
+    results are shared: callers must not change them (loads only read them;
+    :func:`gpuckpt.read_metadata`, which hands the metadata out, parses its own).
+    """
+    key = hashlib.blake2b(root, digest_size=32).digest()
+    with _validated_lock:
+        hit = _validated.get(key)
+        if hit is not None:
+            _validated.move_to_end(key)
+            return hit
+    md = metadata_from_root_document(root, where)
+    tensors, objects = validate_metadata(md)
+    with _validated_lock:
+        _validated[key] = (md, tensors, objects)
+        while len(_validated) > _VALIDATED_KEEP:
+            _validated.popitem(last=False)
+    return md, tensors, objects
+
+
 def check_chunk_files(reader: CheckpointReader, entries: Iterable[TensorEntry]) -> None:
     """Check that every chunk file exists with the size the metadata gives, before allocating."""
     for t in entries:
@@ -319,8 +358,80 @@ def _read_chunks(
     staging: Staging,
     counter: ProgressCounter,
 ) -> None:
+    """Chunks of host targets as one batch of the reader's (native code for the small
+    chunk files of a local checkpoint); chunks of device targets one by one, each
+    through a staging buffer."""
+    host = [r for r in reads if r[2].backend is None]
+    if host:
+        _read_host_batch(reader, host, staging, counter)
     for t, c, dest in reads:
-        read_chunk_into(reader, t, c, dest, c.spec.offsets, staging, counter)
+        if dest.backend is not None:
+            read_chunk_into(reader, t, c, dest, c.spec.offsets, staging, counter)
+
+
+def _read_host_batch(
+    reader: CheckpointReader,
+    reads: list[tuple[TensorEntry, ChunkRead, ArrayAdapter]],
+    staging: Staging,
+    counter: ProgressCounter,
+) -> None:
+    """Read and verify chunks into their boxes of host arrays with one
+    :meth:`~gpuckpt.storage.base.CheckpointReader.read_chunks`: straight into the box
+    where the layout allows, else into scratch copied into place afterwards. Raises
+    what :func:`fetch_verified` raises, for the first chunk that fails."""
+    incoming = [dest.stage_in(c.spec.offsets, c.spec.sizes, staging) for _, c, dest in reads]
+    try:
+        buffers: list[np.ndarray] = []
+        pads: list[int] = []
+        copies: list[tuple[int, np.ndarray]] = []
+        for i, ((t, c, _dest), into) in enumerate(zip(reads, incoming, strict=True)):
+            box = into.box
+            sizes = c.spec.sizes
+            if (
+                box.flags.c_contiguous
+                and box.dtype.byteorder != ">"
+                and (sizes == c.stored or is_prefix_box(sizes, c.stored))
+            ):
+                data = box.reshape(-1).view(np.uint8)
+                buffers.append(data)
+                pads.append(c.nbytes - CRC_BYTES - data.nbytes)
+            else:
+                stored = scratch(c.stored, t.dtype.newbyteorder("<"), t)
+                buffers.append(stored.reshape(-1).view(np.uint8))
+                pads.append(0)
+                copies.append((i, stored))
+        batch = ChunkReads(
+            [t.name for t, _, _ in reads],
+            [c.key for _, c, _ in reads],
+            buffers,
+            pads,
+            [c.crc for _, c, _ in reads],
+        )
+        stop = reader.read_chunks(batch)
+        done = len(reads) if stop is None else stop.index
+        for i, stored in copies:
+            if i < done:
+                c = reads[i][1]
+                incoming[i].box[...] = stored[tuple(slice(0, s) for s in c.spec.sizes)]
+        for (t, c, _dest), into in zip(reads[:done], incoming, strict=False):
+            into.finish()
+            counter.add(c.spec.nelem * t.dtype.itemsize)
+    finally:
+        for into in incoming:
+            into.release()
+    if stop is None:
+        return
+    t, c, _ = reads[stop.index]
+    if stop.error is not None:
+        if isinstance(stop.error, FileNotFoundError):
+            raise _vanished(t, c, stop.error) from None
+        raise stop.error
+    if stop.got != c.nbytes:
+        raise CheckpointCorruptedError(
+            f"chunk {c.key} of tensor {t.fqn!r}: read {stop.got} bytes, expected {c.nbytes}; "
+            "the file is truncated"
+        )
+    _check_crc(t, c, stop.crc, stop.stored)
 
 
 def read_tensors(

@@ -41,9 +41,9 @@ from gpuckpt.planning.plan import ChunkAssignment, SavePlan, TensorPlan
 from gpuckpt.progress import ProgressCounter
 from gpuckpt.runner import Batcher, Runner
 from gpuckpt.sources import Sources
-from gpuckpt.storage.base import CheckpointWriter
-from gpuckpt.storage.checksum import CRC_BYTES, crc32c
-from gpuckpt.storage.chunks import is_prefix_box, padded_chunk
+from gpuckpt.storage.base import CheckpointWriter, ChunkWrites
+from gpuckpt.storage.checksum import CRC_BYTES
+from gpuckpt.storage.chunks import chunk_bytes
 from gpuckpt.storage.layout import array_document, chunk_file_key, root_document
 from gpuckpt.storage.stores import open_writer
 
@@ -110,27 +110,6 @@ def open_save_writer(
         storage_options=options.store_options(),
         direct_io=direct_io,
     )
-
-
-def _write_box(
-    writer: CheckpointWriter, name: str, key: str, box: np.ndarray, stored: tuple[int, ...]
-) -> tuple[int, int]:
-    """Write one stored chunk holding ``box``; returns its total size and its CRC32C."""
-    if box.dtype.byteorder == ">":
-        box = box.astype(box.dtype.newbyteorder("<"))
-    if is_prefix_box(box.shape, stored):
-        data = np.ascontiguousarray(box).reshape(-1).view(np.uint8)
-        pad = (math.prod(stored) - box.size) * box.dtype.itemsize
-        parts: list[Any] = [data, np.zeros(pad, np.uint8)] if pad else [data]
-    else:
-        parts = [padded_chunk(box, stored).reshape(-1).view(np.uint8)]
-    state = [0]
-
-    def digest(piece: Any) -> None:
-        state[0] = crc32c(piece, state[0])
-
-    writer.write_chunk_checked(name, key, parts, digest, lambda: state[0].to_bytes(CRC_BYTES, "little"))
-    return sum(p.nbytes for p in parts) + CRC_BYTES, state[0]
 
 
 def device_backends(arrays: Iterable[ArrayAdapter]) -> list[DeviceBackend]:
@@ -232,17 +211,29 @@ _Item = tuple[ChunkJob, StagedOut, bytes | None]
 def _write_items(
     writer: CheckpointWriter, items: Sequence[_Item], counter: ProgressCounter
 ) -> list[tuple[int, int]]:
-    """Write staged chunks one after the other (with their array's document where given)."""
-    out = []
+    """Write staged chunks (with their array's document where given) as one batch of the
+    writer's (:meth:`~gpuckpt.storage.base.CheckpointWriter.write_chunks`: native code
+    for small chunk files of a local checkpoint); returns ``(stored bytes, CRC32C)`` each."""
     try:
-        for j, staged, document in items:
-            if document is not None:
-                writer.write_array_document(j.name, document)
-            out.append(_write_box(writer, j.name, j.key, staged.wait(), j.stored))
-            counter.add(j.nbytes)
+        buffers: list[np.ndarray] = []
+        pads: list[int] = []
+        for j, staged, _document in items:
+            data, pad = chunk_bytes(staged.wait(), j.stored)
+            buffers.append(data)
+            pads.append(pad)
+        batch = ChunkWrites(
+            [j.name for j, _, _ in items],
+            [j.key for j, _, _ in items],
+            buffers,
+            pads,
+            [document for _, _, document in items],
+        )
+        crcs = writer.write_chunks(batch)
     finally:
         _release_all(items)  # staging buffers go back to their pool
-    return out
+    for j, _, _ in items:
+        counter.add(j.nbytes)
+    return [(b.nbytes + p + CRC_BYTES, c) for b, p, c in zip(buffers, pads, crcs, strict=True)]
 
 
 def _release_all(items: Sequence[_Item]) -> None:

@@ -78,7 +78,7 @@ def _object_row(fqn: str, enc: Any) -> dict[str, Any]:
 def describe_checkpoint(path: Path) -> dict[str, Any]:
     """Everything ``inspect`` shows, as JSON values."""
     with paused_gc():
-        reader, md, tensors, objects = _open(path)
+        reader, md, tensors, objects = _open(path, shared=False)
         rows = [_tensor_row(reader, t) for t in tensors.values()]
     meta = md.storage_meta
     return {

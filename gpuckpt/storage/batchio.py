@@ -103,11 +103,17 @@ class Stop:
 def _address(buf: Any, writable: bool) -> tuple[int, int]:
     """``(address, nbytes)`` of a C-contiguous buffer."""
     if isinstance(buf, np.ndarray):
-        if not buf.flags.c_contiguous:
+        flags = buf.flags
+        if not flags.c_contiguous:
             raise ValueError("batchio: a buffer is not C-contiguous")
-        if writable and not buf.flags.writeable:
+        nbytes = buf.nbytes
+        if not nbytes:
+            return 0, 0
+        if flags.writeable:  # the cheapest way to the address (a third of __array_interface__'s cost)
+            return ctypes.addressof(ctypes.c_char.from_buffer(buf)), nbytes
+        if writable:
             raise ValueError("batchio: a destination is read-only")
-        return (buf.__array_interface__["data"][0] if buf.nbytes else 0), buf.nbytes
+        return buf.__array_interface__["data"][0], nbytes
     view = memoryview(buf)
     if not view.c_contiguous:
         raise ValueError("batchio: a buffer is not C-contiguous")

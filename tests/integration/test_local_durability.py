@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import gpuckpt
-from gpuckpt.storage import fsutil
+from gpuckpt.storage import batchio, fsutil
 
 
 def _inodes_under(root: str) -> set[tuple[int, int]]:
@@ -38,7 +38,10 @@ def _record_fsyncs(monkeypatch: pytest.MonkeyPatch) -> set[tuple[int, int]]:
 @pytest.mark.parametrize("sync", ["fs", "file"])
 def test_every_file_and_directory_is_fsynced_without_syncfs(tmp_path, monkeypatch, sync):
     # where syncfs(2) is missing, the "fs" mode falls back to fsyncing every
-    # file and directory of the checkpoint one by one, as "file" mode does
+    # file and directory of the checkpoint one by one, as "file" mode does.
+    # Python's fsyncs are recorded here, so the native small-file batches (whose
+    # fsyncs libc sees: tests/integration/test_small_batches.py) are off
+    monkeypatch.setattr(batchio, "instance", lambda: None)
     monkeypatch.setattr(fsutil, "syncfs", lambda path: False)
     synced = _record_fsyncs(monkeypatch)
     state = {f"layer{i}": {"w": np.full((3, 5), i, np.float32), "b": np.arange(i + 1)} for i in range(40)}

@@ -34,6 +34,7 @@ from gpuckpt import CheckpointManager, ShardedArray
 from gpuckpt.background import wait_all
 from gpuckpt.device.host_backend import HostBackend
 from gpuckpt.distributed import run_ranks
+from gpuckpt.storage import batchio
 from gpuckpt.testing.fakedevice import EmulatedDeviceArray
 
 SHAPE = (64, 256)  # float32 rows of 1 KiB: 64 KiB
@@ -302,6 +303,20 @@ def test_sync_mode_decides_the_fsyncs(where: Where, monkeypatch: pytest.MonkeyPa
         real(fd)
 
     monkeypatch.setattr(os, "fsync", counted)
+    # the native small-file batches fsync in C: count the files they are asked to fsync
+    lib = batchio.instance()
+    if lib is not None:
+
+        class Counting:
+            def __getattr__(self, name: str) -> Any:
+                return getattr(lib, name)
+
+            def write(self, root: str, kinds: list[int], *args: Any, fsync: str | None, **kw: Any) -> Any:
+                if fsync is not None:
+                    fsyncs.extend(-1 for k in kinds if k != batchio.MKDIR)
+                return lib.write(root, kinds, *args, fsync=fsync, **kw)  # type: ignore[union-attr]
+
+        monkeypatch.setattr(batchio, "instance", Counting)
     where.save(sync="none", chunk_bytes=4096)
     assert fsyncs == []
     where.save(sync="file", chunk_bytes=4096)
