@@ -70,11 +70,11 @@ STEPS+=("--step" "bench-kernels=$(status $?)")
 step bench-gpu timeout 110 "$PY" bench/bench_gpu.py --gib 2 --rounds 3 --out "$OUT" > "$OUT/bench_gpu.txt" 2>&1
 STEPS+=("--step" "bench-gpu=$(status $?)")
 # 4. compute-sanitizer memcheck and racecheck on both kernel paths.
-step sanitizer timeout 55 "${PYTEST[@]}" -m gpu tests/kernels/test_kernels_gpu.py -k "sanitizer or racecheck" \
+step sanitizer timeout 60 "${PYTEST[@]}" -m gpu tests/kernels/test_kernels_gpu.py -k "sanitizer or racecheck" \
   > "$OUT/pytest_sanitizer.txt" 2>&1
 STEPS+=("--step" "sanitizer=$(status $?)")
 # 5. The PyTorch-only tests that skip on CI, and the demo on the GPU.
-step torch-tests timeout 35 "${PYTEST[@]}" tests/device/test_torch_host.py tests/distributed/test_dtensor.py \
+step torch-tests timeout 30 "${PYTEST[@]}" tests/device/test_torch_host.py tests/distributed/test_dtensor.py \
   tests/distributed/test_coordinator_torch.py tests/integration/test_convert.py -k "torch or dcp or dtensor or gloo or subgroup" \
   > "$OUT/pytest_torch.txt" 2>&1
 STEPS+=("--step" "torch-tests=$(status $?)")
