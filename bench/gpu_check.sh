@@ -1,57 +1,92 @@
 #!/usr/bin/env bash
-# The prepared GPU check: gpu-marked tests, the PyTorch-only tests, the demo on
-# the GPU, kernel and save/load benchmarks, compute-sanitizer last.
-# Runs from the repository root on a machine with an NVIDIA GPU, CuPy and PyTorch
-# (no zarr, no network): wheels for the missing packages are fetched beforehand
-# with `bash bench/fetch_wheels.sh` into .whl/ and carried along.
-# Writes full results under $OUT (default: a temp dir); prints a short table last.
-# Every step has its own time limit (about 9 minutes in all, 4-5 expected).
+# The prepared GPU check (issue 23): the gpu-marked tests, the kernel table,
+# the save/load/async figures against ceilings measured in the same run, then
+# compute-sanitizer, the PyTorch-only tests and the demo on the GPU; writes
+# $OUT/<date>-summary.json (bench/gpu_summary.py) and prints its table last.
+#
+# Usage (repository root of a machine with an NVIDIA GPU, CuPy and PyTorch;
+# no zarr and no network needed: `bash bench/fetch_wheels.sh` beforehand puts
+# the missing wheels in .whl/, which travels with the tree):
+#
+#   COMMIT=<sha> OUT=<dir> bash bench/gpu_check.sh
+#   bash bench/gpu_check.sh --dry-run    # no GPU: the plumbing and the summary
+#                                        # writer on made-up numbers (format test)
+#
+# COMMIT names the commit in the summary where the tree has no .git. Full
+# outputs land in $OUT (default: a temp dir); copy $OUT/<date>-summary.json to
+# bench/gpu/ and commit it. Every step has its own time limit: at most 7.5
+# minutes in all, about 4 expected.
 set -uo pipefail
+shopt -s nullglob
 cd "$(dirname "$0")/.."
+DRY=0
+if [ "${1:-}" = "--dry-run" ]; then DRY=1; fi
 OUT=${OUT:-$(mktemp -d)}
 mkdir -p "$OUT"
+DATE=$(date -u +%F)
+COMMIT=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+SUMMARY="$OUT/$DATE-summary.json"
+PY=${PYTHON:-python3}
 export PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
-if compgen -G ".whl/*.whl" > /dev/null; then
+
+wheels=(.whl/zarr-*.whl .whl/numcodecs-*.whl .whl/donfig-*.whl .whl/google_crc32c-*.whl
+        .whl/crc32c-*.whl .whl/msgspec-*.whl .whl/typing_extensions-*.whl)
+if [ "$DRY" = 0 ] && [ ${#wheels[@]} -gt 0 ]; then
   # only what the GPU machine lacks; its own torch, numpy, pytest stay in charge
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/gpuckpt-site \
-    .whl/zarr-*.whl .whl/numcodecs-*.whl .whl/donfig-*.whl .whl/google_crc32c-*.whl \
-    .whl/crc32c-*.whl .whl/msgspec-*.whl .whl/typing_extensions-*.whl
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/gpuckpt-site "${wheels[@]}"
   export PYTHONPATH=/tmp/gpuckpt-site:$PWD
 else
-  export PYTHONPATH=$PWD
+  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 fi
-{ date -u; nvidia-smi; python3 -c "import sys, cupy, numpy, zarr; print(sys.version); print('cupy', cupy.__version__, 'numpy', numpy.__version__, 'zarr', zarr.__version__)";
-  python3 -c "import torch; print('torch', torch.__version__, torch.cuda.is_available())"; df -h /tmp; nproc; free -g; } > "$OUT/env.txt" 2>&1
 
-status() { if [ "$1" -eq 0 ]; then echo ok; else echo "FAILED (rc=$1)"; fi; }
+status() { if [ "$1" -eq 0 ]; then echo ok; elif [ "$1" -eq 124 ]; then echo "TIMEOUT"; else echo "FAILED(rc=$1)"; fi; }
 exec 3>&2
 step() { local name=$1 t0=$SECONDS; shift; "$@"; local rc=$?; echo "step $name: $((SECONDS - t0)) s, rc=$rc" >&3; return $rc; }
-PYTEST=(python3 -m pytest -q -p no:cacheprovider -o addopts="-ra --strict-markers")
+PYTEST=("$PY" -m pytest -q -p no:cacheprovider -o addopts="-ra --strict-markers")
+STEPS=()
 
-step gpu-tests timeout 120 "${PYTEST[@]}" -m gpu tests/device tests/kernels -k "not sanitizer and not racecheck" \
+if [ "$DRY" = 1 ]; then
+  # What runs without a GPU: the two benchmarks (they say there is nothing to
+  # measure and exit 0) and the summary writer on made-up numbers.
+  step bench-kernels timeout 60 "$PY" bench/bench_kernels.py --out "$OUT" > "$OUT/bench_kernels.txt" 2>&1
+  STEPS+=("--step" "bench-kernels=$(status $?) (dry run)")
+  step bench-gpu timeout 60 "$PY" bench/bench_gpu.py --gib 0.01 --rounds 1 --out "$OUT" > "$OUT/bench_gpu.txt" 2>&1
+  STEPS+=("--step" "bench-gpu=$(status $?) (dry run)")
+  "$PY" bench/gpu_summary.py --format-test --commit "$COMMIT" --date "$DATE" --out "$SUMMARY" "${STEPS[@]}"
+  exit $?
+fi
+
+{ date -u; nvidia-smi; "$PY" -c "import sys, cupy, numpy, zarr; print(sys.version); print('cupy', cupy.__version__, 'numpy', numpy.__version__, 'zarr', zarr.__version__)";
+  "$PY" -c "import torch; print('torch', torch.__version__, torch.cuda.is_available())"; df -h /tmp; nproc; free -g; } > "$OUT/env.txt" 2>&1
+
+# 1. Correctness on the device first (kernels against NumPy, every path).
+step gpu-tests timeout 100 "${PYTEST[@]}" -m gpu tests/device tests/kernels -k "not sanitizer and not racecheck" \
   > "$OUT/pytest_gpu.txt" 2>&1
-rc_tests=$?
-step torch-tests timeout 75 "${PYTEST[@]}" tests/device/test_torch_host.py tests/distributed/test_dtensor.py \
+STEPS+=("--step" "gpu-tests=$(status $?)")
+# 2. The kernel table (its own budget ends it before the step's limit).
+step bench-kernels timeout 130 "$PY" bench/bench_kernels.py --out "$OUT" --budget-s 95 > "$OUT/bench_kernels.txt" 2>&1
+STEPS+=("--step" "bench-kernels=$(status $?)")
+# 3. Save, load and async_save of a 2 GiB device state against the ceilings.
+step bench-gpu timeout 110 "$PY" bench/bench_gpu.py --gib 2 --rounds 3 --out "$OUT" > "$OUT/bench_gpu.txt" 2>&1
+STEPS+=("--step" "bench-gpu=$(status $?)")
+# 4. compute-sanitizer memcheck and racecheck on both kernel paths.
+step sanitizer timeout 60 "${PYTEST[@]}" -m gpu tests/kernels/test_kernels_gpu.py -k "sanitizer or racecheck" \
+  > "$OUT/pytest_sanitizer.txt" 2>&1
+STEPS+=("--step" "sanitizer=$(status $?)")
+# 5. The PyTorch-only tests that skip on CI, and the demo on the GPU.
+step torch-tests timeout 30 "${PYTEST[@]}" tests/device/test_torch_host.py tests/distributed/test_dtensor.py \
   tests/distributed/test_coordinator_torch.py tests/integration/test_convert.py -k "torch or dcp or dtensor or gloo or subgroup" \
   > "$OUT/pytest_torch.txt" 2>&1
-rc_torch=$?
-step demo timeout 60 python3 -m gpuckpt.demo --device gpu > "$OUT/demo_gpu.txt" 2>&1
-rc_demo=$?
-step bench-kernels timeout 100 python3 bench/bench_kernels.py --out "$OUT" > "$OUT/bench_kernels.txt" 2>&1
-rc_kernels=$?
-step bench-gpu timeout 130 python3 bench/bench_gpu.py --gib 2 --rounds 3 --out "$OUT" > "$OUT/bench_gpu.txt" 2>&1
-rc_gpu=$?
-step sanitizer timeout 90 "${PYTEST[@]}" -m gpu tests/kernels/test_kernels_gpu.py -k "sanitizer or racecheck" \
-  > "$OUT/pytest_sanitizer.txt" 2>&1
-rc_san=$?
+STEPS+=("--step" "torch-tests=$(status $?)")
+step demo timeout 20 "$PY" -m gpuckpt.demo --device gpu > "$OUT/demo_gpu.txt" 2>&1
+STEPS+=("--step" "demo=$(status $?)")
 
-echo "== gpuckpt GPU check ($(date -u +%F), $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)) =="
-echo "gpu tests:       $(status $rc_tests)  $(tail -1 "$OUT/pytest_gpu.txt")"
-echo "torch tests:     $(status $rc_torch)  $(tail -1 "$OUT/pytest_torch.txt")"
-echo "sanitizer tests: $(status $rc_san)  $(tail -1 "$OUT/pytest_sanitizer.txt")"
-echo "demo on GPU:     $(status $rc_demo)  $(tail -1 "$OUT/demo_gpu.txt")"
-echo "kernel bench:    $(status $rc_kernels)"
-grep -E "^(device-to-device|targets met)" "$OUT/bench_kernels.txt"
-echo "gpu bench:       $(status $rc_gpu)"
-tail -n 7 "$OUT/bench_gpu.txt"
+echo "== test outcomes =="
+for f in pytest_gpu pytest_sanitizer pytest_torch demo_gpu; do
+  [ -f "$OUT/$f.txt" ] && echo "$f: $(tail -1 "$OUT/$f.txt")"
+done
 grep -h -E "^(FAILED|ERROR)" "$OUT"/pytest_*.txt | head -20
+echo
+# The summary and its table, printed last.
+"$PY" bench/gpu_summary.py --kernels "$OUT/bench_kernels.json" --gpu "$OUT/bench_gpu.json" \
+  --commit "$COMMIT" --date "$DATE" --out "$SUMMARY" "${STEPS[@]}"

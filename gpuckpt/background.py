@@ -39,7 +39,15 @@ from gpuckpt.sources import Source, contains_sharded, describe_state
 from gpuckpt.workers import Workers
 from gpuckpt.writing import device_backends, execute_save, open_save_writer
 
-__all__ = ["SaveFuture", "async_save", "async_save_with_options", "wait_all"]
+__all__ = [
+    "SaveFuture",
+    "async_save",
+    "async_save_with_options",
+    "snapshot",
+    "snapshot_bytes",
+    "snapshot_on_device",
+    "wait_all",
+]
 
 _lock = threading.Lock()
 _pools: dict[int, ArenaPool] = {}
@@ -64,7 +72,7 @@ def _arena_pool(sources: dict[str, tuple[Source, ...]]) -> ArenaPool:
         return pool
 
 
-def _snapshot_bytes(sources: dict[str, tuple[Source, ...]]) -> int:
+def snapshot_bytes(sources: dict[str, tuple[Source, ...]]) -> int:
     """What a snapshot of ``sources`` takes of an arena."""
     return sum(aligned_bytes(math.prod(a.shape) * a.dtype.itemsize) for a in _arrays(sources))
 
@@ -273,7 +281,7 @@ def async_save_with_options(
     if options.staging == "device":
         return submit(writer_executor(), run(snapshot_on_device(sources)), os.fspath(path))
     pool = _arena_pool(sources)
-    arena = pool.acquire(_snapshot_bytes(sources))
+    arena = pool.acquire(snapshot_bytes(sources))
     handed_over = False
 
     def hand_over(raw: Future[Metadata]) -> None:
@@ -307,7 +315,7 @@ def _async_distributed(
             # process wait for each other's saves, which need every rank to finish
             backend = next(iter(device_backends(_arrays(sources))), None)
             arena = StagingArena(backend.pinned_allocator() if backend is not None else HostAllocator())
-            arena.reset(_snapshot_bytes(sources))
+            arena.reset(snapshot_bytes(sources))
             snap = snapshot(local, sources, arena)
         described = (local, snap)
     except Exception as exc:  # the other ranks learn of it in the save's first collective step

@@ -51,6 +51,7 @@ __all__ = [
     "checksum_verified",
     "fetch_verified",
     "paused_gc",
+    "read_chunk_into",
     "read_tensors",
     "scratch",
     "validate_metadata",
@@ -316,16 +317,21 @@ def fetch_verified(reader: CheckpointReader, t: TensorEntry, c: ChunkRead, parts
     _check_crc(t, c, value, int.from_bytes(crc_buf, "little"))
 
 
-def _read_chunk(
+def read_chunk_into(
     reader: CheckpointReader,
     t: TensorEntry,
     c: ChunkRead,
     dest: ArrayAdapter,
+    offsets: tuple[int, ...],
     staging: Staging,
     counter: ProgressCounter,
 ) -> None:
-    """Read and verify chunk ``c`` into its box of ``dest``."""
-    incoming = dest.stage_in(c.spec.offsets, c.spec.sizes, staging)
+    """Read and verify chunk ``c`` into the box of ``dest`` at ``offsets`` (the chunk's extent).
+
+    Straight into the box's memory where its layout allows (host boxes, or the
+    staging buffer of a device box), else through scratch memory.
+    """
+    incoming = dest.stage_in(offsets, c.spec.sizes, staging)
     try:
         box = incoming.box
         direct = (
@@ -360,7 +366,7 @@ def _read_chunks(
         _read_host_batch(reader, host, staging, counter)
     for t, c, dest in reads:
         if dest.backend is not None:
-            _read_chunk(reader, t, c, dest, staging, counter)
+            read_chunk_into(reader, t, c, dest, c.spec.offsets, staging, counter)
 
 
 def _read_host_batch(

@@ -18,7 +18,7 @@ import errno
 import functools
 import math
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -54,6 +54,7 @@ __all__ = [
     "device_backends",
     "execute_save",
     "open_save_writer",
+    "array_document_of",
     "write_array_documents",
     "write_chunks",
 ]
@@ -116,15 +117,24 @@ def device_backends(arrays: Iterable[ArrayAdapter]) -> list[DeviceBackend]:
     return distinct_backends(a.backend for a in arrays)
 
 
-def _array_document(t: TensorPlan) -> bytes:
+def array_document_of(t: TensorPlan) -> bytes:
     return array_document(
         shape=t.shape, dtype=t.dtype, grid=t.grid, fqn=t.fqn, memory_format=t.properties.memory_format.name
     )
 
 
-def write_array_documents(plan: SavePlan, writer: CheckpointWriter) -> None:
+def write_array_documents(
+    plan: SavePlan, writer: CheckpointWriter, *, defer: Collection[str] = ()
+) -> dict[str, bytes]:
+    """Write the ``zarr.json`` of every array of ``plan`` but those named in ``defer``; returns
+    the documents of those, by array name, for :func:`write_chunks` to write with their one chunk."""
+    deferred = {}
     for t in plan.tensors:
-        writer.write_array_document(t.name, _array_document(t))
+        if t.name in defer:
+            deferred[t.name] = array_document_of(t)
+        else:
+            writer.write_array_document(t.name, array_document_of(t))
+    return deferred
 
 
 def write_chunks(
@@ -298,10 +308,9 @@ def execute_save(
         writer.begin()
         # single-chunk arrays get their directory and document from the I/O thread
         # that writes their chunk; the others' must exist before any chunk lands
-        single = {t.name: _array_document(t) for t in plan.tensors if len(t.specs) == 1}
-        for t in plan.tensors:
-            if t.name not in single:
-                writer.write_array_document(t.name, _array_document(t))
+        single = write_array_documents(
+            plan, writer, defer={t.name for t in plan.tensors if len(t.specs) == 1}
+        )
         jobs = bind_jobs(mine, sources)
         sizes = write_chunks(jobs, writer, options, documents=single)
         results = {(j.name, j.coords): r for j, r in zip(jobs, sizes, strict=True)}

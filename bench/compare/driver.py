@@ -62,21 +62,29 @@ SYSTEMS = [
     System("dcp-t1", "peer", LOAD_OPS, ("torch",)),
     System("dcp-t2", "peer", LOAD_OPS, ("torch",)),
     System("dcp-async", "peer", "async", ("torch",)),
+    # DCP's own API with gpuckpt as its storage layer (gpuckpt.dcp)
+    System("dcp-gpuckpt", "peer", LOAD_OPS, ("torch", "gpuckpt.dcp")),
+    System("dcp-gpuckpt-async", "peer", "async", ("torch", "gpuckpt.dcp")),
     System("orbax", "peer", LOAD_OPS, ("orbax.checkpoint",)),
 ]
-ASYNC_SYSTEMS = {"gpuckpt-async", "gpuckpt-async-buffered", "dcp-async"}
+ASYNC_SYSTEMS = {"gpuckpt-async", "gpuckpt-async-buffered", "dcp-async", "dcp-gpuckpt-async"}
 #: run only when named in --systems
 OPT_IN_SYSTEMS = {"gpuckpt-direct", "gpuckpt-async-buffered", "gpuckpt-pread"}
 
 
 def setup_peers(base_python: str = PEER_BASE_PYTHON) -> int:
-    """Create the peer venv (Python 3.11) and install torch, safetensors, then orbax where it installs."""
+    """Create the peer venv (Python 3.11) and install torch, safetensors, gpuckpt, then orbax where it installs."""
     PEER_HOME.mkdir(parents=True, exist_ok=True)
     venv = PEER_HOME / "py311"
     if not PEER_PYTHON.exists():
         subprocess.run([base_python, "-m", "venv", str(venv)], check=True)
     pip = [str(PEER_PYTHON), "-m", "pip", "install", "-q"]
     subprocess.run([*pip, "-r", str(REQUIREMENTS)], check=True)
+    # gpuckpt itself (Python 3.11 is supported), for the dcp-gpuckpt systems: its dependencies,
+    # and its zarr data types; the runs import it from this checkout (PYTHONPATH)
+    rc = subprocess.run([*pip, "-e", str(REPO)]).returncode
+    if rc != 0:
+        print("gpuckpt did not install in the peer environment: dcp-gpuckpt will be skipped", file=sys.stderr)
     # orbax pulls in jax; a failure leaves it out of the comparison, not the others
     rc = subprocess.run([*pip, "orbax-checkpoint"]).returncode
     if rc != 0:

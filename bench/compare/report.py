@@ -18,7 +18,9 @@ STATE_TITLES = {
     "gpt-adam": "GPT-like model + Adam moments",
     "small": "small tensors (4-64 KiB each)",
 }
-ORDER = ["raw-files", "raw-single", "gpuckpt", "gpuckpt-direct", "gpuckpt-pread", *PEERS]
+#: DCP's API with gpuckpt as its storage layer: gpuckpt measured through torch.distributed.checkpoint
+THROUGH_DCP = ("dcp-gpuckpt",)
+ORDER = ["raw-files", "raw-single", "gpuckpt", "gpuckpt-direct", "gpuckpt-pread", *THROUGH_DCP, *PEERS]
 
 
 def _stats(values: list[float]) -> dict[str, float]:
@@ -156,6 +158,7 @@ def evaluate_targets(agg: dict[tuple[str, str, str], dict[str, Any]]) -> list[tu
         row("10,000 small: save no slower than DCP", s_save <= t, f"{s_save:.3f} s vs {n} {t:.3f} s")
     else:
         row("10,000 small: save no slower than DCP", None, "-")
+    _dcp_targets(agg, row)
     worst = max(
         (
             a["extra_peak"]["max"]
@@ -168,6 +171,37 @@ def evaluate_targets(agg: dict[tuple[str, str, str], dict[str, Any]]) -> list[tu
         row("sync save: extra peak memory within the staging budget (512 MiB)", worst <= STAGING_BUDGET,
             f"worst over states and rounds: {worst / 2**20:.0f} MiB")  # fmt: skip
     return rows
+
+
+def _dcp_targets(agg: dict[tuple[str, str, str], dict[str, Any]], row: Any) -> None:
+    """The targets of gpuckpt.dcp (issue 18): DCP's API over gpuckpt against native gpuckpt and DCP's own storage."""
+    st = "gpt"
+
+    def compare(label: str, mine: float | None, ref: float | None, ok: Any, detail: str) -> None:
+        if mine is None or ref is None:
+            row(label, None, "-")
+        else:
+            row(label, bool(ok(mine, ref)), detail.format(mine=mine, ref=ref, ratio=mine / ref))
+
+    d_save, g_save = _get(agg, st, "dcp-gpuckpt", "save"), _get(agg, st, "gpuckpt", "save")
+    compare("dcp.save through gpuckpt.dcp.Writer within 10% of gpuckpt.save", d_save, g_save,
+            lambda m, r: m <= 1.1 * r, "{mine:.3f} s vs {ref:.3f} s = {ratio:.2f}x")  # fmt: skip
+    compare("dcp.save through gpuckpt.dcp.Writer faster than FileSystemWriter (2 threads)", d_save,
+            _get(agg, st, "dcp-t2", "save"), lambda m, r: m < r, "{mine:.3f} s vs {ref:.3f} s")  # fmt: skip
+    d_load, g_load = _get(agg, st, "dcp-gpuckpt", "load_warm"), _get(agg, st, "gpuckpt", "load_warm")
+    fs = [t for t in (_get(agg, st, n, "load_warm") for n in ("dcp-t1", "dcp-t2")) if t is not None]
+    compare("dcp.load through gpuckpt.dcp.Reader, warm: >= 3x faster than FileSystemReader", d_load,
+            min(fs) if fs else None, lambda m, r: r >= 3 * m, "{mine:.3f} s vs {ref:.3f} s: {ratio:.2f}x the time")  # fmt: skip
+    compare("dcp.load through gpuckpt.dcp.Reader, warm: within 15% of gpuckpt.load", d_load, g_load,
+            lambda m, r: m <= 1.15 * r, "{mine:.3f} s vs {ref:.3f} s = {ratio:.2f}x")  # fmt: skip
+    compare("dcp.async_save with gpuckpt.dcp.Stager blocks <= DCP's cached DefaultStager",
+            _get(agg, st, "dcp-gpuckpt-async", "async", "blocking_s"),
+            _get(agg, st, "dcp-async-cached", "async", "blocking_s"), lambda m, r: m <= r,
+            "{mine:.3f} s vs {ref:.3f} s")  # fmt: skip
+    a = agg.get((st, "dcp-gpuckpt-async", "async"))
+    mem = _get(agg, st, "dcp-gpuckpt-async", "async", "extra_peak")
+    compare("dcp.async_save with gpuckpt.dcp.Stager: extra memory <= one copy of the state (two decimals)",
+            mem, a["bytes"] if a else None, lambda m, r: round(m / r, 2) <= 1.0, "{ratio:.2f}x the state")  # fmt: skip
 
 
 def _fmt_rate(a: dict[str, Any] | None) -> str:
@@ -247,7 +281,7 @@ def _async_table(agg: dict[tuple[str, str, str], dict[str, Any]], state: str) ->
     if not rows:
         return []
     sync_ref = {"gpuckpt-async": "gpuckpt", "gpuckpt-async-buffered": "gpuckpt", "dcp-async-default": "dcp-t2", "dcp-async-cached": "dcp-t2",
-                "dcp-async-bgstage": "dcp-t2"}  # fmt: skip
+                "dcp-async-bgstage": "dcp-t2", "dcp-gpuckpt-async": "dcp-gpuckpt"}  # fmt: skip
     lines = [
         f"#### async save, {STATE_TITLES.get(state, state)}",
         "",

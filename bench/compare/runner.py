@@ -68,6 +68,8 @@ ADAPTERS = {
     "dcp-t1": "bench.compare.sys_torch:DCP1",
     "dcp-t2": "bench.compare.sys_torch:DCP2",
     "dcp-async": "bench.compare.sys_torch:DCP2",
+    "dcp-gpuckpt": "bench.compare.sys_torch:DCPGpuckpt",
+    "dcp-gpuckpt-async": "bench.compare.sys_torch:DCPGpuckpt",
     "orbax": "bench.compare.sys_orbax:Orbax",
 }
 

@@ -16,7 +16,7 @@ import torch
 
 from bench.compare.adapter import Adapter, measure_async, timed_copy
 
-__all__ = ["DCP1", "DCP2", "Safetensors", "TorchSave"]
+__all__ = ["DCP1", "DCP2", "DCPGpuckpt", "Safetensors", "TorchSave"]
 
 
 class _TorchAdapter(Adapter):
@@ -97,55 +97,57 @@ class _DCP(_TorchAdapter):
         tt = {k: torch.from_numpy(v) for k, v in self.targets.items()}
         dcp.load(tt, storage_reader=dcp.FileSystemReader(path))
 
-    def async_variants(self) -> dict[str, Callable[[str], dict[str, Any]]]:
+    def writer(self, path: str) -> Any:
         import torch.distributed.checkpoint as dcp
+
+        return dcp.FileSystemWriter(path, thread_count=self.threads)
+
+    def async_variants(self) -> dict[str, Callable[[str], dict[str, Any]]]:
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-        def variant(make_stager: Callable[[], Any]) -> Callable[[str], dict[str, Any]]:
-            def run(prefix: str) -> dict[str, Any]:
-                copy_s = timed_copy(self.state)
-                stager = make_stager()
-
-                def start(p: str) -> Any:
-                    w = dcp.FileSystemWriter(p, thread_count=self.threads)
-                    return dcp.async_save(self.tstate, storage_writer=w, async_stager=stager)
-
-                def wait(h: Any) -> float | None:
-                    if hasattr(h, "staging_completion"):
-                        h.staging_completion.result()
-                        staged = time.perf_counter()
-                        h.upload_completion.result()
-                        return staged
-                    h.result()
-                    return None
-
-                rec = measure_async(
-                    start,
-                    wait,
-                    prefix,
-                    copy_s,
-                    sync_save=self.save,
-                    copy_after=lambda: timed_copy(self.state),
-                )
-                if stager is not None:
-                    stager.close()
-                return rec
-
-            return run
 
         cpu = {"use_pinned_memory": False, "use_shared_memory": False, "use_non_blocking_copy": False}
         return {
             # a new staging copy per call (what dcp.async_save does without a stager)
-            "dcp-async-default": variant(lambda: None),
+            "dcp-async-default": _async_variant(self, lambda: None),
             # one stager reused across calls: its staging memory is cached
-            "dcp-async-cached": variant(
-                lambda: DefaultStager(StagingOptions(use_async_staging=False, **cpu))
+            "dcp-async-cached": _async_variant(
+                self, lambda: DefaultStager(StagingOptions(use_async_staging=False, **cpu))
             ),
             # staging on a background thread: the call returns before the copy
-            "dcp-async-bgstage": variant(
-                lambda: DefaultStager(StagingOptions(use_async_staging=True, **cpu))
+            "dcp-async-bgstage": _async_variant(
+                self, lambda: DefaultStager(StagingOptions(use_async_staging=True, **cpu))
             ),
         }
+
+
+def _async_variant(ad: Any, make_stager: Callable[[], Any]) -> Callable[[str], dict[str, Any]]:
+    """Two ``dcp.async_save`` calls back to back through ``ad.writer``, with one stager for both."""
+    import torch.distributed.checkpoint as dcp
+
+    def run(prefix: str) -> dict[str, Any]:
+        copy_s = timed_copy(ad.state)
+        stager = make_stager()
+
+        def start(p: str) -> Any:
+            return dcp.async_save(ad.tstate, storage_writer=ad.writer(p), async_stager=stager)
+
+        def wait(h: Any) -> float | None:
+            if hasattr(h, "staging_completion"):
+                h.staging_completion.result()
+                staged = time.perf_counter()
+                h.upload_completion.result()
+                return staged
+            h.result()
+            return None
+
+        rec = measure_async(
+            start, wait, prefix, copy_s, sync_save=ad.save, copy_after=lambda: timed_copy(ad.state)
+        )
+        if stager is not None:
+            stager.close()
+        return rec
+
+    return run
 
 
 class DCP1(_DCP):
@@ -154,3 +156,36 @@ class DCP1(_DCP):
 
 class DCP2(_DCP):
     threads = 2
+
+
+class DCPGpuckpt(_TorchAdapter):
+    """``dcp.save`` through ``gpuckpt.dcp.Writer`` (defaults: durable, atomic); ``dcp.load`` in place
+    through ``gpuckpt.dcp.Reader``; ``dcp.async_save`` with one ``gpuckpt.dcp.Stager`` for every call."""
+
+    def version(self) -> str:
+        import gpuckpt
+
+        return f"torch {torch.__version__}, gpuckpt {gpuckpt.__version__}"
+
+    def writer(self, path: str) -> Any:
+        import gpuckpt.dcp
+
+        return gpuckpt.dcp.Writer(path)
+
+    def save(self, path: str) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(self.tstate, storage_writer=self.writer(path))
+
+    def load(self, path: str) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        import gpuckpt.dcp
+
+        tt = {k: torch.from_numpy(v) for k, v in self.targets.items()}
+        dcp.load(tt, storage_reader=gpuckpt.dcp.Reader(path))
+
+    def async_variants(self) -> dict[str, Callable[[str], dict[str, Any]]]:
+        import gpuckpt.dcp
+
+        return {"dcp-gpuckpt-async": _async_variant(self, gpuckpt.dcp.Stager)}

@@ -11,6 +11,15 @@ checkout and in ``gpuckpt/_kernels/`` of an installed wheel.  It is compiled
 at run time through CuPy (NVRTC), lazily on first use and once per device;
 importing this module never imports CuPy.
 
+Three kernel paths do the work, each thread transposing in registers where
+it can: a pixel path for few channels (C = 1..8), in which each thread moves
+whole pixels with vector loads and stores; a micro-tile path for many
+channels in 16-byte groups, in which each thread moves a 16-byte wide block
+of channels by a few positions; and a tiled transpose through shared memory
+for every other shape.  :func:`choose_path` picks one by shape; the choice
+and the whole launch plan are made once per layout and box and cached, so
+that a launch costs little more than the kernel call.
+
 Everything here except :func:`load_module` and the two copy functions is pure
 Python, shared with the NumPy reference implementation
 (:mod:`gpuckpt.device._kernel_ref`) and with the CPU-emulation tests, which
@@ -23,7 +32,7 @@ import functools
 import os
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,18 +40,22 @@ from gpuckpt import memory_format as mf
 
 __all__ = [
     "KERNEL_FILE",
+    "PIXEL_MAX_CHANNELS",
     "BoxCopyPlan",
     "channels_last_strides",
     "channels_last_to_contiguous",
     "check_channels_last",
     "check_contiguous_block",
     "check_itemsize",
+    "choose_path",
     "contiguous_to_channels_last",
     "is_channels_last",
     "kernel_source",
     "kernel_source_dir",
     "load_module",
     "normalize_box",
+    "micro_positions_per_thread",
+    "pixel_positions_per_thread",
     "plan_box_copy",
 ]
 
@@ -64,6 +77,15 @@ TILE_MAX_CHANNELS: dict[int, int] = {1: 64, 2: 64, 4: 32, 8: 32}
 MAX_GRID: tuple[int, int, int] = (2**31 - 1, 65535, 65535)
 
 SUPPORTED_ITEMSIZES = (1, 2, 4, 8)
+
+#: Largest channel count of the pixel path (``gpuckpt_px_*`` kernels).
+PIXEL_MAX_CHANNELS = 8
+
+#: The kernel paths (see :func:`choose_path`).
+PATHS = ("tiled", "pixel", "micro")
+
+#: Bytes of channels one micro-tile spans (``16 / itemsize`` channels).
+MICRO_GROUP_BYTES = 16
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]
 
@@ -106,7 +128,7 @@ def kernel_source() -> str:
     return (kernel_source_dir() / KERNEL_FILE).read_text(encoding="utf-8")
 
 
-_modules: dict[tuple[int, tuple[str, ...]], Any] = {}
+_modules: dict[tuple[int, tuple[str, ...], str | None], Any] = {}
 _modules_lock = threading.Lock()
 
 
@@ -119,8 +141,42 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_new_lock_after_fork)
 
 
-def load_module(device_id: int | None = None, *, options: Sequence[str] = ()) -> Any:
-    """Compile (once per device) and return the kernels as a CuPy module.
+def module_part_options(part: str | None) -> tuple[str, ...]:
+    """NVRTC options that make the source define only ``part``'s kernels.
+
+    Parameters
+    ----------
+    part : str or None
+        ``"tiled"`` or ``"micro"`` (those kernels for every element size),
+        ``"px1"``, ``"px2"``, ``"px4"`` or ``"px8"`` (the pixel kernels of
+        one element size), or None for everything.
+
+    Returns
+    -------
+    tuple of str
+        ``-D`` options (``GK_BUILD_TILED``, ``GK_BUILD_MICRO``,
+        ``GK_BUILD_PX_SIZES``).
+
+    Raises
+    ------
+    ValueError
+        For an unknown part.
+    """
+    if part is None:
+        return ()
+    if part == "tiled":
+        return ("-DGK_BUILD_TILED=1", "-DGK_BUILD_MICRO=0", "-DGK_BUILD_PX_SIZES=0")
+    if part == "micro":
+        return ("-DGK_BUILD_TILED=0", "-DGK_BUILD_MICRO=1", "-DGK_BUILD_PX_SIZES=0")
+    if part.startswith("px") and part[2:] in {str(es) for es in SUPPORTED_ITEMSIZES}:
+        return ("-DGK_BUILD_TILED=0", "-DGK_BUILD_MICRO=0", f"-DGK_BUILD_PX_SIZES={part[2:]}")
+    raise ValueError(
+        f"kernel module part {part!r} is not one of 'tiled', 'micro', 'px1', 'px2', 'px4', 'px8' or None"
+    )
+
+
+def load_module(device_id: int | None = None, *, options: Sequence[str] = (), part: str | None = None) -> Any:
+    """Compile (once per device and part) and return kernels as a CuPy module.
 
     Parameters
     ----------
@@ -129,6 +185,10 @@ def load_module(device_id: int | None = None, *, options: Sequence[str] = ()) ->
     options : sequence of str, optional
         Extra NVRTC options.  Tests use ``-D`` switches here to build the
         deliberately broken variants; normal callers pass nothing.
+    part : str, optional
+        Compile only these kernels (see :func:`module_part_options`): the
+        launches compile the tiled kernels and each element size's pixel
+        kernels separately, on first use.  Everything when omitted.
 
     Returns
     -------
@@ -139,15 +199,16 @@ def load_module(device_id: int | None = None, *, options: Sequence[str] = ()) ->
 
     if device_id is None:
         device_id = cupy.cuda.Device().id
-    key = (int(device_id), tuple(options))
+    key = (int(device_id), tuple(options), part)
     module = _modules.get(key)  # compiled already: no lock needed to read it
     if module is not None:
         return module
+    part_options = module_part_options(part)
     with _modules_lock:
         module = _modules.get(key)
         if module is None:
             with cupy.cuda.Device(device_id):
-                module = cupy.RawModule(code=kernel_source(), options=("-std=c++17", *options))
+                module = cupy.RawModule(code=kernel_source(), options=("-std=c++17", *part_options, *options))
                 # Compile now, on this device: RawModule would otherwise
                 # compile for whichever device is current at first use.
                 module.compile()
@@ -409,13 +470,106 @@ def _prod(values: Sequence[int]) -> int:
     return out
 
 
+def choose_path(
+    shape: Sequence[int], sizes: Sequence[int], itemsize: int, offsets: Sequence[int] | None = None
+) -> str:
+    """Pick the kernel path for a box copy, by shape.
+
+    Parameters
+    ----------
+    shape : sequence of int
+        Logical shape of the channels-last tensor, 4-D or 5-D.
+    sizes : sequence of int
+        Box sizes (the whole tensor: ``shape``).
+    itemsize : int
+        Element size in bytes: 1, 2, 4 or 8.
+    offsets : sequence of int, optional
+        Box offsets (the whole tensor when omitted).
+
+    Returns
+    -------
+    str
+        ``"pixel"`` when the tensor has 1 to :data:`PIXEL_MAX_CHANNELS`
+        channels: each thread moves whole pixels with vector accesses on
+        both sides (a box with some of the channels still reads whole
+        pixels).  ``"micro"`` when the box's channels come in whole 16-byte
+        groups (the tensor's channels, the box's first channel and its
+        channel count: multiples of ``16 / itemsize``) and its planes are
+        4-byte aligned in the logical block: each thread moves a micro-tile
+        of one such group by a few positions.  ``"tiled"`` otherwise, the
+        shared-memory transpose.
+
+    Notes
+    -----
+    Pure and cheap; the launch plan that holds its answer is cached per
+    layout and box (see :func:`plan_box_copy`), so it runs once per layout.
+    Every box is served by every path that accepts it: the choice is about
+    speed only.
+    """
+    _check_ndim(shape, "shape")
+    if itemsize not in SUPPORTED_ITEMSIZES:
+        raise TypeError(f"element size {itemsize} is not one of {SUPPORTED_ITEMSIZES}")
+    if len(sizes) != len(shape) or (offsets is not None and len(offsets) != len(shape)):
+        raise ValueError(f"box sizes {tuple(sizes)} do not match the rank of shape {tuple(shape)}")
+    channels = int(shape[1])
+    if 1 <= channels <= PIXEL_MAX_CHANNELS:
+        return "pixel"
+    c0 = 0 if offsets is None else int(offsets[1])
+    if (
+        all(v * itemsize % MICRO_GROUP_BYTES == 0 for v in (channels, c0, int(sizes[1])))
+        and int(sizes[1]) > 0
+        and _logical_strides_aligned(sizes, itemsize, 4)
+    ):
+        return "micro"
+    return "tiled"
+
+
+def _logical_strides_aligned(sizes: Sequence[int], itemsize: int, align: int) -> bool:
+    """The logical block's plane stride and spatial strides (the products of
+    the sizes after each spatial dimension) are multiples of ``align`` bytes,
+    so that every plane of every line starts on such a boundary."""
+    return all(_prod(sizes[d:]) * itemsize % align == 0 for d in range(3, len(sizes))) and (
+        _prod(sizes[2:]) * itemsize % align == 0
+    )
+
+
+def micro_positions_per_thread(itemsize: int) -> int:
+    """Spatial positions of one micro-tile: 16 for 1-byte elements, 8 for
+    the others (256 or 128 bytes per thread).  Must match
+    ``gk_mt_positions`` in the CUDA source."""
+    return 16 if itemsize == 1 else 8
+
+
+def micro_groups_log2(nch: int, itemsize: int) -> int:
+    """log2 of the channel groups per block of the micro-tile path: the
+    largest power of two up to 32 and up to the box's groups."""
+    groups = max(1, nch * itemsize // MICRO_GROUP_BYTES)
+    return min(5, groups.bit_length() - 1)
+
+
+def pixel_positions_per_thread(channels: int, itemsize: int) -> int:
+    """Spatial positions one thread of the pixel path moves (all channels).
+
+    ``16 * G / itemsize`` with ``G`` = 4, 2, 1 for 1, 2 and more channels:
+    16 bytes of every plane (64 and 32 bytes for one and two channels), so
+    that each thread has at least 48 bytes in flight.  Must match
+    ``gk_px_groups`` in the CUDA source.
+    """
+    groups = 4 if channels == 1 else 2 if channels == 2 else 1
+    return 16 * groups // itemsize
+
+
 @dataclass(frozen=True)
 class BoxCopyPlan:
     """Kernel parameters for one box copy; see ``kernels/channels_last.cu``.
 
     All offsets and strides are in elements.  The box is ``nlines`` lines
     (outer dimensions, up to three, sizes ``(*, l1, l2)``) of ``run_len``
-    spatial positions and ``nch`` channels.
+    spatial positions and ``nch`` channels.  ``path`` is ``"tiled"`` (tile
+    sides ``2**log_tc`` channels by ``2**log_tq`` positions), ``"pixel"``
+    (``cl_base`` then points at channel 0 of the first pixel, the box starts
+    at channel ``c0``, and ``cl_qs`` is the tensor's channel count) or
+    ``"micro"`` (``2**log_tc`` groups of 16 bytes of channels per block).
     """
 
     itemsize: int
@@ -433,6 +587,8 @@ class BoxCopyPlan:
     log_tq: int
     grid: tuple[int, int, int]
     block: tuple[int, int, int] = (THREADS_PER_BLOCK, 1, 1)
+    path: str = "tiled"
+    c0: int = 0
 
     @property
     def empty(self) -> bool:
@@ -441,13 +597,33 @@ class BoxCopyPlan:
 
     @property
     def tiles(self) -> tuple[int, int, int]:
-        """Tiles along (run, channels, lines), before capping to the grid."""
+        """Work items along the grid's (x, y, z) before capping to it: tiles
+        along (run, channels, lines) on the tiled path; blocks' spans of the
+        run and lines on the pixel path; blocks' spans of the run, tiles of
+        channel groups and lines on the micro-tile path."""
+        if self.path == "pixel":
+            span = THREADS_PER_BLOCK * pixel_positions_per_thread(self.cl_qs, self.itemsize)
+            return (-(-self.run_len // span), self.nlines, 1)
+        if self.path == "micro":
+            span = (THREADS_PER_BLOCK >> self.log_tc) * micro_positions_per_thread(self.itemsize)
+            groups = self.nch * self.itemsize // MICRO_GROUP_BYTES
+            return (-(-self.run_len // span), -(-groups >> self.log_tc), self.nlines)
         tq, tc = 1 << self.log_tq, 1 << self.log_tc
         return (-(-self.run_len // tq), -(-self.nch // tc), self.nlines)
+
+    @property
+    def module_part(self) -> str:
+        """The part of the source (see :func:`module_part_options`) that
+        holds this plan's kernels."""
+        return f"px{self.itemsize}" if self.path == "pixel" else self.path
 
     def kernel_name(self, to_channels_last: bool) -> str:
         """Name of the ``extern "C"`` entry point for this element size."""
         direction = "cf_to_cl" if to_channels_last else "cl_to_cf"
+        if self.path == "pixel":
+            return f"gpuckpt_px_{direction}_{self.itemsize}_{self.cl_qs}"
+        if self.path == "micro":
+            return f"gpuckpt_mt_{direction}_{self.itemsize}"
         return f"gpuckpt_{direction}_{self.itemsize}"
 
     def params(self) -> tuple[int, ...]:
@@ -465,6 +641,15 @@ class BoxCopyPlan:
             self.cf_cs,
         )
 
+    def int_params(self) -> tuple[int, int]:
+        """The two ``int`` kernel parameters after :meth:`params`: the tile
+        sides (log2) on the tiled path, the box's first channel on the pixel
+        path, log2 of the channel groups per block on the micro-tile path
+        (held in ``log_tc``)."""
+        if self.path == "pixel":
+            return (self.c0, 0)
+        return (self.log_tc, self.log_tq)
+
 
 def plan_box_copy(
     shape: Sequence[int],
@@ -473,6 +658,7 @@ def plan_box_copy(
     itemsize: int,
     *,
     grid_limit: tuple[int, int, int] = MAX_GRID,
+    path: str | None = None,
 ) -> BoxCopyPlan:
     """Plan the copy of a box between a dense channels-last tensor and a
     C-contiguous logical-order block.
@@ -488,6 +674,10 @@ def plan_box_copy(
     grid_limit : tuple of int, optional
         Largest grid to launch; the kernels loop over the rest.  Tests lower
         it to exercise those loops.
+    path : str, optional
+        ``"tiled"``, ``"pixel"`` or ``"micro"``; :func:`choose_path` decides
+        when omitted.  Tests force one to run boxes through every path that
+        accepts them.
 
     Returns
     -------
@@ -497,6 +687,22 @@ def plan_box_copy(
     _check_ndim(shape, "shape")
     if itemsize not in SUPPORTED_ITEMSIZES:
         raise TypeError(f"element size {itemsize} is not one of {SUPPORTED_ITEMSIZES}")
+    if path is None:
+        path = choose_path(shape, sizes, itemsize, offsets)
+    elif path not in PATHS:
+        raise ValueError(f"kernel path {path!r} is not one of {PATHS}")
+    elif path == "pixel" and not 1 <= shape[1] <= PIXEL_MAX_CHANNELS:
+        raise ValueError(
+            f"the pixel path serves 1 to {PIXEL_MAX_CHANNELS} channels; shape {tuple(shape)} has {shape[1]}"
+        )
+    elif path == "micro" and any(
+        v * itemsize % MICRO_GROUP_BYTES for v in (int(shape[1]), int(offsets[1]), int(sizes[1]))
+    ):
+        raise ValueError(
+            f"the micro-tile path needs whole {MICRO_GROUP_BYTES}-byte groups of channels; shape "
+            f"{tuple(shape)} with box channels [{offsets[1]}, {offsets[1] + sizes[1]}) of {itemsize}-byte "
+            "elements has none"
+        )
     ndim = len(shape)
     # Canonical element strides: a size-1 dimension is only ever indexed at 0,
     # so its real stride does not matter and the canonical one can be used.
@@ -513,20 +719,41 @@ def plan_box_copy(
     line_dims = [0, *range(2, first_run_dim)]
     line_dims = [None] * (3 - len(line_dims)) + line_dims  # pad to three
     line_sizes = [1 if d is None else int(sizes[d]) for d in line_dims]
-    cl_lines = tuple(0 if d is None else cl_st[d] for d in line_dims)
-    cf_lines = tuple(0 if d is None else cf_st[d] for d in line_dims)
-    cl_base = sum(int(o) * s for o, s in zip(offsets, cl_st, strict=True))
+    # A line dimension of size 1 is only indexed at 0: stride 0, which keeps
+    # it out of the kernels' alignment checks.
+    cl_lines = tuple(0 if d is None or sizes[d] == 1 else cl_st[d] for d in line_dims)
+    cf_lines = tuple(0 if d is None or sizes[d] == 1 else cf_st[d] for d in line_dims)
     nch = int(sizes[1])
-
-    tile = TILE_ELEMS[itemsize]
-    tc0 = min(TILE_MAX_CHANNELS[itemsize], _next_pow2(nch))
-    tq = min(_next_pow2(run_len), tile // tc0)
-    tc = min(_next_pow2(nch), tile // tq)
-    log_tq, log_tc = tq.bit_length() - 1, tc.bit_length() - 1
     nlines = _prod(line_sizes)
 
-    tiles = (-(-run_len // tq), -(-nch // tc), nlines)
-    grid = tuple(max(1, min(t, g)) for t, g in zip(tiles, grid_limit, strict=True))
+    if path == "pixel":
+        # cl_base points at channel 0 of the first pixel; the kernel reads
+        # whole pixels and picks channels [c0, c0 + nch) itself.
+        cl_base = sum(int(o) * s for d, (o, s) in enumerate(zip(offsets, cl_st, strict=True)) if d != 1)
+        span = THREADS_PER_BLOCK * pixel_positions_per_thread(int(shape[1]), itemsize)
+        work = (-(-run_len // span), nlines, 1)
+        log_tc = log_tq = 0
+        c0 = int(offsets[1])
+    elif path == "micro":
+        # cl_base includes the first channel (16-byte aligned); the kernel
+        # gets log2 of the channel groups per block in the first int.
+        cl_base = sum(int(o) * s for o, s in zip(offsets, cl_st, strict=True))
+        log_cgs = micro_groups_log2(nch, itemsize)
+        span = (THREADS_PER_BLOCK >> log_cgs) * micro_positions_per_thread(itemsize)
+        ngroups = nch * itemsize // MICRO_GROUP_BYTES
+        work = (-(-run_len // span), -(-ngroups >> log_cgs), nlines)
+        log_tc, log_tq = log_cgs, 0
+        c0 = 0
+    else:
+        cl_base = sum(int(o) * s for o, s in zip(offsets, cl_st, strict=True))
+        tile = TILE_ELEMS[itemsize]
+        tc0 = min(TILE_MAX_CHANNELS[itemsize], _next_pow2(nch))
+        tq = min(_next_pow2(run_len), tile // tc0)
+        tc = min(_next_pow2(nch), tile // tq)
+        log_tq, log_tc = tq.bit_length() - 1, tc.bit_length() - 1
+        work = (-(-run_len // tq), -(-nch // tc), nlines)
+        c0 = 0
+    grid = tuple(max(1, min(t, g)) for t, g in zip(work, grid_limit, strict=True))
     return BoxCopyPlan(
         itemsize=itemsize,
         cl_base=cl_base,
@@ -542,6 +769,8 @@ def plan_box_copy(
         log_tc=log_tc,
         log_tq=log_tq,
         grid=(grid[0], grid[1], grid[2]),
+        path=path,
+        c0=c0,
     )
 
 
@@ -554,23 +783,11 @@ def _require_cupy_array(cupy: Any, array: Any, name: str) -> None:
         raise TypeError(f"{name}: expected a cupy.ndarray, got {type(array).__name__}")
 
 
-def _byte_span(array: Any) -> tuple[int, int]:
-    """[first, last) byte addresses an array can touch."""
-    lo = hi = int(array.data.ptr)
-    for n, s in zip(array.shape, array.strides, strict=True):
-        if n == 0:
-            return lo, lo
-        if s >= 0:
-            hi += (n - 1) * s
-        else:
-            lo += (n - 1) * s
-    return lo, hi + array.itemsize
-
-
 def _check_no_overlap(a: Any, b: Any) -> None:
-    a_lo, a_hi = _byte_span(a)
-    b_lo, b_hi = _byte_span(b)
-    if a_lo < b_hi and b_lo < a_hi:
+    """Both arrays are dense with positive strides (checked before): each
+    spans ``[data.ptr, data.ptr + nbytes)``."""
+    a_lo, b_lo = int(a.data.ptr), int(b.data.ptr)
+    if a_lo < b_lo + b.nbytes and b_lo < a_lo + a.nbytes:
         raise ValueError("source and destination memory overlap; the kernels need distinct buffers")
 
 
@@ -583,6 +800,16 @@ class _Launch:
     plan: BoxCopyPlan
     name: str
     args: tuple[Any, ...]  # the kernel parameters after the two pointers, as NumPy scalars
+    # device id -> the loaded kernel (filled on first launch per device)
+    kernels: dict[int, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
+
+
+def _check_block(block: Any, sizes: tuple[int, ...], dtype: Any, name: str) -> None:
+    """The logical-order block matches the box: the common case in three
+    attribute reads, the full check (with its messages) otherwise."""
+    if block.shape == sizes and block.dtype == dtype and block.flags.c_contiguous:
+        return
+    check_contiguous_block(block.shape, block.dtype, block.flags.c_contiguous, sizes, dtype, name=name)
 
 
 def _box_key(box: Any) -> Any:
@@ -615,31 +842,43 @@ def _prepare(shape: tuple[int, ...], strides: tuple[int, ...], dtype: Any, box: 
     check_channels_last(shape, strides, itemsize, name=name)
     offsets, sizes = normalize_box(box, shape)
     plan = plan_box_copy(shape, offsets, sizes, itemsize)
-    args = (*(np.int64(v) for v in plan.params()), np.int32(plan.log_tc), np.int32(plan.log_tq))
+    args = (*(np.int64(v) for v in plan.params()), *(np.int32(v) for v in plan.int_params()))
     return _Launch(offsets, sizes, plan, plan.kernel_name(to_cl), args)
 
 
 def _prepared(array: Any, box: Any, to_cl: bool) -> _Launch:
     """Validation and plan of a box copy, cached per layout and box: a launch
     then costs little more than the kernel call itself."""
-    shape, strides, dtype = tuple(array.shape), tuple(array.strides), array.dtype
+    shape, strides, dtype = array.shape, array.strides, array.dtype
     key = _box_key(box)
     if key is None:  # not hashable: checked and planned every time
         return _prepare(shape, strides, dtype, box, to_cl)
     return _prepare_cached(shape, strides, dtype, key, to_cl)
 
 
-_functions: dict[tuple[int, str], Any] = {}
+# (device, part, kernel name) -> the loaded function, so that a launch after
+# the first is one dictionary lookup and the kernel call.
+_functions: dict[tuple[int, int, str], Any] = {}
+
+
+def _kernel(device_id: int, prep: _Launch) -> Any:
+    module = load_module(device_id, part=prep.plan.module_part)
+    key = (device_id, id(module), prep.name)
+    kernel = _functions.get(key)
+    if kernel is None:
+        kernel = _functions[key] = module.get_function(prep.name)
+    return kernel
 
 
 def _launch(cupy: Any, prep: _Launch, src: Any, dst: Any) -> None:
+    """One kernel on the current stream; nothing else (no synchronisation,
+    no allocation): the launch plan and the kernel come from caches."""
     if prep.plan.empty:
         return
-    device_id = src.device.id
-    module = load_module(device_id)
-    kernel = _functions.get((id(module), prep.name))
+    device_id = src.data.device_id
+    kernel = prep.kernels.get(device_id)
     if kernel is None:
-        kernel = _functions[(id(module), prep.name)] = module.get_function(prep.name)
+        kernel = prep.kernels[device_id] = _kernel(device_id, prep)
     if _single_device(cupy):
         kernel(prep.plan.grid, prep.plan.block, (src, dst, *prep.args))
     else:
@@ -690,15 +929,13 @@ def channels_last_to_contiguous(src: Any, out: Any = None, *, box: Any = None) -
         if _single_device(cupy):
             out = cupy.empty(prep.sizes, dtype=src.dtype)
         else:
-            with cupy.cuda.Device(src.device.id):
+            with cupy.cuda.Device(src.data.device_id):
                 out = cupy.empty(prep.sizes, dtype=src.dtype)
     else:
         _require_cupy_array(cupy, out, "out")
-        check_contiguous_block(
-            out.shape, out.dtype, out.flags.c_contiguous, prep.sizes, src.dtype, name="out"
-        )
-        if out.device.id != src.device.id:
-            raise ValueError(f"out is on device {out.device.id}, src on device {src.device.id}")
+        _check_block(out, prep.sizes, src.dtype, "out")
+        if out.data.device_id != src.data.device_id:
+            raise ValueError(f"out is on device {out.data.device_id}, src on device {src.data.device_id}")
         _check_no_overlap(src, out)
     _launch(cupy, prep, src, out)
     return out
@@ -733,9 +970,9 @@ def contiguous_to_channels_last(src: Any, dst: Any, *, box: Any = None) -> Any:
     _require_cupy_array(cupy, dst, "dst")
     _require_cupy_array(cupy, src, "src")
     prep = _prepared(dst, box, True)
-    check_contiguous_block(src.shape, src.dtype, src.flags.c_contiguous, prep.sizes, dst.dtype, name="src")
-    if src.device.id != dst.device.id:
-        raise ValueError(f"src is on device {src.device.id}, dst on device {dst.device.id}")
+    _check_block(src, prep.sizes, dst.dtype, "src")
+    if src.data.device_id != dst.data.device_id:
+        raise ValueError(f"src is on device {src.data.device_id}, dst on device {dst.data.device_id}")
     _check_no_overlap(src, dst)
     _launch(cupy, prep, src, dst)
     return dst

@@ -149,7 +149,7 @@ class ArenaPool:
         self.allocator = allocator or HostAllocator()
         self.max_arenas = max_arenas
         self._free: list[StagingArena] = []
-        self._count = 0
+        self._arenas: list[StagingArena] = []  # every arena of the pool, free or in use
         self._holders: dict[int, threading.Thread | Future[Any]] = {}
         self._cond = threading.Condition()
         _all_pools.add(self)
@@ -164,17 +164,26 @@ class ArenaPool:
             for h in self._holders.values()
         )
 
-    def acquire(self, nbytes_hint: int = 0, timeout: float | None = None) -> StagingArena:
+    def acquire(
+        self, nbytes_hint: int = 0, timeout: float | None = None, *, grace: float = 0.0
+    ) -> StagingArena:
         """A reset arena, preferably one already at least ``nbytes_hint`` large.
 
         Waits while all arenas are in use, at most ``timeout`` seconds (None:
         as long as their holders may release them). Raises
         :class:`~gpuckpt.errors.StagingTimeoutError` when none becomes free.
+
+        ``grace``: when none is free but fewer than ``max_arenas`` exist, wait up
+        to that many seconds for one in use to come back before making another
+        (the holder of a save that has just finished may release its arena a
+        moment after its caller has seen it finish).
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         lost = 0
         with self._cond:
-            while not self._free and self._count >= self.max_arenas:
+            if grace > 0 and not self._free and self._arenas:
+                self._cond.wait_for(lambda: bool(self._free), grace)
+            while not self._free and len(self._arenas) >= self.max_arenas:
                 wait = _CHECK_SECONDS
                 if deadline is not None:
                     wait = min(wait, deadline - time.monotonic())
@@ -200,7 +209,7 @@ class ArenaPool:
                 self._free.remove(arena)
             else:
                 arena = StagingArena(self.allocator)
-                self._count += 1
+                self._arenas.append(arena)
             self._holders[id(arena)] = threading.current_thread()
         arena.reset(nbytes_hint)
         return arena
@@ -222,15 +231,20 @@ class ArenaPool:
     def clear(self) -> None:
         """Drop the free arenas (their memory goes back to the system)."""
         with self._cond:
-            self._count -= len(self._free)
+            self._arenas = [a for a in self._arenas if all(a is not f for f in self._free)]
             self._free.clear()
+
+    def reserved_bytes(self) -> int:
+        """Bytes of staging memory the pool holds, in its free arenas and in those in use."""
+        with self._cond:
+            return sum(a.capacity for a in self._arenas)
 
     def _after_fork(self) -> None:
         # arenas in use belong to the parent's saves: forget them (the parent releases
         # its own); the free ones stay usable, under a fresh lock
         self._cond = threading.Condition()
         self._holders = {}
-        self._count = len(self._free)
+        self._arenas = list(self._free)
 
 
 _all_pools: weakref.WeakSet[ArenaPool] = weakref.WeakSet()

@@ -5,8 +5,10 @@ target), the chunks of the stored grid that overlap it are found by
 bisection on the grid's edges; each such chunk is read once per process,
 verified against its CRC32C (which covers the whole chunk: a verified read
 cannot be narrower), and the overlapping part of it is copied into every
-target box that needs it. Chunks that overlap no requested box are never
-read.
+target box that needs it; a chunk that lies whole inside the one box that
+needs it is read straight into that box, and small chunks are read in
+batches, as by an unsharded load. Chunks that overlap no requested box are
+never read.
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ from gpuckpt.device.backend import Staging
 from gpuckpt.options import LoadOptions
 from gpuckpt.planning.boxes import Box, intersect, overlapping_chunks
 from gpuckpt.progress import ProgressCounter
-from gpuckpt.reading import ChunkRead, TensorEntry, fetch_verified, scratch
-from gpuckpt.runner import run_all
+from gpuckpt.reading import ChunkRead, TensorEntry, fetch_verified, read_chunk_into, scratch
+from gpuckpt.runner import batches, run_all
 from gpuckpt.storage.base import CheckpointReader
 
 __all__ = ["read_boxes"]
@@ -40,9 +42,15 @@ def _read_one(
     staging: Staging,
     counter: ProgressCounter,
 ) -> None:
+    chunk_box: Box = (c.spec.offsets, c.spec.sizes)
+    if len(targets) == 1 and intersect(chunk_box, targets[0][1]) == chunk_box:
+        # the whole chunk goes to one box: read in place, as an unsharded load does
+        adapter, box = targets[0]
+        at = tuple(o - b for o, b in zip(c.spec.offsets, box[0], strict=True))
+        read_chunk_into(reader, t, c, adapter, at, staging, counter)
+        return
     stored = scratch(c.stored, t.dtype.newbyteorder("<"), t)
     fetch_verified(reader, t, c, [stored.reshape(-1).view(np.uint8)])
-    chunk_box: Box = (c.spec.offsets, c.spec.sizes)
     for adapter, box in targets:
         inter = intersect(chunk_box, box)
         if inter is None:
@@ -56,6 +64,16 @@ def _read_one(
         finally:
             incoming.release()
         counter.add(part.nbytes)
+
+
+def _read_batch(
+    reader: CheckpointReader,
+    reads: list[tuple[TensorEntry, ChunkRead, list[tuple[ArrayAdapter, Box]]]],
+    staging: Staging,
+    counter: ProgressCounter,
+) -> None:
+    for t, c, targets in reads:
+        _read_one(reader, t, c, targets, staging, counter)
 
 
 def read_boxes(
@@ -86,5 +104,9 @@ def read_boxes(
         ((a.backend, c.spec.nelem * t.dtype.itemsize) for t, c, targets in reads for a, _ in targets),
         staging_bytes,
     )
-    jobs = [functools.partial(_read_one, reader, t, c, targets, staging, counter) for t, c, targets in reads]
+    # small chunks go to the I/O threads in batches, as in an unsharded load
+    jobs = [
+        functools.partial(_read_batch, reader, batch, staging, counter)
+        for batch in batches((r, r[1].nbytes) for r in reads)
+    ]
     run_all(jobs, threads=threads, name="gpuckpt-reshard")

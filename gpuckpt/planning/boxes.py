@@ -99,8 +99,32 @@ def _edges(boxes: Iterable[Box], shape: tuple[int, ...]) -> list[list[int]]:
     return [sorted(e) for e in edges]
 
 
+def _regular_step(intervals: list[int], max_len: int) -> int | None:
+    """One chunk extent that splits every interval into whole chunks of at most ``max_len``
+    (the last chunk of the axis may be shorter), so that the grid stays regular; None if
+    only chunks much smaller than ``max_len`` would do that."""
+    first = intervals[0]
+    if len(intervals) == 1:
+        # one box along the axis: equal chunks and a shorter last one, as gpuckpt.save plans
+        return -(-first // -(-first // max_len))
+    if any(iv != first for iv in intervals[:-1]) or intervals[-1] > first:
+        return None
+    # equal boxes: the largest divisor of their extent that fits, if not much smaller
+    divisors = (d for k in range(1, math.isqrt(first) + 1) if first % k == 0 for d in (k, first // k))
+    best = max((d for d in divisors if d <= max_len), default=1)
+    return best if 2 * best >= max_len else None
+
+
 def _refine(edges: list[int], max_len: int) -> list[int]:
-    """Split every interval longer than ``max_len`` into near-equal parts."""
+    """Split every interval longer than ``max_len``: into chunks of one extent where the
+    grid then stays regular, else into near-equal parts."""
+    intervals = [b - a for a, b in itertools.pairwise(edges)]
+    if all(iv <= max_len for iv in intervals):
+        return edges
+    step = _regular_step(intervals, max_len)
+    if step is not None:
+        cut = [e for lo, hi in itertools.pairwise(edges) for e in range(lo, hi, step)]
+        return [*cut, edges[-1]]
     out = [edges[0]]
     for lo, hi in itertools.pairwise(edges):
         parts = max(1, math.ceil((hi - lo) / max_len))

@@ -143,6 +143,12 @@ class CheckpointWriter(ABC):
             digest(p)
         self.write_chunk(name, key, [*parts, trailer()])
 
+    def rewrite_array_document(self, name: str, document: bytes) -> None:
+        """Replace the ``zarr.json`` of array ``name``, written earlier in this save, before
+        :meth:`commit` (for facts learnt only while the chunks were written, e.g. the memory
+        format of tensors handed over by another framework's planner)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot rewrite an array document")
+
     def write_chunks(self, batch: ChunkWrites) -> list[int]:
         """Create the chunks of ``batch`` in order (each array's document first where given);
         returns the CRC32C of each chunk's bytes. Stops at the first error, which it raises.

@@ -221,6 +221,11 @@ class LocalWriter(CheckpointWriter):
             self._dirs.append(Path(d))
         self._write_file(f"{name}/zarr.json", [document])
 
+    def rewrite_array_document(self, name: str, document: bytes) -> None:
+        # within the unpublished temporary: the new file replaces the old one in one rename
+        self._write_file(f"{name}/{ROOT_KEY}.new", [document])
+        os.replace(f"{self.tmp}/{name}/{ROOT_KEY}.new", f"{self.tmp}/{name}/{ROOT_KEY}")
+
     def write_chunk(self, name: str, key: str, parts: Sequence[Any]) -> None:
         self._write_file(f"{name}/{key}", parts)
 

@@ -491,6 +491,9 @@ class ObjectStoreWriter(_Prefix, CheckpointWriter):
     def write_array_document(self, name: str, document: bytes) -> None:
         self._write(_rel(name, ROOT_KEY), document)
 
+    def rewrite_array_document(self, name: str, document: bytes) -> None:
+        self._write(_rel(name, ROOT_KEY), document)  # a put replaces the object
+
     def write_chunk(self, name: str, key: str, parts: Sequence[Any]) -> None:
         views = [memoryview(p).cast("B") for p in parts]
         if len(views) == 1:

@@ -4,7 +4,9 @@
 //
 // Supported: __global__/__device__/__forceinline__/__launch_bounds__,
 // __noinline__, __restrict__, __shared__ (function-scope), threadIdx/blockIdx/blockDim/
-// gridDim and __syncthreads().  Nothing else.
+// gridDim, __syncthreads(), the vector types uint2 and uint4 (with their
+// alignment, which UBSan checks), make_uint2/make_uint4 and __stwb().
+// Nothing else.
 //
 // Two execution modes:
 //
@@ -73,6 +75,20 @@ extern "C" void __sanitizer_finish_switch_fiber(void* fake_stack_save,
 struct uint3 {
   unsigned int x, y, z;
 };
+struct alignas(8) uint2 {
+  unsigned int x, y;
+};
+struct alignas(16) uint4 {
+  unsigned int x, y, z, w;
+};
+inline uint2 make_uint2(unsigned int x, unsigned int y) { return uint2{x, y}; }
+inline uint4 make_uint4(unsigned int x, unsigned int y, unsigned int z,
+                        unsigned int w) {
+  return uint4{x, y, z, w};
+}
+// Store with the default (write-back) cache policy: a plain store here.
+inline void __stwb(uint2* p, uint2 v) { *p = v; }
+inline void __stwb(uint4* p, uint4 v) { *p = v; }
 struct dim3 {
   unsigned int x, y, z;
 };

@@ -20,7 +20,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 MAIN_SYSTEMS = "dd,raw-files,raw-single,gpuckpt,gpuckpt-async,tensorstore"
-PEER_SYSTEMS = "torch-save,dcp-t2,dcp-async"
+PEER_SYSTEMS = "torch-save,dcp-t2,dcp-async,dcp-gpuckpt,dcp-gpuckpt-async"
 
 
 def run_harness(tmp_path: Path, systems: str, states: str) -> dict[str, Any]:
@@ -42,7 +42,7 @@ def check_records(result: dict[str, Any], systems: str, states: str) -> None:
     assert not errors, errors
     ran = {s for s in systems.split(",") if s not in result["meta"]["skipped"]}
     seen = {r["system"] for r in records}
-    for s in ran - {"dd", "gpuckpt-async", "dcp-async"}:
+    for s in ran - {"dd", "gpuckpt-async", "dcp-async", "dcp-gpuckpt-async"}:
         assert s in seen, f"no record for {s}"
         for st in states.split(","):
             ops = {r["op"] for r in records if r["system"] == s and r["state"] == st}
@@ -87,3 +87,5 @@ def test_harness_peers(tmp_path: Path) -> None:
     assert {"dcp-async-default", "dcp-async-cached", "dcp-async-bgstage"} <= {
         r["system"] for r in result["records"]
     }
+    if "dcp-gpuckpt-async" not in skipped:
+        assert "dcp-gpuckpt-async" in {r["system"] for r in result["records"]}

@@ -163,3 +163,16 @@ def test_async_distributed_save_snapshots(tmp_path: Path) -> None:
 
     run_ranks(2, save_rank)
     assert np.array_equal(gpuckpt.load_state_dict(tmp_path / "c")["w"], g)
+
+
+def test_sharded_targets_that_cover_whole_chunks(tmp_path: Path) -> None:
+    """Boxes that hold whole stored chunks are filled in place: 0-d, strided and multi-chunk targets."""
+    g = global_tensor((8, 6))
+    gpuckpt.save({"w": g, "s": np.full((), 2.5)}, tmp_path / "c", chunk_bytes=6 * 4 * 2)
+    rows = ShardedArray(np.zeros((4, 6), np.float32), (2, 0), (8, 6))  # chunks 1 and 2, contiguous
+    strided = np.zeros((6, 2), np.float32).T  # a non-contiguous view: read through scratch
+    tail = ShardedArray(strided, (6, 0), (8, 6))
+    scalar = ShardedArray(np.zeros((), np.float64), (), ())
+    gpuckpt.load({"w": [rows, tail], "s": scalar}, tmp_path / "c")
+    assert np.array_equal(rows.local, g[2:6]) and np.array_equal(strided, g[6:8])
+    assert scalar.local[()] == 2.5

@@ -3,7 +3,8 @@
 ``kernels/emu/emu_driver.cpp`` includes ``kernels/channels_last.cu`` unchanged
 under the emulation header; g++ turns it into a shared library that this
 module loads with ctypes.  Launches use the same :func:`plan_box_copy` plans
-as the CuPy path, so the planner is tested together with the kernels.
+as the CuPy path, so the planner (and its choice of kernel path) is tested
+together with the kernels.
 """
 
 from __future__ import annotations
@@ -28,9 +29,12 @@ if str(REPO_ROOT) not in sys.path:  # source checkout without an install
 from gpuckpt.device import _kernel_ref as ref  # noqa: E402
 from gpuckpt.device.kernels import (  # noqa: E402
     MAX_GRID,
+    THREADS_PER_BLOCK,
     BoxCopyPlan,
     kernel_source_dir,
+    micro_positions_per_thread,
     normalize_box,
+    pixel_positions_per_thread,
     plan_box_copy,
 )
 
@@ -41,6 +45,8 @@ GUARD = 64  # guard elements on each side of every destination buffer
 # Status codes of gpuckpt_emu_launch (see cuda_emu.h).
 EMU_OK = 0
 EMU_BARRIER_DIVERGENCE = 1
+EMU_UNKNOWN_KERNEL = 3
+ALIGN = 64  # bytes: every buffer starts `misalign` elements past such a boundary
 
 
 def gxx() -> str | None:
@@ -61,25 +67,45 @@ class Variant:
         return self.sanitize == "thread"
 
 
+# Builds that break something compile only the kernels the break is about
+# (GK_BUILD_* in channels_last.cu): the pixel and micro-tile paths have no
+# barrier, the tiled path no slots; that keeps the builds short.
+TILED_ONLY = ("GK_BUILD_PX_SIZES=0", "GK_BUILD_MICRO=0")
+PIXEL_ONLY = ("GK_BUILD_TILED=0",)  # and the micro-tile kernels
+
 PLAIN = Variant("plain")
-BROKEN_SYNC = Variant("break_sync", ("GPUCKPT_BREAK_SYNC",))
-BROKEN_DIVERGENCE = Variant("break_divergence", ("GPUCKPT_BREAK_DIVERGENCE",))
+BROKEN_SYNC = Variant("break_sync", ("GPUCKPT_BREAK_SYNC", *TILED_ONLY))
+BROKEN_DIVERGENCE = Variant("break_divergence", ("GPUCKPT_BREAK_DIVERGENCE", *TILED_ONLY))
+BROKEN_PX_SLOTS = Variant("break_px_slots", ("GPUCKPT_BREAK_PX_SLOTS", *PIXEL_ONLY, "GK_BUILD_PX_SIZES=4"))
 ASAN = Variant("asan", sanitize="address,undefined")
-ASAN_BROKEN_BOUNDS = Variant("asan_break_bounds", ("GPUCKPT_BREAK_BOUNDS",), "address,undefined")
-ASAN_BROKEN_INDEX32 = Variant("asan_break_index32", ("GPUCKPT_BREAK_INDEX32",), "address,undefined")
+ASAN_BROKEN_BOUNDS = Variant(
+    "asan_break_bounds", ("GPUCKPT_BREAK_BOUNDS", "GK_BUILD_PX_SIZES=4"), "address,undefined"
+)
+ASAN_BROKEN_INDEX32 = Variant(
+    "asan_break_index32", ("GPUCKPT_BREAK_INDEX32", "GK_BUILD_PX_SIZES=1"), "address,undefined"
+)
+ASAN_BROKEN_ALIGN = Variant(
+    "asan_break_align", ("GPUCKPT_BREAK_ALIGN", *PIXEL_ONLY, "GK_BUILD_PX_SIZES=6"), "address,undefined"
+)
 TSAN = Variant("tsan", sanitize="thread")
-TSAN_BROKEN_SYNC = Variant("tsan_break_sync", ("GPUCKPT_BREAK_SYNC",), "thread")
-TSAN_BROKEN_DIVERGENCE = Variant("tsan_break_divergence", ("GPUCKPT_BREAK_DIVERGENCE",), "thread")
+TSAN_BROKEN_SYNC = Variant("tsan_break_sync", ("GPUCKPT_BREAK_SYNC", *TILED_ONLY), "thread")
+TSAN_BROKEN_DIVERGENCE = Variant("tsan_break_divergence", ("GPUCKPT_BREAK_DIVERGENCE", *TILED_ONLY), "thread")
+TSAN_BROKEN_PX_SLOTS = Variant(
+    "tsan_break_px_slots", ("GPUCKPT_BREAK_PX_SLOTS", *PIXEL_ONLY, "GK_BUILD_PX_SIZES=4"), "thread"
+)
 ALL_VARIANTS = (
     PLAIN,
     BROKEN_SYNC,
     BROKEN_DIVERGENCE,
+    BROKEN_PX_SLOTS,
     ASAN,
     ASAN_BROKEN_BOUNDS,
     ASAN_BROKEN_INDEX32,
+    ASAN_BROKEN_ALIGN,
     TSAN,
     TSAN_BROKEN_SYNC,
     TSAN_BROKEN_DIVERGENCE,
+    TSAN_BROKEN_PX_SLOTS,
 )
 
 
@@ -94,7 +120,6 @@ def build_command(variant: Variant, output: Path) -> list[str]:
         "-std=c++20",
         "-fPIC",
         "-shared",
-        "-g",
         "-Wall",
         "-Wextra",
         "-Werror",
@@ -102,9 +127,12 @@ def build_command(variant: Variant, output: Path) -> list[str]:
     ]
     cmd += [f"-D{d}" for d in variant.defines]
     if variant.sanitize is None:
-        cmd.append("-O2")
+        cmd.append("-O2")  # no -g: it makes the unrolled kernels' build half as long again
     else:
-        cmd += ["-O1", "-fno-omit-frame-pointer", f"-fsanitize={variant.sanitize}"]
+        # -O0 with debug information for the sanitizers' reports: at -O1 the
+        # unrolled pixel and micro-tile kernels take three to four times as
+        # long to compile, for the small runs that -O0 serves as well.
+        cmd += ["-O0", "-g", "-fno-omit-frame-pointer", f"-fsanitize={variant.sanitize}"]
         if "undefined" in variant.sanitize:
             cmd.append("-fno-sanitize-recover=all")
         if variant.os_threads:
@@ -184,8 +212,7 @@ class EmuLibrary:
                 src_ptr,
                 dst_ptr,
                 params,
-                plan.log_tc,
-                plan.log_tq,
+                *plan.int_params(),
             )
         )
 
@@ -198,9 +225,19 @@ class EmuError(AssertionError):
         self.status = status
 
 
-def _guarded(n: int, dtype: Any, fill: int) -> tuple[np.ndarray, np.ndarray]:
-    """A flat buffer of n elements between guard regions; returns (whole, inner)."""
-    whole = np.full(n + 2 * GUARD, fill, dtype=dtype)
+def _aligned_flat(n: int, dtype: Any, misalign: int) -> np.ndarray:
+    """n elements starting ``misalign`` elements past an ALIGN-byte boundary."""
+    dtype = np.dtype(dtype)
+    raw = np.empty(n * dtype.itemsize + 2 * ALIGN + misalign * dtype.itemsize, np.uint8)
+    start = (-raw.ctypes.data) % ALIGN + misalign * dtype.itemsize
+    return raw[start : start + n * dtype.itemsize].view(dtype)
+
+
+def _guarded(n: int, dtype: Any, fill: int, misalign: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """A flat buffer of n elements between guard regions; returns (whole, inner).
+    The inner part starts ``misalign`` elements past an ALIGN-byte boundary."""
+    whole = _aligned_flat(n + 2 * GUARD, dtype, misalign)
+    whole[...] = fill
     return whole, whole[GUARD : GUARD + n]
 
 
@@ -210,12 +247,32 @@ def _check_guards(whole: np.ndarray, fill: int) -> None:
         raise AssertionError("kernel wrote outside the destination buffer")
 
 
-def random_channels_last(shape: tuple[int, ...], itemsize: int, seed: int) -> np.ndarray:
+def channels_last_like(logical: np.ndarray, misalign: int = 0) -> np.ndarray:
+    """``logical`` copied into channels-last memory that starts ``misalign``
+    elements past an ALIGN-byte boundary."""
+    shape = logical.shape
+    physical_shape = (shape[0], *shape[2:], shape[1])
+    flat = _aligned_flat(int(np.prod(shape)), logical.dtype, misalign)
+    out = np.moveaxis(flat.reshape(physical_shape), -1, 1)
+    out[...] = logical
+    return out
+
+
+def random_channels_last(shape: tuple[int, ...], itemsize: int, seed: int, misalign: int = 0) -> np.ndarray:
     """A channels-last array of random unsigned integers of ``itemsize``."""
     rng = np.random.default_rng(seed)
     dtype = UINT[itemsize]
     logical = rng.integers(0, np.iinfo(dtype).max, size=shape, dtype=dtype, endpoint=True)
-    return ref.as_channels_last(logical)
+    return channels_last_like(logical, misalign)
+
+
+def _launch_checked(
+    lib: EmuLibrary, plan: BoxCopyPlan, to_cl: bool, src: int, dst: int, order: str, seed: int
+) -> None:
+    lib.set_order(order, seed)
+    status = lib.launch(plan, to_cl, src, dst)
+    if status != EMU_OK:
+        raise EmuError(status)
 
 
 def emu_to_contiguous(
@@ -226,18 +283,18 @@ def emu_to_contiguous(
     order: str = "forward",
     seed: int = 0,
     grid_limit: tuple[int, int, int] = MAX_GRID,
+    path: str | None = None,
+    misalign: int = 0,
 ) -> np.ndarray:
-    """Channels-last ``src`` -> logical block, through the emulated kernel."""
+    """Channels-last ``src`` -> logical block, through the emulated kernel
+    (the block starts ``misalign`` elements past an aligned address)."""
     offsets, sizes = normalize_box(box, src.shape)
-    plan = plan_box_copy(src.shape, offsets, sizes, src.itemsize, grid_limit=grid_limit)
+    plan = plan_box_copy(src.shape, offsets, sizes, src.itemsize, grid_limit=grid_limit, path=path)
     fill = np.iinfo(src.dtype).max // 3
-    whole, inner = _guarded(int(np.prod(sizes)), src.dtype, fill)
+    whole, inner = _guarded(int(np.prod(sizes)), src.dtype, fill, misalign)
     out = inner.reshape(sizes)
     if not plan.empty:
-        lib.set_order(order, seed)
-        status = lib.launch(plan, False, src.ctypes.data, out.ctypes.data)
-        if status != EMU_OK:
-            raise EmuError(status)
+        _launch_checked(lib, plan, False, src.ctypes.data, out.ctypes.data, order, seed)
     _check_guards(whole, fill)
     return out
 
@@ -251,22 +308,23 @@ def emu_to_channels_last(
     order: str = "forward",
     seed: int = 0,
     grid_limit: tuple[int, int, int] = MAX_GRID,
+    path: str | None = None,
+    misalign: int = 0,
 ) -> np.ndarray:
     """Logical block ``src`` -> box of channels-last ``dst`` (a guarded copy
-    of it is written and returned; ``dst`` itself is left alone)."""
+    of it, ``misalign`` elements past an aligned address, is written and
+    returned; ``dst`` itself is left alone)."""
     offsets, sizes = normalize_box(box, dst.shape)
-    plan = plan_box_copy(dst.shape, offsets, sizes, dst.itemsize, grid_limit=grid_limit)
+    plan = plan_box_copy(dst.shape, offsets, sizes, dst.itemsize, grid_limit=grid_limit, path=path)
     fill = np.iinfo(dst.dtype).max // 3
     physical_shape = (dst.shape[0], *dst.shape[2:], dst.shape[1])
-    whole, inner = _guarded(int(np.prod(dst.shape)), dst.dtype, fill)
+    whole, inner = _guarded(int(np.prod(dst.shape)), dst.dtype, fill, misalign)
     target = np.moveaxis(inner.reshape(physical_shape), -1, 1)
     target[...] = dst
-    src = np.ascontiguousarray(src)
+    if not src.flags.c_contiguous:
+        src = np.ascontiguousarray(src)
     if not plan.empty:
-        lib.set_order(order, seed)
-        status = lib.launch(plan, True, src.ctypes.data, target.ctypes.data)
-        if status != EMU_OK:
-            raise EmuError(status)
+        _launch_checked(lib, plan, True, src.ctypes.data, target.ctypes.data, order, seed)
     _check_guards(whole, fill)
     return target
 
@@ -281,24 +339,46 @@ def check_case(
     order: str = "forward",
     seed: int = 0,
     grid_limit: tuple[int, int, int] = MAX_GRID,
+    path: str | None = None,
+    misalign: int = 0,
 ) -> None:
-    """Run one case through the emulation and compare with the NumPy reference."""
-    src_cl = random_channels_last(shape, itemsize, seed)
+    """Run one case through the emulation and compare with the NumPy reference.
+
+    ``path`` forces a kernel path (default: the planner's choice);
+    ``misalign`` shifts the source and the destination by that many elements
+    from 64-byte boundaries (default: aligned).
+    """
+    src_cl = random_channels_last(shape, itemsize, seed, misalign)
     if not to_channels_last:
-        got = emu_to_contiguous(lib, src_cl, box, order=order, seed=seed, grid_limit=grid_limit)
+        got = emu_to_contiguous(
+            lib, src_cl, box, order=order, seed=seed, grid_limit=grid_limit, path=path, misalign=misalign
+        )
         want = ref.channels_last_to_contiguous(src_cl, box=box)
     else:
         _, sizes = normalize_box(box, shape)
-        block = random_channels_last((sizes[0], sizes[1], *sizes[2:]), itemsize, seed + 1)
-        block = np.ascontiguousarray(block)
-        got = emu_to_channels_last(lib, block, src_cl, box, order=order, seed=seed, grid_limit=grid_limit)
+        block = np.ascontiguousarray(random_channels_last(tuple(sizes), itemsize, seed + 1))
+        if misalign:
+            shifted = _aligned_flat(block.size, block.dtype, misalign).reshape(block.shape)
+            shifted[...] = block
+            block = shifted
+        got = emu_to_channels_last(
+            lib,
+            block,
+            src_cl,
+            box,
+            order=order,
+            seed=seed,
+            grid_limit=grid_limit,
+            path=path,
+            misalign=misalign,
+        )
         want = ref.contiguous_to_channels_last(block, src_cl.copy(order="K"), box=box)
     if not np.array_equal(got, want):
         bad = np.argwhere(got != want)
         raise AssertionError(
             f"mismatch for shape {shape} itemsize {itemsize} box {box} "
-            f"to_channels_last={to_channels_last} order={order}: {len(bad)} elements differ, "
-            f"first at {tuple(bad[0])}"
+            f"to_channels_last={to_channels_last} order={order} path={path} misalign={misalign}: "
+            f"{len(bad)} elements differ, first at {tuple(bad[0])}"
         )
 
 
@@ -317,8 +397,35 @@ def _address(buf: mmap.mmap) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(buf))
 
 
+def block_regions(plan: BoxCopyPlan, block: int) -> list[tuple[int, int, int, int, int]]:
+    """(line, q0, q1, c0, c1) of the whole-tensor box that grid block
+    ``block`` (linear index, x fastest) copies, for a grid as large as the
+    work (no grid-stride loops)."""
+    assert plan.grid == plan.tiles, "one block per work item assumed"
+    gx, gy = plan.grid[0], plan.grid[1]
+    bx, by, bz = block % gx, (block // gx) % gy, block // (gx * gy)
+    if plan.path == "pixel":
+        span = THREADS_PER_BLOCK * pixel_positions_per_thread(plan.cl_qs, plan.itemsize)
+        q0 = bx * span
+        return [(by, q0, min(q0 + span, plan.run_len), 0, plan.nch)]
+    if plan.path == "micro":
+        span = (THREADS_PER_BLOCK >> plan.log_tc) * micro_positions_per_thread(plan.itemsize)
+        chans = (16 // plan.itemsize) << plan.log_tc
+        q0, c0 = bx * span, by * chans
+        return [(bz, q0, min(q0 + span, plan.run_len), c0, min(c0 + chans, plan.nch))]
+    tq, tc = 1 << plan.log_tq, 1 << plan.log_tc
+    q0, c0 = bx * tq, by * tc
+    return [(bz, q0, min(q0 + tq, plan.run_len), c0, min(c0 + tc, plan.nch))]
+
+
 def check_huge_tail(
-    lib: EmuLibrary, shape: tuple[int, ...], itemsize: int, *, to_channels_last: bool, nblocks: int
+    lib: EmuLibrary,
+    shape: tuple[int, ...],
+    itemsize: int,
+    *,
+    to_channels_last: bool,
+    nblocks: int,
+    path: str | None = None,
 ) -> int:
     """Run the last ``nblocks`` blocks of a whole-tensor copy of a huge tensor.
 
@@ -326,8 +433,7 @@ def check_huge_tail(
     touch ever get memory.  Returns the largest element offset checked.
     """
     n = int(np.prod(shape))
-    plan = plan_box_copy(shape, (0,) * len(shape), shape, itemsize)
-    assert plan.grid == plan.tiles, "the huge case assumes one tile per block"
+    plan = plan_box_copy(shape, (0,) * len(shape), shape, itemsize, path=path)
     total = plan.grid[0] * plan.grid[1] * plan.grid[2]
     dtype = UINT[itemsize]
     cl_buf, cf_buf = _virtual_buffer(n * itemsize), _virtual_buffer(n * itemsize)
@@ -337,14 +443,8 @@ def check_huge_tail(
     run = n // (nb * ch)
     cl = cl_mem.reshape(nb, run, ch)  # [N][spatial][C]
     cf = cf_mem.reshape(nb, ch, run)  # [N][C][spatial]
-    tq, tc = 1 << plan.log_tq, 1 << plan.log_tc
-    regions = []
-    gx, gy = plan.grid[0], plan.grid[1]
-    for b in range(total - nblocks, total):
-        qt, ct, line = b % gx, (b // gx) % gy, b // (gx * gy)
-        q0, c0 = qt * tq, ct * tc
-        q1, c1 = min(q0 + tq, run), min(c0 + tc, ch)
-        regions.append((line, q0, q1, c0, c1))
+    regions = [r for b in range(total - nblocks, total) for r in block_regions(plan, b)]
+    for line, q0, q1, c0, c1 in regions:
         q = np.arange(q0, q1, dtype=np.int64)[:, None]
         c = np.arange(c0, c1, dtype=np.int64)[None, :]
         pattern = ((q * 31 + c * 7) % 251 + 1).astype(dtype)  # never 0

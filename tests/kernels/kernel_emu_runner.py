@@ -3,9 +3,11 @@
 Usage: ``python kernel_emu_runner.py LIBRARY CASES_JSON``
 
 Each case is a dict with ``shape``, ``itemsize``, ``to_channels_last`` and
-optionally ``box`` ([offsets, sizes]), ``order``, ``seed``, ``grid_limit``;
-or ``{"huge": true, "shape": ..., "itemsize": ..., "to_channels_last": ...,
-"nblocks": k}`` for the far end of a tensor over 2**31 elements.
+optionally ``box`` ([offsets, sizes]), ``order``, ``seed``, ``grid_limit``,
+``path`` ("tiled", "pixel" or "micro"), ``misalign`` (elements off 64-byte
+boundaries); or ``{"huge": true, "shape": ..., "itemsize": ...,
+"to_channels_last": ..., "nblocks": k}`` (optionally ``path``) for the far end
+of a tensor over 2**31 elements.
 
 Exit status: 0 all cases passed, 10 a result differed from NumPy, 11 the
 emulator reported an error.  Sanitizers exit with their own status.
@@ -33,6 +35,7 @@ def main(argv: list[str]) -> int:
                     case["itemsize"],
                     to_channels_last=case["to_channels_last"],
                     nblocks=case["nblocks"],
+                    path=case.get("path"),
                 )
                 print(f"huge ok, highest element offset {top}")
                 continue
@@ -46,6 +49,8 @@ def main(argv: list[str]) -> int:
                 order=case.get("order", "forward"),
                 seed=case.get("seed", 0),
                 grid_limit=tuple(case.get("grid_limit") or kernel_emu.MAX_GRID),
+                path=case.get("path"),
+                misalign=case.get("misalign", 0),
             )
         except kernel_emu.EmuError as exc:
             print(f"emulator error in case {case}: {exc}", flush=True)

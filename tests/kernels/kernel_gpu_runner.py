@@ -3,8 +3,10 @@
 
 Usage: ``python kernel_gpu_runner.py [--broken-sync]``
 
-``--broken-sync`` builds the variant without the tile barrier, which racecheck
-must report.  Exit status 0 when every result matched.
+``--broken-sync`` builds the tiled kernels without the tile barrier, which
+racecheck must report.  Exit status 0 when every result matched.  The cases
+cover both kernel paths (tiled for many channels, pixel for 1 to 8), with
+aligned and misaligned buffers and boxes.
 """
 
 from __future__ import annotations
@@ -35,9 +37,9 @@ def main(argv: list[str]) -> int:
 
     broken = "--broken-sync" in argv
     if broken:
-        # Route every launch through the broken module.
-        module = K.load_module(options=("-DGPUCKPT_BREAK_SYNC",))
-        K._modules[(cupy.cuda.Device().id, ())] = module
+        # Route every tiled launch through the broken module.
+        module = K.load_module(options=("-DGPUCKPT_BREAK_SYNC",), part="tiled")
+        K._modules[(cupy.cuda.Device().id, (), "tiled")] = module
 
     rng = np.random.default_rng(0)
     cases = [
@@ -45,6 +47,12 @@ def main(argv: list[str]) -> int:
         ((1, 70, 5, 6), np.uint8, ((0, 3, 1, 0), (1, 60, 3, 6))),
         ((2, 5, 3, 4, 6), np.float16, ((1, 1, 0, 1, 2), (1, 3, 3, 2, 4))),
         ((1, 2048, 2, 3), np.float64, None),
+        ((2, 17, 9, 9), np.float32, None),  # tiled, barriers
+        ((2, 64, 9, 16), np.uint8, ((0, 16, 0, 0), (2, 32, 9, 16))),  # micro-tile
+        ((2, 64, 7, 7), np.float32, None),  # micro-tile, 4-byte units
+        ((2, 3, 64, 64), np.uint8, None),  # pixel, 16-byte units
+        ((2, 4, 33, 31), np.float16, None),  # pixel, element-wise planes
+        ((1, 8, 5, 30, 17), np.float64, ((0, 2, 1, 0, 0), (1, 5, 3, 30, 17))),  # pixel, some channels
     ]
     ok = True
     for shape, dtype, box in cases:

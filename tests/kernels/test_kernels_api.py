@@ -185,7 +185,7 @@ box_cases = st.integers(4, 5).flatmap(
 @given(box_cases)
 def test_plan_invariants(case: tuple) -> None:
     shape, (offsets, sizes), itemsize = case
-    plan = K.plan_box_copy(shape, offsets, sizes, itemsize)
+    plan = K.plan_box_copy(shape, offsets, sizes, itemsize, path="tiled")
     tc, tq = 1 << plan.log_tc, 1 << plan.log_tq
     tile = K.TILE_ELEMS[itemsize]
     assert tc * tq <= tile
@@ -198,6 +198,197 @@ def test_plan_invariants(case: tuple) -> None:
     assert len(plan.params()) == 14
 
 
+pixel_box_cases = st.integers(4, 5).flatmap(
+    lambda ndim: st.tuples(
+        st.integers(1, 3000), st.integers(1, K.PIXEL_MAX_CHANNELS), *[st.integers(1, 3000)] * (ndim - 2)
+    ).flatmap(
+        lambda shape: st.tuples(
+            st.just(shape),
+            st.tuples(*[st.integers(0, n - 1) for n in shape]).flatmap(
+                lambda offs: st.tuples(
+                    st.just(offs),
+                    st.tuples(*[st.integers(0, n - o) for n, o in zip(shape, offs, strict=True)]),
+                )
+            ),
+            st.sampled_from(K.SUPPORTED_ITEMSIZES),
+        )
+    )
+)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(pixel_box_cases)
+def test_pixel_plan_invariants(case: tuple) -> None:
+    shape, (offsets, sizes), itemsize = case
+    plan = K.plan_box_copy(shape, offsets, sizes, itemsize)
+    assert plan.path == "pixel" and plan.module_part == f"px{itemsize}"
+    assert plan.kernel_name(True) == f"gpuckpt_px_cf_to_cl_{itemsize}_{shape[1]}"
+    assert plan.int_params() == (offsets[1], 0) and plan.grid[2] == 1
+    assert all(1 <= g <= m for g, m in zip(plan.grid, K.MAX_GRID, strict=True))
+    span = K.THREADS_PER_BLOCK * K.pixel_positions_per_thread(shape[1], itemsize)
+    if not plan.empty:
+        assert plan.nlines * plan.run_len * plan.nch == int(np.prod(sizes))
+        # the grid covers the run and the lines (capped: loops cover the rest)
+        assert plan.tiles == (-(-plan.run_len // span), plan.nlines, 1)
+        assert plan.grid[:2] == (min(plan.tiles[0], K.MAX_GRID[0]), min(plan.tiles[1], K.MAX_GRID[1]))
+        # cl_base points at channel 0 of the first pixel of the box
+        cl_strides = [s // itemsize for s in K.channels_last_strides(shape, itemsize)]
+        first = sum(o * s for d, (o, s) in enumerate(zip(offsets, cl_strides, strict=True)) if d != 1)
+        assert plan.cl_base == first and plan.cl_qs == shape[1]
+    assert len(plan.params()) == 14
+
+
+@pytest.mark.parametrize("itemsize", K.SUPPORTED_ITEMSIZES)
+def test_choose_path_by_channel_count(itemsize: int) -> None:
+    for channels in range(1, K.PIXEL_MAX_CHANNELS + 1):
+        for shape in [(8, channels, 224, 224), (2, channels, 16, 112, 112), (1, channels, 1, 1)]:
+            assert K.choose_path(shape, shape, itemsize) == "pixel"
+            # boxes (chunks: a batch range, a channel slab, a row range) too
+            box = (1, max(1, channels // 2), *shape[2:])
+            assert K.choose_path(shape, box, itemsize) == "pixel"
+    for channels in (9, 17, 33, 65):  # odd: never whole 16-byte groups of channels
+        shape = (8, channels, 14, 14)
+        assert K.choose_path(shape, shape, itemsize) == "tiled"
+    assert K.choose_path((1, 0, 4, 4), (1, 0, 4, 4), itemsize) == "tiled"  # empty: either serves
+
+
+@pytest.mark.parametrize("itemsize", K.SUPPORTED_ITEMSIZES)
+def test_choose_micro_for_whole_channel_groups(itemsize: int) -> None:
+    group = 16 // itemsize  # channels per 16 bytes
+    for channels in (64, 256, 2048):
+        shape = (8, channels, 28, 28)  # planes of 784 elements: 4-byte aligned
+        assert K.choose_path(shape, shape, itemsize) == "micro"
+        # channel slabs on group boundaries, or not
+        slab = (8, 2 * group, 28, 28)
+        assert K.choose_path(shape, slab, itemsize, (0, group, 0, 0)) == "micro"
+        assert K.choose_path(shape, (8, group + 1, 28, 28), itemsize, (0, 0, 0, 0)) == "tiled"
+        if group > 1:
+            assert K.choose_path(shape, slab, itemsize, (0, 1, 0, 0)) == "tiled"
+    # odd planes of 1- and 2-byte elements cannot take 4-byte units: tiled
+    odd = (8, 64, 7, 7)
+    assert K.choose_path(odd, odd, itemsize) == ("tiled" if itemsize < 4 else "micro")
+    # the tensor's channel count must be whole groups too (pixel stride)
+    if itemsize < 8:
+        shape = (8, 16 + 16 // itemsize // 2, 4, 4)
+        if shape[1] * itemsize % 16:
+            assert K.choose_path(shape, shape, itemsize) == "tiled"
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(box_cases)
+def test_micro_plan_invariants(case: tuple) -> None:
+    shape, (offsets, sizes), itemsize = case
+    if K.choose_path(shape, sizes, itemsize, offsets) != "micro":
+        return
+    plan = K.plan_box_copy(shape, offsets, sizes, itemsize)
+    assert plan.path == "micro" and plan.module_part == "micro"
+    assert plan.kernel_name(False) == f"gpuckpt_mt_cl_to_cf_{itemsize}"
+    groups = sizes[1] * itemsize // 16
+    assert 1 << plan.log_tc <= min(32, groups) < 2 << plan.log_tc
+    assert plan.int_params() == (plan.log_tc, 0)
+    assert all(1 <= g <= m for g, m in zip(plan.grid, K.MAX_GRID, strict=True))
+    if not plan.empty:
+        assert plan.nlines * plan.run_len * plan.nch == int(np.prod(sizes))
+        span = (K.THREADS_PER_BLOCK >> plan.log_tc) * K.micro_positions_per_thread(itemsize)
+        assert plan.tiles == (-(-plan.run_len // span), -(-groups >> plan.log_tc), plan.nlines)
+        assert plan.cl_base * itemsize % 16 == 0  # the first channel group is 16-byte aligned
+
+
+def test_choose_path_rejects_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="3 dimensions"):
+        K.choose_path((2, 3, 4), (2, 3, 4), 4)
+    with pytest.raises(TypeError, match="element size 3"):
+        K.choose_path((2, 3, 4, 4), (2, 3, 4, 4), 3)
+    with pytest.raises(ValueError, match="do not match the rank"):
+        K.choose_path((2, 3, 4, 4), (2, 3, 4), 4)
+    with pytest.raises(ValueError, match="serves 1 to 8 channels"):
+        K.plan_box_copy((1, 9, 2, 2), (0,) * 4, (1, 9, 2, 2), 4, path="pixel")
+    with pytest.raises(ValueError, match="kernel path 'vector'"):
+        K.plan_box_copy((1, 3, 2, 2), (0,) * 4, (1, 3, 2, 2), 4, path="vector")
+    with pytest.raises(ValueError, match=r"whole 16-byte groups of channels.*\[1, 17\)"):
+        K.plan_box_copy((1, 32, 2, 2), (0, 1, 0, 0), (1, 16, 2, 2), 1, path="micro")
+
+
+def test_micro_positions_match_source() -> None:
+    src = K.kernel_source()
+    assert "return sizeof(T) == 1 ? 16 : 8;" in src
+    assert [K.micro_positions_per_thread(es) for es in K.SUPPORTED_ITEMSIZES] == [16, 8, 8, 8]
+    assert [K.micro_groups_log2(n, 4) for n in (4, 8, 12, 64, 128, 4096)] == [0, 1, 1, 4, 5, 5]
+
+
+def test_pixel_positions_match_source() -> None:
+    # gk_px_groups in the CUDA source: G = 4, 2, 1 for 1, 2, more channels;
+    # a thread moves 16*G bytes of each plane.
+    src = K.kernel_source()
+    assert "return C == 1 ? 4 : (C == 2 ? 2 : 1);" in src
+    assert "constexpr int M = 16 * G / ES;  // positions per thread" in src
+    for channels, groups in [(1, 4), (2, 2), (3, 1), (8, 1)]:
+        for itemsize in K.SUPPORTED_ITEMSIZES:
+            assert K.pixel_positions_per_thread(channels, itemsize) == 16 * groups // itemsize
+
+
+def test_launch_plan_made_once_per_layout() -> None:
+    # The path choice and the plan are cached per (shape, strides, dtype, box,
+    # direction): a second launch of the same layout reuses the same plan.
+    K._prepare_cached.cache_clear()
+    a = ref.empty_channels_last((4, 3, 32, 32), np.float16)
+    b = ref.empty_channels_last((4, 3, 32, 32), np.float16)  # another tensor, same layout
+    first = K._prepared(a, None, False)
+    assert first.plan.path == "pixel" and first.name == "gpuckpt_px_cl_to_cf_2_3"
+    assert K._prepared(b, None, False) is first
+    assert K._prepared(a, ((1, 0, 0, 0), (2, 3, 32, 32)), False) is not first
+    info = K._prepare_cached.cache_info()
+    assert (info.hits, info.misses) == (1, 2)
+    back = K._prepared(a, None, True)
+    assert back.name == "gpuckpt_px_cf_to_cl_2_3" and back.plan is not first.plan
+    many = K._prepared(ref.empty_channels_last((2, 64, 8, 8), np.float32), None, False)
+    assert many.plan.path == "micro" and many.name == "gpuckpt_mt_cl_to_cf_4"
+    odd = K._prepared(ref.empty_channels_last((2, 33, 8, 8), np.float32), None, False)
+    assert odd.plan.path == "tiled" and odd.name == "gpuckpt_cl_to_cf_4"
+    # the launch arguments: 14 int64 and 2 int32 (c0 for the pixel path)
+    assert [type(v).__name__ for v in first.args] == ["int64"] * 14 + ["int32"] * 2
+
+
+def test_block_check_fast_path_and_messages() -> None:
+    # The common case passes on three attribute reads; anything else gets
+    # the full check and its message.
+    sizes = (2, 3, 4, 5)
+    K._check_block(np.empty(sizes, np.float32), sizes, np.dtype(np.float32), "out")
+    with pytest.raises(ValueError, match=r"out: shape \(2, 3, 4, 4\) does not match the box sizes"):
+        K._check_block(np.empty((2, 3, 4, 4), np.float32), sizes, np.dtype(np.float32), "out")
+    with pytest.raises(TypeError, match="src: dtype float64 does not match the tensor dtype float32"):
+        K._check_block(np.empty(sizes, np.float64), sizes, np.dtype(np.float32), "src")
+    with pytest.raises(ValueError, match="src: a C-contiguous array is required"):
+        K._check_block(
+            np.empty((2, 3, 5, 4), np.float32).transpose(0, 1, 3, 2), sizes, np.dtype(np.float32), "src"
+        )
+
+
+def test_module_part_options() -> None:
+    assert K.module_part_options(None) == ()
+    assert K.module_part_options("tiled") == (
+        "-DGK_BUILD_TILED=1",
+        "-DGK_BUILD_MICRO=0",
+        "-DGK_BUILD_PX_SIZES=0",
+    )
+    assert K.module_part_options("micro") == (
+        "-DGK_BUILD_TILED=0",
+        "-DGK_BUILD_MICRO=1",
+        "-DGK_BUILD_PX_SIZES=0",
+    )
+    assert K.module_part_options("px8") == (
+        "-DGK_BUILD_TILED=0",
+        "-DGK_BUILD_MICRO=0",
+        "-DGK_BUILD_PX_SIZES=8",
+    )
+    with pytest.raises(ValueError, match="'px3'"):
+        K.module_part_options("px3")
+    src = K.kernel_source()
+    assert "#if GK_BUILD_TILED" in src and "#if GK_BUILD_MICRO" in src
+    for es in K.SUPPORTED_ITEMSIZES:
+        assert f"#if GK_BUILD_PX_SIZES & {es}\nGK_PX_DEFINE_ALL({es}," in src
+
+
 def test_plan_merges_full_spatial_dims() -> None:
     plan = K.plan_box_copy((2, 64, 7, 9), (0, 0, 0, 0), (2, 64, 7, 9), 4)
     assert (plan.nlines, plan.run_len, plan.nch) == (2, 63, 64)
@@ -208,9 +399,9 @@ def test_plan_merges_full_spatial_dims() -> None:
 
 
 def test_plan_small_and_many_channels() -> None:
-    few = K.plan_box_copy((1, 3, 256, 256), (0,) * 4, (1, 3, 256, 256), 4)
+    few = K.plan_box_copy((1, 3, 256, 256), (0,) * 4, (1, 3, 256, 256), 4, path="tiled")
     assert (1 << few.log_tc, 1 << few.log_tq) == (4, 512)
-    many = K.plan_box_copy((1, 2048, 56, 56), (0,) * 4, (1, 2048, 56, 56), 4)
+    many = K.plan_box_copy((1, 2048, 56, 56), (0,) * 4, (1, 2048, 56, 56), 4, path="tiled")
     assert (1 << many.log_tc, 1 << many.log_tq) == (32, 64)
 
 

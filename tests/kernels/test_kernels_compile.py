@@ -1,5 +1,6 @@
 """The kernels compile for sm_80 and sm_90 with nvcc and with NVRTC, without
-register spills.  Neither compiler needs a GPU for this."""
+register spills, and the source's parts (what the loader compiles separately)
+hold exactly their entry points.  Neither compiler needs a GPU for this."""
 
 from __future__ import annotations
 
@@ -16,20 +17,56 @@ import pytest
 from gpuckpt.device import kernels as K
 
 ARCHS = ("sm_80", "sm_90")
-ENTRY_POINTS = {f"gpuckpt_{d}_{es}" for d in ("cl_to_cf", "cf_to_cl") for es in K.SUPPORTED_ITEMSIZES}
+DIRECTIONS = ("cl_to_cf", "cf_to_cl")
 
 
-def check_ptxas_report(log: str, arch: str) -> None:
+def part_entry_points(part: str | None) -> set[str]:
+    """The entry points the source defines with ``part``'s build options."""
+    tiled = {f"gpuckpt_{d}_{es}" for d in DIRECTIONS for es in K.SUPPORTED_ITEMSIZES}
+    if part is None:
+        sizes: tuple[int, ...] = K.SUPPORTED_ITEMSIZES
+    elif part in ("tiled", "micro"):
+        sizes = ()
+    else:
+        sizes = (int(part[2:]),)
+    pixel = {
+        f"gpuckpt_px_{d}_{es}_{c}"
+        for d in DIRECTIONS
+        for es in sizes
+        for c in range(1, K.PIXEL_MAX_CHANNELS + 1)
+    }
+    micro = {f"gpuckpt_mt_{d}_{es}" for d in DIRECTIONS for es in K.SUPPORTED_ITEMSIZES}
+    return (
+        pixel | (tiled if part in (None, "tiled") else set()) | (micro if part in (None, "micro") else set())
+    )
+
+
+ENTRY_POINTS = part_entry_points(None)
+
+
+def test_every_plan_names_an_entry_point() -> None:
+    # The planner's kernel names and parts match what the source defines.
+    for shape in [(1, c, 4, 4) for c in (1, 3, 8, 9, 64)]:
+        for itemsize in K.SUPPORTED_ITEMSIZES:
+            plan = K.plan_box_copy(shape, (0,) * 4, shape, itemsize)
+            for to_cl in (False, True):
+                assert plan.kernel_name(to_cl) in part_entry_points(plan.module_part)
+    assert len(ENTRY_POINTS) == 2 * 4 + 2 * 4 + 2 * 4 * K.PIXEL_MAX_CHANNELS
+    paths = {K.plan_box_copy(s, (0,) * 4, s, 4).path for s in [(1, c, 4, 4) for c in (1, 9, 64)]}
+    assert paths == set(K.PATHS)
+
+
+def check_ptxas_report(log: str, arch: str, entry_points: set[str] = ENTRY_POINTS) -> None:
     """Every entry point was compiled for ``arch`` and no function spills."""
     compiled = set(re.findall(rf"Compiling entry function '(\w+)' for '{arch}'", log))
-    assert compiled == ENTRY_POINTS, log
+    assert compiled == entry_points, sorted(compiled ^ entry_points)
     properties = re.findall(
         r"Function properties for (\w+)\n[^\n]*?(\d+) bytes stack frame, "
         r"(\d+) bytes spill stores, (\d+) bytes spill loads",
         log,
     )
     # entry points, and the out-of-line device functions they call
-    assert {name for name, *_ in properties} >= ENTRY_POINTS, log
+    assert {name for name, *_ in properties} >= entry_points, log
     for name, frame, stores, loads in properties:
         assert (frame, stores, loads) == ("0", "0", "0"), (
             f"{name} on {arch}: stack {frame}, spill stores {stores}, spill loads {loads}"
@@ -169,15 +206,15 @@ def nvrtc_compile() -> Callable[[str, list[str]], tuple[bool, str]]:
     return compile_
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_nvrtc_compiles_without_spills(
-    nvrtc_compile: Callable[[str, list[str]], tuple[bool, str]], arch: str
-) -> None:
-    # The same options CuPy's RawModule uses, plus a real architecture so that
-    # NVRTC runs ptxas and reports registers and spills.
-    ok, log = nvrtc_compile(K.kernel_source(), [f"--gpu-architecture={arch}", "-std=c++17", "-Xptxas=-v"])
+def test_nvrtc_compiles_without_spills(nvrtc_compile: Callable[[str, list[str]], tuple[bool, str]]) -> None:
+    # The same options CuPy's RawModule uses for one part (the loader's), plus
+    # a real architecture so that NVRTC runs ptxas and reports registers and
+    # spills: sm_90, the H100/H200 the targets are set on.  nvcc covers every
+    # part for sm_80 and sm_90 above; the other parts go through NVRTC below.
+    options = ["--gpu-architecture=sm_90", "-std=c++17", "-Xptxas=-v", *K.module_part_options("px8")]
+    ok, log = nvrtc_compile(K.kernel_source(), options)
     assert ok, log
-    check_ptxas_report(log, arch)
+    check_ptxas_report(log, "sm_90", part_entry_points("px8"))
 
 
 def test_nvrtc_reports_errors(nvrtc_compile: Callable[[str, list[str]], tuple[bool, str]]) -> None:
@@ -187,11 +224,14 @@ def test_nvrtc_reports_errors(nvrtc_compile: Callable[[str, list[str]], tuple[bo
     assert not ok and "cstdio" in log
 
 
-def test_nvrtc_without_cupy() -> None:
+@pytest.mark.parametrize("part", ["tiled", "micro"])
+def test_nvrtc_without_cupy_compiles_a_part(part: str) -> None:
     # CI may have the NVRTC wheel but no CuPy: the ctypes path must work too.
+    # With the loader's options for one part, exactly that part's kernels.
     compile_ = _nvrtc_from_ctypes()
     if compile_ is None:
         pytest.skip("libnvrtc not found: install nvidia-cuda-nvrtc==13.0.*")
-    ok, log = compile_(K.kernel_source(), ["--gpu-architecture=sm_90", "-std=c++17", "-Xptxas=-v"])
+    options = ["--gpu-architecture=sm_90", "-std=c++17", "-Xptxas=-v", *K.module_part_options(part)]
+    ok, log = compile_(K.kernel_source(), options)
     assert ok, log
-    check_ptxas_report(log, "sm_90")
+    check_ptxas_report(log, "sm_90", part_entry_points(part))

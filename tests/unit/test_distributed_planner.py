@@ -116,3 +116,20 @@ def test_overlapping_chunks_matches_brute_force(t: tuple, q: list[int]) -> None:
     query = (tuple(lo), tuple(h - a for a, h in zip(lo, hi, strict=True)))
     want = {s.coords for s in grid.chunks() if intersect(query, (s.offsets, s.sizes))}
     assert set(overlapping_chunks(grid, query)) == want
+
+
+def test_refined_boxes_keep_a_regular_grid_where_possible() -> None:
+    """A whole tensor is chunked as gpuckpt.save chunks it; equal boxes by a divisor of their extent."""
+    from gpuckpt.planning import plan_regular_grid
+
+    for n in (64, 1000, 50257, 7):
+        whole = grid_for_boxes([((0, 0), (n, 10))], (n, 10), 4, chunk_bytes=512)
+        assert whole.kind == "regular" and whole == plan_regular_grid((n, 10), 4, 512), n
+    # four boxes of 24 rows, 12 rows fit: chunks of 12 rows (a divisor of 24)
+    boxes = rows((96, 10), [24, 48, 72])
+    g = grid_for_boxes(boxes, (96, 10), 4, chunk_bytes=12 * 40)
+    assert g.kind == "regular" and g.chunk_shape == (12, 10)
+    # boxes of 23 rows (prime), 12 fit: only 1-row chunks would be regular, so near-equal parts
+    boxes = rows((92, 10), [23, 46, 69])
+    g = grid_for_boxes(boxes, (92, 10), 4, chunk_bytes=12 * 40)
+    assert g.kind == "rectilinear" and max(g.edges[0]) <= 12

@@ -55,3 +55,43 @@ def test_host_allocator_memory_is_writable_and_sized() -> None:
     a[:] = 7
     assert int(a.sum()) == 7 * 12345
     assert HostAllocator()(0).nbytes == 0
+
+
+def test_arena_pool_reports_the_memory_it_holds() -> None:
+    from gpuckpt.device.staging import ArenaPool
+
+    small = 1 << 16
+    pool = ArenaPool(lambda n: np.zeros(n, np.uint8), max_arenas=2)
+    assert pool.reserved_bytes() == 0
+    a = pool.acquire()
+    a.take(small)
+    b = pool.acquire()
+    b.take(small)
+    held = pool.reserved_bytes()
+    assert held == a.capacity + b.capacity >= 2 * small  # in use counts too
+    pool.release(a)
+    pool.release(b)
+    for _ in range(5):  # reuse: no growth
+        c = pool.acquire(small)
+        c.take(small)
+        pool.release(c)
+    assert pool.reserved_bytes() == held
+    pool.clear()
+    assert pool.reserved_bytes() == 0
+
+
+def test_arena_pool_waits_a_grace_period_for_an_arena_in_use() -> None:
+    """An arena released just after the request is reused rather than a second one made."""
+    import threading
+
+    from gpuckpt.device.staging import ArenaPool
+
+    pool = ArenaPool(lambda n: np.zeros(n, np.uint8), max_arenas=2)
+    first = pool.acquire()
+    threading.Timer(0.05, pool.release, (first,)).start()
+    assert pool.acquire(grace=5.0) is first
+    pool.release(first)
+    # without a grace period (or when it runs out) a second arena is made at once
+    held = pool.acquire()
+    other = pool.acquire(grace=0.01)
+    assert other is not held and len({id(held), id(other)}) == 2

@@ -1,0 +1,412 @@
+"""Every call ``gpuckpt.dcp`` makes into gpuckpt's save and load machinery, in one module.
+
+The DCP classes (:mod:`~gpuckpt.dcp.writer`, :mod:`~gpuckpt.dcp.reader`,
+:mod:`~gpuckpt.dcp.stager`) use gpuckpt's internals only through the functions
+here (besides the public metadata model, dtypes, memory formats, options and
+errors), and these use the same entry points as gpuckpt's own distributed
+save, resharding load and background snapshot: nothing of the save or load
+logic is repeated. What they rely on:
+
+- options: :class:`gpuckpt.options.SaveOptions` and
+  :class:`~gpuckpt.options.LoadOptions` (made, and so checked, when the Writer
+  or Reader is);
+- planning: :func:`gpuckpt.planning.plan.plan_save` from one
+  :class:`~gpuckpt.planning.plan.StateDescription` per rank (its
+  :class:`~gpuckpt.planning.boxes.LocalTensor` boxes, as for ``ShardedArray``
+  saves), whose :class:`~gpuckpt.planning.plan.ChunkAssignment` records say
+  what each rank writes;
+- writing: :func:`gpuckpt.writing.open_save_writer`,
+  :func:`gpuckpt.storage.stores.attach_writer` (ranks other than the
+  coordinator), :func:`gpuckpt.writing.write_array_documents` (its ``defer``),
+  :func:`gpuckpt.writing.bind_jobs` over :class:`gpuckpt.sources.Source`
+  records of :func:`gpuckpt.device.arrays.adapt`-ed tensors,
+  :func:`gpuckpt.writing.write_chunks` (its ``documents``),
+  :func:`gpuckpt.writing.assemble_metadata`, the ``writing`` abort guard,
+  :func:`gpuckpt.storage.values.encode_object` and
+  :func:`gpuckpt.storage.layout.root_document` with ``CheckpointWriter.commit``
+  / ``abort``;
+- reading: :func:`gpuckpt.storage.stores.open_reader` and ``is_committed``,
+  :func:`gpuckpt.storage.layout.metadata_from_root_document`,
+  :func:`gpuckpt.reading.validate_metadata` (its ``TensorEntry`` values),
+  ``check_chunk_files``, :func:`gpuckpt.distributed.load.read_boxes`,
+  ``read_tensors`` (into adapters), :func:`gpuckpt.storage.values.decode_object`
+  and :func:`gpuckpt.state.unflatten_state_dict`;
+- snapshots: :func:`gpuckpt.sources.describe_state`,
+  :func:`gpuckpt.background.snapshot` / ``snapshot_on_device`` /
+  ``snapshot_bytes`` and the :class:`~gpuckpt.device.staging.ArenaPool` of
+  staging memory (its ``hold``, ``reserved_bytes`` and ``grace``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Collection, Mapping, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from gpuckpt.background import snapshot as snapshot_to_arena
+from gpuckpt.background import snapshot_bytes, snapshot_on_device
+from gpuckpt.device.arrays import DeviceArray, HostArray, HostMemory, adapt, device_backends
+from gpuckpt.device.staging import ArenaPool, StagingArena
+from gpuckpt.distributed.load import read_boxes
+from gpuckpt.dtypes import dtype_name
+from gpuckpt.errors import StagingTimeoutError, UnsupportedValueError
+from gpuckpt.metadata import FORMAT_VERSION, Metadata, TensorProperties
+from gpuckpt.options import LoadOptions, SaveOptions
+from gpuckpt.planning.boxes import Box, LocalTensor
+from gpuckpt.planning.plan import ChunkAssignment, SavePlan, StateDescription, plan_save
+from gpuckpt.reading import TensorEntry, check_chunk_files, paused_gc, read_tensors, validate_metadata
+from gpuckpt.sources import Source, describe_state
+from gpuckpt.state import unflatten_state_dict
+from gpuckpt.storage.base import CheckpointReader, CheckpointWriter
+from gpuckpt.storage.layout import metadata_from_root_document, root_document
+from gpuckpt.storage.stores import attach_writer, is_committed, open_reader, scheme_of
+from gpuckpt.storage.values import decode_object, encode_object
+from gpuckpt.writing import (
+    array_document_of,
+    assemble_metadata,
+    bind_jobs,
+    open_save_writer,
+    write_array_documents,
+    write_chunks,
+    writing,
+)
+
+__all__ = [
+    "Box",
+    "ChunkAssignment",
+    "OpenCheckpoint",
+    "OpenSave",
+    "SavePlan",
+    "Snapshot",
+    "abort_save",
+    "attach",
+    "begin_save",
+    "commit_save",
+    "is_checkpoint",
+    "location_supported",
+    "open_checkpoint",
+    "plan",
+    "read_boxes_into",
+    "read_value",
+    "read_whole",
+    "rebuild",
+    "snapshot",
+    "staged_bytes",
+    "write_assigned",
+]
+
+#: what one rank holds of one tensor: ``(fqn, global shape, dtype, properties, boxes)``
+HeldTensor = tuple[str, tuple[int, ...], np.dtype[Any], TensorProperties, Sequence[Box]]
+
+
+# save -----------------------------------------------------------------------
+
+
+def plan(held_by_rank: Sequence[Sequence[HeldTensor]], options: SaveOptions) -> SavePlan:
+    """The save plan (chunk grids, each rank's chunks) from the boxes each rank holds.
+
+    Plain values are not planned: DCP hands them over only in ``write_data``,
+    and :func:`commit_save` adds them.
+    """
+    ranks = [
+        StateDescription(
+            tuple(
+                LocalTensor(fqn, shape, dtype_name(dt), dt.itemsize, props, tuple(boxes))
+                for fqn, shape, dt, props, boxes in held
+            ),
+            {},
+            None,
+        )
+        for held in held_by_rank
+    ]
+    return plan_save(ranks, chunk_bytes=options.chunk_bytes, portable=options.portable)
+
+
+@dataclass(slots=True)
+class OpenSave:
+    """A save the coordinator has begun: its writer (holding the temporary), its plan, and the
+    array documents left to be written with their array's one chunk (``deferred``)."""
+
+    path: str
+    writer: CheckpointWriter
+    plan: SavePlan
+    token: str
+    deferred: dict[str, bytes]
+
+
+def begin_save(
+    path: str,
+    plan: SavePlan,
+    nobjects: int,
+    options: SaveOptions,
+    deferred: Collection[str] = (),
+) -> OpenSave:
+    """Open the writer of a new checkpoint, create its temporary and write the array documents.
+
+    The documents of the arrays named in ``deferred`` (one chunk each, written by the
+    coordinator) are not written here: they go to :func:`write_assigned` with that chunk,
+    so that the I/O threads write them, as :func:`gpuckpt.save` does.
+    """
+    world_size = len(plan.assignments)
+    if world_size > 1 and scheme_of(path) != "file":
+        raise UnsupportedValueError(
+            f"{path}: saves from {world_size} ranks go to a shared file system path; object stores take "
+            "a single writer for now (save from one process, or to a shared directory)"
+        )
+    # as a distributed save: the other ranks' writers attach without O_DIRECT, so the root's
+    # writes alike; a single writer as gpuckpt.save (what is just written stays cached)
+    writer = open_save_writer(
+        path,
+        options,
+        expected_files=plan.nfiles + nobjects,
+        direct_io=world_size == 1 and options.use_direct_io(False),
+    )
+    with writing(writer):
+        writer.begin()
+        later = write_array_documents(plan, writer, defer=deferred)
+    return OpenSave(path, writer, plan, writer.token or "", later)
+
+
+def attach(path: str, token: str) -> CheckpointWriter:
+    """The writer of a rank other than the coordinator, into the save the coordinator began."""
+    return attach_writer(path, token)
+
+
+def write_assigned(
+    writer: CheckpointWriter,
+    mine: Sequence[ChunkAssignment],
+    held: Mapping[str, Sequence[tuple[Any, tuple[int, ...]]]],
+    options: SaveOptions,
+    documents: Mapping[str, bytes] | None = None,
+) -> tuple[list[tuple[tuple[str, tuple[int, ...]], tuple[int, int]]], dict[str, Any]]:
+    """Write this rank's chunks; ``held[fqn][box]`` is the tensor holding that box, and its offsets.
+
+    ``documents``: array documents to write with their array's one chunk (see :func:`begin_save`).
+
+    Returns ``((array name, chunk coords), (stored bytes, CRC32C))`` per chunk, and
+    the memory format of each tensor as found in this rank's boxes.
+    """
+    sources = {
+        fqn: tuple(Source(adapt(tensor), tuple(offsets)) for tensor, offsets in boxes)
+        for fqn, boxes in held.items()
+    }
+    formats = {fqn: boxes[0].array.memory_format for fqn, boxes in sources.items() if boxes}
+    jobs = bind_jobs(mine, sources)
+    results = write_chunks(jobs, writer, options, documents=None if documents is None else dict(documents))
+    return [((j.name, j.coords), r) for j, r in zip(jobs, results, strict=True)], formats
+
+
+def commit_save(
+    save: OpenSave,
+    results: Mapping[tuple[str, tuple[int, ...]], tuple[int, int]],
+    memory_formats: Mapping[str, Any],
+    values: Mapping[str, bytes],
+    skeleton: Any,
+    planner_extra: Mapping[str, Any],
+    checkpoint_id: str,
+) -> Metadata:
+    """Assemble the metadata of every rank's chunks and publish the checkpoint atomically.
+
+    ``values`` are stored as opaque bytes entries; ``planner_extra`` is added to
+    the metadata's ``planner_data``. On any error the save is aborted.
+    """
+    with writing(save.writer):
+        tensors = tuple(
+            dataclasses.replace(
+                t, properties=dataclasses.replace(t.properties, memory_format=memory_formats[t.fqn])
+            )
+            if t.fqn in memory_formats
+            else t
+            for t in save.plan.tensors
+        )
+        # the array documents were written with the memory format DCP's planner reports
+        # (always contiguous); a tensor found in another format gets its document again
+        for planned, found in zip(save.plan.tensors, tensors, strict=True):
+            if found.properties.memory_format is not planned.properties.memory_format:
+                save.writer.rewrite_array_document(found.name, array_document_of(found))
+        objects = {fqn: encode_object(blob, fqn=fqn) for fqn, blob in values.items()}
+        done = dataclasses.replace(save.plan, tensors=tensors, objects=objects, skeleton=skeleton)
+        md = assemble_metadata(done, dict(results), checkpoint_id)
+        md.planner_data = {**md.planner_data, **planner_extra}
+        save.writer.commit(root_document(md))
+    md.version = md.version or FORMAT_VERSION
+    return md
+
+
+def abort_save(save: OpenSave) -> None:
+    """Remove the temporary of a save that will not be committed (published checkpoints are untouched)."""
+    save.writer.abort()
+
+
+# load -----------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class OpenCheckpoint:
+    """A published checkpoint, its validated metadata, tensors and stored values."""
+
+    path: str
+    reader: CheckpointReader
+    metadata: Metadata
+    tensors: dict[str, TensorEntry]
+    values: dict[str, Any]
+
+
+@paused_gc()
+def open_checkpoint(path: str, options: LoadOptions) -> OpenCheckpoint:
+    """Open and validate the checkpoint at ``path`` (nothing but its root document is read)."""
+    reader = open_reader(path, storage_options=options.store_options())
+    md = metadata_from_root_document(reader.read_root(), f"{os.fspath(path).rstrip('/')}/zarr.json")
+    tensors, values = validate_metadata(md)
+    return OpenCheckpoint(os.fspath(path), reader, md, tensors, values)
+
+
+def read_value(ck: OpenCheckpoint, fqn: str, allow_pickle: bool) -> Any:
+    """A stored plain value, decoded (pickles only with ``allow_pickle``)."""
+    return decode_object(ck.values[fqn], allow_pickle=allow_pickle, fqn=fqn)
+
+
+def read_boxes_into(
+    ck: OpenCheckpoint, requests: Mapping[str, list[tuple[Any, Box]]], options: LoadOptions
+) -> None:
+    """Fill each ``(array, box)`` of each tensor from the stored chunks that overlap the box.
+
+    Arrays are any kind gpuckpt adapts (torch CPU or CUDA tensors included);
+    each chunk read is verified against its CRC32C.
+    """
+    check_chunk_files(ck.reader, [ck.tensors[fqn] for fqn in requests])
+    read_boxes(
+        ck.reader,
+        [(ck.tensors[fqn], [(adapt(a), box) for a, box in targets]) for fqn, targets in requests.items()],
+        options,
+    )
+
+
+def read_whole(ck: OpenCheckpoint, fqn: str, options: LoadOptions) -> np.ndarray:
+    """A new host array holding tensor ``fqn`` (stored shape, dtype and memory format)."""
+    t = ck.tensors[fqn]
+    check_chunk_files(ck.reader, [t])
+    dest: np.ndarray = HostMemory().allocate(t.shape, t.dtype, t.metadata.properties.memory_format)
+    read_tensors(ck.reader, [(t, HostArray(dest))], options)
+    return dest
+
+
+def rebuild(node: Any, values: Mapping[str, Any]) -> Any:
+    """The container a structure ``node`` describes, its leaves taken from ``values`` by FQN."""
+    return unflatten_state_dict({"d": [["s", "_", node]]}, values)["_"]
+
+
+def is_checkpoint(path: str | os.PathLike[str]) -> bool:
+    """Cheaply: a published checkpoint at a local ``path`` (its root document says so), or ``s3://``."""
+    if not location_supported(path):
+        return False
+    return scheme_of(path) != "file" or is_committed(path)
+
+
+def location_supported(path: str | os.PathLike[str]) -> bool:
+    """Whether gpuckpt has a store for ``path`` (a local path, ``file://`` or ``s3://``)."""
+    try:
+        return scheme_of(path) in ("file", "s3")
+    except TypeError:
+        return False
+
+
+# snapshots ------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Snapshot:
+    """Copies of arrays in staging memory; ``release`` frees it.
+
+    ``arrays`` holds, in the order given, ``(copy, dtype, on_device)``: a NumPy
+    array, or a CuPy array holding ``dtype`` (through integers of its size for
+    types CuPy lacks). Until released, the arena is held by ``holder`` (the
+    pool waits for it rather than report an arena nobody will give back).
+    """
+
+    arrays: list[tuple[Any, np.dtype[Any], bool]]
+    pool: ArenaPool | None
+    arena: StagingArena | None
+    holder: Future[None] | None = None
+
+    def release(self) -> None:
+        if self.pool is not None and self.arena is not None:
+            if self.holder is not None:
+                self.holder.set_result(None)
+            self.pool.release(self.arena)
+            self.arena = None
+
+
+def snapshot(
+    arrays: Sequence[Any],
+    pools: dict[int, ArenaPool],
+    *,
+    device: bool,
+    max_arenas: int,
+    timeout: float | None,
+) -> Snapshot:
+    """Copy ``arrays`` once, as ``gpuckpt.async_save`` does, into reusable staging memory.
+
+    ``device=False``: into host staging arenas (page-locked where device arrays are
+    involved), from ``pools`` (one per device backend, created here); the copies
+    are NumPy arrays with the sources' memory layout. ``device=True``: device
+    arrays are copied within device memory (the copies are CuPy arrays), host
+    arrays into new host arrays. Raises :class:`~gpuckpt.errors.StagingTimeoutError`
+    when no arena becomes free within ``timeout`` seconds.
+    """
+    keys = [str(i) for i in range(len(arrays))]
+    local, sources = describe_state(dict(zip(keys, arrays, strict=True)), allow_pickle=False)
+    pool = arena = holder = None
+    if device:
+        snap = snapshot_on_device(sources)
+    else:
+        backend = next(iter(device_backends(s.array for held in sources.values() for s in held)), None)
+        key = id(backend) if backend is not None else 0
+        pool = pools.get(key)
+        if pool is None:
+            allocator = backend.pinned_allocator() if backend is not None else None
+            pool = pools[key] = ArenaPool(allocator, max_arenas=max_arenas)
+        arena = _acquire(pool, snapshot_bytes(sources), timeout)
+        try:
+            snap = snapshot_to_arena(local, sources, arena)
+        except BaseException:
+            pool.release(arena)
+            raise
+        # from here on the copies hold the arena, whichever thread lets go of them last
+        holder = Future[None]()
+        pool.hold(arena, holder)
+    out = []
+    for k in keys:
+        a = snap[k][0].array
+        if isinstance(a, DeviceArray):
+            out.append((a.data, a.dtype, True))
+        else:
+            out.append((a.host_array(), a.dtype, False))
+    return Snapshot(out, pool, arena, holder)
+
+
+_GRACE_S = 0.05
+
+
+def _acquire(pool: ArenaPool, nbytes: int, timeout: float | None) -> StagingArena:
+    """An arena; when all are taken, collect garbage once (a finished save's snapshot may be
+    held only by a reference cycle), then wait up to ``timeout`` seconds for one to be released."""
+    import gc
+
+    try:
+        # the snapshot of a save that just finished is released when the thread that ran
+        # it lets go of the state dict: wait a moment for it rather than make a second arena
+        return pool.acquire(nbytes, timeout=0, grace=_GRACE_S)
+    except StagingTimeoutError:
+        gc.collect()
+        return pool.acquire(nbytes, timeout=timeout)
+
+
+def staged_bytes(pools: Mapping[int, ArenaPool]) -> int:
+    """Bytes of staging memory the pools hold (free and in use)."""
+    return sum(pool.reserved_bytes() for pool in pools.values())

@@ -1,0 +1,204 @@
+"""``gpuckpt.dcp.Reader``: a torch.distributed.checkpoint StorageReader of gpuckpt checkpoints."""
+
+from __future__ import annotations
+
+import io
+import os
+from typing import Any
+
+from torch.distributed.checkpoint.metadata import Metadata as DcpMetadata
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.storage import StorageReader
+from torch.futures import Future
+
+import gpuckpt.dcp.bridge as bridge
+import gpuckpt.dcp.convert as convert
+from gpuckpt.dcp.tensors import as_torch, torch, torch_dtype
+from gpuckpt.errors import (
+    MetadataError,
+    MissingKeyError,
+    ShapeMismatchError,
+    UnsafeCheckpointError,
+    UnsupportedValueError,
+)
+from gpuckpt.options import LoadOptions
+
+__all__ = ["Reader"]
+
+
+class Reader(StorageReader):  # type: ignore[misc,unused-ignore]
+    """Reads any gpuckpt checkpoint under ``torch.distributed.checkpoint.load``.
+
+    :meth:`read_metadata` gives DCP its own ``Metadata``, built from the
+    checkpoint's JSON metadata (the chunks listed are the stored Zarr chunks).
+    DCP's planner then asks for any box of any tensor (resharding); only the
+    chunks that overlap it are read, each one checked against its CRC32C
+    before its bytes reach the target (CPU or CUDA tensors; targets of
+    another dtype get a converted copy, as with ``FileSystemReader``).
+
+    Checkpoints written by :func:`gpuckpt.save` read as DCP would have
+    flattened the same state dict: a list without tensors, or a tuple, is one
+    value for DCP, and its plain values are handed over as ``torch.save``
+    bytes, which DCP's default load planner expects.
+
+    No pickle is run by default. Bytes that DCP wrote are unpickled with
+    ``torch.load(weights_only=True)`` (tensors, containers and plain types) and
+    serialised again before DCP sees them; other objects, and gpuckpt values
+    saved with ``allow_pickle=True``, need ``allow_pickle=True`` here (trusted
+    checkpoints only).
+
+    Parameters
+    ----------
+    path
+        The checkpoint (a directory or ``s3://`` URL); DCP's ``checkpoint_id`` replaces it.
+    allow_pickle
+        Hand pickled entries to DCP unchecked.
+    threads
+        I/O threads (default as for :func:`gpuckpt.load`).
+    storage_options
+        Options of URL back ends (``s3://``), as for :func:`gpuckpt.load`.
+
+    Examples
+    --------
+    ::
+
+        dcp.load(state_dict, storage_reader=gpuckpt.dcp.Reader("ckpt/step-100"))
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        allow_pickle: bool = False,
+        threads: int | None = None,
+        storage_options: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        self.options = LoadOptions(
+            allow_pickle=allow_pickle, threads=threads, storage_options=storage_options
+        )
+        self._path = os.fspath(path)
+        self._checkpoint: bridge.OpenCheckpoint | None = None
+        self._view: convert.View | None = None
+
+    @property
+    def checkpoint_id(self) -> str:
+        """The path (or URL) of the checkpoint being read."""
+        return self._path
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        self._checkpoint = None
+        self._view = None
+        if checkpoint_id is not None:
+            self._path = os.fspath(checkpoint_id)
+
+    def read_metadata(self, *args: Any) -> DcpMetadata:
+        # no **kwargs: DCP then does not retry with per-rank metadata, which gpuckpt has none of
+        ck = bridge.open_checkpoint(self._path, self.options)
+        view = convert.dcp_view(ck.metadata, set(ck.tensors), set(ck.values), self._path)
+        self._checkpoint, self._view = ck, view
+        metadata: DcpMetadata = view.metadata
+        return metadata
+
+    def set_up_storage_reader(
+        self, metadata: DcpMetadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
+        if self._view is None:
+            self.read_metadata()
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        if self._checkpoint is None or self._view is None:
+            self.read_metadata()
+        assert self._checkpoint is not None and self._view is not None
+        ck, view = self._checkpoint, self._view
+        requests: dict[str, list[tuple[Any, bridge.Box]]] = {}
+        done: list[tuple[ReadItem, Any, Any]] = []  # (item, target, converted copy or None)
+        values: list[tuple[ReadItem, convert.Entry]] = []
+        for item in plan.items:
+            entry = view.entries.get(item.storage_index.fqn)
+            if entry is None:
+                raise MissingKeyError(
+                    f"{item.storage_index.fqn!r} is not in the checkpoint at {self._path}; list its keys "
+                    "with gpuckpt.read_metadata(path).state_dict_metadata"
+                )
+            if entry.kind != "tensor":
+                values.append((item, entry))
+                continue
+            if item.type != LoadItemType.TENSOR:
+                raise UnsupportedValueError(
+                    f"{entry.fqn!r} is a tensor in the checkpoint at {self._path}, but the load plan asks "
+                    "for it as a non-tensor value; load it into a tensor"
+                )
+            t = ck.tensors[entry.fqn]
+            chunk = tuple(int(o) for o in (item.storage_index.offset or ()))
+            offsets = tuple(c + int(o) for c, o in zip(chunk, item.storage_offsets, strict=True))
+            box = (offsets, tuple(int(n) for n in item.lengths))
+            target = planner.resolve_tensor(item).detach()
+            if tuple(target.shape) != box[1]:
+                raise ShapeMismatchError(
+                    f"tensor {entry.fqn!r}: the planner resolved a target of shape {tuple(target.shape)} "
+                    f"for a read of {box[1]}"
+                )
+            stored = torch_dtype(t.dtype, entry.fqn)
+            into = (
+                target if target.dtype == stored else torch.empty(box[1], dtype=stored, device=target.device)
+            )
+            requests.setdefault(entry.fqn, []).append((into, box))
+            done.append((item, target, None if into is target else into))
+        bridge.read_boxes_into(ck, requests, self.options)
+        for item, target, converted in done:
+            if converted is not None:
+                target.copy_(converted)
+            planner.commit_tensor(item, target)
+        for item, entry in values:
+            planner.load_bytes(item, io.BytesIO(self._serialized(ck, entry)))
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    def _serialized(self, ck: bridge.OpenCheckpoint, entry: convert.Entry) -> bytes:
+        """The ``torch.save`` bytes DCP's planner gets for a non-tensor entry."""
+        if entry.kind == "torch_save":
+            blob = bridge.read_value(ck, entry.fqn, False)
+            if not isinstance(blob, bytes):
+                raise MetadataError(
+                    f"entry {entry.fqn!r} is listed as DCP's serialised bytes but holds a "
+                    f"{type(blob).__name__}; the checkpoint is damaged"
+                )
+            if self.options.allow_pickle:
+                return blob
+            try:
+                value = torch.load(io.BytesIO(blob), weights_only=True)
+            except Exception as exc:
+                raise UnsafeCheckpointError(
+                    f"entry {entry.fqn!r} holds objects that torch.load(weights_only=True) refuses ({exc}); "
+                    "loading it could run arbitrary code: pass allow_pickle=True to gpuckpt.dcp.Reader only "
+                    "if you trust the checkpoint's origin"
+                ) from None
+        elif entry.kind == "value":
+            value = bridge.read_value(ck, entry.fqn, self.options.allow_pickle)
+        else:  # a list or tuple DCP takes as one value
+            leaves = convert.leaves(entry.node)
+            got = {
+                f: as_torch(bridge.read_whole(ck, f, self.options))
+                if f in ck.tensors
+                else bridge.read_value(ck, f, self.options.allow_pickle)
+                for f in leaves
+            }
+            value = bridge.rebuild(entry.node, got)
+        out = io.BytesIO()
+        torch.save(value, out)
+        return out.getvalue()
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return bridge.is_checkpoint(checkpoint_id)
+
+    def __repr__(self) -> str:
+        return f"gpuckpt.dcp.Reader({self._path!r})"

@@ -1,0 +1,324 @@
+"""``gpuckpt.dcp.Writer``: a torch.distributed.checkpoint StorageWriter that writes gpuckpt checkpoints."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import uuid
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+from torch.distributed.checkpoint.metadata import Metadata as DcpMetadata
+from torch.distributed.checkpoint.metadata import StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan as DcpSavePlan
+from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
+
+import gpuckpt.dcp.bridge as bridge
+import gpuckpt.dcp.convert as convert
+from gpuckpt import memory_format as mf
+from gpuckpt.dcp.tensors import torch
+from gpuckpt.errors import GpuckptError, UnsupportedValueError
+from gpuckpt.options import DEFAULT_CHUNK_BYTES, DEFAULT_STAGING_BYTES, SaveOptions
+from gpuckpt.progress import ProgressCallback
+
+__all__ = ["Writer"]
+
+
+@dataclass(frozen=True, slots=True)
+class _RankPlan:
+    """What the coordinator tells one rank (``SavePlan.storage_data``): where to write which chunks."""
+
+    path: str
+    token: str
+    chunks: tuple[bridge.ChunkAssignment, ...]
+    boxes: dict[str, tuple[tuple[int, ...], ...]]  # fqn -> offsets of each box, by box index
+
+
+@dataclass(frozen=True, slots=True)
+class _Written:
+    """A rank's report on one write item (``WriteResult.storage_data``)."""
+
+    chunks: tuple[tuple[tuple[str, tuple[int, ...]], tuple[int, int]], ...] = ()
+    memory_format: str | None = None
+    blob: bytes | None = None
+
+
+class Writer(StorageWriter):  # type: ignore[misc,unused-ignore]
+    """Writes a gpuckpt checkpoint under ``torch.distributed.checkpoint.save``.
+
+    The checkpoint is the one :func:`gpuckpt.save` writes: one Zarr v3 array
+    per tensor, a CRC32C per chunk, JSON metadata (never a pickle), published
+    by one atomic rename only in :meth:`finish`, on the coordinator, after
+    every rank has written. If any rank fails, nothing is published (the
+    temporary is removed when this Writer is reset, used for the next save,
+    or garbage-collected).
+
+    DCP's planner decides what each rank writes (a tensor, or each rank's box
+    of a DTensor; replicated items once); each box is stored as Zarr chunks
+    the way :class:`gpuckpt.ShardedArray` boxes are (a regular grid where the
+    boxes allow, rectilinear or, with ``portable=True``, regular otherwise;
+    large boxes split to ``chunk_bytes``). Tensors go through gpuckpt's
+    pipeline as given (CPU or CUDA, views, non-contiguous): device tensors
+    stream through bounded page-locked staging memory.
+
+    DCP's non-tensor items (bytes DCP serialised with ``torch.save``) are stored
+    as opaque ``bytes`` values: :func:`gpuckpt.load_state_dict` returns them as
+    those bytes and never unpickles them; :class:`gpuckpt.dcp.Reader` hands
+    them back to DCP.
+
+    Parameters
+    ----------
+    path
+        Checkpoint directory (or ``s3://`` URL: single-process saves only).
+        DCP's ``checkpoint_id`` replaces it for one save.
+    overwrite, chunk_bytes, sync, threads, progress, staging_bytes, storage_options, portable
+        As for :func:`gpuckpt.save`.
+
+    A Writer serves one save at a time; with ``dcp.async_save``, make one per call.
+
+    Examples
+    --------
+    ::
+
+        import torch.distributed.checkpoint as dcp
+        import gpuckpt.dcp
+
+        dcp.save(state_dict, storage_writer=gpuckpt.dcp.Writer("ckpt/step-100"))
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        overwrite: bool = False,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        sync: str = "auto",
+        threads: int | None = None,
+        progress: ProgressCallback | None = None,
+        staging_bytes: int = DEFAULT_STAGING_BYTES,
+        storage_options: dict[str, Any] | None = None,
+        portable: bool = False,
+    ) -> None:
+        super().__init__()
+        self.options = SaveOptions(
+            overwrite=overwrite,
+            chunk_bytes=chunk_bytes,
+            sync=sync,
+            threads=threads,
+            progress=progress,
+            staging_bytes=staging_bytes,
+            storage_options=storage_options,
+            portable=portable,
+        )
+        self._path = os.fspath(path)
+        self._coordinator = True
+        self._rank = 0
+        self._open: bridge.OpenSave | None = None
+        self._cleanup: weakref.finalize[Any, Any] | None = None
+
+    @property
+    def checkpoint_id(self) -> str:
+        """The path (or URL) of the checkpoint being written."""
+        return self._path
+
+    # the calls of a save, in DCP's order ----------------------------------------
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        self._discard()
+        if checkpoint_id is not None:
+            self._path = os.fspath(checkpoint_id)
+
+    def set_up_storage_writer(
+        self, is_coordinator: bool, *args: Any, rank: int = 0, use_collectives: bool = True, **kwargs: Any
+    ) -> None:
+        if not use_collectives:
+            raise UnsupportedValueError(
+                "gpuckpt.dcp.Writer writes one checkpoint from all ranks and needs DCP's collectives; "
+                "call dcp.save without use_collectives=False"
+            )
+        self._discard()  # a previous save of this Writer that failed on some rank
+        self._coordinator = bool(is_coordinator)
+        self._rank = int(rank)
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self._path)
+
+    def prepare_local_plan(self, plan: DcpSavePlan) -> DcpSavePlan:
+        convert.local_boxes(plan.items)  # unsupported dtypes fail here, on the rank that has them
+        return plan
+
+    def prepare_global_plan(self, plans: list[DcpSavePlan]) -> list[DcpSavePlan]:
+        if not all(getattr(p, "usable", True) for p in plans):
+            raise UnsupportedValueError(
+                "gpuckpt.dcp.Writer cannot reuse cached save plans (each save writes into its own "
+                "temporary): make the DefaultSavePlanner without enable_plan_caching=True"
+            )
+        per_rank = [convert.local_boxes(p.items) for p in plans]
+        described = [
+            [
+                (
+                    b.fqn,
+                    b.global_shape,
+                    b.dtype,
+                    convert.stored_properties(b.properties, b.dtype, mf.contiguous_format),
+                    b.boxes,
+                )
+                for b in rank
+            ]
+            for rank in per_rank
+        ]
+        save_plan = bridge.plan(described, self.options)
+        assignments = save_plan.assignments
+        nvalues = len({i.index.fqn for p in plans for i in p.items if i.type == WriteItemType.BYTE_IO})
+        self._discard()
+        # one-chunk arrays the coordinator writes itself: their documents go with their chunk
+        one_chunk = {t.name for t in save_plan.tensors if len(t.specs) == 1}
+        mine = {a.name for a in assignments[self._rank] if a.name in one_chunk}
+        opened = bridge.begin_save(self._path, save_plan, nvalues, self.options, mine)
+        self._open = opened
+        self._cleanup = weakref.finalize(self, bridge.abort_save, opened)
+        return [
+            dataclasses.replace(
+                plan,
+                storage_data=_RankPlan(
+                    self._path,
+                    opened.token,
+                    tuple(assignments[r]),
+                    {b.fqn: tuple(box[0] for box in b.boxes) for b in per_rank[r]},
+                ),
+            )
+            for r, plan in enumerate(plans)
+        ]
+
+    def write_data(self, plan: DcpSavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        mine = plan.storage_data
+        if not isinstance(mine, _RankPlan):
+            raise UnsupportedValueError(
+                "gpuckpt.dcp.Writer.write_data got a plan its prepare_global_plan did not make "
+                f"(storage_data is {type(mine).__name__}); the save planner dropped it"
+            )
+        by_box: dict[tuple[str, tuple[int, ...]], WriteItem] = {}
+        values: list[WriteItem] = []
+        for item in plan.items:
+            if item.type == WriteItemType.BYTE_IO:
+                values.append(item)
+            elif item.tensor_data is not None:
+                by_box[(item.index.fqn, tuple(int(o) for o in item.tensor_data.chunk.offsets))] = item
+
+        def source(fqn: str, box: int) -> tuple[Any, tuple[int, ...]]:
+            offsets = mine.boxes[fqn][box]
+            item = by_box[(fqn, offsets)]
+            assert item.tensor_data is not None  # by_box holds tensor items only
+            tensor = planner.resolve_data(item)
+            expected = tuple(int(s) for s in item.tensor_data.chunk.sizes)
+            if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != expected:
+                raise UnsupportedValueError(
+                    f"tensor {fqn!r}: the planner resolved the box at {offsets} to "
+                    f"{type(tensor).__name__} of shape {tuple(getattr(tensor, 'shape', ()))}, "
+                    f"its write item says a tensor of {expected}"
+                )
+            return tensor, offsets
+
+        documents = None
+        if self._coordinator and self._open is not None:
+            writer = self._open.writer
+            documents = self._open.deferred
+        else:
+            writer = bridge.attach(mine.path, mine.token)
+        # the boxes of the tensors this rank writes chunks of (a replicated tensor another rank
+        # writes is never resolved here)
+        held = {
+            fqn: [source(fqn, i) for i in range(len(mine.boxes[fqn]))]
+            for fqn in dict.fromkeys(a.fqn for a in mine.chunks)
+        }
+        written, formats = bridge.write_assigned(writer, mine.chunks, held, self.options, documents)
+        per_box: dict[tuple[str, tuple[int, ...]], list[Any]] = {}
+        for a, result in zip(mine.chunks, written, strict=True):
+            per_box.setdefault((a.fqn, mine.boxes[a.fqn][a.box]), []).append(result)
+        results = []
+        for key, item in by_box.items():
+            chunks = per_box.get(key, [])
+            fmt = formats.get(key[0])
+            results.append(
+                WriteResult(
+                    index=item.index,
+                    size_in_bytes=sum(nbytes for _, (nbytes, _) in chunks),
+                    storage_data=_Written(tuple(chunks), None if fmt is None else fmt.name),
+                )
+            )
+        for item in values:
+            data = planner.resolve_data(item)
+            blob = data.getvalue() if hasattr(data, "getvalue") else bytes(data)
+            results.append(
+                WriteResult(index=item.index, size_in_bytes=len(blob), storage_data=_Written(blob=blob))
+            )
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
+
+    def finish(self, metadata: DcpMetadata, results: list[list[WriteResult]]) -> None:
+        opened = self._open
+        if opened is None:
+            raise GpuckptError(
+                "gpuckpt.dcp.Writer.finish without a save in progress: this Writer was reset or reused by "
+                "another save before this one finished (use one Writer per save in flight)"
+            )
+        chunks: dict[tuple[str, tuple[int, ...]], tuple[int, int]] = {}
+        formats: dict[str, set[str]] = {}
+        blobs: dict[str, bytes] = {}
+        for rank_results in results:
+            for r in rank_results:
+                w = r.storage_data
+                if not isinstance(w, _Written):
+                    raise UnsupportedValueError(
+                        f"write result of {r.index.fqn!r} was not made by gpuckpt.dcp.Writer"
+                    )
+                chunks.update(w.chunks)
+                if w.memory_format is not None:
+                    formats.setdefault(r.index.fqn, set()).add(w.memory_format)
+                if w.blob is not None:
+                    blobs[r.index.fqn] = w.blob
+        # ranks that disagree (shards of one tensor in different layouts) get the canonical layout
+        chosen = {
+            f: mf.memory_format_from_name(n.pop()) if len(n) == 1 else mf.contiguous_format
+            for f, n in formats.items()
+        }
+        fqns = list(metadata.state_dict_metadata)
+        try:
+            bridge.commit_save(
+                opened,
+                chunks,
+                chosen,
+                blobs,
+                convert.skeleton_from_paths(metadata.planner_data, fqns),
+                {convert.DCP_KEY: convert.dcp_planner_data(blobs)},
+                str(uuid.uuid4()),
+            )
+        except BaseException:
+            self._discard()
+            raise
+        self._forget()
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return bridge.location_supported(checkpoint_id)
+
+    # the temporary of an unfinished save -----------------------------------------
+
+    def _forget(self) -> None:
+        if self._cleanup is not None:
+            self._cleanup.detach()
+        self._cleanup = None
+        self._open = None
+
+    def _discard(self) -> None:
+        """Remove the temporary of a save begun here and never finished (DCP calls no hook on failure)."""
+        if self._cleanup is not None:
+            self._cleanup()  # runs bridge.abort_save once
+        self._forget()
+
+    def __repr__(self) -> str:
+        return f"gpuckpt.dcp.Writer({self._path!r})"

@@ -1,0 +1,253 @@
+"""One rank of the distributed gpuckpt.dcp tests: ``python dcp_ranks.py JOB DIR``.
+
+Started by ``tests/dcp/conftest.py`` with ``RANK``, ``WORLD_SIZE``,
+``MASTER_ADDR=127.0.0.1`` and ``MASTER_PORT``; the ranks join one gloo
+process group and run every scenario of ``JOB`` in it. Rank R writes what it
+found to ``DIR/rank<R>.json`` (``{"error": traceback}`` if it raised).
+
+Jobs: ``save`` (4 ranks) writes the checkpoints that ``load`` (2 ranks) and
+the test process itself (1 rank) read back.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+import traceback
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+import gpuckpt
+import gpuckpt.dcp
+
+warnings.filterwarnings("ignore")
+
+#: the global tensors of the DTensor state dict, and how the saving ranks place them
+SHAPES = {"rows": (10, 6), "cols": (8, 10), "even": (8, 4), "rep": (5, 3)}
+PLACE = {"rows": Shard(0), "cols": Shard(1), "even": Shard(0), "rep": Replicate()}
+
+
+def global_tensor(name: str) -> torch.Tensor:
+    shape = SHAPES[name]
+    n = 1
+    for s in shape:
+        n *= s
+    return torch.arange(n, dtype=torch.float32).reshape(shape) * 0.5 + len(name)
+
+
+def dtensor_state(mesh: Any) -> dict[str, Any]:
+    sd: dict[str, Any] = {n: distribute_tensor(global_tensor(n), mesh, [PLACE[n]]) for n in SHAPES}
+    sd["plain"] = torch.arange(7, dtype=torch.int64)  # the same on every rank: written once
+    sd["meta"] = {"step": 11, "tags": ["a", "b"]}
+    return sd
+
+
+def small_model() -> nn.Module:
+    torch.manual_seed(0)
+    # 5 output rows over 4 ranks: shards of 2, 2, 1 and 0 rows (uneven, one empty)
+    return nn.Sequential(nn.Linear(8, 12), nn.ReLU(), nn.Linear(12, 5))
+
+
+def trained(model: nn.Module) -> torch.optim.Optimizer:
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    torch.manual_seed(1)
+    model(torch.randn(4, 8)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    return opt
+
+
+def full_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    msd, osd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {"model": msd, "optim": osd}
+
+
+def same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
+    return bool(a == b)
+
+
+def temporaries(path: Path) -> list[str]:
+    return sorted(p.name for p in path.parent.iterdir() if p.name.startswith(f".{path.name}.gpuckpt-tmp-"))
+
+
+class FailOnRank(DefaultSavePlanner):
+    """A planner whose data lookup fails on one rank, i.e. inside that rank's write_data."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.failing = rank
+
+    def resolve_data(self, write_item: Any) -> Any:
+        if dist.get_rank() == self.failing:
+            raise OSError(28, "No space left on device (injected)")
+        return super().resolve_data(write_item)
+
+
+def job_save(out: Path) -> dict[str, Any]:
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    found: dict[str, Any] = {}
+
+    # DTensors: Shard(0) and Shard(1) uneven, Shard(0) even, Replicate; a plain tensor; plain values
+    sd = dtensor_state(mesh)
+    dcp.save(sd, storage_writer=gpuckpt.dcp.Writer(out / "dtensors", chunk_bytes=64))
+    dist.barrier()
+    if rank == 0:
+        back = gpuckpt.load_state_dict(out / "dtensors")
+        found["dtensors_native"] = all(
+            bool((torch.from_numpy(back[n]) == global_tensor(n)).all()) for n in SHAPES
+        ) and bool((torch.from_numpy(back["plain"]) == sd["plain"]).all())
+        md = gpuckpt.read_metadata(out / "dtensors")
+        found["rep_chunks"] = len(md.state_dict_metadata["rep"].chunks)  # type: ignore[union-attr]
+        found["meta_is_bytes"] = isinstance(back["meta"]["step"], bytes)
+
+    # FSDP2 over the 4 ranks: model and Adam state from get_state_dict
+    model = small_model()
+    from torch.distributed.fsdp import fully_shard
+
+    fully_shard(model, mesh=mesh)
+    opt = trained(model)
+    msd, osd = get_state_dict(model, opt)
+    found["fsdp_dtensors"] = sum(type(v).__name__ == "DTensor" for v in msd.values())
+    dcp.save({"model": msd, "optim": osd}, storage_writer=gpuckpt.dcp.Writer(out / "fsdp"))
+    ref = full_state(model, opt)
+    if rank == 0:
+        torch.save(ref, out / "fsdp-reference.pt")
+
+    # a rank failing inside write_data: the save fails on every rank and publishes nothing,
+    # neither a new checkpoint nor a change to one it would have replaced
+    for target, overwrite in ((out / "failed", False), (out / "dtensors", True)):
+        writer = gpuckpt.dcp.Writer(target, overwrite=overwrite)
+        try:
+            dcp.save(dtensor_state(mesh), storage_writer=writer, planner=FailOnRank(2))
+            found[f"fail_{target.name}"] = "no error"
+        except BaseException as exc:  # DCP's CheckpointException is a BaseException
+            found[f"fail_{target.name}"] = type(exc).__name__ + (
+                "+injected" if "injected" in str(exc) else ""
+            )
+        dist.barrier()
+        found[f"fail_{target.name}_exists"] = target.exists()
+        found[f"fail_{target.name}_temporaries_before"] = temporaries(target)
+        del writer
+        gc.collect()  # the coordinator's Writer removes its temporary when it goes
+        dist.barrier()
+        found[f"fail_{target.name}_temporaries"] = temporaries(target)
+    if rank == 0:
+        back = gpuckpt.load_state_dict(out / "dtensors")
+        found["overwritten_intact"] = all(
+            bool((torch.from_numpy(back[n]) == global_tensor(n)).all()) for n in SHAPES
+        )
+
+    # async_save with the Stager: changes right after it returns do not reach the checkpoint
+    stager = gpuckpt.dcp.Stager()
+    live = dtensor_state(mesh)
+    fut = dcp.async_save(live, storage_writer=gpuckpt.dcp.Writer(out / "async"), async_stager=stager)
+    for n in SHAPES:
+        live[n].to_local().add_(1000.0)
+    fut.result()
+    dist.barrier()
+    if rank == 0:
+        back = gpuckpt.load_state_dict(out / "async")
+        found["async_snapshot"] = all(
+            bool((torch.from_numpy(back[n]) == global_tensor(n)).all()) for n in SHAPES
+        )
+    stager.close()
+    return found
+
+
+def job_load(out: Path) -> dict[str, Any]:
+    """Load what 4 ranks saved on this job's ranks (2): resharded DTensors and an FSDP2 model."""
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    found: dict[str, Any] = {}
+    targets: dict[str, Any] = {n: distribute_tensor(torch.zeros(SHAPES[n]), mesh, [PLACE[n]]) for n in SHAPES}
+    # the same tensor in another placement than it was saved in
+    targets["rows_as_cols"] = distribute_tensor(torch.zeros(SHAPES["rows"]), mesh, [Shard(1)])
+    targets["plain"] = torch.zeros(7, dtype=torch.int64)
+    targets["meta"] = {"step": 0, "tags": None}
+    sd = {k: v for k, v in targets.items() if k != "rows_as_cols"}
+    dcp.load(sd, storage_reader=gpuckpt.dcp.Reader(out / "dtensors"))
+    again = {"rows": targets["rows_as_cols"]}
+    dcp.load(again, storage_reader=gpuckpt.dcp.Reader(out / "dtensors"))
+    found["dtensors"] = all(torch.equal(targets[n].full_tensor(), global_tensor(n)) for n in SHAPES)
+    found["resharded_placement"] = torch.equal(targets["rows_as_cols"].full_tensor(), global_tensor("rows"))
+    found["plain"] = targets["plain"].tolist()
+    found["meta"] = sd["meta"]
+
+    # only the chunks that overlap a rank's box are read: damage one that only rank 1 needs
+    # (the last rows of "even"), and the load fails on rank 1 alone
+    damaged = out / f"damaged-{dist.get_world_size()}"
+    if rank == 0:
+        import shutil
+
+        shutil.copytree(out / "dtensors", damaged)
+        name = next(p for p in damaged.iterdir() if p.is_dir() and p.name == "even")
+        last = sorted((p for p in name.iterdir() if p.name.startswith("c.")), key=lambda p: p.name)[-1]
+        data = bytearray(last.read_bytes())
+        data[0] ^= 0xFF
+        last.write_bytes(bytes(data))
+    dist.barrier()
+    try:
+        dcp.load(
+            {"even": distribute_tensor(torch.zeros(SHAPES["even"]), mesh, [Shard(0)])},
+            storage_reader=gpuckpt.dcp.Reader(damaged),
+        )
+        found["damaged"] = "no error"
+    except BaseException as exc:  # DCP's CheckpointException is a BaseException
+        failures = getattr(exc, "failures", {})
+        found["damaged"] = {str(r): repr(e) for r, e in failures.items()}
+
+    from torch.distributed.fsdp import fully_shard
+
+    model = small_model()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, storage_reader=gpuckpt.dcp.Reader(out / "fsdp"))
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    got = full_state(model, opt)
+    if rank == 0:
+        found["fsdp_equal"] = same(got, torch.load(out / "fsdp-reference.pt", weights_only=True))
+    return found
+
+
+def main() -> None:
+    job, out = sys.argv[1], Path(sys.argv[2])
+    rank = int(os.environ["RANK"])
+    result: dict[str, Any]
+    try:
+        dist.init_process_group("gloo")
+        try:
+            result = {"save": job_save, "load": job_load}[job](out)
+        finally:
+            dist.destroy_process_group()
+    except BaseException:
+        result = {"error": traceback.format_exc()}
+    (out / f"rank{rank}.json").write_text(json.dumps(result, default=str))
+    sys.exit(1 if "error" in result else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,126 @@
+"""gpuckpt.dcp across real processes: gloo on loopback, saved on 4 ranks, loaded on 2 and on 1.
+
+The 4-rank job (``scripts/dcp_ranks.py save``) runs every saving scenario in
+one process group; the checkpoints it leaves are then loaded by a 2-rank job
+and by this test process itself.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("torch.distributed.checkpoint")
+
+import torch.distributed.checkpoint as dcp  # noqa: E402 - after the skip
+
+import gpuckpt  # noqa: E402
+import gpuckpt.dcp  # noqa: E402
+
+pytestmark = pytest.mark.torch
+
+NRANKS = 4
+
+
+Results = dict[int, dict[str, Any]]
+
+
+@pytest.fixture(scope="module")
+def saved(
+    tmp_path_factory: pytest.TempPathFactory, run_ranks: Callable[..., Results]
+) -> tuple[Path, Results]:
+    out = tmp_path_factory.mktemp("dcp-dist")
+    return out, run_ranks(NRANKS, "save", out)
+
+
+def _script() -> Any:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "dcp_ranks", Path(__file__).parent / "scripts" / "dcp_ranks.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_dtensor_shards_from_4_ranks_form_one_checkpoint(saved: tuple[Path, Results]) -> None:
+    """Shard(0) and Shard(1) uneven, Shard(0) even, Replicate: read back whole by gpuckpt itself."""
+    out, results = saved
+    r0 = results[0]
+    assert r0["dtensors_native"] is True
+    assert r0["rep_chunks"] == 1  # the replicated tensor was written once
+    assert r0["meta_is_bytes"] is True  # DCP's pickled values stay opaque bytes
+    md = gpuckpt.read_metadata(out / "dtensors")
+    # uneven Shard(1) boxes of 3, 3, 3 and 1 columns: a rectilinear grid along axis 1
+    cols = md.state_dict_metadata["cols"]
+    assert sorted({c.sizes[1] for c in cols.chunks}) == [1, 3]  # type: ignore[union-attr]
+
+
+def test_fsdp2_model_and_optimizer_state(saved: tuple[Path, Results]) -> None:
+    out, results = saved
+    assert all(r["fsdp_dtensors"] == 4 for r in results.values())  # two weights, two biases
+    assert (out / "fsdp" / "zarr.json").is_file()
+
+
+def test_rank_failing_in_write_data_fails_everywhere_and_publishes_nothing(
+    saved: tuple[Path, Results],
+) -> None:
+    _, results = saved
+    for r in results.values():
+        # the error of rank 2 reaches every rank through DCP
+        assert r["fail_failed"] == "CheckpointException+injected"
+        assert r["fail_failed_exists"] is False
+        assert r["fail_dtensors"] == "CheckpointException+injected"
+        assert r["fail_dtensors_exists"] is True  # the checkpoint it would have replaced
+        assert r["fail_failed_temporaries"] == [] and r["fail_dtensors_temporaries"] == []
+    # the coordinator's temporary existed (unpublished) until its Writer went away
+    assert len(results[0]["fail_failed_temporaries_before"]) == 1
+    assert results[0]["overwritten_intact"] is True
+
+
+def test_async_save_with_stager_snapshots_dtensors(saved: tuple[Path, Results]) -> None:
+    _, results = saved
+    assert results[0]["async_snapshot"] is True
+
+
+def test_load_on_2_ranks_reshards_and_reads_only_overlapping_chunks(
+    saved: tuple[Path, Results], run_ranks: Callable[..., Results]
+) -> None:
+    out, _ = saved
+    results = run_ranks(2, "load", out)
+    for r in results.values():
+        assert r["dtensors"] is True and r["resharded_placement"] is True
+        assert r["plain"] == list(range(7)) and r["meta"] == {"step": 11, "tags": ["a", "b"]}
+        # a damaged chunk that only rank 1's box overlaps: rank 0 never read it
+        assert list(r["damaged"]) == ["1"]
+        assert "ChecksumError" in r["damaged"]["1"] and "'even'" in r["damaged"]["1"]
+    assert results[0]["fsdp_equal"] is True
+
+
+def test_load_in_one_process(saved: tuple[Path, Results]) -> None:
+    """No process group: whole tensors from 4 ranks' shards, and the FSDP2 state into a plain model."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    out, _ = saved
+    ranks = _script()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        whole: dict[str, Any] = {n: torch.zeros(s) for n, s in ranks.SHAPES.items()}
+        dcp.load(whole, storage_reader=gpuckpt.dcp.Reader(out / "dtensors"))
+        assert all(torch.equal(whole[n], ranks.global_tensor(n)) for n in ranks.SHAPES)
+
+        model = ranks.small_model()
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        msd, osd = get_state_dict(model, opt)
+        state = {"model": msd, "optim": osd}
+        dcp.load(state, storage_reader=gpuckpt.dcp.Reader(out / "fsdp"))
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        reference = torch.load(out / "fsdp-reference.pt", weights_only=True)
+        assert ranks.same(ranks.full_state(model, opt), reference)

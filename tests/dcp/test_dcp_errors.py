@@ -1,0 +1,193 @@
+"""gpuckpt.dcp on bad input: clear errors through DCP's error path, nothing published or damaged."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("torch.distributed.checkpoint")
+
+import torch.distributed.checkpoint as dcp  # noqa: E402 - after the skip
+from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner  # noqa: E402
+
+import gpuckpt  # noqa: E402
+import gpuckpt.dcp  # noqa: E402
+
+pytestmark = [pytest.mark.torch, pytest.mark.filterwarnings("ignore::UserWarning")]
+
+
+def digest(path: Path) -> dict[str, str]:
+    """Every file under ``path`` with the hash of its bytes."""
+    return {
+        str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(path.rglob("*"))
+        if p.is_file()
+    }
+
+
+def temporaries(path: Path) -> list[str]:
+    return [p.name for p in path.parent.iterdir() if ".gpuckpt-tmp-" in p.name]
+
+
+@pytest.fixture
+def saved(tmp_path: Path) -> Path:
+    path = tmp_path / "ckpt"
+    dcp.save(
+        {"w": torch.arange(12.0).reshape(4, 3), "b": torch.ones(3), "step": 4},
+        storage_writer=gpuckpt.dcp.Writer(path),
+    )
+    return path
+
+
+def test_path_that_is_not_a_gpuckpt_checkpoint(tmp_path: Path) -> None:
+    import zarr
+
+    (tmp_path / "empty").mkdir()
+    zarr.open_group(tmp_path / "zarr-group", mode="w")
+    (tmp_path / "file").write_text("not a checkpoint")
+    fs_writer_dir = tmp_path / "dcp-native"
+    dcp.save({"w": torch.ones(2)}, storage_writer=dcp.FileSystemWriter(fs_writer_dir))
+    cases = {
+        "missing": "no checkpoint at",
+        "empty": "not a committed checkpoint",
+        "zarr-group": "not a gpuckpt checkpoint",
+        "file": "Not a directory",
+        "dcp-native": "not a committed checkpoint",
+    }
+    for name, expected in cases.items():
+        path = tmp_path / name
+        before = digest(path) if path.is_dir() else None
+        with pytest.raises(CheckpointException) as info:
+            dcp.load({"w": torch.zeros(2)}, storage_reader=gpuckpt.dcp.Reader(path))
+        assert expected in str(info.value), (name, str(info.value)[:500])
+        assert (digest(path) if path.is_dir() else None) == before
+        assert not gpuckpt.dcp.Reader.validate_checkpoint_id(path)
+
+
+def test_corrupted_chunk_names_the_tensor(saved: Path) -> None:
+    chunk = saved / "w" / "c.0.0"
+    data = bytearray(chunk.read_bytes())
+    data[5] ^= 0x40
+    chunk.write_bytes(bytes(data))
+    before = digest(saved)
+    target = {"w": torch.zeros(4, 3), "b": torch.zeros(3), "step": 0}
+    with pytest.raises(CheckpointException) as info:
+        dcp.load(target, storage_reader=gpuckpt.dcp.Reader(saved))
+    failures = info.value.failures  # rank -> (exception, traceback)
+    error = failures[0][0] if isinstance(failures[0], tuple) else failures[0]
+    assert isinstance(error, gpuckpt.ChecksumError)
+    assert "'w'" in str(error) and "c.0.0" in str(error)
+    assert digest(saved) == before  # a load never writes
+
+
+def test_requested_key_not_in_checkpoint(saved: Path) -> None:
+    before = digest(saved)
+    target: dict[str, Any] = {"w": torch.zeros(4, 3), "missing": torch.zeros(2)}
+    with pytest.raises(CheckpointException) as info:
+        dcp.load(target, storage_reader=gpuckpt.dcp.Reader(saved))
+    assert "Missing key in checkpoint state_dict: missing" in str(info.value)
+    assert digest(saved) == before
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    dcp.load(
+        target, storage_reader=gpuckpt.dcp.Reader(saved), planner=DefaultLoadPlanner(allow_partial_load=True)
+    )
+    assert torch.equal(target["w"], torch.arange(12.0).reshape(4, 3))
+
+
+def test_existing_checkpoint_needs_overwrite(saved: Path) -> None:
+    before = digest(saved)
+    with pytest.raises(CheckpointException) as info:
+        dcp.save({"w": torch.zeros(1)}, storage_writer=gpuckpt.dcp.Writer(saved))
+    assert "CheckpointExistsError" in str(info.value) and "overwrite=True" in str(info.value)
+    assert digest(saved) == before and temporaries(saved) == []
+    dcp.save({"w": torch.zeros(1)}, storage_writer=gpuckpt.dcp.Writer(saved, overwrite=True))
+    assert list(gpuckpt.read_metadata(saved).state_dict_metadata) == ["w"]
+
+
+class FailingPlanner(DefaultSavePlanner):
+    """Fails while the Writer asks it for the data of a tensor (inside write_data)."""
+
+    def resolve_data(self, write_item: Any) -> Any:
+        if write_item.index.fqn == "b":
+            raise OSError(5, "Input/output error (injected)")
+        return super().resolve_data(write_item)
+
+
+def test_failed_save_publishes_nothing_and_its_temporary_goes(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt"
+    writer = gpuckpt.dcp.Writer(path)
+    with pytest.raises(CheckpointException) as info:
+        dcp.save({"w": torch.ones(3), "b": torch.ones(2)}, storage_writer=writer, planner=FailingPlanner())
+    assert "injected" in str(info.value)
+    assert not path.exists()
+    assert len(temporaries(path)) == 1  # unpublished: DCP calls no hook on failure...
+    # ... so the Writer removes it when it starts its next save (or is garbage-collected)
+    dcp.save({"w": torch.ones(3)}, storage_writer=writer)
+    assert temporaries(path) == [] and gpuckpt.load_state_dict(path)["w"].tolist() == [1.0, 1.0, 1.0]
+    other = gpuckpt.dcp.Writer(tmp_path / "other")
+    with pytest.raises(CheckpointException):
+        dcp.save({"b": torch.ones(2)}, storage_writer=other, planner=FailingPlanner())
+    assert len(temporaries(tmp_path / "other")) == 1
+    del other, info
+    import gc
+
+    gc.collect()
+    assert temporaries(tmp_path / "other") == [] and not (tmp_path / "other").exists()
+
+
+def test_unsupported_dtype_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointException) as info:
+        dcp.save(
+            {"ok": torch.ones(2), "c32": torch.ones(2, dtype=torch.complex32)},
+            storage_writer=gpuckpt.dcp.Writer(tmp_path / "c"),
+        )
+    assert "UnsupportedValueError" in str(info.value) and "'c32'" in str(info.value)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_writer_needs_collectives(tmp_path: Path) -> None:
+    with pytest.raises(gpuckpt.UnsupportedValueError, match="use_collectives"):
+        dcp.save(
+            {"w": torch.ones(2)}, storage_writer=gpuckpt.dcp.Writer(tmp_path / "c"), use_collectives=False
+        )
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_hostile_planner_data_is_a_metadata_error(saved: Path) -> None:
+    """A checkpoint whose DCP marker names a value it does not hold: a clear error, no crash."""
+    from gpuckpt.storage.checksum import crc32c
+
+    root = saved / "zarr.json"
+    doc = json.loads(root.read_text())
+    md = doc["attributes"]["gpuckpt"]["metadata"]
+    md["planner_data"]["structure"]["d"].append(["s", "ghost", {"v": "ghost"}])
+    canonical = json.dumps(md, sort_keys=True, separators=(",", ":")).encode()
+    doc["attributes"]["gpuckpt"]["metadata_crc32c"] = crc32c(canonical)
+    root.write_text(json.dumps(doc))
+    with pytest.raises(CheckpointException) as info:
+        dcp.load({"w": torch.zeros(4, 3)}, storage_reader=gpuckpt.dcp.Reader(saved))
+    # DCP reports a failed read_metadata as "metadata is None", with gpuckpt's message
+    assert "planner_data names 'ghost', which the checkpoint does not hold" in str(info.value)
+
+
+def test_cached_save_plans_are_refused_clearly(tmp_path: Path) -> None:
+    """DCP's plan caching would hand the ranks the temporary of an earlier save: refused, nothing written."""
+    planner = DefaultSavePlanner(enable_plan_caching=True)
+    sd = {"w": torch.ones(3)}
+    dcp.save(sd, storage_writer=gpuckpt.dcp.Writer(tmp_path / "first"), planner=planner)
+    assert gpuckpt.load_state_dict(tmp_path / "first")["w"].tolist() == [1.0, 1.0, 1.0]
+    with pytest.raises(CheckpointException) as info:
+        dcp.save(
+            sd,
+            storage_writer=gpuckpt.dcp.Writer(tmp_path / "second"),
+            planner=DefaultSavePlanner(enable_plan_caching=True),
+        )
+    assert "enable_plan_caching" in str(info.value)
+    assert not (tmp_path / "second").exists() and temporaries(tmp_path / "second") == []

@@ -1,0 +1,68 @@
+"""gpuckpt.dcp with s3:// paths, against moto's S3 server on loopback (nothing leaves the machine)."""
+
+from __future__ import annotations
+
+import socket
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("torch.distributed.checkpoint")
+pytest.importorskip("obstore")
+moto_server = pytest.importorskip("moto.server")
+boto3 = pytest.importorskip("boto3")
+
+import torch.distributed.checkpoint as dcp  # noqa: E402 - after the skips
+
+import gpuckpt  # noqa: E402
+import gpuckpt.dcp  # noqa: E402
+
+pytestmark = [pytest.mark.torch, pytest.mark.filterwarnings("ignore::UserWarning")]
+
+BUCKET = "ckpts"
+
+
+@pytest.fixture(scope="module")
+def options() -> Iterator[dict[str, Any]]:
+    import logging
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    url = f"http://127.0.0.1:{port}"
+    creds = {"aws_access_key_id": "testing", "aws_secret_access_key": "testing"}
+    with pytest.MonkeyPatch.context() as mp:
+        # loopback only: no proxy, no instance metadata, no ambient credentials
+        for k in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
+            mp.delenv(k, raising=False)
+        mp.setenv("NO_PROXY", "127.0.0.1,localhost")
+        mp.setenv("AWS_EC2_METADATA_DISABLED", "true")
+        try:
+            boto3.client("s3", endpoint_url=url, region_name="us-east-1", **creds).create_bucket(
+                Bucket=BUCKET
+            )
+            yield {"endpoint_url": url, "region": "us-east-1", "allow_http": True, **creds}
+        finally:
+            server.stop()
+
+
+def test_writer_and_reader_on_s3(options: dict[str, Any]) -> None:
+    url = f"s3://{BUCKET}/run-{uuid.uuid4().hex[:8]}/step-1"
+    sd = {"model": {"w": torch.randn(6, 5), "bf": torch.randn(3, 4).bfloat16()}, "step": 1}
+    dcp.save(sd, storage_writer=gpuckpt.dcp.Writer(url, storage_options=options))
+    target = {"model": {"w": torch.zeros(6, 5), "bf": torch.zeros(3, 4, dtype=torch.bfloat16)}, "step": 0}
+    dcp.load(target, storage_reader=gpuckpt.dcp.Reader(url, storage_options=options))
+    assert torch.equal(target["model"]["w"], sd["model"]["w"]) and torch.equal(
+        target["model"]["bf"], sd["model"]["bf"]
+    )
+    assert target["step"] == 1
+    back = gpuckpt.load_state_dict(url, storage_options=options)
+    assert np.array_equal(back["model"]["w"], sd["model"]["w"].numpy())
+    assert gpuckpt.dcp.Writer.validate_checkpoint_id(url) and gpuckpt.dcp.Reader.validate_checkpoint_id(url)
