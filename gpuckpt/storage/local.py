@@ -38,6 +38,7 @@ from gpuckpt.errors import (
     CheckpointWriteError,
     MetadataError,
 )
+from gpuckpt.options import SYNC_MODES  # the one list of durability modes
 from gpuckpt.storage import batchio, crccopy, fsutil
 from gpuckpt.storage.base import (
     CheckpointReader,
@@ -78,7 +79,6 @@ __all__ = [
     "set_aside_copies",
 ]
 
-SYNC_MODES = ("auto", "file", "fs", "none")
 _MANY_FILES = 64
 _PIECE = 1 << 20
 _WRITEBACK_MIN = 1 << 20
