@@ -41,7 +41,7 @@ __all__ = [
     "tree_files",
 ]
 
-STATE_KINDS = ("gpt", "gpt-adam", "small")
+STATE_KINDS = ("gpt", "gpt-adam", "small", "tiny")
 _BLOCK = 4 << 20  # elements of the random block every tensor is cut from (16 MiB of float32)
 
 # Toy sizes for --quick, full sizes otherwise; the GPT shapes are those of
@@ -50,6 +50,7 @@ GPT_FULL = {"vocab": 32000, "width": 1024, "layers": 24, "mlp": 4096}
 GPT_QUICK = {"vocab": 512, "width": 64, "layers": 2, "mlp": 256}
 SMALL_FULL = 10_000
 SMALL_QUICK = 200
+TINY = 20  # the "tiny" state: a unit test's or a small model's whole checkpoint
 
 
 def _gpt_shapes(vocab: int, width: int, layers: int, mlp: int) -> list[tuple[str, tuple[int, ...]]]:
@@ -70,7 +71,8 @@ def build_state(kind: str, *, quick: bool = False, seed: int = 0) -> dict[str, n
     """The benchmark state as a flat ``{fqn: float32 array}``; the same bytes for the same arguments.
 
     ``gpt``: the GPT-like weights; ``gpt-adam``: the same plus two Adam moments
-    per weight (3x); ``small``: 10,000 tensors of 4-64 KiB (200 with ``quick``).
+    per weight (3x); ``small``: 10,000 tensors of 4-64 KiB (200 with ``quick``);
+    ``tiny``: 20 tensors of 4-64 KiB (the same with ``quick``).
     Every tensor is cut from one seeded block of normal values at a
     per-tensor offset, so building even 3 GiB takes a fraction of a second.
     """
@@ -80,8 +82,9 @@ def build_state(kind: str, *, quick: bool = False, seed: int = 0) -> dict[str, n
         shapes = _gpt_shapes(**(GPT_QUICK if quick else GPT_FULL))
         if kind == "gpt-adam":
             shapes += [(f"optim.{n}.{m}", s) for n, s in list(shapes) for m in ("exp_avg", "exp_avg_sq")]
-    elif kind == "small":
-        sizes = rng.integers(1024, 16 * 1024 + 1, size=SMALL_QUICK if quick else SMALL_FULL)
+    elif kind in ("small", "tiny"):
+        count = TINY if kind == "tiny" else SMALL_QUICK if quick else SMALL_FULL
+        sizes = rng.integers(1024, 16 * 1024 + 1, size=count)
         shapes = [(f"t{i:05d}", (int(n),)) for i, n in enumerate(sizes)]
     else:
         raise ValueError(f"unknown state kind {kind!r}; expected one of {STATE_KINDS}")

@@ -17,6 +17,7 @@ STATE_TITLES = {
     "gpt": "GPT-like model (float32 weights)",
     "gpt-adam": "GPT-like model + Adam moments",
     "small": "small tensors (4-64 KiB each)",
+    "tiny": "tiny state (20 tensors of 4-64 KiB)",
 }
 #: DCP's API with gpuckpt as its storage layer: gpuckpt measured through torch.distributed.checkpoint
 THROUGH_DCP = ("dcp-gpuckpt",)
