@@ -233,19 +233,19 @@ def validated_metadata(
 
 def check_chunk_files(reader: CheckpointReader, entries: Iterable[TensorEntry]) -> None:
     """Check that every chunk file exists with the size the metadata gives, before allocating."""
-    for t in entries:
-        for c in t.chunks:
-            size = reader.chunk_nbytes(t.name, c.key)
+    chunks = [(t, c) for t in entries for c in t.chunks]
+    sizes = reader.chunk_sizes([t.name for t, _ in chunks], [c.key for _, c in chunks])
+    for (t, c), size in zip(chunks, sizes, strict=True):
+        if size != c.nbytes:
             if size is None:
                 raise MissingChunkError(
                     f"chunk {c.key} of tensor {t.fqn!r} is missing (expected file {t.name}/{c.key}); "
                     "the checkpoint is damaged: restore it from a copy or use an earlier checkpoint"
                 )
-            if size != c.nbytes:
-                raise CheckpointCorruptedError(
-                    f"chunk {c.key} of tensor {t.fqn!r} is {size} bytes, expected {c.nbytes} "
-                    f"(file {t.name}/{c.key} is truncated or overwritten); the checkpoint is damaged"
-                )
+            raise CheckpointCorruptedError(
+                f"chunk {c.key} of tensor {t.fqn!r} is {size} bytes, expected {c.nbytes} "
+                f"(file {t.name}/{c.key} is truncated or overwritten); the checkpoint is damaged"
+            )
 
 
 def _check_crc(t: TensorEntry, c: ChunkRead, value: int, stored_crc: int) -> None:

@@ -204,6 +204,11 @@ class CheckpointReader(ABC):
     def chunk_nbytes(self, name: str, key: str) -> int | None:
         """Size of a stored chunk, or None when it is missing."""
 
+    def chunk_sizes(self, names: Sequence[str], keys: Sequence[str]) -> list[int | None]:
+        """:meth:`chunk_nbytes` of many chunks (chunk ``keys[i]`` of array ``names[i]``); back
+        ends override it where one call for all of them is cheaper."""
+        return [self.chunk_nbytes(n, k) for n, k in zip(names, keys, strict=True)]
+
     def chunk_usage(self, name: str, key: str) -> tuple[int, int] | None:
         """``(size, bytes it takes on the device)`` of a stored chunk, or None when it is missing.
 

@@ -30,7 +30,7 @@
 
 #include "crc32c_simd.h"
 
-#define GBIO_ABI 1
+#define GBIO_ABI 2
 
 /* What an item is (kind). */
 enum { GBIO_MKDIR = 1, GBIO_FILE = 2, GBIO_CHUNK = 3 };
@@ -409,4 +409,35 @@ int64_t gbio_read(const char *root, struct gbio_item *items, uint64_t n)
     free(scratch);
     close(dir);
     return (int64_t)i;
+}
+
+/* The size of each item's file under root (its done field), without opening it: items
+ * that are not regular files (symlinks included) get GBIO_STEP_NOTREG and their mode,
+ * items that cannot be stat'ed (missing, a missing directory) GBIO_STEP_STAT and the
+ * errno. Unlike reads and writes this does not stop at the first failure: a load checks
+ * every chunk file of a checkpoint before it allocates or overwrites anything, and
+ * reports the first one that is wrong in the order it chooses. Returns the number of
+ * items that are regular files, or -errno when root cannot be opened. */
+int64_t gbio_stat(const char *root, struct gbio_item *items, uint64_t n)
+{
+    int dir = open(root, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (dir < 0) return -errno;
+    int64_t good = 0;
+    for (uint64_t i = 0; i < n; i++) {
+        struct gbio_item *it = &items[i];
+        struct stat st;
+        if (fstatat(dir, it->path, &st, AT_SYMLINK_NOFOLLOW)) {
+            fail(it, GBIO_STEP_STAT, errno);
+            continue;
+        }
+        if (!S_ISREG(st.st_mode)) {
+            it->mode = st.st_mode;
+            fail(it, GBIO_STEP_NOTREG, ENOENT);
+            continue;
+        }
+        it->done = (uint64_t)st.st_size;
+        good++;
+    }
+    close(dir);
+    return good;
 }

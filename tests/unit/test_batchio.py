@@ -122,7 +122,11 @@ def test_the_source_builds_with_a_vector_path_on_x86(built: Path) -> None:
 
 
 def test_a_library_from_another_source_version_is_refused(tmp_path: Path) -> None:
-    (tmp_path / "old.c").write_text(SOURCE.read_text().replace("#define GBIO_ABI 1", "#define GBIO_ABI 999"))
+    source = SOURCE.read_text()
+    assert f"#define GBIO_ABI {batchio._ABI}\n" in source
+    (tmp_path / "old.c").write_text(
+        source.replace(f"#define GBIO_ABI {batchio._ABI}\n", "#define GBIO_ABI 999\n")
+    )
     out = _compile(tmp_path / "old.so", source=tmp_path / "old.c")
     with pytest.raises(ImportError, match="another version of batchio.c"):
         BatchIO(out)
@@ -548,6 +552,8 @@ _SANITIZED = """
         assert lib.read(root, cpaths[3:], dests[3:], pads[3:], crcs[3:])[1].step == "short"
         assert lib.read(root, cpaths[:2], dests[:2], pads[:2], [crcs[0], 1])[1].step == "mismatch"
         assert lib.read(root, ["nope/c.0"], dests[:1], [0], [0])[1].step == "stat"
+        sizes, stops = lib.sizes(root, [*cpaths, "nope/c.0", "a0"])
+        assert [s.step for s in stops] == ["stat", "not-regular"] and sizes[2] == 50
         assert lib.write(root, [CHUNK], ["a0/c.0"], [bufs[0]], [0], fsync=None, writeback_min=0)[1].step == "open"
     if len(sys.argv) > 3:  # the control: a destination one byte shorter than the item says
         items = np.zeros(1, ITEM)
@@ -647,3 +653,67 @@ def test_batches_mixing_small_and_large_chunks_keep_their_order(lib: BatchIO, tm
             with using(chosen):
                 stops.append(_stop_fields(LocalReader(root).read_chunks(reads)))
         assert stops[0] == stops[1] and stops[0][0] == 3
+
+
+def _file_sizes_in_python(root: Path, paths: list[str]) -> list[int | None]:
+    out: list[int | None] = []
+    for p in paths:
+        try:
+            st = os.lstat(root / p)
+        except (FileNotFoundError, NotADirectoryError):
+            out.append(None)
+            continue
+        out.append(st.st_size if stat.S_ISREG(st.st_mode) else None)
+    return out
+
+
+def test_sizes_of_many_files_in_one_call_agree_with_lstat(lib: BatchIO, tmp_path: Path) -> None:
+    """``gbio_stat``: regular files give their size; missing files, missing directories, a file
+    where a directory should be, symlinks, FIFOs and directories are reported, never followed or
+    opened (a FIFO would block an open), and the call goes on past them."""
+    root = tmp_path / "c"
+    (root / "a").mkdir(parents=True)
+    rng = random.Random(5)
+    paths = []
+    for i in range(300):
+        n = rng.choice([0, 1, 4, 4099, 70000])
+        (root / "a" / f"c.{i}").write_bytes(b"x" * n)
+        paths.append(f"a/c.{i}")
+    os.symlink(root / "a" / "c.1", root / "a" / "link")
+    os.mkfifo(root / "a" / "fifo")
+    (root / "a" / "dir").mkdir()
+    (root / "file").write_bytes(b"12")
+    odd = ["a/link", "a/fifo", "a/dir", "a/missing", "nope/c.0", "file/c.0", "file"]
+    mixed = [*paths[:100], *odd, *paths[100:]]
+    sizes, stops = lib.sizes(str(root), mixed)
+    expected = _file_sizes_in_python(root, mixed)
+    assert [None if s < 0 else int(s) for s in sizes] == expected
+    by_index = {s.index: s for s in stops}
+    assert sorted(by_index) == [100 + k for k in range(len(odd) - 1)]  # "file" itself is regular
+    assert by_index[100].step == "not-regular" and stat.S_ISLNK(by_index[100].mode)
+    assert by_index[101].step == "not-regular" and stat.S_ISFIFO(by_index[101].mode)
+    assert by_index[102].step == "not-regular" and stat.S_ISDIR(by_index[102].mode)
+    assert by_index[103].err == errno.ENOENT and by_index[104].err == errno.ENOENT
+    assert by_index[105].err == errno.ENOTDIR
+    with pytest.raises(FileNotFoundError):
+        lib.sizes(str(tmp_path / "absent"), ["a/c.0"])
+
+
+def test_the_reader_checks_many_chunk_sizes_as_one_at_a_time(lib: BatchIO, tmp_path: Path) -> None:
+    """LocalReader.chunk_sizes with and without the library: the same answers, including for a
+    chunk inside a symlinked array directory (refused like a missing one)."""
+    buffers = [np.arange(n, dtype=np.uint8) for n in (0, 5, 300, 70000)]
+    w, b = _write(tmp_path / "c", buffers, [0, 0, 3, 0], [None] * 4)
+    w.write_chunks(b)
+    w.commit(ROOT_DOC)
+    root = tmp_path / "c"
+    shutil.copytree(root / "a3", tmp_path / "elsewhere")
+    shutil.rmtree(root / "a3")
+    os.symlink(tmp_path / "elsewhere", root / "a3")
+    os.truncate(root / "a1" / "c.0", 2)
+    names, keys = ["a0", "a1", "a2", "a3", "a9", "a2"], ["c.0", "c.0", "c.0", "c.0", "c.0", "c.9"]
+    answers = []
+    for chosen in (lib, None):
+        with using(chosen):
+            answers.append(LocalReader(root).chunk_sizes(names, keys))
+    assert answers[0] == answers[1] == [4, 2, 307, None, None, None]
