@@ -74,8 +74,10 @@ class StagedOut(Protocol):
 class StagedIn(Protocol):
     """Host memory to fill with a box's values (see :meth:`ArrayAdapter.stage_in`).
 
-    Call order: fill :attr:`box`, :meth:`finish`, then :meth:`release` (always,
-    also after a failure).
+    Call order: fill :attr:`box`, then :meth:`finish` (move it and wait) or
+    :meth:`start` (queue the move; wait for its ticket), then :meth:`release`
+    (always, also after a failure; after :meth:`start`, only once its ticket
+    is done: the queued copy still reads the box until then).
     """
 
     @property
@@ -85,6 +87,10 @@ class StagedIn(Protocol):
 
     def finish(self) -> None:
         """Move the filled box into the array and wait until it is there."""
+        ...
+
+    def start(self) -> Ticket:
+        """Queue the move of the filled box into the array; the ticket says when it is there."""
         ...
 
     def release(self) -> None:
@@ -230,6 +236,9 @@ class _HostIn:
     def finish(self) -> None:
         pass
 
+    def start(self) -> Ticket:
+        return FINISHED
+
     def release(self) -> None:
         pass
 
@@ -339,12 +348,15 @@ class _DeviceIn:
         self.box = buf[: self._nbytes].view(array.dtype).reshape(sizes)
 
     def finish(self) -> None:
-        assert self._buf is not None, "finish() after release()"
+        self.start().wait()
+
+    def start(self) -> Ticket:
+        assert self._buf is not None, "start() after release()"
         a = self._array
-        a.backend.stage_in(self._buf[: self._nbytes], a.data, self._offsets, self._sizes).wait()
+        return a.backend.stage_in(self._buf[: self._nbytes], a.data, self._offsets, self._sizes)
 
     def release(self) -> None:
-        # finish() waited for its copy: the buffer is free again
+        # finish() waited for its copy (after start(), the caller waited for its ticket)
         buf, self._buf = self._buf, None
         if buf is not None:
             self._pool.release(buf)

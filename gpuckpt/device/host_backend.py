@@ -21,6 +21,7 @@ from gpuckpt import memory_format as mf
 from gpuckpt.device import _kernel_ref
 from gpuckpt.device.arrays import HostMemory
 from gpuckpt.device.backend import Ticket
+from gpuckpt.device.staging import HostAllocator
 from gpuckpt.workers import Workers
 
 __all__ = ["HostBackend"]
@@ -130,7 +131,8 @@ class HostBackend:
         """Host arrays have no pending producers."""
 
     def pinned_allocator(self) -> Any:
-        return lambda nbytes: np.empty(nbytes, np.uint8)
+        # page-aligned, as page-locked memory is: cold loads read into it with O_DIRECT
+        return HostAllocator()
 
     def allocate(self, shape: tuple[int, ...], dtype: np.dtype[Any], memory_format: Any) -> Any:
         return HostMemory().allocate(shape, dtype, memory_format)
