@@ -54,14 +54,25 @@ class HostBackend:
     Copies run in call order on one worker thread (the stream).
     ``bytes_per_second`` slows every copy down to that rate, to make overlap
     measurable; ``fail_after`` makes the n-th copy raise, to test error paths.
-    ``copies`` counts the copies run, ``max_in_flight`` the most queued at once.
+    ``gate``: copies wait until this event is set (tests hold the stream still
+    to see what runs ahead of it).
+    ``copies`` counts the copies run, ``max_in_flight`` the most queued at once;
+    ``device_copies`` counts the device-to-device copies (snapshots).
     """
 
     name = "host"
 
-    def __init__(self, *, bytes_per_second: float | None = None, fail_after: int | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        bytes_per_second: float | None = None,
+        fail_after: int | None = None,
+        gate: threading.Event | None = None,
+    ) -> None:
         self.bytes_per_second = bytes_per_second
         self.fail_after = fail_after
+        self.gate = gate
+        self.device_copies = 0
         self.copies = 0
         self.max_in_flight = 0
         self._in_flight = 0
@@ -78,6 +89,8 @@ class HostBackend:
                 with self._lock:
                     self.copies += 1
                     n = self.copies
+                if self.gate is not None:
+                    self.gate.wait()
                 if self.fail_after is not None and n > self.fail_after:
                     raise RuntimeError(f"injected copy failure (copy {n})")
                 if self.bytes_per_second:
@@ -88,6 +101,12 @@ class HostBackend:
                     self._in_flight -= 1
 
         return _FutureTicket(self._stream.submit(job))
+
+    @property
+    def in_flight(self) -> int:
+        """Copies queued and not yet done."""
+        with self._lock:
+            return self._in_flight
 
     def stage_out(
         self, array: Any, offsets: tuple[int, ...], sizes: tuple[int, ...], dest: np.ndarray
