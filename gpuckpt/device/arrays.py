@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import math
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -39,6 +39,7 @@ __all__ = [
     "StagedIn",
     "StagedOut",
     "adapt",
+    "copy_all",
     "device_backends",
     "is_array",
 ]
@@ -173,6 +174,31 @@ class ArrayAdapter(Protocol):
     def host_array(self) -> np.ndarray:
         """The array as a NumPy array without copying (host memory only; device memory raises TypeError)."""
         ...
+
+
+def copy_all(arrays: Sequence[ArrayAdapter]) -> list[ArrayAdapter]:
+    """Copies of ``arrays`` (see :meth:`ArrayAdapter.copy`), for a snapshot of a whole state.
+
+    The device arrays of each back end are copied together
+    (:meth:`~gpuckpt.device.backend.DeviceBackend.copy_many_on_device`: one device
+    allocation, one copy per run of arrays back to back in memory, or one batched copy),
+    not one by one. Queued: synchronize the back ends before the originals may change.
+    """
+    out: list[ArrayAdapter | None] = [None] * len(arrays)
+    groups: dict[int, list[int]] = {}
+    for i, a in enumerate(arrays):
+        if isinstance(a, DeviceArray):
+            groups.setdefault(id(a.backend), []).append(i)
+        else:
+            out[i] = a.copy()
+    for members in groups.values():
+        backend = arrays[members[0]].backend
+        assert backend is not None
+        copies = backend.copy_many_on_device([arrays[i].data for i in members])  # type: ignore[attr-defined]
+        for i, data in zip(members, copies, strict=True):
+            a = arrays[i]
+            out[i] = DeviceArray(data, backend, a.dtype, a.requires_grad)
+    return [a for a in out if a is not None]
 
 
 def device_backends(arrays: Iterable[ArrayAdapter]) -> list[DeviceBackend]:

@@ -10,8 +10,10 @@ error propagation, snapshot semantics), so all of it is tested without a GPU.
 
 from __future__ import annotations
 
+import ctypes
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -21,6 +23,7 @@ from gpuckpt import memory_format as mf
 from gpuckpt.device import _kernel_ref
 from gpuckpt.device.arrays import HostMemory
 from gpuckpt.device.backend import Ticket
+from gpuckpt.device.packing import ARENA_ALIGN, plan_packing
 from gpuckpt.device.staging import HostAllocator
 from gpuckpt.workers import Workers
 
@@ -41,6 +44,12 @@ def _box(array: Any, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> Any:
     if not sizes:
         return array[...]
     return array[tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=True))]
+
+
+def _is_dense(array: Any) -> bool:
+    """Dense in the physical order of its memory format: its memory image starts at its address."""
+    fmt = mf.detect_memory_format(array.shape, array.strides, array.itemsize)
+    return bool(array.transpose(mf.physical_order(array.ndim, fmt)).flags.c_contiguous)
 
 
 def _is_channels_last(array: Any) -> bool:
@@ -161,6 +170,31 @@ class HostBackend:
             array.shape, array.dtype, mf.detect_memory_format(array.shape, array.strides, array.itemsize)
         )
         np.copyto(out, array)
+        with self._lock:
+            self.device_copies += 1
+        return out
+
+    def copy_many_on_device(self, arrays: Sequence[Any]) -> list[Any]:
+        dense = [i for i, a in enumerate(arrays) if _is_dense(a)]
+        plan = plan_packing([(int(arrays[i].ctypes.data), int(arrays[i].nbytes)) for i in dense])
+        arena = HostAllocator()(plan.total + ARENA_ALIGN)  # page-aligned, as device allocations are
+        out: list[Any] = [None] * len(arrays)
+        for k, i in enumerate(dense):
+            a = arrays[i]
+            out[i] = np.ndarray(a.shape, a.dtype, buffer=arena, offset=plan.places[k], strides=a.strides)
+
+        def copy_runs() -> None:
+            for r in plan.runs:
+                source = np.ctypeslib.as_array((ctypes.c_uint8 * r.nbytes).from_address(r.start))
+                arena[r.offset : r.offset + r.nbytes] = source
+
+        with self._lock:
+            self.device_copies += plan.copies
+        # one job on the stream: a batched copy, or the runs one after another
+        self._run(copy_runs, plan.total)
+        for i, a in enumerate(arrays):
+            if out[i] is None:
+                out[i] = self.copy_on_device(a)
         return out
 
     def synchronize(self) -> None:
