@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a source checkout without an install
 
-from gpuckpt.cli.gpu_summary import (  # noqa: E402
+from gpuckpt.cli.gpu_summary import (
     FORMAT,
     build_summary,
     fake_inputs,

@@ -139,6 +139,8 @@ def build_summary(
         "async_block_ratio_to_one_d2h": _ratio(g.get("async_block_ratio_to_one_d2h")),
         "async_device_block_s": _ratio(g.get("async_device_block_s")),
         "async_device_block_ratio_to_one_d2d": _ratio(g.get("async_device_block_ratio_to_one_d2d")),
+        "async_device_copies": g.get("async_device_copies"),
+        "cold_files_left_page_cache": g.get("cold_files_left_page_cache"),
         "channels_last_save_GBps": _ratio(g.get("channels_last_save_GBps")),
         "channels_last_load_GBps": _ratio(g.get("channels_last_load_GBps")),
     }
@@ -205,7 +207,8 @@ def render_table(summary: dict[str, Any]) -> str:
     lines.append("steps: " + ", ".join(f"{k} {v}" for k, v in summary["steps"].items()))
     c = summary["ceilings_GBps"]
     lines.append(
-        f"ceilings GB/s: D2D {_fmt(c['d2d_read_plus_write'], '.0f')} (read+write)  D2H {_fmt(c['d2h_pinned'], '.1f')}"
+        f"ceilings GB/s: D2D {_fmt(c['d2d_read_plus_write'], '.0f')} (read+write)"
+        f"  D2H {_fmt(c['d2h_pinned'], '.1f')}"
         f"  H2D {_fmt(c['h2d_pinned'], '.1f')}  disk write+fsync {_fmt(c['disk_write_fsync'])}"
         f"  warm read {_fmt(c['disk_read_warm'])}  cold read {_fmt(c['disk_read_cold'])}"
     )
@@ -214,7 +217,8 @@ def render_table(summary: dict[str, Any]) -> str:
         lines.append("")
         lines.append("kernels, main rows: % of D2D copy at 16 and 256 MiB, speed-up over CuPy at 1 MiB")
         lines.append(
-            f"{'direction':<17}{'dtype':<9}{'C':>5}{'dims':>5}{'path':>7}{'16MiB':>8}{'256MiB':>8}{'1MiB x':>8}"
+            f"{'direction':<17}{'dtype':<9}{'C':>5}{'dims':>5}{'path':>7}"
+            f"{'16MiB':>8}{'256MiB':>8}{'1MiB x':>8}"
         )
         keyed: dict[tuple[Any, ...], dict[int, dict[str, Any]]] = {}
         for r in rows:
@@ -248,7 +252,8 @@ def render_table(summary: dict[str, Any]) -> str:
             for r in others:
                 box = "" if r["box"] is None else f" box {r['box'][0]}+{r['box'][1]}"
                 lines.append(
-                    f"  {r['group']:<4}{r['direction']:<17}{r['dtype']:<9}{'x'.join(map(str, r['shape'])):<20}"
+                    f"  {r['group']:<4}{r['direction']:<17}{r['dtype']:<9}"
+                    f"{'x'.join(map(str, r['shape'])):<20}"
                     f"{r['MiB']:>7.1f} MiB {r['GBps']:>8.1f} GB/s {r['percent_of_copy']:>4.0f}% "
                     f"x{r['speedup_vs_cupy']:.2f} {r['path']}{box}"
                 )
@@ -256,25 +261,32 @@ def render_table(summary: dict[str, Any]) -> str:
     s = summary["save_load"]
     lines.append("")
     lines.append(
-        f"save          {_fmt(s['save_GBps'])} GB/s = {_fmt(s['save_ratio_to_min_d2h_disk'])} x min(D2H, disk)"
+        f"save          {_fmt(s['save_GBps'])} GB/s = "
+        f"{_fmt(s['save_ratio_to_min_d2h_disk'])} x min(D2H, disk)"
         f"      target >= {SAVE_MIN}"
     )
     lines.append(
-        f"load (warm)   {_fmt(s['load_GBps'])} GB/s = {_fmt(s['load_ratio_to_min_h2d_warm_read'])} x min(H2D, warm read)"
+        f"load (warm)   {_fmt(s['load_GBps'])} GB/s = "
+        f"{_fmt(s['load_ratio_to_min_h2d_warm_read'])} x min(H2D, warm read)"
         f" target >= {LOAD_WARM_MIN}"
     )
     lines.append(
-        f"load (cold)   {_fmt(s['load_cold_GBps'])} GB/s = {_fmt(s['load_ratio_to_min_h2d_cold_read'])} x min(H2D, cold read)"
+        f"load (cold)   {_fmt(s['load_cold_GBps'])} GB/s = "
+        f"{_fmt(s['load_ratio_to_min_h2d_cold_read'])} x min(H2D, cold read)"
         f" target >= {LOAD_COLD_MIN}"
     )
     lines.append(
-        f"async_save    blocks {_fmt(s['async_block_s'], '.4f')} s = {_fmt(s['async_block_ratio_to_one_d2h'])} x one D2H"
+        f"async_save    blocks {_fmt(s['async_block_s'], '.4f')} s = "
+        f"{_fmt(s['async_block_ratio_to_one_d2h'])} x one D2H"
         f"      target <= {ASYNC_HOST_MAX}"
     )
     lines.append(
         f"async device  blocks {_fmt(s['async_device_block_s'], '.4f')} s = "
         f"{_fmt(s['async_device_block_ratio_to_one_d2d'])} x one D2D      target <= {ASYNC_DEVICE_MAX}"
+        + ("" if s.get("async_device_copies") is None else f"  ({s['async_device_copies']} device copies)")
     )
+    if s.get("cold_files_left_page_cache") is False:
+        lines.append("cold figures: the files stayed in the page cache (tmpfs?); they are warm reads")
     lines.append("")
     met = summary["targets"]["met"]
     k = summary["kernels"]
@@ -289,7 +301,7 @@ def render_table(summary: dict[str, Any]) -> str:
 def fake_inputs() -> tuple[dict[str, Any], dict[str, Any]]:
     """Made-up bench outputs for ``--format-test``: the device says so, the
     numbers are placeholders that exercise every branch of the table."""
-    rows = []
+    rows: list[dict[str, Any]] = []
     for mib, frac, speed in ((1, 0.05, 0.9), (16, 0.81, 3.0), (256, 0.79, 9.0)):
         for direction in ("to_contiguous", "to_channels_last"):
             rows.append(
@@ -322,9 +334,14 @@ def fake_inputs() -> tuple[dict[str, Any], dict[str, Any]]:
             "d2d_read_plus_write": 999.0,
             "disk_write_fsync": 1.0,
             "disk_read_warm": 20.0,
+            "disk_read_cold": 3.0,
         },
         "gpuckpt": {
             "state_bytes": 2 << 30,
+            "load_cold_GBps": 2.8,
+            "load_ratio_to_min_h2d_cold_read": 0.93,
+            "cold_files_left_page_cache": True,
+            "async_device_copies": 1,
             "save_GBps": 0.9,
             "save_ratio_to_min_d2h_disk": 0.9,
             "load_GBps": 15.0,

@@ -205,13 +205,13 @@ def test_copy_error_stops_the_readers(tmp_path: Path) -> None:
 # ---- cold loads: O_DIRECT into aligned staging ------------------------------------
 
 
-def _load_with_reader(root: Path, backend: HostBackend) -> tuple[LocalReader, dict[str, np.ndarray]]:
+def _load_with_reader(root: Path, backend: Any) -> tuple[LocalReader, dict[str, Any]]:
     """The load pipeline on a reader of our own, to see which read path served each chunk."""
     reader = LocalReader(root)
     _md, tensors, _ = validated_metadata(reader.read_root(), str(root))
     entries: list[TensorEntry] = list(tensors.values())
     check_chunk_files(reader, entries)
-    out: dict[str, np.ndarray] = {}
+    out: dict[str, Any] = {}
     targets: list[tuple[TensorEntry, ArrayAdapter]] = []
     for t in entries:
         dest = backend.allocate(t.shape, t.dtype, t.metadata.properties.memory_format)
@@ -318,3 +318,41 @@ def test_tmpfs_loads_use_direct_or_fall_back(tmp_path: Path) -> None:
             assert reader.read_paths == {"cached": 0, "direct": 0, "buffered": 4}
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+# ---- on a GPU ---------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cold", [False, True])
+def test_cupy_loads_through_pinned_staging(tmp_path: Path, cold: bool) -> None:
+    """Warm and cold loads onto a real device: several readers, pinned staging, the copy
+    stream; cold chunks read with O_DIRECT straight into the pinned buffers."""
+    cupy = pytest.importorskip("cupy")
+    from gpuckpt.device.cuda import backend_for_device
+
+    rng = np.random.default_rng(9)
+    state = {
+        "big": _random((8, 1 << 19), np.float32, rng),  # 2 MiB chunks
+        "edges": _random((37, 53), np.float16, rng),
+        "cl": _kernel_ref.as_channels_last(_random((2, 3, 17, 9), np.float32, rng)),
+        "bf16": _random((50, 33), ml_dtypes.bfloat16, rng),
+    }
+    gpuckpt.save(state, tmp_path / "c", chunk_bytes=2 << 20)
+    if cold:
+        from gpuckpt.cli.device_bench import evict
+
+        if not evict(tmp_path / "c"):
+            pytest.skip("the chunk files stay in the page cache here")
+    backend = backend_for_device(0)
+    reader, out = _load_with_reader(tmp_path / "c", backend)
+    backend.synchronize()
+    for k, v in state.items():
+        assert out[k].strides == v.strides, k  # channels-last stays channels-last
+        got = cupy.asnumpy(out[k]).view(v.dtype)  # CuPy holds bfloat16 as uint16: same bytes
+        assert np.ascontiguousarray(got).tobytes() == np.ascontiguousarray(v).tobytes(), k
+    if cold and _direct_allowed(tmp_path):
+        assert reader.read_paths["direct"] >= 1
+    # and through the public function, into CuPy arrays allocated for the load
+    loaded = gpuckpt.load_state_dict(tmp_path / "c", device="cuda", threads=4)
+    assert cupy.asnumpy(loaded["big"]).tobytes() == state["big"].tobytes()
