@@ -137,12 +137,12 @@ def run_device(args: argparse.Namespace) -> int:
     import datetime as dt
 
     from gpuckpt import __version__
-    from gpuckpt.cli import gpu_summary
+    from gpuckpt.cli.gpu_summary import build_summary, fake_inputs, render_table
 
     date = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d")
     if args.dry_run:
-        kernels, gpu = gpu_summary.fake_inputs()
-        summary = gpu_summary.build_summary(
+        kernels, gpu = fake_inputs()
+        summary = build_summary(
             date=date,
             commit=__version__,
             kernels=kernels,
@@ -169,13 +169,13 @@ def run_device(args: argparse.Namespace) -> int:
             res = measure(args.gib, args.rounds, base, cold=not args.no_cold, kernels=True)
         finally:
             shutil.rmtree(base, ignore_errors=True)
-        summary = gpu_summary.build_summary(
+        summary = build_summary(
             date=date, commit=__version__, kernels=res.get("kernels"), gpu=res, steps={"bench": "ok"}
         )
     if args.json:
         print(json.dumps(summary, indent=2))
     else:
-        print(gpu_summary.render_table(summary))
+        print(render_table(summary))
     return 0
 
 
