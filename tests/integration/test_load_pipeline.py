@@ -139,6 +139,40 @@ def test_readers_run_ahead_of_the_copies_within_the_staging_budget(tmp_path: Pat
     assert pool._in_use == 0
 
 
+def test_resharding_loads_run_ahead_of_the_copies_too(tmp_path: Path) -> None:
+    """Loads into boxes of a tensor (ShardedArray targets): whole chunks and the parts of a
+    chunk that straddles two boxes are queued on the copy stream without waiting."""
+    value = _random((64, 1024), np.float32, np.random.default_rng(10))  # chunks of 4 rows
+    gpuckpt.save({"x": value}, tmp_path / "c", chunk_bytes=16 << 10)
+    gate = threading.Event()
+    backend = HostBackend(gate=gate)
+    parts = [np.zeros((30, 1024), np.float32), np.zeros((34, 1024), np.float32)]
+    targets = {
+        "x": [
+            gpuckpt.ShardedArray(EmulatedDeviceArray(parts[0], backend), (0, 0), value.shape),
+            gpuckpt.ShardedArray(EmulatedDeviceArray(parts[1], backend), (30, 0), value.shape),
+        ]
+    }
+    result: dict[str, BaseException] = {}
+
+    def load() -> None:
+        try:
+            gpuckpt.load(targets, tmp_path / "c", threads=1, staging_bytes=64 << 10)
+        except BaseException as exc:
+            result["error"] = exc
+
+    loader = threading.Thread(target=load)
+    loader.start()
+    try:
+        _wait_until(lambda: backend.in_flight == 4, "four copies queued ahead of the stream")
+    finally:
+        gate.set()
+        loader.join(60)
+    assert not loader.is_alive() and not result
+    assert parts[0].tobytes() == value[:30].tobytes() and parts[1].tobytes() == value[30:].tobytes()
+    assert backend.in_flight == 0
+
+
 def test_corrupted_chunk_raises_and_never_reaches_the_device(tmp_path: Path) -> None:
     value = _random((64, 1024), np.float32, np.random.default_rng(4))
     md = gpuckpt.save({"x": value}, tmp_path / "c", chunk_bytes=16 << 10)
