@@ -127,3 +127,12 @@ def test_batched_copy_under_sanitizers(tmp_path_factory: pytest.TempPathFactory)
         timeout=300,
     )
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+
+
+def test_batched_copy_source_includes_nothing() -> None:
+    # NVRTC compiles it without standard headers, as it does channels_last.cu
+    from gpuckpt.device.batched_copy import batched_copy_source
+
+    source = batched_copy_source()
+    assert "gpuckpt_batched_copy" in source
+    assert not any(line.lstrip().startswith("#include") for line in source.splitlines())
