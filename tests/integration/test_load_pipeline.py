@@ -256,10 +256,12 @@ def _load_with_reader(root: Path, backend: Any) -> tuple[LocalReader, dict[str, 
 
 
 def _save_cold(root: Path) -> np.ndarray:
-    """A state of 2 MiB chunks on disk, evicted from the page cache."""
+    """A state of 2 MiB chunks on disk, evicted from the page cache; with one more chunk
+    of an odd size (1.5 MB: its unaligned tail is read buffered after the O_DIRECT head)."""
     value = _random((8, 1 << 19), np.float32, np.random.default_rng(6))
-    md = gpuckpt.save({"x": value}, root, chunk_bytes=2 << 20)
-    for path in _chunk_files(root, md, "x"):
+    odd = _random((1_500_001,), np.uint8, np.random.default_rng(6))
+    md = gpuckpt.save({"x": value, "odd": odd}, root, chunk_bytes=2 << 20)
+    for path in _chunk_files(root, md, "x") + _chunk_files(root, md, "odd"):
         fd = os.open(path, os.O_RDONLY)
         try:
             os.fsync(fd)
@@ -295,7 +297,8 @@ def test_cold_load_reads_with_o_direct(tmp_path: Path) -> None:
     value = _save_cold(tmp_path / "c")
     reader, out = _load_with_reader(tmp_path / "c", HostBackend())
     assert out["x"].tobytes() == value.tobytes()
-    assert reader.read_paths["direct"] == 8 and reader.read_paths["buffered"] == 0
+    assert out["odd"].tobytes() == _random((1_500_001,), np.uint8, np.random.default_rng(6)).tobytes()
+    assert reader.read_paths["direct"] == 9 and reader.read_paths["buffered"] == 0
     # O_DIRECT left the page cache alone; once the files are cached (read through it),
     # the one-pass copy-and-checksum loop serves the same load
     for path in (tmp_path / "c").rglob("*"):
@@ -303,7 +306,7 @@ def test_cold_load_reads_with_o_direct(tmp_path: Path) -> None:
             path.read_bytes()
     reader, out = _load_with_reader(tmp_path / "c", HostBackend())
     assert out["x"].tobytes() == value.tobytes()
-    assert reader.read_paths["cached"] == 8 and reader.read_paths["direct"] == 0
+    assert reader.read_paths["cached"] == 9 and reader.read_paths["direct"] == 0
 
 
 @pytest.mark.usefixtures("cold_needs_crccopy")
@@ -320,7 +323,7 @@ def test_cold_load_falls_back_where_o_direct_is_refused(
     monkeypatch.setattr(direct, "_set_direct", refuse)
     reader, out = _load_with_reader(tmp_path / "c", HostBackend())
     assert out["x"].tobytes() == value.tobytes()
-    assert reader.read_paths["direct"] == 0 and reader.read_paths["buffered"] == 8
+    assert reader.read_paths["direct"] == 0 and reader.read_paths["buffered"] == 9
     assert len(calls) <= 2  # refused once per reader thread at most, then not asked again
 
 
@@ -330,7 +333,7 @@ def test_cold_load_without_direct_io_reads_buffered(tmp_path: Path, monkeypatch:
     monkeypatch.setenv("GPUCKPT_DIRECT_IO", "off")
     reader, out = _load_with_reader(tmp_path / "c", HostBackend())
     assert out["x"].tobytes() == value.tobytes()
-    assert reader.read_paths["direct"] == 0 and reader.read_paths["buffered"] == 8
+    assert reader.read_paths["direct"] == 0 and reader.read_paths["buffered"] == 9
 
 
 def test_tmpfs_loads_use_direct_or_fall_back(tmp_path: Path) -> None:
