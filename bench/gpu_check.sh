@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
-# The prepared GPU check (issue 23): the gpu-marked tests, the kernel table,
-# the save/load/async figures against ceilings measured in the same run, then
-# compute-sanitizer, the PyTorch-only tests and the demo on the GPU; writes
-# $OUT/<date>-summary.json (bench/gpu_summary.py) and prints its table last.
+# The prepared GPU check (issue 23): the gpu-marked tests (kernels, the load
+# pipeline through pinned staging, device snapshots, `gpuckpt bench --device`),
+# the kernel table, the save/load/async figures of a 2 GiB state against
+# ceilings measured in the same run (D2H, H2D, D2D, disk write, warm and cold
+# reads: the load pipeline warm and cold, async_save blocking vs one D2H copy
+# and, with staging="device", vs one D2D copy), then compute-sanitizer, the
+# PyTorch-only tests and the demo on the GPU; writes $OUT/<date>-summary.json
+# (bench/gpu_summary.py, i.e. gpuckpt.cli.gpu_summary) and prints its table last.
 #
 # Usage (repository root of a machine with an NVIDIA GPU, CuPy and PyTorch;
 # no zarr and no network needed: `bash bench/fetch_wheels.sh` beforehand puts
@@ -60,14 +64,18 @@ fi
   "$PY" -c "import torch; print('torch', torch.__version__, torch.cuda.is_available())"; df -h /tmp; nproc; free -g; } > "$OUT/env.txt" 2>&1
 
 # 1. Correctness on the device first (kernels against NumPy, every path).
-step gpu-tests timeout 100 "${PYTEST[@]}" -m gpu tests/device tests/kernels -k "not sanitizer and not racecheck" \
+step gpu-tests timeout 100 "${PYTEST[@]}" -m gpu tests/device tests/kernels tests/integration/test_load_pipeline.py \
+  tests/integration/test_device_snapshot.py tests/integration/test_cli.py -k "not sanitizer and not racecheck" \
   > "$OUT/pytest_gpu.txt" 2>&1
 STEPS+=("--step" "gpu-tests=$(status $?)")
 # 2. The kernel table (its own budget ends it before the step's limit).
-step bench-kernels timeout 130 "$PY" bench/bench_kernels.py --out "$OUT" --budget-s 95 > "$OUT/bench_kernels.txt" 2>&1
+step bench-kernels timeout 110 "$PY" bench/bench_kernels.py --out "$OUT" --budget-s 80 > "$OUT/bench_kernels.txt" 2>&1
 STEPS+=("--step" "bench-kernels=$(status $?)")
-# 3. Save, load and async_save of a 2 GiB device state against the ceilings.
-step bench-gpu timeout 110 "$PY" bench/bench_gpu.py --gib 2 --rounds 3 --out "$OUT" > "$OUT/bench_gpu.txt" 2>&1
+# 3. Save, the load pipeline (warm, then cold: chunk files evicted from the page
+#    cache, read with O_DIRECT into pinned staging) and async_save (pinned host
+#    staging vs one D2H copy; staging="device" vs one D2D copy) of a 2 GiB device
+#    state against the ceilings of the same run.
+step bench-gpu timeout 130 "$PY" bench/bench_gpu.py --gib 2 --rounds 3 --out "$OUT" > "$OUT/bench_gpu.txt" 2>&1
 STEPS+=("--step" "bench-gpu=$(status $?)")
 # 4. compute-sanitizer memcheck and racecheck on both kernel paths.
 step sanitizer timeout 60 "${PYTEST[@]}" -m gpu tests/kernels/test_kernels_gpu.py -k "sanitizer or racecheck" \

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from gpuckpt.device.arrays import ArrayAdapter, HostArray
+from gpuckpt.device.arrays import ArrayAdapter, HostArray, copy_all
 from gpuckpt.device.staging import ArenaPool, HostAllocator, StagingArena, aligned_bytes
 from gpuckpt.distributed.coordinator import Coordinator, SingleProcessCoordinator
 from gpuckpt.distributed.save import Described, save_described
@@ -175,15 +175,15 @@ def snapshot_on_device(sources: dict[str, tuple[Source, ...]]) -> dict[str, tupl
     backends = device_backends(_arrays(sources))
     for b in backends:
         b.wait_for_producers()
-    out: dict[str, tuple[Source, ...]] = {}
-    for fqn, held in sources.items():
-        snap = []
-        for s in held:
-            snap.append(Source(s.array.copy(), s.offsets))
-        out[fqn] = tuple(snap)
+    # all arrays of a back end in one device allocation, in one (batched) copy or one per run
+    flat = [(fqn, s) for fqn, held in sources.items() for s in held]
+    copies = copy_all([s.array for _, s in flat])
+    out: dict[str, list[Source]] = {fqn: [] for fqn in sources}
+    for (fqn, s), copied in zip(flat, copies, strict=True):
+        out[fqn].append(Source(copied, s.offsets))
     for b in backends:
         b.synchronize()
-    return out
+    return {fqn: tuple(snap) for fqn, snap in out.items()}
 
 
 def async_save(

@@ -26,6 +26,7 @@ import numpy as np
 
 from gpuckpt.device.arrays import ArrayAdapter
 from gpuckpt.device.backend import Staging
+from gpuckpt.device.upload import CopyQueue
 from gpuckpt.errors import (
     CheckpointCorruptedError,
     CheckpointTooLargeError,
@@ -54,6 +55,7 @@ __all__ = [
     "read_chunk_into",
     "read_tensors",
     "scratch",
+    "upload_chunk",
     "validate_metadata",
     "validated_metadata",
 ]
@@ -334,39 +336,71 @@ def read_chunk_into(
     incoming = dest.stage_in(offsets, c.spec.sizes, staging)
     try:
         box = incoming.box
-        direct = (
-            box.flags.c_contiguous and box.dtype.byteorder != ">" and is_prefix_box(c.spec.sizes, c.stored)
-        )
-        if direct:
-            # straight into the box; padding of an edge chunk goes to scratch
-            data = box.reshape(-1).view(np.uint8)
-            pad = c.nbytes - CRC_BYTES - data.nbytes
-            fetch_verified(reader, t, c, [data, scratch((pad,), np.dtype(np.uint8), t)] if pad else [data])
-        else:
-            stored = scratch(c.stored, t.dtype.newbyteorder("<"), t)
-            fetch_verified(reader, t, c, [stored.reshape(-1).view(np.uint8)])
-            box[...] = stored[tuple(slice(0, s) for s in c.spec.sizes)]
+        _fill_box(reader, t, c, box)
         incoming.finish()
     finally:
         incoming.release()
     counter.add(box.nbytes)
 
 
+def upload_chunk(
+    reader: CheckpointReader,
+    t: TensorEntry,
+    c: ChunkRead,
+    dest: ArrayAdapter,
+    offsets: tuple[int, ...],
+    staging: Staging,
+    copies: CopyQueue,
+    counter: ProgressCounter,
+) -> None:
+    """Read and verify chunk ``c`` into a staging buffer, then hand it to ``copies``, which
+    moves it into the box of ``dest`` at ``offsets`` while this thread reads on.
+
+    The buffer comes from the run's bounded pool (blocking while all are in flight:
+    the pipeline's depth). A chunk that fails its check is never handed over.
+    """
+    incoming = dest.stage_in(offsets, c.spec.sizes, staging)
+    try:
+        box = incoming.box
+        _fill_box(reader, t, c, box)
+    except BaseException:
+        incoming.release()
+        raise
+    copies.put(incoming)  # gives the buffer back itself, also when it fails
+    counter.add(box.nbytes)
+
+
+def _fill_box(reader: CheckpointReader, t: TensorEntry, c: ChunkRead, box: np.ndarray) -> None:
+    """Read and verify chunk ``c`` into ``box``: straight into its memory where the layout
+    allows (the stored bytes are the box's), else through scratch memory."""
+    if box.flags.c_contiguous and box.dtype.byteorder != ">" and is_prefix_box(c.spec.sizes, c.stored):
+        # straight into the box; padding of an edge chunk goes to scratch
+        data = box.reshape(-1).view(np.uint8)
+        pad = c.nbytes - CRC_BYTES - data.nbytes
+        fetch_verified(reader, t, c, [data, scratch((pad,), np.dtype(np.uint8), t)] if pad else [data])
+    else:
+        stored = scratch(c.stored, t.dtype.newbyteorder("<"), t)
+        fetch_verified(reader, t, c, [stored.reshape(-1).view(np.uint8)])
+        box[...] = stored[tuple(slice(0, s) for s in c.spec.sizes)]
+
+
 def _read_chunks(
     reader: CheckpointReader,
     reads: list[tuple[TensorEntry, ChunkRead, ArrayAdapter]],
     staging: Staging,
+    copies: CopyQueue | None,
     counter: ProgressCounter,
 ) -> None:
     """Chunks of host targets as one batch of the reader's (native code for the small
     chunk files of a local checkpoint); chunks of device targets one by one, each
-    through a staging buffer."""
+    read into a staging buffer and moved in by ``copies`` while the next is read."""
     host = [r for r in reads if r[2].backend is None]
     if host:
         _read_host_batch(reader, host, staging, counter)
     for t, c, dest in reads:
         if dest.backend is not None:
-            read_chunk_into(reader, t, c, dest, c.spec.offsets, staging, counter)
+            assert copies is not None, "device targets need the run's copy queue"
+            upload_chunk(reader, t, c, dest, c.spec.offsets, staging, copies, counter)
 
 
 def _read_host_batch(
@@ -445,9 +479,12 @@ def read_tensors(
     staging budget of device targets) apply. Chunks go to the I/O threads in
     batches (small ones together). Host targets are read straight into their
     memory where the layout allows.
-    Device targets go through a bounded pool of staging buffers: I/O threads
-    read and verify chunks into buffers and copy them to the device, so reads
-    of the next chunks overlap the copies of earlier ones.
+    Device targets go through a bounded pool of (page-locked) staging buffers:
+    I/O threads read and verify chunks into buffers and queue their copies to
+    the device on the back end's own stream without waiting for them
+    (:class:`~gpuckpt.device.upload.CopyQueue`), so reads of the next chunks
+    overlap the copies of earlier ones. When this returns or raises, no copy
+    is in flight any more and every buffer is back in its pool.
     """
     threads, progress, staging_bytes = options.threads, options.progress, options.staging_bytes
     counter = ProgressCounter(progress, sum(t.nbytes for t, _ in targets))
@@ -456,5 +493,17 @@ def read_tensors(
         staging_bytes,
     )
     reads = (((t, c, dest), c.nbytes) for t, dest in targets for c in t.chunks)
-    jobs = [functools.partial(_read_chunks, reader, batch, staging, counter) for batch in batches(reads)]
-    run_all(jobs, threads=threads, name="gpuckpt-read")
+    copies = CopyQueue() if staging.backends else None
+    jobs = [
+        functools.partial(_read_chunks, reader, batch, staging, copies, counter) for batch in batches(reads)
+    ]
+    try:
+        run_all(jobs, threads=threads, name="gpuckpt-read")
+    except BaseException:
+        if copies is not None:
+            # no copy may still write into the targets once the load has failed
+            with contextlib.suppress(Exception):
+                copies.close()
+        raise
+    if copies is not None:
+        copies.close()

@@ -5,6 +5,10 @@ in-place ``load`` of a GPT-like state against the raw baselines of
 :mod:`gpuckpt.testing.rawio` (one fsynced file per tensor; one fsynced file
 for all), and reports GB/s and ratios to the best raw baseline. With CuPy
 and a CUDA device it also reports host<->device copy ceilings.
+
+``--device`` reports the GPU figures instead (:mod:`gpuckpt.cli.device_bench`,
+the table of :mod:`gpuckpt.cli.gpu_summary`); without a GPU it says so and
+exits 1; ``--device --dry-run`` shows the table on made-up, marked numbers.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import numpy as np
 
 import gpuckpt
 from gpuckpt.cli.usage import UsageError
+from gpuckpt.errors import DeviceUnavailableError
 from gpuckpt.testing.rawio import (
     raw_files_load,
     raw_files_save,
@@ -42,6 +47,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=2, help="measured rounds after one warm-up (2)")
     p.add_argument("--dir", help="directory on the file system to measure (default: a temporary one)")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
+    p.add_argument(
+        "--device",
+        action="store_true",
+        help="GPU figures instead: copy and disk ceilings, kernels, save/load/async ratios (needs a GPU)",
+    )
+    p.add_argument("--gib", type=float, default=1.0, help="--device: size of the device state in GiB (1)")
+    p.add_argument("--no-cold", action="store_true", help="--device: skip cold reads (evicted page cache)")
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="--device: print the table on made-up numbers, clearly marked (no GPU needed)",
+    )
 
 
 def bench_state(sd: dict[str, Any], rounds: int, base: Path, threads: int | None = None) -> dict[str, Any]:
@@ -115,7 +132,58 @@ def gpu_ceilings(nbytes: int) -> dict[str, float] | None:
         return None
 
 
+def run_device(args: argparse.Namespace) -> int:
+    """``gpuckpt bench --device``: the GPU figures and the targets of issue 23, or a clear refusal."""
+    import datetime as dt
+
+    from gpuckpt import __version__
+    from gpuckpt.cli.gpu_summary import build_summary, fake_inputs, render_table
+
+    date = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d")
+    if args.dry_run:
+        kernels, gpu = fake_inputs()
+        summary = build_summary(
+            date=date,
+            commit=__version__,
+            kernels=kernels,
+            gpu=gpu,
+            steps={"bench": "dry run"},
+            kind="format-test",
+            note="made-up numbers (--dry-run); not a measurement",
+        )
+    else:
+        from gpuckpt.device import cuda
+
+        if not cuda.gpu_available():
+            raise DeviceUnavailableError(
+                "bench --device: no usable GPU here (CuPy is missing, or no CUDA driver or device "
+                "answers); run it on a machine with an NVIDIA GPU and CuPy (pip install 'gpuckpt[gpu]'), "
+                "or add --dry-run to see the table's format"
+            )
+        if args.gib <= 0 or args.rounds < 1:
+            raise UsageError("--gib must be positive and --rounds at least 1")
+        from gpuckpt.cli.device_bench import measure
+
+        base = Path(tempfile.mkdtemp(prefix="gpuckpt-bench-device-", dir=args.dir))
+        try:
+            res = measure(args.gib, args.rounds, base, cold=not args.no_cold, kernels=True)
+        finally:
+            shutil.rmtree(base, ignore_errors=True)
+        summary = build_summary(
+            date=date, commit=__version__, kernels=res.get("kernels"), gpu=res, steps={"bench": "ok"}
+        )
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        print(render_table(summary))
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.device or args.dry_run:
+        if not args.device:
+            raise UsageError("--dry-run goes with --device")
+        return run_device(args)
     if args.size_mb < 1 or args.rounds < 1:
         raise UsageError("--size-mb and --rounds must be at least 1")
     # embedding 8000 x W plus layers of 12 W^2 floats: pick W for the size asked

@@ -39,6 +39,7 @@ __all__ = [
     "StagedIn",
     "StagedOut",
     "adapt",
+    "copy_all",
     "device_backends",
     "is_array",
 ]
@@ -74,8 +75,10 @@ class StagedOut(Protocol):
 class StagedIn(Protocol):
     """Host memory to fill with a box's values (see :meth:`ArrayAdapter.stage_in`).
 
-    Call order: fill :attr:`box`, :meth:`finish`, then :meth:`release` (always,
-    also after a failure).
+    Call order: fill :attr:`box`, then :meth:`finish` (move it and wait) or
+    :meth:`start` (queue the move; wait for its ticket), then :meth:`release`
+    (always, also after a failure; after :meth:`start`, only once its ticket
+    is done: the queued copy still reads the box until then).
     """
 
     @property
@@ -85,6 +88,10 @@ class StagedIn(Protocol):
 
     def finish(self) -> None:
         """Move the filled box into the array and wait until it is there."""
+        ...
+
+    def start(self) -> Ticket:
+        """Queue the move of the filled box into the array; the ticket says when it is there."""
         ...
 
     def release(self) -> None:
@@ -169,6 +176,31 @@ class ArrayAdapter(Protocol):
         ...
 
 
+def copy_all(arrays: Sequence[ArrayAdapter]) -> list[ArrayAdapter]:
+    """Copies of ``arrays`` (see :meth:`ArrayAdapter.copy`), for a snapshot of a whole state.
+
+    The device arrays of each back end are copied together
+    (:meth:`~gpuckpt.device.backend.DeviceBackend.copy_many_on_device`: one device
+    allocation, one copy per run of arrays back to back in memory, or one batched copy),
+    not one by one. Queued: synchronize the back ends before the originals may change.
+    """
+    out: list[ArrayAdapter | None] = [None] * len(arrays)
+    groups: dict[int, list[int]] = {}
+    for i, a in enumerate(arrays):
+        if isinstance(a, DeviceArray):
+            groups.setdefault(id(a.backend), []).append(i)
+        else:
+            out[i] = a.copy()
+    for members in groups.values():
+        backend = arrays[members[0]].backend
+        assert backend is not None
+        copies = backend.copy_many_on_device([arrays[i].data for i in members])  # type: ignore[attr-defined]
+        for i, data in zip(members, copies, strict=True):
+            a = arrays[i]
+            out[i] = DeviceArray(data, backend, a.dtype, a.requires_grad)
+    return [a for a in out if a is not None]
+
+
 def device_backends(arrays: Iterable[ArrayAdapter]) -> list[DeviceBackend]:
     """The distinct device back ends of ``arrays`` (host arrays have none)."""
     return distinct_backends(a.backend for a in arrays)
@@ -229,6 +261,9 @@ class _HostIn:
 
     def finish(self) -> None:
         pass
+
+    def start(self) -> Ticket:
+        return FINISHED
 
     def release(self) -> None:
         pass
@@ -339,12 +374,15 @@ class _DeviceIn:
         self.box = buf[: self._nbytes].view(array.dtype).reshape(sizes)
 
     def finish(self) -> None:
-        assert self._buf is not None, "finish() after release()"
+        self.start().wait()
+
+    def start(self) -> Ticket:
+        assert self._buf is not None, "start() after release()"
         a = self._array
-        a.backend.stage_in(self._buf[: self._nbytes], a.data, self._offsets, self._sizes).wait()
+        return a.backend.stage_in(self._buf[: self._nbytes], a.data, self._offsets, self._sizes)
 
     def release(self) -> None:
-        # finish() waited for its copy: the buffer is free again
+        # finish() waited for its copy (after start(), the caller waited for its ticket)
         buf, self._buf = self._buf, None
         if buf is not None:
             self._pool.release(buf)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 import threading
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -102,6 +102,17 @@ class DeviceBackend(Protocol):
 
     def copy_on_device(self, array: Any) -> Any:
         """A device-side copy with the same strides (for ``staging="device"``)."""
+        ...
+
+    def copy_many_on_device(self, arrays: Sequence[Any]) -> list[Any]:
+        """Device-side copies of ``arrays`` with the same strides, for a snapshot of a state.
+
+        Dense arrays are packed into one device allocation as
+        :func:`gpuckpt.device.packing.plan_packing` plans it: one copy per run of
+        arrays that lie back to back in memory, or one batched copy of many runs;
+        others are copied one by one. Queued on the back end's stream: call
+        :meth:`synchronize` before the originals may change.
+        """
         ...
 
     def synchronize(self) -> None: ...

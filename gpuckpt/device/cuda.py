@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import os
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -145,6 +146,7 @@ class CupyBackend:
         with cupy.cuda.Device(device_id):
             self.stream = cupy.cuda.Stream(non_blocking=True)
         self._lock = threading.Lock()
+        self._keep: list[Any] = []  # device scratch that queued work still reads
 
     def _view(self, array: Any) -> Any:
         return array if isinstance(array, self.cupy.ndarray) else as_device_array(array)[0]
@@ -253,8 +255,49 @@ class CupyBackend:
             out[...] = arr
         return out
 
+    def copy_many_on_device(self, arrays: Sequence[Any]) -> list[Any]:
+        from gpuckpt.device.batched_copy import launch_batched_copy
+        from gpuckpt.device.packing import plan_packing
+
+        cupy = self.cupy
+        views = [self._view(a) for a in arrays]
+        dense = [i for i, v in enumerate(views) if _is_dense(v)]
+        plan = plan_packing([(int(views[i].data.ptr), int(views[i].nbytes)) for i in dense])
+        out: list[Any] = [None] * len(views)
+        with cupy.cuda.Device(self.device_id), self.stream:
+            arena = cupy.empty(max(1, plan.total), dtype=cupy.uint8)  # from CuPy's pool: reused
+            base = int(arena.data.ptr)
+            if plan.batched:
+                pieces = plan.pieces(base)
+                table = cupy.asarray(np.asarray(pieces, dtype=np.uint64).reshape(-1))
+                launch_batched_copy(self.device_id, table, len(pieces))
+                self._keep.append(table)  # until the stream has run the kernel
+            else:
+                for r in plan.runs:
+                    cupy.cuda.runtime.memcpyAsync(
+                        base + r.offset,
+                        r.start,
+                        r.nbytes,
+                        cupy.cuda.runtime.memcpyDeviceToDevice,
+                        self.stream.ptr,
+                    )
+            for k, i in enumerate(dense):
+                v = views[i]
+                out[i] = cupy.ndarray(v.shape, v.dtype, arena.data + plan.places[k], strides=v.strides)
+        for i, v in enumerate(views):
+            if out[i] is None:
+                out[i] = self.copy_on_device(v)
+        return out
+
     def synchronize(self) -> None:
         self.stream.synchronize()
+        self._keep.clear()
+
+
+def _is_dense(arr: Any) -> bool:
+    """Dense in the physical order of its memory format: its memory image starts at ``data.ptr``."""
+    order = mf.physical_order(arr.ndim, mf.detect_memory_format(arr.shape, arr.strides, arr.itemsize))
+    return bool(arr.transpose(order).flags.c_contiguous)
 
 
 def _cupy_dtype(dtype: np.dtype[Any]) -> np.dtype[Any]:

@@ -10,8 +10,10 @@ error propagation, snapshot semantics), so all of it is tested without a GPU.
 
 from __future__ import annotations
 
+import ctypes
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -21,6 +23,8 @@ from gpuckpt import memory_format as mf
 from gpuckpt.device import _kernel_ref
 from gpuckpt.device.arrays import HostMemory
 from gpuckpt.device.backend import Ticket
+from gpuckpt.device.packing import ARENA_ALIGN, plan_packing
+from gpuckpt.device.staging import HostAllocator
 from gpuckpt.workers import Workers
 
 __all__ = ["HostBackend"]
@@ -42,6 +46,12 @@ def _box(array: Any, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> Any:
     return array[tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=True))]
 
 
+def _is_dense(array: Any) -> bool:
+    """Dense in the physical order of its memory format: its memory image starts at its address."""
+    fmt = mf.detect_memory_format(array.shape, array.strides, array.itemsize)
+    return bool(array.transpose(mf.physical_order(array.ndim, fmt)).flags.c_contiguous)
+
+
 def _is_channels_last(array: Any) -> bool:
     fmt = mf.detect_memory_format(array.shape, array.strides, array.itemsize)
     return fmt in (mf.channels_last, mf.channels_last_3d)
@@ -53,14 +63,25 @@ class HostBackend:
     Copies run in call order on one worker thread (the stream).
     ``bytes_per_second`` slows every copy down to that rate, to make overlap
     measurable; ``fail_after`` makes the n-th copy raise, to test error paths.
-    ``copies`` counts the copies run, ``max_in_flight`` the most queued at once.
+    ``gate``: copies wait until this event is set (tests hold the stream still
+    to see what runs ahead of it).
+    ``copies`` counts the copies run, ``max_in_flight`` the most queued at once;
+    ``device_copies`` counts the device-to-device copies (snapshots).
     """
 
     name = "host"
 
-    def __init__(self, *, bytes_per_second: float | None = None, fail_after: int | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        bytes_per_second: float | None = None,
+        fail_after: int | None = None,
+        gate: threading.Event | None = None,
+    ) -> None:
         self.bytes_per_second = bytes_per_second
         self.fail_after = fail_after
+        self.gate = gate
+        self.device_copies = 0
         self.copies = 0
         self.max_in_flight = 0
         self._in_flight = 0
@@ -77,6 +98,8 @@ class HostBackend:
                 with self._lock:
                     self.copies += 1
                     n = self.copies
+                if self.gate is not None:
+                    self.gate.wait()
                 if self.fail_after is not None and n > self.fail_after:
                     raise RuntimeError(f"injected copy failure (copy {n})")
                 if self.bytes_per_second:
@@ -87,6 +110,12 @@ class HostBackend:
                     self._in_flight -= 1
 
         return _FutureTicket(self._stream.submit(job))
+
+    @property
+    def in_flight(self) -> int:
+        """Copies queued and not yet done."""
+        with self._lock:
+            return self._in_flight
 
     def stage_out(
         self, array: Any, offsets: tuple[int, ...], sizes: tuple[int, ...], dest: np.ndarray
@@ -130,7 +159,8 @@ class HostBackend:
         """Host arrays have no pending producers."""
 
     def pinned_allocator(self) -> Any:
-        return lambda nbytes: np.empty(nbytes, np.uint8)
+        # page-aligned, as page-locked memory is: cold loads read into it with O_DIRECT
+        return HostAllocator()
 
     def allocate(self, shape: tuple[int, ...], dtype: np.dtype[Any], memory_format: Any) -> Any:
         return HostMemory().allocate(shape, dtype, memory_format)
@@ -140,6 +170,31 @@ class HostBackend:
             array.shape, array.dtype, mf.detect_memory_format(array.shape, array.strides, array.itemsize)
         )
         np.copyto(out, array)
+        with self._lock:
+            self.device_copies += 1
+        return out
+
+    def copy_many_on_device(self, arrays: Sequence[Any]) -> list[Any]:
+        dense = [i for i, a in enumerate(arrays) if _is_dense(a)]
+        plan = plan_packing([(int(arrays[i].ctypes.data), int(arrays[i].nbytes)) for i in dense])
+        arena = HostAllocator()(plan.total + ARENA_ALIGN)  # page-aligned, as device allocations are
+        out: list[Any] = [None] * len(arrays)
+        for k, i in enumerate(dense):
+            a = arrays[i]
+            out[i] = np.ndarray(a.shape, a.dtype, buffer=arena, offset=plan.places[k], strides=a.strides)
+
+        def copy_runs() -> None:
+            for r in plan.runs:
+                source = np.ctypeslib.as_array((ctypes.c_uint8 * r.nbytes).from_address(r.start))
+                arena[r.offset : r.offset + r.nbytes] = source
+
+        with self._lock:
+            self.device_copies += plan.copies
+        # one job on the stream: a batched copy, or the runs one after another
+        self._run(copy_runs, plan.total)
+        for i, a in enumerate(arrays):
+            if out[i] is None:
+                out[i] = self.copy_on_device(a)
         return out
 
     def synchronize(self) -> None:

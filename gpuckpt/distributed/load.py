@@ -13,6 +13,7 @@ never read.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 
@@ -20,10 +21,11 @@ import numpy as np
 
 from gpuckpt.device.arrays import ArrayAdapter
 from gpuckpt.device.backend import Staging
+from gpuckpt.device.upload import CopyQueue
 from gpuckpt.options import LoadOptions
 from gpuckpt.planning.boxes import Box, intersect, overlapping_chunks
 from gpuckpt.progress import ProgressCounter
-from gpuckpt.reading import ChunkRead, TensorEntry, fetch_verified, read_chunk_into, scratch
+from gpuckpt.reading import ChunkRead, TensorEntry, fetch_verified, read_chunk_into, scratch, upload_chunk
 from gpuckpt.runner import batches, run_all
 from gpuckpt.storage.base import CheckpointReader
 
@@ -40,6 +42,7 @@ def _read_one(
     c: ChunkRead,
     targets: list[tuple[ArrayAdapter, Box]],
     staging: Staging,
+    copies: CopyQueue | None,
     counter: ProgressCounter,
 ) -> None:
     chunk_box: Box = (c.spec.offsets, c.spec.sizes)
@@ -47,7 +50,10 @@ def _read_one(
         # the whole chunk goes to one box: read in place, as an unsharded load does
         adapter, box = targets[0]
         at = tuple(o - b for o, b in zip(c.spec.offsets, box[0], strict=True))
-        read_chunk_into(reader, t, c, adapter, at, staging, counter)
+        if copies is not None and adapter.backend is not None:
+            upload_chunk(reader, t, c, adapter, at, staging, copies, counter)
+        else:
+            read_chunk_into(reader, t, c, adapter, at, staging, counter)
         return
     stored = scratch(c.stored, t.dtype.newbyteorder("<"), t)
     fetch_verified(reader, t, c, [stored.reshape(-1).view(np.uint8)])
@@ -58,11 +64,20 @@ def _read_one(
         part = stored[_slices(c.spec.offsets, inter)]
         local_offsets = tuple(o - b for o, b in zip(inter[0], box[0], strict=True))
         incoming = adapter.stage_in(local_offsets, inter[1], staging)
-        try:
-            incoming.box[...] = part
-            incoming.finish()
-        finally:
-            incoming.release()
+        if copies is not None and adapter.backend is not None:
+            # device memory: the copy is queued, this thread goes on reading
+            try:
+                incoming.box[...] = part
+            except BaseException:
+                incoming.release()
+                raise
+            copies.put(incoming)
+        else:
+            try:
+                incoming.box[...] = part
+                incoming.finish()
+            finally:
+                incoming.release()
         counter.add(part.nbytes)
 
 
@@ -70,10 +85,11 @@ def _read_batch(
     reader: CheckpointReader,
     reads: list[tuple[TensorEntry, ChunkRead, list[tuple[ArrayAdapter, Box]]]],
     staging: Staging,
+    copies: CopyQueue | None,
     counter: ProgressCounter,
 ) -> None:
     for t, c, targets in reads:
-        _read_one(reader, t, c, targets, staging, counter)
+        _read_one(reader, t, c, targets, staging, copies, counter)
 
 
 def read_boxes(
@@ -105,8 +121,18 @@ def read_boxes(
         staging_bytes,
     )
     # small chunks go to the I/O threads in batches, as in an unsharded load
+    copies = CopyQueue("gpuckpt-reshard-upload") if staging.backends else None
     jobs = [
-        functools.partial(_read_batch, reader, batch, staging, counter)
+        functools.partial(_read_batch, reader, batch, staging, copies, counter)
         for batch in batches((r, r[1].nbytes) for r in reads)
     ]
-    run_all(jobs, threads=threads, name="gpuckpt-reshard")
+    try:
+        run_all(jobs, threads=threads, name="gpuckpt-reshard")
+    except BaseException:
+        if copies is not None:
+            # no copy may still write into the targets once the load has failed
+            with contextlib.suppress(Exception):
+                copies.close()
+        raise
+    if copies is not None:
+        copies.close()

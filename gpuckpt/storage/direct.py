@@ -1,4 +1,4 @@
-"""Chunk files written around the page cache (``O_DIRECT``), for background saves.
+"""Chunk files written and read around the page cache (``O_DIRECT``).
 
 A :class:`DirectWriter` writes a whole large chunk file (:data:`DIRECT_MIN_BYTES`
 and more) with ``O_DIRECT``: the bytes go from page-aligned memory (the
@@ -15,6 +15,12 @@ keeps everything else (where files go, their durability, publication); whether
 a save writes direct at all is the caller's choice
 (:meth:`gpuckpt.options.SaveOptions.use_direct_io`: background saves by
 default, ``GPUCKPT_DIRECT_IO`` forces it either way).
+
+Reads: :func:`read_direct` reads the page-aligned head of a chunk that is not
+in the page cache (a cold load) straight into page-aligned memory (the
+pinned staging buffers of a load to a device), without a copy through the
+page cache. Where the file system refuses, it reads nothing and says so; the
+caller reads buffered.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from typing import Any
 
 from gpuckpt.storage.fileio import buffer_address, write_all, writev_all
 
-__all__ = ["DIRECT_MIN_BYTES", "DirectWriter", "available"]
+__all__ = ["DIRECT_MIN_BYTES", "DirectWriter", "available", "read_direct"]
 
 #: chunk files of at least this size are written with O_DIRECT (where supported)
 DIRECT_MIN_BYTES = 1 << 20
@@ -143,3 +149,48 @@ class DirectWriter:
         os.lseek(fd, at, os.SEEK_SET)
         write_all(fd, data)
         return False
+
+
+def _set_direct(fd: int) -> None:
+    """Turn ``O_DIRECT`` on for the open file ``fd`` (a seam for tests of a file system that refuses)."""
+    import fcntl
+
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | _O_DIRECT)
+
+
+def read_direct(fd: int, dest: memoryview) -> int | None:
+    """Read the file ``fd`` from offset 0 into ``dest`` with ``O_DIRECT``, as far as alignment allows.
+
+    ``dest`` must start on a page boundary; the whole 4 KiB blocks of it are
+    read (the caller reads the unaligned rest, and ``fd`` is left in buffered
+    mode). Returns the bytes read (fewer at the end of the file), or None,
+    having read nothing, where the platform or the file system refuses
+    ``O_DIRECT`` (at the flag or at the first read).
+    """
+    aligned = dest.nbytes - dest.nbytes % _DIRECT_ALIGN
+    if not _O_DIRECT or aligned == 0 or buffer_address(dest) % _DIRECT_ALIGN:
+        return None
+    try:
+        _set_direct(fd)
+    except OSError as exc:
+        if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):
+            raise
+        return None
+    total = 0
+    try:
+        while total < aligned:
+            try:
+                n = os.preadv(fd, [dest[total:aligned]], total)
+            except OSError as exc:
+                # accepted at the flag, refused at the read: nothing of this file counted
+                if exc.errno == errno.EINVAL and total == 0:
+                    return None
+                raise
+            if n == 0:
+                break
+            total += n
+            if n % _DIRECT_ALIGN:
+                break  # the end of the file
+    finally:
+        _clear_direct(fd)
+    return total

@@ -27,6 +27,7 @@ import contextlib
 import errno
 import os
 import stat
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -38,7 +39,7 @@ from gpuckpt.errors import (
     CheckpointWriteError,
     MetadataError,
 )
-from gpuckpt.options import SYNC_MODES  # the one list of durability modes
+from gpuckpt.options import SYNC_MODES, direct_io_from_env  # the one list of durability modes
 from gpuckpt.storage import batchio, crccopy, fsutil
 from gpuckpt.storage.base import (
     CheckpointReader,
@@ -49,9 +50,10 @@ from gpuckpt.storage.base import (
     ReadStop,
 )
 from gpuckpt.storage.checksum import CRC_BYTES, crc32c
-from gpuckpt.storage.direct import DIRECT_MIN_BYTES, DirectWriter
+from gpuckpt.storage.direct import DIRECT_MIN_BYTES, DirectWriter, read_direct
 from gpuckpt.storage.direct import available as direct_io_available
 from gpuckpt.storage.fileio import (
+    buffer_address,
     read_exact,
     read_exact_at,
     readv_exact,
@@ -81,6 +83,8 @@ __all__ = [
 
 _MANY_FILES = 64
 _PIECE = 1 << 20
+#: O_DIRECT reads fill whole blocks of this size
+_DIRECT_ALIGN = 4096
 _WRITEBACK_MIN = 1 << 20
 #: chunk files smaller than this go through the native batches (larger ones are read
 #: and written piece by piece, around the page cache where chosen, one by one)
@@ -496,6 +500,18 @@ class LocalReader(CheckpointReader):
         self.path = Path(path)
         self._root = os.fspath(self.path)
         self._dirs: set[str] | None = None
+        #: large chunk parts read by each path: ``"cached"`` (copied and checksummed in one
+        #: pass from the page cache), ``"direct"`` (O_DIRECT into aligned memory: cold),
+        #: ``"buffered"`` (pread and checksum in pieces); a record for tests and benchmarks
+        self.read_paths = {"cached": 0, "direct": 0, "buffered": 0}
+        self._paths_lock = threading.Lock()
+        # cold chunks are read around the page cache unless GPUCKPT_DIRECT_IO=off; turned off
+        # for good the first time the file system refuses
+        self._direct = direct_io_from_env() != "off"
+
+    def _note(self, path: str) -> None:
+        with self._paths_lock:
+            self.read_paths[path] += 1
 
     def read_root(self) -> bytearray:
         """The root document's bytes (a buffer the caller parses in place, never copied)."""
@@ -582,15 +598,27 @@ class LocalReader(CheckpointReader):
             total = value = 0
             for d in dests[:-1]:
                 view = memoryview(d).cast("B")
+                start = 0
                 if view.nbytes >= _PIECE:
                     # in the page cache: copied and checksummed in one pass (crccopy.c)
                     fused = crccopy.cached_copy_crc(fd, total, view, value)
                     if fused is not None:
                         value = fused
                         total += view.nbytes
+                        self._note("cached")
                         continue
+                    if total == 0 and self._direct:
+                        # not cached (a cold load): straight from the disk into aligned memory
+                        start = self._read_direct(fd, view)
+                        if start:
+                            value = crc32c(view[:start], value)
+                            total = start
+                            if start % _DIRECT_ALIGN:
+                                return total, value  # the file ended early
+                    if not start:
+                        self._note("buffered")
                 # read and checksum in pieces that are still in the CPU cache
-                for i in range(0, view.nbytes, _PIECE):
+                for i in range(start, view.nbytes, _PIECE):
                     piece = view[i : i + _PIECE]
                     n = read_exact_at(fd, piece, total)
                     total += n
@@ -600,6 +628,17 @@ class LocalReader(CheckpointReader):
             return total + read_exact_at(fd, dests[-1], total), value
         finally:
             os.close(fd)
+
+    def _read_direct(self, fd: int, view: memoryview) -> int:
+        """The bytes of ``view`` read with O_DIRECT from offset 0 (0 where not possible)."""
+        if buffer_address(view) % _DIRECT_ALIGN:
+            return 0  # memory not aligned (host targets): buffered
+        got = read_direct(fd, view)
+        if got is None:
+            self._direct = False  # the file system refuses: buffered from now on
+            return 0
+        self._note("direct")
+        return got
 
     def read_chunks(self, batch: ChunkReads) -> ReadStop | None:
         """Runs of chunks under 1 MiB in one native call each, with the GIL released

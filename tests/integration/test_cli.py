@@ -204,6 +204,42 @@ def test_bench_json(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
+def test_bench_device_without_a_gpu_says_so_and_fails(tmp_path: Path) -> None:
+    from gpuckpt.device import cuda
+
+    if cuda.gpu_available():
+        pytest.skip("a GPU is present")
+    r = gpuckpt_cli("bench", "--device", "--dir", str(tmp_path))
+    assert_one_line_error(r, 1, "no usable GPU here")
+    assert "--dry-run" in r.stderr and r.stdout == ""
+    assert list(tmp_path.iterdir()) == []  # nothing measured, nothing written
+
+
+def test_bench_device_dry_run_is_marked_as_made_up() -> None:
+    r = gpuckpt_cli("bench", "--device", "--dry-run", "--json")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["kind"] == "format-test" and "not a measurement" in d["note"]
+    assert d["device"] == "FORMAT TEST, NO GPU"
+    assert set(d["ceilings_GBps"]) >= {"d2h_pinned", "h2d_pinned", "d2d_read_plus_write", "disk_read_cold"}
+    assert d["save_load"]["load_ratio_to_min_h2d_cold_read"] is not None
+    table = gpuckpt_cli("bench", "--device", "--dry-run")
+    assert table.returncode == 0 and "FORMAT-TEST" in table.stdout.splitlines()[0]
+    assert table.stdout.strip().splitlines()[-1].startswith("targets: ")
+    assert_one_line_error(gpuckpt_cli("bench", "--dry-run"), 2, "--dry-run goes with --device")
+
+
+@pytest.mark.gpu
+def test_bench_device_on_a_gpu(tmp_path: Path) -> None:
+    r = gpuckpt_cli(
+        "bench", "--device", "--gib", "0.25", "--rounds", "1", "--no-cold", "--json", "--dir", str(tmp_path)
+    )
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["kind"] == "measurement" and d["save_load"]["load_GBps"] > 0
+    assert d["kernels"]["rows"] and list(tmp_path.iterdir()) == []
+
+
 def test_main_in_process_returns_codes(ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["inspect", str(ckpt)]) == 0
     assert main(["inspect", str(ckpt / "nope")]) == 1

@@ -35,9 +35,12 @@ def test_source_dir_in_installed_layout(tmp_path: Path) -> None:
     # A wheel ships kernels/ as gpuckpt/_kernels/; the loader must look there.
     pkg = tmp_path / "site" / "gpuckpt"
     (pkg / "device").mkdir(parents=True)
-    shutil.copy(Path(K.__file__), pkg / "device" / "kernels.py")
+    # the module that locates the source (kernels.py re-exports it) sits in device/
+    source_module = Path(sys.modules[K.kernel_source_dir.__module__].__file__ or "")
+    assert source_module.parent == Path(K.__file__).parent
+    shutil.copy(source_module, pkg / "device" / source_module.name)
     shutil.copytree(K.kernel_source_dir(), pkg / "_kernels")
-    spec = importlib.util.spec_from_file_location("installed_kernels", pkg / "device" / "kernels.py")
+    spec = importlib.util.spec_from_file_location("installed_kernels", pkg / "device" / source_module.name)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up

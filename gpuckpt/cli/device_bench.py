@@ -1,0 +1,275 @@
+"""GPU figures of gpuckpt against ceilings measured in the same run (``gpuckpt bench --device``).
+
+Ceilings: pinned device-to-host and host-to-device copies, a device-to-device
+copy, the disk's write+fsync, and reads of one large file warm (page cache)
+and cold (evicted first). Figures, on a device state of ``gib`` GiB:
+
+* ``save`` vs min(D2H, disk write);
+* ``load`` into device arrays through the load pipeline, warm vs min(H2D, warm
+  read) and cold (chunk files evicted from the page cache) vs min(H2D, cold read);
+* ``async_save`` blocking time vs one D2H copy of the state (pinned staging)
+  and, with ``staging="device"``, vs one D2D copy;
+* a few channels-last kernel rows (16 MiB, both directions) vs the D2D copy
+  and ``cupy.ascontiguousarray``.
+
+Timing: one warm-up, then medians; the stream or device is synchronised before
+every clock read; random data, never zeros. :mod:`bench.bench_gpu` and
+``bench/gpu_check.sh`` run the same :func:`measure`; the summary and its table
+come from :mod:`gpuckpt.cli.gpu_summary`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = ["evict", "kernel_rows", "measure", "median_time"]
+
+
+def median_time(fn: Callable[[], object], rounds: int, before: Callable[[], object] | None = None) -> float:
+    """Median seconds of ``rounds`` calls of ``fn`` after one warm-up; ``before`` runs untimed before each."""
+    if before is not None:
+        before()
+    fn()
+    times = []
+    for _ in range(rounds):
+        if before is not None:
+            before()
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def evict(root: Path) -> bool:
+    """Drop the files under ``root`` from the page cache (fsync, then POSIX_FADV_DONTNEED).
+
+    Returns whether they left it (a file system that keeps files in memory, such
+    as tmpfs, keeps them): the cold figures are meaningful only then.
+    """
+    from gpuckpt.storage import crccopy
+
+    left = True
+    paths = [root] if root.is_file() else [p for p in root.rglob("*") if p.is_file()]
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            size = os.fstat(fd).st_size
+            if size >= 1 << 20 and crccopy.available():
+                probe = np.empty(4096, np.uint8)
+                left = left and crccopy.cached_copy_crc(fd, size // 2, memoryview(probe)) is None
+        finally:
+            os.close(fd)
+    return left
+
+
+def _event_time(cp: Any, fn: Callable[[], object], rounds: int) -> float:
+    """Median seconds of ``fn`` on the current stream, timed with CUDA events."""
+    fn()
+    times = []
+    for _ in range(rounds):
+        start, end = cp.cuda.Event(), cp.cuda.Event()
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(float(cp.cuda.get_elapsed_time(start, end)) / 1e3)
+    return float(statistics.median(times))
+
+
+def _kernel_times(
+    cp: Any, kernels: Any, cl: Any, block: Any, direction: str, rounds: int
+) -> tuple[float, float]:
+    """Seconds of our kernel and of CuPy's copy for the same transpose."""
+    if direction == "to_contiguous":
+        ours = _event_time(cp, lambda: kernels.channels_last_to_contiguous(cl, block), rounds)
+        return ours, _event_time(cp, lambda: cp.ascontiguousarray(cl), rounds)
+
+    def cupy_copy() -> None:
+        cl[...] = block
+
+    ours = _event_time(cp, lambda: kernels.contiguous_to_channels_last(block, cl), rounds)
+    return ours, _event_time(cp, cupy_copy, rounds)
+
+
+def kernel_rows(cp: Any, copy_gbps: float, mib: int = 16, rounds: int = 5) -> list[dict[str, Any]]:
+    """Channels-last kernel rows at about ``mib`` MiB: C = 3, 4, 64; float16 and float32; both directions."""
+    from gpuckpt.device import kernels
+
+    rows = []
+    rng = cp.random.default_rng(1)
+    for dtype in ("float16", "float32"):
+        itemsize = np.dtype(dtype).itemsize
+        for channels in (3, 4, 64):
+            pixels = (mib << 20) // (itemsize * channels)
+            h = 256
+            w = max(16, pixels // (8 * h) // 16 * 16)
+            shape = (8, channels, h, w)
+            nbytes = int(np.prod(shape)) * itemsize
+            nhwc = rng.standard_normal((8, h, w, channels), dtype=cp.float32).astype(dtype)
+            cl = nhwc.transpose(0, 3, 1, 2)
+            block = cp.empty(shape, dtype=dtype)
+            for direction in ("to_contiguous", "to_channels_last"):
+                ours, theirs = _kernel_times(cp, kernels, cl, block, direction, rounds)
+                gbps = 2 * nbytes / ours / 1e9  # read + write, as the copy ceiling
+                rows.append(
+                    {
+                        "direction": direction,
+                        "dtype": dtype,
+                        "shape": list(shape),
+                        "box": None,
+                        "group": "main",
+                        "path": kernels.choose_path(shape, shape, itemsize),
+                        "bytes": nbytes,
+                        "GBps": gbps,
+                        "cupy_GBps": 2 * nbytes / theirs / 1e9,
+                        "fraction_of_copy": gbps / copy_gbps,
+                        "speedup_vs_cupy": theirs / ours,
+                    }
+                )
+    return rows
+
+
+def measure(
+    gib: float, rounds: int, base: Path, *, cold: bool = True, kernels: bool = False
+) -> dict[str, Any]:
+    """The figures of a ``gib`` GiB device state on device 0, with files under ``base``."""
+    import cupy as cp
+
+    import gpuckpt
+    from gpuckpt.device.packing import plan_packing
+    from gpuckpt.testing import rawio
+
+    res: dict[str, Any] = {"device": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(), "gib": gib}
+    per = 256 << 20
+    n = max(1, int(gib * 2**30) // per)
+    rng = cp.random.default_rng(0)
+    state = {"layers": [{"w": rng.standard_normal(per // 4, dtype=cp.float32)} for _ in range(n)]}
+    total = n * per
+    stream = cp.cuda.Stream(non_blocking=True)
+
+    # ceilings -------------------------------------------------------------------------
+    big = state["layers"][0]["w"]
+    pinned = np.frombuffer(cp.cuda.alloc_pinned_memory(big.nbytes), np.uint8, big.nbytes)
+    pinned[:] = np.random.default_rng(2).integers(0, 256, big.nbytes, dtype=np.uint8)
+    d2 = cp.empty_like(big)
+
+    def memcpy(kind: int, dst: int, src: int) -> None:
+        cp.cuda.runtime.memcpyAsync(dst, src, big.nbytes, kind, stream.ptr)
+        stream.synchronize()
+
+    d2h = big.nbytes / median_time(lambda: memcpy(2, pinned.ctypes.data, big.data.ptr), 5) / 1e9
+    h2d = big.nbytes / median_time(lambda: memcpy(1, big.data.ptr, pinned.ctypes.data), 5) / 1e9
+    d2d = 2 * big.nbytes / median_time(lambda: memcpy(3, d2.data.ptr, big.data.ptr), 5) / 1e9
+    host_arrays = [pinned.view(np.float32)] * min(n, 8)
+    host_bytes = sum(a.nbytes for a in host_arrays)
+
+    def disk_write() -> None:
+        p = base / "raw"
+        shutil.rmtree(p, ignore_errors=True)
+        rawio.raw_single_save(host_arrays, p)
+
+    disk_w = host_bytes / median_time(disk_write, rounds) / 1e9
+    scratch = [np.empty_like(a) for a in host_arrays]
+
+    def read_1() -> None:
+        rawio.raw_single_load(scratch, base / "raw")
+
+    def read_n() -> None:
+        rawio.raw_single_load_parallel(scratch, base / "raw")
+
+    warm_1 = host_bytes / median_time(read_1, rounds) / 1e9
+    warm_n = host_bytes / median_time(read_n, rounds) / 1e9
+    ceilings = {
+        "d2h_pinned": d2h,
+        "h2d_pinned": h2d,
+        "d2d_read_plus_write": d2d,
+        "disk_write_fsync": disk_w,
+        "disk_read_warm": max(warm_1, warm_n),
+        "disk_read_warm_1_thread": warm_1,
+        "disk_read_warm_8_threads": warm_n,
+    }
+    evicted = True
+    if cold:
+        evicted = evict(base / "raw")
+        cold_1 = host_bytes / median_time(read_1, rounds, before=lambda: evict(base / "raw")) / 1e9
+        cold_n = host_bytes / median_time(read_n, rounds, before=lambda: evict(base / "raw")) / 1e9
+        ceilings.update(
+            disk_read_cold=max(cold_1, cold_n),
+            disk_read_cold_1_thread=cold_1,
+            disk_read_cold_8_threads=cold_n,
+        )
+    shutil.rmtree(base / "raw", ignore_errors=True)
+    res["ceilings_GBps"] = ceilings
+
+    # gpuckpt --------------------------------------------------------------------------
+    count = [0]
+
+    def save() -> None:
+        count[0] += 1
+        gpuckpt.save(state, base / f"s{count[0]}")
+        shutil.rmtree(base / f"s{count[0] - 1}", ignore_errors=True)
+
+    t_save = median_time(save, rounds)
+    last = base / f"s{count[0]}"
+    targets = {"layers": [{"w": cp.empty_like(x["w"])} for x in state["layers"]]}
+
+    def load() -> None:
+        gpuckpt.load(targets, last)
+        cp.cuda.Device().synchronize()
+
+    t_load = median_time(load, rounds)
+    if not all(
+        bool((a["w"] == b["w"]).all()) for a, b in zip(targets["layers"], state["layers"], strict=True)
+    ):
+        raise AssertionError("the device load returned other bytes than were saved")
+    g: dict[str, Any] = {
+        "state_bytes": total,
+        "save_GBps": total / t_save / 1e9,
+        "save_ratio_to_min_d2h_disk": (total / t_save / 1e9) / min(d2h, disk_w),
+        "load_GBps": total / t_load / 1e9,
+        "load_ratio_to_min_h2d_warm_read": (total / t_load / 1e9) / min(h2d, ceilings["disk_read_warm"]),
+    }
+    if cold:
+        t_cold = median_time(load, rounds, before=lambda: evict(last))
+        g["load_cold_GBps"] = total / t_cold / 1e9
+        g["load_ratio_to_min_h2d_cold_read"] = g["load_cold_GBps"] / min(h2d, ceilings["disk_read_cold"])
+        g["cold_files_left_page_cache"] = evicted
+
+    def blocking(staging: str) -> float:
+        times = []
+        for i in range(rounds + 1):
+            cp.cuda.Device().synchronize()
+            t = time.perf_counter()
+            fut = gpuckpt.async_save(state, base / f"a-{staging}-{i}", staging=staging)
+            times.append(time.perf_counter() - t)
+            fut.result()
+            shutil.rmtree(base / f"a-{staging}-{i}", ignore_errors=True)
+        return statistics.median(times[1:])  # the first call allocates the staging memory
+
+    t_async = blocking("host")
+    t_async_dev = blocking("device")
+    arrays = [x["w"] for x in state["layers"]]
+    g.update(
+        async_block_s=t_async,
+        async_block_ratio_to_one_d2h=t_async / (total / (d2h * 1e9)),
+        async_device_block_s=t_async_dev,
+        async_device_block_ratio_to_one_d2d=t_async_dev / (2 * total / (d2d * 1e9)),
+        async_device_copies=plan_packing([(int(a.data.ptr), int(a.nbytes)) for a in arrays]).copies,
+    )
+    res["gpuckpt"] = g
+    if kernels:
+        res["kernels"] = {"device": res["device"], "copy_GBps": d2d, "rows": kernel_rows(cp, d2d)}
+    with contextlib.suppress(OSError):
+        shutil.rmtree(base)
+    return res

@@ -1,0 +1,158 @@
+"""Device-side snapshots (``async_save(staging="device")``) at one device-to-device copy (issue 23).
+
+The arrays of a state are packed into one device allocation and copied with one copy
+per run of arrays back to back in memory, or one batched copy of many runs; the host back
+end counts the copies it is asked for (``device_copies``), exactly as the CuPy back end
+issues them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import gpuckpt
+from gpuckpt.device import _kernel_ref
+from gpuckpt.device.host_backend import HostBackend
+from gpuckpt.device.packing import ARENA_ALIGN, BATCH_MIN_RUNS, Run, plan_packing
+from gpuckpt.testing.fakedevice import EmulatedDeviceArray
+
+# ---- the plan (pure data) ---------------------------------------------------------
+
+
+def test_adjacent_and_overlapping_arrays_form_one_run() -> None:
+    # three arrays back to back, one view inside the second, one empty
+    plan = plan_packing([(1000, 100), (1100, 50), (1120, 10), (1150, 8), (5, 0)])
+    assert plan.runs == (Run(1000, 158, 0),)
+    assert plan.places == (0, 100, 120, 150, 0)
+    assert plan.total == 158 and plan.copies == 1 and not plan.batched
+
+
+def test_separate_arrays_are_aligned_runs_and_many_are_batched() -> None:
+    plan = plan_packing([(3000, 10), (1000, 300)])
+    assert plan.runs == (Run(1000, 300, 0), Run(3000, 10, 512))
+    assert plan.places == (512, 0) and plan.total == 522
+    assert plan.copies == 2
+    many = plan_packing([(i * 4096, 1000) for i in range(BATCH_MIN_RUNS)])
+    assert many.batched and many.copies == 1
+    assert [r.offset for r in many.runs] == [i * 1024 for i in range(BATCH_MIN_RUNS)]
+    assert all(r.offset % ARENA_ALIGN == 0 for r in many.runs)
+
+
+def test_pieces_cover_every_run_exactly() -> None:
+    plan = plan_packing([(1 << 30, 5000), (2 << 30, 1), (3 << 30, 4096)])
+    pieces = plan.pieces(arena=1 << 40, piece_bytes=2048)
+    assert sum(n for _, _, n in pieces) == 5000 + 1 + 4096
+    assert all(0 < n <= 2048 for _, _, n in pieces)
+    for r in plan.runs:
+        mine = [(s, d, n) for s, d, n in pieces if r.start <= s < r.start + r.nbytes]
+        assert [s - r.start for s, _, _ in mine] == [d - (1 << 40) - r.offset for _, d, _ in mine]
+        assert sum(n for _, _, n in mine) == r.nbytes
+
+
+# ---- async_save(staging="device") on the host back end ----------------------------
+
+
+def _state_in_one_buffer(rng: np.random.Generator) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """Tensors that are views of one flat buffer (as in a flattened parameter store)."""
+    flat = rng.standard_normal(40 * 300).astype(np.float32)
+    return flat, {f"p{i:02d}": flat[i * 300 : (i + 1) * 300].reshape(15, 20) for i in range(40)}
+
+
+def _save_device_snapshot(tmp_path: Path, arrays: dict[str, np.ndarray], backend: HostBackend) -> None:
+    expected = {k: v.copy(order="K") for k, v in arrays.items()}
+    state = {k: EmulatedDeviceArray(v, backend) for k, v in arrays.items()}
+    fut = gpuckpt.async_save(state, tmp_path / "c", staging="device", chunk_bytes=4096, sync="none")
+    for v in arrays.values():  # training goes on at once and changes the arrays
+        v[...] = 0
+    fut.result(timeout=60)
+    back = gpuckpt.load_state_dict(tmp_path / "c")
+    for k, v in expected.items():
+        assert back[k].tobytes() == np.ascontiguousarray(v).tobytes(), k
+
+
+def test_state_in_one_buffer_is_one_copy(tmp_path: Path) -> None:
+    _flat, arrays = _state_in_one_buffer(np.random.default_rng(1))
+    backend = HostBackend()
+    _save_device_snapshot(tmp_path, arrays, backend)
+    assert backend.device_copies == 1
+
+
+def test_many_separate_tensors_are_one_batched_copy(tmp_path: Path) -> None:
+    rng = np.random.default_rng(2)
+    arrays = {
+        "a": rng.standard_normal((31, 17)).astype(np.float32),
+        "b": rng.integers(0, 255, (7, 3, 5), dtype=np.uint8),
+        "c": rng.standard_normal((50, 33)).astype(ml_dtypes.bfloat16),
+        "cl": _kernel_ref.as_channels_last(rng.standard_normal((3, 5, 7, 9)).astype(np.float16)),
+        "cl3d": _kernel_ref.as_channels_last(rng.standard_normal((2, 3, 4, 5, 6)).astype(np.float32)),
+        "scalar": np.array(5, np.int64),
+        "empty": np.zeros((0, 3), np.float32),
+    }
+    arrays.update({f"w{i}": rng.standard_normal(100 + i) for i in range(30)})
+    backend = HostBackend()
+    _save_device_snapshot(tmp_path, arrays, backend)
+    assert backend.device_copies == 1
+
+
+def test_few_separate_tensors_are_one_copy_each(tmp_path: Path) -> None:
+    rng = np.random.default_rng(3)
+    arrays = {"a": rng.standard_normal((64, 64)), "b": rng.standard_normal(1000).astype(np.float16)}
+    backend = HostBackend()
+    _save_device_snapshot(tmp_path, arrays, backend)
+    assert backend.device_copies == 2
+
+
+def test_strided_views_are_copied_on_their_own(tmp_path: Path) -> None:
+    _flat, arrays = _state_in_one_buffer(np.random.default_rng(4))
+    base = np.random.default_rng(5).standard_normal((40, 40))
+    arrays["strided"] = base[:, ::2]  # not dense: no memory image to copy as a block
+    backend = HostBackend()
+    _save_device_snapshot(tmp_path, arrays, backend)
+    assert backend.device_copies == 2  # the buffer's run, and the view alone
+
+
+# ---- on a GPU ---------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["one-buffer", "separate"])
+def test_cupy_device_snapshot(tmp_path: Path, layout: str) -> None:
+    cupy = pytest.importorskip("cupy")
+    rng = np.random.default_rng(6)
+    if layout == "one-buffer":
+        flat = cupy.asarray(rng.standard_normal(40 * 300).astype(np.float32))
+        live = {f"p{i:02d}": flat[i * 300 : (i + 1) * 300].reshape(15, 20) for i in range(40)}
+    else:
+        live = {f"w{i}": cupy.asarray(rng.standard_normal(1000 + 7 * i).astype(np.float32)) for i in range(40)}
+        live["odd"] = cupy.asarray(rng.integers(0, 255, 4097, dtype=np.uint8))[1:]  # not 16-byte aligned
+    expected = {k: cupy.asnumpy(v) for k, v in live.items()}
+    fut = gpuckpt.async_save(live, tmp_path / "c", staging="device", sync="none")
+    for v in live.values():
+        v[...] = 0
+    fut.result(timeout=120)
+    back = gpuckpt.load_state_dict(tmp_path / "c")
+    for k, v in expected.items():
+        assert back[k].tobytes() == v.tobytes(), k
+
+
+@pytest.mark.gpu
+def test_cupy_copy_many_on_device_is_bit_exact() -> None:
+    cupy = pytest.importorskip("cupy")
+    from gpuckpt.device.cuda import backend_for_device
+
+    backend = backend_for_device(0)
+    rng = np.random.default_rng(7)
+    arrays = [cupy.asarray(rng.integers(0, 2**32, n, dtype=np.uint32)) for n in (1, 17, 4096, 300001)]
+    arrays += [cupy.asarray(rng.integers(0, 255, 3 << 20, dtype=np.uint8))[3:]]  # pieces of 1 MiB, odd start
+    arrays += [cupy.zeros((0, 4), cupy.float32)]
+    backend.wait_for_producers()
+    copies = backend.copy_many_on_device(arrays)
+    backend.synchronize()
+    for a, c in zip(arrays, copies, strict=True):
+        assert c.shape == a.shape and c.strides == a.strides
+        assert int(c.data.ptr) != int(a.data.ptr) or a.size == 0
+        assert cupy.asnumpy(c).tobytes() == cupy.asnumpy(a).tobytes()

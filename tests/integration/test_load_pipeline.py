@@ -1,0 +1,395 @@
+"""Loads to a device through the pipeline (issue 23), with host memory standing in for the device.
+
+Readers read and check chunks into staging buffers and queue each copy on the back
+end's stream without waiting (:class:`gpuckpt.device.upload.CopyQueue`); cold chunks are
+read with O_DIRECT into the page-aligned staging where the file system allows it.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import gpuckpt
+from gpuckpt.device import _kernel_ref
+from gpuckpt.device.arrays import ArrayAdapter, DeviceArray
+from gpuckpt.device.backend import buffer_pool, staging_buffer_bytes
+from gpuckpt.device.host_backend import HostBackend
+from gpuckpt.options import LoadOptions
+from gpuckpt.reading import TensorEntry, check_chunk_files, read_tensors, validated_metadata
+from gpuckpt.storage import crccopy, direct
+from gpuckpt.storage.local import LocalReader
+from gpuckpt.testing.fakedevice import EmulatedDeviceArray
+
+CASES: list[tuple[str, tuple[int, ...], Any, int]] = [
+    # (name, shape, dtype, chunk_bytes): edge chunks, tiny and large chunks, every element size
+    ("f32-2d-edges", (37, 53), np.float32, 1000),
+    ("f64-1d-one-chunk", (4099,), np.float64, 1 << 20),
+    ("i8-3d", (5, 17, 31), np.int8, 512),
+    ("u16-4d", (3, 4, 5, 6), np.uint16, 256),
+    ("c64", (33, 9), np.complex64, 700),
+    ("bool", (1000,), np.bool_, 128),
+    ("bf16", (50, 33), ml_dtypes.bfloat16, 600),
+    ("f8", (64, 64), ml_dtypes.float8_e4m3fn, 900),
+    ("u64-scalar", (), np.uint64, 4096),
+    ("big-endian", (40, 40), np.dtype(">i4"), 1500),
+    ("empty", (0, 7), np.float32, 4096),
+]
+
+
+def _random(shape: tuple[int, ...], dtype: Any, rng: np.random.Generator) -> np.ndarray:
+    dt = np.dtype(dtype)
+    raw = rng.integers(0, 256, size=int(np.prod(shape)) * dt.itemsize, dtype=np.uint8)
+    if dt.kind == "b":
+        raw = raw & 1
+    return raw.view(dt).reshape(shape)
+
+
+def _chunk_files(root: Path, md: gpuckpt.Metadata, fqn: str) -> list[Path]:
+    info = md.storage_data["tensors"][fqn]
+    return [root / info["name"] / c["key"] for c in info["chunks"]]
+
+
+@pytest.mark.parametrize("threads", [1, 4])
+@pytest.mark.parametrize(("name", "shape", "dtype", "chunk_bytes"), CASES, ids=[c[0] for c in CASES])
+def test_loads_are_bit_exact(
+    tmp_path: Path, name: str, shape: tuple[int, ...], dtype: Any, chunk_bytes: int, threads: int
+) -> None:
+    rng = np.random.default_rng(abs(hash(name)) % 2**32)
+    value = _random(shape, dtype, rng)
+    md = gpuckpt.save({"x": value}, tmp_path / "c", chunk_bytes=chunk_bytes)
+    nchunks = len(md.state_dict_metadata["x"].chunks)
+    backend = HostBackend()
+    # a state allocated by the back end
+    got = gpuckpt.load_state_dict(tmp_path / "c", device=backend, threads=threads, staging_bytes=64 << 10)
+    assert got["x"].shape == value.shape
+    # the same values, bit for bit (random bytes: NaNs included); big-endian comes back native
+    assert got["x"].astype(value.dtype).tobytes() == value.tobytes()
+    assert backend.copies == nchunks  # one host-to-device copy per chunk
+    assert backend.in_flight == 0
+    # into an existing "device" array
+    target = EmulatedDeviceArray(np.zeros_like(value), backend)
+    gpuckpt.load({"x": target}, tmp_path / "c", threads=threads, staging_bytes=64 << 10)
+    assert target.data.tobytes() == value.tobytes()
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 17, 9), (1, 64, 5, 6), (2, 5, 3, 4, 6)])
+def test_channels_last_targets_are_bit_exact(tmp_path: Path, shape: tuple[int, ...]) -> None:
+    value = _kernel_ref.as_channels_last(_random(shape, np.float16, np.random.default_rng(1)))
+    gpuckpt.save({"x": value}, tmp_path / "c", chunk_bytes=700)
+    backend = HostBackend()
+    got = gpuckpt.load_state_dict(tmp_path / "c", device=backend, threads=3)["x"]
+    assert got.strides == value.strides and got.tobytes() == value.tobytes()
+    target = EmulatedDeviceArray(_kernel_ref.empty_channels_last(shape, np.float16), backend)
+    gpuckpt.load({"x": target}, tmp_path / "c")
+    assert target.data.tobytes() == value.tobytes()
+
+
+def _wait_until(condition: Any, what: str, limit: float = 30.0) -> None:
+    deadline = time.monotonic() + limit
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"gave up waiting: {what}")
+        time.sleep(0.005)
+
+
+def test_readers_run_ahead_of_the_copies_within_the_staging_budget(tmp_path: Path) -> None:
+    """One reader thread, a copy stream held still: the reader fills every staging buffer
+    the budget allows, queues their copies without waiting for them, then blocks; when the
+    stream runs, buffers come back and are reused for the remaining chunks."""
+    value = _random((64, 1024), np.float32, np.random.default_rng(3))  # 16 chunks of 16 KiB
+    gpuckpt.save({"x": value}, tmp_path / "c", chunk_bytes=16 << 10)
+    gate = threading.Event()
+    backend = HostBackend(gate=gate)
+    result: dict[str, Any] = {}
+
+    def load() -> None:
+        try:
+            result["x"] = gpuckpt.load_state_dict(
+                tmp_path / "c", device=backend, threads=1, staging_bytes=64 << 10
+            )["x"]
+        except BaseException as exc:
+            result["error"] = exc
+
+    loader = threading.Thread(target=load)
+    loader.start()
+    try:
+        # 64 KiB of 16 KiB buffers: four copies queued while none has run
+        _wait_until(lambda: backend.in_flight == 4, "four copies queued ahead of the stream")
+        pool = buffer_pool(backend, staging_buffer_bytes(16 << 10), 64 << 10)
+        assert pool.allocated == 4 and pool.peak_in_use == 4
+    finally:
+        gate.set()
+        loader.join(60)
+    assert not loader.is_alive()
+    assert "error" not in result
+    assert result["x"].tobytes() == value.tobytes()
+    assert backend.copies == 16 and backend.max_in_flight == 4
+    assert pool.allocated == 4  # four buffers served sixteen chunks
+    assert pool._in_use == 0
+
+
+def test_resharding_loads_run_ahead_of_the_copies_too(tmp_path: Path) -> None:
+    """Loads into boxes of a tensor (ShardedArray targets): whole chunks and the parts of a
+    chunk that straddles two boxes are queued on the copy stream without waiting."""
+    value = _random((64, 1024), np.float32, np.random.default_rng(10))  # chunks of 4 rows
+    gpuckpt.save({"x": value}, tmp_path / "c", chunk_bytes=16 << 10)
+    gate = threading.Event()
+    backend = HostBackend(gate=gate)
+    parts = [np.zeros((30, 1024), np.float32), np.zeros((34, 1024), np.float32)]
+    targets = {
+        "x": [
+            gpuckpt.ShardedArray(EmulatedDeviceArray(parts[0], backend), (0, 0), value.shape),
+            gpuckpt.ShardedArray(EmulatedDeviceArray(parts[1], backend), (30, 0), value.shape),
+        ]
+    }
+    result: dict[str, BaseException] = {}
+
+    def load() -> None:
+        try:
+            gpuckpt.load(targets, tmp_path / "c", threads=1, staging_bytes=64 << 10)
+        except BaseException as exc:
+            result["error"] = exc
+
+    loader = threading.Thread(target=load)
+    loader.start()
+    try:
+        _wait_until(lambda: backend.in_flight == 4, "four copies queued ahead of the stream")
+    finally:
+        gate.set()
+        loader.join(60)
+    assert not loader.is_alive() and not result
+    assert parts[0].tobytes() == value[:30].tobytes() and parts[1].tobytes() == value[30:].tobytes()
+    assert backend.in_flight == 0
+
+
+def test_corrupted_chunk_raises_and_never_reaches_the_device(tmp_path: Path) -> None:
+    value = _random((64, 1024), np.float32, np.random.default_rng(4))
+    md = gpuckpt.save({"x": value}, tmp_path / "c", chunk_bytes=16 << 10)
+    bad = _chunk_files(tmp_path / "c", md, "x")[5]
+    raw = bytearray(bad.read_bytes())
+    raw[100] ^= 0xFF
+    bad.write_bytes(raw)
+    backend = HostBackend()
+    with pytest.raises(gpuckpt.ChecksumError) as info:
+        gpuckpt.load_state_dict(tmp_path / "c", device=backend, threads=4, staging_bytes=64 << 10)
+    assert info.value.fqn == "x"
+    assert backend.in_flight == 0  # no copy runs on after the error
+    assert buffer_pool(backend, staging_buffer_bytes(16 << 10), 64 << 10)._in_use == 0
+    # into an existing array: the damaged chunk's rows are never written
+    sentinel = np.full_like(value, 7.0)
+    target = EmulatedDeviceArray(sentinel, backend)
+    with pytest.raises(gpuckpt.ChecksumError):
+        gpuckpt.load({"x": target}, tmp_path / "c", threads=1, staging_bytes=64 << 10)
+    assert backend.in_flight == 0
+    assert np.all(sentinel[20:24] == 7.0)  # chunk 5 holds rows 20..23
+
+
+def test_reader_thread_error_propagates(tmp_path: Path) -> None:
+    """A chunk cut short while the load runs: the reader thread's error reaches the caller,
+    after every queued copy has ended and every buffer is back."""
+    value = _random((64, 1024), np.float32, np.random.default_rng(5))
+    md = gpuckpt.save({"x": value}, tmp_path / "c", chunk_bytes=16 << 10)
+    cut = _chunk_files(tmp_path / "c", md, "x")[9]
+    gate = threading.Event()
+    backend = HostBackend(gate=gate)
+    result: dict[str, BaseException] = {}
+
+    def load() -> None:
+        try:
+            gpuckpt.load_state_dict(tmp_path / "c", device=backend, threads=1, staging_bytes=64 << 10)
+        except BaseException as exc:
+            result["error"] = exc
+
+    loader = threading.Thread(target=load)
+    loader.start()
+    try:
+        # the sizes were checked, four chunks are read, the reader waits for a buffer
+        _wait_until(lambda: backend.in_flight == 4, "four copies queued ahead of the stream")
+        os.truncate(cut, 1000)
+    finally:
+        gate.set()
+        loader.join(60)
+    assert not loader.is_alive()
+    assert isinstance(result.get("error"), gpuckpt.CheckpointCorruptedError), result
+    assert "truncated" in str(result["error"])
+    assert backend.in_flight == 0
+    assert buffer_pool(backend, staging_buffer_bytes(16 << 10), 64 << 10)._in_use == 0
+
+
+def test_copy_error_stops_the_readers(tmp_path: Path) -> None:
+    gpuckpt.save({"x": np.ones((64, 1024), np.float32)}, tmp_path / "c", chunk_bytes=16 << 10)
+    backend = HostBackend(fail_after=1)
+    with pytest.raises(RuntimeError, match="injected copy failure"):
+        gpuckpt.load_state_dict(tmp_path / "c", device=backend, threads=1, staging_bytes=32 << 10)
+    assert backend.in_flight == 0
+    assert backend.copies < 16  # the reader stopped once a copy had failed
+
+
+# ---- cold loads: O_DIRECT into aligned staging ------------------------------------
+
+
+def _load_with_reader(root: Path, backend: Any) -> tuple[LocalReader, dict[str, Any]]:
+    """The load pipeline on a reader of our own, to see which read path served each chunk."""
+    reader = LocalReader(root)
+    _md, tensors, _ = validated_metadata(reader.read_root(), str(root))
+    entries: list[TensorEntry] = list(tensors.values())
+    check_chunk_files(reader, entries)
+    out: dict[str, Any] = {}
+    targets: list[tuple[TensorEntry, ArrayAdapter]] = []
+    for t in entries:
+        dest = backend.allocate(t.shape, t.dtype, t.metadata.properties.memory_format)
+        out[t.fqn] = dest
+        targets.append((t, DeviceArray(dest, backend, t.dtype)))
+    read_tensors(reader, targets, LoadOptions(threads=2, staging_bytes=16 << 20))
+    return reader, out
+
+
+def _save_cold(root: Path) -> np.ndarray:
+    """A state of 2 MiB chunks on disk, evicted from the page cache; with one more chunk
+    of an odd size (1.5 MB: its unaligned tail is read buffered after the O_DIRECT head)."""
+    value = _random((8, 1 << 19), np.float32, np.random.default_rng(6))
+    odd = _random((1_500_001,), np.uint8, np.random.default_rng(6))
+    md = gpuckpt.save({"x": value, "odd": odd}, root, chunk_bytes=2 << 20)
+    for path in _chunk_files(root, md, "x") + _chunk_files(root, md, "odd"):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            probe = np.zeros(1 << 20, np.uint8)
+            if crccopy.cached_copy_crc(fd, 0, memoryview(probe)) is not None:
+                pytest.skip(f"{path} stays in the page cache after POSIX_FADV_DONTNEED")
+        finally:
+            os.close(fd)
+    return value
+
+
+def _direct_allowed(folder: Path) -> bool:
+    try:
+        fd = os.open(folder / ".probe", os.O_WRONLY | os.O_CREAT | getattr(os, "O_DIRECT", 0), 0o644)
+    except OSError:
+        return False
+    os.close(fd)
+    os.unlink(folder / ".probe")
+    return bool(getattr(os, "O_DIRECT", 0))
+
+
+@pytest.fixture
+def cold_needs_crccopy() -> None:
+    if not crccopy.available():
+        pytest.skip("the native copy-with-CRC loop (page cache residency check) is not built")
+
+
+@pytest.mark.usefixtures("cold_needs_crccopy")
+def test_cold_load_reads_with_o_direct(tmp_path: Path) -> None:
+    if not _direct_allowed(tmp_path):
+        pytest.skip(f"{tmp_path} refuses O_DIRECT")
+    value = _save_cold(tmp_path / "c")
+    reader, out = _load_with_reader(tmp_path / "c", HostBackend())
+    assert out["x"].tobytes() == value.tobytes()
+    assert out["odd"].tobytes() == _random((1_500_001,), np.uint8, np.random.default_rng(6)).tobytes()
+    assert reader.read_paths["direct"] == 9 and reader.read_paths["buffered"] == 0
+    # O_DIRECT left the page cache alone; once the files are cached (read through it),
+    # the one-pass copy-and-checksum loop serves the same load
+    for path in (tmp_path / "c").rglob("*"):
+        if path.is_file():
+            path.read_bytes()
+    reader, out = _load_with_reader(tmp_path / "c", HostBackend())
+    assert out["x"].tobytes() == value.tobytes()
+    assert reader.read_paths["cached"] == 9 and reader.read_paths["direct"] == 0
+
+
+@pytest.mark.usefixtures("cold_needs_crccopy")
+def test_cold_load_falls_back_where_o_direct_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    value = _save_cold(tmp_path / "c")
+    calls = []
+
+    def refuse(fd: int) -> None:
+        calls.append(fd)
+        raise OSError(errno.EINVAL, "Invalid argument")  # what a file system without O_DIRECT says
+
+    monkeypatch.setattr(direct, "_set_direct", refuse)
+    reader, out = _load_with_reader(tmp_path / "c", HostBackend())
+    assert out["x"].tobytes() == value.tobytes()
+    assert reader.read_paths["direct"] == 0 and reader.read_paths["buffered"] == 9
+    assert len(calls) <= 2  # refused once per reader thread at most, then not asked again
+
+
+@pytest.mark.usefixtures("cold_needs_crccopy")
+def test_cold_load_without_direct_io_reads_buffered(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    value = _save_cold(tmp_path / "c")
+    monkeypatch.setenv("GPUCKPT_DIRECT_IO", "off")
+    reader, out = _load_with_reader(tmp_path / "c", HostBackend())
+    assert out["x"].tobytes() == value.tobytes()
+    assert reader.read_paths["direct"] == 0 and reader.read_paths["buffered"] == 9
+
+
+def test_tmpfs_loads_use_direct_or_fall_back(tmp_path: Path) -> None:
+    """/dev/shm (tmpfs): the page-cache probe of the one-pass loop (RWF_NOWAIT) is refused
+    there, so chunks count as not cached; they are read with O_DIRECT where tmpfs accepts it
+    (Linux 6.6 and later), else buffered after one refusal. Either way bit-exact."""
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or not crccopy.available():
+        pytest.skip("needs /dev/shm and the native copy-with-CRC loop")
+    root = Path(tempfile.mkdtemp(prefix="gpuckpt-test-", dir=shm))
+    try:
+        value = _random((4, 1 << 19), np.float32, np.random.default_rng(8))
+        gpuckpt.save({"x": value}, root / "c", chunk_bytes=2 << 20)
+        reader, out = _load_with_reader(root / "c", HostBackend())
+        assert out["x"].tobytes() == value.tobytes()
+        if _direct_allowed(root):
+            assert reader.read_paths == {"cached": 0, "direct": 4, "buffered": 0}
+        else:
+            assert reader.read_paths == {"cached": 0, "direct": 0, "buffered": 4}
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+# ---- on a GPU ---------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cold", [False, True])
+def test_cupy_loads_through_pinned_staging(tmp_path: Path, cold: bool) -> None:
+    """Warm and cold loads onto a real device: several readers, pinned staging, the copy
+    stream; cold chunks read with O_DIRECT straight into the pinned buffers."""
+    cupy = pytest.importorskip("cupy")
+    from gpuckpt.device.cuda import backend_for_device
+
+    rng = np.random.default_rng(9)
+    state = {
+        "big": _random((8, 1 << 19), np.float32, rng),  # 2 MiB chunks
+        "edges": _random((37, 53), np.float16, rng),
+        "cl": _kernel_ref.as_channels_last(_random((2, 3, 17, 9), np.float32, rng)),
+        "bf16": _random((50, 33), ml_dtypes.bfloat16, rng),
+    }
+    gpuckpt.save(state, tmp_path / "c", chunk_bytes=2 << 20)
+    if cold:
+        from gpuckpt.cli.device_bench import evict
+
+        if not evict(tmp_path / "c"):
+            pytest.skip("the chunk files stay in the page cache here")
+    backend = backend_for_device(0)
+    reader, out = _load_with_reader(tmp_path / "c", backend)
+    backend.synchronize()
+    for k, v in state.items():
+        assert out[k].strides == v.strides, k  # channels-last stays channels-last
+        got = cupy.asnumpy(out[k]).view(v.dtype)  # CuPy holds bfloat16 as uint16: same bytes
+        assert np.ascontiguousarray(got).tobytes() == np.ascontiguousarray(v).tobytes(), k
+    if cold and _direct_allowed(tmp_path):
+        assert reader.read_paths["direct"] >= 1
+    # and through the public function, into CuPy arrays allocated for the load
+    loaded = gpuckpt.load_state_dict(tmp_path / "c", device="cuda", threads=4)
+    assert cupy.asnumpy(loaded["big"]).tobytes() == state["big"].tobytes()
