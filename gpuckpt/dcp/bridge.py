@@ -59,10 +59,12 @@ from gpuckpt.metadata import FORMAT_VERSION, Metadata, TensorProperties
 from gpuckpt.options import LoadOptions, SaveOptions
 from gpuckpt.planning.boxes import Box, LocalTensor
 from gpuckpt.planning.plan import ChunkAssignment, SavePlan, StateDescription, plan_save
+from gpuckpt.planning.uniform import compact_description
 from gpuckpt.reading import TensorEntry, check_chunk_files, paused_gc, read_tensors, validate_metadata
 from gpuckpt.sources import Source, describe_state
 from gpuckpt.state import unflatten_state_dict
 from gpuckpt.storage.base import CheckpointReader, CheckpointWriter
+from gpuckpt.storage.chunk_table import write_table
 from gpuckpt.storage.layout import metadata_from_root_document, root_document
 from gpuckpt.storage.stores import attach_writer, is_committed, open_reader, scheme_of
 from gpuckpt.storage.values import decode_object, encode_object
@@ -70,7 +72,9 @@ from gpuckpt.writing import (
     array_document_of,
     assemble_metadata,
     bind_jobs,
+    crc_column_of_results,
     open_save_writer,
+    uses_table,
     write_array_documents,
     write_chunks,
     writing,
@@ -124,6 +128,12 @@ def plan(held_by_rank: Sequence[Sequence[HeldTensor]], options: SaveOptions) -> 
         )
         for held in held_by_rank
     ]
+    # every rank holding one box of the same tensors (FSDP, TP): planned per tensor, not per chunk
+    compact = [compact_description(r.tensors, r.objects, r.skeleton) for r in ranks]
+    if all(c is not None and c.digest == compact[0].digest for c in compact):  # type: ignore[union-attr]
+        return plan_save(
+            [c for c in compact if c is not None], chunk_bytes=options.chunk_bytes, portable=options.portable
+        )
     return plan_save(ranks, chunk_bytes=options.chunk_bytes, portable=options.portable)
 
 
@@ -231,7 +241,9 @@ def commit_save(
                 save.writer.rewrite_array_document(found.name, array_document_of(found))
         objects = {fqn: encode_object(blob, fqn=fqn) for fqn, blob in values.items()}
         done = dataclasses.replace(save.plan, tensors=tensors, objects=objects, skeleton=skeleton)
-        md = assemble_metadata(done, dict(results), checkpoint_id)
+        crcs = crc_column_of_results(done, results)
+        table = write_table(save.writer, {"crc32c": crcs}) if uses_table(done) else None
+        md = assemble_metadata(done, crcs, checkpoint_id, table)
         md.planner_data = {**md.planner_data, **planner_extra}
         save.writer.commit(root_document(md))
     md.version = md.version or FORMAT_VERSION
