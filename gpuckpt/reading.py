@@ -36,6 +36,7 @@ from gpuckpt.errors import (
 from gpuckpt.metadata import BytesStorageMetadata, GridTensorStorageMetadata, Metadata, TensorStorageMetadata
 from gpuckpt.options import LoadOptions
 from gpuckpt.planning import ChunkGrid, ChunkSpec
+from gpuckpt.planning.boxes import axis_starts
 from gpuckpt.progress import ProgressCounter
 from gpuckpt.runner import batches, run_all
 from gpuckpt.storage.base import CheckpointReader, ChunkReads
@@ -140,15 +141,15 @@ class TensorEntry:
             flat = _flat(coords, self.grid.grid_shape)
             return self._chunks[flat]
         grid = self.grid
-        starts = [grid._axis_bounds(d)[c] for d, c in enumerate(coords)] if grid.kind != "regular" else None
-        if starts is None:
+        if grid.kind == "regular":
             offsets = tuple(c * k for c, k in zip(coords, grid.chunk_shape, strict=True))
             sizes = tuple(
                 min(k, n - o) for k, n, o in zip(grid.chunk_shape, grid.shape, offsets, strict=True)
             )
         else:
-            offsets = tuple(lo for lo, _ in starts)
-            sizes = tuple(hi - lo for lo, hi in starts)
+            starts = axis_starts(grid)
+            offsets = tuple(st[c] for st, c in zip(starts, coords, strict=True))
+            sizes = tuple(e[c] for e, c in zip(grid.edges, coords, strict=True))
         spec = ChunkSpec(tuple(coords), offsets, sizes)
         return self._read(spec, int(self._crcs()[_flat(coords, grid.grid_shape)]))
 

@@ -343,11 +343,22 @@ def uses_table(plan: SavePlan) -> bool:
 
 
 def commit_save(
-    plan: SavePlan, crcs: np.ndarray, writer: CheckpointWriter, checkpoint_id: str | None
+    plan: SavePlan,
+    crcs: np.ndarray,
+    writer: CheckpointWriter,
+    checkpoint_id: str | None,
+    *,
+    table: bool | None = None,
 ) -> Metadata:
-    """Write the chunk table (large saves), then publish the root document; returns the Metadata."""
-    table = write_table(writer, {"crc32c": crcs}) if uses_table(plan) else None
-    metadata = assemble_metadata(plan, crcs, checkpoint_id, table)
+    """Write the chunk table (large saves), then publish the root document; returns the Metadata.
+
+    ``table``: whether to write the chunk table; None (the default) decides by the
+    number of chunks (:func:`uses_table`). Tests and fixtures force either form.
+    """
+    if table is None:
+        table = uses_table(plan)
+    entry = write_table(writer, {"crc32c": crcs}) if table and plan.nchunks else None
+    metadata = assemble_metadata(plan, crcs, checkpoint_id, entry)
     writer.commit(root_document(metadata))
     return metadata
 
@@ -380,11 +391,12 @@ def execute_save(
     options: SaveOptions,
     *,
     checkpoint_id: str | None = None,
+    table: bool | None = None,
 ) -> Metadata:
     """Write the single-process ``plan`` from ``sources`` through ``writer`` and commit.
 
     Aborts the writer on any error. ``sources`` are the arrays the plan was
-    described from, or a snapshot of them.
+    described from, or a snapshot of them. ``table``: see :func:`commit_save`.
     """
     (mine,) = plan.assignments
     with writing(writer):
@@ -396,6 +408,7 @@ def execute_save(
         )
         jobs = bind_jobs(mine, sources)
         sizes = write_chunks(jobs, writer, options, documents=single)
-        metadata = commit_save(plan, crc_column(plan, [written_rows(jobs, sizes)]), writer, checkpoint_id)
+        crcs = crc_column(plan, [written_rows(jobs, sizes)])
+        metadata = commit_save(plan, crcs, writer, checkpoint_id, table=table)
     metadata.version = metadata.version or FORMAT_VERSION
     return metadata

@@ -23,6 +23,7 @@ each tensor whole):
 from __future__ import annotations
 
 import bisect
+import functools
 import itertools
 import math
 from collections.abc import Iterable, Iterator, Sequence
@@ -181,7 +182,7 @@ def overlapping_chunks(
 ) -> Iterable[tuple[int, ...]]:
     """Grid coordinates of every chunk that overlaps ``box`` (``starts``: the grid's, if known)."""
     if starts is None:
-        starts = _axis_starts(grid)
+        starts = axis_starts(grid)
     ranges = []
     for d, (o, s) in enumerate(zip(box[0], box[1], strict=True)):
         if s == 0:
@@ -242,8 +243,10 @@ class TensorWrites:
             found.append(i)
 
 
+@functools.lru_cache(maxsize=64)
 def axis_starts(grid: ChunkGrid) -> list[list[int]]:
-    """The first index of every chunk along each axis of ``grid``."""
+    """The first index of every chunk along each axis of ``grid`` (kept for the last grids
+    asked for: the layers of a model share one; callers must not change the lists)."""
     return _axis_starts(grid)
 
 
@@ -359,7 +362,7 @@ def plan_global(
     """Merge every rank's tensors into one plan; raises on inconsistent or incomplete boxes."""
     plans = []
     for lt, grid, writes in plan_tensors(locals_by_rank, chunk_bytes=chunk_bytes, portable=portable):
-        starts = _axis_starts(grid)
+        starts = axis_starts(grid)
         writers = {}
         if not any(n == 0 for n in lt.global_shape):
             for i in range(len(writes)):

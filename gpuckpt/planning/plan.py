@@ -113,12 +113,17 @@ class TensorPlan:
         """Every chunk of the grid, in the order of the metadata (made when asked for)."""
         return _specs_of(self.grid)
 
-    def chunks_of(self, rank: int) -> Iterator[ChunkAssignment]:
-        """The chunks ``rank`` writes, box by box, each box's chunks in C order."""
+    def chunks_of(self, rank: int, memo: dict[int, list[int]] | None = None) -> Iterator[ChunkAssignment]:
+        """The chunks ``rank`` writes, box by box, each box's chunks in C order (``memo``: the
+        boxes ``rank`` writes of each :class:`TensorWrites` already looked at, by ``id``)."""
         if self.nchunks == 0:
             return
         w = self.writes
-        mine = w.of_rank(rank)
+        if memo is None:
+            mine = w.of_rank(rank)
+        else:
+            found = memo.get(id(w))
+            mine = memo[id(w)] = w.of_rank(rank) if found is None else found
         if not mine:
             return
         grid, fqn, name = self.grid, self.fqn, self.name
@@ -199,7 +204,9 @@ class SavePlan:
 
     def assignments_of(self, rank: int) -> tuple[ChunkAssignment, ...]:
         """The chunks process ``rank`` writes, tensor by tensor."""
-        return tuple(a for t in self.tensors for a in t.chunks_of(rank))
+        # tensors of one layout share their writers: each is scanned for ``rank`` once
+        memo: dict[int, list[int]] = {}
+        return tuple(a for t in self.tensors for a in t.chunks_of(rank, memo))
 
     @property
     def assignments(self) -> tuple[tuple[ChunkAssignment, ...], ...]:

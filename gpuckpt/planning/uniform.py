@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -102,72 +103,92 @@ def _boxes_of(ranks: Sequence[CompactDescription], ntensors: int) -> np.ndarray:
     return np.frombuffer(raw, "<i8").reshape(len(ranks), ntensors, 2, ndim)
 
 
+@dataclass(frozen=True, slots=True)
+class _Split:
+    """A checked even split of one tensor shape among the ranks: its grid, writers and per-rank bytes."""
+
+    grid: ChunkGrid
+    writes: TensorWrites
+    written: np.ndarray  # bytes each rank writes of the tensor
+
+
+def _split(
+    offs: np.ndarray, sizes: np.ndarray, lt: LocalTensor, chunk_bytes: int, portable: bool
+) -> _Split | None:
+    """The plan of boxes that split ``lt`` evenly, each held by one rank; None for any other layout."""
+    shape = lt.global_shape
+    shp = np.array(shape, np.int64).reshape(1, len(shape))
+    step = sizes.max(axis=0)
+    if not (
+        bool((sizes > 0).all())
+        and bool((offs >= 0).all())
+        and bool((offs % step == 0).all())
+        and bool((sizes == np.minimum(step, shp - offs)).all())
+    ):
+        return None
+    nblocks = -(-shp[0] // step)
+    ids = np.ravel_multi_index(tuple((offs // step).T), tuple(nblocks.tolist()))
+    if len(ids) != int(np.prod(nblocks)) or len(np.unique(ids)) != len(ids):
+        return None  # replicas, or blocks left out: planned with the loads of the moment
+    edges = [[*range(0, n, int(s)), n] for n, s in zip(shape, step.tolist(), strict=True)]
+    grid = grid_from_edges(edges, shape, lt.itemsize, chunk_bytes=chunk_bytes, portable=portable)
+    nranks = len(offs)
+    writes = TensorWrites(
+        len(shape),
+        tuple(range(nranks)),
+        (0,) * nranks,
+        tuple(offs.ravel().tolist()),
+        tuple(sizes.ravel().tolist()),
+    )
+    return _Split(grid, writes, np.prod(sizes, axis=1) * lt.itemsize)
+
+
 def plan_uniform(
     ranks: Sequence[CompactDescription], *, chunk_bytes: int, portable: bool
 ) -> Iterator[tuple[LocalTensor, ChunkGrid, TensorWrites]]:
     """Each tensor's description, chunk grid and writers, for ranks that all sent the same digest.
 
     The same result as :func:`gpuckpt.planning.boxes.plan_tensors` on the full
-    descriptions; ``ranks[0].tensors`` names the tensors.
+    descriptions; ``ranks[0].tensors`` names the tensors. Tensors with the same
+    shape, element size and boxes (the layers of a model) share one plan of
+    their split, checked and made once: the cost per further tensor does not
+    grow with the ranks but for adding up the bytes each rank writes.
     """
     first = ranks[0].tensors
     if first is None:
         raise ValueError("the first rank's compact description must carry its tensors")
     nranks = len(ranks)
-    boxes = _boxes_of(ranks, len(first))
+    # tensor-major, so that each tensor's boxes are one contiguous block
+    boxes = np.ascontiguousarray(_boxes_of(ranks, len(first)).transpose(1, 0, 2, 3))
     load = np.zeros(nranks, np.int64)
-    all_ranks = np.arange(nranks)
+    splits: dict[tuple[tuple[int, ...], int, bytes], _Split | None] = {}
     for t, lt in enumerate(first):
         shape = lt.global_shape
         nd = len(shape)
-        offs = boxes[:, t, 0, :nd]
-        sizes = boxes[:, t, 1, :nd]
-        shp = np.array(shape, np.int64).reshape(1, nd)
-        nbytes = int(np.prod(shp)) * lt.itemsize
-        if nd == 0 or (not offs.any() and (sizes == shp).all()):
+        block = boxes[t, :, :, :nd]
+        offs, sizes = block[:, 0, :], block[:, 1, :]
+        if nd == 0 or (not offs.any() and bool((sizes == np.array(shape, np.int64)).all())):
             # held whole by every rank: written once, by the least-loaded rank, on the grid
             # a single-process save plans
             rank = int(np.argmin(load))
-            load[rank] += nbytes
+            load[rank] += math.prod(shape) * lt.itemsize
             whole = ((0,) * nd, shape)
             yield lt, plan_regular_grid(shape, lt.itemsize, chunk_bytes), TensorWrites.one(rank, 0, whole)
             continue
-        step = sizes.max(axis=0)
-        split = (
-            bool((sizes > 0).all())
-            and bool((offs >= 0).all())
-            and bool((offs % step == 0).all())
-            and bool((sizes == np.minimum(step, shp - offs)).all())
-        )
-        if not split:
-            held = [(r, ((tuple(offs[r].tolist()), tuple(sizes[r].tolist())),)) for r in range(nranks)]
-            grid, writes = plan_one_tensor(lt, held, load, chunk_bytes=chunk_bytes, portable=portable)
-            yield lt, grid, writes
-            continue
-        nblocks = -(-shp[0] // step)
-        ids = np.ravel_multi_index(tuple((offs // step).T), tuple(nblocks.tolist()))
-        if len(ids) == int(np.prod(nblocks)) and len(np.unique(ids)) == len(ids):
-            writers = all_ranks  # each box held once: its holder writes it
+        key = (shape, lt.itemsize, block.tobytes())
+        if key in splits:
+            split = splits[key]
         else:
-            # replicas: each distinct box is written by its least-loaded holder (lowest rank on ties)
-            order = np.lexsort((all_ranks, load, ids))
-            uniq, first_at = np.unique(ids[order], return_index=True)
-            if len(uniq) != int(np.prod(nblocks)):
-                held = [(r, ((tuple(offs[r].tolist()), tuple(sizes[r].tolist())),)) for r in range(nranks)]
-                grid, writes = plan_one_tensor(lt, held, load, chunk_bytes=chunk_bytes, portable=portable)
-                yield lt, grid, writes
-                continue
-            writers = np.sort(order[first_at])
-        load[writers] += np.prod(sizes[writers], axis=1) * lt.itemsize
-        edges = [[*range(0, n, int(s)), n] for n, s in zip(shape, step.tolist(), strict=True)]
-        grid = grid_from_edges(edges, shape, lt.itemsize, chunk_bytes=chunk_bytes, portable=portable)
-        writes = TensorWrites(
-            nd,
-            tuple(writers.tolist()),
-            (0,) * len(writers),
-            tuple(offs[writers].ravel().tolist()),
-            tuple(sizes[writers].ravel().tolist()),
-        )
+            split = splits[key] = _split(offs, sizes, lt, chunk_bytes, portable)
+        if split is not None:
+            load += split.written
+            yield lt, split.grid, split.writes
+            continue
+        held_offs, held_sizes = offs.tolist(), sizes.tolist()
+        held = [
+            (r, ((tuple(o), tuple(z)),)) for r, (o, z) in enumerate(zip(held_offs, held_sizes, strict=True))
+        ]
+        grid, writes = plan_one_tensor(lt, held, load, chunk_bytes=chunk_bytes, portable=portable)
         yield lt, grid, writes
 
 
