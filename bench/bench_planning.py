@@ -32,6 +32,7 @@ Usage: ``python bench/bench_planning.py [--ranks 1024] [--tensors 1000] [--quick
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import os
 import platform
@@ -151,7 +152,7 @@ def simulate_new(ranks: int, tensors: int, irregular: bool) -> dict[str, float]:
     crcs = rng.integers(0, 2**32, plan.nchunks, dtype=np.uint32)
     starts = np.cumsum([0, *sizes])
     parts = [
-        (np.arange(a, b, dtype=np.int64), crcs[a:b]) for a, b in zip(starts[:-1], starts[1:], strict=True)
+        (np.arange(a, b, dtype=np.int64), crcs[a:b]) for a, b in itertools.pairwise(starts.tolist())
     ]
     t1 = time.perf_counter()
     doc, table, documents = _root_and_table(plan, parts)
