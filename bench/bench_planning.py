@@ -32,6 +32,7 @@ Usage: ``python bench/bench_planning.py [--ranks 1024] [--tensors 1000] [--quick
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import math
 import os
@@ -135,44 +136,47 @@ def _load_figure(plan: Any, doc: bytes, documents: list[Any], table: list[Any], 
         shutil.rmtree(where, ignore_errors=True)
 
 
+def _best(fn: Any, *args: Any) -> tuple[Any, float]:
+    """``fn(*args)`` and its time: the least of three runs when one takes under a second (the
+    machine is shared: the least is the one least disturbed), else of the one run."""
+    out, best = _timed(fn, *args)
+    if best < 1.0:
+        for _ in range(2):
+            best = min(best, _timed(fn, *args)[1])
+    return out, best
+
+
 def simulate_new(ranks: int, tensors: int, irregular: bool) -> dict[str, float]:
     descs = describe(ranks, tensors, irregular)
     compact, per_rank_describe = _timed(
         lambda: [compact_description(d.tensors, d.objects, d.skeleton) for d in descs]
     )
     received = [c if r == 0 else c.without_tensors() for r, c in enumerate(compact)]  # type: ignore[union-attr]
-    t0 = time.perf_counter()
-    plan = plan_save(received, chunk_bytes=64 << 20)
-    planned = time.perf_counter() - t0
+    plan, planned = _best(lambda: plan_save(received, chunk_bytes=64 << 20))
     # each rank's checksums: a block of as many rows as it writes (rank 0 gets the replicated tensor too)
-    mine0, per_rank_list = _timed(plan.assignments_of, 0)
+    mine0, per_rank_list = _best(plan.assignments_of, 0)
     sizes = [len(mine0)] + [(plan.nchunks - len(mine0)) // max(1, ranks - 1)] * (ranks - 1)
     sizes[-1] += plan.nchunks - sum(sizes)
     rng = np.random.default_rng(0)
     crcs = rng.integers(0, 2**32, plan.nchunks, dtype=np.uint32)
     starts = np.cumsum([0, *sizes])
-    parts = [
-        (np.arange(a, b, dtype=np.int64), crcs[a:b]) for a, b in itertools.pairwise(starts.tolist())
-    ]
-    t1 = time.perf_counter()
-    doc, table, documents = _root_and_table(plan, parts)
-    save = planned + time.perf_counter() - t1
-    # a cache hit: the previous plan with this save's values and skeleton
-    t2 = time.perf_counter()
-    objects, skeleton = merge_values([(d.objects, d.skeleton) for d in descs])
-    import dataclasses
+    parts = [(np.arange(a, b, dtype=np.int64), crcs[a:b]) for a, b in itertools.pairwise(starts.tolist())]
+    (doc, table, documents), commit = _best(_root_and_table, plan, parts)
 
-    again = dataclasses.replace(plan, objects=objects, skeleton=skeleton)
-    _root_and_table(again, parts)
-    cached = time.perf_counter() - t2
+    def cache_hit() -> None:
+        # the previous plan with this save's values and skeleton, then the same commit work
+        objects, skeleton = merge_values([(d.objects, d.skeleton) for d in descs])
+        _root_and_table(dataclasses.replace(plan, objects=objects, skeleton=skeleton), parts)
+
+    _, cached = _best(cache_hit)
     rank = ranks // 2
     per = ROWS // ranks
-    load = _load_figure(plan, doc, documents, table, ((rank * per, 0), (per, COLS)))
+    load = min(_load_figure(plan, doc, documents, table, ((rank * per, 0), (per, COLS))) for _ in range(3))
     table_bytes = sum(len(p.data) + 4 for p in table)
     return {
         "chunks": plan.nchunks,
         "planning": planned,
-        "save": save,
+        "save": planned + commit,
         "cached": cached,
         "root_mib": len(doc) / 2**20,
         "table_mib": table_bytes / 2**20,

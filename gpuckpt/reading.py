@@ -225,8 +225,12 @@ def validate_metadata(md: Metadata) -> tuple[dict[str, TensorEntry], dict[str, A
         itemsize = np.dtype(entry.properties.dtype).itemsize
         if any(n >= _MAX_EXTENT for n in entry.size) or math.prod(entry.size) * itemsize >= _MAX_EXTENT:
             raise _bad(fqn, f"size {entry.size} is larger than any array can be")
+        parsed = entry.__dict__.get("_grid") if isinstance(entry, GridTensorStorageMetadata) else None
         try:
-            grid = ChunkGrid.from_zarr_json(entry.size, info.get("chunk_grid"))
+            # a chunk list left to the grid was made from this very grid: parsed once
+            grid = (
+                parsed if parsed is not None else ChunkGrid.from_zarr_json(entry.size, info.get("chunk_grid"))
+            )
         except ValueError as exc:
             raise _bad(fqn, f"chunk grid: {exc}") from None
         if grid.kind == "regular" and any(

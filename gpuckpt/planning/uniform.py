@@ -162,6 +162,7 @@ def plan_uniform(
     boxes = np.ascontiguousarray(_boxes_of(ranks, len(first)).transpose(1, 0, 2, 3))
     load = np.zeros(nranks, np.int64)
     splits: dict[tuple[tuple[int, ...], int, bytes], _Split | None] = {}
+    generals: dict[tuple[tuple[int, ...], int, bytes], _Split] = {}
     for t, lt in enumerate(first):
         shape = lt.global_shape
         nd = len(shape)
@@ -184,11 +185,20 @@ def plan_uniform(
             load += split.written
             yield lt, split.grid, split.writes
             continue
+        general = generals.get(key)
+        if general is not None:
+            load += general.written
+            yield lt, general.grid, general.writes
+            continue
         held_offs, held_sizes = offs.tolist(), sizes.tolist()
         held = [
             (r, ((tuple(o), tuple(z)),)) for r, (o, z) in enumerate(zip(held_offs, held_sizes, strict=True))
         ]
         grid, writes = plan_one_tensor(lt, held, load, chunk_bytes=chunk_bytes, portable=portable)
+        if len(writes) == nranks:
+            # every box held once: its holder writes it whatever the loads, so the next
+            # tensors of this layout get the same plan
+            generals[key] = _Split(grid, writes, np.prod(sizes, axis=1) * lt.itemsize)
         yield lt, grid, writes
 
 
