@@ -72,6 +72,7 @@ from gpuckpt.writing import (
     array_document_of,
     assemble_metadata,
     bind_jobs,
+    crc_column,
     crc_column_of_results,
     open_save_writer,
     uses_table,
@@ -91,6 +92,7 @@ __all__ = [
     "attach",
     "begin_save",
     "commit_save",
+    "crc_column",
     "is_checkpoint",
     "location_supported",
     "open_checkpoint",
@@ -213,7 +215,7 @@ def write_assigned(
 
 def commit_save(
     save: OpenSave,
-    results: Mapping[tuple[str, tuple[int, ...]], tuple[int, int]],
+    results: np.ndarray | Mapping[tuple[str, tuple[int, ...]], tuple[int, int]],
     memory_formats: Mapping[str, Any],
     values: Mapping[str, bytes],
     skeleton: Any,
@@ -222,8 +224,11 @@ def commit_save(
 ) -> Metadata:
     """Assemble the metadata of every rank's chunks and publish the checkpoint atomically.
 
-    ``values`` are stored as opaque bytes entries; ``planner_extra`` is added to
-    the metadata's ``planner_data``. On any error the save is aborted.
+    ``results``: every chunk's CRC32C in chunk table order (:func:`crc_column` of what
+    the ranks report), or ``(array name, chunk coords) -> (stored bytes, CRC32C)``; a
+    large save gets its chunk table here. ``values`` are stored as opaque bytes entries;
+    ``planner_extra`` is added to the metadata's ``planner_data``. On any error the save
+    is aborted.
     """
     with writing(save.writer):
         tensors = tuple(
@@ -241,7 +246,7 @@ def commit_save(
                 save.writer.rewrite_array_document(found.name, array_document_of(found))
         objects = {fqn: encode_object(blob, fqn=fqn) for fqn, blob in values.items()}
         done = dataclasses.replace(save.plan, tensors=tensors, objects=objects, skeleton=skeleton)
-        crcs = crc_column_of_results(done, results)
+        crcs = results if isinstance(results, np.ndarray) else crc_column_of_results(done, results)
         table = write_table(save.writer, {"crc32c": crcs}) if uses_table(done) else None
         md = assemble_metadata(done, crcs, checkpoint_id, table)
         md.planner_data = {**md.planner_data, **planner_extra}
