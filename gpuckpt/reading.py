@@ -50,6 +50,7 @@ __all__ = [
     "ChunkRead",
     "TensorEntry",
     "check_chunk_files",
+    "check_chunk_table",
     "checksum_verified",
     "fetch_verified",
     "load_chunk_records",
@@ -298,6 +299,14 @@ def validate_metadata(md: Metadata) -> tuple[dict[str, TensorEntry], dict[str, A
                 "the checkpoint is damaged or was not written by gpuckpt"
             )
     return tensors, objects
+
+
+def check_chunk_table(reader: CheckpointReader, tensors: dict[str, TensorEntry]) -> None:
+    """Check the files of the chunk table the validated ``tensors`` refer to, if any, before
+    any chunk list is built (see :meth:`~gpuckpt.storage.chunk_table.ChunkTable.check_files`)."""
+    table = next((t.table for t in tensors.values() if t.table is not None), None)
+    if table is not None:
+        table.check_files(reader)
 
 
 def load_chunk_records(reader: CheckpointReader, entries: Iterable[TensorEntry]) -> None:

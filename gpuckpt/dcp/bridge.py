@@ -60,7 +60,14 @@ from gpuckpt.options import LoadOptions, SaveOptions
 from gpuckpt.planning.boxes import Box, LocalTensor
 from gpuckpt.planning.plan import ChunkAssignment, SavePlan, StateDescription, plan_save
 from gpuckpt.planning.uniform import compact_description
-from gpuckpt.reading import TensorEntry, check_chunk_files, paused_gc, read_tensors, validate_metadata
+from gpuckpt.reading import (
+    TensorEntry,
+    check_chunk_files,
+    check_chunk_table,
+    paused_gc,
+    read_tensors,
+    validate_metadata,
+)
 from gpuckpt.sources import Source, describe_state
 from gpuckpt.state import unflatten_state_dict
 from gpuckpt.storage.base import CheckpointReader, CheckpointWriter
@@ -280,6 +287,7 @@ def open_checkpoint(path: str, options: LoadOptions) -> OpenCheckpoint:
     reader = open_reader(path, storage_options=options.store_options())
     md = metadata_from_root_document(reader.read_root(), f"{os.fspath(path).rstrip('/')}/zarr.json")
     tensors, values = validate_metadata(md)
+    check_chunk_table(reader, tensors)
     return OpenCheckpoint(os.fspath(path), reader, md, tensors, values)
 
 

@@ -28,7 +28,6 @@ fixed-width per-chunk field (such as a 16-byte digest) is a ``uint8`` array of
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from gpuckpt.errors import CheckpointCorruptedError, MetadataError, MissingChunkError
-from gpuckpt.storage.base import CheckpointReader, CheckpointWriter
+from gpuckpt.storage.base import CheckpointReader, CheckpointWriter, ChunkWrites
 from gpuckpt.storage.checksum import CRC_BYTES, crc32c
 
 __all__ = [
@@ -168,8 +167,6 @@ def encode_table(
 
 def write_table(writer: CheckpointWriter, columns: Mapping[str, np.ndarray]) -> dict[str, Any]:
     """Write the chunk table of ``columns`` through ``writer``; returns its ``storage_data`` entry."""
-    from gpuckpt.storage.base import ChunkWrites
-
     entry, documents, parts = encode_table(columns)
     for name, doc in documents:
         writer.write_array_document(name, doc)
@@ -270,6 +267,25 @@ class ChunkTable:
         self._chunks[(name, k)] = buf
         return buf
 
+    def check_files(self, reader: CheckpointReader) -> None:
+        """Check that every chunk of every column exists with the size the table's row count
+        needs (no byte is read): a root document cannot claim more rows than the files hold."""
+        for col, arr, crcs in self.columns.values():
+            nbytes = self.chunk_rows * col.row_bytes + CRC_BYTES
+            for k in range(len(crcs)):
+                key = _chunk_key(k, col)
+                size = reader.chunk_nbytes(arr, key)
+                if size is None:
+                    raise MissingChunkError(
+                        f"chunk table {arr}/{key} is missing; the checkpoint is damaged: restore it from "
+                        "a copy or use an earlier checkpoint"
+                    )
+                if size != nbytes:
+                    raise CheckpointCorruptedError(
+                        f"chunk table {arr}/{key} is {size} bytes, expected {nbytes}; "
+                        "the checkpoint is damaged"
+                    )
+
     def read(self, reader: CheckpointReader, name: str, start: int, count: int) -> np.ndarray:
         """Rows ``[start, start + count)`` of column ``name``, reading only the chunks that hold them."""
         if not 0 <= start <= start + count <= self.rows:
@@ -282,16 +298,3 @@ class ChunkTable:
         joined = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
         at = start - first * self.chunk_rows
         return joined[at : at + count]
-
-    def chunks_needed(self, ranges: Sequence[tuple[int, int]]) -> int:
-        """How many table chunks the row ranges ``(start, count)`` touch (for tests and reports)."""
-        ks: set[int] = set()
-        for start, count in ranges:
-            if count:
-                ks.update(range(start // self.chunk_rows, (start + count - 1) // self.chunk_rows + 1))
-        return len(ks)
-
-
-def nchunks_of(rows: int) -> int:
-    """Stored chunks of a column of ``rows`` rows."""
-    return math.ceil(rows / min(ROWS_PER_CHUNK, rows)) if rows else 0

@@ -160,3 +160,12 @@ def test_a_load_reads_only_the_table_chunks_of_its_rows(tmp_path: Path) -> None:
     )
     with pytest.raises(MissingChunkError):
         table.read(reader, "crc32c", ROWS_PER_CHUNK - 1, 2)
+
+
+def test_a_table_is_believed_only_as_far_as_its_files_hold_its_rows(tmp_path: Path) -> None:
+    save_with_table({"w": np.arange(40.0).reshape(10, 4)}, tmp_path / "c")
+    chunk = tmp_path / "c" / TABLE / "c.0"
+    chunk.write_bytes(chunk.read_bytes()[:-8])  # the root document claims rows the file lacks
+    with pytest.raises(CheckpointCorruptedError, match="bytes, expected"):
+        gpuckpt.read_metadata(tmp_path / "c")
+    assert not verify_checkpoint(tmp_path / "c").ok
