@@ -27,6 +27,8 @@ if TYPE_CHECKING:
 __all__ = [
     "FORMAT_VERSION",
     "READABLE_VERSIONS",
+    "VERSION_LISTED",
+    "VERSION_WITH_TABLE",
     "STATE_DICT_TYPE",
     "STORAGE_TYPES",
     "BytesStorageMetadata",
@@ -39,8 +41,12 @@ __all__ = [
     "TensorStorageMetadata",
 ]
 
-#: Version of the on-disk format this release writes (it reads this one and every earlier one).
+#: The newest version of the on-disk format this release writes (it reads every version up to it).
 FORMAT_VERSION = "2"
+#: The version of a checkpoint that lists every chunk in its metadata (the only form of version 1).
+VERSION_LISTED = "1"
+#: The version of a checkpoint that keeps its per-chunk records in a chunk table.
+VERSION_WITH_TABLE = "2"
 #: Every format version this release reads.
 READABLE_VERSIONS = ("1", "2")
 

@@ -30,6 +30,8 @@ from gpuckpt.device.backend import DeviceBackend, Staging, distinct_backends
 from gpuckpt.errors import CheckpointWriteError, GpuckptError
 from gpuckpt.metadata import (
     FORMAT_VERSION,
+    VERSION_LISTED,
+    VERSION_WITH_TABLE,
     BytesStorageMetadata,
     GridTensorStorageMetadata,
     Metadata,
@@ -299,8 +301,9 @@ def assemble_metadata(
     (:func:`crc_column`; or a mapping ``(array name, chunk coords) -> (stored bytes, CRC32C)``).
 
     ``table``: the ``storage_data`` entry of the chunk table written for the save
-    (:func:`gpuckpt.storage.chunk_table.write_table`), or None to list every chunk's record
-    in the metadata. Chunk lists are never built here: each tensor's chunks are its grid's
+    (:func:`gpuckpt.storage.chunk_table.write_table`; format version 2), or None to list
+    every chunk's record in the metadata (then the checkpoint is format version 1, which
+    every release reads). Chunk lists are never built here: each tensor's chunks are its grid's
     (:class:`~gpuckpt.metadata.GridTensorStorageMetadata`).
     """
     if not isinstance(crcs, np.ndarray):
@@ -333,7 +336,9 @@ def assemble_metadata(
         planner_data={"structure": plan.skeleton},
         storage_data=storage_data,
         storage_meta=StorageMeta(checkpoint_id=checkpoint_id, modules=["gpuckpt"]),
-        version=None,
+        # a checkpoint that lists its chunks is a format version 1 checkpoint (older releases
+        # read it); only the chunk table needs version 2
+        version=VERSION_WITH_TABLE if table is not None else VERSION_LISTED,
     )
 
 

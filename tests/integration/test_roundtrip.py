@@ -242,7 +242,7 @@ def test_read_metadata_and_format(tmp_path: Path) -> None:
     assert len(list((tmp_path / "c" / "w").glob("c.*"))) == len(chunks)
     assert z["codecs"][-1] == {"name": "crc32c"}
     root = json.loads((tmp_path / "c" / "zarr.json").read_text())
-    assert root["node_type"] == "group" and root["attributes"]["gpuckpt"]["metadata"]["version"] == "2"
+    assert root["node_type"] == "group" and root["attributes"]["gpuckpt"]["metadata"]["version"] == "1"
 
 
 def test_missing_checkpoint(tmp_path: Path) -> None:
