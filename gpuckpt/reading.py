@@ -41,9 +41,9 @@ from gpuckpt.progress import ProgressCounter
 from gpuckpt.runner import batches, run_all
 from gpuckpt.storage.base import CheckpointReader, ChunkReads
 from gpuckpt.storage.checksum import CRC_BYTES
-from gpuckpt.storage.chunk_table import TABLE_KEY, ChunkTable
+from gpuckpt.storage.chunk_table import TABLE_KEY, ChunkTable, parse_listed
 from gpuckpt.storage.chunks import is_prefix_box, stored_nbytes
-from gpuckpt.storage.layout import chunk_file_key, is_chunk_file_key, metadata_from_root_document
+from gpuckpt.storage.layout import chunk_file_key, metadata_from_root_document
 from gpuckpt.storage.names import is_safe_name
 
 __all__ = [
@@ -267,23 +267,14 @@ def validate_metadata(md: Metadata) -> tuple[dict[str, TensorEntry], dict[str, A
         raw_chunks = info.get("chunks")
         if not isinstance(raw_chunks, list) or len(raw_chunks) != expected_n:
             raise _bad(fqn, "storage chunk list does not match the chunk metadata")
-        crcs = np.zeros(expected_n, np.uint32)
-        for i, (spec, raw) in enumerate(zip(grid.chunk_list(), raw_chunks, strict=True)):
-            if not isinstance(raw, dict):
-                raise _bad(fqn, f"chunk {i} storage entry is not an object")
-            key, nbytes, crc = raw.get("key"), raw.get("nbytes"), raw.get("crc32c")
-            if not is_chunk_file_key(key) or key != chunk_file_key(spec.coords):
-                raise _bad(fqn, f"chunk {i} key {key!r} is not {chunk_file_key(spec.coords)!r}")
-            stored = grid.stored_chunk_shape(spec)
-            if type(nbytes) is not int or nbytes != stored_nbytes(stored, itemsize):
-                raise _bad(
-                    fqn,
-                    f"chunk {key} claims {nbytes!r} bytes, its shape needs {stored_nbytes(stored, itemsize)}",
-                )
-            if not isinstance(crc, int) or isinstance(crc, bool) or not 0 <= crc < 2**32:
-                raise _bad(fqn, f"chunk {key} checksum {crc!r} is not a 32-bit value")
-            crcs[i] = crc
-        tensors[fqn] = TensorEntry(fqn, name, entry, grid, crcs)
+        specs = grid.chunk_list()
+        columns = parse_listed(
+            raw_chunks,
+            [chunk_file_key(s.coords) for s in specs],
+            [stored_nbytes(grid.stored_chunk_shape(s), itemsize) for s in specs],
+            functools.partial(_bad, fqn),
+        )
+        tensors[fqn] = TensorEntry(fqn, name, entry, grid, columns["crc32c"])
     if table is not None:
         # the tensors' rows tile the table: each row belongs to exactly one chunk
         at = 0

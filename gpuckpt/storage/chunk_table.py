@@ -28,7 +28,8 @@ fixed-width per-chunk field (such as a 16-byte digest) is a ``uint8`` array of
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+import re
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +38,7 @@ import numpy as np
 from gpuckpt.errors import CheckpointCorruptedError, MetadataError, MissingChunkError
 from gpuckpt.storage.base import CheckpointReader, CheckpointWriter, ChunkWrites
 from gpuckpt.storage.checksum import CRC_BYTES, crc32c
+from gpuckpt.storage.layout import is_chunk_file_key
 
 __all__ = [
     "COLUMNS",
@@ -48,6 +50,7 @@ __all__ = [
     "column_array_name",
     "encode_table",
     "listed_records",
+    "parse_listed",
     "write_table",
 ]
 
@@ -78,6 +81,9 @@ class Column:
 COLUMNS: dict[str, Column] = {"crc32c": Column("crc32c", np.dtype("<u4"))}
 
 
+_HEX = re.compile(r"[0-9a-f]+")
+
+
 def column_array_name(column: str) -> str:
     """The array that holds a column; no tensor has it (tensor names begin with a letter, digit or %)."""
     return f"_gpuckpt.table.{column}"
@@ -101,6 +107,46 @@ def listed_records(
             for rec, v in zip(out, values, strict=True):
                 rec[name] = bytes(v).hex()
     return out
+
+
+def parse_listed(
+    raw: list[Any], keys: Sequence[str], nbytes: Sequence[int], bad: Callable[[str], Exception]
+) -> dict[str, np.ndarray]:
+    """The columns of listed records ``raw`` (untrusted JSON), each checked against the key and
+    byte size the grid gives its chunk (``keys``, ``nbytes``); ``bad(what)`` makes the error.
+
+    ``crc32c`` must be a 32-bit integer in every record. A fixed-width column is taken only
+    when every record holds a valid value (``2 * width`` lowercase hex digits); a record
+    without one leaves that column out, never an error.
+    """
+    crcs = np.zeros(len(raw), np.uint32)
+    wide = {name: col for name, col in COLUMNS.items() if col.width > 1}
+    found: dict[str, list[bytes] | None] = {name: [] for name in wide}
+    for i, rec in enumerate(raw):
+        if not isinstance(rec, dict):
+            raise bad(f"chunk {i} storage entry is not an object")
+        key, size, crc = rec.get("key"), rec.get("nbytes"), rec.get("crc32c")
+        if not is_chunk_file_key(key) or key != keys[i]:
+            raise bad(f"chunk {i} key {key!r} is not {keys[i]!r}")
+        if type(size) is not int or size != nbytes[i]:
+            raise bad(f"chunk {key} claims {size!r} bytes, its shape needs {nbytes[i]}")
+        if not isinstance(crc, int) or isinstance(crc, bool) or not 0 <= crc < 2**32:
+            raise bad(f"chunk {key} checksum {crc!r} is not a 32-bit value")
+        crcs[i] = crc
+        for name, col in wide.items():
+            values = found[name]
+            if values is None:
+                continue
+            text = rec.get(name)
+            if isinstance(text, str) and len(text) == 2 * col.width and _HEX.fullmatch(text):
+                values.append(bytes.fromhex(text))
+            else:
+                found[name] = None
+    columns: dict[str, np.ndarray] = {"crc32c": crcs}
+    for name, values in found.items():
+        if values is not None and raw:
+            columns[name] = np.frombuffer(b"".join(values), np.uint8).reshape(len(raw), wide[name].width)
+    return columns
 
 
 @dataclass(frozen=True, slots=True)
