@@ -210,11 +210,22 @@ class GridTensorStorageMetadata(TensorStorageMetadata):
     (format version 1 style) or leaves them to the grid.
     """
 
-    def __init__(self, properties: TensorProperties, size: tuple[int, ...], grid: Any, listed: bool) -> None:
+    def __init__(
+        self,
+        properties: TensorProperties,
+        size: tuple[int, ...],
+        chunks: list[ChunkStorageMetadata] | None = None,
+        *,
+        grid: Any = None,
+        listed: bool = True,
+    ) -> None:
+        # ``chunks`` given (as by ``dataclasses.replace``): a plain entry of this class
         self.properties = properties
         self.size = size
         self._grid = grid
         self._listed = listed
+        if chunks is not None or grid is None:
+            self.chunks = [] if chunks is None else chunks
 
     def __getattr__(self, name: str) -> Any:
         if name == "chunks":
@@ -343,8 +354,8 @@ class Metadata:
                     entries[fqn] = GridTensorStorageMetadata(
                         TensorProperties.from_json(e.get("properties"), f"{where}.properties"),
                         size,
-                        _grid_of(storage_data, fqn, size),
-                        False,
+                        grid=_grid_of(storage_data, fqn, size),
+                        listed=False,
                     )
                     continue
                 chunks_raw = e.get("chunks")

@@ -312,7 +312,7 @@ def assemble_metadata(
     tensors_sd: dict[str, Any] = {}
     listed = table is None
     for t in plan.tensors:
-        state_md[t.fqn] = GridTensorStorageMetadata(t.properties, t.shape, t.grid, listed)
+        state_md[t.fqn] = GridTensorStorageMetadata(t.properties, t.shape, grid=t.grid, listed=listed)
         info: dict[str, Any] = {"name": t.name, "chunk_grid": t.grid.to_zarr_json()}
         if listed:
             specs = t.specs

@@ -96,7 +96,7 @@ def test_lazy_chunk_lists_compare_pickle_and_print_as_plain_ones() -> None:
     from gpuckpt.planning.grid import ChunkGrid
 
     props = gpuckpt.TensorProperties(np.dtype("float32"))
-    lazy = GridTensorStorageMetadata(props, (10, 4), ChunkGrid.regular((10, 4), (3, 4)), False)
+    lazy = GridTensorStorageMetadata(props, (10, 4), grid=ChunkGrid.regular((10, 4), (3, 4)), listed=False)
     plain = TensorStorageMetadata(
         props,
         (10, 4),
@@ -107,6 +107,13 @@ def test_lazy_chunk_lists_compare_pickle_and_print_as_plain_ones() -> None:
 
     again = pickle.loads(pickle.dumps(lazy))
     assert type(again) is TensorStorageMetadata and again == plain
+    import copy
+    import dataclasses
+
+    fresh = GridTensorStorageMetadata(props, (10, 4), grid=ChunkGrid.regular((10, 4), (3, 4)), listed=False)
+    assert copy.deepcopy(fresh) == plain
+    bigger = dataclasses.replace(fresh, size=(10, 5))
+    assert bigger.size == (10, 5) and bigger.chunks == plain.chunks and fresh == plain
 
 
 def test_a_damaged_chunk_table_fails_the_load_and_verify(tmp_path: Path) -> None:
