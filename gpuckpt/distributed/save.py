@@ -21,6 +21,7 @@ failure on any rank fails the save on every rank and publishes nothing:
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 import uuid
 import weakref
@@ -85,9 +86,17 @@ class PlanCacheInfo:
 
 @dataclass
 class _Cached:
-    keys: list[Any]  # every rank's layout digest, as all_gather returned them
+    token: bytes  # digest of every rank's layout digests (:func:`_token`)
     plan: SavePlan | None  # rank 0's plan (without values); None on the other ranks
     mine: tuple[ChunkAssignment, ...]  # the chunks this rank writes
+
+
+def _token(keys: list[tuple[bytes, bytes | None]]) -> bytes:
+    h = hashlib.blake2b(digest_size=32)
+    for d, c in keys:
+        h.update(d)
+        h.update(c or b"-")
+    return h.digest()
 
 
 _cache: weakref.WeakKeyDictionary[Coordinator, _Cached] = weakref.WeakKeyDictionary()
@@ -128,11 +137,17 @@ def save_described(
         )
     local, sources = _run(coord, describe)
     digest, compact = _run(coord, _layout_keys, local, options)
-    keys = coord.all_gather((digest, None if compact is None else compact.digest))
     cached = _cache.get(coord)
+    # each rank also says which layouts its cached plan is for: every rank sees the same
+    # list, so every rank decides alike (a rank without the cache makes it a miss for all)
+    sent = coord.all_gather(
+        (digest, None if compact is None else compact.digest, None if cached is None else cached.token)
+    )
+    keys: list[tuple[bytes, bytes | None]] = [(d, c) for d, c, _ in sent]
+    layout_token = _token(keys)
     values: list[Any] | None = None
     gathered: list[Any] | None = None
-    hit = cached is not None and cached.keys == keys
+    hit = all(t == layout_token for _, _, t in sent)
     info = plan_cache_info(coord)
     writer: Any = None
     if hit:
@@ -175,7 +190,7 @@ def save_described(
         shared = None if plan is None else dataclasses.replace(plan, objects={}, skeleton=None)
         shared, token = coord.broadcast((shared, token), root=0)
         mine = _run(coord, shared.assignments_of, coord.rank)
-        _cache[coord] = _Cached(keys, shared if coord.rank == 0 else None, mine)
+        _cache[coord] = _Cached(layout_token, shared if coord.rank == 0 else None, mine)
 
     def write_mine() -> tuple[np.ndarray, np.ndarray]:
         w = writer if coord.rank == 0 else attach_writer(path, token)

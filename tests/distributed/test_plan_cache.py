@@ -66,3 +66,21 @@ def test_a_layout_changed_on_one_rank_only_is_planned_again(load_script: Any, tm
     outcome = run_ranks(n, rank)
     assert [o[:2] for o in outcome] == [(0, 2)] * n
     assert outcome[-1][2]
+
+
+def test_a_rank_without_the_cached_plan_makes_every_rank_plan_again(load_script: Any, tmp_path: Path) -> None:
+    from gpuckpt.distributed.threads import ThreadCoordinator
+
+    module = load_script("sharded_save_load")
+
+    def rank(c: Any) -> tuple[int, int, bool]:
+        gpuckpt.save(module.save_layout(c.rank, 3), str(tmp_path / "a"), coordinator=c)
+        # rank 1 goes on through a new coordinator of the same group: it holds no cached plan
+        mine = ThreadCoordinator(c.group, c.rank) if c.rank == 1 else c
+        state = module.save_layout(c.rank, 3)
+        state["step"] = 9
+        gpuckpt.save(state, str(tmp_path / "b"), coordinator=mine)
+        info = plan_cache_info(c)
+        return info.hits, info.misses, gpuckpt.load_state_dict(tmp_path / "b")["step"] == 9
+
+    assert run_ranks(3, rank, timeout=30) == [(0, 2, True), (0, 1, True), (0, 2, True)]
