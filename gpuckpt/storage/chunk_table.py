@@ -62,6 +62,8 @@ ROWS_PER_CHUNK = 1 << 16
 TABLE_KEY = "chunk_table"
 #: most rows a chunk table may have (4 Gi chunks)
 MAX_TABLE_ROWS = 1 << 32
+#: most rows one stored chunk of the table may hold when read (16 MiB of a 16-byte column)
+MAX_ROWS_PER_CHUNK = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -256,8 +258,10 @@ class ChunkTable:
         rows, chunk_rows, cols = entry.get("rows"), entry.get("rows_per_chunk"), entry.get("columns")
         if type(rows) is not int or not 0 < rows <= MAX_TABLE_ROWS:
             raise _bad_table(f"rows is {rows!r}, expected an integer in [1, {MAX_TABLE_ROWS}]")
-        if type(chunk_rows) is not int or chunk_rows != min(ROWS_PER_CHUNK, rows):
-            raise _bad_table(f"rows_per_chunk is {chunk_rows!r}, expected {min(ROWS_PER_CHUNK, rows)}")
+        # any chunking a writer chose is read, within a bound on what one chunk may allocate
+        if type(chunk_rows) is not int or not 1 <= chunk_rows <= min(rows, MAX_ROWS_PER_CHUNK):
+            most = min(rows, MAX_ROWS_PER_CHUNK)
+            raise _bad_table(f"rows_per_chunk is {chunk_rows!r}, expected an integer in [1, {most}]")
         if not isinstance(cols, dict) or "crc32c" not in cols:
             raise _bad_table("columns must be an object with a 'crc32c' column")
         nchunks = -(-rows // chunk_rows)

@@ -88,3 +88,23 @@ def test_a_reader_ignores_columns_it_does_not_know() -> None:
     del entry["columns"]["crc32c"]
     with pytest.raises(MetadataError, match="'crc32c' column"):
         ct.ChunkTable.parse(entry)
+
+
+def test_a_table_chunked_otherwise_by_its_writer_is_read(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(ct, "ROWS_PER_CHUNK", 7)  # a writer that chunks the table by 7 rows
+    crcs = np.arange(20, dtype=np.uint32) * 3
+    writer = open_save_writer(tmp_path / "c", SaveOptions(), expected_files=8, direct_io=False)
+    writer.begin()
+    entry = ct.write_table(writer, {"crc32c": crcs})
+    writer.commit(b'{"zarr_format":3,"node_type":"group","attributes":{}}')
+    monkeypatch.undo()
+    assert entry["rows_per_chunk"] == 7 and len(entry["columns"]["crc32c"]["chunk_crc32c"]) == 3
+    table = ct.ChunkTable.parse(entry)
+    reader = open_reader(tmp_path / "c")
+    table.check_files(reader)
+    assert np.array_equal(table.read(reader, "crc32c", 5, 10), crcs[5:15])
+    entry["rows_per_chunk"] = ct.MAX_ROWS_PER_CHUNK + 1
+    with pytest.raises(MetadataError, match="rows_per_chunk"):
+        ct.ChunkTable.parse(entry)
