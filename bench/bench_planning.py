@@ -1,71 +1,250 @@
-"""Global planning and metadata assembly at scale (pure data, no I/O).
+"""Global planning and metadata at scale: what rank 0 does per save, and what a rank reads per load.
 
-Simulates a job of ``--ranks`` ranks that each hold a row shard of every one of
-``--tensors`` tensors, plus one replicated tensor per rank, and times:
-planning (:func:`gpuckpt.planning.plan.plan_save`: the grids, every rank's
-chunk assignments, the save plan), and assembling and serialising the global Metadata — everything rank 0
-does between gathering the descriptions and committing. Prints seconds
-(target: under 1 s for 64 ranks x 1,000 tensors) and the growth when the
-rank count doubles (linear, not quadratic).
+Simulates a job of ``--ranks`` ranks that each hold a row shard of every one
+of ``--tensors`` tensors (4096 x 1024 float32, an even split: the FSDP/TP
+layout), plus one tensor replicated on every rank, and times on rank 0:
 
-Usage: ``python bench/bench_planning.py [--ranks 64] [--tensors 1000]``
+- **save**: planning (:func:`gpuckpt.planning.plan.plan_save` from the
+  descriptions as rank 0 receives them: compact ones, see
+  :mod:`gpuckpt.planning.uniform`), merging every rank's chunk checksums,
+  assembling the Metadata, encoding the chunk table and the root document;
+- **cached**: the same save when every rank's layout digest is the previous
+  save's (the plan is reused; values merged, checksums, metadata, encoding);
+- **load**: what one rank reads to load its shard of every tensor: the root
+  document (parsed and validated) and the chunk table rows of its chunks,
+  from a real checkpoint directory.
+
+The ``irregular`` row uses uneven row shards (rectilinear grids, planned
+chunk by chunk). The per-rank work (describing the layout, listing the
+chunks a rank writes) runs on every rank in parallel and is timed for one
+rank. Each rank's checksums are simulated as a block of as many chunk table
+rows as it writes. Targets at 1,024 ranks x 1,000 tensors: save <= 1 s,
+cached <= 0.1 s, root document <= 5 MiB, load <= 0.2 s; each figure is also
+printed as a ratio to its target.
+
+Run against an older gpuckpt (``PYTHONPATH=/path/to/old``) it times the
+same steps the old way (full descriptions, per-chunk results) for the
+before-figures.
+
+Usage: ``python bench/bench_planning.py [--ranks 1024] [--tensors 1000] [--quick]``
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import itertools
 import math
+import os
 import platform
+import shutil
 import sys
+import tempfile
 import time
-from datetime import date
+from datetime import UTC, datetime
+from typing import Any
 
 import numpy as np
 
 from gpuckpt.metadata import TensorProperties
-from gpuckpt.planning.boxes import LocalTensor
+from gpuckpt.planning.boxes import LocalTensor, overlapping_chunks
 from gpuckpt.planning.plan import StateDescription, plan_save
-from gpuckpt.storage.layout import root_document
+from gpuckpt.storage.layout import metadata_from_root_document, root_document
 from gpuckpt.writing import assemble_metadata
 
+try:  # the code of issue 22
+    from gpuckpt.planning.plan import merge_values
+    from gpuckpt.planning.uniform import compact_description
+    from gpuckpt.storage.chunk_table import encode_table
+    from gpuckpt.writing import crc_column, uses_table
 
-def simulate(ranks: int, tensors: int, rows: int = 4096, cols: int = 1024) -> float:
+    NEW = True
+except ImportError:  # an older gpuckpt: the before-figures
+    NEW = False
+
+ROWS, COLS = 4096, 1024
+TARGETS = {"save": 1.0, "cached": 0.1, "root_mib": 5.0, "load": 0.2}
+
+
+def describe(ranks: int, tensors: int, irregular: bool) -> list[StateDescription]:
     props = TensorProperties(dtype=np.dtype("float32"))
-    per = rows // ranks
+    if irregular:
+        # uneven row shards: every rank's share differs a little from the next one's
+        cuts = np.cumsum([0] + [ROWS // ranks + (1 if r % 2 else -1) for r in range(ranks)])
+        cuts[-1] = ROWS
+    else:
+        cuts = np.arange(ranks + 1) * (ROWS // ranks)
     descs = []
     for r in range(ranks):
+        lo, hi = int(cuts[r]), int(cuts[r + 1])
+        box = (((lo, 0), (hi - lo, COLS)),)
         mine = [
-            LocalTensor(
-                f"model.layers.{i}.weight", (rows, cols), "float32", 4, props, (((r * per, 0), (per, cols)),)
-            )
+            LocalTensor(f"model.layers.{i}.weight", (ROWS, COLS), "float32", 4, props, box)
             for i in range(tensors)
         ]
-        mine.append(LocalTensor("model.norm", (cols,), "float32", 4, props, (((0,), (cols,)),)))
+        mine.append(LocalTensor("model.norm", (COLS,), "float32", 4, props, (((0,), (COLS,)),)))
         descs.append(StateDescription(tuple(mine), {"step": {"int": "1"}} if r == 0 else {}, {"d": []}))
+    return descs
+
+
+def _timed(fn: Any, *args: Any) -> tuple[Any, float]:
+    t0 = time.perf_counter()
+    out = fn(*args)
+    return out, time.perf_counter() - t0
+
+
+def _root_and_table(plan: Any, parts: list[tuple[np.ndarray, np.ndarray]]) -> tuple[bytes, list[Any], Any]:
+    crcs = crc_column(plan, parts)
+    entry, documents, table = encode_table({"crc32c": crcs}) if uses_table(plan) else (None, [], [])
+    md = assemble_metadata(plan, crcs, "bench", entry)
+    return root_document(md), table, documents
+
+
+def _load_figure(plan: Any, doc: bytes, documents: list[Any], table: list[Any], rank_box: Any) -> float:
+    """Seconds to read what one rank needs of the metadata, from files in a temporary directory."""
+    from gpuckpt.reading import load_chunk_records, validate_metadata
+    from gpuckpt.storage.checksum import crc32c
+    from gpuckpt.storage.stores import open_reader
+
+    where = tempfile.mkdtemp(prefix="bench-planning-")
+    try:
+        for name, body in documents:
+            os.makedirs(os.path.join(where, name), exist_ok=True)
+            with open(os.path.join(where, name, "zarr.json"), "wb") as f:
+                f.write(body)
+        for p in table:
+            with open(os.path.join(where, p.name, p.key), "wb") as f:
+                f.write(p.data)
+                f.write(crc32c(p.data).to_bytes(4, "little"))
+        with open(os.path.join(where, "zarr.json"), "wb") as f:
+            f.write(doc)
+        t0 = time.perf_counter()
+        reader = open_reader(where)
+        md = metadata_from_root_document(reader.read_root(), "zarr.json")
+        tensors, _ = validate_metadata(md)
+        entries = list(tensors.values())
+        load_chunk_records(reader, entries)
+        n = 0
+        for t in entries:
+            box = rank_box if len(t.shape) == 2 else ((0,), t.shape)
+            for coords in overlapping_chunks(t.grid, box):
+                n += t.chunk(coords).crc >= 0
+        elapsed = time.perf_counter() - t0
+        assert n >= len(entries)
+        return elapsed
+    finally:
+        shutil.rmtree(where, ignore_errors=True)
+
+
+def _best(fn: Any, *args: Any) -> tuple[Any, float]:
+    """``fn(*args)`` and its time: the least of three runs when one takes under a second (the
+    machine is shared: the least is the one least disturbed), else of the one run."""
+    out, best = _timed(fn, *args)
+    if best < 1.0:
+        for _ in range(2):
+            best = min(best, _timed(fn, *args)[1])
+    return out, best
+
+
+def simulate_new(ranks: int, tensors: int, irregular: bool) -> dict[str, float]:
+    descs = describe(ranks, tensors, irregular)
+    compact, per_rank_describe = _timed(
+        lambda: [compact_description(d.tensors, d.objects, d.skeleton) for d in descs]
+    )
+    received = [c if r == 0 else c.without_tensors() for r, c in enumerate(compact)]  # type: ignore[union-attr]
+    plan, planned = _best(lambda: plan_save(received, chunk_bytes=64 << 20))
+    # each rank's checksums: a block of as many rows as it writes (rank 0 gets the replicated tensor too)
+    mine0, per_rank_list = _best(plan.assignments_of, 0)
+    sizes = [len(mine0)] + [(plan.nchunks - len(mine0)) // max(1, ranks - 1)] * (ranks - 1)
+    sizes[-1] += plan.nchunks - sum(sizes)
+    rng = np.random.default_rng(0)
+    crcs = rng.integers(0, 2**32, plan.nchunks, dtype=np.uint32)
+    starts = np.cumsum([0, *sizes])
+    parts = [(np.arange(a, b, dtype=np.int64), crcs[a:b]) for a, b in itertools.pairwise(starts.tolist())]
+    (doc, table, documents), commit = _best(_root_and_table, plan, parts)
+
+    def cache_hit() -> None:
+        # the previous plan with this save's values and skeleton, then the same commit work
+        objects, skeleton = merge_values([(d.objects, d.skeleton) for d in descs])
+        _root_and_table(dataclasses.replace(plan, objects=objects, skeleton=skeleton), parts)
+
+    _, cached = _best(cache_hit)
+    rank = ranks // 2
+    per = ROWS // ranks
+    load = min(_load_figure(plan, doc, documents, table, ((rank * per, 0), (per, COLS))) for _ in range(3))
+    table_bytes = sum(len(p.data) + 4 for p in table)
+    return {
+        "chunks": plan.nchunks,
+        "planning": planned,
+        "save": planned + commit,
+        "cached": cached,
+        "root_mib": len(doc) / 2**20,
+        "table_mib": table_bytes / 2**20,
+        "load": load,
+        "rank_describe": per_rank_describe / ranks,
+        "rank_list": per_rank_list,
+    }
+
+
+def simulate_old(ranks: int, tensors: int, irregular: bool) -> dict[str, float]:
+    descs = describe(ranks, tensors, irregular)
     t0 = time.perf_counter()
     plan = plan_save(descs, chunk_bytes=64 << 20)
+    planned = time.perf_counter() - t0
     results = {(t.name, s.coords): (math.prod(s.sizes) * 4 + 4, 0) for t in plan.tensors for s in t.specs}
+    t1 = time.perf_counter()
     md = assemble_metadata(plan, results, "bench")
-    assembled = time.perf_counter() - t0
     doc = root_document(md)
-    elapsed = time.perf_counter() - t0
+    save = planned + time.perf_counter() - t1
+    t2 = time.perf_counter()
+    md = metadata_from_root_document(doc, "zarr.json")
+    from gpuckpt.reading import validate_metadata
+
+    validate_metadata(md)
+    load = time.perf_counter() - t2
     nchunks = sum(len(t.specs) for t in plan.tensors)
-    print(
-        f"{ranks:4d} ranks x {tensors:5d} tensors: planning + metadata assembly {assembled:6.3f} s; "
-        f"with JSON encoding of the root document {elapsed:6.3f} s ({nchunks} chunks, {len(doc) / 2**20:.1f} MiB)"
+    return {"chunks": nchunks, "planning": planned, "save": save, "root_mib": len(doc) / 2**20, "load": load}
+
+
+def report(label: str, ranks: int, tensors: int, irregular: bool = False) -> dict[str, float]:
+    r = (simulate_new if NEW else simulate_old)(ranks, tensors, irregular)
+    line = (
+        f"{label:10s} {ranks:5d} x {tensors:5d} ({int(r['chunks']):8d} chunks): planning {r['planning']:6.3f} s, "
+        f"save {r['save']:6.3f} s ({r['save'] / TARGETS['save']:.2f} of target)"
     )
-    return assembled
+    if NEW:
+        line += f", cached {r['cached']:6.3f} s ({r['cached'] / TARGETS['cached']:.2f})"
+    line += f", root {r['root_mib']:6.2f} MiB ({r['root_mib'] / TARGETS['root_mib']:.2f})"
+    if NEW:
+        line += f" + table {r['table_mib']:.2f} MiB"
+    line += f", load {r['load']:6.3f} s ({r['load'] / TARGETS['load']:.2f})"
+    if NEW:
+        line += f"; per rank: describe {r['rank_describe'] * 1e3:.1f} ms, list chunks {r['rank_list'] * 1e3:.1f} ms"
+    print(line, flush=True)
+    return r
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--ranks", type=int, default=64)
+    ap.add_argument("--ranks", type=int, default=1024)
     ap.add_argument("--tensors", type=int, default=1000)
+    ap.add_argument("--quick", action="store_true", help="only the full size, no growth rows")
+    ap.add_argument("--irregular", action="store_true", help="add the irregular (uneven boxes) row")
     args = ap.parse_args(argv)
-    print(f"{platform.node()}, {date.today()}, python {platform.python_version()}")
-    half = simulate(args.ranks // 2, args.tensors)
-    full = simulate(args.ranks, args.tensors)
-    print(f"doubling the ranks multiplied the time by {full / half:.2f} (2.0 = linear, 4.0 = quadratic)")
+    print(
+        f"{platform.node()}, {datetime.now(UTC):%Y-%m-%d %H:%M} UTC, python {platform.python_version()}, "
+        f"{'issue-22 code' if NEW else 'code before issue 22'}"
+    )
+    full = report("regular", args.ranks, args.tensors)
+    if not args.quick:
+        half_r = report("regular", args.ranks // 2, args.tensors)
+        half_t = report("regular", args.ranks, args.tensors // 2)
+        print(
+            f"doubling the ranks multiplied the save time by {full['save'] / half_r['save']:.2f}, "
+            f"doubling the tensors by {full['save'] / half_t['save']:.2f} (2.0 = linear)"
+        )
+    if args.irregular:
+        report("irregular", args.ranks, args.tensors, irregular=True)
     return 0
 
 

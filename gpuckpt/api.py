@@ -31,6 +31,7 @@ from gpuckpt.progress import ProgressCallback
 from gpuckpt.reading import (
     TensorEntry,
     check_chunk_files,
+    check_chunk_table,
     paused_gc,
     read_tensors,
     validate_metadata,
@@ -161,6 +162,8 @@ def _open(
     else:
         md = metadata_from_root_document(root, where)
         tensors, objects = validate_metadata(md)
+    # a chunk table's row count is believed only as far as its files hold them
+    check_chunk_table(reader, tensors)
     return reader, md, tensors, objects
 
 

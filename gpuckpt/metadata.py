@@ -26,10 +26,14 @@ if TYPE_CHECKING:
 
 __all__ = [
     "FORMAT_VERSION",
+    "READABLE_VERSIONS",
+    "VERSION_LISTED",
+    "VERSION_WITH_TABLE",
     "STATE_DICT_TYPE",
     "STORAGE_TYPES",
     "BytesStorageMetadata",
     "ChunkStorageMetadata",
+    "GridTensorStorageMetadata",
     "Metadata",
     "MetadataIndex",
     "StorageMeta",
@@ -37,8 +41,14 @@ __all__ = [
     "TensorStorageMetadata",
 ]
 
-#: Version of the on-disk format this release writes and reads.
-FORMAT_VERSION = "1"
+#: The newest version of the on-disk format this release writes (it reads every version up to it).
+FORMAT_VERSION = "2"
+#: The version of a checkpoint that lists every chunk in its metadata (the only form of version 1).
+VERSION_LISTED = "1"
+#: The version of a checkpoint that keeps its per-chunk records in a chunk table.
+VERSION_WITH_TABLE = "2"
+#: Every format version this release reads.
+READABLE_VERSIONS = ("1", "2")
 
 
 @dataclass
@@ -189,6 +199,65 @@ class StorageMeta:
     modules: list[str] = field(default_factory=list)
 
 
+class GridTensorStorageMetadata(TensorStorageMetadata):
+    """A :class:`TensorStorageMetadata` whose chunks are those of a chunk grid, listed when first asked for.
+
+    A checkpoint of a million chunks lists them in no document: each tensor's
+    chunks are the chunks of its grid, in C order of their grid coordinates.
+    ``chunks`` is built on first access (then it is a plain list, as on any
+    :class:`TensorStorageMetadata`); equality, ``repr`` and pickling are those
+    of the base class. ``listed``: whether the JSON form lists the chunks
+    (format version 1 style) or leaves them to the grid.
+    """
+
+    def __init__(
+        self,
+        properties: TensorProperties,
+        size: tuple[int, ...],
+        chunks: list[ChunkStorageMetadata] | None = None,
+        *,
+        grid: Any = None,
+        listed: bool = True,
+    ) -> None:
+        # ``chunks`` given (as by ``dataclasses.replace``): a plain entry of this class
+        self.properties = properties
+        self.size = size
+        self._grid = grid
+        self._listed = listed
+        if chunks is not None or grid is None:
+            self.chunks = [] if chunks is None else chunks
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "chunks":
+            grid = self.__dict__.get("_grid")
+            if grid is None:
+                raise AttributeError(name)
+            chunks = [ChunkStorageMetadata(s.offsets, s.sizes) for s in grid.chunk_list()]
+            self.chunks = chunks
+            return chunks
+        raise AttributeError(name)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, TensorStorageMetadata):
+            return NotImplemented
+        return (self.properties, tuple(self.size), self.chunks) == (
+            other.properties,
+            tuple(other.size),
+            other.chunks,
+        )
+
+    __hash__ = None  # type: ignore[assignment]  # as the base dataclass: mutable, unhashable
+
+    def __repr__(self) -> str:
+        return (
+            f"TensorStorageMetadata(properties={self.properties!r}, size={self.size!r}, "
+            f"chunks={self.chunks!r})"
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (TensorStorageMetadata, (self.properties, self.size, self.chunks))
+
+
 STORAGE_TYPES = TensorStorageMetadata | BytesStorageMetadata
 STATE_DICT_TYPE = dict[str, Any]
 
@@ -220,9 +289,12 @@ class Metadata:
                     "type": "tensor",
                     "properties": md.properties.to_json(),
                     "size": [int(s) for s in md.size],
-                    # chunk boxes come from the planner as Python ints: no per-element conversion
-                    "chunks": [{"offsets": list(c.offsets), "sizes": list(c.sizes)} for c in md.chunks],
                 }
+                if not isinstance(md, GridTensorStorageMetadata) or md._listed:
+                    # chunk boxes come from the planner as Python ints: no per-element conversion
+                    entries[fqn]["chunks"] = [
+                        {"offsets": list(c.offsets), "sizes": list(c.sizes)} for c in md.chunks
+                    ]
             elif isinstance(md, BytesStorageMetadata):
                 entries[fqn] = {"type": "bytes"}
             else:
@@ -258,7 +330,7 @@ class Metadata:
         version = d.get("version")
         if not isinstance(version, str):
             raise MetadataError(f"metadata.version must be a string, found {version!r}")
-        if version != FORMAT_VERSION:
+        if version not in READABLE_VERSIONS:
             numeric = version.isascii() and version.isdigit() and len(version) <= 9
             if numeric and int(version) > int(FORMAT_VERSION):
                 raise UnsupportedVersionError(
@@ -268,6 +340,7 @@ class Metadata:
             raise MetadataError(f"unknown checkpoint format version {version!r}")
         raw_entries = _expect_dict(d.get("state_dict_metadata"), "metadata.state_dict_metadata")
         entries: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
+        storage_data = d.get("storage_data")
         for fqn, raw in raw_entries.items():
             where = f"state_dict_metadata[{fqn!r}]"
             e = _expect_dict(raw, where)
@@ -276,6 +349,15 @@ class Metadata:
                 entries[fqn] = BytesStorageMetadata()
             elif kind == "tensor":
                 size = _int_tuple(e.get("size"), f"{where}.size")
+                if version != "1" and "chunks" not in e:
+                    # format version 2: the chunks are those of the tensor's chunk grid
+                    entries[fqn] = GridTensorStorageMetadata(
+                        TensorProperties.from_json(e.get("properties"), f"{where}.properties"),
+                        size,
+                        grid=_grid_of(storage_data, fqn, size),
+                        listed=False,
+                    )
+                    continue
                 chunks_raw = e.get("chunks")
                 if not isinstance(chunks_raw, list):
                     raise MetadataError(f"{where}.chunks must be a list, found {type(chunks_raw).__name__}")
@@ -338,6 +420,33 @@ class MetadataIndex:
 
 
 # helpers for strict parsing of untrusted JSON --------------------------------
+
+#: most chunks one tensor's grid may have when its chunks are not listed (2**32)
+MAX_GRID_CHUNKS = 1 << 32
+
+
+def _grid_of(storage_data: Any, fqn: str, size: tuple[int, ...]) -> Any:
+    """The chunk grid of tensor ``fqn`` from ``storage_data.tensors[fqn].chunk_grid``."""
+    # at call time: the grid is planning's type, and planning builds on this module
+    from gpuckpt.planning.grid import ChunkGrid
+
+    where = f"storage_data.tensors[{fqn!r}]"
+    tensors = storage_data.get("tensors") if isinstance(storage_data, dict) else None
+    info = tensors.get(fqn) if isinstance(tensors, dict) else None
+    if not isinstance(info, dict):
+        raise MetadataError(
+            f"state_dict_metadata[{fqn!r}] lists no chunks and {where} is missing; a format version 2 "
+            "tensor without a chunk list needs its chunk grid in storage_data"
+        )
+    try:
+        grid = ChunkGrid.from_zarr_json(size, info.get("chunk_grid"))
+    except ValueError as exc:
+        raise MetadataError(f"{where}.chunk_grid: {exc}") from None
+    if grid.nchunks > MAX_GRID_CHUNKS:
+        raise MetadataError(
+            f"{where}.chunk_grid has {grid.nchunks} chunks, more than the {MAX_GRID_CHUNKS} gpuckpt reads"
+        )
+    return grid
 
 
 def _expect_dict(value: Any, where: str) -> Mapping[str, Any]:

@@ -34,23 +34,27 @@ from gpuckpt.errors import (
     MetadataError,
     MissingChunkError,
 )
-from gpuckpt.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+from gpuckpt.metadata import BytesStorageMetadata, GridTensorStorageMetadata, Metadata, TensorStorageMetadata
 from gpuckpt.options import LoadOptions
 from gpuckpt.planning import ChunkGrid, ChunkSpec
+from gpuckpt.planning.boxes import axis_starts
 from gpuckpt.progress import ProgressCounter
 from gpuckpt.runner import batches, run_all
 from gpuckpt.storage.base import CheckpointReader, ChunkReads
 from gpuckpt.storage.checksum import CRC_BYTES
+from gpuckpt.storage.chunk_table import TABLE_KEY, ChunkTable, parse_listed
 from gpuckpt.storage.chunks import is_prefix_box, stored_nbytes
-from gpuckpt.storage.layout import chunk_file_key, is_chunk_file_key, metadata_from_root_document
+from gpuckpt.storage.layout import chunk_file_key, metadata_from_root_document
 from gpuckpt.storage.names import is_safe_name
 
 __all__ = [
     "ChunkRead",
     "TensorEntry",
     "check_chunk_files",
+    "check_chunk_table",
     "checksum_verified",
     "fetch_verified",
+    "load_chunk_records",
     "paused_gc",
     "read_chunk_into",
     "read_tensors",
@@ -70,15 +74,31 @@ class ChunkRead:
     stored: tuple[int, ...]
 
 
-@dataclass(slots=True)
 class TensorEntry:
-    """A tensor of a validated checkpoint."""
+    """A tensor of a validated checkpoint: its array, grid and the records of its chunks.
 
-    fqn: str
-    name: str
-    metadata: TensorStorageMetadata
-    grid: ChunkGrid
-    chunks: list[ChunkRead]
+    ``crcs`` holds the CRC32C of every chunk (C order of grid coordinates); for a
+    checkpoint that keeps its records in a chunk table it is None until
+    :func:`load_chunk_records` reads the rows of this tensor (``table``, ``row``).
+    ``chunks`` (every chunk's :class:`ChunkRead`) is built when first asked for;
+    :meth:`chunk` makes one.
+    """
+
+    __slots__ = ("_chunks", "crcs", "fqn", "grid", "metadata", "name", "row", "table")
+
+    def __init__(
+        self,
+        fqn: str,
+        name: str,
+        metadata: TensorStorageMetadata,
+        grid: ChunkGrid,
+        crcs: np.ndarray | None,
+        table: ChunkTable | None = None,
+        row: int = 0,
+    ) -> None:
+        self.fqn, self.name, self.metadata, self.grid = fqn, name, metadata, grid
+        self.crcs, self.table, self.row = crcs, table, row
+        self._chunks: list[ChunkRead] | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -92,6 +112,56 @@ class TensorEntry:
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.dtype.itemsize
+
+    @property
+    def nchunks(self) -> int:
+        return 0 if any(n == 0 for n in self.shape) else self.grid.nchunks
+
+    def _crcs(self) -> np.ndarray:
+        if self.crcs is None:
+            raise MetadataError(
+                f"the chunk records of tensor {self.fqn!r} were not read from the chunk table; "
+                "call gpuckpt.reading.load_chunk_records first"
+            )
+        return self.crcs
+
+    def _read(self, spec: ChunkSpec, crc: int) -> ChunkRead:
+        stored = self.grid.stored_chunk_shape(spec)
+        return ChunkRead(
+            spec, chunk_file_key(spec.coords), stored_nbytes(stored, self.dtype.itemsize), crc, stored
+        )
+
+    @property
+    def chunks(self) -> list[ChunkRead]:
+        if self._chunks is None:
+            crcs = self._crcs().tolist()
+            self._chunks = [self._read(s, c) for s, c in zip(self.grid.chunk_list(), crcs, strict=True)]
+        return self._chunks
+
+    def chunk(self, coords: tuple[int, ...]) -> ChunkRead:
+        """The chunk at grid coordinates ``coords`` (made without listing the others)."""
+        if self._chunks is not None:
+            flat = _flat(coords, self.grid.grid_shape)
+            return self._chunks[flat]
+        grid = self.grid
+        if grid.kind == "regular":
+            offsets = tuple(c * k for c, k in zip(coords, grid.chunk_shape, strict=True))
+            sizes = tuple(
+                min(k, n - o) for k, n, o in zip(grid.chunk_shape, grid.shape, offsets, strict=True)
+            )
+        else:
+            starts = axis_starts(grid)
+            offsets = tuple(st[c] for st, c in zip(starts, coords, strict=True))
+            sizes = tuple(e[c] for e, c in zip(grid.edges, coords, strict=True))
+        spec = ChunkSpec(tuple(coords), offsets, sizes)
+        return self._read(spec, int(self._crcs()[_flat(coords, grid.grid_shape)]))
+
+
+def _flat(coords: tuple[int, ...], shape: tuple[int, ...]) -> int:
+    flat = 0
+    for c, g in zip(coords, shape, strict=True):
+        flat = flat * g + c
+    return flat
 
 
 _MAX_EXTENT = 2**62
@@ -139,6 +209,8 @@ def validate_metadata(md: Metadata) -> tuple[dict[str, TensorEntry], dict[str, A
     tensors: dict[str, TensorEntry] = {}
     objects: dict[str, Any] = {}
     names: set[str] = set()
+    table: ChunkTable | None = None
+    spans: list[tuple[int, int, str]] = []
     for fqn, entry in md.state_dict_metadata.items():
         if isinstance(entry, BytesStorageMetadata):
             if fqn not in sd["objects"]:
@@ -156,8 +228,12 @@ def validate_metadata(md: Metadata) -> tuple[dict[str, TensorEntry], dict[str, A
         itemsize = np.dtype(entry.properties.dtype).itemsize
         if any(n >= _MAX_EXTENT for n in entry.size) or math.prod(entry.size) * itemsize >= _MAX_EXTENT:
             raise _bad(fqn, f"size {entry.size} is larger than any array can be")
+        parsed = entry.__dict__.get("_grid") if isinstance(entry, GridTensorStorageMetadata) else None
         try:
-            grid = ChunkGrid.from_zarr_json(entry.size, info.get("chunk_grid"))
+            # a chunk list left to the grid was made from this very grid: parsed once
+            grid = (
+                parsed if parsed is not None else ChunkGrid.from_zarr_json(entry.size, info.get("chunk_grid"))
+            )
         except ValueError as exc:
             raise _bad(fqn, f"chunk grid: {exc}") from None
         if grid.kind == "regular" and any(
@@ -170,32 +246,69 @@ def validate_metadata(md: Metadata) -> tuple[dict[str, TensorEntry], dict[str, A
                 f"regular chunk shape {list(grid.chunk_shape)} is larger than the tensor's shape "
                 f"{list(entry.size)}; no chunk may exceed the tensor along any axis",
             )
-        raw_chunks = info.get("chunks")
-        if not isinstance(raw_chunks, list) or len(raw_chunks) != len(entry.chunks):
-            raise _bad(fqn, "storage chunk list does not match the chunk metadata")
         expected_n = 0 if any(n == 0 for n in entry.size) else math.prod(grid.grid_shape)
-        if expected_n != len(entry.chunks):
-            raise _bad(fqn, f"{len(entry.chunks)} chunks listed, the grid has {expected_n}")
-        chunks: list[ChunkRead] = []
-        for i, (spec, cmeta, raw) in enumerate(zip(grid.chunk_list(), entry.chunks, raw_chunks, strict=True)):
-            if tuple(cmeta.offsets) != spec.offsets or tuple(cmeta.sizes) != spec.sizes:
-                raise _bad(fqn, f"chunk {i} box {cmeta} does not match the grid {spec}")
-            if not isinstance(raw, dict):
-                raise _bad(fqn, f"chunk {i} storage entry is not an object")
-            key, nbytes, crc = raw.get("key"), raw.get("nbytes"), raw.get("crc32c")
-            if not is_chunk_file_key(key) or key != chunk_file_key(spec.coords):
-                raise _bad(fqn, f"chunk {i} key {key!r} is not {chunk_file_key(spec.coords)!r}")
-            stored = grid.stored_chunk_shape(spec)
-            if type(nbytes) is not int or nbytes != stored_nbytes(stored, itemsize):
+        lazy = isinstance(entry, GridTensorStorageMetadata) and "chunks" not in entry.__dict__
+        if not lazy:
+            if len(entry.chunks) != expected_n:
+                raise _bad(fqn, f"{len(entry.chunks)} chunks listed, the grid has {expected_n}")
+            for i, (spec, cmeta) in enumerate(zip(grid.chunk_list(), entry.chunks, strict=True)):
+                if tuple(cmeta.offsets) != spec.offsets or tuple(cmeta.sizes) != spec.sizes:
+                    raise _bad(fqn, f"chunk {i} box {cmeta} does not match the grid {spec}")
+        if "rows" in info and md.version != "1":
+            if table is None:
+                table = ChunkTable.parse(sd.get(TABLE_KEY))
+            row = info.get("rows")
+            if type(row) is not int or not 0 <= row <= table.rows - expected_n:
                 raise _bad(
                     fqn,
-                    f"chunk {key} claims {nbytes!r} bytes, its shape needs {stored_nbytes(stored, itemsize)}",
+                    f"its {expected_n} chunk table rows begin at {row!r}, outside the table of {table.rows}",
                 )
-            if not isinstance(crc, int) or isinstance(crc, bool) or not 0 <= crc < 2**32:
-                raise _bad(fqn, f"chunk {key} checksum {crc!r} is not a 32-bit value")
-            chunks.append(ChunkRead(spec, key, nbytes, crc, tuple(stored)))
-        tensors[fqn] = TensorEntry(fqn, name, entry, grid, chunks)
+            spans.append((row, expected_n, fqn))
+            tensors[fqn] = TensorEntry(fqn, name, entry, grid, None, table, row)
+            continue
+        raw_chunks = info.get("chunks")
+        if not isinstance(raw_chunks, list) or len(raw_chunks) != expected_n:
+            raise _bad(fqn, "storage chunk list does not match the chunk metadata")
+        specs = grid.chunk_list()
+        columns = parse_listed(
+            raw_chunks,
+            [chunk_file_key(s.coords) for s in specs],
+            [stored_nbytes(grid.stored_chunk_shape(s), itemsize) for s in specs],
+            functools.partial(_bad, fqn),
+        )
+        tensors[fqn] = TensorEntry(fqn, name, entry, grid, columns["crc32c"])
+    if table is not None:
+        # the tensors' rows tile the table: each row belongs to exactly one chunk
+        at = 0
+        for row, n, fqn in sorted(spans):
+            if n and row != at:
+                raise _bad(
+                    fqn, f"its chunk table rows begin at {row}, expected {at} (rows overlap or are left out)"
+                )
+            at += n
+        if at != table.rows:
+            raise MetadataError(
+                f"metadata.storage_data.{TABLE_KEY} has {table.rows} rows, the tensors' chunks {at}; "
+                "the checkpoint is damaged or was not written by gpuckpt"
+            )
     return tensors, objects
+
+
+def check_chunk_table(reader: CheckpointReader, tensors: dict[str, TensorEntry]) -> None:
+    """Check the files of the chunk table the validated ``tensors`` refer to, if any, before
+    any chunk list is built (see :meth:`~gpuckpt.storage.chunk_table.ChunkTable.check_files`)."""
+    table = next((t.table for t in tensors.values() if t.table is not None), None)
+    if table is not None:
+        table.check_files(reader)
+
+
+def load_chunk_records(reader: CheckpointReader, entries: Iterable[TensorEntry]) -> None:
+    """Read the chunk records of ``entries`` that a chunk table holds (only the table chunks
+    that hold their rows); raises :class:`~gpuckpt.errors.CheckpointCorruptedError` or
+    :class:`~gpuckpt.errors.MissingChunkError` when the table is damaged."""
+    for t in entries:
+        if t.crcs is None and t.table is not None:
+            t.crcs = t.table.read(reader, "crc32c", t.row, t.nchunks)
 
 
 #: validated root documents kept per process (see :func:`validated_metadata`)
@@ -234,7 +347,10 @@ def validated_metadata(
 
 
 def check_chunk_files(reader: CheckpointReader, entries: Iterable[TensorEntry]) -> None:
-    """Check that every chunk file exists with the size the metadata gives, before allocating."""
+    """Check that every chunk file exists with the size the metadata gives, before allocating
+    (the chunk records a chunk table holds are read first, see :func:`load_chunk_records`)."""
+    entries = list(entries)
+    load_chunk_records(reader, entries)
     chunks = [(t, c) for t in entries for c in t.chunks]
     sizes = reader.chunk_sizes([t.name for t, _ in chunks], [c.key for _, c in chunks])
     for (t, c), size in zip(chunks, sizes, strict=True):

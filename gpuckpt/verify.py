@@ -21,7 +21,14 @@ from typing import Any
 from gpuckpt.cli.text import printable
 from gpuckpt.errors import CheckpointCorruptedError, ChecksumError, MetadataError, UnsafeCheckpointError
 from gpuckpt.progress import ProgressCallback, ProgressCounter
-from gpuckpt.reading import ChunkRead, TensorEntry, checksum_verified, validate_metadata
+from gpuckpt.reading import (
+    ChunkRead,
+    TensorEntry,
+    check_chunk_table,
+    checksum_verified,
+    load_chunk_records,
+    validate_metadata,
+)
 from gpuckpt.runner import default_threads, run_ordered
 from gpuckpt.storage.base import CheckpointReader, NotRegularFileError
 from gpuckpt.storage.layout import ATTRIBUTE, expected_array_document, metadata_from_root_document
@@ -197,7 +204,13 @@ def verify_checkpoint(
         report.damage.append(Damage("zarr.json", str(exc)))
         return report
     report.tensors, report.objects = len(tensors), len(objects)
-    report.chunks = sum(len(t.chunks) for t in tensors.values())
+    report.chunks = sum(t.nchunks for t in tensors.values())
+    try:
+        check_chunk_table(reader, tensors)
+        load_chunk_records(reader, tensors.values())
+    except (MetadataError, CheckpointCorruptedError) as exc:
+        report.damage.append(Damage("chunk table", str(exc)))
+        return report
 
     for fqn, enc in objects.items():
         try:

@@ -18,7 +18,7 @@ import errno
 import functools
 import math
 import os
-from collections.abc import Collection, Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -30,8 +30,10 @@ from gpuckpt.device.backend import DeviceBackend, Staging, distinct_backends
 from gpuckpt.errors import CheckpointWriteError, GpuckptError
 from gpuckpt.metadata import (
     FORMAT_VERSION,
+    VERSION_LISTED,
+    VERSION_WITH_TABLE,
     BytesStorageMetadata,
-    ChunkStorageMetadata,
+    GridTensorStorageMetadata,
     Metadata,
     StorageMeta,
     TensorStorageMetadata,
@@ -43,13 +45,19 @@ from gpuckpt.runner import Batcher, Runner
 from gpuckpt.sources import Sources
 from gpuckpt.storage.base import CheckpointWriter, ChunkWrites
 from gpuckpt.storage.checksum import CRC_BYTES
-from gpuckpt.storage.chunks import chunk_bytes
+from gpuckpt.storage.chunk_table import TABLE_KEY, TABLE_MIN_CHUNKS, listed_records, write_table
+from gpuckpt.storage.chunks import chunk_bytes, stored_nbytes
 from gpuckpt.storage.layout import array_document, chunk_file_key, root_document
 from gpuckpt.storage.stores import open_writer
 
 __all__ = [
     "ChunkJob",
     "assemble_metadata",
+    "commit_save",
+    "crc_column",
+    "crc_column_of_results",
+    "uses_table",
+    "written_rows",
     "bind_jobs",
     "device_backends",
     "execute_save",
@@ -73,6 +81,7 @@ class ChunkJob:
     offsets: tuple[int, ...]  # of the chunk's box within ``source``
     sizes: tuple[int, ...]
     stored: tuple[int, ...]
+    row: int = 0  # of the chunk in the save's chunk table
 
     @property
     def key(self) -> str:
@@ -93,7 +102,7 @@ def bind_jobs(assignments: Iterable[ChunkAssignment], sources: Sources) -> list[
             if not any(src.offsets)
             else tuple(o - b for o, b in zip(a.offsets, src.offsets, strict=True))
         )
-        jobs.append(ChunkJob(a.name, a.coords, src.array, local, a.sizes, a.stored))
+        jobs.append(ChunkJob(a.name, a.coords, src.array, local, a.sizes, a.stored, a.row))
     return jobs
 
 
@@ -241,32 +250,122 @@ def _release_all(items: Sequence[_Item]) -> None:
         staged.release()
 
 
+def written_rows(
+    jobs: Sequence[ChunkJob], results: Sequence[tuple[int, int]]
+) -> tuple[np.ndarray, np.ndarray]:
+    """What a process reports of its writes: the chunk table rows of its jobs and their CRC32Cs."""
+    rows = np.fromiter((j.row for j in jobs), np.int64, len(jobs))
+    crcs = np.fromiter((c for _, c in results), np.uint32, len(results))
+    return rows, crcs
+
+
+def crc_column(plan: SavePlan, parts: Iterable[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
+    """The CRC32C of every chunk of ``plan``, in chunk table order, from every process's
+    :func:`written_rows`; raises unless each chunk was written exactly once."""
+    n = plan.nchunks
+    column = np.zeros(n, np.uint32)
+    every = []
+    for rows, crcs in parts:
+        if len(rows) != len(crcs) or (len(rows) and (int(rows.min()) < 0 or int(rows.max()) >= n)):
+            raise GpuckptError(f"a process reported chunk rows outside the plan's {n} chunks")
+        column[rows] = crcs
+        every.append(rows)
+    seen = np.bincount(np.concatenate(every) if every else np.zeros(0, np.int64), minlength=n)
+    if len(seen) != n or (n and not (seen == 1).all()):
+        bad = int(np.flatnonzero(seen != 1)[0])
+        raise GpuckptError(
+            f"chunk {bad} of the save's chunk table was written {int(seen[bad])} times, expected once; "
+            "the processes did not run the same plan"
+        )
+    return column
+
+
+def crc_column_of_results(
+    plan: SavePlan, results: Mapping[tuple[str, tuple[int, ...]], tuple[int, int]]
+) -> np.ndarray:
+    """:func:`crc_column` from ``(array name, chunk coords) -> (stored bytes, CRC32C)``."""
+    column = np.zeros(plan.nchunks, np.uint32)
+    for t in plan.tensors:
+        if t.nchunks:
+            column[t.row : t.row + t.nchunks] = [results[(t.name, s.coords)][1] for s in t.specs]
+    return column
+
+
 def assemble_metadata(
-    plan: SavePlan, results: dict[tuple[str, tuple[int, ...]], tuple[int, int]], checkpoint_id: str | None
+    plan: SavePlan,
+    crcs: np.ndarray | Mapping[tuple[str, tuple[int, ...]], tuple[int, int]],
+    checkpoint_id: str | None,
+    table: Mapping[str, Any] | None = None,
 ) -> Metadata:
-    """The checkpoint's Metadata from the plan and every chunk's ``(stored bytes, CRC32C)``."""
+    """The checkpoint's Metadata from the plan and every chunk's CRC32C, in chunk table order
+    (:func:`crc_column`; or a mapping ``(array name, chunk coords) -> (stored bytes, CRC32C)``).
+
+    ``table``: the ``storage_data`` entry of the chunk table written for the save
+    (:func:`gpuckpt.storage.chunk_table.write_table`; format version 2), or None to list
+    every chunk's record in the metadata (then the checkpoint is format version 1, which
+    every release reads). Chunk lists are never built here: each tensor's chunks are its grid's
+    (:class:`~gpuckpt.metadata.GridTensorStorageMetadata`).
+    """
+    if not isinstance(crcs, np.ndarray):
+        crcs = crc_column_of_results(plan, crcs)
     state_md: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
     tensors_sd: dict[str, Any] = {}
+    listed = table is None
     for t in plan.tensors:
-        infos = []
-        for s in t.specs:
-            nbytes, crc = results[(t.name, s.coords)]
-            infos.append({"key": chunk_file_key(s.coords), "nbytes": nbytes, "crc32c": crc})
-        state_md[t.fqn] = TensorStorageMetadata(
-            properties=t.properties,
-            size=t.shape,
-            chunks=[ChunkStorageMetadata(offsets=s.offsets, sizes=s.sizes) for s in t.specs],
-        )
-        tensors_sd[t.fqn] = {"name": t.name, "chunk_grid": t.grid.to_zarr_json(), "chunks": infos}
+        state_md[t.fqn] = GridTensorStorageMetadata(t.properties, t.shape, grid=t.grid, listed=listed)
+        info: dict[str, Any] = {"name": t.name, "chunk_grid": t.grid.to_zarr_json()}
+        if listed:
+            specs = t.specs
+            itemsize = t.dtype.itemsize
+            regular = t.grid.kind == "regular"
+            info["chunks"] = listed_records(
+                [chunk_file_key(s.coords) for s in specs],
+                [stored_nbytes(t.grid.chunk_shape if regular else s.sizes, itemsize) for s in specs],
+                {"crc32c": crcs[t.row : t.row + t.nchunks]},
+            )
+        else:
+            info["rows"] = t.row
+        tensors_sd[t.fqn] = info
     for fqn in plan.objects:
         state_md[fqn] = BytesStorageMetadata()
+    storage_data: dict[str, Any] = {"tensors": tensors_sd, "objects": dict(plan.objects)}
+    if table is not None:
+        storage_data[TABLE_KEY] = dict(table)
     return Metadata(
         state_dict_metadata=state_md,
         planner_data={"structure": plan.skeleton},
-        storage_data={"tensors": tensors_sd, "objects": dict(plan.objects)},
+        storage_data=storage_data,
         storage_meta=StorageMeta(checkpoint_id=checkpoint_id, modules=["gpuckpt"]),
-        version=None,
+        # a checkpoint that lists its chunks is a format version 1 checkpoint (older releases
+        # read it); only the chunk table needs version 2
+        version=VERSION_WITH_TABLE if table is not None else VERSION_LISTED,
     )
+
+
+def uses_table(plan: SavePlan) -> bool:
+    """Whether a save of ``plan`` keeps its per-chunk records in a chunk table (large saves)."""
+    return plan.nchunks > TABLE_MIN_CHUNKS
+
+
+def commit_save(
+    plan: SavePlan,
+    crcs: np.ndarray,
+    writer: CheckpointWriter,
+    checkpoint_id: str | None,
+    *,
+    table: bool | None = None,
+) -> Metadata:
+    """Write the chunk table (large saves), then publish the root document; returns the Metadata.
+
+    ``table``: whether to write the chunk table; None (the default) decides by the
+    number of chunks (:func:`uses_table`). Tests and fixtures force either form.
+    """
+    if table is None:
+        table = uses_table(plan)
+    entry = write_table(writer, {"crc32c": crcs}) if table and plan.nchunks else None
+    metadata = assemble_metadata(plan, crcs, checkpoint_id, entry)
+    writer.commit(root_document(metadata))
+    return metadata
 
 
 @contextmanager
@@ -297,11 +396,12 @@ def execute_save(
     options: SaveOptions,
     *,
     checkpoint_id: str | None = None,
+    table: bool | None = None,
 ) -> Metadata:
     """Write the single-process ``plan`` from ``sources`` through ``writer`` and commit.
 
     Aborts the writer on any error. ``sources`` are the arrays the plan was
-    described from, or a snapshot of them.
+    described from, or a snapshot of them. ``table``: see :func:`commit_save`.
     """
     (mine,) = plan.assignments
     with writing(writer):
@@ -313,8 +413,7 @@ def execute_save(
         )
         jobs = bind_jobs(mine, sources)
         sizes = write_chunks(jobs, writer, options, documents=single)
-        results = {(j.name, j.coords): r for j, r in zip(jobs, sizes, strict=True)}
-        metadata = assemble_metadata(plan, results, checkpoint_id)
-        writer.commit(root_document(metadata))
+        crcs = crc_column(plan, [written_rows(jobs, sizes)])
+        metadata = commit_save(plan, crcs, writer, checkpoint_id, table=table)
     metadata.version = metadata.version or FORMAT_VERSION
     return metadata

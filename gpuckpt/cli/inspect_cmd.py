@@ -20,7 +20,7 @@ from gpuckpt.cli.text import printable
 from gpuckpt.dtypes import dtype_name
 from gpuckpt.errors import CheckpointNotFoundError, GpuckptError
 from gpuckpt.manager import step_of
-from gpuckpt.reading import TensorEntry, paused_gc
+from gpuckpt.reading import TensorEntry, load_chunk_records, paused_gc
 from gpuckpt.storage.base import CheckpointReader
 from gpuckpt.storage.stores import is_committed
 from gpuckpt.storage.values import decode_object
@@ -79,6 +79,7 @@ def describe_checkpoint(path: Path) -> dict[str, Any]:
     """Everything ``inspect`` shows, as JSON values."""
     with paused_gc():
         reader, md, tensors, objects = _open(path, shared=False)
+        load_chunk_records(reader, tensors.values())
         rows = [_tensor_row(reader, t) for t in tensors.values()]
     meta = md.storage_meta
     return {

@@ -59,10 +59,19 @@ from gpuckpt.metadata import FORMAT_VERSION, Metadata, TensorProperties
 from gpuckpt.options import LoadOptions, SaveOptions
 from gpuckpt.planning.boxes import Box, LocalTensor
 from gpuckpt.planning.plan import ChunkAssignment, SavePlan, StateDescription, plan_save
-from gpuckpt.reading import TensorEntry, check_chunk_files, paused_gc, read_tensors, validate_metadata
+from gpuckpt.planning.uniform import compact_description
+from gpuckpt.reading import (
+    TensorEntry,
+    check_chunk_files,
+    check_chunk_table,
+    paused_gc,
+    read_tensors,
+    validate_metadata,
+)
 from gpuckpt.sources import Source, describe_state
 from gpuckpt.state import unflatten_state_dict
 from gpuckpt.storage.base import CheckpointReader, CheckpointWriter
+from gpuckpt.storage.chunk_table import write_table
 from gpuckpt.storage.layout import metadata_from_root_document, root_document
 from gpuckpt.storage.stores import attach_writer, is_committed, open_reader, scheme_of
 from gpuckpt.storage.values import decode_object, encode_object
@@ -70,7 +79,10 @@ from gpuckpt.writing import (
     array_document_of,
     assemble_metadata,
     bind_jobs,
+    crc_column,
+    crc_column_of_results,
     open_save_writer,
+    uses_table,
     write_array_documents,
     write_chunks,
     writing,
@@ -87,6 +99,7 @@ __all__ = [
     "attach",
     "begin_save",
     "commit_save",
+    "crc_column",
     "is_checkpoint",
     "location_supported",
     "open_checkpoint",
@@ -124,6 +137,12 @@ def plan(held_by_rank: Sequence[Sequence[HeldTensor]], options: SaveOptions) -> 
         )
         for held in held_by_rank
     ]
+    # every rank holding one box of the same tensors (FSDP, TP): planned per tensor, not per chunk
+    compact = [compact_description(r.tensors, r.objects, r.skeleton) for r in ranks]
+    if all(c is not None and c.digest == compact[0].digest for c in compact):  # type: ignore[union-attr]
+        return plan_save(
+            [c for c in compact if c is not None], chunk_bytes=options.chunk_bytes, portable=options.portable
+        )
     return plan_save(ranks, chunk_bytes=options.chunk_bytes, portable=options.portable)
 
 
@@ -203,7 +222,7 @@ def write_assigned(
 
 def commit_save(
     save: OpenSave,
-    results: Mapping[tuple[str, tuple[int, ...]], tuple[int, int]],
+    results: np.ndarray | Mapping[tuple[str, tuple[int, ...]], tuple[int, int]],
     memory_formats: Mapping[str, Any],
     values: Mapping[str, bytes],
     skeleton: Any,
@@ -212,8 +231,11 @@ def commit_save(
 ) -> Metadata:
     """Assemble the metadata of every rank's chunks and publish the checkpoint atomically.
 
-    ``values`` are stored as opaque bytes entries; ``planner_extra`` is added to
-    the metadata's ``planner_data``. On any error the save is aborted.
+    ``results``: every chunk's CRC32C in chunk table order (:func:`crc_column` of what
+    the ranks report), or ``(array name, chunk coords) -> (stored bytes, CRC32C)``; a
+    large save gets its chunk table here. ``values`` are stored as opaque bytes entries;
+    ``planner_extra`` is added to the metadata's ``planner_data``. On any error the save
+    is aborted.
     """
     with writing(save.writer):
         tensors = tuple(
@@ -231,7 +253,9 @@ def commit_save(
                 save.writer.rewrite_array_document(found.name, array_document_of(found))
         objects = {fqn: encode_object(blob, fqn=fqn) for fqn, blob in values.items()}
         done = dataclasses.replace(save.plan, tensors=tensors, objects=objects, skeleton=skeleton)
-        md = assemble_metadata(done, dict(results), checkpoint_id)
+        crcs = results if isinstance(results, np.ndarray) else crc_column_of_results(done, results)
+        table = write_table(save.writer, {"crc32c": crcs}) if uses_table(done) else None
+        md = assemble_metadata(done, crcs, checkpoint_id, table)
         md.planner_data = {**md.planner_data, **planner_extra}
         save.writer.commit(root_document(md))
     md.version = md.version or FORMAT_VERSION
@@ -263,6 +287,7 @@ def open_checkpoint(path: str, options: LoadOptions) -> OpenCheckpoint:
     reader = open_reader(path, storage_options=options.store_options())
     md = metadata_from_root_document(reader.read_root(), f"{os.fspath(path).rstrip('/')}/zarr.json")
     tensors, values = validate_metadata(md)
+    check_chunk_table(reader, tensors)
     return OpenCheckpoint(os.fspath(path), reader, md, tensors, values)
 
 

@@ -9,6 +9,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from torch.distributed.checkpoint.metadata import Metadata as DcpMetadata
 from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan as DcpSavePlan
@@ -44,6 +45,7 @@ class _Written:
     chunks: tuple[tuple[tuple[str, tuple[int, ...]], tuple[int, int]], ...] = ()
     memory_format: str | None = None
     blob: bytes | None = None
+    rows: tuple[int, ...] = ()  # of ``chunks`` in the save's chunk table
 
 
 class Writer(StorageWriter):  # type: ignore[misc,unused-ignore]
@@ -175,7 +177,7 @@ class Writer(StorageWriter):  # type: ignore[misc,unused-ignore]
         nvalues = len({i.index.fqn for p in plans for i in p.items if i.type == WriteItemType.BYTE_IO})
         self._discard()
         # one-chunk arrays the coordinator writes itself: their documents go with their chunk
-        one_chunk = {t.name for t in save_plan.tensors if len(t.specs) == 1}
+        one_chunk = {t.name for t in save_plan.tensors if t.nchunks == 1}
         mine = {a.name for a in assignments[self._rank] if a.name in one_chunk}
         opened = bridge.begin_save(self._path, save_plan, nvalues, self.options, mine)
         self._open = opened
@@ -236,8 +238,10 @@ class Writer(StorageWriter):  # type: ignore[misc,unused-ignore]
         }
         written, formats = bridge.write_assigned(writer, mine.chunks, held, self.options, documents)
         per_box: dict[tuple[str, tuple[int, ...]], list[Any]] = {}
+        rows: dict[tuple[str, tuple[int, ...]], list[int]] = {}
         for a, result in zip(mine.chunks, written, strict=True):
             per_box.setdefault((a.fqn, mine.boxes[a.fqn][a.box]), []).append(result)
+            rows.setdefault((a.fqn, mine.boxes[a.fqn][a.box]), []).append(a.row)
         results = []
         for key, item in by_box.items():
             chunks = per_box.get(key, [])
@@ -246,7 +250,9 @@ class Writer(StorageWriter):  # type: ignore[misc,unused-ignore]
                 WriteResult(
                     index=item.index,
                     size_in_bytes=sum(nbytes for _, (nbytes, _) in chunks),
-                    storage_data=_Written(tuple(chunks), None if fmt is None else fmt.name),
+                    storage_data=_Written(
+                        tuple(chunks), None if fmt is None else fmt.name, rows=tuple(rows.get(key, ()))
+                    ),
                 )
             )
         for item in values:
@@ -266,7 +272,7 @@ class Writer(StorageWriter):  # type: ignore[misc,unused-ignore]
                 "gpuckpt.dcp.Writer.finish without a save in progress: this Writer was reset or reused by "
                 "another save before this one finished (use one Writer per save in flight)"
             )
-        chunks: dict[tuple[str, tuple[int, ...]], tuple[int, int]] = {}
+        parts: list[tuple[np.ndarray, np.ndarray]] = []
         formats: dict[str, set[str]] = {}
         blobs: dict[str, bytes] = {}
         for rank_results in results:
@@ -276,7 +282,9 @@ class Writer(StorageWriter):  # type: ignore[misc,unused-ignore]
                     raise UnsupportedValueError(
                         f"write result of {r.index.fqn!r} was not made by gpuckpt.dcp.Writer"
                     )
-                chunks.update(w.chunks)
+                if w.rows:
+                    crcs = np.fromiter((crc for _, (_, crc) in w.chunks), np.uint32, len(w.chunks))
+                    parts.append((np.asarray(w.rows, np.int64), crcs))
                 if w.memory_format is not None:
                     formats.setdefault(r.index.fqn, set()).add(w.memory_format)
                 if w.blob is not None:
@@ -290,7 +298,7 @@ class Writer(StorageWriter):  # type: ignore[misc,unused-ignore]
         try:
             bridge.commit_save(
                 opened,
-                chunks,
+                bridge.crc_column(opened.plan, parts),
                 chosen,
                 blobs,
                 convert.skeleton_from_paths(metadata.planner_data, fqns),

@@ -109,12 +109,11 @@ def read_boxes(
     counter = ProgressCounter(progress, total)
     reads: list[tuple[TensorEntry, ChunkRead, list[tuple[ArrayAdapter, Box]]]] = []
     for t, boxes in requests:
-        by_coords = {c.spec.coords: c for c in t.chunks}
         wanted: dict[tuple[int, ...], list[tuple[ArrayAdapter, Box]]] = {}
         for adapter, box in boxes:
             for coords in overlapping_chunks(t.grid, box):
                 wanted.setdefault(coords, []).append((adapter, box))
-        reads.extend((t, by_coords[coords], targets) for coords, targets in wanted.items())
+        reads.extend((t, t.chunk(coords), targets) for coords, targets in wanted.items())
     # an overlap is at most the chunk's box
     staging = Staging(
         ((a.backend, c.spec.nelem * t.dtype.itemsize) for t, c, targets in reads for a, _ in targets),

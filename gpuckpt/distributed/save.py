@@ -5,39 +5,52 @@ failure on any rank fails the save on every rank and publishes nothing:
 
 1. every rank describes its tensors (boxes, no data) and plain values
    (:func:`gpuckpt.sources.describe_state`);
-2. rank 0 gathers the descriptions, plans the save
-   (:func:`gpuckpt.planning.plan.plan_save`), begins it and writes the array
-   documents, then scatters each rank's chunk assignments;
+2. every rank sends the digest of its layout (one small collective); when
+   every digest is the previous save's through this coordinator, the previous
+   plan is reused (only the plain values are gathered); otherwise rank 0
+   gathers the descriptions (compact ones when every rank holds one box of the
+   same tensors) and plans the save (:func:`gpuckpt.planning.plan.plan_save`);
+   rank 0 begins the save, writes the array documents and broadcasts the plan,
+   from which each rank lists its own chunks;
 3. every rank writes its chunks (fsynced) into the shared temporary;
-4. rank 0 gathers the chunk sizes and checksums, assembles the global
+4. rank 0 gathers each rank's chunk table rows and checksums (two arrays per
+   rank), writes the chunk table of a large save, assembles the global
    Metadata and commits atomically; every rank returns that Metadata.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import os
 import uuid
+import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from gpuckpt.distributed.coordinator import Coordinator
 from gpuckpt.errors import UnsupportedValueError
 from gpuckpt.metadata import Metadata
 from gpuckpt.options import SaveOptions
-from gpuckpt.planning.plan import ChunkAssignment, SavePlan, StateDescription, plan_save
+from gpuckpt.planning.plan import ChunkAssignment, SavePlan, StateDescription, merge_values, plan_save
+from gpuckpt.planning.uniform import CompactDescription, compact_description, local_layout_digest
 from gpuckpt.sources import Source, describe_state
-from gpuckpt.storage.layout import root_document
 from gpuckpt.storage.stores import attach_writer, scheme_of
 from gpuckpt.writing import (
-    assemble_metadata,
     bind_jobs,
+    commit_save,
+    crc_column,
     open_save_writer,
     write_array_documents,
     write_chunks,
     writing,
+    written_rows,
 )
 
-__all__ = ["distributed_save", "save_described"]
+__all__ = ["PlanCacheInfo", "distributed_save", "plan_cache_info", "save_described"]
 
 #: what a rank saves: its state's description and the arrays behind it (see :mod:`gpuckpt.sources`)
 Described = tuple[StateDescription, dict[str, tuple[Source, ...]]]
@@ -63,6 +76,44 @@ def distributed_save(
     )
 
 
+@dataclass
+class PlanCacheInfo:
+    """How often saves through one coordinator reused the previous plan (``hits``) or planned (``misses``)."""
+
+    hits: int = 0
+    misses: int = 0
+
+
+@dataclass
+class _Cached:
+    token: bytes  # digest of every rank's layout digests (:func:`_token`)
+    plan: SavePlan | None  # rank 0's plan (without values); None on the other ranks
+    mine: tuple[ChunkAssignment, ...]  # the chunks this rank writes
+
+
+def _token(keys: list[tuple[bytes, bytes | None]]) -> bytes:
+    h = hashlib.blake2b(digest_size=32)
+    for d, c in keys:
+        h.update(d)
+        h.update(c or b"-")
+    return h.digest()
+
+
+_cache: weakref.WeakKeyDictionary[Coordinator, _Cached] = weakref.WeakKeyDictionary()
+_info: weakref.WeakKeyDictionary[Coordinator, PlanCacheInfo] = weakref.WeakKeyDictionary()
+
+
+def plan_cache_info(coordinator: Coordinator) -> PlanCacheInfo:
+    """The plan cache counters of saves through ``coordinator`` on this rank."""
+    return _info.setdefault(coordinator, PlanCacheInfo())
+
+
+def _layout_keys(local: StateDescription, options: SaveOptions) -> tuple[bytes, CompactDescription | None]:
+    compact = compact_description(local.tensors, local.objects, local.skeleton)
+    digest = local_layout_digest(local.tensors, chunk_bytes=options.chunk_bytes, portable=options.portable)
+    return digest, compact
+
+
 def save_described(
     describe: Callable[[], Described],
     path: str | os.PathLike[str],
@@ -70,37 +121,81 @@ def save_described(
     options: SaveOptions,
 ) -> Metadata:
     """:func:`distributed_save` of the state ``describe()`` gives (called once, its error
-    reported to every rank): a background save describes and snapshots its state first."""
+    reported to every rank): a background save describes and snapshots its state first.
+
+    Planning costs one small collective when the layout did not change: every rank
+    sends the digest of its layout (:func:`~gpuckpt.planning.uniform.local_layout_digest`);
+    when every digest equals the previous save's through this coordinator, the previous
+    plan is used again and only the plain values are gathered. Otherwise ranks that all
+    hold one box of the same tensors send compact descriptions (planned per tensor, see
+    :mod:`gpuckpt.planning.uniform`), others their full descriptions.
+    """
     coord = coordinator
     if coord.world_size > 1 and scheme_of(path) != "file":
         raise UnsupportedValueError(
             "multi-rank saves go to a shared file system path; object stores are single-writer"
         )
     local, sources = _run(coord, describe)
-    gathered = coord.gather(local)
+    digest, compact = _run(coord, _layout_keys, local, options)
+    cached = _cache.get(coord)
+    # each rank also says which layouts its cached plan is for: every rank sees the same
+    # list, so every rank decides alike (a rank without the cache makes it a miss for all)
+    sent = coord.all_gather(
+        (digest, None if compact is None else compact.digest, None if cached is None else cached.token)
+    )
+    keys: list[tuple[bytes, bytes | None]] = [(d, c) for d, c, _ in sent]
+    layout_token = _token(keys)
+    values: list[Any] | None = None
+    gathered: list[Any] | None = None
+    hit = all(t == layout_token for _, _, t in sent)
+    info = plan_cache_info(coord)
     writer: Any = None
+    if hit:
+        assert cached is not None
+        info.hits += 1
+        values = coord.gather((local.objects, local.skeleton))
+        mine_cached = cached.mine
+    else:
+        info.misses += 1
+        uniform = all(k[1] is not None and k[1] == keys[0][1] for k in keys)
+        send: StateDescription | CompactDescription = local
+        if uniform:
+            assert compact is not None
+            send = compact if coord.rank == 0 else compact.without_tensors()
+        gathered = coord.gather(send)
 
-    def plan_on_root() -> tuple[SavePlan, list[tuple[ChunkAssignment, ...]], str]:
+    def plan_on_root() -> tuple[SavePlan, str]:
         nonlocal writer
-        assert gathered is not None
-        plan = plan_save(gathered, chunk_bytes=options.chunk_bytes, portable=options.portable)
+        if hit:
+            assert cached is not None and cached.plan is not None and values is not None
+            objects, skeleton = merge_values(values)
+            plan = dataclasses.replace(cached.plan, objects=objects, skeleton=skeleton)
+        else:
+            assert gathered is not None
+            plan = plan_save(gathered, chunk_bytes=options.chunk_bytes, portable=options.portable)
         # the other ranks' writers attach without O_DIRECT: the root's writes alike
         writer = open_save_writer(path, options, expected_files=plan.nfiles, direct_io=False)
         with writing(writer):
             writer.begin()
             write_array_documents(plan, writer)
-        return plan, list(plan.assignments), writer.token
+        return plan, writer.token
 
     root = _run(coord, plan_on_root) if coord.rank == 0 else _run(coord, lambda: None)
-    plan, assignments, token = root if root is not None else (None, None, None)
-    mine = coord.scatter(assignments, root=0)
-    token = coord.broadcast(token, root=0)
+    plan, token = root if root is not None else (None, None)
+    if hit:
+        token = coord.broadcast(token, root=0)
+        mine = mine_cached
+    else:
+        # one plan for every rank (no values: they stay on rank 0); each lists its own chunks
+        shared = None if plan is None else dataclasses.replace(plan, objects={}, skeleton=None)
+        shared, token = coord.broadcast((shared, token), root=0)
+        mine = _run(coord, shared.assignments_of, coord.rank)
+        _cache[coord] = _Cached(layout_token, shared if coord.rank == 0 else None, mine)
 
-    def write_mine() -> list[tuple[tuple[str, tuple[int, ...]], tuple[int, int]]]:
+    def write_mine() -> tuple[np.ndarray, np.ndarray]:
         w = writer if coord.rank == 0 else attach_writer(path, token)
         jobs = bind_jobs(mine, sources)
-        sizes_crcs = write_chunks(jobs, w, options)
-        return [((j.name, j.coords), r) for j, r in zip(jobs, sizes_crcs, strict=True)]
+        return written_rows(jobs, write_chunks(jobs, w, options))
 
     try:
         results = _run(coord, write_mine)
@@ -108,10 +203,8 @@ def save_described(
 
         def commit_on_root() -> str:
             assert plan is not None and all_results is not None
-            merged = {k: v for part in all_results for k, v in part}
-            md = assemble_metadata(plan, merged, str(uuid.uuid4()))
             with writing(writer):
-                writer.commit(root_document(md))
+                md = commit_save(plan, crc_column(plan, all_results), writer, str(uuid.uuid4()))
             return md.to_json()
 
         text = _run(coord, commit_on_root) if coord.rank == 0 else _run(coord, lambda: None)

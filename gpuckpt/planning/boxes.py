@@ -23,10 +23,13 @@ each tensor whole):
 from __future__ import annotations
 
 import bisect
+import functools
 import itertools
 import math
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from gpuckpt.errors import UnsupportedValueError
 from gpuckpt.metadata import TensorProperties
@@ -36,10 +39,15 @@ __all__ = [
     "Box",
     "GlobalTensorPlan",
     "LocalTensor",
+    "TensorWrites",
+    "axis_starts",
+    "box_chunks",
     "grid_for_boxes",
+    "grid_from_edges",
     "intersect",
     "overlapping_chunks",
     "plan_global",
+    "plan_one_tensor",
     "plan_tensors",
 ]
 
@@ -145,7 +153,13 @@ def grid_for_boxes(
     """
     if any(n == 0 for n in shape):
         return ChunkGrid.regular(shape, tuple(max(1, n) for n in shape))
-    edges = _edges(boxes, shape)
+    return grid_from_edges(_edges(boxes, shape), shape, itemsize, chunk_bytes=chunk_bytes, portable=portable)
+
+
+def grid_from_edges(
+    edges: list[list[int]], shape: tuple[int, ...], itemsize: int, *, chunk_bytes: int, portable: bool = False
+) -> ChunkGrid:
+    """:func:`grid_for_boxes` from the sorted box edges of each axis (0 and the axis size included)."""
     if shape:
         inner = math.prod(max(b - a for a, b in itertools.pairwise(e)) for e in edges[1:]) * itemsize
         edges[0] = _refine(edges[0], max(1, chunk_bytes // max(1, inner)))
@@ -168,7 +182,7 @@ def overlapping_chunks(
 ) -> Iterable[tuple[int, ...]]:
     """Grid coordinates of every chunk that overlaps ``box`` (``starts``: the grid's, if known)."""
     if starts is None:
-        starts = _axis_starts(grid)
+        starts = axis_starts(grid)
     ranges = []
     for d, (o, s) in enumerate(zip(box[0], box[1], strict=True)):
         if s == 0:
@@ -187,76 +201,156 @@ def _box_chunks(grid: ChunkGrid, box: Box, starts: list[list[int]]) -> Iterable[
     return (first,) if one else overlapping_chunks(grid, box, starts)
 
 
-#: who writes a tensor's chunks: one ``(rank, box index)`` for all of them (a tensor held
-#: whole), or chunk coords -> ``(rank, box index)``
-Writers = tuple[int, int] | dict[tuple[int, ...], tuple[int, int]]
+@dataclass(frozen=True, slots=True)
+class TensorWrites:
+    """Who writes which part of one tensor: one entry per distinct box, as flat tuples.
+
+    Entry ``i`` is the box at ``offsets[i*ndim:(i+1)*ndim]`` of extent
+    ``sizes[i*ndim:(i+1)*ndim]``, written by rank ``ranks[i]`` from the box of
+    index ``boxes[i]`` in that rank's :attr:`LocalTensor.boxes`; the chunks of
+    the tensor's grid inside the box are that rank's to write. One entry per
+    box, not per chunk, so that a plan costs per box (and flat tuples of ints,
+    so that it pickles and compares as plain data).
+    """
+
+    ndim: int
+    ranks: tuple[int, ...]
+    boxes: tuple[int, ...]
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+    @classmethod
+    def one(cls, rank: int, box: int, whole: Box) -> TensorWrites:
+        return cls(len(whole[1]), (rank,), (box,), tuple(whole[0]), tuple(whole[1]))
+
+    def __len__(self) -> int:
+        return len(self.ranks)
+
+    def box(self, i: int) -> Box:
+        n = self.ndim
+        return tuple(self.offsets[i * n : (i + 1) * n]), tuple(self.sizes[i * n : (i + 1) * n])
+
+    def of_rank(self, rank: int) -> list[int]:
+        """Indices of the entries ``rank`` writes (scanned in C: a tensor may have thousands)."""
+        found: list[int] = []
+        i = -1
+        ranks = self.ranks
+        while True:
+            try:
+                i = ranks.index(rank, i + 1)
+            except ValueError:
+                return found
+            found.append(i)
+
+
+@functools.lru_cache(maxsize=64)
+def axis_starts(grid: ChunkGrid) -> list[list[int]]:
+    """The first index of every chunk along each axis of ``grid`` (kept for the last grids
+    asked for: the layers of a model share one; callers must not change the lists)."""
+    return _axis_starts(grid)
+
+
+def box_chunks(grid: ChunkGrid, box: Box, starts: list[list[int]]) -> Iterable[tuple[int, ...]]:
+    """Grid coordinates of the chunks inside ``box`` (whose edges are edges of ``grid``), in C order."""
+    return _box_chunks(grid, box, starts)
+
+
+def _check_agree(fqn: str, held: Sequence[tuple[int, LocalTensor]]) -> None:
+    rank0, first = held[0]
+    for rank, lt in held[1:]:
+        if (lt.global_shape, lt.dtype) != (first.global_shape, first.dtype):
+            raise UnsupportedValueError(
+                f"tensor {fqn!r}: rank {rank0} has shape {first.global_shape} and dtype "
+                f"{first.dtype}, rank {rank} has {lt.global_shape} and {lt.dtype}; every rank must agree"
+            )
+
+
+def plan_one_tensor(
+    first: LocalTensor,
+    held: Sequence[tuple[int, Sequence[Box]]],
+    load: np.ndarray,
+    *,
+    chunk_bytes: int,
+    portable: bool,
+) -> tuple[ChunkGrid, TensorWrites]:
+    """The grid and writers of one tensor from the boxes each holder has (``(rank, boxes)``);
+    ``load[rank]`` (bytes each rank writes so far) is updated. Costs per chunk: the check
+    that the boxes tile the tensor visits each chunk."""
+    fqn, shape, itemsize = first.fqn, first.global_shape, first.itemsize
+    if len(held) == 1 and len(held[0][1]) == 1:
+        ((offsets, sizes),) = held[0][1]
+        if sizes == shape and not any(offsets):
+            # the common case (every tensor of a single-process save): one holder, one box
+            load[held[0][0]] += math.prod(shape) * itemsize
+            return plan_regular_grid(shape, itemsize, chunk_bytes), TensorWrites.one(
+                held[0][0], 0, (offsets, sizes)
+            )
+    whole = ((0,) * len(shape), shape)
+    # replicated boxes are written once, by the least-loaded holder
+    holders: dict[Box, list[tuple[int, int]]] = {}
+    for rank, boxes in held:
+        for i, box in enumerate(boxes):
+            holders.setdefault(box, []).append((rank, i))
+    unique = list(holders)
+    volume = sum(math.prod(s) for _, s in unique)
+    if volume != math.prod(shape):
+        raise UnsupportedValueError(
+            f"tensor {fqn!r} of shape {shape}: its boxes cover {volume} elements of {math.prod(shape)}; "
+            "together the ranks' ShardedArray boxes must tile the whole tensor exactly"
+        )
+
+    def least_loaded(hs: list[tuple[int, int]]) -> tuple[int, int]:
+        return hs[0] if len(hs) == 1 else min(hs, key=lambda h: (int(load[h[0]]), h[0]))
+
+    if unique == [whole]:
+        # held whole by several ranks (a replicated array): the grid a single-process
+        # save plans, so that the same array is chunked alike on every path
+        rank, idx = least_loaded(holders[whole])
+        load[rank] += math.prod(shape) * itemsize
+        return plan_regular_grid(shape, itemsize, chunk_bytes), TensorWrites.one(rank, idx, whole)
+    grid = grid_for_boxes(unique, shape, itemsize, chunk_bytes=chunk_bytes, portable=portable)
+    starts = _axis_starts(grid)
+    seen: set[tuple[int, ...]] = set()
+    ranks: list[int] = []
+    idxs: list[int] = []
+    offs: list[int] = []
+    sizes_flat: list[int] = []
+    for box in unique:
+        rank, idx = least_loaded(holders[box])
+        load[rank] += math.prod(box[1]) * itemsize
+        for coords in _box_chunks(grid, box, starts):
+            if coords in seen:
+                raise UnsupportedValueError(
+                    f"tensor {fqn!r}: boxes overlap (around chunk {coords}); the ranks' ShardedArray "
+                    "boxes must not overlap unless they are identical (replicas)"
+                )
+            seen.add(coords)
+        ranks.append(rank)
+        idxs.append(idx)
+        offs.extend(box[0])
+        sizes_flat.extend(box[1])
+    if len(seen) != (0 if any(n == 0 for n in shape) else grid.nchunks):
+        raise UnsupportedValueError(f"tensor {fqn!r}: the boxes leave parts of the tensor uncovered")
+    return grid, TensorWrites(len(shape), tuple(ranks), tuple(idxs), tuple(offs), tuple(sizes_flat))
 
 
 def plan_tensors(
     locals_by_rank: Sequence[Sequence[LocalTensor]], *, chunk_bytes: int, portable: bool = False
-) -> Iterator[tuple[LocalTensor, ChunkGrid, tuple[ChunkSpec, ...], Writers]]:
-    """Each tensor's description (the first rank's), chunk grid, chunks and writers; see
-    :func:`plan_global`, of which this is the core (without a record per tensor)."""
+) -> Iterator[tuple[LocalTensor, ChunkGrid, TensorWrites]]:
+    """Each tensor's description (the first rank's), chunk grid and writers; see
+    :func:`plan_global`, of which this is the core (without a record per chunk)."""
     by_fqn: dict[str, list[tuple[int, LocalTensor]]] = {}
     for rank, tensors in enumerate(locals_by_rank):
         for lt in tensors:
             by_fqn.setdefault(lt.fqn, []).append((rank, lt))
-    load = [0] * len(locals_by_rank)
+    load = np.zeros(len(locals_by_rank), np.int64)
     for fqn, held in by_fqn.items():
+        _check_agree(fqn, held)
         first = held[0][1]
-        shape = first.global_shape
-        if len(held) == 1 and len(first.boxes) == 1:
-            ((offsets, sizes),) = first.boxes
-            if sizes == shape and not any(offsets):
-                # the common case (every tensor of a single-process save): one holder, one box
-                grid = plan_regular_grid(shape, first.itemsize, chunk_bytes)
-                load[held[0][0]] += math.prod(shape) * first.itemsize
-                yield first, grid, tuple(grid.chunk_list()), (held[0][0], 0)
-                continue
-        whole = ((0,) * len(shape), shape)
-        for rank, lt in held[1:]:
-            if (lt.global_shape, lt.dtype) != (first.global_shape, first.dtype):
-                raise UnsupportedValueError(
-                    f"tensor {fqn!r}: rank {held[0][0]} has shape {first.global_shape} and dtype "
-                    f"{first.dtype}, rank {rank} has {lt.global_shape} and {lt.dtype}; every rank must agree"
-                )
-        # replicated boxes are written once, by the least-loaded holder
-        holders: dict[Box, list[tuple[int, int]]] = {}
-        for rank, lt in held:
-            for i, box in enumerate(lt.boxes):
-                holders.setdefault(box, []).append((rank, i))
-        unique = list(holders)
-        volume = sum(math.prod(s) for _, s in unique)
-        if volume != math.prod(shape):
-            raise UnsupportedValueError(
-                f"tensor {fqn!r} of shape {shape}: its boxes cover {volume} elements of {math.prod(shape)}; "
-                "together the ranks' ShardedArray boxes must tile the whole tensor exactly"
-            )
-        if unique == [whole]:
-            # held whole by several ranks (a replicated array): the grid a single-process
-            # save plans, so that the same array is chunked alike on every path
-            writer = min(holders[whole], key=lambda h: (load[h[0]], h[0]))
-            load[writer[0]] += math.prod(shape) * first.itemsize
-            grid = plan_regular_grid(shape, first.itemsize, chunk_bytes)
-            yield first, grid, tuple(grid.chunk_list()), writer
-            continue
-        grid = grid_for_boxes(unique, shape, first.itemsize, chunk_bytes=chunk_bytes, portable=portable)
-        starts = _axis_starts(grid)
-        writers: dict[tuple[int, ...], tuple[int, int]] = {}
-        for box in unique:
-            hs = holders[box]
-            rank, idx = hs[0] if len(hs) == 1 else min(hs, key=lambda h: (load[h[0]], h[0]))
-            load[rank] += math.prod(box[1]) * first.itemsize
-            for coords in _box_chunks(grid, box, starts):
-                if coords in writers:
-                    raise UnsupportedValueError(
-                        f"tensor {fqn!r}: boxes overlap (around chunk {coords}); the ranks' ShardedArray "
-                        "boxes must not overlap unless they are identical (replicas)"
-                    )
-                writers[coords] = (rank, idx)
-        if len(writers) != (0 if any(n == 0 for n in shape) else grid.nchunks):
-            raise UnsupportedValueError(f"tensor {fqn!r}: the boxes leave parts of the tensor uncovered")
-        yield first, grid, tuple(grid.chunk_list()), writers
+        grid, writes = plan_one_tensor(
+            first, [(r, lt.boxes) for r, lt in held], load, chunk_bytes=chunk_bytes, portable=portable
+        )
+        yield first, grid, writes
 
 
 def plan_global(
@@ -267,8 +361,13 @@ def plan_global(
 ) -> list[GlobalTensorPlan]:
     """Merge every rank's tensors into one plan; raises on inconsistent or incomplete boxes."""
     plans = []
-    for lt, grid, specs, writers in plan_tensors(locals_by_rank, chunk_bytes=chunk_bytes, portable=portable):
-        if not isinstance(writers, dict):
-            writers = dict.fromkeys((s.coords for s in specs), writers)
+    for lt, grid, writes in plan_tensors(locals_by_rank, chunk_bytes=chunk_bytes, portable=portable):
+        starts = axis_starts(grid)
+        writers = {}
+        if not any(n == 0 for n in lt.global_shape):
+            for i in range(len(writes)):
+                for coords in _box_chunks(grid, writes.box(i), starts):
+                    writers[coords] = (writes.ranks[i], writes.boxes[i])
+        specs = tuple(grid.chunk_list())
         plans.append(GlobalTensorPlan(lt.fqn, lt.global_shape, lt.dtype, lt.properties, grid, specs, writers))
     return plans

@@ -20,8 +20,9 @@ snapshot, and plans are tested as data (``tests/unit/test_save_plan.py``).
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,8 +30,9 @@ import numpy as np
 
 from gpuckpt.dtypes import dtype_from_name
 from gpuckpt.metadata import TensorProperties
-from gpuckpt.planning.boxes import LocalTensor, plan_tensors
+from gpuckpt.planning.boxes import LocalTensor, TensorWrites, axis_starts, box_chunks, plan_tensors
 from gpuckpt.planning.grid import ChunkGrid, ChunkSpec
+from gpuckpt.planning.uniform import CompactDescription, plan_uniform
 from gpuckpt.storage.names import encode_name
 
 __all__ = [
@@ -39,6 +41,7 @@ __all__ = [
     "StateDescription",
     "TensorPlan",
     "merge_skeletons",
+    "merge_values",
     "plan_save",
 ]
 
@@ -69,11 +72,23 @@ class ChunkAssignment:
     sizes: tuple[int, ...]
     stored: tuple[int, ...]  # stored (possibly padded) chunk shape
     box: int  # index of the box in the process's ``LocalTensor.boxes`` of this tensor
+    row: int = 0  # of the chunk in the plan's chunk table (see :attr:`TensorPlan.row`)
+
+
+@functools.lru_cache(maxsize=256)
+def _specs_of(grid: ChunkGrid) -> tuple[ChunkSpec, ...]:
+    return tuple(grid.chunk_list())
 
 
 @dataclass(frozen=True, slots=True)
 class TensorPlan:
-    """One tensor of a save: its array (name, shape, dtype, grid, properties) and its chunks."""
+    """One tensor of a save: its array (name, shape, dtype, grid, properties) and who writes its chunks.
+
+    ``writes``: which rank writes the chunks inside which box (one entry per
+    box, see :class:`~gpuckpt.planning.boxes.TensorWrites`); ``row``: the row
+    of its first chunk in the save's chunk table, the others following in C
+    order of their grid coordinates (the order of the metadata).
+    """
 
     fqn: str
     name: str
@@ -81,11 +96,56 @@ class TensorPlan:
     dtype: np.dtype[Any]
     grid: ChunkGrid
     properties: TensorProperties
-    specs: tuple[ChunkSpec, ...]  # every chunk of the grid, in the order of the metadata
+    writes: TensorWrites
+    row: int = 0
 
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.dtype.itemsize
+
+    @property
+    def nchunks(self) -> int:
+        """Chunks of the tensor's grid (none for an empty tensor), counted without listing them."""
+        return 0 if any(n == 0 for n in self.shape) else self.grid.nchunks
+
+    @property
+    def specs(self) -> tuple[ChunkSpec, ...]:
+        """Every chunk of the grid, in the order of the metadata (made when asked for)."""
+        return _specs_of(self.grid)
+
+    def chunks_of(self, rank: int, memo: dict[int, list[int]] | None = None) -> Iterator[ChunkAssignment]:
+        """The chunks ``rank`` writes, box by box, each box's chunks in C order (``memo``: the
+        boxes ``rank`` writes of each :class:`TensorWrites` already looked at, by ``id``)."""
+        if self.nchunks == 0:
+            return
+        w = self.writes
+        if memo is None:
+            mine = w.of_rank(rank)
+        else:
+            found = memo.get(id(w))
+            mine = memo[id(w)] = w.of_rank(rank) if found is None else found
+        if not mine:
+            return
+        grid, fqn, name = self.grid, self.fqn, self.name
+        starts = axis_starts(grid)
+        gshape = grid.grid_shape
+        regular = grid.kind == "regular"
+        for i in mine:
+            box = w.box(i)
+            idx = w.boxes[i]
+            for coords in box_chunks(grid, box, starts):
+                offsets = tuple(st[c] for st, c in zip(starts, coords, strict=True))
+                if regular:
+                    sizes = tuple(
+                        min(c, n - o) for c, n, o in zip(grid.chunk_shape, grid.shape, offsets, strict=True)
+                    )
+                    stored = grid.chunk_shape
+                else:
+                    sizes = stored = tuple(e[c] for e, c in zip(grid.edges, coords, strict=True))
+                flat = 0
+                for c, g in zip(coords, gshape, strict=True):
+                    flat = flat * g + c
+                yield ChunkAssignment(fqn, name, coords, offsets, sizes, stored, idx, self.row + flat)
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,21 +156,22 @@ class SavePlan:
     ----------
     tensors
         Every tensor of the state, in the order of the state dict: its Zarr
-        array and every chunk of it (see :class:`TensorPlan`).
+        array, its chunk grid and who writes which of its chunks (see
+        :class:`TensorPlan`).
     objects
         The plain values, encoded, by FQN.
     skeleton
         The nesting of the state dict, stored so that a load rebuilds it.
-    assignments
-        For each process (rank), the chunks it writes; together they cover
-        every chunk of every tensor exactly once. A single-process save has
-        one entry.
+    world_size
+        The number of processes (ranks) that write; a single-process save has one.
 
+    The chunks each process writes (:meth:`assignments_of`) are listed only
+    when asked for, by that process: a plan costs per tensor and box, not per
+    chunk. Together they cover every chunk of every tensor exactly once.
     A plan is made by :func:`plan_save` and never changed: running it binds
     each process's assignments to that process's arrays
-    (:func:`gpuckpt.writing.bind_jobs`), and the chunk sizes and checksums
-    the writes return complete the metadata
-    (:func:`gpuckpt.writing.assemble_metadata`).
+    (:func:`gpuckpt.writing.bind_jobs`), and the chunk checksums the writes
+    return complete the metadata (:func:`gpuckpt.writing.assemble_metadata`).
 
     Examples
     --------
@@ -129,12 +190,28 @@ class SavePlan:
     tensors: tuple[TensorPlan, ...]
     objects: Mapping[str, Any]
     skeleton: Any
-    assignments: tuple[tuple[ChunkAssignment, ...], ...]
+    world_size: int = 1
+
+    @property
+    def nchunks(self) -> int:
+        """Chunks of every tensor: the rows of the save's chunk table."""
+        return sum(t.nchunks for t in self.tensors)
 
     @property
     def nfiles(self) -> int:
         """Files the checkpoint holds: each chunk, each array's document, and the root document."""
-        return sum(1 + len(t.specs) for t in self.tensors) + 1
+        return sum(1 + t.nchunks for t in self.tensors) + 1
+
+    def assignments_of(self, rank: int) -> tuple[ChunkAssignment, ...]:
+        """The chunks process ``rank`` writes, tensor by tensor."""
+        # tensors of one layout share their writers: each is scanned for ``rank`` once
+        memo: dict[int, list[int]] = {}
+        return tuple(a for t in self.tensors for a in t.chunks_of(rank, memo))
+
+    @property
+    def assignments(self) -> tuple[tuple[ChunkAssignment, ...], ...]:
+        """:meth:`assignments_of` every process (costs per chunk of the whole save)."""
+        return tuple(self.assignments_of(r) for r in range(self.world_size))
 
 
 def merge_skeletons(a: Any, b: Any) -> Any:
@@ -147,45 +224,67 @@ def merge_skeletons(a: Any, b: Any) -> Any:
     return a
 
 
-def plan_save(ranks: Sequence[StateDescription], *, chunk_bytes: int, portable: bool = False) -> SavePlan:
+def merge_values(ranks: Sequence[tuple[Mapping[str, Any], Any]]) -> tuple[dict[str, Any], Any]:
+    """The plain values (first rank's wins) and the merged skeleton of ``(objects, skeleton)`` per rank."""
+    objects: dict[str, Any] = {}
+    skeleton = ranks[0][1]
+    for i, (objs, skel) in enumerate(ranks):
+        for k, v in objs.items():
+            objects.setdefault(k, v)
+        if i:
+            skeleton = merge_skeletons(skeleton, skel)
+    return objects, skeleton
+
+
+def plan_save(
+    ranks: Sequence[StateDescription | CompactDescription], *, chunk_bytes: int, portable: bool = False
+) -> SavePlan:
     """The plan of a save from what each process (rank) holds, ``ranks[r]`` being rank ``r``'s.
 
     Chunk grids and writers come from :func:`gpuckpt.planning.boxes.plan_tensors`
     (``chunk_bytes``: target chunk size; ``portable``: regular grids even for
     uneven boxes); a value held by several ranks is taken from the first.
-    Raises :class:`~gpuckpt.errors.UnsupportedValueError` for boxes that do not
-    tile their tensor or ranks that disagree on a tensor.
+    When every rank sent a :class:`~gpuckpt.planning.uniform.CompactDescription`
+    with the same digest, the tensors are planned over all ranks at once
+    (:func:`~gpuckpt.planning.uniform.plan_uniform`, the same plan at a cost per
+    tensor). Raises :class:`~gpuckpt.errors.UnsupportedValueError` for boxes that
+    do not tile their tensor or ranks that disagree on a tensor.
     """
     if not ranks:
         raise ValueError("plan_save needs the description of at least one process")
+    planned: Iterable[tuple[LocalTensor, ChunkGrid, TensorWrites]]
+    if all(isinstance(r, CompactDescription) for r in ranks):
+        compact = [r for r in ranks if isinstance(r, CompactDescription)]
+        if any(r.digest != compact[0].digest for r in compact):
+            raise ValueError(
+                "plan_save got compact descriptions of different layouts; send the full StateDescription "
+                "of every rank when their layout digests differ"
+            )
+        planned = plan_uniform(compact, chunk_bytes=chunk_bytes, portable=portable)
+    else:
+        full = []
+        for i, r in enumerate(ranks):
+            if isinstance(r, CompactDescription):
+                if r.tensors is None:
+                    raise ValueError(f"rank {i}'s compact description carries no tensors to plan from")
+                r = StateDescription(r.tensors, r.objects, r.skeleton)
+            full.append(r)
+        planned = plan_tensors([r.tensors for r in full], chunk_bytes=chunk_bytes, portable=portable)
     tensors = []
-    assignments: list[list[ChunkAssignment]] = [[] for _ in ranks]
-    planned = plan_tensors([r.tensors for r in ranks], chunk_bytes=chunk_bytes, portable=portable)
-    for lt, grid, specs, writers in planned:
+    row = 0
+    for lt, grid, writes in planned:
         fqn = lt.fqn
-        name = encode_name(fqn)
-        tensors.append(
-            TensorPlan(fqn, name, lt.global_shape, dtype_from_name(lt.dtype), grid, lt.properties, specs)
+        t = TensorPlan(
+            fqn,
+            encode_name(fqn),
+            lt.global_shape,
+            dtype_from_name(lt.dtype),
+            grid,
+            lt.properties,
+            writes,
+            row,
         )
-        regular = grid.kind == "regular"
-        if isinstance(writers, dict):
-            for s in specs:
-                rank, box = writers[s.coords]
-                stored = grid.chunk_shape if regular else s.sizes
-                assignments[rank].append(
-                    ChunkAssignment(fqn, name, s.coords, s.offsets, s.sizes, stored, box)
-                )
-        else:
-            rank, box = writers
-            mine = assignments[rank]
-            for s in specs:
-                stored = grid.chunk_shape if regular else s.sizes
-                mine.append(ChunkAssignment(fqn, name, s.coords, s.offsets, s.sizes, stored, box))
-    objects: dict[str, Any] = {}
-    skeleton = ranks[0].skeleton
-    for i, r in enumerate(ranks):
-        for k, v in r.objects.items():
-            objects.setdefault(k, v)
-        if i:
-            skeleton = merge_skeletons(skeleton, r.skeleton)
-    return SavePlan(tuple(tensors), objects, skeleton, tuple(tuple(a) for a in assignments))
+        tensors.append(t)
+        row += t.nchunks
+    objects, skeleton = merge_values([(r.objects, r.skeleton) for r in ranks])
+    return SavePlan(tuple(tensors), objects, skeleton, len(ranks))

@@ -1,10 +1,12 @@
 """The state behind the golden checkpoints in ``tests/fixtures/``.
 
-``python -m gpuckpt.testing.golden DIR`` writes a checkpoint of
-:func:`golden_state` with the current code. The committed copy under
-``tests/fixtures/format-v1`` was written by format version 1; every test run
-loads it and compares with :func:`golden_state`, so a change that would make
-old checkpoints unreadable (format drift) fails loudly.
+``python -m gpuckpt.testing.golden DIR [--chunk-table]`` writes a checkpoint of
+:func:`golden_state` with the current code. The committed copies under
+``tests/fixtures/format-v1`` (written by format version 1) and
+``tests/fixtures/format-v2`` (format version 2, its chunk records in a chunk
+table, as large checkpoints keep them) are loaded by every test run and
+compared with :func:`golden_state`, so a change that would make old
+checkpoints unreadable (format drift) fails loudly.
 """
 
 from __future__ import annotations
@@ -57,9 +59,23 @@ def golden_state() -> dict[str, Any]:
 
 
 def main(argv: list[str]) -> int:
+    """``DIR``: a checkpoint of :func:`golden_state`; ``DIR --chunk-table``: the same with its
+    per-chunk records in a chunk table, as large checkpoints of format version 2 keep them."""
     import gpuckpt
 
-    gpuckpt.save(golden_state(), argv[0], chunk_bytes=512)
+    if "--chunk-table" not in argv[1:]:
+        gpuckpt.save(golden_state(), argv[0], chunk_bytes=512)
+        return 0
+    from gpuckpt.options import SaveOptions
+    from gpuckpt.planning.plan import plan_save
+    from gpuckpt.sources import describe_state
+    from gpuckpt.writing import execute_save, open_save_writer
+
+    options = SaveOptions(chunk_bytes=512)
+    local, sources = describe_state(golden_state(), allow_pickle=False)
+    plan = plan_save([local], chunk_bytes=options.chunk_bytes)
+    writer = open_save_writer(argv[0], options, expected_files=plan.nfiles, direct_io=False)
+    execute_save(plan, sources, writer, options, checkpoint_id="golden-v2", table=True)
     return 0
 
 

@@ -231,6 +231,19 @@ def test_large_tensors_split_into_chunks_and_other_stores_read_them(tmp_path: Pa
     assert np.array_equal(arr.read().result(), sd["w"].numpy())
 
 
+def test_a_large_dcp_save_keeps_its_chunk_records_in_the_chunk_table(tmp_path: Path) -> None:
+    """More chunks than a root document lists: DCP's finish writes format version 2's chunk table."""
+    w = torch.arange(4200 * 4, dtype=torch.float32).reshape(4200, 4)
+    dcp.save({"w": w, "step": 3}, storage_writer=gpuckpt.dcp.Writer(tmp_path / "c", chunk_bytes=16))
+    md = gpuckpt.read_metadata(tmp_path / "c")
+    assert md.version == "2" and md.storage_data["chunk_table"]["rows"] == 4200
+    assert len(md.state_dict_metadata["w"].chunks) == 4200  # type: ignore[union-attr]
+    target = {"w": torch.zeros(4200, 4), "step": 0}
+    dcp.load(target, storage_reader=gpuckpt.dcp.Reader(tmp_path / "c"))
+    assert torch.equal(target["w"], w) and target["step"] == 3
+    assert np.array_equal(gpuckpt.load_state_dict(tmp_path / "c")["w"], w.numpy())
+
+
 def test_foreign_objects_need_allow_pickle_to_load(tmp_path: Path) -> None:
     """DCP's pickled values are loaded with weights_only unless the Reader is told to trust them."""
     from torch.distributed.checkpoint.api import CheckpointException

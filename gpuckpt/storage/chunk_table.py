@@ -1,0 +1,350 @@
+"""Per-chunk records of a checkpoint: one module encodes and decodes them, in both of their forms.
+
+Every stored chunk has a record: its file key, its stored byte size and its
+CRC32C. The key and the size follow from the tensor's chunk grid and dtype
+(Zarr's key encoding; the stored, padded, chunk shape), so only the checksum
+(and any optional per-chunk field) is information. A checkpoint stores the
+records in one of two forms, per tensor:
+
+- **listed** (format version 1, and small checkpoints of version 2): the
+  tensor's ``storage_data`` entry has ``"chunks": [{"key", "nbytes",
+  "crc32c"}, ...]``, one JSON object per chunk;
+- **table** (format version 2, checkpoints of more than
+  :data:`TABLE_MIN_CHUNKS` chunks): the entry has ``"rows": R``, and the
+  tensor's chunks are rows ``R, R+1, ...`` (C order of their grid
+  coordinates) of the checkpoint's *chunk table*. Each column of the table
+  is a Zarr v3 array next to the tensors' (:func:`column_array_name`), of
+  :data:`ROWS_PER_CHUNK` rows per chunk, stored with the ``bytes`` (little
+  endian) and ``crc32c`` codecs; ``storage_data["chunk_table"]`` gives the
+  number of rows and, per column, the CRC32C of each of its chunks, so the
+  root document pins the table. A load reads only the table chunks that
+  hold the rows of the tensors it loads.
+
+Columns (:data:`COLUMNS`): ``crc32c`` (``uint32``). A column of a
+fixed-width per-chunk field (such as a 16-byte digest) is a ``uint8`` array of
+``rows x width``; listed, such a field is a string of ``2 * width`` hex digits.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from gpuckpt.errors import CheckpointCorruptedError, MetadataError, MissingChunkError
+from gpuckpt.storage.base import CheckpointReader, CheckpointWriter, ChunkWrites
+from gpuckpt.storage.checksum import CRC_BYTES, crc32c
+from gpuckpt.storage.layout import is_chunk_file_key
+
+__all__ = [
+    "COLUMNS",
+    "ROWS_PER_CHUNK",
+    "TABLE_KEY",
+    "TABLE_MIN_CHUNKS",
+    "Column",
+    "ChunkTable",
+    "column_array_name",
+    "encode_table",
+    "listed_records",
+    "parse_listed",
+    "write_table",
+]
+
+#: checkpoints with more chunks than this keep their per-chunk records in the chunk table
+TABLE_MIN_CHUNKS = 4096
+#: rows of the chunk table per stored chunk of a column (256 KiB of CRC32Cs)
+ROWS_PER_CHUNK = 1 << 16
+#: the key of ``storage_data`` that describes the chunk table
+TABLE_KEY = "chunk_table"
+#: most rows a chunk table may have (4 Gi chunks)
+MAX_TABLE_ROWS = 1 << 32
+#: most rows one stored chunk of the table may hold when read (16 MiB of a 16-byte column)
+MAX_ROWS_PER_CHUNK = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class Column:
+    """One per-chunk field: its name, its element type and its width (elements per row)."""
+
+    name: str
+    dtype: np.dtype[Any]
+    width: int = 1
+
+    @property
+    def row_bytes(self) -> int:
+        return self.dtype.itemsize * self.width
+
+
+#: the per-chunk fields, by name (an optional 16-byte digest would be ``Column(name, uint8, 16)``)
+COLUMNS: dict[str, Column] = {"crc32c": Column("crc32c", np.dtype("<u4"))}
+
+
+_HEX = re.compile(r"[0-9a-f]+")
+
+
+def column_array_name(column: str) -> str:
+    """The array that holds a column; no tensor has it (tensor names begin with a letter, digit or %)."""
+    return f"_gpuckpt.table.{column}"
+
+
+def _chunk_key(k: int, column: Column) -> str:
+    return f"c.{k}" if column.width == 1 else f"c.{k}.0"
+
+
+def listed_records(
+    keys: Sequence[str], nbytes: Sequence[int], columns: Mapping[str, np.ndarray]
+) -> list[dict[str, Any]]:
+    """The listed form: one JSON object per chunk (``key``, ``nbytes`` and each column's value)."""
+    out: list[dict[str, Any]] = [{"key": k, "nbytes": n} for k, n in zip(keys, nbytes, strict=True)]
+    for name, values in columns.items():
+        col = COLUMNS[name]
+        if col.width == 1:
+            for rec, v in zip(out, values.tolist(), strict=True):
+                rec[name] = v
+        else:
+            for rec, v in zip(out, values, strict=True):
+                rec[name] = bytes(v).hex()
+    return out
+
+
+def parse_listed(
+    raw: list[Any], keys: Sequence[str], nbytes: Sequence[int], bad: Callable[[str], Exception]
+) -> dict[str, np.ndarray]:
+    """The columns of listed records ``raw`` (untrusted JSON), each checked against the key and
+    byte size the grid gives its chunk (``keys``, ``nbytes``); ``bad(what)`` makes the error.
+
+    ``crc32c`` must be a 32-bit integer in every record. A fixed-width column is taken only
+    when every record holds a valid value (``2 * width`` lowercase hex digits); a record
+    without one leaves that column out, never an error.
+    """
+    crcs = np.zeros(len(raw), np.uint32)
+    wide = {name: col for name, col in COLUMNS.items() if col.width > 1}
+    found: dict[str, list[bytes] | None] = {name: [] for name in wide}
+    for i, rec in enumerate(raw):
+        if not isinstance(rec, dict):
+            raise bad(f"chunk {i} storage entry is not an object")
+        key, size, crc = rec.get("key"), rec.get("nbytes"), rec.get("crc32c")
+        if not is_chunk_file_key(key) or key != keys[i]:
+            raise bad(f"chunk {i} key {key!r} is not {keys[i]!r}")
+        if type(size) is not int or size != nbytes[i]:
+            raise bad(f"chunk {key} claims {size!r} bytes, its shape needs {nbytes[i]}")
+        if not isinstance(crc, int) or isinstance(crc, bool) or not 0 <= crc < 2**32:
+            raise bad(f"chunk {key} checksum {crc!r} is not a 32-bit value")
+        crcs[i] = crc
+        for name, col in wide.items():
+            values = found[name]
+            if values is None:
+                continue
+            text = rec.get(name)
+            if isinstance(text, str) and len(text) == 2 * col.width and _HEX.fullmatch(text):
+                values.append(bytes.fromhex(text))
+            else:
+                found[name] = None
+    columns: dict[str, np.ndarray] = {"crc32c": crcs}
+    for name, values in found.items():
+        if values is not None and raw:
+            columns[name] = np.frombuffer(b"".join(values), np.uint8).reshape(len(raw), wide[name].width)
+    return columns
+
+
+@dataclass(frozen=True, slots=True)
+class TablePart:
+    """One stored chunk of a column: array ``name``, chunk ``key``, its bytes (padded) and their CRC32C."""
+
+    name: str
+    key: str
+    data: memoryview
+    crc: int
+
+
+def _array_document(column: Column, rows: int, chunk_rows: int) -> bytes:
+    shape = [rows] if column.width == 1 else [rows, column.width]
+    chunks = [chunk_rows] if column.width == 1 else [chunk_rows, column.width]
+    codecs: list[dict[str, Any]] = [{"name": "bytes"}, {"name": "crc32c"}]
+    if column.dtype.itemsize > 1:
+        codecs[0]["configuration"] = {"endian": "little"}
+    doc = {
+        "zarr_format": 3,
+        "node_type": "array",
+        "shape": shape,
+        "data_type": column.dtype.newbyteorder("=").name,
+        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": chunks}},
+        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "."}},
+        "fill_value": 0,
+        "codecs": codecs,
+        "attributes": {"gpuckpt": {"chunk_table": column.name}},
+    }
+    return json.dumps(doc, separators=(",", ":")).encode()
+
+
+def encode_table(
+    columns: Mapping[str, np.ndarray],
+) -> tuple[dict[str, Any], list[tuple[str, bytes]], list[TablePart]]:
+    """The chunk table of ``columns`` (each ``rows`` long): its ``storage_data`` entry, the array
+    documents ``(name, zarr.json)`` and the chunks to store."""
+    rows = len(next(iter(columns.values())))
+    if rows == 0 or rows > MAX_TABLE_ROWS:
+        raise ValueError(f"a chunk table has 1 to {MAX_TABLE_ROWS} rows, not {rows}")
+    chunk_rows = min(ROWS_PER_CHUNK, rows)
+    entry: dict[str, Any] = {"rows": rows, "rows_per_chunk": chunk_rows, "columns": {}}
+    documents, parts = [], []
+    for name, values in columns.items():
+        col = COLUMNS[name]
+        if len(values) != rows:
+            raise ValueError(f"column {name!r} has {len(values)} rows, the table {rows}")
+        arr_name = column_array_name(name)
+        documents.append((arr_name, _array_document(col, rows, chunk_rows)))
+        nchunks = -(-rows // chunk_rows)
+        padded = np.zeros(nchunks * chunk_rows * col.width, col.dtype)
+        padded[: rows * col.width] = np.ascontiguousarray(values, col.dtype).reshape(-1)
+        raw = memoryview(padded.view(np.uint8)).cast("B")
+        step = chunk_rows * col.row_bytes
+        crcs = []
+        for k in range(nchunks):
+            data = raw[k * step : (k + 1) * step]
+            crc = crc32c(data)
+            crcs.append(crc)
+            parts.append(TablePart(arr_name, _chunk_key(k, col), data, crc))
+        entry["columns"][name] = {"name": arr_name, "chunk_crc32c": crcs}
+    return entry, documents, parts
+
+
+def write_table(writer: CheckpointWriter, columns: Mapping[str, np.ndarray]) -> dict[str, Any]:
+    """Write the chunk table of ``columns`` through ``writer``; returns its ``storage_data`` entry."""
+    entry, documents, parts = encode_table(columns)
+    for name, doc in documents:
+        writer.write_array_document(name, doc)
+    crcs = writer.write_chunks(
+        ChunkWrites(
+            [p.name for p in parts],
+            [p.key for p in parts],
+            [np.frombuffer(p.data, np.uint8) for p in parts],
+            [0] * len(parts),
+        )
+    )
+    for p, c in zip(parts, crcs, strict=True):
+        if p.crc != c:
+            raise CheckpointCorruptedError(
+                f"chunk table {p.name}/{p.key}: the writer computed CRC32C {c:#010x}, the table "
+                f"{p.crc:#010x}; memory or the writer is faulty, nothing was published"
+            )
+    return entry
+
+
+def _bad_table(what: str) -> MetadataError:
+    return MetadataError(
+        f"metadata.storage_data.{TABLE_KEY} is inconsistent: {what}; the checkpoint is damaged or "
+        "was not written by gpuckpt"
+    )
+
+
+@dataclass
+class ChunkTable:
+    """The chunk table a root document describes (validated), read chunk by chunk when rows are asked for."""
+
+    rows: int
+    chunk_rows: int
+    columns: dict[str, tuple[Column, str, list[int]]]  # name -> column, array name, chunk CRC32Cs
+    _chunks: dict[tuple[str, int], np.ndarray] = field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, entry: Any) -> ChunkTable:
+        if not isinstance(entry, dict):
+            raise _bad_table(f"expected an object, found {type(entry).__name__}")
+        rows, chunk_rows, cols = entry.get("rows"), entry.get("rows_per_chunk"), entry.get("columns")
+        if type(rows) is not int or not 0 < rows <= MAX_TABLE_ROWS:
+            raise _bad_table(f"rows is {rows!r}, expected an integer in [1, {MAX_TABLE_ROWS}]")
+        # any chunking a writer chose is read, within a bound on what one chunk may allocate
+        if type(chunk_rows) is not int or not 1 <= chunk_rows <= min(rows, MAX_ROWS_PER_CHUNK):
+            most = min(rows, MAX_ROWS_PER_CHUNK)
+            raise _bad_table(f"rows_per_chunk is {chunk_rows!r}, expected an integer in [1, {most}]")
+        if not isinstance(cols, dict) or "crc32c" not in cols:
+            raise _bad_table("columns must be an object with a 'crc32c' column")
+        nchunks = -(-rows // chunk_rows)
+        columns = {}
+        for name, c in cols.items():
+            col = COLUMNS.get(name)
+            if col is None:
+                continue  # a field this release does not know: not needed to load
+            if not isinstance(c, dict) or c.get("name") != column_array_name(name):
+                raise _bad_table(f"column {name!r} must name the array {column_array_name(name)!r}")
+            crcs = c.get("chunk_crc32c")
+            if (
+                not isinstance(crcs, list)
+                or len(crcs) != nchunks
+                or not all(type(v) is int and 0 <= v < 2**32 for v in crcs)
+            ):
+                raise _bad_table(f"column {name!r} must list {nchunks} 32-bit chunk checksums")
+            columns[name] = (col, column_array_name(name), crcs)
+        return cls(rows, chunk_rows, columns)
+
+    def _chunk(self, reader: CheckpointReader, name: str, k: int) -> np.ndarray:
+        hit = self._chunks.get((name, k))
+        if hit is not None:
+            return hit
+        col, arr, crcs = self.columns[name]
+        key = _chunk_key(k, col)
+        nbytes = self.chunk_rows * col.row_bytes + CRC_BYTES
+        where = f"chunk table {arr}/{key}"
+        size = reader.chunk_nbytes(arr, key)
+        if size is None:
+            raise MissingChunkError(
+                f"{where} is missing; the checkpoint is damaged: restore it from a copy or use an "
+                "earlier checkpoint"
+            )
+        if size != nbytes:
+            raise CheckpointCorruptedError(
+                f"{where} is {size} bytes, expected {nbytes}; the checkpoint is damaged"
+            )
+        buf = np.empty(self.chunk_rows * col.width, col.dtype)
+        trailer = bytearray(CRC_BYTES)
+        try:
+            got, value = reader.read_chunk_crc(arr, key, [buf.view(np.uint8), trailer])
+        except FileNotFoundError:
+            raise MissingChunkError(f"{where} disappeared while loading; load again") from None
+        stored = int.from_bytes(trailer, "little")
+        if got != nbytes or value != stored or value != crcs[k]:
+            raise CheckpointCorruptedError(
+                f"{where} failed its check (read {got} of {nbytes} bytes, CRC32C {value:#010x}, chunk "
+                f"file {stored:#010x}, root document {crcs[k]:#010x}); the checkpoint is damaged"
+            )
+        if col.width > 1:
+            buf = buf.reshape(self.chunk_rows, col.width)
+        self._chunks[(name, k)] = buf
+        return buf
+
+    def check_files(self, reader: CheckpointReader) -> None:
+        """Check that every chunk of every column exists with the size the table's row count
+        needs (no byte is read): a root document cannot claim more rows than the files hold."""
+        for col, arr, crcs in self.columns.values():
+            nbytes = self.chunk_rows * col.row_bytes + CRC_BYTES
+            for k in range(len(crcs)):
+                key = _chunk_key(k, col)
+                size = reader.chunk_nbytes(arr, key)
+                if size is None:
+                    raise MissingChunkError(
+                        f"chunk table {arr}/{key} is missing; the checkpoint is damaged: restore it from "
+                        "a copy or use an earlier checkpoint"
+                    )
+                if size != nbytes:
+                    raise CheckpointCorruptedError(
+                        f"chunk table {arr}/{key} is {size} bytes, expected {nbytes}; "
+                        "the checkpoint is damaged"
+                    )
+
+    def read(self, reader: CheckpointReader, name: str, start: int, count: int) -> np.ndarray:
+        """Rows ``[start, start + count)`` of column ``name``, reading only the chunks that hold them."""
+        if not 0 <= start <= start + count <= self.rows:
+            raise _bad_table(f"rows {start}..{start + count} lie outside the table of {self.rows} rows")
+        if count == 0:
+            col = self.columns[name][0]
+            return np.empty((0,) if col.width == 1 else (0, col.width), col.dtype)
+        first, last = start // self.chunk_rows, (start + count - 1) // self.chunk_rows
+        pieces = [self._chunk(reader, name, k) for k in range(first, last + 1)]
+        joined = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+        at = start - first * self.chunk_rows
+        return joined[at : at + count]

@@ -1,0 +1,131 @@
+"""Planning per tensor (compact descriptions, NumPy over the ranks) makes the plan the general path makes."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import pickle
+import re
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gpuckpt.errors import UnsupportedValueError
+from gpuckpt.metadata import TensorProperties
+from gpuckpt.planning.boxes import Box, LocalTensor
+from gpuckpt.planning.plan import StateDescription, plan_save
+from gpuckpt.planning.uniform import compact_description, local_layout_digest
+
+F32 = TensorProperties(np.dtype("float32"))
+
+
+def lt(fqn: str, shape: tuple[int, ...], box: Box) -> LocalTensor:
+    return LocalTensor(fqn, shape, "float32", 4, F32, (box,))
+
+
+def split_boxes(shape: tuple[int, ...], steps: tuple[int, ...]) -> list[Box]:
+    """The blocks of an even split of ``shape`` (edge blocks clipped), in C order."""
+    starts = [range(0, n, s) for n, s in zip(shape, steps, strict=True)]
+    return [
+        (tuple(o), tuple(min(s, n - x) for s, n, x in zip(steps, shape, o, strict=True)))
+        for o in itertools.product(*starts)
+    ]
+
+
+def both(descs: list[StateDescription], **kw: object) -> tuple[object, object]:
+    compact = [compact_description(d.tensors, d.objects, d.skeleton) for d in descs]
+    assert all(c is not None for c in compact)
+    received = [c if r == 0 else c.without_tensors() for r, c in enumerate(compact)]  # type: ignore[union-attr]
+    return plan_save(received, **kw), plan_save(descs, **kw)  # type: ignore[arg-type]
+
+
+@st.composite
+def layouts(draw: st.DrawFn) -> tuple[list[StateDescription], int]:
+    """Tensors split evenly (or held whole, or split unevenly) over the same ranks, one box each."""
+    nd = draw(st.integers(1, 3))
+    shape = tuple(draw(st.lists(st.integers(1, 9), min_size=nd, max_size=nd)))
+    steps = tuple(draw(st.integers(1, n)) for n in shape)
+    blocks = split_boxes(shape, steps)
+    replicas = draw(st.integers(1, 2))
+    nranks = len(blocks) * replicas
+    per_rank: list[list[LocalTensor]] = [[] for _ in range(nranks)]
+    for i in range(draw(st.integers(1, 4))):
+        kind = draw(st.sampled_from(["split", "whole", "uneven"]))
+        for r in range(nranks):
+            if kind == "split":
+                box = blocks[r % len(blocks)]
+            elif kind == "whole":
+                box = ((0,) * nd, shape)
+            else:  # rank 0 holds one element less, rank 1 one more: not an even split
+                b = blocks[r % len(blocks)]
+                box = b
+                if len(blocks) > 1 and replicas == 1 and b[1][0] > 1 and r == 0:
+                    box = (b[0], (b[1][0] - 1, *b[1][1:]))
+            per_rank[r].append(lt(f"t{i}", shape, box))
+    descs = [
+        StateDescription(tuple(ts), {"step": {"int": str(r)}}, {"d": []}) for r, ts in enumerate(per_rank)
+    ]
+    return descs, draw(st.sampled_from([4, 16, 64, 1 << 20]))
+
+
+@settings(max_examples=150, deadline=None)
+@given(layouts(), st.booleans())
+def test_compact_planning_makes_the_plan_of_the_general_path(
+    case: tuple[list[StateDescription], int], portable: bool
+) -> None:
+    descs, chunk_bytes = case
+    try:
+        fast, general = both(descs, chunk_bytes=chunk_bytes, portable=portable)
+    except UnsupportedValueError as exc:
+        # a layout that does not tile its tensor is refused by both paths alike
+        with pytest.raises(UnsupportedValueError, match=re.escape(str(exc))):
+            plan_save(descs, chunk_bytes=chunk_bytes, portable=portable)
+        return
+    assert fast == general
+    assert fast.assignments == general.assignments  # type: ignore[attr-defined]
+    assert fast.objects == {"step": {"int": "0"}}  # type: ignore[attr-defined]
+
+
+def test_layers_of_one_layout_share_their_writers_and_rows_follow_the_chunks() -> None:
+    shape = (64, 8)
+    blocks = split_boxes(shape, (16, 8))
+    descs = [
+        StateDescription(tuple(lt(f"layer{i}", shape, box) for i in range(5)), {}, {"d": []})
+        for box in blocks
+    ]
+    fast, _ = both(descs, chunk_bytes=16 * 8 * 4)
+    assert len({id(t.writes) for t in fast.tensors}) == 1  # type: ignore[attr-defined]
+    # what a coordinator broadcasts stays small: the shared writers are pickled once
+    one_layer = len(pickle.dumps(fast.tensors[0]))  # type: ignore[attr-defined]
+    assert len(pickle.dumps(fast)) < 3 * one_layer
+    rows = sorted(a.row for r in range(len(blocks)) for a in fast.assignments_of(r))  # type: ignore[attr-defined]
+    assert rows == list(range(fast.nchunks))  # type: ignore[attr-defined]
+    for t in fast.tensors:  # type: ignore[attr-defined]
+        for a in fast.assignments_of(0):  # type: ignore[attr-defined]
+            if a.fqn == t.fqn:
+                flat = a.coords[0] * t.grid.grid_shape[1] + a.coords[1]
+                assert a.row == t.row + flat
+
+
+def test_a_compact_description_needs_one_box_per_tensor_and_one_layout() -> None:
+    two = LocalTensor("w", (8,), "float32", 4, F32, (((0,), (4,)), ((4,), (4,))))
+    assert compact_description([two], {}, None) is None
+    a = compact_description([lt("w", (8,), ((0,), (8,)))], {}, None)
+    b = compact_description([lt("v", (8,), ((0,), (8,)))], {}, None)
+    assert a is not None and b is not None and a.digest != b.digest
+    with pytest.raises(ValueError, match="different layouts"):
+        plan_save([a, b], chunk_bytes=1 << 20)
+    with pytest.raises(ValueError, match="carries no tensors"):
+        plan_save([StateDescription((), {}, None), b.without_tensors()], chunk_bytes=1 << 20)
+
+
+def test_the_local_layout_digest_changes_with_boxes_and_options() -> None:
+    base = [lt("w", (8, 4), ((0, 0), (4, 4)))]
+    d = local_layout_digest(base, chunk_bytes=64, portable=False)
+    assert d == local_layout_digest(list(base), chunk_bytes=64, portable=False)
+    assert d != local_layout_digest([lt("w", (8, 4), ((4, 0), (4, 4)))], chunk_bytes=64, portable=False)
+    assert d != local_layout_digest(base, chunk_bytes=128, portable=False)
+    assert d != local_layout_digest(base, chunk_bytes=64, portable=True)
+    assert len(d) == 32 and math.prod((2, 16)) == len(d)
