@@ -537,8 +537,9 @@ def adapt(value: Any) -> ArrayAdapter:
 
 #: arrays of at most this many bytes are carved from one block by :meth:`HostMemory.allocate_many`
 PACK_MAX = 1 << 20
-#: the most bytes of one such block
-PACK_BLOCK = 64 << 20
+#: the most bytes of one such block: under NumPy's 4 MiB threshold for asking for huge pages,
+#: whose first touch cost more CPU than the allocations saved (measured with 64 MiB blocks)
+PACK_BLOCK = 2 << 20
 _PACK_ALIGN = 64
 
 
