@@ -8,7 +8,9 @@ failure on any rank fails the save on every rank and publishes nothing:
 2. rank 0 gathers the descriptions, plans the save
    (:func:`gpuckpt.planning.plan.plan_save`), begins it and writes the array
    documents, then scatters each rank's chunk assignments;
-3. every rank writes its chunks (fsynced) into the shared temporary;
+3. every rank writes its chunks into the shared save: fsynced files in the
+   shared temporary on a file system, objects at their final keys under the
+   claimed prefix of an object store (:func:`gpuckpt.storage.stores.attach_writer`);
 4. rank 0 gathers the chunk sizes and checksums, assembles the global
    Metadata and commits atomically; every rank returns that Metadata.
 """
@@ -21,13 +23,12 @@ from collections.abc import Callable
 from typing import Any
 
 from gpuckpt.distributed.coordinator import Coordinator
-from gpuckpt.errors import UnsupportedValueError
 from gpuckpt.metadata import Metadata
 from gpuckpt.options import SaveOptions
 from gpuckpt.planning.plan import ChunkAssignment, SavePlan, StateDescription, plan_save
 from gpuckpt.sources import Source, describe_state
 from gpuckpt.storage.layout import root_document
-from gpuckpt.storage.stores import attach_writer, scheme_of
+from gpuckpt.storage.stores import attach_writer
 from gpuckpt.writing import (
     assemble_metadata,
     bind_jobs,
@@ -72,10 +73,6 @@ def save_described(
     """:func:`distributed_save` of the state ``describe()`` gives (called once, its error
     reported to every rank): a background save describes and snapshots its state first."""
     coord = coordinator
-    if coord.world_size > 1 and scheme_of(path) != "file":
-        raise UnsupportedValueError(
-            "multi-rank saves go to a shared file system path; object stores are single-writer"
-        )
     local, sources = _run(coord, describe)
     gathered = coord.gather(local)
     writer: Any = None
@@ -97,7 +94,7 @@ def save_described(
     token = coord.broadcast(token, root=0)
 
     def write_mine() -> list[tuple[tuple[str, tuple[int, ...]], tuple[int, int]]]:
-        w = writer if coord.rank == 0 else attach_writer(path, token)
+        w = writer if coord.rank == 0 else attach_writer(path, token, storage_options=options.store_options())
         jobs = bind_jobs(mine, sources)
         sizes_crcs = write_chunks(jobs, w, options)
         return [((j.name, j.coords), r) for j, r in zip(jobs, sizes_crcs, strict=True)]

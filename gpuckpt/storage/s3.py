@@ -18,14 +18,25 @@ A save to ``s3://bucket/prefix`` goes:
    gpuckpt save writes, are refused, never deleted: a prefix holding another
    program's Zarr store (even one whose keys look like a checkpoint's) is
    left as it is.
-2. Array documents and chunks are plain puts (zarr's
-   :class:`zarr.storage.ObjectStore`); a thread refreshes the claim every
-   quarter lease.
+2. Array documents and chunks are plain puts at their final keys (a chunk
+   above ``part_bytes`` a multipart upload, see
+   :mod:`gpuckpt.storage.s3_client`); a thread refreshes the claim every
+   quarter lease. In a distributed save the other ranks join the save with
+   its :attr:`~ObjectStoreWriter.token` (:meth:`ObjectStoreWriter.attach`,
+   which checks that the claim is that save's) and put their own chunks; only
+   the writer that began the save holds and refreshes the claim, and commits
+   after every rank has finished.
 3. ``commit``: check the claim is still ours, create the root with a
    conditional put (of two writers, exactly one commits; the other gets
    :class:`~gpuckpt.errors.CheckpointExistsError`), delete the claim.
-4. ``abort`` deletes the objects this writer put and its claim, unless the
+4. ``abort`` deletes the checkpoint objects under the prefix (every rank's:
+   the claim made them all this save's) and then its claim, unless the
    prefix has meanwhile passed to another writer or was published.
+
+Requests are retried by the client (backoff with jitter); a put whose answer
+was lost and whose retry then finds the object (the claim or the root
+document, byte for byte this save's) counts as done, so a retried
+conditional put never fails a save that went through.
 
 A root ``zarr.json`` that is not a gpuckpt checkpoint's (another program's
 Zarr store at that prefix) is refused with a message that says so.
@@ -78,6 +89,7 @@ from gpuckpt.storage.layout import (
     too_large,
 )
 from gpuckpt.storage.names import is_safe_name
+from gpuckpt.storage.s3_client import RequestBudget, client_options, pop_transfer_options, retry_config
 
 __all__ = ["CLAIM_KEY", "ObjectStoreReader", "ObjectStoreWriter", "parse_s3_url", "zarr_store"]
 
@@ -150,9 +162,15 @@ def _obstore_for(url: str, options: dict[str, Any]) -> Any:
 
     bucket, prefix = parse_s3_url(url)
     config, client = _s3_config(dict(options))
-    retry = config.pop("retry_config", None)
+    retry = retry_config(config.pop("retry_config", None))
     try:
-        return S3Store(bucket, prefix=prefix, client_options=client, retry_config=retry, **config)  # type: ignore[arg-type]
+        return S3Store(
+            bucket,
+            prefix=prefix,
+            client_options=client_options(client),  # type: ignore[arg-type]
+            retry_config=retry,  # type: ignore[arg-type]
+            **config,
+        )
     except (BaseError, TypeError) as exc:
         raise ValueError(
             f"storage_options for {url} are not valid S3 settings ({_first_line(exc)}); use endpoint_url, "
@@ -205,6 +223,8 @@ class _Prefix:
         if not self.lease > 0:
             raise ValueError(f"lease_seconds must be a positive number of seconds, got {self.lease!r}")
         self.conditional = bool(storage_options.pop("conditional_writes", True))
+        self.transfer = pop_transfer_options(storage_options)
+        self.budget = RequestBudget(self.transfer.max_requests)
         self.path = url.rstrip("/")
         self._obs = _obstore_for(url, storage_options)
         self.zarr_store = ObjectStore(self._obs)
@@ -294,6 +314,42 @@ class ObjectStoreWriter(_Prefix, CheckpointWriter):
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
 
+    @property
+    def token(self) -> str:
+        """What the other ranks of a distributed save need to write into it (:meth:`attach`)."""
+        return self._token
+
+    @classmethod
+    def attach(cls, url: str, token: str, **storage_options: Any) -> ObjectStoreWriter:
+        """A rank's writer of chunks into the save ``token`` that another process began.
+
+        Chunks go straight to their final keys under the prefix; the process that
+        began the save holds the claim, refreshes it, and commits or aborts (its
+        abort deletes every object of the save, the other ranks' included).
+
+        Raises
+        ------
+        CheckpointExistsError
+            When the prefix is not claimed by the save ``token`` (it ended, or
+            another save took the prefix over).
+        """
+        w = cls(url, **storage_options)
+        with w._io("joining the save", CheckpointWriteError):
+            raw = w._get_small(CLAIM_KEY, _MAX_CLAIM_BYTES, "the claim object's limit")
+        try:
+            found = json.loads(raw or b"null")["token"]
+        except (ValueError, KeyError, TypeError):
+            found = None
+        if found != token:
+            state = "is missing" if raw is None else "belongs to another save"
+            raise CheckpointExistsError(
+                f"{w.path}: the save this rank was to join (claim token {token!r}) does not hold the prefix "
+                f"(its claim {w.path}/{CLAIM_KEY} {state}); the save was aborted or taken over, nothing "
+                "of this rank was written"
+            )
+        w._token = token
+        return w
+
     # -- conditional puts -------------------------------------------------
     def _put(self, rel: str, data: Any, mode: Any) -> str | None:
         """Put with ``mode`` ("create" or {"e_tag": ...}); plain put when conditional writes are off."""
@@ -368,6 +424,10 @@ class ObjectStoreWriter(_Prefix, CheckpointWriter):
             except FileNotFoundError:
                 continue  # released meanwhile: try to create it again
             meta, raw = res.meta, bytes(res.bytes())
+            if raw == self._claim_body:
+                # our own put: it reached the server, its answer was lost and the retry found it
+                self._claim_etag = meta["e_tag"]
+                return False
             try:
                 info = json.loads(raw)
                 owner, machine = str(info["owner"]), str(info.get("machine", ""))
@@ -401,6 +461,8 @@ class ObjectStoreWriter(_Prefix, CheckpointWriter):
             try:
                 self._claim_etag = self._put(CLAIM_KEY, self._claim_body, {"e_tag": self._claim_etag})
             except (PreconditionError, AlreadyExistsError, FileNotFoundError):
+                if self._reclaim_own():
+                    continue
                 self._lost = (
                     f"the claim on {self.path} was taken over by another save while this one ran "
                     f"(more than {self.lease:.0f} s without a refresh); this save was discarded"
@@ -408,6 +470,20 @@ class ObjectStoreWriter(_Prefix, CheckpointWriter):
                 return
             except Exception:  # transient: retry at the next beat, commit checks
                 continue
+
+    def _reclaim_own(self) -> bool:
+        """After a refused refresh: True (and its new ETag kept) when the claim is still ours,
+        i.e. our own refresh went through and only its answer was lost before a retry."""
+        import obstore as obs
+
+        try:
+            res = obs.get(self._obs, CLAIM_KEY)
+            if bytes(res.bytes()) == self._claim_body:
+                self._claim_etag = res.meta["e_tag"]
+                return True
+        except Exception:  # gone, or cannot tell: treated as lost, commit checks again
+            pass
+        return False
 
     def _still_ours(self) -> bool:
         import obstore as obs
@@ -478,15 +554,32 @@ class ObjectStoreWriter(_Prefix, CheckpointWriter):
         return bool(sep) and is_safe_name(name) and (key == ROOT_KEY or is_chunk_file_key(key))
 
     def _write(self, rel: str, data: Any) -> None:
+        """Put ``data`` (a buffer, or a list of buffers to store one after the other) at ``rel``.
+
+        One request within the budget, or above ``part_bytes`` a multipart upload whose
+        parts are sent a few at a time (see :mod:`gpuckpt.storage.s3_client`).
+        """
         import obstore as obs
 
         if self._lost is not None:
             raise CheckpointExistsError(self._lost)
         self._written.add(rel)
-        with self._io(f"writing {rel}", CheckpointWriteError):
+        pieces = data if isinstance(data, list) else [data]
+        nbytes = sum(memoryview(p).nbytes for p in pieces)
+        part = self.transfer.part_bytes
+        nparts = max(1, -(-nbytes // part))
+        with (
+            self._io(f"writing {rel} ({nbytes} bytes)", CheckpointWriteError),
+            self.budget.take(min(nparts, self.transfer.max_parts_in_flight)) as slots,
+        ):
             # the put zarr's ObjectStore.set makes, without its event-loop thread: that thread
             # cannot be started while the interpreter exits, when queued saves still run
-            obs.put(self._obs, rel, data)
+            if nparts == 1:
+                body = pieces[0] if len(pieces) == 1 else b"".join(memoryview(p).cast("B") for p in pieces)
+                obs.put(self._obs, rel, body, use_multipart=False)
+            else:
+                views = [memoryview(p).cast("B") for p in pieces]
+                obs.put(self._obs, rel, views, use_multipart=True, chunk_size=part, max_concurrency=slots)
 
     def write_array_document(self, name: str, document: bytes) -> None:
         self._write(_rel(name, ROOT_KEY), document)
@@ -495,16 +588,9 @@ class ObjectStoreWriter(_Prefix, CheckpointWriter):
         self._write(_rel(name, ROOT_KEY), document)  # a put replaces the object
 
     def write_chunk(self, name: str, key: str, parts: Sequence[Any]) -> None:
-        views = [memoryview(p).cast("B") for p in parts]
-        if len(views) == 1:
-            data: Any = views[0]
-        else:
-            data = bytearray(sum(v.nbytes for v in views))
-            pos = 0
-            for v in views:
-                data[pos : pos + v.nbytes] = v
-                pos += v.nbytes
-        self._write(_rel(name, key), data)
+        # no concatenation here: a small chunk is joined once for its single put, a large one
+        # goes up in parts read from the caller's buffers
+        self._write(_rel(name, key), [memoryview(p).cast("B") for p in parts])
 
     def commit(self, root_document: bytes) -> None:
         from obstore.exceptions import AlreadyExistsError
@@ -520,6 +606,13 @@ class ObjectStoreWriter(_Prefix, CheckpointWriter):
             try:
                 self._put(ROOT_KEY, root_document, "create")
             except AlreadyExistsError:
+                if self._get_small(ROOT_KEY, MAX_ROOT_DOCUMENT_BYTES, "MAX_ROOT_DOCUMENT_BYTES") == bytes(
+                    root_document
+                ):
+                    # our own put went through and its retry found it (the document names this save)
+                    self._committed = True
+                    self._delete_quietly([CLAIM_KEY])
+                    return
                 self._lost = (
                     f"{self.path} was published by another save while this one ran; this save was "
                     "discarded and the other one kept"
@@ -538,8 +631,14 @@ class ObjectStoreWriter(_Prefix, CheckpointWriter):
             ours = False
         if not ours:
             return  # the prefix belongs to another save now: its objects are not ours to delete
-        # the claim goes only once the objects are gone: it is what lets the next save delete them
-        if self._delete_quietly(sorted(self._written)):
+        # every checkpoint object under the claimed prefix is this save's (begin refused or removed
+        # all others), the other ranks' chunks included; the claim goes only once they are gone:
+        # it is what lets the next save delete them
+        try:
+            listed = {k for k in self._list() if k != CLAIM_KEY and self._is_checkpoint_key(k)}
+        except Exception:
+            listed = set()
+        if self._delete_quietly(sorted(self._written | listed)):
             self._delete_quietly([CLAIM_KEY])
 
     def _delete_quietly(self, keys: list[str]) -> bool:
@@ -600,7 +699,7 @@ class ObjectStoreReader(_Prefix, CheckpointReader):
         want = sum(v.nbytes for v in views)
         if want == 0:
             return 0
-        with self._io(f"reading {rel}"):
+        with self._io(f"reading {rel}"), self.budget.take():
             res = obs.get(self._obs, rel, options={"range": (0, want)})
             i, pos, total = 0, 0, 0
             for piece in res.stream(min_chunk_size=_STREAM_PIECE):
@@ -625,7 +724,7 @@ class ObjectStoreReader(_Prefix, CheckpointReader):
         trailer = bytearray()
         if nbytes == 0:
             return 0, 0, 0
-        with self._io(f"reading {rel}"):
+        with self._io(f"reading {rel}"), self.budget.take():
             res = obs.get(self._obs, rel, options={"range": (0, nbytes)})
             for part in res.stream(min_chunk_size=max(1, piece)):
                 view = memoryview(part).cast("B")[: nbytes - total]

@@ -106,10 +106,20 @@ def attach_writer(
     Raises
     ------
     UnsupportedValueError
-        For a store that takes a save from one process only (``s3://``).
+        For a store whose writer cannot be joined by other processes (it has no
+        ``attach``), or without a token.
     """
-    if scheme_of(path) == "file" and token:
+    if not token:
+        raise UnsupportedValueError(
+            f"{os.fspath(path)!r}: no save to join: another process's save is joined with its writer's "
+            f"token (CheckpointWriter.token, after begin), got {token!r}"
+        )
+    if scheme_of(path) == "file":
         return LocalWriter.attach(_local_path(path), token)
+    attach = getattr(_lookup(path)[0], "attach", None)
+    if attach is not None:
+        writer: CheckpointWriter = attach(os.fspath(path), token, **(storage_options or {}))
+        return writer
     raise UnsupportedValueError(
         f"{os.fspath(path)!r}: a save to a {scheme_of(path)}:// store is written by the one process that "
         "began it, other processes cannot join it; save from several processes to a shared file system path"
