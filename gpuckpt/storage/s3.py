@@ -66,6 +66,7 @@ import json
 import os
 import secrets
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from datetime import UTC, datetime
 from typing import Any
@@ -305,8 +306,12 @@ class ObjectStoreWriter(_Prefix, CheckpointWriter):
                 "machine": _machine(),
                 "token": self._token,
                 "started": datetime.now(UTC).isoformat(),
+                "lease_seconds": self.lease,
             }
         ).encode()
+        # until when (monotonic clock) no other save can have taken the claim over: half a lease
+        # after the start of the last put of the claim that went through; writes stop past it
+        self._valid_until: float | None = None
         self._claim_etag: str | None = None
         self._written: set[str] = set()
         self._lost: str | None = None
@@ -414,8 +419,10 @@ class ObjectStoreWriter(_Prefix, CheckpointWriter):
         from obstore.exceptions import AlreadyExistsError, PreconditionError
 
         for _ in range(3):
+            sent = time.monotonic()
             try:
                 self._claim_etag = self._put(CLAIM_KEY, self._claim_body, "create")
+                self._renewed(sent)
                 return False
             except AlreadyExistsError:
                 pass
@@ -427,26 +434,31 @@ class ObjectStoreWriter(_Prefix, CheckpointWriter):
             if raw == self._claim_body:
                 # our own put: it reached the server, its answer was lost and the retry found it
                 self._claim_etag = meta["e_tag"]
+                self._renewed(sent)
                 return False
             try:
                 info = json.loads(raw)
                 owner, machine = str(info["owner"]), str(info.get("machine", ""))
+                # the holder refreshes within its own lease: never judge it by a shorter one
+                lease = max(self.lease, float(info.get("lease_seconds", 0.0)))
             except (ValueError, KeyError, TypeError):
-                owner, machine = "?", ""
+                owner, machine, lease = "?", "", self.lease
             host, _, pid = owner.rpartition("-")
             age = (datetime.now(UTC) - meta["last_modified"]).total_seconds()
             # a pid means something only on the same machine and in the same pid namespace
             same = machine != "" and machine == _machine()
             dead = same and pid.isdigit() and not fsutil.pid_alive(host, int(pid))
-            if not dead and age <= self.lease:
+            if not dead and age <= lease:
                 raise CheckpointExistsError(
                     f"{self.path} has no checkpoint but another save to it is running (claimed by "
                     f"{owner}, refreshed {age:.0f} s ago); wait for it or save to another prefix. If that "
-                    f"save died, its claim {self.path}/{CLAIM_KEY} expires {self.lease:.0f} s after its "
+                    f"save died, its claim {self.path}/{CLAIM_KEY} expires {lease:g} s after its "
                     "last refresh (or delete it)"
                 )
+            sent = time.monotonic()
             try:  # take the abandoned claim over, unless another writer does so first
                 self._claim_etag = self._put(CLAIM_KEY, self._claim_body, {"e_tag": meta["e_tag"]})
+                self._renewed(sent)
                 return True
             except (PreconditionError, AlreadyExistsError, FileNotFoundError):
                 continue
@@ -458,10 +470,13 @@ class ObjectStoreWriter(_Prefix, CheckpointWriter):
         from obstore.exceptions import AlreadyExistsError, PreconditionError
 
         while not self._stop.wait(self.lease / 4):
+            sent = time.monotonic()
             try:
                 self._claim_etag = self._put(CLAIM_KEY, self._claim_body, {"e_tag": self._claim_etag})
+                self._renewed(sent)
             except (PreconditionError, AlreadyExistsError, FileNotFoundError):
                 if self._reclaim_own():
+                    self._renewed(sent)
                     continue
                 self._lost = (
                     f"the claim on {self.path} was taken over by another save while this one ran "
@@ -470,6 +485,9 @@ class ObjectStoreWriter(_Prefix, CheckpointWriter):
                 return
             except Exception:  # transient: retry at the next beat, commit checks
                 continue
+
+    def _renewed(self, sent: float) -> None:
+        self._valid_until = sent + self.lease / 2
 
     def _reclaim_own(self) -> bool:
         """After a refused refresh: True (and its new ETag kept) when the claim is still ours,
@@ -561,6 +579,14 @@ class ObjectStoreWriter(_Prefix, CheckpointWriter):
         """
         import obstore as obs
 
+        if self._lost is None and self._valid_until is not None and time.monotonic() > self._valid_until:
+            # stalled (a stopped process, a hung node) past half the lease: the claim may be
+            # another save's by now, whose objects this put could replace
+            self._lost = (
+                f"the save to {self.path} could not refresh its claim for more than half its lease "
+                f"({self.lease:g} s); another save may have taken the prefix over, so this one stopped "
+                "writing and was discarded"
+            )
         if self._lost is not None:
             raise CheckpointExistsError(self._lost)
         self._written.add(rel)
