@@ -230,9 +230,20 @@ class _Prefix:
         self._obs = _obstore_for(url, storage_options)
         self.zarr_store = ObjectStore(self._obs)
 
+    #: what errors of the store become (:meth:`_io`) where no other type is asked for
+    _error: type[OSError] = OSError
+
     @contextlib.contextmanager
-    def _io(self, what: str, error: type[OSError] = OSError) -> Iterator[None]:
-        """Turn obstore's errors (not OSErrors, except not-found) into ``error`` naming ``what``."""
+    def _io(self, what: str, error: type[OSError] | None = None) -> Iterator[None]:
+        """Turn obstore's errors (not OSErrors, except not-found) into ``error`` naming ``what``.
+
+        Nested blocks name the innermost operation: an error already turned passes through.
+        """
+        with self._turn(what, error or self._error):
+            yield
+
+    @contextlib.contextmanager
+    def _turn(self, what: str, error: type[OSError]) -> Iterator[None]:
         from obstore.exceptions import (
             BaseError,
             NotSupportedError,
@@ -261,20 +272,22 @@ class _Prefix:
         """The object ``rel`` (None when absent), refused unread above ``limit`` (the cap ``name``)."""
         import obstore as obs
 
-        try:
-            res = obs.get(self._obs, rel)
-        except FileNotFoundError:
-            return None
-        size = res.meta["size"]
-        if size > limit:
-            raise too_large(f"{self.path}/{rel}", size, limit, name)
-        return bytes(res.bytes())
+        with self._io(f"reading {rel}"):
+            try:
+                res = obs.get(self._obs, rel)
+            except FileNotFoundError:
+                return None
+            size = res.meta["size"]
+            if size > limit:
+                raise too_large(f"{self.path}/{rel}", size, limit, name)
+            return bytes(res.bytes())
 
     def _list(self) -> dict[str, int]:
         """Every object under the prefix: relative key -> size."""
         import obstore as obs
 
-        return {m["path"]: m["size"] for batch in obs.list(self._obs) for m in batch}
+        with self._io("listing the objects"):
+            return {m["path"]: m["size"] for batch in obs.list(self._obs) for m in batch}
 
 
 class ObjectStoreWriter(_Prefix, CheckpointWriter):
@@ -295,6 +308,8 @@ class ObjectStoreWriter(_Prefix, CheckpointWriter):
         ``conditional_writes`` (default True; False for servers without
         ``If-None-Match``/``If-Match`` on PUT, losing the concurrency guarantees).
     """
+
+    _error = CheckpointWriteError
 
     def __init__(self, url: str, *, overwrite: bool = False, **storage_options: Any) -> None:
         super().__init__(url, storage_options)
@@ -619,7 +634,7 @@ class ObjectStoreWriter(_Prefix, CheckpointWriter):
         self._write(_rel(name, key), [memoryview(p).cast("B") for p in parts])
 
     def commit(self, root_document: bytes) -> None:
-        from obstore.exceptions import AlreadyExistsError
+        from obstore.exceptions import AlreadyExistsError, BaseError
 
         self._stop_refresh()
         with self._io("publishing the checkpoint", CheckpointWriteError):
@@ -632,9 +647,7 @@ class ObjectStoreWriter(_Prefix, CheckpointWriter):
             try:
                 self._put(ROOT_KEY, root_document, "create")
             except AlreadyExistsError:
-                if self._get_small(ROOT_KEY, MAX_ROOT_DOCUMENT_BYTES, "MAX_ROOT_DOCUMENT_BYTES") == bytes(
-                    root_document
-                ):
+                if self._published_ours(root_document, None):
                     # our own put went through and its retry found it (the document names this save)
                     self._committed = True
                     self._delete_quietly([CLAIM_KEY])
@@ -644,8 +657,31 @@ class ObjectStoreWriter(_Prefix, CheckpointWriter):
                     "discarded and the other one kept"
                 )
                 raise CheckpointExistsError(self._lost) from None
+            except BaseError as exc:
+                # the retries ran out: the put may still have reached the server (its answers lost)
+                if not self._published_ours(root_document, exc):
+                    raise
             self._committed = True
         self._delete_quietly([CLAIM_KEY])
+
+    def _published_ours(self, root_document: bytes, failure: BaseException | None) -> bool:
+        """Whether the root object is ``root_document`` (unique to this save: it holds its id).
+
+        After a failed put (``failure``) a root that cannot be read leaves the outcome
+        unknown: that is raised as such, never reported as a plain failure.
+        """
+        try:
+            found = self._get_small(ROOT_KEY, MAX_ROOT_DOCUMENT_BYTES, "MAX_ROOT_DOCUMENT_BYTES")
+        except Exception as exc:
+            if failure is None:
+                raise
+            raise CheckpointWriteError(
+                errno.EIO,
+                f"publishing {self.path}: the put of {ROOT_KEY} failed ({_first_line(failure)}) and reading "
+                f"it back failed too ({_first_line(exc)}): whether the checkpoint was published is "
+                "unknown; gpuckpt.read_metadata on it tells (a published checkpoint is whole)",
+            ) from failure
+        return found == bytes(root_document)
 
     def abort(self) -> None:
         self._stop_refresh()
