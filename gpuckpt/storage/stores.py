@@ -21,9 +21,11 @@ from typing import Any
 
 from gpuckpt.errors import UnsupportedValueError
 from gpuckpt.storage import leftovers
-from gpuckpt.storage.base import CheckpointReader, CheckpointWriter
+from gpuckpt.storage.base import CheckpointReader, CheckpointRoot, CheckpointWriter
 from gpuckpt.storage.local import LocalReader, LocalWriter
+from gpuckpt.storage.local_root import LocalRoot
 from gpuckpt.storage.s3 import ObjectStoreReader, ObjectStoreWriter
+from gpuckpt.storage.s3_root import ObjectStoreRoot
 
 __all__ = [
     "SCHEMES",
@@ -31,6 +33,7 @@ __all__ = [
     "cleanup_leftovers",
     "is_committed",
     "open_reader",
+    "open_root",
     "open_writer",
     "scheme_of",
 ]
@@ -39,6 +42,8 @@ _Factories = tuple[Callable[..., CheckpointWriter], Callable[..., CheckpointRead
 
 #: scheme -> (writer factory, reader factory); factories take (url, **options).
 SCHEMES: dict[str, _Factories] = {"s3": (ObjectStoreWriter, ObjectStoreReader)}
+#: scheme -> factory of a root of several checkpoints (:class:`CheckpointRoot`), taking (url, **options)
+ROOTS: dict[str, Callable[..., CheckpointRoot]] = {"s3": ObjectStoreRoot}
 
 
 def scheme_of(path: str | os.PathLike[str]) -> str:
@@ -134,6 +139,23 @@ def open_reader(
         return LocalReader(_local_path(path))
     _, reader = _lookup(path)
     return reader(os.fspath(path), **(storage_options or {}))
+
+
+def open_root(
+    path: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = None
+) -> CheckpointRoot:
+    """The root of several checkpoints at ``path`` (a directory, created if needed, or a URL prefix)."""
+    if scheme_of(path) == "file":
+        return LocalRoot(_local_path(path))
+    _lookup(path)  # an unknown scheme is refused with the known ones
+    try:
+        root = ROOTS[scheme_of(path)]
+    except KeyError:
+        raise UnsupportedValueError(
+            f"{os.fspath(path)!r}: {scheme_of(path)}:// stores cannot hold a root of several checkpoints "
+            f"yet; use a local directory or one of {', '.join(sorted(ROOTS))}"
+        ) from None
+    return root(os.fspath(path).rstrip("/"), **(storage_options or {}))
 
 
 def is_committed(path: str | os.PathLike[str]) -> bool:
