@@ -77,7 +77,7 @@ from gpuckpt.errors import (
     CheckpointWriteError,
     MetadataError,
 )
-from gpuckpt.storage import fsutil
+from gpuckpt.storage import crccopy, fsutil
 from gpuckpt.storage.base import CheckpointReader, CheckpointWriter
 from gpuckpt.storage.checksum import CRC_BYTES, crc32c
 from gpuckpt.storage.layout import (
@@ -237,13 +237,10 @@ class _Prefix:
     def _io(self, what: str, error: type[OSError] | None = None) -> Iterator[None]:
         """Turn obstore's errors (not OSErrors, except not-found) into ``error`` naming ``what``.
 
-        Nested blocks name the innermost operation: an error already turned passes through.
+        Nested blocks name the innermost operation: an error already turned is an
+        OSError, which passes through the outer ones.
         """
-        with self._turn(what, error or self._error):
-            yield
-
-    @contextlib.contextmanager
-    def _turn(self, what: str, error: type[OSError]) -> Iterator[None]:
+        error = error or self._error
         from obstore.exceptions import (
             BaseError,
             NotSupportedError,
@@ -303,10 +300,12 @@ class ObjectStoreWriter(_Prefix, CheckpointWriter):
     **storage_options
         ``endpoint_url``, ``region``, ``access_key_id``, ``secret_access_key``,
         ``session_token``, ``allow_http`` (implied by an ``http://`` endpoint),
-        ``skip_signature``, ``client_options``, ``retry_config``, other obstore
-        ``S3Config`` keys; and ``lease_seconds`` (claim lease, default 60) and
-        ``conditional_writes`` (default True; False for servers without
-        ``If-None-Match``/``If-Match`` on PUT, losing the concurrency guarantees).
+        ``skip_signature``, ``client_options``, ``retry_config`` (over the defaults of
+        :mod:`gpuckpt.storage.s3_client`), other obstore ``S3Config`` keys; and
+        ``lease_seconds`` (claim lease, default 60), ``conditional_writes``
+        (default True; False for servers without ``If-None-Match``/``If-Match``
+        on PUT, losing the concurrency guarantees), ``max_requests``,
+        ``part_bytes`` and ``max_parts_in_flight`` (see :mod:`gpuckpt.storage.s3_client`).
     """
 
     _error = CheckpointWriteError
@@ -754,27 +753,47 @@ class ObjectStoreReader(_Prefix, CheckpointReader):
         return self._sizes.get(rel)
 
     def read_chunk_into(self, name: str, key: str, dests: Sequence[Any]) -> int:
+        return self._stream_into(name, key, dests, checksum=False)[0]
+
+    def read_chunk_crc(self, name: str, key: str, dests: Sequence[Any]) -> tuple[int, int]:
+        """Streams the object into ``dests``, checksumming each piece as it is copied (in one
+        pass with the native copy-with-CRC loop where it is built), not in a second pass."""
+        return self._stream_into(name, key, dests, checksum=True)
+
+    def _stream_into(self, name: str, key: str, dests: Sequence[Any], checksum: bool) -> tuple[int, int]:
+        """Fill ``dests`` in order from the object; ``(bytes read, CRC32C of all but the last
+        buffer)`` (the CRC is 0 unless ``checksum``)."""
         import obstore as obs
 
         rel = _rel(name, key)
         views = [memoryview(d).cast("B") for d in dests]
         want = sum(v.nbytes for v in views)
         if want == 0:
-            return 0
+            return 0, 0
+        fused = checksum and crccopy.available()
+        last = len(views) - 1  # the trailer's buffer: copied, not checksummed
+        i, pos, total, value = 0, 0, 0, 0
         with self._io(f"reading {rel}"), self.budget.take():
             res = obs.get(self._obs, rel, options={"range": (0, want)})
-            i, pos, total = 0, 0, 0
             for piece in res.stream(min_chunk_size=_STREAM_PIECE):
                 src = memoryview(piece)
                 while src.nbytes and i < len(views):
                     n = min(src.nbytes, views[i].nbytes - pos)
-                    views[i][pos : pos + n] = src[:n]
+                    dst = views[i][pos : pos + n]
+                    if checksum and i != last:
+                        if fused:
+                            value = crccopy.crc_copy(src[:n], dst, value)
+                        else:
+                            dst[:] = src[:n]
+                            value = crc32c(dst, value)  # while the piece is still in the cache
+                    else:
+                        dst[:] = src[:n]
                     src, pos, total = src[n:], pos + n, total + n
                     if pos == views[i].nbytes:
                         i, pos = i + 1, 0
                 if i == len(views):
                     break
-        return total
+        return total, value
 
     def read_chunk_checksum(self, name: str, key: str, nbytes: int, piece: int) -> tuple[int, int, int]:
         """Streams the object in pieces of about ``piece`` bytes, checksummed as they arrive."""
