@@ -90,7 +90,13 @@ from gpuckpt.storage.layout import (
     too_large,
 )
 from gpuckpt.storage.names import is_safe_name
-from gpuckpt.storage.s3_client import RequestBudget, client_options, pop_transfer_options, retry_config
+from gpuckpt.storage.s3_client import (
+    RequestBudget,
+    client_options,
+    plan_parts,
+    pop_transfer_options,
+    retry_config,
+)
 
 __all__ = ["CLAIM_KEY", "ObjectStoreReader", "ObjectStoreWriter", "parse_s3_url", "zarr_store"]
 
@@ -225,7 +231,7 @@ class _Prefix:
             raise ValueError(f"lease_seconds must be a positive number of seconds, got {self.lease!r}")
         self.conditional = bool(storage_options.pop("conditional_writes", True))
         self.transfer = pop_transfer_options(storage_options)
-        self.budget = RequestBudget(self.transfer.max_requests)
+        self.budget = RequestBudget(self.transfer.max_requests, self.transfer.upload_buffer_bytes)
         self.path = url.rstrip("/")
         self._obs = _obstore_for(url, storage_options)
         self.zarr_store = ObjectStore(self._obs)
@@ -588,8 +594,9 @@ class ObjectStoreWriter(_Prefix, CheckpointWriter):
     def _write(self, rel: str, data: Any) -> None:
         """Put ``data`` (a buffer, or a list of buffers to store one after the other) at ``rel``.
 
-        One request within the budget, or above ``part_bytes`` a multipart upload whose
-        parts are sent a few at a time (see :mod:`gpuckpt.storage.s3_client`).
+        One request, or from twice ``part_bytes`` on a multipart upload whose parts are
+        sent a few at a time, within the request and memory budgets (see
+        :mod:`gpuckpt.storage.s3_client`).
         """
         import obstore as obs
 
@@ -606,11 +613,12 @@ class ObjectStoreWriter(_Prefix, CheckpointWriter):
         self._written.add(rel)
         pieces = data if isinstance(data, list) else [data]
         nbytes = sum(memoryview(p).nbytes for p in pieces)
-        part = self.transfer.part_bytes
-        nparts = max(1, -(-nbytes // part))
+        nparts, part = plan_parts(nbytes, self.transfer.part_bytes)
+        at_once = min(nparts, self.transfer.max_parts_in_flight)
         with (
             self._io(f"writing {rel} ({nbytes} bytes)", CheckpointWriteError),
-            self.budget.take(min(nparts, self.transfer.max_parts_in_flight)) as slots,
+            # the client's buffers of what is in flight: the whole object, or the parts being sent
+            self.budget.take(at_once, nbytes if nparts == 1 else at_once * part) as slots,
         ):
             # the put zarr's ObjectStore.set makes, without its event-loop thread: that thread
             # cannot be started while the interpreter exits, when queued saves still run

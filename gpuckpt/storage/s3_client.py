@@ -12,12 +12,16 @@ Rust ``object_store`` crate), configured, not a retry loop of ours:
   a save; a caller's ``client_options`` win.
 * **Requests in flight.** A :class:`RequestBudget` of ``max_requests`` slots
   per reader or writer: a plain put or get takes one, a multipart upload one
-  per part it sends at once. A rank neither floods the endpoint nor holds
-  more parts in memory than its budget.
-* **Multipart.** A chunk larger than ``part_bytes`` goes up as a multipart
-  upload of parts of that size, up to ``max_parts_in_flight`` at once (and
-  within the request budget). The parts are views of the chunk's buffer,
-  which the save already holds within ``staging_bytes``: no copy is made.
+  per part it sends at once. A rank does not flood the endpoint.
+* **Upload memory.** The client gathers what a put sends (a chunk and its
+  checksum trailer, or a multipart part) into a buffer of its own while it is
+  in flight; the same budget bounds those buffers to ``upload_buffer_bytes``
+  per writer (default 256 MiB), next to the save's ``staging_bytes``, whatever
+  the number of I/O threads. A single chunk larger than that budget goes alone.
+* **Multipart.** A chunk of at least two ``part_bytes`` goes up as a multipart
+  upload (:func:`plan_parts`: parts of ``part_bytes`` to twice that, never a
+  tiny last part for the trailer), up to ``max_parts_in_flight`` parts at once,
+  within the request and memory budgets.
 
 The gpuckpt keys of ``storage_options`` handled here are popped by
 :func:`pop_transfer_options`; the rest go to the store.
@@ -39,6 +43,7 @@ __all__ = [
     "DEFAULT_RETRY",
     "RequestBudget",
     "TransferOptions",
+    "plan_parts",
     "client_options",
     "pop_transfer_options",
     "retry_config",
@@ -58,6 +63,8 @@ DEFAULT_MAX_REQUESTS = 32
 DEFAULT_PART_BYTES = 16 << 20
 #: parts of one multipart upload sent at once
 DEFAULT_PARTS_IN_FLIGHT = 8
+#: bytes of the client's put buffers one writer may hold at once
+DEFAULT_UPLOAD_BUFFER_BYTES = 256 << 20
 _MIN_PART_BYTES = 5 << 20
 
 
@@ -92,43 +99,66 @@ class TransferOptions:
     max_requests: int = DEFAULT_MAX_REQUESTS
     part_bytes: int = DEFAULT_PART_BYTES
     max_parts_in_flight: int = DEFAULT_PARTS_IN_FLIGHT
+    upload_buffer_bytes: int = DEFAULT_UPLOAD_BUFFER_BYTES
 
 
 def pop_transfer_options(options: dict[str, Any]) -> TransferOptions:
-    """Take ``max_requests``, ``part_bytes`` and ``max_parts_in_flight`` out of ``options``, validated."""
+    """Take ``max_requests``, ``part_bytes``, ``max_parts_in_flight`` and ``upload_buffer_bytes``
+    out of ``options``, validated."""
     return TransferOptions(
         _positive_int("max_requests", options.pop("max_requests", DEFAULT_MAX_REQUESTS)),
         _positive_int("part_bytes", options.pop("part_bytes", DEFAULT_PART_BYTES), _MIN_PART_BYTES),
         _positive_int("max_parts_in_flight", options.pop("max_parts_in_flight", DEFAULT_PARTS_IN_FLIGHT)),
+        _positive_int("upload_buffer_bytes", options.pop("upload_buffer_bytes", DEFAULT_UPLOAD_BUFFER_BYTES)),
     )
 
 
-class RequestBudget:
-    """At most ``limit`` requests in flight: :meth:`take` blocks until ``n`` slots are free.
+def plan_parts(nbytes: int, part_bytes: int) -> tuple[int, int]:
+    """``(parts, part size)`` of an upload of ``nbytes``: one part below ``2 * part_bytes``, else
+    equal parts of ``part_bytes`` up to twice that (the last one a little smaller).
 
-    ``n`` slots are taken at once (never a few now and the rest later), so two
-    multipart uploads waiting for slots cannot deadlock each other.
+    >>> plan_parts((16 << 20) + 4, 16 << 20)   # a chunk and its trailer: one put, not 16 MiB + 4 bytes
+    (1, 16777220)
+    >>> plan_parts((64 << 20) + 4, 16 << 20)
+    (4, 16777217)
+    """
+    parts = max(1, nbytes // part_bytes)
+    return parts, -(-nbytes // parts)
+
+
+class RequestBudget:
+    """At most ``limit`` requests and ``byte_limit`` bytes of put buffers in flight.
+
+    :meth:`take` blocks until ``n`` slots and ``nbytes`` bytes are free, and takes
+    them at once (never a few now and the rest later), so two multipart uploads
+    waiting for room cannot deadlock each other. A request larger than the whole
+    byte budget waits until it is alone.
     """
 
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self._free = limit
+    def __init__(self, limit: int, byte_limit: int = DEFAULT_UPLOAD_BUFFER_BYTES) -> None:
+        self.limit, self.byte_limit = limit, byte_limit
+        self._free, self._free_bytes = limit, byte_limit
         self._cond = threading.Condition()
 
     @contextmanager
-    def take(self, n: int = 1) -> Iterator[int]:
+    def take(self, n: int = 1, nbytes: int = 0) -> Iterator[int]:
+        """Hold ``n`` request slots (at most ``limit``) and ``nbytes`` bytes; yields the slots held."""
         n = max(1, min(n, self.limit))
+        b = max(0, min(nbytes, self.byte_limit))
         with self._cond:
-            self._cond.wait_for(lambda: self._free >= n)
+            self._cond.wait_for(lambda: self._free >= n and self._free_bytes >= b)
             self._free -= n
+            self._free_bytes -= b
         try:
             yield n
         finally:
             with self._cond:
                 self._free += n
+                self._free_bytes += b
                 self._cond.notify_all()
 
     @property
-    def in_use(self) -> int:
+    def in_use(self) -> tuple[int, int]:
+        """Requests and bytes held now."""
         with self._cond:
-            return self.limit - self._free
+            return self.limit - self._free, self.byte_limit - self._free_bytes

@@ -96,12 +96,13 @@ class _Handler(socketserver.StreamRequestHandler):
                     headers.append(("Content-Length", str(len(body))))
                 else:
                     body = self.rfile.read(int(lower.get("content-length", "0") or 0))
-                fault = self.server.proxy._decide(method, target)
+                fault = self.server.proxy._decide(method, target, len(body))
+                self._held = len(body)
                 try:
                     if not self._answer(fault, method, target, body, headers):
                         return
                 finally:
-                    self.server.proxy._done()
+                    self._release()
         except (OSError, ValueError, http.client.HTTPException):
             return
         finally:
@@ -109,6 +110,14 @@ class _Handler(socketserver.StreamRequestHandler):
                 self._upstream.close()
 
     _upstream: http.client.HTTPConnection | None = None
+    _held: int | None = None
+
+    def _release(self) -> None:
+        """The request stops counting as in flight (once): before its answer goes out, so that
+        the client's next request, sent when it has the answer, never overlaps it here."""
+        if self._held is not None:
+            self.server.proxy._done(self._held)
+            self._held = None
 
     def _answer(
         self, fault: str | None, method: str, target: str, body: bytes, headers: list[tuple[str, str]]
@@ -160,6 +169,7 @@ class _Handler(socketserver.StreamRequestHandler):
         if method != "HEAD":  # a HEAD answer keeps the object's Content-Length, without a body
             headers = [(k, v) for k, v in headers if k.lower() != "content-length"]
             headers.append(("Content-Length", str(len(body))))
+        self._release()
         head = f"HTTP/1.1 {status} {reason}\r\n" + "".join(f"{k}: {v}\r\n" for k, v in headers) + "\r\n"
         raw = head.encode("latin-1") + (b"" if method == "HEAD" else body)
         if cut:  # part of the answer: half the body, or half the head when there is no body
@@ -218,6 +228,9 @@ class FaultProxy:
         #: the most requests the proxy held at once (received, not yet answered)
         self.max_active = 0
         self._active = 0
+        #: the most request-body bytes the proxy held at once
+        self.max_active_bytes = 0
+        self._active_bytes = 0
         self._server = _Server(("127.0.0.1", 0), _Handler)
         self._server.proxy = self
         self.endpoint = f"http://127.0.0.1:{self._server.server_address[1]}"
@@ -225,20 +238,23 @@ class FaultProxy:
             target=self._server.serve_forever, name="gpuckpt-fault-proxy", daemon=True
         )
 
-    def _decide(self, method: str, target: str) -> str | None:
+    def _decide(self, method: str, target: str, nbytes: int) -> str | None:
         with self._lock:
             self.counts[request_kind(method, target)] += 1
             self._active += 1
+            self._active_bytes += nbytes
             self.max_active = max(self.max_active, self._active)
+            self.max_active_bytes = max(self.max_active_bytes, self._active_bytes)
             if self.rate <= 0 or self._rng.random() >= self.rate:
                 return None
             fault = self._rng.choice(self.faults)
             self.injected[fault] += 1
             return fault
 
-    def _done(self) -> None:
+    def _done(self, nbytes: int) -> None:
         with self._lock:
             self._active -= 1
+            self._active_bytes -= nbytes
 
     def set_rate(self, rate: float) -> None:
         """Change the fault probability from now on (0 turns the faults off)."""
@@ -250,7 +266,7 @@ class FaultProxy:
         with self._lock:
             out = dict(self.counts)
             self.counts.clear()
-            self.max_active = 0
+            self.max_active = self.max_active_bytes = 0
             return out
 
     def __enter__(self) -> FaultProxy:

@@ -128,37 +128,48 @@ def test_saves_and_loads_under_injected_faults_commit_whole_or_publish_nothing(u
 
 def _counted_save(
     upstream: str, state: dict[str, Any], chunk_bytes: int = 1 << 16, **options: Any
-) -> tuple[dict[str, int], int]:
-    """The requests of one save by kind, and the most the proxy saw in flight at once."""
+) -> tuple[dict[str, int], int, int]:
+    """The requests of one save by kind, and the most requests and request bytes the proxy
+    saw in flight at once."""
     url = f"s3://{BUCKET}/run-{uuid.uuid4().hex[:8]}/step-1"
     with FaultProxy(upstream) as proxy:
-        gpuckpt.save(
-            state,
-            url,
-            storage_options=s3_options(proxy.endpoint, **options),
-            threads=8,
-            chunk_bytes=chunk_bytes,
-        )
-        counts, peak = dict(proxy.counts), proxy.max_active
+        opts = s3_options(proxy.endpoint, **options)
+        gpuckpt.save(state, url, storage_options=opts, threads=8, chunk_bytes=chunk_bytes)
+        counts, peak, peak_bytes = dict(proxy.counts), proxy.max_active, proxy.max_active_bytes
     got = gpuckpt.load_state_dict(url, storage_options=s3_options(upstream))
     assert all(np.array_equal(got[k], v) for k, v in state.items())
-    return counts, peak
+    return counts, peak, peak_bytes
 
 
 def test_requests_in_flight_stay_within_max_requests(upstream: str) -> None:
     rng = np.random.default_rng(5)
     state = {f"t{i}": rng.standard_normal(1 << 15).astype(np.float32) for i in range(24)}  # 48 chunks
-    counts, peak = _counted_save(upstream, state, max_requests=2)
+    counts, peak, _ = _counted_save(upstream, state, max_requests=2)
     assert counts["put"] >= 48 and peak <= 2, (counts, peak)
-    _, unbounded = _counted_save(upstream, state, max_requests=64)
+    _, unbounded, _ = _counted_save(upstream, state, max_requests=64)
     assert unbounded > 2  # the 8 I/O threads do put several chunks at once without the bound
 
 
 def test_a_large_chunk_goes_up_in_parts_within_the_bounds(upstream: str) -> None:
-    big = {"w": np.random.default_rng(6).integers(0, 255, (11 << 20) + 3, dtype=np.uint8)}
-    counts, peak = _counted_save(
+    big = {"w": np.random.default_rng(6).integers(0, 255, (16 << 20) + 3, dtype=np.uint8)}
+    counts, peak, _ = _counted_save(
         upstream, big, 64 << 20, part_bytes=5 << 20, max_parts_in_flight=2, max_requests=8
     )
-    # 11 MiB and its trailer in parts of 5 MiB: three parts, two at a time
+    # 16 MiB and its trailer in parts of 5 MiB to 10 MiB: three equal parts, two at a time
     assert counts.get("create_upload") == 1 and counts.get("part") == 3 and counts.get("complete_upload") == 1
     assert peak <= 2, peak
+    # just below two parts: one put, not a part of 4 bytes for the trailer
+    counts, _, _ = _counted_save(upstream, {"w": big["w"][: (10 << 20) - 5]}, 64 << 20, part_bytes=5 << 20)
+    assert counts.get("create_upload") is None and counts.get("part") is None, counts
+
+
+def test_put_buffers_in_flight_stay_within_upload_buffer_bytes(upstream: str) -> None:
+    rng = np.random.default_rng(7)
+    state = {f"t{i}": rng.integers(0, 255, 1 << 20, dtype=np.uint8) for i in range(16)}  # 1 MiB chunks
+    budget = 3 << 20
+    counts, _, peak_bytes = _counted_save(
+        upstream, state, 1 << 20, upload_buffer_bytes=budget, max_requests=64
+    )
+    assert counts["put"] >= 16 and peak_bytes <= budget, (counts, peak_bytes)
+    _, _, unbounded = _counted_save(upstream, state, 1 << 20, max_requests=64)
+    assert unbounded > budget  # the 8 I/O threads send more at once without the bound
