@@ -12,7 +12,7 @@ For each round:
   checked);
 * ``raw``: the very objects gpuckpt stored (same keys and sizes) put with
   ``obstore.put`` from a pool of the same number of threads, with the same
-  multipart settings (part size, parts in flight), then read back with
+  multipart layout (``plan_parts``, parts in flight), then read back with
   ``obstore.get`` into preallocated buffers. No claim, no documents, no
   checksums: the ceiling of the client on this server.
 
@@ -52,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository, 
 
 import gpuckpt
 from bench.compare.common import build_state, state_bytes
-from gpuckpt.storage.s3_client import DEFAULT_PART_BYTES, DEFAULT_PARTS_IN_FLIGHT
+from gpuckpt.storage.s3_client import DEFAULT_PART_BYTES, DEFAULT_PARTS_IN_FLIGHT, plan_parts
 from gpuckpt.testing.faultproxy import FaultProxy
 from gpuckpt.testing.s3server import loopback_env, s3_options, s3_server
 
@@ -126,15 +126,13 @@ def raw_put(
 
     def put(kv: tuple[tuple[str, int], memoryview]) -> None:
         (key, size), view = kv
-        multipart = size > DEFAULT_PART_BYTES
-        obs.put(
-            store,
-            key,
-            view,
-            use_multipart=multipart,
-            chunk_size=DEFAULT_PART_BYTES,
-            max_concurrency=DEFAULT_PARTS_IN_FLIGHT,
-        )
+        # the part layout gpuckpt uses for an object of this size
+        nparts, part = plan_parts(size, DEFAULT_PART_BYTES)
+        if nparts == 1:
+            obs.put(store, key, view, use_multipart=False)
+        else:
+            at_once = min(nparts, DEFAULT_PARTS_IN_FLIGHT)
+            obs.put(store, key, view, use_multipart=True, chunk_size=part, max_concurrency=at_once)
 
     t0 = time.perf_counter()
     with ThreadPoolExecutor(threads) as pool:

@@ -163,7 +163,7 @@ def begin_save(
     )
     with writing(writer):
         writer.begin()
-        later = write_array_documents(plan, writer, defer=deferred)
+        later = write_array_documents(plan, writer, defer=deferred, threads=options.threads)
     return OpenSave(path, writer, plan, writer.token or "", later)
 
 

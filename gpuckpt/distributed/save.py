@@ -85,7 +85,7 @@ def save_described(
         writer = open_save_writer(path, options, expected_files=plan.nfiles, direct_io=False)
         with writing(writer):
             writer.begin()
-            write_array_documents(plan, writer)
+            write_array_documents(plan, writer, threads=options.threads)
         return plan, list(plan.assignments), writer.token
 
     root = _run(coord, plan_on_root) if coord.rank == 0 else _run(coord, lambda: None)
