@@ -2,7 +2,8 @@
 
 This module is the storage layer's one door: code outside :mod:`gpuckpt.storage`
 opens stores here (:func:`open_writer`, :func:`attach_writer`,
-:func:`open_reader`) and asks here about checkpoint directories
+:func:`open_reader`, and :func:`open_root` for a place holding several
+checkpoints) and asks here about checkpoint directories
 (:func:`is_committed`, :func:`cleanup_leftovers`), never a back end directly.
 
 A plain path (or ``file://`` URL) is a directory on a local or shared POSIX
