@@ -1,7 +1,7 @@
 """A single-process save to ``s3://`` that stops or dies mid-upload (for test_s3_lease.py).
 
 ``python s3_writer_child.py MODE URL ENDPOINT MARKER SEED``: saves ``state(SEED)``
-with a 2 s lease; once its first chunk is uploaded it writes MARKER, then
+with a 3 s lease (S3 times have one-second resolution: room for a slow machine); once its first chunk is uploaded it writes MARKER, then
 ``kill`` SIGKILLs itself and ``stop`` SIGSTOPs itself (the test resumes it
 later). A save that returns prints ``saved``; one that raises prints the
 error's type and message and exits 3.
@@ -40,7 +40,7 @@ def main(mode: str, url: str, endpoint: str, marker: str, seed: str) -> None:
         gpuckpt.save(
             state(int(seed)),
             url,
-            storage_options=s3_options(endpoint, lease_seconds=2.0),
+            storage_options=s3_options(endpoint, lease_seconds=3.0),
             progress=progress,
             threads=1,
         )

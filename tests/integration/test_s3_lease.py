@@ -85,7 +85,7 @@ def test_writer_killed_mid_upload_publishes_nothing_and_the_next_save_succeeds(
     with pytest.raises(gpuckpt.CheckpointNotFoundError, match="claim"):
         gpuckpt.read_metadata(url, storage_options=s3_options(endpoint))
     # the dead writer's claim is taken over (its process is gone) and its objects removed
-    gpuckpt.save(state(2), url, storage_options=s3_options(endpoint, lease_seconds=2.0))
+    gpuckpt.save(state(2), url, storage_options=s3_options(endpoint, lease_seconds=3.0))
     _same(gpuckpt.load_state_dict(url, storage_options=s3_options(endpoint)), state(2))
     assert CLAIM_KEY not in _keys(endpoint, url)
 
@@ -94,7 +94,7 @@ def test_stalled_writer_keeps_its_claim_until_the_lease_expires_then_loses_it(
     endpoint: str, tmp_path: Path
 ) -> None:
     url = f"s3://{BUCKET}/run-{uuid.uuid4().hex[:8]}/step-1"
-    opts = s3_options(endpoint, lease_seconds=2.0)
+    opts = s3_options(endpoint, lease_seconds=3.0)
     proc = _start("stop", url, endpoint, tmp_path / "marker", 1)
     try:
         _wait_for(tmp_path / "marker", proc)
