@@ -92,10 +92,12 @@ from gpuckpt.storage.layout import (
 from gpuckpt.storage.names import is_safe_name
 from gpuckpt.storage.s3_client import (
     RequestBudget,
-    client_options,
+    first_line,
+    obstore_for,
+    parse_s3_url,
     plan_parts,
     pop_transfer_options,
-    retry_config,
+    zarr_store,
 )
 
 __all__ = ["CLAIM_KEY", "ObjectStoreReader", "ObjectStoreWriter", "parse_s3_url", "zarr_store"]
@@ -104,99 +106,6 @@ CLAIM_KEY = ".gpuckpt-writer"
 DEFAULT_LEASE_SECONDS = 60.0
 _MAX_CLAIM_BYTES = 1 << 24
 _STREAM_PIECE = 4 << 20
-
-# storage_options spellings (fsspec/s3fs and boto) -> obstore S3Config keys
-_ALIASES = {
-    "endpoint_url": "endpoint",
-    "region_name": "region",
-    "key": "access_key_id",
-    "aws_access_key_id": "access_key_id",
-    "secret": "secret_access_key",
-    "aws_secret_access_key": "secret_access_key",
-    "token": "session_token",
-    "aws_session_token": "session_token",
-    "anon": "skip_signature",
-}
-
-
-def parse_s3_url(url: str) -> tuple[str, str]:
-    """Split ``s3://bucket/some/prefix`` into bucket and normalised prefix.
-
-    Raises
-    ------
-    ValueError
-        For another scheme, no bucket, no prefix (a checkpoint never takes a
-        whole bucket), or a prefix with empty, ``.`` or ``..`` segments.
-    """
-    scheme, sep, rest = url.partition("://")
-    if scheme.lower() != "s3" or not sep:
-        raise ValueError(f"{url!r} is not an s3:// URL; expected s3://bucket/prefix")
-    bucket, _, prefix = rest.partition("/")
-    prefix = prefix.strip("/")
-    segments = prefix.split("/") if prefix else []
-    bad = [s for s in segments if s in ("", ".", "..") or any(c in s for c in "\\\0?#")]
-    if not bucket or not segments or bad:
-        raise ValueError(
-            f"{url!r}: expected s3://bucket/prefix with a non-empty prefix of plain segments "
-            f"(no '', '.', '..', '?', '#'); found bucket {bucket!r}, prefix {prefix!r}"
-        )
-    return bucket, prefix
-
-
-def _s3_config(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """``storage_options`` -> (S3Store keyword arguments, client options)."""
-    config: dict[str, Any] = {}
-    client = dict(options.pop("client_options", None) or {})
-    for k, v in options.items():
-        config[_ALIASES.get(k, k)] = v
-    # the endpoint given, else the one obstore takes from the environment (gpuckpt verify s3://...)
-    endpoint = config.get("endpoint") or os.environ.get("AWS_ENDPOINT_URL") or os.environ.get("AWS_ENDPOINT")
-    if "allow_http" in config:
-        client["allow_http"] = bool(config.pop("allow_http"))
-    elif str(endpoint or "").startswith("http://"):
-        client["allow_http"] = True  # the caller named a plain-HTTP endpoint
-    return config, client
-
-
-def _obstore_for(url: str, options: dict[str, Any]) -> Any:
-    try:
-        from obstore.exceptions import BaseError
-        from obstore.store import S3Store
-    except ImportError:
-        raise ImportError(
-            f"{url}: s3:// checkpoints need the obstore package; install it with pip install 'gpuckpt[s3]'"
-        ) from None
-
-    bucket, prefix = parse_s3_url(url)
-    config, client = _s3_config(dict(options))
-    retry = retry_config(config.pop("retry_config", None))
-    try:
-        return S3Store(
-            bucket,
-            prefix=prefix,
-            client_options=client_options(client),  # type: ignore[arg-type]
-            retry_config=retry,  # type: ignore[arg-type]
-            **config,
-        )
-    except (BaseError, TypeError) as exc:
-        raise ValueError(
-            f"storage_options for {url} are not valid S3 settings ({_first_line(exc)}); use endpoint_url, "
-            "region, access_key_id, secret_access_key, session_token, allow_http, skip_signature, "
-            "or another obstore S3Config key"
-        ) from None
-
-
-def zarr_store(url: str, *, read_only: bool = True, **storage_options: Any) -> Any:
-    """A :class:`zarr.storage.ObjectStore` on the prefix of ``url``, to open a checkpoint with zarr.
-
-    Examples
-    --------
-    >>> store = zarr_store("s3://bucket/ckpt", endpoint_url="http://127.0.0.1:9000")  # doctest: +SKIP
-    >>> zarr.open_array(store, path="model.w", mode="r")[:]  # doctest: +SKIP
-    """
-    from zarr.storage import ObjectStore
-
-    return ObjectStore(_obstore_for(url, storage_options), read_only=read_only)
 
 
 def _machine() -> str:
@@ -207,10 +116,6 @@ def _machine() -> str:
         return f"{boot}/{os.readlink('/proc/self/ns/pid')}"
     except OSError:
         return ""
-
-
-def _first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
 def _rel(name: str, key: str) -> str:
@@ -233,7 +138,7 @@ class _Prefix:
         self.transfer = pop_transfer_options(storage_options)
         self.budget = RequestBudget(self.transfer.max_requests, self.transfer.upload_buffer_bytes)
         self.path = url.rstrip("/")
-        self._obs = _obstore_for(url, storage_options)
+        self._obs = obstore_for(url, storage_options)
         self.zarr_store = ObjectStore(self._obs)
 
     #: what errors of the store become (:meth:`_io`) where no other type is asked for
@@ -259,17 +164,17 @@ class _Prefix:
         except (PermissionDeniedError, UnauthenticatedError) as exc:
             raise error(
                 errno.EACCES,
-                f"{what} at {self.path} was refused ({_first_line(exc)}); check the credentials "
+                f"{what} at {self.path} was refused ({first_line(exc)}); check the credentials "
                 "and bucket policy in storage_options",
             ) from None
         except NotSupportedError as exc:
             raise error(
                 errno.EOPNOTSUPP,
-                f"{what} at {self.path}: the server refused a request ({_first_line(exc)}); if it does not "
+                f"{what} at {self.path}: the server refused a request ({first_line(exc)}); if it does not "
                 "support conditional puts (If-None-Match), pass storage_options conditional_writes=False",
             ) from None
         except BaseError as exc:
-            raise error(errno.EIO, f"{what} at {self.path} failed: {_first_line(exc)}") from exc
+            raise error(errno.EIO, f"{what} at {self.path} failed: {first_line(exc)}") from exc
 
     def _get_small(self, rel: str, limit: int, name: str) -> bytes | None:
         """The object ``rel`` (None when absent), refused unread above ``limit`` (the cap ``name``)."""
@@ -684,8 +589,8 @@ class ObjectStoreWriter(_Prefix, CheckpointWriter):
                 raise
             raise CheckpointWriteError(
                 errno.EIO,
-                f"publishing {self.path}: the put of {ROOT_KEY} failed ({_first_line(failure)}) and reading "
-                f"it back failed too ({_first_line(exc)}): whether the checkpoint was published is "
+                f"publishing {self.path}: the put of {ROOT_KEY} failed ({first_line(failure)}) and reading "
+                f"it back failed too ({first_line(exc)}): whether the checkpoint was published is "
                 "unknown; gpuckpt.read_metadata on it tells (a published checkpoint is whole)",
             ) from failure
         return found == bytes(root_document)

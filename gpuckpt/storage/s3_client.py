@@ -24,11 +24,14 @@ Rust ``object_store`` crate), configured, not a retry loop of ours:
   within the request and memory budgets.
 
 The gpuckpt keys of ``storage_options`` handled here are popped by
-:func:`pop_transfer_options`; the rest go to the store.
+:func:`pop_transfer_options`; the rest go to the store, opened by
+:func:`obstore_for` (``s3://`` URLs, with the spellings of fsspec and boto
+accepted for its settings).
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -162,3 +165,102 @@ class RequestBudget:
         """Requests and bytes held now."""
         with self._cond:
             return self.limit - self._free, self.byte_limit - self._free_bytes
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of an error's message (its type's name when it has none)."""
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
+# storage_options spellings (fsspec/s3fs and boto) -> obstore S3Config keys
+_ALIASES = {
+    "endpoint_url": "endpoint",
+    "region_name": "region",
+    "key": "access_key_id",
+    "aws_access_key_id": "access_key_id",
+    "secret": "secret_access_key",
+    "aws_secret_access_key": "secret_access_key",
+    "token": "session_token",
+    "aws_session_token": "session_token",
+    "anon": "skip_signature",
+}
+
+
+def parse_s3_url(url: str) -> tuple[str, str]:
+    """Split ``s3://bucket/some/prefix`` into bucket and normalised prefix.
+
+    Raises
+    ------
+    ValueError
+        For another scheme, no bucket, no prefix (a checkpoint never takes a
+        whole bucket), or a prefix with empty, ``.`` or ``..`` segments.
+    """
+    scheme, sep, rest = url.partition("://")
+    if scheme.lower() != "s3" or not sep:
+        raise ValueError(f"{url!r} is not an s3:// URL; expected s3://bucket/prefix")
+    bucket, _, prefix = rest.partition("/")
+    prefix = prefix.strip("/")
+    segments = prefix.split("/") if prefix else []
+    bad = [s for s in segments if s in ("", ".", "..") or any(c in s for c in "\\\0?#")]
+    if not bucket or not segments or bad:
+        raise ValueError(
+            f"{url!r}: expected s3://bucket/prefix with a non-empty prefix of plain segments "
+            f"(no '', '.', '..', '?', '#'); found bucket {bucket!r}, prefix {prefix!r}"
+        )
+    return bucket, prefix
+
+
+def _s3_config(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``storage_options`` -> (S3Store keyword arguments, client options)."""
+    config: dict[str, Any] = {}
+    client = dict(options.pop("client_options", None) or {})
+    for k, v in options.items():
+        config[_ALIASES.get(k, k)] = v
+    # the endpoint given, else the one obstore takes from the environment (gpuckpt verify s3://...)
+    endpoint = config.get("endpoint") or os.environ.get("AWS_ENDPOINT_URL") or os.environ.get("AWS_ENDPOINT")
+    if "allow_http" in config:
+        client["allow_http"] = bool(config.pop("allow_http"))
+    elif str(endpoint or "").startswith("http://"):
+        client["allow_http"] = True  # the caller named a plain-HTTP endpoint
+    return config, client
+
+
+def obstore_for(url: str, options: dict[str, Any]) -> Any:
+    try:
+        from obstore.exceptions import BaseError
+        from obstore.store import S3Store
+    except ImportError:
+        raise ImportError(
+            f"{url}: s3:// checkpoints need the obstore package; install it with pip install 'gpuckpt[s3]'"
+        ) from None
+
+    bucket, prefix = parse_s3_url(url)
+    config, client = _s3_config(dict(options))
+    retry = retry_config(config.pop("retry_config", None))
+    try:
+        return S3Store(
+            bucket,
+            prefix=prefix,
+            client_options=client_options(client),  # type: ignore[arg-type]
+            retry_config=retry,  # type: ignore[arg-type]
+            **config,
+        )
+    except (BaseError, TypeError) as exc:
+        raise ValueError(
+            f"storage_options for {url} are not valid S3 settings ({first_line(exc)}); use endpoint_url, "
+            "region, access_key_id, secret_access_key, session_token, allow_http, skip_signature, "
+            "or another obstore S3Config key"
+        ) from None
+
+
+def zarr_store(url: str, *, read_only: bool = True, **storage_options: Any) -> Any:
+    """A :class:`zarr.storage.ObjectStore` on the prefix of ``url``, to open a checkpoint with zarr.
+
+    Examples
+    --------
+    >>> store = zarr_store("s3://bucket/ckpt", endpoint_url="http://127.0.0.1:9000")  # doctest: +SKIP
+    >>> zarr.open_array(store, path="model.w", mode="r")[:]  # doctest: +SKIP
+    """
+    from zarr.storage import ObjectStore
+
+    return ObjectStore(obstore_for(url, storage_options), read_only=read_only)
