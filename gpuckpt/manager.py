@@ -7,6 +7,11 @@ Layout::
       step_00000080/
       .step_00000120.gpuckpt-tmp-...   a save in flight or interrupted: ignored
 
+The root may also be an object-store prefix (``s3://bucket/run1``): the
+steps are the prefixes under it (``s3://bucket/run1/step_00000040``), each a
+checkpoint published by its root document (see
+:mod:`gpuckpt.storage.s3_root`).
+
 Step directories are named ``step_<step>`` (zero-padded to 8 digits) and
 are ordered by their number, never by name; plain integer names (``42``)
 are read too. A step counts only once it is committed, so an interrupted or
@@ -24,8 +29,6 @@ from __future__ import annotations
 
 import os
 import re
-import secrets
-from pathlib import Path
 from types import TracebackType
 from typing import Any
 
@@ -34,21 +37,28 @@ from gpuckpt.background import SaveFuture, async_save_with_options
 from gpuckpt.errors import CheckpointExistsError, CheckpointNotFoundError, GpuckptError, StepOrderError
 from gpuckpt.metadata import STATE_DICT_TYPE
 from gpuckpt.options import SaveOptions
-from gpuckpt.storage import fsutil
-from gpuckpt.storage.stores import cleanup_leftovers, is_committed
+from gpuckpt.storage.stores import open_root, scheme_of
 
 __all__ = ["CheckpointManager", "step_of"]
 
 _STEP_RE = re.compile(r"^(?:step_)?([0-9]{1,19})$")
-_DEL_TAG = ".gpuckpt-del-"
 #: the options of gpuckpt.async_save a manager passes on to each save
 _SAVE_OPTIONS = frozenset(
-    ("chunk_bytes", "allow_pickle", "sync", "threads", "progress", "staging", "staging_bytes", "portable")
+    (
+        "chunk_bytes",
+        "allow_pickle",
+        "sync",
+        "threads",
+        "progress",
+        "staging",
+        "staging_bytes",
+        "portable",
+        "storage_options",
+    )
 )
 #: options of gpuckpt.save that a manager cannot take, and why
 _REFUSED = {
     "overwrite": "the manager never overwrites a step",
-    "storage_options": "the manager's root is a local directory (storage_options are for URL back ends)",
     "coordinator": "a manager saves from one process",
 }
 
@@ -72,7 +82,9 @@ class CheckpointManager:
     Parameters
     ----------
     root
-        Directory holding one sub-directory per saved step (created if needed).
+        Directory holding one sub-directory per saved step (created if needed),
+        or an object-store prefix (``s3://bucket/run1``) holding one prefix per
+        step; ``storage_options`` (endpoint, credentials) go with it.
     max_to_keep
         Keep at most this many of the newest steps (``None``: keep all).
         Steps kept by ``keep_period`` do not count against it.
@@ -86,7 +98,7 @@ class CheckpointManager:
     **save_options
         Options of every save, as for :func:`gpuckpt.async_save`:
         ``chunk_bytes``, ``allow_pickle``, ``sync``, ``threads``, ``progress``,
-        ``staging``, ``staging_bytes``, ``portable``; checked here
+        ``staging``, ``staging_bytes``, ``portable``, ``storage_options``; checked here
         (:class:`~gpuckpt.errors.InvalidOptionError` for a bad value).
 
     Notes
@@ -147,11 +159,17 @@ class CheckpointManager:
                 f"CheckpointManager got unknown save option(s) {', '.join(unknown)}; "
                 f"expected some of {', '.join(sorted(_SAVE_OPTIONS))}{hints}"
             )
+        if save_options.get("storage_options") and scheme_of(root) == "file":
+            raise TypeError(
+                f"CheckpointManager got storage_options for {os.fspath(root)!r}, a local directory; "
+                "storage_options are for URL roots (s3://bucket/prefix): drop them"
+            )
         # bad values fail here, not at some later save (which could have taken staging memory)
         self.options = SaveOptions(**save_options)
-        self.root = Path(root).absolute()
-        if self.root.exists() and not self.root.is_dir():
-            raise NotADirectoryError(f"checkpoint root {self.root} exists and is not a directory")
+        # cleans what dead saves and interrupted deletions left (only claims whose holder is gone)
+        self._store = open_root(root, storage_options=self.options.store_options())
+        self.root: Any = getattr(self._store, "path", root)
+        self._store.cleanup()
         self.max_to_keep = max_to_keep
         self.save_interval_steps = save_interval_steps
         self.keep_period = keep_period
@@ -159,36 +177,35 @@ class CheckpointManager:
         self._pending: tuple[int, SaveFuture] | None = None
         self._error: BaseException | None = None
         self._closed = False
-        self.root.mkdir(parents=True, exist_ok=True)
-        self._cleanup_leftovers()
 
-    # directory scanning ------------------------------------------------------
+    # the steps in the store --------------------------------------------------
 
-    def _scan(self) -> dict[int, Path]:
-        found: dict[int, Path] = {}
-        try:
-            entries = sorted(os.scandir(self.root), key=lambda e: e.name)
-        except FileNotFoundError:
-            return found
-        for entry in entries:
-            step = step_of(entry.name)
-            if step is None or step in found:
-                continue
-            path = Path(entry.path)
-            if entry.is_dir(follow_symlinks=False) and is_committed(path):
-                found[step] = path
+    def _candidates(self) -> dict[int, str]:
+        """Step -> name of every entry named like a step (committed or not), the first name
+        in sorted order where two names stand for one step."""
+        found: dict[int, str] = {}
+        for name in self._store.children():
+            step = step_of(name)
+            if step is not None and step not in found:
+                found[step] = name
         return found
 
-    def _cleanup_leftovers(self) -> None:
-        """Remove temporaries of dead saves and half-done deletions."""
-        for entry in os.scandir(self.root):
-            if entry.name.startswith(".") and _DEL_TAG in entry.name:
-                fsutil.rmtree_quiet(Path(entry.path))
-        cleanup_leftovers(self.root)
+    def _scan(self) -> dict[int, str]:
+        """Step -> name of every committed step."""
+        return {s: n for s, n in self._candidates().items() if self._store.is_committed(n)}
 
-    def step_path(self, step: int) -> Path:
-        """Directory of ``step``: the existing one, else where a save would put it."""
-        return self._scan().get(step, self.root / f"step_{step:08d}")
+    def _latest(self) -> tuple[int, str] | None:
+        """The highest committed step: the candidates from the newest down until one is committed
+        (one listing of the root and, usually, one probe)."""
+        for step, name in sorted(self._candidates().items(), reverse=True):
+            if self._store.is_committed(name):
+                return step, name
+        return None
+
+    def step_path(self, step: int) -> Any:
+        """Where ``step`` is (a directory, or a URL for an object store): the existing one,
+        else where a save would put it."""
+        return self._store.child(self._scan().get(step, f"step_{step:08d}"))
 
     def all_steps(self) -> list[int]:
         """Committed steps, in increasing order."""
@@ -197,8 +214,9 @@ class CheckpointManager:
 
     def latest_step(self) -> int | None:
         """The highest committed step, or None when there is none."""
-        steps = self.all_steps()
-        return steps[-1] if steps else None
+        self._poll()
+        latest = self._latest()
+        return None if latest is None else latest[0]
 
     # saving ------------------------------------------------------------------
 
@@ -225,7 +243,7 @@ class CheckpointManager:
         existing = steps.get(step)
         if existing is not None:
             raise CheckpointExistsError(
-                f"step {step} is already saved at {existing}; each step is saved once: "
+                f"step {step} is already saved at {self._store.child(existing)}; each step is saved once: "
                 "save under another step number or delete that directory first"
             )
         newer = sorted(s for s in steps if s > step)
@@ -239,7 +257,7 @@ class CheckpointManager:
                 "(for s in [s for s in mgr.all_steps() if s > "
                 f"{step}]: mgr.delete(s)), or save the new line under another root"
             )
-        path = self.root / f"step_{step:08d}"
+        path = self._store.child(f"step_{step:08d}")
         if self.async_save:
             self._pending = (step, async_save_with_options(state_dict, path, self.options))
         else:
@@ -309,17 +327,20 @@ class CheckpointManager:
         steps = sorted(self._scan().items())
         if len(steps) <= self.max_to_keep:
             return
-        for step, path in steps[: -self.max_to_keep]:
-            if step == saved or (self.keep_period is not None and step % self.keep_period == 0):
-                continue
-            self._delete(path)
+        doomed = [
+            name
+            for step, name in steps[: -self.max_to_keep]
+            if step != saved and not (self.keep_period is not None and step % self.keep_period == 0)
+        ]
+        self._store.delete(doomed)  # together: batched requests on an object store
 
     def delete(self, step: int) -> None:
         """Delete the committed checkpoint of ``step``, e.g. the steps after one rolled back to.
 
         A save in flight is waited for first (its error, if any, is raised by
-        the next :meth:`save` or :meth:`wait`). The step disappears in one
-        rename, made durable, before its files are removed.
+        the next :meth:`save` or :meth:`wait`). The step disappears at once
+        (one rename, made durable; on an object store, the deletion of its root
+        document) before its other files are removed.
 
         Raises
         ------
@@ -328,28 +349,22 @@ class CheckpointManager:
         """
         if not isinstance(step, int) or isinstance(step, bool):
             raise TypeError(f"step must be an int, got {step!r}")
-        step, path = self._resolve(step)
-        self._delete(path)
-        fsutil.fsync_dir(self.root)
-
-    def _delete(self, path: Path) -> None:
-        # rename first: the step disappears in one step, then the files go
-        doomed = self.root / f".{path.name}{_DEL_TAG}{secrets.token_hex(4)}"
-        try:
-            os.rename(path, doomed)
-        except FileNotFoundError:
-            return
-        fsutil.rmtree_quiet(doomed)
+        step, name = self._resolve(step)
+        self._store.delete([name])
 
     # restoring ---------------------------------------------------------------
 
-    def _resolve(self, step: int | None) -> tuple[int, Path]:
+    def _resolve(self, step: int | None) -> tuple[int, str]:
+        """``step`` (None: the latest) and its name, of a committed step."""
         self._settle(raise_error=False)
+        if step is None:
+            latest = self._latest()
+            if latest is None:
+                raise CheckpointNotFoundError(f"no committed checkpoint under {self.root}; save one first")
+            return latest
         steps = self._scan()
         if not steps:
             raise CheckpointNotFoundError(f"no committed checkpoint under {self.root}; save one first")
-        if step is None:
-            step = max(steps)
         if step not in steps:
             shown = sorted(steps)
             raise CheckpointNotFoundError(
@@ -367,14 +382,16 @@ class CheckpointManager:
         from it, delete the newer steps (:meth:`delete`): a save of a step
         older than a committed one is refused (see the class notes).
         """
-        step, path = self._resolve(step)
-        api.load(state_dict, path, **options)
+        step, name = self._resolve(step)
+        options.setdefault("storage_options", self.options.store_options() or None)
+        api.load(state_dict, self._store.child(name), **options)
         return step
 
     def restore_state_dict(self, step: int | None = None, **options: Any) -> dict[str, Any]:
         """Load ``step`` (default: the latest) into a new dict (see :func:`gpuckpt.load_state_dict`)."""
-        _step, path = self._resolve(step)
-        return api.load_state_dict(path, **options)
+        _step, name = self._resolve(step)
+        options.setdefault("storage_options", self.options.store_options() or None)
+        return api.load_state_dict(self._store.child(name), **options)
 
     def __repr__(self) -> str:
         pending = f", step {self._pending[0]} in flight" if self._pending else ""

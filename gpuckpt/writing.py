@@ -41,7 +41,7 @@ from gpuckpt.metadata import (
 from gpuckpt.options import SaveOptions
 from gpuckpt.planning.plan import ChunkAssignment, SavePlan, TensorPlan
 from gpuckpt.progress import ProgressCounter
-from gpuckpt.runner import Batcher, Runner
+from gpuckpt.runner import Batcher, Runner, run_all
 from gpuckpt.sources import Sources
 from gpuckpt.storage.base import CheckpointWriter, ChunkWrites
 from gpuckpt.storage.checksum import CRC_BYTES
@@ -133,16 +133,21 @@ def array_document_of(t: TensorPlan) -> bytes:
 
 
 def write_array_documents(
-    plan: SavePlan, writer: CheckpointWriter, *, defer: Collection[str] = ()
+    plan: SavePlan, writer: CheckpointWriter, *, defer: Collection[str] = (), threads: int | None = None
 ) -> dict[str, bytes]:
     """Write the ``zarr.json`` of every array of ``plan`` but those named in ``defer``; returns
-    the documents of those, by array name, for :func:`write_chunks` to write with their one chunk."""
+    the documents of those, by array name, for :func:`write_chunks` to write with their one chunk.
+
+    The documents are written on up to ``threads`` threads (one round trip each on an object
+    store: hundreds of them one after the other would hold every rank of a distributed save)."""
     deferred = {}
+    jobs = []
     for t in plan.tensors:
         if t.name in defer:
             deferred[t.name] = array_document_of(t)
         else:
-            writer.write_array_document(t.name, array_document_of(t))
+            jobs.append(functools.partial(writer.write_array_document, t.name, array_document_of(t)))
+    run_all(jobs, threads=threads, name="gpuckpt-documents")
     return deferred
 
 
@@ -409,7 +414,7 @@ def execute_save(
         # single-chunk arrays get their directory and document from the I/O thread
         # that writes their chunk; the others' must exist before any chunk lands
         single = write_array_documents(
-            plan, writer, defer={t.name for t in plan.tensors if len(t.specs) == 1}
+            plan, writer, defer={t.name for t in plan.tensors if len(t.specs) == 1}, threads=options.threads
         )
         jobs = bind_jobs(mine, sources)
         sizes = write_chunks(jobs, writer, options, documents=single)

@@ -22,14 +22,19 @@ from gpuckpt.errors import CheckpointNotFoundError, GpuckptError
 from gpuckpt.manager import step_of
 from gpuckpt.reading import TensorEntry, load_chunk_records, paused_gc
 from gpuckpt.storage.base import CheckpointReader
-from gpuckpt.storage.stores import is_committed
+from gpuckpt.storage.stores import open_root, scheme_of
 from gpuckpt.storage.values import decode_object
 
 HELP = "list the tensors and values of a checkpoint (or the steps under a manager's root)"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("path", metavar="PATH", help="checkpoint directory, or a CheckpointManager root")
+    p.add_argument(
+        "path",
+        metavar="PATH",
+        help="checkpoint directory or s3:// URL (endpoint and credentials from the AWS_* environment), "
+        "or a CheckpointManager root",
+    )
     p.add_argument("--json", action="store_true", help="print JSON for scripts")
 
 
@@ -75,7 +80,7 @@ def _object_row(fqn: str, enc: Any) -> dict[str, Any]:
     return {"name": fqn, "type": tag, "value": value}
 
 
-def describe_checkpoint(path: Path) -> dict[str, Any]:
+def describe_checkpoint(path: Path | str) -> dict[str, Any]:
     """Everything ``inspect`` shows, as JSON values."""
     with paused_gc():
         reader, md, tensors, objects = _open(path, shared=False)
@@ -161,13 +166,16 @@ def format_description(d: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
-def describe_root(path: Path) -> dict[str, Any] | None:
+def describe_root(path: Path | str) -> dict[str, Any] | None:
     """The committed steps under a CheckpointManager root, or None if there are none."""
     steps: list[dict[str, Any]] = []
-    for child in sorted(path.iterdir()) if path.is_dir() else []:
-        step = step_of(child.name)
-        if step is not None and child.is_dir() and is_committed(child):
-            steps.append({"step": step, "path": str(child)})
+    if isinstance(path, Path) and not path.is_dir():
+        return None
+    root = open_root(path)
+    for name in root.children():
+        step = step_of(name)
+        if step is not None and root.is_committed(name):
+            steps.append({"step": step, "path": str(root.child(name))})
     if not steps:
         return None
     steps.sort(key=lambda s: s["step"])
@@ -175,7 +183,8 @@ def describe_root(path: Path) -> dict[str, Any] | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    path = Path(args.path)
+    # a URL stays text (a Path would fold its "//")
+    path: Path | str = Path(args.path) if scheme_of(args.path) == "file" else args.path
     try:
         d = describe_checkpoint(path)
     except CheckpointNotFoundError:

@@ -31,6 +31,7 @@ from gpuckpt.memory_format import (
 from gpuckpt.options import DEFAULT_CHUNK_BYTES
 from gpuckpt.progress import ProgressCallback
 from gpuckpt.state import flatten_state_dict, unflatten_state_dict
+from gpuckpt.storage.stores import scheme_of
 from gpuckpt.storage.values import decode_object, encode_object
 
 __all__ = ["SOURCE_FORMATS", "TARGET_FORMATS", "ConvertResult", "convert", "detect_format"]
@@ -60,6 +61,8 @@ def detect_format(path: str | os.PathLike[str]) -> str:
     :func:`~gpuckpt.convert.safetensors_io.is_safetensors`); else a zip or
     pickle start means ``torch.save``.
     """
+    if scheme_of(path) != "file":
+        return "gpuckpt"  # a URL (s3://...) holds gpuckpt checkpoints only
     p = Path(path)
     if p.is_dir():
         if (p / "zarr.json").is_file():
@@ -114,16 +117,25 @@ def _from_safetensors(path: Path, allow_pickle: bool, progress: ProgressCallback
 
 
 def _read(
-    path: Path,
+    path: Any,
     fmt: str,
     *,
     allow_pickle: bool,
     trust_pickle_metadata: bool,
     threads: int | None,
     progress: ProgressCallback | None,
+    storage_options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     if fmt == "gpuckpt":
-        return api.load_state_dict(path, allow_pickle=allow_pickle, threads=threads, progress=progress)
+        return api.load_state_dict(
+            path,
+            allow_pickle=allow_pickle,
+            threads=threads,
+            progress=progress,
+            storage_options=storage_options,
+        )
+    if scheme_of(path) != "file":
+        raise UnsupportedValueError(f"{path}: only gpuckpt checkpoints are read from URLs, not {fmt} files")
     if fmt == "safetensors":
         read_safetensors_header(path)  # a clear error for a file that is not safetensors
         return _from_safetensors(path, allow_pickle, progress)
@@ -147,6 +159,7 @@ def convert(
     threads: int | None = None,
     read_progress: ProgressCallback | None = None,
     write_progress: ProgressCallback | None = None,
+    storage_options: dict[str, Any] | None = None,
 ) -> ConvertResult:
     """Convert the checkpoint at ``src`` into ``dst``, keeping every tensor's exact bits.
 
@@ -159,6 +172,11 @@ def convert(
     values and nesting in ``__metadata__["gpuckpt.state"]`` (tagged JSON,
     never pickle), so converting back restores the same state dict.
 
+    ``src`` or ``dst`` may be an object-store URL (``s3://bucket/prefix``) of a
+    gpuckpt checkpoint, with ``storage_options`` for it (default: the
+    endpoint and credentials of the ``AWS_*`` environment); safetensors, torch
+    and DCP files are local.
+
     Examples
     --------
     >>> import numpy as np, gpuckpt, tempfile, os
@@ -168,7 +186,9 @@ def convert(
     >>> convert(os.path.join(d, "ckpt"), os.path.join(d, "model.safetensors")).tensors
     1
     """
-    src_p, dst_p = Path(src), Path(dst)
+    # URLs stay text (a Path would fold their "//"); local paths become Paths
+    src_p: Any = Path(src) if scheme_of(src) == "file" else os.fspath(src)
+    dst_p: Any = Path(dst) if scheme_of(dst) == "file" else os.fspath(dst)
     fmt_in = detect_format(src_p) if source_format == "auto" else source_format
     if fmt_in not in SOURCE_FORMATS:
         raise ValueError(
@@ -176,14 +196,19 @@ def convert(
         )
     fmt_out = target_format
     if fmt_out == "auto":
-        fmt_out = "safetensors" if dst_p.suffix == ".safetensors" else "gpuckpt"
+        fmt_out = "safetensors" if os.fspath(dst_p).endswith(".safetensors") else "gpuckpt"
     if fmt_out not in TARGET_FORMATS:
         raise ValueError(
             f"unknown target format {fmt_out!r}; expected auto or one of {', '.join(TARGET_FORMATS)}"
         )
-    if src_p.absolute() == dst_p.absolute():
+    if fmt_out != "gpuckpt" and isinstance(dst_p, str):
+        raise UnsupportedValueError(
+            f"{dst_p}: {fmt_out} files are written to local paths; only gpuckpt to URLs"
+        )
+    if _same(src_p, dst_p):
         raise ValueError(f"source and destination are the same path ({src_p}); write to a new path")
-    if (dst_p.exists() or dst_p.is_symlink()) and not overwrite:
+    # a URL destination: the store refuses a published checkpoint itself
+    if isinstance(dst_p, Path) and (dst_p.exists() or dst_p.is_symlink()) and not overwrite:
         raise FileExistsError(
             17, "destination exists (pass overwrite=True / --overwrite to replace it)", os.fspath(dst_p)
         )
@@ -194,6 +219,7 @@ def convert(
         trust_pickle_metadata=trust_pickle_metadata,
         threads=threads,
         progress=read_progress,
+        storage_options=storage_options,
     )
     tensors, objects, skeleton = _flat(state)
     nbytes = sum(t.nbytes for t in tensors.values())
@@ -206,6 +232,7 @@ def convert(
             allow_pickle=allow_pickle,
             threads=threads,
             progress=write_progress,
+            storage_options=storage_options if isinstance(dst_p, str) else None,
         )
     else:
         for name, arr in tensors.items():  # refuse before writing anything
@@ -223,6 +250,12 @@ def convert(
             meta = {STATE_KEY: json.dumps(extra, separators=(",", ":"))}
         write_safetensors(tensors, dst_p, metadata=meta, overwrite=overwrite, progress=write_progress)
     return ConvertResult(fmt_in, fmt_out, len(tensors), len(objects), nbytes)
+
+
+def _same(a: Path | str, b: Path | str) -> bool:
+    if isinstance(a, Path) and isinstance(b, Path):
+        return a.absolute() == b.absolute()
+    return os.fspath(a).rstrip("/") == os.fspath(b).rstrip("/")
 
 
 def _in_memory_format(arr: np.ndarray, name: Any, path: Path) -> np.ndarray:

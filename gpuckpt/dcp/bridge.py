@@ -54,7 +54,7 @@ from gpuckpt.device.arrays import DeviceArray, HostArray, HostMemory, adapt, dev
 from gpuckpt.device.staging import ArenaPool, StagingArena
 from gpuckpt.distributed.load import read_boxes
 from gpuckpt.dtypes import dtype_name
-from gpuckpt.errors import StagingTimeoutError, UnsupportedValueError
+from gpuckpt.errors import StagingTimeoutError
 from gpuckpt.metadata import FORMAT_VERSION, Metadata, TensorProperties
 from gpuckpt.options import LoadOptions, SaveOptions
 from gpuckpt.planning.boxes import Box, LocalTensor
@@ -172,11 +172,6 @@ def begin_save(
     so that the I/O threads write them, as :func:`gpuckpt.save` does.
     """
     world_size = len(plan.assignments)
-    if world_size > 1 and scheme_of(path) != "file":
-        raise UnsupportedValueError(
-            f"{path}: saves from {world_size} ranks go to a shared file system path; object stores take "
-            "a single writer for now (save from one process, or to a shared directory)"
-        )
     # as a distributed save: the other ranks' writers attach without O_DIRECT, so the root's
     # writes alike; a single writer as gpuckpt.save (what is just written stays cached)
     writer = open_save_writer(
@@ -187,13 +182,13 @@ def begin_save(
     )
     with writing(writer):
         writer.begin()
-        later = write_array_documents(plan, writer, defer=deferred)
+        later = write_array_documents(plan, writer, defer=deferred, threads=options.threads)
     return OpenSave(path, writer, plan, writer.token or "", later)
 
 
-def attach(path: str, token: str) -> CheckpointWriter:
+def attach(path: str, token: str, options: SaveOptions) -> CheckpointWriter:
     """The writer of a rank other than the coordinator, into the save the coordinator began."""
-    return attach_writer(path, token)
+    return attach_writer(path, token, storage_options=options.store_options())
 
 
 def write_assigned(

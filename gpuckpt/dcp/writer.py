@@ -229,7 +229,7 @@ class Writer(StorageWriter):  # type: ignore[misc,unused-ignore]
             writer = self._open.writer
             documents = self._open.deferred
         else:
-            writer = bridge.attach(mine.path, mine.token)
+            writer = bridge.attach(mine.path, mine.token, self.options)
         # the boxes of the tensors this rank writes chunks of (a replicated tensor another rank
         # writes is never resolved here)
         held = {

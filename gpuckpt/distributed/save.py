@@ -12,7 +12,9 @@ failure on any rank fails the save on every rank and publishes nothing:
    same tensors) and plans the save (:func:`gpuckpt.planning.plan.plan_save`);
    rank 0 begins the save, writes the array documents and broadcasts the plan,
    from which each rank lists its own chunks;
-3. every rank writes its chunks (fsynced) into the shared temporary;
+3. every rank writes its chunks into the shared save: fsynced files in the
+   shared temporary on a file system, objects at their final keys under the
+   claimed prefix of an object store (:func:`gpuckpt.storage.stores.attach_writer`);
 4. rank 0 gathers each rank's chunk table rows and checksums (two arrays per
    rank), writes the chunk table of a large save, assembles the global
    Metadata and commits atomically; every rank returns that Metadata.
@@ -32,13 +34,12 @@ from typing import Any
 import numpy as np
 
 from gpuckpt.distributed.coordinator import Coordinator
-from gpuckpt.errors import UnsupportedValueError
 from gpuckpt.metadata import Metadata
 from gpuckpt.options import SaveOptions
 from gpuckpt.planning.plan import ChunkAssignment, SavePlan, StateDescription, merge_values, plan_save
 from gpuckpt.planning.uniform import CompactDescription, compact_description, local_layout_digest
 from gpuckpt.sources import Source, describe_state
-from gpuckpt.storage.stores import attach_writer, scheme_of
+from gpuckpt.storage.stores import attach_writer
 from gpuckpt.writing import (
     bind_jobs,
     commit_save,
@@ -131,10 +132,6 @@ def save_described(
     :mod:`gpuckpt.planning.uniform`), others their full descriptions.
     """
     coord = coordinator
-    if coord.world_size > 1 and scheme_of(path) != "file":
-        raise UnsupportedValueError(
-            "multi-rank saves go to a shared file system path; object stores are single-writer"
-        )
     local, sources = _run(coord, describe)
     digest, compact = _run(coord, _layout_keys, local, options)
     cached = _cache.get(coord)
@@ -177,7 +174,7 @@ def save_described(
         writer = open_save_writer(path, options, expected_files=plan.nfiles, direct_io=False)
         with writing(writer):
             writer.begin()
-            write_array_documents(plan, writer)
+            write_array_documents(plan, writer, threads=options.threads)
         return plan, writer.token
 
     root = _run(coord, plan_on_root) if coord.rank == 0 else _run(coord, lambda: None)
@@ -193,7 +190,7 @@ def save_described(
         _cache[coord] = _Cached(layout_token, shared if coord.rank == 0 else None, mine)
 
     def write_mine() -> tuple[np.ndarray, np.ndarray]:
-        w = writer if coord.rank == 0 else attach_writer(path, token)
+        w = writer if coord.rank == 0 else attach_writer(path, token, storage_options=options.store_options())
         jobs = bind_jobs(mine, sources)
         return written_rows(jobs, write_chunks(jobs, w, options))
 

@@ -13,6 +13,7 @@ from gpuckpt.storage.checksum import CRC_BYTES, crc32c
 
 __all__ = [
     "CheckpointReader",
+    "CheckpointRoot",
     "CheckpointWriter",
     "ChunkReads",
     "ChunkWrites",
@@ -299,3 +300,42 @@ class NotRegularFileError(FileNotFoundError):
     def __init__(self, path: str, mode: int) -> None:
         super().__init__(errno.ENOENT, f"is {_kind(mode)}, not a regular file", path)
         self.mode = mode
+
+
+class CheckpointRoot(ABC):
+    """A place holding several checkpoints side by side, each under a child name (a directory
+    of step checkpoints, or a prefix of an object store), as :class:`gpuckpt.CheckpointManager`
+    uses it.
+
+    A subclass should expect these calls, from one thread: :meth:`cleanup` when the
+    root is opened; then any of :meth:`children`, :meth:`is_committed`, :meth:`child`
+    and :meth:`delete`, while saves write children through
+    :func:`gpuckpt.storage.stores.open_writer` at :meth:`child`.
+    """
+
+    @abstractmethod
+    def child(self, name: str) -> Any:
+        """Where the checkpoint ``name`` is (a path or URL that :func:`open_writer` and
+        :func:`open_reader` take)."""
+
+    @abstractmethod
+    def children(self) -> list[str]:
+        """Names of the entries of the root that may be checkpoints (committed or not), not
+        hidden ones; without reading inside them."""
+
+    @abstractmethod
+    def is_committed(self, name: str) -> bool:
+        """Whether ``name`` holds a published gpuckpt checkpoint (damaged or not)."""
+
+    @abstractmethod
+    def delete(self, names: Sequence[str]) -> None:
+        """Delete the committed checkpoints ``names``, in as few requests as the store allows.
+
+        Each one disappears at once (it stops being committed before any of its other
+        data goes); an interrupted deletion leaves what :meth:`cleanup` removes.
+        """
+
+    @abstractmethod
+    def cleanup(self) -> list[str]:
+        """Remove what dead saves and interrupted deletions left (never a live save's
+        data, nor another program's); returns what was removed."""

@@ -18,14 +18,25 @@ A save to ``s3://bucket/prefix`` goes:
    gpuckpt save writes, are refused, never deleted: a prefix holding another
    program's Zarr store (even one whose keys look like a checkpoint's) is
    left as it is.
-2. Array documents and chunks are plain puts (zarr's
-   :class:`zarr.storage.ObjectStore`); a thread refreshes the claim every
-   quarter lease.
+2. Array documents and chunks are plain puts at their final keys (a chunk
+   above ``part_bytes`` a multipart upload, see
+   :mod:`gpuckpt.storage.s3_client`); a thread refreshes the claim every
+   quarter lease. In a distributed save the other ranks join the save with
+   its :attr:`~ObjectStoreWriter.token` (:meth:`ObjectStoreWriter.attach`,
+   which checks that the claim is that save's) and put their own chunks; only
+   the writer that began the save holds and refreshes the claim, and commits
+   after every rank has finished.
 3. ``commit``: check the claim is still ours, create the root with a
    conditional put (of two writers, exactly one commits; the other gets
    :class:`~gpuckpt.errors.CheckpointExistsError`), delete the claim.
-4. ``abort`` deletes the objects this writer put and its claim, unless the
+4. ``abort`` deletes the checkpoint objects under the prefix (every rank's:
+   the claim made them all this save's) and then its claim, unless the
    prefix has meanwhile passed to another writer or was published.
+
+Requests are retried by the client (backoff with jitter); a put whose answer
+was lost and whose retry then finds the object (the claim or the root
+document, byte for byte this save's) counts as done, so a retried
+conditional put never fails a save that went through.
 
 A root ``zarr.json`` that is not a gpuckpt checkpoint's (another program's
 Zarr store at that prefix) is refused with a message that says so.
@@ -55,6 +66,7 @@ import json
 import os
 import secrets
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from datetime import UTC, datetime
 from typing import Any
@@ -65,7 +77,7 @@ from gpuckpt.errors import (
     CheckpointWriteError,
     MetadataError,
 )
-from gpuckpt.storage import fsutil
+from gpuckpt.storage import crccopy, fsutil
 from gpuckpt.storage.base import CheckpointReader, CheckpointWriter
 from gpuckpt.storage.checksum import CRC_BYTES, crc32c
 from gpuckpt.storage.layout import (
@@ -78,6 +90,15 @@ from gpuckpt.storage.layout import (
     too_large,
 )
 from gpuckpt.storage.names import is_safe_name
+from gpuckpt.storage.s3_client import (
+    RequestBudget,
+    first_line,
+    obstore_for,
+    parse_s3_url,
+    plan_parts,
+    pop_transfer_options,
+    zarr_store,
+)
 
 __all__ = ["CLAIM_KEY", "ObjectStoreReader", "ObjectStoreWriter", "parse_s3_url", "zarr_store"]
 
@@ -85,93 +106,6 @@ CLAIM_KEY = ".gpuckpt-writer"
 DEFAULT_LEASE_SECONDS = 60.0
 _MAX_CLAIM_BYTES = 1 << 24
 _STREAM_PIECE = 4 << 20
-
-# storage_options spellings (fsspec/s3fs and boto) -> obstore S3Config keys
-_ALIASES = {
-    "endpoint_url": "endpoint",
-    "region_name": "region",
-    "key": "access_key_id",
-    "aws_access_key_id": "access_key_id",
-    "secret": "secret_access_key",
-    "aws_secret_access_key": "secret_access_key",
-    "token": "session_token",
-    "aws_session_token": "session_token",
-    "anon": "skip_signature",
-}
-
-
-def parse_s3_url(url: str) -> tuple[str, str]:
-    """Split ``s3://bucket/some/prefix`` into bucket and normalised prefix.
-
-    Raises
-    ------
-    ValueError
-        For another scheme, no bucket, no prefix (a checkpoint never takes a
-        whole bucket), or a prefix with empty, ``.`` or ``..`` segments.
-    """
-    scheme, sep, rest = url.partition("://")
-    if scheme.lower() != "s3" or not sep:
-        raise ValueError(f"{url!r} is not an s3:// URL; expected s3://bucket/prefix")
-    bucket, _, prefix = rest.partition("/")
-    prefix = prefix.strip("/")
-    segments = prefix.split("/") if prefix else []
-    bad = [s for s in segments if s in ("", ".", "..") or any(c in s for c in "\\\0?#")]
-    if not bucket or not segments or bad:
-        raise ValueError(
-            f"{url!r}: expected s3://bucket/prefix with a non-empty prefix of plain segments "
-            f"(no '', '.', '..', '?', '#'); found bucket {bucket!r}, prefix {prefix!r}"
-        )
-    return bucket, prefix
-
-
-def _s3_config(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """``storage_options`` -> (S3Store keyword arguments, client options)."""
-    config: dict[str, Any] = {}
-    client = dict(options.pop("client_options", None) or {})
-    for k, v in options.items():
-        config[_ALIASES.get(k, k)] = v
-    # the endpoint given, else the one obstore takes from the environment (gpuckpt verify s3://...)
-    endpoint = config.get("endpoint") or os.environ.get("AWS_ENDPOINT_URL") or os.environ.get("AWS_ENDPOINT")
-    if "allow_http" in config:
-        client["allow_http"] = bool(config.pop("allow_http"))
-    elif str(endpoint or "").startswith("http://"):
-        client["allow_http"] = True  # the caller named a plain-HTTP endpoint
-    return config, client
-
-
-def _obstore_for(url: str, options: dict[str, Any]) -> Any:
-    try:
-        from obstore.exceptions import BaseError
-        from obstore.store import S3Store
-    except ImportError:
-        raise ImportError(
-            f"{url}: s3:// checkpoints need the obstore package; install it with pip install 'gpuckpt[s3]'"
-        ) from None
-
-    bucket, prefix = parse_s3_url(url)
-    config, client = _s3_config(dict(options))
-    retry = config.pop("retry_config", None)
-    try:
-        return S3Store(bucket, prefix=prefix, client_options=client, retry_config=retry, **config)  # type: ignore[arg-type]
-    except (BaseError, TypeError) as exc:
-        raise ValueError(
-            f"storage_options for {url} are not valid S3 settings ({_first_line(exc)}); use endpoint_url, "
-            "region, access_key_id, secret_access_key, session_token, allow_http, skip_signature, "
-            "or another obstore S3Config key"
-        ) from None
-
-
-def zarr_store(url: str, *, read_only: bool = True, **storage_options: Any) -> Any:
-    """A :class:`zarr.storage.ObjectStore` on the prefix of ``url``, to open a checkpoint with zarr.
-
-    Examples
-    --------
-    >>> store = zarr_store("s3://bucket/ckpt", endpoint_url="http://127.0.0.1:9000")  # doctest: +SKIP
-    >>> zarr.open_array(store, path="model.w", mode="r")[:]  # doctest: +SKIP
-    """
-    from zarr.storage import ObjectStore
-
-    return ObjectStore(_obstore_for(url, storage_options), read_only=read_only)
 
 
 def _machine() -> str:
@@ -182,10 +116,6 @@ def _machine() -> str:
         return f"{boot}/{os.readlink('/proc/self/ns/pid')}"
     except OSError:
         return ""
-
-
-def _first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
 def _rel(name: str, key: str) -> str:
@@ -205,13 +135,23 @@ class _Prefix:
         if not self.lease > 0:
             raise ValueError(f"lease_seconds must be a positive number of seconds, got {self.lease!r}")
         self.conditional = bool(storage_options.pop("conditional_writes", True))
+        self.transfer = pop_transfer_options(storage_options)
+        self.budget = RequestBudget(self.transfer.max_requests, self.transfer.upload_buffer_bytes)
         self.path = url.rstrip("/")
-        self._obs = _obstore_for(url, storage_options)
+        self._obs = obstore_for(url, storage_options)
         self.zarr_store = ObjectStore(self._obs)
 
+    #: what errors of the store become (:meth:`_io`) where no other type is asked for
+    _error: type[OSError] = OSError
+
     @contextlib.contextmanager
-    def _io(self, what: str, error: type[OSError] = OSError) -> Iterator[None]:
-        """Turn obstore's errors (not OSErrors, except not-found) into ``error`` naming ``what``."""
+    def _io(self, what: str, error: type[OSError] | None = None) -> Iterator[None]:
+        """Turn obstore's errors (not OSErrors, except not-found) into ``error`` naming ``what``.
+
+        Nested blocks name the innermost operation: an error already turned is an
+        OSError, which passes through the outer ones.
+        """
+        error = error or self._error
         from obstore.exceptions import (
             BaseError,
             NotSupportedError,
@@ -224,36 +164,38 @@ class _Prefix:
         except (PermissionDeniedError, UnauthenticatedError) as exc:
             raise error(
                 errno.EACCES,
-                f"{what} at {self.path} was refused ({_first_line(exc)}); check the credentials "
+                f"{what} at {self.path} was refused ({first_line(exc)}); check the credentials "
                 "and bucket policy in storage_options",
             ) from None
         except NotSupportedError as exc:
             raise error(
                 errno.EOPNOTSUPP,
-                f"{what} at {self.path}: the server refused a request ({_first_line(exc)}); if it does not "
+                f"{what} at {self.path}: the server refused a request ({first_line(exc)}); if it does not "
                 "support conditional puts (If-None-Match), pass storage_options conditional_writes=False",
             ) from None
         except BaseError as exc:
-            raise error(errno.EIO, f"{what} at {self.path} failed: {_first_line(exc)}") from exc
+            raise error(errno.EIO, f"{what} at {self.path} failed: {first_line(exc)}") from exc
 
     def _get_small(self, rel: str, limit: int, name: str) -> bytes | None:
         """The object ``rel`` (None when absent), refused unread above ``limit`` (the cap ``name``)."""
         import obstore as obs
 
-        try:
-            res = obs.get(self._obs, rel)
-        except FileNotFoundError:
-            return None
-        size = res.meta["size"]
-        if size > limit:
-            raise too_large(f"{self.path}/{rel}", size, limit, name)
-        return bytes(res.bytes())
+        with self._io(f"reading {rel}"):
+            try:
+                res = obs.get(self._obs, rel)
+            except FileNotFoundError:
+                return None
+            size = res.meta["size"]
+            if size > limit:
+                raise too_large(f"{self.path}/{rel}", size, limit, name)
+            return bytes(res.bytes())
 
     def _list(self) -> dict[str, int]:
         """Every object under the prefix: relative key -> size."""
         import obstore as obs
 
-        return {m["path"]: m["size"] for batch in obs.list(self._obs) for m in batch}
+        with self._io("listing the objects"):
+            return {m["path"]: m["size"] for batch in obs.list(self._obs) for m in batch}
 
 
 class ObjectStoreWriter(_Prefix, CheckpointWriter):
@@ -269,11 +211,15 @@ class ObjectStoreWriter(_Prefix, CheckpointWriter):
     **storage_options
         ``endpoint_url``, ``region``, ``access_key_id``, ``secret_access_key``,
         ``session_token``, ``allow_http`` (implied by an ``http://`` endpoint),
-        ``skip_signature``, ``client_options``, ``retry_config``, other obstore
-        ``S3Config`` keys; and ``lease_seconds`` (claim lease, default 60) and
-        ``conditional_writes`` (default True; False for servers without
-        ``If-None-Match``/``If-Match`` on PUT, losing the concurrency guarantees).
+        ``skip_signature``, ``client_options``, ``retry_config`` (over the defaults of
+        :mod:`gpuckpt.storage.s3_client`), other obstore ``S3Config`` keys; and
+        ``lease_seconds`` (claim lease, default 60), ``conditional_writes``
+        (default True; False for servers without ``If-None-Match``/``If-Match``
+        on PUT, losing the concurrency guarantees), ``max_requests``,
+        ``part_bytes`` and ``max_parts_in_flight`` (see :mod:`gpuckpt.storage.s3_client`).
     """
+
+    _error = CheckpointWriteError
 
     def __init__(self, url: str, *, overwrite: bool = False, **storage_options: Any) -> None:
         super().__init__(url, storage_options)
@@ -285,14 +231,54 @@ class ObjectStoreWriter(_Prefix, CheckpointWriter):
                 "machine": _machine(),
                 "token": self._token,
                 "started": datetime.now(UTC).isoformat(),
+                "lease_seconds": self.lease,
             }
         ).encode()
+        # until when (monotonic clock) no other save can have taken the claim over: half a lease
+        # after the start of the last put of the claim that went through; writes stop past it
+        self._valid_until: float | None = None
         self._claim_etag: str | None = None
         self._written: set[str] = set()
         self._lost: str | None = None
         self._committed = False
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
+
+    @property
+    def token(self) -> str:
+        """What the other ranks of a distributed save need to write into it (:meth:`attach`)."""
+        return self._token
+
+    @classmethod
+    def attach(cls, url: str, token: str, **storage_options: Any) -> ObjectStoreWriter:
+        """A rank's writer of chunks into the save ``token`` that another process began.
+
+        Chunks go straight to their final keys under the prefix; the process that
+        began the save holds the claim, refreshes it, and commits or aborts (its
+        abort deletes every object of the save, the other ranks' included).
+
+        Raises
+        ------
+        CheckpointExistsError
+            When the prefix is not claimed by the save ``token`` (it ended, or
+            another save took the prefix over).
+        """
+        w = cls(url, **storage_options)
+        with w._io("joining the save", CheckpointWriteError):
+            raw = w._get_small(CLAIM_KEY, _MAX_CLAIM_BYTES, "the claim object's limit")
+        try:
+            found = json.loads(raw or b"null")["token"]
+        except (ValueError, KeyError, TypeError):
+            found = None
+        if found != token:
+            state = "is missing" if raw is None else "belongs to another save"
+            raise CheckpointExistsError(
+                f"{w.path}: the save this rank was to join (claim token {token!r}) does not hold the prefix "
+                f"(its claim {w.path}/{CLAIM_KEY} {state}); the save was aborted or taken over, nothing "
+                "of this rank was written"
+            )
+        w._token = token
+        return w
 
     # -- conditional puts -------------------------------------------------
     def _put(self, rel: str, data: Any, mode: Any) -> str | None:
@@ -358,8 +344,10 @@ class ObjectStoreWriter(_Prefix, CheckpointWriter):
         from obstore.exceptions import AlreadyExistsError, PreconditionError
 
         for _ in range(3):
+            sent = time.monotonic()
             try:
                 self._claim_etag = self._put(CLAIM_KEY, self._claim_body, "create")
+                self._renewed(sent)
                 return False
             except AlreadyExistsError:
                 pass
@@ -368,25 +356,34 @@ class ObjectStoreWriter(_Prefix, CheckpointWriter):
             except FileNotFoundError:
                 continue  # released meanwhile: try to create it again
             meta, raw = res.meta, bytes(res.bytes())
+            if raw == self._claim_body:
+                # our own put: it reached the server, its answer was lost and the retry found it
+                self._claim_etag = meta["e_tag"]
+                self._renewed(sent)
+                return False
             try:
                 info = json.loads(raw)
                 owner, machine = str(info["owner"]), str(info.get("machine", ""))
+                # the holder refreshes within its own lease: never judge it by a shorter one
+                lease = max(self.lease, float(info.get("lease_seconds", 0.0)))
             except (ValueError, KeyError, TypeError):
-                owner, machine = "?", ""
+                owner, machine, lease = "?", "", self.lease
             host, _, pid = owner.rpartition("-")
             age = (datetime.now(UTC) - meta["last_modified"]).total_seconds()
             # a pid means something only on the same machine and in the same pid namespace
             same = machine != "" and machine == _machine()
             dead = same and pid.isdigit() and not fsutil.pid_alive(host, int(pid))
-            if not dead and age <= self.lease:
+            if not dead and age <= lease:
                 raise CheckpointExistsError(
                     f"{self.path} has no checkpoint but another save to it is running (claimed by "
                     f"{owner}, refreshed {age:.0f} s ago); wait for it or save to another prefix. If that "
-                    f"save died, its claim {self.path}/{CLAIM_KEY} expires {self.lease:.0f} s after its "
+                    f"save died, its claim {self.path}/{CLAIM_KEY} expires {lease:g} s after its "
                     "last refresh (or delete it)"
                 )
+            sent = time.monotonic()
             try:  # take the abandoned claim over, unless another writer does so first
                 self._claim_etag = self._put(CLAIM_KEY, self._claim_body, {"e_tag": meta["e_tag"]})
+                self._renewed(sent)
                 return True
             except (PreconditionError, AlreadyExistsError, FileNotFoundError):
                 continue
@@ -398,9 +395,14 @@ class ObjectStoreWriter(_Prefix, CheckpointWriter):
         from obstore.exceptions import AlreadyExistsError, PreconditionError
 
         while not self._stop.wait(self.lease / 4):
+            sent = time.monotonic()
             try:
                 self._claim_etag = self._put(CLAIM_KEY, self._claim_body, {"e_tag": self._claim_etag})
+                self._renewed(sent)
             except (PreconditionError, AlreadyExistsError, FileNotFoundError):
+                if self._reclaim_own():
+                    self._renewed(sent)
+                    continue
                 self._lost = (
                     f"the claim on {self.path} was taken over by another save while this one ran "
                     f"(more than {self.lease:.0f} s without a refresh); this save was discarded"
@@ -408,6 +410,23 @@ class ObjectStoreWriter(_Prefix, CheckpointWriter):
                 return
             except Exception:  # transient: retry at the next beat, commit checks
                 continue
+
+    def _renewed(self, sent: float) -> None:
+        self._valid_until = sent + self.lease / 2
+
+    def _reclaim_own(self) -> bool:
+        """After a refused refresh: True (and its new ETag kept) when the claim is still ours,
+        i.e. our own refresh went through and only its answer was lost before a retry."""
+        import obstore as obs
+
+        try:
+            res = obs.get(self._obs, CLAIM_KEY)
+            if bytes(res.bytes()) == self._claim_body:
+                self._claim_etag = res.meta["e_tag"]
+                return True
+        except Exception:  # gone, or cannot tell: treated as lost, commit checks again
+            pass
+        return False
 
     def _still_ours(self) -> bool:
         import obstore as obs
@@ -478,15 +497,42 @@ class ObjectStoreWriter(_Prefix, CheckpointWriter):
         return bool(sep) and is_safe_name(name) and (key == ROOT_KEY or is_chunk_file_key(key))
 
     def _write(self, rel: str, data: Any) -> None:
+        """Put ``data`` (a buffer, or a list of buffers to store one after the other) at ``rel``.
+
+        One request, or from twice ``part_bytes`` on a multipart upload whose parts are
+        sent a few at a time, within the request and memory budgets (see
+        :mod:`gpuckpt.storage.s3_client`).
+        """
         import obstore as obs
 
+        if self._lost is None and self._valid_until is not None and time.monotonic() > self._valid_until:
+            # stalled (a stopped process, a hung node) past half the lease: the claim may be
+            # another save's by now, whose objects this put could replace
+            self._lost = (
+                f"the save to {self.path} could not refresh its claim for more than half its lease "
+                f"({self.lease:g} s); another save may have taken the prefix over, so this one stopped "
+                "writing and was discarded"
+            )
         if self._lost is not None:
             raise CheckpointExistsError(self._lost)
         self._written.add(rel)
-        with self._io(f"writing {rel}", CheckpointWriteError):
+        pieces = data if isinstance(data, list) else [data]
+        nbytes = sum(memoryview(p).nbytes for p in pieces)
+        nparts, part = plan_parts(nbytes, self.transfer.part_bytes)
+        at_once = min(nparts, self.transfer.max_parts_in_flight)
+        with (
+            self._io(f"writing {rel} ({nbytes} bytes)", CheckpointWriteError),
+            # the client's buffers of what is in flight: the whole object, or the parts being sent
+            self.budget.take(at_once, nbytes if nparts == 1 else at_once * part) as slots,
+        ):
             # the put zarr's ObjectStore.set makes, without its event-loop thread: that thread
             # cannot be started while the interpreter exits, when queued saves still run
-            obs.put(self._obs, rel, data)
+            if nparts == 1:
+                body = pieces[0] if len(pieces) == 1 else b"".join(memoryview(p).cast("B") for p in pieces)
+                obs.put(self._obs, rel, body, use_multipart=False)
+            else:
+                views = [memoryview(p).cast("B") for p in pieces]
+                obs.put(self._obs, rel, views, use_multipart=True, chunk_size=part, max_concurrency=slots)
 
     def write_array_document(self, name: str, document: bytes) -> None:
         self._write(_rel(name, ROOT_KEY), document)
@@ -495,19 +541,12 @@ class ObjectStoreWriter(_Prefix, CheckpointWriter):
         self._write(_rel(name, ROOT_KEY), document)  # a put replaces the object
 
     def write_chunk(self, name: str, key: str, parts: Sequence[Any]) -> None:
-        views = [memoryview(p).cast("B") for p in parts]
-        if len(views) == 1:
-            data: Any = views[0]
-        else:
-            data = bytearray(sum(v.nbytes for v in views))
-            pos = 0
-            for v in views:
-                data[pos : pos + v.nbytes] = v
-                pos += v.nbytes
-        self._write(_rel(name, key), data)
+        # no concatenation here: a small chunk is joined once for its single put, a large one
+        # goes up in parts read from the caller's buffers
+        self._write(_rel(name, key), [memoryview(p).cast("B") for p in parts])
 
     def commit(self, root_document: bytes) -> None:
-        from obstore.exceptions import AlreadyExistsError
+        from obstore.exceptions import AlreadyExistsError, BaseError
 
         self._stop_refresh()
         with self._io("publishing the checkpoint", CheckpointWriteError):
@@ -520,13 +559,41 @@ class ObjectStoreWriter(_Prefix, CheckpointWriter):
             try:
                 self._put(ROOT_KEY, root_document, "create")
             except AlreadyExistsError:
+                if self._published_ours(root_document, None):
+                    # our own put went through and its retry found it (the document names this save)
+                    self._committed = True
+                    self._delete_quietly([CLAIM_KEY])
+                    return
                 self._lost = (
                     f"{self.path} was published by another save while this one ran; this save was "
                     "discarded and the other one kept"
                 )
                 raise CheckpointExistsError(self._lost) from None
+            except BaseError as exc:
+                # the retries ran out: the put may still have reached the server (its answers lost)
+                if not self._published_ours(root_document, exc):
+                    raise
             self._committed = True
         self._delete_quietly([CLAIM_KEY])
+
+    def _published_ours(self, root_document: bytes, failure: BaseException | None) -> bool:
+        """Whether the root object is ``root_document`` (unique to this save: it holds its id).
+
+        After a failed put (``failure``) a root that cannot be read leaves the outcome
+        unknown: that is raised as such, never reported as a plain failure.
+        """
+        try:
+            found = self._get_small(ROOT_KEY, MAX_ROOT_DOCUMENT_BYTES, "MAX_ROOT_DOCUMENT_BYTES")
+        except Exception as exc:
+            if failure is None:
+                raise
+            raise CheckpointWriteError(
+                errno.EIO,
+                f"publishing {self.path}: the put of {ROOT_KEY} failed ({first_line(failure)}) and reading "
+                f"it back failed too ({first_line(exc)}): whether the checkpoint was published is "
+                "unknown; gpuckpt.read_metadata on it tells (a published checkpoint is whole)",
+            ) from failure
+        return found == bytes(root_document)
 
     def abort(self) -> None:
         self._stop_refresh()
@@ -538,8 +605,14 @@ class ObjectStoreWriter(_Prefix, CheckpointWriter):
             ours = False
         if not ours:
             return  # the prefix belongs to another save now: its objects are not ours to delete
-        # the claim goes only once the objects are gone: it is what lets the next save delete them
-        if self._delete_quietly(sorted(self._written)):
+        # every checkpoint object under the claimed prefix is this save's (begin refused or removed
+        # all others), the other ranks' chunks included; the claim goes only once they are gone:
+        # it is what lets the next save delete them
+        try:
+            listed = {k for k in self._list() if k != CLAIM_KEY and self._is_checkpoint_key(k)}
+        except Exception:
+            listed = set()
+        if self._delete_quietly(sorted(self._written | listed)):
             self._delete_quietly([CLAIM_KEY])
 
     def _delete_quietly(self, keys: list[str]) -> bool:
@@ -593,27 +666,47 @@ class ObjectStoreReader(_Prefix, CheckpointReader):
         return self._sizes.get(rel)
 
     def read_chunk_into(self, name: str, key: str, dests: Sequence[Any]) -> int:
+        return self._stream_into(name, key, dests, checksum=False)[0]
+
+    def read_chunk_crc(self, name: str, key: str, dests: Sequence[Any]) -> tuple[int, int]:
+        """Streams the object into ``dests``, checksumming each piece as it is copied (in one
+        pass with the native copy-with-CRC loop where it is built), not in a second pass."""
+        return self._stream_into(name, key, dests, checksum=True)
+
+    def _stream_into(self, name: str, key: str, dests: Sequence[Any], checksum: bool) -> tuple[int, int]:
+        """Fill ``dests`` in order from the object; ``(bytes read, CRC32C of all but the last
+        buffer)`` (the CRC is 0 unless ``checksum``)."""
         import obstore as obs
 
         rel = _rel(name, key)
         views = [memoryview(d).cast("B") for d in dests]
         want = sum(v.nbytes for v in views)
         if want == 0:
-            return 0
-        with self._io(f"reading {rel}"):
+            return 0, 0
+        fused = checksum and crccopy.available()
+        last = len(views) - 1  # the trailer's buffer: copied, not checksummed
+        i, pos, total, value = 0, 0, 0, 0
+        with self._io(f"reading {rel}"), self.budget.take():
             res = obs.get(self._obs, rel, options={"range": (0, want)})
-            i, pos, total = 0, 0, 0
             for piece in res.stream(min_chunk_size=_STREAM_PIECE):
                 src = memoryview(piece)
                 while src.nbytes and i < len(views):
                     n = min(src.nbytes, views[i].nbytes - pos)
-                    views[i][pos : pos + n] = src[:n]
+                    dst = views[i][pos : pos + n]
+                    if checksum and i != last:
+                        if fused:
+                            value = crccopy.crc_copy(src[:n], dst, value)
+                        else:
+                            dst[:] = src[:n]
+                            value = crc32c(dst, value)  # while the piece is still in the cache
+                    else:
+                        dst[:] = src[:n]
                     src, pos, total = src[n:], pos + n, total + n
                     if pos == views[i].nbytes:
                         i, pos = i + 1, 0
                 if i == len(views):
                     break
-        return total
+        return total, value
 
     def read_chunk_checksum(self, name: str, key: str, nbytes: int, piece: int) -> tuple[int, int, int]:
         """Streams the object in pieces of about ``piece`` bytes, checksummed as they arrive."""
@@ -625,7 +718,7 @@ class ObjectStoreReader(_Prefix, CheckpointReader):
         trailer = bytearray()
         if nbytes == 0:
             return 0, 0, 0
-        with self._io(f"reading {rel}"):
+        with self._io(f"reading {rel}"), self.budget.take():
             res = obs.get(self._obs, rel, options={"range": (0, nbytes)})
             for part in res.stream(min_chunk_size=max(1, piece)):
                 view = memoryview(part).cast("B")[: nbytes - total]

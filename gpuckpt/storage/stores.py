@@ -2,7 +2,8 @@
 
 This module is the storage layer's one door: code outside :mod:`gpuckpt.storage`
 opens stores here (:func:`open_writer`, :func:`attach_writer`,
-:func:`open_reader`) and asks here about checkpoint directories
+:func:`open_reader`, and :func:`open_root` for a place holding several
+checkpoints) and asks here about checkpoint directories
 (:func:`is_committed`, :func:`cleanup_leftovers`), never a back end directly.
 
 A plain path (or ``file://`` URL) is a directory on a local or shared POSIX
@@ -21,9 +22,11 @@ from typing import Any
 
 from gpuckpt.errors import UnsupportedValueError
 from gpuckpt.storage import leftovers
-from gpuckpt.storage.base import CheckpointReader, CheckpointWriter
+from gpuckpt.storage.base import CheckpointReader, CheckpointRoot, CheckpointWriter
 from gpuckpt.storage.local import LocalReader, LocalWriter
+from gpuckpt.storage.local_root import LocalRoot
 from gpuckpt.storage.s3 import ObjectStoreReader, ObjectStoreWriter
+from gpuckpt.storage.s3_root import ObjectStoreRoot
 
 __all__ = [
     "SCHEMES",
@@ -31,6 +34,7 @@ __all__ = [
     "cleanup_leftovers",
     "is_committed",
     "open_reader",
+    "open_root",
     "open_writer",
     "scheme_of",
 ]
@@ -39,6 +43,8 @@ _Factories = tuple[Callable[..., CheckpointWriter], Callable[..., CheckpointRead
 
 #: scheme -> (writer factory, reader factory); factories take (url, **options).
 SCHEMES: dict[str, _Factories] = {"s3": (ObjectStoreWriter, ObjectStoreReader)}
+#: scheme -> factory of a root of several checkpoints (:class:`CheckpointRoot`), taking (url, **options)
+ROOTS: dict[str, Callable[..., CheckpointRoot]] = {"s3": ObjectStoreRoot}
 
 
 def scheme_of(path: str | os.PathLike[str]) -> str:
@@ -106,10 +112,20 @@ def attach_writer(
     Raises
     ------
     UnsupportedValueError
-        For a store that takes a save from one process only (``s3://``).
+        For a store whose writer cannot be joined by other processes (it has no
+        ``attach``), or without a token.
     """
-    if scheme_of(path) == "file" and token:
+    if not token:
+        raise UnsupportedValueError(
+            f"{os.fspath(path)!r}: no save to join: another process's save is joined with its writer's "
+            f"token (CheckpointWriter.token, after begin), got {token!r}"
+        )
+    if scheme_of(path) == "file":
         return LocalWriter.attach(_local_path(path), token)
+    attach = getattr(_lookup(path)[0], "attach", None)
+    if attach is not None:
+        writer: CheckpointWriter = attach(os.fspath(path), token, **(storage_options or {}))
+        return writer
     raise UnsupportedValueError(
         f"{os.fspath(path)!r}: a save to a {scheme_of(path)}:// store is written by the one process that "
         "began it, other processes cannot join it; save from several processes to a shared file system path"
@@ -124,6 +140,23 @@ def open_reader(
         return LocalReader(_local_path(path))
     _, reader = _lookup(path)
     return reader(os.fspath(path), **(storage_options or {}))
+
+
+def open_root(
+    path: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = None
+) -> CheckpointRoot:
+    """The root of several checkpoints at ``path`` (a directory, created if needed, or a URL prefix)."""
+    if scheme_of(path) == "file":
+        return LocalRoot(_local_path(path))
+    _lookup(path)  # an unknown scheme is refused with the known ones
+    try:
+        root = ROOTS[scheme_of(path)]
+    except KeyError:
+        raise UnsupportedValueError(
+            f"{os.fspath(path)!r}: {scheme_of(path)}:// stores cannot hold a root of several checkpoints "
+            f"yet; use a local directory or one of {', '.join(sorted(ROOTS))}"
+        ) from None
+    return root(os.fspath(path).rstrip("/"), **(storage_options or {}))
 
 
 def is_committed(path: str | os.PathLike[str]) -> bool:

@@ -153,10 +153,9 @@ def _traced(emit: _Tracer) -> Iterator[None]:
     if os.environ.get("GPUCKPT_TEST_NO_EXCHANGE") == "1":
         patches.append((fsutil, "exchange", fsutil.exchange))
         fsutil.exchange = lambda a, b: False
-    with contextlib.suppress(ImportError):
-        from gpuckpt import manager
+    from gpuckpt.storage import local_root
 
-        wrap(manager.CheckpointManager, "_delete", lambda *a, **k: emit("retention"))
+    wrap(local_root.LocalRoot, "_delete_one", lambda *a, **k: emit("retention"))
 
     real_write_all = local.write_all  # type: ignore[attr-defined]
 

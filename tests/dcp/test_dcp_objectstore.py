@@ -66,3 +66,17 @@ def test_writer_and_reader_on_s3(options: dict[str, Any]) -> None:
     back = gpuckpt.load_state_dict(url, storage_options=options)
     assert np.array_equal(back["model"]["w"], sd["model"]["w"].numpy())
     assert gpuckpt.dcp.Writer.validate_checkpoint_id(url) and gpuckpt.dcp.Reader.validate_checkpoint_id(url)
+
+
+def test_dtensors_from_3_ranks_to_s3_each_rank_uploading_its_own_chunks(
+    options: dict[str, Any], run_ranks: Any, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url = f"s3://{BUCKET}/run-{uuid.uuid4().hex[:8]}/dcp"
+    monkeypatch.setenv("GPUCKPT_TEST_S3", options["endpoint_url"])
+    monkeypatch.setenv("GPUCKPT_TEST_S3_URL", url)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    results = run_ranks(3, "s3", tmp_path)
+    assert all(r == {"rows_resharded": True} for r in results.values()), results
+    back = gpuckpt.load_state_dict(url, storage_options=options)
+    assert back["rows"].shape == (10, 6) and back["plain"].tolist() == list(range(7))

@@ -126,7 +126,9 @@ def test_boxes_that_do_not_tile_are_refused(tmp_path: Path) -> None:
     assert all("tile the whole tensor" in m for m in run_ranks(2, save_rank))
 
 
-@pytest.mark.xfail(ZARR_BEFORE_3_4, strict=True, reason=f"zarr {zarr.__version__} has no rectilinear chunk grid")
+@pytest.mark.xfail(
+    ZARR_BEFORE_3_4, strict=True, reason=f"zarr {zarr.__version__} has no rectilinear chunk grid"
+)
 def test_zarr_reads_rectilinear(tmp_path: Path) -> None:
     g = global_tensor((10, 4))
     sd = {"w": [shard(g, ((0, 0), (3, 4))), shard(g, ((3, 0), (4, 4))), shard(g, ((7, 0), (3, 4)))]}

@@ -37,9 +37,11 @@ def test_a_second_process_joins_a_local_save_through_its_token(tmp_path: Path) -
     assert list(tmp_path.iterdir()) == []
 
 
-def test_object_store_saves_cannot_be_joined(tmp_path: Path) -> None:
-    with pytest.raises(UnsupportedValueError, match=r"'s3://bucket/ck'.*shared file system path"):
-        attach_writer("s3://bucket/ck", "anything")
+def test_a_save_is_joined_only_with_its_token(tmp_path: Path) -> None:
+    # s3:// saves are joined too (tests/distributed/test_s3_distributed.py), never without a token
+    for path in ("s3://bucket/ck", tmp_path / "ck"):
+        with pytest.raises(UnsupportedValueError, match=r"no save to join.*got None"):
+            attach_writer(path, None)
 
 
 def test_readers_and_writers_for_file_urls(tmp_path: Path) -> None:

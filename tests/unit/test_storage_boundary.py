@@ -16,6 +16,9 @@ BACK_ENDS = frozenset(
         "gpuckpt.storage.leftovers",
         "gpuckpt.storage.direct",
         "gpuckpt.storage.s3",
+        "gpuckpt.storage.s3_client",
+        "gpuckpt.storage.s3_root",
+        "gpuckpt.storage.local_root",
     )
 )
 #: fault injection and crash tracing wrap the local back end's functions on purpose

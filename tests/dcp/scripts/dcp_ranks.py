@@ -233,6 +233,21 @@ def job_load(out: Path) -> dict[str, Any]:
     return found
 
 
+def job_s3(out: Path) -> dict[str, Any]:
+    """Save DTensors from every rank to ``$GPUCKPT_TEST_S3_URL`` (each rank uploads its own
+    chunks), then load them back into another placement."""
+    from gpuckpt.testing.s3server import s3_options
+
+    url, opts = os.environ["GPUCKPT_TEST_S3_URL"], s3_options(os.environ["GPUCKPT_TEST_S3"])
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    dcp.save(
+        dtensor_state(mesh), storage_writer=gpuckpt.dcp.Writer(url, chunk_bytes=64, storage_options=opts)
+    )
+    target = {"rows": distribute_tensor(torch.zeros(SHAPES["rows"]), mesh, [Shard(1)])}
+    dcp.load(target, storage_reader=gpuckpt.dcp.Reader(url, storage_options=opts))
+    return {"rows_resharded": torch.equal(target["rows"].full_tensor(), global_tensor("rows"))}
+
+
 def main() -> None:
     job, out = sys.argv[1], Path(sys.argv[2])
     rank = int(os.environ["RANK"])
@@ -240,7 +255,7 @@ def main() -> None:
     try:
         dist.init_process_group("gloo")
         try:
-            result = {"save": job_save, "load": job_load}[job](out)
+            result = {"save": job_save, "load": job_load, "s3": job_s3}[job](out)
         finally:
             dist.destroy_process_group()
     except BaseException:

@@ -1,0 +1,137 @@
+"""The writer claim of ``s3://`` saves under crashes and stalls, with real processes.
+
+A save killed mid-upload (SIGKILL) publishes nothing and blocks nobody; a save
+stopped mid-upload (SIGSTOP, a hung node) keeps its prefix while its lease
+runs, loses it once the lease has expired, and when it resumes it neither
+publishes nor overwrites the save that took the prefix over.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import gpuckpt
+
+pytest.importorskip("obstore")
+pytest.importorskip("moto.server")
+boto3 = pytest.importorskip("boto3")
+
+from gpuckpt.storage.s3 import CLAIM_KEY  # noqa: E402 - after the skips
+from gpuckpt.testing.s3server import LOOPBACK_ENV, UNSET_ENV, s3_options, s3_server  # noqa: E402
+
+BUCKET = "lease"
+CHILD = Path(__file__).with_name("s3_writer_child.py")
+sys.path.insert(0, str(CHILD.parent))
+from s3_writer_child import state  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def endpoint() -> Iterator[str]:
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in LOOPBACK_ENV.items():
+            mp.setenv(k, v)
+        for k in UNSET_ENV:
+            mp.delenv(k, raising=False)
+        with s3_server(BUCKET) as url:
+            yield url
+
+
+def _keys(endpoint: str, url: str) -> set[str]:
+    client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
+    prefix = url.removeprefix(f"s3://{BUCKET}/") + "/"
+    pages = client.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix)
+    return {o["Key"].removeprefix(prefix) for page in pages for o in page.get("Contents", [])}
+
+
+def _start(mode: str, url: str, endpoint: str, marker: Path, seed: int) -> subprocess.Popen[str]:
+    cmd = [sys.executable, str(CHILD), mode, url, endpoint, str(marker), str(seed)]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _wait_for(marker: Path, proc: subprocess.Popen[str], limit: float = 30.0) -> None:
+    deadline = time.monotonic() + limit
+    while not marker.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"the writer never reached its first upload: {proc.communicate()[0]}")
+        time.sleep(0.02)
+
+
+def _same(got: dict[str, Any], want: dict[str, np.ndarray]) -> None:
+    assert got.keys() == want.keys()
+    for k, v in want.items():
+        assert got[k].dtype == v.dtype and np.array_equal(got[k], v), k
+
+
+def test_writer_killed_mid_upload_publishes_nothing_and_the_next_save_succeeds(
+    endpoint: str, tmp_path: Path
+) -> None:
+    url = f"s3://{BUCKET}/run-{uuid.uuid4().hex[:8]}/step-1"
+    proc = _start("kill", url, endpoint, tmp_path / "marker", 1)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL, out
+    left = _keys(endpoint, url)
+    assert CLAIM_KEY in left and "zarr.json" not in left and len(left) > 1, left
+    with pytest.raises(gpuckpt.CheckpointNotFoundError, match="claim"):
+        gpuckpt.read_metadata(url, storage_options=s3_options(endpoint))
+    # the dead writer's claim is taken over (its process is gone) and its objects removed
+    gpuckpt.save(state(2), url, storage_options=s3_options(endpoint, lease_seconds=3.0))
+    _same(gpuckpt.load_state_dict(url, storage_options=s3_options(endpoint)), state(2))
+    assert CLAIM_KEY not in _keys(endpoint, url)
+
+
+def test_stalled_writer_keeps_its_claim_until_the_lease_expires_then_loses_it(
+    endpoint: str, tmp_path: Path
+) -> None:
+    url = f"s3://{BUCKET}/run-{uuid.uuid4().hex[:8]}/step-1"
+    opts = s3_options(endpoint, lease_seconds=3.0)
+    proc = _start("stop", url, endpoint, tmp_path / "marker", 1)
+    try:
+        _wait_for(tmp_path / "marker", proc)
+        # a live claim (its process exists, the lease runs) is never taken over
+        with pytest.raises(gpuckpt.CheckpointExistsError, match="another save to it is running"):
+            gpuckpt.save(state(2), url, storage_options=opts)
+        # once the stopped writer's lease has expired, the next save takes the prefix over
+        deadline = time.monotonic() + 20.0
+        while True:
+            try:
+                gpuckpt.save(state(2), url, storage_options=opts)
+                break
+            except gpuckpt.CheckpointExistsError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.25)
+    finally:
+        proc.send_signal(signal.SIGCONT)
+    out, _ = proc.communicate(timeout=60)
+    # the resumed writer saw that its claim may be gone: it stopped writing and published nothing
+    assert proc.returncode == 3 and out.startswith("CheckpointExistsError"), out
+    assert "half its lease" in out or "taken over" in out or "another save" in out, out
+    _same(gpuckpt.load_state_dict(url, storage_options=opts), state(2))
+    assert CLAIM_KEY not in _keys(endpoint, url)
+
+
+def test_a_shorter_lease_of_the_next_save_never_cuts_a_live_claim_short(endpoint: str) -> None:
+    from gpuckpt.storage.s3 import ObjectStoreWriter
+
+    url = f"s3://{BUCKET}/run-{uuid.uuid4().hex[:8]}/step-1"
+    live = ObjectStoreWriter(url, **s3_options(endpoint, lease_seconds=30.0))
+    live.begin()
+    try:
+        time.sleep(1.5)  # past the next save's own lease of 1 s (S3 times have 1 s resolution)
+        with pytest.raises(gpuckpt.CheckpointExistsError, match="expires 30 s after"):
+            ObjectStoreWriter(url, **s3_options(endpoint, lease_seconds=1.0)).begin()
+        live.write_array_document("a", b"{}")
+    finally:
+        live.abort()
+    assert _keys(endpoint, url) == set()
