@@ -325,20 +325,6 @@ def _allocate(backend: DeviceBackend | None, t: TensorEntry) -> Any:
         ) from None
 
 
-def _allocate_host(entries: list[TensorEntry]) -> list[np.ndarray]:
-    """New host arrays for ``entries``, the small ones from one block (:meth:`HostMemory.allocate_many`)."""
-    try:
-        return HostMemory().allocate_many(
-            [(t.shape, t.dtype, t.metadata.properties.memory_format) for t in entries]
-        )
-    except MemoryError as exc:
-        total = sum(t.nbytes for t in entries)
-        raise CheckpointTooLargeError(
-            f"the {len(entries)} tensors to load need {total} bytes, which cannot be allocated ({exc}); "
-            "the checkpoint is larger than the available memory: load part of it with keys=[...]"
-        ) from None
-
-
 def _backend_for(device: Any) -> DeviceBackend | None:
     """None for host memory, else the backend that allocates on ``device``."""
     if device is None or device == "cpu":
@@ -407,8 +393,8 @@ def load_state_dict(
     backend = _backend_for(device)
     values: dict[str, Any] = {}
     targets: list[tuple[TensorEntry, ArrayAdapter]] = []
-    dests = _allocate_host(entries) if backend is None else [_allocate(backend, t) for t in entries]
-    for t, dest in zip(entries, dests, strict=True):
+    for t in entries:
+        dest = _allocate(backend, t)
         targets.append((t, HostArray(dest) if backend is None else DeviceArray(dest, backend, t.dtype)))
         values[t.fqn] = dest
     for f in chosen:

@@ -535,14 +535,6 @@ def adapt(value: Any) -> ArrayAdapter:
     return HostArray(arr, requires_grad=requires_grad, pinned=pinned)
 
 
-#: arrays of at most this many bytes are carved from one block by :meth:`HostMemory.allocate_many`
-PACK_MAX = 1 << 20
-#: the most bytes of one such block: under NumPy's 4 MiB threshold for asking for huge pages,
-#: whose first touch cost more CPU than the allocations saved (measured with 64 MiB blocks)
-PACK_BLOCK = 2 << 20
-_PACK_ALIGN = 64
-
-
 class HostMemory:
     """Allocates host arrays for loads (the default memory target)."""
 
@@ -552,39 +544,3 @@ class HostMemory:
         physical = np.empty(tuple(shape[a] for a in order), dtype=dtype)
         inverse = [order.index(a) for a in range(len(shape))]
         return physical.transpose(inverse)
-
-    def allocate_many(self, specs: Sequence[tuple[tuple[int, ...], np.dtype[Any], Any]]) -> list[np.ndarray]:
-        """:meth:`allocate` for each ``(shape, dtype, memory_format)``; the small ones
-        (at most :data:`PACK_MAX` bytes each) are carved from blocks of up to
-        :data:`PACK_BLOCK` bytes.
-
-        A few allocations instead of thousands: a checkpoint of many small tensors
-        spent more time creating its arrays than reading them. Each array starts on a
-        64-byte boundary; a block is freed when the last array cut from it is (so
-        keeping one small tensor keeps at most one block alive).
-        """
-        out: list[np.ndarray | None] = [None] * len(specs)
-        groups: list[list[tuple[int, int]]] = [[]]
-        sizes: list[int] = [0]
-        for i, (shape, dtype, _fmt) in enumerate(specs):
-            nbytes = math.prod(shape) * dtype.itemsize
-            if not 0 < nbytes <= PACK_MAX:
-                continue
-            if sizes[-1] + nbytes > PACK_BLOCK:
-                groups.append([])
-                sizes.append(0)
-            groups[-1].append((i, sizes[-1]))
-            sizes[-1] += -(-nbytes // _PACK_ALIGN) * _PACK_ALIGN
-        for group, total in zip(groups, sizes, strict=True):
-            if len(group) < 2:
-                continue
-            raw = np.empty(total + _PACK_ALIGN, np.uint8)
-            pad = -raw.ctypes.data % _PACK_ALIGN
-            block = raw[pad : pad + total]
-            for i, start in group:
-                shape, dtype, fmt = specs[i]
-                order = mf.physical_order(len(shape), fmt)
-                physical = tuple(shape[a] for a in order)
-                view = block[start : start + math.prod(shape) * dtype.itemsize].view(dtype).reshape(physical)
-                out[i] = view.transpose([order.index(a) for a in range(len(shape))])
-        return [a if a is not None else self.allocate(*specs[i]) for i, a in enumerate(out)]
