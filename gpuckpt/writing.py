@@ -28,6 +28,7 @@ import numpy as np
 from gpuckpt.device.arrays import ArrayAdapter, StagedOut
 from gpuckpt.device.backend import DeviceBackend, Staging, distinct_backends
 from gpuckpt.errors import CheckpointWriteError, GpuckptError
+from gpuckpt.incremental import BaseIndex, ChunkResult, chunk_entry, content_hash_info, open_base_for, write_hashed
 from gpuckpt.metadata import (
     FORMAT_VERSION,
     BytesStorageMetadata,
@@ -143,11 +144,15 @@ def write_chunks(
     options: SaveOptions,
     *,
     documents: dict[str, bytes] | None = None,
-) -> list[tuple[int, int]]:
-    """Write every job's chunk; returns ``(stored bytes, CRC32C)`` per job, in order.
+    base: BaseIndex | None = None,
+) -> list[ChunkResult]:
+    """Write every job's chunk; returns a :class:`~gpuckpt.incremental.ChunkResult` per job, in order.
 
     Of ``options``, ``threads`` (I/O threads), ``staging_bytes`` (the staging
-    budget of device sources) and ``progress`` apply.
+    budget of device sources), ``progress`` and ``content_hash`` apply;
+    ``base`` (the base checkpoint of an incremental save, opened by the caller:
+    :func:`~gpuckpt.incremental.open_base_for`) makes chunks equal to its chunks
+    reused instead of written, and every chunk hashed.
 
     ``documents`` maps array names whose directory does not exist yet to their
     ``zarr.json``; each such array must have exactly one job, which writes the
@@ -170,7 +175,8 @@ def write_chunks(
     staging = Staging(((j.source.backend, n) for j, n in zip(jobs, sizes, strict=True)), staging_bytes)
     staging.wait_for_producers()
     batch: Batcher[_Item] = Batcher()
-    with Runner[list[tuple[int, int]]](threads, name="gpuckpt-write") as run:
+    reuse = _Reuse(base) if options.hashing or base is not None else None
+    with Runner[list[ChunkResult]](threads, name="gpuckpt-write") as run:
 
         def submit(*groups: list[_Item]) -> None:
             """One job per group, in order; what cannot be queued any more is released."""
@@ -179,7 +185,7 @@ def write_chunks(
                     continue
                 try:
                     run.submit(
-                        functools.partial(_write_items, writer, items, counter),
+                        functools.partial(_write_items, writer, items, counter, reuse),
                         cancel=functools.partial(_release_all, items),
                     )
                 except BaseException:
@@ -208,12 +214,20 @@ def write_chunks(
 _Item = tuple[ChunkJob, StagedOut, bytes | None]
 
 
+@dataclass(frozen=True, slots=True)
+class _Reuse:
+    """Chunks are hashed (and compared with ``base`` where given): an incremental save."""
+
+    base: BaseIndex | None
+
+
 def _write_items(
-    writer: CheckpointWriter, items: Sequence[_Item], counter: ProgressCounter
-) -> list[tuple[int, int]]:
+    writer: CheckpointWriter, items: Sequence[_Item], counter: ProgressCounter, reuse: _Reuse | None
+) -> list[ChunkResult]:
     """Write staged chunks (with their array's document where given) as one batch of the
     writer's (:meth:`~gpuckpt.storage.base.CheckpointWriter.write_chunks`: native code
-    for small chunk files of a local checkpoint); returns ``(stored bytes, CRC32C)`` each."""
+    for small chunk files of a local checkpoint), or, hashing, through
+    :func:`~gpuckpt.incremental.write_hashed`; returns a result for each."""
     try:
         buffers: list[np.ndarray] = []
         pads: list[int] = []
@@ -221,19 +235,21 @@ def _write_items(
             data, pad = chunk_bytes(staged.wait(), j.stored)
             buffers.append(data)
             pads.append(pad)
-        batch = ChunkWrites(
-            [j.name for j, _, _ in items],
-            [j.key for j, _, _ in items],
-            buffers,
-            pads,
-            [document for _, _, document in items],
-        )
-        crcs = writer.write_chunks(batch)
+        names = [j.name for j, _, _ in items]
+        keys = [j.key for j, _, _ in items]
+        documents = [document for _, _, document in items]
+        if reuse is not None:
+            results = write_hashed(writer, names, keys, buffers, pads, documents, reuse.base)
+        else:
+            crcs = writer.write_chunks(ChunkWrites(names, keys, buffers, pads, documents))
+            results = [
+                ChunkResult(b.nbytes + p + CRC_BYTES, c) for b, p, c in zip(buffers, pads, crcs, strict=True)
+            ]
     finally:
         _release_all(items)  # staging buffers go back to their pool
     for j, _, _ in items:
         counter.add(j.nbytes)
-    return [(b.nbytes + p + CRC_BYTES, c) for b, p, c in zip(buffers, pads, crcs, strict=True)]
+    return results
 
 
 def _release_all(items: Sequence[_Item]) -> None:
@@ -242,16 +258,18 @@ def _release_all(items: Sequence[_Item]) -> None:
 
 
 def assemble_metadata(
-    plan: SavePlan, results: dict[tuple[str, tuple[int, ...]], tuple[int, int]], checkpoint_id: str | None
+    plan: SavePlan, results: dict[tuple[str, tuple[int, ...]], ChunkResult], checkpoint_id: str | None
 ) -> Metadata:
-    """The checkpoint's Metadata from the plan and every chunk's ``(stored bytes, CRC32C)``."""
+    """The checkpoint's Metadata from the plan and every chunk's result (size, CRC32C, hashes)."""
     state_md: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
     tensors_sd: dict[str, Any] = {}
+    hashed = False
     for t in plan.tensors:
         infos = []
         for s in t.specs:
-            nbytes, crc = results[(t.name, s.coords)]
-            infos.append({"key": chunk_file_key(s.coords), "nbytes": nbytes, "crc32c": crc})
+            r = results[(t.name, s.coords)]
+            hashed = hashed or r.xxh3t is not None
+            infos.append(chunk_entry(chunk_file_key(s.coords), r))
         state_md[t.fqn] = TensorStorageMetadata(
             properties=t.properties,
             size=t.shape,
@@ -260,10 +278,13 @@ def assemble_metadata(
         tensors_sd[t.fqn] = {"name": t.name, "chunk_grid": t.grid.to_zarr_json(), "chunks": infos}
     for fqn in plan.objects:
         state_md[fqn] = BytesStorageMetadata()
+    storage_data: dict[str, Any] = {"tensors": tensors_sd, "objects": dict(plan.objects)}
+    if hashed:
+        storage_data["content_hash"] = content_hash_info()
     return Metadata(
         state_dict_metadata=state_md,
         planner_data={"structure": plan.skeleton},
-        storage_data={"tensors": tensors_sd, "objects": dict(plan.objects)},
+        storage_data=storage_data,
         storage_meta=StorageMeta(checkpoint_id=checkpoint_id, modules=["gpuckpt"]),
         version=None,
     )
@@ -304,6 +325,7 @@ def execute_save(
     described from, or a snapshot of them.
     """
     (mine,) = plan.assignments
+    base = open_base_for(options, plan.tensors)
     with writing(writer):
         writer.begin()
         # single-chunk arrays get their directory and document from the I/O thread
@@ -312,7 +334,7 @@ def execute_save(
             plan, writer, defer={t.name for t in plan.tensors if len(t.specs) == 1}
         )
         jobs = bind_jobs(mine, sources)
-        sizes = write_chunks(jobs, writer, options, documents=single)
+        sizes = write_chunks(jobs, writer, options, documents=single, base=base)
         results = {(j.name, j.coords): r for j, r in zip(jobs, sizes, strict=True)}
         metadata = assemble_metadata(plan, results, checkpoint_id)
         writer.commit(root_document(metadata))

@@ -8,8 +8,10 @@ failure on any rank fails the save on every rank and publishes nothing:
 2. rank 0 gathers the descriptions, plans the save
    (:func:`gpuckpt.planning.plan.plan_save`), begins it and writes the array
    documents, then scatters each rank's chunk assignments;
-3. every rank writes its chunks (fsynced) into the shared temporary;
-4. rank 0 gathers the chunk sizes and checksums, assembles the global
+3. every rank writes its chunks (fsynced) into the shared temporary; in an
+   incremental save (``base=``) each rank opens the base itself and decides
+   reuse for its own chunks, among the arrays rank 0 found compatible;
+4. rank 0 gathers the chunk sizes, checksums and hashes, assembles the global
    Metadata and commits atomically; every rank returns that Metadata.
 """
 
@@ -22,6 +24,7 @@ from typing import Any
 
 from gpuckpt.distributed.coordinator import Coordinator
 from gpuckpt.errors import UnsupportedValueError
+from gpuckpt.incremental import BaseIndex, ChunkResult, open_base, open_base_for
 from gpuckpt.metadata import Metadata
 from gpuckpt.options import SaveOptions
 from gpuckpt.planning.plan import ChunkAssignment, SavePlan, StateDescription, plan_save
@@ -80,26 +83,35 @@ def save_described(
     gathered = coord.gather(local)
     writer: Any = None
 
-    def plan_on_root() -> tuple[SavePlan, list[tuple[ChunkAssignment, ...]], str]:
-        nonlocal writer
+    base: BaseIndex | None = None
+
+    def plan_on_root() -> tuple[SavePlan, list[tuple[ChunkAssignment, ...]], tuple[str, list[str] | None]]:
+        nonlocal writer, base
         assert gathered is not None
         plan = plan_save(gathered, chunk_bytes=options.chunk_bytes, portable=options.portable)
+        base = open_base_for(options, plan.tensors)
+        # the arrays whose chunks may be reused: the other ranks know no plan to check them with
+        reusable = None if base is None else sorted(base.compatible(plan.tensors))
         # the other ranks' writers attach without O_DIRECT: the root's writes alike
         writer = open_save_writer(path, options, expected_files=plan.nfiles, direct_io=False)
         with writing(writer):
             writer.begin()
             write_array_documents(plan, writer)
-        return plan, list(plan.assignments), writer.token
+        return plan, list(plan.assignments), (writer.token, reusable)
 
     root = _run(coord, plan_on_root) if coord.rank == 0 else _run(coord, lambda: None)
-    plan, assignments, token = root if root is not None else (None, None, None)
+    plan, assignments, shared = root if root is not None else (None, None, None)
     mine = coord.scatter(assignments, root=0)
-    token = coord.broadcast(token, root=0)
+    token, reusable = coord.broadcast(shared, root=0)
 
-    def write_mine() -> list[tuple[tuple[str, tuple[int, ...]], tuple[int, int]]]:
+    def write_mine() -> list[tuple[tuple[str, tuple[int, ...]], ChunkResult]]:
         w = writer if coord.rank == 0 else attach_writer(path, token)
+        mine_base = base
+        if coord.rank != 0 and reusable is not None and options.base is not None:
+            opened = open_base(options.base, options.storage_options)
+            mine_base = None if opened is None else opened.restrict(reusable)
         jobs = bind_jobs(mine, sources)
-        sizes_crcs = write_chunks(jobs, w, options)
+        sizes_crcs = write_chunks(jobs, w, options, base=mine_base)
         return [((j.name, j.coords), r) for j, r in zip(jobs, sizes_crcs, strict=True)]
 
     try:
