@@ -240,6 +240,12 @@ class CheckpointReader(ABC):
         size = self.chunk_nbytes(name, key)
         return None if size is None else (size, size)
 
+    def chunk_shared(self, name: str, key: str) -> bool:
+        """Whether the stored chunk's bytes are shared with another checkpoint (a hard link
+        made by an incremental save: the file has more than one name). The default: no
+        (object stores copy, and a copy is an object of its own)."""
+        return False
+
     @abstractmethod
     def read_chunk_into(self, name: str, key: str, dests: Sequence[Any]) -> int:
         """Fill the writable buffers ``dests`` in order from the chunk; returns bytes read."""

@@ -633,6 +633,10 @@ class LocalReader(CheckpointReader):
         st = self._lstat_chunk(name, key)
         return None if st is None else (st.st_size, st.st_blocks * 512)
 
+    def chunk_shared(self, name: str, key: str) -> bool:
+        st = self._lstat_chunk(name, key)
+        return st is not None and st.st_nlink > 1
+
     def read_chunk_crc(self, name: str, key: str, dests: Sequence[Any]) -> tuple[int, int]:
         fd = self._open_chunk(name, key)
         try:
