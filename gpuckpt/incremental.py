@@ -92,9 +92,11 @@ def entry_hashes(raw: Mapping[str, Any]) -> tuple[bytes | None, bytes | None]:
     """``(hash, head)`` recorded in a chunk entry written by :func:`chunk_entry` (untrusted:
     anything but 32 lowercase hex digits is no hash); ``head`` defaults to the hash."""
     value, head = raw.get("xxh3t"), raw.get("head", raw.get("xxh3t"))
-    if not contenthash.is_hash_hex(value):
+    if not isinstance(value, str) or not contenthash.is_hash_hex(value):
         return None, None
-    return bytes.fromhex(value), bytes.fromhex(head) if contenthash.is_hash_hex(head) else None
+    return bytes.fromhex(value), bytes.fromhex(head) if isinstance(head, str) and contenthash.is_hash_hex(
+        head
+    ) else None
 
 
 def content_hash_info() -> dict[str, Any]:
@@ -163,9 +165,9 @@ class BaseIndex:
 def check_base_target(path: str | os.PathLike[str], options: SaveOptions) -> None:
     """Refuse a ``base`` that is the checkpoint being saved (an overwrite would replace the
     base while its chunks are being reused)."""
-    if options.base is None:
+    if options.base_location is None:
         return
-    target, base = os.fspath(path), options.base
+    target, base = os.fspath(path), options.base_location
     same = target.rstrip("/") == base.rstrip("/")
     if not same and scheme_of(target) == scheme_of(base) == "file":
         same = os.path.realpath(target.removeprefix("file://")) == os.path.realpath(
@@ -232,10 +234,10 @@ def open_base(location: str, storage_options: Mapping[str, Any] | None = None) -
 
 
 def open_base_for(options: SaveOptions, tensors: Iterable[TensorPlan]) -> BaseIndex | None:
-    """:func:`open_base` of ``options.base`` restricted to the arrays of ``tensors`` it can serve."""
-    if options.base is None:
+    """:func:`open_base` of ``options.base_location`` restricted to the arrays of ``tensors`` it can serve."""
+    if options.base_location is None:
         return None
-    index = open_base(options.base, options.storage_options)
+    index = open_base(options.base_location, options.storage_options)
     return None if index is None else index.restrict(index.compatible(tensors))
 
 

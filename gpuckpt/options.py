@@ -96,17 +96,15 @@ def _callback(name: str, value: Any) -> None:
         )
 
 
-def _location(name: str, value: Any) -> str | None:
+def _location(name: str, value: Any) -> None:
     if value is None:
-        return None
-    if isinstance(value, os.PathLike):
-        value = os.fspath(value)
-    if not isinstance(value, str) or not value:
+        return
+    text = os.fspath(value) if isinstance(value, os.PathLike) else value
+    if not isinstance(text, str) or not text:
         raise InvalidOptionError(
             f"{name} must be the path or URL of an earlier checkpoint (a str or os.PathLike) or None, "
             f"got {value!r}"
         )
-    return value
 
 
 def _mapping(name: str, value: Any) -> Mapping[str, Any] | None:
@@ -154,7 +152,7 @@ class SaveOptions:
     storage_options: Mapping[str, Any] | None = None
     portable: bool = False
     direct_io: str = dataclasses.field(default_factory=direct_io_from_env)
-    base: str | None = None
+    base: str | os.PathLike[str] | None = None
     content_hash: bool = False
 
     def __post_init__(self) -> None:
@@ -169,8 +167,13 @@ class SaveOptions:
         object.__setattr__(self, "storage_options", _mapping("storage_options", self.storage_options))
         _flag("portable", self.portable)
         _choice("direct_io", self.direct_io, _DIRECT_IO_MEANINGS, "a direct I/O mode")
-        object.__setattr__(self, "base", _location("base", self.base))
+        _location("base", self.base)
         _flag("content_hash", self.content_hash)
+
+    @property
+    def base_location(self) -> str | None:
+        """``base`` as a string (a path or URL), or None."""
+        return None if self.base is None else os.fspath(self.base)
 
     @property
     def hashing(self) -> bool:

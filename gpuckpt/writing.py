@@ -28,7 +28,14 @@ import numpy as np
 from gpuckpt.device.arrays import ArrayAdapter, StagedOut
 from gpuckpt.device.backend import DeviceBackend, Staging, distinct_backends
 from gpuckpt.errors import CheckpointWriteError, GpuckptError
-from gpuckpt.incremental import BaseIndex, ChunkResult, chunk_entry, content_hash_info, open_base_for, write_hashed
+from gpuckpt.incremental import (
+    BaseIndex,
+    ChunkResult,
+    chunk_entry,
+    content_hash_info,
+    open_base_for,
+    write_hashed,
+)
 from gpuckpt.metadata import (
     FORMAT_VERSION,
     BytesStorageMetadata,

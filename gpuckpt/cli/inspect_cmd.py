@@ -42,7 +42,9 @@ def _tensor_row(reader: CheckpointReader, t: TensorEntry) -> dict[str, Any]:
     usage = [reader.chunk_usage(t.name, c.key) for c in t.chunks]
     found = [u for u in usage if u is not None]
     # chunk files an incremental save shares with other checkpoints (hard links)
-    shared = sum(u[0] for c, u in zip(t.chunks, usage, strict=True) if u and reader.chunk_shared(t.name, c.key))
+    shared = sum(
+        u[0] for c, u in zip(t.chunks, usage, strict=True) if u and reader.chunk_shared(t.name, c.key)
+    )
     return {
         "name": t.fqn,
         "shape": list(t.shape),

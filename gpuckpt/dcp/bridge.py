@@ -55,6 +55,8 @@ from gpuckpt.device.staging import ArenaPool, StagingArena
 from gpuckpt.distributed.load import read_boxes
 from gpuckpt.dtypes import dtype_name
 from gpuckpt.errors import StagingTimeoutError, UnsupportedValueError
+from gpuckpt.incremental import BaseIndex, ChunkResult, check_base_target, open_base_for
+from gpuckpt.incremental import open_base as _open_base
 from gpuckpt.metadata import FORMAT_VERSION, Metadata, TensorProperties
 from gpuckpt.options import LoadOptions, SaveOptions
 from gpuckpt.planning.boxes import Box, LocalTensor
@@ -77,8 +79,10 @@ from gpuckpt.writing import (
 )
 
 __all__ = [
+    "BaseIndex",
     "Box",
     "ChunkAssignment",
+    "ChunkResult",
     "OpenCheckpoint",
     "OpenSave",
     "SavePlan",
@@ -89,12 +93,14 @@ __all__ = [
     "commit_save",
     "is_checkpoint",
     "location_supported",
+    "open_base",
     "open_checkpoint",
     "plan",
     "read_boxes_into",
     "read_value",
     "read_whole",
     "rebuild",
+    "reusable_arrays",
     "snapshot",
     "staged_bytes",
     "write_assigned",
@@ -172,6 +178,24 @@ def begin_save(
     return OpenSave(path, writer, plan, writer.token or "", later)
 
 
+def reusable_arrays(path: str, plan: SavePlan, options: SaveOptions) -> tuple[str, ...] | None:
+    """The arrays of ``plan`` whose chunks the base of an incremental save may serve (None:
+    no base, or one that cannot be used: a warning); the coordinator decides, every rank
+    then opens the base itself (:func:`open_base`)."""
+    check_base_target(path, options)
+    base = open_base_for(options, plan.tensors)
+    return None if base is None else tuple(sorted(base.compatible(plan.tensors)))
+
+
+def open_base(options: SaveOptions, reusable: Collection[str] | None) -> BaseIndex | None:
+    """This rank's view of the base: only the arrays the coordinator found ``reusable``."""
+    location = options.base_location
+    if location is None or reusable is None:
+        return None
+    base = _open_base(location, options.storage_options)
+    return None if base is None else base.restrict(reusable)
+
+
 def attach(path: str, token: str) -> CheckpointWriter:
     """The writer of a rank other than the coordinator, into the save the coordinator began."""
     return attach_writer(path, token)
@@ -183,12 +207,14 @@ def write_assigned(
     held: Mapping[str, Sequence[tuple[Any, tuple[int, ...]]]],
     options: SaveOptions,
     documents: Mapping[str, bytes] | None = None,
-) -> tuple[list[tuple[tuple[str, tuple[int, ...]], tuple[int, int]]], dict[str, Any]]:
+    base: BaseIndex | None = None,
+) -> tuple[list[tuple[tuple[str, tuple[int, ...]], ChunkResult]], dict[str, Any]]:
     """Write this rank's chunks; ``held[fqn][box]`` is the tensor holding that box, and its offsets.
 
-    ``documents``: array documents to write with their array's one chunk (see :func:`begin_save`).
+    ``documents``: array documents to write with their array's one chunk (see :func:`begin_save`);
+    ``base``: the base of an incremental save (:func:`open_base`).
 
-    Returns ``((array name, chunk coords), (stored bytes, CRC32C))`` per chunk, and
+    Returns ``((array name, chunk coords), result)`` per chunk (stored bytes, CRC32C, hashes), and
     the memory format of each tensor as found in this rank's boxes.
     """
     sources = {
@@ -197,13 +223,15 @@ def write_assigned(
     }
     formats = {fqn: boxes[0].array.memory_format for fqn, boxes in sources.items() if boxes}
     jobs = bind_jobs(mine, sources)
-    results = write_chunks(jobs, writer, options, documents=None if documents is None else dict(documents))
+    results = write_chunks(
+        jobs, writer, options, documents=None if documents is None else dict(documents), base=base
+    )
     return [((j.name, j.coords), r) for j, r in zip(jobs, results, strict=True)], formats
 
 
 def commit_save(
     save: OpenSave,
-    results: Mapping[tuple[str, tuple[int, ...]], tuple[int, int]],
+    results: Mapping[tuple[str, tuple[int, ...]], ChunkResult],
     memory_formats: Mapping[str, Any],
     values: Mapping[str, bytes],
     skeleton: Any,

@@ -107,8 +107,8 @@ def save_described(
     def write_mine() -> list[tuple[tuple[str, tuple[int, ...]], ChunkResult]]:
         w = writer if coord.rank == 0 else attach_writer(path, token)
         mine_base = base
-        if coord.rank != 0 and reusable is not None and options.base is not None:
-            opened = open_base(options.base, options.storage_options)
+        if coord.rank != 0 and reusable is not None and options.base_location is not None:
+            opened = open_base(options.base_location, options.storage_options)
             mine_base = None if opened is None else opened.restrict(reusable)
         jobs = bind_jobs(mine, sources)
         sizes_crcs = write_chunks(jobs, w, options, base=mine_base)

@@ -23,11 +23,13 @@ package, :func:`available` is False and incremental saves compare bytes instead.
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
+_xxhash: Any
 try:  # an optional dependency: gpuckpt[incremental]
-    import xxhash as _xxhash
-except ImportError:  # pragma: no cover - exercised where xxhash is not installed
+    _xxhash = importlib.import_module("xxhash")
+except ImportError:  # exercised where xxhash is not installed
     _xxhash = None
 
 __all__ = [
@@ -115,10 +117,10 @@ class ChunkHasher:
         while i < n:
             take = min(LEAF - self._fill, n - i)
             if self._fill == 0 and take == LEAF:
-                self._leaves.append(bytes(_xxhash.xxh3_128_digest(view[i : i + LEAF])))  # type: ignore[union-attr]
+                self._leaves.append(bytes(_xxhash.xxh3_128_digest(view[i : i + LEAF])))
             else:
                 if self._cur is None:
-                    self._cur = _xxhash.xxh3_128()  # type: ignore[union-attr]
+                    self._cur = _xxhash.xxh3_128()
                 self._cur.update(view[i : i + take])
                 self._fill += take
                 if self._fill == LEAF:
@@ -140,10 +142,10 @@ class ChunkHasher:
         if self._cur is not None:
             leaves.append(bytes(self._cur.digest()))
         elif not leaves or self._fill:
-            leaves.append(bytes(_xxhash.xxh3_128_digest(b"")))  # type: ignore[union-attr]
+            leaves.append(bytes(_xxhash.xxh3_128_digest(b"")))
         if self._total <= LEAF:
             return leaves[0], leaves[0]
-        return bytes(_xxhash.xxh3_128_digest(b"".join(leaves))), leaves[0]  # type: ignore[union-attr]
+        return bytes(_xxhash.xxh3_128_digest(b"".join(leaves))), leaves[0]
 
     def hexdigest(self) -> str:
         return self.digests()[0].hex()

@@ -92,7 +92,9 @@ _FICLONE = 0x40049409
 #: link() refusals that mean "no hard link here" (another device, too many links, a file
 #: system without links or that forbids them): a clone, else a write, takes its place
 _NO_LINK = frozenset(
-    getattr(errno, n) for n in ("EXDEV", "EMLINK", "EPERM", "EOPNOTSUPP", "ENOSYS", "EACCES") if hasattr(errno, n)
+    getattr(errno, n)
+    for n in ("EXDEV", "EMLINK", "EPERM", "EOPNOTSUPP", "ENOSYS", "EACCES")
+    if hasattr(errno, n)
 )
 #: ioctl(FICLONE) refusals that mean "no clone here"
 _NO_CLONE = frozenset(

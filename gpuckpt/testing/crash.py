@@ -222,7 +222,9 @@ def main(argv: list[str]) -> None:
         os.environ.get("GPUCKPT_TEST_STOP_AT"),
     )
     if mode == "incremental" and not (root / "good").exists():
-        gpuckpt.save(chain_state(seed, 0), root / "good", sync="file", chunk_bytes=16 * 1024, content_hash=True)
+        gpuckpt.save(
+            chain_state(seed, 0), root / "good", sync="file", chunk_bytes=16 * 1024, content_hash=True
+        )
     elif mode not in ("manager", "incremental-manager", "reoverwrite") and not (root / "good").exists():
         gpuckpt.save(make_state(seed), root / "good", sync="file")
     print("good", flush=True)

@@ -110,7 +110,9 @@ def test_other_readers_read_the_incremental_checkpoint(tmp_path: Path) -> None:
         z = zarr.open_array(tmp_path / "c1" / f"model.{name}", mode="r")
         assert np.array_equal(z[...], s1["model"][name])
     ts = pytest.importorskip("tensorstore")
-    arr = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": str(tmp_path / "c1" / "model.big")}}).result()
+    arr = ts.open(
+        {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(tmp_path / "c1" / "model.big")}}
+    ).result()
     assert np.array_equal(arr.read().result(), s1["model"]["big"])
 
 
@@ -146,7 +148,11 @@ def test_async_save_with_base(tmp_path: Path) -> None:
     s1 = changed(s0)
     gpuckpt.async_save(s1, tmp_path / "c1", chunk_bytes=CHUNK, base=tmp_path / "c0").result()
     f0, f1 = chunk_files(tmp_path / "c0"), chunk_files(tmp_path / "c1")
-    assert {k for k in f1 if f1[k].st_ino != f0[k].st_ino} == {"model.a/c.0", "model.b/c.0", "model.big/c.1.0"}
+    assert {k for k in f1 if f1[k].st_ino != f0[k].st_ino} == {
+        "model.a/c.0",
+        "model.b/c.0",
+        "model.big/c.1.0",
+    }
     assert_loads(tmp_path / "c1", s1)
 
 
@@ -368,9 +374,15 @@ print(len(w), w[0].category.__name__, str(w[0].message)[:80])
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env, cwd=root
     )
     assert out.returncode == 0, out.stderr
-    assert out.stdout.startswith("1 IncrementalBaseWarning incremental save without the xxhash package"), out.stdout
+    assert out.stdout.startswith("1 IncrementalBaseWarning incremental save without the xxhash package"), (
+        out.stdout
+    )
     f0, f1, f2 = (chunk_files(tmp_path / c) for c in ("c0", "c1", "c2"))
-    assert {k for k in f1 if f1[k].st_ino != f0[k].st_ino} == {"model.a/c.0", "model.b/c.0", "model.big/c.1.0"}
+    assert {k for k in f1 if f1[k].st_ino != f0[k].st_ino} == {
+        "model.a/c.0",
+        "model.b/c.0",
+        "model.big/c.1.0",
+    }
     assert all(f2[k].st_ino == f1[k].st_ino for k in f2)  # c1 has no hashes: compared by bytes
     assert "content_hash" not in gpuckpt.read_metadata(tmp_path / "c1").storage_data
     assert_loads(tmp_path / "c2", changed(make_state()))
@@ -397,7 +409,9 @@ def test_inspect_shows_own_and_shared_bytes(tmp_path: Path) -> None:
     s0 = make_state()
     gpuckpt.save(s0, tmp_path / "run" / "step_00000001", chunk_bytes=CHUNK, content_hash=True)
     s1 = changed(s0)
-    gpuckpt.save(s1, tmp_path / "run" / "step_00000002", chunk_bytes=CHUNK, base=tmp_path / "run" / "step_00000001")
+    gpuckpt.save(
+        s1, tmp_path / "run" / "step_00000002", chunk_bytes=CHUNK, base=tmp_path / "run" / "step_00000001"
+    )
     files = chunk_files(tmp_path / "run" / "step_00000002")
     own = sum(st.st_size for st in files.values() if st.st_nlink == 1)
     shared = sum(st.st_size for st in files.values() if st.st_nlink > 1)
@@ -408,7 +422,9 @@ def test_inspect_shows_own_and_shared_bytes(tmp_path: Path) -> None:
     )
     totals = json.loads(out.stdout)["totals"]
     assert (totals["own_bytes"], totals["shared_bytes"]) == (own, shared)
-    text = subprocess.run([*cli, str(tmp_path / "run" / "step_00000002")], capture_output=True, text=True, timeout=60)
+    text = subprocess.run(
+        [*cli, str(tmp_path / "run" / "step_00000002")], capture_output=True, text=True, timeout=60
+    )
     assert "in chunk files of its own" in text.stdout and "shared with other checkpoints" in text.stdout
     root = subprocess.run([*cli, "--json", str(tmp_path / "run")], capture_output=True, text=True, timeout=60)
     steps = json.loads(root.stdout)["steps"]
@@ -427,3 +443,34 @@ def test_warning_filter_is_strict_here() -> None:
     # the module's filter turns a stray IncrementalBaseWarning into a failure of the test
     with pytest.raises(IncrementalBaseWarning):
         warnings.warn("x", IncrementalBaseWarning, stacklevel=1)
+
+
+def _fingerprints(path: Path) -> dict[str, tuple[int, int, bytes]]:
+    """``(inode, mtime in ns, bytes)`` of every chunk file of a checkpoint."""
+    return {k: (st.st_ino, st.st_mtime_ns, (path / k).read_bytes()) for k, st in chunk_files(path).items()}
+
+
+def test_published_chunk_files_are_never_modified(tmp_path: Path) -> None:
+    s0 = make_state()
+    gpuckpt.save(s0, tmp_path / "c0", chunk_bytes=CHUNK, content_hash=True)
+    s1 = changed(s0)
+    gpuckpt.save(s1, tmp_path / "c1", chunk_bytes=CHUNK, base=tmp_path / "c0")
+    before = _fingerprints(tmp_path / "c1")
+    # everything that touches shared inodes: more incremental saves from either checkpoint,
+    # overwrites of both, loads, verification, a manager's retention over linked steps
+    gpuckpt.save(changed(s1), tmp_path / "c2", chunk_bytes=CHUNK, base=tmp_path / "c1")
+    gpuckpt.save(s1, tmp_path / "c3", chunk_bytes=CHUNK, base=tmp_path / "c0")
+    gpuckpt.save(make_state(9), tmp_path / "c0", chunk_bytes=CHUNK, overwrite=True, base=tmp_path / "c1")
+    gpuckpt.save(make_state(8), tmp_path / "c3", chunk_bytes=CHUNK, overwrite=True)
+    with CheckpointManager(
+        tmp_path / "run", max_to_keep=1, incremental=True, async_save=False, chunk_bytes=CHUNK
+    ) as m:
+        m.save(1, s1)  # no base yet: writes
+        m.save(2, s1)  # links to step 1, then deletes step 1
+        m.save(3, changed(s1))
+    gpuckpt.load_state_dict(tmp_path / "c1")
+    assert verify_checkpoint(tmp_path / "c1").ok
+    assert _fingerprints(tmp_path / "c1") == before
+    assert_loads(tmp_path / "c1", s1)
+    assert_loads(tmp_path / "c2", changed(s1))
+    assert_loads(tmp_path / "c0", make_state(9))
