@@ -66,7 +66,7 @@ from gpuckpt.errors import (
     MetadataError,
 )
 from gpuckpt.storage import fsutil
-from gpuckpt.storage.base import CheckpointReader, CheckpointWriter
+from gpuckpt.storage.base import BaseRef, CheckpointReader, CheckpointWriter
 from gpuckpt.storage.checksum import CRC_BYTES, crc32c
 from gpuckpt.storage.layout import (
     MAX_ARRAY_DOCUMENT_BYTES,
@@ -505,6 +505,45 @@ class ObjectStoreWriter(_Prefix, CheckpointWriter):
                 data[pos : pos + v.nbytes] = v
                 pos += v.nbytes
         self._write(_rel(name, key), data)
+
+    def reuse_chunk(self, name: str, key: str, base: BaseRef) -> bool:
+        """A server-side copy (``CopyObject``: no chunk bytes through this process) of the
+        base's chunk object, when the base is in the same bucket of the same endpoint (the
+        save's ``storage_options`` reach both) and the object has the size and CRC32C trailer
+        the base's metadata gives; False otherwise, or when the server refuses the copy."""
+        import obstore as obs
+        from obstore.exceptions import BaseError
+        from obstore.store import S3Store
+
+        if self._lost is not None:
+            raise CheckpointExistsError(self._lost)
+        try:
+            src_bucket, src_prefix = parse_s3_url(base.location)
+            bucket, prefix = parse_s3_url(self.path)
+            src = "/".join(p for p in (src_prefix, _rel(base.name, base.key)) if p)
+        except ValueError:
+            return False
+        # a single CopyObject takes objects up to 5 GiB (larger ones need UploadPartCopy)
+        if src_bucket != bucket or not CRC_BYTES <= base.nbytes <= 5 << 30:
+            return False
+        rel = _rel(name, key)
+        store = S3Store(
+            config=self._obs.config,
+            client_options=self._obs.client_options,
+            retry_config=self._obs.retry_config,
+            credential_provider=self._obs.credential_provider,
+        )  # the bucket's root: the base lives under another prefix
+        try:
+            if obs.head(store, src)["size"] != base.nbytes:
+                return False
+            trailer = bytes(obs.get_range(store, src, start=base.nbytes - CRC_BYTES, end=base.nbytes))
+            if int.from_bytes(trailer, "little") != base.crc32c:
+                return False
+            self._written.add(rel)
+            obs.copy(store, src, "/".join(p for p in (prefix, rel) if p))
+        except (FileNotFoundError, BaseError):
+            return False
+        return True
 
     def commit(self, root_document: bytes) -> None:
         from obstore.exceptions import AlreadyExistsError
