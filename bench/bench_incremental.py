@@ -32,7 +32,8 @@ tens of thousands) followed by ``os.sync()``, and every timed save starts after
 hits both.
 
 Usage: ``python bench/bench_incremental.py [--rounds 3] [--steps 20] [--settle 361]
-[--dir DIR] [--json OUT] [--quick]`` (``--quick``: the toy GPT shapes, for a smoke test).
+[--dir DIR] [--json OUT] [--plot PNG] [--quick]`` (``--quick``: the toy GPT shapes, for a
+smoke test); ``--replot JSON --plot PNG`` draws the chain of a saved run again.
 """
 
 from __future__ import annotations
@@ -227,6 +228,28 @@ def bench_chain(work: Path, weights: dict[str, np.ndarray], steps: int) -> dict[
     return {"steps": per_step, "full bytes": full_bytes}
 
 
+def plot_chain(res: dict[str, Any], png: Path) -> None:
+    """Bytes written per save over the chain, full against incremental (needs matplotlib)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = res["chain"]["steps"]
+    x = [s["step"] for s in steps]
+    mib = 1 << 20
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    ax.bar([i - 0.2 for i in x], [s["full bytes"] / mib for s in steps], 0.4, label="full save")
+    ax.bar([i + 0.2 for i in x], [s["incremental bytes"] / mib for s in steps], 0.4, label="incremental save")
+    ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.set_ylabel("MiB written")
+    ax.set_title(f"LoRA-like state, bytes written per save ({res['date']})", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
@@ -235,7 +258,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dir", type=Path, default=None, help="where the checkpoints go (default: a temp dir)")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--quick", action="store_true", help="toy GPT shapes (a smoke test)")
+    ap.add_argument("--plot", type=Path, default=None, help="draw the chain's bytes per save (PNG)")
+    ap.add_argument("--replot", type=Path, default=None, help="only draw --plot from this saved JSON")
     args = ap.parse_args(argv)
+    if args.replot is not None:
+        plot_chain(json.loads(args.replot.read_text()), args.plot or args.replot.with_suffix(".png"))
+        return 0
     parent = args.dir or Path(tempfile.gettempdir())
     work = Path(tempfile.mkdtemp(prefix="gpuckpt-bench-incr-", dir=parent))
     res: dict[str, Any] = {
@@ -270,6 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     print("chain bytes per step (incremental / full): " + ", ".join(f"{s['incremental bytes']}" for s in chain))
     if args.json:
         args.json.write_text(json.dumps(res, indent=1))
+    if args.plot:
+        plot_chain(res, args.plot)
     return 0
 
 

@@ -21,12 +21,14 @@ from typing import Any
 import numpy as np
 
 from gpuckpt.device.kernels import kernel_source_dir
-from gpuckpt.storage.contenthash import LEAF
 
-__all__ = ["HASH_KERNEL_FILE", "LeafPlan", "hash_device_chunks", "leaf_plan"]
+__all__ = ["HASH_KERNEL_FILE", "LEAF", "LeafPlan", "hash_device_chunks", "leaf_plan"]
 
 #: the kernel source, next to the channels-last kernels
 HASH_KERNEL_FILE = "xxh3_tree.cu"
+#: bytes per leaf: :data:`gpuckpt.storage.contenthash.LEAF` (the device layer imports no storage;
+#: ``tests/kernels/test_xxh3_emu.py`` checks that the two agree)
+LEAF = 1 << 20
 _THREADS = 128
 _modules: dict[int, Any] = {}
 _lock = threading.Lock()

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from gpuckpt.device import hashing
 from gpuckpt.device.hashing import leaf_plan
 from gpuckpt.storage.contenthash import LEAF, chunk_hash
 
@@ -56,6 +57,10 @@ def run_tree(lib: ctypes.CDLL, buf: np.ndarray, chunks: list[tuple[int, int]], t
     )  # fmt: skip
     assert rc == 0
     return roots.reshape(-1, 16), leaves.reshape(-1, 16)
+
+
+def test_device_and_host_agree_on_the_leaf() -> None:
+    assert hashing.LEAF == LEAF
 
 
 def test_every_short_length_and_alignment(lib: ctypes.CDLL) -> None:
