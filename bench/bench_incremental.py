@@ -26,10 +26,10 @@ an ``os.sync()`` and durable (the default ``sync="auto"``):
 Settling the file system: deleting files makes creating files slow for a while
 on this file system (ext4; see ``bench.compare.common.SETTLE_S``). The run starts
 with a sync and a wait of ``--settle`` seconds (default 361); checkpoints are
-deleted as soon as they are not needed (each is a few hundred large files, not
-tens of thousands) followed by ``os.sync()``, and every timed save starts after
-``os.sync()``; the two saves compared alternate within each round, so that drift
-hits both.
+deleted only between rounds, never between the two saves a round compares (each
+is a few hundred large files, not tens of thousands), followed by ``os.sync()``;
+every timed save starts after ``os.sync()``; the two saves compared alternate in
+order from round to round, so that drift hits both.
 
 Usage: ``python bench/bench_incremental.py [--rounds 3] [--steps 20] [--settle 361]
 [--dir DIR] [--json OUT] [--plot PNG] [--quick]`` (``--quick``: the toy GPT shapes, for a
@@ -140,7 +140,6 @@ def bench_lora(work: Path, weights: dict[str, np.ndarray], rounds: int) -> dict[
             p = work / f"lora-full-{r}"
             full_t.append(timed_save(state, p))
             full_b.append(own_bytes(p)[0])
-            remove(p)
 
         def incr(r: int = r, state: dict[str, Any] = state) -> None:
             p = work / f"lora-incr-{r}"
@@ -159,6 +158,8 @@ def bench_lora(work: Path, weights: dict[str, np.ndarray], rounds: int) -> dict[
         order = [("full", full), ("incr", incr)]
         for _, fn in order if r % 2 == 0 else reversed(order):
             fn()
+        # deletions only between rounds: neither save of a round follows a deletion of the round
+        remove(work / f"lora-full-{r}")
         remove(base)
         os.rename(work / f"lora-incr-{r}", base)  # the next round's base: this step's checkpoint
     remove(base)
@@ -190,16 +191,16 @@ def bench_all_changed(work: Path, weights: dict[str, np.ndarray], rounds: int) -
             p = work / f"all-with-{r}"
             with_t.append(timed_save(state, p, base=base))
             assert own_bytes(p)[0] == own_bytes(p)[1], "a chunk was reused in the all-changed state"
-            remove(p)
 
         def without_base(r: int = r) -> None:
             p = work / f"all-without-{r}"
             without_t.append(timed_save(state, p))
-            remove(p)
 
         pair = [with_base, without_base]
         for fn in pair if r % 2 == 0 else reversed(pair):
             fn()
+        remove(work / f"all-with-{r}")
+        remove(work / f"all-without-{r}")
     remove(base)
     return {
         "save with base s": _median(with_t),
@@ -252,7 +253,7 @@ def plot_chain(res: dict[str, Any], png: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--settle", type=float, default=SETTLE_S, help="seconds to wait after the first sync")
     ap.add_argument("--dir", type=Path, default=None, help="where the checkpoints go (default: a temp dir)")
