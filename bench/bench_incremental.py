@@ -27,14 +27,14 @@ an ``os.sync()`` and durable (the default ``sync="auto"``):
 
 Settling the file system: deleting files makes creating files slow for a while
 on this file system (ext4; see ``bench.compare.common.SETTLE_S``). The run starts
-with a sync and a wait of ``--settle`` seconds (default 361); checkpoints are
-deleted only between rounds, never between the two saves a round compares (each
-is a few hundred large files, not tens of thousands), followed by ``os.sync()`` (the chain's checkpoints are kept
-until its last save);
-every timed save starts after ``os.sync()``; the two saves compared alternate in
-order from round to round, so that drift hits both.
+with a sync and a wait of ``--settle`` seconds (default 361). Checkpoints (about
+1,700 files each, not tens of thousands) are deleted only between rounds, never
+between the saves a round compares, each deletion followed by ``os.sync()``; the
+chain's checkpoints are kept until its last save. Every timed save starts after
+``os.sync()``, and the saves compared change order from round to round, so that
+drift hits them alike.
 
-Usage: ``python bench/bench_incremental.py [--rounds 3] [--steps 20] [--settle 361]
+Usage: ``python bench/bench_incremental.py [--rounds 5] [--steps 20] [--settle 361]
 [--dir DIR] [--json OUT] [--plot PNG] [--quick]`` (``--quick``: the toy GPT shapes, for a
 smoke test); ``--replot JSON --plot PNG`` draws the chain of a saved run again.
 """
