@@ -182,7 +182,8 @@ def bench_lora(work: Path, weights: dict[str, np.ndarray], rounds: int) -> dict[
         "changed tensors alone save s": _median(only_t),
         "incremental / full time": _median(incr_t) / _median(full_t),
         "incremental / changed-alone time": _median(incr_t) / _median(only_t),
-        "incremental / changed bytes": _median([float(b) for b in incr_b]) / _median([float(b) for b in changed_b]),
+        "incremental / changed bytes": _median([float(b) for b in incr_b])
+        / _median([float(b) for b in changed_b]),
         "raw": {"full s": full_t, "incremental s": incr_t, "changed alone s": only_t},
     }
 
@@ -308,7 +309,9 @@ def main(argv: list[str] | None = None) -> int:
         f"(ratio {al['with / without base time']:.3f}, target <= 1.05)"
     )
     chain = res["chain"]["steps"]
-    print("chain bytes per step (incremental / full): " + ", ".join(f"{s['incremental bytes']}" for s in chain))
+    print(
+        "chain bytes per step (incremental / full): " + ", ".join(f"{s['incremental bytes']}" for s in chain)
+    )
     if args.json:
         args.json.write_text(json.dumps(res, indent=1))
     if args.plot:
