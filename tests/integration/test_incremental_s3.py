@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import json
+import sys
 import urllib.request
 import uuid
 from pathlib import Path
@@ -20,8 +21,12 @@ pytest.importorskip("obstore")
 pytest.importorskip("moto.server")
 pytest.importorskip("boto3")
 
+REPO_ROOT = Path(__file__).resolve().parents[2]
+if str(REPO_ROOT) not in sys.path:  # run by the pytest script, not python -m pytest
+    sys.path.insert(0, str(REPO_ROOT))
+
 # one moto server for this module, as tests/integration/test_objectstore.py starts it
-from tests.integration.test_objectstore import BUCKET, endpoint, opts, s3  # noqa: F401
+from tests.integration.test_objectstore import BUCKET, endpoint, opts, s3  # noqa: E402, F401
 
 pytestmark = pytest.mark.filterwarnings("error::gpuckpt.errors.IncrementalBaseWarning")
 
