@@ -48,7 +48,6 @@ from gpuckpt.storage.layout import metadata_from_root_document
 from gpuckpt.storage.stores import open_reader, scheme_of
 
 __all__ = [
-    "HASH_COLUMNS",
     "BaseIndex",
     "ChunkResult",
     "check_base_target",
@@ -60,8 +59,6 @@ __all__ = [
 ]
 
 _ZEROS = bytes(LEAF)
-#: the per-chunk columns of a checkpoint that records content hashes
-HASH_COLUMNS = ("xxh3t", "head")
 _DIGEST_BYTES = 16
 
 

@@ -44,3 +44,46 @@ def test_incremental_save_from_3_ranks(run_mpi: Any, load_script: Any, tmp_path:
     for k, v in module.global_state(1).items():
         assert np.array_equal(got[k], v), k
     assert verify_checkpoint(p1).ok
+
+
+def test_incremental_save_of_a_chunk_table_from_3_threads(tmp_path: Path) -> None:
+    """3 ranks (threads), 4,200 chunks: the hashes every rank reports go to the chunk table, and
+    the next save (the same layout: a plan cache hit) links each rank's unchanged chunks."""
+    from gpuckpt.distributed import run_ranks
+    from gpuckpt.distributed.save import plan_cache_info
+    from gpuckpt.storage.chunk_table import TABLE_KEY
+
+    full = np.arange(4200 * 4, dtype=np.float32).reshape(4200, 4)
+
+    def rank(c: Any) -> tuple[int, int]:
+        rows = slice(c.rank * 1400, (c.rank + 1) * 1400)
+        mine = full[rows].copy()
+        gpuckpt.save(
+            {"w": gpuckpt.ShardedArray(mine, (rows.start, 0), full.shape)},
+            str(tmp_path / "c0"),
+            coordinator=c,
+            chunk_bytes=16,
+            content_hash=True,
+        )
+        if c.rank == 1:
+            mine[3] = -1  # global row 1403
+        gpuckpt.save(
+            {"w": gpuckpt.ShardedArray(mine, (rows.start, 0), full.shape)},
+            str(tmp_path / "c1"),
+            coordinator=c,
+            chunk_bytes=16,
+            base=str(tmp_path / "c0"),
+        )
+        info = plan_cache_info(c)
+        return info.hits, info.misses
+
+    assert run_ranks(3, rank) == [(1, 1)] * 3
+    md = gpuckpt.read_metadata(tmp_path / "c1")
+    assert md.version == "2" and set(md.storage_data[TABLE_KEY]["columns"]) == {"crc32c", "xxh3t", "head"}
+    l0, l1 = chunk_links(tmp_path / "c0"), chunk_links(tmp_path / "c1")
+    chunks = {k for k in l1 if k.startswith("w/")}
+    assert len(chunks) == 4200
+    assert {k for k in chunks if l1[k][0] != l0[k][0]} == {"w/c.1403.0"}
+    want = full.copy()
+    want[1403] = -1
+    assert np.array_equal(gpuckpt.load_state_dict(tmp_path / "c1")["w"], want)
