@@ -64,3 +64,20 @@ def test_writer_with_missing_base_warns_and_writes(tmp_path: Path) -> None:
         dcp.save(sd, storage_writer=gpuckpt.dcp.Writer(tmp_path / "c1", base=tmp_path / "nothing"))
     assert all(n == 1 for n in chunk_links(tmp_path / "c1").values())
     assert os.path.exists(tmp_path / "c1" / "zarr.json")
+
+
+def test_writer_hashes_go_to_the_chunk_table_and_serve_the_next_save(tmp_path: Path) -> None:
+    from gpuckpt.storage.chunk_table import TABLE_KEY
+
+    w = torch.arange(4200 * 4, dtype=torch.float32).reshape(4200, 4)  # 4,200 chunks of 16 bytes
+    sd = {"w": w, "step": 1}
+    dcp.save(sd, storage_writer=gpuckpt.dcp.Writer(tmp_path / "c0", chunk_bytes=16, content_hash=True))
+    md = gpuckpt.read_metadata(tmp_path / "c0")
+    assert md.version == "2" and set(md.storage_data[TABLE_KEY]["columns"]) == {"crc32c", "xxh3t", "head"}
+    sd["w"] = w.clone()
+    sd["w"][17] = -1
+    dcp.save(sd, storage_writer=gpuckpt.dcp.Writer(tmp_path / "c1", chunk_bytes=16, base=tmp_path / "c0"))
+    links = chunk_links(tmp_path / "c1")
+    assert {k for k, n in links.items() if k.startswith("w/") and n == 1} == {"w/c.17.0"}
+    assert sum(1 for k in links if k.startswith("w/")) == 4200
+    assert gpuckpt.load_state_dict(tmp_path / "c1")["w"].tobytes() == sd["w"].numpy().tobytes()
