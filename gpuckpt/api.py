@@ -23,6 +23,7 @@ from gpuckpt.errors import (
     ReadOnlyTargetError,
     ShapeMismatchError,
 )
+from gpuckpt.incremental import check_base_target
 from gpuckpt.metadata import STATE_DICT_TYPE, Metadata
 from gpuckpt.options import DEFAULT_CHUNK_BYTES, DEFAULT_STAGING_BYTES, LoadOptions, SaveOptions
 from gpuckpt.planning.boxes import Box
@@ -64,6 +65,8 @@ def save(
     storage_options: dict[str, Any] | None = None,
     coordinator: Coordinator | None = None,
     portable: bool = False,
+    base: PathLike | None = None,
+    content_hash: bool = False,
 ) -> Metadata:
     """Save ``state_dict`` as a checkpoint at ``path`` and return its metadata.
 
@@ -105,6 +108,21 @@ def save(
     portable
         Distributed saves: use a regular chunk grid even for uneven boxes
         (every box a union of whole chunks) instead of a rectilinear grid.
+    base
+        An earlier checkpoint (path or URL): an incremental save. Each chunk
+        whose bytes equal the chunk at the same place in ``base`` (same array,
+        shape, dtype and chunk grid) is not written again but shared: a hard
+        link (else a reflink, else an ordinary write) on local file systems, a
+        server-side copy on object stores. Equality is decided by size, CRC32C
+        and a 128-bit content hash together (or by the bytes, where the base
+        has no hashes). The new checkpoint is complete on its own: deleting the
+        base leaves it intact. A base that cannot be used (missing, damaged,
+        another format) is a :class:`~gpuckpt.errors.IncrementalBaseWarning`
+        and every chunk is written. Needs ``pip install gpuckpt[incremental]``
+        to hash (else bytes are compared).
+    content_hash
+        Record each chunk's content hash (implied by ``base``), so that this
+        checkpoint can serve as the base of a later incremental save cheaply.
 
     Examples
     --------
@@ -124,6 +142,8 @@ def save(
         staging_bytes=staging_bytes,
         storage_options=storage_options,
         portable=portable,
+        base=base,
+        content_hash=content_hash,
     )
     return save_with_options(state_dict, path, options, coordinator)
 
@@ -132,6 +152,7 @@ def save_with_options(
     state_dict: STATE_DICT_TYPE, path: PathLike, options: SaveOptions, coordinator: Coordinator | None = None
 ) -> Metadata:
     """:func:`save` with its options made (what :class:`~gpuckpt.CheckpointManager` calls)."""
+    check_base_target(path, options)
     if coordinator is not None or contains_sharded(state_dict):
         return distributed_save(state_dict, path, coordinator or SingleProcessCoordinator(), options)
     local, sources = describe_state(state_dict, allow_pickle=options.allow_pickle)

@@ -29,6 +29,7 @@ from gpuckpt.device.arrays import ArrayAdapter, HostArray, copy_all
 from gpuckpt.device.staging import ArenaPool, HostAllocator, StagingArena, aligned_bytes
 from gpuckpt.distributed.coordinator import Coordinator, SingleProcessCoordinator
 from gpuckpt.distributed.save import Described, save_described
+from gpuckpt.incremental import check_base_target
 from gpuckpt.memory_format import physical_order
 from gpuckpt.metadata import STATE_DICT_TYPE, Metadata
 from gpuckpt.options import DEFAULT_CHUNK_BYTES, DEFAULT_STAGING_BYTES, SaveOptions
@@ -201,6 +202,8 @@ def async_save(
     storage_options: dict[str, Any] | None = None,
     coordinator: Any = None,
     portable: bool = False,
+    base: str | os.PathLike[str] | None = None,
+    content_hash: bool = False,
 ) -> SaveFuture:
     """Snapshot ``state_dict`` and save it to ``path`` in the background.
 
@@ -253,6 +256,8 @@ def async_save(
         staging_bytes=staging_bytes,
         storage_options=storage_options,
         portable=portable,
+        base=base,
+        content_hash=content_hash,
     )
     return async_save_with_options(state_dict, path, options, coordinator)
 
@@ -264,6 +269,7 @@ def async_save_with_options(
     coordinator: Coordinator | None = None,
 ) -> SaveFuture:
     """:func:`async_save` with its options made (what :class:`~gpuckpt.CheckpointManager` calls)."""
+    check_base_target(path, options)
     if coordinator is not None or contains_sharded(state_dict):
         return _async_distributed(state_dict, path, options, coordinator or SingleProcessCoordinator())
     local, sources = describe_state(state_dict, allow_pickle=options.allow_pickle)

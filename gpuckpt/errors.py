@@ -37,6 +37,7 @@ __all__ = [
     "StagingMemoryError",
     "StagingTimeoutError",
     "ForkedSaveError",
+    "IncrementalBaseWarning",
 ]
 
 
@@ -211,3 +212,8 @@ class StagingTimeoutError(GpuckptError, TimeoutError):
 
 class ForkedSaveError(GpuckptError, RuntimeError):
     """A background save was started by the parent of a ``fork()``; it completes there only."""
+
+
+class IncrementalBaseWarning(UserWarning):
+    """The ``base`` of an incremental save cannot be used (missing, damaged, another format):
+    the save goes on and writes every chunk. A warning, not an error: the save succeeds."""

@@ -34,7 +34,13 @@ from typing import Any
 
 import gpuckpt.api as api
 from gpuckpt.background import SaveFuture, async_save_with_options
-from gpuckpt.errors import CheckpointExistsError, CheckpointNotFoundError, GpuckptError, StepOrderError
+from gpuckpt.errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    GpuckptError,
+    InvalidOptionError,
+    StepOrderError,
+)
 from gpuckpt.metadata import STATE_DICT_TYPE
 from gpuckpt.options import SaveOptions
 from gpuckpt.storage.stores import open_root, scheme_of
@@ -95,6 +101,13 @@ class CheckpointManager:
     async_save
         Save in the background (default): :meth:`save` returns once the state
         is snapshotted. At most one save is in flight; the next one waits for it.
+    incremental
+        Each save is an incremental save (see ``base`` of :func:`gpuckpt.save`)
+        against the latest committed step: chunks that did not change since
+        are shared with it (hard links), not written again. Every step stays a
+        complete checkpoint: retention deletes names, and a chunk shared with a
+        kept step lives on in it. The first save records the content hashes
+        the next one compares with.
     **save_options
         Options of every save, as for :func:`gpuckpt.async_save`:
         ``chunk_bytes``, ``allow_pickle``, ``sync``, ``threads``, ``progress``,
@@ -147,11 +160,14 @@ class CheckpointManager:
         save_interval_steps: int = 1,
         keep_period: int | None = None,
         async_save: bool = True,
+        incremental: bool = False,
         **save_options: Any,
     ) -> None:
         _check_count("max_to_keep", max_to_keep, 1)
         _check_count("save_interval_steps", save_interval_steps, 1)
         _check_count("keep_period", keep_period, 1)
+        if not isinstance(incremental, bool):
+            raise InvalidOptionError(f"incremental must be True or False, got {incremental!r}")
         unknown = sorted(set(save_options) - _SAVE_OPTIONS)
         if unknown:
             hints = "".join(f"; {k}: {_REFUSED[k]}" for k in unknown if k in _REFUSED)
@@ -166,6 +182,7 @@ class CheckpointManager:
             )
         # bad values fail here, not at some later save (which could have taken staging memory)
         self.options = SaveOptions(**save_options)
+        self.incremental = incremental
         # cleans what dead saves and interrupted deletions left (only claims whose holder is gone)
         self._store = open_root(root, storage_options=self.options.store_options())
         self.root: Any = getattr(self._store, "path", root)
@@ -258,10 +275,16 @@ class CheckpointManager:
                 f"{step}]: mgr.delete(s)), or save the new line under another root"
             )
         path = self._store.child(f"step_{step:08d}")
+        options = self.options
+        if self.incremental:
+            # the latest committed step: retention never deletes it while this save runs
+            # (retention runs only after a save's commit, and the next save waits for it)
+            latest = self._store.child(steps[max(steps)]) if steps else None
+            options = options.replace(content_hash=True, base=None if latest is None else os.fspath(latest))
         if self.async_save:
-            self._pending = (step, async_save_with_options(state_dict, path, self.options))
+            self._pending = (step, async_save_with_options(state_dict, path, options))
         else:
-            api.save_with_options(state_dict, path, self.options)
+            api.save_with_options(state_dict, path, options)
             self._apply_retention(step)
         return True
 

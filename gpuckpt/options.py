@@ -96,6 +96,17 @@ def _callback(name: str, value: Any) -> None:
         )
 
 
+def _location(name: str, value: Any) -> None:
+    if value is None:
+        return
+    text = os.fspath(value) if isinstance(value, os.PathLike) else value
+    if not isinstance(text, str) or not text:
+        raise InvalidOptionError(
+            f"{name} must be the path or URL of an earlier checkpoint (a str or os.PathLike) or None, "
+            f"got {value!r}"
+        )
+
+
 def _mapping(name: str, value: Any) -> Mapping[str, Any] | None:
     if value is None:
         return None
@@ -112,7 +123,10 @@ def _mapping(name: str, value: Any) -> Mapping[str, Any] | None:
 class SaveOptions:
     """How a checkpoint is written; see :func:`gpuckpt.save` for each field.
 
-    ``staging`` matters to background saves only; ``direct_io`` is
+    ``base``: an earlier checkpoint whose equal chunks this save reuses instead
+    of writing them (:mod:`gpuckpt.incremental`); ``content_hash``: record each
+    chunk's content hash even without a base, so that a later save can use this
+    one as its base. ``staging`` matters to background saves only; ``direct_io`` is
     ``GPUCKPT_DIRECT_IO`` as read when the value was made (``"auto"``: the
     path decides, see :meth:`use_direct_io`).
 
@@ -138,6 +152,8 @@ class SaveOptions:
     storage_options: Mapping[str, Any] | None = None
     portable: bool = False
     direct_io: str = dataclasses.field(default_factory=direct_io_from_env)
+    base: str | os.PathLike[str] | None = None
+    content_hash: bool = False
 
     def __post_init__(self) -> None:
         _flag("overwrite", self.overwrite)
@@ -151,6 +167,18 @@ class SaveOptions:
         object.__setattr__(self, "storage_options", _mapping("storage_options", self.storage_options))
         _flag("portable", self.portable)
         _choice("direct_io", self.direct_io, _DIRECT_IO_MEANINGS, "a direct I/O mode")
+        _location("base", self.base)
+        _flag("content_hash", self.content_hash)
+
+    @property
+    def base_location(self) -> str | None:
+        """``base`` as a string (a path or URL), or None."""
+        return None if self.base is None else os.fspath(self.base)
+
+    @property
+    def hashing(self) -> bool:
+        """Whether chunks are hashed: asked for, or needed to compare with a base."""
+        return self.content_hash or self.base is not None
 
     def replace(self, **changes: Any) -> SaveOptions:
         """A copy with ``changes`` applied (and validated)."""

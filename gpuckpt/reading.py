@@ -18,7 +18,7 @@ import gc
 import hashlib
 import math
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +53,7 @@ __all__ = [
     "check_chunk_files",
     "check_chunk_table",
     "checksum_verified",
+    "chunk_column",
     "fetch_verified",
     "load_chunk_records",
     "paused_gc",
@@ -80,11 +81,12 @@ class TensorEntry:
     ``crcs`` holds the CRC32C of every chunk (C order of grid coordinates); for a
     checkpoint that keeps its records in a chunk table it is None until
     :func:`load_chunk_records` reads the rows of this tensor (``table``, ``row``).
-    ``chunks`` (every chunk's :class:`ChunkRead`) is built when first asked for;
-    :meth:`chunk` makes one.
+    ``listed``: the other per-chunk columns its listed records hold (content hashes;
+    :func:`chunk_column` reads them from either form). ``chunks`` (every chunk's
+    :class:`ChunkRead`) is built when first asked for; :meth:`chunk` makes one.
     """
 
-    __slots__ = ("_chunks", "crcs", "fqn", "grid", "metadata", "name", "row", "table")
+    __slots__ = ("_chunks", "crcs", "fqn", "grid", "listed", "metadata", "name", "row", "table")
 
     def __init__(
         self,
@@ -95,9 +97,11 @@ class TensorEntry:
         crcs: np.ndarray | None,
         table: ChunkTable | None = None,
         row: int = 0,
+        listed: Mapping[str, np.ndarray] | None = None,
     ) -> None:
         self.fqn, self.name, self.metadata, self.grid = fqn, name, metadata, grid
         self.crcs, self.table, self.row = crcs, table, row
+        self.listed = listed
         self._chunks: list[ChunkRead] | None = None
 
     @property
@@ -276,7 +280,8 @@ def validate_metadata(md: Metadata) -> tuple[dict[str, TensorEntry], dict[str, A
             [stored_nbytes(grid.stored_chunk_shape(s), itemsize) for s in specs],
             functools.partial(_bad, fqn),
         )
-        tensors[fqn] = TensorEntry(fqn, name, entry, grid, columns["crc32c"])
+        crcs = columns.pop("crc32c")
+        tensors[fqn] = TensorEntry(fqn, name, entry, grid, crcs, listed=columns or None)
     if table is not None:
         # the tensors' rows tile the table: each row belongs to exactly one chunk
         at = 0
@@ -309,6 +314,18 @@ def load_chunk_records(reader: CheckpointReader, entries: Iterable[TensorEntry])
     for t in entries:
         if t.crcs is None and t.table is not None:
             t.crcs = t.table.read(reader, "crc32c", t.row, t.nchunks)
+
+
+def chunk_column(reader: CheckpointReader, t: TensorEntry, name: str) -> np.ndarray | None:
+    """Column ``name`` of the chunk records of ``t`` (one row per chunk, C order of grid
+    coordinates) from whichever form holds them, or None when the checkpoint has no such
+    column for ``t``; raises as :func:`load_chunk_records` when a chunk table is damaged."""
+    if name == "crc32c":
+        load_chunk_records(reader, [t])
+        return t.crcs
+    if t.table is not None:
+        return t.table.read(reader, name, t.row, t.nchunks) if name in t.table.columns else None
+    return None if t.listed is None else t.listed.get(name)
 
 
 #: validated root documents kept per process (see :func:`validated_metadata`)

@@ -28,6 +28,14 @@ import numpy as np
 from gpuckpt.device.arrays import ArrayAdapter, StagedOut
 from gpuckpt.device.backend import DeviceBackend, Staging, distinct_backends
 from gpuckpt.errors import CheckpointWriteError, GpuckptError
+from gpuckpt.incremental import (
+    BaseIndex,
+    ChunkResult,
+    content_hash_info,
+    hash_columns,
+    open_base_for,
+    write_hashed,
+)
 from gpuckpt.metadata import (
     FORMAT_VERSION,
     VERSION_LISTED,
@@ -45,7 +53,7 @@ from gpuckpt.runner import Batcher, Runner, run_all
 from gpuckpt.sources import Sources
 from gpuckpt.storage.base import CheckpointWriter, ChunkWrites
 from gpuckpt.storage.checksum import CRC_BYTES
-from gpuckpt.storage.chunk_table import TABLE_KEY, TABLE_MIN_CHUNKS, listed_records, write_table
+from gpuckpt.storage.chunk_table import COLUMNS, TABLE_KEY, TABLE_MIN_CHUNKS, listed_records, write_table
 from gpuckpt.storage.chunks import chunk_bytes, stored_nbytes
 from gpuckpt.storage.layout import array_document, chunk_file_key, root_document
 from gpuckpt.storage.stores import open_writer
@@ -54,8 +62,12 @@ __all__ = [
     "ChunkJob",
     "assemble_metadata",
     "commit_save",
+    "Written",
+    "as_columns",
+    "columns_of_results",
     "crc_column",
-    "crc_column_of_results",
+    "result_columns",
+    "table_columns",
     "uses_table",
     "written_rows",
     "bind_jobs",
@@ -157,11 +169,16 @@ def write_chunks(
     options: SaveOptions,
     *,
     documents: dict[str, bytes] | None = None,
-) -> list[tuple[int, int]]:
-    """Write every job's chunk; returns ``(stored bytes, CRC32C)`` per job, in order.
+    base: BaseIndex | None = None,
+) -> list[Written]:
+    """Write every job's chunk; returns ``(stored bytes, CRC32C)`` per job, in order (a
+    :class:`~gpuckpt.incremental.ChunkResult`, which adds the chunk's hashes, when hashing).
 
     Of ``options``, ``threads`` (I/O threads), ``staging_bytes`` (the staging
-    budget of device sources) and ``progress`` apply.
+    budget of device sources), ``progress`` and ``content_hash`` apply;
+    ``base`` (the base checkpoint of an incremental save, opened by the caller:
+    :func:`~gpuckpt.incremental.open_base_for`) makes chunks equal to its chunks
+    reused instead of written, and every chunk hashed.
 
     ``documents`` maps array names whose directory does not exist yet to their
     ``zarr.json``; each such array must have exactly one job, which writes the
@@ -184,7 +201,8 @@ def write_chunks(
     staging = Staging(((j.source.backend, n) for j, n in zip(jobs, sizes, strict=True)), staging_bytes)
     staging.wait_for_producers()
     batch: Batcher[_Item] = Batcher()
-    with Runner[list[tuple[int, int]]](threads, name="gpuckpt-write") as run:
+    reuse = _Reuse(base) if options.hashing or base is not None else None
+    with Runner[list[Written]](threads, name="gpuckpt-write") as run:
 
         def submit(*groups: list[_Item]) -> None:
             """One job per group, in order; what cannot be queued any more is released."""
@@ -193,7 +211,7 @@ def write_chunks(
                     continue
                 try:
                     run.submit(
-                        functools.partial(_write_items, writer, items, counter),
+                        functools.partial(_write_items, writer, items, counter, reuse),
                         cancel=functools.partial(_release_all, items),
                     )
                 except BaseException:
@@ -220,14 +238,24 @@ def write_chunks(
 
 
 _Item = tuple[ChunkJob, StagedOut, bytes | None]
+#: what writing one chunk gave: ``(stored bytes, CRC32C)``, with the chunk's hashes when hashing
+Written = tuple[int, int] | ChunkResult
+
+
+@dataclass(frozen=True, slots=True)
+class _Reuse:
+    """Chunks are hashed (and compared with ``base`` where given): an incremental save."""
+
+    base: BaseIndex | None
 
 
 def _write_items(
-    writer: CheckpointWriter, items: Sequence[_Item], counter: ProgressCounter
-) -> list[tuple[int, int]]:
+    writer: CheckpointWriter, items: Sequence[_Item], counter: ProgressCounter, reuse: _Reuse | None
+) -> list[Written]:
     """Write staged chunks (with their array's document where given) as one batch of the
     writer's (:meth:`~gpuckpt.storage.base.CheckpointWriter.write_chunks`: native code
-    for small chunk files of a local checkpoint); returns ``(stored bytes, CRC32C)`` each."""
+    for small chunk files of a local checkpoint), or, hashing, through
+    :func:`~gpuckpt.incremental.write_hashed`; returns a result for each."""
     try:
         buffers: list[np.ndarray] = []
         pads: list[int] = []
@@ -235,19 +263,20 @@ def _write_items(
             data, pad = chunk_bytes(staged.wait(), j.stored)
             buffers.append(data)
             pads.append(pad)
-        batch = ChunkWrites(
-            [j.name for j, _, _ in items],
-            [j.key for j, _, _ in items],
-            buffers,
-            pads,
-            [document for _, _, document in items],
-        )
-        crcs = writer.write_chunks(batch)
+        names = [j.name for j, _, _ in items]
+        keys = [j.key for j, _, _ in items]
+        documents = [document for _, _, document in items]
+        results: list[Written]
+        if reuse is not None:
+            results = list(write_hashed(writer, names, keys, buffers, pads, documents, reuse.base))
+        else:
+            crcs = writer.write_chunks(ChunkWrites(names, keys, buffers, pads, documents))
+            results = [(b.nbytes + p + CRC_BYTES, c) for b, p, c in zip(buffers, pads, crcs, strict=True)]
     finally:
         _release_all(items)  # staging buffers go back to their pool
     for j, _, _ in items:
         counter.add(j.nbytes)
-    return [(b.nbytes + p + CRC_BYTES, c) for b, p, c in zip(buffers, pads, crcs, strict=True)]
+    return results
 
 
 def _release_all(items: Sequence[_Item]) -> None:
@@ -255,26 +284,56 @@ def _release_all(items: Sequence[_Item]) -> None:
         staged.release()
 
 
+def result_columns(results: Sequence[Written]) -> dict[str, np.ndarray]:
+    """The per-chunk columns of ``results`` (in their order): ``crc32c``, and the content
+    hashes when every chunk was hashed (:func:`~gpuckpt.incremental.hash_columns`)."""
+    columns = {"crc32c": np.fromiter((r[1] for r in results), np.uint32, len(results))}
+    columns.update(hash_columns(results))
+    return columns
+
+
 def written_rows(
-    jobs: Sequence[ChunkJob], results: Sequence[tuple[int, int]]
-) -> tuple[np.ndarray, np.ndarray]:
-    """What a process reports of its writes: the chunk table rows of its jobs and their CRC32Cs."""
+    jobs: Sequence[ChunkJob], results: Sequence[Written]
+) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """What a process reports of its writes: the chunk table rows of its jobs and their
+    per-chunk columns (:func:`result_columns`)."""
     rows = np.fromiter((j.row for j in jobs), np.int64, len(jobs))
-    crcs = np.fromiter((c for _, c in results), np.uint32, len(results))
-    return rows, crcs
+    return rows, result_columns(results)
 
 
-def crc_column(plan: SavePlan, parts: Iterable[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
-    """The CRC32C of every chunk of ``plan``, in chunk table order, from every process's
-    :func:`written_rows`; raises unless each chunk was written exactly once."""
+def table_columns(
+    plan: SavePlan, parts: Iterable[tuple[np.ndarray, np.ndarray | Mapping[str, np.ndarray]]]
+) -> dict[str, np.ndarray]:
+    """Every per-chunk column of ``plan``, in chunk table order, from every process's
+    :func:`written_rows` (or ``(rows, CRC32Cs)``); raises unless each chunk was written
+    exactly once. A column besides ``crc32c`` is kept only when every process that wrote
+    chunks reported it (a save hashes every chunk or none)."""
     n = plan.nchunks
-    column = np.zeros(n, np.uint32)
+    columns: dict[str, np.ndarray] = {"crc32c": np.zeros(n, np.uint32)}
     every = []
-    for rows, crcs in parts:
+    complete: set[str] | None = None
+    for rows, reported in parts:
+        cols = reported if isinstance(reported, Mapping) else {"crc32c": reported}
+        crcs = cols["crc32c"]
         if len(rows) != len(crcs) or (len(rows) and (int(rows.min()) < 0 or int(rows.max()) >= n)):
             raise GpuckptError(f"a process reported chunk rows outside the plan's {n} chunks")
-        column[rows] = crcs
         every.append(rows)
+        if not len(rows):
+            continue
+        columns["crc32c"][rows] = crcs
+        others = {name for name in cols if name != "crc32c"}
+        complete = others if complete is None else complete & others
+        for name in others:
+            col = COLUMNS[name]
+            values = cols[name]
+            if values.shape != (len(rows), col.width):
+                raise GpuckptError(
+                    f"a process reported a {name} column of shape {values.shape}, "
+                    f"expected {(len(rows), col.width)}"
+                )
+            if name not in columns:
+                columns[name] = np.zeros((n, col.width), col.dtype)
+            columns[name][rows] = values
     seen = np.bincount(np.concatenate(every) if every else np.zeros(0, np.int64), minlength=n)
     if len(seen) != n or (n and not (seen == 1).all()):
         bad = int(np.flatnonzero(seen != 1)[0])
@@ -282,37 +341,43 @@ def crc_column(plan: SavePlan, parts: Iterable[tuple[np.ndarray, np.ndarray]]) -
             f"chunk {bad} of the save's chunk table was written {int(seen[bad])} times, expected once; "
             "the processes did not run the same plan"
         )
-    return column
+    return {name: c for name, c in columns.items() if name == "crc32c" or name in (complete or ())}
 
 
-def crc_column_of_results(
-    plan: SavePlan, results: Mapping[tuple[str, tuple[int, ...]], tuple[int, int]]
+def crc_column(
+    plan: SavePlan, parts: Iterable[tuple[np.ndarray, np.ndarray | Mapping[str, np.ndarray]]]
 ) -> np.ndarray:
-    """:func:`crc_column` from ``(array name, chunk coords) -> (stored bytes, CRC32C)``."""
-    column = np.zeros(plan.nchunks, np.uint32)
-    for t in plan.tensors:
-        if t.nchunks:
-            column[t.row : t.row + t.nchunks] = [results[(t.name, s.coords)][1] for s in t.specs]
-    return column
+    """The CRC32C of every chunk of ``plan``, in chunk table order (see :func:`table_columns`)."""
+    return table_columns(plan, parts)["crc32c"]
+
+
+def columns_of_results(
+    plan: SavePlan, results: Mapping[tuple[str, tuple[int, ...]], Written]
+) -> dict[str, np.ndarray]:
+    """:func:`table_columns` from ``(array name, chunk coords) -> result`` (see :data:`Written`)."""
+    ordered = [results[(t.name, s.coords)] for t in plan.tensors for s in t.specs]
+    return result_columns(ordered)
 
 
 def assemble_metadata(
     plan: SavePlan,
-    crcs: np.ndarray | Mapping[tuple[str, tuple[int, ...]], tuple[int, int]],
+    columns: np.ndarray | Mapping[str, np.ndarray] | Mapping[tuple[str, tuple[int, ...]], Written],
     checkpoint_id: str | None,
     table: Mapping[str, Any] | None = None,
 ) -> Metadata:
-    """The checkpoint's Metadata from the plan and every chunk's CRC32C, in chunk table order
-    (:func:`crc_column`; or a mapping ``(array name, chunk coords) -> (stored bytes, CRC32C)``).
+    """The checkpoint's Metadata from the plan and every chunk's records: the per-chunk
+    columns in chunk table order (:func:`table_columns`; or the CRC32C column alone; or a
+    mapping ``(array name, chunk coords) -> (stored bytes, CRC32C)``).
 
     ``table``: the ``storage_data`` entry of the chunk table written for the save
     (:func:`gpuckpt.storage.chunk_table.write_table`; format version 2), or None to list
     every chunk's record in the metadata (then the checkpoint is format version 1, which
     every release reads). Chunk lists are never built here: each tensor's chunks are its grid's
-    (:class:`~gpuckpt.metadata.GridTensorStorageMetadata`).
+    (:class:`~gpuckpt.metadata.GridTensorStorageMetadata`). Content hashes among the columns
+    (a hashing save) are listed with the records, or are columns of the table, and
+    ``storage_data["content_hash"]`` names their algorithm.
     """
-    if not isinstance(crcs, np.ndarray):
-        crcs = crc_column_of_results(plan, crcs)
+    cols = as_columns(plan, columns)
     state_md: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
     tensors_sd: dict[str, Any] = {}
     listed = table is None
@@ -326,7 +391,7 @@ def assemble_metadata(
             info["chunks"] = listed_records(
                 [chunk_file_key(s.coords) for s in specs],
                 [stored_nbytes(t.grid.chunk_shape if regular else s.sizes, itemsize) for s in specs],
-                {"crc32c": crcs[t.row : t.row + t.nchunks]},
+                {name: c[t.row : t.row + t.nchunks] for name, c in cols.items()},
             )
         else:
             info["rows"] = t.row
@@ -336,6 +401,8 @@ def assemble_metadata(
     storage_data: dict[str, Any] = {"tensors": tensors_sd, "objects": dict(plan.objects)}
     if table is not None:
         storage_data[TABLE_KEY] = dict(table)
+    if "xxh3t" in cols:
+        storage_data["content_hash"] = content_hash_info()
     return Metadata(
         state_dict_metadata=state_md,
         planner_data={"structure": plan.skeleton},
@@ -347,6 +414,18 @@ def assemble_metadata(
     )
 
 
+def as_columns(
+    plan: SavePlan, columns: np.ndarray | Mapping[str, np.ndarray] | Mapping[tuple[str, tuple[int, ...]], Any]
+) -> dict[str, np.ndarray]:
+    """The per-chunk columns of ``plan`` in chunk table order from any of the forms
+    :func:`assemble_metadata` takes."""
+    if isinstance(columns, np.ndarray):
+        return {"crc32c": columns}
+    if "crc32c" in columns:
+        return dict(columns)
+    return columns_of_results(plan, columns)  # type: ignore[arg-type]
+
+
 def uses_table(plan: SavePlan) -> bool:
     """Whether a save of ``plan`` keeps its per-chunk records in a chunk table (large saves)."""
     return plan.nchunks > TABLE_MIN_CHUNKS
@@ -354,7 +433,7 @@ def uses_table(plan: SavePlan) -> bool:
 
 def commit_save(
     plan: SavePlan,
-    crcs: np.ndarray,
+    columns: np.ndarray | Mapping[str, np.ndarray],
     writer: CheckpointWriter,
     checkpoint_id: str | None,
     *,
@@ -362,13 +441,16 @@ def commit_save(
 ) -> Metadata:
     """Write the chunk table (large saves), then publish the root document; returns the Metadata.
 
-    ``table``: whether to write the chunk table; None (the default) decides by the
-    number of chunks (:func:`uses_table`). Tests and fixtures force either form.
+    ``columns``: every chunk's records in chunk table order (:func:`table_columns`), or
+    its CRC32C column alone. ``table``: whether to write the chunk table; None (the
+    default) decides by the number of chunks (:func:`uses_table`). Tests and fixtures
+    force either form.
     """
+    cols = as_columns(plan, columns)
     if table is None:
         table = uses_table(plan)
-    entry = write_table(writer, {"crc32c": crcs}) if table and plan.nchunks else None
-    metadata = assemble_metadata(plan, crcs, checkpoint_id, entry)
+    entry = write_table(writer, cols) if table and plan.nchunks else None
+    metadata = assemble_metadata(plan, cols, checkpoint_id, entry)
     writer.commit(root_document(metadata))
     return metadata
 
@@ -409,6 +491,7 @@ def execute_save(
     described from, or a snapshot of them. ``table``: see :func:`commit_save`.
     """
     (mine,) = plan.assignments
+    base = open_base_for(options, plan.tensors)
     with writing(writer):
         writer.begin()
         # single-chunk arrays get their directory and document from the I/O thread
@@ -417,8 +500,8 @@ def execute_save(
             plan, writer, defer={t.name for t in plan.tensors if len(t.specs) == 1}, threads=options.threads
         )
         jobs = bind_jobs(mine, sources)
-        sizes = write_chunks(jobs, writer, options, documents=single)
-        crcs = crc_column(plan, [written_rows(jobs, sizes)])
-        metadata = commit_save(plan, crcs, writer, checkpoint_id, table=table)
+        written = write_chunks(jobs, writer, options, documents=single, base=base)
+        columns = table_columns(plan, [written_rows(jobs, written)])
+        metadata = commit_save(plan, columns, writer, checkpoint_id, table=table)
     metadata.version = metadata.version or FORMAT_VERSION
     return metadata

@@ -46,6 +46,10 @@ def _tensor_row(reader: CheckpointReader, t: TensorEntry) -> dict[str, Any]:
     grid = t.grid
     usage = [reader.chunk_usage(t.name, c.key) for c in t.chunks]
     found = [u for u in usage if u is not None]
+    # chunk files an incremental save shares with other checkpoints (hard links)
+    shared = sum(
+        u[0] for c, u in zip(t.chunks, usage, strict=True) if u and reader.chunk_shared(t.name, c.key)
+    )
     return {
         "name": t.fqn,
         "shape": list(t.shape),
@@ -57,6 +61,8 @@ def _tensor_row(reader: CheckpointReader, t: TensorEntry) -> dict[str, Any]:
         "stored_bytes": sum(c.nbytes for c in t.chunks),  # what the metadata claims
         "file_bytes": sum(size for size, _ in found),  # apparent size of the chunk files found
         "disk_bytes": sum(used for _, used in found),  # what they take on disk
+        "shared_bytes": shared,  # of file_bytes: in files shared with other checkpoints
+        "own_bytes": sum(size for size, _ in found) - shared,  # of file_bytes: this checkpoint's own
         "missing_chunks": len(usage) - len(found),
     }
 
@@ -100,6 +106,8 @@ def describe_checkpoint(path: Path | str) -> dict[str, Any]:
             "stored_bytes": sum(r["stored_bytes"] for r in rows),
             "file_bytes": sum(r["file_bytes"] for r in rows),
             "disk_bytes": sum(r["disk_bytes"] for r in rows),
+            "shared_bytes": sum(r["shared_bytes"] for r in rows),
+            "own_bytes": sum(r["own_bytes"] for r in rows),
             "missing_chunks": sum(r["missing_chunks"] for r in rows),
             "objects": len(objects),
         },
@@ -156,6 +164,9 @@ def format_description(d: dict[str, Any]) -> str:
         f"chunk files: {format_bytes(t['stored_bytes'])} claimed by the metadata, "
         f"{format_bytes(t['file_bytes'])} found ({format_bytes(t['disk_bytes'])} allocated on disk); "
         f"{t['objects']} objects",
+        f"sharing: {format_bytes(t['own_bytes'])} in chunk files of its own, "
+        f"{format_bytes(t['shared_bytes'])} in chunk files shared with other checkpoints "
+        "(hard links of incremental saves)",
     ]
     if t["missing_chunks"] or t["file_bytes"] != t["stored_bytes"]:
         out.append(
@@ -164,6 +175,15 @@ def format_description(d: dict[str, Any]) -> str:
             "is damaged or not what it claims; run gpuckpt verify"
         )
     return "\n".join(out)
+
+
+def _sharing(path: Path | str) -> dict[str, int | None]:
+    """Own and shared chunk bytes of one step (None where its metadata cannot be read)."""
+    try:
+        totals = describe_checkpoint(path)["totals"]
+    except (GpuckptError, OSError):
+        return {"own_bytes": None, "shared_bytes": None}
+    return {"own_bytes": totals["own_bytes"], "shared_bytes": totals["shared_bytes"]}
 
 
 def describe_root(path: Path | str) -> dict[str, Any] | None:
@@ -175,7 +195,8 @@ def describe_root(path: Path | str) -> dict[str, Any] | None:
     for name in root.children():
         step = step_of(name)
         if step is not None and root.is_committed(name):
-            steps.append({"step": step, "path": str(root.child(name))})
+            child = root.child(name)
+            steps.append({"step": step, "path": str(child), **_sharing(child)})
     if not steps:
         return None
     steps.sort(key=lambda s: s["step"])
@@ -196,7 +217,12 @@ def run(args: argparse.Namespace) -> int:
         else:
             print(f"{printable(path)} is a checkpoint root with {len(root['steps'])} committed step(s):")
             for s in root["steps"]:
-                print(f"  {s['step']:>10}  {printable(s['path'])}")
+                sharing = (
+                    ""
+                    if s["own_bytes"] is None
+                    else f"  own {format_bytes(s['own_bytes'])}, shared {format_bytes(s['shared_bytes'])}"
+                )
+                print(f"  {s['step']:>10}  {printable(s['path'])}{sharing}")
             print(
                 f"latest step: {root['latest_step']} "
                 f"(inspect it with: gpuckpt inspect {printable(root['steps'][-1]['path'])})"

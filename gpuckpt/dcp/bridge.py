@@ -55,6 +55,8 @@ from gpuckpt.device.staging import ArenaPool, StagingArena
 from gpuckpt.distributed.load import read_boxes
 from gpuckpt.dtypes import dtype_name
 from gpuckpt.errors import StagingTimeoutError
+from gpuckpt.incremental import BaseIndex, ChunkResult, check_base_target, open_base_for
+from gpuckpt.incremental import open_base as _open_base
 from gpuckpt.metadata import FORMAT_VERSION, Metadata, TensorProperties
 from gpuckpt.options import LoadOptions, SaveOptions
 from gpuckpt.planning.boxes import Box, LocalTensor
@@ -76,12 +78,14 @@ from gpuckpt.storage.layout import metadata_from_root_document, root_document
 from gpuckpt.storage.stores import attach_writer, is_committed, open_reader, scheme_of
 from gpuckpt.storage.values import decode_object, encode_object
 from gpuckpt.writing import (
+    Written,
     array_document_of,
+    as_columns,
     assemble_metadata,
     bind_jobs,
-    crc_column,
-    crc_column_of_results,
     open_save_writer,
+    result_columns,
+    table_columns,
     uses_table,
     write_array_documents,
     write_chunks,
@@ -89,27 +93,33 @@ from gpuckpt.writing import (
 )
 
 __all__ = [
+    "BaseIndex",
     "Box",
     "ChunkAssignment",
+    "ChunkResult",
     "OpenCheckpoint",
     "OpenSave",
     "SavePlan",
     "Snapshot",
+    "Written",
     "abort_save",
     "attach",
     "begin_save",
     "commit_save",
-    "crc_column",
     "is_checkpoint",
     "location_supported",
+    "open_base",
     "open_checkpoint",
     "plan",
     "read_boxes_into",
     "read_value",
     "read_whole",
     "rebuild",
+    "reported_rows",
+    "reusable_arrays",
     "snapshot",
     "staged_bytes",
+    "table_columns",
     "write_assigned",
 ]
 
@@ -186,6 +196,23 @@ def begin_save(
     return OpenSave(path, writer, plan, writer.token or "", later)
 
 
+def reusable_arrays(path: str, plan: SavePlan, options: SaveOptions) -> tuple[str, ...] | None:
+    """The arrays of ``plan`` whose chunks the base of an incremental save may serve (None:
+    no base, or one that cannot be used: a warning); the coordinator decides, every rank
+    then opens the base itself (:func:`open_base`)."""
+    check_base_target(path, options)
+    base = open_base_for(options, plan.tensors)
+    return None if base is None else tuple(base.arrays())
+
+
+def open_base(options: SaveOptions, reusable: Collection[str] | None) -> BaseIndex | None:
+    """This rank's view of the base: only the arrays the coordinator found ``reusable``."""
+    location = options.base_location
+    if location is None or reusable is None:
+        return None
+    return _open_base(location, options.storage_options, reusable)
+
+
 def attach(path: str, token: str, options: SaveOptions) -> CheckpointWriter:
     """The writer of a rank other than the coordinator, into the save the coordinator began."""
     return attach_writer(path, token, storage_options=options.store_options())
@@ -197,13 +224,16 @@ def write_assigned(
     held: Mapping[str, Sequence[tuple[Any, tuple[int, ...]]]],
     options: SaveOptions,
     documents: Mapping[str, bytes] | None = None,
-) -> tuple[list[tuple[tuple[str, tuple[int, ...]], tuple[int, int]]], dict[str, Any]]:
+    base: BaseIndex | None = None,
+) -> tuple[list[tuple[tuple[str, tuple[int, ...]], Written]], dict[str, Any]]:
     """Write this rank's chunks; ``held[fqn][box]`` is the tensor holding that box, and its offsets.
 
-    ``documents``: array documents to write with their array's one chunk (see :func:`begin_save`).
+    ``documents``: array documents to write with their array's one chunk (see :func:`begin_save`);
+    ``base``: the base of an incremental save (:func:`open_base`).
 
-    Returns ``((array name, chunk coords), (stored bytes, CRC32C))`` per chunk, and
-    the memory format of each tensor as found in this rank's boxes.
+    Returns ``((array name, chunk coords), result)`` per chunk (stored bytes and CRC32C; a
+    :class:`ChunkResult` with the chunk's hashes when hashing), and the memory format of each
+    tensor as found in this rank's boxes.
     """
     sources = {
         fqn: tuple(Source(adapt(tensor), tuple(offsets)) for tensor, offsets in boxes)
@@ -211,13 +241,23 @@ def write_assigned(
     }
     formats = {fqn: boxes[0].array.memory_format for fqn, boxes in sources.items() if boxes}
     jobs = bind_jobs(mine, sources)
-    results = write_chunks(jobs, writer, options, documents=None if documents is None else dict(documents))
+    results = write_chunks(
+        jobs, writer, options, documents=None if documents is None else dict(documents), base=base
+    )
     return [((j.name, j.coords), r) for j, r in zip(jobs, results, strict=True)], formats
+
+
+def reported_rows(
+    rows: Sequence[int], results: Sequence[tuple[tuple[str, tuple[int, ...]], Written]]
+) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """What a rank reports of the chunks of one write item: their chunk table ``rows`` and
+    per-chunk columns (CRC32C, and the hashes of a hashing save), for :func:`table_columns`."""
+    return np.asarray(rows, np.int64), result_columns([r for _, r in results])
 
 
 def commit_save(
     save: OpenSave,
-    results: np.ndarray | Mapping[tuple[str, tuple[int, ...]], tuple[int, int]],
+    results: np.ndarray | Mapping[str, np.ndarray] | Mapping[tuple[str, tuple[int, ...]], Written],
     memory_formats: Mapping[str, Any],
     values: Mapping[str, bytes],
     skeleton: Any,
@@ -226,11 +266,12 @@ def commit_save(
 ) -> Metadata:
     """Assemble the metadata of every rank's chunks and publish the checkpoint atomically.
 
-    ``results``: every chunk's CRC32C in chunk table order (:func:`crc_column` of what
-    the ranks report), or ``(array name, chunk coords) -> (stored bytes, CRC32C)``; a
-    large save gets its chunk table here. ``values`` are stored as opaque bytes entries;
-    ``planner_extra`` is added to the metadata's ``planner_data``. On any error the save
-    is aborted.
+    ``results``: every chunk's records in chunk table order (:func:`table_columns` of what
+    the ranks report: the CRC32C column, and the hash columns of a hashing save; or the
+    CRC32C column alone), or ``(array name, chunk coords) -> (stored bytes, CRC32C)`` (or
+    :class:`ChunkResult`); a large save gets its chunk table here. ``values`` are stored as
+    opaque bytes entries; ``planner_extra`` is added to the metadata's ``planner_data``. On
+    any error the save is aborted.
     """
     with writing(save.writer):
         tensors = tuple(
@@ -248,9 +289,9 @@ def commit_save(
                 save.writer.rewrite_array_document(found.name, array_document_of(found))
         objects = {fqn: encode_object(blob, fqn=fqn) for fqn, blob in values.items()}
         done = dataclasses.replace(save.plan, tensors=tensors, objects=objects, skeleton=skeleton)
-        crcs = results if isinstance(results, np.ndarray) else crc_column_of_results(done, results)
-        table = write_table(save.writer, {"crc32c": crcs}) if uses_table(done) else None
-        md = assemble_metadata(done, crcs, checkpoint_id, table)
+        columns = as_columns(done, results)
+        table = write_table(save.writer, columns) if uses_table(done) else None
+        md = assemble_metadata(done, columns, checkpoint_id, table)
         md.planner_data = {**md.planner_data, **planner_extra}
         save.writer.commit(root_document(md))
     md.version = md.version or FORMAT_VERSION

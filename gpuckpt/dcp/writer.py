@@ -36,13 +36,14 @@ class _RankPlan:
     token: str
     chunks: tuple[bridge.ChunkAssignment, ...]
     boxes: dict[str, tuple[tuple[int, ...], ...]]  # fqn -> offsets of each box, by box index
+    reusable: tuple[str, ...] | None = None  # incremental saves: arrays the base can serve
 
 
 @dataclass(frozen=True, slots=True)
 class _Written:
     """A rank's report on one write item (``WriteResult.storage_data``)."""
 
-    chunks: tuple[tuple[tuple[str, tuple[int, ...]], tuple[int, int]], ...] = ()
+    chunks: tuple[tuple[tuple[str, tuple[int, ...]], bridge.Written], ...] = ()
     memory_format: str | None = None
     blob: bytes | None = None
     rows: tuple[int, ...] = ()  # of ``chunks`` in the save's chunk table
@@ -76,8 +77,11 @@ class Writer(StorageWriter):  # type: ignore[misc,unused-ignore]
     path
         Checkpoint directory (or ``s3://`` URL: single-process saves only).
         DCP's ``checkpoint_id`` replaces it for one save.
-    overwrite, chunk_bytes, sync, threads, progress, staging_bytes, storage_options, portable
-        As for :func:`gpuckpt.save`.
+    overwrite, chunk_bytes, sync, threads, progress, staging_bytes, storage_options, portable, base,
+    content_hash
+        As for :func:`gpuckpt.save`: with ``base`` (an earlier checkpoint), chunks
+        equal to the base's are shared with it instead of written (each rank
+        decides for the chunks it writes).
 
     A Writer serves one save at a time; with ``dcp.async_save``, make one per call.
 
@@ -103,6 +107,8 @@ class Writer(StorageWriter):  # type: ignore[misc,unused-ignore]
         staging_bytes: int = DEFAULT_STAGING_BYTES,
         storage_options: dict[str, Any] | None = None,
         portable: bool = False,
+        base: str | os.PathLike[str] | None = None,
+        content_hash: bool = False,
     ) -> None:
         super().__init__()
         self.options = SaveOptions(
@@ -114,6 +120,8 @@ class Writer(StorageWriter):  # type: ignore[misc,unused-ignore]
             staging_bytes=staging_bytes,
             storage_options=storage_options,
             portable=portable,
+            base=base,
+            content_hash=content_hash,
         )
         self._path = os.fspath(path)
         self._coordinator = True
@@ -179,6 +187,7 @@ class Writer(StorageWriter):  # type: ignore[misc,unused-ignore]
         # one-chunk arrays the coordinator writes itself: their documents go with their chunk
         one_chunk = {t.name for t in save_plan.tensors if t.nchunks == 1}
         mine = {a.name for a in assignments[self._rank] if a.name in one_chunk}
+        reusable = bridge.reusable_arrays(self._path, save_plan, self.options)
         opened = bridge.begin_save(self._path, save_plan, nvalues, self.options, mine)
         self._open = opened
         self._cleanup = weakref.finalize(self, bridge.abort_save, opened)
@@ -190,6 +199,7 @@ class Writer(StorageWriter):  # type: ignore[misc,unused-ignore]
                     opened.token,
                     tuple(assignments[r]),
                     {b.fqn: tuple(box[0] for box in b.boxes) for b in per_rank[r]},
+                    reusable,
                 ),
             )
             for r, plan in enumerate(plans)
@@ -236,7 +246,8 @@ class Writer(StorageWriter):  # type: ignore[misc,unused-ignore]
             fqn: [source(fqn, i) for i in range(len(mine.boxes[fqn]))]
             for fqn in dict.fromkeys(a.fqn for a in mine.chunks)
         }
-        written, formats = bridge.write_assigned(writer, mine.chunks, held, self.options, documents)
+        base = bridge.open_base(self.options, mine.reusable)
+        written, formats = bridge.write_assigned(writer, mine.chunks, held, self.options, documents, base)
         per_box: dict[tuple[str, tuple[int, ...]], list[Any]] = {}
         rows: dict[tuple[str, tuple[int, ...]], list[int]] = {}
         for a, result in zip(mine.chunks, written, strict=True):
@@ -249,7 +260,7 @@ class Writer(StorageWriter):  # type: ignore[misc,unused-ignore]
             results.append(
                 WriteResult(
                     index=item.index,
-                    size_in_bytes=sum(nbytes for _, (nbytes, _) in chunks),
+                    size_in_bytes=sum(r[0] for _, r in chunks),
                     storage_data=_Written(
                         tuple(chunks), None if fmt is None else fmt.name, rows=tuple(rows.get(key, ()))
                     ),
@@ -272,7 +283,7 @@ class Writer(StorageWriter):  # type: ignore[misc,unused-ignore]
                 "gpuckpt.dcp.Writer.finish without a save in progress: this Writer was reset or reused by "
                 "another save before this one finished (use one Writer per save in flight)"
             )
-        parts: list[tuple[np.ndarray, np.ndarray]] = []
+        parts: list[tuple[np.ndarray, dict[str, np.ndarray]]] = []
         formats: dict[str, set[str]] = {}
         blobs: dict[str, bytes] = {}
         for rank_results in results:
@@ -283,8 +294,7 @@ class Writer(StorageWriter):  # type: ignore[misc,unused-ignore]
                         f"write result of {r.index.fqn!r} was not made by gpuckpt.dcp.Writer"
                     )
                 if w.rows:
-                    crcs = np.fromiter((crc for _, (_, crc) in w.chunks), np.uint32, len(w.chunks))
-                    parts.append((np.asarray(w.rows, np.int64), crcs))
+                    parts.append(bridge.reported_rows(w.rows, w.chunks))
                 if w.memory_format is not None:
                     formats.setdefault(r.index.fqn, set()).add(w.memory_format)
                 if w.blob is not None:
@@ -298,7 +308,7 @@ class Writer(StorageWriter):  # type: ignore[misc,unused-ignore]
         try:
             bridge.commit_save(
                 opened,
-                bridge.crc_column(opened.plan, parts),
+                bridge.table_columns(opened.plan, parts),
                 chosen,
                 blobs,
                 convert.skeleton_from_paths(metadata.planner_data, fqns),

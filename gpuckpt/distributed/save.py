@@ -15,7 +15,11 @@ failure on any rank fails the save on every rank and publishes nothing:
 3. every rank writes its chunks into the shared save: fsynced files in the
    shared temporary on a file system, objects at their final keys under the
    claimed prefix of an object store (:func:`gpuckpt.storage.stores.attach_writer`);
-4. rank 0 gathers each rank's chunk table rows and checksums (two arrays per
+   in an incremental save (``base=``) rank 0 finds the arrays the base can
+   serve and broadcasts their names, and each rank opens the base itself and
+   decides reuse for its own chunks;
+4. rank 0 gathers each rank's chunk table rows and per-chunk columns
+   (checksums, and the content hashes of a hashing save: a few arrays per
    rank), writes the chunk table of a large save, assembles the global
    Metadata and commits atomically; every rank returns that Metadata.
 """
@@ -34,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from gpuckpt.distributed.coordinator import Coordinator
+from gpuckpt.incremental import BaseIndex, open_base, open_base_for
 from gpuckpt.metadata import Metadata
 from gpuckpt.options import SaveOptions
 from gpuckpt.planning.plan import ChunkAssignment, SavePlan, StateDescription, merge_values, plan_save
@@ -43,8 +48,8 @@ from gpuckpt.storage.stores import attach_writer
 from gpuckpt.writing import (
     bind_jobs,
     commit_save,
-    crc_column,
     open_save_writer,
+    table_columns,
     write_array_documents,
     write_chunks,
     writing,
@@ -161,8 +166,10 @@ def save_described(
             send = compact if coord.rank == 0 else compact.without_tensors()
         gathered = coord.gather(send)
 
-    def plan_on_root() -> tuple[SavePlan, str]:
-        nonlocal writer
+    base: BaseIndex | None = None
+
+    def plan_on_root() -> tuple[SavePlan, str, list[str] | None]:
+        nonlocal writer, base
         if hit:
             assert cached is not None and cached.plan is not None and values is not None
             objects, skeleton = merge_values(values)
@@ -170,29 +177,36 @@ def save_described(
         else:
             assert gathered is not None
             plan = plan_save(gathered, chunk_bytes=options.chunk_bytes, portable=options.portable)
+        # an incremental save: the arrays whose chunks the base may serve (each rank then reads
+        # the base's records of those only)
+        base = open_base_for(options, plan.tensors)
+        reusable = None if base is None else base.arrays()
         # the other ranks' writers attach without O_DIRECT: the root's writes alike
         writer = open_save_writer(path, options, expected_files=plan.nfiles, direct_io=False)
         with writing(writer):
             writer.begin()
             write_array_documents(plan, writer, threads=options.threads)
-        return plan, writer.token
+        return plan, writer.token, reusable
 
     root = _run(coord, plan_on_root) if coord.rank == 0 else _run(coord, lambda: None)
-    plan, token = root if root is not None else (None, None)
+    plan, token, reusable = root if root is not None else (None, None, None)
     if hit:
-        token = coord.broadcast(token, root=0)
+        token, reusable = coord.broadcast((token, reusable), root=0)
         mine = mine_cached
     else:
         # one plan for every rank (no values: they stay on rank 0); each lists its own chunks
         shared = None if plan is None else dataclasses.replace(plan, objects={}, skeleton=None)
-        shared, token = coord.broadcast((shared, token), root=0)
+        shared, token, reusable = coord.broadcast((shared, token, reusable), root=0)
         mine = _run(coord, shared.assignments_of, coord.rank)
         _cache[coord] = _Cached(layout_token, shared if coord.rank == 0 else None, mine)
 
-    def write_mine() -> tuple[np.ndarray, np.ndarray]:
+    def write_mine() -> tuple[np.ndarray, dict[str, np.ndarray]]:
         w = writer if coord.rank == 0 else attach_writer(path, token, storage_options=options.store_options())
+        mine_base = base
+        if coord.rank != 0 and reusable is not None and options.base_location is not None:
+            mine_base = open_base(options.base_location, options.storage_options, reusable)
         jobs = bind_jobs(mine, sources)
-        return written_rows(jobs, write_chunks(jobs, w, options))
+        return written_rows(jobs, write_chunks(jobs, w, options, base=mine_base))
 
     try:
         results = _run(coord, write_mine)
@@ -201,7 +215,7 @@ def save_described(
         def commit_on_root() -> str:
             assert plan is not None and all_results is not None
             with writing(writer):
-                md = commit_save(plan, crc_column(plan, all_results), writer, str(uuid.uuid4()))
+                md = commit_save(plan, table_columns(plan, all_results), writer, str(uuid.uuid4()))
             return md.to_json()
 
         text = _run(coord, commit_on_root) if coord.rank == 0 else _run(coord, lambda: None)

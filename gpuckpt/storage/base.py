@@ -12,6 +12,7 @@ from typing import Any
 from gpuckpt.storage.checksum import CRC_BYTES, crc32c
 
 __all__ = [
+    "BaseRef",
     "CheckpointReader",
     "CheckpointRoot",
     "CheckpointWriter",
@@ -50,6 +51,19 @@ class ChunkWrites:
             [self.pads[i] for i in indices],
             [docs[i] for i in indices] if docs else (),
         )
+
+
+@dataclass(frozen=True, slots=True)
+class BaseRef:
+    """A chunk of an earlier checkpoint (``location``: its path or URL) that a save may reuse:
+    chunk ``key`` of array ``name`` there, ``nbytes`` long (trailer included), whose metadata
+    records the CRC32C ``crc32c``."""
+
+    location: str
+    name: str
+    key: str
+    nbytes: int
+    crc32c: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,7 +116,8 @@ class CheckpointWriter(ABC):
 
     1. :meth:`begin` once;
     2. :meth:`write_array_document` and :meth:`write_chunk` any number of
-       times, concurrently from several threads, each key written once;
+       times, concurrently from several threads, each key written once (or, for a
+       chunk equal to one of an earlier checkpoint, :meth:`reuse_chunk` instead);
     3. :meth:`commit` once with the root document, which publishes
        everything or nothing; or :meth:`abort` after any failure, which
        removes what was written and never touches a published checkpoint.
@@ -143,6 +158,19 @@ class CheckpointWriter(ABC):
         for p in parts:
             digest(p)
         self.write_chunk(name, key, [*parts, trailer()])
+
+    def reuse_chunk(self, name: str, key: str, base: BaseRef) -> bool:
+        """Make chunk ``key`` of array ``name`` the bytes of the earlier checkpoint's chunk
+        ``base`` without writing them (an incremental save found them equal); the array's
+        document is written already.
+
+        True when the chunk is now in place. False when this store cannot share the
+        chunk (another file system, no links, another bucket, the base chunk file
+        missing or not of the size and trailer ``base`` gives): the caller then writes
+        it as usual. Never raises because reuse is impossible, only for errors that
+        would fail a write too. The default shares nothing.
+        """
+        return False
 
     def rewrite_array_document(self, name: str, document: bytes) -> None:
         """Replace the ``zarr.json`` of array ``name``, written earlier in this save, before
@@ -217,6 +245,12 @@ class CheckpointReader(ABC):
         """
         size = self.chunk_nbytes(name, key)
         return None if size is None else (size, size)
+
+    def chunk_shared(self, name: str, key: str) -> bool:
+        """Whether the stored chunk's bytes are shared with another checkpoint (a hard link
+        made by an incremental save: the file has more than one name). The default: no
+        (object stores copy, and a copy is an object of its own)."""
+        return False
 
     @abstractmethod
     def read_chunk_into(self, name: str, key: str, dests: Sequence[Any]) -> int:

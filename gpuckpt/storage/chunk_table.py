@@ -20,9 +20,16 @@ records in one of two forms, per tensor:
   root document pins the table. A load reads only the table chunks that
   hold the rows of the tensors it loads.
 
-Columns (:data:`COLUMNS`): ``crc32c`` (``uint32``). A column of a
-fixed-width per-chunk field (such as a 16-byte digest) is a ``uint8`` array of
-``rows x width``; listed, such a field is a string of ``2 * width`` hex digits.
+Columns (:data:`COLUMNS`): ``crc32c`` (``uint32``), and in checkpoints that
+record content hashes (:mod:`gpuckpt.incremental`) ``xxh3t`` and ``head``
+(16 bytes each: the chunk's XXH3-128 tree hash and the hash of its first
+leaf, see :mod:`gpuckpt.storage.contenthash`). A column of a fixed-width
+per-chunk field is a ``uint8`` array of ``rows x width``; listed, such a field
+is a string of ``2 * width`` lowercase hex digits. Optional columns are
+written for every chunk or for none; reading, a fixed-width column is taken
+only when every record holds a valid value. A listed record without a
+``head`` field (as a chunk of one leaf is written by releases that list the
+hashes of incremental saves) takes its ``xxh3t`` as its head.
 """
 
 from __future__ import annotations
@@ -73,14 +80,21 @@ class Column:
     name: str
     dtype: np.dtype[Any]
     width: int = 1
+    #: listed form: a record without this field takes the value of this other field
+    absent: str | None = None
 
     @property
     def row_bytes(self) -> int:
         return self.dtype.itemsize * self.width
 
 
-#: the per-chunk fields, by name (an optional 16-byte digest would be ``Column(name, uint8, 16)``)
-COLUMNS: dict[str, Column] = {"crc32c": Column("crc32c", np.dtype("<u4"))}
+#: the per-chunk fields, by name: the CRC32C (every checkpoint), the content hash and the hash
+#: of the first leaf (checkpoints that record content hashes)
+COLUMNS: dict[str, Column] = {
+    "crc32c": Column("crc32c", np.dtype("<u4")),
+    "xxh3t": Column("xxh3t", np.dtype("u1"), 16),
+    "head": Column("head", np.dtype("u1"), 16, absent="xxh3t"),
+}
 
 
 _HEX = re.compile(r"[0-9a-f]+")
@@ -118,7 +132,8 @@ def parse_listed(
     byte size the grid gives its chunk (``keys``, ``nbytes``); ``bad(what)`` makes the error.
 
     ``crc32c`` must be a 32-bit integer in every record. A fixed-width column is taken only
-    when every record holds a valid value (``2 * width`` lowercase hex digits); a record
+    when every record holds a valid value (``2 * width`` lowercase hex digits; a record
+    without the field takes the value of its column's ``absent`` field, if any); a record
     without one leaves that column out, never an error.
     """
     crcs = np.zeros(len(raw), np.uint32)
@@ -139,7 +154,7 @@ def parse_listed(
             values = found[name]
             if values is None:
                 continue
-            text = rec.get(name)
+            text = rec[name] if name in rec else rec.get(col.absent) if col.absent else None
             if isinstance(text, str) and len(text) == 2 * col.width and _HEX.fullmatch(text):
                 values.append(bytes.fromhex(text))
             else:

@@ -42,6 +42,7 @@ from gpuckpt.errors import (
 from gpuckpt.options import SYNC_MODES, direct_io_from_env  # the one list of durability modes
 from gpuckpt.storage import batchio, crccopy, fsutil
 from gpuckpt.storage.base import (
+    BaseRef,
     CheckpointReader,
     CheckpointWriter,
     ChunkReads,
@@ -90,6 +91,21 @@ _WRITEBACK_MIN = 1 << 20
 #: and written piece by piece, around the page cache where chosen, one by one)
 _NATIVE_MAX = min(_PIECE, DIRECT_MIN_BYTES)
 _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+#: ``ioctl(dst, FICLONE, src)``: share the source's blocks (btrfs, XFS with reflink, bcachefs)
+_FICLONE = 0x40049409
+#: link() refusals that mean "no hard link here" (another device, too many links, a file
+#: system without links or that forbids them): a clone, else a write, takes its place
+_NO_LINK = frozenset(
+    getattr(errno, n)
+    for n in ("EXDEV", "EMLINK", "EPERM", "EOPNOTSUPP", "ENOSYS", "EACCES")
+    if hasattr(errno, n)
+)
+#: ioctl(FICLONE) refusals that mean "no clone here"
+_NO_CLONE = frozenset(
+    getattr(errno, n)
+    for n in ("EXDEV", "EOPNOTSUPP", "EINVAL", "ENOTTY", "ENOSYS", "EPERM", "EBADF")
+    if hasattr(errno, n)
+)
 
 
 class LocalWriter(CheckpointWriter):
@@ -275,6 +291,68 @@ class LocalWriter(CheckpointWriter):
             self._settle(fd, total)
         finally:
             os.close(fd)
+
+    def reuse_chunk(self, name: str, key: str, base: BaseRef) -> bool:
+        """A hard link to the base's chunk file, else a reflink (``FICLONE``) of it, else False.
+
+        The base file is opened as a load opens it (no symlink, no FIFO), checked to
+        have the size and the CRC32C trailer its metadata gives, and the new name is
+        checked to be that very file (the base may have been replaced meanwhile). Two
+        checkpoints then share one inode: nothing in gpuckpt ever writes into a
+        published chunk file, and deleting either name leaves the other intact.
+        """
+        if "://" in base.location and not base.location.startswith("file://"):
+            return False
+        root = base.location.removeprefix("file://")
+        src = f"{root}/{base.name}/{base.key}"
+        try:
+            fd = open_regular(src)
+        except OSError:
+            return False  # missing, not a regular file: written instead
+        try:
+            st = os.fstat(fd)
+            if st.st_size != base.nbytes or base.nbytes < CRC_BYTES:
+                return False
+            trailer = bytearray(CRC_BYTES)
+            if read_exact_at(fd, trailer, base.nbytes - CRC_BYTES) != CRC_BYTES:
+                return False
+            if int.from_bytes(trailer, "little") != base.crc32c:
+                return False
+            dst = f"{self.tmp}/{name}/{key}"
+            try:
+                os.link(src, dst, follow_symlinks=False)
+            except FileNotFoundError:
+                return False  # the base file went away since it was opened
+            except OSError as exc:
+                if exc.errno not in _NO_LINK:
+                    raise
+                return self._clone(fd, f"{name}/{key}", base.nbytes)
+            linked = os.lstat(dst)
+            if (linked.st_dev, linked.st_ino) != (st.st_dev, st.st_ino):
+                os.unlink(dst)  # another file took the base's name between the check and the link
+                return False
+            return True
+        finally:
+            os.close(fd)
+
+    def _clone(self, src_fd: int, rel: str, nbytes: int) -> bool:
+        """A new file sharing ``src_fd``'s blocks (``FICLONE``), or False where refused."""
+        try:
+            import fcntl
+        except ImportError:  # pragma: no cover - not POSIX
+            return False
+        fd = self._create(rel)
+        try:
+            fcntl.ioctl(fd, _FICLONE, src_fd)
+            self._settle(fd, nbytes)
+        except OSError as exc:
+            os.close(fd)
+            os.unlink(f"{self.tmp}/{rel}")
+            if exc.errno in _NO_CLONE:
+                return False
+            raise
+        os.close(fd)
+        return True
 
     def write_chunks(self, batch: ChunkWrites) -> list[int]:
         """Chunks under 1 MiB in one native call with the GIL released
@@ -587,6 +665,10 @@ class LocalReader(CheckpointReader):
     def chunk_usage(self, name: str, key: str) -> tuple[int, int] | None:
         st = self._lstat_chunk(name, key)
         return None if st is None else (st.st_size, st.st_blocks * 512)
+
+    def chunk_shared(self, name: str, key: str) -> bool:
+        st = self._lstat_chunk(name, key)
+        return st is not None and st.st_nlink > 1
 
     def read_chunk_crc(self, name: str, key: str, dests: Sequence[Any]) -> tuple[int, int]:
         fd = self._open_chunk(name, key)

@@ -78,7 +78,7 @@ from gpuckpt.errors import (
     MetadataError,
 )
 from gpuckpt.storage import crccopy, fsutil
-from gpuckpt.storage.base import CheckpointReader, CheckpointWriter
+from gpuckpt.storage.base import BaseRef, CheckpointReader, CheckpointWriter
 from gpuckpt.storage.checksum import CRC_BYTES, crc32c
 from gpuckpt.storage.layout import (
     MAX_ARRAY_DOCUMENT_BYTES,
@@ -496,15 +496,9 @@ class ObjectStoreWriter(_Prefix, CheckpointWriter):
         name, sep, key = rel.partition("/")
         return bool(sep) and is_safe_name(name) and (key == ROOT_KEY or is_chunk_file_key(key))
 
-    def _write(self, rel: str, data: Any) -> None:
-        """Put ``data`` (a buffer, or a list of buffers to store one after the other) at ``rel``.
-
-        One request, or from twice ``part_bytes`` on a multipart upload whose parts are
-        sent a few at a time, within the request and memory budgets (see
-        :mod:`gpuckpt.storage.s3_client`).
-        """
-        import obstore as obs
-
+    def _check_claim(self) -> None:
+        """Raise :class:`CheckpointExistsError` when this save may no longer write (its claim
+        is lost, or could not be refreshed for more than half the lease)."""
         if self._lost is None and self._valid_until is not None and time.monotonic() > self._valid_until:
             # stalled (a stopped process, a hung node) past half the lease: the claim may be
             # another save's by now, whose objects this put could replace
@@ -515,6 +509,17 @@ class ObjectStoreWriter(_Prefix, CheckpointWriter):
             )
         if self._lost is not None:
             raise CheckpointExistsError(self._lost)
+
+    def _write(self, rel: str, data: Any) -> None:
+        """Put ``data`` (a buffer, or a list of buffers to store one after the other) at ``rel``.
+
+        One request, or from twice ``part_bytes`` on a multipart upload whose parts are
+        sent a few at a time, within the request and memory budgets (see
+        :mod:`gpuckpt.storage.s3_client`).
+        """
+        import obstore as obs
+
+        self._check_claim()
         self._written.add(rel)
         pieces = data if isinstance(data, list) else [data]
         nbytes = sum(memoryview(p).nbytes for p in pieces)
@@ -544,6 +549,46 @@ class ObjectStoreWriter(_Prefix, CheckpointWriter):
         # no concatenation here: a small chunk is joined once for its single put, a large one
         # goes up in parts read from the caller's buffers
         self._write(_rel(name, key), [memoryview(p).cast("B") for p in parts])
+
+    def reuse_chunk(self, name: str, key: str, base: BaseRef) -> bool:
+        """A server-side copy (``CopyObject``: no chunk bytes through this process) of the
+        base's chunk object, when the base is in the same bucket of the same endpoint (the
+        save's ``storage_options`` reach both) and the object has the size and CRC32C trailer
+        the base's metadata gives; False otherwise, or when the server refuses the copy."""
+        import obstore as obs
+        from obstore.exceptions import BaseError
+        from obstore.store import S3Store
+
+        self._check_claim()
+        try:
+            src_bucket, src_prefix = parse_s3_url(base.location)
+            bucket, prefix = parse_s3_url(self.path)
+            src = "/".join(p for p in (src_prefix, _rel(base.name, base.key)) if p)
+        except ValueError:
+            return False
+        # a single CopyObject takes objects up to 5 GiB (larger ones need UploadPartCopy)
+        if src_bucket != bucket or not CRC_BYTES <= base.nbytes <= 5 << 30:
+            return False
+        rel = _rel(name, key)
+        store = S3Store(
+            config=self._obs.config,
+            client_options=self._obs.client_options,
+            retry_config=self._obs.retry_config,
+            credential_provider=self._obs.credential_provider,
+        )  # the bucket's root: the base lives under another prefix
+        try:
+            with self.budget.take():
+                if obs.head(store, src)["size"] != base.nbytes:
+                    return False
+                trailer = bytes(obs.get_range(store, src, start=base.nbytes - CRC_BYTES, end=base.nbytes))
+                if int.from_bytes(trailer, "little") != base.crc32c:
+                    return False
+                self._check_claim()
+                self._written.add(rel)
+                obs.copy(store, src, "/".join(p for p in (prefix, rel) if p))
+        except (FileNotFoundError, BaseError):
+            return False
+        return True
 
     def commit(self, root_document: bytes) -> None:
         from obstore.exceptions import AlreadyExistsError, BaseError

@@ -11,6 +11,10 @@ MODE (printing ``start``) and prints ``done`` when that save returned:
 ``async``      ``async_save`` of a different state to ``ROOT/next``; once it
                returns the child scribbles over its arrays (what is saved
                must not change), then waits for the future;
+``incremental`` ``ROOT/good`` is :func:`chain_state` step 0 (hashes recorded), then
+               step 1 is saved to ``ROOT/next`` with ``base=ROOT/good``;
+``incremental-manager`` as ``manager`` with ``incremental=True``, saving
+               :func:`chain_state` of each step;
 ``manager``    a :class:`~gpuckpt.manager.CheckpointManager` under
                ``ROOT/mgr`` (``max_to_keep=2``, async) saving steps 1, 2, ...
                with ``make_state(SEED + step)``; after ``save(step)`` returns
@@ -54,12 +58,12 @@ import numpy as np
 
 import gpuckpt
 
-__all__ = ["PHASES", "make_state", "phase_of"]
+__all__ = ["PHASES", "chain_state", "make_state", "phase_of"]
 
 #: Phases of a save, in order, and the trace events that belong to each.
 PHASES: dict[str, tuple[str, ...]] = {
     "before-files": ("start", "begin"),
-    "writing-chunks": ("tmp-created", "array-doc", "chunk", "mid-file"),
+    "writing-chunks": ("tmp-created", "array-doc", "chunk", "mid-file", "reuse"),
     "fsync": ("fsync",),
     "root-and-durability": ("root-write", "durable", "fsync-dir"),
     "renaming": ("publish", "rename"),
@@ -91,6 +95,16 @@ def make_state(seed: int, ntensors: int = 24, elems: int = 64 * 1024) -> dict[st
         "model": {f"w{i}": rng.standard_normal(elems).astype(np.float32) for i in range(ntensors)},
         "seed": seed,
     }
+
+
+def chain_state(seed: int, step: int) -> dict[str, Any]:
+    """Step ``step`` of a training run where only three tensors change from step to step
+    (the state of incremental saves): ``make_state(seed)`` with ``w0``-``w2`` plus ``step``."""
+    state = make_state(seed)
+    for i in range(3):
+        state["model"][f"w{i}"] += np.float32(step)
+    state["seed"] = seed + step
+    return state
 
 
 def _point(spec: str | None) -> tuple[str | None, int]:
@@ -145,6 +159,7 @@ def _traced(emit: _Tracer) -> Iterator[None]:
     wrap(W, "write_array_document", lambda *a, **k: emit("array-doc"))
     wrap(W, "write_chunk", lambda *a, **k: emit("chunk"))
     wrap(W, "write_chunk_checked", lambda *a, **k: emit("chunk"))
+    wrap(W, "reuse_chunk", lambda *a, **k: emit("reuse"))
     wrap(W, "_write_file", lambda self, rel, parts: emit("root-write") if rel == ROOT_KEY else None)
     wrap(W, "_make_durable", lambda *a, **k: emit("durable"))
     wrap(fsutil, "fsync_dir", lambda *a, **k: emit("fsync-dir"))
@@ -205,26 +220,33 @@ def main(argv: list[str]) -> None:
         os.environ.get("GPUCKPT_TEST_KILL_AT"),
         os.environ.get("GPUCKPT_TEST_STOP_AT"),
     )
-    if mode not in ("manager", "reoverwrite") and not (root / "good").exists():
+    if mode == "incremental" and not (root / "good").exists():
+        gpuckpt.save(
+            chain_state(seed, 0), root / "good", sync="file", chunk_bytes=16 * 1024, content_hash=True
+        )
+    elif mode not in ("manager", "incremental-manager", "reoverwrite") and not (root / "good").exists():
         gpuckpt.save(make_state(seed), root / "good", sync="file")
     print("good", flush=True)
     opts: dict[str, Any] = {"sync": "file", "chunk_bytes": 16 * 1024}
     with _traced(emit):
-        if mode == "manager":
+        if mode in ("manager", "incremental-manager"):
             from gpuckpt.manager import CheckpointManager
 
-            mgr = CheckpointManager(root / "mgr", max_to_keep=2, async_save=True, **opts)
+            chain = mode == "incremental-manager"
+            mgr = CheckpointManager(root / "mgr", max_to_keep=2, async_save=True, incremental=chain, **opts)
             print("start", flush=True)
             emit("start")
             for step in range(1, 10_000):
-                mgr.save(step, make_state(seed + step))
+                mgr.save(step, chain_state(seed, step) if chain else make_state(seed + step))
                 if step > 1:
                     print(f"committed {step - 1}", flush=True)
             return
-        state = make_state(seed + 1)
+        state = chain_state(seed, 1) if mode == "incremental" else make_state(seed + 1)
         print("start", flush=True)
         emit("start")
-        if mode == "new":
+        if mode == "incremental":
+            gpuckpt.save(state, root / "next", base=root / "good", **opts)
+        elif mode == "new":
             gpuckpt.save(state, root / "next", **opts)
         elif mode in ("overwrite", "reoverwrite"):
             gpuckpt.save(state, root / "good", overwrite=True, **opts)
