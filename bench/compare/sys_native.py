@@ -62,6 +62,8 @@ class RawSingle(Adapter):
 class Gpuckpt(Adapter):
     """gpuckpt's public API: ``save``, ``load`` in place, ``async_save`` (defaults throughout)."""
 
+    modules = ("gpuckpt",)
+
     def version(self) -> str:
         import gpuckpt
         from gpuckpt.storage.checksum import crc32c_backend
@@ -140,6 +142,8 @@ class TensorStoreZarr3(Adapter):
     parallelizes them); its file kvstore fsyncs what it writes by default.
     Loads read into the preallocated arrays (``ts.array(target).write(store)``).
     """
+
+    modules = ("tensorstore",)
 
     def version(self) -> str:
         return importlib.metadata.version("tensorstore")

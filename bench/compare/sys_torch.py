@@ -64,6 +64,7 @@ class Safetensors(_TorchAdapter):
     """
 
     durable = False
+    modules = ("safetensors", "safetensors.torch")
 
     def version(self) -> str:
         return f"safetensors {importlib.metadata.version('safetensors')}"
@@ -85,6 +86,7 @@ class _DCP(_TorchAdapter):
     """``dcp.save`` with ``FileSystemWriter(thread_count=N)`` (fsyncs: ``sync_files=True``); ``dcp.load`` in place."""
 
     threads = 1
+    modules = ("torch.distributed.checkpoint", "torch.distributed.checkpoint.staging")
 
     def save(self, path: str) -> None:
         import torch.distributed.checkpoint as dcp
@@ -161,6 +163,8 @@ class DCP2(_DCP):
 class DCPGpuckpt(_TorchAdapter):
     """``dcp.save`` through ``gpuckpt.dcp.Writer`` (defaults: durable, atomic); ``dcp.load`` in place
     through ``gpuckpt.dcp.Reader``; ``dcp.async_save`` with one ``gpuckpt.dcp.Stager`` for every call."""
+
+    modules = ("torch.distributed.checkpoint", "gpuckpt", "gpuckpt.dcp")
 
     def version(self) -> str:
         import gpuckpt
