@@ -261,7 +261,16 @@ def main() -> None:
     except BaseException:
         result = {"error": traceback.format_exc()}
     (out / f"rank{rank}.json").write_text(json.dumps(result, default=str))
-    sys.exit(1 if "error" in result else 0)
+    code = 1 if "error" in result else 0
+    if job == "s3":
+        # Known, not yet understood: about one run in six, a rank of this job aborts during
+        # interpreter teardown ("terminate called without an active exception", from native
+        # threads), after its result is written. The result above is what the test checks; the
+        # rank leaves without the teardown so that the abort does not mask it.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
 
 
 if __name__ == "__main__":
