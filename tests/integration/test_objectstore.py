@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -26,10 +25,11 @@ import gpuckpt
 from gpuckpt.errors import CheckpointExistsError, CheckpointNotFoundError, ChecksumError
 from gpuckpt.storage import fsutil
 from gpuckpt.storage.checksum import crc32c
+from gpuckpt.testing.s3server import LOOPBACK_ENV, UNSET_ENV, s3_options, s3_server
 from gpuckpt.verify import verify_checkpoint
 
 pytest.importorskip("obstore")
-moto_server = pytest.importorskip("moto.server")
+pytest.importorskip("moto.server")
 boto3 = pytest.importorskip("boto3")
 
 from gpuckpt.storage.s3 import (  # noqa: E402 - after the skips
@@ -42,50 +42,19 @@ from gpuckpt.storage.s3 import (  # noqa: E402 - after the skips
 )
 
 BUCKET = "ckpts"
-_ENV = {
-    "AWS_ACCESS_KEY_ID": "testing",
-    "AWS_SECRET_ACCESS_KEY": "testing",
-    "AWS_DEFAULT_REGION": "us-east-1",
-    "AWS_REGION": "us-east-1",
-    "AWS_EC2_METADATA_DISABLED": "true",
-    "NO_PROXY": "127.0.0.1,localhost",
-    "no_proxy": "127.0.0.1,localhost",
-}
-_UNSET = (
-    "AWS_SESSION_TOKEN",
-    "HTTP_PROXY",
-    "HTTPS_PROXY",
-    "ALL_PROXY",
-    "http_proxy",
-    "https_proxy",
-    "all_proxy",
-    "AWS_PROFILE",
-)
 
 
 @pytest.fixture(scope="module")
 def endpoint() -> Iterator[str]:
     """A moto S3 server on a free loopback port, with the bucket created."""
-    import logging
-
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
     with pytest.MonkeyPatch.context() as mp:
-        for k, v in _ENV.items():
+        for k, v in LOOPBACK_ENV.items():
             mp.setenv(k, v)
-        for k in _UNSET:
+        for k in UNSET_ENV:
             mp.delenv(k, raising=False)
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-        server.start()
-        url = f"http://127.0.0.1:{port}"
-        mp.setenv("AWS_ENDPOINT_URL", url)
-        try:
-            _client(url).create_bucket(Bucket=BUCKET)
+        with s3_server(BUCKET) as url:
+            mp.setenv("AWS_ENDPOINT_URL", url)
             yield url
-        finally:
-            server.stop()
 
 
 def _client(url: str) -> Any:
@@ -105,13 +74,7 @@ def s3(endpoint: str) -> Any:
 
 @pytest.fixture
 def opts(endpoint: str) -> dict[str, Any]:
-    return {
-        "endpoint_url": endpoint,
-        "region": "us-east-1",
-        "aws_access_key_id": "testing",
-        "aws_secret_access_key": "testing",
-        "allow_http": True,
-    }
+    return s3_options(endpoint)
 
 
 @pytest.fixture
