@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -13,13 +12,14 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("torch.distributed.checkpoint")
 pytest.importorskip("obstore")
-moto_server = pytest.importorskip("moto.server")
-boto3 = pytest.importorskip("boto3")
+pytest.importorskip("moto.server")
+pytest.importorskip("boto3")
 
 import torch.distributed.checkpoint as dcp  # noqa: E402 - after the skips
 
 import gpuckpt  # noqa: E402
 import gpuckpt.dcp  # noqa: E402
+from gpuckpt.testing.s3server import LOOPBACK_ENV, UNSET_ENV, s3_options, s3_server  # noqa: E402
 
 pytestmark = [pytest.mark.torch, pytest.mark.filterwarnings("ignore::UserWarning")]
 
@@ -28,29 +28,14 @@ BUCKET = "ckpts"
 
 @pytest.fixture(scope="module")
 def options() -> Iterator[dict[str, Any]]:
-    import logging
-
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    url = f"http://127.0.0.1:{port}"
-    creds = {"aws_access_key_id": "testing", "aws_secret_access_key": "testing"}
     with pytest.MonkeyPatch.context() as mp:
         # loopback only: no proxy, no instance metadata, no ambient credentials
-        for k in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
+        for k, v in LOOPBACK_ENV.items():
+            mp.setenv(k, v)
+        for k in UNSET_ENV:
             mp.delenv(k, raising=False)
-        mp.setenv("NO_PROXY", "127.0.0.1,localhost")
-        mp.setenv("AWS_EC2_METADATA_DISABLED", "true")
-        try:
-            boto3.client("s3", endpoint_url=url, region_name="us-east-1", **creds).create_bucket(
-                Bucket=BUCKET
-            )
-            yield {"endpoint_url": url, "region": "us-east-1", "allow_http": True, **creds}
-        finally:
-            server.stop()
+        with s3_server(BUCKET) as url:
+            yield s3_options(url)
 
 
 def test_writer_and_reader_on_s3(options: dict[str, Any]) -> None:
