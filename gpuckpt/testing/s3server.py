@@ -20,7 +20,16 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-__all__ = ["LOOPBACK_ENV", "UNSET_ENV", "free_port", "loopback_env", "s3_options", "s3_server"]
+__all__ = [
+    "LOOPBACK_ENV",
+    "UNSET_ENV",
+    "free_port",
+    "list_keys",
+    "loopback_env",
+    "loopback_s3",
+    "s3_options",
+    "s3_server",
+]
 
 LOOPBACK_ENV = {
     "AWS_ACCESS_KEY_ID": "testing",
@@ -95,3 +104,33 @@ def s3_server(*buckets: str) -> Iterator[str]:
         yield url
     finally:
         server.stop()
+
+
+@contextmanager
+def loopback_s3(*buckets: str) -> Iterator[str]:
+    """:func:`s3_server`, with this process's environment set as :func:`loopback_env` sets it
+    while the server runs; the variables it touched are restored afterwards."""
+    touched = (*LOOPBACK_ENV, *UNSET_ENV)
+    saved = {k: os.environ.get(k) for k in touched}
+    os.environ.update(LOOPBACK_ENV)
+    for k in UNSET_ENV:
+        os.environ.pop(k, None)
+    try:
+        with s3_server(*buckets) as url:
+            yield url
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def list_keys(endpoint: str, bucket: str, prefix: str) -> set[str]:
+    """The keys under ``prefix`` (a folder: ``/`` is added) in ``bucket``, relative to it."""
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
+    prefix = prefix.rstrip("/") + "/"
+    pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+    return {o["Key"].removeprefix(prefix) for page in pages for o in page.get("Contents", [])}

@@ -19,7 +19,7 @@ import torch.distributed.checkpoint as dcp  # noqa: E402 - after the skips
 
 import gpuckpt  # noqa: E402
 import gpuckpt.dcp  # noqa: E402
-from gpuckpt.testing.s3server import LOOPBACK_ENV, UNSET_ENV, s3_options, s3_server  # noqa: E402
+from gpuckpt.testing.s3server import loopback_s3, s3_options  # noqa: E402
 
 pytestmark = [pytest.mark.torch, pytest.mark.filterwarnings("ignore::UserWarning")]
 
@@ -28,14 +28,9 @@ BUCKET = "ckpts"
 
 @pytest.fixture(scope="module")
 def options() -> Iterator[dict[str, Any]]:
-    with pytest.MonkeyPatch.context() as mp:
-        # loopback only: no proxy, no instance metadata, no ambient credentials
-        for k, v in LOOPBACK_ENV.items():
-            mp.setenv(k, v)
-        for k in UNSET_ENV:
-            mp.delenv(k, raising=False)
-        with s3_server(BUCKET) as url:
-            yield s3_options(url)
+    # loopback only: no proxy, no instance metadata, no ambient credentials
+    with loopback_s3(BUCKET) as url:
+        yield s3_options(url)
 
 
 def test_writer_and_reader_on_s3(options: dict[str, Any]) -> None:

@@ -23,7 +23,7 @@ pytest.importorskip("moto.server")
 boto3 = pytest.importorskip("boto3")
 
 from gpuckpt.storage.s3 import CLAIM_KEY  # noqa: E402 - after the skips
-from gpuckpt.testing.s3server import LOOPBACK_ENV, UNSET_ENV, s3_options, s3_server  # noqa: E402
+from gpuckpt.testing.s3server import list_keys, loopback_s3, s3_options  # noqa: E402
 
 BUCKET = "dist"
 SCRIPT = "s3_save_load.py"
@@ -31,14 +31,9 @@ SCRIPT = "s3_save_load.py"
 
 @pytest.fixture(scope="module")
 def endpoint() -> Iterator[str]:
-    with pytest.MonkeyPatch.context() as mp:
-        for k, v in LOOPBACK_ENV.items():
-            mp.setenv(k, v)
-        for k in UNSET_ENV:
-            mp.delenv(k, raising=False)
-        with s3_server(BUCKET) as url:
-            mp.setenv("GPUCKPT_TEST_S3", url)
-            yield url
+    with pytest.MonkeyPatch.context() as mp, loopback_s3(BUCKET) as url:
+        mp.setenv("GPUCKPT_TEST_S3", url)
+        yield url
 
 
 @pytest.fixture
@@ -47,10 +42,7 @@ def url(endpoint: str) -> str:
 
 
 def _keys(endpoint: str, url: str) -> set[str]:
-    client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
-    prefix = url.removeprefix(f"s3://{BUCKET}/") + "/"
-    pages = client.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix)
-    return {o["Key"].removeprefix(prefix) for page in pages for o in page.get("Contents", [])}
+    return list_keys(endpoint, BUCKET, url.removeprefix(f"s3://{BUCKET}/"))
 
 
 def _check_full_view(module: Any, url: str, endpoint: str) -> None:

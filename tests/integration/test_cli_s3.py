@@ -23,20 +23,15 @@ import gpuckpt
 pytest.importorskip("obstore")
 pytest.importorskip("moto.server")
 
-from gpuckpt.testing.s3server import LOOPBACK_ENV, UNSET_ENV, s3_options, s3_server
+from gpuckpt.testing.s3server import loopback_s3, s3_options
 
 BUCKET = "cli"
 
 
 @pytest.fixture(scope="module")
 def endpoint() -> Iterator[str]:
-    with pytest.MonkeyPatch.context() as mp:
-        for k, v in LOOPBACK_ENV.items():
-            mp.setenv(k, v)
-        for k in UNSET_ENV:
-            mp.delenv(k, raising=False)
-        with s3_server(BUCKET) as url:
-            yield url
+    with loopback_s3(BUCKET) as url:
+        yield url
 
 
 def _cli(endpoint: str, *args: str) -> subprocess.CompletedProcess[str]:

@@ -21,7 +21,7 @@ boto3 = pytest.importorskip("boto3")
 
 from gpuckpt.storage.s3 import CLAIM_KEY  # noqa: E402 - after the skips
 from gpuckpt.testing.faultproxy import FaultProxy  # noqa: E402
-from gpuckpt.testing.s3server import LOOPBACK_ENV, UNSET_ENV, s3_options, s3_server  # noqa: E402
+from gpuckpt.testing.s3server import list_keys, loopback_s3, s3_options  # noqa: E402
 
 BUCKET = "managed"
 
@@ -53,13 +53,8 @@ def state(step: int) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def endpoint() -> Iterator[str]:
-    with pytest.MonkeyPatch.context() as mp:
-        for k, v in LOOPBACK_ENV.items():
-            mp.setenv(k, v)
-        for k in UNSET_ENV:
-            mp.delenv(k, raising=False)
-        with s3_server(BUCKET) as url:
-            yield url
+    with loopback_s3(BUCKET) as url:
+        yield url
 
 
 @pytest.fixture
@@ -68,10 +63,7 @@ def root(endpoint: str) -> str:
 
 
 def _keys(endpoint: str, root: str) -> set[str]:
-    client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
-    prefix = root.removeprefix(f"s3://{BUCKET}/") + "/"
-    pages = client.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix)
-    return {o["Key"].removeprefix(prefix) for page in pages for o in page.get("Contents", [])}
+    return list_keys(endpoint, BUCKET, root.removeprefix(f"s3://{BUCKET}/"))
 
 
 def test_twenty_steps_with_retention_then_a_new_process_restores_the_latest(endpoint: str, root: str) -> None:

@@ -25,7 +25,7 @@ import gpuckpt
 from gpuckpt.errors import CheckpointExistsError, CheckpointNotFoundError, ChecksumError
 from gpuckpt.storage import fsutil
 from gpuckpt.storage.checksum import crc32c
-from gpuckpt.testing.s3server import LOOPBACK_ENV, UNSET_ENV, s3_options, s3_server
+from gpuckpt.testing.s3server import loopback_s3, s3_options
 from gpuckpt.verify import verify_checkpoint
 
 pytest.importorskip("obstore")
@@ -47,14 +47,9 @@ BUCKET = "ckpts"
 @pytest.fixture(scope="module")
 def endpoint() -> Iterator[str]:
     """A moto S3 server on a free loopback port, with the bucket created."""
-    with pytest.MonkeyPatch.context() as mp:
-        for k, v in LOOPBACK_ENV.items():
-            mp.setenv(k, v)
-        for k in UNSET_ENV:
-            mp.delenv(k, raising=False)
-        with s3_server(BUCKET) as url:
-            mp.setenv("AWS_ENDPOINT_URL", url)
-            yield url
+    with pytest.MonkeyPatch.context() as mp, loopback_s3(BUCKET) as url:
+        mp.setenv("AWS_ENDPOINT_URL", url)
+        yield url
 
 
 def _client(url: str) -> Any:

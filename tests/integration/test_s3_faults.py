@@ -27,7 +27,7 @@ pytest.importorskip("obstore")
 pytest.importorskip("moto.server")
 
 from gpuckpt.testing.faultproxy import FaultProxy
-from gpuckpt.testing.s3server import LOOPBACK_ENV, UNSET_ENV, s3_options, s3_server
+from gpuckpt.testing.s3server import loopback_s3, s3_options
 
 BUCKET = "faults"
 #: what the client reports last: a status after its retries, a timeout, a broken connection or body
@@ -48,13 +48,8 @@ FAST = {
 
 @pytest.fixture(scope="module")
 def upstream() -> Iterator[str]:
-    with pytest.MonkeyPatch.context() as mp:
-        for k, v in LOOPBACK_ENV.items():
-            mp.setenv(k, v)
-        for k in UNSET_ENV:
-            mp.delenv(k, raising=False)
-        with s3_server(BUCKET) as url:
-            yield url
+    with loopback_s3(BUCKET) as url:
+        yield url
 
 
 def _state(seed: int) -> dict[str, Any]:

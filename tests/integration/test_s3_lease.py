@@ -27,7 +27,7 @@ pytest.importorskip("moto.server")
 boto3 = pytest.importorskip("boto3")
 
 from gpuckpt.storage.s3 import CLAIM_KEY  # noqa: E402 - after the skips
-from gpuckpt.testing.s3server import LOOPBACK_ENV, UNSET_ENV, s3_options, s3_server  # noqa: E402
+from gpuckpt.testing.s3server import list_keys, loopback_s3, s3_options  # noqa: E402
 
 BUCKET = "lease"
 CHILD = Path(__file__).with_name("s3_writer_child.py")
@@ -37,20 +37,12 @@ from s3_writer_child import state  # noqa: E402
 
 @pytest.fixture(scope="module")
 def endpoint() -> Iterator[str]:
-    with pytest.MonkeyPatch.context() as mp:
-        for k, v in LOOPBACK_ENV.items():
-            mp.setenv(k, v)
-        for k in UNSET_ENV:
-            mp.delenv(k, raising=False)
-        with s3_server(BUCKET) as url:
-            yield url
+    with loopback_s3(BUCKET) as url:
+        yield url
 
 
 def _keys(endpoint: str, url: str) -> set[str]:
-    client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
-    prefix = url.removeprefix(f"s3://{BUCKET}/") + "/"
-    pages = client.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix)
-    return {o["Key"].removeprefix(prefix) for page in pages for o in page.get("Contents", [])}
+    return list_keys(endpoint, BUCKET, url.removeprefix(f"s3://{BUCKET}/"))
 
 
 def _start(mode: str, url: str, endpoint: str, marker: Path, seed: int) -> subprocess.Popen[str]:
