@@ -4,6 +4,7 @@ import importlib
 import importlib.util
 import os
 from collections.abc import Generator
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -121,3 +122,14 @@ def pytest_make_collect_report(
             f"{_skip_reason(report)}"
         )
     return report
+
+
+@pytest.fixture(scope="session")
+def shim(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The libc fault shim (gpuckpt/testing/faultshim.c), built once; skips where it cannot be."""
+    from gpuckpt.testing.faults import build_fault_shim
+
+    built = build_fault_shim(tmp_path_factory.mktemp("shim"))
+    if built is None:
+        pytest.skip("no C compiler (or not Linux): the libc fault shim cannot be built")
+    return built

@@ -21,7 +21,7 @@ import pytest
 
 import gpuckpt
 from gpuckpt.storage import batchio
-from gpuckpt.testing.faults import build_fault_shim, fault_shim_env, temporaries
+from gpuckpt.testing.faults import fault_shim_env, temporaries
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -192,14 +192,6 @@ _FAULTED = """
         out = [type(exc).__name__, exc.errno, "nothing was published" in str(exc)]
     print(json.dumps({"error": out, "native": batchio.available()}))
 """
-
-
-@pytest.fixture(scope="module")
-def shim(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    built = build_fault_shim(tmp_path_factory.mktemp("shim"))
-    if built is None:
-        pytest.skip("no C compiler (or not Linux): the libc fault shim cannot be built")
-    return built
 
 
 @pytest.mark.parametrize(

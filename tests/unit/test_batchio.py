@@ -38,7 +38,7 @@ from gpuckpt.storage import batchio
 from gpuckpt.storage.base import ChunkReads, ChunkWrites, ReadStop
 from gpuckpt.storage.batchio import BatchIO, load_library
 from gpuckpt.storage.local import LocalReader, LocalWriter
-from gpuckpt.testing.faults import build_fault_shim, fault_shim_env
+from gpuckpt.testing.faults import fault_shim_env
 
 SOURCE = Path(batchio.__file__).with_name("batchio.c")
 X86 = platform.machine() in ("x86_64", "AMD64")
@@ -387,14 +387,6 @@ _FAULTED_SAVE = """
     out["native_available"] = batchio.available()
     print(json.dumps(out))
 """
-
-
-@pytest.fixture(scope="module")
-def shim(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    built = build_fault_shim(tmp_path_factory.mktemp("shim"))
-    if built is None:
-        pytest.skip("no C compiler (or not Linux): the libc fault shim cannot be built")
-    return built
 
 
 @pytest.mark.parametrize(
