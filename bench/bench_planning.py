@@ -56,7 +56,7 @@ try:  # the code of issue 22
     from gpuckpt.planning.plan import merge_values
     from gpuckpt.planning.uniform import compact_description
     from gpuckpt.storage.chunk_table import encode_table
-    from gpuckpt.writing import crc_column, uses_table
+    from gpuckpt.writing import table_columns, uses_table
 
     NEW = True
 except ImportError:  # an older gpuckpt: the before-figures
@@ -94,7 +94,7 @@ def _timed(fn: Any, *args: Any) -> tuple[Any, float]:
 
 
 def _root_and_table(plan: Any, parts: list[tuple[np.ndarray, np.ndarray]]) -> tuple[bytes, list[Any], Any]:
-    crcs = crc_column(plan, parts)
+    crcs = table_columns(plan, parts)["crc32c"]
     entry, documents, table = encode_table({"crc32c": crcs}) if uses_table(plan) else (None, [], [])
     md = assemble_metadata(plan, crcs, "bench", entry)
     return root_document(md), table, documents

@@ -65,7 +65,6 @@ __all__ = [
     "Written",
     "as_columns",
     "columns_of_results",
-    "crc_column",
     "result_columns",
     "table_columns",
     "uses_table",
@@ -342,13 +341,6 @@ def table_columns(
             "the processes did not run the same plan"
         )
     return {name: c for name, c in columns.items() if name == "crc32c" or name in (complete or ())}
-
-
-def crc_column(
-    plan: SavePlan, parts: Iterable[tuple[np.ndarray, np.ndarray | Mapping[str, np.ndarray]]]
-) -> np.ndarray:
-    """The CRC32C of every chunk of ``plan``, in chunk table order (see :func:`table_columns`)."""
-    return table_columns(plan, parts)["crc32c"]
 
 
 def columns_of_results(
