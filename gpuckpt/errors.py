@@ -24,6 +24,7 @@ __all__ = [
     "DeviceUnavailableError",
     "GpuckptError",
     "InvalidOptionError",
+    "InvalidPathError",
     "MetadataError",
     "MissingChunkError",
     "MissingKeyError",
@@ -169,6 +170,11 @@ class MissingDependencyError(GpuckptError, ImportError):
 
 class InvalidOptionError(GpuckptError, ValueError, TypeError):
     """An option of a save or a load has a wrong type or value (caught as ValueError or TypeError)."""
+
+
+class InvalidPathError(GpuckptError, ValueError, TypeError):
+    """A checkpoint path or URL is of a wrong type, empty, or of a scheme gpuckpt has no store for
+    (caught as ValueError or TypeError)."""
 
 
 class CoordinatorError(GpuckptError, RuntimeError):

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from gpuckpt.errors import UnsupportedValueError
+from gpuckpt.errors import InvalidPathError, UnsupportedValueError
 from gpuckpt.storage import leftovers
 from gpuckpt.storage.base import CheckpointReader, CheckpointRoot, CheckpointWriter
 from gpuckpt.storage.local import LocalReader, LocalWriter
@@ -36,6 +36,7 @@ __all__ = [
     "open_reader",
     "open_root",
     "open_writer",
+    "path_text",
     "scheme_of",
 ]
 
@@ -47,9 +48,35 @@ SCHEMES: dict[str, _Factories] = {"s3": (ObjectStoreWriter, ObjectStoreReader)}
 ROOTS: dict[str, Callable[..., CheckpointRoot]] = {"s3": ObjectStoreRoot}
 
 
+def path_text(path: Any) -> str:
+    """``path`` (a ``str`` or ``os.PathLike``) as text; raises
+    :class:`~gpuckpt.errors.InvalidPathError` for anything else or an empty path.
+
+    Examples
+    --------
+    >>> path_text(Path("/tmp/ckpt"))
+    '/tmp/ckpt'
+    """
+    text = os.fspath(path) if isinstance(path, os.PathLike) else path
+    if isinstance(text, str):
+        if text and text != "file://":
+            return text
+        raise InvalidPathError(f"checkpoint path is empty ({path!r}); give the directory or URL to use")
+    if isinstance(text, bytes):
+        hint = "; decode it first: os.fsdecode(path)"
+    elif isinstance(path, dict):
+        hint = "; the state dict comes first: save(state_dict, path), load(state_dict, path)"
+    else:
+        hint = ""
+    raise InvalidPathError(
+        f"checkpoint path must be a str or os.PathLike (a directory or an s3:// URL), "
+        f"found {type(path).__name__}{hint}"
+    )
+
+
 def scheme_of(path: str | os.PathLike[str]) -> str:
     """``"file"`` for paths, else the URL scheme (``"s3"``)."""
-    text = os.fspath(path)
+    text = path_text(path)
     if "://" in text:
         scheme = text.split("://", 1)[0].lower()
         return scheme
@@ -57,7 +84,7 @@ def scheme_of(path: str | os.PathLike[str]) -> str:
 
 
 def _local_path(path: str | os.PathLike[str]) -> str:
-    text = os.fspath(path)
+    text = path_text(path)
     return text[len("file://") :] if text.startswith("file://") else text
 
 
@@ -66,8 +93,8 @@ def _lookup(path: str | os.PathLike[str]) -> _Factories:
     try:
         return SCHEMES[scheme]
     except KeyError:
-        raise ValueError(
-            f"no storage back end for {scheme}:// URLs ({os.fspath(path)!r}); use a local path or one of "
+        raise InvalidPathError(
+            f"no storage back end for {scheme}:// URLs ({path_text(path)!r}); use a local path or one of "
             f"{', '.join(sorted(SCHEMES)) or 'file'}"
         ) from None
 
@@ -96,7 +123,7 @@ def open_writer(
             direct_io=direct_io,
         )
     writer, _ = _lookup(path)
-    return writer(os.fspath(path), overwrite=overwrite, **(storage_options or {}))
+    return writer(path_text(path), overwrite=overwrite, **(storage_options or {}))
 
 
 def attach_writer(
@@ -117,17 +144,17 @@ def attach_writer(
     """
     if not token:
         raise UnsupportedValueError(
-            f"{os.fspath(path)!r}: no save to join: another process's save is joined with its writer's "
+            f"{path_text(path)!r}: no save to join: another process's save is joined with its writer's "
             f"token (CheckpointWriter.token, after begin), got {token!r}"
         )
     if scheme_of(path) == "file":
         return LocalWriter.attach(_local_path(path), token)
     attach = getattr(_lookup(path)[0], "attach", None)
     if attach is not None:
-        writer: CheckpointWriter = attach(os.fspath(path), token, **(storage_options or {}))
+        writer: CheckpointWriter = attach(path_text(path), token, **(storage_options or {}))
         return writer
     raise UnsupportedValueError(
-        f"{os.fspath(path)!r}: a save to a {scheme_of(path)}:// store is written by the one process that "
+        f"{path_text(path)!r}: a save to a {scheme_of(path)}:// store is written by the one process that "
         "began it, other processes cannot join it; save from several processes to a shared file system path"
     )
 
@@ -139,7 +166,7 @@ def open_reader(
     if scheme_of(path) == "file":
         return LocalReader(_local_path(path))
     _, reader = _lookup(path)
-    return reader(os.fspath(path), **(storage_options or {}))
+    return reader(path_text(path), **(storage_options or {}))
 
 
 def open_root(
@@ -153,10 +180,10 @@ def open_root(
         root = ROOTS[scheme_of(path)]
     except KeyError:
         raise UnsupportedValueError(
-            f"{os.fspath(path)!r}: {scheme_of(path)}:// stores cannot hold a root of several checkpoints "
+            f"{path_text(path)!r}: {scheme_of(path)}:// stores cannot hold a root of several checkpoints "
             f"yet; use a local directory or one of {', '.join(sorted(ROOTS))}"
         ) from None
-    return root(os.fspath(path).rstrip("/"), **(storage_options or {}))
+    return root(path_text(path).rstrip("/"), **(storage_options or {}))
 
 
 def is_committed(path: str | os.PathLike[str]) -> bool:

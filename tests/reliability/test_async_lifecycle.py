@@ -254,7 +254,7 @@ def test_bad_options_take_no_staging_and_later_saves_work(tmp_path: Path) -> Non
     assert run.returncode == 0, run.stderr
     assert run.stdout.split("\n") == [
         "InvalidOptionError True",
-        "ValueError True",
+        "InvalidPathError True",
         "InvalidOptionError True",
         "InvalidOptionError True",
         "saved",
