@@ -39,7 +39,7 @@ from gpuckpt.options import LoadOptions
 from gpuckpt.planning import ChunkGrid, ChunkSpec
 from gpuckpt.planning.boxes import axis_starts
 from gpuckpt.progress import ProgressCounter
-from gpuckpt.runner import batches, run_all
+from gpuckpt.runner import IO_BATCH_JOBS, batches, run_all
 from gpuckpt.storage.base import CheckpointReader, ChunkReads
 from gpuckpt.storage.checksum import CRC_BYTES
 from gpuckpt.storage.chunk_table import TABLE_KEY, ChunkTable, parse_listed
@@ -628,7 +628,8 @@ def read_tensors(
     reads = (((t, c, dest), c.nbytes) for t, dest in targets for c in t.chunks)
     copies = CopyQueue() if staging.backends else None
     jobs = [
-        functools.partial(_read_chunks, reader, batch, staging, copies, counter) for batch in batches(reads)
+        functools.partial(_read_chunks, reader, batch, staging, copies, counter)
+        for batch in batches(reads, max_items=IO_BATCH_JOBS if reader.batches_chunks else 1)
     ]
     try:
         run_all(jobs, threads=threads, name="gpuckpt-read")

@@ -18,7 +18,7 @@ import errno
 import functools
 import math
 import os
-from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -74,6 +74,7 @@ __all__ = [
     "execute_save",
     "open_save_writer",
     "array_document_of",
+    "document_writes",
     "write_array_documents",
     "write_chunks",
 ]
@@ -151,15 +152,20 @@ def write_array_documents(
 
     The documents are written on up to ``threads`` threads (one round trip each on an object
     store: hundreds of them one after the other would hold every rank of a distributed save)."""
-    deferred = {}
-    jobs = []
-    for t in plan.tensors:
-        if t.name in defer:
-            deferred[t.name] = array_document_of(t)
-        else:
-            jobs.append(functools.partial(writer.write_array_document, t.name, array_document_of(t)))
-    run_all(jobs, threads=threads, name="gpuckpt-documents")
+    deferred = {t.name: array_document_of(t) for t in plan.tensors if t.name in defer}
+    run_all(document_writes(plan, writer, skip=defer), threads=threads, name="gpuckpt-documents")
     return deferred
+
+
+def document_writes(
+    plan: SavePlan, writer: CheckpointWriter, *, skip: Collection[str] = ()
+) -> list[Callable[[], None]]:
+    """One job per array of ``plan`` (but those named in ``skip``) that writes its ``zarr.json``."""
+    return [
+        functools.partial(writer.write_array_document, t.name, array_document_of(t))
+        for t in plan.tensors
+        if t.name not in skip
+    ]
 
 
 def write_chunks(
@@ -169,6 +175,7 @@ def write_chunks(
     *,
     documents: dict[str, bytes] | None = None,
     base: BaseIndex | None = None,
+    first: Sequence[Callable[[], None]] = (),
 ) -> list[Written]:
     """Write every job's chunk; returns ``(stored bytes, CRC32C)`` per job, in order (a
     :class:`~gpuckpt.incremental.ChunkResult`, which adds the chunk's hashes, when hashing).
@@ -192,6 +199,11 @@ def write_chunks(
     calling thread queues the copies of the next chunks (blocking when the
     pool is exhausted) while the I/O threads wait for each copy, write its
     buffer and return it to the pool. The first error stops the run.
+
+    ``first``: other writes (the array documents of a distributed save to a
+    store that takes chunks before documents, see
+    :attr:`~gpuckpt.storage.base.CheckpointWriter.documents_first`) run on the
+    same I/O threads, queued before the chunks.
     """
     sizes = [j.nbytes for j in jobs]
     threads, staging_bytes, progress = options.threads, options.staging_bytes, options.progress
@@ -199,9 +211,12 @@ def write_chunks(
     docs = dict(documents or {})
     staging = Staging(((j.source.backend, n) for j, n in zip(jobs, sizes, strict=True)), staging_bytes)
     staging.wait_for_producers()
-    batch: Batcher[_Item] = Batcher()
+    # one call per chunk where each chunk is a request of its own (an object store)
+    batch: Batcher[_Item] = Batcher() if writer.batches_chunks else Batcher(max_items=1)
     reuse = _Reuse(base) if options.hashing or base is not None else None
     with Runner[list[Written]](threads, name="gpuckpt-write") as run:
+        for write in first:
+            run.submit(functools.partial(_no_results, write))
 
         def submit(*groups: list[_Item]) -> None:
             """One job per group, in order; what cannot be queued any more is released."""
@@ -234,6 +249,11 @@ def write_chunks(
                 submit(batch.take(), [item])
         submit(batch.take())
         return [r for rs in run.results() for r in rs]
+
+
+def _no_results(write: Callable[[], None]) -> list[Written]:
+    write()
+    return []
 
 
 _Item = tuple[ChunkJob, StagedOut, bytes | None]

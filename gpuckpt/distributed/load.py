@@ -26,7 +26,7 @@ from gpuckpt.options import LoadOptions
 from gpuckpt.planning.boxes import Box, intersect, overlapping_chunks
 from gpuckpt.progress import ProgressCounter
 from gpuckpt.reading import ChunkRead, TensorEntry, fetch_verified, read_chunk_into, scratch, upload_chunk
-from gpuckpt.runner import batches, run_all
+from gpuckpt.runner import IO_BATCH_JOBS, batches, run_all
 from gpuckpt.storage.base import CheckpointReader
 
 __all__ = ["read_boxes"]
@@ -121,9 +121,10 @@ def read_boxes(
     )
     # small chunks go to the I/O threads in batches, as in an unsharded load
     copies = CopyQueue("gpuckpt-reshard-upload") if staging.backends else None
+    per_job = IO_BATCH_JOBS if reader.batches_chunks else 1  # an object store: one request each
     jobs = [
         functools.partial(_read_batch, reader, batch, staging, copies, counter)
-        for batch in batches((r, r[1].nbytes) for r in reads)
+        for batch in batches(((r, r[1].nbytes) for r in reads), max_items=per_job)
     ]
     try:
         run_all(jobs, threads=threads, name="gpuckpt-reshard")

@@ -10,11 +10,16 @@ failure on any rank fails the save on every rank and publishes nothing:
    plan is reused (only the plain values are gathered); otherwise rank 0
    gathers the descriptions (compact ones when every rank holds one box of the
    same tensors) and plans the save (:func:`gpuckpt.planning.plan.plan_save`);
-   rank 0 begins the save, writes the array documents and broadcasts the plan,
-   from which each rank lists its own chunks;
+   rank 0 begins the save, writes the array documents (on a file system: they
+   make the arrays' directories) and broadcasts the plan, from which each rank
+   lists its own chunks;
 3. every rank writes its chunks into the shared save: fsynced files in the
    shared temporary on a file system, objects at their final keys under the
-   claimed prefix of an object store (:func:`gpuckpt.storage.stores.attach_writer`);
+   claimed prefix of an object store (:func:`gpuckpt.storage.stores.attach_writer`),
+   where rank 0 writes the array documents on its I/O threads alongside its
+   own chunks (so no rank waits for hundreds of document puts; the root
+   document is still published only after every rank finished, and an error
+   anywhere aborts every object);
    in an incremental save (``base=``) rank 0 finds the arrays the base can
    serve and broadcasts their names, and each rank opens the base itself and
    decides reuse for its own chunks;
@@ -48,6 +53,7 @@ from gpuckpt.storage.stores import attach_writer
 from gpuckpt.writing import (
     bind_jobs,
     commit_save,
+    document_writes,
     open_save_writer,
     table_columns,
     write_array_documents,
@@ -185,7 +191,8 @@ def save_described(
         writer = open_save_writer(path, options, expected_files=plan.nfiles, direct_io=False)
         with writing(writer):
             writer.begin()
-            write_array_documents(plan, writer, threads=options.threads)
+            if writer.documents_first:
+                write_array_documents(plan, writer, threads=options.threads)
         return plan, writer.token, reusable
 
     root = _run(coord, plan_on_root) if coord.rank == 0 else _run(coord, lambda: None)
@@ -206,7 +213,10 @@ def save_described(
         if coord.rank != 0 and reusable is not None and options.base_location is not None:
             mine_base = open_base(options.base_location, options.storage_options, reusable)
         jobs = bind_jobs(mine, sources)
-        return written_rows(jobs, write_chunks(jobs, w, options, base=mine_base))
+        # an object store takes chunks before documents: the other ranks started on the plan at
+        # once, and this rank's document puts share its I/O threads and request budget
+        first = document_writes(plan, w) if coord.rank == 0 and not w.documents_first else []
+        return written_rows(jobs, write_chunks(jobs, w, options, base=mine_base, first=first))
 
     try:
         results = _run(coord, write_mine)

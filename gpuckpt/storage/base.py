@@ -123,6 +123,18 @@ class CheckpointWriter(ABC):
        removes what was written and never touches a published checkpoint.
     """
 
+    #: whether the I/O threads should hand this writer many small chunks per call (one
+    #: :meth:`write_chunks` batch: cheaper than a call per chunk where native code writes the
+    #: files); False where every chunk is a request of its own (an object store), so that small
+    #: chunks go out in parallel on the I/O threads, not one after the other
+    batches_chunks: bool = True
+
+    #: whether an array's document must be written before any of its chunks (a file system:
+    #: writing the document makes the array's directory); False where chunks may land first
+    #: (an object store has no directories), which lets a distributed save start every rank's
+    #: chunk writes while the documents are still being written
+    documents_first: bool = True
+
     @property
     def token(self) -> str | None:
         """What another process needs to write chunks into this save once it has begun
@@ -222,6 +234,10 @@ class CheckpointReader(ABC):
     refuse documents over :data:`~gpuckpt.storage.layout.MAX_ROOT_DOCUMENT_BYTES`
     and :data:`~gpuckpt.storage.layout.MAX_ARRAY_DOCUMENT_BYTES` before reading them.
     """
+
+    #: whether the I/O threads should hand this reader many small chunks per call (see
+    #: :attr:`CheckpointWriter.batches_chunks`)
+    batches_chunks: bool = True
 
     @abstractmethod
     def read_root(self) -> bytes | bytearray: ...
