@@ -56,6 +56,7 @@ from gpuckpt.storage.checksum import CRC_BYTES
 from gpuckpt.storage.chunk_table import COLUMNS, TABLE_KEY, TABLE_MIN_CHUNKS, listed_records, write_table
 from gpuckpt.storage.chunks import chunk_bytes, stored_nbytes
 from gpuckpt.storage.layout import array_document, chunk_file_key, root_document
+from gpuckpt.storage.segments import SEGMENTS_KEY, segment_record, segments_entry
 from gpuckpt.storage.stores import open_writer
 
 __all__ = [
@@ -304,11 +305,23 @@ def _release_all(items: Sequence[_Item]) -> None:
 
 
 def result_columns(results: Sequence[Written]) -> dict[str, np.ndarray]:
-    """The per-chunk columns of ``results`` (in their order): ``crc32c``, and the content
-    hashes when every chunk was hashed (:func:`~gpuckpt.incremental.hash_columns`)."""
+    """The per-chunk columns of ``results`` (in their order): ``crc32c``, the content
+    hashes when every chunk was hashed (:func:`~gpuckpt.incremental.hash_columns`), and the
+    segment records of large chunks where any chunk has them (``segments``: one object per
+    chunk, see :func:`~gpuckpt.storage.segments.segment_record`)."""
     columns = {"crc32c": np.fromiter((r[1] for r in results), np.uint32, len(results))}
     columns.update(hash_columns(results))
+    records = [segment_record(r[1]) for r in results]
+    if any(r is not None for r in records):
+        columns[SEGMENTS_KEY] = _objects(records)
     return columns
+
+
+def _objects(values: Sequence[Any]) -> np.ndarray:
+    out = np.empty(len(values), object)
+    for i, v in enumerate(values):
+        out[i] = v
+    return out
 
 
 def written_rows(
@@ -331,6 +344,7 @@ def table_columns(
     columns: dict[str, np.ndarray] = {"crc32c": np.zeros(n, np.uint32)}
     every = []
     complete: set[str] | None = None
+    segments: np.ndarray | None = None  # per chunk, where any process reported them
     for rows, reported in parts:
         cols = reported if isinstance(reported, Mapping) else {"crc32c": reported}
         crcs = cols["crc32c"]
@@ -340,7 +354,15 @@ def table_columns(
         if not len(rows):
             continue
         columns["crc32c"][rows] = crcs
-        others = {name for name in cols if name != "crc32c"}
+        if SEGMENTS_KEY in cols:
+            if len(cols[SEGMENTS_KEY]) != len(rows):
+                raise GpuckptError(
+                    f"a process reported {len(cols[SEGMENTS_KEY])} segment records for {len(rows)} chunks"
+                )
+            if segments is None:
+                segments = _objects([None] * n)
+            segments[rows] = cols[SEGMENTS_KEY]
+        others = {name for name in cols if name not in ("crc32c", SEGMENTS_KEY)}
         complete = others if complete is None else complete & others
         for name in others:
             col = COLUMNS[name]
@@ -360,7 +382,10 @@ def table_columns(
             f"chunk {bad} of the save's chunk table was written {int(seen[bad])} times, expected once; "
             "the processes did not run the same plan"
         )
-    return {name: c for name, c in columns.items() if name == "crc32c" or name in (complete or ())}
+    out = {name: c for name, c in columns.items() if name == "crc32c" or name in (complete or ())}
+    if segments is not None:
+        out[SEGMENTS_KEY] = segments
+    return out
 
 
 def columns_of_results(
@@ -390,6 +415,8 @@ def assemble_metadata(
     ``storage_data["content_hash"]`` names their algorithm.
     """
     cols = as_columns(plan, columns)
+    segments = cols.get(SEGMENTS_KEY)
+    cols = {name: c for name, c in cols.items() if name in COLUMNS}
     state_md: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
     tensors_sd: dict[str, Any] = {}
     listed = table is None
@@ -407,6 +434,10 @@ def assemble_metadata(
             )
         else:
             info["rows"] = t.row
+        if segments is not None and t.grid.kind == "regular":  # one size for every chunk
+            entry = segments_entry(segments[t.row : t.row + t.nchunks])
+            if entry is not None:
+                info[SEGMENTS_KEY] = entry
         tensors_sd[t.fqn] = info
     for fqn in plan.objects:
         state_md[fqn] = BytesStorageMetadata()

@@ -215,7 +215,7 @@ def save_described(
         jobs = bind_jobs(mine, sources)
         # an object store takes chunks before documents: the other ranks started on the plan at
         # once, and this rank's document puts share its I/O threads and request budget
-        first = document_writes(plan, w) if coord.rank == 0 and not w.documents_first else []
+        first = document_writes(plan, w) if plan is not None and not w.documents_first else []
         return written_rows(jobs, write_chunks(jobs, w, options, base=mine_base, first=first))
 
     try:

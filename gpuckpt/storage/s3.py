@@ -76,7 +76,7 @@ from gpuckpt.errors import (
     CheckpointWriteError,
     MetadataError,
 )
-from gpuckpt.storage import crccopy, fsutil
+from gpuckpt.storage import fsutil
 from gpuckpt.storage.base import BaseRef, CheckpointReader, CheckpointWriter
 from gpuckpt.storage.checksum import CRC_BYTES, crc32c
 from gpuckpt.storage.layout import (
@@ -98,13 +98,13 @@ from gpuckpt.storage.s3_client import (
     pop_transfer_options,
     zarr_store,
 )
+from gpuckpt.storage.s3_ranges import stream_into
 
 __all__ = ["CLAIM_KEY", "ObjectStoreReader", "ObjectStoreWriter", "parse_s3_url", "zarr_store"]
 
 CLAIM_KEY = ".gpuckpt-writer"
 DEFAULT_LEASE_SECONDS = 60.0
 _MAX_CLAIM_BYTES = 1 << 24
-_STREAM_PIECE = 4 << 20
 
 
 def _machine() -> str:
@@ -679,6 +679,14 @@ class ObjectStoreReader(_Prefix, CheckpointReader):
     """
 
     batches_chunks = False  # each chunk is a request: small ones are fetched in parallel
+    reads_ranges = True
+
+    def read_range_crcs(
+        self, name: str, key: str, offset: int, dests: Sequence[Any]
+    ) -> tuple[int, list[int]]:
+        rel = _rel(name, key)
+        with self._io(f"reading {rel} from byte {offset}"), self.budget.take():
+            return stream_into(self._obs, rel, offset, dests, "each")
 
     def __init__(self, url: str, **storage_options: Any) -> None:
         super().__init__(url, storage_options)
@@ -721,37 +729,10 @@ class ObjectStoreReader(_Prefix, CheckpointReader):
     def _stream_into(self, name: str, key: str, dests: Sequence[Any], checksum: bool) -> tuple[int, int]:
         """Fill ``dests`` in order from the object; ``(bytes read, CRC32C of all but the last
         buffer)`` (the CRC is 0 unless ``checksum``)."""
-        import obstore as obs
-
         rel = _rel(name, key)
-        views = [memoryview(d).cast("B") for d in dests]
-        want = sum(v.nbytes for v in views)
-        if want == 0:
-            return 0, 0
-        fused = checksum and crccopy.available()
-        last = len(views) - 1  # the trailer's buffer: copied, not checksummed
-        i, pos, total, value = 0, 0, 0, 0
         with self._io(f"reading {rel}"), self.budget.take():
-            res = obs.get(self._obs, rel, options={"range": (0, want)})
-            for piece in res.stream(min_chunk_size=_STREAM_PIECE):
-                src = memoryview(piece)
-                while src.nbytes and i < len(views):
-                    n = min(src.nbytes, views[i].nbytes - pos)
-                    dst = views[i][pos : pos + n]
-                    if checksum and i != last:
-                        if fused:
-                            value = crccopy.crc_copy(src[:n], dst, value)
-                        else:
-                            dst[:] = src[:n]
-                            value = crc32c(dst, value)  # while the piece is still in the cache
-                    else:
-                        dst[:] = src[:n]
-                    src, pos, total = src[n:], pos + n, total + n
-                    if pos == views[i].nbytes:
-                        i, pos = i + 1, 0
-                if i == len(views):
-                    break
-        return total, value
+            total, crcs = stream_into(self._obs, rel, 0, dests, "chunk" if checksum else "none")
+        return total, crcs[0]
 
     def read_chunk_checksum(self, name: str, key: str, nbytes: int, piece: int) -> tuple[int, int, int]:
         """Streams the object in pieces of about ``piece`` bytes, checksummed as they arrive."""

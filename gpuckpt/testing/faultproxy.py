@@ -97,6 +97,7 @@ class _Handler(socketserver.StreamRequestHandler):
                 else:
                     body = self.rfile.read(int(lower.get("content-length", "0") or 0))
                 fault = self.server.proxy._decide(method, target, len(body))
+                self._kind = request_kind(method, target)
                 self._held = len(body)
                 try:
                     if not self._answer(fault, method, target, body, headers):
@@ -111,6 +112,7 @@ class _Handler(socketserver.StreamRequestHandler):
 
     _upstream: http.client.HTTPConnection | None = None
     _held: int | None = None
+    _kind = ""
 
     def _release(self) -> None:
         """The request stops counting as in flight (once): before its answer goes out, so that
@@ -174,6 +176,7 @@ class _Handler(socketserver.StreamRequestHandler):
         raw = head.encode("latin-1") + (b"" if method == "HEAD" else body)
         if cut:  # part of the answer: half the body, or half the head when there is no body
             raw = raw[: len(head) + len(body) // 2] if len(body) > 1 else raw[: len(head) // 2]
+        self.server.proxy._sent(self._kind, len(raw) - len(head) if len(raw) > len(head) else 0)
         self.wfile.write(raw)
         self.wfile.flush()
 
@@ -225,6 +228,8 @@ class FaultProxy:
         self._lock = threading.Lock()
         self.counts: Counter[str] = Counter()
         self.injected: Counter[str] = Counter()
+        #: bytes of answer bodies sent to the client, by request kind (``get``: object bytes read)
+        self.body_bytes_out: Counter[str] = Counter()
         #: the most requests the proxy held at once (received, not yet answered)
         self.max_active = 0
         self._active = 0
@@ -251,6 +256,10 @@ class FaultProxy:
             self.injected[fault] += 1
             return fault
 
+    def _sent(self, kind: str, nbytes: int) -> None:
+        with self._lock:
+            self.body_bytes_out[kind] += nbytes
+
     def _done(self, nbytes: int) -> None:
         with self._lock:
             self._active -= 1
@@ -262,10 +271,11 @@ class FaultProxy:
             self.rate = rate
 
     def reset_counts(self) -> dict[str, int]:
-        """The request counts so far (then zeroed)."""
+        """The request counts so far (then zeroed, with :attr:`body_bytes_out`)."""
         with self._lock:
             out = dict(self.counts)
             self.counts.clear()
+            self.body_bytes_out.clear()
             self.max_active = self.max_active_bytes = 0
             return out
 
