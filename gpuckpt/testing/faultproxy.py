@@ -230,6 +230,8 @@ class FaultProxy:
         self.injected: Counter[str] = Counter()
         #: bytes of answer bodies sent to the client, by request kind (``get``: object bytes read)
         self.body_bytes_out: Counter[str] = Counter()
+        #: ``(kind, path)`` of every request, in arrival order
+        self.requests: list[tuple[str, str]] = []
         #: the most requests the proxy held at once (received, not yet answered)
         self.max_active = 0
         self._active = 0
@@ -246,6 +248,7 @@ class FaultProxy:
     def _decide(self, method: str, target: str, nbytes: int) -> str | None:
         with self._lock:
             self.counts[request_kind(method, target)] += 1
+            self.requests.append((request_kind(method, target), target.partition("?")[0]))
             self._active += 1
             self._active_bytes += nbytes
             self.max_active = max(self.max_active, self._active)
@@ -271,11 +274,12 @@ class FaultProxy:
             self.rate = rate
 
     def reset_counts(self) -> dict[str, int]:
-        """The request counts so far (then zeroed, with :attr:`body_bytes_out`)."""
+        """The request counts so far (then zeroed, with :attr:`body_bytes_out` and :attr:`requests`)."""
         with self._lock:
             out = dict(self.counts)
             self.counts.clear()
             self.body_bytes_out.clear()
+            self.requests.clear()
             self.max_active = self.max_active_bytes = 0
             return out
 
