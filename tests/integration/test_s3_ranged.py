@@ -110,6 +110,35 @@ def test_rows_across_two_chunks_read_one_range_of_each(endpoint: str, proxy: Fau
     assert _object_bytes_read(proxy, endpoint, prefix) == 3 * (CHUNK + 4)
 
 
+def test_three_ranks_saved_two_load_reading_only_the_rows_each_needs(
+    endpoint: str, proxy: FaultProxy
+) -> None:
+    from gpuckpt.distributed import run_ranks
+
+    prefix, opts = f"run-{uuid.uuid4().hex[:8]}", s3_options(proxy.endpoint)
+    url = f"s3://{BUCKET}/{prefix}"
+
+    def save(c: Any) -> None:  # rows [1024 r, 1024 (r + 1)): one chunk of 4 MiB per rank
+        rows = slice(1024 * c.rank, 1024 * (c.rank + 1))
+        box = gpuckpt.ShardedArray(STATE[rows].copy(), (rows.start, 0), STATE.shape)
+        gpuckpt.save({"w": box}, url, coordinator=c, storage_options=opts, chunk_bytes=CHUNK)
+
+    def load(c: Any) -> np.ndarray:  # rows [1536 r, 1536 (r + 1)): half of the middle chunk each
+        box = gpuckpt.ShardedArray(np.empty((1536, 1024), np.float32), (1536 * c.rank, 0), STATE.shape)
+        gpuckpt.load({"w": box}, url, coordinator=c, storage_options=opts)
+        out: np.ndarray = box.local
+        return out
+
+    run_ranks(3, save)
+    proxy.reset_counts()
+    halves = run_ranks(2, load)
+    assert np.array_equal(np.concatenate(halves), STATE)
+    roots = sum(1 for kind, path in proxy.requests if kind == "get" and path.endswith(f"{prefix}/{ROOT_KEY}"))
+    root = _s3(endpoint).head_object(Bucket=BUCKET, Key=f"{prefix}/{ROOT_KEY}")["ContentLength"]
+    # chunks 0 and 2 whole (with their trailers), half of chunk 1 (2 segments) for each rank
+    assert proxy.body_bytes_out["get"] - roots * root == 2 * (CHUNK + 4) + 2 * 2 * SEGMENT_BYTES
+
+
 def test_a_flipped_byte_inside_a_fetched_segment_is_detected(endpoint: str, proxy: FaultProxy) -> None:
     prefix, opts = _saved(proxy)
     s3 = _s3(endpoint)
