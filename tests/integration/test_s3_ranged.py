@@ -56,9 +56,9 @@ def _saved(proxy: FaultProxy) -> tuple[str, dict[str, Any]]:
     return prefix, opts
 
 
-def _load_rows(prefix: str, opts: dict[str, Any], start: int, stop: int) -> np.ndarray:
+def _load_rows(prefix: str, opts: dict[str, Any], start: int, stop: int, progress: Any = None) -> np.ndarray:
     box = gpuckpt.ShardedArray(np.empty((stop - start, 1024), np.float32), (start, 0), STATE.shape)
-    gpuckpt.load({"w": box}, f"s3://{BUCKET}/{prefix}", storage_options=opts)
+    gpuckpt.load({"w": box}, f"s3://{BUCKET}/{prefix}", storage_options=opts, progress=progress)
     out: np.ndarray = box.local
     return out
 
@@ -91,10 +91,12 @@ def test_save_records_segments_and_a_partial_load_reads_only_the_segments_it_nee
     assert entry["bytes"] == SEGMENT_BYTES and md.version == "1"  # readable by every release
     # rows 1500..1600 lie in chunk 1 (rows 1024..2048), bytes 476 * 4 KiB .. 576 * 4 KiB of it:
     # segments 1 and 2 of its 4
-    got = _load_rows(prefix, opts, 1500, 1600)
+    calls: list[tuple[int, int]] = []
+    got = _load_rows(prefix, opts, 1500, 1600, progress=lambda done, total: calls.append((done, total)))
     assert np.array_equal(got, STATE[1500:1600])
     assert _object_bytes_read(proxy, endpoint, prefix) == 2 * SEGMENT_BYTES
     assert proxy.counts["get"] == 2  # the root document and one ranged read
+    assert calls[-1] == (100 * ROW, 100 * ROW)  # progress reaches the bytes of the box
 
 
 def test_rows_across_two_chunks_read_one_range_of_each(endpoint: str, proxy: FaultProxy) -> None:
