@@ -5,7 +5,7 @@ target), the chunks of the stored grid that overlap it are found by
 bisection on the grid's edges; each such chunk is read once per process,
 verified against its CRC32C, and the overlapping part of it is copied into
 every target box that needs it; where the checkpoint recorded the CRC32C of
-each segment of a large chunk and the store reads ranges (``s3://``), only
+each segment of a large chunk and the store reads ranges (``s3://``, local), only
 the segments holding the rows the boxes need are read, each one checked
 (:mod:`gpuckpt.ranged`); a chunk that lies whole inside the one box that
 needs it is read straight into that box, and small chunks are read in
