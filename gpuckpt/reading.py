@@ -273,7 +273,9 @@ def validate_metadata(md: Metadata) -> tuple[dict[str, TensorEntry], dict[str, A
                     f"its {expected_n} chunk table rows begin at {row!r}, outside the table of {table.rows}",
                 )
             spans.append((row, expected_n, fqn))
-            tensors[fqn] = TensorEntry(fqn, name, entry, grid, None, table, row, None, info.get(SEGMENTS_KEY))
+            tensors[fqn] = TensorEntry(
+                fqn, name, entry, grid, None, table, row, segments=info.get(SEGMENTS_KEY)
+            )
             continue
         raw_chunks = info.get("chunks")
         if not isinstance(raw_chunks, list) or len(raw_chunks) != expected_n:

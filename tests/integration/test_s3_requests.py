@@ -58,10 +58,10 @@ def test_small_chunks_are_put_and_got_in_parallel_not_one_after_the_other(proxy:
 
 
 def test_distributed_save_starts_chunk_puts_before_rank_0_has_put_every_document(proxy: FaultProxy) -> None:
-    # rank 0 broadcasts the plan once it holds the claim; its document puts share its I/O
-    # threads with its chunks while the other ranks put theirs
+    # rank 0 broadcasts the plan once it holds the claim; every rank puts a share of the array
+    # documents on its I/O threads next to its chunks
     full = {f"t{i}": np.arange(3 * 4096, dtype=np.float32).reshape(3, 4096) + i for i in range(48)}
-    url, opts = _url(), s3_options(proxy.endpoint)
+    url, again, opts = _url(), _url(), s3_options(proxy.endpoint)
 
     def save(c: Any) -> None:
         mine = {
@@ -69,17 +69,20 @@ def test_distributed_save_starts_chunk_puts_before_rank_0_has_put_every_document
             for k, v in full.items()
         }
         gpuckpt.save(mine, url, coordinator=c, storage_options=opts, threads=4)
+        # the same layout again: the cached plan, and each rank's share of the documents with it
+        gpuckpt.save(mine, again, coordinator=c, storage_options=opts, threads=4)
 
     run_ranks(3, save)
-    puts = [path for kind, path in proxy.requests if kind == "put"]
-    documents = [i for i, p in enumerate(puts) if p.endswith("/zarr.json") and p.count("/") > 3]
-    chunks = [i for i, p in enumerate(puts) if "/c." in p]
-    assert len(documents) == 48 and len(chunks) == 3 * 48
-    assert min(chunks) < max(documents)
-    # the root document, last of all
-    assert puts[-1].endswith(url.removeprefix("s3:/") + "/zarr.json")
-    out = gpuckpt.load_state_dict(url, storage_options=opts)
-    assert all(np.array_equal(out[k], v) for k, v in full.items())
+    for where in (url, again):
+        prefix = where.removeprefix("s3:/")
+        puts = [path for kind, path in proxy.requests if kind == "put" and path.startswith(prefix + "/")]
+        documents = [i for i, p in enumerate(puts) if p.endswith("/zarr.json") and p != prefix + "/zarr.json"]
+        chunks = [i for i, p in enumerate(puts) if "/c." in p]
+        assert len(documents) == 48 and len(chunks) == 3 * 48
+        assert min(chunks) < max(documents)
+        assert puts[-1] == prefix + "/zarr.json"  # the root document, last of all
+        out = gpuckpt.load_state_dict(where, storage_options=opts)
+        assert all(np.array_equal(out[k], v) for k, v in full.items())
 
 
 def test_a_save_and_a_load_on_s3_do_not_import_zarr(endpoint: str) -> None:
