@@ -128,6 +128,9 @@ class ChunkCRC(int):
         obj.segment_bytes = segment_bytes
         return obj
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        return ChunkCRC, (int(self), self.segments, self.segment_bytes)
+
 
 class SegmentDigest:
     """Checksums a chunk's bytes fed in order (any piece sizes): each segment's CRC32C, and the

@@ -49,6 +49,17 @@ def test_digest_gives_each_segment_and_the_whole_crc_for_any_pieces(size: int, c
     assert got.segments == tuple(crc32c(data[i : i + 4096]) for i in range(0, size, 4096))
 
 
+def test_a_chunk_crc_with_segments_is_an_int_and_survives_pickling() -> None:
+    import pickle
+
+    d = SegmentDigest(4096)
+    d.update(bytes(range(256)) * 40)
+    got = d.result()
+    back = pickle.loads(pickle.dumps(got))
+    assert back == got == crc32c(bytes(range(256)) * 40) and back.segments == got.segments
+    assert segment_record(back) == (4096, got.segments)
+
+
 def _entry(per_chunk: int, nchunks: int, size: int = 4096) -> tuple[dict[str, object], bytes]:
     data = random.Random(1).randbytes(per_chunk * size)
     d = SegmentDigest(size)
