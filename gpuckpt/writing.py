@@ -412,7 +412,9 @@ def assemble_metadata(
     every release reads). Chunk lists are never built here: each tensor's chunks are its grid's
     (:class:`~gpuckpt.metadata.GridTensorStorageMetadata`). Content hashes among the columns
     (a hashing save) are listed with the records, or are columns of the table, and
-    ``storage_data["content_hash"]`` names their algorithm.
+    ``storage_data["content_hash"]`` names their algorithm. Segment records among them
+    (``segments``, see :mod:`gpuckpt.storage.segments`) go to the tensor's entry when every
+    chunk of its regular grid has them.
     """
     cols = as_columns(plan, columns)
     segments = cols.get(SEGMENTS_KEY)
