@@ -39,13 +39,14 @@ from gpuckpt.options import LoadOptions
 from gpuckpt.planning import ChunkGrid, ChunkSpec
 from gpuckpt.planning.boxes import axis_starts
 from gpuckpt.progress import ProgressCounter
-from gpuckpt.runner import batches, run_all
+from gpuckpt.runner import IO_BATCH_JOBS, batches, run_all
 from gpuckpt.storage.base import CheckpointReader, ChunkReads
 from gpuckpt.storage.checksum import CRC_BYTES
 from gpuckpt.storage.chunk_table import TABLE_KEY, ChunkTable, parse_listed
 from gpuckpt.storage.chunks import is_prefix_box, stored_nbytes
 from gpuckpt.storage.layout import chunk_file_key, metadata_from_root_document
 from gpuckpt.storage.names import is_safe_name
+from gpuckpt.storage.segments import SEGMENTS_KEY
 
 __all__ = [
     "ChunkRead",
@@ -63,6 +64,7 @@ __all__ = [
     "upload_chunk",
     "validate_metadata",
     "validated_metadata",
+    "vanished",
 ]
 
 
@@ -86,7 +88,7 @@ class TensorEntry:
     :class:`ChunkRead`) is built when first asked for; :meth:`chunk` makes one.
     """
 
-    __slots__ = ("_chunks", "crcs", "fqn", "grid", "listed", "metadata", "name", "row", "table")
+    __slots__ = ("_chunks", "crcs", "fqn", "grid", "listed", "metadata", "name", "row", "segments", "table")
 
     def __init__(
         self,
@@ -98,10 +100,13 @@ class TensorEntry:
         table: ChunkTable | None = None,
         row: int = 0,
         listed: Mapping[str, np.ndarray] | None = None,
+        segments: Any = None,
     ) -> None:
         self.fqn, self.name, self.metadata, self.grid = fqn, name, metadata, grid
         self.crcs, self.table, self.row = crcs, table, row
         self.listed = listed
+        #: the segment records of its chunks as stored (untrusted; see :mod:`gpuckpt.ranged`)
+        self.segments = segments
         self._chunks: list[ChunkRead] | None = None
 
     @property
@@ -268,7 +273,9 @@ def validate_metadata(md: Metadata) -> tuple[dict[str, TensorEntry], dict[str, A
                     f"its {expected_n} chunk table rows begin at {row!r}, outside the table of {table.rows}",
                 )
             spans.append((row, expected_n, fqn))
-            tensors[fqn] = TensorEntry(fqn, name, entry, grid, None, table, row)
+            tensors[fqn] = TensorEntry(
+                fqn, name, entry, grid, None, table, row, segments=info.get(SEGMENTS_KEY)
+            )
             continue
         raw_chunks = info.get("chunks")
         if not isinstance(raw_chunks, list) or len(raw_chunks) != expected_n:
@@ -281,7 +288,9 @@ def validate_metadata(md: Metadata) -> tuple[dict[str, TensorEntry], dict[str, A
             functools.partial(_bad, fqn),
         )
         crcs = columns.pop("crc32c")
-        tensors[fqn] = TensorEntry(fqn, name, entry, grid, crcs, listed=columns or None)
+        tensors[fqn] = TensorEntry(
+            fqn, name, entry, grid, crcs, listed=columns or None, segments=info.get(SEGMENTS_KEY)
+        )
     if table is not None:
         # the tensors' rows tile the table: each row belongs to exactly one chunk
         at = 0
@@ -403,7 +412,7 @@ def _check_crc(t: TensorEntry, c: ChunkRead, value: int, stored_crc: int) -> Non
         )
 
 
-def _vanished(t: TensorEntry, c: ChunkRead, exc: FileNotFoundError) -> MissingChunkError:
+def vanished(t: TensorEntry, c: ChunkRead, exc: FileNotFoundError) -> MissingChunkError:
     what = f"file {t.name}/{c.key} {exc.strerror}" if exc.strerror else "it disappeared"
     return MissingChunkError(
         f"chunk {c.key} of tensor {t.fqn!r} cannot be read while loading ({what}); the checkpoint "
@@ -430,7 +439,7 @@ def checksum_verified(reader: CheckpointReader, t: TensorEntry, c: ChunkRead, pi
     try:
         got, value, stored_crc = reader.read_chunk_checksum(t.name, c.key, c.nbytes, piece)
     except FileNotFoundError as exc:
-        raise _vanished(t, c, exc) from None
+        raise vanished(t, c, exc) from None
     if got != c.nbytes:
         raise CheckpointCorruptedError(
             f"chunk {c.key} of tensor {t.fqn!r}: read {got} bytes, expected {c.nbytes}; the file is truncated"
@@ -444,7 +453,7 @@ def fetch_verified(reader: CheckpointReader, t: TensorEntry, c: ChunkRead, parts
     try:
         got, value = reader.read_chunk_crc(t.name, c.key, [*parts, crc_buf])
     except FileNotFoundError as exc:
-        raise _vanished(t, c, exc) from None
+        raise vanished(t, c, exc) from None
     if got != c.nbytes:
         raise CheckpointCorruptedError(
             f"chunk {c.key} of tensor {t.fqn!r}: read {got} bytes, expected {c.nbytes}; the file is truncated"
@@ -591,7 +600,7 @@ def _read_host_batch(
     t, c, _ = reads[stop.index]
     if stop.error is not None:
         if isinstance(stop.error, FileNotFoundError):
-            raise _vanished(t, c, stop.error) from None
+            raise vanished(t, c, stop.error) from None
         raise stop.error
     if stop.got != c.nbytes:
         raise CheckpointCorruptedError(
@@ -628,7 +637,8 @@ def read_tensors(
     reads = (((t, c, dest), c.nbytes) for t, dest in targets for c in t.chunks)
     copies = CopyQueue() if staging.backends else None
     jobs = [
-        functools.partial(_read_chunks, reader, batch, staging, copies, counter) for batch in batches(reads)
+        functools.partial(_read_chunks, reader, batch, staging, copies, counter)
+        for batch in batches(reads, max_items=IO_BATCH_JOBS if reader.batches_chunks else 1)
     ]
     try:
         run_all(jobs, threads=threads, name="gpuckpt-read")

@@ -18,7 +18,7 @@ import errno
 import functools
 import math
 import os
-from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -56,6 +56,7 @@ from gpuckpt.storage.checksum import CRC_BYTES
 from gpuckpt.storage.chunk_table import COLUMNS, TABLE_KEY, TABLE_MIN_CHUNKS, listed_records, write_table
 from gpuckpt.storage.chunks import chunk_bytes, stored_nbytes
 from gpuckpt.storage.layout import array_document, chunk_file_key, root_document
+from gpuckpt.storage.segments import SEGMENTS_KEY, segment_record, segments_entry
 from gpuckpt.storage.stores import open_writer
 
 __all__ = [
@@ -74,6 +75,7 @@ __all__ = [
     "execute_save",
     "open_save_writer",
     "array_document_of",
+    "document_writes",
     "write_array_documents",
     "write_chunks",
 ]
@@ -151,15 +153,20 @@ def write_array_documents(
 
     The documents are written on up to ``threads`` threads (one round trip each on an object
     store: hundreds of them one after the other would hold every rank of a distributed save)."""
-    deferred = {}
-    jobs = []
-    for t in plan.tensors:
-        if t.name in defer:
-            deferred[t.name] = array_document_of(t)
-        else:
-            jobs.append(functools.partial(writer.write_array_document, t.name, array_document_of(t)))
-    run_all(jobs, threads=threads, name="gpuckpt-documents")
+    deferred = {t.name: array_document_of(t) for t in plan.tensors if t.name in defer}
+    run_all(document_writes(plan, writer, skip=defer), threads=threads, name="gpuckpt-documents")
     return deferred
+
+
+def document_writes(
+    plan: SavePlan, writer: CheckpointWriter, *, skip: Collection[str] = ()
+) -> list[Callable[[], None]]:
+    """One job per array of ``plan`` (but those named in ``skip``) that writes its ``zarr.json``."""
+    return [
+        functools.partial(writer.write_array_document, t.name, array_document_of(t))
+        for t in plan.tensors
+        if t.name not in skip
+    ]
 
 
 def write_chunks(
@@ -169,6 +176,7 @@ def write_chunks(
     *,
     documents: dict[str, bytes] | None = None,
     base: BaseIndex | None = None,
+    first: Sequence[Callable[[], None]] = (),
 ) -> list[Written]:
     """Write every job's chunk; returns ``(stored bytes, CRC32C)`` per job, in order (a
     :class:`~gpuckpt.incremental.ChunkResult`, which adds the chunk's hashes, when hashing).
@@ -192,6 +200,11 @@ def write_chunks(
     calling thread queues the copies of the next chunks (blocking when the
     pool is exhausted) while the I/O threads wait for each copy, write its
     buffer and return it to the pool. The first error stops the run.
+
+    ``first``: other writes (the array documents of a distributed save to a
+    store that takes chunks before documents, see
+    :attr:`~gpuckpt.storage.base.CheckpointWriter.documents_first`) run on the
+    same I/O threads, queued before the chunks.
     """
     sizes = [j.nbytes for j in jobs]
     threads, staging_bytes, progress = options.threads, options.staging_bytes, options.progress
@@ -199,9 +212,12 @@ def write_chunks(
     docs = dict(documents or {})
     staging = Staging(((j.source.backend, n) for j, n in zip(jobs, sizes, strict=True)), staging_bytes)
     staging.wait_for_producers()
-    batch: Batcher[_Item] = Batcher()
+    # one call per chunk where each chunk is a request of its own (an object store)
+    batch: Batcher[_Item] = Batcher() if writer.batches_chunks else Batcher(max_items=1)
     reuse = _Reuse(base) if options.hashing or base is not None else None
     with Runner[list[Written]](threads, name="gpuckpt-write") as run:
+        for write in first:
+            run.submit(functools.partial(_no_results, write))
 
         def submit(*groups: list[_Item]) -> None:
             """One job per group, in order; what cannot be queued any more is released."""
@@ -234,6 +250,11 @@ def write_chunks(
                 submit(batch.take(), [item])
         submit(batch.take())
         return [r for rs in run.results() for r in rs]
+
+
+def _no_results(write: Callable[[], None]) -> list[Written]:
+    write()
+    return []
 
 
 _Item = tuple[ChunkJob, StagedOut, bytes | None]
@@ -284,11 +305,23 @@ def _release_all(items: Sequence[_Item]) -> None:
 
 
 def result_columns(results: Sequence[Written]) -> dict[str, np.ndarray]:
-    """The per-chunk columns of ``results`` (in their order): ``crc32c``, and the content
-    hashes when every chunk was hashed (:func:`~gpuckpt.incremental.hash_columns`)."""
+    """The per-chunk columns of ``results`` (in their order): ``crc32c``, the content
+    hashes when every chunk was hashed (:func:`~gpuckpt.incremental.hash_columns`), and the
+    segment records of large chunks where any chunk has them (``segments``: one object per
+    chunk, see :func:`~gpuckpt.storage.segments.segment_record`)."""
     columns = {"crc32c": np.fromiter((r[1] for r in results), np.uint32, len(results))}
     columns.update(hash_columns(results))
+    records = [segment_record(r[1]) for r in results]
+    if any(r is not None for r in records):
+        columns[SEGMENTS_KEY] = _objects(records)
     return columns
+
+
+def _objects(values: Sequence[Any]) -> np.ndarray:
+    out = np.empty(len(values), object)
+    for i, v in enumerate(values):
+        out[i] = v
+    return out
 
 
 def written_rows(
@@ -311,6 +344,7 @@ def table_columns(
     columns: dict[str, np.ndarray] = {"crc32c": np.zeros(n, np.uint32)}
     every = []
     complete: set[str] | None = None
+    segments: np.ndarray | None = None  # per chunk, where any process reported them
     for rows, reported in parts:
         cols = reported if isinstance(reported, Mapping) else {"crc32c": reported}
         crcs = cols["crc32c"]
@@ -320,7 +354,15 @@ def table_columns(
         if not len(rows):
             continue
         columns["crc32c"][rows] = crcs
-        others = {name for name in cols if name != "crc32c"}
+        if SEGMENTS_KEY in cols:
+            if len(cols[SEGMENTS_KEY]) != len(rows):
+                raise GpuckptError(
+                    f"a process reported {len(cols[SEGMENTS_KEY])} segment records for {len(rows)} chunks"
+                )
+            if segments is None:
+                segments = _objects([None] * n)
+            segments[rows] = cols[SEGMENTS_KEY]
+        others = {name for name in cols if name not in ("crc32c", SEGMENTS_KEY)}
         complete = others if complete is None else complete & others
         for name in others:
             col = COLUMNS[name]
@@ -340,7 +382,10 @@ def table_columns(
             f"chunk {bad} of the save's chunk table was written {int(seen[bad])} times, expected once; "
             "the processes did not run the same plan"
         )
-    return {name: c for name, c in columns.items() if name == "crc32c" or name in (complete or ())}
+    out = {name: c for name, c in columns.items() if name == "crc32c" or name in (complete or ())}
+    if segments is not None:
+        out[SEGMENTS_KEY] = segments
+    return out
 
 
 def columns_of_results(
@@ -367,9 +412,13 @@ def assemble_metadata(
     every release reads). Chunk lists are never built here: each tensor's chunks are its grid's
     (:class:`~gpuckpt.metadata.GridTensorStorageMetadata`). Content hashes among the columns
     (a hashing save) are listed with the records, or are columns of the table, and
-    ``storage_data["content_hash"]`` names their algorithm.
+    ``storage_data["content_hash"]`` names their algorithm. Segment records among them
+    (``segments``, see :mod:`gpuckpt.storage.segments`) go to the tensor's entry when every
+    chunk of its regular grid has them.
     """
     cols = as_columns(plan, columns)
+    segments = cols.get(SEGMENTS_KEY)
+    cols = {name: c for name, c in cols.items() if name in COLUMNS}
     state_md: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
     tensors_sd: dict[str, Any] = {}
     listed = table is None
@@ -387,6 +436,10 @@ def assemble_metadata(
             )
         else:
             info["rows"] = t.row
+        if segments is not None and t.grid.kind == "regular":  # one size for every chunk
+            entry = segments_entry(segments[t.row : t.row + t.nchunks])
+            if entry is not None:
+                info[SEGMENTS_KEY] = entry
         tensors_sd[t.fqn] = info
     for fqn in plan.objects:
         state_md[fqn] = BytesStorageMetadata()

@@ -3,9 +3,11 @@
 For each requested box (a :class:`~gpuckpt.distributed.sharded.ShardedArray`
 target), the chunks of the stored grid that overlap it are found by
 bisection on the grid's edges; each such chunk is read once per process,
-verified against its CRC32C (which covers the whole chunk: a verified read
-cannot be narrower), and the overlapping part of it is copied into every
-target box that needs it; a chunk that lies whole inside the one box that
+verified against its CRC32C, and the overlapping part of it is copied into
+every target box that needs it; where the checkpoint recorded the CRC32C of
+each segment of a large chunk and the store reads ranges (``s3://``, local), only
+the segments holding the rows the boxes need are read, each one checked
+(:mod:`gpuckpt.ranged`); a chunk that lies whole inside the one box that
 needs it is read straight into that box, and small chunks are read in
 batches, as by an unsharded load. Chunks that overlap no requested box are
 never read.
@@ -25,8 +27,9 @@ from gpuckpt.device.upload import CopyQueue
 from gpuckpt.options import LoadOptions
 from gpuckpt.planning.boxes import Box, intersect, overlapping_chunks
 from gpuckpt.progress import ProgressCounter
+from gpuckpt.ranged import fetch_rows
 from gpuckpt.reading import ChunkRead, TensorEntry, fetch_verified, read_chunk_into, scratch, upload_chunk
-from gpuckpt.runner import batches, run_all
+from gpuckpt.runner import IO_BATCH_JOBS, batches, run_all
 from gpuckpt.storage.base import CheckpointReader
 
 __all__ = ["read_boxes"]
@@ -55,13 +58,20 @@ def _read_one(
         else:
             read_chunk_into(reader, t, c, adapter, at, staging, counter)
         return
-    stored = scratch(c.stored, t.dtype.newbyteorder("<"), t)
-    fetch_verified(reader, t, c, [stored.reshape(-1).view(np.uint8)])
-    for adapter, box in targets:
-        inter = intersect(chunk_box, box)
-        if inter is None:
-            continue
-        part = stored[_slices(c.spec.offsets, inter)]
+    inters = [(adapter, box, inter) for adapter, box in targets if (inter := intersect(chunk_box, box))]
+    # the rows any box needs: only the segments holding them are read where the checkpoint
+    # recorded segment checksums and the store reads ranges
+    stored, origin = None, c.spec.offsets
+    if c.stored and inters:
+        start = min(inter[0][0] for _, _, inter in inters) - origin[0]
+        stored = fetch_rows(reader, t, c, start, max(i[0][0] + i[1][0] for _, _, i in inters) - origin[0])
+    if stored is None:
+        stored = scratch(c.stored, t.dtype.newbyteorder("<"), t)
+        fetch_verified(reader, t, c, [stored.reshape(-1).view(np.uint8)])
+    else:
+        origin = (origin[0] + start, *origin[1:])
+    for adapter, box, inter in inters:
+        part = stored[_slices(origin, inter)]
         local_offsets = tuple(o - b for o, b in zip(inter[0], box[0], strict=True))
         incoming = adapter.stage_in(local_offsets, inter[1], staging)
         if copies is not None and adapter.backend is not None:
@@ -121,9 +131,10 @@ def read_boxes(
     )
     # small chunks go to the I/O threads in batches, as in an unsharded load
     copies = CopyQueue("gpuckpt-reshard-upload") if staging.backends else None
+    per_job = IO_BATCH_JOBS if reader.batches_chunks else 1  # an object store: one request each
     jobs = [
         functools.partial(_read_batch, reader, batch, staging, copies, counter)
-        for batch in batches((r, r[1].nbytes) for r in reads)
+        for batch in batches(((r, r[1].nbytes) for r in reads), max_items=per_job)
     ]
     try:
         run_all(jobs, threads=threads, name="gpuckpt-reshard")

@@ -10,11 +10,17 @@ failure on any rank fails the save on every rank and publishes nothing:
    plan is reused (only the plain values are gathered); otherwise rank 0
    gathers the descriptions (compact ones when every rank holds one box of the
    same tensors) and plans the save (:func:`gpuckpt.planning.plan.plan_save`);
-   rank 0 begins the save, writes the array documents and broadcasts the plan,
-   from which each rank lists its own chunks;
+   rank 0 begins the save, writes the array documents (on a file system: they
+   make the arrays' directories) and broadcasts the plan, from which each rank
+   lists its own chunks;
 3. every rank writes its chunks into the shared save: fsynced files in the
    shared temporary on a file system, objects at their final keys under the
-   claimed prefix of an object store (:func:`gpuckpt.storage.stores.attach_writer`);
+   claimed prefix of an object store (:func:`gpuckpt.storage.stores.attach_writer`),
+   where every rank writes a share of the array documents on its I/O threads
+   alongside its own chunks (so no rank waits for hundreds of document puts,
+   and rank 0 sends no more requests than the others; the root document is
+   still published only after every rank finished, and an error anywhere
+   aborts every object);
    in an incremental save (``base=``) rank 0 finds the arrays the base can
    serve and broadcasts their names, and each rank opens the base itself and
    decides reuse for its own chunks;
@@ -27,6 +33,7 @@ failure on any rank fails the save on every rank and publishes nothing:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import os
 import uuid
@@ -46,6 +53,7 @@ from gpuckpt.planning.uniform import CompactDescription, compact_description, lo
 from gpuckpt.sources import Source, describe_state
 from gpuckpt.storage.stores import attach_writer
 from gpuckpt.writing import (
+    array_document_of,
     bind_jobs,
     commit_save,
     open_save_writer,
@@ -95,6 +103,14 @@ class _Cached:
     token: bytes  # digest of every rank's layout digests (:func:`_token`)
     plan: SavePlan | None  # rank 0's plan (without values); None on the other ranks
     mine: tuple[ChunkAssignment, ...]  # the chunks this rank writes
+    documents: tuple[tuple[str, bytes], ...]  # the array documents this rank writes (see _my_documents)
+
+
+def _my_documents(plan: SavePlan, rank: int, world_size: int) -> tuple[tuple[str, bytes], ...]:
+    """``(array name, zarr.json)`` of every ``world_size``-th array of ``plan`` from ``rank`` on: the
+    documents this rank writes into a store that takes chunks before documents (an object store),
+    so that each rank sends as many requests as the others and rank 0 is not the last to finish."""
+    return tuple((t.name, array_document_of(t)) for t in plan.tensors[rank::world_size])
 
 
 def _token(keys: list[tuple[bytes, bytes | None]]) -> bytes:
@@ -156,7 +172,7 @@ def save_described(
         assert cached is not None
         info.hits += 1
         values = coord.gather((local.objects, local.skeleton))
-        mine_cached = cached.mine
+        mine_cached, documents = cached.mine, cached.documents
     else:
         info.misses += 1
         uniform = all(k[1] is not None and k[1] == keys[0][1] for k in keys)
@@ -185,7 +201,8 @@ def save_described(
         writer = open_save_writer(path, options, expected_files=plan.nfiles, direct_io=False)
         with writing(writer):
             writer.begin()
-            write_array_documents(plan, writer, threads=options.threads)
+            if writer.documents_first:
+                write_array_documents(plan, writer, threads=options.threads)
         return plan, writer.token, reusable
 
     root = _run(coord, plan_on_root) if coord.rank == 0 else _run(coord, lambda: None)
@@ -198,7 +215,8 @@ def save_described(
         shared = None if plan is None else dataclasses.replace(plan, objects={}, skeleton=None)
         shared, token, reusable = coord.broadcast((shared, token, reusable), root=0)
         mine = _run(coord, shared.assignments_of, coord.rank)
-        _cache[coord] = _Cached(layout_token, shared if coord.rank == 0 else None, mine)
+        documents = _my_documents(shared, coord.rank, coord.world_size)
+        _cache[coord] = _Cached(layout_token, shared if coord.rank == 0 else None, mine, documents)
 
     def write_mine() -> tuple[np.ndarray, dict[str, np.ndarray]]:
         w = writer if coord.rank == 0 else attach_writer(path, token, storage_options=options.store_options())
@@ -206,7 +224,12 @@ def save_described(
         if coord.rank != 0 and reusable is not None and options.base_location is not None:
             mine_base = open_base(options.base_location, options.storage_options, reusable)
         jobs = bind_jobs(mine, sources)
-        return written_rows(jobs, write_chunks(jobs, w, options, base=mine_base))
+        # an object store takes chunks before documents: every rank started on the plan at once,
+        # and puts its share of the documents on its I/O threads, within its request budget
+        first = (
+            [] if w.documents_first else [functools.partial(w.write_array_document, *d) for d in documents]
+        )
+        return written_rows(jobs, write_chunks(jobs, w, options, base=mine_base, first=first))
 
     try:
         results = _run(coord, write_mine)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpuckpt.storage.checksum import CRC_BYTES, crc32c
+from gpuckpt.storage.segments import SegmentDigest, segmented
 
 __all__ = [
     "BaseRef",
@@ -123,6 +124,18 @@ class CheckpointWriter(ABC):
        removes what was written and never touches a published checkpoint.
     """
 
+    #: whether the I/O threads should hand this writer many small chunks per call (one
+    #: :meth:`write_chunks` batch: cheaper than a call per chunk where native code writes the
+    #: files); False where every chunk is a request of its own (an object store), so that small
+    #: chunks go out in parallel on the I/O threads, not one after the other
+    batches_chunks: bool = True
+
+    #: whether an array's document must be written before any of its chunks (a file system:
+    #: writing the document makes the array's directory); False where chunks may land first
+    #: (an object store has no directories), which lets a distributed save start every rank's
+    #: chunk writes while the documents are still being written
+    documents_first: bool = True
+
     @property
     def token(self) -> str | None:
         """What another process needs to write chunks into this save once it has begun
@@ -197,6 +210,15 @@ class CheckpointWriter(ABC):
         return crcs
 
     def _write_checked(self, name: str, key: str, parts: list[Any]) -> int:
+        """Write one chunk through :meth:`write_chunk_checked`; its CRC32C, which for a large
+        chunk also carries its segments' (:class:`~gpuckpt.storage.segments.ChunkCRC`, in the
+        same pass: see :mod:`gpuckpt.storage.segments`)."""
+        if segmented(sum(memoryview(p).nbytes for p in parts)):
+            seg = SegmentDigest()
+            self.write_chunk_checked(
+                name, key, parts, seg.update, lambda: seg.value.to_bytes(CRC_BYTES, "little")
+            )
+            return seg.result()
         value = 0
 
         def digest(piece: Any) -> None:
@@ -222,6 +244,21 @@ class CheckpointReader(ABC):
     refuse documents over :data:`~gpuckpt.storage.layout.MAX_ROOT_DOCUMENT_BYTES`
     and :data:`~gpuckpt.storage.layout.MAX_ARRAY_DOCUMENT_BYTES` before reading them.
     """
+
+    #: whether the I/O threads should hand this reader many small chunks per call (see
+    #: :attr:`CheckpointWriter.batches_chunks`)
+    batches_chunks: bool = True
+
+    #: whether :meth:`read_range_crcs` reads part of a chunk (else only whole chunks are read)
+    reads_ranges: bool = False
+
+    def read_range_crcs(
+        self, name: str, key: str, offset: int, dests: Sequence[Any]
+    ) -> tuple[int, list[int]]:
+        """Fill the writable buffers ``dests`` in order from the chunk's bytes at ``offset`` on
+        (one ranged read); returns ``(bytes read, the CRC32C of each buffer)``, each CRC
+        meaningful only when its buffer was filled. Only where :attr:`reads_ranges`."""
+        raise NotImplementedError(f"{type(self).__name__} reads whole chunks only")
 
     @abstractmethod
     def read_root(self) -> bytes | bytearray: ...

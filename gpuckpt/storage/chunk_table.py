@@ -200,7 +200,9 @@ def encode_table(
     columns: Mapping[str, np.ndarray],
 ) -> tuple[dict[str, Any], list[tuple[str, bytes]], list[TablePart]]:
     """The chunk table of ``columns`` (each ``rows`` long): its ``storage_data`` entry, the array
-    documents ``(name, zarr.json)`` and the chunks to store."""
+    documents ``(name, zarr.json)`` and the chunks to store. Entries of ``columns`` that are not
+    table columns (:data:`COLUMNS`; segment records go to the tensors' entries) are left out."""
+    columns = {name: values for name, values in columns.items() if name in COLUMNS}
     rows = len(next(iter(columns.values())))
     if rows == 0 or rows > MAX_TABLE_ROWS:
         raise ValueError(f"a chunk table has 1 to {MAX_TABLE_ROWS} rows, not {rows}")

@@ -13,7 +13,17 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["buffer_address", "read_exact", "read_exact_at", "readv_exact", "write_all", "writev_all"]
+from gpuckpt.storage.checksum import crc32c
+
+__all__ = [
+    "buffer_address",
+    "read_crcs_at",
+    "read_exact",
+    "read_exact_at",
+    "readv_exact",
+    "write_all",
+    "writev_all",
+]
 
 
 def write_all(fd: int, data: Any) -> None:
@@ -83,3 +93,16 @@ def readv_exact(fd: int, buffers: Sequence[Any]) -> int:
         total += n
         views = _advance(views, n)
     return total
+
+
+def read_crcs_at(fd: int, offset: int, dests: Sequence[Any]) -> tuple[int, list[int]]:
+    """Fill ``dests`` in order from ``fd`` at ``offset`` on; ``(bytes read, CRC32C of each buffer)``
+    (each checksummed right after it is read, while it is in the CPU cache)."""
+    total, crcs = 0, []
+    for d in dests:
+        n = read_exact_at(fd, d, offset + total)
+        total += n
+        crcs.append(crc32c(memoryview(d).cast("B")[:n]))
+        if n < memoryview(d).nbytes:
+            break
+    return total, crcs + [0] * (len(dests) - len(crcs))

@@ -55,6 +55,7 @@ from gpuckpt.storage.direct import DIRECT_MIN_BYTES, DirectWriter, read_direct
 from gpuckpt.storage.direct import available as direct_io_available
 from gpuckpt.storage.fileio import (
     buffer_address,
+    read_crcs_at,
     read_exact,
     read_exact_at,
     readv_exact,
@@ -799,6 +800,17 @@ class LocalReader(CheckpointReader):
             return open_regular(f"{self._array_dir(name)}/{key}")
         except NotADirectoryError:
             raise FileNotFoundError(errno.ENOENT, "array directory is not a directory", name) from None
+
+    reads_ranges = True
+
+    def read_range_crcs(
+        self, name: str, key: str, offset: int, dests: Sequence[Any]
+    ) -> tuple[int, list[int]]:
+        fd = self._open_chunk(name, key)
+        try:
+            return read_crcs_at(fd, offset, dests)
+        finally:
+            os.close(fd)
 
     def read_chunk_into(self, name: str, key: str, dests: Sequence[Any]) -> int:
         fd = self._open_chunk(name, key)

@@ -47,12 +47,11 @@ would leave no checkpoint at all if the save then failed. Such a save is
 refused; save to a new prefix (as :class:`gpuckpt.CheckpointManager` does
 with one prefix per step) and delete the old one afterwards.
 
-The back end is obstore's ``S3Store``, wrapped in zarr's
-:class:`zarr.storage.ObjectStore` for the plain puts of documents and chunks
-(:func:`zarr_store` opens a checkpoint with zarr itself). obstore is called
-directly where zarr's store API cannot express the operation: conditional
-puts with their outcome, gets with a size limit, listings with sizes, bulk
-deletes, and streamed reads into the caller's buffers. Conditional puts need
+The back end is obstore's ``S3Store``, called directly: plain and
+conditional puts with their outcome, gets with a size limit, listings with
+sizes, bulk deletes, and streamed reads into the caller's buffers (zarr is
+not imported by a save or a load; :func:`zarr_store` opens a checkpoint with
+zarr itself, through zarr's :class:`zarr.storage.ObjectStore`). Conditional puts need
 a server that honours ``If-None-Match``/``If-Match`` on PUT (AWS S3, MinIO,
 Cloudflare R2, moto); for others pass ``conditional_writes=False``, which
 keeps atomic publication but not the guarantees between concurrent saves.
@@ -77,7 +76,7 @@ from gpuckpt.errors import (
     CheckpointWriteError,
     MetadataError,
 )
-from gpuckpt.storage import crccopy, fsutil
+from gpuckpt.storage import fsutil
 from gpuckpt.storage.base import BaseRef, CheckpointReader, CheckpointWriter
 from gpuckpt.storage.checksum import CRC_BYTES, crc32c
 from gpuckpt.storage.layout import (
@@ -99,13 +98,13 @@ from gpuckpt.storage.s3_client import (
     pop_transfer_options,
     zarr_store,
 )
+from gpuckpt.storage.s3_ranges import stream_into
 
 __all__ = ["CLAIM_KEY", "ObjectStoreReader", "ObjectStoreWriter", "parse_s3_url", "zarr_store"]
 
 CLAIM_KEY = ".gpuckpt-writer"
 DEFAULT_LEASE_SECONDS = 60.0
 _MAX_CLAIM_BYTES = 1 << 24
-_STREAM_PIECE = 4 << 20
 
 
 def _machine() -> str:
@@ -126,11 +125,9 @@ def _rel(name: str, key: str) -> str:
 
 
 class _Prefix:
-    """What readers and writers share: the stores and error translation."""
+    """What readers and writers share: the store and error translation."""
 
     def __init__(self, url: str, storage_options: dict[str, Any]) -> None:
-        from zarr.storage import ObjectStore
-
         self.lease = float(storage_options.pop("lease_seconds", DEFAULT_LEASE_SECONDS))
         if not self.lease > 0:
             raise ValueError(f"lease_seconds must be a positive number of seconds, got {self.lease!r}")
@@ -139,7 +136,6 @@ class _Prefix:
         self.budget = RequestBudget(self.transfer.max_requests, self.transfer.upload_buffer_bytes)
         self.path = url.rstrip("/")
         self._obs = obstore_for(url, storage_options)
-        self.zarr_store = ObjectStore(self._obs)
 
     #: what errors of the store become (:meth:`_io`) where no other type is asked for
     _error: type[OSError] = OSError
@@ -220,6 +216,8 @@ class ObjectStoreWriter(_Prefix, CheckpointWriter):
     """
 
     _error = CheckpointWriteError
+    batches_chunks = False  # each chunk is a request: small ones go out in parallel
+    documents_first = False  # no directories: chunks may land before their array's document
 
     def __init__(self, url: str, *, overwrite: bool = False, **storage_options: Any) -> None:
         super().__init__(url, storage_options)
@@ -533,8 +531,8 @@ class ObjectStoreWriter(_Prefix, CheckpointWriter):
             # the put zarr's ObjectStore.set makes, without its event-loop thread: that thread
             # cannot be started while the interpreter exits, when queued saves still run
             if nparts == 1:
-                body = pieces[0] if len(pieces) == 1 else b"".join(memoryview(p).cast("B") for p in pieces)
-                obs.put(self._obs, rel, body, use_multipart=False)
+                # the client gathers the pieces into its own buffer: no joined copy of ours first
+                obs.put(self._obs, rel, pieces if len(pieces) > 1 else pieces[0], use_multipart=False)
             else:
                 views = [memoryview(p).cast("B") for p in pieces]
                 obs.put(self._obs, rel, views, use_multipart=True, chunk_size=part, max_concurrency=slots)
@@ -680,6 +678,16 @@ class ObjectStoreReader(_Prefix, CheckpointReader):
     checked to stay inside the prefix.
     """
 
+    batches_chunks = False  # each chunk is a request: small ones are fetched in parallel
+    reads_ranges = True
+
+    def read_range_crcs(
+        self, name: str, key: str, offset: int, dests: Sequence[Any]
+    ) -> tuple[int, list[int]]:
+        rel = _rel(name, key)
+        with self._io(f"reading {rel} from byte {offset}"), self.budget.take():
+            return stream_into(self._obs, rel, offset, dests, "each")
+
     def __init__(self, url: str, **storage_options: Any) -> None:
         super().__init__(url, storage_options)
         self._sizes: dict[str, int] | None = None
@@ -721,37 +729,10 @@ class ObjectStoreReader(_Prefix, CheckpointReader):
     def _stream_into(self, name: str, key: str, dests: Sequence[Any], checksum: bool) -> tuple[int, int]:
         """Fill ``dests`` in order from the object; ``(bytes read, CRC32C of all but the last
         buffer)`` (the CRC is 0 unless ``checksum``)."""
-        import obstore as obs
-
         rel = _rel(name, key)
-        views = [memoryview(d).cast("B") for d in dests]
-        want = sum(v.nbytes for v in views)
-        if want == 0:
-            return 0, 0
-        fused = checksum and crccopy.available()
-        last = len(views) - 1  # the trailer's buffer: copied, not checksummed
-        i, pos, total, value = 0, 0, 0, 0
         with self._io(f"reading {rel}"), self.budget.take():
-            res = obs.get(self._obs, rel, options={"range": (0, want)})
-            for piece in res.stream(min_chunk_size=_STREAM_PIECE):
-                src = memoryview(piece)
-                while src.nbytes and i < len(views):
-                    n = min(src.nbytes, views[i].nbytes - pos)
-                    dst = views[i][pos : pos + n]
-                    if checksum and i != last:
-                        if fused:
-                            value = crccopy.crc_copy(src[:n], dst, value)
-                        else:
-                            dst[:] = src[:n]
-                            value = crc32c(dst, value)  # while the piece is still in the cache
-                    else:
-                        dst[:] = src[:n]
-                    src, pos, total = src[n:], pos + n, total + n
-                    if pos == views[i].nbytes:
-                        i, pos = i + 1, 0
-                if i == len(views):
-                    break
-        return total, value
+            total, crcs = stream_into(self._obs, rel, 0, dests, "chunk" if checksum else "none")
+        return total, crcs[0]
 
     def read_chunk_checksum(self, name: str, key: str, nbytes: int, piece: int) -> tuple[int, int, int]:
         """Streams the object in pieces of about ``piece`` bytes, checksummed as they arrive."""

@@ -97,6 +97,7 @@ class _Handler(socketserver.StreamRequestHandler):
                 else:
                     body = self.rfile.read(int(lower.get("content-length", "0") or 0))
                 fault = self.server.proxy._decide(method, target, len(body))
+                self._kind = request_kind(method, target)
                 self._held = len(body)
                 try:
                     if not self._answer(fault, method, target, body, headers):
@@ -111,6 +112,7 @@ class _Handler(socketserver.StreamRequestHandler):
 
     _upstream: http.client.HTTPConnection | None = None
     _held: int | None = None
+    _kind = ""
 
     def _release(self) -> None:
         """The request stops counting as in flight (once): before its answer goes out, so that
@@ -174,6 +176,7 @@ class _Handler(socketserver.StreamRequestHandler):
         raw = head.encode("latin-1") + (b"" if method == "HEAD" else body)
         if cut:  # part of the answer: half the body, or half the head when there is no body
             raw = raw[: len(head) + len(body) // 2] if len(body) > 1 else raw[: len(head) // 2]
+        self.server.proxy._sent(self._kind, len(raw) - len(head) if len(raw) > len(head) else 0)
         self.wfile.write(raw)
         self.wfile.flush()
 
@@ -225,6 +228,10 @@ class FaultProxy:
         self._lock = threading.Lock()
         self.counts: Counter[str] = Counter()
         self.injected: Counter[str] = Counter()
+        #: bytes of answer bodies sent to the client, by request kind (``get``: object bytes read)
+        self.body_bytes_out: Counter[str] = Counter()
+        #: ``(kind, path)`` of every request, in arrival order
+        self.requests: list[tuple[str, str]] = []
         #: the most requests the proxy held at once (received, not yet answered)
         self.max_active = 0
         self._active = 0
@@ -241,6 +248,7 @@ class FaultProxy:
     def _decide(self, method: str, target: str, nbytes: int) -> str | None:
         with self._lock:
             self.counts[request_kind(method, target)] += 1
+            self.requests.append((request_kind(method, target), target.partition("?")[0]))
             self._active += 1
             self._active_bytes += nbytes
             self.max_active = max(self.max_active, self._active)
@@ -250,6 +258,10 @@ class FaultProxy:
             fault = self._rng.choice(self.faults)
             self.injected[fault] += 1
             return fault
+
+    def _sent(self, kind: str, nbytes: int) -> None:
+        with self._lock:
+            self.body_bytes_out[kind] += nbytes
 
     def _done(self, nbytes: int) -> None:
         with self._lock:
@@ -262,10 +274,12 @@ class FaultProxy:
             self.rate = rate
 
     def reset_counts(self) -> dict[str, int]:
-        """The request counts so far (then zeroed)."""
+        """The request counts so far (then zeroed, with :attr:`body_bytes_out` and :attr:`requests`)."""
         with self._lock:
             out = dict(self.counts)
             self.counts.clear()
+            self.body_bytes_out.clear()
+            self.requests.clear()
             self.max_active = self.max_active_bytes = 0
             return out
 
