@@ -21,6 +21,7 @@ from typing import Any
 from gpuckpt.cli.text import printable
 from gpuckpt.errors import CheckpointCorruptedError, ChecksumError, MetadataError, UnsafeCheckpointError
 from gpuckpt.progress import ProgressCallback, ProgressCounter
+from gpuckpt.ranged import segments_of
 from gpuckpt.reading import (
     ChunkRead,
     TensorEntry,
@@ -153,6 +154,28 @@ def _check_chunk(reader: CheckpointReader, t: TensorEntry, c: ChunkRead, piece: 
     return None
 
 
+def _check_segments(t: TensorEntry) -> Damage | None:
+    """Whether ``t``'s segment records (``storage_data``, for ranged reads) are usable and add
+    up to every chunk's CRC32C, as gpuckpt writes them; loads are unaffected by bad ones (they
+    read whole chunks then), which is why only a verify finds them."""
+    if t.segments is None:
+        return None
+    seg = segments_of(t)
+    where = f"zarr.json (segment records of {t.name})"
+    if seg is None:
+        return Damage(where, "malformed: ranged reads of this tensor fall back to whole chunks", t.fqn)
+    crcs = [] if t.crcs is None else t.crcs.tolist()
+    bad = [i for i, crc in enumerate(crcs) if seg.of_chunk(i, crc) is None]
+    if bad:
+        return Damage(
+            where,
+            f"{len(bad)} chunk(s) (first: chunk {bad[0]} in C order) have segment CRC32Cs that do not "
+            "combine to the chunk's CRC32C: ranged reads of them fall back to whole chunks",
+            t.fqn,
+        )
+    return None
+
+
 _MIN_PIECE = 64 << 10
 _MAX_PIECE = 4 << 20
 
@@ -224,9 +247,9 @@ def verify_checkpoint(
 
     entries = list(tensors.values())
     for t in entries:
-        bad = _check_array_doc(reader, t)
-        if bad is not None:
-            report.damage.append(bad)
+        for bad in (_check_array_doc(reader, t), _check_segments(t)):
+            if bad is not None:
+                report.damage.append(bad)
 
     counter = ProgressCounter(progress, sum(t.nbytes for t in entries))
     workers = threads or default_threads()

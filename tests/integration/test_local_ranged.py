@@ -7,14 +7,18 @@ is not needed is not read at all.
 
 from __future__ import annotations
 
+import base64
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 import gpuckpt
 from gpuckpt.errors import ChecksumError
-from gpuckpt.storage.segments import SEGMENT_BYTES
+from gpuckpt.storage.layout import ROOT_KEY, metadata_from_root_document, root_document
+from gpuckpt.storage.segments import SEGMENT_BYTES, SEGMENTS_KEY
+from gpuckpt.verify import verify_checkpoint
 
 STATE = np.arange(3 << 20, dtype=np.float32).reshape(3072, 1024)
 
@@ -44,3 +48,34 @@ def test_a_partial_local_load_reads_and_checks_only_the_segments_holding_its_row
         _rows(path, 1500, 1600)
     with pytest.raises(ChecksumError, match=r"c\.1\.0"):  # the whole tensor: the whole chunk, checked
         gpuckpt.load({"w": np.empty_like(STATE)}, path)
+
+
+def _rewrite_root(path: Path, change: Any) -> None:
+    """Re-publish the root document with ``change(storage_data)`` applied (valid and checksummed)."""
+    root = path / ROOT_KEY
+    md = metadata_from_root_document(root.read_bytes(), str(root))
+    change(md.storage_data)
+    root.write_bytes(root_document(md))
+
+
+def test_verify_reports_segment_records_that_do_not_add_up_and_loads_stay_correct(tmp_path: Path) -> None:
+    path = tmp_path / "ck"
+    gpuckpt.save({"w": STATE}, path, chunk_bytes=4 << 20)
+    assert verify_checkpoint(path).ok
+
+    def swap(sd: dict[str, Any]) -> None:
+        entry = sd["tensors"]["w"][SEGMENTS_KEY]
+        crcs = np.frombuffer(base64.b64decode(entry["crc32c"]), "<u4").copy()
+        crcs[[5, 6]] = crcs[[6, 5]]  # two segments of chunk 1 swapped: they no longer combine
+        entry["crc32c"] = base64.b64encode(crcs.tobytes()).decode()
+
+    _rewrite_root(path, swap)
+    report = verify_checkpoint(path)
+    assert [(d.fqn, d.where) for d in report.damage] == [("w", "zarr.json (segment records of w)")]
+    assert "chunk 1 in C order" in report.damage[0].problem
+    assert np.array_equal(_rows(path, 1500, 1600), STATE[1500:1600])  # read whole, checked whole
+
+    _rewrite_root(path, lambda sd: sd["tensors"]["w"].__setitem__(SEGMENTS_KEY, {"bytes": 3, "crc32c": "?"}))
+    report = verify_checkpoint(path)
+    assert [d.problem.split(":")[0] for d in report.damage] == ["malformed"]
+    assert np.array_equal(_rows(path, 1500, 1600), STATE[1500:1600])
