@@ -55,56 +55,50 @@ zarr itself, through zarr's :class:`zarr.storage.ObjectStore`). Conditional puts
 a server that honours ``If-None-Match``/``If-Match`` on PUT (AWS S3, MinIO,
 Cloudflare R2, moto); for others pass ``conditional_writes=False``, which
 keeps atomic publication but not the guarantees between concurrent saves.
+
+Reading a published checkpoint is :mod:`gpuckpt.storage.s3_reader`; what readers,
+writers and roots share (the client, error translation, object keys) is
+:mod:`gpuckpt.storage.s3_prefix`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import json
 import os
 import secrets
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
 
 from gpuckpt.errors import (
     CheckpointExistsError,
-    CheckpointNotFoundError,
     CheckpointWriteError,
     MetadataError,
 )
 from gpuckpt.storage import fsutil
-from gpuckpt.storage.base import BaseRef, CheckpointReader, CheckpointWriter
-from gpuckpt.storage.checksum import CRC_BYTES, crc32c
+from gpuckpt.storage.base import BaseRef, CheckpointWriter
+from gpuckpt.storage.checksum import CRC_BYTES
 from gpuckpt.storage.layout import (
-    MAX_ARRAY_DOCUMENT_BYTES,
     MAX_ROOT_DOCUMENT_BYTES,
     ROOT_DOCUMENT_PREFIX,
     ROOT_KEY,
     is_chunk_file_key,
     root_document_problem,
-    too_large,
 )
 from gpuckpt.storage.names import is_safe_name
 from gpuckpt.storage.s3_client import (
-    RequestBudget,
     first_line,
-    obstore_for,
     parse_s3_url,
     plan_parts,
-    pop_transfer_options,
     zarr_store,
 )
-from gpuckpt.storage.s3_ranges import stream_into
+from gpuckpt.storage.s3_prefix import CLAIM_KEY, MAX_CLAIM_BYTES, Prefix, object_key
+from gpuckpt.storage.s3_reader import ObjectStoreReader
 
 __all__ = ["CLAIM_KEY", "ObjectStoreReader", "ObjectStoreWriter", "parse_s3_url", "zarr_store"]
-
-CLAIM_KEY = ".gpuckpt-writer"
-DEFAULT_LEASE_SECONDS = 60.0
-_MAX_CLAIM_BYTES = 1 << 24
 
 
 def _machine() -> str:
@@ -117,84 +111,7 @@ def _machine() -> str:
         return ""
 
 
-def _rel(name: str, key: str) -> str:
-    """Key of ``name/key`` inside the prefix; refuses anything that could leave it."""
-    if not is_safe_name(name) or not (key == ROOT_KEY or is_chunk_file_key(key)):
-        raise ValueError(f"refusing object key {name!r}/{key!r}: not a checkpoint array name and key")
-    return f"{name}/{key}"
-
-
-class _Prefix:
-    """What readers and writers share: the store and error translation."""
-
-    def __init__(self, url: str, storage_options: dict[str, Any]) -> None:
-        self.lease = float(storage_options.pop("lease_seconds", DEFAULT_LEASE_SECONDS))
-        if not self.lease > 0:
-            raise ValueError(f"lease_seconds must be a positive number of seconds, got {self.lease!r}")
-        self.conditional = bool(storage_options.pop("conditional_writes", True))
-        self.transfer = pop_transfer_options(storage_options)
-        self.budget = RequestBudget(self.transfer.max_requests, self.transfer.upload_buffer_bytes)
-        self.path = url.rstrip("/")
-        self._obs = obstore_for(url, storage_options)
-
-    #: what errors of the store become (:meth:`_io`) where no other type is asked for
-    _error: type[OSError] = OSError
-
-    @contextlib.contextmanager
-    def _io(self, what: str, error: type[OSError] | None = None) -> Iterator[None]:
-        """Turn obstore's errors (not OSErrors, except not-found) into ``error`` naming ``what``.
-
-        Nested blocks name the innermost operation: an error already turned is an
-        OSError, which passes through the outer ones.
-        """
-        error = error or self._error
-        from obstore.exceptions import (
-            BaseError,
-            NotSupportedError,
-            PermissionDeniedError,
-            UnauthenticatedError,
-        )
-
-        try:
-            yield
-        except (PermissionDeniedError, UnauthenticatedError) as exc:
-            raise error(
-                errno.EACCES,
-                f"{what} at {self.path} was refused ({first_line(exc)}); check the credentials "
-                "and bucket policy in storage_options",
-            ) from None
-        except NotSupportedError as exc:
-            raise error(
-                errno.EOPNOTSUPP,
-                f"{what} at {self.path}: the server refused a request ({first_line(exc)}); if it does not "
-                "support conditional puts (If-None-Match), pass storage_options conditional_writes=False",
-            ) from None
-        except BaseError as exc:
-            raise error(errno.EIO, f"{what} at {self.path} failed: {first_line(exc)}") from exc
-
-    def _get_small(self, rel: str, limit: int, name: str) -> bytes | None:
-        """The object ``rel`` (None when absent), refused unread above ``limit`` (the cap ``name``)."""
-        import obstore as obs
-
-        with self._io(f"reading {rel}"):
-            try:
-                res = obs.get(self._obs, rel)
-            except FileNotFoundError:
-                return None
-            size = res.meta["size"]
-            if size > limit:
-                raise too_large(f"{self.path}/{rel}", size, limit, name)
-            return bytes(res.bytes())
-
-    def _list(self) -> dict[str, int]:
-        """Every object under the prefix: relative key -> size."""
-        import obstore as obs
-
-        with self._io("listing the objects"):
-            return {m["path"]: m["size"] for batch in obs.list(self._obs) for m in batch}
-
-
-class ObjectStoreWriter(_Prefix, CheckpointWriter):
+class ObjectStoreWriter(Prefix, CheckpointWriter):
     """Writes a checkpoint under an ``s3://`` prefix; see the module docstring for the protocol.
 
     Parameters
@@ -263,7 +180,7 @@ class ObjectStoreWriter(_Prefix, CheckpointWriter):
         """
         w = cls(url, **storage_options)
         with w._io("joining the save", CheckpointWriteError):
-            raw = w._get_small(CLAIM_KEY, _MAX_CLAIM_BYTES, "the claim object's limit")
+            raw = w._get_small(CLAIM_KEY, MAX_CLAIM_BYTES, "the claim object's limit")
         try:
             found = json.loads(raw or b"null")["token"]
         except (ValueError, KeyError, TypeError):
@@ -538,15 +455,15 @@ class ObjectStoreWriter(_Prefix, CheckpointWriter):
                 obs.put(self._obs, rel, views, use_multipart=True, chunk_size=part, max_concurrency=slots)
 
     def write_array_document(self, name: str, document: bytes) -> None:
-        self._write(_rel(name, ROOT_KEY), document)
+        self._write(object_key(name, ROOT_KEY), document)
 
     def rewrite_array_document(self, name: str, document: bytes) -> None:
-        self._write(_rel(name, ROOT_KEY), document)  # a put replaces the object
+        self._write(object_key(name, ROOT_KEY), document)  # a put replaces the object
 
     def write_chunk(self, name: str, key: str, parts: Sequence[Any]) -> None:
         # no concatenation here: a small chunk is joined once for its single put, a large one
         # goes up in parts read from the caller's buffers
-        self._write(_rel(name, key), [memoryview(p).cast("B") for p in parts])
+        self._write(object_key(name, key), [memoryview(p).cast("B") for p in parts])
 
     def reuse_chunk(self, name: str, key: str, base: BaseRef) -> bool:
         """A server-side copy (``CopyObject``: no chunk bytes through this process) of the
@@ -561,13 +478,13 @@ class ObjectStoreWriter(_Prefix, CheckpointWriter):
         try:
             src_bucket, src_prefix = parse_s3_url(base.location)
             bucket, prefix = parse_s3_url(self.path)
-            src = "/".join(p for p in (src_prefix, _rel(base.name, base.key)) if p)
+            src = "/".join(p for p in (src_prefix, object_key(base.name, base.key)) if p)
         except ValueError:
             return False
         # a single CopyObject takes objects up to 5 GiB (larger ones need UploadPartCopy)
         if src_bucket != bucket or not CRC_BYTES <= base.nbytes <= 5 << 30:
             return False
-        rel = _rel(name, key)
+        rel = object_key(name, key)
         store = S3Store(
             config=self._obs.config,
             client_options=self._obs.client_options,
@@ -668,92 +585,3 @@ class ObjectStoreWriter(_Prefix, CheckpointWriter):
         except Exception:
             return False
         return True
-
-
-class ObjectStoreReader(_Prefix, CheckpointReader):
-    """Reads a checkpoint published under an ``s3://`` prefix.
-
-    Object sizes come from one listing of the prefix (not a HEAD per chunk);
-    chunks are streamed with a ranged GET into the caller's buffers. Keys are
-    checked to stay inside the prefix.
-    """
-
-    batches_chunks = False  # each chunk is a request: small ones are fetched in parallel
-    reads_ranges = True
-
-    def read_range_crcs(
-        self, name: str, key: str, offset: int, dests: Sequence[Any]
-    ) -> tuple[int, list[int]]:
-        rel = _rel(name, key)
-        with self._io(f"reading {rel} from byte {offset}"), self.budget.take():
-            return stream_into(self._obs, rel, offset, dests, "each")
-
-    def __init__(self, url: str, **storage_options: Any) -> None:
-        super().__init__(url, storage_options)
-        self._sizes: dict[str, int] | None = None
-        self._lock = threading.Lock()
-
-    def read_root(self) -> bytes:
-        with self._io("reading the root metadata"):
-            raw = self._get_small(ROOT_KEY, MAX_ROOT_DOCUMENT_BYTES, "MAX_ROOT_DOCUMENT_BYTES")
-            if raw is not None:
-                return raw
-            claimed = self._get_small(CLAIM_KEY, _MAX_CLAIM_BYTES, "the claim object's limit") is not None
-        hint = " (a save to it is running or died: its claim object is there)" if claimed else ""
-        raise CheckpointNotFoundError(f"no checkpoint at {self.path}: it has no {ROOT_KEY}{hint}")
-
-    def read_array_document(self, name: str) -> bytes:
-        rel = _rel(name, ROOT_KEY)
-        with self._io(f"reading {rel}"):
-            raw = self._get_small(rel, MAX_ARRAY_DOCUMENT_BYTES, "MAX_ARRAY_DOCUMENT_BYTES")
-        if raw is None:
-            raise FileNotFoundError(errno.ENOENT, "array document missing", f"{self.path}/{rel}")
-        return raw
-
-    def chunk_nbytes(self, name: str, key: str) -> int | None:
-        rel = _rel(name, key)
-        with self._lock:
-            if self._sizes is None:
-                with self._io("listing the checkpoint"):
-                    self._sizes = self._list()
-        return self._sizes.get(rel)
-
-    def read_chunk_into(self, name: str, key: str, dests: Sequence[Any]) -> int:
-        return self._stream_into(name, key, dests, checksum=False)[0]
-
-    def read_chunk_crc(self, name: str, key: str, dests: Sequence[Any]) -> tuple[int, int]:
-        """Streams the object into ``dests``, checksumming each piece as it is copied (in one
-        pass with the native copy-with-CRC loop where it is built), not in a second pass."""
-        return self._stream_into(name, key, dests, checksum=True)
-
-    def _stream_into(self, name: str, key: str, dests: Sequence[Any], checksum: bool) -> tuple[int, int]:
-        """Fill ``dests`` in order from the object; ``(bytes read, CRC32C of all but the last
-        buffer)`` (the CRC is 0 unless ``checksum``)."""
-        rel = _rel(name, key)
-        with self._io(f"reading {rel}"), self.budget.take():
-            total, crcs = stream_into(self._obs, rel, 0, dests, "chunk" if checksum else "none")
-        return total, crcs[0]
-
-    def read_chunk_checksum(self, name: str, key: str, nbytes: int, piece: int) -> tuple[int, int, int]:
-        """Streams the object in pieces of about ``piece`` bytes, checksummed as they arrive."""
-        import obstore as obs
-
-        rel = _rel(name, key)
-        data = max(0, nbytes - CRC_BYTES)
-        total = value = 0
-        trailer = bytearray()
-        if nbytes == 0:
-            return 0, 0, 0
-        with self._io(f"reading {rel}"), self.budget.take():
-            res = obs.get(self._obs, rel, options={"range": (0, nbytes)})
-            for part in res.stream(min_chunk_size=max(1, piece)):
-                view = memoryview(part).cast("B")[: nbytes - total]
-                take = min(view.nbytes, max(0, data - total))
-                if take:
-                    value = crc32c(view[:take], value)
-                trailer += view[take:]
-                total += view.nbytes
-                if total == nbytes:
-                    break
-        stored = int.from_bytes(trailer, "little") if len(trailer) == CRC_BYTES else 0
-        return total, value, stored

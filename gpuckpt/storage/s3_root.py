@@ -33,12 +33,13 @@ from gpuckpt.errors import CheckpointExistsError
 from gpuckpt.storage.base import CheckpointRoot
 from gpuckpt.storage.layout import ROOT_DOCUMENT_PREFIX, ROOT_KEY
 from gpuckpt.storage.names import is_safe_name
-from gpuckpt.storage.s3 import CLAIM_KEY, ObjectStoreWriter, _Prefix
+from gpuckpt.storage.s3 import ObjectStoreWriter
+from gpuckpt.storage.s3_prefix import CLAIM_KEY, Prefix
 
 __all__ = ["ObjectStoreRoot"]
 
 
-class ObjectStoreRoot(_Prefix, CheckpointRoot):
+class ObjectStoreRoot(Prefix, CheckpointRoot):
     """The prefix of ``url`` (``s3://bucket/prefix``) as a root of checkpoints.
 
     ``storage_options`` are those of :class:`~gpuckpt.storage.s3.ObjectStoreWriter`;
