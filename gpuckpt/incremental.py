@@ -52,9 +52,11 @@ __all__ = [
     "ChunkResult",
     "check_base_target",
     "content_hash_info",
+    "digests_match",
     "hash_columns",
     "open_base",
     "open_base_for",
+    "reuse_by_digests",
     "write_hashed",
 ]
 
@@ -168,6 +170,12 @@ class BaseIndex:
         """The base's chunk ``key`` of array ``name`` if it has the stored size ``nbytes``."""
         c = self._chunks.get(name, {}).get(key)
         return c if c is not None and c.ref.nbytes == nbytes else None
+
+    def lookup_hashed(self, name: str, key: str, nbytes: int) -> _BaseChunk | None:
+        """:meth:`lookup`, where the base recorded the chunk's content hash (and this process
+        can compute it): a chunk that digests computed elsewhere (on a device) may match."""
+        c = self.lookup(name, key, nbytes)
+        return c if c is not None and c.xxh3t is not None and contenthash.available() else None
 
 
 def check_base_target(path: str | os.PathLike[str], options: SaveOptions) -> None:
@@ -300,6 +308,46 @@ def open_base_for(options: SaveOptions, tensors: Iterable[TensorPlan]) -> BaseIn
     return _index(location, opened, whole.compatible(tensors))
 
 
+# -- reuse decided by digests computed elsewhere ------------------------------------------------
+
+
+def digests_match(b: _BaseChunk, digests: tuple[bytes, bytes]) -> bool:
+    """Whether a chunk of the base chunk's stored size whose content hash and first-leaf hash
+    are ``digests`` holds the base chunk's bytes: both 128-bit hashes equal the recorded
+    ones (a base that recorded no head is decided by the whole hash). The CRC32C takes no
+    part: it is never the deciding test."""
+    value, head = digests
+    return (
+        b.xxh3t is not None
+        and len(value) == _DIGEST_BYTES
+        and value == b.xxh3t
+        and (b.head is None or head == b.head)
+    )
+
+
+def reuse_by_digests(
+    writer: CheckpointWriter,
+    b: _BaseChunk,
+    name: str,
+    key: str,
+    digests: tuple[bytes, bytes],
+    document: bytes | None,
+) -> ChunkResult | None:
+    """Reuse base chunk ``b`` as chunk ``key`` of array ``name`` (after writing the array's
+    ``document`` where given) when ``digests`` (computed before the chunk was staged, on its
+    device) show it holds the same bytes; the chunk's CRC32C is the base's record of those
+    bytes. None when the digests differ or the writer refuses to share the chunk: the
+    caller then stages and writes it (the document, where given, is written already)."""
+    if not digests_match(b, digests):
+        return None
+    if document is not None:
+        writer.write_array_document(name, document)
+    if not writer.reuse_chunk(name, key, b.ref):
+        return None
+    value, head = digests
+    return ChunkResult(b.ref.nbytes, b.ref.crc32c, value, head, reused=True)
+
+
 # -- writing with hashes and reuse ------------------------------------------------------------
 
 
@@ -403,10 +451,13 @@ def write_hashed(
     pads: Sequence[int],
     documents: Sequence[bytes | None],
     base: BaseIndex | None,
+    compared: Collection[tuple[str, str]] = (),
 ) -> list[ChunkResult]:
     """Write (or reuse) chunks, recording each one's content hash; see the module docstring.
 
-    The arguments are those of a :class:`~gpuckpt.storage.base.ChunkWrites` batch. Chunks
+    The arguments are those of a :class:`~gpuckpt.storage.base.ChunkWrites` batch;
+    ``compared``: ``(array name, key)`` of chunks compared with ``base`` already (by
+    digests computed on their device: :func:`reuse_by_digests`), which are written. Chunks
     of one leaf or less are hashed here and written in one batch of the writer's; larger
     ones are hashed while they are written, piece by piece (and, with a base, probed by
     their first leaf first, so that a changed chunk is not hashed twice).
@@ -419,7 +470,7 @@ def write_hashed(
     for i, (name, key, buf, pad) in enumerate(zip(names, keys, buffers, pads, strict=True)):
         size = buf.nbytes + pad
         stored = size + CRC_BYTES
-        b = base.lookup(name, key, stored) if base is not None else None
+        b = base.lookup(name, key, stored) if base is not None and (name, key) not in compared else None
         k = _Known()
         if b is not None:
             assert base is not None

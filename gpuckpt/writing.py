@@ -32,8 +32,10 @@ from gpuckpt.incremental import (
     BaseIndex,
     ChunkResult,
     content_hash_info,
+    digests_match,
     hash_columns,
     open_base_for,
+    reuse_by_digests,
     write_hashed,
 )
 from gpuckpt.metadata import (
@@ -192,6 +194,11 @@ def write_chunks(
     calling thread queues the copies of the next chunks (blocking when the
     pool is exhausted) while the I/O threads wait for each copy, write its
     buffer and return it to the pool. The first error stops the run.
+
+    With a ``base``, the chunks of device memory are hashed on their device first
+    (:meth:`~gpuckpt.device.arrays.ArrayAdapter.content_digests`); those equal to
+    their base chunk are reused without being staged (:func:`_reuse_unstaged`), and
+    only the others cross to the host.
     """
     sizes = [j.nbytes for j in jobs]
     threads, staging_bytes, progress = options.threads, options.staging_bytes, options.progress
@@ -199,8 +206,14 @@ def write_chunks(
     docs = dict(documents or {})
     staging = Staging(((j.source.backend, n) for j, n in zip(jobs, sizes, strict=True)), staging_bytes)
     staging.wait_for_producers()
+    done: dict[int, Written] = {}
+    compared: frozenset[tuple[str, str]] = frozenset()
+    if base is not None:
+        done, compared = _reuse_unstaged(jobs, writer, base, docs, threads)
+        for i in done:
+            counter.add(sizes[i])
     batch: Batcher[_Item] = Batcher()
-    reuse = _Reuse(base) if options.hashing or base is not None else None
+    reuse = _Reuse(base, compared) if options.hashing or base is not None else None
     with Runner[list[Written]](threads, name="gpuckpt-write") as run:
 
         def submit(*groups: list[_Item]) -> None:
@@ -218,7 +231,9 @@ def write_chunks(
                         _release_all(rest)
                     raise
 
-        for j, nbytes in zip(jobs, sizes, strict=True):
+        for i, (j, nbytes) in enumerate(zip(jobs, sizes, strict=True)):
+            if i in done:
+                continue  # reused without being staged
             run.check()
             # device memory: blocks while the staging budget is in use (back-pressure)
             staged = j.source.stage_out(j.offsets, j.sizes, staging)
@@ -233,7 +248,50 @@ def write_chunks(
                 # it holds a staging buffer: queued at once, never held back in a batch
                 submit(batch.take(), [item])
         submit(batch.take())
-        return [r for rs in run.results() for r in rs]
+        written = iter([r for rs in run.results() for r in rs])
+        return [done[i] if i in done else next(written) for i in range(len(jobs))]
+
+
+def _reuse_unstaged(
+    jobs: Sequence[ChunkJob],
+    writer: CheckpointWriter,
+    base: BaseIndex,
+    docs: dict[str, bytes],
+    threads: int | None,
+) -> tuple[dict[int, Written], frozenset[tuple[str, str]]]:
+    """Hash the chunks of device memory that have a hashed counterpart in ``base`` on their
+    device, each array's chunks in one call, and reuse those found equal before anything
+    is staged; returns the results of the reused jobs by index, and ``(name, key)`` of
+    every chunk compared so (those not reused are written without comparing again).
+
+    The documents of reused single-chunk arrays are taken from ``docs`` and written first."""
+    by_source: dict[int, list[int]] = {}
+    found = {}
+    for i, j in enumerate(jobs):
+        if j.source.backend is None:
+            continue  # host memory: hashed while it is written, in the CRC32C's pass
+        b = base.lookup_hashed(j.name, j.key, stored_nbytes(j.stored, j.source.dtype.itemsize))
+        if b is not None:
+            found[i] = b
+            by_source.setdefault(id(j.source), []).append(i)
+    compared: set[tuple[str, str]] = set()
+    reuses = []
+    for members in by_source.values():
+        source = jobs[members[0]].source
+        digests = source.content_digests([(jobs[i].offsets, jobs[i].sizes, jobs[i].stored) for i in members])
+        if digests is None:
+            continue  # this back end cannot hash: staged and compared on the host
+        for i, d in zip(members, digests, strict=True):
+            j = jobs[i]
+            compared.add((j.name, j.key))
+            if digests_match(found[i], d):
+                document = docs.pop(j.name, None)
+                reuses.append(
+                    (i, functools.partial(reuse_by_digests, writer, found[i], j.name, j.key, d, document))
+                )
+    results = run_all([r for _, r in reuses], threads=threads, name="gpuckpt-reuse")
+    done: dict[int, Written] = {i: r for (i, _), r in zip(reuses, results, strict=True) if r is not None}
+    return done, frozenset(compared)
 
 
 _Item = tuple[ChunkJob, StagedOut, bytes | None]
@@ -243,9 +301,11 @@ Written = tuple[int, int] | ChunkResult
 
 @dataclass(frozen=True, slots=True)
 class _Reuse:
-    """Chunks are hashed (and compared with ``base`` where given): an incremental save."""
+    """Chunks are hashed (and compared with ``base`` where given, unless ``compared`` names
+    them: compared by their device's digests already): an incremental save."""
 
     base: BaseIndex | None
+    compared: frozenset[tuple[str, str]] = frozenset()
 
 
 def _write_items(
@@ -267,7 +327,9 @@ def _write_items(
         documents = [document for _, _, document in items]
         results: list[Written]
         if reuse is not None:
-            results = list(write_hashed(writer, names, keys, buffers, pads, documents, reuse.base))
+            results = list(
+                write_hashed(writer, names, keys, buffers, pads, documents, reuse.base, reuse.compared)
+            )
         else:
             crcs = writer.write_chunks(ChunkWrites(names, keys, buffers, pads, documents))
             results = [(b.nbytes + p + CRC_BYTES, c) for b, p, c in zip(buffers, pads, crcs, strict=True)]
