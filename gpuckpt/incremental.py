@@ -13,6 +13,13 @@ reflink, a server-side copy); where that is refused the chunk is written as
 usual. A base that cannot be used is a warning
 (:class:`~gpuckpt.errors.IncrementalBaseWarning`), never a failed save.
 
+Chunks in device memory are compared before they are staged: their device
+computes their content hash and first-leaf hash
+(:meth:`~gpuckpt.device.backend.DeviceBackend.hash_chunks`), and a chunk whose
+two 128-bit digests equal its base chunk's is reused without crossing to the
+host (:func:`reuse_by_digests`; its CRC32C is the base's record of the same
+bytes). Only the others are staged, and written without being compared again.
+
 Every checkpoint stays complete on its own: the metadata names no base, and a
 reused chunk is an independent name for the same bytes.
 
@@ -326,23 +333,14 @@ def digests_match(b: _BaseChunk, digests: tuple[bytes, bytes]) -> bool:
 
 
 def reuse_by_digests(
-    writer: CheckpointWriter,
-    b: _BaseChunk,
-    name: str,
-    key: str,
-    digests: tuple[bytes, bytes],
-    document: bytes | None,
+    writer: CheckpointWriter, b: _BaseChunk, name: str, key: str, digests: tuple[bytes, bytes]
 ) -> ChunkResult | None:
-    """Reuse base chunk ``b`` as chunk ``key`` of array ``name`` (after writing the array's
-    ``document`` where given) when ``digests`` (computed before the chunk was staged, on its
-    device) show it holds the same bytes; the chunk's CRC32C is the base's record of those
-    bytes. None when the digests differ or the writer refuses to share the chunk: the
-    caller then stages and writes it (the document, where given, is written already)."""
-    if not digests_match(b, digests):
-        return None
-    if document is not None:
-        writer.write_array_document(name, document)
-    if not writer.reuse_chunk(name, key, b.ref):
+    """Reuse base chunk ``b`` as chunk ``key`` of array ``name`` (whose document is written
+    already) when ``digests`` (computed before the chunk was staged, on its device) show it
+    holds the same bytes; the chunk's CRC32C is the base's record of those bytes. None when
+    the digests differ or the writer refuses to share the chunk: the caller then stages and
+    writes it."""
+    if not digests_match(b, digests) or not writer.reuse_chunk(name, key, b.ref):
         return None
     value, head = digests
     return ChunkResult(b.ref.nbytes, b.ref.crc32c, value, head, reused=True)
@@ -467,21 +465,31 @@ def write_hashed(
     known: dict[int, _Known] = {}
     batch: list[int] = []
     docs = list(documents) or [None] * len(names)
+    # compare first, then write the documents of the equal chunks' arrays in one batch of the
+    # writer's (not one call each), then share them
+    probed: dict[int, _Known] = {}
+    equal: dict[int, tuple[_BaseChunk, int]] = {}
     for i, (name, key, buf, pad) in enumerate(zip(names, keys, buffers, pads, strict=True)):
-        size = buf.nbytes + pad
-        stored = size + CRC_BYTES
+        stored = buf.nbytes + pad + CRC_BYTES
         b = base.lookup(name, key, stored) if base is not None and (name, key) not in compared else None
-        k = _Known()
         if b is not None:
             assert base is not None
-            equal, k, crc = _compare(base, b, buf, pad)
-            if equal:
-                if docs[i] is not None:
-                    writer.write_array_document(name, docs[i])  # type: ignore[arg-type]
-                    docs[i] = None
-                if writer.reuse_chunk(name, key, b.ref):
-                    results[i] = ChunkResult(stored, crc, k.value, k.head, reused=True)
-                    continue
+            same, probed[i], crc = _compare(base, b, buf, pad)
+            if same:
+                equal[i] = (b, crc)
+    first = [i for i in equal if docs[i] is not None]
+    if first:
+        writer.write_array_documents([names[i] for i in first], [docs[i] for i in first])  # type: ignore[misc]
+        for i in first:
+            docs[i] = None
+    for i, (name, key, buf, pad) in enumerate(zip(names, keys, buffers, pads, strict=True)):
+        size = buf.nbytes + pad
+        k = probed.get(i, _Known())
+        if i in equal:
+            b, crc = equal[i]
+            if writer.reuse_chunk(name, key, b.ref):
+                results[i] = ChunkResult(size + CRC_BYTES, crc, k.value, k.head, reused=True)
+                continue
         if hashing and size <= LEAF:
             if k.value is None:
                 k.value, k.head, _ = _hash_all(buf, pad, with_crc=False)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import errno
 import functools
+import itertools
 import math
 import os
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
@@ -51,7 +52,7 @@ from gpuckpt.metadata import (
 from gpuckpt.options import SaveOptions
 from gpuckpt.planning.plan import ChunkAssignment, SavePlan, TensorPlan
 from gpuckpt.progress import ProgressCounter
-from gpuckpt.runner import Batcher, Runner, run_all
+from gpuckpt.runner import Batcher, Runner, default_threads, run_all
 from gpuckpt.sources import Sources
 from gpuckpt.storage.base import CheckpointWriter, ChunkWrites
 from gpuckpt.storage.checksum import CRC_BYTES
@@ -151,15 +152,26 @@ def write_array_documents(
     """Write the ``zarr.json`` of every array of ``plan`` but those named in ``defer``; returns
     the documents of those, by array name, for :func:`write_chunks` to write with their one chunk.
 
-    The documents are written on up to ``threads`` threads (one round trip each on an object
-    store: hundreds of them one after the other would hold every rank of a distributed save)."""
+    The documents go to the writer in up to ``threads`` batches run in parallel
+    (:meth:`~gpuckpt.storage.base.CheckpointWriter.write_array_documents`: one native call
+    per batch on a local file system; one round trip per document on an object store,
+    where hundreds of them one after the other would hold every rank of a distributed save)."""
     deferred = {}
-    jobs = []
+    names: list[str] = []
+    documents: list[bytes] = []
     for t in plan.tensors:
         if t.name in defer:
             deferred[t.name] = array_document_of(t)
         else:
-            jobs.append(functools.partial(writer.write_array_document, t.name, array_document_of(t)))
+            names.append(t.name)
+            documents.append(array_document_of(t))
+    groups = max(1, min(len(names), threads or default_threads()))
+    cuts = [len(names) * g // groups for g in range(groups + 1)]
+    jobs = [
+        functools.partial(writer.write_array_documents, names[a:b], documents[a:b])
+        for a, b in itertools.pairwise(cuts)
+        if b > a
+    ]
     run_all(jobs, threads=threads, name="gpuckpt-documents")
     return deferred
 
@@ -264,7 +276,7 @@ def _reuse_unstaged(
     is staged; returns the results of the reused jobs by index, and ``(name, key)`` of
     every chunk compared so (those not reused are written without comparing again).
 
-    The documents of reused single-chunk arrays are taken from ``docs`` and written first."""
+    The documents of matching single-chunk arrays are taken from ``docs`` and written first."""
     by_source: dict[int, list[int]] = {}
     found = {}
     for i, j in enumerate(jobs):
@@ -285,10 +297,11 @@ def _reuse_unstaged(
             j = jobs[i]
             compared.add((j.name, j.key))
             if digests_match(found[i], d):
-                document = docs.pop(j.name, None)
-                reuses.append(
-                    (i, functools.partial(reuse_by_digests, writer, found[i], j.name, j.key, d, document))
-                )
+                reuses.append((i, functools.partial(reuse_by_digests, writer, found[i], j.name, j.key, d)))
+    # the documents of the matching chunks' single-chunk arrays first, in one batch of the writer's
+    first = [jobs[i].name for i, _ in reuses if jobs[i].name in docs]
+    if first:
+        writer.write_array_documents(first, [docs.pop(n) for n in first])
     results = run_all([r for _, r in reuses], threads=threads, name="gpuckpt-reuse")
     done: dict[int, Written] = {i: r for (i, _), r in zip(reuses, results, strict=True) if r is not None}
     return done, frozenset(compared)
@@ -549,9 +562,15 @@ def execute_save(
     with writing(writer):
         writer.begin()
         # single-chunk arrays get their directory and document from the I/O thread
-        # that writes their chunk; the others' must exist before any chunk lands
+        # that writes their chunk; the others' must exist before any chunk lands. Those an
+        # incremental save may share with its base are written here too, in batches (their
+        # chunk is usually linked, not written in a batch of small files)
+        shared = set(base.arrays()) if base is not None else set()
         single = write_array_documents(
-            plan, writer, defer={t.name for t in plan.tensors if len(t.specs) == 1}, threads=options.threads
+            plan,
+            writer,
+            defer={t.name for t in plan.tensors if len(t.specs) == 1 and t.name not in shared},
+            threads=options.threads,
         )
         jobs = bind_jobs(mine, sources)
         written = write_chunks(jobs, writer, options, documents=single, base=base)
