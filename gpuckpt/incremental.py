@@ -33,6 +33,7 @@ stores, and :func:`open_base` reads them back from a base of either form.
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 import warnings
@@ -42,7 +43,10 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from gpuckpt.errors import GpuckptError, IncrementalBaseWarning, InvalidOptionError
+from gpuckpt.device.arrays import ArrayAdapter, HostArray, StagedIn, StagedOut
+from gpuckpt.device.backend import Ticket
+from gpuckpt.device.hashing import ChunkBox
+from gpuckpt.errors import CheckpointWriteError, GpuckptError, IncrementalBaseWarning, InvalidOptionError
 from gpuckpt.metadata import Metadata
 from gpuckpt.options import SaveOptions
 from gpuckpt.planning.plan import TensorPlan
@@ -63,7 +67,10 @@ __all__ = [
     "hash_columns",
     "open_base",
     "open_base_for",
+    "SharedChunk",
+    "SharedWithBase",
     "reuse_by_digests",
+    "share_unchanged",
     "write_hashed",
 ]
 
@@ -344,6 +351,146 @@ def reuse_by_digests(
         return None
     value, head = digests
     return ChunkResult(b.ref.nbytes, b.ref.crc32c, value, head, reused=True)
+
+
+class SharedWithBase:
+    """An array of an asynchronous incremental save's snapshot that was not copied: when the
+    snapshot was taken, every chunk of it (a device array's, hashed on its device) had the
+    digests of its base chunk, so the save shares those chunks.
+
+    :meth:`content_digests` gives the digests computed then, and the save's writer shares
+    the chunks without staging anything (:func:`reuse_by_digests`). A chunk the writer
+    refuses to share is read back from the base by :meth:`stage_out` and checked against
+    the same digests (and its CRC32C), so that the save writes the bytes the array held at
+    the snapshot, or fails saying why. Nothing else reads it: no host view, no copy.
+    """
+
+    __slots__ = ("_chunks", "_dtype", "_format", "_reader", "_shape", "requires_grad")
+
+    def __init__(
+        self,
+        like: ArrayAdapter,
+        reader: CheckpointReader,
+        chunks: Mapping[tuple[tuple[int, ...], tuple[int, ...]], SharedChunk],
+    ) -> None:
+        self._shape = like.shape
+        self._dtype = like.dtype
+        self._format = like.memory_format
+        self.requires_grad = like.requires_grad
+        self._reader = reader
+        self._chunks = dict(chunks)  # by the chunk's box (offsets, sizes)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self._shape
+
+    @property
+    def dtype(self) -> np.dtype[Any]:
+        return self._dtype
+
+    @property
+    def memory_format(self) -> Any:
+        return self._format
+
+    @property
+    def pinned(self) -> bool:
+        return False
+
+    @property
+    def writable(self) -> bool:
+        return False
+
+    @property
+    def backend(self) -> None:
+        return None
+
+    def content_digests(self, chunks: Sequence[ChunkBox]) -> list[tuple[bytes, bytes]] | None:
+        found = [self._chunks.get((tuple(o), tuple(s))) for o, s, _ in chunks]
+        if any(f is None for f in found):
+            return None
+        return [f.digests for f in found if f is not None]
+
+    def stage_out(self, offsets: tuple[int, ...], sizes: tuple[int, ...], staging: Any) -> StagedOut:
+        c = self._chunks.get((tuple(offsets), tuple(sizes)))
+        if c is None:
+            raise ValueError(f"box {offsets} + {sizes} is not a chunk of this snapshot's shared array")
+        ref = c.base.ref
+        where = f"{ref.location.rstrip('/')}/{ref.name}/{ref.key}"
+        data = bytearray(ref.nbytes)
+        problem = ""
+        try:
+            got = self._reader.read_chunk_into(ref.name, ref.key, [data])
+        except OSError as exc:
+            got, problem = -1, f"cannot be read: {exc}"
+        body = memoryview(data)[: max(0, ref.nbytes - CRC_BYTES)]
+        if not problem and (
+            got != ref.nbytes or crc32c(body) != ref.crc32c or contenthash.chunk_hash([body]) != c.digests[0]
+        ):
+            problem = "its bytes changed since"
+        if problem:
+            raise CheckpointWriteError(
+                errno.EIO,
+                f"chunk {where} of the base held this save's chunk when async_save took its snapshot, "
+                f"could not be shared, and {problem}; the save cannot write those bytes. Keep the "
+                "base unchanged until the saves that use it are done (CheckpointManager does), "
+                "or save without base",
+            )
+        n = int(np.prod(c.stored))
+        block = np.frombuffer(data, self._dtype.newbyteorder("<"), n).reshape(c.stored)
+        box = block[tuple(slice(0, s) for s in sizes)]
+        return HostArray(box).stage_out((0,) * len(sizes), tuple(sizes), staging)
+
+    def stage_in(self, offsets: tuple[int, ...], sizes: tuple[int, ...], staging: Any) -> StagedIn:
+        raise TypeError("an array shared with the base of an incremental save is only written")
+
+    def copy_to_host(self, dst: np.ndarray, host_copy: Any) -> Ticket:
+        raise TypeError("an array shared with the base of an incremental save has no copy")
+
+    def copy(self) -> ArrayAdapter:
+        raise TypeError("an array shared with the base of an incremental save has no copy")
+
+    def host_array(self) -> np.ndarray:
+        raise TypeError("an array shared with the base of an incremental save has no host view")
+
+
+@dataclass(frozen=True, slots=True)
+class SharedChunk:
+    """A chunk of a :class:`SharedWithBase` array: its base chunk, its stored shape, and its
+    ``(hash, head)`` computed when the snapshot was taken."""
+
+    base: _BaseChunk
+    stored: tuple[int, ...]
+    digests: tuple[bytes, bytes]
+
+
+def share_unchanged(
+    base: BaseIndex,
+    array: ArrayAdapter,
+    chunks: Sequence[tuple[str, str, ChunkBox]],
+) -> SharedWithBase | None:
+    """``array`` as a :class:`SharedWithBase` when every one of its ``chunks`` (``(array name,
+    key, (offsets, sizes, stored shape))``) has a hashed base chunk of its stored size and,
+    hashed where the array lives (:meth:`~gpuckpt.device.arrays.ArrayAdapter.content_digests`),
+    the same digests; else None (the array is copied into the snapshot as usual)."""
+    if not chunks:
+        return None
+    found = []
+    for name, key, (_o, _s, stored) in chunks:
+        b = base.lookup_hashed(name, key, int(np.prod(stored)) * array.dtype.itemsize + CRC_BYTES)
+        if b is None:
+            return None
+        found.append(b)
+    digests = array.content_digests([c for _, _, c in chunks])
+    if digests is None or not all(digests_match(b, d) for b, d in zip(found, digests, strict=True)):
+        return None
+    return SharedWithBase(
+        array,
+        base.reader,
+        {
+            (c[0], c[1]): SharedChunk(b, c[2], d)
+            for (_, _, c), b, d in zip(chunks, found, digests, strict=True)
+        },
+    )
 
 
 # -- writing with hashes and reuse ------------------------------------------------------------

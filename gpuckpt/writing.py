@@ -28,6 +28,7 @@ import numpy as np
 
 from gpuckpt.device.arrays import ArrayAdapter, StagedOut
 from gpuckpt.device.backend import DeviceBackend, Staging, distinct_backends
+from gpuckpt.device.hashing import ChunkBox
 from gpuckpt.errors import CheckpointWriteError, GpuckptError
 from gpuckpt.incremental import (
     BaseIndex,
@@ -37,6 +38,7 @@ from gpuckpt.incremental import (
     hash_columns,
     open_base_for,
     reuse_by_digests,
+    share_unchanged,
     write_hashed,
 )
 from gpuckpt.metadata import (
@@ -75,6 +77,7 @@ __all__ = [
     "bind_jobs",
     "device_backends",
     "execute_save",
+    "shared_with_base",
     "open_save_writer",
     "array_document_of",
     "write_array_documents",
@@ -280,8 +283,6 @@ def _reuse_unstaged(
     by_source: dict[int, list[int]] = {}
     found = {}
     for i, j in enumerate(jobs):
-        if j.source.backend is None:
-            continue  # host memory: hashed while it is written, in the CRC32C's pass
         b = base.lookup_hashed(j.name, j.key, stored_nbytes(j.stored, j.source.dtype.itemsize))
         if b is not None:
             found[i] = b
@@ -292,7 +293,7 @@ def _reuse_unstaged(
         source = jobs[members[0]].source
         digests = source.content_digests([(jobs[i].offsets, jobs[i].sizes, jobs[i].stored) for i in members])
         if digests is None:
-            continue  # this back end cannot hash: staged and compared on the host
+            continue  # host memory (hashed while written), or a back end that cannot hash
         for i, d in zip(members, digests, strict=True):
             j = jobs[i]
             compared.add((j.name, j.key))
@@ -305,6 +306,37 @@ def _reuse_unstaged(
     results = run_all([r for _, r in reuses], threads=threads, name="gpuckpt-reuse")
     done: dict[int, Written] = {i: r for (i, _), r in zip(reuses, results, strict=True) if r is not None}
     return done, frozenset(compared)
+
+
+def shared_with_base(
+    plan: SavePlan, sources: Sources, options: SaveOptions
+) -> dict[tuple[str, int], ArrayAdapter]:
+    """For an asynchronous incremental save's snapshot: the device arrays of ``sources`` whose
+    every chunk, hashed on its device now, equals its chunk in ``options.base``, as
+    :class:`~gpuckpt.incremental.SharedWithBase` stand-ins by ``(FQN, box)``; the snapshot
+    need not copy them (none of their bytes crosses to the host). Empty without a base or
+    device arrays. Runs in the caller's thread, before ``async_save`` returns: the digests
+    are those of the values the call saves."""
+    arrays = [s.array for held in sources.values() for s in held]
+    backends = device_backends(arrays)
+    if options.base_location is None or not backends:
+        return {}
+    base = open_base_for(options, plan.tensors)
+    if base is None:
+        return {}
+    for b in backends:
+        b.wait_for_producers()
+    (mine,) = plan.assignments
+    groups: dict[tuple[str, int], list[tuple[str, str, ChunkBox]]] = {}
+    for a, j in zip(mine, bind_jobs(mine, sources), strict=True):
+        if j.source.backend is not None:  # host memory: copying costs what hashing would
+            groups.setdefault((a.fqn, a.box), []).append((j.name, j.key, (j.offsets, j.sizes, j.stored)))
+    out: dict[tuple[str, int], ArrayAdapter] = {}
+    for (fqn, box), chunks in groups.items():
+        shared = share_unchanged(base, sources[fqn][box].array, chunks)
+        if shared is not None:
+            out[(fqn, box)] = shared
+    return out
 
 
 _Item = tuple[ChunkJob, StagedOut, bytes | None]

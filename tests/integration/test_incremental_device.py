@@ -9,6 +9,9 @@ on the pipeline itself. Real checkpoints on ``tmp_path``; sharing is observed on
 
 from __future__ import annotations
 
+import os
+import shutil
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +19,9 @@ import numpy as np
 import pytest
 
 import gpuckpt
+from gpuckpt import background
 from gpuckpt.device.host_backend import HostBackend
+from gpuckpt.errors import CheckpointWriteError
 from gpuckpt.storage import contenthash
 from gpuckpt.storage.checksum import crc32c
 from gpuckpt.testing.fakedevice import EmulatedDeviceArray
@@ -137,3 +142,86 @@ def test_async_device_incremental_save_keeps_the_snapshot(tmp_path: Path, stagin
     if staging == "device":
         # the snapshot stays on the device: unchanged chunks of it never crossed to the host
         assert backend.bytes_to_host == CHANGED_BYTES
+    else:
+        # hashed before the call returned: emb, unchanged, was not copied into the snapshot;
+        # the arrays with a changed chunk were, whole (big: one of its five chunks changed)
+        assert backend.hashed_chunks == 8
+        assert backend.bytes_to_host == 3000 * 4 + 700 * 8 + 751 * 1001 * 8
+
+
+def _occupied_writer() -> tuple[threading.Event, Any]:
+    """Hold the background writer still: saves queued now start when the event is set."""
+    gate = threading.Event()
+    return gate, background._writer_executor().submit(gate.wait)
+
+
+def test_async_shared_array_refused_reuse_reads_the_base_back(tmp_path: Path) -> None:
+    """An array not copied into the snapshot (unchanged at the call) whose chunk the writer then
+    cannot share: its bytes come back from the base, checked against the snapshot's digests."""
+    if os.stat("/dev/shm").st_dev == os.stat(tmp_path).st_dev:
+        pytest.skip("/dev/shm is on the same file system as tmp_path")
+    shm = Path("/dev/shm") / f"gpuckpt-incr-dev-{os.getpid()}-{tmp_path.name}"
+    try:
+        s0 = make_state()
+        gpuckpt.save(s0, shm / "c0", chunk_bytes=CHUNK, content_hash=True)  # links refused: EXDEV
+        live = {"model": {k: v.copy() for k, v in s0["model"].items()}, "step": 0}
+        backend = HostBackend()
+        future = gpuckpt.async_save(
+            on_device(live, backend), tmp_path / "c1", chunk_bytes=CHUNK, base=shm / "c0"
+        )
+        for v in live["model"].values():
+            v[...] = 0
+        future.result(timeout=60)
+        assert backend.bytes_to_host == 0  # nothing copied: every array was unchanged
+        assert all(st.st_nlink == 1 for st in chunk_files(tmp_path / "c1").values())
+        assert_loads(tmp_path / "c1", s0)
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+
+
+def test_async_shared_array_whose_base_chunk_went_away_fails_the_save(tmp_path: Path) -> None:
+    s0 = make_state()
+    gpuckpt.save(s0, tmp_path / "c0", chunk_bytes=CHUNK, content_hash=True)
+    gate, blocker = _occupied_writer()
+    try:
+        future = gpuckpt.async_save(
+            on_device(s0, HostBackend()), tmp_path / "c1", chunk_bytes=CHUNK, base=tmp_path / "c0"
+        )
+        # the base loses emb's chunk under the queued save: it cannot be shared nor read back
+        (tmp_path / "c0" / "model.emb" / "c.0.0").unlink()
+    finally:
+        gate.set()
+        blocker.result(timeout=60)
+    with pytest.raises(CheckpointWriteError, match=r"model\.emb/c\.0\.0 of the base held this save's chunk"):
+        future.result(timeout=60)
+    assert not (tmp_path / "c1").exists()  # nothing published
+
+
+def test_async_shared_array_whose_base_bytes_changed_is_not_written_from_them(tmp_path: Path) -> None:
+    """The base chunk of an array not copied into the snapshot is replaced (its trailer kept) while
+    the save is queued, and links are refused: the bytes read back do not match the snapshot's
+    digests, so the save fails instead of writing them."""
+    if os.stat("/dev/shm").st_dev == os.stat(tmp_path).st_dev:
+        pytest.skip("/dev/shm is on the same file system as tmp_path")
+    shm = Path("/dev/shm") / f"gpuckpt-incr-dev2-{os.getpid()}-{tmp_path.name}"
+    try:
+        s0 = make_state()
+        gpuckpt.save(s0, shm / "c0", chunk_bytes=CHUNK, content_hash=True)
+        gate, blocker = _occupied_writer()
+        try:
+            future = gpuckpt.async_save(
+                on_device(s0, HostBackend()), tmp_path / "c1", chunk_bytes=CHUNK, base=shm / "c0"
+            )
+            emb = shm / "c0" / "model.emb" / "c.0.0"
+            data = bytearray(emb.read_bytes())
+            data[0] ^= 1  # the body changes, the recorded trailer stays
+            emb.unlink()
+            emb.write_bytes(bytes(data))
+        finally:
+            gate.set()
+            blocker.result(timeout=60)
+        with pytest.raises(CheckpointWriteError, match="its bytes changed since"):
+            future.result(timeout=60)
+        assert not (tmp_path / "c1").exists()
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
