@@ -44,8 +44,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from gpuckpt.device.arrays import ArrayAdapter, HostArray, StagedIn, StagedOut
-from gpuckpt.device.backend import Ticket
-from gpuckpt.device.hashing import ChunkBox
+from gpuckpt.device.backend import ChunkBox, Ticket
 from gpuckpt.errors import CheckpointWriteError, GpuckptError, IncrementalBaseWarning, InvalidOptionError
 from gpuckpt.metadata import Metadata
 from gpuckpt.options import SaveOptions

@@ -27,8 +27,7 @@ from typing import Any
 import numpy as np
 
 from gpuckpt.device.arrays import ArrayAdapter, StagedOut
-from gpuckpt.device.backend import DeviceBackend, Staging, distinct_backends
-from gpuckpt.device.hashing import ChunkBox
+from gpuckpt.device.backend import ChunkBox, DeviceBackend, Staging, distinct_backends
 from gpuckpt.errors import CheckpointWriteError, GpuckptError
 from gpuckpt.incremental import (
     BaseIndex,

@@ -28,8 +28,15 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from gpuckpt import memory_format as mf
-from gpuckpt.device.backend import FINISHED, BufferPool, DeviceBackend, Staging, Ticket, distinct_backends
-from gpuckpt.device.hashing import ChunkBox
+from gpuckpt.device.backend import (
+    FINISHED,
+    BufferPool,
+    ChunkBox,
+    DeviceBackend,
+    Staging,
+    Ticket,
+    distinct_backends,
+)
 from gpuckpt.errors import DeviceUnavailableError, UnsupportedValueError
 
 __all__ = [

@@ -32,6 +32,7 @@ from gpuckpt.options import DEFAULT_STAGING_BYTES
 __all__ = [
     "FINISHED",
     "BufferPool",
+    "ChunkBox",
     "DeviceBackend",
     "Staging",
     "Ticket",
@@ -39,6 +40,11 @@ __all__ = [
     "distinct_backends",
     "staging_buffer_bytes",
 ]
+
+
+#: one chunk of an array as stored: ``(offsets, sizes)`` of its box in the array, and the shape
+#: of its stored block (the chunk grid's chunk shape; the box sits at its origin, zeros elsewhere)
+ChunkBox = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
 
 
 @runtime_checkable
@@ -117,9 +123,7 @@ class DeviceBackend(Protocol):
 
     def synchronize(self) -> None: ...
 
-    def hash_chunks(
-        self, array: Any, chunks: Sequence[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]
-    ) -> list[tuple[bytes, bytes]] | None:
+    def hash_chunks(self, array: Any, chunks: Sequence[ChunkBox]) -> list[tuple[bytes, bytes]] | None:
         """The content hash and first-leaf hash (16 bytes each, the tree hash of
         :mod:`gpuckpt.storage.contenthash`) of each chunk of ``array`` as it is stored,
         computed where the array lives, before any copy to the host.

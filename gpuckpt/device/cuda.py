@@ -295,7 +295,7 @@ class CupyBackend:
 
     def hash_chunks(
         self, array: Any, chunks: Sequence[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]
-    ) -> list[tuple[bytes, bytes]]:
+    ) -> list[tuple[bytes, bytes]]:  # chunks: gpuckpt.device.backend.ChunkBox
         """The digests of ``chunks`` of ``array`` as stored, computed by the kernels of
         ``kernels/xxh3_tree.cu`` on the copy stream (after the work the caller queued:
         :meth:`wait_for_producers`); only 32 bytes per chunk come back."""

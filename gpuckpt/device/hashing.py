@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from gpuckpt.device.backend import ChunkBox
 from gpuckpt.device.kernels import kernel_source_dir
 
 __all__ = [
@@ -43,9 +44,6 @@ __all__ = [
     "stored_block",
 ]
 
-#: one chunk of an array as stored: ``(offsets, sizes)`` of its box in the array, and the shape
-#: of its stored block (the chunk grid's chunk shape; the box sits at its origin, zeros elsewhere)
-ChunkBox = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
 
 _xxhash: Any
 try:  # optional (gpuckpt[incremental]), as for gpuckpt.storage.contenthash

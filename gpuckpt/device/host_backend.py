@@ -22,8 +22,7 @@ import numpy as np
 from gpuckpt import memory_format as mf
 from gpuckpt.device import _kernel_ref
 from gpuckpt.device.arrays import HostMemory
-from gpuckpt.device.backend import Ticket
-from gpuckpt.device.hashing import hash_host_chunks
+from gpuckpt.device.backend import ChunkBox, Ticket
 from gpuckpt.device.packing import ARENA_ALIGN, plan_packing
 from gpuckpt.device.staging import HostAllocator
 from gpuckpt.workers import Workers
@@ -211,11 +210,11 @@ class HostBackend:
     def synchronize(self) -> None:
         self._stream.submit(lambda: None).result()
 
-    def hash_chunks(
-        self, array: Any, chunks: Sequence[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]
-    ) -> list[tuple[bytes, bytes]] | None:
+    def hash_chunks(self, array: Any, chunks: Sequence[ChunkBox]) -> list[tuple[bytes, bytes]] | None:
         """The digests of ``chunks`` of ``array`` as stored, hashed in place ("device"
         memory) with the ``xxhash`` library, in order on the stream; None without it."""
+        from gpuckpt.device.hashing import hash_host_chunks  # loaded by incremental saves only
+
         done: Future[list[tuple[bytes, bytes]] | None] = self._stream.submit(
             lambda: hash_host_chunks(array, chunks)
         )
