@@ -19,7 +19,7 @@ import math
 import os
 import threading
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future
 from typing import Any
 
@@ -38,7 +38,7 @@ from gpuckpt.planning.plan import StateDescription, plan_save
 from gpuckpt.progress import ProgressCallback
 from gpuckpt.sources import Source, contains_sharded, describe_state
 from gpuckpt.workers import Workers
-from gpuckpt.writing import device_backends, execute_save, open_save_writer
+from gpuckpt.writing import device_backends, execute_save, open_save_writer, shared_with_base
 
 __all__ = [
     "SaveFuture",
@@ -135,10 +135,15 @@ def _wait_for_all(waits: list[Callable[[], Any]]) -> None:
 
 
 def snapshot(
-    local: StateDescription, sources: dict[str, tuple[Source, ...]], arena: StagingArena
+    local: StateDescription,
+    sources: dict[str, tuple[Source, ...]],
+    arena: StagingArena,
+    shared: Mapping[tuple[str, int], ArrayAdapter] | None = None,
 ) -> dict[str, tuple[Source, ...]]:
     """Copies in ``arena`` (host memory) of the arrays of the state described by ``local``:
-    the sources a save of it is bound to.
+    the sources a save of it is bound to. ``shared``: stand-ins, by ``(FQN, box)``, of
+    arrays not copied because the save shares every chunk of them with its base
+    (:func:`~gpuckpt.writing.shared_with_base`).
 
     Host arrays are copied keeping their memory layout (slabs in parallel);
     dense device arrays are copied as their raw memory image, one
@@ -154,7 +159,11 @@ def snapshot(
         for t in local.tensors:
             held = sources[t.fqn]
             snap = []
-            for s in held:
+            for box, s in enumerate(held):
+                stand_in = (shared or {}).get((t.fqn, box))
+                if stand_in is not None:
+                    snap.append(Source(stand_in, s.offsets))
+                    continue
                 src = s.array
                 # a tensor held whole has the description's layout; ShardedArray boxes each their own
                 fmt = t.properties.memory_format if len(held) == 1 else src.memory_format
@@ -298,7 +307,9 @@ def async_save_with_options(
         handed_over = True
 
     try:
-        snap = snapshot(local, sources, arena)
+        # an incremental save hashes device arrays now, on their device: arrays whose every
+        # chunk equals the base's are not copied (the save shares their chunks)
+        snap = snapshot(local, sources, arena, shared_with_base(plan, sources, options))
         return submit(writer_executor(), run(snap), os.fspath(path), hand_over)
     except BaseException:
         if not handed_over:  # never while the save may still be writing from it

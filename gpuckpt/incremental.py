@@ -13,6 +13,13 @@ reflink, a server-side copy); where that is refused the chunk is written as
 usual. A base that cannot be used is a warning
 (:class:`~gpuckpt.errors.IncrementalBaseWarning`), never a failed save.
 
+Chunks in device memory are compared before they are staged: their device
+computes their content hash and first-leaf hash
+(:meth:`~gpuckpt.device.backend.DeviceBackend.hash_chunks`), and a chunk whose
+two 128-bit digests equal its base chunk's is reused without crossing to the
+host (:func:`reuse_by_digests`; its CRC32C is the base's record of the same
+bytes). Only the others are staged, and written without being compared again.
+
 Every checkpoint stays complete on its own: the metadata names no base, and a
 reused chunk is an independent name for the same bytes.
 
@@ -26,6 +33,7 @@ stores, and :func:`open_base` reads them back from a base of either form.
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 import warnings
@@ -35,7 +43,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from gpuckpt.errors import GpuckptError, IncrementalBaseWarning, InvalidOptionError
+from gpuckpt.device.arrays import ArrayAdapter, HostArray, StagedIn, StagedOut
+from gpuckpt.device.backend import ChunkBox, Ticket
+from gpuckpt.errors import CheckpointWriteError, GpuckptError, IncrementalBaseWarning, InvalidOptionError
 from gpuckpt.metadata import Metadata
 from gpuckpt.options import SaveOptions
 from gpuckpt.planning.plan import TensorPlan
@@ -52,9 +62,14 @@ __all__ = [
     "ChunkResult",
     "check_base_target",
     "content_hash_info",
+    "digests_match",
     "hash_columns",
     "open_base",
     "open_base_for",
+    "SharedChunk",
+    "SharedWithBase",
+    "reuse_by_digests",
+    "share_unchanged",
     "write_hashed",
 ]
 
@@ -168,6 +183,12 @@ class BaseIndex:
         """The base's chunk ``key`` of array ``name`` if it has the stored size ``nbytes``."""
         c = self._chunks.get(name, {}).get(key)
         return c if c is not None and c.ref.nbytes == nbytes else None
+
+    def lookup_hashed(self, name: str, key: str, nbytes: int) -> _BaseChunk | None:
+        """:meth:`lookup`, where the base recorded the chunk's content hash (and this process
+        can compute it): a chunk that digests computed elsewhere (on a device) may match."""
+        c = self.lookup(name, key, nbytes)
+        return c if c is not None and c.xxh3t is not None and contenthash.available() else None
 
 
 def check_base_target(path: str | os.PathLike[str], options: SaveOptions) -> None:
@@ -300,6 +321,177 @@ def open_base_for(options: SaveOptions, tensors: Iterable[TensorPlan]) -> BaseIn
     return _index(location, opened, whole.compatible(tensors))
 
 
+# -- reuse decided by digests computed elsewhere ------------------------------------------------
+
+
+def digests_match(b: _BaseChunk, digests: tuple[bytes, bytes]) -> bool:
+    """Whether a chunk of the base chunk's stored size whose content hash and first-leaf hash
+    are ``digests`` holds the base chunk's bytes: both 128-bit hashes equal the recorded
+    ones (a base that recorded no head is decided by the whole hash). The CRC32C takes no
+    part: it is never the deciding test."""
+    value, head = digests
+    return (
+        b.xxh3t is not None
+        and len(value) == _DIGEST_BYTES
+        and value == b.xxh3t
+        and (b.head is None or head == b.head)
+    )
+
+
+def reuse_by_digests(
+    writer: CheckpointWriter, b: _BaseChunk, name: str, key: str, digests: tuple[bytes, bytes]
+) -> ChunkResult | None:
+    """Reuse base chunk ``b`` as chunk ``key`` of array ``name`` (whose document is written
+    already) when ``digests`` (computed before the chunk was staged, on its device) show it
+    holds the same bytes; the chunk's CRC32C is the base's record of those bytes. None when
+    the digests differ or the writer refuses to share the chunk: the caller then stages and
+    writes it."""
+    if not digests_match(b, digests) or not writer.reuse_chunk(name, key, b.ref):
+        return None
+    value, head = digests
+    return ChunkResult(b.ref.nbytes, b.ref.crc32c, value, head, reused=True)
+
+
+class SharedWithBase:
+    """An array of an asynchronous incremental save's snapshot that was not copied: when the
+    snapshot was taken, every chunk of it (a device array's, hashed on its device) had the
+    digests of its base chunk, so the save shares those chunks.
+
+    :meth:`content_digests` gives the digests computed then, and the save's writer shares
+    the chunks without staging anything (:func:`reuse_by_digests`). A chunk the writer
+    refuses to share is read back from the base by :meth:`stage_out` and checked against
+    the same digests (and its CRC32C), so that the save writes the bytes the array held at
+    the snapshot, or fails saying why. Nothing else reads it: no host view, no copy.
+    """
+
+    __slots__ = ("_chunks", "_dtype", "_format", "_reader", "_shape", "requires_grad")
+
+    def __init__(
+        self,
+        like: ArrayAdapter,
+        reader: CheckpointReader,
+        chunks: Mapping[tuple[tuple[int, ...], tuple[int, ...]], SharedChunk],
+    ) -> None:
+        self._shape = like.shape
+        self._dtype = like.dtype
+        self._format = like.memory_format
+        self.requires_grad = like.requires_grad
+        self._reader = reader
+        self._chunks = dict(chunks)  # by the chunk's box (offsets, sizes)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self._shape
+
+    @property
+    def dtype(self) -> np.dtype[Any]:
+        return self._dtype
+
+    @property
+    def memory_format(self) -> Any:
+        return self._format
+
+    @property
+    def pinned(self) -> bool:
+        return False
+
+    @property
+    def writable(self) -> bool:
+        return False
+
+    @property
+    def backend(self) -> None:
+        return None
+
+    def content_digests(self, chunks: Sequence[ChunkBox]) -> list[tuple[bytes, bytes]] | None:
+        found = [self._chunks.get((tuple(o), tuple(s))) for o, s, _ in chunks]
+        if any(f is None for f in found):
+            return None
+        return [f.digests for f in found if f is not None]
+
+    def stage_out(self, offsets: tuple[int, ...], sizes: tuple[int, ...], staging: Any) -> StagedOut:
+        c = self._chunks.get((tuple(offsets), tuple(sizes)))
+        if c is None:
+            raise ValueError(f"box {offsets} + {sizes} is not a chunk of this snapshot's shared array")
+        ref = c.base.ref
+        where = f"{ref.location.rstrip('/')}/{ref.name}/{ref.key}"
+        data = bytearray(ref.nbytes)
+        problem = ""
+        try:
+            got = self._reader.read_chunk_into(ref.name, ref.key, [data])
+        except OSError as exc:
+            got, problem = -1, f"cannot be read: {exc}"
+        body = memoryview(data)[: max(0, ref.nbytes - CRC_BYTES)]
+        if not problem and (
+            got != ref.nbytes or crc32c(body) != ref.crc32c or contenthash.chunk_hash([body]) != c.digests[0]
+        ):
+            problem = "its bytes changed since"
+        if problem:
+            raise CheckpointWriteError(
+                errno.EIO,
+                f"chunk {where} of the base held this save's chunk when async_save took its snapshot, "
+                f"could not be shared, and {problem}; the save cannot write those bytes. Keep the "
+                "base unchanged until the saves that use it are done (CheckpointManager does), "
+                "or save without base",
+            )
+        n = int(np.prod(c.stored))
+        block = np.frombuffer(data, self._dtype.newbyteorder("<"), n).reshape(c.stored)
+        box = block[tuple(slice(0, s) for s in sizes)]
+        return HostArray(box).stage_out((0,) * len(sizes), tuple(sizes), staging)
+
+    def stage_in(self, offsets: tuple[int, ...], sizes: tuple[int, ...], staging: Any) -> StagedIn:
+        raise TypeError("an array shared with the base of an incremental save is only written")
+
+    def copy_to_host(self, dst: np.ndarray, host_copy: Any) -> Ticket:
+        raise TypeError("an array shared with the base of an incremental save has no copy")
+
+    def copy(self) -> ArrayAdapter:
+        raise TypeError("an array shared with the base of an incremental save has no copy")
+
+    def host_array(self) -> np.ndarray:
+        raise TypeError("an array shared with the base of an incremental save has no host view")
+
+
+@dataclass(frozen=True, slots=True)
+class SharedChunk:
+    """A chunk of a :class:`SharedWithBase` array: its base chunk, its stored shape, and its
+    ``(hash, head)`` computed when the snapshot was taken."""
+
+    base: _BaseChunk
+    stored: tuple[int, ...]
+    digests: tuple[bytes, bytes]
+
+
+def share_unchanged(
+    base: BaseIndex,
+    array: ArrayAdapter,
+    chunks: Sequence[tuple[str, str, ChunkBox]],
+) -> SharedWithBase | None:
+    """``array`` as a :class:`SharedWithBase` when every one of its ``chunks`` (``(array name,
+    key, (offsets, sizes, stored shape))``) has a hashed base chunk of its stored size and,
+    hashed where the array lives (:meth:`~gpuckpt.device.arrays.ArrayAdapter.content_digests`),
+    the same digests; else None (the array is copied into the snapshot as usual)."""
+    if not chunks:
+        return None
+    found = []
+    for name, key, (_o, _s, stored) in chunks:
+        b = base.lookup_hashed(name, key, int(np.prod(stored)) * array.dtype.itemsize + CRC_BYTES)
+        if b is None:
+            return None
+        found.append(b)
+    digests = array.content_digests([c for _, _, c in chunks])
+    if digests is None or not all(digests_match(b, d) for b, d in zip(found, digests, strict=True)):
+        return None
+    return SharedWithBase(
+        array,
+        base.reader,
+        {
+            (c[0], c[1]): SharedChunk(b, c[2], d)
+            for (_, _, c), b, d in zip(chunks, found, digests, strict=True)
+        },
+    )
+
+
 # -- writing with hashes and reuse ------------------------------------------------------------
 
 
@@ -403,10 +595,13 @@ def write_hashed(
     pads: Sequence[int],
     documents: Sequence[bytes | None],
     base: BaseIndex | None,
+    compared: Collection[tuple[str, str]] = (),
 ) -> list[ChunkResult]:
     """Write (or reuse) chunks, recording each one's content hash; see the module docstring.
 
-    The arguments are those of a :class:`~gpuckpt.storage.base.ChunkWrites` batch. Chunks
+    The arguments are those of a :class:`~gpuckpt.storage.base.ChunkWrites` batch;
+    ``compared``: ``(array name, key)`` of chunks compared with ``base`` already (by
+    digests computed on their device: :func:`reuse_by_digests`), which are written. Chunks
     of one leaf or less are hashed here and written in one batch of the writer's; larger
     ones are hashed while they are written, piece by piece (and, with a base, probed by
     their first leaf first, so that a changed chunk is not hashed twice).
@@ -416,21 +611,31 @@ def write_hashed(
     known: dict[int, _Known] = {}
     batch: list[int] = []
     docs = list(documents) or [None] * len(names)
+    # compare first, then write the documents of the equal chunks' arrays in one batch of the
+    # writer's (not one call each), then share them
+    probed: dict[int, _Known] = {}
+    equal: dict[int, tuple[_BaseChunk, int]] = {}
     for i, (name, key, buf, pad) in enumerate(zip(names, keys, buffers, pads, strict=True)):
-        size = buf.nbytes + pad
-        stored = size + CRC_BYTES
-        b = base.lookup(name, key, stored) if base is not None else None
-        k = _Known()
+        stored = buf.nbytes + pad + CRC_BYTES
+        b = base.lookup(name, key, stored) if base is not None and (name, key) not in compared else None
         if b is not None:
             assert base is not None
-            equal, k, crc = _compare(base, b, buf, pad)
-            if equal:
-                if docs[i] is not None:
-                    writer.write_array_document(name, docs[i])  # type: ignore[arg-type]
-                    docs[i] = None
-                if writer.reuse_chunk(name, key, b.ref):
-                    results[i] = ChunkResult(stored, crc, k.value, k.head, reused=True)
-                    continue
+            same, probed[i], crc = _compare(base, b, buf, pad)
+            if same:
+                equal[i] = (b, crc)
+    first = [i for i in equal if docs[i] is not None]
+    if first:
+        writer.write_array_documents([names[i] for i in first], [docs[i] for i in first])  # type: ignore[misc]
+        for i in first:
+            docs[i] = None
+    for i, (name, key, buf, pad) in enumerate(zip(names, keys, buffers, pads, strict=True)):
+        size = buf.nbytes + pad
+        k = probed.get(i, _Known())
+        if i in equal:
+            b, crc = equal[i]
+            if writer.reuse_chunk(name, key, b.ref):
+                results[i] = ChunkResult(size + CRC_BYTES, crc, k.value, k.head, reused=True)
+                continue
         if hashing and size <= LEAF:
             if k.value is None:
                 k.value, k.head, _ = _hash_all(buf, pad, with_crc=False)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import errno
 import functools
+import itertools
 import math
 import os
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
@@ -26,14 +27,17 @@ from typing import Any
 import numpy as np
 
 from gpuckpt.device.arrays import ArrayAdapter, StagedOut
-from gpuckpt.device.backend import DeviceBackend, Staging, distinct_backends
+from gpuckpt.device.backend import ChunkBox, DeviceBackend, Staging, distinct_backends
 from gpuckpt.errors import CheckpointWriteError, GpuckptError
 from gpuckpt.incremental import (
     BaseIndex,
     ChunkResult,
     content_hash_info,
+    digests_match,
     hash_columns,
     open_base_for,
+    reuse_by_digests,
+    share_unchanged,
     write_hashed,
 )
 from gpuckpt.metadata import (
@@ -49,7 +53,7 @@ from gpuckpt.metadata import (
 from gpuckpt.options import SaveOptions
 from gpuckpt.planning.plan import ChunkAssignment, SavePlan, TensorPlan
 from gpuckpt.progress import ProgressCounter
-from gpuckpt.runner import Batcher, Runner, run_all
+from gpuckpt.runner import Batcher, Runner, default_threads, run_all
 from gpuckpt.sources import Sources
 from gpuckpt.storage.base import CheckpointWriter, ChunkWrites
 from gpuckpt.storage.checksum import CRC_BYTES
@@ -73,6 +77,7 @@ __all__ = [
     "bind_jobs",
     "device_backends",
     "execute_save",
+    "shared_with_base",
     "open_save_writer",
     "array_document_of",
     "document_writes",
@@ -151,10 +156,27 @@ def write_array_documents(
     """Write the ``zarr.json`` of every array of ``plan`` but those named in ``defer``; returns
     the documents of those, by array name, for :func:`write_chunks` to write with their one chunk.
 
-    The documents are written on up to ``threads`` threads (one round trip each on an object
-    store: hundreds of them one after the other would hold every rank of a distributed save)."""
-    deferred = {t.name: array_document_of(t) for t in plan.tensors if t.name in defer}
-    run_all(document_writes(plan, writer, skip=defer), threads=threads, name="gpuckpt-documents")
+    The documents go to the writer in up to ``threads`` batches run in parallel
+    (:meth:`~gpuckpt.storage.base.CheckpointWriter.write_array_documents`: one native call
+    per batch on a local file system; one round trip per document on an object store,
+    where hundreds of them one after the other would hold every rank of a distributed save)."""
+    deferred = {}
+    names: list[str] = []
+    documents: list[bytes] = []
+    for t in plan.tensors:
+        if t.name in defer:
+            deferred[t.name] = array_document_of(t)
+        else:
+            names.append(t.name)
+            documents.append(array_document_of(t))
+    groups = max(1, min(len(names), threads or default_threads()))
+    cuts = [len(names) * g // groups for g in range(groups + 1)]
+    jobs = [
+        functools.partial(writer.write_array_documents, names[a:b], documents[a:b])
+        for a, b in itertools.pairwise(cuts)
+        if b > a
+    ]
+    run_all(jobs, threads=threads, name="gpuckpt-documents")
     return deferred
 
 
@@ -205,6 +227,11 @@ def write_chunks(
     store that takes chunks before documents, see
     :attr:`~gpuckpt.storage.base.CheckpointWriter.documents_first`) run on the
     same I/O threads, queued before the chunks.
+
+    With a ``base``, the chunks of device memory are hashed on their device first
+    (:meth:`~gpuckpt.device.arrays.ArrayAdapter.content_digests`); those equal to
+    their base chunk are reused without being staged (:func:`_reuse_unstaged`), and
+    only the others cross to the host.
     """
     sizes = [j.nbytes for j in jobs]
     threads, staging_bytes, progress = options.threads, options.staging_bytes, options.progress
@@ -212,9 +239,15 @@ def write_chunks(
     docs = dict(documents or {})
     staging = Staging(((j.source.backend, n) for j, n in zip(jobs, sizes, strict=True)), staging_bytes)
     staging.wait_for_producers()
+    done: dict[int, Written] = {}
+    compared: frozenset[tuple[str, str]] = frozenset()
+    if base is not None:
+        done, compared = _reuse_unstaged(jobs, writer, base, docs, threads)
+        for i in done:
+            counter.add(sizes[i])
     # one call per chunk where each chunk is a request of its own (an object store)
     batch: Batcher[_Item] = Batcher() if writer.batches_chunks else Batcher(max_items=1)
-    reuse = _Reuse(base) if options.hashing or base is not None else None
+    reuse = _Reuse(base, compared) if options.hashing or base is not None else None
     with Runner[list[Written]](threads, name="gpuckpt-write") as run:
         for write in first:
             run.submit(functools.partial(_no_results, write))
@@ -234,7 +267,9 @@ def write_chunks(
                         _release_all(rest)
                     raise
 
-        for j, nbytes in zip(jobs, sizes, strict=True):
+        for i, (j, nbytes) in enumerate(zip(jobs, sizes, strict=True)):
+            if i in done:
+                continue  # reused without being staged
             run.check()
             # device memory: blocks while the staging budget is in use (back-pressure)
             staged = j.source.stage_out(j.offsets, j.sizes, staging)
@@ -249,7 +284,80 @@ def write_chunks(
                 # it holds a staging buffer: queued at once, never held back in a batch
                 submit(batch.take(), [item])
         submit(batch.take())
-        return [r for rs in run.results() for r in rs]
+        written = iter([r for rs in run.results() for r in rs])
+        return [done[i] if i in done else next(written) for i in range(len(jobs))]
+
+
+def _reuse_unstaged(
+    jobs: Sequence[ChunkJob],
+    writer: CheckpointWriter,
+    base: BaseIndex,
+    docs: dict[str, bytes],
+    threads: int | None,
+) -> tuple[dict[int, Written], frozenset[tuple[str, str]]]:
+    """Hash the chunks of device memory that have a hashed counterpart in ``base`` on their
+    device, each array's chunks in one call, and reuse those found equal before anything
+    is staged; returns the results of the reused jobs by index, and ``(name, key)`` of
+    every chunk compared so (those not reused are written without comparing again).
+
+    The documents of matching single-chunk arrays are taken from ``docs`` and written first."""
+    by_source: dict[int, list[int]] = {}
+    found = {}
+    for i, j in enumerate(jobs):
+        b = base.lookup_hashed(j.name, j.key, stored_nbytes(j.stored, j.source.dtype.itemsize))
+        if b is not None:
+            found[i] = b
+            by_source.setdefault(id(j.source), []).append(i)
+    compared: set[tuple[str, str]] = set()
+    reuses = []
+    for members in by_source.values():
+        source = jobs[members[0]].source
+        digests = source.content_digests([(jobs[i].offsets, jobs[i].sizes, jobs[i].stored) for i in members])
+        if digests is None:
+            continue  # host memory (hashed while written), or a back end that cannot hash
+        for i, d in zip(members, digests, strict=True):
+            j = jobs[i]
+            compared.add((j.name, j.key))
+            if digests_match(found[i], d):
+                reuses.append((i, functools.partial(reuse_by_digests, writer, found[i], j.name, j.key, d)))
+    # the documents of the matching chunks' single-chunk arrays first, in one batch of the writer's
+    first = [jobs[i].name for i, _ in reuses if jobs[i].name in docs]
+    if first:
+        writer.write_array_documents(first, [docs.pop(n) for n in first])
+    results = run_all([r for _, r in reuses], threads=threads, name="gpuckpt-reuse")
+    done: dict[int, Written] = {i: r for (i, _), r in zip(reuses, results, strict=True) if r is not None}
+    return done, frozenset(compared)
+
+
+def shared_with_base(
+    plan: SavePlan, sources: Sources, options: SaveOptions
+) -> dict[tuple[str, int], ArrayAdapter]:
+    """For an asynchronous incremental save's snapshot: the device arrays of ``sources`` whose
+    every chunk, hashed on its device now, equals its chunk in ``options.base``, as
+    :class:`~gpuckpt.incremental.SharedWithBase` stand-ins by ``(FQN, box)``; the snapshot
+    need not copy them (none of their bytes crosses to the host). Empty without a base or
+    device arrays. Runs in the caller's thread, before ``async_save`` returns: the digests
+    are those of the values the call saves."""
+    arrays = [s.array for held in sources.values() for s in held]
+    backends = device_backends(arrays)
+    if options.base_location is None or not backends:
+        return {}
+    base = open_base_for(options, plan.tensors)
+    if base is None:
+        return {}
+    for b in backends:
+        b.wait_for_producers()
+    (mine,) = plan.assignments
+    groups: dict[tuple[str, int], list[tuple[str, str, ChunkBox]]] = {}
+    for a, j in zip(mine, bind_jobs(mine, sources), strict=True):
+        if j.source.backend is not None:  # host memory: copying costs what hashing would
+            groups.setdefault((a.fqn, a.box), []).append((j.name, j.key, (j.offsets, j.sizes, j.stored)))
+    out: dict[tuple[str, int], ArrayAdapter] = {}
+    for (fqn, box), chunks in groups.items():
+        shared = share_unchanged(base, sources[fqn][box].array, chunks)
+        if shared is not None:
+            out[(fqn, box)] = shared
+    return out
 
 
 def _no_results(write: Callable[[], None]) -> list[Written]:
@@ -264,9 +372,11 @@ Written = tuple[int, int] | ChunkResult
 
 @dataclass(frozen=True, slots=True)
 class _Reuse:
-    """Chunks are hashed (and compared with ``base`` where given): an incremental save."""
+    """Chunks are hashed (and compared with ``base`` where given, unless ``compared`` names
+    them: compared by their device's digests already): an incremental save."""
 
     base: BaseIndex | None
+    compared: frozenset[tuple[str, str]] = frozenset()
 
 
 def _write_items(
@@ -288,7 +398,9 @@ def _write_items(
         documents = [document for _, _, document in items]
         results: list[Written]
         if reuse is not None:
-            results = list(write_hashed(writer, names, keys, buffers, pads, documents, reuse.base))
+            results = list(
+                write_hashed(writer, names, keys, buffers, pads, documents, reuse.base, reuse.compared)
+            )
         else:
             crcs = writer.write_chunks(ChunkWrites(names, keys, buffers, pads, documents))
             results = [(b.nbytes + p + CRC_BYTES, c) for b, p, c in zip(buffers, pads, crcs, strict=True)]
@@ -540,9 +652,15 @@ def execute_save(
     with writing(writer):
         writer.begin()
         # single-chunk arrays get their directory and document from the I/O thread
-        # that writes their chunk; the others' must exist before any chunk lands
+        # that writes their chunk; the others' must exist before any chunk lands. Those an
+        # incremental save may share with its base are written here too, in batches (their
+        # chunk is usually linked, not written in a batch of small files)
+        shared = set(base.arrays()) if base is not None else set()
         single = write_array_documents(
-            plan, writer, defer={t.name for t in plan.tensors if len(t.specs) == 1}, threads=options.threads
+            plan,
+            writer,
+            defer={t.name for t in plan.tensors if len(t.specs) == 1 and t.name not in shared},
+            threads=options.threads,
         )
         jobs = bind_jobs(mine, sources)
         written = write_chunks(jobs, writer, options, documents=single, base=base)

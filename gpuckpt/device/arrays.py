@@ -28,7 +28,15 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from gpuckpt import memory_format as mf
-from gpuckpt.device.backend import FINISHED, BufferPool, DeviceBackend, Staging, Ticket, distinct_backends
+from gpuckpt.device.backend import (
+    FINISHED,
+    BufferPool,
+    ChunkBox,
+    DeviceBackend,
+    Staging,
+    Ticket,
+    distinct_backends,
+)
 from gpuckpt.errors import DeviceUnavailableError, UnsupportedValueError
 
 __all__ = [
@@ -175,6 +183,13 @@ class ArrayAdapter(Protocol):
         """The array as a NumPy array without copying (host memory only; device memory raises TypeError)."""
         ...
 
+    def content_digests(self, chunks: Sequence[ChunkBox]) -> list[tuple[bytes, bytes]] | None:
+        """The content hash and first-leaf hash of each chunk ``(offsets, sizes, stored shape)``
+        as stored, computed where the array lives before any of it is staged
+        (:meth:`~gpuckpt.device.backend.DeviceBackend.hash_chunks`), or None where
+        that gains nothing (host memory is hashed while it is written) or cannot be done."""
+        ...
+
 
 def copy_all(arrays: Sequence[ArrayAdapter]) -> list[ArrayAdapter]:
     """Copies of ``arrays`` (see :meth:`ArrayAdapter.copy`), for a snapshot of a whole state.
@@ -313,6 +328,9 @@ class HostArray:
 
     def host_array(self) -> np.ndarray:
         return self.array
+
+    def content_digests(self, chunks: Sequence[ChunkBox]) -> None:
+        return None  # host memory is hashed while it is written, in the same pass as its CRC32C
 
 
 class _DeviceOut:
@@ -455,6 +473,10 @@ class DeviceArray:
 
     def host_array(self) -> np.ndarray:
         raise TypeError("a device array has no host view; stage it through its backend")
+
+    def content_digests(self, chunks: Sequence[ChunkBox]) -> list[tuple[bytes, bytes]] | None:
+        hash_chunks = getattr(self.backend, "hash_chunks", None)  # back ends written before it: none
+        return None if hash_chunks is None else hash_chunks(self.data, chunks)
 
 
 def _dlpack_device(value: Any) -> tuple[int, int] | None:

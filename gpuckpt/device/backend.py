@@ -32,6 +32,7 @@ from gpuckpt.options import DEFAULT_STAGING_BYTES
 __all__ = [
     "FINISHED",
     "BufferPool",
+    "ChunkBox",
     "DeviceBackend",
     "Staging",
     "Ticket",
@@ -39,6 +40,11 @@ __all__ = [
     "distinct_backends",
     "staging_buffer_bytes",
 ]
+
+
+#: one chunk of an array as stored: ``(offsets, sizes)`` of its box in the array, and the shape
+#: of its stored block (the chunk grid's chunk shape; the box sits at its origin, zeros elsewhere)
+ChunkBox = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
 
 
 @runtime_checkable
@@ -116,6 +122,22 @@ class DeviceBackend(Protocol):
         ...
 
     def synchronize(self) -> None: ...
+
+    def hash_chunks(self, array: Any, chunks: Sequence[ChunkBox]) -> list[tuple[bytes, bytes]] | None:
+        """The content hash and first-leaf hash (16 bytes each, the tree hash of
+        :mod:`gpuckpt.storage.contenthash`) of each chunk of ``array`` as it is stored,
+        computed where the array lives, before any copy to the host.
+
+        A chunk is ``(offsets, sizes, stored)``: its box in the array, and the shape of
+        its stored block (the box in logical C order at the block's origin, zeros
+        elsewhere, little-endian; see :func:`gpuckpt.device.hashing.stored_block`).
+        Ordered after work already queued on the back end's stream (call
+        :meth:`wait_for_producers` first). None when this back end cannot hash (the
+        hash library or kernel is missing): the chunks are then staged and hashed on
+        the host. An incremental save reuses a chunk whose digests equal its base's
+        without staging it (:func:`gpuckpt.writing.write_chunks`).
+        """
+        ...
 
 
 class BufferPool:

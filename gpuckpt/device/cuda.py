@@ -293,6 +293,17 @@ class CupyBackend:
         self.stream.synchronize()
         self._keep.clear()
 
+    def hash_chunks(
+        self, array: Any, chunks: Sequence[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]
+    ) -> list[tuple[bytes, bytes]]:  # chunks: gpuckpt.device.backend.ChunkBox
+        """The digests of ``chunks`` of ``array`` as stored, computed by the kernels of
+        ``kernels/xxh3_tree.cu`` on the copy stream (after the work the caller queued:
+        :meth:`wait_for_producers`); only 32 bytes per chunk come back."""
+        from gpuckpt.device.hashing import hash_device_boxes
+
+        with self.cupy.cuda.Device(self.device_id), self.stream:
+            return hash_device_boxes(self._view(array), chunks)
+
 
 def _is_dense(arr: Any) -> bool:
     """Dense in the physical order of its memory format: its memory image starts at ``data.ptr``."""

@@ -9,10 +9,19 @@ thread per leaf) and ``gpuckpt_xxh3_roots`` the leaf digests of each chunk;
 :func:`hash_device_chunks` runs both through CuPy and returns 32 bytes per
 chunk. The CPU emulation of the kernels is tested against ``xxhash``
 (``tests/kernels/test_xxh3_emu.py``); the CuPy launch needs a GPU.
+
+A device back end hashes the chunks of an array as they are stored
+(:meth:`~gpuckpt.device.backend.DeviceBackend.hash_chunks`): the box of
+each chunk in logical C order, at the origin of a zero block of the chunk's
+stored shape, little-endian. :func:`stored_block` builds that block for host
+memory, and :func:`hash_host_chunks` hashes such blocks with the ``xxhash``
+library (the host stand-in of a device, :mod:`gpuckpt.device.host_backend`).
 """
 
 from __future__ import annotations
 
+import importlib
+import math
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,9 +29,27 @@ from typing import Any
 
 import numpy as np
 
+from gpuckpt.device.backend import ChunkBox
 from gpuckpt.device.kernels import kernel_source_dir
 
-__all__ = ["HASH_KERNEL_FILE", "LEAF", "LeafPlan", "hash_device_chunks", "leaf_plan"]
+__all__ = [
+    "HASH_KERNEL_FILE",
+    "LEAF",
+    "ChunkBox",
+    "LeafPlan",
+    "hash_device_chunks",
+    "hash_host_chunks",
+    "host_hashing_available",
+    "leaf_plan",
+    "stored_block",
+]
+
+
+_xxhash: Any
+try:  # optional (gpuckpt[incremental]), as for gpuckpt.storage.contenthash
+    _xxhash = importlib.import_module("xxhash")
+except ImportError:  # exercised where xxhash is not installed
+    _xxhash = None
 
 #: the kernel source, next to the channels-last kernels
 HASH_KERNEL_FILE = "xxh3_tree.cu"
@@ -90,9 +117,8 @@ def hash_device_chunks(buffer: Any, chunks: Sequence[tuple[int, int]]) -> list[t
     """``(hash, head)`` of each chunk of the CuPy ``buffer`` (C-contiguous, any dtype; chunks
     given in bytes as for :func:`leaf_plan`), computed on the buffer's device; only 32 bytes
     per chunk come back to the host."""
-    from gpuckpt.device.cuda import import_cupy
+    import cupy  # as the kernel launches of gpuckpt.device.kernels: the buffer is CuPy's already
 
-    cupy = import_cupy()
     if not buffer.flags.c_contiguous:
         raise ValueError(f"hash_device_chunks needs a C-contiguous buffer, got shape {buffer.shape}")
     nbytes = buffer.size * buffer.itemsize
@@ -122,3 +148,105 @@ def hash_device_chunks(buffer: Any, chunks: Sequence[tuple[int, int]]) -> list[t
     heads = cupy.asnumpy(leaves.reshape(nleaves, 16)[plan.first.astype(np.int64)])
     root = cupy.asnumpy(roots.reshape(nchunks, 16))
     return [(bytes(root[c]), bytes(heads[c])) for c in range(nchunks)]
+
+
+def host_hashing_available() -> bool:
+    """Whether :func:`hash_host_chunks` can hash (the ``xxhash`` package is installed)."""
+    return _xxhash is not None
+
+
+def stored_block(array: np.ndarray, chunk: ChunkBox) -> np.ndarray:
+    """The stored bytes (``uint8``, C order, little-endian) of ``chunk`` of the host ``array``:
+    its box at the origin of a zero block of its stored shape (the box itself, without a
+    copy, when it fills the block and is C-contiguous and little-endian)."""
+    offsets, sizes, stored = chunk
+    box = array[tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=True))] if sizes else array[...]
+    dt = box.dtype.newbyteorder("<") if box.dtype.byteorder == ">" else box.dtype
+    if tuple(sizes) == tuple(stored) and box.flags.c_contiguous and dt == box.dtype:
+        return box.reshape(-1).view(np.uint8)
+    block = np.zeros(tuple(stored), dt)
+    block[tuple(slice(0, s) for s in sizes)] = box
+    return block.reshape(-1).view(np.uint8)
+
+
+def _tree(data: memoryview) -> tuple[bytes, bytes]:
+    """``(hash, head)`` of one chunk's stored bytes: the tree of :mod:`gpuckpt.storage.contenthash`."""
+    n = data.nbytes
+    if n <= LEAF:
+        d = bytes(_xxhash.xxh3_128_digest(data))
+        return d, d
+    leaves = [bytes(_xxhash.xxh3_128_digest(data[i : i + LEAF])) for i in range(0, n, LEAF)]
+    return bytes(_xxhash.xxh3_128_digest(b"".join(leaves))), leaves[0]
+
+
+def hash_host_chunks(array: np.ndarray, chunks: Sequence[ChunkBox]) -> list[tuple[bytes, bytes]] | None:
+    """``(hash, head)`` of the stored block of each of ``chunks`` of the host ``array``
+    (:func:`stored_block`), with the ``xxhash`` library; None when it is not installed."""
+    if _xxhash is None:
+        return None
+    out = []
+    for c in chunks:
+        if (
+            len(c[1]) != array.ndim
+            or len(c[2]) != array.ndim
+            or any(a > b for a, b in zip(c[1], c[2], strict=True))
+        ):
+            raise ValueError(
+                f"chunk {c} does not fit an array of {array.ndim} dimensions: expected (offsets, sizes, "
+                "stored shape) with sizes no larger than the stored shape"
+            )
+        out.append(_tree(memoryview(stored_block(array, c))))
+    return out
+
+
+#: device scratch for the stored blocks of chunks hashed in one launch (boxes that are not
+#: already a contiguous byte run of their array, or that are padded)
+_SCRATCH_BYTES = 256 << 20
+
+
+def hash_device_boxes(array: Any, chunks: Sequence[ChunkBox]) -> list[tuple[bytes, bytes]]:
+    """``(hash, head)`` of the stored block of each of ``chunks`` of the CuPy ``array``
+    (as :func:`stored_block` makes it on the host), computed on the array's device on the
+    current stream: chunks that are a contiguous byte run of a C-contiguous array in
+    place, the others gathered (with their zero padding) into device scratch of at most
+    about 256 MiB per launch. Only 32 bytes per chunk come back to the host."""
+    import cupy  # the array is CuPy's already (gpuckpt.device.cuda imports this module)
+
+    out: list[tuple[bytes, bytes] | None] = [None] * len(chunks)
+    in_place: list[int] = []
+    spans: list[tuple[int, int]] = []
+    gather: list[int] = []
+    base = int(array.data.ptr)
+    for i, (offsets, sizes, stored) in enumerate(chunks):
+        box = array[tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=True))] if sizes else array
+        if array.flags.c_contiguous and tuple(sizes) == tuple(stored) and box.flags.c_contiguous:
+            in_place.append(i)
+            spans.append((int(box.data.ptr) - base if box.size else 0, int(box.nbytes)))
+        else:
+            gather.append(i)
+    if in_place:
+        for i, d in zip(in_place, hash_device_chunks(array.reshape(-1), spans), strict=True):
+            out[i] = d
+    itemsize = int(array.itemsize)
+    while gather:
+        take: list[int] = []
+        total = 0
+        while gather and (not take or total + math.prod(chunks[gather[0]][2]) * itemsize <= _SCRATCH_BYTES):
+            i = gather.pop(0)
+            take.append(i)
+            total += math.prod(chunks[i][2]) * itemsize
+        scratch = cupy.zeros(max(1, total), cupy.uint8)
+        places = []
+        at = 0
+        for i in take:
+            offsets, sizes, stored = chunks[i]
+            n = math.prod(stored) * itemsize
+            block = scratch[at : at + n].view(array.dtype).reshape(stored)
+            region = tuple(slice(0, s) for s in sizes)
+            src = tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=True))
+            block[region] = array[src]
+            places.append((at, n))
+            at += n
+        for i, d in zip(take, hash_device_chunks(scratch, places), strict=True):
+            out[i] = d
+    return [d for d in out if d is not None]

@@ -22,7 +22,7 @@ import numpy as np
 from gpuckpt import memory_format as mf
 from gpuckpt.device import _kernel_ref
 from gpuckpt.device.arrays import HostMemory
-from gpuckpt.device.backend import Ticket
+from gpuckpt.device.backend import ChunkBox, Ticket
 from gpuckpt.device.packing import ARENA_ALIGN, plan_packing
 from gpuckpt.device.staging import HostAllocator
 from gpuckpt.workers import Workers
@@ -66,7 +66,9 @@ class HostBackend:
     ``gate``: copies wait until this event is set (tests hold the stream still
     to see what runs ahead of it).
     ``copies`` counts the copies run, ``max_in_flight`` the most queued at once;
-    ``device_copies`` counts the device-to-device copies (snapshots).
+    ``device_copies`` counts the device-to-device copies (snapshots);
+    ``bytes_to_host`` the bytes copied to the host (staged out or snapshotted) and
+    ``hashed_chunks`` the chunks hashed in "device" memory (:meth:`hash_chunks`).
     """
 
     name = "host"
@@ -83,6 +85,8 @@ class HostBackend:
         self.gate = gate
         self.device_copies = 0
         self.copies = 0
+        self.bytes_to_host = 0
+        self.hashed_chunks = 0
         self.max_in_flight = 0
         self._in_flight = 0
         self._lock = threading.Lock()
@@ -123,6 +127,8 @@ class HostBackend:
         out = dest.view(array.dtype).reshape(sizes)
 
         def copy() -> None:
+            with self._lock:
+                self.bytes_to_host += out.nbytes
             if _is_channels_last(array):
                 # the same validation and box semantics as the device kernels
                 _kernel_ref.channels_last_to_contiguous(array, out, box=(offsets, sizes))
@@ -151,9 +157,13 @@ class HostBackend:
         physical = array.transpose(order)
         if not physical.flags.c_contiguous:
             raise ValueError(f"snapshot_to_host needs a dense array, got strides {array.strides}")
-        return self._run(
-            lambda: np.copyto(dest.view(array.dtype).reshape(physical.shape), physical), dest.nbytes
-        )
+
+        def copy() -> None:
+            with self._lock:
+                self.bytes_to_host += physical.nbytes
+            np.copyto(dest.view(array.dtype).reshape(physical.shape), physical)
+
+        return self._run(copy, dest.nbytes)
 
     def wait_for_producers(self) -> None:
         """Host arrays have no pending producers."""
@@ -199,3 +209,17 @@ class HostBackend:
 
     def synchronize(self) -> None:
         self._stream.submit(lambda: None).result()
+
+    def hash_chunks(self, array: Any, chunks: Sequence[ChunkBox]) -> list[tuple[bytes, bytes]] | None:
+        """The digests of ``chunks`` of ``array`` as stored, hashed in place ("device"
+        memory) with the ``xxhash`` library, in order on the stream; None without it."""
+        from gpuckpt.device.hashing import hash_host_chunks  # loaded by incremental saves only
+
+        done: Future[list[tuple[bytes, bytes]] | None] = self._stream.submit(
+            lambda: hash_host_chunks(array, chunks)
+        )
+        digests = done.result()
+        if digests is not None:
+            with self._lock:
+                self.hashed_chunks += len(digests)
+        return digests

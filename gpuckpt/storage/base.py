@@ -149,6 +149,14 @@ class CheckpointWriter(ABC):
     @abstractmethod
     def write_array_document(self, name: str, document: bytes) -> None: ...
 
+    def write_array_documents(self, names: Sequence[str], documents: Sequence[bytes]) -> None:
+        """:meth:`write_array_document` of each array of ``names``, in order; stops at the first
+        error, which it raises. The default writes them one by one; back ends may hand the
+        whole batch to native code (the documents of the arrays an incremental save shares
+        with its base: hundreds of small files and no chunk)."""
+        for name, document in zip(names, documents, strict=True):
+            self.write_array_document(name, document)
+
     @abstractmethod
     def write_chunk(self, name: str, key: str, parts: Sequence[Any]) -> None:
         """Store the concatenation of the buffers ``parts`` as chunk ``key`` of array ``name``."""

@@ -709,3 +709,30 @@ def test_the_reader_checks_many_chunk_sizes_as_one_at_a_time(lib: BatchIO, tmp_p
         with using(chosen):
             answers.append(LocalReader(root).chunk_sizes(names, keys))
     assert answers[0] == answers[1] == [4, 2, 307, None, None, None]
+
+
+@pytest.mark.parametrize("sync", ["none", "file"])
+def test_documents_in_one_batch_leave_the_files_one_by_one_leaves(
+    lib: BatchIO, tmp_path: Path, sync: str
+) -> None:
+    names = [f"arr{i}" for i in range(5)]
+    docs = [json.dumps({"i": i}).encode() for i in range(5)]
+    trees = []
+    for tag, chosen in (("native", lib), ("python", None)):
+        w = LocalWriter(tmp_path / tag, sync=sync)
+        w.begin()
+        with using(chosen):
+            w.write_array_documents(names, docs)
+        w.commit(ROOT_DOC)
+        trees.append(_tree(tmp_path / tag))
+    assert trees[0] == trees[1]
+    assert all(trees[0][f"arr{i}/zarr.json"] == docs[i] for i in range(5))
+
+
+def test_a_document_batch_stops_at_the_first_error_and_names_it(lib: BatchIO, tmp_path: Path) -> None:
+    w = LocalWriter(tmp_path / "c", sync="none")
+    w.begin()
+    w.write_array_document("b", b"{}")
+    with using(lib), pytest.raises(FileExistsError, match=r"/b"):
+        w.write_array_documents(["a", "b", "c"], [b"{}", b"{}", b"{}"])
+    w.abort()
