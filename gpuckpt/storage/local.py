@@ -138,6 +138,7 @@ class LocalWriter(CheckpointWriter):
         self._dirs: list[Path] = []
         use_direct = direct_io and sync != "none" and direct_io_available()
         self._direct = DirectWriter() if use_direct else None
+        self._published: dict[str, int | None] = {}  # base root -> its root document's mtime
 
     @property
     def direct_io(self) -> bool:
@@ -322,11 +323,24 @@ class LocalWriter(CheckpointWriter):
         finally:
             os.close(fd)
 
+    def _published_ns(self, root: str) -> int | None:
+        """When the checkpoint at ``root`` was published: the mtime of its root document,
+        written after every other file of it (None when it cannot be read)."""
+        if root not in self._published:
+            try:
+                self._published[root] = os.stat(f"{root}/{ROOT_KEY}", follow_symlinks=False).st_mtime_ns
+            except OSError:
+                self._published[root] = None
+        return self._published[root]
+
     def reuse_chunk(self, name: str, key: str, base: BaseRef) -> bool:
         """A hard link to the base's chunk file, else a reflink (``FICLONE``) of it, else False.
 
         The base file is opened as a load opens it (no symlink, no FIFO), checked to
-        have the size and the CRC32C trailer its metadata gives, and the new name is
+        have the size and the CRC32C trailer its metadata gives and to be no younger
+        than the base's root document (a file written into after the base was
+        published, its trailer kept, may hold other bytes than the base's records
+        describe: it is not linked, the chunk is written), and the new name is
         checked to be that very file (the base may have been replaced meanwhile). Two
         checkpoints then share one inode: nothing in gpuckpt ever writes into a
         published chunk file, and deleting either name leaves the other intact.
@@ -343,6 +357,9 @@ class LocalWriter(CheckpointWriter):
             st = os.fstat(fd)
             if st.st_size != base.nbytes or base.nbytes < CRC_BYTES:
                 return False
+            published = self._published_ns(root)
+            if published is None or st.st_mtime_ns > published:
+                return False  # changed after its checkpoint was published: its bytes are not the base's
             trailer = bytearray(CRC_BYTES)
             if read_exact_at(fd, trailer, base.nbytes - CRC_BYTES) != CRC_BYTES:
                 return False

@@ -154,6 +154,7 @@ class ObjectStoreWriter(Prefix, CheckpointWriter):
         self._valid_until: float | None = None
         self._claim_etag: str | None = None
         self._written: set[str] = set()
+        self._published: dict[str, Any] = {}  # base prefix -> its root document's last-modified time
         self._lost: str | None = None
         self._committed = False
         self._stop = threading.Event()
@@ -469,7 +470,9 @@ class ObjectStoreWriter(Prefix, CheckpointWriter):
         """A server-side copy (``CopyObject``: no chunk bytes through this process) of the
         base's chunk object, when the base is in the same bucket of the same endpoint (the
         save's ``storage_options`` reach both) and the object has the size and CRC32C trailer
-        the base's metadata gives; False otherwise, or when the server refuses the copy."""
+        the base's metadata gives and is no younger than the base's root document (an object
+        put again after the base was published may hold other bytes than its records
+        describe); False otherwise, or when the server refuses the copy."""
         import obstore as obs
         from obstore.exceptions import BaseError
         from obstore.store import S3Store
@@ -493,8 +496,15 @@ class ObjectStoreWriter(Prefix, CheckpointWriter):
         )  # the bucket's root: the base lives under another prefix
         try:
             with self.budget.take():
-                if obs.head(store, src)["size"] != base.nbytes:
+                meta = obs.head(store, src)
+                if meta["size"] != base.nbytes:
                     return False
+                published = self._published.get(src_prefix)
+                if published is None:
+                    root = "/".join(p for p in (src_prefix, ROOT_KEY) if p)
+                    published = self._published[src_prefix] = obs.head(store, root)["last_modified"]
+                if meta["last_modified"] > published:
+                    return False  # put again after its checkpoint was published: not the base's bytes
                 trailer = bytes(obs.get_range(store, src, start=base.nbytes - CRC_BYTES, end=base.nbytes))
                 if int.from_bytes(trailer, "little") != base.crc32c:
                     return False

@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -283,6 +284,25 @@ def test_damaged_base_chunk_files_are_written_fresh(tmp_path: Path) -> None:
     f1 = chunk_files(tmp_path / "c1")
     fresh = {k for k, st in f1.items() if st.st_nlink == 1}
     assert fresh == {"model.big/c.0.0", "model.emb/c.0.0", "model.big/c.2.0", "model.big/c.3.0"}
+    assert_loads(tmp_path / "c1", s0)
+
+
+def test_base_chunk_written_into_after_publish_with_its_trailer_kept_is_written_fresh(tmp_path: Path) -> None:
+    s0 = make_state()
+    gpuckpt.save(s0, tmp_path / "c0", chunk_bytes=CHUNK, content_hash=True)
+    victim = tmp_path / "c0/model.big/c.1.0"
+    time.sleep(0.05)  # past the file system's timestamp granularity: the write comes later
+    with open(victim, "r+b") as f:  # one byte of the body changed in place, the trailer kept
+        f.seek(100)
+        byte = f.read(1)[0]
+        f.seek(100)
+        f.write(bytes([byte ^ 0x40]))
+    assert not verify_checkpoint(tmp_path / "c0").ok
+    gpuckpt.save(s0, tmp_path / "c1", chunk_bytes=CHUNK, base=tmp_path / "c0")
+    f1 = chunk_files(tmp_path / "c1")
+    assert f1["model.big/c.1.0"].st_nlink == 1  # written from the state, not linked
+    assert {k for k, st in f1.items() if st.st_nlink == 1} == {"model.big/c.1.0"}
+    assert verify_checkpoint(tmp_path / "c1").ok
     assert_loads(tmp_path / "c1", s0)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import json
 import sys
+import time
 import urllib.request
 import uuid
 from pathlib import Path
@@ -122,3 +123,24 @@ def test_base_in_another_bucket_is_written(
     gpuckpt.save(_state(0), tmp_path / "local0", chunk_bytes=64 << 10, content_hash=True)
     gpuckpt.save(_state(1), f"s3://{BUCKET}/{run}/step2", base=tmp_path / "local0", **kw)
     assert verify_checkpoint(f"s3://{BUCKET}/{run}/step2", storage_options=opts).ok
+
+
+def test_base_object_put_again_after_publish_is_not_copied(
+    endpoint: str,  # noqa: F811
+    opts: dict[str, Any],  # noqa: F811
+    s3: Any,  # noqa: F811
+) -> None:
+    run = f"incr-{uuid.uuid4().hex[:8]}"
+    p0, p1 = f"s3://{BUCKET}/{run}/step0", f"s3://{BUCKET}/{run}/step1"
+    kw: dict[str, Any] = {"chunk_bytes": 64 << 10, "storage_options": opts}
+    gpuckpt.save(_state(0), p0, content_hash=True, **kw)
+    time.sleep(1.1)  # S3 times are whole seconds: the put below is then later than the root's
+    key = f"{run}/step0/frozen/c.2.0"
+    body = bytearray(s3.get_object(Bucket=BUCKET, Key=key)["Body"].read())
+    body[100] ^= 0x40  # the body changed, its CRC32C trailer kept
+    s3.put_object(Bucket=BUCKET, Key=key, Body=bytes(body))
+    assert not verify_checkpoint(p0, storage_options=opts).ok
+    gpuckpt.save(_state(1), p1, base=p0, **kw)
+    assert verify_checkpoint(p1, storage_options=opts).ok  # the chunk was put from the state
+    got = gpuckpt.load_state_dict(p1, storage_options=opts)
+    assert got["frozen"].tobytes() == _state(1)["frozen"].tobytes()
