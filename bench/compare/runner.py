@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.compare.common import (
+    OP_SETTLE_S,
     build_state,
     drop_cache,
     emit,
@@ -168,7 +169,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--trash", help="move outputs with many files here instead of deleting them")
+    ap.add_argument(
+        "--settle-op",
+        type=float,
+        default=OP_SETTLE_S,
+        help="seconds to wait, idle, before every timed operation (see common.OP_SETTLE_S)",
+    )
     args = ap.parse_args(argv)
+    if args.settle_op < 0:
+        ap.error(f"--settle-op must be >= 0 seconds, got {args.settle_op}")
     ops = [o for o in args.ops.split(",") if o]
     state = build_state(args.state, quick=args.quick, seed=args.seed)
     nbytes = state_bytes(state)
@@ -179,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         "bytes": nbytes,
         "tensors": len(state),
         "python": sys.version.split()[0],
+        "settle_s": args.settle_op,
     }
     work = os.path.join(args.dir, f"{args.system}-{args.state}-r{args.round}-{os.getpid()}")
     os.makedirs(work)
@@ -193,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
         path = os.path.join(work, "ckpt")
         for op in ops:
             rec: dict[str, Any]
+            # the same memory state before every system's operation, whatever its start-up time
+            time.sleep(args.settle_op)
             try:
                 if op == "save":
                     rec = op_save(ad, path, {**base, "op": op})

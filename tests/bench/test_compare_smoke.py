@@ -89,3 +89,29 @@ def test_harness_peers(tmp_path: Path) -> None:
     }
     if "dcp-gpuckpt-async" not in skipped:
         assert "dcp-gpuckpt-async" in {r["system"] for r in result["records"]}
+
+
+def run_runner(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "bench.compare.runner", "raw-single", "--state", "tiny", "--quick"]
+    cmd += ["--dir", str(tmp_path), *args]
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+
+
+def test_runner_settles_before_every_timed_operation(tmp_path: Path) -> None:
+    # every measurement process waits the same time, idle, before each timed operation (memory
+    # freed before it then is in the same state whatever the system's start-up time), and says so
+    p = run_runner(tmp_path, "--ops", "save,load_warm", "--settle-op", "0.05")
+    assert p.returncode == 0, p.stderr[-3000:]
+    recs = [json.loads(line[9:]) for line in p.stdout.splitlines() if line.startswith("@@RESULT ")]
+    assert [r["op"] for r in recs] == ["save", "load_warm"]
+    assert all(r["settle_s"] == 0.05 and "error" not in r for r in recs), recs
+    bad = run_runner(tmp_path, "--ops", "save", "--settle-op", "-1")
+    assert bad.returncode != 0 and "--settle-op must be >= 0 seconds, got -1.0" in bad.stderr
+
+
+def test_harness_passes_its_settle_to_every_process(tmp_path: Path) -> None:
+    result = run_harness(tmp_path, "raw-single", "tiny")
+    assert result["meta"]["settle_op_s"] == 0.0  # --quick: no wait
+    assert result["records"] and all(r["settle_s"] == 0.0 for r in result["records"]), result["records"]
+    assert "each process waited 0 s, idle" in (tmp_path / "r.md").read_text()
