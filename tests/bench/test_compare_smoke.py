@@ -111,6 +111,9 @@ def test_runner_settles_before_every_timed_operation(tmp_path: Path) -> None:
     recs = [json.loads(line[9:]) for line in p.stdout.splitlines() if line.startswith("@@RESULT ")]
     assert [r["op"] for r in recs] == ["save", "load_warm"]
     assert all(r["settle_s"] == 0.05 and "error" not in r for r in recs), recs
+    # the process's CPU time over the timed region, beside the wall time (a shared machine)
+    assert all(r["cpu_user_s"] >= 0 and r["cpu_sys_s"] >= 0 for r in recs), recs
+    assert any(r["cpu_user_s"] + r["cpu_sys_s"] > 0 for r in recs), recs
     bad = run_runner(tmp_path, "--ops", "save", "--settle-op", "-1")
     assert bad.returncode != 0 and "--settle-op must be >= 0 seconds, got -1.0" in bad.stderr
 
