@@ -3,7 +3,8 @@
 Per state, per round, per system, one fresh process
 (``python -m bench.compare.runner``, in the project's interpreter or in the
 peer environment) builds the same seeded state and measures that system.
-Rounds interleave the systems (A B C ... A B C ...); round 0 is a warm-up and
+Rounds interleave the systems, each round in another order (a Williams design:
+every system runs right after every other one equally often); round 0 is a warm-up and
 is discarded.
 """
 
@@ -139,6 +140,37 @@ def probe(systems: list[System]) -> tuple[list[System], dict[str, str]]:
         else:
             ok.append(s)
     return ok, skipped
+
+
+def round_order(systems: list[System], rnd: int) -> list[System]:
+    """The order of the systems in round ``rnd``: the rows of a Williams design.
+
+    What the previous process left behind changes the next one's save (the
+    memory it freed, and when: see :data:`bench.compare.common.OP_SETTLE_S`);
+    with one fixed order a system always followed the same other one (gpuckpt
+    right after raw-single, dcp-gpuckpt after DCP's own systems). Here, over
+    ``n`` rounds (``2n`` for an odd number ``n`` of systems), every system
+    runs right after every other one equally often (a rotation alone would
+    keep the same neighbours).
+    """
+    n = len(systems)
+    if n < 2:
+        return list(systems)
+    # first row 0, 1, n-1, 2, n-2, ...; row r adds r (mod n); odd n: the reversed rows follow
+    first = [0]
+    lo, hi = 1, n - 1
+    while len(first) < n:
+        first.append(lo)
+        lo += 1
+        if len(first) < n:
+            first.append(hi)
+            hi -= 1
+    period = n if n % 2 == 0 else 2 * n
+    r = rnd % period
+    row = [(i + r) % n for i in first]
+    if r >= n:
+        row = [(i + r - n) % n for i in first][::-1]
+    return [systems[i] for i in row]
 
 
 def run_one(
@@ -362,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
             for state in states:
                 for rnd in range(warmup + rounds):
                     print(f"{state} round {rnd}{' (warm-up)' if rnd < warmup else ''}", file=sys.stderr)
-                    for s in systems:
+                    for s in round_order(systems, rnd):
                         if s.name in ASYNC_SYSTEMS and state not in async_states:
                             continue
                         for r in run_one(s, state, rnd, base, args.quick, args.seed, settle_op):

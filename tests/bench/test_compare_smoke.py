@@ -123,3 +123,24 @@ def test_harness_passes_its_settle_to_every_process(tmp_path: Path) -> None:
     assert result["meta"]["settle_op_s"] == 0.0  # --quick: no wait
     assert result["records"] and all(r["settle_s"] == 0.0 for r in result["records"]), result["records"]
     assert "each process waited 0 s, idle" in (tmp_path / "r.md").read_text()
+
+
+def test_every_system_follows_every_other_equally_often() -> None:
+    # what a process leaves behind changes the next one's save: over a full period of rounds
+    # each system runs right after each other one equally often (a fixed order, or a rotation,
+    # always puts gpuckpt after raw-single)
+    import itertools
+    from collections import Counter
+
+    from bench.compare.driver import SYSTEMS, round_order
+
+    for n in (2, 3, 4, 5, 6):
+        systems = SYSTEMS[:n]
+        period = n if n % 2 == 0 else 2 * n
+        orders = [round_order(systems, r) for r in range(period)]
+        assert all(sorted(s.name for s in o) == sorted(s.name for s in systems) for o in orders)
+        pairs = Counter((a.name, b.name) for o in orders for a, b in itertools.pairwise(o))
+        assert set(pairs.values()) == {period // n}, (n, pairs)
+        assert len(pairs) == n * (n - 1), (n, pairs)
+        assert [s.name for s in round_order(systems, period)] == [s.name for s in orders[0]]
+    assert round_order([], 3) == [] and [s.name for s in round_order(SYSTEMS[:1], 5)] == [SYSTEMS[0].name]
