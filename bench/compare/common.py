@@ -302,14 +302,13 @@ SETTLE_S = 361.0
 #: has been free for about 2 s is handed back to the host, and touching it again
 #: costs a host page fault per page: a 1 GiB ``np.ones`` took 0.13-0.20 s right
 #: after 1 GiB was freed and 0.89-0.94 s 5 s later (2026-12-01 10:30 UTC), and
-#: one ``gpuckpt.save`` of the GPT state 0.52-0.62 s right after the previous
-#: save's files were deleted against 1.16-1.55 s 5 s later. A save writes its
-#: bytes into newly allocated page cache, so without this wait a process that
-#: reaches its save within ~2 s of the previous process's exit (NumPy only:
-#: ~0.9 s) saves into still-backed memory, and one that imports torch first
-#: (~3 s) into returned memory: the same code measured ~2x apart depending on
-#: its start-up time. After this wait every system starts from returned memory,
-#: as a save in a long-running job does.
+#: one ``gpuckpt.save`` of the GPT state 0.52-0.62 s (0.34-0.52 s of system CPU)
+#: right after the previous save's files were deleted against 1.16-1.55 s
+#: (1.80-1.93 s) 5 s later. A save writes into newly allocated page cache, so
+#: its speed depends on when, and how, memory was freed before it: by the
+#: previous process (which one: see ``driver.round_order``) and by its own
+#: start-up (NumPy only ~0.9 s, torch ~3 s). After this wait every system meets
+#: memory returned to the host, as a save in a long-running job does.
 OP_SETTLE_S = 3.0
 
 

@@ -359,8 +359,8 @@ def write_report(records: list[dict[str, Any]], meta: dict[str, Any], md: Path, 
                 f"{run['settle_op_s']:g} s, idle (memory freed before it returned to the host alike "
                 "for every system: bench/compare/common.py OP_SETTLE_S)"
                 if "settle_op_s" in run
-                else "nothing (runs before 2026-12-01 11:00 UTC: a system that reached its operation "
-                "sooner after the previous process could use memory the host still backed)"
+                else "nothing, and the systems ran in one fixed order (runs before 2026-12-01 11:15 UTC: "
+                "a save's speed then depended on which process ran before it, and when)"
             ),
         ]
     lines += [
