@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 __all__ = [
+    "OP_SETTLE_S",
     "STATE_KINDS",
     "build_state",
     "drop_cache",
@@ -295,6 +296,20 @@ def _tree_stats(path: Path) -> tuple[int, int]:
 #: a journal skips inodes freed in the last 60 s, or 360 s while their inode
 #: table block is dirty (which new creations in the same block make it)
 SETTLE_S = 361.0
+
+#: seconds each measurement process waits, idle, right before every timed
+#: operation. On this VM (virtio-balloon with free page reporting) memory that
+#: has been free for about 2 s is handed back to the host, and touching it again
+#: costs a host page fault per page: a 1 GiB ``np.ones`` took 0.13-0.20 s right
+#: after 1 GiB was freed and 0.89-0.94 s 5 s later (2026-12-01 10:30 UTC), and
+#: one ``gpuckpt.save`` of the GPT state 0.52-0.62 s (0.34-0.52 s of system CPU)
+#: right after the previous save's files were deleted against 1.16-1.55 s
+#: (1.80-1.93 s) 5 s later. A save writes into newly allocated page cache, so
+#: its speed depends on when, and how, memory was freed before it: by the
+#: previous process (which one: see ``driver.round_order``) and by its own
+#: start-up (NumPy only ~0.9 s, torch ~3 s). After this wait every system meets
+#: memory returned to the host, as a save in a long-running job does.
+OP_SETTLE_S = 3.0
 
 
 def set_aside(path: Path, trash: Path | None) -> None:

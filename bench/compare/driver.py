@@ -3,7 +3,8 @@
 Per state, per round, per system, one fresh process
 (``python -m bench.compare.runner``, in the project's interpreter or in the
 peer environment) builds the same seeded state and measures that system.
-Rounds interleave the systems (A B C ... A B C ...); round 0 is a warm-up and
+Rounds interleave the systems, each round in another order (a Williams design:
+every system runs right after every other one equally often); round 0 is a warm-up and
 is discarded.
 """
 
@@ -23,7 +24,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from bench.compare.common import SETTLE_S, settle
+from bench.compare.common import OP_SETTLE_S, SETTLE_S, settle
 
 REPO = Path(__file__).resolve().parents[2]
 PEER_HOME = Path(os.environ.get("GPUCKPT_PEERS", "/tmp/gpuckpt-peers"))
@@ -141,7 +142,40 @@ def probe(systems: list[System]) -> tuple[list[System], dict[str, str]]:
     return ok, skipped
 
 
-def run_one(s: System, state: str, rnd: int, workdir: Path, quick: bool, seed: int) -> list[dict[str, Any]]:
+def round_order(systems: list[System], rnd: int) -> list[System]:
+    """The order of the systems in round ``rnd``: the rows of a Williams design.
+
+    What the previous process left behind changes the next one's save (the
+    memory it freed, and when: see :data:`bench.compare.common.OP_SETTLE_S`);
+    with one fixed order a system always followed the same other one (gpuckpt
+    right after raw-single, dcp-gpuckpt after DCP's own systems). Here, over
+    ``n`` rounds (``2n`` for an odd number ``n`` of systems), every system
+    runs right after every other one equally often (a rotation alone would
+    keep the same neighbours).
+    """
+    n = len(systems)
+    if n < 2:
+        return list(systems)
+    # first row 0, 1, n-1, 2, n-2, ...; row r adds r (mod n); odd n: the reversed rows follow
+    first = [0]
+    lo, hi = 1, n - 1
+    while len(first) < n:
+        first.append(lo)
+        lo += 1
+        if len(first) < n:
+            first.append(hi)
+            hi -= 1
+    period = n if n % 2 == 0 else 2 * n
+    r = rnd % period
+    row = [(i + r) % n for i in first]
+    if r >= n:
+        row = [(i + r - n) % n for i in first][::-1]
+    return [systems[i] for i in row]
+
+
+def run_one(
+    s: System, state: str, rnd: int, workdir: Path, quick: bool, seed: int, settle_op: float = OP_SETTLE_S
+) -> list[dict[str, Any]]:
     """One fresh measurement process; its result records (an error record if it failed).
 
     Outputs with many files go to ``workdir/.trash`` and are deleted between
@@ -157,6 +191,8 @@ def run_one(s: System, state: str, rnd: int, workdir: Path, quick: bool, seed: i
         str(seed),
         "--trash",
         str(workdir / ".trash"),
+        "--settle-op",
+        str(settle_op),
     ]
     if quick:
         cmd.append("--quick")
@@ -277,6 +313,13 @@ def main(argv: list[str] | None = None) -> int:
         help="seconds to wait (after a sync) before the first measurement, for files deleted "
         "earlier to stop slowing down file creation",
     )
+    ap.add_argument(
+        "--settle-op",
+        type=float,
+        default=OP_SETTLE_S,
+        help="seconds each measurement process waits, idle, before every timed operation, so that "
+        "memory freed before it is in the same state for every system (0 with --quick)",
+    )
     ap.add_argument("--async-states", default="gpt,small", help="states the async systems run on")
     ap.add_argument("--systems", default=",".join(s.name for s in SYSTEMS if s.name not in OPT_IN_SYSTEMS))
     ap.add_argument("--dir", help="where checkpoints are written (default: a temp dir on /tmp's disk)")
@@ -304,6 +347,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     rounds, warmup = (1, 0) if args.quick else (args.rounds, args.warmup)
+    if args.settle_op < 0:
+        ap.error(f"--settle-op must be >= 0 seconds, got {args.settle_op}")
+    settle_op = 0.0 if args.quick else args.settle_op
     wanted = [n for n in args.systems.split(",") if n]
     unknown = set(wanted) - {s.name for s in SYSTEMS}
     if unknown:
@@ -331,6 +377,7 @@ def main(argv: list[str] | None = None) -> int:
         "rounds": rounds,
         "warmup": warmup,
         "quick": args.quick,
+        "settle_op_s": settle_op,
         "skipped": skipped,
         "python_main": platform.python_version(),
         "peer_python": str(PEER_PYTHON),
@@ -347,10 +394,10 @@ def main(argv: list[str] | None = None) -> int:
             for state in states:
                 for rnd in range(warmup + rounds):
                     print(f"{state} round {rnd}{' (warm-up)' if rnd < warmup else ''}", file=sys.stderr)
-                    for s in systems:
+                    for s in round_order(systems, rnd):
                         if s.name in ASYNC_SYSTEMS and state not in async_states:
                             continue
-                        for r in run_one(s, state, rnd, base, args.quick, args.seed):
+                        for r in run_one(s, state, rnd, base, args.quick, args.seed, settle_op):
                             r["warmup"] = rnd < warmup
                             records.append(r)
                             f.write(json.dumps(r) + "\n")

@@ -354,6 +354,14 @@ def write_report(records: list[dict[str, Any]], meta: dict[str, Any], md: Path, 
                 if run.get("idle_wait")
                 else ""
             ),
+            "  - before every timed operation each process waited "
+            + (
+                f"{run['settle_op_s']:g} s, idle (memory freed before it returned to the host alike "
+                "for every system: bench/compare/common.py OP_SETTLE_S)"
+                if "settle_op_s" in run
+                else "nothing, and the systems ran in one fixed order (runs before 2026-12-01 11:15 UTC: "
+                "a save's speed then depended on which process ran before it, and when)"
+            ),
         ]
     lines += [
         f"- machine: {m.get('nproc')} CPUs ({m.get('cpu', '?')}), {m.get('memory', '?')} RAM, "

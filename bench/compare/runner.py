@@ -31,6 +31,7 @@ import argparse
 import importlib
 import os
 import re
+import resource
 import subprocess
 import sys
 import time
@@ -39,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.compare.common import (
+    OP_SETTLE_S,
     build_state,
     drop_cache,
     emit,
@@ -85,18 +87,34 @@ def _disk_bytes(path: str) -> tuple[int, int]:
     return len(files), sum(os.path.getsize(f) for f in files)
 
 
+def _cpu() -> tuple[float, float]:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime, r.ru_stime
+
+
+def _cpu_since(c0: tuple[float, float]) -> dict[str, float]:
+    """The process's user and system CPU seconds (all threads) since ``c0``: unlike the wall
+    time, hardly changed by other processes competing for the CPUs, and the system time shows
+    the kernel's share (page cache, page faults)."""
+    u, s = _cpu()
+    return {"cpu_user_s": u - c0[0], "cpu_sys_s": s - c0[1]}
+
+
 def op_save(ad: Any, path: str, base: dict[str, Any]) -> dict[str, Any]:
     r0 = rss()
     reset_peak()
+    c0 = _cpu()
     t0 = time.perf_counter()
     ad.save(path)
     t1 = time.perf_counter()
     if not ad.durable:
         fsync_tree(path)
     t2 = time.perf_counter()
+    cpu = _cpu_since(c0)
     nfiles, nbytes = _disk_bytes(path)
     return {
         **base,
+        **cpu,
         "seconds": t2 - t0,
         "sync_seconds": t2 - t1,
         "durability": "own" if ad.durable else "explicit fsync (timed)",
@@ -112,13 +130,15 @@ def op_load(ad: Any, path: str, base: dict[str, Any], expected: str, cold: bool)
     resident = drop_cache(path) if cold else warm_cache(path)
     r0 = rss()
     reset_peak()
+    c0 = _cpu()
     t0 = time.perf_counter()
     ad.load(path)
     t1 = time.perf_counter()
+    cpu = _cpu_since(c0)
     extra = peak_rss() - r0 - (base["bytes"] if ad.fresh else 0)
     got = fingerprint(ad.loaded())
     ad.clear()
-    rec = {**base, "seconds": t1 - t0, "extra_peak": extra, "verified": got == expected}
+    rec = {**base, **cpu, "seconds": t1 - t0, "extra_peak": extra, "verified": got == expected}
     rec["resident_before" if cold else "resident_after_save"] = resident
     return rec
 
@@ -168,7 +188,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--trash", help="move outputs with many files here instead of deleting them")
+    ap.add_argument(
+        "--settle-op",
+        type=float,
+        default=OP_SETTLE_S,
+        help="seconds to wait, idle, before every timed operation (see common.OP_SETTLE_S)",
+    )
     args = ap.parse_args(argv)
+    if args.settle_op < 0:
+        ap.error(f"--settle-op must be >= 0 seconds, got {args.settle_op}")
     ops = [o for o in args.ops.split(",") if o]
     state = build_state(args.state, quick=args.quick, seed=args.seed)
     nbytes = state_bytes(state)
@@ -179,11 +207,13 @@ def main(argv: list[str] | None = None) -> int:
         "bytes": nbytes,
         "tensors": len(state),
         "python": sys.version.split()[0],
+        "settle_s": args.settle_op,
     }
     work = os.path.join(args.dir, f"{args.system}-{args.state}-r{args.round}-{os.getpid()}")
     os.makedirs(work)
     try:
         if args.system == "dd":
+            time.sleep(args.settle_op)
             for rec in op_ceiling(work, nbytes, base):
                 emit(rec)
             return 0
@@ -193,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
         path = os.path.join(work, "ckpt")
         for op in ops:
             rec: dict[str, Any]
+            # the same memory state before every system's operation, whatever its start-up time
+            time.sleep(args.settle_op)
             try:
                 if op == "save":
                     rec = op_save(ad, path, {**base, "op": op})

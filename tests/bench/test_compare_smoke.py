@@ -89,3 +89,58 @@ def test_harness_peers(tmp_path: Path) -> None:
     }
     if "dcp-gpuckpt-async" not in skipped:
         assert "dcp-gpuckpt-async" in {r["system"] for r in result["records"]}
+    if "dcp-gpuckpt" not in skipped:
+        # its libraries are loaded before timing as the native adapter's are: the CRC32C backend
+        # (whose code pages would otherwise count as memory of its first save)
+        versions = {r["version"] for r in result["records"] if r["system"] == "dcp-gpuckpt"}
+        assert versions and all("CRC32C: " in v and "copy-with-CRC: " in v for v in versions), versions
+
+
+def run_runner(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "bench.compare.runner", "raw-single", "--state", "tiny", "--quick"]
+    cmd += ["--dir", str(tmp_path), *args]
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+
+
+def test_runner_settles_before_every_timed_operation(tmp_path: Path) -> None:
+    # every measurement process waits the same time, idle, before each timed operation (memory
+    # freed before it then is in the same state whatever the system's start-up time), and says so
+    p = run_runner(tmp_path, "--ops", "save,load_warm", "--settle-op", "0.05")
+    assert p.returncode == 0, p.stderr[-3000:]
+    recs = [json.loads(line[9:]) for line in p.stdout.splitlines() if line.startswith("@@RESULT ")]
+    assert [r["op"] for r in recs] == ["save", "load_warm"]
+    assert all(r["settle_s"] == 0.05 and "error" not in r for r in recs), recs
+    # the process's CPU time over the timed region, beside the wall time (a shared machine)
+    assert all(r["cpu_user_s"] >= 0 and r["cpu_sys_s"] >= 0 for r in recs), recs
+    assert any(r["cpu_user_s"] + r["cpu_sys_s"] > 0 for r in recs), recs
+    bad = run_runner(tmp_path, "--ops", "save", "--settle-op", "-1")
+    assert bad.returncode != 0 and "--settle-op must be >= 0 seconds, got -1.0" in bad.stderr
+
+
+def test_harness_passes_its_settle_to_every_process(tmp_path: Path) -> None:
+    result = run_harness(tmp_path, "raw-single", "tiny")
+    assert result["meta"]["settle_op_s"] == 0.0  # --quick: no wait
+    assert result["records"] and all(r["settle_s"] == 0.0 for r in result["records"]), result["records"]
+    assert "each process waited 0 s, idle" in (tmp_path / "r.md").read_text()
+
+
+def test_every_system_follows_every_other_equally_often() -> None:
+    # what a process leaves behind changes the next one's save: over a full period of rounds
+    # each system runs right after each other one equally often (a fixed order, or a rotation,
+    # always puts gpuckpt after raw-single)
+    import itertools
+    from collections import Counter
+
+    from bench.compare.driver import SYSTEMS, round_order
+
+    for n in (2, 3, 4, 5, 6):
+        systems = SYSTEMS[:n]
+        period = n if n % 2 == 0 else 2 * n
+        orders = [round_order(systems, r) for r in range(period)]
+        assert all(sorted(s.name for s in o) == sorted(s.name for s in systems) for o in orders)
+        pairs = Counter((a.name, b.name) for o in orders for a, b in itertools.pairwise(o))
+        assert set(pairs.values()) == {period // n}, (n, pairs)
+        assert len(pairs) == n * (n - 1), (n, pairs)
+        assert [s.name for s in round_order(systems, period)] == [s.name for s in orders[0]]
+    assert round_order([], 3) == [] and [s.name for s in round_order(SYSTEMS[:1], 5)] == [SYSTEMS[0].name]
