@@ -284,7 +284,7 @@ def request_counts(
     }
 
 
-def _summary(runs: list[dict[str, float]], nbytes: int) -> dict[str, float]:
+def _summary(runs: list[dict[str, float]], nbytes: int) -> dict[str, Any]:
     med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
     return {
         **{k: round(v, 3) for k, v in med.items()},
@@ -294,6 +294,9 @@ def _summary(runs: list[dict[str, float]], nbytes: int) -> dict[str, float]:
         "raw get MB/s": round(nbytes / med["raw get s"] / 1e6, 1),
         "save / raw put": round(med["raw put s"] / med["gpuckpt save s"], 3),
         "load / raw get": round(med["raw get s"] / med["gpuckpt load s"], 3),
+        # each round's own ratios: single rounds on a shared machine swing widely
+        "rounds save / raw put": [round(r["raw put s"] / r["gpuckpt save s"], 3) for r in runs],
+        "rounds load / raw get": [round(r["raw get s"] / r["gpuckpt load s"], 3) for r in runs],
     }
 
 
