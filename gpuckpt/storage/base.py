@@ -283,6 +283,11 @@ class CheckpointReader(ABC):
         ends override it where one call for all of them is cheaper."""
         return [self.chunk_nbytes(n, k) for n, k in zip(names, keys, strict=True)]
 
+    def chunk_cached(self, name: str, key: str) -> bool | None:
+        """Whether the first bytes of a stored chunk are in memory (a read would not wait for
+        the device); None when this store cannot tell. Loads use it to size their I/O."""
+        return None
+
     def chunk_usage(self, name: str, key: str) -> tuple[int, int] | None:
         """``(size, bytes it takes on the device)`` of a stored chunk, or None when it is missing.
 

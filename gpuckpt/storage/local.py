@@ -841,6 +841,27 @@ class LocalReader(CheckpointReader):
         finally:
             os.close(fd)
 
+    def chunk_cached(self, name: str, key: str) -> bool | None:
+        """A one-byte ``preadv2(RWF_NOWAIT)`` of the chunk file: it fails with ``EAGAIN`` instead
+        of reading from the device when the page is not cached (None where the kernel or file
+        system does not offer the flag, or the file cannot be opened)."""
+        flag = getattr(os, "RWF_NOWAIT", None)
+        if flag is None:
+            return None
+        try:
+            fd = self._open_chunk(name, key)
+        except OSError:
+            return None
+        try:
+            os.preadv(fd, [bytearray(1)], 0, flag)
+            return True
+        except BlockingIOError:
+            return False
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
+
     def _open_chunk(self, name: str, key: str) -> int:
         try:
             return open_regular(f"{self._array_dir(name)}/{key}")
