@@ -80,7 +80,6 @@ __all__ = [
     "shared_with_base",
     "open_save_writer",
     "array_document_of",
-    "document_writes",
     "write_array_documents",
     "write_chunks",
 ]
@@ -178,17 +177,6 @@ def write_array_documents(
     ]
     run_all(jobs, threads=threads, name="gpuckpt-documents")
     return deferred
-
-
-def document_writes(
-    plan: SavePlan, writer: CheckpointWriter, *, skip: Collection[str] = ()
-) -> list[Callable[[], None]]:
-    """One job per array of ``plan`` (but those named in ``skip``) that writes its ``zarr.json``."""
-    return [
-        functools.partial(writer.write_array_document, t.name, array_document_of(t))
-        for t in plan.tensors
-        if t.name not in skip
-    ]
 
 
 def write_chunks(

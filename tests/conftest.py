@@ -133,3 +133,13 @@ def shim(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if built is None:
         pytest.skip("no C compiler (or not Linux): the libc fault shim cannot be built")
     return built
+
+
+@pytest.fixture
+def proxy(endpoint: str) -> Generator[object, None, None]:
+    """A counting HTTP proxy (no faults) in front of the module's own ``endpoint`` fixture
+    (its loopback S3 server): it counts requests and the bytes of their answers."""
+    from gpuckpt.testing.faultproxy import FaultProxy
+
+    with FaultProxy(endpoint) as p:
+        yield p

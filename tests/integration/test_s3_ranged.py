@@ -38,12 +38,6 @@ def endpoint() -> Iterator[str]:
         yield url
 
 
-@pytest.fixture
-def proxy(endpoint: str) -> Iterator[FaultProxy]:
-    with FaultProxy(endpoint) as p:
-        yield p
-
-
 def _s3(endpoint: str) -> Any:
     return boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
 

@@ -33,12 +33,6 @@ def endpoint() -> Iterator[str]:
         yield url
 
 
-@pytest.fixture
-def proxy(endpoint: str) -> Iterator[FaultProxy]:
-    with FaultProxy(endpoint) as p:
-        yield p
-
-
 def _url() -> str:
     return f"s3://{BUCKET}/run-{uuid.uuid4().hex[:8]}"
 
