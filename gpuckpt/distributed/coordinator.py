@@ -17,6 +17,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any
 
+import numpy as np
+
 from gpuckpt.errors import CoordinatorError, DistributedError, MissingDependencyError
 
 __all__ = [
@@ -105,6 +107,37 @@ class Coordinator(ABC):
     @abstractmethod
     def barrier(self) -> None:
         """Return once every rank has called it."""
+
+    def all_reduce_xor(self, values: np.ndarray) -> np.ndarray:
+        """The bitwise XOR over every rank of ``values``, on every rank.
+
+        Every rank passes an array of the same shape (taken as ``uint64``) and
+        gets a new ``uint64`` array. This default gathers every rank's array on
+        every rank (its cost grows with the number of ranks); the MPI and gloo
+        coordinators reduce in the transport instead, so that what each rank
+        receives does not grow with the ranks. Raises ValueError when the ranks'
+        shapes differ (the default; a transport may fail or hang instead: pass
+        equal shapes).
+
+        Examples
+        --------
+        >>> import numpy as np
+        >>> from gpuckpt.distributed import SingleProcessCoordinator
+        >>> SingleProcessCoordinator().all_reduce_xor(np.array([5, 3], np.uint64)).tolist()
+        [5, 3]
+        """
+        mine = np.ascontiguousarray(values, np.uint64)
+        out = mine.copy()
+        for rank, other in enumerate(self.all_gather(mine)):
+            if rank == self.rank:
+                continue
+            if other.shape != out.shape:
+                raise ValueError(
+                    f"all_reduce_xor: rank {rank} passed shape {other.shape}, rank {self.rank} {out.shape}; "
+                    "every rank must pass an array of the same shape"
+                )
+            np.bitwise_xor(out, other, out=out)
+        return out
 
     def all_reduce_errors(self, error: BaseException | None) -> None:
         """Raise :class:`DistributedError` on every rank if any rank passed an error.

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from gpuckpt.distributed.coordinator import Coordinator, MissingDependencyError
 
 __all__ = ["MPICoordinator"]
@@ -77,6 +79,14 @@ class MPICoordinator(Coordinator):
 
     def all_gather(self, obj: Any) -> list[Any]:
         return list(self._comm.allgather(obj))
+
+    def all_reduce_xor(self, values: np.ndarray) -> np.ndarray:
+        from mpi4py import MPI
+
+        send = np.ascontiguousarray(values, np.uint64)
+        out = np.empty_like(send)
+        self.comm.Allreduce(send, out, op=MPI.BXOR)
+        return out
 
     def barrier(self) -> None:
         self._comm.Barrier()

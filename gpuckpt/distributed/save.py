@@ -49,7 +49,13 @@ from gpuckpt.incremental import BaseIndex, open_base, open_base_for
 from gpuckpt.metadata import Metadata
 from gpuckpt.options import SaveOptions
 from gpuckpt.planning.plan import ChunkAssignment, SavePlan, StateDescription, merge_values, plan_save
-from gpuckpt.planning.uniform import CompactDescription, compact_description, local_layout_digest
+from gpuckpt.planning.uniform import (
+    CompactDescription,
+    box_fingerprints,
+    compact_description,
+    local_layout_digest,
+    tensor_groups,
+)
 from gpuckpt.sources import Source, describe_state
 from gpuckpt.storage.stores import attach_writer
 from gpuckpt.writing import (
@@ -179,7 +185,11 @@ def save_described(
         send: StateDescription | CompactDescription = local
         if uniform:
             assert compact is not None
-            send = compact if coord.rank == 0 else compact.without_tensors()
+            # one reduction finds the tensors whose boxes are alike on every rank; each rank
+            # then sends one box per group of them (see gpuckpt.planning.uniform)
+            combined = coord.all_reduce_xor(box_fingerprints(compact, coord.rank))
+            grouped = _run(coord, lambda: compact.grouped(tensor_groups(combined, local.tensors)))
+            send = grouped if coord.rank == 0 else grouped.without_tensors()
         gathered = coord.gather(send)
 
     base: BaseIndex | None = None

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from gpuckpt.distributed.coordinator import Coordinator, CoordinatorError, MissingDependencyError
 
 __all__ = ["TorchCoordinator"]
@@ -109,6 +111,17 @@ class TorchCoordinator(Coordinator):
         out: list[Any] = [None] * self._size
         self._dist.all_gather_object(out, obj, group=self._group)
         return out
+
+    def all_reduce_xor(self, values: np.ndarray) -> np.ndarray:
+        # gloo reduces integers bitwise on the CPU; NCCL has no bitwise reduction: the default
+        if self._dist.get_backend(self._group) != "gloo":
+            return super().all_reduce_xor(values)
+        import torch
+
+        send = np.ascontiguousarray(values, np.uint64)
+        t = torch.from_numpy(send.view(np.int64).copy())
+        self._dist.all_reduce(t, op=self._dist.ReduceOp.BXOR, group=self._group)
+        return np.asarray(t.numpy()).view(np.uint64).reshape(send.shape)
 
     def barrier(self) -> None:
         self._dist.barrier(group=self._group)

@@ -16,7 +16,14 @@ from gpuckpt.errors import UnsupportedValueError
 from gpuckpt.metadata import TensorProperties
 from gpuckpt.planning.boxes import Box, LocalTensor
 from gpuckpt.planning.plan import StateDescription, plan_save
-from gpuckpt.planning.uniform import compact_description, local_layout_digest
+from gpuckpt.planning.uniform import (
+    CompactDescription,
+    TensorGroups,
+    box_fingerprints,
+    compact_description,
+    local_layout_digest,
+    tensor_groups,
+)
 
 F32 = TensorProperties(np.dtype("float32"))
 
@@ -34,11 +41,29 @@ def split_boxes(shape: tuple[int, ...], steps: tuple[int, ...]) -> list[Box]:
     ]
 
 
+def grouped(descs: list[StateDescription]) -> list[CompactDescription]:
+    """What rank 0 receives of grouped compact descriptions: the protocol of a distributed save
+    (fingerprints XORed over the ranks, groups found and checked by every rank)."""
+    compact = [compact_description(d.tensors, d.objects, d.skeleton) for d in descs]
+    assert all(c is not None for c in compact)
+    combined = np.zeros((len(descs[0].tensors), 2), np.uint64)
+    for r, c in enumerate(compact):
+        combined ^= box_fingerprints(c, r)  # type: ignore[arg-type]
+    out = []
+    for r, (c, d) in enumerate(zip(compact, descs, strict=True)):
+        g = c.grouped(tensor_groups(combined, d.tensors))  # type: ignore[union-attr]
+        out.append(g if r == 0 else g.without_tensors())
+    return out
+
+
 def both(descs: list[StateDescription], **kw: object) -> tuple[object, object]:
     compact = [compact_description(d.tensors, d.objects, d.skeleton) for d in descs]
     assert all(c is not None for c in compact)
     received = [c if r == 0 else c.without_tensors() for r, c in enumerate(compact)]  # type: ignore[union-attr]
-    return plan_save(received, **kw), plan_save(descs, **kw)  # type: ignore[arg-type]
+    fast = plan_save(received, **kw)  # type: ignore[arg-type]
+    # grouped descriptions (one box per group of alike tensors) make the same plan
+    assert plan_save(grouped(descs), **kw) == fast  # type: ignore[arg-type]
+    return fast, plan_save(descs, **kw)  # type: ignore[arg-type]
 
 
 @st.composite
@@ -129,3 +154,75 @@ def test_the_local_layout_digest_changes_with_boxes_and_options() -> None:
     assert d != local_layout_digest(base, chunk_bytes=128, portable=False)
     assert d != local_layout_digest(base, chunk_bytes=64, portable=True)
     assert len(d) == 32 and math.prod((2, 16)) == len(d)
+
+
+def test_tensors_alike_on_every_rank_are_grouped_and_sent_once() -> None:
+    shape = (64, 8)
+    blocks = split_boxes(shape, (16, 8))
+    other = split_boxes((64, 8), (32, 8))  # a second layout of the same shape
+    descs = [
+        StateDescription(
+            (
+                *(lt(f"layer{i}", shape, box) for i in range(6)),
+                lt("norm", (8,), ((0,), (8,))),
+                lt("head", shape, other[r % 2]),
+                lt("layer6", shape, box),
+            ),
+            {},
+            {"d": []},
+        )
+        for r, box in enumerate(blocks)
+    ]
+    received = grouped(descs)
+    groups = received[0].groups
+    assert groups is not None
+    assert groups.representatives == (0, 6, 7)
+    assert groups.group_of == (0, 0, 0, 0, 0, 0, 1, 2, 0)
+    # each rank sends three boxes, whatever the number of layers
+    assert all(len(d.boxes) == 3 * 2 * 2 * 8 and d.tensors is None for d in received[1:])
+    assert plan_save(received, chunk_bytes=16 * 8 * 4) == plan_save(descs, chunk_bytes=16 * 8 * 4)
+
+
+def test_a_rank_whose_boxes_contradict_its_groups_refuses_them() -> None:
+    """Fingerprints that collided would group tensors whose boxes differ on some rank: that rank's
+    check fails (the save fails everywhere) instead of a plan made from the wrong box."""
+    a = lt("a", (8,), ((0,), (4,)))
+    b = lt("b", (8,), ((4,), (4,)))
+    c = compact_description([a, b], {}, None)
+    assert c is not None
+    with pytest.raises(ValueError, match="tensor 1 was grouped with tensor 0.*collided"):
+        c.grouped(TensorGroups((0,), (0, 0)))
+    assert c.grouped(TensorGroups((0, 1), (0, 1))).boxes == c.boxes
+
+
+def test_ranks_that_grouped_differently_are_not_planned() -> None:
+    shape = (8,)
+    descs = [
+        StateDescription((lt("a", shape, box), lt("b", shape, box)), {}, {"d": []})
+        for box in split_boxes(shape, (4,))
+    ]
+    received = grouped(descs)
+    c1 = compact_description(descs[1].tensors, {}, {"d": []})
+    assert c1 is not None
+    received[1] = c1.grouped(TensorGroups((0, 1), (0, 1))).without_tensors()
+    with pytest.raises(ValueError, match="rank 1"):
+        plan_save(received, chunk_bytes=1 << 20)
+
+
+def test_box_fingerprints_depend_on_the_rank_and_the_box_not_the_tensor() -> None:
+    c = compact_description(
+        [
+            lt("a", (8, 4), ((0, 0), (4, 4))),
+            lt("b", (8, 4), ((0, 0), (4, 4))),
+            lt("c", (8, 4), ((4, 0), (4, 4))),
+        ],
+        {},
+        None,
+    )
+    assert c is not None
+    f0, f1 = box_fingerprints(c, 0), box_fingerprints(c, 1)
+    assert f0.shape == (3, 2) and f0.dtype == np.uint64
+    assert (f0[0] == f0[1]).all() and (f0[0] != f0[2]).any()
+    assert (f0 != f1).all()
+    empty = compact_description([], {}, None)
+    assert empty is not None and box_fingerprints(empty, 3).shape == (0, 2)

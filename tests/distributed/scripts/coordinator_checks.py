@@ -8,6 +8,7 @@ checked against the same ``expected(rank, n)``.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import time
@@ -59,6 +60,8 @@ def run_checks(c: Coordinator, workdir: Path) -> dict[str, Any]:
         "copied": r == 1 % n or got is not sent,
     }
     seen["all_gather"] = c.all_gather(r * 10)
+    xor = c.all_reduce_xor(_xor_input(r))
+    seen["all_reduce_xor"] = {"values": xor.tolist(), "dtype": str(xor.dtype), "shape": list(xor.shape)}
     seen["rounds"] = [c.all_gather((i, r))[(i + 1) % n] for i in range(20)]
 
     # every rank leaves its mark before the barrier; after it, each must see all marks
@@ -83,6 +86,11 @@ def run_checks(c: Coordinator, workdir: Path) -> dict[str, Any]:
         seen["scatter_misuse"] = "world_size" in str(exc)
     seen["after_misuse"] = c.broadcast(f"still aligned {r}", root=last)
     return jsonable(seen)
+
+
+def _xor_input(rank: int) -> np.ndarray:
+    """What ``rank`` passes to all_reduce_xor: values with the top bit set, and a signed view's -1."""
+    return np.array([[1 << (rank % 64), 2**64 - 1 - rank], [rank * 0x0101, 1 << 63]], np.uint64)
 
 
 def _expected_report(failures: dict[int, str], rank: int) -> dict[str, Any]:
@@ -113,6 +121,11 @@ def expected(rank: int, n: int) -> dict[str, Any]:
             "copied": True,
         },
         "all_gather": [i * 10 for i in range(n)],
+        "all_reduce_xor": {
+            "values": functools.reduce(np.bitwise_xor, [_xor_input(i) for i in range(n)]).tolist(),
+            "dtype": "uint64",
+            "shape": [2, 2],
+        },
         "rounds": [[i, (i + 1) % n] for i in range(20)],
         "marks_after_barrier": list(range(n)),
         "no_failure": "no error",
