@@ -148,10 +148,15 @@ def save(
     return save_with_options(state_dict, path, options, coordinator)
 
 
+@paused_gc()
 def save_with_options(
     state_dict: STATE_DICT_TYPE, path: PathLike, options: SaveOptions, coordinator: Coordinator | None = None
 ) -> Metadata:
-    """:func:`save` with its options made (what :class:`~gpuckpt.CheckpointManager` calls)."""
+    """:func:`save` with its options made (what :class:`~gpuckpt.CheckpointManager` calls).
+
+    The cyclic garbage collector is paused while it runs (as for a load): describing and
+    planning a state of many tensors makes tens of thousands of objects, none of them
+    garbage before the save returns, and each collection would walk them all again."""
     check_base_target(path, options)
     if coordinator is not None or contains_sharded(state_dict):
         return distributed_save(state_dict, path, coordinator or SingleProcessCoordinator(), options)

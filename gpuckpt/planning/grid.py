@@ -16,7 +16,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from gpuckpt.options import DEFAULT_CHUNK_BYTES
@@ -62,6 +62,9 @@ class ChunkGrid:
     kind: str
     chunk_shape: tuple[int, ...] = ()
     edges: tuple[tuple[int, ...], ...] = ()
+    # derived once (a plan asks for them several times per tensor)
+    _grid_shape: tuple[int, ...] = field(default=(), init=False, repr=False, compare=False)
+    _nchunks: int = field(default=0, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.kind == "regular":
@@ -69,14 +72,19 @@ class ChunkGrid:
                 raise ValueError(
                     f"regular chunk shape {self.chunk_shape} does not fit tensor shape {self.shape}"
                 )
+            # arithmetic, not enumeration: a hostile shape must not make this slow
+            gs = tuple(-(-n // c) for n, c in zip(self.shape, self.chunk_shape, strict=True))
         elif self.kind == "rectilinear":
             if len(self.edges) != len(self.shape):
                 raise ValueError(f"rectilinear edges {self.edges} do not fit tensor shape {self.shape}")
             for d, (e, n) in enumerate(zip(self.edges, self.shape, strict=True)):
                 if any(x < 1 for x in e) or (sum(e) != n and not (n == 0 and e == (1,))):
                     raise ValueError(f"rectilinear edges {e} of axis {d} do not sum to its size {n}")
+            gs = tuple(len(e) for e in self.edges)
         else:
             raise ValueError(f"unknown chunk grid kind {self.kind!r}")
+        object.__setattr__(self, "_grid_shape", gs)
+        object.__setattr__(self, "_nchunks", math.prod(gs))
 
     @classmethod
     def regular(cls, shape: Sequence[int], chunk_shape: Sequence[int]) -> ChunkGrid:
@@ -99,14 +107,13 @@ class ChunkGrid:
 
     @property
     def grid_shape(self) -> tuple[int, ...]:
-        # arithmetic, not enumeration: a hostile shape must not make this slow
-        if self.kind == "regular":
-            return tuple(-(-n // c) for n, c in zip(self.shape, self.chunk_shape, strict=True))
-        return tuple(len(e) for e in self.edges)
+        """Chunks along each axis."""
+        return self._grid_shape
 
     @property
     def nchunks(self) -> int:
-        return math.prod(self.grid_shape)
+        """Chunks of the grid (one for an empty tensor's grid: Zarr's rule; a plan counts none)."""
+        return self._nchunks
 
     def stored_chunk_shape(self, spec: ChunkSpec) -> tuple[int, ...]:
         """Shape of the chunk as stored (padded to the full chunk on regular grids)."""

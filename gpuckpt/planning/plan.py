@@ -127,6 +127,13 @@ class TensorPlan:
         if not mine:
             return
         grid, fqn, name = self.grid, self.fqn, self.name
+        if grid.nchunks == 1 and grid.kind == "regular":
+            # one chunk (most tensors of a state of many small ones): the box holding it is the tensor
+            zero = (0,) * len(grid.shape)
+            yield ChunkAssignment(
+                fqn, name, zero, zero, grid.shape, grid.chunk_shape, w.boxes[mine[0]], self.row
+            )
+            return
         starts = axis_starts(grid)
         gshape = grid.grid_shape
         regular = grid.kind == "regular"

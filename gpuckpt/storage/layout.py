@@ -113,12 +113,52 @@ def expected_array_document(
     }
 
 
+def _dumps(value: Any) -> bytes:
+    return json.dumps(value, separators=(",", ":")).encode()
+
+
+def _ints(values: tuple[int, ...]) -> bytes:
+    return b"[" + ",".join(map(str, values)).encode() + b"]"
+
+
+@functools.lru_cache(maxsize=256)
+def _document_parts(dtype: np.dtype[Any], memory_format: str) -> tuple[bytes, bytes, bytes]:
+    """The parts of an array document that follow from its dtype and memory format: what goes
+    between the shape and the chunk grid, between the grid and the FQN, and after the FQN."""
+    doc = expected_array_document(
+        shape=(), dtype=dtype, grid=ChunkGrid.regular((), ()), fqn="", memory_format=""
+    )
+    codecs, fill = doc["codecs"], doc["fill_value"]
+    before_grid = b',"data_type":' + _dumps(doc["data_type"]) + b',"chunk_grid":'
+    before_fqn = (
+        b',"chunk_key_encoding":' + _dumps(doc["chunk_key_encoding"]) + b',"fill_value":' + _dumps(fill)
+    )
+    before_fqn += b',"codecs":' + _dumps(codecs) + b',"attributes":{"' + ATTRIBUTE.encode() + b'":{"fqn":'
+    return before_grid, before_fqn, b',"memory_format":' + _dumps(memory_format) + b"}}}"
+
+
 def array_document(
     *, shape: tuple[int, ...], dtype: np.dtype[Any], grid: ChunkGrid, fqn: str, memory_format: str
 ) -> bytes:
-    """The ``zarr.json`` of one tensor's array (:func:`expected_array_document`), encoded."""
-    doc = expected_array_document(shape=shape, dtype=dtype, grid=grid, fqn=fqn, memory_format=memory_format)
-    return json.dumps(doc, separators=(",", ":")).encode()
+    """The ``zarr.json`` of one tensor's array (:func:`expected_array_document`), encoded: the
+    bytes ``json.dumps`` gives the object with compact separators, built from parts kept per
+    dtype (a save of many small tensors writes thousands of them)."""
+    before_grid, before_fqn, end = _document_parts(dtype, memory_format)
+    if grid.kind == "regular":
+        chunk_grid = b'{"name":"regular","configuration":{"chunk_shape":' + _ints(grid.chunk_shape) + b"}}"
+    else:
+        chunk_grid = _dumps(grid.to_zarr_json())
+    return b"".join(
+        (
+            b'{"zarr_format":3,"node_type":"array","shape":',
+            _ints(shape),
+            before_grid,
+            chunk_grid,
+            before_fqn,
+            _dumps(fqn),
+            end,
+        )
+    )
 
 
 def _canonical(value: Any) -> bytes:
