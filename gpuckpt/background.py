@@ -36,6 +36,7 @@ from gpuckpt.options import DEFAULT_CHUNK_BYTES, DEFAULT_STAGING_BYTES, SaveOpti
 from gpuckpt.pending import SaveFuture, submit, wait_all, writer_executor
 from gpuckpt.planning.plan import StateDescription, plan_save
 from gpuckpt.progress import ProgressCallback
+from gpuckpt.reading import paused_gc
 from gpuckpt.sources import Source, contains_sharded, describe_state
 from gpuckpt.workers import Workers
 from gpuckpt.writing import device_backends, execute_save, open_save_writer, shared_with_base
@@ -271,13 +272,17 @@ def async_save(
     return async_save_with_options(state_dict, path, options, coordinator)
 
 
+@paused_gc()
 def async_save_with_options(
     state_dict: STATE_DICT_TYPE,
     path: str | os.PathLike[str],
     options: SaveOptions,
     coordinator: Coordinator | None = None,
 ) -> SaveFuture:
-    """:func:`async_save` with its options made (what :class:`~gpuckpt.CheckpointManager` calls)."""
+    """:func:`async_save` with its options made (what :class:`~gpuckpt.CheckpointManager` calls).
+
+    The cyclic garbage collector is paused until it returns (describing, planning and
+    the snapshot: the caller's wait), not while the save writes in the background."""
     check_base_target(path, options)
     if coordinator is not None or contains_sharded(state_dict):
         return _async_distributed(state_dict, path, options, coordinator or SingleProcessCoordinator())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -62,3 +63,59 @@ def test_loads_run_with_the_collector_paused_and_restore_it(tmp_path: Path, gc_s
     with pytest.raises(CheckpointNotFoundError):
         gpuckpt.load_state_dict(tmp_path / "missing")
     assert gc.isenabled()
+
+
+def test_saves_run_with_the_collector_paused_and_restore_it(tmp_path: Path, gc_state: None) -> None:
+    """A save describes and plans every tensor before writing: no collection may walk those
+    objects meanwhile (an async save: until it returns, not while it writes in the background)."""
+    gc.enable()
+    seen: list[bool] = []
+
+    def progress(done: int, total: int) -> None:
+        seen.append(gc.isenabled())
+
+    state = {f"t{i}": np.full(4, i, np.float32) for i in range(50)}
+    gpuckpt.save(state, tmp_path / "a", progress=progress)
+    assert seen and not any(seen)
+    assert gc.isenabled()
+    with pytest.raises(gpuckpt.CheckpointExistsError):
+        gpuckpt.save(state, tmp_path / "a")
+    assert gc.isenabled()
+    fut = gpuckpt.async_save(state, tmp_path / "b")
+    assert gc.isenabled()
+    fut.result()
+    np.testing.assert_array_equal(gpuckpt.load_state_dict(tmp_path / "b")["t7"], state["t7"])
+
+
+@pytest.mark.parametrize("kind", ["save", "async_save"])
+def test_no_collection_runs_while_a_save_describes_and_plans(
+    tmp_path: Path, gc_state: None, kind: str
+) -> None:
+    gc.enable()
+    threshold = gc.get_threshold()
+    inside: list[str] = []
+    # an async save writes in the background with the collector on: only its caller's part counts
+    steps = {"describe_state", "plan_save", "snapshot"}
+    if kind == "save":
+        steps |= {"execute_save", "commit_save", "root_document"}
+
+    def count(phase: str, info: dict[str, int]) -> None:
+        frame = sys._getframe(1)
+        while phase == "start" and frame is not None:
+            if frame.f_code.co_name in steps:
+                inside.append(frame.f_code.co_name)
+            frame = frame.f_back
+
+    state = {f"t{i}": np.full(4, i, np.float32) for i in range(2000)}
+    path = tmp_path / "c"
+    gc.set_threshold(50)  # a collection every 50 allocations, were the collector on
+    gc.callbacks.append(count)
+    try:
+        if kind == "save":
+            gpuckpt.save(state, path)
+        else:
+            gpuckpt.async_save(state, path).result()
+    finally:
+        gc.callbacks.remove(count)
+        gc.set_threshold(*threshold)
+    assert inside == []
