@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import sys
+import types
 from pathlib import Path
 
 import numpy as np
@@ -100,7 +101,7 @@ def test_no_collection_runs_while_a_save_describes_and_plans(
         steps |= {"execute_save", "commit_save", "root_document"}
 
     def count(phase: str, info: dict[str, int]) -> None:
-        frame = sys._getframe(1)
+        frame: types.FrameType | None = sys._getframe(1)
         while phase == "start" and frame is not None:
             if frame.f_code.co_name in steps:
                 inside.append(frame.f_code.co_name)
