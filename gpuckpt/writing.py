@@ -443,6 +443,8 @@ def table_columns(
     n = plan.nchunks
     columns: dict[str, np.ndarray] = {"crc32c": np.zeros(n, np.uint32)}
     every = []
+    filled = np.zeros(n, bool)
+    total = 0
     complete: set[str] | None = None
     segments: np.ndarray | None = None  # per chunk, where any process reported them
     for rows, reported in parts:
@@ -454,6 +456,8 @@ def table_columns(
         if not len(rows):
             continue
         columns["crc32c"][rows] = crcs
+        filled[rows] = True
+        total += len(rows)
         if SEGMENTS_KEY in cols:
             if len(cols[SEGMENTS_KEY]) != len(rows):
                 raise GpuckptError(
@@ -475,8 +479,9 @@ def table_columns(
             if name not in columns:
                 columns[name] = np.zeros((n, col.width), col.dtype)
             columns[name][rows] = values
-    seen = np.bincount(np.concatenate(every) if every else np.zeros(0, np.int64), minlength=n)
-    if len(seen) != n or (n and not (seen == 1).all()):
+    # n rows reported and every one of the n filled: each exactly once (counted only to name one that was not)
+    if total != n or not filled.all():
+        seen = np.bincount(np.concatenate(every) if every else np.zeros(0, np.int64), minlength=n)
         bad = int(np.flatnonzero(seen != 1)[0])
         raise GpuckptError(
             f"chunk {bad} of the save's chunk table was written {int(seen[bad])} times, expected once; "

@@ -226,3 +226,26 @@ def test_box_fingerprints_depend_on_the_rank_and_the_box_not_the_tensor() -> Non
     assert (f0 != f1).all()
     empty = compact_description([], {}, None)
     assert empty is not None and box_fingerprints(empty, 3).shape == (0, 2)
+
+
+def test_merging_the_ranks_rows_needs_each_chunk_exactly_once() -> None:
+    from gpuckpt.errors import GpuckptError
+    from gpuckpt.writing import table_columns
+
+    shape = (64, 8)
+    descs = [StateDescription((lt("w", shape, box),), {}, {"d": []}) for box in split_boxes(shape, (16, 8))]
+    plan = plan_save(descs, chunk_bytes=16 * 8 * 4)
+    assert plan.nchunks == 4
+
+    def part(rows: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        return np.array(rows, np.int64), np.array([10 + r for r in rows], np.uint32)
+
+    assert table_columns(plan, [part([2, 0]), part([1]), part([3])])["crc32c"].tolist() == [10, 11, 12, 13]
+    with pytest.raises(GpuckptError, match="chunk 1 of the save's chunk table was written 2 times"):
+        table_columns(plan, [part([0, 1]), part([1, 2]), part([3])])
+    with pytest.raises(GpuckptError, match="chunk 2 of the save's chunk table was written 0 times"):
+        table_columns(plan, [part([0, 1]), part([3])])
+    with pytest.raises(GpuckptError, match="chunk 1 of the save's chunk table was written 2 times"):
+        table_columns(plan, [part([0, 1]), part([2, 1])])  # as many rows as chunks, one twice
+    with pytest.raises(GpuckptError, match="outside the plan"):
+        table_columns(plan, [part([0, 1, 2, 4])])
