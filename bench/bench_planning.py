@@ -275,10 +275,13 @@ def main(argv: list[str] | None = None) -> int:
     full = report("regular", args.ranks, args.tensors)
     if not args.quick:
         half_r = report("regular", args.ranks // 2, args.tensors)
+        quarter_r = report("regular", args.ranks // 4, args.tensors)
         half_t = report("regular", args.ranks, args.tensors // 2)
         print(
-            f"doubling the ranks multiplied the save time by {full['save'] / half_r['save']:.2f}, "
-            f"doubling the tensors by {full['save'] / half_t['save']:.2f} (2.0 = linear)"
+            f"doubling the ranks multiplied the save time by {half_r['save'] / quarter_r['save']:.2f} "
+            f"({args.ranks // 4} -> {args.ranks // 2}) and {full['save'] / half_r['save']:.2f} "
+            f"({args.ranks // 2} -> {args.ranks}), doubling the tensors by {full['save'] / half_t['save']:.2f} "
+            "(2.0 = linear)"
         )
     if args.irregular:
         report("irregular", args.ranks, args.tensors, irregular=True)
