@@ -128,11 +128,16 @@ class TensorPlan:
             return
         grid, fqn, name = self.grid, self.fqn, self.name
         if grid.nchunks == 1 and grid.kind == "regular":
-            # one chunk (most tensors of a state of many small ones): the box holding it is the tensor
-            zero = (0,) * len(grid.shape)
-            yield ChunkAssignment(
-                fqn, name, zero, zero, grid.shape, grid.chunk_shape, w.boxes[mine[0]], self.row
-            )
+            # one chunk (most tensors of a state of many small ones): written from the box that
+            # holds the whole tensor; an empty box holds none of it
+            nd = len(grid.shape)
+            for i in mine:
+                if 0 not in w.sizes[i * nd : (i + 1) * nd]:
+                    zero = (0,) * nd
+                    yield ChunkAssignment(
+                        fqn, name, zero, zero, grid.shape, grid.chunk_shape, w.boxes[i], self.row
+                    )
+                    return
             return
         starts = axis_starts(grid)
         gshape = grid.grid_shape

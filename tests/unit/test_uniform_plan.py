@@ -249,3 +249,15 @@ def test_merging_the_ranks_rows_needs_each_chunk_exactly_once() -> None:
         table_columns(plan, [part([0, 1]), part([2, 1])])  # as many rows as chunks, one twice
     with pytest.raises(GpuckptError, match="outside the plan"):
         table_columns(plan, [part([0, 1, 2, 4])])
+
+
+def test_a_one_chunk_tensor_is_written_by_the_rank_holding_it_not_by_an_empty_box() -> None:
+    full = lt("late", (3,), ((0,), (3,)))
+    empty = lt("late", (3,), ((0,), (0,)))
+    for held in ([empty, full], [full, empty], [empty, empty, full]):
+        descs = [StateDescription((t,), {}, {"d": []}) for t in held]
+        plan = plan_save(descs, chunk_bytes=1 << 20)
+        writers = [r for r in range(len(held)) for _ in plan.assignments_of(r)]
+        assert writers == [held.index(full)]
+        (a,) = plan.assignments_of(held.index(full))
+        assert (a.coords, a.offsets, a.sizes, a.stored) == ((0,), (0,), (3,), (3,))
