@@ -17,7 +17,7 @@ def test_bench_planning_toy_run() -> None:
     p = subprocess.run([*cmd, "--irregular"], capture_output=True, text=True, timeout=120, env=env)
     assert p.returncode == 0, p.stderr[-2000:]
     rows = [line for line in p.stdout.splitlines() if re.match(r"(regular|irregular) ", line)]
-    assert [r.split()[0] for r in rows] == ["regular"] * 3 + ["irregular"]
+    assert [r.split()[0] for r in rows] == ["regular"] * 4 + ["irregular"]
     for row in rows:
         assert "cached" in row and "load" in row and "root" in row and "of target" in row
     assert "doubling the ranks multiplied the save time by" in p.stdout
