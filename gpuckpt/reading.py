@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from gpuckpt.device.arrays import ArrayAdapter
+from gpuckpt.device.arrays import ArrayAdapter, HostArray, StagedIn
 from gpuckpt.device.backend import Staging
 from gpuckpt.device.upload import CopyQueue
 from gpuckpt.errors import (
@@ -88,7 +88,21 @@ class TensorEntry:
     :class:`ChunkRead`) is built when first asked for; :meth:`chunk` makes one.
     """
 
-    __slots__ = ("_chunks", "crcs", "fqn", "grid", "listed", "metadata", "name", "row", "segments", "table")
+    __slots__ = (
+        "_chunks",
+        "crcs",
+        "dtype",
+        "fqn",
+        "grid",
+        "listed",
+        "metadata",
+        "name",
+        "nbytes",
+        "row",
+        "segments",
+        "shape",
+        "table",
+    )
 
     def __init__(
         self,
@@ -108,19 +122,14 @@ class TensorEntry:
         #: the segment records of its chunks as stored (untrusted; see :mod:`gpuckpt.ranged`)
         self.segments = segments
         self._chunks: list[ChunkRead] | None = None
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(self.metadata.size)
-
-    @property
-    def dtype(self) -> np.dtype[Any]:
-        dt: np.dtype[Any] = np.dtype(self.metadata.properties.dtype)
-        return dt
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
+        # asked for per chunk by every load: worked out once (the metadata of a validated
+        # checkpoint is never changed, see validated_metadata)
+        #: the tensor's shape
+        self.shape: tuple[int, ...] = tuple(metadata.size)
+        #: the tensor's dtype
+        self.dtype: np.dtype[Any] = np.dtype(metadata.properties.dtype)
+        #: the tensor's size in bytes
+        self.nbytes: int = math.prod(self.shape) * self.dtype.itemsize
 
     @property
     def nchunks(self) -> int:
@@ -555,13 +564,23 @@ def _read_host_batch(
     :meth:`~gpuckpt.storage.base.CheckpointReader.read_chunks`: straight into the box
     where the layout allows, else into scratch copied into place afterwards. Raises
     what :func:`fetch_verified` raises, for the first chunk that fails."""
-    incoming = [dest.stage_in(c.spec.offsets, c.spec.sizes, staging) for _, c, dest in reads]
+    # a chunk that is the whole of a host array is read into the array itself, with no
+    # box to stage (the common case of small tensors: one chunk each)
+    incoming: list[StagedIn | None] = []
+    boxes: list[np.ndarray] = []
+    for t, c, dest in reads:
+        if isinstance(dest, HostArray) and c.spec.sizes == t.shape:
+            incoming.append(None)
+            boxes.append(dest.array)
+        else:
+            into = dest.stage_in(c.spec.offsets, c.spec.sizes, staging)
+            incoming.append(into)
+            boxes.append(into.box)
     try:
         buffers: list[np.ndarray] = []
         pads: list[int] = []
         copies: list[tuple[int, np.ndarray]] = []
-        for i, ((t, c, _dest), into) in enumerate(zip(reads, incoming, strict=True)):
-            box = into.box
+        for i, ((t, c, _dest), box) in enumerate(zip(reads, boxes, strict=True)):
             sizes = c.spec.sizes
             if (
                 box.flags.c_contiguous
@@ -588,13 +607,15 @@ def _read_host_batch(
         for i, stored in copies:
             if i < done:
                 c = reads[i][1]
-                incoming[i].box[...] = stored[tuple(slice(0, s) for s in c.spec.sizes)]
+                boxes[i][...] = stored[tuple(slice(0, s) for s in c.spec.sizes)]
         for (t, c, _dest), into in zip(reads[:done], incoming, strict=False):
-            into.finish()
+            if into is not None:
+                into.finish()
             counter.add(c.spec.nelem * t.dtype.itemsize)
     finally:
         for into in incoming:
-            into.release()
+            if into is not None:
+                into.release()
     if stop is None:
         return
     t, c, _ = reads[stop.index]
@@ -659,7 +680,13 @@ def read_tensors(
         threads = cold_small_threads(reader, targets)
     counter = ProgressCounter(progress, sum(t.nbytes for t, _ in targets))
     staging = Staging(
-        ((dest.backend, c.spec.nelem * t.dtype.itemsize) for t, dest in targets for c in t.chunks),
+        # host targets need no staging: only the boxes of device targets are listed
+        (
+            (dest.backend, c.spec.nelem * t.dtype.itemsize)
+            for t, dest in targets
+            if dest.backend is not None
+            for c in t.chunks
+        ),
         staging_bytes,
     )
     reads = (((t, c, dest), c.nbytes) for t, dest in targets for c in t.chunks)
