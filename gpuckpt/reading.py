@@ -98,6 +98,7 @@ class TensorEntry:
         "metadata",
         "name",
         "nbytes",
+        "nchunks",
         "row",
         "segments",
         "shape",
@@ -130,10 +131,12 @@ class TensorEntry:
         self.dtype: np.dtype[Any] = np.dtype(metadata.properties.dtype)
         #: the tensor's size in bytes
         self.nbytes: int = math.prod(self.shape) * self.dtype.itemsize
+        #: how many chunks it has (none when it is empty)
+        self.nchunks: int = 0 if 0 in self.shape else 1 if self._whole() else grid.nchunks
 
-    @property
-    def nchunks(self) -> int:
-        return 0 if any(n == 0 for n in self.shape) else self.grid.nchunks
+    def _whole(self) -> bool:
+        """Whether the tensor's only chunk is the whole tensor (a regular grid of its own shape)."""
+        return self.grid.kind == "regular" and self.grid.chunk_shape == self.shape
 
     def _crcs(self) -> np.ndarray:
         if self.crcs is None:
@@ -152,8 +155,23 @@ class TensorEntry:
     @property
     def chunks(self) -> list[ChunkRead]:
         if self._chunks is None:
-            crcs = self._crcs().tolist()
-            self._chunks = [self._read(s, c) for s, c in zip(self.grid.chunk_list(), crcs, strict=True)]
+            crcs = self._crcs()
+            if len(crcs) == 1 and self.nchunks == 1 and self._whole():
+                # the one chunk of a small tensor: what chunk_list and _read make, made directly
+                zero = (0,) * len(self.shape)
+                shape = self.shape
+                self._chunks = [
+                    ChunkRead(
+                        ChunkSpec(zero, zero, shape),
+                        chunk_file_key(zero),
+                        self.nbytes + CRC_BYTES,
+                        int(crcs[0]),
+                        shape,
+                    )
+                ]
+            else:
+                values = crcs.tolist()
+                self._chunks = [self._read(s, c) for s, c in zip(self.grid.chunk_list(), values, strict=True)]
         return self._chunks
 
     def chunk(self, coords: tuple[int, ...]) -> ChunkRead:
@@ -229,42 +247,49 @@ def validate_metadata(md: Metadata) -> tuple[dict[str, TensorEntry], dict[str, A
     names: set[str] = set()
     table: ChunkTable | None = None
     spans: list[tuple[int, int, str]] = []
+    stored_tensors, stored_objects = sd["tensors"], sd["objects"]
+    itemsizes: dict[Any, int] = {}  # dtype as the properties give it -> its item size
     for fqn, entry in md.state_dict_metadata.items():
         if isinstance(entry, BytesStorageMetadata):
-            if fqn not in sd["objects"]:
+            if fqn not in stored_objects:
                 raise MetadataError(f"value {fqn!r} is listed but not stored; the checkpoint is damaged")
-            objects[fqn] = sd["objects"][fqn]
+            objects[fqn] = stored_objects[fqn]
             continue
         assert isinstance(entry, TensorStorageMetadata)
-        info = sd["tensors"].get(fqn)
+        info = stored_tensors.get(fqn)
         if not isinstance(info, dict):
             raise _bad(fqn, "no storage entry")
         name = info.get("name")
-        if not isinstance(name, str) or not is_safe_name(name) or name in names:
+        if not isinstance(name, str) or name in names or not is_safe_name(name):
             raise _bad(fqn, f"array name {name!r} is not a safe, unique path component")
         names.add(name)
-        itemsize = np.dtype(entry.properties.dtype).itemsize
-        if any(n >= _MAX_EXTENT for n in entry.size) or math.prod(entry.size) * itemsize >= _MAX_EXTENT:
-            raise _bad(fqn, f"size {entry.size} is larger than any array can be")
+        size = entry.size
+        itemsize = itemsizes.get(entry.properties.dtype)
+        if itemsize is None:
+            itemsize = itemsizes[entry.properties.dtype] = np.dtype(entry.properties.dtype).itemsize
+        if math.prod(size) * itemsize >= _MAX_EXTENT or (size and max(size) >= _MAX_EXTENT):
+            raise _bad(fqn, f"size {size} is larger than any array can be")
         parsed = entry.__dict__.get("_grid") if isinstance(entry, GridTensorStorageMetadata) else None
         try:
             # a chunk list left to the grid was made from this very grid: parsed once
-            grid = (
-                parsed if parsed is not None else ChunkGrid.from_zarr_json(entry.size, info.get("chunk_grid"))
-            )
+            grid = parsed if parsed is not None else ChunkGrid.from_zarr_json(size, info.get("chunk_grid"))
         except ValueError as exc:
             raise _bad(fqn, f"chunk grid: {exc}") from None
-        if grid.kind == "regular" and any(
-            c > max(n, 1) for c, n in zip(grid.chunk_shape, entry.size, strict=True)
-        ):
-            # gpuckpt never writes one: each chunk would be read through padding (a sparse
-            # file costs no disk) that every load has to allocate
-            raise _bad(
-                fqn,
-                f"regular chunk shape {list(grid.chunk_shape)} is larger than the tensor's shape "
-                f"{list(entry.size)}; no chunk may exceed the tensor along any axis",
-            )
-        expected_n = 0 if any(n == 0 for n in entry.size) else math.prod(grid.grid_shape)
+        empty = 0 in size
+        if grid.kind == "regular" and grid.chunk_shape == tuple(size) and not empty:
+            expected_n = 1  # one chunk, the whole tensor (the usual grid of a small tensor)
+        else:
+            if grid.kind == "regular" and any(
+                c > max(n, 1) for c, n in zip(grid.chunk_shape, size, strict=True)
+            ):
+                # gpuckpt never writes one: each chunk would be read through padding (a sparse
+                # file costs no disk) that every load has to allocate
+                raise _bad(
+                    fqn,
+                    f"regular chunk shape {list(grid.chunk_shape)} is larger than the tensor's shape "
+                    f"{list(size)}; no chunk may exceed the tensor along any axis",
+                )
+            expected_n = 0 if empty else math.prod(grid.grid_shape)
         lazy = isinstance(entry, GridTensorStorageMetadata) and "chunks" not in entry.__dict__
         if not lazy:
             if len(entry.chunks) != expected_n:
@@ -331,7 +356,7 @@ def load_chunk_records(reader: CheckpointReader, entries: Iterable[TensorEntry])
     :class:`~gpuckpt.errors.MissingChunkError` when the table is damaged."""
     for t in entries:
         if t.crcs is None and t.table is not None:
-            t.crcs = t.table.read(reader, "crc32c", t.row, t.nchunks)
+            t.crcs = t.table.rows_of(reader, "crc32c", t.row, t.nchunks)
 
 
 def chunk_column(reader: CheckpointReader, t: TensorEntry, name: str) -> np.ndarray | None:
@@ -388,6 +413,8 @@ def check_chunk_files(reader: CheckpointReader, entries: Iterable[TensorEntry]) 
     load_chunk_records(reader, entries)
     chunks = [(t, c) for t in entries for c in t.chunks]
     sizes = reader.chunk_sizes([t.name for t, _ in chunks], [c.key for _, c in chunks])
+    if sizes == [c.nbytes for _, c in chunks]:
+        return  # all as expected: compared as whole lists, not chunk by chunk
     for (t, c), size in zip(chunks, sizes, strict=True):
         if size != c.nbytes:
             if size is None:
@@ -608,14 +635,14 @@ def _read_host_batch(
             if i < done:
                 c = reads[i][1]
                 boxes[i][...] = stored[tuple(slice(0, s) for s in c.spec.sizes)]
-        for (t, c, _dest), into in zip(reads[:done], incoming, strict=False):
-            if into is not None:
-                into.finish()
+        for (t, c, _dest), staged in zip(reads[:done], incoming, strict=False):
+            if staged is not None:
+                staged.finish()
             counter.add(c.spec.nelem * t.dtype.itemsize)
     finally:
-        for into in incoming:
-            if into is not None:
-                into.release()
+        for staged in incoming:
+            if staged is not None:
+                staged.release()
     if stop is None:
         return
     t, c, _ = reads[stop.index]
