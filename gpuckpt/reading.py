@@ -116,6 +116,8 @@ class TensorEntry:
         row: int = 0,
         listed: Mapping[str, np.ndarray] | None = None,
         segments: Any = None,
+        *,
+        nchunks: int | None = None,
     ) -> None:
         self.fqn, self.name, self.metadata, self.grid = fqn, name, metadata, grid
         self.crcs, self.table, self.row = crcs, table, row
@@ -131,8 +133,11 @@ class TensorEntry:
         self.dtype: np.dtype[Any] = np.dtype(metadata.properties.dtype)
         #: the tensor's size in bytes
         self.nbytes: int = math.prod(self.shape) * self.dtype.itemsize
-        #: how many chunks it has (none when it is empty)
-        self.nchunks: int = 0 if 0 in self.shape else 1 if self._whole() else grid.nchunks
+        #: how many chunks it has (none when it is empty); ``nchunks``: that number, worked out
+        #: by the caller (as :func:`validate_metadata` does)
+        self.nchunks: int = (
+            nchunks if nchunks is not None else 0 if 0 in self.shape else 1 if self._whole() else grid.nchunks
+        )
 
     def _whole(self) -> bool:
         """Whether the tensor's only chunk is the whole tensor (a regular grid of its own shape)."""
@@ -248,6 +253,7 @@ def validate_metadata(md: Metadata) -> tuple[dict[str, TensorEntry], dict[str, A
     table: ChunkTable | None = None
     spans: list[tuple[int, int, str]] = []
     stored_tensors, stored_objects = sd["tensors"], sd["objects"]
+    tabled = md.version != "1"  # a chunk table is read in format version 2 only
     itemsizes: dict[Any, int] = {}  # dtype as the properties give it -> its item size
     for fqn, entry in md.state_dict_metadata.items():
         if isinstance(entry, BytesStorageMetadata):
@@ -297,7 +303,7 @@ def validate_metadata(md: Metadata) -> tuple[dict[str, TensorEntry], dict[str, A
             for i, (spec, cmeta) in enumerate(zip(grid.chunk_list(), entry.chunks, strict=True)):
                 if tuple(cmeta.offsets) != spec.offsets or tuple(cmeta.sizes) != spec.sizes:
                     raise _bad(fqn, f"chunk {i} box {cmeta} does not match the grid {spec}")
-        if "rows" in info and md.version != "1":
+        if tabled and "rows" in info:
             if table is None:
                 table = ChunkTable.parse(sd.get(TABLE_KEY))
             row = info.get("rows")
@@ -308,7 +314,7 @@ def validate_metadata(md: Metadata) -> tuple[dict[str, TensorEntry], dict[str, A
                 )
             spans.append((row, expected_n, fqn))
             tensors[fqn] = TensorEntry(
-                fqn, name, entry, grid, None, table, row, segments=info.get(SEGMENTS_KEY)
+                fqn, name, entry, grid, None, table, row, segments=info.get(SEGMENTS_KEY), nchunks=expected_n
             )
             continue
         raw_chunks = info.get("chunks")
@@ -323,7 +329,14 @@ def validate_metadata(md: Metadata) -> tuple[dict[str, TensorEntry], dict[str, A
         )
         crcs = columns.pop("crc32c")
         tensors[fqn] = TensorEntry(
-            fqn, name, entry, grid, crcs, listed=columns or None, segments=info.get(SEGMENTS_KEY)
+            fqn,
+            name,
+            entry,
+            grid,
+            crcs,
+            listed=columns or None,
+            segments=info.get(SEGMENTS_KEY),
+            nchunks=expected_n,
         )
     if table is not None:
         # the tensors' rows tile the table: each row belongs to exactly one chunk
