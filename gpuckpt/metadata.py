@@ -341,7 +341,14 @@ class Metadata:
         raw_entries = _expect_dict(d.get("state_dict_metadata"), "metadata.state_dict_metadata")
         entries: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
         storage_data = d.get("storage_data")
+        fast = _GridEntries(storage_data) if version != "1" else None
         for fqn, raw in raw_entries.items():
+            if fast is not None:
+                # format version 2's usual tensor entry, in one pass (see _GridEntries)
+                made = fast.entry(fqn, raw)
+                if made is not None:
+                    entries[fqn] = made
+                    continue
             where = f"state_dict_metadata[{fqn!r}]"
             e = _expect_dict(raw, where)
             kind = e.get("type")
@@ -425,6 +432,14 @@ class MetadataIndex:
 MAX_GRID_CHUNKS = 1 << 32
 
 
+def _regular_grid(size: tuple[int, ...], chunk_shape: tuple[int, ...]) -> Any:
+    """``ChunkGrid.regular(size, chunk_shape)``."""
+    # at call time: the grid is planning's type, and planning builds on this module
+    from gpuckpt.planning.grid import ChunkGrid
+
+    return ChunkGrid(size, "regular", chunk_shape)
+
+
 def _grid_of(storage_data: Any, fqn: str, size: tuple[int, ...]) -> Any:
     """The chunk grid of tensor ``fqn`` from ``storage_data.tensors[fqn].chunk_grid``."""
     # at call time: the grid is planning's type, and planning builds on this module
@@ -447,6 +462,98 @@ def _grid_of(storage_data: Any, fqn: str, size: tuple[int, ...]) -> Any:
             f"{where}.chunk_grid has {grid.nchunks} chunks, more than the {MAX_GRID_CHUNKS} gpuckpt reads"
         )
     return grid
+
+
+class _GridEntries:
+    """The tensor entries of a format version 2 document that leave their chunks to a regular
+    grid, parsed without the general path's per-entry steps: what many tensors share (their
+    properties, their grid) is parsed and checked once.
+
+    :meth:`entry` accepts only an entry that the general path of
+    :meth:`Metadata.from_json_dict` accepts, and makes the equal object (a
+    :class:`GridTensorStorageMetadata` with its own :class:`TensorProperties`; equal grids are
+    one shared :class:`~gpuckpt.planning.grid.ChunkGrid`, which is immutable). For anything
+    else (another grid kind, a value of an unexpected type, a defect) it returns None, and
+    the general path parses the entry and raises its error.
+    """
+
+    __slots__ = ("_grids", "_properties", "_tensors")
+
+    def __init__(self, storage_data: Any) -> None:
+        tensors = storage_data.get("tensors") if isinstance(storage_data, dict) else None
+        self._tensors: dict[str, Any] | None = tensors if isinstance(tensors, dict) else None
+        #: (layout, dtype, memory format, requires_grad, pin_memory) as stored -> (dtype, format)
+        self._properties: dict[tuple[str, str, str, bool, bool], tuple[Any, mf.MemoryFormat]] = {}
+        #: (size, chunk shape) -> the checked grid
+        self._grids: dict[tuple[tuple[int, ...], tuple[int, ...]], Any] = {}
+
+    def entry(self, fqn: str, raw: Any) -> GridTensorStorageMetadata | None:
+        tensors = self._tensors
+        if tensors is None or type(raw) is not dict or raw.get("type") != "tensor" or "chunks" in raw:
+            return None
+        size_raw = raw.get("size")
+        if type(size_raw) is not list or len(size_raw) > 32:
+            return None
+        for n in size_raw:
+            if type(n) is not int or n < 0:
+                return None
+        size = tuple(size_raw)
+        props = self._props(raw.get("properties"))
+        if props is None:
+            return None
+        info = tensors.get(fqn)
+        grid_raw = info.get("chunk_grid") if type(info) is dict else None
+        conf = grid_raw.get("configuration") if type(grid_raw) is dict else None
+        if type(conf) is not dict or grid_raw.get("name") != "regular":  # type: ignore[union-attr]
+            return None
+        shape_raw = conf.get("chunk_shape")
+        if type(shape_raw) is not list:
+            return None
+        for c in shape_raw:
+            if type(c) is not int:
+                return None
+        chunk_shape = tuple(shape_raw)
+        key = (size, chunk_shape)
+        grid = self._grids.get(key)
+        if grid is None:
+            # what ChunkGrid.regular and _grid_of check, here without their per-call steps
+            if len(chunk_shape) != len(size):
+                return None
+            nchunks = 1
+            for n, c in zip(size, chunk_shape, strict=True):
+                if c < 1:
+                    return None
+                nchunks *= -(-n // c)
+            if nchunks > MAX_GRID_CHUNKS:
+                return None
+            grid = self._grids[key] = _regular_grid(size, chunk_shape)
+        return GridTensorStorageMetadata(props, size, grid=grid, listed=False)
+
+    def _props(self, raw: Any) -> TensorProperties | None:
+        if type(raw) is not dict:
+            return None
+        layout, dtype, fmt = raw.get("layout"), raw.get("dtype"), raw.get("memory_format")
+        grad, pin = raw.get("requires_grad"), raw.get("pin_memory")
+        # the JSON booleans are the two singletons: no 1 or 0 passes for True or False
+        if (
+            type(layout) is not str
+            or type(dtype) is not str
+            or type(fmt) is not str
+            or (grad is not True and grad is not False)
+            or (pin is not True and pin is not False)
+        ):
+            return None
+        key = (layout, dtype, fmt, grad, pin)
+        known = self._properties.get(key)
+        if known is None:
+            try:
+                parsed = TensorProperties.from_json(raw)
+            except MetadataError:
+                return None
+            known = self._properties[key] = (parsed.dtype, parsed.memory_format)
+        return TensorProperties(
+            dtype=known[0], layout=mf.strided, requires_grad=grad, memory_format=known[1], pin_memory=pin
+        )
 
 
 def _expect_dict(value: Any, where: str) -> Mapping[str, Any]:

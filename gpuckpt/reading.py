@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from gpuckpt.device.arrays import ArrayAdapter
+from gpuckpt.device.arrays import ArrayAdapter, HostArray, StagedIn
 from gpuckpt.device.backend import Staging
 from gpuckpt.device.upload import CopyQueue
 from gpuckpt.errors import (
@@ -88,7 +88,22 @@ class TensorEntry:
     :class:`ChunkRead`) is built when first asked for; :meth:`chunk` makes one.
     """
 
-    __slots__ = ("_chunks", "crcs", "fqn", "grid", "listed", "metadata", "name", "row", "segments", "table")
+    __slots__ = (
+        "_chunks",
+        "crcs",
+        "dtype",
+        "fqn",
+        "grid",
+        "listed",
+        "metadata",
+        "name",
+        "nbytes",
+        "nchunks",
+        "row",
+        "segments",
+        "shape",
+        "table",
+    )
 
     def __init__(
         self,
@@ -101,6 +116,8 @@ class TensorEntry:
         row: int = 0,
         listed: Mapping[str, np.ndarray] | None = None,
         segments: Any = None,
+        *,
+        nchunks: int | None = None,
     ) -> None:
         self.fqn, self.name, self.metadata, self.grid = fqn, name, metadata, grid
         self.crcs, self.table, self.row = crcs, table, row
@@ -108,23 +125,23 @@ class TensorEntry:
         #: the segment records of its chunks as stored (untrusted; see :mod:`gpuckpt.ranged`)
         self.segments = segments
         self._chunks: list[ChunkRead] | None = None
+        # asked for per chunk by every load: worked out once (the metadata of a validated
+        # checkpoint is never changed, see validated_metadata)
+        #: the tensor's shape
+        self.shape: tuple[int, ...] = tuple(metadata.size)
+        #: the tensor's dtype
+        self.dtype: np.dtype[Any] = np.dtype(metadata.properties.dtype)
+        #: the tensor's size in bytes
+        self.nbytes: int = math.prod(self.shape) * self.dtype.itemsize
+        #: how many chunks it has (none when it is empty); ``nchunks``: that number, worked out
+        #: by the caller (as :func:`validate_metadata` does)
+        self.nchunks: int = (
+            nchunks if nchunks is not None else 0 if 0 in self.shape else 1 if self._whole() else grid.nchunks
+        )
 
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(self.metadata.size)
-
-    @property
-    def dtype(self) -> np.dtype[Any]:
-        dt: np.dtype[Any] = np.dtype(self.metadata.properties.dtype)
-        return dt
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
-
-    @property
-    def nchunks(self) -> int:
-        return 0 if any(n == 0 for n in self.shape) else self.grid.nchunks
+    def _whole(self) -> bool:
+        """Whether the tensor's only chunk is the whole tensor (a regular grid of its own shape)."""
+        return self.grid.kind == "regular" and self.grid.chunk_shape == self.shape
 
     def _crcs(self) -> np.ndarray:
         if self.crcs is None:
@@ -143,8 +160,23 @@ class TensorEntry:
     @property
     def chunks(self) -> list[ChunkRead]:
         if self._chunks is None:
-            crcs = self._crcs().tolist()
-            self._chunks = [self._read(s, c) for s, c in zip(self.grid.chunk_list(), crcs, strict=True)]
+            crcs = self._crcs()
+            if len(crcs) == 1 and self.nchunks == 1 and self._whole():
+                # the one chunk of a small tensor: what chunk_list and _read make, made directly
+                zero = (0,) * len(self.shape)
+                shape = self.shape
+                self._chunks = [
+                    ChunkRead(
+                        ChunkSpec(zero, zero, shape),
+                        chunk_file_key(zero),
+                        self.nbytes + CRC_BYTES,
+                        int(crcs[0]),
+                        shape,
+                    )
+                ]
+            else:
+                values = crcs.tolist()
+                self._chunks = [self._read(s, c) for s, c in zip(self.grid.chunk_list(), values, strict=True)]
         return self._chunks
 
     def chunk(self, coords: tuple[int, ...]) -> ChunkRead:
@@ -220,42 +252,50 @@ def validate_metadata(md: Metadata) -> tuple[dict[str, TensorEntry], dict[str, A
     names: set[str] = set()
     table: ChunkTable | None = None
     spans: list[tuple[int, int, str]] = []
+    stored_tensors, stored_objects = sd["tensors"], sd["objects"]
+    tabled = md.version != "1"  # a chunk table is read in format version 2 only
+    itemsizes: dict[Any, int] = {}  # dtype as the properties give it -> its item size
     for fqn, entry in md.state_dict_metadata.items():
         if isinstance(entry, BytesStorageMetadata):
-            if fqn not in sd["objects"]:
+            if fqn not in stored_objects:
                 raise MetadataError(f"value {fqn!r} is listed but not stored; the checkpoint is damaged")
-            objects[fqn] = sd["objects"][fqn]
+            objects[fqn] = stored_objects[fqn]
             continue
         assert isinstance(entry, TensorStorageMetadata)
-        info = sd["tensors"].get(fqn)
+        info = stored_tensors.get(fqn)
         if not isinstance(info, dict):
             raise _bad(fqn, "no storage entry")
         name = info.get("name")
-        if not isinstance(name, str) or not is_safe_name(name) or name in names:
+        if not isinstance(name, str) or name in names or not is_safe_name(name):
             raise _bad(fqn, f"array name {name!r} is not a safe, unique path component")
         names.add(name)
-        itemsize = np.dtype(entry.properties.dtype).itemsize
-        if any(n >= _MAX_EXTENT for n in entry.size) or math.prod(entry.size) * itemsize >= _MAX_EXTENT:
-            raise _bad(fqn, f"size {entry.size} is larger than any array can be")
+        size = entry.size
+        itemsize = itemsizes.get(entry.properties.dtype)
+        if itemsize is None:
+            itemsize = itemsizes[entry.properties.dtype] = np.dtype(entry.properties.dtype).itemsize
+        if math.prod(size) * itemsize >= _MAX_EXTENT or (size and max(size) >= _MAX_EXTENT):
+            raise _bad(fqn, f"size {size} is larger than any array can be")
         parsed = entry.__dict__.get("_grid") if isinstance(entry, GridTensorStorageMetadata) else None
         try:
             # a chunk list left to the grid was made from this very grid: parsed once
-            grid = (
-                parsed if parsed is not None else ChunkGrid.from_zarr_json(entry.size, info.get("chunk_grid"))
-            )
+            grid = parsed if parsed is not None else ChunkGrid.from_zarr_json(size, info.get("chunk_grid"))
         except ValueError as exc:
             raise _bad(fqn, f"chunk grid: {exc}") from None
-        if grid.kind == "regular" and any(
-            c > max(n, 1) for c, n in zip(grid.chunk_shape, entry.size, strict=True)
-        ):
-            # gpuckpt never writes one: each chunk would be read through padding (a sparse
-            # file costs no disk) that every load has to allocate
-            raise _bad(
-                fqn,
-                f"regular chunk shape {list(grid.chunk_shape)} is larger than the tensor's shape "
-                f"{list(entry.size)}; no chunk may exceed the tensor along any axis",
-            )
-        expected_n = 0 if any(n == 0 for n in entry.size) else math.prod(grid.grid_shape)
+        empty = 0 in size
+        if grid.kind == "regular" and grid.chunk_shape == tuple(size) and not empty:
+            expected_n = 1  # one chunk, the whole tensor (the usual grid of a small tensor)
+        else:
+            if grid.kind == "regular" and any(
+                c > max(n, 1) for c, n in zip(grid.chunk_shape, size, strict=True)
+            ):
+                # gpuckpt never writes one: each chunk would be read through padding (a sparse
+                # file costs no disk) that every load has to allocate
+                raise _bad(
+                    fqn,
+                    f"regular chunk shape {list(grid.chunk_shape)} is larger than the tensor's shape "
+                    f"{list(size)}; no chunk may exceed the tensor along any axis",
+                )
+            expected_n = 0 if empty else math.prod(grid.grid_shape)
         lazy = isinstance(entry, GridTensorStorageMetadata) and "chunks" not in entry.__dict__
         if not lazy:
             if len(entry.chunks) != expected_n:
@@ -263,7 +303,7 @@ def validate_metadata(md: Metadata) -> tuple[dict[str, TensorEntry], dict[str, A
             for i, (spec, cmeta) in enumerate(zip(grid.chunk_list(), entry.chunks, strict=True)):
                 if tuple(cmeta.offsets) != spec.offsets or tuple(cmeta.sizes) != spec.sizes:
                     raise _bad(fqn, f"chunk {i} box {cmeta} does not match the grid {spec}")
-        if "rows" in info and md.version != "1":
+        if tabled and "rows" in info:
             if table is None:
                 table = ChunkTable.parse(sd.get(TABLE_KEY))
             row = info.get("rows")
@@ -274,7 +314,7 @@ def validate_metadata(md: Metadata) -> tuple[dict[str, TensorEntry], dict[str, A
                 )
             spans.append((row, expected_n, fqn))
             tensors[fqn] = TensorEntry(
-                fqn, name, entry, grid, None, table, row, segments=info.get(SEGMENTS_KEY)
+                fqn, name, entry, grid, None, table, row, segments=info.get(SEGMENTS_KEY), nchunks=expected_n
             )
             continue
         raw_chunks = info.get("chunks")
@@ -289,7 +329,14 @@ def validate_metadata(md: Metadata) -> tuple[dict[str, TensorEntry], dict[str, A
         )
         crcs = columns.pop("crc32c")
         tensors[fqn] = TensorEntry(
-            fqn, name, entry, grid, crcs, listed=columns or None, segments=info.get(SEGMENTS_KEY)
+            fqn,
+            name,
+            entry,
+            grid,
+            crcs,
+            listed=columns or None,
+            segments=info.get(SEGMENTS_KEY),
+            nchunks=expected_n,
         )
     if table is not None:
         # the tensors' rows tile the table: each row belongs to exactly one chunk
@@ -322,7 +369,7 @@ def load_chunk_records(reader: CheckpointReader, entries: Iterable[TensorEntry])
     :class:`~gpuckpt.errors.MissingChunkError` when the table is damaged."""
     for t in entries:
         if t.crcs is None and t.table is not None:
-            t.crcs = t.table.read(reader, "crc32c", t.row, t.nchunks)
+            t.crcs = t.table.rows_of(reader, "crc32c", t.row, t.nchunks)
 
 
 def chunk_column(reader: CheckpointReader, t: TensorEntry, name: str) -> np.ndarray | None:
@@ -379,6 +426,8 @@ def check_chunk_files(reader: CheckpointReader, entries: Iterable[TensorEntry]) 
     load_chunk_records(reader, entries)
     chunks = [(t, c) for t in entries for c in t.chunks]
     sizes = reader.chunk_sizes([t.name for t, _ in chunks], [c.key for _, c in chunks])
+    if sizes == [c.nbytes for _, c in chunks]:
+        return  # all as expected: compared as whole lists, not chunk by chunk
     for (t, c), size in zip(chunks, sizes, strict=True):
         if size != c.nbytes:
             if size is None:
@@ -555,13 +604,23 @@ def _read_host_batch(
     :meth:`~gpuckpt.storage.base.CheckpointReader.read_chunks`: straight into the box
     where the layout allows, else into scratch copied into place afterwards. Raises
     what :func:`fetch_verified` raises, for the first chunk that fails."""
-    incoming = [dest.stage_in(c.spec.offsets, c.spec.sizes, staging) for _, c, dest in reads]
+    # a chunk that is the whole of a host array is read into the array itself, with no
+    # box to stage (the common case of small tensors: one chunk each)
+    incoming: list[StagedIn | None] = []
+    boxes: list[np.ndarray] = []
+    for t, c, dest in reads:
+        if isinstance(dest, HostArray) and c.spec.sizes == t.shape:
+            incoming.append(None)
+            boxes.append(dest.array)
+        else:
+            into = dest.stage_in(c.spec.offsets, c.spec.sizes, staging)
+            incoming.append(into)
+            boxes.append(into.box)
     try:
         buffers: list[np.ndarray] = []
         pads: list[int] = []
         copies: list[tuple[int, np.ndarray]] = []
-        for i, ((t, c, _dest), into) in enumerate(zip(reads, incoming, strict=True)):
-            box = into.box
+        for i, ((t, c, _dest), box) in enumerate(zip(reads, boxes, strict=True)):
             sizes = c.spec.sizes
             if (
                 box.flags.c_contiguous
@@ -588,13 +647,15 @@ def _read_host_batch(
         for i, stored in copies:
             if i < done:
                 c = reads[i][1]
-                incoming[i].box[...] = stored[tuple(slice(0, s) for s in c.spec.sizes)]
-        for (t, c, _dest), into in zip(reads[:done], incoming, strict=False):
-            into.finish()
+                boxes[i][...] = stored[tuple(slice(0, s) for s in c.spec.sizes)]
+        for (t, c, _dest), staged in zip(reads[:done], incoming, strict=False):
+            if staged is not None:
+                staged.finish()
             counter.add(c.spec.nelem * t.dtype.itemsize)
     finally:
-        for into in incoming:
-            into.release()
+        for staged in incoming:
+            if staged is not None:
+                staged.release()
     if stop is None:
         return
     t, c, _ = reads[stop.index]
@@ -659,7 +720,13 @@ def read_tensors(
         threads = cold_small_threads(reader, targets)
     counter = ProgressCounter(progress, sum(t.nbytes for t, _ in targets))
     staging = Staging(
-        ((dest.backend, c.spec.nelem * t.dtype.itemsize) for t, dest in targets for c in t.chunks),
+        # host targets need no staging: only the boxes of device targets are listed
+        (
+            (dest.backend, c.spec.nelem * t.dtype.itemsize)
+            for t, dest in targets
+            if dest.backend is not None
+            for c in t.chunks
+        ),
         staging_bytes,
     )
     reads = (((t, c, dest), c.nbytes) for t, dest in targets for c in t.chunks)

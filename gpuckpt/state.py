@@ -147,6 +147,8 @@ def unflatten_state_dict(
         name = ".".join(str(p) for p in path)
         return any(name == k or name.startswith(k + ".") for k in keys)
 
+    # ``path`` (the node's keys from the root) matters to a partial load only: a whole one
+    # leaves it empty rather than make a tuple per node
     def build(node: Any, depth: int, path: tuple[Any, ...]) -> tuple[bool, Any]:
         if depth > _MAX_DEPTH or not isinstance(node, dict) or len(node) != 1:
             raise MetadataError(f"malformed structure node in planner_data: {str(node)[:200]}")
@@ -167,12 +169,15 @@ def unflatten_state_dict(
                     kt == "i" and (not isinstance(k, int) or isinstance(k, bool))
                 ):
                     raise MetadataError(f"malformed dict key in planner_data: {k!r}")
-                present, v = build(child, depth + 1, (*path, k))
+                present, v = build(child, depth + 1, (*path, k) if keys is not None else path)
                 if present:
                     out[k] = v
             return (bool(out) or depth == 0 or (not body and keep_empty(path)), out)
         if tag in ("l", "t"):
-            parts = [build(child, depth + 1, (*path, i)) for i, child in enumerate(body)]
+            parts = [
+                build(child, depth + 1, (*path, i) if keys is not None else path)
+                for i, child in enumerate(body)
+            ]
             if all(p for p, _ in parts):
                 seq = [v for _, v in parts]
                 return (bool(seq) or keep_empty(path), seq if tag == "l" else tuple(seq))

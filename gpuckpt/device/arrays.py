@@ -562,6 +562,9 @@ class HostMemory:
 
     def allocate(self, shape: tuple[int, ...], dtype: np.dtype[Any], memory_format: Any) -> np.ndarray:
         """An uninitialised array with ``shape`` whose strides follow ``memory_format``."""
+        if len(shape) < 4 or memory_format is mf.contiguous_format:
+            # C order (every format of fewer than 4 axes): the array itself, owning its memory
+            return np.empty(shape, dtype=dtype)
         order = mf.physical_order(len(shape), memory_format)
         physical = np.empty(tuple(shape[a] for a in order), dtype=dtype)
         inverse = [order.index(a) for a in range(len(shape))]

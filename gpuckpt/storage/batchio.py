@@ -175,12 +175,14 @@ class BatchIO:
 
     @staticmethod
     def _items(paths: Sequence[str], kinds: Sequence[int]) -> tuple[np.ndarray, bytes]:
-        encoded = [os.fsencode(p) for p in paths]
-        blob = b"\0".join(encoded) + b"\0"
-        items = np.zeros(len(encoded), ITEM)
-        if encoded:
-            starts = np.zeros(len(encoded), np.uint64)
-            np.cumsum([len(e) + 1 for e in encoded[:-1]], out=starts[1:])
+        joined = "\0".join(paths) + "\0"
+        blob = os.fsencode(joined)
+        # the byte length of each path: its length in characters when all are ASCII
+        lengths = [len(p) for p in paths] if joined.isascii() else [len(os.fsencode(p)) for p in paths]
+        items = np.zeros(len(paths), ITEM)
+        if paths:
+            starts = np.zeros(len(paths), np.uint64)
+            np.cumsum([n + 1 for n in lengths[:-1]], out=starts[1:])
             items["path"] = starts + np.uint64(np.frombuffer(blob, np.uint8).__array_interface__["data"][0])
         items["kind"] = kinds
         return items, blob

@@ -353,6 +353,16 @@ class ChunkTable:
                         "the checkpoint is damaged"
                     )
 
+    def rows_of(self, reader: CheckpointReader, name: str, start: int, count: int) -> np.ndarray:
+        """:meth:`read`, with fewer steps for rows that lie in one chunk of the table already
+        read (the rows of one small tensor, asked for once per tensor by a load)."""
+        k = start // self.chunk_rows
+        hit = self._chunks.get((name, k))
+        at = start - k * self.chunk_rows
+        if hit is None or count < 1 or start < 0 or at + count > self.chunk_rows or start + count > self.rows:
+            return self.read(reader, name, start, count)
+        return hit[at : at + count]
+
     def read(self, reader: CheckpointReader, name: str, start: int, count: int) -> np.ndarray:
         """Rows ``[start, start + count)`` of column ``name``, reading only the chunks that hold them."""
         if not 0 <= start <= start + count <= self.rows:

@@ -786,7 +786,7 @@ class LocalReader(CheckpointReader):
             end = start
             while end < len(small) and small[end] == small[start]:
                 end += 1
-            run = batch.select(range(start, end))
+            run = batch if start == 0 and end == len(small) else batch.select(range(start, end))
             stop = self._read_native(lib, run) if small[start] else super().read_chunks(run)
             if stop is not None:
                 return replace(stop, index=start + stop.index)
@@ -796,9 +796,12 @@ class LocalReader(CheckpointReader):
     def _read_native(self, lib: batchio.BatchIO, batch: ChunkReads) -> ReadStop | None:
         missing: ReadStop | None = None
         count = len(batch.names)
+        dirs = self._array_dirs()
         for i, name in enumerate(batch.names):
+            if name in dirs:
+                continue
             try:
-                self._array_dir(name)
+                self._array_dir(name)  # raises for a name that is not an array directory
             except FileNotFoundError as exc:
                 missing, count = ReadStop(i, error=exc), i
                 break
