@@ -179,7 +179,13 @@ def root_document(metadata: Metadata) -> bytes:
     it is encoded once and its checksum covers exactly those bytes.
     """
     canonical = _canonical(metadata.to_json_dict())
-    doc = _ROOT_PREFIX + canonical + b',"metadata_crc32c":' + str(crc32c(canonical)).encode() + b"}}}"
+    doc = (
+        _ROOT_PREFIX
+        + canonical
+        + b',"metadata_crc32c":'
+        + str(_document_crc(memoryview(canonical))).encode()
+        + b"}}}"
+    )
     if len(doc) > MAX_ROOT_DOCUMENT_BYTES:
         # readers refuse it unread: never publish a checkpoint that cannot be loaded
         raise MetadataError(
