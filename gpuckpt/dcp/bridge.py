@@ -282,7 +282,7 @@ def commit_save(
             dataclasses.replace(
                 t, properties=dataclasses.replace(t.properties, memory_format=memory_formats[t.fqn])
             )
-            if t.fqn in memory_formats
+            if memory_formats.get(t.fqn, t.properties.memory_format) is not t.properties.memory_format
             else t
             for t in save.plan.tensors
         )
