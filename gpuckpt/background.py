@@ -15,12 +15,10 @@ its own: see :mod:`gpuckpt.pending`.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import threading
 import uuid
-from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any
@@ -56,10 +54,7 @@ __all__ = [
 
 _lock = threading.Lock()
 _pools: dict[int, ArenaPool] = {}
-#: threads copying host arrays into a snapshot besides the calling thread (together: up to 4,
-#: at most one per CPU)
-_COPY_HELPERS = min(4, os.cpu_count() or 1) - 1
-_copy_threads = Workers(max(1, _COPY_HELPERS), "gpuckpt-snap")
+_copy_threads = Workers(max(1, min(4, os.cpu_count() or 1)), "gpuckpt-snap")
 _SLAB = 32 << 20
 _writer_executor = writer_executor  # the name tests use to occupy the writer
 
@@ -99,7 +94,7 @@ def _copy_all(copies: list[tuple[np.ndarray, np.ndarray]]) -> None:
 
 
 def _run_copies(copies: list[tuple[np.ndarray, np.ndarray]]) -> None:
-    """Run the copies on the calling thread and the copy threads in tasks of about one slab each: small
+    """Run the copies on the copy threads in tasks of about one slab each: small
     tensors are gathered into slab-sized batches (one task per tensor would cost
     thousands of small tensors more than their copies), and slab-sized tasks keep
     the threads evenly loaded when one of them is slowed down."""
@@ -115,29 +110,8 @@ def _run_copies(copies: list[tuple[np.ndarray, np.ndarray]]) -> None:
             size = 0
         batches[-1].append(c)
         size += c[0].nbytes
-    # NumPy releases the GIL for plain copies: the calling thread and the copy threads take
-    # batches from one queue and copy them in parallel (the caller, who waits anyway, copies
-    # too: one thread fewer to start, wake and keep)
-    queue = deque(batches)
-    failed = False
-
-    def drain() -> None:
-        while not failed:
-            try:
-                batch = queue.popleft()
-            except IndexError:
-                return
-            _copy_all(batch)
-
-    helpers = [_copy_threads.submit(drain) for _ in range(min(_COPY_HELPERS, len(batches) - 1))]
-    try:
-        drain()
-    except BaseException:
-        failed = True  # the helpers stop after their current batch, which is waited for
-        with contextlib.suppress(BaseException):
-            _wait_for_all([f.result for f in helpers])
-        raise
-    _wait_for_all([f.result for f in helpers])
+    # NumPy releases the GIL for plain copies: batches copy in parallel
+    _wait_for_all([f.result for f in [_copy_threads.submit(_copy_all, b) for b in batches]])
 
 
 def _wait_for_all(waits: list[Callable[[], Any]]) -> None:

@@ -197,24 +197,3 @@ def test_wait_all_waits_for_the_saves_of_every_writer(tmp_path: Path) -> None:
     assert fut.done()
     assert np.array_equal(gpuckpt.load_state_dict(tmp_path / "c")["w"], np.arange(6.0))
 
-
-def test_snapshot_copies_on_the_calling_thread_and_cpus_minus_one_copy_threads() -> None:
-    """The thread taking a snapshot copies too (it waits anyway): besides it, at most
-    min(4, CPUs) - 1 copy threads, so that a 2-CPU machine starts one copy thread, not two."""
-    import os
-
-    from gpuckpt.background import copy_host_arrays, host_order
-    from gpuckpt.device.staging import HostAllocator, aligned_bytes
-
-    cpus = os.cpu_count() or 1
-    rng = np.random.default_rng(5)
-    arrays = [rng.standard_normal(3_000_000).astype(np.float32) for _ in range(10)]  # ~4 slabs
-    arrays.append(rng.standard_normal((300, 400)).T)  # a strided view among them
-    arena = StagingArena(HostAllocator())
-    arena.reset(sum(aligned_bytes(a.nbytes) for a in arrays))
-    copies = copy_host_arrays(arrays, [host_order(a) for a in arrays], arena)
-    assert all(np.array_equal(c, a) for c, a in zip(copies, arrays, strict=True))
-    assert copies[-1].strides == (2400, 8)  # C order of its logical shape
-    # copy threads end only after seconds of idleness: those that took part are still there
-    helpers = [t for t in threading.enumerate() if t.name.startswith("gpuckpt-snap")]
-    assert len(helpers) <= max(1, min(4, cpus) - 1)
