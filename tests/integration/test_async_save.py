@@ -196,4 +196,3 @@ def test_wait_all_waits_for_the_saves_of_every_writer(tmp_path: Path) -> None:
     wait_all()
     assert fut.done()
     assert np.array_equal(gpuckpt.load_state_dict(tmp_path / "c")["w"], np.arange(6.0))
-
