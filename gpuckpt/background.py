@@ -19,7 +19,7 @@ import math
 import os
 import threading
 import uuid
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -45,6 +45,8 @@ __all__ = [
     "SaveFuture",
     "async_save",
     "async_save_with_options",
+    "copy_host_arrays",
+    "host_order",
     "snapshot",
     "snapshot_bytes",
     "snapshot_on_device",
@@ -177,6 +179,28 @@ def snapshot(
     finally:
         # also when taking memory failed half-way: no copy may still write into the arena
         _wait_for_all([ticket.wait for ticket in tickets])
+    return out
+
+
+def host_order(array: np.ndarray) -> tuple[int, ...]:
+    """The physical axis order a snapshot gives its copy of host ``array`` (that of the
+    array's memory format: C order unless it is channels-last)."""
+    return physical_order(array.ndim, HostArray(array).memory_format)
+
+
+def copy_host_arrays(
+    arrays: Sequence[np.ndarray], orders: Sequence[tuple[int, ...]], arena: StagingArena
+) -> list[np.ndarray]:
+    """Copies in ``arena`` of host ``arrays``, each laid out in its physical axis order
+    (:func:`host_order`), as :func:`snapshot` copies host arrays (slabs in parallel):
+    what a snapshot of plain host arrays costs, without describing them as a state."""
+    copies: list[tuple[np.ndarray, np.ndarray]] = []
+    out = []
+    for a, order in zip(arrays, orders, strict=True):
+        dst = arena.take_array(a.shape, a.dtype, order)
+        copies.extend(_copy_slabs(dst, a))
+        out.append(dst)
+    _run_copies(copies)
     return out
 
 

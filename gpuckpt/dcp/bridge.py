@@ -33,8 +33,9 @@ logic is repeated. What they rely on:
   and :func:`gpuckpt.state.unflatten_state_dict`;
 - snapshots: :func:`gpuckpt.sources.describe_state`,
   :func:`gpuckpt.background.snapshot` / ``snapshot_on_device`` /
-  ``snapshot_bytes`` and the :class:`~gpuckpt.device.staging.ArenaPool` of
-  staging memory (its ``hold``, ``reserved_bytes`` and ``grace``).
+  ``snapshot_bytes``, ``host_order`` / ``copy_host_arrays`` (host arrays laid
+  out once, copied again) and the :class:`~gpuckpt.device.staging.ArenaPool`
+  of staging memory (its ``hold``, ``reserved_bytes`` and ``grace``).
 """
 
 from __future__ import annotations
@@ -48,10 +49,10 @@ from typing import Any
 
 import numpy as np
 
+from gpuckpt.background import copy_host_arrays, host_order, snapshot_bytes, snapshot_on_device
 from gpuckpt.background import snapshot as snapshot_to_arena
-from gpuckpt.background import snapshot_bytes, snapshot_on_device
 from gpuckpt.device.arrays import DeviceArray, HostArray, HostMemory, adapt, device_backends
-from gpuckpt.device.staging import ArenaPool, StagingArena
+from gpuckpt.device.staging import ArenaPool, StagingArena, aligned_bytes
 from gpuckpt.distributed.load import read_boxes
 from gpuckpt.dtypes import dtype_name
 from gpuckpt.errors import StagingTimeoutError
@@ -97,6 +98,7 @@ __all__ = [
     "Box",
     "ChunkAssignment",
     "ChunkResult",
+    "HostLayout",
     "OpenCheckpoint",
     "OpenSave",
     "SavePlan",
@@ -106,6 +108,7 @@ __all__ = [
     "attach",
     "begin_save",
     "commit_save",
+    "host_layout",
     "is_checkpoint",
     "location_supported",
     "open_base",
@@ -118,6 +121,7 @@ __all__ = [
     "reported_rows",
     "reusable_arrays",
     "snapshot",
+    "snapshot_host",
     "staged_bytes",
     "table_columns",
     "write_assigned",
@@ -278,7 +282,7 @@ def commit_save(
             dataclasses.replace(
                 t, properties=dataclasses.replace(t.properties, memory_format=memory_formats[t.fqn])
             )
-            if t.fqn in memory_formats
+            if memory_formats.get(t.fqn, t.properties.memory_format) is not t.properties.memory_format
             else t
             for t in save.plan.tensors
         )
@@ -449,6 +453,47 @@ def snapshot(
         else:
             out.append((a.host_array(), a.dtype, False))
     return Snapshot(out, pool, arena, holder)
+
+
+@dataclass(frozen=True, slots=True)
+class HostLayout:
+    """Where a snapshot puts copies of host arrays: each copy's physical axis order (as
+    :func:`snapshot` lays it out), and the staging memory they take in all. Pure data,
+    the same for arrays of the same shapes, dtypes and strides: a caller that snapshots
+    the same arrays again keeps it instead of describing them again."""
+
+    orders: tuple[tuple[int, ...], ...]
+    nbytes: int
+
+
+def host_layout(arrays: Sequence[np.ndarray]) -> HostLayout:
+    """The :class:`HostLayout` of snapshots of ``arrays`` (host arrays)."""
+    return HostLayout(tuple(host_order(a) for a in arrays), sum(aligned_bytes(a.nbytes) for a in arrays))
+
+
+def snapshot_host(
+    arrays: Sequence[np.ndarray],
+    layout: HostLayout,
+    pools: dict[int, ArenaPool],
+    *,
+    max_arenas: int,
+    timeout: float | None,
+) -> Snapshot:
+    """:func:`snapshot` of host ``arrays`` (``device=False``) laid out as ``layout`` says,
+    which must be :func:`host_layout` of arrays of the same shapes, dtypes and strides:
+    the copies are those :func:`snapshot` makes, without describing the arrays again."""
+    pool = pools.get(0)
+    if pool is None:
+        pool = pools[0] = ArenaPool(None, max_arenas=max_arenas)
+    arena = _acquire(pool, layout.nbytes, timeout)
+    try:
+        copies = copy_host_arrays(arrays, layout.orders, arena)
+    except BaseException:
+        pool.release(arena)
+        raise
+    holder = Future[None]()
+    pool.hold(arena, holder)
+    return Snapshot([(c, c.dtype, False) for c in copies], pool, arena, holder)
 
 
 _GRACE_S = 0.05

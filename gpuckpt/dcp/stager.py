@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import copy
 import threading
+import weakref
 from typing import Any
 
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.tensor import DTensor
 
 import gpuckpt.dcp.bridge as bridge
-from gpuckpt.dcp.tensors import as_torch, numpy_dtype, torch, torch_dtype
+from gpuckpt.dcp.tensors import as_torch, host_view, numpy_dtype, torch, torch_dtype
 from gpuckpt.errors import InvalidOptionError, StagingTimeoutError
 
 __all__ = ["Stager", "StagingTimeoutError"]
@@ -67,6 +68,8 @@ class Stager(AsyncStager):  # type: ignore[misc,unused-ignore]
         self.timeout = timeout
         self._pools: dict[int, Any] = {}
         self._lock = threading.Lock()
+        # (dtypes, shapes and strides of the CPU tensors last staged, their layout in staging memory)
+        self._layout: tuple[tuple[Any, ...], bridge.HostLayout] | None = None
 
     @property
     def reserved_bytes(self) -> int:
@@ -80,7 +83,9 @@ class Stager(AsyncStager):  # type: ignore[misc,unused-ignore]
 
         def slot(t: Any, path: str) -> int:
             if id(t) not in seen:
-                numpy_dtype(t.dtype, path)  # an unsupported dtype fails here, with its name
+                if t.dtype not in _STORABLE:
+                    numpy_dtype(t.dtype, path)  # an unsupported dtype fails here, with its name
+                    _STORABLE.add(t.dtype)
                 seen[id(t)] = len(sources)
                 sources.append(t)
             return seen[id(t)]
@@ -100,26 +105,46 @@ class Stager(AsyncStager):  # type: ignore[misc,unused-ignore]
             return copy.deepcopy(v)
 
         template = {k: plan(v, str(k), 1) for k, v in state_dict.items()}
-        with self._lock:  # the pools are shared by stage calls from several threads
+        host = self.staging == "host" and bool(sources) and all(map(_plain_cpu, sources))
+        with self._lock:  # the pools (and the layout) are shared by stage calls from several threads
             try:
-                snap = bridge.snapshot(
-                    sources,
-                    self._pools,
-                    device=self.staging == "device",
-                    max_arenas=self.max_snapshots,
-                    timeout=self.timeout,
-                )
+                if host:
+                    snap = self._snapshot_host(sources)
+                else:
+                    snap = bridge.snapshot(
+                        sources,
+                        self._pools,
+                        device=self.staging == "device",
+                        max_arenas=self.max_snapshots,
+                        timeout=self.timeout,
+                    )
             except StagingTimeoutError:
                 raise StagingTimeoutError(
                     f"no staging memory became free within {self.timeout} s: {self.max_snapshots} earlier "
                     "snapshots are still held by saves in flight; wait for their futures before saving "
                     "again, or make the Stager with a larger max_snapshots"
                 ) from None
-        tensors = self._as_tensors(snap)
+        tensors = self._as_tensors(snap, [t.dtype for t in sources] if host else None)
         return _fill(template, tensors)  # type: ignore[no-any-return]
 
-    def _as_tensors(self, snap: bridge.Snapshot) -> list[Any]:
-        """torch tensors over the snapshot's copies; its arena is released when torch frees them all."""
+    def _snapshot_host(self, sources: list[Any]) -> bridge.Snapshot:
+        """The snapshot of CPU tensors: their layout in staging memory is worked out once and
+        kept while the tensors keep their dtypes, shapes and strides (a training loop saves
+        the same tensors again and again); any change makes it anew."""
+        key = tuple((t.dtype, t.shape, t.stride()) for t in sources)
+        views = [host_view(t) for t in sources]
+        if self._layout is None or self._layout[0] != key:
+            self._layout = (key, bridge.host_layout(views))
+        return bridge.snapshot_host(
+            views, self._layout[1], self._pools, max_arenas=self.max_snapshots, timeout=self.timeout
+        )
+
+    def _as_tensors(self, snap: bridge.Snapshot, dtypes: list[Any] | None = None) -> list[Any]:
+        """torch tensors over the snapshot's copies; its arena is released when torch frees them all.
+
+        ``dtypes``: the torch dtypes of the copies of host views (:func:`host_view`), which
+        hold dtypes NumPy lacks as integers of their size; None: the copies hold their
+        dtypes as NumPy (ml_dtypes) sees them."""
         left = [sum(not on_device for _, _, on_device in snap.arrays)]
         lock = threading.Lock()
 
@@ -133,12 +158,18 @@ class Stager(AsyncStager):  # type: ignore[misc,unused-ignore]
         if left[0] == 0:
             snap.release()
         arrays, snap.arrays = snap.arrays, []  # from here on only the tensors hold the copies
+        arrays.reverse()
         out = []
         while arrays:
-            copy_, dtype, on_device = arrays.pop(0)
+            copy_, dtype, on_device = arrays.pop()
             if on_device:
                 t = torch.utils.dlpack.from_dlpack(copy_)
                 want = torch_dtype(dtype, "<snapshot>")
+                out.append(t if t.dtype == want else t.view(want))
+            elif dtypes is not None:
+                weakref.finalize(copy_, freed)
+                t = torch.from_numpy(copy_)
+                want = dtypes[len(out)]
                 out.append(t if t.dtype == want else t.view(want))
             else:
                 out.append(as_torch(copy_, freed))
@@ -156,6 +187,17 @@ class Stager(AsyncStager):  # type: ignore[misc,unused-ignore]
 
     def __repr__(self) -> str:
         return f"gpuckpt.dcp.Stager(staging={self.staging!r}, max_snapshots={self.max_snapshots})"
+
+
+# torch dtypes found storable (numpy_dtype): checked once per dtype, not once per tensor
+_STORABLE: set[Any] = set()
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _plain_cpu(t: Any) -> bool:
+    """A dense CPU tensor whose memory NumPy can view as it is (no subclass, no lazy
+    conjugate or negative bit)."""
+    return type(t) in _PLAIN and t.is_cpu and t.layout is torch.strided and not t.is_conj() and not t.is_neg()
 
 
 class _Slot:

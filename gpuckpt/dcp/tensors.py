@@ -25,7 +25,7 @@ except ImportError as _exc:
         "install it with `pip install 'gpuckpt[torch]'` (or see https://pytorch.org/get-started/)"
     ) from _exc
 
-__all__ = ["as_torch", "numpy_dtype", "torch", "torch_dtype"]
+__all__ = ["as_torch", "host_view", "numpy_dtype", "torch", "torch_dtype"]
 
 # dtypes NumPy lacks (ml_dtypes has them): NumPy sees them through integers of the same size
 _BITS = {1: "uint8", 2: "uint16"}
@@ -55,6 +55,16 @@ def torch_dtype(dtype: np.dtype[Any], fqn: str) -> Any:
     return found
 
 
+def host_view(tensor: Any) -> np.ndarray:
+    """A NumPy view of a CPU tensor's memory (same shape and strides), no copy; dtypes
+    NumPy lacks (bfloat16, float8) through unsigned integers of their size."""
+    t = tensor.detach() if tensor.requires_grad else tensor
+    if t.dtype not in _NUMPY_VIEWABLE:
+        t = t.view(_TORCH_BITS[t.element_size()])
+    # not Tensor.numpy(): it makes the tensor's storage unresizable for good
+    return np.from_dlpack(t)
+
+
 def as_torch(array: np.ndarray, on_free: Any = None) -> Any:
     """A torch tensor sharing ``array``'s memory (same strides), for any dtype gpuckpt stores.
 
@@ -73,3 +83,7 @@ def as_torch(array: np.ndarray, on_free: Any = None) -> Any:
 _TORCH_NATIVE = frozenset(
     ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")
 ) | frozenset(("float16", "float32", "float64", "complex64", "complex128"))
+
+# torch dtypes .numpy() takes as they are; the others are viewed through integers of their size
+_NUMPY_VIEWABLE = frozenset(getattr(torch, n) for n in _TORCH_NATIVE if hasattr(torch, n))
+_TORCH_BITS = {1: torch.uint8, 2: torch.int16}

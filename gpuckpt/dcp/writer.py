@@ -237,7 +237,8 @@ class Writer(StorageWriter):  # type: ignore[misc,unused-ignore]
         documents = None
         if self._coordinator and self._open is not None:
             writer = self._open.writer
-            documents = self._open.deferred
+            # handed over: written with their chunks, not kept (~1 KB per array) until finish
+            documents, self._open.deferred = self._open.deferred, {}
         else:
             writer = bridge.attach(mine.path, mine.token, self.options)
         # the boxes of the tensors this rank writes chunks of (a replicated tensor another rank

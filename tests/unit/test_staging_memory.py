@@ -95,3 +95,32 @@ def test_arena_pool_waits_a_grace_period_for_an_arena_in_use() -> None:
     held = pool.acquire()
     other = pool.acquire(grace=0.01)
     assert other is not held and len({id(held), id(other)}) == 2
+
+
+def test_pageable_arena_told_its_size_takes_one_piece_of_that_size() -> None:
+    """An arena of pageable memory told what its user takes holds exactly that (plus one page of
+    alignment) in one piece: bounded pieces left the tail of each unused whenever the next array
+    did not fit there (1344 MiB held for a 1278 MiB state in 256 MiB pieces)."""
+    from gpuckpt.device.staging import aligned_bytes
+
+    page = 4096
+    sizes = [40_000, 40_000, 40_001, 70_000, 5, 30_000]  # several would straddle a 64 KiB piece
+    expected = sum(aligned_bytes(n) for n in sizes)
+    arena = StagingArena(HostAllocator(), piece_bytes=1 << 16)
+    for _ in range(3):  # reused as it is
+        arena.reset(expected)
+        for n in sizes:
+            arena.take(n)[:] = 1
+        assert len(arena.pieces) == 1 and arena.capacity == expected + page
+    # page-locked memory (any other allocator) keeps pieces of at most piece_bytes
+    calls: list[int] = []
+
+    def pinned(n: int) -> np.ndarray:
+        calls.append(n)
+        return np.zeros(n, np.uint8)
+
+    bounded = StagingArena(pinned, piece_bytes=1 << 16)
+    bounded.reset(expected)
+    for n in sizes:
+        bounded.take(n)
+    assert len(calls) > 1 and max(calls) <= max(1 << 16, max(aligned_bytes(n) for n in sizes)) + page
