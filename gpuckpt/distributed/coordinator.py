@@ -56,7 +56,9 @@ class Coordinator(ABC):
 
     A subclass implements :attr:`rank`, :attr:`world_size`, :meth:`gather`,
     :meth:`scatter`, :meth:`broadcast`, :meth:`all_gather` and
-    :meth:`barrier`; :meth:`all_reduce_errors` is built on :meth:`all_gather`.
+    :meth:`barrier`; :meth:`all_reduce_errors` is built on :meth:`all_gather`, and so is
+    :meth:`all_reduce_xor` unless the subclass reduces in its transport (MPI and gloo do:
+    what each rank receives then does not grow with the number of ranks).
 
     Examples
     --------
