@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from gpuckpt.chunk_reads import read_tensors
 from gpuckpt.device.arrays import ArrayAdapter, DeviceArray, HostArray, HostMemory, adapt, is_array
 from gpuckpt.device.backend import DeviceBackend
 from gpuckpt.distributed.coordinator import Coordinator, SingleProcessCoordinator
@@ -34,7 +35,6 @@ from gpuckpt.reading import (
     check_chunk_files,
     check_chunk_table,
     paused_gc,
-    read_tensors,
     validate_metadata,
     validated_metadata,
 )

@@ -19,8 +19,9 @@ import math
 
 import numpy as np
 
+from gpuckpt.chunk_reads import scratch, vanished
 from gpuckpt.errors import CheckpointCorruptedError, ChecksumError
-from gpuckpt.reading import ChunkRead, TensorEntry, scratch, vanished
+from gpuckpt.reading import ChunkRead, TensorEntry
 from gpuckpt.storage.base import CheckpointReader
 from gpuckpt.storage.checksum import CRC_BYTES
 from gpuckpt.storage.segments import Segments

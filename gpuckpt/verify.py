@@ -18,18 +18,12 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpuckpt.chunk_reads import checksum_verified
 from gpuckpt.cli.text import printable
 from gpuckpt.errors import CheckpointCorruptedError, ChecksumError, MetadataError, UnsafeCheckpointError
 from gpuckpt.progress import ProgressCallback, ProgressCounter
 from gpuckpt.ranged import segments_of
-from gpuckpt.reading import (
-    ChunkRead,
-    TensorEntry,
-    check_chunk_table,
-    checksum_verified,
-    load_chunk_records,
-    validate_metadata,
-)
+from gpuckpt.reading import ChunkRead, TensorEntry, check_chunk_table, load_chunk_records, validate_metadata
 from gpuckpt.runner import default_threads, run_ordered
 from gpuckpt.storage.base import CheckpointReader, NotRegularFileError
 from gpuckpt.storage.layout import ATTRIBUTE, expected_array_document, metadata_from_root_document

@@ -51,6 +51,7 @@ import numpy as np
 
 from gpuckpt.background import copy_host_arrays, host_order, snapshot_bytes, snapshot_on_device
 from gpuckpt.background import snapshot as snapshot_to_arena
+from gpuckpt.chunk_reads import read_tensors
 from gpuckpt.device.arrays import DeviceArray, HostArray, HostMemory, adapt, device_backends
 from gpuckpt.device.staging import ArenaPool, StagingArena, aligned_bytes
 from gpuckpt.distributed.load import read_boxes
@@ -63,14 +64,7 @@ from gpuckpt.options import LoadOptions, SaveOptions
 from gpuckpt.planning.boxes import Box, LocalTensor
 from gpuckpt.planning.plan import ChunkAssignment, SavePlan, StateDescription, plan_save
 from gpuckpt.planning.uniform import compact_description
-from gpuckpt.reading import (
-    TensorEntry,
-    check_chunk_files,
-    check_chunk_table,
-    paused_gc,
-    read_tensors,
-    validate_metadata,
-)
+from gpuckpt.reading import TensorEntry, check_chunk_files, check_chunk_table, paused_gc, validate_metadata
 from gpuckpt.sources import Source, describe_state
 from gpuckpt.state import unflatten_state_dict
 from gpuckpt.storage.base import CheckpointReader, CheckpointWriter

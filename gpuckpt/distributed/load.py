@@ -21,6 +21,7 @@ import math
 
 import numpy as np
 
+from gpuckpt.chunk_reads import fetch_verified, read_chunk_into, scratch, upload_chunk
 from gpuckpt.device.arrays import ArrayAdapter
 from gpuckpt.device.backend import Staging
 from gpuckpt.device.upload import CopyQueue
@@ -28,7 +29,7 @@ from gpuckpt.options import LoadOptions
 from gpuckpt.planning.boxes import Box, intersect, overlapping_chunks
 from gpuckpt.progress import ProgressCounter
 from gpuckpt.ranged import fetch_rows
-from gpuckpt.reading import ChunkRead, TensorEntry, fetch_verified, read_chunk_into, scratch, upload_chunk
+from gpuckpt.reading import ChunkRead, TensorEntry
 from gpuckpt.runner import IO_BATCH_JOBS, batches, run_all
 from gpuckpt.storage.base import CheckpointReader
 

@@ -21,12 +21,13 @@ import numpy as np
 import pytest
 
 import gpuckpt
+from gpuckpt.chunk_reads import read_tensors
 from gpuckpt.device import _kernel_ref
 from gpuckpt.device.arrays import ArrayAdapter, DeviceArray
 from gpuckpt.device.backend import buffer_pool, staging_buffer_bytes
 from gpuckpt.device.host_backend import HostBackend
 from gpuckpt.options import LoadOptions
-from gpuckpt.reading import TensorEntry, check_chunk_files, read_tensors, validated_metadata
+from gpuckpt.reading import TensorEntry, check_chunk_files, validated_metadata
 from gpuckpt.storage import crccopy, direct
 from gpuckpt.storage.local import LocalReader
 from gpuckpt.testing.fakedevice import EmulatedDeviceArray
