@@ -13,7 +13,8 @@ What is where:
   (plain values as tagged JSON), :mod:`~gpuckpt.storage.zarr_dtypes` (the
   zarr plug-in for bfloat16 and the float8 types);
 * where bytes hit the disk: :mod:`~gpuckpt.storage.local` (a directory,
-  published atomically), :mod:`~gpuckpt.storage.direct` (``O_DIRECT``
+  published atomically; read by :mod:`~gpuckpt.storage.local_reader`),
+  :mod:`~gpuckpt.storage.direct` (``O_DIRECT``
   writes), :mod:`~gpuckpt.storage.leftovers` (what crashed saves leave),
   :mod:`~gpuckpt.storage.fileio` and :mod:`~gpuckpt.storage.fsutil` (system
   calls), :mod:`~gpuckpt.storage.crccopy` (the native copy-with-checksum);

@@ -6,7 +6,7 @@ interpreter, so the I/O threads take turns; :class:`BatchIO` hands a whole
 batch to C in one call with the GIL released and gets back, per item, how far
 it got, the CRC32C it wrote or read, and the ``errno`` and step of a failure.
 The local back end (:class:`~gpuckpt.storage.local.LocalWriter`,
-:class:`~gpuckpt.storage.local.LocalReader`) turns those into the same errors
+:class:`~gpuckpt.storage.local_reader.LocalReader`) turns those into the same errors
 as its one-file-at-a-time path, which is also the fallback.
 
 The package's build hook compiles ``_batchio.so`` next to this file when a C

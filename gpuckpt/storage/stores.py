@@ -23,7 +23,8 @@ from typing import Any
 from gpuckpt.errors import InvalidPathError, UnsupportedValueError
 from gpuckpt.storage import leftovers
 from gpuckpt.storage.base import CheckpointReader, CheckpointRoot, CheckpointWriter
-from gpuckpt.storage.local import LocalReader, LocalWriter
+from gpuckpt.storage.local import LocalWriter
+from gpuckpt.storage.local_reader import LocalReader
 from gpuckpt.storage.local_root import LocalRoot
 from gpuckpt.storage.s3 import ObjectStoreReader, ObjectStoreWriter
 from gpuckpt.storage.s3_root import ObjectStoreRoot

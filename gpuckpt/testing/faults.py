@@ -55,6 +55,7 @@ __all__ = [
 STORAGE_MODULES = (
     "gpuckpt.storage.fileio",
     "gpuckpt.storage.local",
+    "gpuckpt.storage.local_reader",
     "gpuckpt.storage.direct",
     "gpuckpt.storage.leftovers",
     "gpuckpt.storage.fsutil",

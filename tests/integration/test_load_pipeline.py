@@ -29,7 +29,7 @@ from gpuckpt.device.host_backend import HostBackend
 from gpuckpt.options import LoadOptions
 from gpuckpt.reading import TensorEntry, check_chunk_files, validated_metadata
 from gpuckpt.storage import crccopy, direct
-from gpuckpt.storage.local import LocalReader
+from gpuckpt.storage.local_reader import LocalReader
 from gpuckpt.testing.fakedevice import EmulatedDeviceArray
 
 CASES: list[tuple[str, tuple[int, ...], Any, int]] = [

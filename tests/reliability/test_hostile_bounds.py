@@ -24,7 +24,8 @@ import pytest
 import gpuckpt
 from gpuckpt.cli.text import printable
 from gpuckpt.storage import layout
-from gpuckpt.storage.local import LocalReader, NotRegularFileError
+from gpuckpt.storage.local import NotRegularFileError
+from gpuckpt.storage.local_reader import LocalReader
 from gpuckpt.testing.faults import copy_checkpoint, rewrite_root_metadata, temporaries
 from gpuckpt.verify import verify_checkpoint
 
@@ -372,7 +373,7 @@ def test_root_document_is_read_into_one_buffer(tmp_path: Path) -> None:
     size = (path / "zarr.json").stat().st_size
     got = run_limited(
         """
-        from gpuckpt.storage.local import LocalReader
+        from gpuckpt.storage.local_reader import LocalReader
         from gpuckpt.storage.layout import metadata_from_root_document
         before = peak_kib()
         raw = LocalReader(sys.argv[1]).read_root()

@@ -37,7 +37,8 @@ import hatch_build
 from gpuckpt.storage import batchio
 from gpuckpt.storage.base import ChunkReads, ChunkWrites, ReadStop
 from gpuckpt.storage.batchio import BatchIO, load_library
-from gpuckpt.storage.local import LocalReader, LocalWriter
+from gpuckpt.storage.local import LocalWriter
+from gpuckpt.storage.local_reader import LocalReader
 from gpuckpt.testing.faults import fault_shim_env
 
 SOURCE = Path(batchio.__file__).with_name("batchio.c")
@@ -354,7 +355,8 @@ _FAULTED_SAVE = """
     import numpy as np
     from gpuckpt.storage import batchio
     from gpuckpt.storage.base import CheckpointWriter, ChunkWrites, ChunkReads, CheckpointReader
-    from gpuckpt.storage.local import LocalReader, LocalWriter
+    from gpuckpt.storage.local import LocalWriter
+    from gpuckpt.storage.local_reader import LocalReader
     base, sync, mode = sys.argv[1], sys.argv[2], sys.argv[3]
     rng = np.random.default_rng(0)
     buffers = [rng.integers(0, 256, n, dtype=np.uint8) for n in (5000, 70000, 300, 9000, 40000, 1)]

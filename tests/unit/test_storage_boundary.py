@@ -13,6 +13,7 @@ from test_import_graph import import_graph
 BACK_ENDS = frozenset(
     (
         "gpuckpt.storage.local",
+        "gpuckpt.storage.local_reader",
         "gpuckpt.storage.leftovers",
         "gpuckpt.storage.direct",
         "gpuckpt.storage.s3",
