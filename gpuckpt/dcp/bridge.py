@@ -21,7 +21,7 @@ logic is repeated. What they rely on:
   :func:`gpuckpt.writing.bind_jobs` over :class:`gpuckpt.sources.Source`
   records of :func:`gpuckpt.device.arrays.adapt`-ed tensors,
   :func:`gpuckpt.writing.write_chunks` (its ``documents``),
-  :func:`gpuckpt.writing.assemble_metadata`, the ``writing`` abort guard,
+  :func:`gpuckpt.commit.assemble_metadata`, the ``writing`` abort guard,
   :func:`gpuckpt.storage.values.encode_object` and
   :func:`gpuckpt.storage.layout.root_document` with ``CheckpointWriter.commit``
   / ``abort``;
@@ -52,6 +52,7 @@ import numpy as np
 from gpuckpt.background import copy_host_arrays, host_order, snapshot_bytes, snapshot_on_device
 from gpuckpt.background import snapshot as snapshot_to_arena
 from gpuckpt.chunk_reads import read_tensors
+from gpuckpt.commit import Written, as_columns, assemble_metadata, result_columns, table_columns, uses_table
 from gpuckpt.device.arrays import DeviceArray, HostArray, HostMemory, adapt, device_backends
 from gpuckpt.device.staging import ArenaPool, StagingArena, aligned_bytes
 from gpuckpt.distributed.load import read_boxes
@@ -73,15 +74,9 @@ from gpuckpt.storage.layout import metadata_from_root_document, root_document
 from gpuckpt.storage.stores import attach_writer, is_committed, open_reader, scheme_of
 from gpuckpt.storage.values import decode_object, encode_object
 from gpuckpt.writing import (
-    Written,
     array_document_of,
-    as_columns,
-    assemble_metadata,
     bind_jobs,
     open_save_writer,
-    result_columns,
-    table_columns,
-    uses_table,
     write_array_documents,
     write_chunks,
     writing,

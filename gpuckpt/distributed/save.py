@@ -44,6 +44,7 @@ from typing import Any
 
 import numpy as np
 
+from gpuckpt.commit import commit_save, table_columns
 from gpuckpt.distributed.coordinator import Coordinator
 from gpuckpt.incremental import BaseIndex, open_base, open_base_for
 from gpuckpt.metadata import Metadata
@@ -61,9 +62,7 @@ from gpuckpt.storage.stores import attach_writer
 from gpuckpt.writing import (
     array_document_of,
     bind_jobs,
-    commit_save,
     open_save_writer,
-    table_columns,
     write_array_documents,
     write_chunks,
     writing,

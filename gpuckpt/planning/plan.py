@@ -183,7 +183,7 @@ class SavePlan:
     A plan is made by :func:`plan_save` and never changed: running it binds
     each process's assignments to that process's arrays
     (:func:`gpuckpt.writing.bind_jobs`), and the chunk checksums the writes
-    return complete the metadata (:func:`gpuckpt.writing.assemble_metadata`).
+    return complete the metadata (:func:`gpuckpt.commit.assemble_metadata`).
 
     Examples
     --------
