@@ -29,14 +29,7 @@ from gpuckpt.commit import Written, commit_save, result_columns, table_columns
 from gpuckpt.device.arrays import ArrayAdapter, StagedOut
 from gpuckpt.device.backend import ChunkBox, DeviceBackend, Staging, distinct_backends
 from gpuckpt.errors import CheckpointWriteError, GpuckptError
-from gpuckpt.incremental import (
-    BaseIndex,
-    digests_match,
-    open_base_for,
-    reuse_by_digests,
-    share_unchanged,
-    write_hashed,
-)
+from gpuckpt.incremental import BaseIndex, digests_match, open_base_for, reuse_by_digests
 from gpuckpt.metadata import (
     FORMAT_VERSION,
     Metadata,
@@ -44,6 +37,7 @@ from gpuckpt.metadata import (
 from gpuckpt.options import SaveOptions
 from gpuckpt.planning.plan import ChunkAssignment, SavePlan, TensorPlan
 from gpuckpt.progress import ProgressCounter
+from gpuckpt.reuse import share_unchanged, write_hashed
 from gpuckpt.runner import Batcher, Runner, default_threads, run_all
 from gpuckpt.sources import Sources
 from gpuckpt.storage.base import CheckpointWriter, ChunkWrites
@@ -303,7 +297,7 @@ def shared_with_base(
 ) -> dict[tuple[str, int], ArrayAdapter]:
     """For an asynchronous incremental save's snapshot: the device arrays of ``sources`` whose
     every chunk, hashed on its device now, equals its chunk in ``options.base``, as
-    :class:`~gpuckpt.incremental.SharedWithBase` stand-ins by ``(FQN, box)``; the snapshot
+    :class:`~gpuckpt.reuse.SharedWithBase` stand-ins by ``(FQN, box)``; the snapshot
     need not copy them (none of their bytes crosses to the host). Empty without a base or
     device arrays. Runs in the caller's thread, before ``async_save`` returns: the digests
     are those of the values the call saves."""
@@ -352,7 +346,7 @@ def _write_items(
     """Write staged chunks (with their array's document where given) as one batch of the
     writer's (:meth:`~gpuckpt.storage.base.CheckpointWriter.write_chunks`: native code
     for small chunk files of a local checkpoint), or, hashing, through
-    :func:`~gpuckpt.incremental.write_hashed`; returns a result for each."""
+    :func:`~gpuckpt.reuse.write_hashed`; returns a result for each."""
     try:
         buffers: list[np.ndarray] = []
         pads: list[int] = []
