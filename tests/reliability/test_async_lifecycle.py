@@ -208,9 +208,21 @@ def test_interrupt_while_waiting_at_exit_is_reported_and_keeps_the_old_checkpoin
     gpuckpt.save(state(1), tmp_path / "c")
     run = run_script(
         """
-        import os, signal, sys, threading, gpuckpt
+        import os, signal, sys, threading, time, gpuckpt
+        main = threading.main_thread().ident
+        def waiting_at_exit():
+            f = sys._current_frames().get(main)
+            while f is not None:
+                if f.f_code.co_name == "_drain_at_exit":
+                    return True
+                f = f.f_back
+            return False
         def interrupt_once(done, total):
             if done:
+                # only once the main thread waits at exit (an interrupt that reached it still
+                # inside async_save would end the script before the wait)
+                while not waiting_at_exit():
+                    time.sleep(0.01)
                 os.kill(os.getpid(), signal.SIGINT)
                 threading.Event().wait()  # the save never ends: only the interrupt ends the wait
         gpuckpt.async_save(state(2), sys.argv[1] + "/c", overwrite=True, chunk_bytes=64 << 10,

@@ -25,8 +25,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import gpuckpt
+from gpuckpt import commit
 from gpuckpt import metadata as metadata_module
-from gpuckpt import writing
 from gpuckpt.errors import MetadataError
 from gpuckpt.metadata import GridTensorStorageMetadata, Metadata
 from gpuckpt.reading import ChunkRead, TensorEntry, check_chunk_files, validated_metadata
@@ -229,7 +229,7 @@ def test_chunk_reads_and_records_of_small_tensors_equal_the_general_ones(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, table: bool
 ) -> None:
     if table:
-        monkeypatch.setattr(writing, "TABLE_MIN_CHUNKS", 16)  # the records in a chunk table
+        monkeypatch.setattr(commit, "TABLE_MIN_CHUNKS", 16)  # the records in a chunk table
     rng = np.random.default_rng(4)
     state: dict[str, Any] = {
         f"s{i}": rng.standard_normal(int(rng.integers(1, 50))).astype(np.float32) for i in range(40)
@@ -253,7 +253,7 @@ def test_chunk_reads_of_the_golden_checkpoints_equal_the_general_ones(tmp_path: 
 
 
 def test_chunk_table_rows_of_equals_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(writing, "TABLE_MIN_CHUNKS", 16)  # a chunk table for a small checkpoint
+    monkeypatch.setattr(commit, "TABLE_MIN_CHUNKS", 16)  # a chunk table for a small checkpoint
     state = {f"s{i}": np.full(i % 7 + 1, i, np.int32) for i in range(300)}
     gpuckpt.save(state, tmp_path / "ck", chunk_bytes=8)
     reader = open_reader(tmp_path / "ck")
