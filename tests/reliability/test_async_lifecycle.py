@@ -209,6 +209,9 @@ def test_interrupt_while_waiting_at_exit_is_reported_and_keeps_the_old_checkpoin
     run = run_script(
         """
         import os, signal, sys, threading, time, gpuckpt
+        # Python's own Ctrl-C handler, whatever this process inherited (a shell without job
+        # control starts background commands with SIGINT ignored, and Python then installs none)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         main = threading.main_thread().ident
         def waiting_at_exit():
             f = sys._current_frames().get(main)
