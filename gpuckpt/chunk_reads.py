@@ -42,6 +42,7 @@ __all__ = [
     "fetch_verified",
     "read_chunk_into",
     "read_tensors",
+    "run_reads",
     "scratch",
     "upload_chunk",
     "vanished",
@@ -304,6 +305,20 @@ def cold_small_threads(reader: CheckpointReader, targets: list[tuple[TensorEntry
     return None
 
 
+def run_reads(jobs: list[Any], copies: CopyQueue | None, *, threads: int | None, name: str) -> None:
+    """Run a load's read jobs, then retire the device copies they queued on ``copies``; if a
+    job fails, close the queue before raising, so that no copy still writes into the targets."""
+    try:
+        run_all(jobs, threads=threads, name=name)
+    except BaseException:
+        if copies is not None:
+            with contextlib.suppress(Exception):
+                copies.close()
+        raise
+    if copies is not None:
+        copies.close()
+
+
 def read_tensors(
     reader: CheckpointReader,
     targets: list[tuple[TensorEntry, ArrayAdapter]],
@@ -342,13 +357,4 @@ def read_tensors(
         functools.partial(_read_chunks, reader, batch, staging, copies, counter)
         for batch in batches(reads, max_items=IO_BATCH_JOBS if reader.batches_chunks else 1)
     ]
-    try:
-        run_all(jobs, threads=threads, name="gpuckpt-read")
-    except BaseException:
-        if copies is not None:
-            # no copy may still write into the targets once the load has failed
-            with contextlib.suppress(Exception):
-                copies.close()
-        raise
-    if copies is not None:
-        copies.close()
+    run_reads(jobs, copies, threads=threads, name="gpuckpt-read")

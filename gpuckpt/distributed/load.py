@@ -15,13 +15,12 @@ never read.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 
 import numpy as np
 
-from gpuckpt.chunk_reads import fetch_verified, read_chunk_into, scratch, upload_chunk
+from gpuckpt.chunk_reads import fetch_verified, read_chunk_into, run_reads, scratch, upload_chunk
 from gpuckpt.device.arrays import ArrayAdapter
 from gpuckpt.device.backend import Staging
 from gpuckpt.device.upload import CopyQueue
@@ -30,7 +29,7 @@ from gpuckpt.planning.boxes import Box, intersect, overlapping_chunks
 from gpuckpt.progress import ProgressCounter
 from gpuckpt.ranged import fetch_rows
 from gpuckpt.reading import ChunkRead, TensorEntry
-from gpuckpt.runner import IO_BATCH_JOBS, batches, run_all
+from gpuckpt.runner import IO_BATCH_JOBS, batches
 from gpuckpt.storage.base import CheckpointReader
 
 __all__ = ["read_boxes"]
@@ -137,13 +136,4 @@ def read_boxes(
         functools.partial(_read_batch, reader, batch, staging, copies, counter)
         for batch in batches(((r, r[1].nbytes) for r in reads), max_items=per_job)
     ]
-    try:
-        run_all(jobs, threads=threads, name="gpuckpt-reshard")
-    except BaseException:
-        if copies is not None:
-            # no copy may still write into the targets once the load has failed
-            with contextlib.suppress(Exception):
-                copies.close()
-        raise
-    if copies is not None:
-        copies.close()
+    run_reads(jobs, copies, threads=threads, name="gpuckpt-reshard")
