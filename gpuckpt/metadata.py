@@ -327,17 +327,7 @@ class Metadata:
     @classmethod
     def from_json_dict(cls, data: Any) -> Metadata:
         d = _expect_dict(data, "metadata")
-        version = d.get("version")
-        if not isinstance(version, str):
-            raise MetadataError(f"metadata.version must be a string, found {version!r}")
-        if version not in READABLE_VERSIONS:
-            numeric = version.isascii() and version.isdigit() and len(version) <= 9
-            if numeric and int(version) > int(FORMAT_VERSION):
-                raise UnsupportedVersionError(
-                    f"checkpoint format version {version} is newer than this gpuckpt "
-                    f"understands (version {FORMAT_VERSION}); upgrade gpuckpt to read it"
-                )
-            raise MetadataError(f"unknown checkpoint format version {version!r}")
+        version = parse_version(d)
         raw_entries = _expect_dict(d.get("state_dict_metadata"), "metadata.state_dict_metadata")
         entries: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
         storage_data = d.get("storage_data")
@@ -385,27 +375,46 @@ class Metadata:
                 )
             else:
                 raise MetadataError(f"{where}.type is {kind!r}; expected 'tensor' or 'bytes'")
-        sm_raw = d.get("storage_meta")
-        storage_meta = None
-        if sm_raw is not None:
-            sm = _expect_dict(sm_raw, "metadata.storage_meta")
-            modules = sm.get("modules", [])
-            if not isinstance(modules, list) or not all(isinstance(m, str) for m in modules):
-                raise MetadataError("metadata.storage_meta.modules must be a list of strings")
-            ids = {}
-            for k in ("checkpoint_id", "save_id", "load_id"):
-                v = sm.get(k)
-                if v is not None and not isinstance(v, str):
-                    raise MetadataError(f"metadata.storage_meta.{k} must be a string or null")
-                ids[k] = v
-            storage_meta = StorageMeta(modules=list(modules), **ids)
         return cls(
             state_dict_metadata=entries,
             planner_data=d.get("planner_data"),
             storage_data=d.get("storage_data"),
-            storage_meta=storage_meta,
+            storage_meta=parse_storage_meta(d.get("storage_meta")),
             version=version,
         )
+
+
+def parse_version(d: Mapping[str, Any]) -> str:
+    """The format version of the metadata object ``d``, checked: one this gpuckpt reads."""
+    version = d.get("version")
+    if not isinstance(version, str):
+        raise MetadataError(f"metadata.version must be a string, found {version!r}")
+    if version not in READABLE_VERSIONS:
+        numeric = version.isascii() and version.isdigit() and len(version) <= 9
+        if numeric and int(version) > int(FORMAT_VERSION):
+            raise UnsupportedVersionError(
+                f"checkpoint format version {version} is newer than this gpuckpt "
+                f"understands (version {FORMAT_VERSION}); upgrade gpuckpt to read it"
+            )
+        raise MetadataError(f"unknown checkpoint format version {version!r}")
+    return version
+
+
+def parse_storage_meta(raw: Any) -> StorageMeta | None:
+    """The :class:`StorageMeta` of the JSON value ``raw`` (``metadata.storage_meta``), checked."""
+    if raw is None:
+        return None
+    sm = _expect_dict(raw, "metadata.storage_meta")
+    modules = sm.get("modules", [])
+    if not isinstance(modules, list) or not all(isinstance(m, str) for m in modules):
+        raise MetadataError("metadata.storage_meta.modules must be a list of strings")
+    ids = {}
+    for k in ("checkpoint_id", "save_id", "load_id"):
+        v = sm.get(k)
+        if v is not None and not isinstance(v, str):
+            raise MetadataError(f"metadata.storage_meta.{k} must be a string or null")
+        ids[k] = v
+    return StorageMeta(modules=list(modules), **ids)
 
 
 @dataclass(frozen=True, init=False)
@@ -489,7 +498,27 @@ class _GridEntries:
 
     def entry(self, fqn: str, raw: Any) -> GridTensorStorageMetadata | None:
         tensors = self._tensors
-        if tensors is None or type(raw) is not dict or raw.get("type") != "tensor" or "chunks" in raw:
+        parts = None if tensors is None else self.parts(raw, tensors.get(fqn))
+        if parts is None:
+            return None
+        size, (_layout, _dtype, _fmt, grad, pin), (dtype, fmt), grid = parts
+        return GridTensorStorageMetadata(
+            TensorProperties(
+                dtype=dtype, layout=mf.strided, requires_grad=grad, memory_format=fmt, pin_memory=pin
+            ),
+            size,
+            grid=_regular_grid(size, size) if grid is None else grid,
+            listed=False,
+        )
+
+    def parts(
+        self, raw: Any, info: Any
+    ) -> tuple[tuple[int, ...], tuple[str, str, str, bool, bool], tuple[Any, mf.MemoryFormat], Any] | None:
+        """``(size, properties as stored, (dtype, memory format), grid)`` of a tensor entry ``raw``
+        whose storage entry ``info`` gives it a regular grid, checked as the general path checks
+        them; ``grid`` is None when the tensor is stored whole (its one chunk its own shape, none
+        of its axes empty). None for anything else."""
+        if type(raw) is not dict or raw.get("type") != "tensor" or "chunks" in raw:
             return None
         size_raw = raw.get("size")
         if type(size_raw) is not list or len(size_raw) > 32:
@@ -497,11 +526,9 @@ class _GridEntries:
         for n in size_raw:
             if type(n) is not int or n < 0:
                 return None
-        size = tuple(size_raw)
-        props = self._props(raw.get("properties"))
+        props = self._checked_properties(raw.get("properties"))
         if props is None:
             return None
-        info = tensors.get(fqn)
         grid_raw = info.get("chunk_grid") if type(info) is dict else None
         conf = grid_raw.get("configuration") if type(grid_raw) is dict else None
         if type(conf) is not dict or grid_raw.get("name") != "regular":  # type: ignore[union-attr]
@@ -512,6 +539,9 @@ class _GridEntries:
         for c in shape_raw:
             if type(c) is not int:
                 return None
+        size = tuple(size_raw)
+        if shape_raw == size_raw and 0 not in size:
+            return size, props[0], props[1], None  # the usual grid of a small tensor
         chunk_shape = tuple(shape_raw)
         key = (size, chunk_shape)
         grid = self._grids.get(key)
@@ -527,14 +557,31 @@ class _GridEntries:
             if nchunks > MAX_GRID_CHUNKS:
                 return None
             grid = self._grids[key] = _regular_grid(size, chunk_shape)
-        return GridTensorStorageMetadata(props, size, grid=grid, listed=False)
+        return size, props[0], props[1], grid
 
-    def _props(self, raw: Any) -> TensorProperties | None:
+    def _checked_properties(
+        self, raw: Any
+    ) -> tuple[tuple[str, str, str, bool, bool], tuple[Any, mf.MemoryFormat]] | None:
+        """The properties ``raw`` as stored and their parsed dtype and memory format, or None."""
         if type(raw) is not dict:
             return None
-        layout, dtype, fmt = raw.get("layout"), raw.get("dtype"), raw.get("memory_format")
-        grad, pin = raw.get("requires_grad"), raw.get("pin_memory")
-        # the JSON booleans are the two singletons: no 1 or 0 passes for True or False
+        get = raw.get
+        key: Any = (
+            get("layout"),
+            get("dtype"),
+            get("memory_format"),
+            get("requires_grad"),
+            get("pin_memory"),
+        )
+        layout, dtype, fmt, grad, pin = key
+        # the JSON booleans are the two singletons: no 1 or 0 passes for True or False (equal
+        # keys: a key of the cache is one of strings and booleans, so only these need a look)
+        try:
+            known = self._properties.get(key)
+        except TypeError:
+            return None  # an unhashable value (a list, an object): no valid property is one
+        if known is not None and (grad is True or grad is False) and (pin is True or pin is False):
+            return key, known
         if (
             type(layout) is not str
             or type(dtype) is not str
@@ -543,17 +590,12 @@ class _GridEntries:
             or (pin is not True and pin is not False)
         ):
             return None
-        key = (layout, dtype, fmt, grad, pin)
-        known = self._properties.get(key)
-        if known is None:
-            try:
-                parsed = TensorProperties.from_json(raw)
-            except MetadataError:
-                return None
-            known = self._properties[key] = (parsed.dtype, parsed.memory_format)
-        return TensorProperties(
-            dtype=known[0], layout=mf.strided, requires_grad=grad, memory_format=known[1], pin_memory=pin
-        )
+        try:
+            parsed = TensorProperties.from_json(raw)
+        except MetadataError:
+            return None
+        known = self._properties[key] = (parsed.dtype, parsed.memory_format)
+        return key, known
 
 
 def _expect_dict(value: Any, where: str) -> Mapping[str, Any]:

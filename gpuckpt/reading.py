@@ -18,25 +18,24 @@ import gc
 import hashlib
 import math
 import threading
-from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import numpy as np
 
+from gpuckpt.entries import ChunkRead, TensorEntry
 from gpuckpt.errors import (
     CheckpointCorruptedError,
     MetadataError,
     MissingChunkError,
 )
+from gpuckpt.load_index import MAX_EXTENT, load_index
 from gpuckpt.metadata import BytesStorageMetadata, GridTensorStorageMetadata, Metadata, TensorStorageMetadata
-from gpuckpt.planning import ChunkGrid, ChunkSpec
-from gpuckpt.planning.boxes import axis_starts
+from gpuckpt.planning import ChunkGrid
 from gpuckpt.storage.base import CheckpointReader
-from gpuckpt.storage.checksum import CRC_BYTES
 from gpuckpt.storage.chunk_table import TABLE_KEY, ChunkTable, parse_listed
 from gpuckpt.storage.chunks import stored_nbytes
-from gpuckpt.storage.layout import chunk_file_key, metadata_from_root_document
+from gpuckpt.storage.layout import chunk_file_key, metadata_from_root_document, metadata_json
 from gpuckpt.storage.names import is_safe_name
 from gpuckpt.storage.segments import SEGMENTS_KEY
 
@@ -51,146 +50,6 @@ __all__ = [
     "validate_metadata",
     "validated_metadata",
 ]
-
-
-@dataclass(slots=True)
-class ChunkRead:
-    spec: ChunkSpec
-    key: str
-    nbytes: int
-    crc: int
-    stored: tuple[int, ...]
-
-
-class TensorEntry:
-    """A tensor of a validated checkpoint: its array, grid and the records of its chunks.
-
-    ``crcs`` holds the CRC32C of every chunk (C order of grid coordinates); for a
-    checkpoint that keeps its records in a chunk table it is None until
-    :func:`load_chunk_records` reads the rows of this tensor (``table``, ``row``).
-    ``listed``: the other per-chunk columns its listed records hold (content hashes;
-    :func:`chunk_column` reads them from either form). ``chunks`` (every chunk's
-    :class:`ChunkRead`) is built when first asked for; :meth:`chunk` makes one.
-    """
-
-    __slots__ = (
-        "_chunks",
-        "crcs",
-        "dtype",
-        "fqn",
-        "grid",
-        "listed",
-        "metadata",
-        "name",
-        "nbytes",
-        "nchunks",
-        "row",
-        "segments",
-        "shape",
-        "table",
-    )
-
-    def __init__(
-        self,
-        fqn: str,
-        name: str,
-        metadata: TensorStorageMetadata,
-        grid: ChunkGrid,
-        crcs: np.ndarray | None,
-        table: ChunkTable | None = None,
-        row: int = 0,
-        listed: Mapping[str, np.ndarray] | None = None,
-        segments: Any = None,
-        *,
-        nchunks: int | None = None,
-    ) -> None:
-        self.fqn, self.name, self.metadata, self.grid = fqn, name, metadata, grid
-        self.crcs, self.table, self.row = crcs, table, row
-        self.listed = listed
-        #: the segment records of its chunks as stored (untrusted; see :mod:`gpuckpt.ranged`)
-        self.segments = segments
-        self._chunks: list[ChunkRead] | None = None
-        # asked for per chunk by every load: worked out once (the metadata of a validated
-        # checkpoint is never changed, see validated_metadata)
-        #: the tensor's shape
-        self.shape: tuple[int, ...] = tuple(metadata.size)
-        #: the tensor's dtype
-        self.dtype: np.dtype[Any] = np.dtype(metadata.properties.dtype)
-        #: the tensor's size in bytes
-        self.nbytes: int = math.prod(self.shape) * self.dtype.itemsize
-        #: how many chunks it has (none when it is empty); ``nchunks``: that number, worked out
-        #: by the caller (as :func:`validate_metadata` does)
-        self.nchunks: int = (
-            nchunks if nchunks is not None else 0 if 0 in self.shape else 1 if self._whole() else grid.nchunks
-        )
-
-    def _whole(self) -> bool:
-        """Whether the tensor's only chunk is the whole tensor (a regular grid of its own shape)."""
-        return self.grid.kind == "regular" and self.grid.chunk_shape == self.shape
-
-    def _crcs(self) -> np.ndarray:
-        if self.crcs is None:
-            raise MetadataError(
-                f"the chunk records of tensor {self.fqn!r} were not read from the chunk table; "
-                "call gpuckpt.reading.load_chunk_records first"
-            )
-        return self.crcs
-
-    def _read(self, spec: ChunkSpec, crc: int) -> ChunkRead:
-        stored = self.grid.stored_chunk_shape(spec)
-        return ChunkRead(
-            spec, chunk_file_key(spec.coords), stored_nbytes(stored, self.dtype.itemsize), crc, stored
-        )
-
-    @property
-    def chunks(self) -> list[ChunkRead]:
-        if self._chunks is None:
-            crcs = self._crcs()
-            if len(crcs) == 1 and self.nchunks == 1 and self._whole():
-                # the one chunk of a small tensor: what chunk_list and _read make, made directly
-                zero = (0,) * len(self.shape)
-                shape = self.shape
-                self._chunks = [
-                    ChunkRead(
-                        ChunkSpec(zero, zero, shape),
-                        chunk_file_key(zero),
-                        self.nbytes + CRC_BYTES,
-                        int(crcs[0]),
-                        shape,
-                    )
-                ]
-            else:
-                values = crcs.tolist()
-                self._chunks = [self._read(s, c) for s, c in zip(self.grid.chunk_list(), values, strict=True)]
-        return self._chunks
-
-    def chunk(self, coords: tuple[int, ...]) -> ChunkRead:
-        """The chunk at grid coordinates ``coords`` (made without listing the others)."""
-        if self._chunks is not None:
-            flat = _flat(coords, self.grid.grid_shape)
-            return self._chunks[flat]
-        grid = self.grid
-        if grid.kind == "regular":
-            offsets = tuple(c * k for c, k in zip(coords, grid.chunk_shape, strict=True))
-            sizes = tuple(
-                min(k, n - o) for k, n, o in zip(grid.chunk_shape, grid.shape, offsets, strict=True)
-            )
-        else:
-            starts = axis_starts(grid)
-            offsets = tuple(st[c] for st, c in zip(starts, coords, strict=True))
-            sizes = tuple(e[c] for e, c in zip(grid.edges, coords, strict=True))
-        spec = ChunkSpec(tuple(coords), offsets, sizes)
-        return self._read(spec, int(self._crcs()[_flat(coords, grid.grid_shape)]))
-
-
-def _flat(coords: tuple[int, ...], shape: tuple[int, ...]) -> int:
-    flat = 0
-    for c, g in zip(coords, shape, strict=True):
-        flat = flat * g + c
-    return flat
-
-
-_MAX_EXTENT = 2**62
 
 
 @contextlib.contextmanager
@@ -258,7 +117,7 @@ def validate_metadata(md: Metadata) -> tuple[dict[str, TensorEntry], dict[str, A
         itemsize = itemsizes.get(entry.properties.dtype)
         if itemsize is None:
             itemsize = itemsizes[entry.properties.dtype] = np.dtype(entry.properties.dtype).itemsize
-        if math.prod(size) * itemsize >= _MAX_EXTENT or (size and max(size) >= _MAX_EXTENT):
+        if math.prod(size) * itemsize >= MAX_EXTENT or (size and max(size) >= MAX_EXTENT):
             raise _bad(fqn, f"size {size} is larger than any array can be")
         parsed = entry.__dict__.get("_grid") if isinstance(entry, GridTensorStorageMetadata) else None
         try:
@@ -395,8 +254,13 @@ def validated_metadata(
         if hit is not None:
             _validated.move_to_end(key)
             return hit
-    md = metadata_from_root_document(root, where)
-    tensors, objects = validate_metadata(md)
+    indexed = load_index(metadata_json(root, where))
+    md: Metadata
+    if indexed is not None:
+        md, tensors, objects = indexed
+    else:  # the general path: it raises the error of a document the index did not take
+        md = metadata_from_root_document(root, where)
+        tensors, objects = validate_metadata(md)
     with _validated_lock:
         _validated[key] = (md, tensors, objects)
         while len(_validated) > _VALIDATED_KEEP:

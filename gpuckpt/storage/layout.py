@@ -48,6 +48,7 @@ __all__ = [
     "expected_array_document",
     "is_chunk_file_key",
     "metadata_from_root_document",
+    "metadata_json",
     "root_document",
     "root_document_problem",
 ]
@@ -248,11 +249,17 @@ def metadata_from_root_document(raw: bytes | bytearray, where: str) -> Metadata:
 
     ``raw`` is parsed where it lies (a reader's buffer is never copied).
     """
+    return Metadata.from_json_dict(metadata_json(raw, where))
+
+
+def metadata_json(raw: bytes | bytearray, where: str) -> Any:
+    """The JSON value of the metadata of a root ``zarr.json``, its checksum checked (the value
+    itself is not: :meth:`Metadata.from_json_dict` checks it); raises :class:`MetadataError`."""
     if len(raw) > MAX_ROOT_DOCUMENT_BYTES:
         raise too_large(where, len(raw), MAX_ROOT_DOCUMENT_BYTES, "MAX_ROOT_DOCUMENT_BYTES")
     md = _as_written(raw)
     if md is not None:
-        return Metadata.from_json_dict(md)
+        return md
     try:
         doc = json.loads(raw)
     except (ValueError, RecursionError) as exc:
@@ -278,7 +285,7 @@ def metadata_from_root_document(raw: bytes | bytearray, where: str) -> Metadata:
             f"{where}: metadata checksum mismatch (stored {expected!r}, computed {actual}); "
             "the root metadata is damaged"
         )
-    return Metadata.from_json_dict(md)
+    return md
 
 
 #: how every root document written by :func:`root_document` begins
