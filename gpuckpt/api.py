@@ -271,22 +271,24 @@ def _load(state_dict: STATE_DICT_TYPE, path: PathLike, options: LoadOptions) -> 
             decoded.append((leaf, decode_object(objects[fqn], allow_pickle=options.allow_pickle, fqn=fqn)))
         elif fqn in tensors:
             t = tensors[fqn]
-            if is_sharded_leaf(leaf.value):
-                requests.append((t, _shard_targets(t, leaf.value)))
-            elif is_array(leaf.value):
-                arr = adapt(leaf.value)
+            value = leaf.value
+            if type(value) is np.ndarray or (not is_sharded_leaf(value) and is_array(value)):
+                # a NumPy target is viewed as is: whether it is pinned does not matter to a read
+                arr = HostArray(value) if type(value) is np.ndarray else adapt(value)
                 if arr.shape != t.shape:
                     raise ShapeMismatchError(
                         f"tensor {fqn!r}: the checkpoint has shape {t.shape}, the target has {arr.shape}; "
                         "resize the target or load with load_state_dict to get the stored shape"
                     )
-                if arr.dtype.newbyteorder("=") != t.dtype:
+                if arr.dtype != t.dtype and arr.dtype.newbyteorder("=") != t.dtype:
                     raise DTypeMismatchError(
                         f"tensor {fqn!r}: the checkpoint has dtype {t.dtype}, the target has {arr.dtype}; "
                         "load into an array of the stored dtype and convert afterwards"
                     )
                 _check_writable(fqn, arr, "the target")
                 targets.append((t, arr))
+            elif is_sharded_leaf(value):
+                requests.append((t, _shard_targets(t, value)))
             else:
                 placeholders.append((leaf, t))
     # sizes are checked against the files before anything is allocated
@@ -339,7 +341,7 @@ def _shard_targets(t: TensorEntry, value: Any) -> list[tuple[Any, Box]]:
 
 def _allocate(backend: DeviceBackend | None, t: TensorEntry) -> Any:
     """A new array for tensor ``t`` (host memory when ``backend`` is None)."""
-    fmt = t.metadata.properties.memory_format
+    fmt = t.memory_format
     try:
         if backend is None:
             return HostMemory().allocate(t.shape, t.dtype, fmt)

@@ -19,6 +19,7 @@ import numpy as np
 from gpuckpt.device.arrays import ArrayAdapter, HostArray, StagedIn
 from gpuckpt.device.backend import Staging
 from gpuckpt.device.upload import CopyQueue
+from gpuckpt.entries import ChunkRead, TensorEntry, whole_chunk_key
 from gpuckpt.errors import (
     CheckpointCorruptedError,
     CheckpointTooLargeError,
@@ -27,9 +28,8 @@ from gpuckpt.errors import (
 )
 from gpuckpt.options import LoadOptions
 from gpuckpt.progress import ProgressCounter
-from gpuckpt.reading import ChunkRead, TensorEntry
 from gpuckpt.runner import IO_BATCH_JOBS, batches, default_threads, run_all
-from gpuckpt.storage.base import CheckpointReader, ChunkReads
+from gpuckpt.storage.base import CheckpointReader, ChunkReads, ReadStop
 from gpuckpt.storage.checksum import CRC_BYTES
 from gpuckpt.storage.chunks import is_prefix_box
 
@@ -264,9 +264,13 @@ def _read_host_batch(
         for staged in incoming:
             if staged is not None:
                 staged.release()
-    if stop is None:
-        return
-    t, c, _ = reads[stop.index]
+    if stop is not None:
+        t, c, _ = reads[stop.index]
+        _raise_stop(t, c, stop)
+
+
+def _raise_stop(t: TensorEntry, c: ChunkRead, stop: ReadStop) -> None:
+    """Raise the error of a batch that stopped at chunk ``c`` of ``t``."""
     if stop.error is not None:
         if isinstance(stop.error, FileNotFoundError):
             raise vanished(t, c, stop.error) from None
@@ -277,6 +281,37 @@ def _read_host_batch(
             "the file is truncated"
         )
     _check_crc(t, c, stop.crc, stop.stored)
+
+
+def _whole_buffer(t: TensorEntry, dest: ArrayAdapter) -> np.ndarray | None:
+    """The bytes of host array ``dest`` when the one chunk of ``t`` (stored whole) can be read
+    straight into them, else None."""
+    if not (t.whole and t.nchunks == 1 and isinstance(dest, HostArray)):
+        return None
+    a = dest.array
+    if not a.flags.c_contiguous or a.dtype.byteorder == ">":
+        return None
+    return a.reshape(-1).view(np.uint8)
+
+
+def _read_whole(
+    reader: CheckpointReader, items: list[tuple[TensorEntry, np.ndarray]], counter: ProgressCounter
+) -> None:
+    """Read the chunks of tensors stored whole straight into their host arrays, as one batch
+    (no per-chunk records made: the names, keys, sizes and checksums are the tensors')."""
+    batch = ChunkReads(
+        [t.name for t, _ in items],
+        [whole_chunk_key(len(t.shape)) for t, _ in items],
+        [b for _, b in items],
+        [0] * len(items),
+        [int(t._crcs()[0]) for t, _ in items],
+    )
+    stop = reader.read_chunks(batch)
+    done = len(items) if stop is None else stop.index
+    counter.add(sum(t.nbytes for t, _ in items[:done]))
+    if stop is not None:
+        t = items[stop.index][0]
+        _raise_stop(t, t.chunks[0], stop)
 
 
 #: a load of at least this many chunks averaging at most :data:`SMALL_CHUNK_BYTES` is "many small"
@@ -295,14 +330,27 @@ def cold_small_threads(reader: CheckpointReader, targets: list[tuple[TensorEntry
     Measured here: 10,000 chunks of 4-64 KiB, cold, load in 0.54 s on 16 threads against
     0.75 s on 4; warm, 16 threads are slower (0.25 against 0.23 s), hence the probe.
     """
-    chunks = [(t, c) for t, _ in targets for c in t.chunks]
-    if len(chunks) < MANY_CHUNKS or sum(c.nbytes for _, c in chunks) > SMALL_CHUNK_BYTES * len(chunks):
+    n = sum(t.nchunks for t, _ in targets)
+    if n < MANY_CHUNKS or sum(_file_bytes(t) for t, _ in targets) > SMALL_CHUNK_BYTES * n:
         return None
-    step = len(chunks) // _PROBES
-    for t, c in chunks[step // 2 :: step][:_PROBES]:
-        if reader.chunk_cached(t.name, c.key) is False:
-            return max(COLD_SMALL_THREADS, default_threads())
+    step = n // _PROBES
+    wanted = range(step // 2, n, step)[:_PROBES]
+    at = 0  # the position of t's first chunk among all
+    for t, _ in targets:
+        for i in wanted:
+            if at <= i < at + t.nchunks:
+                key = whole_chunk_key(len(t.shape)) if t.whole else t.chunks[i - at].key
+                if reader.chunk_cached(t.name, key) is False:
+                    return max(COLD_SMALL_THREADS, default_threads())
+        at += t.nchunks
     return None
+
+
+def _file_bytes(t: TensorEntry) -> int:
+    """The bytes of the chunk files of ``t`` (of a tensor stored whole: without its chunk record)."""
+    if t.whole and t.nchunks == 1:
+        return t.nbytes + CRC_BYTES
+    return sum(c.nbytes for c in t.chunks)
 
 
 def run_reads(jobs: list[Any], copies: CopyQueue | None, *, threads: int | None, name: str) -> None:
@@ -351,10 +399,22 @@ def read_tensors(
         ),
         staging_bytes,
     )
-    reads = (((t, c, dest), c.nbytes) for t, dest in targets for c in t.chunks)
+    # tensors stored whole, read into host arrays: batches of (tensor, bytes), no chunk records
+    whole: list[tuple[tuple[TensorEntry, np.ndarray], int]] = []
+    rest: list[tuple[TensorEntry, ArrayAdapter]] = []
+    for t, dest in targets:
+        buf = _whole_buffer(t, dest) if reader.batches_chunks else None
+        if buf is None:
+            rest.append((t, dest))
+        else:
+            whole.append(((t, buf), t.nbytes))
+    reads = (((t, c, dest), c.nbytes) for t, dest in rest for c in t.chunks)
     copies = CopyQueue() if staging.backends else None
     jobs = [
-        functools.partial(_read_chunks, reader, batch, staging, copies, counter)
-        for batch in batches(reads, max_items=IO_BATCH_JOBS if reader.batches_chunks else 1)
+        *(functools.partial(_read_whole, reader, batch, counter) for batch in batches(whole)),
+        *(
+            functools.partial(_read_chunks, reader, batch, staging, copies, counter)
+            for batch in batches(reads, max_items=IO_BATCH_JOBS if reader.batches_chunks else 1)
+        ),
     ]
     run_reads(jobs, copies, threads=threads, name="gpuckpt-read")

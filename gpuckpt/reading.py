@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from gpuckpt.entries import ChunkRead, TensorEntry
+from gpuckpt.entries import ChunkRead, TensorEntry, whole_chunk_key
 from gpuckpt.errors import (
     CheckpointCorruptedError,
     MetadataError,
@@ -33,6 +33,7 @@ from gpuckpt.load_index import MAX_EXTENT, load_index
 from gpuckpt.metadata import BytesStorageMetadata, GridTensorStorageMetadata, Metadata, TensorStorageMetadata
 from gpuckpt.planning import ChunkGrid
 from gpuckpt.storage.base import CheckpointReader
+from gpuckpt.storage.checksum import CRC_BYTES
 from gpuckpt.storage.chunk_table import TABLE_KEY, ChunkTable, parse_listed
 from gpuckpt.storage.chunks import stored_nbytes
 from gpuckpt.storage.layout import chunk_file_key, metadata_from_root_document, metadata_json
@@ -273,10 +274,24 @@ def check_chunk_files(reader: CheckpointReader, entries: Iterable[TensorEntry]) 
     (the chunk records a chunk table holds are read first, see :func:`load_chunk_records`)."""
     entries = list(entries)
     load_chunk_records(reader, entries)
-    chunks = [(t, c) for t in entries for c in t.chunks]
-    sizes = reader.chunk_sizes([t.name for t, _ in chunks], [c.key for _, c in chunks])
-    if sizes == [c.nbytes for _, c in chunks]:
+    names: list[str] = []
+    keys: list[str] = []
+    expected: list[int] = []
+    for t in entries:
+        if t.whole and t.nchunks == 1:
+            # a tensor stored whole: its one chunk's key and size without its chunk record
+            names.append(t.name)
+            keys.append(whole_chunk_key(len(t.shape)))
+            expected.append(t.nbytes + CRC_BYTES)
+        else:
+            for c in t.chunks:
+                names.append(t.name)
+                keys.append(c.key)
+                expected.append(c.nbytes)
+    sizes = reader.chunk_sizes(names, keys)
+    if sizes == expected:
         return  # all as expected: compared as whole lists, not chunk by chunk
+    chunks = [(t, c) for t in entries for c in t.chunks]
     for (t, c), size in zip(chunks, sizes, strict=True):
         if size != c.nbytes:
             if size is None:

@@ -108,7 +108,7 @@ def _check_array_doc(reader: CheckpointReader, t: TensorEntry) -> Damage | None:
         return Damage(where, f"unreadable ({exc})", t.fqn)
     if not isinstance(doc, dict):
         return Damage(where, "is not a JSON object", t.fqn)
-    fmt = t.metadata.properties.memory_format.name
+    fmt = t.memory_format.name
     expected = expected_array_document(
         shape=t.shape, dtype=t.dtype, grid=t.grid, fqn=t.fqn, memory_format=fmt
     )

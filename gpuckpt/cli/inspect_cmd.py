@@ -54,7 +54,7 @@ def _tensor_row(reader: CheckpointReader, t: TensorEntry) -> dict[str, Any]:
         "name": t.fqn,
         "shape": list(t.shape),
         "dtype": dtype_name(t.dtype),
-        "memory_format": t.metadata.properties.memory_format.name,
+        "memory_format": t.memory_format.name,
         "chunks": len(t.chunks),
         "chunk_shape": list(grid.chunk_shape) if grid.kind == "regular" else None,
         "bytes": t.nbytes,

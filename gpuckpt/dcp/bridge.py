@@ -345,7 +345,7 @@ def read_whole(ck: OpenCheckpoint, fqn: str, options: LoadOptions) -> np.ndarray
     """A new host array holding tensor ``fqn`` (stored shape, dtype and memory format)."""
     t = ck.tensors[fqn]
     check_chunk_files(ck.reader, [t])
-    dest: np.ndarray = HostMemory().allocate(t.shape, t.dtype, t.metadata.properties.memory_format)
+    dest: np.ndarray = HostMemory().allocate(t.shape, t.dtype, t.memory_format)
     read_tensors(ck.reader, [(t, HostArray(dest))], options)
     return dest
 
