@@ -661,10 +661,15 @@ def _file_sizes_in_python(root: Path, paths: list[str]) -> list[int | None]:
     return out
 
 
-def test_sizes_of_many_files_in_one_call_agree_with_lstat(lib: BatchIO, tmp_path: Path) -> None:
+@pytest.mark.parametrize("threads", [1, 2])
+def test_sizes_of_many_files_in_one_call_agree_with_lstat(
+    lib: BatchIO, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, threads: int
+) -> None:
     """``gbio_stat``: regular files give their size; missing files, missing directories, a file
     where a directory should be, symlinks, FIFOs and directories are reported, never followed or
-    opened (a FIFO would block an open), and the call goes on past them."""
+    opened (a FIFO would block an open), and the call goes on past them. Run on two threads
+    (each half of the files on one), the odd files straddle the halves: the same answers."""
+    monkeypatch.setattr(batchio, "PARALLEL_STAT_MIN", 2 if threads == 2 else 1 << 30)
     root = tmp_path / "c"
     (root / "a").mkdir(parents=True)
     rng = random.Random(5)
@@ -678,17 +683,18 @@ def test_sizes_of_many_files_in_one_call_agree_with_lstat(lib: BatchIO, tmp_path
     (root / "a" / "dir").mkdir()
     (root / "file").write_bytes(b"12")
     odd = ["a/link", "a/fifo", "a/dir", "a/missing", "nope/c.0", "file/c.0", "file"]
-    mixed = [*paths[:100], *odd, *paths[100:]]
+    at = 150  # of 307 paths: the odd ones lie on both sides of the middle (153)
+    mixed = [*paths[:at], *odd, *paths[at:]]
     sizes, stops = lib.sizes(str(root), mixed)
     expected = _file_sizes_in_python(root, mixed)
     assert [None if s < 0 else int(s) for s in sizes] == expected
     by_index = {s.index: s for s in stops}
-    assert sorted(by_index) == [100 + k for k in range(len(odd) - 1)]  # "file" itself is regular
-    assert by_index[100].step == "not-regular" and stat.S_ISLNK(by_index[100].mode)
-    assert by_index[101].step == "not-regular" and stat.S_ISFIFO(by_index[101].mode)
-    assert by_index[102].step == "not-regular" and stat.S_ISDIR(by_index[102].mode)
-    assert by_index[103].err == errno.ENOENT and by_index[104].err == errno.ENOENT
-    assert by_index[105].err == errno.ENOTDIR
+    assert sorted(by_index) == [at + k for k in range(len(odd) - 1)]  # "file" itself is regular
+    assert by_index[at].step == "not-regular" and stat.S_ISLNK(by_index[at].mode)
+    assert by_index[at + 1].step == "not-regular" and stat.S_ISFIFO(by_index[at + 1].mode)
+    assert by_index[at + 2].step == "not-regular" and stat.S_ISDIR(by_index[at + 2].mode)
+    assert by_index[at + 3].err == errno.ENOENT and by_index[at + 4].err == errno.ENOENT
+    assert by_index[at + 5].err == errno.ENOTDIR
     with pytest.raises(FileNotFoundError):
         lib.sizes(str(tmp_path / "absent"), ["a/c.0"])
 
