@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -294,11 +295,15 @@ def _whole_buffer(t: TensorEntry, dest: ArrayAdapter) -> np.ndarray | None:
     return a.reshape(-1).view(np.uint8)
 
 
-def _read_whole(
+def _whole_jobs(
     reader: CheckpointReader, items: list[tuple[TensorEntry, np.ndarray]], counter: ProgressCounter
-) -> None:
-    """Read the chunks of tensors stored whole straight into their host arrays, as one batch
-    (no per-chunk records made: the names, keys, sizes and checksums are the tensors')."""
+) -> list[Callable[[], None]]:
+    """Jobs that read the chunks of tensors stored whole straight into their host arrays: one
+    batch of them all, which the reader prepares once (:meth:`CheckpointReader.chunk_read_jobs`),
+    read in ranges of :func:`~gpuckpt.runner.batches`' size; no per-chunk records are made
+    (names, keys, sizes and checksums are the tensors')."""
+    if not items:
+        return []
     batch = ChunkReads(
         [t.name for t, _ in items],
         [whole_chunk_key(len(t.shape)) for t, _ in items],
@@ -306,12 +311,17 @@ def _read_whole(
         [0] * len(items),
         [int(t._crcs()[0]) for t, _ in items],
     )
-    stop = reader.read_chunks(batch)
-    done = len(items) if stop is None else stop.index
-    counter.add(sum(t.nbytes for t, _ in items[:done]))
-    if stop is not None:
-        t = items[stop.index][0]
-        _raise_stop(t, t.chunks[0], stop)
+    spans = [(run[0], run[-1] + 1) for run in batches((i, t.nbytes) for i, (t, _) in enumerate(items))]
+
+    def run(read: Callable[[], ReadStop | None], start: int, end: int) -> None:
+        stop = read()
+        counter.add(sum(t.nbytes for t, _ in items[start : end if stop is None else stop.index]))
+        if stop is not None:
+            t = items[stop.index][0]
+            _raise_stop(t, t.chunks[0], stop)
+
+    reads = reader.chunk_read_jobs(batch, spans)
+    return [functools.partial(run, read, a, b) for read, (a, b) in zip(reads, spans, strict=True)]
 
 
 #: a load of at least this many chunks averaging at most :data:`SMALL_CHUNK_BYTES` is "many small"
@@ -400,18 +410,18 @@ def read_tensors(
         staging_bytes,
     )
     # tensors stored whole, read into host arrays: batches of (tensor, bytes), no chunk records
-    whole: list[tuple[tuple[TensorEntry, np.ndarray], int]] = []
+    whole: list[tuple[TensorEntry, np.ndarray]] = []
     rest: list[tuple[TensorEntry, ArrayAdapter]] = []
     for t, dest in targets:
         buf = _whole_buffer(t, dest) if reader.batches_chunks else None
         if buf is None:
             rest.append((t, dest))
         else:
-            whole.append(((t, buf), t.nbytes))
+            whole.append((t, buf))
     reads = (((t, c, dest), c.nbytes) for t, dest in rest for c in t.chunks)
     copies = CopyQueue() if staging.backends else None
     jobs = [
-        *(functools.partial(_read_whole, reader, batch, counter) for batch in batches(whole)),
+        *_whole_jobs(reader, whole, counter),
         *(
             functools.partial(_read_chunks, reader, batch, staging, copies, counter)
             for batch in batches(reads, max_items=IO_BATCH_JOBS if reader.batches_chunks else 1)

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import errno
+import functools
 import stat
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from gpuckpt.storage.checksum import CRC_BYTES, crc32c
@@ -342,6 +343,20 @@ class CheckpointReader(ABC):
             if value != stored or value != expected:
                 return ReadStop(i, got, value, stored)
         return None
+
+    def chunk_read_jobs(
+        self, batch: ChunkReads, spans: Sequence[tuple[int, int]]
+    ) -> list[Callable[[], ReadStop | None]]:
+        """Jobs that read the items of ``batch`` in ``spans`` (``[start, stop)`` ranges, one
+        job each, any thread): each returns None, or where its range stopped, indexed into
+        ``batch``, as :meth:`read_chunks` does. The default reads each range with
+        :meth:`read_chunks`; a back end may prepare the whole batch once instead."""
+
+        def job(start: int, stop: int) -> ReadStop | None:
+            where = self.read_chunks(batch.select(range(start, stop)))
+            return None if where is None else replace(where, index=start + where.index)
+
+        return [functools.partial(job, a, b) for a, b in spans]
 
     def read_chunk_checksum(self, name: str, key: str, nbytes: int, piece: int) -> tuple[int, int, int]:
         """Read the ``nbytes`` of a chunk (checksum trailer included) without keeping them.

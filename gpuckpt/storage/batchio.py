@@ -22,7 +22,7 @@ import functools
 import os
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,7 @@ from gpuckpt.storage.checksum import _crc_package
 __all__ = [
     "LIBRARY",
     "BatchIO",
+    "PreparedReads",
     "Stop",
     "available",
     "instance",
@@ -230,6 +231,17 @@ class BatchIO:
         del blob  # referenced until the call returned
         return items, self._stop(items, done, root)
 
+    def prepare_read(
+        self, paths: Sequence[str], buffers: Sequence[Any], pads: Sequence[int], expected: Sequence[int]
+    ) -> PreparedReads:
+        """The items of :meth:`read`, made once: :meth:`PreparedReads.read` then reads any
+        range of them (from any thread, each range once)."""
+        items, blob = self._items(paths, [CHUNK] * len(paths))
+        self._buffers(items, buffers, True)
+        items["pad"] = pads
+        items["expect"] = expected
+        return PreparedReads(self, items, blob)
+
     def read(
         self,
         root: str,
@@ -327,6 +339,21 @@ class BatchIO:
                 if self.crc32c(sample[:n], start) != _crc_package(sample[:n], start):
                     return False
         return self.crc32c(b"123456789") == 0xE3069283
+
+
+class PreparedReads:
+    """Chunk reads made into the library's items once (see :meth:`BatchIO.prepare_read`)."""
+
+    def __init__(self, lib: BatchIO, items: np.ndarray, blob: bytes) -> None:
+        self._lib, self._items, self._blob = lib, items, blob  # the blob holds the paths
+
+    def read(self, root: str, start: int, stop: int) -> Stop | None:
+        """Read items ``[start, stop)`` (as :meth:`BatchIO.read`); where they stopped, the
+        index counted from the first item of all."""
+        part = self._items[start:stop]
+        done = self._lib._lib.gbio_read(os.fsencode(root), part.ctypes.data, len(part))
+        where = BatchIO._stop(part, done, root)
+        return None if where is None else replace(where, index=start + where.index)
 
 
 def load_library(path: str | os.PathLike[str] | None = None) -> BatchIO | None:

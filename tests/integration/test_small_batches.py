@@ -50,6 +50,10 @@ def native(on: bool) -> Iterator[list[int]]:
             calls.append(len(paths))
             return lib.read(root, paths, *args, **kwargs)  # type: ignore[union-attr]
 
+        def prepare_read(self, paths: Any, *args: Any, **kwargs: Any) -> Any:
+            calls.append(len(paths))  # a load's batch of whole chunks, read by range later
+            return lib.prepare_read(paths, *args, **kwargs)  # type: ignore[union-attr]
+
     saved = batchio.instance
     batchio.instance = (lambda: Counting()) if on else (lambda: None)  # type: ignore[assignment]
     try:

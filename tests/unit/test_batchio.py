@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import itertools
 import json
 import os
 import platform
@@ -304,21 +305,85 @@ def test_native_and_python_reads_agree_on_intact_and_damaged_chunks(
         else:
             _damage(root, damage, f"a{victim}", random.Random(seed))
     outcomes = []
-    for chosen in (lib, None):
+    # ranges of the batch for chunk_read_jobs, from the seed: the first stop of the jobs run
+    # in order is the one read_chunks finds (the ranges before it were read whole)
+    cuts = sorted(random.Random(seed).sample(range(1, len(buffers)), k=min(3, max(0, len(buffers) - 1))))
+    spans = list(itertools.pairwise([0, *cuts, len(buffers)])) if buffers else []
+    for chosen, how in ((lib, "batch"), (None, "batch"), (lib, "jobs"), (None, "jobs")):
         dests = [
             np.full(x.nbytes + 64, 0xA5, np.uint8)[s : s + x.nbytes]
             for x, s in zip(buffers, shifts, strict=False)
         ]
         reads = ChunkReads(b.names, b.keys, dests, pads, expected)
         with using(chosen):
-            stop = LocalReader(root).read_chunks(reads)
+            if how == "batch":
+                stop = LocalReader(root).read_chunks(reads)
+            else:
+                stop = next(
+                    (s for s in (job() for job in LocalReader(root).chunk_read_jobs(reads, spans)) if s),
+                    None,
+                )
         done = len(buffers) if stop is None else stop.index
         for i in range(done):
             np.testing.assert_array_equal(dests[i], buffers[i])
         outcomes.append(_stop_fields(stop))
-    assert outcomes[0] == outcomes[1]
+    assert outcomes[0] == outcomes[1] == outcomes[2] == outcomes[3]
     if damage in ("none", "extend") or not buffers:
         assert outcomes[0] is None
+
+
+@pytest.mark.parametrize("damage", ["none", "flip-large", "flip-small", "missing-small", "symlinked-dir"])
+def test_read_jobs_prepare_small_ranges_once_and_read_the_rest_as_read_chunks(
+    lib: BatchIO, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, damage: str
+) -> None:
+    """LocalReader.chunk_read_jobs: the ranges of small chunks are read from items the library
+    made once for the whole batch, a range holding a chunk of 1 MiB or more the way
+    read_chunks reads it, and a batch naming an array directory that is not a real one
+    entirely that way; the stops are read_chunks' own."""
+    rng = np.random.default_rng(3)
+    sizes = [100, 5000, 1_300_000, 40, 70_000, 7]
+    buffers = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
+    root = tmp_path / "c"
+    w, b = _write(root, buffers, [0] * len(sizes), [None] * len(sizes))
+    with using(lib):
+        crcs = w.write_chunks(b)
+    w.commit(ROOT_DOC)
+    if damage == "flip-large":
+        _damage(root, "flip", "a2", random.Random(1))
+    elif damage == "flip-small":
+        _damage(root, "flip", "a4", random.Random(1))
+    elif damage == "missing-small":
+        _damage(root, "missing", "a5", random.Random(1))
+    elif damage == "symlinked-dir":
+        (root / "a3").rename(root / "real3")
+        (root / "a3").symlink_to("real3")
+    prepared: list[int] = []
+    make = BatchIO.prepare_read
+
+    def counted(self: BatchIO, paths: list[str], *args: Any) -> Any:
+        prepared.append(len(paths))
+        return make(self, paths, *args)
+
+    monkeypatch.setattr(BatchIO, "prepare_read", counted)
+    spans = [(0, 2), (2, 3), (3, 6)]
+    outcomes = []
+    for how in ("batch", "jobs"):
+        dests = [np.zeros(n, np.uint8) for n in sizes]
+        reads = ChunkReads(b.names, b.keys, dests, [0] * len(sizes), list(crcs))
+        with using(lib):
+            reader = LocalReader(root)
+            if how == "batch":
+                stop = reader.read_chunks(reads)
+            else:
+                stop = next((s for s in (job() for job in reader.chunk_read_jobs(reads, spans)) if s), None)
+        done = len(sizes) if stop is None else stop.index
+        for i in range(done):
+            np.testing.assert_array_equal(dests[i], buffers[i])
+        outcomes.append(_stop_fields(stop))
+    assert outcomes[0] == outcomes[1]
+    assert (outcomes[0] is None) == (damage == "none")
+    # one preparation of the whole batch, unless a name was not a real array directory
+    assert prepared == ([] if damage == "symlinked-dir" else [len(sizes)])
 
 
 def test_a_read_stop_names_what_went_wrong(lib: BatchIO, tmp_path: Path) -> None:
