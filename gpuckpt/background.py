@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from gpuckpt.device.arrays import ArrayAdapter, HostArray, copy_all
-from gpuckpt.device.staging import ArenaPool, HostAllocator, StagingArena, aligned_bytes
+from gpuckpt.device.staging import ArenaPool, HostAllocator, StagingArena, aligned_bytes, pool_for
 from gpuckpt.distributed.coordinator import Coordinator, SingleProcessCoordinator
 from gpuckpt.distributed.save import Described, save_described
 from gpuckpt.incremental import check_base_target
@@ -67,13 +67,8 @@ def _arrays(sources: dict[str, tuple[Source, ...]]) -> Iterable[ArrayAdapter]:
 def _arena_pool(sources: dict[str, tuple[Source, ...]]) -> ArenaPool:
     """The arena pool for this state: page-locked memory when device arrays are involved."""
     backend = next(iter(device_backends(_arrays(sources))), None)
-    key = id(backend) if backend is not None else 0
     with _lock:
-        pool = _pools.get(key)
-        if pool is None:
-            allocator = backend.pinned_allocator() if backend is not None else None
-            pool = _pools[key] = ArenaPool(allocator, max_arenas=2)
-        return pool
+        return pool_for(_pools, backend, max_arenas=2)
 
 
 def snapshot_bytes(sources: dict[str, tuple[Source, ...]]) -> int:

@@ -54,7 +54,7 @@ from gpuckpt.background import snapshot as snapshot_to_arena
 from gpuckpt.chunk_reads import read_tensors
 from gpuckpt.commit import Written, as_columns, assemble_metadata, result_columns, table_columns, uses_table
 from gpuckpt.device.arrays import DeviceArray, HostArray, HostMemory, adapt, device_backends
-from gpuckpt.device.staging import ArenaPool, StagingArena, aligned_bytes
+from gpuckpt.device.staging import ArenaPool, StagingArena, aligned_bytes, pool_for
 from gpuckpt.distributed.load import read_boxes
 from gpuckpt.dtypes import dtype_name
 from gpuckpt.errors import StagingTimeoutError
@@ -420,11 +420,7 @@ def snapshot(
         snap = snapshot_on_device(sources)
     else:
         backend = next(iter(device_backends(s.array for held in sources.values() for s in held)), None)
-        key = id(backend) if backend is not None else 0
-        pool = pools.get(key)
-        if pool is None:
-            allocator = backend.pinned_allocator() if backend is not None else None
-            pool = pools[key] = ArenaPool(allocator, max_arenas=max_arenas)
+        pool = pool_for(pools, backend, max_arenas)
         arena = _acquire(pool, snapshot_bytes(sources), timeout)
         try:
             snap = snapshot_to_arena(local, sources, arena)

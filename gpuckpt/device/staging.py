@@ -34,7 +34,7 @@ import numpy as np
 
 from gpuckpt.errors import StagingMemoryError, StagingTimeoutError
 
-__all__ = ["ArenaPool", "HostAllocator", "StagingArena"]
+__all__ = ["ArenaPool", "HostAllocator", "StagingArena", "pool_for"]
 
 _ALIGN = 4096
 DEFAULT_PIECE_BYTES = 256 << 20
@@ -164,6 +164,8 @@ class ArenaPool:
         self._arenas: list[StagingArena] = []  # every arena of the pool, free or in use
         self._holders: dict[int, threading.Thread | Future[Any]] = {}
         self._cond = threading.Condition()
+        #: the back end the pool's memory is for (see :func:`pool_for`)
+        self.owner: Any = None
         _all_pools.add(self)
 
     def _can_come_back(self) -> bool:
@@ -260,6 +262,20 @@ class ArenaPool:
 
 
 _all_pools: weakref.WeakSet[ArenaPool] = weakref.WeakSet()
+
+
+def pool_for(pools: dict[int, ArenaPool], backend: Any, max_arenas: int) -> ArenaPool:
+    """The pool in ``pools`` for ``backend`` (None: host memory), made on first use with its
+    page-locked allocator. Keyed by the back end's ``id``, the pool holds the back end itself:
+    its id is never reused for another back end while the pool, made for it, is kept (a pool
+    found under a back end's id was made for that very back end)."""
+    key = id(backend) if backend is not None else 0
+    pool = pools.get(key)
+    if pool is None or pool.owner is not backend:
+        allocator = backend.pinned_allocator() if backend is not None else None
+        pool = pools[key] = ArenaPool(allocator, max_arenas=max_arenas)
+        pool.owner = backend
+    return pool
 
 
 def _after_fork_in_child() -> None:

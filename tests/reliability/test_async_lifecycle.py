@@ -461,6 +461,41 @@ def test_snapshot_that_cannot_get_memory_ends_its_copies_first(tmp_path: Path) -
     assert not (tmp_path / "c").exists()
 
 
+def test_a_new_backend_never_gets_the_staging_pool_of_one_that_is_gone(tmp_path: Path) -> None:
+    # pools are found by the back end's id; a back end made after another was freed may get
+    # its id (the staging-memory test above once passed a refused allocation that way, in a
+    # full run of the suite). Here the pool left under the new back end's id is one made for
+    # another back end, with an arena large enough for the save: the save must not use it
+    other = HostBackend()
+    big = np.ones(1 << 20, np.float32)
+    gpuckpt.async_save({"w": EmulatedDeviceArray(big, other)}, tmp_path / "a").result(timeout=60)
+    second = RefusingMemoryBackend()
+    second.refuse = True
+    with background._lock:
+        stale = background._pools[id(other)]
+        background._pools[id(second)] = stale  # what a reused id finds
+    try:
+        slow = np.arange(1 << 18, dtype=np.float32)
+        with pytest.raises(StagingMemoryError, match="injected"):
+            gpuckpt.async_save({"w": EmulatedDeviceArray(slow, second)}, tmp_path / "b")
+        assert not (tmp_path / "b").exists()
+        with background._lock:
+            assert background._pools[id(second)] is not stale
+    finally:
+        with background._lock:
+            background._pools.pop(id(second), None)
+
+
+def test_a_staging_pool_holds_its_backend() -> None:
+    # so that the back end's id, the pool's key, is not reused while the pool is kept
+    pools: dict[int, ArenaPool] = {}
+    backend = HostBackend()
+    pool = staging.pool_for(pools, backend, max_arenas=2)
+    assert pool.owner is backend and pools == {id(backend): pool}
+    assert staging.pool_for(pools, backend, max_arenas=2) is pool
+    assert staging.pool_for(pools, None, max_arenas=2).owner is None and 0 in pools
+
+
 # -- fork ---------------------------------------------------------------------
 
 FORK = """
