@@ -287,7 +287,7 @@ def _raise_stop(t: TensorEntry, c: ChunkRead, stop: ReadStop) -> None:
 def _whole_buffer(t: TensorEntry, dest: ArrayAdapter) -> np.ndarray | None:
     """The bytes of host array ``dest`` when the one chunk of ``t`` (stored whole) can be read
     straight into them, else None."""
-    if not (t.whole and t.nchunks == 1 and isinstance(dest, HostArray)):
+    if not (t.whole and isinstance(dest, HostArray)):
         return None
     a = dest.array
     if not a.flags.c_contiguous or a.dtype.byteorder == ">":
@@ -358,7 +358,7 @@ def cold_small_threads(reader: CheckpointReader, targets: list[tuple[TensorEntry
 
 def _file_bytes(t: TensorEntry) -> int:
     """The bytes of the chunk files of ``t`` (of a tensor stored whole: without its chunk record)."""
-    if t.whole and t.nchunks == 1:
+    if t.whole:
         return t.nbytes + CRC_BYTES
     return sum(c.nbytes for c in t.chunks)
 

@@ -132,12 +132,13 @@ class TensorEntry:
         self.dtype: np.dtype[Any] = np.dtype(metadata.properties.dtype)
         #: the tensor's size in bytes
         self.nbytes: int = math.prod(self.shape) * self.dtype.itemsize
-        self.whole: bool = grid.kind == "regular" and grid.chunk_shape == self.shape
+        own_shape = grid.kind == "regular" and grid.chunk_shape == self.shape
         #: how many chunks it has (none when it is empty); ``nchunks``: that number, worked out
         #: by the caller (as :func:`validate_metadata` does)
         self.nchunks: int = (
-            nchunks if nchunks is not None else 0 if 0 in self.shape else 1 if self.whole else grid.nchunks
+            nchunks if nchunks is not None else 0 if 0 in self.shape else 1 if own_shape else grid.nchunks
         )
+        self.whole: bool = own_shape and self.nchunks == 1
 
     @classmethod
     def indexed(
@@ -207,7 +208,7 @@ class TensorEntry:
     def chunks(self) -> list[ChunkRead]:
         if self._chunks is None:
             crcs = self._crcs()
-            if len(crcs) == 1 and self.nchunks == 1 and self.whole:
+            if self.whole and len(crcs) == 1:
                 # the one chunk of a small tensor: what chunk_list and _read make, made directly
                 zero = (0,) * len(self.shape)
                 shape = self.shape

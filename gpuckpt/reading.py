@@ -278,7 +278,7 @@ def check_chunk_files(reader: CheckpointReader, entries: Iterable[TensorEntry]) 
     keys: list[str] = []
     expected: list[int] = []
     for t in entries:
-        if t.whole and t.nchunks == 1:
+        if t.whole:
             # a tensor stored whole: its one chunk's key and size without its chunk record
             names.append(t.name)
             keys.append(whole_chunk_key(len(t.shape)))

@@ -236,6 +236,11 @@ class BatchIO:
     ) -> PreparedReads:
         """The items of :meth:`read`, made once: :meth:`PreparedReads.read` then reads any
         range of them (from any thread, each range once)."""
+        return self._prepare(paths, buffers, pads, expected)
+
+    def _prepare(
+        self, paths: Sequence[str], buffers: Sequence[Any], pads: Sequence[int], expected: Sequence[int]
+    ) -> PreparedReads:
         items, blob = self._items(paths, [CHUNK] * len(paths))
         self._buffers(items, buffers, True)
         items["pad"] = pads
@@ -253,13 +258,8 @@ class BatchIO:
         """Read chunk ``paths[i]`` under ``root`` into ``buffers[i]``, then ``pads[i]`` bytes
         that are checksummed and dropped, then its trailer, and check the CRC32C against
         the trailer and ``expected[i]`` (see ``gbio_read`` in batchio.c)."""
-        items, blob = self._items(paths, [CHUNK] * len(paths))
-        self._buffers(items, buffers, True)
-        items["pad"] = pads
-        items["expect"] = expected
-        done = self._lib.gbio_read(os.fsencode(root), items.ctypes.data, len(items))
-        del blob
-        return items, self._stop(items, done, root)
+        prepared = self._prepare(paths, buffers, pads, expected)
+        return prepared.items, prepared.read(root, 0, len(paths))
 
     def sizes(self, root: str, paths: Sequence[str]) -> tuple[np.ndarray, list[Stop]]:
         """The size of each regular file ``paths[i]`` under ``root`` (-1 where it is not
@@ -345,12 +345,12 @@ class PreparedReads:
     """Chunk reads made into the library's items once (see :meth:`BatchIO.prepare_read`)."""
 
     def __init__(self, lib: BatchIO, items: np.ndarray, blob: bytes) -> None:
-        self._lib, self._items, self._blob = lib, items, blob  # the blob holds the paths
+        self._lib, self.items, self._blob = lib, items, blob  # the blob holds the paths
 
     def read(self, root: str, start: int, stop: int) -> Stop | None:
         """Read items ``[start, stop)`` (as :meth:`BatchIO.read`); where they stopped, the
         index counted from the first item of all."""
-        part = self._items[start:stop]
+        part = self.items[start:stop]
         done = self._lib._lib.gbio_read(os.fsencode(root), part.ctypes.data, len(part))
         where = BatchIO._stop(part, done, root)
         return None if where is None else replace(where, index=start + where.index)

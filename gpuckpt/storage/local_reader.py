@@ -101,6 +101,13 @@ def _read_document(path: str, limit: int, name: str) -> bytearray:
         os.close(fd)
 
 
+def _native_sized(batch: ChunkReads) -> list[bool]:
+    """Which chunks of ``batch`` the native library reads (those under :data:`NATIVE_MAX_BYTES`)."""
+    return [
+        memoryview(b).nbytes + p < NATIVE_MAX_BYTES for b, p in zip(batch.buffers, batch.pads, strict=True)
+    ]
+
+
 class LocalReader(CheckpointReader):
     """Reads a published checkpoint directory without following symlinks out of it.
 
@@ -270,10 +277,7 @@ class LocalReader(CheckpointReader):
         lib = batchio.instance()
         if lib is None:
             return super().read_chunks(batch)
-        small = [
-            memoryview(b).nbytes + p < NATIVE_MAX_BYTES
-            for b, p in zip(batch.buffers, batch.pads, strict=True)
-        ]
+        small = _native_sized(batch)
         start = 0
         while start < len(small):
             end = start
@@ -330,7 +334,7 @@ class LocalReader(CheckpointReader):
         lib = batchio.instance()
         if lib is None or not self._array_dirs().issuperset(batch.names):
             return super().chunk_read_jobs(batch, spans)
-        sizes = [memoryview(b).nbytes + p for b, p in zip(batch.buffers, batch.pads, strict=True)]
+        small = _native_sized(batch)
         prepared = lib.prepare_read(
             [f"{n}/{k}" for n, k in zip(batch.names, batch.keys, strict=True)],
             batch.buffers,
@@ -343,11 +347,7 @@ class LocalReader(CheckpointReader):
             where = prepared.read(self._root, start, stop)
             return None if where is None else self._read_stop(where, batch)
 
-        small = NATIVE_MAX_BYTES
-        return [
-            functools.partial(job, a, b) if max(sizes[a:b], default=0) < small else fallback[a, b]
-            for a, b in spans
-        ]
+        return [functools.partial(job, a, b) if all(small[a:b]) else fallback[a, b] for a, b in spans]
 
     def read_chunk_checksum(self, name: str, key: str, nbytes: int, piece: int) -> tuple[int, int, int]:
         """Streams the chunk through one buffer of at most ``piece`` bytes."""
