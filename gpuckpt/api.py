@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from gpuckpt.chunk_reads import read_tensors
+from gpuckpt.chunk_reads import prepare_reads, read_tensors
 from gpuckpt.device.arrays import ArrayAdapter, DeviceArray, HostArray, HostMemory, adapt, is_array
 from gpuckpt.device.backend import DeviceBackend
 from gpuckpt.distributed.coordinator import Coordinator, SingleProcessCoordinator
@@ -34,6 +34,7 @@ from gpuckpt.reading import (
     TensorEntry,
     check_chunk_files,
     check_chunk_table,
+    checking_chunk_files,
     paused_gc,
     validate_metadata,
     validated_metadata,
@@ -266,44 +267,55 @@ def _load(state_dict: STATE_DICT_TYPE, path: PathLike, options: LoadOptions) -> 
     placeholders: list[tuple[Any, TensorEntry]] = []
     decoded: list[tuple[Any, Any]] = []
     requests: list[tuple[TensorEntry, list[tuple[Any, Box]]]] = []
-    for fqn, leaf in leaves.items():
-        if fqn in objects:
-            decoded.append((leaf, decode_object(objects[fqn], allow_pickle=options.allow_pickle, fqn=fqn)))
-        elif fqn in tensors:
-            t = tensors[fqn]
-            value = leaf.value
-            if type(value) is np.ndarray or (not is_sharded_leaf(value) and is_array(value)):
-                # a NumPy target is viewed as is: whether it is pinned does not matter to a read
-                arr = HostArray(value) if type(value) is np.ndarray else adapt(value)
-                if arr.shape != t.shape:
-                    raise ShapeMismatchError(
-                        f"tensor {fqn!r}: the checkpoint has shape {t.shape}, the target has {arr.shape}; "
-                        "resize the target or load with load_state_dict to get the stored shape"
-                    )
-                if arr.dtype != t.dtype and arr.dtype.newbyteorder("=") != t.dtype:
-                    raise DTypeMismatchError(
-                        f"tensor {fqn!r}: the checkpoint has dtype {t.dtype}, the target has {arr.dtype}; "
-                        "load into an array of the stored dtype and convert afterwards"
-                    )
-                _check_writable(fqn, arr, "the target")
-                targets.append((t, arr))
-            elif is_sharded_leaf(value):
-                requests.append((t, _shard_targets(t, value)))
-            else:
-                placeholders.append((leaf, t))
-    # sizes are checked against the files before anything is allocated
-    check_chunk_files(
-        reader, [*(t for t, _ in targets), *(t for _, t in placeholders), *(t for t, _ in requests)]
-    )
+    # the sizes of the chunk files are checked before anything is allocated or written; the
+    # file system answers on another thread while the targets are checked and their reads made
+    with checking_chunk_files(reader, [tensors[f] for f in leaves if f in tensors]) as check_files:
+        for fqn, leaf in leaves.items():
+            if fqn in objects:
+                decoded.append(
+                    (leaf, decode_object(objects[fqn], allow_pickle=options.allow_pickle, fqn=fqn))
+                )
+            elif fqn in tensors:
+                t = tensors[fqn]
+                value = leaf.value
+                if type(value) is np.ndarray or (not is_sharded_leaf(value) and is_array(value)):
+                    targets.append((t, _target(fqn, t, value)))
+                elif is_sharded_leaf(value):
+                    requests.append((t, _shard_targets(t, value)))
+                else:
+                    placeholders.append((leaf, t))
+        # the arrays that exist have their reads made now; new ones once they are allocated
+        reads = prepare_reads(reader, targets, options) if not placeholders else None
+        check_files()
     fresh: list[tuple[Any, np.ndarray]] = []
     for leaf, t in placeholders:
         dest = _allocate(None, t)
         targets.append((t, HostArray(dest)))
         fresh.append((leaf, dest))
-    read_tensors(reader, targets, options)
+    if reads is None:
+        reads = prepare_reads(reader, targets, options)
+    reads()
     read_boxes(reader, requests, options)
     for leaf, value in (*fresh, *decoded):
         leaf.replace(value)
+
+
+def _target(fqn: str, t: TensorEntry, value: Any) -> ArrayAdapter:
+    """Array ``value`` as the target of tensor ``t`` in a load in place, checked against it."""
+    # a NumPy target is viewed as is: whether it is pinned does not matter to a read
+    arr = HostArray(value) if type(value) is np.ndarray else adapt(value)
+    if arr.shape != t.shape:
+        raise ShapeMismatchError(
+            f"tensor {fqn!r}: the checkpoint has shape {t.shape}, the target has {arr.shape}; "
+            "resize the target or load with load_state_dict to get the stored shape"
+        )
+    if arr.dtype != t.dtype and arr.dtype.newbyteorder("=") != t.dtype:
+        raise DTypeMismatchError(
+            f"tensor {fqn!r}: the checkpoint has dtype {t.dtype}, the target has {arr.dtype}; "
+            "load into an array of the stored dtype and convert afterwards"
+        )
+    _check_writable(fqn, arr, "the target")
+    return arr
 
 
 def _check_writable(fqn: str, arr: ArrayAdapter, what: str) -> None:

@@ -53,6 +53,9 @@ __all__ = [
     "wait_all",
 ]
 
+#: a local state of at least this many tensors is planned by the background save
+BACKGROUND_PLAN_MIN = 256
+
 _lock = threading.Lock()
 _pools: dict[int, ArenaPool] = {}
 _copy_threads = Workers(max(1, min(4, os.cpu_count() or 1)), "gpuckpt-snap")
@@ -306,16 +309,30 @@ def async_save_with_options(
     if coordinator is not None or contains_sharded(state_dict):
         return _async_distributed(state_dict, path, options, coordinator or SingleProcessCoordinator())
     local, sources = describe_state(state_dict, allow_pickle=options.allow_pickle)
-    plan = plan_save([local], chunk_bytes=options.chunk_bytes, portable=options.portable)
+    # the plan of a state of many tensors is made by the save, in the background (a tenth of
+    # a second for 10,000 tensors, more than their copy); an incremental save needs it now,
+    # to leave out the arrays it shares with its base. A process's whole arrays plan without
+    # error: what could be wrong with them was found by describe_state.
+    later = options.base is None and len(local.tensors) >= BACKGROUND_PLAN_MIN
+    plan = None if later else plan_save([local], chunk_bytes=options.chunk_bytes, portable=options.portable)
     # opening the writer checks the path's scheme and the writer's options; it touches no file.
     # Large chunks go straight from the snapshot to the device: no dirty page cache next to
-    # the training process
+    # the training process. (Without the plan: at least a document per tensor and the root's.)
     writer = open_save_writer(
-        path, options, expected_files=plan.nfiles, direct_io=options.use_direct_io(True)
+        path,
+        options,
+        expected_files=len(local.tensors) + 1 if plan is None else plan.nfiles,
+        direct_io=options.use_direct_io(True),
     )
 
     def run(snap: dict[str, tuple[Source, ...]]) -> Callable[[], Metadata]:
-        return lambda: execute_save(plan, snap, writer, options, checkpoint_id=str(uuid.uuid4()))
+        def save() -> Metadata:
+            planned = plan
+            if planned is None:
+                planned = plan_save([local], chunk_bytes=options.chunk_bytes, portable=options.portable)
+            return execute_save(planned, snap, writer, options, checkpoint_id=str(uuid.uuid4()))
+
+        return save
 
     if options.staging == "device":
         return submit(writer_executor(), run(snapshot_on_device(sources)), os.fspath(path))
@@ -333,7 +350,9 @@ def async_save_with_options(
     try:
         # an incremental save hashes device arrays now, on their device: arrays whose every
         # chunk equals the base's are not copied (the save shares their chunks)
-        snap = snapshot(local, sources, arena, shared_with_base(plan, sources, options))
+        snap = snapshot(
+            local, sources, arena, None if plan is None else shared_with_base(plan, sources, options)
+        )
         return submit(writer_executor(), run(snap), os.fspath(path), hand_over)
     except BaseException:
         if not handed_over:  # never while the save may still be writing from it

@@ -42,6 +42,7 @@ __all__ = [
     "cold_small_threads",
     "fetch_verified",
     "read_chunk_into",
+    "prepare_reads",
     "read_tensors",
     "run_reads",
     "scratch",
@@ -296,12 +297,12 @@ def _whole_buffer(t: TensorEntry, dest: ArrayAdapter) -> np.ndarray | None:
 
 
 def _whole_jobs(
-    reader: CheckpointReader, items: list[tuple[TensorEntry, np.ndarray]], counter: ProgressCounter
-) -> list[Callable[[], None]]:
+    reader: CheckpointReader, items: list[tuple[TensorEntry, np.ndarray]]
+) -> list[Callable[[ProgressCounter], None]]:
     """Jobs that read the chunks of tensors stored whole straight into their host arrays: one
     batch of them all, which the reader prepares once (:meth:`CheckpointReader.chunk_read_jobs`),
     read in ranges of :func:`~gpuckpt.runner.batches`' size; no per-chunk records are made
-    (names, keys, sizes and checksums are the tensors')."""
+    (names, keys, sizes and checksums are the tensors'). Each job is given the load's counter."""
     if not items:
         return []
     batch = ChunkReads(
@@ -313,7 +314,7 @@ def _whole_jobs(
     )
     spans = [(run[0], run[-1] + 1) for run in batches((i, t.nbytes) for i, (t, _) in enumerate(items))]
 
-    def run(read: Callable[[], ReadStop | None], start: int, end: int) -> None:
+    def run(read: Callable[[], ReadStop | None], start: int, end: int, counter: ProgressCounter) -> None:
         stop = read()
         counter.add(sum(t.nbytes for t, _ in items[start : end if stop is None else stop.index]))
         if stop is not None:
@@ -395,20 +396,18 @@ def read_tensors(
     overlap the copies of earlier ones. When this returns or raises, no copy
     is in flight any more and every buffer is back in its pool.
     """
-    threads, progress, staging_bytes = options.threads, options.progress, options.staging_bytes
-    if threads is None:
-        threads = cold_small_threads(reader, targets)
-    counter = ProgressCounter(progress, sum(t.nbytes for t, _ in targets))
-    staging = Staging(
-        # host targets need no staging: only the boxes of device targets are listed
-        (
-            (dest.backend, c.spec.nelem * t.dtype.itemsize)
-            for t, dest in targets
-            if dest.backend is not None
-            for c in t.chunks
-        ),
-        staging_bytes,
-    )
+    prepare_reads(reader, targets, options)()
+
+
+def prepare_reads(
+    reader: CheckpointReader,
+    targets: list[tuple[TensorEntry, ArrayAdapter]],
+    options: LoadOptions,
+) -> Callable[[], None]:
+    """:func:`read_tensors` in two steps: what can be made before the load's chunk files are
+    checked is made now (the batch of tensors stored whole that go straight into host
+    arrays: no file is opened, nothing allocated, nothing reported to ``progress``); the
+    call returned does the rest and reads (once)."""
     # tensors stored whole, read into host arrays: batches of (tensor, bytes), no chunk records
     whole: list[tuple[TensorEntry, np.ndarray]] = []
     rest: list[tuple[TensorEntry, ArrayAdapter]] = []
@@ -418,13 +417,32 @@ def read_tensors(
             rest.append((t, dest))
         else:
             whole.append((t, buf))
-    reads = (((t, c, dest), c.nbytes) for t, dest in rest for c in t.chunks)
-    copies = CopyQueue() if staging.backends else None
-    jobs = [
-        *_whole_jobs(reader, whole, counter),
-        *(
-            functools.partial(_read_chunks, reader, batch, staging, copies, counter)
-            for batch in batches(reads, max_items=IO_BATCH_JOBS if reader.batches_chunks else 1)
-        ),
-    ]
-    run_reads(jobs, copies, threads=threads, name="gpuckpt-read")
+    whole_jobs = _whole_jobs(reader, whole)
+
+    def run() -> None:
+        threads, progress, staging_bytes = options.threads, options.progress, options.staging_bytes
+        if threads is None:
+            threads = cold_small_threads(reader, targets)
+        counter = ProgressCounter(progress, sum(t.nbytes for t, _ in targets))
+        staging = Staging(
+            # host targets need no staging: only the boxes of device targets are listed
+            (
+                (dest.backend, c.spec.nelem * t.dtype.itemsize)
+                for t, dest in rest
+                if dest.backend is not None
+                for c in t.chunks
+            ),
+            staging_bytes,
+        )
+        reads = (((t, c, dest), c.nbytes) for t, dest in rest for c in t.chunks)
+        copies = CopyQueue() if staging.backends else None
+        jobs = [
+            *(functools.partial(job, counter) for job in whole_jobs),
+            *(
+                functools.partial(_read_chunks, reader, batch, staging, copies, counter)
+                for batch in batches(reads, max_items=IO_BATCH_JOBS if reader.batches_chunks else 1)
+            ),
+        ]
+        run_reads(jobs, copies, threads=threads, name="gpuckpt-read")
+
+    return run

@@ -12,13 +12,14 @@ against the chunk file and against the metadata).
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import contextlib
 import functools
 import gc
 import hashlib
 import math
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -39,12 +40,14 @@ from gpuckpt.storage.chunks import stored_nbytes
 from gpuckpt.storage.layout import chunk_file_key, metadata_from_root_document, metadata_json
 from gpuckpt.storage.names import is_safe_name
 from gpuckpt.storage.segments import SEGMENTS_KEY
+from gpuckpt.workers import Workers
 
 __all__ = [
     "ChunkRead",
     "TensorEntry",
     "check_chunk_files",
     "check_chunk_table",
+    "checking_chunk_files",
     "chunk_column",
     "load_chunk_records",
     "paused_gc",
@@ -272,6 +275,24 @@ def validated_metadata(
 def check_chunk_files(reader: CheckpointReader, entries: Iterable[TensorEntry]) -> None:
     """Check that every chunk file exists with the size the metadata gives, before allocating
     (the chunk records a chunk table holds are read first, see :func:`load_chunk_records`)."""
+    with checking_chunk_files(reader, entries) as check:
+        check()
+
+
+#: a check of at least this many chunk files asks for their sizes on a thread of its own
+BACKGROUND_CHECK_MIN = 256
+_check_threads = Workers(4, "gpuckpt-check")
+
+
+@contextlib.contextmanager
+def checking_chunk_files(
+    reader: CheckpointReader, entries: Iterable[TensorEntry]
+) -> Iterator[Callable[[], None]]:
+    """:func:`check_chunk_files` begun now: the chunk records are read here, the file sizes
+    asked for on another thread (a load of many small tensors prepares its reads meanwhile,
+    while the file system answers in native code). Yields the call that waits for the sizes
+    and raises what :func:`check_chunk_files` raises; leaving the block waits for the thread,
+    whose error is then left to that call (an error of the block's own comes first)."""
     entries = list(entries)
     load_chunk_records(reader, entries)
     names: list[str] = []
@@ -288,9 +309,24 @@ def check_chunk_files(reader: CheckpointReader, entries: Iterable[TensorEntry]) 
                 names.append(t.name)
                 keys.append(c.key)
                 expected.append(c.nbytes)
-    sizes = reader.chunk_sizes(names, keys)
-    if sizes == expected:
-        return  # all as expected: compared as whole lists, not chunk by chunk
+    pending = (
+        _check_threads.submit(reader.chunk_sizes, names, keys) if len(names) >= BACKGROUND_CHECK_MIN else None
+    )
+
+    def check() -> None:
+        sizes = reader.chunk_sizes(names, keys) if pending is None else pending.result()
+        if sizes != expected:  # compared as whole lists, not chunk by chunk
+            _raise_first_mismatch(entries, sizes)
+
+    try:
+        yield check
+    finally:
+        if pending is not None:
+            concurrent.futures.wait([pending])
+
+
+def _raise_first_mismatch(entries: list[TensorEntry], sizes: list[int | None]) -> None:
+    """Raise the error of the first chunk of ``entries`` whose file size is not its record's."""
     chunks = [(t, c) for t in entries for c in t.chunks]
     for (t, c), size in zip(chunks, sizes, strict=True):
         if size != c.nbytes:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -29,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from gpuckpt.storage.checksum import _crc_package
+from gpuckpt.workers import Workers
 
 __all__ = [
     "LIBRARY",
@@ -44,6 +44,8 @@ LIBRARY = Path(__file__).with_name("_batchio.so")
 #: files that :meth:`BatchIO.sizes` checks on two threads (fewer: on one)
 PARALLEL_STAT_MIN = 2048
 _ABI = 2
+#: the second thread of :meth:`BatchIO.sizes`
+_stat_threads = Workers(4, "gpuckpt-stat")
 _LEVELS = {0: "table", 1: "pclmul", 2: "avx512"}
 
 MKDIR, FILE, CHUNK = 1, 2, 3
@@ -270,19 +272,19 @@ class BatchIO:
         # the second half on a second thread (the library releases the GIL): a load of many
         # small chunks checks every file before it reads any
         half = n // 2 if n >= PARALLEL_STAT_MIN else n
+        # (a pool's thread, not one started here: at interpreter exit none can be started,
+        # and the pool then runs the call in this thread)
+        tail = (
+            _stat_threads.submit(self._lib.gbio_stat, where, base + half * items.itemsize, n - half)
+            if half < n
+            else None
+        )
         results = [0, 0]
-
-        def tail() -> None:
-            results[1] = self._lib.gbio_stat(where, base + half * items.itemsize, n - half)
-
-        helper = threading.Thread(target=tail, name="gpuckpt-stat") if half < n else None
-        if helper is not None:
-            helper.start()
         try:
             results[0] = self._lib.gbio_stat(where, base, half)
         finally:
-            if helper is not None:
-                helper.join()
+            if tail is not None:
+                results[1] = tail.result()
         del blob
         for done in results:
             if done < 0:

@@ -124,6 +124,7 @@ class LocalReader(CheckpointReader):
         self.path = Path(path)
         self._root = os.fspath(self.path)
         self._dirs: set[str] | None = None
+        self._dirs_lock = threading.Lock()  # a load's size check may list them on another thread
         #: large chunk parts read by each path: ``"cached"`` (copied and checksummed in one
         #: pass from the page cache), ``"direct"`` (O_DIRECT into aligned memory: cold),
         #: ``"buffered"`` (pread and checksum in pieces); a record for tests and benchmarks
@@ -171,10 +172,14 @@ class LocalReader(CheckpointReader):
 
     def _array_dirs(self) -> set[str]:
         """The names of the real (not symlinked) directories of the checkpoint, listed once."""
-        if self._dirs is None:
-            with os.scandir(self._root) as it:
-                self._dirs = {e.name for e in it if e.is_dir(follow_symlinks=False)}
-        return self._dirs
+        dirs = self._dirs
+        if dirs is None:
+            with self._dirs_lock:
+                dirs = self._dirs
+                if dirs is None:
+                    with os.scandir(self._root) as it:
+                        dirs = self._dirs = {e.name for e in it if e.is_dir(follow_symlinks=False)}
+        return dirs
 
     def _array_dir(self, name: str) -> str:
         if name not in self._array_dirs():

@@ -3,13 +3,18 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 import gpuckpt
-from gpuckpt.background import wait_all
+from gpuckpt import background
+from gpuckpt.background import BACKGROUND_PLAN_MIN, wait_all
 from gpuckpt.device.staging import ArenaPool, StagingArena
+from gpuckpt.planning.plan import SavePlan, plan_save
+from gpuckpt.verify import verify_checkpoint
+from gpuckpt.writing import open_save_writer
 
 
 def test_async_save_snapshots_before_returning(tmp_path: Path) -> None:
@@ -196,3 +201,71 @@ def test_wait_all_waits_for_the_saves_of_every_writer(tmp_path: Path) -> None:
     wait_all()
     assert fut.done()
     assert np.array_equal(gpuckpt.load_state_dict(tmp_path / "c")["w"], np.arange(6.0))
+
+
+@pytest.mark.parametrize("ntensors", [BACKGROUND_PLAN_MIN - 2, BACKGROUND_PLAN_MIN - 1])
+def test_a_state_of_many_tensors_is_planned_by_the_background_save(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ntensors: int
+) -> None:
+    """The caller waits for the description and the copy only: from BACKGROUND_PLAN_MIN
+    tensors the plan is made on the writer thread (a tenth of a second for 10,000 tensors).
+    The checkpoint is the one a synchronous save writes, and is written as durably."""
+    planned_on: list[str] = []
+    writers: list[Any] = []
+
+    def recording_writer(*args: Any, **kwargs: Any) -> Any:
+        writers.append(open_save_writer(*args, **kwargs))
+        return writers[-1]
+
+    monkeypatch.setattr(background, "open_save_writer", recording_writer)
+
+    def recording_plan_save(*args: Any, **kwargs: Any) -> SavePlan:
+        planned_on.append(threading.current_thread().name)
+        return plan_save(*args, **kwargs)
+
+    monkeypatch.setattr(background, "plan_save", recording_plan_save)
+    rng = np.random.default_rng(5)
+    state: dict[str, Any] = {f"t{i}": rng.standard_normal(int(rng.integers(1, 600))) for i in range(ntensors)}
+    state["big"] = rng.standard_normal(3000)  # three chunks of 8 KiB
+    state["step"] = 7
+    want = {k: v.copy() if isinstance(v, np.ndarray) else v for k, v in state.items()}
+    fut = gpuckpt.async_save(state, tmp_path / "a", chunk_bytes=8192)
+    for v in state.values():
+        if isinstance(v, np.ndarray):
+            v[...] = -1  # after the call: not what is saved
+    md = fut.result(timeout=120)
+    caller = threading.current_thread().name
+    assert len(planned_on) == 1
+    assert (planned_on[0] != caller) == (ntensors + 1 >= BACKGROUND_PLAN_MIN)
+    gpuckpt.save(want, tmp_path / "s", chunk_bytes=8192)
+    assert md == gpuckpt.read_metadata(tmp_path / "a")
+    sync_md = gpuckpt.read_metadata(tmp_path / "s")
+    assert md.state_dict_metadata == sync_md.state_dict_metadata
+    assert md.storage_data["tensors"] == sync_md.storage_data["tensors"]
+    assert len(md.state_dict_metadata["big"].chunks) == 3
+    back = gpuckpt.load_state_dict(tmp_path / "a")
+    assert back.keys() == want.keys() and back["step"] == 7
+    assert all(np.array_equal(back[k], v) for k, v in want.items() if isinstance(v, np.ndarray))
+    assert verify_checkpoint(tmp_path / "a").ok
+    # hundreds of files: made durable by one file-system sync, as a synchronous save does
+    assert [w.sync for w in writers] == ["fs"]
+
+
+def test_an_incremental_async_save_plans_before_it_returns(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Which arrays it shares with its base is known before the copy: its plan is made first."""
+    planned_on: list[str] = []
+
+    def recording_plan_save(*args: Any, **kwargs: Any) -> SavePlan:
+        planned_on.append(threading.current_thread().name)
+        return plan_save(*args, **kwargs)
+
+    state = {f"t{i}": np.full(8, float(i)) for i in range(BACKGROUND_PLAN_MIN + 10)}
+    gpuckpt.save(state, tmp_path / "base")
+    monkeypatch.setattr(background, "plan_save", recording_plan_save)
+    state["t0"][:] = -5.0
+    gpuckpt.async_save(state, tmp_path / "next", base=tmp_path / "base").result(timeout=120)
+    assert planned_on == [threading.current_thread().name]
+    back = gpuckpt.load_state_dict(tmp_path / "next")
+    assert np.array_equal(back["t0"], np.full(8, -5.0)) and np.array_equal(back["t9"], np.full(8, 9.0))

@@ -48,11 +48,38 @@ atexit.register(at_exit)  # exit handlers run after concurrent.futures pools sto
 """
 
 
-def test_loads_and_verify_run_from_an_exit_handler(tmp_path: Path) -> None:
+MANY_SMALL = """
+import atexit, sys
+import numpy as np
+root = sys.argv[1]
+# more chunk files than one thread checks (gpuckpt.storage.batchio.PARALLEL_STAT_MIN), more
+# than a load checks on a thread of its own (gpuckpt.reading.BACKGROUND_CHECK_MIN)
+state = {f"t{i}": np.full(4, i, np.float32) for i in range(2100)}
+
+def at_exit():
+    import gpuckpt
+    from gpuckpt.storage import batchio
+
+    print("native", batchio.available(), flush=True)
+    target = {k: np.zeros(4, np.float32) for k in state}
+    gpuckpt.load(target, root)
+    print("load", all(np.array_equal(target[k], v) for k, v in state.items()), flush=True)
+    back = gpuckpt.load_state_dict(root)
+    print("load_state_dict", all(np.array_equal(back[k], v) for k, v in state.items()), flush=True)
+
+import gpuckpt
+gpuckpt.save(state, root, sync="none")
+atexit.register(at_exit)
+"""
+
+
+def _run_at_exit(script: str, root: Path) -> list[str]:
+    """The lines a child running ``script`` (with ``root`` as its argument) printed; fails
+    when it hung, failed or printed a traceback."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("GPUCKPT_DIRECT_IO", None)
     proc = subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(SCRIPT), str(tmp_path / "c")],
+        [sys.executable, "-c", textwrap.dedent(script), str(root)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -67,11 +94,23 @@ def test_loads_and_verify_run_from_an_exit_handler(tmp_path: Path) -> None:
         raise AssertionError(f"the child hung (killed after 120 s); stderr:\n{err}") from None
     assert proc.returncode == 0, err
     assert "Traceback" not in err, err
-    assert out.split("\n") == [
+    return out.split("\n")
+
+
+def test_loads_and_verify_run_from_an_exit_handler(tmp_path: Path) -> None:
+    assert _run_at_exit(SCRIPT, tmp_path / "c") == [
         "load_state_dict True",
         "load True",
         "reshard True",
         "device True",
         "verify True",
         "",
-    ], err
+    ]
+
+
+def test_loads_of_many_small_tensors_run_from_an_exit_handler(tmp_path: Path) -> None:
+    """Checking thousands of chunk files takes threads of gpuckpt's own pools (none can be
+    started while the interpreter exits: a thread of its own made such a load fail there)."""
+    lines = _run_at_exit(MANY_SMALL, tmp_path / "c")
+    assert lines[1:] == ["load True", "load_state_dict True", ""]
+    assert lines[0] in ("native True", "native False")
