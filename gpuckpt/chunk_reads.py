@@ -251,6 +251,7 @@ def _read_host_batch(
             buffers,
             pads,
             [c.crc for _, c, _ in reads],
+            checked=True,  # the files of checked tensors (check_chunk_files)
         )
         stop = reader.read_chunks(batch)
         done = len(reads) if stop is None else stop.index
@@ -311,6 +312,7 @@ def _whole_jobs(
         [b for _, b in items],
         [0] * len(items),
         [int(t._crcs()[0]) for t, _ in items],
+        checked=True,  # read_tensors reads the files of checked tensors (check_chunk_files)
     )
     spans = [(run[0], run[-1] + 1) for run in batches((i, t.nbytes) for i, (t, _) in enumerate(items))]
 

@@ -73,13 +73,17 @@ class ChunkReads:
     """Chunk files to read and check in one call: item ``i`` is chunk ``keys[i]`` of array
     ``names[i]``, whose first bytes land in the writable C-contiguous ``buffers[i]``,
     followed by ``pads[i]`` bytes of padding (read, checksummed, dropped) and the CRC32C
-    trailer; the CRC32C of data and padding must equal the trailer and ``expected[i]``."""
+    trailer; the CRC32C of data and padding must equal the trailer and ``expected[i]``.
+    ``checked``: every file was found a regular file of the right size just before
+    (:func:`gpuckpt.reading.check_chunk_files`); a reader may then leave out the look
+    before opening each one (never the checks of what it opened)."""
 
     names: Sequence[str]
     keys: Sequence[str]
     buffers: Sequence[Any]
     pads: Sequence[int]
     expected: Sequence[int]
+    checked: bool = False
 
     def select(self, indices: Sequence[int]) -> ChunkReads:
         """The items at ``indices``, in that order."""
@@ -89,6 +93,7 @@ class ChunkReads:
             [self.buffers[i] for i in indices],
             [self.pads[i] for i in indices],
             [self.expected[i] for i in indices],
+            self.checked,
         )
 
 

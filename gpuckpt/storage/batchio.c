@@ -30,7 +30,7 @@
 
 #include "crc32c_simd.h"
 
-#define GBIO_ABI 2
+#define GBIO_ABI 3
 
 /* What an item is (kind). */
 enum { GBIO_MKDIR = 1, GBIO_FILE = 2, GBIO_CHUNK = 3 };
@@ -53,6 +53,8 @@ enum {
 /* Write flags: fsync each file as written; start the writeback of large files; fsync the
  * files once a group of them is written (see gbio_write). */
 enum { GBIO_FSYNC = 1, GBIO_WRITEBACK = 2, GBIO_FSYNC_GROUP = 4 };
+/* flags of gbio_read */
+enum { GBIO_CHECKED = 1 };
 
 /* files held open until their group's fsync */
 #define GROUP 64
@@ -312,17 +314,21 @@ static int readv_full(int fd, struct iovec *iov, int cnt, uint64_t *done)
 
 /* Open a checkpoint file the way gpuckpt reads untrusted files: never a symlink, never a
  * FIFO or device (checked before opening, so that none is even opened, and again after,
- * in case it was replaced meanwhile), never blocking. */
-static int open_regular(int dir, struct gbio_item *it)
+ * in case it was replaced meanwhile), never blocking. GBIO_CHECKED: the caller checked
+ * every file with gbio_stat just before, so the check before opening is left out (a file
+ * replaced since is opened without blocking, as no controlling terminal, and refused). */
+static int open_regular(int dir, struct gbio_item *it, uint32_t flags)
 {
     struct stat st;
-    if (fstatat(dir, it->path, &st, AT_SYMLINK_NOFOLLOW)) return fail(it, GBIO_STEP_STAT, errno);
-    if (!S_ISREG(st.st_mode)) {
-        it->mode = st.st_mode;
-        return fail(it, GBIO_STEP_NOTREG, ENOENT);
+    if (!(flags & GBIO_CHECKED)) {
+        if (fstatat(dir, it->path, &st, AT_SYMLINK_NOFOLLOW)) return fail(it, GBIO_STEP_STAT, errno);
+        if (!S_ISREG(st.st_mode)) {
+            it->mode = st.st_mode;
+            return fail(it, GBIO_STEP_NOTREG, ENOENT);
+        }
     }
     int fd;
-    do fd = openat(dir, it->path, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+    do fd = openat(dir, it->path, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_NOCTTY | O_CLOEXEC);
     while (fd < 0 && errno == EINTR);
     if (fd < 0) {
         if (errno == ELOOP) { /* replaced by a symlink since the fstatat */
@@ -344,9 +350,9 @@ static int open_regular(int dir, struct gbio_item *it)
     return fd;
 }
 
-static int read_one(int dir, struct gbio_item *it, uint8_t *scratch)
+static int read_one(int dir, struct gbio_item *it, uint8_t *scratch, uint32_t flags)
 {
-    int fd = open_regular(dir, it);
+    int fd = open_regular(dir, it, flags);
     if (fd < 0) return -1;
     uint8_t trailer[4];
     struct iovec iov[2] = {{it->data, it->nbytes}, {trailer, 4}};
@@ -385,9 +391,10 @@ static int read_one(int dir, struct gbio_item *it, uint8_t *scratch)
  * first nbytes into data, then pad bytes that are checksummed and dropped, then the
  * 4-byte trailer; the CRC-32C of data and padding must equal both the trailer and expect.
  * A file longer than that is read no further. Stops at the first item that fails (a
- * system error, a file that is not regular, a short file, a checksum mismatch). Returns
- * the number of items done, or -errno when root cannot be opened. */
-int64_t gbio_read(const char *root, struct gbio_item *items, uint64_t n)
+ * system error, a file that is not regular, a short file, a checksum mismatch). flags:
+ * GBIO_CHECKED (see open_regular). Returns the number of items done, or -errno when root
+ * cannot be opened. */
+int64_t gbio_read(const char *root, struct gbio_item *items, uint64_t n, uint32_t flags)
 {
     gbio_isa();
     int dir = open(root, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
@@ -404,7 +411,7 @@ int64_t gbio_read(const char *root, struct gbio_item *items, uint64_t n)
             fail(it, GBIO_STEP_READ, ENOMEM);
             break;
         }
-        if (read_one(dir, it, scratch)) break;
+        if (read_one(dir, it, scratch, flags)) break;
     }
     free(scratch);
     close(dir);

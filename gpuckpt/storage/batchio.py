@@ -43,7 +43,7 @@ __all__ = [
 LIBRARY = Path(__file__).with_name("_batchio.so")
 #: files that :meth:`BatchIO.sizes` checks on two threads (fewer: on one)
 PARALLEL_STAT_MIN = 2048
-_ABI = 2
+_ABI = 3
 #: the second thread of :meth:`BatchIO.sizes`
 _stat_threads = Workers(4, "gpuckpt-stat")
 _LEVELS = {0: "table", 1: "pclmul", 2: "avx512"}
@@ -62,6 +62,8 @@ STEPS = {
     10: "mismatch",
 }
 _FSYNC, _WRITEBACK, _FSYNC_GROUP = 1, 2, 4
+#: flag of gbio_read: the files were checked (BatchIO.sizes) just before
+_CHECKED = 1
 
 #: ``struct gbio_item`` of batchio.c
 ITEM = np.dtype(
@@ -158,7 +160,7 @@ class BatchIO:
             ctypes.c_uint64,
         ]
         lib.gbio_read.restype = ctypes.c_int64
-        lib.gbio_read.argtypes = [ctypes.c_char_p, ctypes.c_void_p, ctypes.c_uint64]
+        lib.gbio_read.argtypes = [ctypes.c_char_p, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32]
         lib.gbio_stat.restype = ctypes.c_int64
         lib.gbio_stat.argtypes = [ctypes.c_char_p, ctypes.c_void_p, ctypes.c_uint64]
         lib.gbio_isa()  # chooses the CRC code once, on this thread
@@ -234,20 +236,31 @@ class BatchIO:
         return items, self._stop(items, done, root)
 
     def prepare_read(
-        self, paths: Sequence[str], buffers: Sequence[Any], pads: Sequence[int], expected: Sequence[int]
+        self,
+        paths: Sequence[str],
+        buffers: Sequence[Any],
+        pads: Sequence[int],
+        expected: Sequence[int],
+        *,
+        checked: bool = False,
     ) -> PreparedReads:
         """The items of :meth:`read`, made once: :meth:`PreparedReads.read` then reads any
         range of them (from any thread, each range once)."""
-        return self._prepare(paths, buffers, pads, expected)
+        return self._prepare(paths, buffers, pads, expected, checked)
 
     def _prepare(
-        self, paths: Sequence[str], buffers: Sequence[Any], pads: Sequence[int], expected: Sequence[int]
+        self,
+        paths: Sequence[str],
+        buffers: Sequence[Any],
+        pads: Sequence[int],
+        expected: Sequence[int],
+        checked: bool,
     ) -> PreparedReads:
         items, blob = self._items(paths, [CHUNK] * len(paths))
         self._buffers(items, buffers, True)
         items["pad"] = pads
         items["expect"] = expected
-        return PreparedReads(self, items, blob)
+        return PreparedReads(self, items, blob, _CHECKED if checked else 0)
 
     def read(
         self,
@@ -256,11 +269,15 @@ class BatchIO:
         buffers: Sequence[Any],
         pads: Sequence[int],
         expected: Sequence[int],
+        *,
+        checked: bool = False,
     ) -> tuple[np.ndarray, Stop | None]:
         """Read chunk ``paths[i]`` under ``root`` into ``buffers[i]``, then ``pads[i]`` bytes
         that are checksummed and dropped, then its trailer, and check the CRC32C against
-        the trailer and ``expected[i]`` (see ``gbio_read`` in batchio.c)."""
-        prepared = self._prepare(paths, buffers, pads, expected)
+        the trailer and ``expected[i]`` (see ``gbio_read`` in batchio.c). ``checked``: every
+        path was found a regular file by :meth:`sizes` just before; each is then opened
+        without looking at it first (what was opened is still refused if not a regular file)."""
+        prepared = self._prepare(paths, buffers, pads, expected, checked)
         return prepared.items, prepared.read(root, 0, len(paths))
 
     def sizes(self, root: str, paths: Sequence[str]) -> tuple[np.ndarray, list[Stop]]:
@@ -346,14 +363,15 @@ class BatchIO:
 class PreparedReads:
     """Chunk reads made into the library's items once (see :meth:`BatchIO.prepare_read`)."""
 
-    def __init__(self, lib: BatchIO, items: np.ndarray, blob: bytes) -> None:
+    def __init__(self, lib: BatchIO, items: np.ndarray, blob: bytes, flags: int = 0) -> None:
         self._lib, self.items, self._blob = lib, items, blob  # the blob holds the paths
+        self._flags = flags
 
     def read(self, root: str, start: int, stop: int) -> Stop | None:
         """Read items ``[start, stop)`` (as :meth:`BatchIO.read`); where they stopped, the
         index counted from the first item of all."""
         part = self.items[start:stop]
-        done = self._lib._lib.gbio_read(os.fsencode(root), part.ctypes.data, len(part))
+        done = self._lib._lib.gbio_read(os.fsencode(root), part.ctypes.data, len(part), self._flags)
         where = BatchIO._stop(part, done, root)
         return None if where is None else replace(where, index=start + where.index)
 

@@ -309,7 +309,12 @@ class LocalReader(CheckpointReader):
                 break
         paths = [f"{n}/{k}" for n, k in zip(batch.names[:count], batch.keys[:count], strict=True)]
         _items, stop = lib.read(
-            self._root, paths, batch.buffers[:count], batch.pads[:count], batch.expected[:count]
+            self._root,
+            paths,
+            batch.buffers[:count],
+            batch.pads[:count],
+            batch.expected[:count],
+            checked=batch.checked,
         )
         return missing if stop is None else self._read_stop(stop, batch)
 
@@ -345,6 +350,7 @@ class LocalReader(CheckpointReader):
             batch.buffers,
             batch.pads,
             batch.expected,
+            checked=batch.checked,
         )
         fallback = dict(zip(spans, super().chunk_read_jobs(batch, spans), strict=True))
 

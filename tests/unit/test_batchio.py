@@ -309,12 +309,14 @@ def test_native_and_python_reads_agree_on_intact_and_damaged_chunks(
     # in order is the one read_chunks finds (the ranges before it were read whole)
     cuts = sorted(random.Random(seed).sample(range(1, len(buffers)), k=min(3, max(0, len(buffers) - 1))))
     spans = list(itertools.pairwise([0, *cuts, len(buffers)])) if buffers else []
-    for chosen, how in ((lib, "batch"), (None, "batch"), (lib, "jobs"), (None, "jobs")):
+    # checked: as after check_chunk_files (the native path opens each file without a look first)
+    ways = [(c, h, k) for k in (False, True) for c in (lib, None) for h in ("batch", "jobs")]
+    for chosen, how, checked in ways:
         dests = [
             np.full(x.nbytes + 64, 0xA5, np.uint8)[s : s + x.nbytes]
             for x, s in zip(buffers, shifts, strict=False)
         ]
-        reads = ChunkReads(b.names, b.keys, dests, pads, expected)
+        reads = ChunkReads(b.names, b.keys, dests, pads, expected, checked)
         with using(chosen):
             if how == "batch":
                 stop = LocalReader(root).read_chunks(reads)
@@ -327,7 +329,7 @@ def test_native_and_python_reads_agree_on_intact_and_damaged_chunks(
         for i in range(done):
             np.testing.assert_array_equal(dests[i], buffers[i])
         outcomes.append(_stop_fields(stop))
-    assert outcomes[0] == outcomes[1] == outcomes[2] == outcomes[3]
+    assert all(o == outcomes[0] for o in outcomes), list(zip(ways, outcomes, strict=True))
     if damage in ("none", "extend") or not buffers:
         assert outcomes[0] is None
 
@@ -360,9 +362,9 @@ def test_read_jobs_prepare_small_ranges_once_and_read_the_rest_as_read_chunks(
     prepared: list[int] = []
     make = BatchIO.prepare_read
 
-    def counted(self: BatchIO, paths: list[str], *args: Any) -> Any:
+    def counted(self: BatchIO, paths: list[str], *args: Any, **kwargs: Any) -> Any:
         prepared.append(len(paths))
-        return make(self, paths, *args)
+        return make(self, paths, *args, **kwargs)
 
     monkeypatch.setattr(BatchIO, "prepare_read", counted)
     spans = [(0, 2), (2, 3), (3, 6)]
@@ -411,6 +413,44 @@ def test_a_read_stop_names_what_went_wrong(lib: BatchIO, tmp_path: Path) -> None
     stop = read(crcs)
     assert stop is not None and stop.index == 0 and isinstance(stop.error, FileNotFoundError)
     assert stop.error.filename == f"{root}/a0/c.0"
+
+
+@pytest.mark.parametrize("kind", ["fifo", "to-dir", "symlink", "missing"])
+def test_a_checked_read_refuses_a_file_replaced_after_the_check_without_blocking(
+    lib: BatchIO, tmp_path: Path, kind: str
+) -> None:
+    """After check_chunk_files the native read opens each file without looking first
+    (ChunkReads.checked); a chunk replaced since then by a FIFO, a directory or a symlink is
+    opened without blocking and refused by what it is (or not opened at all), with the
+    stop of the look-first read."""
+    buffers = [np.arange(3000, dtype=np.uint8), np.arange(70, dtype=np.uint8)]
+    w, b = _write(tmp_path / "c", buffers, [0, 0], [None, None])
+    with using(lib):
+        crcs = w.write_chunks(b)
+    w.commit(ROOT_DOC)
+    root = tmp_path / "c"
+    with using(lib):
+        sizes = LocalReader(root).chunk_sizes(b.names, b.keys)
+    assert sizes == [3004, 74]  # the check found both regular, of the right size
+    _damage(root, kind, "a1", random.Random(0))
+    stops = []
+    for checked in (False, True):
+        dests = [np.zeros(3000, np.uint8), np.zeros(70, np.uint8)]
+        with using(lib):
+            reader = LocalReader(root)
+            jobs = reader.chunk_read_jobs(ChunkReads(b.names, b.keys, dests, [0, 0], crcs, checked), [(0, 2)])
+            stop = jobs[0]()
+        np.testing.assert_array_equal(dests[0], buffers[0])
+        stops.append(_stop_fields(stop))
+    assert stops[0] == stops[1]
+    index, _got, _crc, _stored, error = stops[1]
+    assert index == 1
+    want = {"fifo": stat.S_IFIFO, "to-dir": stat.S_IFDIR, "symlink": stat.S_IFLNK, "missing": None}[kind]
+    assert error == (
+        ("FileNotFoundError", errno.ENOENT, None)
+        if want is None
+        else ("NotRegularFileError", errno.ENOENT, want)
+    )
 
 
 # ---- writes under faults: the same error on both paths, nothing published ------------------
@@ -611,6 +651,8 @@ _SANITIZED = """
         assert lib.read(root, cpaths[3:], dests[3:], pads[3:], crcs[3:])[1].step == "short"
         assert lib.read(root, cpaths[:2], dests[:2], pads[:2], [crcs[0], 1])[1].step == "mismatch"
         assert lib.read(root, ["nope/c.0"], dests[:1], [0], [0])[1].step == "stat"
+        assert lib.read(root, cpaths[:2], dests[:2], pads[:2], crcs[:2], checked=True)[1] is None
+        assert lib.read(root, ["nope/c.0"], dests[:1], [0], [0], checked=True)[1].step == "open"
         sizes, stops = lib.sizes(root, [*cpaths, "nope/c.0", "a0"])
         assert [s.step for s in stops] == ["stat", "not-regular"] and sizes[2] == 50
         assert lib.write(root, [CHUNK], ["a0/c.0"], [bufs[0]], [0], fsync=None, writeback_min=0)[1].step == "open"
@@ -621,7 +663,7 @@ _SANITIZED = """
         keep = ctypes.create_string_buffer(path)
         items["path"] = ctypes.addressof(keep); items["data"] = short.ctypes.data; items["nbytes"] = 4100
         items["kind"] = CHUNK
-        lib._lib.gbio_read(os.path.join(base, "table" if lib.isa == "table" else lib.isa).encode(), items.ctypes.data, 1)
+        lib._lib.gbio_read(os.path.join(base, "table" if lib.isa == "table" else lib.isa).encode(), items.ctypes.data, 1, 0)
     print("ok")
 """
 
