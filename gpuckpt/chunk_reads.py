@@ -287,14 +287,15 @@ def _raise_stop(t: TensorEntry, c: ChunkRead, stop: ReadStop) -> None:
 
 
 def _whole_buffer(t: TensorEntry, dest: ArrayAdapter) -> np.ndarray | None:
-    """The bytes of host array ``dest`` when the one chunk of ``t`` (stored whole) can be read
-    straight into them, else None."""
+    """The memory of host array ``dest`` when the one chunk of ``t`` (stored whole) can be
+    read straight into it, else None: the array itself where NumPy exports its buffer (its
+    own dtypes), its bytes otherwise (bfloat16 and other extension dtypes export none)."""
     if not (t.whole and isinstance(dest, HostArray)):
         return None
     a = dest.array
     if not a.flags.c_contiguous or a.dtype.byteorder == ">":
         return None
-    return a.reshape(-1).view(np.uint8)
+    return a if a.dtype.isbuiltin == 1 else a.reshape(-1).view(np.uint8)
 
 
 def _whole_jobs(
