@@ -262,15 +262,14 @@ def main() -> None:
         result = {"error": traceback.format_exc()}
     (out / f"rank{rank}.json").write_text(json.dumps(result, default=str))
     code = 1 if "error" in result else 0
-    if job == "s3":
-        # Known, not yet understood: about one run in six, a rank of this job aborts during
-        # interpreter teardown ("terminate called without an active exception", from native
-        # threads), after its result is written. The result above is what the test checks; the
-        # rank leaves without the teardown so that the abort does not mask it.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    sys.exit(code)
+    # Known, not yet understood: now and then a rank aborts during interpreter teardown
+    # ("terminate called without an active exception", from native threads of torch's gloo
+    # back end), after its result is written: about one run in six of the s3 job, and once
+    # in a load job on a loaded machine. The result above is what the test checks; the rank
+    # leaves without the teardown so that the abort does not mask it.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":
