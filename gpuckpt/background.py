@@ -34,7 +34,7 @@ from gpuckpt.memory_format import physical_order
 from gpuckpt.metadata import STATE_DICT_TYPE, Metadata
 from gpuckpt.options import DEFAULT_CHUNK_BYTES, DEFAULT_STAGING_BYTES, SaveOptions
 from gpuckpt.pending import SaveFuture, submit, wait_all, writer_executor
-from gpuckpt.planning.plan import StateDescription, plan_save
+from gpuckpt.planning.plan import SavePlan, StateDescription, plan_save
 from gpuckpt.progress import ProgressCallback
 from gpuckpt.reading import paused_gc
 from gpuckpt.sources import Source, contains_sharded, describe_state
@@ -309,12 +309,16 @@ def async_save_with_options(
     if coordinator is not None or contains_sharded(state_dict):
         return _async_distributed(state_dict, path, options, coordinator or SingleProcessCoordinator())
     local, sources = describe_state(state_dict, allow_pickle=options.allow_pickle)
+
     # the plan of a state of many tensors is made by the save, in the background (a tenth of
     # a second for 10,000 tensors, more than their copy); an incremental save needs it now,
     # to leave out the arrays it shares with its base. A process's whole arrays plan without
     # error: what could be wrong with them was found by describe_state.
+    def make_plan() -> SavePlan:
+        return plan_save([local], chunk_bytes=options.chunk_bytes, portable=options.portable)
+
     later = options.base is None and len(local.tensors) >= BACKGROUND_PLAN_MIN
-    plan = None if later else plan_save([local], chunk_bytes=options.chunk_bytes, portable=options.portable)
+    plan = None if later else make_plan()
     # opening the writer checks the path's scheme and the writer's options; it touches no file.
     # Large chunks go straight from the snapshot to the device: no dirty page cache next to
     # the training process. (Without the plan: at least a document per tensor and the root's.)
@@ -327,9 +331,7 @@ def async_save_with_options(
 
     def run(snap: dict[str, tuple[Source, ...]]) -> Callable[[], Metadata]:
         def save() -> Metadata:
-            planned = plan
-            if planned is None:
-                planned = plan_save([local], chunk_bytes=options.chunk_bytes, portable=options.portable)
+            planned = plan if plan is not None else make_plan()
             return execute_save(planned, snap, writer, options, checkpoint_id=str(uuid.uuid4()))
 
         return save
