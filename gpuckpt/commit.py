@@ -22,6 +22,7 @@ from gpuckpt.incremental import (
     hash_columns,
 )
 from gpuckpt.metadata import (
+    VERSION_COLUMNS,
     VERSION_LISTED,
     VERSION_WITH_TABLE,
     BytesStorageMetadata,
@@ -38,11 +39,13 @@ from gpuckpt.storage.layout import chunk_file_key, root_document
 from gpuckpt.storage.segments import SEGMENTS_KEY, segment_record, segments_entry
 
 __all__ = [
+    "COLUMNS_MIN_TENSORS",
     "Written",
     "as_columns",
     "assemble_metadata",
     "columns_of_results",
     "commit_save",
+    "format_version",
     "result_columns",
     "table_columns",
     "uses_table",
@@ -197,10 +200,22 @@ def assemble_metadata(
         planner_data={"structure": plan.skeleton},
         storage_data=storage_data,
         storage_meta=StorageMeta(checkpoint_id=checkpoint_id, modules=["gpuckpt"]),
-        # a checkpoint that lists its chunks is a format version 1 checkpoint (older releases
-        # read it); only the chunk table needs version 2
-        version=VERSION_WITH_TABLE if table is not None else VERSION_LISTED,
+        version=format_version(plan, table is not None),
     )
+
+
+#: checkpoints of this many tensors or more (with a chunk table) keep their tensor entries
+#: as columns (format version 3): below it the entries of version 2 parse in a few ms
+COLUMNS_MIN_TENSORS = 1024
+
+
+def format_version(plan: SavePlan, table: bool) -> str:
+    """The oldest format version that pays for a checkpoint of ``plan``, so that older releases
+    read every checkpoint they can: one that lists its chunks is version 1; a chunk table
+    needs version 2; columns of many tensors' entries (:mod:`gpuckpt.tensor_columns`) need 3."""
+    if not table:
+        return VERSION_LISTED
+    return VERSION_COLUMNS if len(plan.tensors) >= COLUMNS_MIN_TENSORS else VERSION_WITH_TABLE
 
 
 def as_columns(

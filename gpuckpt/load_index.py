@@ -27,6 +27,7 @@ import numpy as np
 from gpuckpt.entries import StoredProperties, TensorEntry
 from gpuckpt.errors import MetadataError
 from gpuckpt.metadata import (
+    VERSION_COLUMNS,
     VERSION_LISTED,
     BytesStorageMetadata,
     Metadata,
@@ -38,6 +39,7 @@ from gpuckpt.metadata import (
 from gpuckpt.storage.chunk_table import TABLE_KEY, ChunkTable
 from gpuckpt.storage.names import is_safe_name
 from gpuckpt.storage.segments import SEGMENTS_KEY
+from gpuckpt.tensor_columns import COLUMNS_KEY, checked_columns, expand
 
 __all__ = ["MAX_EXTENT", "IndexedMetadata", "load_index"]
 
@@ -51,6 +53,18 @@ class IndexedMetadata(Metadata):
     object as its :attr:`TensorEntry.metadata <gpuckpt.entries.TensorEntry.metadata>`).
     Equal to the :class:`~gpuckpt.metadata.Metadata` the general path parses; it pickles as one.
     """
+
+    @property
+    def storage_data(self) -> Any:
+        d = self.__dict__
+        if "storage_data" not in d:
+            # format version 3: the storage entries of the tensors in columns, as version 2 has them
+            d["storage_data"] = expand(d.pop("_columns_of"))["storage_data"]
+        return d["storage_data"]
+
+    @storage_data.setter
+    def storage_data(self, value: Any) -> None:
+        self.__dict__["storage_data"] = value
 
     def __getattr__(self, name: str) -> Any:
         if name == "state_dict_metadata":
@@ -151,6 +165,19 @@ def _index(data: Any) -> tuple[IndexedMetadata, dict[str, TensorEntry], dict[str
             return None
         spans.append((row, n))
         tensors[fqn] = indexed(fqn, name, stored, size, nbytes, n, grid, table, row, info.get(SEGMENTS_KEY))
+    columned = version == VERSION_COLUMNS and COLUMNS_KEY in data
+    fqns: list[str] = list(raw_entries)
+    if columned:
+        lists = checked_columns(data[COLUMNS_KEY])
+        in_columns = lists[0]
+        if in_columns:
+            if table is None:
+                table = ChunkTable.parse(sd.get(TABLE_KEY))
+            if not _column_tensors(
+                lists, raw_entries, stored_tensors, table, grids, shared, names, tensors, spans
+            ):
+                return None
+            fqns = sorted(fqns + in_columns)
     if table is not None:
         # the tensors' rows tile the table: each row belongs to exactly one chunk
         at = 0
@@ -162,10 +189,81 @@ def _index(data: Any) -> tuple[IndexedMetadata, dict[str, TensorEntry], dict[str
             return None
     md = IndexedMetadata.__new__(IndexedMetadata)
     md.__dict__.update(
-        _index=(list(raw_entries), tensors),
+        _index=(fqns, tensors),
         planner_data=pd,
-        storage_data=sd,
         storage_meta=storage_meta,
         version=version,
     )
+    if not columned:
+        md.storage_data = sd
+    else:
+        md.__dict__["_columns_of"] = data
     return md, tensors, objects
+
+
+def _column_tensors(
+    lists: tuple[list[Any], ...],
+    raw_entries: dict[str, Any],
+    stored_tensors: dict[str, Any],
+    table: ChunkTable,
+    grids: _GridEntries,
+    shared: dict[tuple[str, str, str, bool, bool], StoredProperties],
+    names: set[str],
+    tensors: dict[str, TensorEntry],
+    spans: list[tuple[int, int]],
+) -> bool:
+    """Add the tensors of the lists of a ``tensor_columns`` object (format version 3; their shape
+    checked by :func:`~gpuckpt.tensor_columns.checked_columns`) to ``tensors``, checked as
+    :func:`~gpuckpt.tensor_columns.expand` and the version 2 path check them; False for
+    anything else."""
+    fqns, column_names, sizes, properties, prop, shapes, rows = lists
+    # each distinct properties object is checked once
+    stored_of: list[StoredProperties] = []
+    for raw in properties:
+        props = grids.checked_properties(raw)
+        if props is None:
+            return False
+        key, (dtype, fmt) = props
+        stored = shared.get(key)
+        if stored is None:
+            stored = shared[key] = StoredProperties(np.dtype(dtype), key[3], fmt, key[4])
+        stored_of.append(stored)
+    indexed = TensorEntry.indexed
+    prod = math.prod
+    regular_grid = grids.regular_grid
+    for i, fqn in enumerate(fqns):
+        if fqn in raw_entries or fqn in stored_tensors:
+            return False
+        size_raw = sizes[i]
+        if type(size_raw) is not list or len(size_raw) > 32:
+            return False
+        for n in size_raw:
+            if type(n) is not int or n < 0:
+                return False
+        shape = shapes[i]
+        sized = regular_grid(size_raw, size_raw if shape is None else shape)
+        if sized is None:
+            return False
+        size, grid = sized
+        name = column_names[i]
+        if name is None:
+            name = fqn
+        if name in names or not is_safe_name(name):
+            return False
+        names.add(name)
+        stored = stored_of[prop[i]]
+        nbytes = prod(size) * stored.dtype.itemsize
+        if nbytes >= MAX_EXTENT or (size and max(size) >= MAX_EXTENT):
+            return False
+        if grid is None:
+            n = 1  # stored whole
+        else:
+            if any(c > max(s, 1) for c, s in zip(grid.chunk_shape, size, strict=True)):
+                return False
+            n = 0 if 0 in size else grid.nchunks
+        row = rows[i]
+        if type(row) is not int or not 0 <= row <= table.rows - n:
+            return False
+        spans.append((row, n))
+        tensors[fqn] = indexed(fqn, name, stored, size, nbytes, n, grid, table, row, None)
+    return True

@@ -18,6 +18,7 @@ from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 from gpuckpt import memory_format as mf
+from gpuckpt import tensor_columns
 from gpuckpt.dtypes import dtype_from_name, dtype_name, get_default_dtype
 from gpuckpt.errors import MetadataError, UnsupportedVersionError
 
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
 __all__ = [
     "FORMAT_VERSION",
     "READABLE_VERSIONS",
+    "VERSION_COLUMNS",
     "VERSION_LISTED",
     "VERSION_WITH_TABLE",
     "STATE_DICT_TYPE",
@@ -42,13 +44,16 @@ __all__ = [
 ]
 
 #: The newest version of the on-disk format this release writes (it reads every version up to it).
-FORMAT_VERSION = "2"
+FORMAT_VERSION = "3"
 #: The version of a checkpoint that lists every chunk in its metadata (the only form of version 1).
 VERSION_LISTED = "1"
 #: The version of a checkpoint that keeps its per-chunk records in a chunk table.
 VERSION_WITH_TABLE = "2"
+#: The version of a checkpoint that keeps its usual tensor entries as columns
+#: (:mod:`gpuckpt.tensor_columns`; a superset of version 2).
+VERSION_COLUMNS = "3"
 #: Every format version this release reads.
-READABLE_VERSIONS = ("1", "2")
+READABLE_VERSIONS = ("1", "2", "3")
 
 
 @dataclass
@@ -300,8 +305,9 @@ class Metadata:
             else:
                 raise MetadataError(f"entry {fqn!r} has unsupported metadata type {type(md).__name__}")
         meta = self.storage_meta
-        return {
-            "version": self.version or FORMAT_VERSION,
+        version = self.version or FORMAT_VERSION
+        data = {
+            "version": version,
             "state_dict_metadata": entries,
             "planner_data": self.planner_data,
             "storage_data": self.storage_data,
@@ -314,6 +320,7 @@ class Metadata:
                 "modules": list(meta.modules),
             },
         }
+        return tensor_columns.compact(data) if version == VERSION_COLUMNS else data
 
     @classmethod
     def from_json(cls, text: str | bytes) -> Metadata:
@@ -328,6 +335,8 @@ class Metadata:
     def from_json_dict(cls, data: Any) -> Metadata:
         d = _expect_dict(data, "metadata")
         version = parse_version(d)
+        if version == VERSION_COLUMNS:
+            d = tensor_columns.expand(d)
         raw_entries = _expect_dict(d.get("state_dict_metadata"), "metadata.state_dict_metadata")
         entries: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
         storage_data = d.get("storage_data")
@@ -526,14 +535,23 @@ class _GridEntries:
         for n in size_raw:
             if type(n) is not int or n < 0:
                 return None
-        props = self._checked_properties(raw.get("properties"))
+        props = self.checked_properties(raw.get("properties"))
         if props is None:
             return None
         grid_raw = info.get("chunk_grid") if type(info) is dict else None
         conf = grid_raw.get("configuration") if type(grid_raw) is dict else None
         if type(conf) is not dict or grid_raw.get("name") != "regular":  # type: ignore[union-attr]
             return None
-        shape_raw = conf.get("chunk_shape")
+        sized = self.regular_grid(size_raw, conf.get("chunk_shape"))
+        if sized is None:
+            return None
+        return sized[0], props[0], props[1], sized[1]
+
+    def regular_grid(self, size_raw: list[Any], shape_raw: Any) -> tuple[tuple[int, ...], Any] | None:
+        """``(size, grid)`` of a tensor of the checked size ``size_raw`` on a regular grid of
+        chunk shape ``shape_raw`` (as stored), checked as the general path checks it; ``grid``
+        is None when the tensor is stored whole (its one chunk its own shape, none of its axes
+        empty). None for anything else."""
         if type(shape_raw) is not list:
             return None
         for c in shape_raw:
@@ -541,7 +559,7 @@ class _GridEntries:
                 return None
         size = tuple(size_raw)
         if shape_raw == size_raw and 0 not in size:
-            return size, props[0], props[1], None  # the usual grid of a small tensor
+            return size, None  # the usual grid of a small tensor
         chunk_shape = tuple(shape_raw)
         key = (size, chunk_shape)
         grid = self._grids.get(key)
@@ -557,9 +575,9 @@ class _GridEntries:
             if nchunks > MAX_GRID_CHUNKS:
                 return None
             grid = self._grids[key] = _regular_grid(size, chunk_shape)
-        return size, props[0], props[1], grid
+        return size, grid
 
-    def _checked_properties(
+    def checked_properties(
         self, raw: Any
     ) -> tuple[tuple[str, str, str, bool, bool], tuple[Any, mf.MemoryFormat]] | None:
         """The properties ``raw`` as stored and their parsed dtype and memory format, or None."""

@@ -1,10 +1,12 @@
 """The state behind the golden checkpoints in ``tests/fixtures/``.
 
-``python -m gpuckpt.testing.golden DIR [--chunk-table]`` writes a checkpoint of
-:func:`golden_state` with the current code. The committed copies under
-``tests/fixtures/format-v1`` (written by format version 1) and
+``python -m gpuckpt.testing.golden DIR [--chunk-table | --columns]`` writes a
+checkpoint of :func:`golden_state` with the current code. The committed copies
+under ``tests/fixtures/format-v1`` (written by format version 1),
 ``tests/fixtures/format-v2`` (format version 2, its chunk records in a chunk
-table, as large checkpoints keep them) are loaded by every test run and
+table, as large checkpoints keep them) and ``tests/fixtures/format-v3`` (format
+version 3, its tensor entries in columns too, as checkpoints of many tensors keep
+them) are loaded by every test run and
 compared with :func:`golden_state`, so a change that would make old
 checkpoints unreadable (format drift) fails loudly.
 """
@@ -60,10 +62,14 @@ def golden_state() -> dict[str, Any]:
 
 def main(argv: list[str]) -> int:
     """``DIR``: a checkpoint of :func:`golden_state`; ``DIR --chunk-table``: the same with its
-    per-chunk records in a chunk table, as large checkpoints of format version 2 keep them."""
+    per-chunk records in a chunk table, as large checkpoints of format version 2 keep them;
+    ``DIR --columns``: also its tensor entries in columns, as format version 3 keeps them."""
     import gpuckpt
+    from gpuckpt import commit
 
-    if "--chunk-table" not in argv[1:]:
+    if "--columns" in argv[1:]:
+        commit.COLUMNS_MIN_TENSORS = 1  # this process writes only the fixture: the switch is global
+    elif "--chunk-table" not in argv[1:]:
         gpuckpt.save(golden_state(), argv[0], chunk_bytes=512)
         return 0
     from gpuckpt.options import SaveOptions
@@ -75,7 +81,8 @@ def main(argv: list[str]) -> int:
     local, sources = describe_state(golden_state(), allow_pickle=False)
     plan = plan_save([local], chunk_bytes=options.chunk_bytes)
     writer = open_save_writer(argv[0], options, expected_files=plan.nfiles, direct_io=False)
-    execute_save(plan, sources, writer, options, checkpoint_id="golden-v2", table=True)
+    name = "golden-v3" if "--columns" in argv[1:] else "golden-v2"
+    execute_save(plan, sources, writer, options, checkpoint_id=name, table=True)
     return 0
 
 

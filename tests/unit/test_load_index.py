@@ -39,6 +39,7 @@ from gpuckpt.storage.base import CheckpointReader
 from gpuckpt.storage.chunk_table import TABLE_MIN_CHUNKS
 from gpuckpt.storage.layout import metadata_json
 from gpuckpt.storage.stores import open_reader
+from gpuckpt.tensor_columns import COLUMNS_KEY, compact, expand
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -86,6 +87,7 @@ def _mixed_state() -> dict[str, Any]:
         "empty_1d": np.zeros(0, np.float32),
         "img": _kernel_ref.as_channels_last(rng.standard_normal((2, 3, 4, 5)).astype(np.float16)),
         "opt": {"state": {"0": {"exp_avg": rng.standard_normal(30).astype(np.float32), "step": 3}}},
+        "odd/key é": np.arange(5, dtype=np.int32),  # its array name is not its FQN
         "epoch": 4,
         "tag": "x",
         "milestones": [10, 20, "end"],
@@ -120,6 +122,16 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, _Checkpoi
         ]:
             gpuckpt.save(state, base / name, chunk_bytes=chunk_bytes, sync="none")
             out[name] = _checkpoint(base / name, state)
+        # format version 3: the same with the tensor entries in columns (gpuckpt writes them so
+        # from commit.COLUMNS_MIN_TENSORS tensors on)
+        m.setattr(commit, "COLUMNS_MIN_TENSORS", 1)
+        for name, state, chunk_bytes in [
+            ("small3", _small_state(), 1 << 20),
+            ("mixed3", _mixed_state(), 64),
+        ]:
+            gpuckpt.save(state, base / name, chunk_bytes=chunk_bytes, sync="none")
+            out[name] = _checkpoint(base / name, state)
+            assert out[name].data["version"] == "3" and COLUMNS_KEY in out[name].data
     # as gpuckpt writes it without any patching: a chunk table from 4096 chunks on
     assert TABLE_MIN_CHUNKS < 4200
     big = {
@@ -134,6 +146,8 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, _Checkpoi
     # the golden format version 2 checkpoint of the repository
     shutil.copytree(REPO / "tests" / "fixtures" / "format-v2", base / "golden")
     out["golden"] = _checkpoint(base / "golden", None)
+    shutil.copytree(REPO / "tests" / "fixtures" / "format-v3", base / "golden3")
+    out["golden3"] = _checkpoint(base / "golden3", None)
     # without a chunk table (a small checkpoint as saved by default): left to the general path
     gpuckpt.save(_mixed_state(), base / "listed", chunk_bytes=64, sync="none")
     out["listed"] = _checkpoint(base / "listed", None)
@@ -141,7 +155,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, _Checkpoi
 
 
 #: the checkpoints whose documents the index takes
-_TABLED = ["small", "mixed", "default", "golden"]
+_TABLED = ["small", "mixed", "default", "golden", "small3", "mixed3", "golden3"]
 
 
 def _general(data: Any) -> Result:
@@ -277,6 +291,13 @@ def test_the_documents_cover_what_the_index_handles(checkpoints: dict[str, _Chec
     small = _indexed(checkpoints["small"].data)
     assert small is not None
     assert sum(t.whole for t in small[1].values()) == len(small[1]) - 1 >= 25  # and one empty
+    assert tensors["odd/key é"].name != "odd/key é"
+    # format version 3: the tensors in columns, of every kind above
+    cols = checkpoints["mixed3"].data[COLUMNS_KEY]
+    assert set(cols["fqn"]) == set(tensors) and len(cols["properties"]) >= 5
+    assert any(n is not None for n in cols["name"]) and any(n is None for n in cols["name"])
+    assert any(c is not None for c in cols["chunk_shape"]) and any(c is None for c in cols["chunk_shape"])
+    assert not _indexed(checkpoints["mixed3"].data)[0].__dict__.get("storage_data")  # made when asked for
 
 
 def test_a_checkpoint_without_a_chunk_table_is_left_to_the_general_path(
@@ -512,7 +533,7 @@ _DEFECTS: dict[str, Callable[[dict[str, Any]], None]] = {
     "size negative": _set(_first_tensor("entry"), "size", [-1]),
     "type unknown": _set(_first_tensor("entry"), "type", "array"),
     "version 1 without chunk lists": _set(_root, "version", "1"),
-    "version 3": _set(_root, "version", "3"),
+    "version 4": _set(_root, "version", "4"),
     "version an int": _set(_root, "version", 2),
     "no planner structure": _set(_root, "planner_data", {}),
     "storage_meta a list": _set(_root, "storage_meta", []),
@@ -533,23 +554,217 @@ _NEEDS_SPLIT = {
 }
 
 
+def _damaged(data: dict[str, Any], change: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+    """A copy of ``data`` changed by ``change``, which works on documents shaped as format
+    version 2: a version 3 document is expanded, changed, and its tensors put back in columns
+    (those the change left in the columns' shape)."""
+    if data.get("version") != "3":
+        doc = copy.deepcopy(data)
+        change(doc)
+        return doc
+    doc = expand(copy.deepcopy(data))
+    change(doc)
+    return compact(doc) if doc.get("version") == "3" else doc
+
+
 @pytest.mark.parametrize(
     ("name", "defect"),
     [
         (n, d)
-        for n in ("small", "mixed", "default")
+        for n in ("small", "mixed", "default", "small3", "mixed3")
         for d in sorted(_DEFECTS)
-        if n != "small" or d not in _NEEDS_SPLIT
+        if n not in ("small", "small3") or d not in _NEEDS_SPLIT
     ],
 )
 def test_damage_the_general_path_refuses_is_refused_by_the_index(
     checkpoints: dict[str, _Checkpoint], name: str, defect: str
 ) -> None:
-    doc = copy.deepcopy(checkpoints[name].data)
-    _DEFECTS[defect](doc)
+    doc = _damaged(checkpoints[name].data, _DEFECTS[defect])
     with pytest.raises(MetadataError):
         _general(doc)
     assert _indexed(doc) is None
+
+
+def _cols(doc: dict[str, Any]) -> dict[str, Any]:
+    cols: dict[str, Any] = doc[COLUMNS_KEY]
+    return cols
+
+
+def _column_item(column: str, i: int, value: Any) -> Callable[[dict[str, Any]], None]:
+    def damage(doc: dict[str, Any]) -> None:
+        _cols(doc)[column][i] = value(doc) if callable(value) else value
+
+    return damage
+
+
+def _swap_first_fqns(doc: dict[str, Any]) -> None:
+    fqns = _cols(doc)["fqn"]
+    fqns[0], fqns[1] = fqns[1], fqns[0]
+
+
+def _column_split(doc: dict[str, Any]) -> int:
+    """The place in the columns of a tensor stored in several chunks."""
+    cols = _cols(doc)
+    for i, shape in enumerate(cols["chunk_shape"]):
+        if shape is not None and 0 not in cols["size"][i]:
+            return i
+    raise AssertionError("no split tensor in the columns")
+
+
+def _column_rows_overlap(doc: dict[str, Any]) -> None:
+    _cols(doc)["rows"][_column_split(doc)] += 1
+
+
+def _also_entry(part: str) -> Callable[[dict[str, Any]], None]:
+    def damage(doc: dict[str, Any]) -> None:
+        fqn = _cols(doc)["fqn"][0]
+        if part == "value":
+            doc["state_dict_metadata"][fqn] = {"type": "bytes"}
+            doc["storage_data"]["objects"][fqn] = {"v": 1}
+        else:
+            doc["storage_data"]["tensors"][fqn] = {
+                "name": fqn + "x",
+                "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": _cols(doc)["size"][0]}},
+                "rows": _cols(doc)["rows"][0],
+            }
+
+    return damage
+
+
+#: damage of the columns themselves (format version 3): both paths refuse it
+_COLUMN_DEFECTS: dict[str, Callable[[dict[str, Any]], None]] = {
+    "columns a list": _set(_root, COLUMNS_KEY, []),
+    "columns null": _set(_root, COLUMNS_KEY, None),
+    "columns without rows": lambda doc: _cols(doc).pop("rows"),
+    "columns with a list more": _set(_cols, "extra", []),
+    "a column an object": _set(_cols, "size", {}),
+    "a column one item short": lambda doc: _cols(doc)["size"].pop(),
+    "a column one item long": lambda doc: _cols(doc)["rows"].append(0),
+    "fqns out of order": _swap_first_fqns,
+    "an fqn twice": _column_item("fqn", 1, lambda doc: _cols(doc)["fqn"][0]),
+    "an fqn a number": _column_item("fqn", 0, 5),
+    "an fqn also a value": _also_entry("value"),
+    "an fqn also a storage entry": _also_entry("storage"),
+    "a name a number": _column_item("name", 0, 5),
+    "a name a list": _column_item("name", 0, ["x"]),
+    "a name unsafe": _column_item("name", 0, "../x"),
+    "a name another tensor's": _column_item("name", 1, lambda doc: _cols(doc)["fqn"][0]),
+    "a property index out of range": _column_item("property", 0, lambda doc: len(_cols(doc)["properties"])),
+    "a property index negative": _column_item("property", 0, -1),
+    "a property index a bool": _column_item("property", 0, False),
+    "a property index a float": _column_item("property", 0, 0.0),
+    "properties not objects": lambda doc: _cols(doc)["properties"].__setitem__(0, []),
+    "properties empty": lambda doc: _cols(doc)["properties"].clear(),
+    "a size a number": _column_item("size", 0, 3),
+    "a size null": _column_item("size", 0, None),
+    "a size negative": _column_item("size", 0, [-1]),
+    "a size huge": _column_item("size", 0, [2**62]),
+    "a chunk shape a number": _column_item("chunk_shape", 0, 3),
+    "a chunk shape of zeros": _column_item("chunk_shape", 0, lambda doc: [0] * len(_cols(doc)["size"][0])),
+    "a chunk shape with an axis more": _column_item(
+        "chunk_shape", 0, lambda doc: [*_cols(doc)["size"][0], 1]
+    ),
+    "rows a string": _column_item("rows", 0, "0"),
+    "rows null": _column_item("rows", 0, None),
+    "rows negative": _column_item("rows", 0, -1),
+    "rows overlap": _column_rows_overlap,
+}
+
+
+@pytest.mark.parametrize(
+    ("name", "defect"),
+    [
+        (n, d)
+        for n in ("small3", "mixed3")
+        for d in sorted(_COLUMN_DEFECTS)
+        if (n, d) != ("small3", "rows overlap")
+    ],
+)
+def test_damaged_columns_are_refused_by_both(
+    checkpoints: dict[str, _Checkpoint], name: str, defect: str
+) -> None:
+    doc = copy.deepcopy(checkpoints[name].data)
+    _COLUMN_DEFECTS[defect](doc)
+    with pytest.raises(MetadataError):
+        _general(doc)
+    assert _indexed(doc) is None
+
+
+def _move_out_of_columns(doc: dict[str, Any]) -> None:
+    """The first tensor of the columns as entries of its own (as version 2 writes them)."""
+    full = expand(doc)
+    fqn = _cols(doc)["fqn"][0]
+    for k in ("fqn", "name", "size", "property", "chunk_shape", "rows"):
+        del _cols(doc)[k][0]
+    doc["state_dict_metadata"][fqn] = full["state_dict_metadata"][fqn]
+    doc["storage_data"]["tensors"][fqn] = full["storage_data"]["tensors"][fqn]
+
+
+def _properties_twice(doc: dict[str, Any]) -> None:
+    cols = _cols(doc)
+    cols["properties"].append(copy.deepcopy(cols["properties"][cols["property"][0]]))
+    cols["property"][0] = len(cols["properties"]) - 1
+
+
+def _columns_emptied(doc: dict[str, Any]) -> None:
+    full = expand(doc)
+    doc.clear()
+    doc.update(full)
+    doc[COLUMNS_KEY] = {
+        k: [] for k in ("fqn", "name", "size", "properties", "property", "chunk_shape", "rows")
+    }
+
+
+def _whole_chunk_shape_given(doc: dict[str, Any]) -> None:
+    cols = _cols(doc)
+    i = cols["chunk_shape"].index(None)
+    cols["chunk_shape"][i] = list(cols["size"][i])
+
+
+def _columns_dropped(doc: dict[str, Any]) -> None:
+    full = expand(doc)
+    doc.clear()
+    doc.update(full)
+
+
+#: changes of the columns both paths accept: the index equals the general path on them
+_COLUMN_ACCEPTED: dict[str, Callable[[dict[str, Any]], None]] = {
+    "a tensor out of the columns": _move_out_of_columns,
+    "a properties object twice": _properties_twice,
+    "a name equal to its fqn given": _column_item("name", 0, lambda doc: _cols(doc)["fqn"][0]),
+    "a chunk shape equal to its size given": _whole_chunk_shape_given,
+    "columns without tensors": _columns_emptied,
+    "an unused properties object": lambda doc: _cols(doc)["properties"].append({"dtype": "nonsense"}),
+    "no columns": _columns_dropped,
+}
+
+
+@pytest.mark.parametrize(
+    ("name", "change"), [(n, c) for n in ("small3", "mixed3") for c in sorted(_COLUMN_ACCEPTED)]
+)
+def test_changes_of_the_columns_both_accept(
+    checkpoints: dict[str, _Checkpoint], name: str, change: str
+) -> None:
+    ck = checkpoints[name]
+    doc = copy.deepcopy(ck.data)
+    _COLUMN_ACCEPTED[change](doc)
+    general = _general(doc)
+    assert general[0] == _general(ck.data)[0]  # the same checkpoint, another spelling
+    _check_contract(doc, open_reader(ck.path))
+
+
+def test_columns_in_a_version_2_document_are_not_read(checkpoints: dict[str, _Checkpoint]) -> None:
+    """Version 2 has no columns (an unknown key, ignored as before): both paths read the
+    document without the tensors in them, alike."""
+    doc = copy.deepcopy(checkpoints["small3"].data)
+    doc["version"] = "2"
+    try:
+        general: Result | None = _general(doc)
+    except MetadataError:
+        general = None
+    if general is not None:
+        assert not set(general[1]) & set(_cols(doc)["fqn"])
+    _check_contract(doc, open_reader(checkpoints["small3"].path))
 
 
 #: changes the general path accepts: the index takes them (or leaves them to it) and equals it
@@ -565,11 +780,12 @@ _ACCEPTED: dict[str, Callable[[dict[str, Any]], None]] = {
 }
 
 
-@pytest.mark.parametrize("change", sorted(_ACCEPTED))
-def test_changes_the_general_path_accepts(checkpoints: dict[str, _Checkpoint], change: str) -> None:
-    ck = checkpoints["mixed"]
-    doc = copy.deepcopy(ck.data)
-    _ACCEPTED[change](doc)
+@pytest.mark.parametrize(("name", "change"), [(n, c) for n in ("mixed", "mixed3") for c in sorted(_ACCEPTED)])
+def test_changes_the_general_path_accepts(
+    checkpoints: dict[str, _Checkpoint], name: str, change: str
+) -> None:
+    ck = checkpoints[name]
+    doc = _damaged(ck.data, _ACCEPTED[change])
     _general(doc)  # accepted
     assert _check_contract(doc, open_reader(ck.path)) is not None
 
@@ -578,7 +794,19 @@ def test_changes_the_general_path_accepts(checkpoints: dict[str, _Checkpoint], c
 
 _POOL: list[Any] = [None, True, False, 0, 1, -1, 2**31, 2**62, 2**70, -(2**62), 0.5, 1.0, "", "x", "2"]
 _POOL += [[], [0], [1, 2], [2**62], ["x"], {}, {"a": 1}, {"type": "bytes"}]
-_KEYS = ["chunks", "rows", "type", "name", "size", "version", "segments", "chunk_table", "x"]
+_KEYS = [
+    "chunks",
+    "rows",
+    "type",
+    "name",
+    "size",
+    "version",
+    "segments",
+    "chunk_table",
+    COLUMNS_KEY,
+    "fqn",
+    "x",
+]
 
 
 def _paths(value: Any, at: tuple[Any, ...] = ()) -> Iterator[tuple[Any, ...]]:
@@ -645,22 +873,20 @@ def _random_mutation(draw: st.DrawFn, doc: dict[str, Any]) -> tuple[dict[str, An
 def _mutation(draw: st.DrawFn, doc: dict[str, Any]) -> tuple[Any, str]:
     """One targeted change from the lists above, or a random one."""
     named = {**_DEFECTS, **_ACCEPTED}
-    if not any(_splits(doc)):
+    if not any(_splits(expand(doc))):
         named = {k: v for k, v in named.items() if k not in _NEEDS_SPLIT}
     choice = draw(st.sampled_from(["random", "random", "named"]))
     if choice == "named":
         label = draw(st.sampled_from(sorted(named)))
-        out = copy.deepcopy(doc)
-        named[label](out)
-        return out, label
+        return _damaged(doc, named[label]), label
     return draw(_random_mutation(doc))
 
 
 #: the documents mutated ("default" is of the same kind as "mixed", only its 4200 chunks slower)
-_MUTATED = ["small", "mixed", "golden"]
+_MUTATED = ["small", "mixed", "golden", "small3", "mixed3", "golden3"]
 
 
-@settings(max_examples=500, deadline=None, derandomize=True, database=None)
+@settings(max_examples=900, deadline=None, derandomize=True, database=None)
 @given(data=st.data())
 def test_mutated_documents_are_refused_by_both_or_read_alike(
     checkpoints: dict[str, _Checkpoint], data: st.DataObject
@@ -708,7 +934,7 @@ def _assert_bits(got: Any, saved: Any, key: str) -> None:
         assert got == saved and type(got) is type(saved), key
 
 
-@pytest.mark.parametrize("name", ["small", "mixed", "default"])
+@pytest.mark.parametrize("name", ["small", "mixed", "default", "small3", "mixed3"])
 def test_loads_through_the_index_give_the_saved_arrays(
     checkpoints: dict[str, _Checkpoint], name: str
 ) -> None:

@@ -246,7 +246,7 @@ def test_chunk_reads_and_records_of_small_tensors_equal_the_general_ones(
         np.testing.assert_array_equal(out[k], v)
 
 
-@pytest.mark.parametrize("version", ["format-v1", "format-v2"])
+@pytest.mark.parametrize("version", ["format-v1", "format-v2", "format-v3"])
 def test_chunk_reads_of_the_golden_checkpoints_equal_the_general_ones(tmp_path: Path, version: str) -> None:
     shutil.copytree(REPO / "tests" / "fixtures" / version, tmp_path / "ck")
     _check_entries(tmp_path / "ck")
