@@ -303,7 +303,12 @@ def _load(state_dict: STATE_DICT_TYPE, path: PathLike, options: LoadOptions) -> 
 def _target(fqn: str, t: TensorEntry, value: Any) -> ArrayAdapter:
     """Array ``value`` as the target of tensor ``t`` in a load in place, checked against it."""
     # a NumPy target is viewed as is: whether it is pinned does not matter to a read
-    arr = HostArray(value) if type(value) is np.ndarray else adapt(value)
+    if type(value) is np.ndarray:
+        if value.shape == t.shape and value.dtype == t.dtype and value.flags.writeable:
+            return HostArray(value)  # the usual target, checked without the adapter's steps
+        arr: ArrayAdapter = HostArray(value)
+    else:
+        arr = adapt(value)
     if arr.shape != t.shape:
         raise ShapeMismatchError(
             f"tensor {fqn!r}: the checkpoint has shape {t.shape}, the target has {arr.shape}; "

@@ -348,15 +348,19 @@ def cold_small_threads(reader: CheckpointReader, targets: list[tuple[TensorEntry
     if n < MANY_CHUNKS or sum(_file_bytes(t) for t, _ in targets) > SMALL_CHUNK_BYTES * n:
         return None
     step = n // _PROBES
-    wanted = range(step // 2, n, step)[:_PROBES]
+    wanted = iter(range(step // 2, n, step)[:_PROBES])  # ascending
+    i = next(wanted)
     at = 0  # the position of t's first chunk among all
     for t, _ in targets:
-        for i in wanted:
-            if at <= i < at + t.nchunks:
-                key = whole_chunk_key(len(t.shape)) if t.whole else t.chunks[i - at].key
-                if reader.chunk_cached(t.name, key) is False:
-                    return max(COLD_SMALL_THREADS, default_threads())
-        at += t.nchunks
+        end = at + t.nchunks
+        while i < end:
+            key = whole_chunk_key(len(t.shape)) if t.whole else t.chunks[i - at].key
+            if reader.chunk_cached(t.name, key) is False:
+                return max(COLD_SMALL_THREADS, default_threads())
+            i = next(wanted, n)
+        if i >= n:
+            break
+        at = end
     return None
 
 

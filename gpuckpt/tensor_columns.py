@@ -76,7 +76,7 @@ def compact(data: dict[str, Any]) -> dict[str, Any]:
     kept: dict[str, Any] = {}
     kept_stored = dict(stored)
     cols: dict[str, list[Any]] = {k: [] for k in COLUMN_NAMES}
-    prop_index: dict[str, int] = {}
+    prop_index: dict[Any, int] = {}
     for fqn in sorted(entries):
         raw = entries[fqn]
         parts = column_entry(raw, stored.get(fqn))
@@ -84,8 +84,13 @@ def compact(data: dict[str, Any]) -> dict[str, Any]:
             kept[fqn] = raw
             continue
         props, size, name, chunk_shape, rows = parts
-        key = json.dumps(props, sort_keys=True)
-        at = prop_index.get(key)
+        try:
+            # the types too: True and 1 are equal keys, and the columns give back each value as it was
+            key: Any = tuple(sorted((k, v, type(v)) for k, v in props.items()))
+            at = prop_index.get(key)
+        except TypeError:  # a value that is not hashable (gpuckpt writes strings and booleans)
+            key = json.dumps(props, sort_keys=True)
+            at = prop_index.get(key)
         if at is None:
             at = prop_index[key] = len(cols["properties"])
             cols["properties"].append(props)

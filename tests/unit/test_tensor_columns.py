@@ -29,7 +29,7 @@ _props = st.fixed_dictionaries(
         "layout": st.just("strided"),
         "memory_format": st.sampled_from(["contiguous_format", "channels_last"]),
         "pin_memory": st.booleans(),
-        "requires_grad": st.booleans(),
+        "requires_grad": st.sampled_from([True, False, 1, 0]),  # 1 is not True in the document
     }
 )
 
