@@ -244,6 +244,26 @@ def test_a_large_dcp_save_keeps_its_chunk_records_in_the_chunk_table(tmp_path: P
     assert np.array_equal(gpuckpt.load_state_dict(tmp_path / "c")["w"], w.numpy())
 
 
+def test_a_dcp_save_of_many_tensors_keeps_their_entries_as_columns(tmp_path: Path) -> None:
+    """1,100 tensors in 5,500 chunks: DCP's finish writes format version 3 (tensor entries as
+    columns), which dcp.load and gpuckpt read back."""
+    sd: dict[str, Any] = {f"layer{i:04d}.b": torch.full((5,), float(i)) for i in range(1100)}
+    sd["step"] = 7
+    dcp.save(sd, storage_writer=gpuckpt.dcp.Writer(tmp_path / "c", chunk_bytes=4))
+    root = json.loads((tmp_path / "c" / "zarr.json").read_bytes())["attributes"]["gpuckpt"]["metadata"]
+    assert root["version"] == "3" and len(root["tensor_columns"]["fqn"]) == 1100
+    md = gpuckpt.read_metadata(tmp_path / "c")
+    assert md.version == "3" and md.storage_data["chunk_table"]["rows"] == 5500
+    target: dict[str, Any] = {k: torch.zeros(5) for k in sd if k != "step"}
+    target["step"] = 0
+    dcp.load(target, storage_reader=gpuckpt.dcp.Reader(tmp_path / "c"))
+    assert target["step"] == 7
+    assert all(torch.equal(target[k], v) for k, v in sd.items() if k != "step")
+    assert np.array_equal(
+        gpuckpt.load_state_dict(tmp_path / "c")["layer0042.b"], np.full(5, 42.0, np.float32)
+    )
+
+
 def test_foreign_objects_need_allow_pickle_to_load(tmp_path: Path) -> None:
     """DCP's pickled values are loaded with weights_only unless the Reader is told to trust them."""
     from torch.distributed.checkpoint.api import CheckpointException
