@@ -130,7 +130,6 @@ def _index(data: Any) -> tuple[IndexedMetadata, dict[str, TensorEntry], dict[str
     spans: list[tuple[int, int]] = []
     table: ChunkTable | None = None
     indexed = TensorEntry.indexed
-    prod = math.prod
     for fqn, raw in raw_entries.items():
         if type(raw) is dict and raw.get("type") == "bytes":
             if fqn not in stored_objects:
@@ -149,15 +148,10 @@ def _index(data: Any) -> tuple[IndexedMetadata, dict[str, TensorEntry], dict[str
         stored = shared.get(key)
         if stored is None:
             stored = shared[key] = StoredProperties(np.dtype(dtype), key[3], fmt, key[4])
-        nbytes = prod(size) * stored.dtype.itemsize
-        if nbytes >= MAX_EXTENT or (size and max(size) >= MAX_EXTENT):
+        extent = _extent(size, stored.dtype.itemsize, grid)
+        if extent is None:
             return None
-        if grid is None:
-            n = 1  # stored whole
-        else:
-            if any(c > max(s, 1) for c, s in zip(grid.chunk_shape, size, strict=True)):
-                return None
-            n = 0 if 0 in size else grid.nchunks
+        nbytes, n = extent
         if table is None:
             table = ChunkTable.parse(sd.get(TABLE_KEY))
         row = info["rows"]
@@ -201,6 +195,19 @@ def _index(data: Any) -> tuple[IndexedMetadata, dict[str, TensorEntry], dict[str
     return md, tensors, objects
 
 
+def _extent(size: tuple[int, ...], itemsize: int, grid: Any) -> tuple[int, int] | None:
+    """``(bytes, chunks)`` of a tensor of ``size`` on ``grid`` (None: stored whole), checked as the
+    general path checks them; None where it refuses them."""
+    nbytes = math.prod(size) * itemsize
+    if nbytes >= MAX_EXTENT or (size and max(size) >= MAX_EXTENT):
+        return None
+    if grid is None:
+        return nbytes, 1
+    if any(c > max(s, 1) for c, s in zip(grid.chunk_shape, size, strict=True)):
+        return None  # a chunk larger than the tensor: gpuckpt never writes one
+    return nbytes, 0 if 0 in size else grid.nchunks
+
+
 def _column_tensors(
     lists: tuple[list[Any], ...],
     raw_entries: dict[str, Any],
@@ -229,7 +236,6 @@ def _column_tensors(
             stored = shared[key] = StoredProperties(np.dtype(dtype), key[3], fmt, key[4])
         stored_of.append(stored)
     indexed = TensorEntry.indexed
-    prod = math.prod
     regular_grid = grids.regular_grid
     for i, fqn in enumerate(fqns):
         if fqn in raw_entries or fqn in stored_tensors:
@@ -252,15 +258,10 @@ def _column_tensors(
             return False
         names.add(name)
         stored = stored_of[prop[i]]
-        nbytes = prod(size) * stored.dtype.itemsize
-        if nbytes >= MAX_EXTENT or (size and max(size) >= MAX_EXTENT):
+        extent = _extent(size, stored.dtype.itemsize, grid)
+        if extent is None:
             return False
-        if grid is None:
-            n = 1  # stored whole
-        else:
-            if any(c > max(s, 1) for c, s in zip(grid.chunk_shape, size, strict=True)):
-                return False
-            n = 0 if 0 in size else grid.nchunks
+        nbytes, n = extent
         row = rows[i]
         if type(row) is not int or not 0 <= row <= table.rows - n:
             return False
