@@ -287,6 +287,8 @@ class Metadata:
         return json.dumps(self.to_json_dict(), separators=(",", ":"), allow_nan=False)
 
     def to_json_dict(self) -> dict[str, Any]:
+        """The JSON value of the metadata as a root document stores it: in format version 3, the
+        usual tensor entries as columns (:func:`gpuckpt.tensor_columns.compact`)."""
         entries: dict[str, Any] = {}
         for fqn, md in self.state_dict_metadata.items():
             if isinstance(md, TensorStorageMetadata):
