@@ -240,13 +240,7 @@ def _column_tensors(
     for i, fqn in enumerate(fqns):
         if fqn in raw_entries or fqn in stored_tensors:
             return False
-        size_raw = sizes[i]
-        if type(size_raw) is not list or len(size_raw) > 32:
-            return False
-        for n in size_raw:
-            if type(n) is not int or n < 0:
-                return False
-        shape = shapes[i]
+        size_raw, shape = sizes[i], shapes[i]
         sized = regular_grid(size_raw, size_raw if shape is None else shape)
         if sized is None:
             return False

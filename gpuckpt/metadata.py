@@ -531,12 +531,6 @@ class _GridEntries:
         of its axes empty). None for anything else."""
         if type(raw) is not dict or raw.get("type") != "tensor" or "chunks" in raw:
             return None
-        size_raw = raw.get("size")
-        if type(size_raw) is not list or len(size_raw) > 32:
-            return None
-        for n in size_raw:
-            if type(n) is not int or n < 0:
-                return None
         props = self.checked_properties(raw.get("properties"))
         if props is None:
             return None
@@ -544,16 +538,21 @@ class _GridEntries:
         conf = grid_raw.get("configuration") if type(grid_raw) is dict else None
         if type(conf) is not dict or grid_raw.get("name") != "regular":  # type: ignore[union-attr]
             return None
-        sized = self.regular_grid(size_raw, conf.get("chunk_shape"))
+        sized = self.regular_grid(raw.get("size"), conf.get("chunk_shape"))
         if sized is None:
             return None
         return sized[0], props[0], props[1], sized[1]
 
-    def regular_grid(self, size_raw: list[Any], shape_raw: Any) -> tuple[tuple[int, ...], Any] | None:
-        """``(size, grid)`` of a tensor of the checked size ``size_raw`` on a regular grid of
-        chunk shape ``shape_raw`` (as stored), checked as the general path checks it; ``grid``
-        is None when the tensor is stored whole (its one chunk its own shape, none of its axes
+    def regular_grid(self, size_raw: Any, shape_raw: Any) -> tuple[tuple[int, ...], Any] | None:
+        """``(size, grid)`` of a tensor of size ``size_raw`` on a regular grid of chunk shape
+        ``shape_raw`` (both as stored), checked as the general path checks them; ``grid`` is
+        None when the tensor is stored whole (its one chunk its own shape, none of its axes
         empty). None for anything else."""
+        if type(size_raw) is not list or len(size_raw) > 32:
+            return None
+        for n in size_raw:
+            if type(n) is not int or n < 0:
+                return None
         if type(shape_raw) is not list:
             return None
         for c in shape_raw:

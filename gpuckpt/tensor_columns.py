@@ -34,7 +34,7 @@ from typing import Any
 
 from gpuckpt.errors import MetadataError
 
-__all__ = ["COLUMNS_KEY", "COLUMN_NAMES", "column_entry", "compact", "expand"]
+__all__ = ["COLUMNS_KEY", "COLUMN_NAMES", "checked_columns", "column_entry", "compact", "expand"]
 
 #: the key of the metadata object that holds the columns
 COLUMNS_KEY = "tensor_columns"
@@ -171,15 +171,12 @@ def expand(data: Mapping[str, Any]) -> dict[str, Any]:
         if fqn in merged or fqn in merged_stored:
             raise _bad(f"lists {fqn!r:.200}, which has an entry of its own too")
         size, shape, name = sizes[i], shapes[i], names[i]
+        if shape is None:
+            shape = list(size) if type(size) is list else size  # its own list, as when parsed
         merged[fqn] = {"type": "tensor", "properties": props[prop[i]], "size": size}
         merged_stored[fqn] = {
             "name": fqn if name is None else name,
-            "chunk_grid": {
-                "name": "regular",
-                "configuration": {
-                    "chunk_shape": (list(size) if type(size) is list else size) if shape is None else shape
-                },
-            },
+            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": shape}},
             "rows": rows[i],
         }
     out["state_dict_metadata"] = {k: merged[k] for k in sorted(merged)}
