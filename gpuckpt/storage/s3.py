@@ -11,7 +11,9 @@ A save to ``s3://bucket/prefix`` goes:
    ``prefix/.gpuckpt-writer`` with a conditional put (``If-None-Match: *``),
    so one writer at a time owns the prefix. A claim left by a save that died
    (its process is gone from this machine and pid namespace, or the claim was
-   not refreshed for ``lease_seconds`` by the server's clock against ours) is
+   not refreshed for ``lease_seconds``, both times read off the server's clock:
+   the age is the claim's last-modified time subtracted from that of a probe
+   object the writer puts, so a client clock skewed either way judges no claim) is
    taken over with a compare-and-swap on its ETag. Then, with the root
    checked again, objects of the unfinished save whose claim was taken over
    are deleted. Objects under a prefix that had no claim, and objects no
@@ -95,10 +97,14 @@ from gpuckpt.storage.s3_client import (
     plan_parts,
     zarr_store,
 )
-from gpuckpt.storage.s3_prefix import CLAIM_KEY, MAX_CLAIM_BYTES, Prefix, object_key
+from gpuckpt.storage.s3_prefix import CLAIM_KEY, CLOCK_PROBE_PREFIX, MAX_CLAIM_BYTES, Prefix, object_key
 from gpuckpt.storage.s3_reader import ObjectStoreReader
 
 __all__ = ["CLAIM_KEY", "ObjectStoreReader", "ObjectStoreWriter", "parse_s3_url", "zarr_store"]
+
+
+#: the resolution of the times an S3 server reports (``Last-Modified`` is an HTTP date)
+_TIME_RESOLUTION = 1.0
 
 
 def _machine() -> str:
@@ -285,17 +291,22 @@ class ObjectStoreWriter(Prefix, CheckpointWriter):
             except (ValueError, KeyError, TypeError):
                 owner, machine, lease = "?", "", self.lease
             host, _, pid = owner.rpartition("-")
-            age = (datetime.now(UTC) - meta["last_modified"]).total_seconds()
             # a pid means something only on the same machine and in the same pid namespace
             same = machine != "" and machine == _machine()
             dead = same and pid.isdigit() and not fsutil.pid_alive(host, int(pid))
-            if not dead and age <= lease:
-                raise CheckpointExistsError(
-                    f"{self.path} has no checkpoint but another save to it is running (claimed by "
-                    f"{owner}, refreshed {age:.0f} s ago); wait for it or save to another prefix. If that "
-                    f"save died, its claim {self.path}/{CLAIM_KEY} expires {lease:g} s after its "
-                    "last refresh (or delete it)"
-                )
+            if not dead:
+                # the claim's age in the server's time: this machine's clock may run ahead of the
+                # server's (every claim would look expired) or behind it (dead ones would look alive)
+                # (whole seconds on S3: the difference of two such times may exceed the true age
+                # by up to one second, so that second is not counted)
+                age = (self._server_now() - meta["last_modified"]).total_seconds() - _TIME_RESOLUTION
+                if age <= lease:
+                    raise CheckpointExistsError(
+                        f"{self.path} has no checkpoint but another save to it is running (claimed by "
+                        f"{owner}, refreshed {max(age, 0.0):.0f} s ago by the server's clock); wait for it "
+                        f"or save to another prefix. If that save died, its claim {self.path}/{CLAIM_KEY} "
+                        f"expires {lease:g} s after its last refresh (or delete it)"
+                    )
             sent = time.monotonic()
             try:  # take the abandoned claim over, unless another writer does so first
                 self._claim_etag = self._put(CLAIM_KEY, self._claim_body, {"e_tag": meta["e_tag"]})
@@ -306,6 +317,19 @@ class ObjectStoreWriter(Prefix, CheckpointWriter):
         raise CheckpointExistsError(
             f"{self.path}: other saves keep claiming this prefix; save to another prefix"
         )
+
+    def _server_now(self) -> datetime:
+        """The server's clock now, at the latest: the last-modified time of a probe object this
+        writer puts (and deletes) now. Ages of claims are differences of two server times, so
+        that no client's clock, skewed either way, judges another writer's claim."""
+        import obstore as obs
+
+        probe = f"{CLOCK_PROBE_PREFIX}{self._token}"
+        obs.put(self._obs, probe, b"", mode="overwrite")
+        try:
+            return obs.head(self._obs, probe)["last_modified"]
+        finally:
+            self._delete_quietly([probe])
 
     def _refresh(self) -> None:
         from obstore.exceptions import AlreadyExistsError, PreconditionError
@@ -391,7 +415,12 @@ class ObjectStoreWriter(Prefix, CheckpointWriter):
         """
         import obstore as obs
 
-        keys = [k for k in self._list() if k != CLAIM_KEY]
+        listed = [k for k in self._list() if k != CLAIM_KEY]
+        # clock probes (see _server_now) that a process left when it died: gpuckpt's, never in the way
+        probes = [k for k in listed if k.startswith(CLOCK_PROBE_PREFIX)]
+        if probes:
+            obs.delete(self._obs, probes)
+        keys = [k for k in listed if not k.startswith(CLOCK_PROBE_PREFIX)]
         foreign = [k for k in keys if not self._is_checkpoint_key(k)]
         if foreign:
             raise CheckpointExistsError(

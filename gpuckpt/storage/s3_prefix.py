@@ -12,9 +12,18 @@ from gpuckpt.storage.layout import ROOT_KEY, is_chunk_file_key, too_large
 from gpuckpt.storage.names import is_safe_name
 from gpuckpt.storage.s3_client import RequestBudget, first_line, obstore_for, pop_transfer_options
 
-__all__ = ["CLAIM_KEY", "DEFAULT_LEASE_SECONDS", "MAX_CLAIM_BYTES", "Prefix", "object_key"]
+__all__ = [
+    "CLAIM_KEY",
+    "CLOCK_PROBE_PREFIX",
+    "DEFAULT_LEASE_SECONDS",
+    "MAX_CLAIM_BYTES",
+    "Prefix",
+    "object_key",
+]
 
 CLAIM_KEY = ".gpuckpt-writer"
+#: keys of the empty objects a writer puts to read the server's clock (a writer's token follows)
+CLOCK_PROBE_PREFIX = ".gpuckpt-clock-"
 DEFAULT_LEASE_SECONDS = 60.0
 MAX_CLAIM_BYTES = 1 << 24
 

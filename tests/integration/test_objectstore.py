@@ -308,7 +308,8 @@ def test_live_claim_blocks_until_its_lease_expires(opts: dict[str, Any], prefix:
         _save(_state(), prefix, opts)
     with pytest.raises(CheckpointNotFoundError, match="claim"):
         gpuckpt.read_metadata(f"s3://{BUCKET}/{prefix}", storage_options=opts)
-    time.sleep(1.2)  # S3 timestamps have one-second resolution
+    # past the lease by more than the one-second resolution of S3's times
+    time.sleep(3.2)
     _save(_state(), prefix, {**opts, "lease_seconds": 1.0})
     assert f"{prefix}/{CLAIM_KEY}" not in _objects(s3, prefix)
 

@@ -127,3 +127,71 @@ def test_a_shorter_lease_of_the_next_save_never_cuts_a_live_claim_short(endpoint
     finally:
         live.abort()
     assert _keys(endpoint, url) == set()
+
+
+SKEWED = CHILD.with_name("skewed_clock_save.py")
+
+
+def _skewed_save(
+    skew: float, url: str, endpoint: str, lease: float, seed: int
+) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, str(SKEWED), str(skew), url, endpoint, str(lease), str(seed)]
+    return subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120)
+
+
+def _claim_of_another_machine(endpoint: str, url: str, lease: float) -> None:
+    """A claim as a save on another machine leaves it (its pid means nothing here)."""
+    import json
+
+    body = {
+        "owner": "node-17-4242",
+        "machine": "another-boot/pid:[4026531836]",
+        "token": "0123456789abcdef",
+        "started": "2026-01-01T00:00:00+00:00",
+        "lease_seconds": lease,
+    }
+    client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
+    key = f"{url.removeprefix(f's3://{BUCKET}/')}/{CLAIM_KEY}"
+    client.put_object(Bucket=BUCKET, Key=key, Body=json.dumps(body).encode())
+
+
+@pytest.mark.parametrize("skew", [120.0, -120.0])
+def test_a_writer_with_a_skewed_clock_never_takes_over_a_live_claim(endpoint: str, skew: float) -> None:
+    from gpuckpt.storage.s3 import ObjectStoreWriter
+
+    url = f"s3://{BUCKET}/run-{uuid.uuid4().hex[:8]}/step-1"
+    live = ObjectStoreWriter(url, **s3_options(endpoint, lease_seconds=3.0))
+    live.begin()  # refreshed every 0.75 s by its heartbeat for as long as it runs
+    try:
+        time.sleep(1.0)
+        done = _skewed_save(skew, url, endpoint, 3.0, 2)
+        assert done.returncode == 3, done.stdout
+        assert (
+            done.stdout.startswith("CheckpointExistsError") and "another save to it is running" in done.stdout
+        )
+        # the live save still holds its prefix and publishes
+        live.write_array_document("a", b"{}")
+        assert live._still_ours()
+    finally:
+        live.abort()
+    assert _keys(endpoint, url) == set()
+
+
+@pytest.mark.parametrize("skew", [120.0, -120.0])
+def test_a_writer_with_a_skewed_clock_takes_over_a_claim_past_its_lease(endpoint: str, skew: float) -> None:
+    url = f"s3://{BUCKET}/run-{uuid.uuid4().hex[:8]}/step-1"
+    _claim_of_another_machine(endpoint, url, lease=2.0)
+    time.sleep(4.2)  # past the lease, and S3's one-second resolution, by the server's clock
+    done = _skewed_save(skew, url, endpoint, 2.0, 5)
+    assert done.stdout.strip() == "saved", done.stdout
+    _same(gpuckpt.load_state_dict(url, storage_options=s3_options(endpoint)), state(5))
+    assert not any(k.startswith(".gpuckpt-") for k in _keys(endpoint, url)), _keys(endpoint, url)
+
+
+def test_a_clock_probe_left_by_a_dead_process_is_removed_not_refused(endpoint: str) -> None:
+    url = f"s3://{BUCKET}/run-{uuid.uuid4().hex[:8]}/step-1"
+    client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
+    prefix = url.removeprefix(f"s3://{BUCKET}/")
+    client.put_object(Bucket=BUCKET, Key=f"{prefix}/.gpuckpt-clock-deadbeefdeadbeef", Body=b"")
+    gpuckpt.save(state(3), url, storage_options=s3_options(endpoint))
+    assert _keys(endpoint, url) - {"zarr.json"} and not any(k.startswith(".") for k in _keys(endpoint, url))
