@@ -5,7 +5,8 @@ bytes of JSON (``{"name": {"dtype": "F32", "shape": [..], "data_offsets":
 [begin, end]}, ..., "__metadata__": {str: str}}``), then the tensors' bytes,
 C order, little-endian, at those offsets from the end of the header. The
 header is validated as strictly as the reference implementation does: known
-dtypes, sizes that match the shapes, offsets that tile the data exactly.
+dtypes, sizes that match the shapes, offsets that tile the data exactly; and
+shapes within gpuckpt's bounds (:func:`~gpuckpt.convert.shapes.check_shape`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from gpuckpt.convert.shapes import check_shape
 from gpuckpt.dtypes import dtype_name
 from gpuckpt.errors import CheckpointExistsError, MetadataError, UnsupportedValueError
 from gpuckpt.progress import ProgressCallback, ProgressCounter
@@ -131,7 +133,8 @@ def read_safetensors_header(path: str | os.PathLike[str]) -> tuple[dict[str, Any
         if not isinstance(shape, list) or not all(
             isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape
         ):
-            raise MetadataError(f"{where}: shape {shape!r} is not a list of non-negative integers")
+            raise MetadataError(f"{where}: shape {str(shape)[:200]} is not a list of non-negative integers")
+        check_shape(shape, SAFETENSORS_DTYPES[code].itemsize, where)  # before any product of it
         if (
             not isinstance(offs, list)
             or len(offs) != 2

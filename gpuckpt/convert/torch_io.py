@@ -17,6 +17,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from gpuckpt.convert.shapes import check_shape
 from gpuckpt.errors import UnsafeCheckpointError, UnsupportedValueError
 
 __all__ = ["import_torch", "load_dcp", "load_torch_save", "torch_to_numpy"]
@@ -69,13 +70,17 @@ def torch_to_numpy(t: Any, fqn: str = "") -> np.ndarray:
     return np.asarray(arr)
 
 
-def _to_numpy_tree(value: Any, torch: Any, fqn: str = "") -> Any:
+def _to_numpy_tree(value: Any, torch: Any, source: Path, fqn: str = "") -> Any:
     if isinstance(value, torch.Tensor):
+        # torch holds empty tensors of any size (no storage); NumPy does not
+        check_shape(tuple(value.shape), value.element_size(), f"{source}: tensor {fqn!r}")
         return torch_to_numpy(value, fqn)
     if isinstance(value, dict):
-        return {k: _to_numpy_tree(v, torch, f"{fqn}.{k}" if fqn else str(k)) for k, v in value.items()}
+        return {
+            k: _to_numpy_tree(v, torch, source, f"{fqn}.{k}" if fqn else str(k)) for k, v in value.items()
+        }
     if isinstance(value, (list, tuple)):
-        items = [_to_numpy_tree(v, torch, f"{fqn}.{i}") for i, v in enumerate(value)]
+        items = [_to_numpy_tree(v, torch, source, f"{fqn}.{i}") for i, v in enumerate(value)]
         return items if isinstance(value, list) else tuple(items)
     if isinstance(value, torch.Size):
         return tuple(int(s) for s in value)
@@ -88,7 +93,7 @@ def load_torch_save(path: str | os.PathLike[str]) -> dict[str, Any]:
     obj = torch.load(os.fspath(path), weights_only=True, map_location="cpu")
     if not isinstance(obj, dict):
         raise UnsupportedValueError(f"{path} holds a {type(obj).__name__}, not a state dict (a dict)")
-    return {str(k): _to_numpy_tree(v, torch, str(k)) for k, v in obj.items()}
+    return {str(k): _to_numpy_tree(v, torch, Path(path), str(k)) for k, v in obj.items()}
 
 
 def load_dcp(path: str | os.PathLike[str], *, trust_pickle_metadata: bool = False) -> dict[str, Any]:
@@ -111,4 +116,4 @@ def load_dcp(path: str | os.PathLike[str], *, trust_pickle_metadata: bool = Fals
         obj = torch.load(os.fspath(out), weights_only=True, map_location="cpu")
     if not isinstance(obj, dict):
         raise UnsupportedValueError(f"{path} holds a {type(obj).__name__}, not a state dict")
-    return {str(k): _to_numpy_tree(v, torch, str(k)) for k, v in obj.items()}
+    return {str(k): _to_numpy_tree(v, torch, Path(path), str(k)) for k, v in obj.items()}
