@@ -13,6 +13,7 @@ from torch.futures import Future
 
 import gpuckpt.dcp.bridge as bridge
 import gpuckpt.dcp.convert as convert
+from gpuckpt.dcp.saved_bytesio import saved_bytesio
 from gpuckpt.dcp.tensors import as_torch, torch, torch_dtype
 from gpuckpt.errors import (
     MetadataError,
@@ -43,8 +44,11 @@ class Reader(StorageReader):  # type: ignore[misc,unused-ignore]
 
     No pickle is run by default. Bytes that DCP wrote are unpickled with
     ``torch.load(weights_only=True)`` (tensors, containers and plain types) and
-    serialised again before DCP sees them; other objects, and gpuckpt values
-    saved with ``allow_pickle=True``, need ``allow_pickle=True`` here (trusted
+    serialised again before DCP sees them; an ``io.BytesIO`` value (DCP's
+    opaque bytes: data loader or RNG state), which ``weights_only`` refuses, is
+    recognised in its pickle without running it and handed over as a new
+    BytesIO of the same bytes. Other objects, and gpuckpt values saved with
+    ``allow_pickle=True``, need ``allow_pickle=True`` here (trusted
     checkpoints only).
 
     Parameters
@@ -173,14 +177,17 @@ class Reader(StorageReader):  # type: ignore[misc,unused-ignore]
                 )
             if self.options.allow_pickle:
                 return blob
-            try:
-                value = torch.load(io.BytesIO(blob), weights_only=True)
-            except Exception as exc:
-                raise UnsafeCheckpointError(
-                    f"entry {entry.fqn!r} holds objects that torch.load(weights_only=True) refuses ({exc}); "
-                    "loading it could run arbitrary code: pass allow_pickle=True to gpuckpt.dcp.Reader only "
-                    "if you trust the checkpoint's origin"
-                ) from None
+            # DCP's opaque bytes (io.BytesIO), which weights_only refuses, read without unpickling
+            value = saved_bytesio(blob)
+            if value is None:
+                try:
+                    value = torch.load(io.BytesIO(blob), weights_only=True)
+                except Exception as exc:
+                    raise UnsafeCheckpointError(
+                        f"entry {entry.fqn!r} holds objects that torch.load(weights_only=True) refuses "
+                        f"({exc}); loading it could run arbitrary code: pass allow_pickle=True to "
+                        "gpuckpt.dcp.Reader only if you trust the checkpoint's origin"
+                    ) from None
         elif entry.kind == "value":
             value = bridge.read_value(ck, entry.fqn, self.options.allow_pickle)
         else:  # a list or tuple DCP takes as one value
