@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -109,6 +112,60 @@ def test_existing_checkpoint_needs_overwrite(saved: Path) -> None:
     assert digest(saved) == before and temporaries(saved) == []
     dcp.save({"w": torch.zeros(1)}, storage_writer=gpuckpt.dcp.Writer(saved, overwrite=True))
     assert list(gpuckpt.read_metadata(saved).state_dict_metadata) == ["w"]
+
+
+def test_existing_checkpoint_is_refused_in_dcps_words() -> None:
+    """DCP's tests match ``Checkpoint already exists`` (as FileSystemWriter and FsspecWriter say it)."""
+    t1, t2 = torch.randn(10), torch.randn(10)
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "ckpt")
+        dcp.save({"random": t1}, storage_writer=gpuckpt.dcp.Writer(path, overwrite=False))
+        dcp.save({"random": t2}, storage_writer=gpuckpt.dcp.Writer(path, overwrite=True))
+        sd = {"random": torch.zeros(10)}
+        dcp.load(sd, storage_reader=gpuckpt.dcp.Reader(path))
+        torch.testing.assert_close(sd["random"], t2)
+        with pytest.raises(CheckpointException, match=".*Checkpoint already exists.*") as info:
+            dcp.save({"random": t1}, storage_writer=gpuckpt.dcp.Writer(path, overwrite=False))
+        error = info.value.failures[0]
+        error = error[0] if isinstance(error, tuple) else error
+        assert isinstance(error, gpuckpt.CheckpointExistsError)
+        assert str(error).startswith("Checkpoint already exists and overwrite=False: ")
+        assert path in str(error) and "pass overwrite=True" in str(error)  # the remedy is kept
+        dcp.load(sd, storage_reader=gpuckpt.dcp.Reader(path))
+        torch.testing.assert_close(sd["random"], t2)
+
+
+def test_other_refusals_of_a_path_are_not_called_an_existing_checkpoint(tmp_path: Path) -> None:
+    (tmp_path / "foreign").mkdir()
+    (tmp_path / "foreign" / "notes.txt").write_text("someone's files")
+    (tmp_path / "empty").mkdir()
+    for name, expected in (("foreign", "not a gpuckpt checkpoint"), ("empty", "an empty directory")):
+        with pytest.raises(CheckpointException) as info:
+            dcp.save({"w": torch.ones(2)}, storage_writer=gpuckpt.dcp.Writer(tmp_path / name))
+        assert expected in str(info.value) and "Checkpoint already exists" not in str(info.value), name
+
+
+class PublishingPlanner(DefaultSavePlanner):
+    """Publishes another checkpoint at the save's path while the save writes (a concurrent save)."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__()
+        self.path = path
+
+    def resolve_data(self, write_item: Any) -> Any:
+        if not self.path.exists():
+            gpuckpt.save({"other": np.arange(3)}, self.path)
+        return super().resolve_data(write_item)
+
+
+def test_checkpoint_published_by_another_save_meanwhile_is_refused_in_dcps_words(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt"
+    with pytest.raises(CheckpointException, match="Checkpoint already exists") as info:
+        dcp.save(
+            {"w": torch.ones(2)}, storage_writer=gpuckpt.dcp.Writer(path), planner=PublishingPlanner(path)
+        )
+    assert "another save" in str(info.value)
+    assert list(gpuckpt.load_state_dict(path)) == ["other"] and temporaries(path) == []
 
 
 class FailingPlanner(DefaultSavePlanner):

@@ -60,3 +60,17 @@ def test_dtensors_from_3_ranks_to_s3_each_rank_uploading_its_own_chunks(
     assert all(r == {"rows_resharded": True} for r in results.values()), results
     back = gpuckpt.load_state_dict(url, storage_options=options)
     assert back["rows"].shape == (10, 6) and back["plain"].tolist() == list(range(7))
+
+
+def test_existing_checkpoint_on_s3_is_refused_in_dcps_words(options: dict[str, Any]) -> None:
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    url = f"s3://{BUCKET}/run-{uuid.uuid4().hex[:8]}/step-1"
+    dcp.save({"w": torch.ones(3)}, storage_writer=gpuckpt.dcp.Writer(url, storage_options=options))
+    for overwrite in (False, True):
+        writer = gpuckpt.dcp.Writer(url, overwrite=overwrite, storage_options=options)
+        with pytest.raises(CheckpointException, match=".*Checkpoint already exists.*") as info:
+            dcp.save({"w": torch.zeros(3)}, storage_writer=writer)
+        assert f"Checkpoint already exists and overwrite={overwrite}: " in str(info.value)
+        assert "prefix" in str(info.value)  # the store's remedy: save to a new prefix
+    assert gpuckpt.load_state_dict(url, storage_options=options)["w"].tolist() == [1.0, 1.0, 1.0]
