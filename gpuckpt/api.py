@@ -75,6 +75,12 @@ def save(
     published by one rename: readers see all of it or nothing, and a failed
     save leaves any earlier checkpoint untouched.
 
+    The arrays are read while the call runs: leave them unchanged until it
+    returns (or use :func:`async_save`, which copies them first). An array
+    changed meanwhile by another thread is stored torn, but the checkpoint
+    still matches its own checksums: every chunk is checksummed from the bytes
+    written, never from a second read of the array.
+
     Parameters
     ----------
     state_dict

@@ -171,7 +171,7 @@ def snapshot(
                 dst = arena.take_array(src.shape, src.dtype, physical_order(len(src.shape), fmt))
                 # device memory: one queued copy of the raw image; host memory: slabs copied in parallel
                 tickets.append(src.copy_to_host(dst, lambda d, a: copies.extend(_copy_slabs(d, a))))
-                snap.append(Source(HostArray(dst), s.offsets))
+                snap.append(Source(HostArray(dst, snapshot=True), s.offsets))
             out[t.fqn] = tuple(snap)
         _run_copies(copies)
     finally:

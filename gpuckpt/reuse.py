@@ -118,7 +118,7 @@ class SharedWithBase:
         n = int(np.prod(c.stored))
         block = np.frombuffer(data, self._dtype.newbyteorder("<"), n).reshape(c.stored)
         box = block[tuple(slice(0, s) for s in sizes)]
-        return HostArray(box).stage_out((0,) * len(sizes), tuple(sizes), staging)
+        return HostArray(box, snapshot=True).stage_out((0,) * len(sizes), tuple(sizes), staging)
 
     def stage_in(self, offsets: tuple[int, ...], sizes: tuple[int, ...], staging: Any) -> StagedIn:
         raise TypeError("an array shared with the base of an incremental save is only written")
@@ -215,24 +215,28 @@ def _crc_all(buf: np.ndarray, pad: int) -> int:
     return crc
 
 
-def _equal_bytes(reader: CheckpointReader, b: BaseChunk, buf: np.ndarray, pad: int, crc: int) -> bool:
-    """Whether the base chunk file holds exactly ``buf``, ``pad`` zeros and the trailer ``crc``."""
+def _equal_bytes(
+    reader: CheckpointReader, b: BaseChunk, buf: np.ndarray, pad: int, crc: int
+) -> np.ndarray | None:
+    """The base chunk file's stored bytes (its trailer excluded) when it holds exactly ``buf``,
+    ``pad`` zeros and the trailer ``crc``; else None."""
     ref = b.ref
     try:
         if reader.chunk_nbytes(ref.name, ref.key) != ref.nbytes:
-            return False
+            return None
         data = bytearray(ref.nbytes)
         if reader.read_chunk_into(ref.name, ref.key, [data]) != ref.nbytes:
-            return False
+            return None
     except OSError:
-        return False
+        return None
     got = np.frombuffer(data, np.uint8)
     n = buf.nbytes
-    return (
+    equal = (
         np.array_equal(got[:n], np.frombuffer(memoryview(buf).cast("B"), np.uint8))
         and not got[n : n + pad].any()
         and bytes(got[n + pad :]) == crc.to_bytes(CRC_BYTES, "little")
     )
+    return got[: n + pad] if equal else None
 
 
 def _compare(index: BaseIndex, b: BaseChunk, buf: np.ndarray, pad: int) -> tuple[bool, _Known, int]:
@@ -260,10 +264,12 @@ def _compare(index: BaseIndex, b: BaseChunk, buf: np.ndarray, pad: int) -> tuple
         equal = value == b.xxh3t and crc == b.ref.crc32c
         return equal, _Known(value, head), crc
     crc = _crc_all(buf, pad)
-    if crc != b.ref.crc32c or not _equal_bytes(index.reader, b, buf, pad, crc):
+    stored = _equal_bytes(index.reader, b, buf, pad, crc) if crc == b.ref.crc32c else None
+    if stored is None:
         return False, _Known(), 0
     if contenthash.available():
-        value, head, _ = _hash_all(buf, pad, with_crc=False)
+        # the hash of the base file's bytes, which the reused chunk is (not a third read of buf)
+        value, head, _ = _hash_all(stored, 0, with_crc=False)
         return True, _Known(value, head), crc
     return True, _Known(), crc
 
@@ -277,6 +283,8 @@ def write_hashed(
     documents: Sequence[bytes | None],
     base: BaseIndex | None,
     compared: Collection[tuple[str, str]] = (),
+    *,
+    stable: bool = False,
 ) -> list[ChunkResult]:
     """Write (or reuse) chunks, recording each one's content hash; see the module docstring.
 
@@ -286,8 +294,19 @@ def write_hashed(
     of one leaf or less are hashed here and written in one batch of the writer's; larger
     ones are hashed while they are written, piece by piece (and, with a base, probed by
     their first leaf first, so that a changed chunk is not hashed twice).
+
+    Every digest recorded is of the bytes stored, also when another thread changes the
+    buffers meanwhile (not ``stable``: the caller's memory): chunks of a leaf or less are
+    copied once and compared, hashed and written from that copy; larger ones are hashed
+    from the writer's own copy as it writes them, whatever their comparison found; a reused
+    chunk records the digests of the base chunk it shares.
     """
     hashing = contenthash.available()
+    if not stable:
+        # one read of the caller's memory for the comparison, the hash, the checksum and the write
+        buffers = [
+            np.array(b, copy=True) if b.nbytes + p <= LEAF else b for b, p in zip(buffers, pads, strict=True)
+        ]
     results: list[ChunkResult | None] = [None] * len(names)
     known: dict[int, _Known] = {}
     batch: list[int] = []
@@ -323,7 +342,9 @@ def write_hashed(
             known[i] = k
             batch.append(i)
         elif hashing:
-            results[i] = _write_large(writer, name, key, buf, pad, docs[i], k)
+            # what the comparison learnt may be of other bytes than the writer's copy
+            fresh = k if stable else _Known()
+            results[i] = _write_large(writer, name, key, buf, pad, docs[i], fresh, stable=stable)
         else:
             known[i] = k
             batch.append(i)
@@ -335,6 +356,8 @@ def write_hashed(
                 [buffers[i] for i in batch],
                 [pads[i] for i in batch],
                 [docs[i] for i in batch],
+                # this call's own copies when hashed here; else the writer copies
+                stable=stable or hashing,
             )
         )
         for i, c in zip(batch, crcs, strict=True):
@@ -353,6 +376,8 @@ def _write_large(
     pad: int,
     document: bytes | None,
     k: _Known,
+    *,
+    stable: bool,
 ) -> ChunkResult:
     """Write one chunk of more than a leaf, its CRC32C and (unless known) its hash computed
     piece by piece as the writer streams it (while each piece is in the CPU cache)."""
@@ -368,6 +393,8 @@ def _write_large(
             hasher.update(piece)
 
     parts = [buf, bytes(pad)] if pad else [buf]
-    writer.write_chunk_checked(name, key, parts, digest, lambda: crc.to_bytes(CRC_BYTES, "little"))
+    writer.write_chunk_checked(
+        name, key, parts, digest, lambda: crc.to_bytes(CRC_BYTES, "little"), stable=stable
+    )
     value, head = hasher.digests() if hasher is not None else (k.value, k.head)
     return ChunkResult(buf.nbytes + pad + CRC_BYTES, crc, value, head)

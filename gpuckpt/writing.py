@@ -357,13 +357,17 @@ def _write_items(
         names = [j.name for j, _, _ in items]
         keys = [j.key for j, _, _ in items]
         documents = [document for _, _, document in items]
+        # the caller's memory is copied once by the writer before it is checksummed and stored
+        stable = all(staged.stable for _, staged, _ in items)
         results: list[Written]
         if reuse is not None:
             results = list(
-                write_hashed(writer, names, keys, buffers, pads, documents, reuse.base, reuse.compared)
+                write_hashed(
+                    writer, names, keys, buffers, pads, documents, reuse.base, reuse.compared, stable=stable
+                )
             )
         else:
-            crcs = writer.write_chunks(ChunkWrites(names, keys, buffers, pads, documents))
+            crcs = writer.write_chunks(ChunkWrites(names, keys, buffers, pads, documents, stable))
             results = [(b.nbytes + p + CRC_BYTES, c) for b, p, c in zip(buffers, pads, crcs, strict=True)]
     finally:
         _release_all(items)  # staging buffers go back to their pool

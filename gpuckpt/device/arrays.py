@@ -71,6 +71,13 @@ class StagedOut(Protocol):
         """True when the box was readable at once and nothing is held (it may wait in a batch)."""
         ...
 
+    @property
+    def stable(self) -> bool:
+        """True when the box is memory of gpuckpt's own that nothing changes until it is released
+        (a staging buffer, a snapshot); False for the caller's memory, which writers copy once
+        before they checksum and store it (see :class:`~gpuckpt.storage.base.CheckpointWriter`)."""
+        ...
+
     def wait(self) -> np.ndarray:
         """The box in host memory (logical shape ``sizes``), once its copy is done."""
         ...
@@ -253,11 +260,12 @@ def _has_attribute(value: Any, name: str) -> bool:
 class _HostOut:
     """A box of host memory: readable at once, holding nothing."""
 
-    __slots__ = ("_box",)
+    __slots__ = ("_box", "stable")
     ready = True
 
-    def __init__(self, box: np.ndarray) -> None:
+    def __init__(self, box: np.ndarray, stable: bool) -> None:
         self._box = box
+        self.stable = stable
 
     def wait(self) -> np.ndarray:
         return self._box
@@ -286,11 +294,16 @@ class _HostIn:
 
 @dataclass(slots=True)
 class HostArray:
-    """A host array viewed as a NumPy array, without copying."""
+    """A host array viewed as a NumPy array, without copying.
+
+    ``snapshot``: the array is gpuckpt's own copy (an asynchronous save's snapshot),
+    which nothing changes while it is written (:attr:`StagedOut.stable`).
+    """
 
     array: np.ndarray
     requires_grad: bool = False
     pinned: bool = False
+    snapshot: bool = False
 
     @property
     def backend(self) -> None:
@@ -314,7 +327,7 @@ class HostArray:
         return bool(self.array.flags.writeable)
 
     def stage_out(self, offsets: tuple[int, ...], sizes: tuple[int, ...], staging: Staging) -> StagedOut:
-        return _HostOut(_box(self.array, offsets, sizes))
+        return _HostOut(_box(self.array, offsets, sizes), self.snapshot)
 
     def stage_in(self, offsets: tuple[int, ...], sizes: tuple[int, ...], staging: Staging) -> StagedIn:
         return _HostIn(_box(self.array, offsets, sizes))
@@ -324,7 +337,7 @@ class HostArray:
         return FINISHED
 
     def copy(self) -> HostArray:
-        return HostArray(self.array.copy(order="K"), self.requires_grad, self.pinned)
+        return HostArray(self.array.copy(order="K"), self.requires_grad, self.pinned, snapshot=True)
 
     def host_array(self) -> np.ndarray:
         return self.array
@@ -338,6 +351,7 @@ class _DeviceOut:
 
     __slots__ = ("_buf", "_done", "_nbytes", "_pool", "_shape", "_ticket", "_type")
     ready = False
+    stable = True  # a staging buffer of this save's
 
     def __init__(
         self,

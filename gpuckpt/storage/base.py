@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from gpuckpt.storage.checksum import CRC_BYTES, crc32c
+from gpuckpt.storage.copies import own_copy
 from gpuckpt.storage.segments import SegmentDigest, segmented
 
 __all__ = [
@@ -34,7 +35,7 @@ class ChunkWrites:
     followed by ``pads[i]`` zero bytes (the padding of an edge chunk), then the
     CRC32C trailer. Where ``documents`` is given and ``documents[i]`` is not None,
     the array's directory and its document are created first (an array stored
-    as one chunk).
+    as one chunk). ``stable``: see :meth:`CheckpointWriter.write_chunk_checked`.
     """
 
     names: Sequence[str]
@@ -42,6 +43,7 @@ class ChunkWrites:
     buffers: Sequence[Any]
     pads: Sequence[int]
     documents: Sequence[bytes | None] = ()
+    stable: bool = False
 
     def select(self, indices: Sequence[int]) -> ChunkWrites:
         """The items at ``indices``, in that order."""
@@ -52,6 +54,7 @@ class ChunkWrites:
             [self.buffers[i] for i in indices],
             [self.pads[i] for i in indices],
             [docs[i] for i in indices] if docs else (),
+            self.stable,
         )
 
 
@@ -128,6 +131,14 @@ class CheckpointWriter(ABC):
     3. :meth:`commit` once with the root document, which publishes
        everything or nothing; or :meth:`abort` after any failure, which
        removes what was written and never touches a published checkpoint.
+
+    Checksums are of the bytes stored: a chunk's buffers may be the caller's
+    memory, which another thread may change while a save runs, so a writer
+    reads each byte of them once, into memory of its own, and checksums and
+    stores that copy (:func:`gpuckpt.storage.copies.own_pieces`). A value torn
+    by such a race is then stored with its own checksum; a chunk that contradicts
+    its checksum is never published. Only buffers marked ``stable`` (gpuckpt's
+    own snapshot or staging memory) may be stored without that copy.
     """
 
     #: whether the I/O threads should hand this writer many small chunks per call (one
@@ -174,14 +185,22 @@ class CheckpointWriter(ABC):
         parts: Sequence[Any],
         digest: Callable[[Any], None],
         trailer: Callable[[], bytes],
+        *,
+        stable: bool = False,
     ) -> None:
         """Store ``parts`` followed by ``trailer()``, calling ``digest`` on every byte of ``parts`` first.
 
-        ``digest`` sees the data in order; ``trailer`` (the checksum) is asked
-        for once all of it was digested. The default digests everything, then
-        writes; back ends that stream may interleave the two piece by piece,
-        while each piece is still in the CPU cache.
+        ``digest`` sees the data in order, and exactly the bytes that are stored;
+        ``trailer`` (the checksum) is asked for once all of it was digested.
+        ``stable``: nothing changes ``parts`` until this returns (gpuckpt's own
+        snapshot or staging memory), so they may be digested and stored from where
+        they are; otherwise they are read once, into a copy that is digested and
+        stored (see the class docstring). The default copies the whole chunk unless
+        it is stable, digests it, then writes; back ends that stream copy, digest
+        and write piece by piece, while each piece is still in the CPU cache.
         """
+        if not stable:
+            parts = [own_copy(parts)]
         for p in parts:
             digest(p)
         self.write_chunk(name, key, [*parts, trailer()])
@@ -220,17 +239,22 @@ class CheckpointWriter(ABC):
             if document is not None:
                 self.write_array_document(name, document)
             parts = [buf, bytes(pad)] if pad else [buf]
-            crcs.append(self._write_checked(name, key, parts))
+            crcs.append(self._write_checked(name, key, parts, batch.stable))
         return crcs
 
-    def _write_checked(self, name: str, key: str, parts: list[Any]) -> int:
+    def _write_checked(self, name: str, key: str, parts: list[Any], stable: bool) -> int:
         """Write one chunk through :meth:`write_chunk_checked`; its CRC32C, which for a large
         chunk also carries its segments' (:class:`~gpuckpt.storage.segments.ChunkCRC`, in the
         same pass: see :mod:`gpuckpt.storage.segments`)."""
         if segmented(sum(memoryview(p).nbytes for p in parts)):
             seg = SegmentDigest()
             self.write_chunk_checked(
-                name, key, parts, seg.update, lambda: seg.value.to_bytes(CRC_BYTES, "little")
+                name,
+                key,
+                parts,
+                seg.update,
+                lambda: seg.value.to_bytes(CRC_BYTES, "little"),
+                stable=stable,
             )
             return seg.result()
         value = 0
@@ -239,7 +263,9 @@ class CheckpointWriter(ABC):
             nonlocal value
             value = crc32c(piece, value)
 
-        self.write_chunk_checked(name, key, parts, digest, lambda: value.to_bytes(CRC_BYTES, "little"))
+        self.write_chunk_checked(
+            name, key, parts, digest, lambda: value.to_bytes(CRC_BYTES, "little"), stable=stable
+        )
         return value
 
     @abstractmethod

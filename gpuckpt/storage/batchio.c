@@ -30,7 +30,7 @@
 
 #include "crc32c_simd.h"
 
-#define GBIO_ABI 3
+#define GBIO_ABI 4
 
 /* What an item is (kind). */
 enum { GBIO_MKDIR = 1, GBIO_FILE = 2, GBIO_CHUNK = 3 };
@@ -185,8 +185,13 @@ static int fail(struct gbio_item *it, int step, int err)
     return -1;
 }
 
-/* Write one item; a file to be fsynced with its group stays open, its fd in *keep. */
-static int write_one(int dir, struct gbio_item *it, uint32_t flags, uint64_t writeback_min, int *keep)
+/* Write one item; a file to be fsynced with its group stays open, its fd in *keep. A chunk's
+ * data is copied into copy (at least nbytes long) first, and checksummed and written from
+ * there: the caller's memory is read once, so the trailer is the CRC-32C of the very bytes
+ * written even if the caller changes its memory meanwhile (a torn value is stored with its
+ * own checksum, never a file that contradicts its trailer). */
+static int write_one(int dir, struct gbio_item *it, uint32_t flags, uint64_t writeback_min, int *keep,
+                     uint8_t *copy)
 {
     if (it->kind == GBIO_MKDIR) return mkdirat(dir, it->path, 0777) ? fail(it, GBIO_STEP_MKDIR, errno) : 0;
     int fd;
@@ -197,7 +202,9 @@ static int write_one(int dir, struct gbio_item *it, uint32_t flags, uint64_t wri
     uint8_t trailer[4];
     struct iovec iov[2] = {{it->data, it->nbytes}, {trailer, 0}};
     if (it->kind == GBIO_CHUNK) {
-        uint32_t c = crc_zeros(crc_update(~0u, it->data, it->nbytes), it->pad);
+        if (it->nbytes) memcpy(copy, it->data, it->nbytes);
+        iov[0].iov_base = copy;
+        uint32_t c = crc_zeros(crc_update(~0u, copy, it->nbytes), it->pad);
         it->crc = ~c;
         for (int i = 0; i < 4; i++) trailer[i] = (uint8_t)(it->crc >> (8 * i));
         iov[1].iov_len = 4;
@@ -253,13 +260,24 @@ static int64_t sync_group(struct gbio_item *items, int *fds, uint64_t *idx, int 
  * commit per group instead of one per file); GBIO_WRITEBACK starts the writeback of
  * files of writeback_min bytes or more. Stops at the first failure. Returns the number
  * of items before the first that failed (n when none did; with GBIO_FSYNC_GROUP later
- * items of its group may have been written too), or -errno when root cannot be opened. */
+ * items of its group may have been written too), or -errno when root cannot be opened (or
+ * the copy that chunks are written from cannot be allocated). The trailer of each chunk is
+ * the CRC-32C of the bytes written (see write_one). */
 int64_t gbio_write(const char *root, struct gbio_item *items, uint64_t n, uint32_t flags,
                    uint64_t writeback_min)
 {
     gbio_isa();
+    uint64_t most = 0;
+    for (uint64_t k = 0; k < n; k++)
+        if (items[k].kind == GBIO_CHUNK && items[k].nbytes > most) most = items[k].nbytes;
+    uint8_t *copy = most ? malloc(most) : NULL;
+    if (most && !copy) return -ENOMEM;
     int dir = open(root, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    if (dir < 0) return -errno;
+    if (dir < 0) {
+        int err = errno;
+        free(copy);
+        return -err;
+    }
     int fds[GROUP];
     uint64_t idx[GROUP];
     int held = 0;
@@ -267,7 +285,7 @@ int64_t gbio_write(const char *root, struct gbio_item *items, uint64_t n, uint32
     uint64_t i = 0;
     for (; i < n; i++) {
         int keep = -1;
-        if (write_one(dir, &items[i], flags, writeback_min, &keep)) break;
+        if (write_one(dir, &items[i], flags, writeback_min, &keep, copy)) break;
         if (keep >= 0) {
             fds[held] = keep, idx[held++] = i;
             if (held == GROUP) {
@@ -282,6 +300,7 @@ int64_t gbio_write(const char *root, struct gbio_item *items, uint64_t n, uint32
         if (failed < 0) failed = f;
     }
     close(dir);
+    free(copy);
     return failed >= 0 && (uint64_t)failed < i ? failed : (int64_t)i;
 }
 

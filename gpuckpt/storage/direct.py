@@ -33,6 +33,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from gpuckpt.storage.copies import copy_into
 from gpuckpt.storage.fileio import buffer_address, write_all, writev_all
 
 __all__ = ["DIRECT_MIN_BYTES", "DirectWriter", "available", "read_direct"]
@@ -93,20 +94,27 @@ class DirectWriter:
         return memoryview(buf)
 
     def write(
-        self, fd: int, parts: Sequence[Any], digest: Callable[[Any], None], trailer: Callable[[], bytes]
+        self,
+        fd: int,
+        parts: Sequence[Any],
+        digest: Callable[[Any], None],
+        trailer: Callable[[], bytes],
+        *,
+        stable: bool = False,
     ) -> None:
         """Write ``parts`` then ``trailer()`` to ``fd`` (from :meth:`create`), calling ``digest`` on each
-        piece just before it is written: straight from page-aligned memory, else copied through the
-        aligned bounce buffer (and checksummed there). The unaligned tail and the trailer go through
-        the page cache. ``fd`` stays open."""
+        piece just before it is written: straight from page-aligned ``stable`` memory (a staging
+        arena, a snapshot: nothing changes it meanwhile), else copied through the aligned bounce
+        buffer (and checksummed there, so that the checksum is of the bytes written). The
+        unaligned tail and the trailer go through the page cache. ``fd`` stays open."""
         bounce = self._bounce_buffer()
         direct = True
         fill = 0
         for p in parts:
             view = memoryview(p).cast("B")
             i = 0
-            if fill == 0 and buffer_address(view) % _DIRECT_ALIGN == 0:
-                # page-aligned memory (a staging arena): written straight from it
+            if stable and fill == 0 and buffer_address(view) % _DIRECT_ALIGN == 0:
+                # page-aligned memory of gpuckpt's own (a staging arena): written straight from it
                 aligned = view.nbytes - view.nbytes % _DIRECT_ALIGN
                 for i in range(0, aligned, _PIECE):
                     piece = view[i : min(aligned, i + _PIECE)]
@@ -115,7 +123,7 @@ class DirectWriter:
                 i = aligned
             while i < view.nbytes:
                 take = min(_PIECE - fill, view.nbytes - i)
-                bounce[fill : fill + take] = view[i : i + take]
+                copy_into(bounce[fill : fill + take], view[i : i + take])
                 fill += take
                 i += take
                 if fill == _PIECE:

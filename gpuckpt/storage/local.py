@@ -42,6 +42,7 @@ from gpuckpt.storage.base import (
     NotRegularFileError,
 )
 from gpuckpt.storage.checksum import CRC_BYTES
+from gpuckpt.storage.copies import own_pieces
 from gpuckpt.storage.direct import DIRECT_MIN_BYTES, DirectWriter
 from gpuckpt.storage.direct import available as direct_io_available
 from gpuckpt.storage.fileio import (
@@ -268,6 +269,8 @@ class LocalWriter(CheckpointWriter):
         parts: Sequence[Any],
         digest: Callable[[Any], None],
         trailer: Callable[[], bytes],
+        *,
+        stable: bool = False,
     ) -> None:
         direct = self._direct
         if direct is not None and direct.enabled:
@@ -277,28 +280,27 @@ class LocalWriter(CheckpointWriter):
                 try:
                     # direct writes allocate blocks as they land: concurrent files would interleave
                     fsutil.preallocate(fd, size)
-                    direct.write(fd, parts, digest, trailer)
+                    direct.write(fd, parts, digest, trailer, stable=stable)
                     self._settle(fd, size)
                 finally:
                     os.close(fd)
                 return
-        # checksum and write in pieces that are still in the CPU cache
+        # copied (unless stable), checksummed and written in pieces that are still in the CPU
+        # cache: the checksum is of the bytes written (see CheckpointWriter)
         fd = self._create(f"{name}/{key}")
         try:
             total = 0
             if len(parts) == 1 and memoryview(parts[0]).nbytes <= PIECE_BYTES:
                 # a small chunk: one system call for its bytes and its checksum
-                digest(parts[0])
-                writev_all(fd, [parts[0], trailer()])
-                total = memoryview(parts[0]).nbytes
+                (piece,) = list(own_pieces(parts, stable=stable)) or [memoryview(b"")]
+                digest(piece)
+                writev_all(fd, [piece, trailer()])
+                total = piece.nbytes
             else:
-                for p in parts:
-                    view = memoryview(p).cast("B")
-                    total += view.nbytes
-                    for i in range(0, view.nbytes, PIECE_BYTES):
-                        piece = view[i : i + PIECE_BYTES]
-                        digest(piece)
-                        write_all(fd, piece)
+                for piece in own_pieces(parts, stable=stable, piece=PIECE_BYTES):
+                    total += piece.nbytes
+                    digest(piece)
+                    write_all(fd, piece)
                 write_all(fd, trailer())
             self._settle(fd, total)
         finally:

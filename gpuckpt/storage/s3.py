@@ -71,7 +71,7 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
@@ -83,6 +83,7 @@ from gpuckpt.errors import (
 from gpuckpt.storage import fsutil
 from gpuckpt.storage.base import BaseRef, CheckpointWriter
 from gpuckpt.storage.checksum import CRC_BYTES
+from gpuckpt.storage.copies import PIECE_BYTES, own_copy
 from gpuckpt.storage.layout import (
     MAX_ROOT_DOCUMENT_BYTES,
     ROOT_DOCUMENT_PREFIX,
@@ -455,8 +456,10 @@ class ObjectStoreWriter(Prefix, CheckpointWriter):
         if self._lost is not None:
             raise CheckpointExistsError(self._lost)
 
-    def _write(self, rel: str, data: Any) -> None:
-        """Put ``data`` (a buffer, or a list of buffers to store one after the other) at ``rel``.
+    def _write(self, rel: str, data: Any, streamed: tuple[int, Iterator[Any]] | None = None) -> None:
+        """Put ``data`` (a buffer, or a list of buffers to store one after the other) at ``rel``;
+        or, with ``streamed`` ``(nbytes, pieces)``, the buffers the iterator ``pieces`` yields as
+        the upload asks for them (a multipart upload; ``data`` unused).
 
         One request, or from twice ``part_bytes`` on a multipart upload whose parts are
         sent a few at a time, within the request and memory budgets (see
@@ -467,7 +470,7 @@ class ObjectStoreWriter(Prefix, CheckpointWriter):
         self._check_claim()
         self._written.add(rel)
         pieces = data if isinstance(data, list) else [data]
-        nbytes = sum(memoryview(p).nbytes for p in pieces)
+        nbytes = streamed[0] if streamed is not None else sum(memoryview(p).nbytes for p in pieces)
         nparts, part = plan_parts(nbytes, self.transfer.part_bytes)
         at_once = min(nparts, self.transfer.max_parts_in_flight)
         with (
@@ -477,7 +480,11 @@ class ObjectStoreWriter(Prefix, CheckpointWriter):
         ):
             # the put zarr's ObjectStore.set makes, without its event-loop thread: that thread
             # cannot be started while the interpreter exits, when queued saves still run
-            if nparts == 1:
+            if streamed is not None:
+                obs.put(
+                    self._obs, rel, streamed[1], use_multipart=True, chunk_size=part, max_concurrency=slots
+                )
+            elif nparts == 1:
                 # the client gathers the pieces into its own buffer: no joined copy of ours first
                 obs.put(self._obs, rel, pieces if len(pieces) > 1 else pieces[0], use_multipart=False)
             else:
@@ -494,6 +501,37 @@ class ObjectStoreWriter(Prefix, CheckpointWriter):
         # no concatenation here: a small chunk is joined once for its single put, a large one
         # goes up in parts read from the caller's buffers
         self._write(object_key(name, key), [memoryview(p).cast("B") for p in parts])
+
+    def write_chunk_checked(
+        self,
+        name: str,
+        key: str,
+        parts: Sequence[Any],
+        digest: Callable[[Any], None],
+        trailer: Callable[[], bytes],
+        *,
+        stable: bool = False,
+    ) -> None:
+        """A chunk of one put is copied whole (unless ``stable``), digested and put (see
+        :class:`~gpuckpt.storage.base.CheckpointWriter`); a larger one goes up as a multipart
+        upload fed piece by piece, each piece copied into a buffer the upload keeps (a retried
+        part resends those bytes, never rereads the caller's memory) and digested as it is handed
+        over, the trailer last: memory stays within the parts in flight."""
+        nbytes = sum(memoryview(p).nbytes for p in parts) + CRC_BYTES
+        if stable or plan_parts(nbytes, self.transfer.part_bytes)[0] == 1:
+            super().write_chunk_checked(name, key, parts, digest, trailer, stable=stable)
+            return
+
+        def pieces() -> Iterator[Any]:
+            for p in parts:
+                view = memoryview(p).cast("B")
+                for i in range(0, view.nbytes, PIECE_BYTES):
+                    own = own_copy([view[i : i + PIECE_BYTES]])
+                    digest(own)
+                    yield own
+            yield trailer()
+
+        self._write(object_key(name, key), None, streamed=(nbytes, pieces()))
 
     def reuse_chunk(self, name: str, key: str, base: BaseRef) -> bool:
         """A server-side copy (``CopyObject``: no chunk bytes through this process) of the
