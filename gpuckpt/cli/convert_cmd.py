@@ -11,7 +11,7 @@ from gpuckpt.convert.core import SOURCE_FORMATS, TARGET_FORMATS, convert
 
 HELP = (
     "convert a safetensors file, a torch.save state dict or a torch.distributed.checkpoint directory "
-    "into gpuckpt, or a gpuckpt checkpoint into safetensors"
+    "into gpuckpt, or a gpuckpt checkpoint into safetensors or (--to torch) one torch.save file"
 )
 
 
@@ -48,7 +48,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         dest="target_format",
         choices=("auto", *TARGET_FORMATS),
         default="auto",
-        help="target format (default: safetensors for a .safetensors DST, else gpuckpt)",
+        help="target format (default: safetensors for a .safetensors DST, else gpuckpt); torch: "
+        "one torch.save file of the whole state dict, as DCP's dcp_to_torch_save writes",
     )
     p.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     p.add_argument(

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+import gpuckpt.convert.torch_save as torch_save
 from gpuckpt import api
 from gpuckpt.convert.safetensors_io import (
     check_tensor_name,
@@ -19,7 +20,7 @@ from gpuckpt.convert.safetensors_io import (
     safetensors_code,
     write_safetensors,
 )
-from gpuckpt.convert.torch_io import load_dcp, load_torch_save
+from gpuckpt.convert.torch_io import check_trusted, load_dcp, load_torch_save
 from gpuckpt.device.arrays import is_array
 from gpuckpt.errors import MetadataError, UnsupportedValueError
 from gpuckpt.memory_format import (
@@ -37,7 +38,7 @@ from gpuckpt.storage.values import decode_object, encode_object
 __all__ = ["SOURCE_FORMATS", "TARGET_FORMATS", "ConvertResult", "convert", "detect_format"]
 
 SOURCE_FORMATS = ("gpuckpt", "safetensors", "torch", "dcp")
-TARGET_FORMATS = ("gpuckpt", "safetensors")
+TARGET_FORMATS = ("gpuckpt", "safetensors", "torch")
 #: ``__metadata__`` key that carries a gpuckpt state's plain values and nesting.
 STATE_KEY = "gpuckpt.state"
 
@@ -168,9 +169,19 @@ def convert(
     torch.distributed.checkpoint directory (needs torch and
     ``trust_pickle_metadata=True``: its ``.metadata`` is a pickle). Targets:
     gpuckpt, or safetensors (``auto`` picks it when ``dst`` ends in
-    ``.safetensors``). A gpuckpt state written to safetensors keeps its plain
+    ``.safetensors``), or torch (only when asked for: ``target_format="torch"``).
+    A gpuckpt state written to safetensors keeps its plain
     values and nesting in ``__metadata__["gpuckpt.state"]`` (tagged JSON,
     never pickle), so converting back restores the same state dict.
+
+    ``torch`` writes one ``torch.save`` file of the whole state dict, the file
+    ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save`` writes: a
+    gpuckpt checkpoint (written by ``dcp.save`` through
+    :class:`gpuckpt.dcp.Writer` on any number of ranks, or by
+    :func:`gpuckpt.save`) is loaded as DCP loads it through
+    :class:`gpuckpt.dcp.Reader`, so tensors are whole and DCP's values are
+    the objects it saved (pickled ones beyond what ``weights_only`` takes, and
+    ``io.BytesIO``, only with ``allow_pickle=True``).
 
     ``src`` or ``dst`` may be an object-store URL (``s3://bucket/prefix``) of a
     gpuckpt checkpoint, with ``storage_options`` for it (default: the
@@ -212,6 +223,19 @@ def convert(
         raise FileExistsError(
             17, "destination exists (pass overwrite=True / --overwrite to replace it)", os.fspath(dst_p)
         )
+    if fmt_out == "torch":
+        return _to_torch_save(
+            src_p,
+            dst_p,
+            fmt_in,
+            overwrite=overwrite,
+            allow_pickle=allow_pickle,
+            trust_pickle_metadata=trust_pickle_metadata,
+            threads=threads,
+            read_progress=read_progress,
+            write_progress=write_progress,
+            storage_options=storage_options,
+        )
     state = _read(
         src_p,
         fmt_in,
@@ -250,6 +274,48 @@ def convert(
             meta = {STATE_KEY: json.dumps(extra, separators=(",", ":"))}
         write_safetensors(tensors, dst_p, metadata=meta, overwrite=overwrite, progress=write_progress)
     return ConvertResult(fmt_in, fmt_out, len(tensors), len(objects), nbytes)
+
+
+def _to_torch_save(
+    src: Any,
+    dst: Path,
+    fmt_in: str,
+    *,
+    overwrite: bool,
+    allow_pickle: bool,
+    trust_pickle_metadata: bool,
+    threads: int | None,
+    read_progress: ProgressCallback | None,
+    write_progress: ProgressCallback | None,
+    storage_options: dict[str, Any] | None,
+) -> ConvertResult:
+    """One ``torch.save`` file of the whole state dict, as DCP's ``dcp_to_torch_save`` writes it:
+    gpuckpt checkpoints and DCP directories are loaded the way it loads them (through
+    :class:`gpuckpt.dcp.Reader` and ``FileSystemReader``), other sources as read by ``convert``."""
+    if fmt_in == "gpuckpt":
+        state = torch_save.gpuckpt_state(
+            src, allow_pickle=allow_pickle, threads=threads, storage_options=storage_options
+        )
+    elif fmt_in == "dcp":
+        check_trusted(src, trust_pickle_metadata)
+        from torch.distributed.checkpoint import FileSystemReader
+
+        state = torch_save.dcp_state(FileSystemReader(os.fspath(src)))
+    else:
+        read = _read(
+            src,
+            fmt_in,
+            allow_pickle=allow_pickle,
+            trust_pickle_metadata=trust_pickle_metadata,
+            threads=threads,
+            progress=read_progress,
+        )
+        state = torch_save.numpy_to_torch(read)
+    tensors, objects, nbytes = torch_save.count(state)
+    torch_save.write_torch_save(state, dst, overwrite=overwrite)
+    if write_progress is not None:
+        write_progress(nbytes, nbytes)
+    return ConvertResult(fmt_in, "torch", tensors, objects, nbytes)
 
 
 def _same(a: Path | str, b: Path | str) -> bool:

@@ -20,9 +20,9 @@ import numpy as np
 from gpuckpt.convert.shapes import check_shape
 from gpuckpt.errors import UnsafeCheckpointError, UnsupportedValueError
 
-__all__ = ["import_torch", "load_dcp", "load_torch_save", "torch_to_numpy"]
+__all__ = ["VIEW_AS", "check_trusted", "import_torch", "load_dcp", "load_torch_save", "torch_to_numpy"]
 
-_VIEW_AS = {  # torch dtypes NumPy lacks: reinterpret their bits
+VIEW_AS = {  # torch dtypes NumPy lacks: reinterpret their bits
     "bfloat16": ("int16", ml_dtypes.bfloat16),
     "float8_e4m3fn": ("uint8", ml_dtypes.float8_e4m3fn),
     "float8_e5m2": ("uint8", ml_dtypes.float8_e5m2),
@@ -55,8 +55,8 @@ def torch_to_numpy(t: Any, fqn: str = "") -> np.ndarray:
     elif t.dim() == 5 and not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last_3d):
         perm = (0, 2, 3, 4, 1)
     physical = t.permute(*perm).contiguous() if perm else t.contiguous()
-    if name in _VIEW_AS:
-        as_int, np_dtype = _VIEW_AS[name]
+    if name in VIEW_AS:
+        as_int, np_dtype = VIEW_AS[name]
         arr = physical.view(getattr(torch, as_int)).numpy().view(np_dtype)
     else:
         try:
@@ -102,11 +102,7 @@ def load_dcp(path: str | os.PathLike[str], *, trust_pickle_metadata: bool = Fals
     Its ``.metadata`` is a pickle: refused unless ``trust_pickle_metadata``.
     """
     path = Path(path)
-    if not trust_pickle_metadata:
-        raise UnsafeCheckpointError(
-            f"{path / '.metadata'} is a pickle, and reading it can run arbitrary code; "
-            "pass trust_pickle_metadata=True (--trust-pickle-metadata) if you trust where it came from"
-        )
+    check_trusted(path, trust_pickle_metadata)
     torch = import_torch()
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -117,3 +113,12 @@ def load_dcp(path: str | os.PathLike[str], *, trust_pickle_metadata: bool = Fals
     if not isinstance(obj, dict):
         raise UnsupportedValueError(f"{path} holds a {type(obj).__name__}, not a state dict")
     return {str(k): _to_numpy_tree(v, torch, Path(path), str(k)) for k, v in obj.items()}
+
+
+def check_trusted(path: str | os.PathLike[str], trust_pickle_metadata: bool) -> None:
+    """Refuse to read the DCP directory ``path`` (its ``.metadata`` is a pickle) unless trusted."""
+    if not trust_pickle_metadata:
+        raise UnsafeCheckpointError(
+            f"{Path(path) / '.metadata'} is a pickle, and reading it can run arbitrary code; "
+            "pass trust_pickle_metadata=True (--trust-pickle-metadata) if you trust where it came from"
+        )

@@ -124,3 +124,25 @@ def test_load_in_one_process(saved: tuple[Path, Results]) -> None:
         set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
         reference = torch.load(out / "fsdp-reference.pt", weights_only=True)
         assert ranks.same(ranks.full_state(model, opt), reference)
+
+
+def test_checkpoints_of_4_ranks_convert_to_torch_as_dcp_to_torch_save_does(
+    saved: tuple[Path, Results],
+) -> None:
+    """DTensor shards and the FSDP2 model and optimizer state, saved on 4 ranks through the Writer:
+    ``convert --to torch`` writes what DCP's dcp_to_torch_save writes of the same state saved
+    with FileSystemWriter (whole tensors, bit for bit; plain values equal)."""
+    from test_dcp_to_torch_save import same
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from gpuckpt.convert import convert
+
+    out, _ = saved
+    for name in ("dtensors", "fsdp"):
+        dcp_to_torch_save(out / f"{name}-fs", out / f"{name}-reference.pt")
+        convert(out / name, out / f"{name}.pt", target_format="torch")
+        want = torch.load(out / f"{name}-reference.pt", weights_only=True)
+        same(torch.load(out / f"{name}.pt", weights_only=True), want, name)
+    ranks = _script()
+    whole = torch.load(out / "dtensors.pt", weights_only=True)
+    assert all(torch.equal(whole[n], ranks.global_tensor(n)) for n in ranks.SHAPES)

@@ -109,6 +109,8 @@ def job_save(out: Path) -> dict[str, Any]:
     # DTensors: Shard(0) and Shard(1) uneven, Shard(0) even, Replicate; a plain tensor; plain values
     sd = dtensor_state(mesh)
     dcp.save(sd, storage_writer=gpuckpt.dcp.Writer(out / "dtensors", chunk_bytes=64))
+    # the same state through DCP's own writer: the reference of convert --to torch
+    dcp.save(sd, storage_writer=dcp.FileSystemWriter(out / "dtensors-fs"))
     dist.barrier()
     if rank == 0:
         back = gpuckpt.load_state_dict(out / "dtensors")
@@ -128,6 +130,7 @@ def job_save(out: Path) -> dict[str, Any]:
     msd, osd = get_state_dict(model, opt)
     found["fsdp_dtensors"] = sum(type(v).__name__ == "DTensor" for v in msd.values())
     dcp.save({"model": msd, "optim": osd}, storage_writer=gpuckpt.dcp.Writer(out / "fsdp"))
+    dcp.save({"model": msd, "optim": osd}, storage_writer=dcp.FileSystemWriter(out / "fsdp-fs"))
     ref = full_state(model, opt)
     if rank == 0:
         torch.save(ref, out / "fsdp-reference.pt")
