@@ -10,6 +10,15 @@ C compiler is available; without it (or on other CPUs) :func:`available` is Fals
 the reader uses ``pread`` plus the CRC32C library, with identical results.
 ``GPUCKPT_CRCCOPY`` chooses: ``auto`` (default: use it when built and it passes a
 self-test), ``off``, or ``on`` (an error if it cannot be used).
+
+A file truncated while it is mapped (``cp``, ``rsync --inplace`` or ``: > file`` over a
+checkpoint during a load), or a page of it that cannot be read, makes the next read of
+the map raise SIGBUS, which would kill the process. The library guards each copy out
+of a map: its SIGBUS handler jumps back out of a copy that faults on its own pages, and
+:func:`cached_copy_crc` then returns None, so the reader reads the range again with
+``pread``, meets the file as it now is, and raises the same typed error as for any
+truncated file. A SIGBUS anywhere else goes to the handler that was installed before
+(the default action, or Python's ``faulthandler``), as without the library.
 """
 
 from __future__ import annotations
@@ -23,10 +32,18 @@ from typing import Any
 from gpuckpt.storage.checksum import crc32c
 from gpuckpt.storage.fileio import buffer_address
 
-__all__ = ["LIBRARY", "available", "cached_copy_crc", "crc_copy", "instruction_set", "load_library"]
+__all__ = [
+    "LIBRARY",
+    "available",
+    "cached_copy_crc",
+    "crc_copy",
+    "faults",
+    "instruction_set",
+    "load_library",
+]
 
 LIBRARY = Path(__file__).with_name("_crccopy.so")
-_ABI = 1
+_ABI = 2  # 2: copies guarded against SIGBUS (gck_faults)
 _ISA_NAMES = {0: "none", 1: "pclmul", 2: "avx512"}
 
 
@@ -52,6 +69,8 @@ class CrcCopy:
             ctypes.c_uint32,
             ctypes.POINTER(ctypes.c_uint32),
         ]
+        lib.gck_faults.restype = ctypes.c_ulong
+        lib.gck_faults.argtypes = []
         self._lib = lib
 
     @property
@@ -80,9 +99,13 @@ class CrcCopy:
     def cached_copy_crc(self, fd: int, offset: int, dst: memoryview, value: int = 0) -> int | None:
         """Copy ``dst.nbytes`` bytes at ``offset`` of ``fd`` into ``dst``; returns their CRC32C.
 
-        The CRC continues from ``value``. Returns None, having copied nothing,
-        when part of the range is not in the page cache or lies past the end of
-        the file (read it with ``pread`` then).
+        The CRC continues from ``value``. Returns None when part of the range
+        is not in the page cache or lies past the end of the file (nothing is
+        copied), and when the file changed under the copy: truncated after the
+        size was checked, or a page that could not be read, which would have
+        been a SIGBUS (part of ``dst`` may be written). Read it with ``pread``
+        then: that read sees what the file now holds and fails as any read of a
+        short file does.
         """
         if dst.readonly:
             raise ValueError("cached_copy_crc: the destination is read-only")
@@ -91,7 +114,12 @@ class CrcCopy:
         rc = self._lib.gck_cached_copy_crc(fd, offset, address, dst.nbytes, value, ctypes.byref(out))
         if rc < 0:
             raise OSError(-rc, os.strerror(-rc))
-        return None if rc else int(out.value)
+        return None if rc else int(out.value)  # 1: declined; 2: the file changed under the copy
+
+    @property
+    def faults(self) -> int:
+        """How many copies of this library a fault on their pages interrupted (SIGBUS caught)."""
+        return int(self._lib.gck_faults())
 
     def self_test(self) -> bool:
         """Agreement with the CRC32C library around every threshold of the vector loops."""
@@ -152,3 +180,10 @@ def cached_copy_crc(fd: int, offset: int, dst: memoryview, value: int = 0) -> in
     """See :meth:`CrcCopy.cached_copy_crc`; None also when the native loop is not available."""
     lib = _instance()
     return None if lib is None else lib.cached_copy_crc(fd, offset, dst, value)
+
+
+def faults() -> int:
+    """How many loads' copies a file changed under them interrupted in this process (0
+    when the native loop is not in use); each was read again with ``pread``."""
+    lib = _instance()
+    return 0 if lib is None else lib.faults
