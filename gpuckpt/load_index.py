@@ -20,6 +20,7 @@ the document and raises its error.
 from __future__ import annotations
 
 import math
+import threading
 from typing import Any
 
 import numpy as np
@@ -47,6 +48,10 @@ __all__ = ["MAX_EXTENT", "IndexedMetadata", "load_index"]
 MAX_EXTENT = 2**62
 
 
+#: held while the lazily made parts of a shared IndexedMetadata are made
+_MAKING = threading.Lock()
+
+
 class IndexedMetadata(Metadata):
     """:class:`~gpuckpt.metadata.Metadata` whose ``state_dict_metadata`` is made when first
     asked for, from the entries of :func:`load_index` (each tensor's entry is the same
@@ -58,8 +63,12 @@ class IndexedMetadata(Metadata):
     def storage_data(self) -> Any:
         d = self.__dict__
         if "storage_data" not in d:
-            # format version 3: the storage entries of the tensors in columns, as version 2 has them
-            d["storage_data"] = expand(d.pop("_columns_of"))["storage_data"]
+            # format version 3: the storage entries of the tensors in columns, as version 2 has
+            # them; made once, under the lock: loads on several threads share this object
+            with _MAKING:
+                if "storage_data" not in d:
+                    d["storage_data"] = expand(d["_columns_of"])["storage_data"]
+                    del d["_columns_of"]
         return d["storage_data"]
 
     @storage_data.setter
@@ -67,18 +76,22 @@ class IndexedMetadata(Metadata):
         self.__dict__["storage_data"] = value
 
     def __getattr__(self, name: str) -> Any:
-        if name == "state_dict_metadata":
-            index = self.__dict__.get("_index")
+        if name != "state_dict_metadata":
+            raise AttributeError(name)
+        d = self.__dict__
+        with _MAKING:  # made once: loads on several threads share this object
+            if "state_dict_metadata" in d:
+                return d["state_dict_metadata"]
+            index = d.get("_index")
             if index is None:
                 raise AttributeError(name)
             fqns, tensors = index
             sdm: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {
                 f: tensors[f].metadata if f in tensors else BytesStorageMetadata() for f in fqns
             }
-            self.state_dict_metadata = sdm
-            del self.__dict__["_index"]
+            d["state_dict_metadata"] = sdm
+            del d["_index"]
             return sdm
-        raise AttributeError(name)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Metadata):

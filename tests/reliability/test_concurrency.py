@@ -7,6 +7,7 @@ import sys
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -107,3 +108,55 @@ def test_back_to_back_async_saves_capture_each_snapshot(tmp_path: Path) -> None:
         assert got["i"] == i and got["w"].tobytes() == ww.tobytes() and got["b"].tobytes() == bb.tobytes()
     last = gpuckpt.load_state_dict(tmp_path / "s0")
     assert last["i"] == -1 and last["w"].tobytes() == w.tobytes()
+
+
+def _many_chunks(version: str) -> dict[str, Any]:
+    """A state that saves as format ``version`` (2: a chunk table; 3: tensors as columns)."""
+    rng = np.random.default_rng(7)
+    if version == "2":
+        return {"w": rng.standard_normal(5000 * 16).astype(np.float32), "step": 3}
+    return {f"t{i:04d}": rng.standard_normal(64).astype(np.float32) for i in range(1100)} | {
+        "w": rng.standard_normal(4000 * 16).astype(np.float32),
+        "step": 3,
+    }
+
+
+@pytest.mark.parametrize("version", ["2", "3"])
+def test_concurrent_loads_of_one_checkpoint_share_its_metadata_safely(tmp_path: Path, version: str) -> None:
+    state = _many_chunks(version)
+    path = tmp_path / "ckpt"
+    md = gpuckpt.save(state, path, chunk_bytes=64)
+    assert md.version == version
+    failures: list[BaseException] = []
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-4)  # threads take turns often: a race shows in a few rounds
+    try:
+        _load_in_threads(path, state, failures)
+    finally:
+        sys.setswitchinterval(interval)
+    assert failures == [], failures[:3]
+
+
+def _load_in_threads(path: Path, state: dict[str, Any], failures: list[BaseException]) -> None:
+    import threading
+
+    from gpuckpt import reading
+
+    for _ in range(4):
+        reading._validated.clear()  # the next load parses the document again: a new shared object
+        gpuckpt.load({"w": np.empty_like(state["w"])}, path)
+        go = threading.Barrier(8)
+
+        def load(i: int, go: threading.Barrier = go) -> None:
+            go.wait()
+            try:
+                got = gpuckpt.load_state_dict(path, keys=["w", "step"] if i % 2 else ["w"])
+                assert np.array_equal(got["w"], state["w"])
+            except BaseException as exc:  # every failure is reported by the caller
+                failures.append(exc)
+
+        threads = [threading.Thread(target=load, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
