@@ -46,7 +46,7 @@ from gpuckpt.errors import GpuckptError, IncrementalBaseWarning, InvalidOptionEr
 from gpuckpt.metadata import Metadata
 from gpuckpt.options import SaveOptions
 from gpuckpt.planning.plan import TensorPlan
-from gpuckpt.reading import TensorEntry, chunk_column, load_chunk_records, validate_metadata
+from gpuckpt.reading import TensorEntry, chunk_column, load_chunk_records, overclaimed, validate_metadata
 from gpuckpt.storage import contenthash
 from gpuckpt.storage.base import BaseRef, CheckpointReader, CheckpointWriter
 from gpuckpt.storage.contenthash import LEAF
@@ -267,6 +267,8 @@ def _index(
     reader, md, tensors = opened
     chosen = [t for t in tensors.values() if arrays is None or t.name in arrays]
     try:
+        for bad in overclaimed(reader, chosen):  # a claim larger than the files: no record per chunk
+            raise bad.error()
         load_chunk_records(reader, chosen)
     except (GpuckptError, OSError) as exc:
         _unusable(location, exc)

@@ -20,6 +20,7 @@ import hashlib
 import math
 import threading
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -43,13 +44,16 @@ from gpuckpt.storage.segments import SEGMENTS_KEY
 from gpuckpt.workers import Workers
 
 __all__ = [
+    "CLAIMS_LISTED_MIN",
     "ChunkRead",
+    "Overclaim",
     "TensorEntry",
     "check_chunk_files",
     "check_chunk_table",
     "checking_chunk_files",
     "chunk_column",
     "load_chunk_records",
+    "overclaimed",
     "paused_gc",
     "validate_metadata",
     "validated_metadata",
@@ -272,6 +276,68 @@ def validated_metadata(
     return md, tensors, objects
 
 
+#: tensors of several chunks that claim more chunks than this, together, have their arrays listed
+#: before any record per chunk is made (see :func:`overclaimed`)
+CLAIMS_LISTED_MIN = 1 << 16
+
+
+@dataclass(frozen=True, slots=True)
+class Overclaim:
+    """A tensor whose array holds fewer chunk files (``held``) than it claims chunks; ``first``:
+    the key of its first chunk, in C order of the grid, that has no file."""
+
+    tensor: TensorEntry
+    held: int
+    first: str
+
+    @property
+    def problem(self) -> str:
+        t = self.tensor
+        return (
+            f"tensor {t.fqn!r} claims {t.nchunks} chunks but its array {t.name} holds {self.held} chunk "
+            f"files: {t.nchunks - self.held} are missing (the first: {self.first})"
+        )
+
+    def error(self) -> MissingChunkError:
+        return MissingChunkError(
+            f"{self.problem}; the checkpoint is damaged: restore it from a copy or use an earlier checkpoint"
+        )
+
+
+def overclaimed(reader: CheckpointReader, entries: Iterable[TensorEntry]) -> list[Overclaim]:
+    """The tensors of ``entries`` whose arrays hold fewer chunk files than they claim chunks.
+
+    A root document can claim any number of chunks (a chunk table of 2**32 rows costs a
+    few KiB on a file system that stores it sparse); what a checkpoint pays for is its
+    chunk files. So where the tensors of several chunks claim more than
+    :data:`CLAIMS_LISTED_MIN` chunks together, each one's array is listed (its cost grows
+    with the files there) and compared with its claim before any reader makes a record
+    per chunk or reads the table's rows: a hostile claim costs what was written, and
+    ends in a typed error (loads) or a line of damage (verify, inspect). Smaller claims
+    cost at most that many records and are checked chunk by chunk as before. A store
+    that cannot list (:meth:`~gpuckpt.storage.base.CheckpointReader.chunk_keys`) is not
+    checked here."""
+    many = [t for t in entries if not t.whole and t.nchunks > 1]
+    if sum(t.nchunks for t in many) <= CLAIMS_LISTED_MIN:
+        return []
+    found = []
+    for t in many:
+        keys = reader.chunk_keys(t.name)
+        if keys is not None and len(keys) < t.nchunks:
+            found.append(Overclaim(t, len(keys), _first_missing(t, keys)))
+    return found
+
+
+def _first_missing(t: TensorEntry, held: set[str]) -> str:
+    """The key of ``t``'s first chunk without a file in ``held`` (at most ``len(held) + 1`` keys made)."""
+    shape = t.grid.grid_shape
+    for flat in range(t.nchunks):
+        key = chunk_file_key(tuple(int(c) for c in np.unravel_index(flat, shape)))
+        if key not in held:
+            return key
+    raise AssertionError("a tensor that holds fewer chunk files than it has chunks misses one")
+
+
 def check_chunk_files(reader: CheckpointReader, entries: Iterable[TensorEntry]) -> None:
     """Check that every chunk file exists with the size the metadata gives, before allocating
     (the chunk records a chunk table holds are read first, see :func:`load_chunk_records`)."""
@@ -292,8 +358,12 @@ def checking_chunk_files(
     asked for on another thread (a load of many small tensors prepares its reads meanwhile,
     while the file system answers in native code). Yields the call that waits for the sizes
     and raises what :func:`check_chunk_files` raises; leaving the block waits for the thread,
-    whose error is then left to that call (an error of the block's own comes first)."""
+    whose error is then left to that call (an error of the block's own comes first).
+
+    A large claim is compared with the chunk files there first (:func:`overclaimed`)."""
     entries = list(entries)
+    for bad in overclaimed(reader, entries):
+        raise bad.error()
     load_chunk_records(reader, entries)
     names: list[str] = []
     keys: list[str] = []

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +21,9 @@ from gpuckpt.cli.text import printable
 from gpuckpt.dtypes import dtype_name
 from gpuckpt.errors import CheckpointNotFoundError, GpuckptError
 from gpuckpt.manager import step_of
-from gpuckpt.reading import TensorEntry, load_chunk_records, paused_gc
+from gpuckpt.reading import TensorEntry, load_chunk_records, overclaimed, paused_gc
 from gpuckpt.storage.base import CheckpointReader
+from gpuckpt.storage.checksum import CRC_BYTES
 from gpuckpt.storage.stores import open_root, scheme_of
 from gpuckpt.storage.values import decode_object
 
@@ -42,28 +44,37 @@ def _shape(shape: tuple[int, ...]) -> str:
     return "x".join(str(s) for s in shape) if shape else "()"
 
 
-def _tensor_row(reader: CheckpointReader, t: TensorEntry) -> dict[str, Any]:
+def _stored_bytes(t: TensorEntry) -> int:
+    """What the metadata claims the chunk files of ``t`` hold, without a record per chunk."""
     grid = t.grid
-    usage = [reader.chunk_usage(t.name, c.key) for c in t.chunks]
+    if grid.kind == "regular":
+        return t.nchunks * (math.prod(grid.chunk_shape) * t.dtype.itemsize + CRC_BYTES)
+    return t.nbytes + t.nchunks * CRC_BYTES  # a rectilinear grid stores each chunk as it is
+
+
+def _tensor_row(reader: CheckpointReader, t: TensorEntry, held: set[str] | None = None) -> dict[str, Any]:
+    """``held``: the chunk files of a tensor that claims more chunks than its array holds
+    (:func:`~gpuckpt.reading.overclaimed`): only those are looked at."""
+    grid = t.grid
+    keys = sorted(held) if held is not None else [c.key for c in t.chunks]
+    usage = [reader.chunk_usage(t.name, k) for k in keys]
     found = [u for u in usage if u is not None]
     # chunk files an incremental save shares with other checkpoints (hard links)
-    shared = sum(
-        u[0] for c, u in zip(t.chunks, usage, strict=True) if u and reader.chunk_shared(t.name, c.key)
-    )
+    shared = sum(u[0] for k, u in zip(keys, usage, strict=True) if u and reader.chunk_shared(t.name, k))
     return {
         "name": t.fqn,
         "shape": list(t.shape),
         "dtype": dtype_name(t.dtype),
         "memory_format": t.memory_format.name,
-        "chunks": len(t.chunks),
+        "chunks": t.nchunks,
         "chunk_shape": list(grid.chunk_shape) if grid.kind == "regular" else None,
         "bytes": t.nbytes,
-        "stored_bytes": sum(c.nbytes for c in t.chunks),  # what the metadata claims
+        "stored_bytes": _stored_bytes(t),  # what the metadata claims
         "file_bytes": sum(size for size, _ in found),  # apparent size of the chunk files found
         "disk_bytes": sum(used for _, used in found),  # what they take on disk
         "shared_bytes": shared,  # of file_bytes: in files shared with other checkpoints
         "own_bytes": sum(size for size, _ in found) - shared,  # of file_bytes: this checkpoint's own
-        "missing_chunks": len(usage) - len(found),
+        "missing_chunks": t.nchunks - len(found),
     }
 
 
@@ -90,8 +101,13 @@ def describe_checkpoint(path: Path | str) -> dict[str, Any]:
     """Everything ``inspect`` shows, as JSON values."""
     with paused_gc():
         reader, md, tensors, objects = _open(path, shared=False)
-        load_chunk_records(reader, tensors.values())
-        rows = [_tensor_row(reader, t) for t in tensors.values()]
+        # a tensor claiming more chunks than its array holds: only the files there are looked at
+        short = {
+            bad.tensor.fqn: reader.chunk_keys(bad.tensor.name)
+            for bad in overclaimed(reader, tensors.values())
+        }
+        load_chunk_records(reader, [t for t in tensors.values() if t.fqn not in short])
+        rows = [_tensor_row(reader, t, short.get(t.fqn)) for t in tensors.values()]
     meta = md.storage_meta
     return {
         "path": str(path),

@@ -315,6 +315,13 @@ class CheckpointReader(ABC):
         ends override it where one call for all of them is cheaper."""
         return [self.chunk_nbytes(n, k) for n, k in zip(names, keys, strict=True)]
 
+    def chunk_keys(self, name: str) -> set[str] | None:
+        """The keys of the chunk files array ``name`` holds (one listing of it: its cost grows with
+        what is there, not with what the metadata claims; names that are not chunk keys left
+        out), or None where this store cannot list. Readers compare it with a large claim
+        before they make a record per chunk (see :func:`gpuckpt.reading.overclaimed`)."""
+        return None
+
     def chunk_cached(self, name: str, key: str) -> bool | None:
         """Whether the first bytes of a stored chunk are in memory (a read would not wait for
         the device); None when this store cannot tell. Loads use it to size their I/O."""

@@ -41,7 +41,13 @@ from gpuckpt.storage.fileio import (
     read_exact_at,
     readv_exact,
 )
-from gpuckpt.storage.layout import MAX_ARRAY_DOCUMENT_BYTES, MAX_ROOT_DOCUMENT_BYTES, ROOT_KEY, too_large
+from gpuckpt.storage.layout import (
+    MAX_ARRAY_DOCUMENT_BYTES,
+    MAX_ROOT_DOCUMENT_BYTES,
+    ROOT_KEY,
+    is_chunk_file_key,
+    too_large,
+)
 from gpuckpt.storage.leftovers import (
     TMP_TAG,
     set_aside_copies,
@@ -190,6 +196,16 @@ class LocalReader(CheckpointReader):
         return _read_document(
             f"{self._array_dir(name)}/zarr.json", MAX_ARRAY_DOCUMENT_BYTES, "MAX_ARRAY_DOCUMENT_BYTES"
         )
+
+    def chunk_keys(self, name: str) -> set[str]:
+        """The chunk keys in the array's directory (one ``scandir``; a missing or symlinked
+        directory holds none)."""
+        try:
+            where = self._array_dir(name)
+            with os.scandir(where) as it:
+                return {e.name for e in it if is_chunk_file_key(e.name)}
+        except (FileNotFoundError, NotADirectoryError):
+            return set()
 
     def _lstat_chunk(self, name: str, key: str) -> os.stat_result | None:
         try:

@@ -10,7 +10,12 @@ from typing import Any
 from gpuckpt.errors import CheckpointNotFoundError
 from gpuckpt.storage.base import CheckpointReader
 from gpuckpt.storage.checksum import CRC_BYTES, crc32c
-from gpuckpt.storage.layout import MAX_ARRAY_DOCUMENT_BYTES, MAX_ROOT_DOCUMENT_BYTES, ROOT_KEY
+from gpuckpt.storage.layout import (
+    MAX_ARRAY_DOCUMENT_BYTES,
+    MAX_ROOT_DOCUMENT_BYTES,
+    ROOT_KEY,
+    is_chunk_file_key,
+)
 from gpuckpt.storage.s3_prefix import CLAIM_KEY, MAX_CLAIM_BYTES, Prefix, object_key
 from gpuckpt.storage.s3_ranges import stream_into
 
@@ -57,13 +62,25 @@ class ObjectStoreReader(Prefix, CheckpointReader):
             raise FileNotFoundError(errno.ENOENT, "array document missing", f"{self.path}/{rel}")
         return raw
 
-    def chunk_nbytes(self, name: str, key: str) -> int | None:
-        rel = object_key(name, key)
+    def _listed(self) -> dict[str, int]:
+        """Every object of the checkpoint with its size, listed once."""
         with self._lock:
             if self._sizes is None:
                 with self._io("listing the checkpoint"):
                     self._sizes = self._list()
-        return self._sizes.get(rel)
+            return self._sizes
+
+    def chunk_nbytes(self, name: str, key: str) -> int | None:
+        return self._listed().get(object_key(name, key))
+
+    def chunk_keys(self, name: str) -> set[str]:
+        """The chunk keys under the array's prefix, from the one listing of the checkpoint."""
+        prefix = object_key(name, ROOT_KEY)[: -len(ROOT_KEY)]
+        return {
+            rel[len(prefix) :]
+            for rel in self._listed()
+            if rel.startswith(prefix) and is_chunk_file_key(rel[len(prefix) :])
+        }
 
     def read_chunk_into(self, name: str, key: str, dests: Sequence[Any]) -> int:
         return self._stream_into(name, key, dests, checksum=False)[0]

@@ -468,3 +468,96 @@ def test_verify_and_error_lines_escape_paths(template: Path, tmp_path: Path) -> 
     missing = cli("inspect", str(tmp_path / "no\x1b]0;title\x07such"))
     assert missing.returncode == 1 and "\x1b" not in missing.stderr and "\x07" not in missing.stderr
     assert "no\\x1b]0;title\\x07such" in missing.stderr
+
+
+# 9. a chunk table claiming millions of rows over sparse files: what was written bounds the work --
+
+
+def _sparse_table_claim(path: Path, rows: int) -> None:
+    """``path`` becomes a format-2 checkpoint whose one tensor ``w`` claims ``rows`` chunks of 16
+    float32 through a chunk table of ``rows`` rows kept in sparse files of zeros (with valid
+    trailers), as a hostile author makes it for a few KiB; only the first 5,000 chunk files exist."""
+    from gpuckpt.storage.checksum import crc32c
+
+    gpuckpt.save({"w": np.zeros(5000 * 16, np.float32)}, path, chunk_bytes=64, sync="none")
+    per_chunk = 1 << 20  # the most rows one table chunk may hold
+    column = path / "_gpuckpt.table.crc32c"
+    for f in column.glob("c.*"):
+        f.unlink()
+    zeros = bytes(per_chunk * 4)
+    crc = crc32c(zeros)
+    nchunks = -(-rows // per_chunk)
+    for k in range(nchunks):
+        with open(column / f"c.{k}", "wb") as f:
+            f.truncate(per_chunk * 4)
+            f.seek(per_chunk * 4)
+            f.write(crc.to_bytes(4, "little"))
+    json_doc = json.loads((column / "zarr.json").read_bytes())
+    json_doc["shape"] = [rows]
+    json_doc["chunk_grid"]["configuration"]["chunk_shape"] = [per_chunk]
+    (column / "zarr.json").write_text(json.dumps(json_doc))
+
+    def edit(md: dict[str, Any]) -> None:
+        md["state_dict_metadata"]["w"]["size"] = [rows * 16]
+        table = md["storage_data"]["chunk_table"]
+        table["rows"], table["rows_per_chunk"] = rows, per_chunk
+        table["columns"]["crc32c"]["chunk_crc32c"] = [crc] * nchunks
+
+    rewrite_root_metadata(path, edit)
+
+
+@pytest.fixture(scope="module")
+def sparse_claim(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("claim") / "ckpt"
+    _sparse_table_claim(path, 1 << 25)  # 33.5 million chunks claimed, 5,000 written
+    assert disk_bytes_allocated(path / "_gpuckpt.table.crc32c") < 1 << 20  # 128 MiB of rows, sparse
+    return path
+
+
+def disk_bytes_allocated(path: Path) -> int:
+    return sum(p.lstat().st_blocks * 512 for p in path.rglob("*") if p.is_file())
+
+
+@pytest.mark.parametrize("reader", ["load_state_dict", "verify", "inspect", "convert", "base"])
+def test_a_table_claiming_millions_of_chunks_over_sparse_files_costs_what_was_written(
+    sparse_claim: Path, reader: str, tmp_path: Path
+) -> None:
+    code = {
+        "load_state_dict": "gpuckpt.load_state_dict(sys.argv[1]); report(loaded=True)",
+        "verify": (
+            "from gpuckpt.verify import verify_checkpoint\n"
+            "r = verify_checkpoint(sys.argv[1], threads=2)\n"
+            "report(damage=[[d.where, d.problem] for d in r.damage])"
+        ),
+        "inspect": (
+            "from gpuckpt.cli.inspect_cmd import describe_checkpoint\n"
+            "(w,) = describe_checkpoint(sys.argv[1])['tensors']\n"
+            "report(chunks=w['chunks'], missing=w['missing_chunks'], file_bytes=w['file_bytes'])"
+        ),
+        "convert": "from gpuckpt.convert import convert\nconvert(sys.argv[1], sys.argv[2]); report(converted=True)",
+        "base": (
+            "import warnings\n"
+            "with warnings.catch_warnings(record=True) as w:\n"
+            "    warnings.simplefilter('always')\n"
+            "    from gpuckpt.incremental import open_base\n"
+            "    index = open_base(sys.argv[1])\n"
+            "report(index=index is not None, warnings=[str(x.message) for x in w])"
+        ),
+    }[reader]
+    import time
+
+    start = time.monotonic()
+    got = run_limited(code, sparse_claim, tmp_path / "out", limit=GiB, timeout=120)
+    took = time.monotonic() - start
+    assert "untyped" not in got, got
+    assert took < 30, took
+    missing = "claims 33554432 chunks but its array w holds 5000 chunk files: 33549432 are missing (the first: c.5000)"
+    if reader in ("load_state_dict", "convert"):
+        assert got["typed"] == "MissingChunkError" and missing in got["message"], got
+    elif reader == "verify":
+        assert got["damage"][0] == ["w/", f"tensor 'w' {missing}; its chunks were not read"], got
+        assert [d[0] for d in got["damage"]] == ["w/", "w/zarr.json"], got  # its document's shape too
+    elif reader == "inspect":
+        assert got == {"chunks": 1 << 25, "missing": (1 << 25) - 5000, "file_bytes": 5000 * 68}, got
+    else:
+        assert not got["index"] and any(missing in w for w in got["warnings"]), got
