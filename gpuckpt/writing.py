@@ -43,6 +43,7 @@ from gpuckpt.sources import Sources
 from gpuckpt.storage.base import CheckpointWriter, ChunkWrites
 from gpuckpt.storage.checksum import CRC_BYTES
 from gpuckpt.storage.chunks import chunk_bytes, stored_nbytes
+from gpuckpt.storage.fsutil import failure_hint
 from gpuckpt.storage.layout import array_document, chunk_file_key
 from gpuckpt.storage.stores import open_writer
 
@@ -404,7 +405,7 @@ def writing(writer: CheckpointWriter) -> Iterator[None]:
         raise CheckpointWriteError(
             exc.errno or errno.EIO,
             f"saving {where} failed: {exc.strerror or exc}; nothing was published and any earlier "
-            "checkpoint there is intact (free space or fix the device, then save again)",
+            f"checkpoint there is intact ({failure_hint(exc)})",
         ) from exc
     except BaseException:
         writer.abort()

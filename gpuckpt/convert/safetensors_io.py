@@ -258,7 +258,10 @@ def write_safetensors(
     raw += b" " * (-len(raw) % 8)
     counter = ProgressCounter(progress, offset)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.gpuckpt-tmp-{fsutil.tmp_owner()}-{secrets.token_hex(4)}"
+    tmp = (
+        path.parent
+        / f"{fsutil.side_prefix(path.name, '.gpuckpt-tmp-')}{fsutil.tmp_owner()}-{secrets.token_hex(4)}"
+    )
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         try:

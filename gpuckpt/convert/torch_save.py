@@ -124,7 +124,10 @@ def write_torch_save(state: Any, path: str | os.PathLike[str], *, overwrite: boo
     if (path.exists() or path.is_symlink()) and not overwrite:
         raise CheckpointExistsError(f"{path} already exists; pass overwrite=True (--overwrite) to replace it")
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.gpuckpt-tmp-{fsutil.tmp_owner()}-{secrets.token_hex(4)}"
+    tmp = (
+        path.parent
+        / f"{fsutil.side_prefix(path.name, '.gpuckpt-tmp-')}{fsutil.tmp_owner()}-{secrets.token_hex(4)}"
+    )
     try:
         with open(tmp, "xb") as f:
             torch.save(state, f)

@@ -8,6 +8,7 @@ import ctypes.util
 import errno
 import fcntl
 import functools
+import hashlib
 import os
 import shutil
 import socket
@@ -26,6 +27,8 @@ __all__ = [
     "rmtree_quiet",
     "same_file",
     "syncfs",
+    "failure_hint",
+    "side_prefix",
     "tmp_owner",
     "unlock",
 ]
@@ -120,6 +123,86 @@ def syncfs(path: Path) -> bool:
     finally:
         os.close(fd)
     return True
+
+
+#: the longest file name made here (NAME_MAX of Linux file systems), and the most an owner
+#: (HOST-PID-RAND: a 64-byte host name, a 7-digit pid, 17 bytes of RAND) adds to a prefix
+_NAME_MAX = 255
+_OWNER_MAX = 64 + 1 + 7 + 1 + 17
+
+
+def side_prefix(name: str, tag: str) -> str:
+    """The start of the names of ``NAME``'s temporaries or set-aside copies (``tag``: see
+    :mod:`gpuckpt.storage.leftovers`): ``.NAME`` and the tag, or where that and an owner could exceed
+    a file name's 255 bytes, ``.`` and as many of NAME's first bytes as fit, ``~``, 12 hex
+    digits of a hash of the whole name, and the tag (the same for the same name, on every
+    machine)."""
+    full = f".{name}{tag}"
+    budget = _NAME_MAX - _OWNER_MAX
+    if len(os.fsencode(full)) <= budget:
+        return full
+    digest = hashlib.blake2b(os.fsencode(name), digest_size=6).hexdigest()
+    keep = budget - len(f".~{digest}{tag}")
+    head = os.fsencode(name)[:keep].decode("utf-8", "ignore") if keep > 0 else ""
+    while len(os.fsencode(head)) > keep:  # a name that is not UTF-8 (surrogate escapes)
+        head = head[:-1]
+    return f".{head}~{digest}{tag}"
+
+
+def _name_max(directory: str) -> int:
+    try:
+        return int(os.pathconf(directory or ".", "PC_NAME_MAX"))
+    except (OSError, ValueError):
+        return _NAME_MAX
+
+
+def _not_a_directory(path: str) -> str | None:
+    """The first component of ``path`` that exists and is not a directory, if any."""
+    parts = Path(path).parts
+    for i in range(1, len(parts) + 1):
+        at = Path(*parts[:i])
+        try:
+            if not at.is_dir():
+                return str(at) if at.exists() or at.is_symlink() else None
+        except OSError:
+            return None
+    return None
+
+
+def failure_hint(exc: OSError) -> str:
+    """What to do about the failed system call ``exc`` of a save: a remedy that fits its errno
+    (and, where it says which, the name at fault), for the end of an error message."""
+    e, name = exc.errno, os.fspath(exc.filename) if isinstance(exc.filename, (str, os.PathLike)) else ""
+    if e == errno.ENAMETOOLONG and name:
+        limit = _name_max(name.rstrip("/").rpartition("/")[0])
+        longest = max((c for c in name.split("/")), key=lambda c: len(os.fsencode(c)))
+        n = len(os.fsencode(longest))
+        if n > limit:
+            return (
+                f"the name {longest!r} is {n} bytes, {n - limit} more than the {limit} this file system "
+                "allows: save under a shorter name"
+            )
+        size = len(os.fsencode(name))
+        return f"the path is {size} bytes, more than the system allows: save under a shorter path"
+    if e in (errno.ENOSPC, errno.EDQUOT):
+        return "free space on the device (or raise the quota), then save again"
+    if e in (errno.EEXIST, errno.ENOTDIR):
+        where = _not_a_directory(name) if name else None
+        if where is not None:
+            return f"{where} is a file, not a directory: save under a path whose parents are directories"
+        return "a file stands where a directory is needed: save under another path"
+    if e in (errno.EMFILE, errno.ENFILE):
+        return (
+            "this process has too many files open: raise the limit (`ulimit -n`) or save with fewer "
+            "threads, then save again"
+        )
+    if e in (errno.EACCES, errno.EPERM):
+        return f"permission denied{f' on {name}' if name else ''}: save where this process may write"
+    if e == errno.EROFS:
+        return "the file system is mounted read-only: save elsewhere"
+    if e == errno.EIO:
+        return "the device reported an I/O error: check it (the kernel log), then save again"
+    return "fix the cause, then save again"
 
 
 def tmp_owner() -> str:

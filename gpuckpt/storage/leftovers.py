@@ -3,7 +3,12 @@
 A save to ``DIR/NAME`` writes into ``DIR/.NAME.gpuckpt-tmp-HOST-PID-RAND``
 (:data:`TMP_TAG`); an overwrite on a file system without ``RENAME_EXCHANGE``
 moves the old checkpoint to ``DIR/.NAME.gpuckpt-old-HOST-PID-RAND``
-(:data:`OLD_TAG`) before the new one takes its place.
+(:data:`OLD_TAG`) before the new one takes its place. A ``NAME`` too long
+for that to fit in a file name (255 bytes on most file systems: any name
+over 145 bytes or so) stands in these names as its first bytes, ``~`` and a
+hash of all of it (:func:`side_prefix`), so that every legal name can be
+saved to; such a set-aside copy is put back by the next save to ``NAME``
+(which knows the name), not by :func:`cleanup_directory`.
 
 Whose are dead: a writer holds an exclusive ``flock`` on its temporary
 directory from the moment it creates it until the save is published or
@@ -36,6 +41,7 @@ from pathlib import Path
 
 from gpuckpt.storage import fsutil
 from gpuckpt.storage.fileio import read_exact_at
+from gpuckpt.storage.fsutil import side_prefix
 from gpuckpt.storage.layout import ROOT_DOCUMENT_PREFIX, ROOT_KEY, root_document_problem
 
 __all__ = [
@@ -47,6 +53,7 @@ __all__ = [
     "new_owner",
     "replace_problem",
     "set_aside_copies",
+    "side_prefix",
 ]
 
 TMP_TAG = ".gpuckpt-tmp-"
@@ -145,7 +152,7 @@ def _abandoned(path: Path, owner: str) -> tuple[bool, int | None]:
 def set_aside_copies(path: Path) -> list[Path]:
     """Complete checkpoints that an interrupted overwrite of ``path`` left aside
     (``.NAME.gpuckpt-old-...``), in name order."""
-    prefix = f".{path.name}{OLD_TAG}"
+    prefix = side_prefix(path.name, OLD_TAG)
     try:
         with os.scandir(path.parent) as it:
             names = sorted(e.name for e in it if e.name.startswith(prefix))
@@ -191,7 +198,7 @@ def cleanup_stale_temporaries(path: Path) -> list[Path]:
         return removed
     for entry in entries:
         for tag in (TMP_TAG, OLD_TAG):
-            prefix = f".{name}{tag}"
+            prefix = side_prefix(name, tag)
             if not entry.startswith(prefix):
                 continue
             where = parent / entry
@@ -213,7 +220,13 @@ def cleanup_directory(directory: Path) -> list[Path]:
             hidden = sorted(e.name for e in it if e.name.startswith("."))
     except (FileNotFoundError, NotADirectoryError):
         return []
-    names = {entry[1:].split(tag, 1)[0] for entry in hidden for tag in (TMP_TAG, OLD_TAG) if tag in entry}
+    # a shortened stem (see side_prefix) is not a name: its leftovers are the next save's to settle
+    names = {
+        stem
+        for entry in hidden
+        for tag in (TMP_TAG, OLD_TAG)
+        if tag in entry and side_prefix(stem := entry[1:].split(tag, 1)[0], tag) == f".{stem}{tag}"
+    }
     removed: list[Path] = []
     for name in sorted(names):
         removed.extend(cleanup_stale_temporaries(directory / name))

@@ -59,6 +59,7 @@ from gpuckpt.storage.leftovers import (
     new_owner,
     replace_problem,
     set_aside_copies,
+    side_prefix,
 )
 from gpuckpt.storage.local_reader import NATIVE_MAX_BYTES, PIECE_BYTES, open_regular
 
@@ -141,13 +142,13 @@ class LocalWriter(CheckpointWriter):
         """
         w = cls(path, sync="file")
         tmp = Path(token)
-        if tmp.parent != w.path.parent or not tmp.name.startswith(f".{w.path.name}{TMP_TAG}"):
+        if tmp.parent != w.path.parent or not tmp.name.startswith(side_prefix(w.path.name, TMP_TAG)):
             raise ValueError(f"{token!r} is not a temporary of a save to {w.path}")
         w.tmp = tmp
         return w
 
     def _new_name(self, tag: str) -> Path:
-        return self.path.parent / f".{self.path.name}{tag}{new_owner()}"
+        return self.path.parent / f"{side_prefix(self.path.name, tag)}{new_owner()}"
 
     def _check_target(self) -> None:
         if not (self.path.exists() or self.path.is_symlink()):

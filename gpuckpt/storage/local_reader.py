@@ -51,6 +51,7 @@ from gpuckpt.storage.layout import (
 from gpuckpt.storage.leftovers import (
     TMP_TAG,
     set_aside_copies,
+    side_prefix,
 )
 
 __all__ = ["DIRECT_ALIGN", "NATIVE_MAX_BYTES", "PIECE_BYTES", "LocalReader", "open_regular"]
@@ -158,7 +159,8 @@ class LocalReader(CheckpointReader):
         except FileNotFoundError:
             hint = ""
             with contextlib.suppress(OSError):
-                if any(p.name.startswith(f".{self.path.name}{TMP_TAG}") for p in self.path.parent.iterdir()):
+                prefix = side_prefix(self.path.name, TMP_TAG)
+                if any(p.name.startswith(prefix) for p in self.path.parent.iterdir()):
                     hint = " (an unfinished or crashed save left a temporary next to it)"
             aside = set_aside_copies(self.path) if not os.path.lexists(self.path) else []
             if aside:

@@ -79,3 +79,72 @@ def test_manager_refuses_a_bad_root_at_construction(tmp_path: Path, earlier: Pat
     with pytest.raises(InvalidPathError):
         CheckpointManager(root)
     _unchanged(tmp_path, earlier)
+
+
+# names that are legal but long, and errors whose remedy depends on what failed -------------------
+
+
+@pytest.mark.parametrize("length", [140, 200, 230, 255])
+def test_a_legal_long_name_saves_loads_and_overwrites(tmp_path: Path, length: int) -> None:
+    path = tmp_path / ("n" * (length - 4) + "é" * 2)  # 2-byte characters at the end: bytes count
+    assert len(os.fsencode(path.name)) == length
+    gpuckpt.save({"w": np.arange(3.0)}, path)
+    gpuckpt.save({"w": np.arange(4.0)}, path, overwrite=True)
+    np.testing.assert_array_equal(gpuckpt.load_state_dict(path)["w"], np.arange(4.0))
+    assert verify_checkpoint(path).ok
+    assert sorted(os.listdir(tmp_path)) == [path.name]
+
+
+def test_a_dead_save_to_a_long_name_is_cleaned_up_by_the_next(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    path = tmp_path / ("x" * 230)
+    code = (
+        "import os, sys, numpy as np, gpuckpt\n"
+        "from gpuckpt.storage import local\n"
+        "def die(self, *a, **k): os._exit(9)\n"
+        "local.LocalWriter.commit = die\n"
+        "gpuckpt.save({'w': np.zeros(4)}, sys.argv[1])\n"
+    )
+    assert subprocess.run([sys.executable, "-c", code, str(path)], check=False).returncode == 9
+    (left,) = os.listdir(tmp_path)  # the dead save's temporary, its name within the limit
+    assert left.startswith(".xxx") and ".gpuckpt-tmp-" in left and len(os.fsencode(left)) <= 255
+    gpuckpt.save({"w": np.ones(4)}, path)
+    assert sorted(os.listdir(tmp_path)) == [path.name]
+
+
+def test_a_name_longer_than_the_file_system_allows_says_which_and_by_how_much(tmp_path: Path) -> None:
+    name = "b" * 300
+    with pytest.raises(gpuckpt.CheckpointWriteError) as info:
+        gpuckpt.save({"w": np.zeros(2)}, tmp_path / name)
+    assert f"the name '{name}' is 300 bytes, 45 more than the 255 this file system allows" in str(info.value)
+    assert "free space" not in str(info.value)
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_parent_that_is_a_file_is_named(tmp_path: Path) -> None:
+    (tmp_path / "notes").write_text("mine")
+    for path in (tmp_path / "notes" / "ckpt", tmp_path / "notes" / "sub" / "ckpt"):
+        with pytest.raises(gpuckpt.CheckpointWriteError) as info:
+            gpuckpt.save({"w": np.zeros(2)}, path)
+        assert f"{tmp_path / 'notes'} is a file, not a directory" in str(info.value), info.value
+        assert "free space" not in str(info.value)
+    assert (tmp_path / "notes").read_text() == "mine"
+
+
+def test_too_many_open_files_names_the_limit_not_the_disk(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import resource, sys, numpy as np, gpuckpt\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (16, 16))\n"
+        "try:\n"
+        "    gpuckpt.save({f'w{i}': np.zeros(8) for i in range(300)}, sys.argv[1], sync='file', threads=4)\n"
+        "except gpuckpt.CheckpointWriteError as e:\n"
+        "    print(e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "c")], capture_output=True, text=True)
+    assert "Too many open files" in out.stdout and "ulimit -n" in out.stdout, out.stdout + out.stderr
+    assert "free space" not in out.stdout
