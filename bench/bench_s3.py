@@ -24,8 +24,16 @@ rank's share of the objects. Then, through a counting proxy
 (``gpuckpt.testing.faultproxy``, no faults), the requests of one save and one
 load by kind, for each chunk size of ``--sweep`` (MiB).
 
+Last, a ``CheckpointManager`` (async saves, every step kept) on roots already
+holding each number of committed steps of ``--manager-steps`` (copies of one
+small checkpoint), through the counting proxy: how long opening the root
+takes, how long each save blocks its caller (median of ``--manager-saves``,
+the previous save already finished: the listing, the step checks and the
+snapshot), and the requests of one save (and its background writing) by kind. The ratio is the blocking time with the most steps over that
+with the fewest (1.0: the steps kept cost a save nothing).
+
 Usage: ``python bench/bench_s3.py [--size 1280] [--rounds 2] [--ranks 3] [--threads 8]
-[--sweep 16,64,256] [--json OUT]``
+[--sweep 16,64,256] [--manager-steps 10,1000] [--manager-saves 5] [--json OUT]``
 """
 
 from __future__ import annotations
@@ -54,7 +62,7 @@ import gpuckpt
 from bench.compare.common import build_state, state_bytes
 from gpuckpt.storage.s3_client import DEFAULT_PART_BYTES, DEFAULT_PARTS_IN_FLIGHT, plan_parts
 from gpuckpt.testing.faultproxy import FaultProxy
-from gpuckpt.testing.s3server import loopback_env, s3_options, s3_server
+from gpuckpt.testing.s3server import copy_prefix, loopback_env, s3_options, s3_server
 
 BUCKET = "bench"
 MIB = 1 << 20
@@ -284,6 +292,40 @@ def request_counts(
     }
 
 
+def manager_saves(endpoint: str, kept: int, saves: int) -> dict[str, Any]:
+    """A manager on a root holding ``kept`` committed steps, through the counting proxy: opening
+    it, how long each save blocks (the previous one finished), and the requests of one save."""
+    base = f"mg-{uuid.uuid4().hex[:8]}"
+    first = f"{base}/step_{0:08d}"
+    gpuckpt.save({"step": 0}, f"s3://{BUCKET}/{first}", storage_options=s3_options(endpoint))
+    copy_prefix(endpoint, BUCKET, first, [f"{base}/step_{s:08d}" for s in range(1, kept)])
+    state = {"w": np.zeros(1024, np.float32), "step": 0}
+    with FaultProxy(endpoint) as proxy:
+        t0 = time.perf_counter()
+        mgr = gpuckpt.CheckpointManager(f"s3://{BUCKET}/{base}", storage_options=s3_options(proxy.endpoint))
+        open_s = time.perf_counter() - t0
+        opened = proxy.reset_counts()
+        blocked = []
+        for step in range(kept, kept + saves):
+            t0 = time.perf_counter()
+            mgr.save(step, state)
+            blocked.append(time.perf_counter() - t0)
+            mgr.wait()
+        proxy.reset_counts()
+        mgr.save(kept + saves, state)
+        mgr.wait()
+        saved = proxy.reset_counts()
+        mgr.close()
+    _wipe(endpoint, base)
+    return {
+        "steps kept": kept,
+        "open s": round(open_s, 3),
+        "save blocks s": round(statistics.median(blocked), 4),
+        "open requests": opened,
+        "save requests": saved,
+    }
+
+
 def _summary(runs: list[dict[str, float]], nbytes: int) -> dict[str, Any]:
     med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
     return {
@@ -310,6 +352,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=8, help="I/O threads of gpuckpt and of the raw pool")
     ap.add_argument("--chunk-mb", type=float, default=64.0, help="chunk size of the timed runs (MiB)")
     ap.add_argument("--sweep", default="16,64,256", help="chunk sizes (MiB) whose requests are counted")
+    ap.add_argument(
+        "--manager-steps", default="10,1000", help="committed steps a manager's root holds, per run"
+    )
+    ap.add_argument("--manager-saves", type=int, default=5, help="manager saves timed per root")
     ap.add_argument("--json", default=None, help="write the results here as JSON")
     ap.add_argument("--rank-worker", nargs=6, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -356,6 +402,16 @@ def main() -> None:
         ]
         for r in res["requests"]:
             print(json.dumps(r), flush=True)
+        kept = [int(n) for n in args.manager_steps.split(",") if n]
+        if kept:
+            runs = [manager_saves(endpoint, n, args.manager_saves) for n in kept]
+            res["manager"] = {
+                "runs": runs,
+                "save blocks, most / fewest steps": round(
+                    runs[-1]["save blocks s"] / runs[0]["save blocks s"], 2
+                ),
+            }
+            print(json.dumps(res["manager"]), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1))
 

@@ -23,12 +23,51 @@ The steps form one line: a save of a step older than a committed step is
 refused (:class:`~gpuckpt.StepOrderError`), so the step last saved is always
 the latest. To continue training from an earlier step (a roll-back), delete
 the newer steps with :meth:`CheckpointManager.delete` first.
+
+What a save costs does not grow with the steps kept. Telling a committed
+step from a save in flight, a dead save or another program's Zarr store
+takes a probe of its root document (on an object store a request: a ranged
+GET of its first bytes, which also tells a gpuckpt root document from another
+program's ``zarr.json``), and a root may hold thousands of steps
+(``max_to_keep=None``, or ``keep_period`` over a long run). A listing cannot
+replace the probe: it shows a child's name, never what its root document
+says. So the manager probes every child named like a step once, when it
+opens the root (in parallel), and remembers what it found; then each save,
+retention pass or query lists the root once (one delimited listing on an
+object store) and probes only what that listing shows it does not know:
+
+* a name it has not seen (another process's save, or a foreign store that
+  appeared since) is probed, identity check included;
+* a step it committed, or found committed, is taken as committed while its
+  name stays in the listing, without a probe: a checkpoint is published
+  once, and a deletion (this manager's or another process's) ends by
+  removing the name, so a step deleted behind the manager's back leaves its
+  steps at the next listing (on an object store, where a deletion removes
+  the root document first and the name last, a step being deleted is still
+  listed meanwhile);
+* a name found not committed (a save in flight, a dead save a live claim
+  protects, a foreign store named like a step) is probed again only where
+  the answer can change a decision: from the step being saved up, for the
+  step-order check (a save in flight there may have committed since), and
+  above the latest committed step, for :meth:`CheckpointManager.latest_step`;
+  :meth:`CheckpointManager.all_steps` probes them all again. Retention
+  deletes only steps known committed, so a step stays (it is never deleted
+  unseen) until a probe finds it committed.
+
+A save therefore costs one listing (on an object store one request per
+1,000 children: the listing's pages), a probe of each name the listing shows
+for the first time, and a probe of each name found not committed at or above
+the new step: none of either in a run going forward, whether 10 or 10,000
+steps are kept. A retention pass adds the deletion of what it retires, in
+bulk requests. The one pass over every step is at open.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import re
+from collections.abc import Sequence
 from types import TracebackType
 from typing import Any
 
@@ -43,6 +82,7 @@ from gpuckpt.errors import (
 )
 from gpuckpt.metadata import STATE_DICT_TYPE
 from gpuckpt.options import SaveOptions
+from gpuckpt.runner import run_all
 from gpuckpt.storage.stores import open_root, scheme_of
 
 __all__ = ["CheckpointManager", "step_of"]
@@ -67,6 +107,8 @@ _REFUSED = {
     "overwrite": "the manager never overwrites a step",
     "coordinator": "a manager saves from one process",
 }
+#: probes of root documents sent at once (each is a small request on an object store)
+_PROBE_THREADS = 16
 
 
 def step_of(name: str) -> int | None:
@@ -183,10 +225,12 @@ class CheckpointManager:
         # bad values fail here, not at some later save (which could have taken staging memory)
         self.options = SaveOptions(**save_options)
         self.incremental = incremental
-        # cleans what dead saves and interrupted deletions left (only claims whose holder is gone)
         self._store = open_root(root, storage_options=self.options.store_options())
         self.root: Any = getattr(self._store, "path", root)
-        self._store.cleanup()
+        #: child name -> whether it is committed, for the names of the last listing this manager
+        #: probed or committed itself (see the module docstring)
+        self._known: dict[str, bool] = {}
+        self._open_root()
         self.max_to_keep = max_to_keep
         self.save_interval_steps = save_interval_steps
         self.keep_period = keep_period
@@ -197,9 +241,26 @@ class CheckpointManager:
 
     # the steps in the store --------------------------------------------------
 
+    def _open_root(self) -> None:
+        """Probe every child named like a step once (in parallel), then clean what dead saves and
+        interrupted deletions left among the children that are not committed (only claims whose
+        holder is gone). What was found committed is remembered: cleanup never touches a
+        committed checkpoint; the rest is probed again at the first listing (cleanup may have
+        removed it, or put a set-aside copy back)."""
+        names = self._store.children()
+        found = self._probe([n for n in names if step_of(n) is not None])
+        self._store.cleanup([n for n in names if not found.get(n, False)])
+        self._known = {n: True for n, committed in found.items() if committed}
+
+    def _probe(self, names: Sequence[str]) -> dict[str, bool]:
+        """Whether each of ``names`` is committed: one probe each, in parallel."""
+        jobs = [functools.partial(self._store.is_committed, n) for n in names]
+        found = run_all(jobs, threads=_PROBE_THREADS, name="gpuckpt-probe")
+        return dict(zip(names, found, strict=True))
+
     def _candidates(self) -> dict[int, str]:
         """Step -> name of every entry named like a step (committed or not), the first name
-        in sorted order where two names stand for one step."""
+        in sorted order where two names stand for one step: one listing of the root."""
         found: dict[int, str] = {}
         for name in self._store.children():
             step = step_of(name)
@@ -207,33 +268,52 @@ class CheckpointManager:
                 found[step] = name
         return found
 
-    def _scan(self) -> dict[int, str]:
-        """Step -> name of every committed step."""
-        return {s: n for s, n in self._candidates().items() if self._store.is_committed(n)}
+    def _view(self, recheck_from: int | None) -> dict[int, str]:
+        """Step -> name of every committed step: one listing, and probes of what it does not know.
 
-    def _latest(self) -> tuple[int, str] | None:
-        """The highest committed step: the candidates from the newest down until one is committed
-        (one listing of the root and, usually, one probe)."""
-        for step, name in sorted(self._candidates().items(), reverse=True):
-            if self._store.is_committed(name):
-                return step, name
-        return None
+        Names not seen before are probed; names found not committed before are probed again
+        when their step is ``recheck_from`` or later (None: later than the latest committed
+        step); a name known committed is not probed (see the module docstring). Names gone
+        from the listing are forgotten.
+        """
+        candidates = self._candidates()
+        listed = set(candidates.values())
+        self._known = {n: c for n, c in self._known.items() if n in listed}
+        if recheck_from is None:
+            recheck_from = 1 + max((s for s, n in candidates.items() if self._known.get(n)), default=-1)
+        todo = [
+            n
+            for s, n in sorted(candidates.items())
+            if n not in self._known or (not self._known[n] and s >= recheck_from)
+        ]
+        self._known.update(self._probe(todo))
+        return {s: n for s, n in candidates.items() if self._known[n]}
+
+    def _steps(self, recheck_from: int | None, *, block: bool, raise_error: bool = False) -> dict[int, str]:
+        """:meth:`_view`, after taking note of the save in flight once it has ended (waiting for
+        it when ``block``) and applying retention on that same listing. With ``raise_error``,
+        the error of a failed background save is raised before the root is listed."""
+        saved = self._collect(block=block)
+        if raise_error:
+            self._raise_error()
+        steps = self._view(recheck_from)
+        if saved is not None:
+            self._apply_retention(saved, steps)
+        return steps
 
     def step_path(self, step: int) -> Any:
         """Where ``step`` is (a directory, or a URL for an object store): the existing one,
         else where a save would put it."""
-        return self._store.child(self._scan().get(step, f"step_{step:08d}"))
+        return self._store.child(self._view(step).get(step, f"step_{step:08d}"))
 
     def all_steps(self) -> list[int]:
         """Committed steps, in increasing order."""
-        self._poll()
-        return sorted(self._scan())
+        return sorted(self._steps(0, block=False))
 
     def latest_step(self) -> int | None:
         """The highest committed step, or None when there is none."""
-        self._poll()
-        latest = self._latest()
-        return None if latest is None else latest[0]
+        steps = self._steps(None, block=False)
+        return max(steps) if steps else None
 
     # saving ------------------------------------------------------------------
 
@@ -255,8 +335,8 @@ class CheckpointManager:
             raise ValueError(f"step must be a non-negative integer, got {step!r}")
         if not force and not self.should_save(step):
             return False
-        self._settle()
-        steps = self._scan()
+        # one listing serves the retention of the save that just ended and this save's checks
+        steps = self._steps(step, block=True, raise_error=True)
         existing = steps.get(step)
         if existing is not None:
             raise CheckpointExistsError(
@@ -274,7 +354,8 @@ class CheckpointManager:
                 "(for s in [s for s in mgr.all_steps() if s > "
                 f"{step}]: mgr.delete(s)), or save the new line under another root"
             )
-        path = self._store.child(f"step_{step:08d}")
+        name = f"step_{step:08d}"
+        path = self._store.child(name)
         options = self.options
         if self.incremental:
             # the latest committed step: retention never deletes it while this save runs
@@ -285,32 +366,39 @@ class CheckpointManager:
             self._pending = (step, async_save_with_options(state_dict, path, options))
         else:
             api.save_with_options(state_dict, path, options)
-            self._apply_retention(step)
+            self._known[name] = True
+            # retention on the listing made before the save: a step that appeared meanwhile is
+            # not counted (it is kept), one deleted meanwhile is deleted again (nothing happens)
+            steps[step] = name
+            self._apply_retention(step, steps)
         return True
 
-    def _poll(self) -> None:
-        """Take note of a finished background save without blocking."""
-        if self._pending is not None and self._pending[1].done():
-            self._finish_pending()
-
-    def _finish_pending(self) -> None:
-        assert self._pending is not None
+    def _collect(self, *, block: bool) -> int | None:
+        """Take note of the save in flight once it has ended (waiting for it when ``block``): the
+        step it committed, or None (none ended; a failure is kept for the next save, wait or close)."""
+        if self._pending is None or not (block or self._pending[1].done()):
+            return None
         step, fut = self._pending
         self._pending = None
-        err = fut.exception()
+        err = fut.exception()  # blocks until done
         if err is not None:
             self._error = err
-            return
-        self._apply_retention(step)
+            return None
+        self._known[f"step_{step:08d}"] = True
+        return step
 
-    def _settle(self, *, raise_error: bool = True) -> None:
-        """Wait for the save in flight, apply retention, raise a stored error."""
-        if self._pending is not None:
-            self._pending[1].exception()  # blocks until done
-            self._finish_pending()
-        if raise_error and self._error is not None:
+    def _raise_error(self) -> None:
+        if self._error is not None:
             err, self._error = self._error, None
             raise err
+
+    def _settle(self) -> None:
+        """Wait for the save in flight, apply retention (listing the root only then), raise a
+        stored error."""
+        saved = self._collect(block=True)
+        if saved is not None and self.max_to_keep is not None:
+            self._apply_retention(saved, self._view(None))
+        self._raise_error()
 
     def wait(self) -> None:
         """Block until the save in flight is committed; raises its error if it failed."""
@@ -339,23 +427,26 @@ class CheckpointManager:
 
     # retention ---------------------------------------------------------------
 
-    def _apply_retention(self, saved: int) -> None:
+    def _apply_retention(self, saved: int, steps: dict[int, str]) -> None:
         """Keep the newest ``max_to_keep`` steps (and ``keep_period`` ones) after ``saved`` committed.
 
-        ``saved`` itself is never deleted, whatever else the directory holds
-        (a newer step written behind the manager's back, for one).
+        ``steps`` are the committed steps of a listing made after that commit
+        (:meth:`_view`); the deleted ones are taken out of it. ``saved`` itself
+        is never deleted, whatever else the directory holds (a newer step
+        written behind the manager's back, for one).
         """
-        if self.max_to_keep is None:
-            return
-        steps = sorted(self._scan().items())
-        if len(steps) <= self.max_to_keep:
+        if self.max_to_keep is None or len(steps) <= self.max_to_keep:
             return
         doomed = [
-            name
-            for step, name in steps[: -self.max_to_keep]
+            (step, name)
+            for step, name in sorted(steps.items())[: -self.max_to_keep]
             if step != saved and not (self.keep_period is not None and step % self.keep_period == 0)
         ]
-        self._store.delete(doomed)  # together: batched requests on an object store
+        for step, name in doomed:
+            # forgotten first: a deletion that fails halfway leaves names to probe again
+            del steps[step]
+            self._known.pop(name, None)
+        self._store.delete([name for _, name in doomed])  # together: batched requests on an object store
 
     def delete(self, step: int) -> None:
         """Delete the committed checkpoint of ``step``, e.g. the steps after one rolled back to.
@@ -373,22 +464,19 @@ class CheckpointManager:
         if not isinstance(step, int) or isinstance(step, bool):
             raise TypeError(f"step must be an int, got {step!r}")
         step, name = self._resolve(step)
+        self._known.pop(name, None)
         self._store.delete([name])
 
     # restoring ---------------------------------------------------------------
 
     def _resolve(self, step: int | None) -> tuple[int, str]:
         """``step`` (None: the latest) and its name, of a committed step."""
-        self._settle(raise_error=False)
-        if step is None:
-            latest = self._latest()
-            if latest is None:
-                raise CheckpointNotFoundError(f"no committed checkpoint under {self.root}; save one first")
-            return latest
-        steps = self._scan()
+        steps = self._steps(step, block=True)
         if not steps:
             raise CheckpointNotFoundError(f"no committed checkpoint under {self.root}; save one first")
-        if step not in steps:
+        if step is None:
+            step = max(steps)
+        elif step not in steps:
             shown = sorted(steps)
             raise CheckpointNotFoundError(
                 f"step {step} has no committed checkpoint under {self.root}; "

@@ -444,10 +444,14 @@ class CheckpointRoot(ABC):
     of step checkpoints, or a prefix of an object store), as :class:`gpuckpt.CheckpointManager`
     uses it.
 
-    A subclass should expect these calls, from one thread: :meth:`cleanup` when the
-    root is opened; then any of :meth:`children`, :meth:`is_committed`, :meth:`child`
-    and :meth:`delete`, while saves write children through
-    :func:`gpuckpt.storage.stores.open_writer` at :meth:`child`.
+    A subclass should expect these calls: when the root is opened, :meth:`children`,
+    :meth:`is_committed` of some of them (from several threads at once: a caller probes
+    many children in parallel) and :meth:`cleanup` (given the children found not
+    committed); then any of :meth:`children`, :meth:`is_committed`, :meth:`child` and
+    :meth:`delete`, while saves write children through
+    :func:`gpuckpt.storage.stores.open_writer` at :meth:`child`. A caller may remember
+    that a child is committed while :meth:`children` keeps listing it: a child stops
+    being committed only through a deletion, which ends by removing its name.
     """
 
     @abstractmethod
@@ -462,7 +466,8 @@ class CheckpointRoot(ABC):
 
     @abstractmethod
     def is_committed(self, name: str) -> bool:
-        """Whether ``name`` holds a published gpuckpt checkpoint (damaged or not)."""
+        """Whether ``name`` holds a published gpuckpt checkpoint (damaged or not); safe to call
+        from several threads at once."""
 
     @abstractmethod
     def delete(self, names: Sequence[str]) -> None:
@@ -473,6 +478,11 @@ class CheckpointRoot(ABC):
         """
 
     @abstractmethod
-    def cleanup(self) -> list[str]:
+    def cleanup(self, candidates: Sequence[str] | None = None) -> list[str]:
         """Remove what dead saves and interrupted deletions left (never a live save's
-        data, nor another program's); returns what was removed."""
+        data, nor another program's); returns what was removed.
+
+        ``candidates``: the children that may hold such leftovers, when the caller
+        knows (those it found not committed: a committed child holds none); a root
+        that must look inside each child to find them looks inside these only.
+        None: every child."""

@@ -58,7 +58,9 @@ class LocalRoot(CheckpointRoot):
             return
         fsutil.rmtree_quiet(doomed)
 
-    def cleanup(self) -> list[str]:
+    def cleanup(self, candidates: Sequence[str] | None = None) -> list[str]:
+        # the leftovers here are hidden entries beside the children, found by one scan of the
+        # directory: ``candidates`` need no look of their own
         removed = []
         for entry in os.scandir(self.path):
             if entry.name.startswith(".") and DEL_TAG in entry.name:

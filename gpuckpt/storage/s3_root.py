@@ -4,8 +4,12 @@ Children are the prefixes one level down (``s3://bucket/run1/step_00000040``),
 found by one delimited listing of the root: the objects inside the children
 are never listed to find them. A child is committed when its root document
 (:data:`~gpuckpt.storage.layout.ROOT_KEY`) exists and starts as a gpuckpt
-root document does (one ranged GET; a HEAD-like probe that also tells
-another program's Zarr store apart).
+root document does: one ranged GET of its first bytes, which is as cheap as
+a HEAD and also tells another program's Zarr store apart (its ``zarr.json``
+exists too). Only an empty ``zarr.json``, which the server refuses a range
+of, costs a HEAD more. Nothing cheaper tells the two apart: a listing shows
+a child, never what its root document says, so a caller probes each child
+once and remembers (:class:`~gpuckpt.CheckpointManager` does).
 
 Deletion of checkpoints goes, for all of them together:
 
@@ -22,6 +26,8 @@ deletions left: a child without a root document but with a claim whose
 holder is gone (its process is dead on this machine, or its lease expired)
 is taken over and emptied, exactly as a new save to it would. A live
 claim, and a child without a claim (another program's objects), are left.
+Finding the claims takes a HEAD per child looked at: a caller that has
+probed the children passes those not committed, and only they are looked at.
 """
 
 from __future__ import annotations
@@ -65,18 +71,25 @@ class ObjectStoreRoot(Prefix, CheckpointRoot):
 
     def is_committed(self, name: str) -> bool:
         import obstore as obs
+        from obstore.exceptions import BaseError
 
         rel = f"{name}/{ROOT_KEY}"
-        n = len(ROOT_DOCUMENT_PREFIX)
         with self._io(f"reading {rel}"):
             try:
-                meta = obs.head(self._obs, rel)
+                # a shorter object comes back whole (and differs)
+                head = obs.get(self._obs, rel, options={"range": (0, len(ROOT_DOCUMENT_PREFIX))}).bytes()
             except FileNotFoundError:
                 return False
-            if meta["size"] < n:
-                return False
-            head = bytes(obs.get(self._obs, rel, options={"range": (0, n)}).bytes())
-        return head == ROOT_DOCUMENT_PREFIX
+            except BaseError as exc:
+                # an empty object has no first bytes: the range is refused (416); any other failure stands
+                try:
+                    empty = obs.head(self._obs, rel)["size"] == 0
+                except FileNotFoundError:
+                    return False
+                if empty:
+                    return False
+                raise exc
+        return bytes(head) == ROOT_DOCUMENT_PREFIX
 
     def delete(self, names: Sequence[str]) -> None:
         import obstore as obs
@@ -107,11 +120,14 @@ class ObjectStoreRoot(Prefix, CheckpointRoot):
             if claims:
                 obs.delete(self._obs, claims)
 
-    def cleanup(self) -> list[str]:
+    def cleanup(self, candidates: Sequence[str] | None = None) -> list[str]:
         import obstore as obs
 
+        names = self.children() if candidates is None else candidates
         removed = []
-        for name in self.children():
+        for name in names:
+            if name.startswith(".") or not is_safe_name(name):
+                continue
             with self._io(f"reading {name}/{CLAIM_KEY}"):
                 try:
                     obs.head(self._obs, f"{name}/{CLAIM_KEY}")

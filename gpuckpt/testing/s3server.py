@@ -16,13 +16,14 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 __all__ = [
     "LOOPBACK_ENV",
     "UNSET_ENV",
+    "copy_prefix",
     "free_port",
     "list_keys",
     "loopback_env",
@@ -134,3 +135,23 @@ def list_keys(endpoint: str, bucket: str, prefix: str) -> set[str]:
     prefix = prefix.rstrip("/") + "/"
     pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
     return {o["Key"].removeprefix(prefix) for page in pages for o in page.get("Contents", [])}
+
+
+def copy_prefix(endpoint: str, bucket: str, source: str, targets: Iterable[str]) -> int:
+    """Copy every object under the folder ``source`` to each folder of ``targets`` in ``bucket``
+    (server-side copies: many checkpoints made from one without saving each); returns the copies made."""
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
+    source = source.rstrip("/")
+    keys = sorted(list_keys(endpoint, bucket, source))
+    n = 0
+    for target in targets:
+        for key in keys:
+            client.copy_object(
+                Bucket=bucket,
+                Key=f"{target.rstrip('/')}/{key}",
+                CopySource={"Bucket": bucket, "Key": f"{source}/{key}"},
+            )
+            n += 1
+    return n

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from hypothesis import strategies as st
 
 import gpuckpt
 from gpuckpt.manager import CheckpointManager, step_of
+from gpuckpt.storage.local_root import LocalRoot
 
 
 def state(v: float, n: int = 16) -> dict[str, object]:
@@ -93,6 +95,33 @@ def test_retention_keeps_newest_and_periodic(tmp_path: Path) -> None:
             assert mgr.latest_step() == s
     assert mgr.all_steps() == [4, 8, 9, 10]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_saves_do_not_probe_every_step_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # 200 committed steps: the manager reads each root document once, at open; its saves and
+    # retention passes read none of them again (one listing of the directory each)
+    gpuckpt.save(state(0), tmp_path / "step_00000000", sync="none")
+    for s in range(1, 200):
+        shutil.copytree(tmp_path / "step_00000000", tmp_path / f"step_{s:08d}")
+    probed: list[str] = []
+    real = LocalRoot.is_committed
+
+    def counted(self: LocalRoot, name: str) -> bool:
+        probed.append(name)
+        return real(self, name)
+
+    monkeypatch.setattr(LocalRoot, "is_committed", counted)
+    mgr = CheckpointManager(tmp_path, max_to_keep=199, keep_period=1000, sync="none")
+    assert sorted(probed) == [f"step_{s:08d}" for s in range(200)]
+    probed.clear()
+    for s in range(200, 205):
+        assert mgr.save(s, state(s))  # each retires one step: 1, 2, 3, 4, 5 (0 is kept for good)
+    mgr.wait()
+    assert probed == []
+    assert mgr.all_steps() == [0, *range(6, 205)] and mgr.latest_step() == 204
+    mgr.close()
+    # a restarted manager finds the same steps
+    assert CheckpointManager(tmp_path).all_steps() == [0, *range(6, 205)]
 
 
 def test_retention_waits_for_commit_in_async_mode(tmp_path: Path) -> None:
