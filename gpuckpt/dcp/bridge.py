@@ -58,7 +58,7 @@ from gpuckpt.device.arrays import DeviceArray, HostArray, HostMemory, adapt, dev
 from gpuckpt.device.staging import ArenaPool, StagingArena, aligned_bytes, pool_for
 from gpuckpt.distributed.load import read_boxes
 from gpuckpt.dtypes import dtype_name
-from gpuckpt.errors import GpuckptError, StagingTimeoutError
+from gpuckpt.errors import StagingTimeoutError
 from gpuckpt.incremental import BaseIndex, ChunkResult, check_base_target, open_base_for
 from gpuckpt.incremental import open_base as _open_base
 from gpuckpt.metadata import FORMAT_VERSION, Metadata, TensorProperties
@@ -71,7 +71,7 @@ from gpuckpt.sources import Source, describe_state
 from gpuckpt.state import unflatten_state_dict
 from gpuckpt.storage.base import CheckpointReader, CheckpointWriter
 from gpuckpt.storage.chunk_table import write_table
-from gpuckpt.storage.layout import metadata_from_root_document, root_document, root_document_problem
+from gpuckpt.storage.layout import metadata_from_root_document, root_document
 from gpuckpt.storage.stores import attach_writer, is_committed, open_reader, scheme_of
 from gpuckpt.storage.values import decode_object, encode_object
 from gpuckpt.writing import (
@@ -98,7 +98,6 @@ __all__ = [
     "attach",
     "begin_save",
     "commit_save",
-    "holds_checkpoint",
     "host_layout",
     "is_checkpoint",
     "location_supported",
@@ -362,18 +361,6 @@ def is_checkpoint(path: str | os.PathLike[str]) -> bool:
     if not location_supported(path):
         return False
     return scheme_of(path) != "file" or is_committed(path)
-
-
-def holds_checkpoint(path: str, options: SaveOptions) -> bool:
-    """Whether a published checkpoint (damaged or not) is at ``path``; asked only after its
-    store refused a save there, to tell an existing checkpoint from other reasons."""
-    if scheme_of(path) == "file":
-        return is_committed(path)
-    try:
-        raw = open_reader(path, storage_options=options.store_options()).read_root()
-    except (GpuckptError, OSError):
-        return False
-    return root_document_problem(bytes(raw)) is None
 
 
 def location_supported(path: str | os.PathLike[str]) -> bool:

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import uuid
 import weakref
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,14 +21,11 @@ import gpuckpt.dcp.bridge as bridge
 import gpuckpt.dcp.convert as convert
 from gpuckpt import memory_format as mf
 from gpuckpt.dcp.tensors import torch
-from gpuckpt.errors import CheckpointExistsError, GpuckptError, UnsupportedValueError
+from gpuckpt.errors import GpuckptError, UnsupportedValueError
 from gpuckpt.options import DEFAULT_CHUNK_BYTES, DEFAULT_STAGING_BYTES, SaveOptions
 from gpuckpt.progress import ProgressCallback
 
-__all__ = ["EXISTS", "Writer"]
-
-#: how DCP's writers begin the error for a checkpoint already at the path
-EXISTS = "Checkpoint already exists"
+__all__ = ["Writer"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,9 +83,15 @@ class Writer(StorageWriter):  # type: ignore[misc,unused-ignore]
         equal to the base's are shared with it instead of written (each rank
         decides for the chunks it writes).
 
-    A checkpoint already at the path is replaced only with ``overwrite=True``;
-    otherwise the save fails with :class:`~gpuckpt.errors.CheckpointExistsError`
-    beginning ``Checkpoint already exists``, as DCP's own writers say it.
+    ``overwrite`` is True by default, as for DCP's ``FileSystemWriter``, so that a
+    DCP program runs unchanged: a checkpoint already at the path is replaced
+    atomically (on object storage, where that cannot be atomic, it is refused);
+    an empty directory (``tempfile.mkdtemp()``) is saved into; a directory that
+    holds other files gets the checkpoint's own names beside them, a clash of
+    names refused and nothing else touched (see :mod:`gpuckpt.storage.shared_dir`).
+    With ``overwrite=False`` an existing checkpoint fails the save with
+    :class:`~gpuckpt.errors.CheckpointExistsError` beginning ``Checkpoint already
+    exists``, as DCP's own writers say it.
 
     A Writer serves one save at a time; with ``dcp.async_save``, make one per call.
 
@@ -108,7 +109,7 @@ class Writer(StorageWriter):  # type: ignore[misc,unused-ignore]
         self,
         path: str | os.PathLike[str],
         *,
-        overwrite: bool = False,
+        overwrite: bool = True,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         sync: str = "auto",
         threads: int | None = None,
@@ -197,8 +198,8 @@ class Writer(StorageWriter):  # type: ignore[misc,unused-ignore]
         one_chunk = {t.name for t in save_plan.tensors if t.nchunks == 1}
         mine = {a.name for a in assignments[self._rank] if a.name in one_chunk}
         reusable = bridge.reusable_arrays(self._path, save_plan, self.options)
-        with self._in_dcp_words():
-            opened = bridge.begin_save(self._path, save_plan, nvalues, self.options, mine)
+        # a checkpoint already there is refused by the store in DCP's words ("Checkpoint already exists")
+        opened = bridge.begin_save(self._path, save_plan, nvalues, self.options, mine)
         self._open = opened
         self._cleanup = weakref.finalize(self, bridge.abort_save, opened)
         return [
@@ -316,33 +317,20 @@ class Writer(StorageWriter):  # type: ignore[misc,unused-ignore]
             for f, n in formats.items()
         }
         fqns = list(metadata.state_dict_metadata)
-        with self._in_dcp_words():  # another save published the checkpoint while this one ran
-            try:
-                bridge.commit_save(
-                    opened,
-                    bridge.table_columns(opened.plan, parts),
-                    chosen,
-                    blobs,
-                    convert.skeleton_from_paths(metadata.planner_data, fqns),
-                    {convert.DCP_KEY: convert.dcp_planner_data(blobs)},
-                    str(uuid.uuid4()),
-                )
-            except BaseException:
-                self._discard()
-                raise
-        self._forget()
-
-    @contextlib.contextmanager
-    def _in_dcp_words(self) -> Iterator[None]:
-        """A store's refusal of the checkpoint already at the path, in the words of DCP's own
-        writers (``Checkpoint already exists``, which DCP's tests and users match), the store's
-        remedy kept; its other refusals (not a checkpoint, a save running) pass unchanged."""
         try:
-            yield
-        except CheckpointExistsError as exc:
-            if EXISTS in str(exc) or not bridge.holds_checkpoint(self._path, self.options):
-                raise
-            raise CheckpointExistsError(f"{EXISTS} and overwrite={self.options.overwrite}: {exc}") from exc
+            bridge.commit_save(
+                opened,
+                bridge.table_columns(opened.plan, parts),
+                chosen,
+                blobs,
+                convert.skeleton_from_paths(metadata.planner_data, fqns),
+                {convert.DCP_KEY: convert.dcp_planner_data(blobs)},
+                str(uuid.uuid4()),
+            )
+        except BaseException:
+            self._discard()
+            raise
+        self._forget()
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:

@@ -43,6 +43,7 @@ from gpuckpt.storage import fsutil
 from gpuckpt.storage.fileio import read_exact_at
 from gpuckpt.storage.fsutil import side_prefix
 from gpuckpt.storage.layout import ROOT_DOCUMENT_PREFIX, ROOT_KEY, root_document_problem
+from gpuckpt.storage.shared_dir import JOURNAL, restore
 
 __all__ = [
     "OLD_TAG",
@@ -164,7 +165,11 @@ def set_aside_copies(path: Path) -> list[Path]:
 def _settle_set_aside(path: Path, old: Path) -> bool:
     """For a dead writer's set-aside copy ``old`` of ``path``: put it back if ``path`` has no
     checkpoint; returns whether it may be deleted (``path`` holds a checkpoint again, or
-    ``old`` is an empty directory). Never deletes the last complete copy."""
+    ``old`` is an empty directory). Never deletes the last complete copy. A set-aside
+    directory with a journal is a publication into a shared directory that died: it is
+    settled by :func:`gpuckpt.storage.shared_dir.restore`, holding ``path``'s lock."""
+    if os.path.lexists(old / JOURNAL):
+        return _restore_locked(path, old)
     if is_committed(path):
         return True
     if not is_committed(old):
@@ -179,6 +184,20 @@ def _settle_set_aside(path: Path, old: Path) -> bool:
         raise
     fsutil.fsync_dir(path.parent)
     return False
+
+
+def _restore_locked(path: Path, old: Path) -> bool:
+    try:
+        held = fsutil.lock_dir(path, wait=True)
+    except OSError as exc:
+        if not fsutil.lock_unsupported(exc):
+            return False  # the directory is gone or not one: the copy is kept
+        held = None
+    try:
+        return restore(path, old)
+    finally:
+        if held is not None:
+            fsutil.unlock(held)
 
 
 def cleanup_stale_temporaries(path: Path) -> list[Path]:

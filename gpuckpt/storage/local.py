@@ -62,6 +62,7 @@ from gpuckpt.storage.leftovers import (
     side_prefix,
 )
 from gpuckpt.storage.local_reader import NATIVE_MAX_BYTES, PIECE_BYTES, open_regular
+from gpuckpt.storage.shared_dir import JOURNAL, directory_entries, publish_into
 
 __all__ = [
     "LocalWriter",
@@ -122,6 +123,7 @@ class LocalWriter(CheckpointWriter):
         use_direct = direct_io and sync != "none" and direct_io_available()
         self._direct = DirectWriter() if use_direct else None
         self._published: dict[str, int | None] = {}  # base root -> its root document's mtime
+        self._begun = "new"  # how the target looked when the save began (see _target_mode)
 
     @property
     def direct_io(self) -> bool:
@@ -150,54 +152,84 @@ class LocalWriter(CheckpointWriter):
     def _new_name(self, tag: str) -> Path:
         return self.path.parent / f"{side_prefix(self.path.name, tag)}{new_owner()}"
 
-    def _check_target(self) -> None:
-        if not (self.path.exists() or self.path.is_symlink()):
-            return
-        problem = replace_problem(self.path)
-        if problem is not None:
+    def _target_mode(self) -> str:
+        """How this save will publish, given what is at the path now; raises
+        :class:`CheckpointExistsError` where it may not:
+
+        * ``"new"``: nothing there;
+        * ``"empty"``: an empty directory, which holds no checkpoint (no ``overwrite`` needed);
+        * ``"replace"``: a checkpoint and nothing else (``overwrite=True``): one atomic exchange;
+        * ``"into"``: a directory holding other files (``overwrite=True``): the checkpoint's own
+          names are published into it beside them (:mod:`gpuckpt.storage.shared_dir`).
+        """
+        path = self.path
+        if not (path.exists() or path.is_symlink()):
+            return "new"
+        if path.is_symlink() or not path.is_dir():
+            what = "a symbolic link" if path.is_symlink() else "not a directory"
             raise CheckpointExistsError(
-                f"{self.path} exists and is not a gpuckpt checkpoint: {problem}; refusing to replace it"
+                f"{path} exists and is not a gpuckpt checkpoint: it is {what}; refusing to replace it"
                 f"{' even with overwrite=True' if self.overwrite else ''}, nothing was deleted. Save to "
                 "another path, or remove it yourself if it is yours to delete"
             )
-        if not self.overwrite:
-            what = "a checkpoint" if is_committed(self.path) else "an empty directory"
+        root, arrays, others = directory_entries(path)
+        if ROOT_KEY in others:
+            problem = replace_problem(path) or f"its {ROOT_KEY} is not a gpuckpt root document"
             raise CheckpointExistsError(
-                f"{self.path} already exists ({what}); pass overwrite=True to replace it, "
+                f"{path} exists and is not a gpuckpt checkpoint: {problem}; refusing to replace it"
+                f"{' even with overwrite=True' if self.overwrite else ''}, nothing was deleted. Save to "
+                "another path, or remove it yourself if it is yours to delete"
+            )
+        if root and not self.overwrite:
+            raise CheckpointExistsError(
+                f"Checkpoint already exists at {path}; pass overwrite=True to replace it, "
                 "or save to a new path"
             )
+        if not (root or arrays or others):
+            return "empty"
+        if others or not root:
+            if not self.overwrite:
+                raise CheckpointExistsError(
+                    f"{path} holds {len(others) + len(arrays)} entries (e.g. {(others + arrays)[:3]}) and no "
+                    "checkpoint; pass overwrite=True to publish the checkpoint's own names into it beside "
+                    "them (nothing there that is not a gpuckpt checkpoint's is touched; a clash of names is "
+                    "refused), or save to a new path"
+                )
+            return "into"
+        return "replace"
 
     def begin(self) -> None:
         # first: a checkpoint a crashed overwrite set aside is put back before anything is judged
         cleanup_stale_temporaries(self.path)
-        self._check_target()
+        self._begun = self._target_mode()
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._make_tmp()
+        self.tmp, self._lock_fd = self._make_locked(self.tmp, TMP_TAG)
+        self._dirs.append(self.tmp)
 
-    def _make_tmp(self) -> None:
-        """Create the temporary and take its lock (which tells cleaners that its writer lives)."""
+    def _make_locked(self, first: Path, tag: str) -> tuple[Path, int | None]:
+        """A new directory (``first``, else another new name with ``tag``) and its lock, which tells
+        cleaners that its writer lives (None where the file system has no locks: cleaners then
+        go by the pid in its name)."""
+        where = first
         for _ in range(8):
-            os.mkdir(self.tmp)
+            os.mkdir(where)
             try:
-                fd = fsutil.lock_dir(self.tmp)
+                fd = fsutil.lock_dir(where)
             except FileNotFoundError:
                 fd = None  # removed by a cleaner that took it for a dead writer's: try another name
             except OSError as exc:
                 if not fsutil.lock_unsupported(exc):
                     raise
-                self._dirs.append(self.tmp)  # no locks on this file system: cleaners go by the pid
-                return
-            if fd is not None and fsutil.same_file(fd, self.tmp):
-                self._lock_fd = fd
-                self._dirs.append(self.tmp)
-                return
+                return where, None
+            if fd is not None and fsutil.same_file(fd, where):
+                return where, fd
             if fd is not None:
                 fsutil.unlock(fd)
             # a cleaner locked the new directory between its mkdir and our lock and removes it
-            self.tmp = self._new_name(TMP_TAG)
+            where = self._new_name(tag)
         raise CheckpointWriteError(
             errno.EBUSY,
-            f"saving {self.path}: every new temporary directory was removed right after it was made "
+            f"saving {self.path}: every new directory beside it was removed right after it was made "
             "(another process keeps cleaning this directory); nothing was published",
         )
 
@@ -476,20 +508,33 @@ class LocalWriter(CheckpointWriter):
     def commit(self, root_document: bytes) -> None:
         self._write_file(ROOT_KEY, [root_document])
         self._make_durable()
-        if self.overwrite and (self.path.exists() or self.path.is_symlink()):
-            self._check_target()
+        try:
+            mode = self._target_mode()  # judged again: another process may have changed it meanwhile
+        except CheckpointExistsError:
+            if self._begun in ("new", "empty") and is_committed(self.path):
+                raise CheckpointExistsError(
+                    f"Checkpoint already exists at {self.path}: another save published it while this one "
+                    "ran; this save was discarded and the other one kept"
+                ) from None
+            raise
+        if mode == "replace":
             if not fsutil.exchange(self.tmp, self.path):
                 self._replace_by_two_renames()
             else:
                 fsutil.rmtree_quiet(self.tmp)  # it holds the previous checkpoint now
+        elif mode == "into":
+            self._publish_into()
         else:
             try:
-                fsutil.rename_noreplace(self.tmp, self.path)
+                if mode == "new":
+                    fsutil.rename_noreplace(self.tmp, self.path)
+                else:
+                    os.rename(self.tmp, self.path)  # replaces an empty directory, and only an empty one
             except OSError as exc:
                 if exc.errno in (errno.EEXIST, errno.ENOTEMPTY):
                     raise CheckpointExistsError(
-                        f"{self.path} was created by another save while this one ran; "
-                        "this save was discarded and the other one kept"
+                        f"Checkpoint already exists at {self.path}: another save published it (or put files "
+                        "there) while this one ran; this save was discarded and the other one kept"
                     ) from None
                 raise
         if self.sync != "none":
@@ -502,6 +547,28 @@ class LocalWriter(CheckpointWriter):
                     f"failed ({exc.strerror or exc}): it may not survive a power loss; save again to be sure",
                 ) from exc
         self._unlock()
+
+    def _publish_into(self) -> None:
+        """Publish into the directory at the path, which holds other files
+        (:func:`~gpuckpt.storage.shared_dir.publish_into`), holding its lock; the set-aside
+        directory is removed once the publication is done or undone (kept, with its journal,
+        if undoing failed too: the next save settles it)."""
+        held = self._lock_target()
+        try:
+            aside, fd = self._make_locked(self._new_name(OLD_TAG), OLD_TAG)
+            done = False
+            try:
+                publish_into(self.tmp, self.path, aside)
+                done = True
+            finally:
+                if done or set(os.listdir(aside)) <= {JOURNAL}:
+                    fsutil.rmtree_quiet(aside)
+                if fd is not None:
+                    fsutil.unlock(fd)
+            fsutil.rmtree_quiet(self.tmp)  # empty now, but for names it never had
+        finally:
+            if held is not None:
+                fsutil.unlock(held)
 
     def _replace_by_two_renames(self) -> None:
         """No atomic exchange here: move the old checkpoint aside, then the new one into place.

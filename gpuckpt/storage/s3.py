@@ -255,11 +255,11 @@ class ObjectStoreWriter(Prefix, CheckpointWriter):
             )
         if self.overwrite:
             raise CheckpointExistsError(
-                f"{self.path} holds a checkpoint and overwrite=True cannot replace it: object storage has "
-                "no atomic swap, and unpublishing it first could leave no checkpoint at all; save to a "
-                "new prefix, then delete the old one"
+                f"Checkpoint already exists at {self.path} and overwrite=True cannot replace it: object "
+                "storage has no atomic swap, and unpublishing it first could leave no checkpoint at all; "
+                "save to a new prefix, then delete the old one"
             )
-        raise CheckpointExistsError(f"{self.path} already holds a checkpoint; save to a new prefix")
+        raise CheckpointExistsError(f"Checkpoint already exists at {self.path}; save to a new prefix")
 
     def _claim(self) -> bool:
         """Claim the prefix; True when that took over the claim of an abandoned save."""
@@ -602,8 +602,8 @@ class ObjectStoreWriter(Prefix, CheckpointWriter):
                     self._delete_quietly([CLAIM_KEY])
                     return
                 self._lost = (
-                    f"{self.path} was published by another save while this one ran; this save was "
-                    "discarded and the other one kept"
+                    f"Checkpoint already exists at {self.path}: another save published it while this one "
+                    "ran; this save was discarded and the other one kept"
                 )
                 raise CheckpointExistsError(self._lost) from None
             except BaseError as exc:

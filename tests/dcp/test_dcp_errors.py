@@ -107,10 +107,10 @@ def test_requested_key_not_in_checkpoint(saved: Path) -> None:
 def test_existing_checkpoint_needs_overwrite(saved: Path) -> None:
     before = digest(saved)
     with pytest.raises(CheckpointException) as info:
-        dcp.save({"w": torch.zeros(1)}, storage_writer=gpuckpt.dcp.Writer(saved))
+        dcp.save({"w": torch.zeros(1)}, storage_writer=gpuckpt.dcp.Writer(saved, overwrite=False))
     assert "CheckpointExistsError" in str(info.value) and "overwrite=True" in str(info.value)
     assert digest(saved) == before and temporaries(saved) == []
-    dcp.save({"w": torch.zeros(1)}, storage_writer=gpuckpt.dcp.Writer(saved, overwrite=True))
+    dcp.save({"w": torch.zeros(1)}, storage_writer=gpuckpt.dcp.Writer(saved))  # overwrite=True by default
     assert list(gpuckpt.read_metadata(saved).state_dict_metadata) == ["w"]
 
 
@@ -129,20 +129,48 @@ def test_existing_checkpoint_is_refused_in_dcps_words() -> None:
         error = info.value.failures[0]
         error = error[0] if isinstance(error, tuple) else error
         assert isinstance(error, gpuckpt.CheckpointExistsError)
-        assert str(error).startswith("Checkpoint already exists and overwrite=False: ")
+        assert str(error).startswith(f"Checkpoint already exists at {path}; ")
         assert path in str(error) and "pass overwrite=True" in str(error)  # the remedy is kept
         dcp.load(sd, storage_reader=gpuckpt.dcp.Reader(path))
         torch.testing.assert_close(sd["random"], t2)
 
 
+def test_dcp_saves_into_a_temporary_directory_and_beside_other_files_by_default(tmp_path: Path) -> None:
+    """What DCP programs (and DCP's own tests) do: save into a directory they made (empty, or
+    holding a ``torch.save`` file), with the writer built from the path alone."""
+    sd = {"w": torch.arange(4.0), "nested": {"b": torch.ones(2, 3)}}
+    with tempfile.TemporaryDirectory() as d:
+        dcp.save(sd, storage_writer=gpuckpt.dcp.Writer(d))
+        got = {"w": torch.zeros(4), "nested": {"b": torch.zeros(2, 3)}}
+        dcp.load(got, storage_reader=gpuckpt.dcp.Reader(d))
+        torch.testing.assert_close(got, sd)
+    run = tmp_path / "run"
+    run.mkdir()
+    torch.save(sd, run / "model.pt")  # DCP's test_torch_save_to_dcp saves next to it
+    dcp.save(sd, storage_writer=gpuckpt.dcp.Writer(run))
+    dcp.save(sd, storage_writer=gpuckpt.dcp.Writer(run))  # and again: the checkpoint is replaced
+    torch.testing.assert_close(torch.load(run / "model.pt", weights_only=True), sd)
+    got = {"w": torch.zeros(4), "nested": {"b": torch.zeros(2, 3)}}
+    dcp.load(got, storage_reader=gpuckpt.dcp.Reader(run))
+    torch.testing.assert_close(got, sd)
+    assert temporaries(run) == []
+
+
 def test_other_refusals_of_a_path_are_not_called_an_existing_checkpoint(tmp_path: Path) -> None:
     (tmp_path / "foreign").mkdir()
     (tmp_path / "foreign" / "notes.txt").write_text("someone's files")
-    (tmp_path / "empty").mkdir()
-    for name, expected in (("foreign", "not a gpuckpt checkpoint"), ("empty", "an empty directory")):
+    (tmp_path / "clash").mkdir()
+    (tmp_path / "clash" / "w").write_text("a file named like the tensor")
+    cases = (
+        ("foreign", False, "pass overwrite=True to publish the checkpoint's own names into it"),
+        ("clash", True, "refusing to touch them"),
+    )
+    for name, overwrite, expected in cases:
+        writer = gpuckpt.dcp.Writer(tmp_path / name, overwrite=overwrite)
         with pytest.raises(CheckpointException) as info:
-            dcp.save({"w": torch.ones(2)}, storage_writer=gpuckpt.dcp.Writer(tmp_path / name))
+            dcp.save({"w": torch.ones(2)}, storage_writer=writer)
         assert expected in str(info.value) and "Checkpoint already exists" not in str(info.value), name
+    assert (tmp_path / "clash" / "w").read_text() == "a file named like the tensor"
 
 
 class PublishingPlanner(DefaultSavePlanner):
@@ -162,7 +190,9 @@ def test_checkpoint_published_by_another_save_meanwhile_is_refused_in_dcps_words
     path = tmp_path / "ckpt"
     with pytest.raises(CheckpointException, match="Checkpoint already exists") as info:
         dcp.save(
-            {"w": torch.ones(2)}, storage_writer=gpuckpt.dcp.Writer(path), planner=PublishingPlanner(path)
+            {"w": torch.ones(2)},
+            storage_writer=gpuckpt.dcp.Writer(path, overwrite=False),
+            planner=PublishingPlanner(path),
         )
     assert "another save" in str(info.value)
     assert list(gpuckpt.load_state_dict(path)) == ["other"] and temporaries(path) == []

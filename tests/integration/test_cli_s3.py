@@ -81,7 +81,7 @@ def test_convert_to_and_from_s3(endpoint: str, tmp_path: Path) -> None:
     assert np.array_equal(again["w"], _state()["w"]) and np.array_equal(again["ids"], np.arange(9))
     # a published checkpoint is never replaced on an object store
     r = _cli(endpoint, "convert", "--quiet", str(src), url)
-    assert r.returncode == 1 and "already holds a checkpoint" in r.stderr, r.stderr
+    assert r.returncode == 1 and "Checkpoint already exists at" in r.stderr, r.stderr
 
 
 def test_progress_of_uploads_and_downloads_reaches_the_total(endpoint: str) -> None:

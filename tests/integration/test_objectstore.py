@@ -190,7 +190,7 @@ def test_existing_checkpoint_is_kept(opts: dict[str, Any], prefix: str, s3: Any)
     state = _state()
     _save(state, prefix, opts)
     before = _objects(s3, prefix)
-    with pytest.raises(CheckpointExistsError, match="already holds a checkpoint"):
+    with pytest.raises(CheckpointExistsError, match="Checkpoint already exists at"):
         _save(_state(seed=1), prefix, opts)
     with pytest.raises(CheckpointExistsError, match="cannot replace"):
         _save(_state(seed=1), prefix, opts, overwrite=True)
@@ -261,7 +261,7 @@ def test_commit_race_lost_keeps_the_winner(opts: dict[str, Any], prefix: str, s3
     w.write_array_document("a", b'{"zarr_format":3}')
     w.write_chunk("a", "c.0", [b"abc", b"defg"])
     s3.put_object(Bucket=BUCKET, Key=f"{prefix}/zarr.json", Body=b"{}")  # someone else's commit
-    with pytest.raises(CheckpointExistsError, match="published by another save"):
+    with pytest.raises(CheckpointExistsError, match="another save published it while this one ran"):
         w.commit(b'{"id": "this save"}')  # a root document names its save: never equal to another's
     w.abort()
     assert f"{prefix}/a/c.0" in _objects(s3, prefix)

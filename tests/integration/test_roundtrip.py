@@ -190,12 +190,14 @@ def test_refuses_to_overwrite_unless_asked(tmp_path: Path) -> None:
     assert [p.name for p in tmp_path.iterdir()] == ["c"]  # no temporaries left
 
 
-def test_overwrite_refuses_foreign_directories(tmp_path: Path) -> None:
+def test_overwrite_publishes_beside_foreign_files_and_keeps_them(tmp_path: Path) -> None:
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "precious.txt").write_text("keep me")
-    with pytest.raises(gpuckpt.CheckpointExistsError, match="not a gpuckpt checkpoint"):
-        gpuckpt.save({"a": np.ones(1)}, tmp_path / "data", overwrite=True)
+    with pytest.raises(gpuckpt.CheckpointExistsError, match="holds 1 entries"):
+        gpuckpt.save({"a": np.ones(1)}, tmp_path / "data")  # without overwrite: refused
+    gpuckpt.save({"a": np.ones(1)}, tmp_path / "data", overwrite=True)  # beside it (shared_dir.py)
     assert (tmp_path / "data" / "precious.txt").read_text() == "keep me"
+    assert gpuckpt.load_state_dict(tmp_path / "data")["a"].tolist() == [1.0]
 
 
 def test_unsupported_values_fail_before_writing(tmp_path: Path) -> None:

@@ -1,0 +1,114 @@
+"""Saving into a directory that holds other files, and into an empty one (what programs written
+for torch.distributed.checkpoint do): the checkpoint's own names are published beside the other
+files, which are never touched; a name clash is refused; an earlier checkpoint there survives a
+save killed at any step of the publication."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import gpuckpt
+from gpuckpt.storage.leftovers import cleanup_stale_temporaries
+from gpuckpt.testing.faults import temporaries
+from gpuckpt.verify import verify_checkpoint
+
+CHILD = Path(__file__).with_name("into_crash_child.py")
+sys.path.insert(0, str(CHILD.parent))
+from into_crash_child import new_state, old_state  # noqa: E402
+
+
+def _same(got: dict[str, Any], want: dict[str, Any]) -> None:
+    assert got.keys() == want.keys()
+    for k, v in want.items():
+        if isinstance(v, np.ndarray):
+            assert got[k].dtype == v.dtype and np.array_equal(got[k], v), k
+        else:
+            assert got[k] == v, k
+
+
+def test_an_empty_directory_is_saved_into_without_overwrite(tmp_path: Path) -> None:
+    d = tmp_path / "made-by-mkdtemp"
+    d.mkdir()
+    gpuckpt.save(old_state(), d)
+    _same(gpuckpt.load_state_dict(d), old_state())
+    (tmp_path / "empty2").mkdir()
+    gpuckpt.async_save(old_state(), tmp_path / "empty2").result()
+    _same(gpuckpt.load_state_dict(tmp_path / "empty2"), old_state())
+    with pytest.raises(gpuckpt.CheckpointExistsError, match="Checkpoint already exists"):
+        gpuckpt.save(new_state(), d)  # once it holds a checkpoint, overwrite is needed again
+    assert temporaries(tmp_path) == []
+
+
+def test_a_directory_with_other_files_takes_the_checkpoint_beside_them(tmp_path: Path) -> None:
+    d = tmp_path / "run"
+    d.mkdir()
+    (d / "model.pt").write_bytes(b"mine")
+    (d / "logs").mkdir()
+    (d / "logs" / "events").write_text("mine too")
+    with pytest.raises(gpuckpt.CheckpointExistsError, match="pass overwrite=True to publish"):
+        gpuckpt.save(old_state(), d)
+    gpuckpt.save(old_state(), d, overwrite=True)
+    _same(gpuckpt.load_state_dict(d), old_state())
+    gpuckpt.save(new_state(), d, overwrite=True)  # replaces the earlier checkpoint, keeps the rest
+    _same(gpuckpt.load_state_dict(d), new_state())
+    assert sorted(os.listdir(d)) == [
+        "a",
+        "c",
+        "logs",
+        "model.pt",
+        "zarr.json",
+    ]  # 'b' went with its checkpoint
+    assert (d / "model.pt").read_bytes() == b"mine" and (d / "logs" / "events").read_text() == "mine too"
+    assert verify_checkpoint(d).ok
+    assert temporaries(tmp_path) == []
+
+
+def test_a_clash_with_a_file_that_is_not_a_checkpoints_is_refused_and_nothing_moves(tmp_path: Path) -> None:
+    d = tmp_path / "run"
+    d.mkdir()
+    (d / "a").write_text("a file of mine named like the array")
+    before = sorted(os.listdir(d))
+    with pytest.raises(gpuckpt.CheckpointExistsError, match=r"\['a'\].*refusing to touch them"):
+        gpuckpt.save(old_state(), d, overwrite=True)
+    assert sorted(os.listdir(d)) == before and (d / "a").read_text().startswith("a file of mine")
+    assert temporaries(tmp_path) == []
+
+
+RENAMES = 6  # the earlier root document, a and b aside; a and c in; the new root document
+
+
+@pytest.mark.parametrize("kill_at", range(1, RENAMES + 2))
+def test_a_save_into_a_shared_directory_killed_at_any_step_loses_nothing(
+    tmp_path: Path, kill_at: int
+) -> None:
+    d = tmp_path / "run"
+    d.mkdir()
+    (d / "model.pt").write_bytes(b"mine")
+    gpuckpt.save(old_state(), d, overwrite=True)
+    proc = subprocess.run([sys.executable, str(CHILD), str(d), str(kill_at)], capture_output=True, text=True)
+    assert proc.returncode == -signal.SIGKILL, proc.stdout + proc.stderr
+    published = kill_at > RENAMES
+    # what a reader sees right after the crash: the earlier checkpoint, the new one, or none (a typed error)
+    try:
+        got = gpuckpt.load_state_dict(d)
+    except gpuckpt.CheckpointNotFoundError:
+        assert 1 < kill_at <= RENAMES  # only while the publication was under way
+    else:
+        _same(got, new_state() if published else old_state())
+    # the next save to the path (here: its cleanup) settles what the dead one left
+    cleanup_stale_temporaries(d)
+    _same(gpuckpt.load_state_dict(d), new_state() if published else old_state())
+    assert (d / "model.pt").read_bytes() == b"mine"
+    want = {"a", "c", "model.pt", "zarr.json"} if published else {"a", "b", "model.pt", "zarr.json"}
+    assert set(os.listdir(d)) == want
+    assert temporaries(tmp_path) == []
+    gpuckpt.save(new_state(), d, overwrite=True)
+    _same(gpuckpt.load_state_dict(d), new_state())
