@@ -42,7 +42,7 @@ from gpuckpt.storage.names import is_safe_name
 from gpuckpt.storage.segments import SEGMENTS_KEY
 from gpuckpt.tensor_columns import COLUMNS_KEY, checked_columns, expand
 
-__all__ = ["MAX_EXTENT", "IndexedMetadata", "load_index"]
+__all__ = ["MAX_EXTENT", "IndexedMetadata", "beyond_any_array", "load_index"]
 
 #: no tensor may have this many bytes, nor an axis this long
 MAX_EXTENT = 2**62
@@ -208,12 +208,21 @@ def _index(data: Any) -> tuple[IndexedMetadata, dict[str, TensorEntry], dict[str
     return md, tensors, objects
 
 
+def beyond_any_array(size: tuple[int, ...], itemsize: int) -> bool:
+    """Whether no array of ``itemsize``-byte elements can have shape ``size``: an axis of
+    :data:`MAX_EXTENT` or more, or non-empty axes spanning that many bytes together (an empty
+    axis makes a tensor hold nothing, but NumPy still sizes an array by the others)."""
+    if not size:
+        return False
+    return max(size) >= MAX_EXTENT or math.prod(n for n in size if n) * itemsize >= MAX_EXTENT
+
+
 def _extent(size: tuple[int, ...], itemsize: int, grid: Any) -> tuple[int, int] | None:
     """``(bytes, chunks)`` of a tensor of ``size`` on ``grid`` (None: stored whole), checked as the
     general path checks them; None where it refuses them."""
-    nbytes = math.prod(size) * itemsize
-    if nbytes >= MAX_EXTENT or (size and max(size) >= MAX_EXTENT):
+    if beyond_any_array(size, itemsize):
         return None
+    nbytes = math.prod(size) * itemsize
     if grid is None:
         return nbytes, 1
     if any(c > max(s, 1) for c, s in zip(grid.chunk_shape, size, strict=True)):

@@ -31,7 +31,7 @@ from gpuckpt.errors import (
     MetadataError,
     MissingChunkError,
 )
-from gpuckpt.load_index import MAX_EXTENT, load_index
+from gpuckpt.load_index import beyond_any_array, load_index
 from gpuckpt.metadata import BytesStorageMetadata, GridTensorStorageMetadata, Metadata, TensorStorageMetadata
 from gpuckpt.planning import ChunkGrid
 from gpuckpt.storage.base import CheckpointReader
@@ -125,7 +125,7 @@ def validate_metadata(md: Metadata) -> tuple[dict[str, TensorEntry], dict[str, A
         itemsize = itemsizes.get(entry.properties.dtype)
         if itemsize is None:
             itemsize = itemsizes[entry.properties.dtype] = np.dtype(entry.properties.dtype).itemsize
-        if math.prod(size) * itemsize >= MAX_EXTENT or (size and max(size) >= MAX_EXTENT):
+        if beyond_any_array(size, itemsize):
             raise _bad(fqn, f"size {size} is larger than any array can be")
         parsed = entry.__dict__.get("_grid") if isinstance(entry, GridTensorStorageMetadata) else None
         try:

@@ -18,7 +18,7 @@ import ml_dtypes
 import numpy as np
 
 from gpuckpt.convert.shapes import check_shape
-from gpuckpt.errors import UnsafeCheckpointError, UnsupportedValueError
+from gpuckpt.errors import GpuckptError, MetadataError, UnsafeCheckpointError, UnsupportedValueError
 
 __all__ = ["VIEW_AS", "check_trusted", "import_torch", "load_dcp", "load_torch_save", "torch_to_numpy"]
 
@@ -90,7 +90,17 @@ def _to_numpy_tree(value: Any, torch: Any, source: Path, fqn: str = "") -> Any:
 def load_torch_save(path: str | os.PathLike[str]) -> dict[str, Any]:
     """A ``torch.save`` state dict, loaded with ``weights_only=True``, as NumPy arrays."""
     torch = import_torch()
-    obj = torch.load(os.fspath(path), weights_only=True, map_location="cpu")
+    try:
+        obj = torch.load(os.fspath(path), weights_only=True, map_location="cpu")
+    except (OSError, GpuckptError):
+        raise
+    except Exception as exc:  # torch's own errors of a damaged or hostile file name neither
+        text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise MetadataError(
+            f"{path} cannot be read as a torch.save state dict with weights_only=True "
+            f"({type(exc).__name__}: {text[:300]}); the file is damaged, not a torch.save file, or "
+            "holds objects other than tensors and plain values"
+        ) from exc
     if not isinstance(obj, dict):
         raise UnsupportedValueError(f"{path} holds a {type(obj).__name__}, not a state dict (a dict)")
     return {str(k): _to_numpy_tree(v, torch, Path(path), str(k)) for k, v in obj.items()}

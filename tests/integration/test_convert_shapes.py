@@ -77,3 +77,18 @@ def test_hostile_torch_save_shape_is_a_metadata_error_naming_file_and_tensor(tmp
     convert(tmp_path / "fine.pt", tmp_path / "fine")
     back = gpuckpt.load_state_dict(tmp_path / "fine")["ok"]
     assert back.shape == (0, 2**20, 3) and back.dtype == np.float32
+
+
+@pytest.mark.torch
+def test_a_damaged_torch_save_file_is_a_metadata_error_naming_it(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    good = tmp_path / "good.pt"
+    torch.save({"w": torch.arange(6.0)}, good)
+    raw = bytearray(good.read_bytes())
+    for i, cut in enumerate((len(raw) // 2, 40)):
+        bad = tmp_path / f"bad{i}.pt"
+        bad.write_bytes(bytes(raw[:cut]))  # truncated: torch raises its own bare error
+        with pytest.raises(gpuckpt.MetadataError, match="cannot be read as a torch.save state dict") as info:
+            convert(bad, tmp_path / f"out{i}")
+        assert str(bad) in str(info.value)
+        assert not (tmp_path / f"out{i}").exists()

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -428,7 +429,7 @@ def test_float_chunk_nbytes_is_a_metadata_error(ckpt: Path) -> None:
         gpuckpt.load_state_dict(ckpt, keys=["nested.b"])
 
 
-@pytest.mark.parametrize("size", [[10**30, 0], [2**62, 2**62, 0]])
+@pytest.mark.parametrize("size", [[10**30, 0], [2**62, 2**62, 0], [0, 2**31, 2**31], [2**31, 0, 2**31]])
 def test_empty_tensor_with_huge_axis_is_a_metadata_error(ckpt: Path, size: list[int]) -> None:
     def edit(md: dict[str, Any]) -> None:
         md["state_dict_metadata"]["empty"]["size"] = size
@@ -437,6 +438,24 @@ def test_empty_tensor_with_huge_axis_is_a_metadata_error(ckpt: Path, size: list[
     rewrite_root_metadata(ckpt, edit)
     with pytest.raises(gpuckpt.MetadataError):
         gpuckpt.load_state_dict(ckpt, keys=["empty"])
+
+
+@pytest.mark.parametrize("size", [[0, 2**31, 2**31], [2**40, 0, 2**30]])
+def test_empty_tensor_of_a_chunk_table_checkpoint_with_huge_axes_is_a_metadata_error(
+    tmp_path: Path, size: list[int]
+) -> None:
+    # format version 2 (a chunk table): read by the one-pass load index, not the general path
+    path = tmp_path / "c"
+    gpuckpt.save({"w": np.zeros(5000 * 16, np.float32), "empty": np.zeros((0, 3, 3))}, path, chunk_bytes=64)
+
+    def edit(md: dict[str, Any]) -> None:
+        md["state_dict_metadata"]["empty"]["size"] = size
+        md["storage_data"]["tensors"]["empty"]["chunk_grid"]["configuration"]["chunk_shape"] = [1, 1, 1]
+
+    rewrite_root_metadata(path, edit)
+    for read in (gpuckpt.load_state_dict, gpuckpt.read_metadata):
+        with pytest.raises(gpuckpt.MetadataError, match="larger than any array"):
+            read(path)
 
 
 def _run_isolated(code: str, ckpt: Path, timeout: float) -> subprocess.CompletedProcess[str]:
