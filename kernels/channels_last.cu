@@ -35,20 +35,9 @@
 // and what the CPU emulation (kernels/emu/cuda_emu.h) supports, so that the
 // very same text runs on the GPU and, through g++, on the CPU in the tests.
 //
-// The GPUCKPT_BREAK_* switches build deliberately broken variants; the test
-// suite uses them to prove that its harness notices each kind of bug.
-
-#ifdef GPUCKPT_BREAK_INDEX32
-typedef int gk_index;  // broken: 32-bit offsets overflow on large tensors
-#else
 typedef long long gk_index;
-#endif
 
-#ifdef GPUCKPT_BREAK_BOUNDS
-#define GK_IN_RUN(q) true  // broken: no bounds check along the run
-#else
 #define GK_IN_RUN(q) ((q) < run_len)
-#endif
 
 // Threads per block.  The host launches exactly this many (x only).
 #define GK_THREADS 256
@@ -245,7 +234,7 @@ __device__ __forceinline__ void gk_edge_tile(
     gk_index cf_line, gk_index q0, gk_index c0, gk_index run_len,
     gk_index nch, gk_index cl_qs, gk_index cf_cs, int log_tc, int log_tq,
     int rs) {
-  (void)run_len;  // unused in the GPUCKPT_BREAK_BOUNDS variant
+  (void)run_len;  // unused where a test's mutant drops the bounds check
   const int tc = 1 << log_tc;
   const int tq = 1 << log_tq;
   const int tile_elems = tc << log_tq;
@@ -292,13 +281,7 @@ __device__ __forceinline__ void gk_edge_tile(
     }
   }
 
-#ifdef GPUCKPT_BREAK_DIVERGENCE
-  // broken: one thread skips the barrier
-  if (threadIdx.x != GK_THREADS - 1)
-#endif
-#ifndef GPUCKPT_BREAK_SYNC
-    __syncthreads();  // the tile is complete before anyone reads it
-#endif
+  __syncthreads();  // the tile is complete before anyone reads it
 
   // Phase 2: tile -> global, in the other orientation.
 #pragma unroll
@@ -423,12 +406,7 @@ __device__ __forceinline__ void gk_box_copy(
               gk_cols_to_tile<T, T, 0, TILE>(src + cf_off, (int)cf_cs, tile,
                                              rs_fast, log_tq);
           }
-#ifdef GPUCKPT_BREAK_DIVERGENCE
-          if (threadIdx.x != GK_THREADS - 1)
-#endif
-#ifndef GPUCKPT_BREAK_SYNC
           __syncthreads();
-#endif
           if (TO_CF) {
             if (vec_cf)
               gk_tile_to_cols<T, W, gk_word<T>::log_v, TILE>(
@@ -495,11 +473,7 @@ __device__ __forceinline__ void gk_box_copy(
 // by element (the thread's full slots before it do not).  No shared memory,
 // no barrier.
 
-#ifdef GPUCKPT_BREAK_BOUNDS
-#define GK_PX_FULL(q, p) true  // broken: no bounds check along the run
-#else
 #define GK_PX_FULL(q, p) ((q) + (p) <= run_len)
-#endif
 
 // G: 16-byte groups of each plane per thread (must match
 // pixel_positions_per_thread in gpuckpt/device/kernels.py).
@@ -575,7 +549,7 @@ __device__ __forceinline__ void gk_px_elements(
     const T* __restrict__ src, T* __restrict__ dst, gk_index cl_line,
     gk_index cf_line, gk_index cf_cs, gk_index run_len, gk_index q0, int k_n,
     int p_n, int c0, gk_index nch) {
-  (void)run_len;  // unused in the GPUCKPT_BREAK_BOUNDS variant
+  (void)run_len;  // unused where a test's mutant drops the bounds check
   constexpr int B = 2;
 #pragma unroll 1
   for (int k0 = 0; k0 < k_n; k0 += B) {
@@ -760,14 +734,9 @@ __device__ __forceinline__ void gk_px_copy(
                            ES);
   // The narrower unit: 4 bytes (8 for 8-byte elements).
   constexpr int WN = ES == 8 ? 8 : 4;
-#ifdef GPUCKPT_BREAK_ALIGN
-  const int w = 16;  // broken: assumes 16-byte alignment
-  (void)bits;
-#else
   const int w = (bits & 15ULL) == 0ULL                              ? 16
                 : (bits & (unsigned long long)(WN - 1)) == 0ULL ? WN
                                                                 : 0;
-#endif
   // Writing channels-last needs whole pixels for the unrolled slots.
   const bool slots_ok = TO_CF || nch == C;
   const gk_index per_block = (gk_index)GK_THREADS * M;  // positions
@@ -781,11 +750,7 @@ __device__ __forceinline__ void gk_px_copy(
         a0 * (gk_index)cf_s0 + a1 * (gk_index)cf_s1 + a2 * (gk_index)cf_s2;
     for (gk_index q_blk = (gk_index)blockIdx.x * per_block; q_blk < run_len;
          q_blk += (gk_index)gridDim.x * per_block) {
-#ifdef GPUCKPT_BREAK_PX_SLOTS
-      const int t = (int)threadIdx.x / 2;  // broken: pairs of threads collide
-#else
       const int t = (int)threadIdx.x;
-#endif
       // Element by element: the partial slot of a thread, or all of its
       // positions (slots of one) where no unit fits; one call site, where
       // few registers are live.
@@ -839,11 +804,7 @@ __device__ __forceinline__ void gk_px_copy(
 // element by element.  Grid: x along the run, y over tiles of channel
 // groups, z over lines; all three loop.
 
-#ifdef GPUCKPT_BREAK_PX_SLOTS
-#define GK_MT_LANE(t) ((t) / 2)  // broken: pairs of threads collide
-#else
 #define GK_MT_LANE(t) (t)
-#endif
 
 // M: positions per thread (must match micro_positions_per_thread in
 // gpuckpt/device/kernels.py).
@@ -859,7 +820,7 @@ __device__ __forceinline__ void gk_mt_elements(
     const T* __restrict__ src, T* __restrict__ dst, gk_index cl_line,
     gk_index cf_line, gk_index cl_qs, gk_index cf_cs, gk_index run_len,
     gk_index q0, gk_index stride, int k_n, int p_n, gk_index ch0) {
-  (void)run_len;  // unused in the GPUCKPT_BREAK_BOUNDS variant
+  (void)run_len;  // unused where a test's mutant drops the bounds check
   constexpr int U = 16 / (int)sizeof(T);
 #pragma unroll 1
   for (int k = 0; k < k_n; ++k) {
@@ -1005,16 +966,10 @@ __device__ __forceinline__ void gk_mt_copy(
   const unsigned long long cf_bits =
       (unsigned long long)cf_ptr |
       (unsigned long long)((cf_s0 | cf_s1 | cf_s2 | cf_cs_arg) * ES);
-#ifdef GPUCKPT_BREAK_ALIGN
-  const int w = 16;  // broken: assumes 16-byte alignment
-  (void)cl_bits;
-  (void)cf_bits;
-#else
   const int w = (cl_bits & 15ULL) != 0ULL                       ? 0
                 : (cf_bits & 15ULL) == 0ULL                     ? 16
                 : (cf_bits & (unsigned long long)(WN - 1)) == 0 ? WN
                                                                 : 0;
-#endif
   const int lane = GK_MT_LANE((int)threadIdx.x);
   const int cgs = 1 << log_cgs;
   const int pgs = GK_THREADS >> log_cgs;
@@ -1098,7 +1053,7 @@ __device__ __forceinline__ void gk_mt_copy(
 // compiles the tiled kernels, the micro-tile kernels and the pixel kernels of
 // each element size as separate modules, each on first use
 // (-DGK_BUILD_TILED=0/1, -DGK_BUILD_MICRO=0/1, -DGK_BUILD_PX_SIZES=<mask of
-// element sizes>); the tests' deliberately broken builds compile only what
+// element sizes>); the tests' mutant builds compile only what
 // they break.
 #ifndef GK_BUILD_TILED
 #define GK_BUILD_TILED 1

@@ -112,8 +112,7 @@ def load_module(device_id: int | None = None, *, options: Sequence[str] = (), pa
     device_id : int, optional
         CUDA device to compile for; the current device when omitted.
     options : sequence of str, optional
-        Extra NVRTC options.  Tests use ``-D`` switches here to build the
-        deliberately broken variants; normal callers pass nothing.
+        Extra NVRTC options; normal callers pass nothing.
     part : str, optional
         Compile only these kernels (see :func:`module_part_options`): the
         launches compile the tiled kernels and each element size's pixel

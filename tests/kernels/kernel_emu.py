@@ -25,6 +25,9 @@ import numpy as np
 REPO_ROOT = Path(__file__).resolve().parents[2]
 if str(REPO_ROOT) not in sys.path:  # source checkout without an install
     sys.path.insert(0, str(REPO_ROOT))
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:  # mutants.py, also where this module runs in a child process
+    sys.path.insert(0, str(HERE))
 
 from gpuckpt.device import _kernel_ref as ref  # noqa: E402
 from gpuckpt.device.kernels import (  # noqa: E402
@@ -56,11 +59,13 @@ def gxx() -> str | None:
 
 @dataclass(frozen=True)
 class Variant:
-    """One build of the emulation library."""
+    """One build of the emulation library: ``mutants`` (see tests/kernels/mutants.py) applied
+    to the kernel source, ``defines`` given to the compiler."""
 
     name: str
     defines: tuple[str, ...] = ()
     sanitize: str | None = None  # "address,undefined" or "thread"
+    mutants: tuple[str, ...] = ()
 
     @property
     def os_threads(self) -> bool:
@@ -74,24 +79,22 @@ TILED_ONLY = ("GK_BUILD_PX_SIZES=0", "GK_BUILD_MICRO=0")
 PIXEL_ONLY = ("GK_BUILD_TILED=0",)  # and the micro-tile kernels
 
 PLAIN = Variant("plain")
-BROKEN_SYNC = Variant("break_sync", ("GPUCKPT_BREAK_SYNC", *TILED_ONLY))
-BROKEN_DIVERGENCE = Variant("break_divergence", ("GPUCKPT_BREAK_DIVERGENCE", *TILED_ONLY))
-BROKEN_PX_SLOTS = Variant("break_px_slots", ("GPUCKPT_BREAK_PX_SLOTS", *PIXEL_ONLY, "GK_BUILD_PX_SIZES=4"))
+BROKEN_SYNC = Variant("break_sync", TILED_ONLY, mutants=("sync",))
+BROKEN_DIVERGENCE = Variant("break_divergence", TILED_ONLY, mutants=("divergence",))
+BROKEN_PX_SLOTS = Variant("break_px_slots", (*PIXEL_ONLY, "GK_BUILD_PX_SIZES=4"), mutants=("px_slots",))
 ASAN = Variant("asan", sanitize="address,undefined")
-ASAN_BROKEN_BOUNDS = Variant(
-    "asan_break_bounds", ("GPUCKPT_BREAK_BOUNDS", "GK_BUILD_PX_SIZES=4"), "address,undefined"
-)
+ASAN_BROKEN_BOUNDS = Variant("asan_break_bounds", ("GK_BUILD_PX_SIZES=4",), "address,undefined", ("bounds",))
 ASAN_BROKEN_INDEX32 = Variant(
-    "asan_break_index32", ("GPUCKPT_BREAK_INDEX32", "GK_BUILD_PX_SIZES=1"), "address,undefined"
+    "asan_break_index32", ("GK_BUILD_PX_SIZES=1",), "address,undefined", ("index32",)
 )
 ASAN_BROKEN_ALIGN = Variant(
-    "asan_break_align", ("GPUCKPT_BREAK_ALIGN", *PIXEL_ONLY, "GK_BUILD_PX_SIZES=6"), "address,undefined"
+    "asan_break_align", (*PIXEL_ONLY, "GK_BUILD_PX_SIZES=6"), "address,undefined", ("align",)
 )
 TSAN = Variant("tsan", sanitize="thread")
-TSAN_BROKEN_SYNC = Variant("tsan_break_sync", ("GPUCKPT_BREAK_SYNC", *TILED_ONLY), "thread")
-TSAN_BROKEN_DIVERGENCE = Variant("tsan_break_divergence", ("GPUCKPT_BREAK_DIVERGENCE", *TILED_ONLY), "thread")
+TSAN_BROKEN_SYNC = Variant("tsan_break_sync", TILED_ONLY, "thread", ("sync",))
+TSAN_BROKEN_DIVERGENCE = Variant("tsan_break_divergence", TILED_ONLY, "thread", ("divergence",))
 TSAN_BROKEN_PX_SLOTS = Variant(
-    "tsan_break_px_slots", ("GPUCKPT_BREAK_PX_SLOTS", *PIXEL_ONLY, "GK_BUILD_PX_SIZES=4"), "thread"
+    "tsan_break_px_slots", (*PIXEL_ONLY, "GK_BUILD_PX_SIZES=4"), "thread", ("px_slots",)
 )
 ALL_VARIANTS = (
     PLAIN,
@@ -109,12 +112,13 @@ ALL_VARIANTS = (
 )
 
 
-def build_command(variant: Variant, output: Path) -> list[str]:
-    """g++ command line that builds ``variant`` into ``output``."""
+def build_command(variant: Variant, output: Path, sources: Path | None = None) -> list[str]:
+    """g++ command line that builds ``variant`` into ``output`` (from the kernel folder
+    ``sources``: the shipped one, or a copy holding a mutated kernel source)."""
     compiler = gxx()
     if compiler is None:
         raise FileNotFoundError("g++ not found")
-    src = kernel_source_dir() / "emu" / "emu_driver.cpp"
+    src = (sources or kernel_source_dir()) / "emu" / "emu_driver.cpp"
     cmd = [
         compiler,
         "-std=c++20",
@@ -148,7 +152,25 @@ def source_digest() -> str:
     for path in sorted([folder / "channels_last.cu", *sorted((folder / "emu").iterdir())]):
         if path.is_file():
             digest.update(path.read_bytes())
+    digest.update((HERE / "mutants.py").read_bytes())  # how the broken variants are made
     return digest.hexdigest()[:12]
+
+
+def mutated_sources(variant: Variant, out_dir: Path) -> Path | None:
+    """A kernel folder whose ``channels_last.cu`` has ``variant``'s mutants (None: none), beside
+    a copy of the emulation sources that include it."""
+    if not variant.mutants:
+        return None
+    from mutants import mutated_source
+
+    folder = out_dir / f"src_{variant.name}_{source_digest()}"
+    if not folder.exists():
+        tmp = out_dir / f"{folder.name}.tmp{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(kernel_source_dir() / "emu", tmp / "emu")
+        (tmp / "channels_last.cu").write_text(mutated_source(variant.mutants))
+        tmp.replace(folder)
+    return folder
 
 
 def build(variant: Variant, out_dir: Path) -> Path:
@@ -156,7 +178,8 @@ def build(variant: Variant, out_dir: Path) -> Path:
     output = out_dir / f"libgkemu_{variant.name}_{source_digest()}.so"
     if not output.exists():
         tmp = output.with_suffix(".tmp.so")
-        proc = subprocess.run(build_command(variant, tmp), capture_output=True, text=True)
+        sources = mutated_sources(variant, out_dir)
+        proc = subprocess.run(build_command(variant, tmp, sources), capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"building {variant.name} failed:\n{proc.stderr}")
         tmp.replace(output)

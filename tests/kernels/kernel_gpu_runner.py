@@ -17,6 +17,8 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[2]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
+if str(Path(__file__).resolve().parent) not in sys.path:  # mutants.py
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def to_device_channels_last(host):  # type: ignore[no-untyped-def]
@@ -38,7 +40,12 @@ def main(argv: list[str]) -> int:
     broken = "--broken-sync" in argv
     if broken:
         # Route every tiled launch through the broken module.
-        module = K.load_module(options=("-DGPUCKPT_BREAK_SYNC",), part="tiled")
+        from mutants import mutated_source
+
+        module = cupy.RawModule(
+            code=mutated_source(["sync"]), options=("-std=c++17", *K.module_part_options("tiled"))
+        )
+        module.compile()
         K._modules[(cupy.cuda.Device().id, (), "tiled")] = module
 
     rng = np.random.default_rng(0)

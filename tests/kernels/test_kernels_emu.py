@@ -442,3 +442,12 @@ def test_partial_builds_hold_only_their_kernels(emu_builds) -> None:
     assert pixel_only.launch(tiled, False, *args) == kernel_emu.EMU_UNKNOWN_KERNEL
     assert pixel_only.launch(pixel8, False, *args) == kernel_emu.EMU_UNKNOWN_KERNEL
     assert tiled_only.launch(tiled, False, *args) == kernel_emu.EMU_OK
+
+
+def test_the_shipped_source_holds_no_broken_variant_and_every_mutant_applies() -> None:
+    from mutants import MUTANTS, clean_source, mutated_source
+
+    source = clean_source()
+    assert "GPUCKPT_BREAK" not in source and "broken" not in source.lower()
+    for name in MUTANTS:
+        assert mutated_source([name]) != source, name  # each replacement found exactly as often as expected

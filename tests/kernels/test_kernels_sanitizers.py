@@ -201,7 +201,7 @@ ALIGN_CASES = {
 @pytest.mark.parametrize("path", sorted(ALIGN_CASES))
 def test_ubsan_catches_misaligned_vector_access(emu_builds, path: str) -> None:
     # The pixel and micro-tile paths assuming 16-byte alignment
-    # (GPUCKPT_BREAK_ALIGN) on buffers one element off it: UBSan's alignment
+    # (the mutant "align") on buffers one element off it: UBSan's alignment
     # check fires on the first vector access, as the GPU would fault.
     case = ALIGN_CASES[path]
     assert K.choose_path(case["shape"], case["shape"], case["itemsize"]) == path
