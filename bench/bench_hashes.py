@@ -19,7 +19,7 @@ time (1.0 = as costly as a memcpy / as the CRC; larger is slower).
 A candidate whose library is not installed is skipped, not an error.
 ``--out FILE`` appends the run to a Markdown file (date, ``nproc``, CPU model).
 
-Run: ``python bench/bench_hashes.py [--sizes 4K,64K,1M,64M] [--out bench/RESULTS-hashes.md]``
+Run: ``python bench/bench_hashes.py [--sizes 4K,64K,1M,64M] [--out bench/runs/RESULTS-hashes.md]``
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ short). The ``head`` of a chunk is the digest of its first leaf: a cheap probe
 that tells most changed chunks from their base without hashing them whole.
 
 XXH3-128 comes from the ``xxhash`` package (``pip install gpuckpt[incremental]``),
-the fastest 128-bit hash measured (``bench/RESULTS-hashes.md``). It is not a
+the fastest 128-bit hash measured (``bench/runs/RESULTS-hashes.md``). It is not a
 cryptographic hash: it tells accidental equality from difference, which is the
 question here (the base is the caller's own earlier checkpoint). Without the
 package, :func:`available` is False and incremental saves compare bytes instead.
