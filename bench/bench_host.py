@@ -39,9 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository, 
 
 import gpuckpt
 from bench.compare.common import SETTLE_S, set_aside, settle, warm_cache
-from gpuckpt.device.arrays import is_array
-from gpuckpt.state import flatten_state_dict
-from gpuckpt.testing.rawio import (
+from gpuckpt.cli.rawio import (
     raw_files_load,
     raw_files_save,
     raw_single_load,
@@ -49,6 +47,8 @@ from gpuckpt.testing.rawio import (
     tensors_of,
     timed,
 )
+from gpuckpt.device.arrays import is_array
+from gpuckpt.state import flatten_state_dict
 from gpuckpt.testing.states import gpt_state_dict, small_tensors_state_dict
 
 

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpuckpt.chunk_reads import checksum_verified
-from gpuckpt.cli.text import printable
 from gpuckpt.errors import CheckpointCorruptedError, ChecksumError, MetadataError, UnsafeCheckpointError
+from gpuckpt.printable import printable
 from gpuckpt.progress import ProgressCallback, ProgressCounter
 from gpuckpt.ranged import segments_of
 from gpuckpt.reading import (

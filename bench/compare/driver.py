@@ -179,7 +179,7 @@ def run_one(
     """One fresh measurement process; its result records (an error record if it failed).
 
     Outputs with many files go to ``workdir/.trash`` and are deleted between
-    states (see :func:`gpuckpt.testing.rawio.set_aside`)."""
+    states (see :func:`gpuckpt.cli.rawio.set_aside`)."""
     ops = s.ops
     cmd = [interpreter(s.env), "-m", "bench.compare.runner", s.name, "--state", state, "--ops", ops]
     cmd += [

@@ -32,12 +32,12 @@ class RawFiles(Adapter):
         return "os.write/readinto"
 
     def save(self, path: str) -> None:
-        from gpuckpt.testing.rawio import raw_files_save
+        from gpuckpt.cli.rawio import raw_files_save
 
         raw_files_save(list(self.state.values()), Path(path))
 
     def load(self, path: str) -> None:
-        from gpuckpt.testing.rawio import raw_files_load
+        from gpuckpt.cli.rawio import raw_files_load
 
         raw_files_load(list(self.targets.values()), Path(path))
 
@@ -49,12 +49,12 @@ class RawSingle(Adapter):
         return "os.write/readinto"
 
     def save(self, path: str) -> None:
-        from gpuckpt.testing.rawio import raw_single_save
+        from gpuckpt.cli.rawio import raw_single_save
 
         raw_single_save(list(self.state.values()), Path(path))
 
     def load(self, path: str) -> None:
-        from gpuckpt.testing.rawio import raw_single_load
+        from gpuckpt.cli.rawio import raw_single_load
 
         raw_single_load(list(self.targets.values()), Path(path))
 

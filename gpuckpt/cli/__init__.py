@@ -5,7 +5,7 @@ missing checkpoint, a failed conversion) and 2 for bad arguments; errors
 are one line on stderr (``gpuckpt: error: ...``), never a traceback (set
 ``GPUCKPT_DEBUG=1`` to get one). Text that comes from a checkpoint (names,
 values, paths) is printed with its non-printable characters escaped
-(:func:`gpuckpt.cli.text.printable`). ``python -m gpuckpt.cli`` runs it too.
+(:func:`gpuckpt.printable.printable`). ``python -m gpuckpt.cli`` runs it too.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from gpuckpt.cli.text import one_line, printable
 from gpuckpt.cli.usage import EXIT_FAILURE, EXIT_USAGE, UsageError
 from gpuckpt.errors import GpuckptError
+from gpuckpt.printable import one_line, printable
 
 __all__ = ["EXIT_FAILURE", "EXIT_USAGE", "UsageError", "main", "one_line", "printable"]
 

@@ -2,7 +2,7 @@
 
 Measures, on this machine and in one run, gpuckpt's durable ``save`` and
 in-place ``load`` of a GPT-like state against the raw baselines of
-:mod:`gpuckpt.testing.rawio` (one fsynced file per tensor; one fsynced file
+:mod:`gpuckpt.cli.rawio` (one fsynced file per tensor; one fsynced file
 for all), and reports GB/s and ratios to the best raw baseline. With CuPy
 and a CUDA device it also reports host<->device copy ceilings.
 
@@ -27,9 +27,7 @@ from typing import Any
 import numpy as np
 
 import gpuckpt
-from gpuckpt.cli.usage import UsageError
-from gpuckpt.errors import DeviceUnavailableError
-from gpuckpt.testing.rawio import (
+from gpuckpt.cli.rawio import (
     raw_files_load,
     raw_files_save,
     raw_single_load,
@@ -37,6 +35,8 @@ from gpuckpt.testing.rawio import (
     tensors_of,
     timed,
 )
+from gpuckpt.cli.usage import UsageError
+from gpuckpt.errors import DeviceUnavailableError
 from gpuckpt.testing.states import gpt_state_dict
 
 HELP = "measure save/load throughput against raw file I/O on this machine (a few seconds)"

@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 
 from gpuckpt.cli.progressbar import format_bytes, progress_for
-from gpuckpt.cli.text import printable
 from gpuckpt.cli.usage import UsageError
 from gpuckpt.convert.core import SOURCE_FORMATS, TARGET_FORMATS, convert
+from gpuckpt.printable import printable
 
 HELP = (
     "convert a safetensors file, a torch.save state dict or a torch.distributed.checkpoint directory "

@@ -147,8 +147,8 @@ def measure(
     import cupy as cp
 
     import gpuckpt
+    import gpuckpt.cli.rawio as rawio
     from gpuckpt.device.packing import plan_packing
-    from gpuckpt.testing import rawio
 
     res: dict[str, Any] = {"device": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(), "gib": gib}
     per = 256 << 20

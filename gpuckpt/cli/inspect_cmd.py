@@ -17,10 +17,10 @@ from typing import Any
 
 from gpuckpt.api import _open
 from gpuckpt.cli.progressbar import format_bytes
-from gpuckpt.cli.text import printable
 from gpuckpt.dtypes import dtype_name
 from gpuckpt.errors import CheckpointNotFoundError, GpuckptError
 from gpuckpt.manager import step_of
+from gpuckpt.printable import printable
 from gpuckpt.reading import TensorEntry, load_chunk_records, overclaimed, paused_gc
 from gpuckpt.storage.base import CheckpointReader
 from gpuckpt.storage.checksum import CRC_BYTES

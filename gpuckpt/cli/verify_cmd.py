@@ -7,7 +7,7 @@ import json
 import sys
 
 from gpuckpt.cli.progressbar import progress_for
-from gpuckpt.cli.text import one_line, printable
+from gpuckpt.printable import one_line, printable
 from gpuckpt.verify import verify_checkpoint
 
 HELP = "read every chunk of a checkpoint and check every checksum; exit 1 if anything is damaged"

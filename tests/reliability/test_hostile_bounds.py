@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 import gpuckpt
-from gpuckpt.cli.text import printable
+from gpuckpt.printable import printable
 from gpuckpt.storage import layout
 from gpuckpt.storage.local import NotRegularFileError
 from gpuckpt.storage.local_reader import LocalReader
