@@ -20,7 +20,7 @@ from typing import Any
 
 import crc32c as _crc32c
 
-__all__ = ["CRC_BYTES", "SMALL_BYTES", "crc32c", "crc32c_backend"]
+__all__ = ["CRC_BYTES", "SMALL_BYTES", "crc32c", "crc32c_backend", "large_backend_ready"]
 
 CRC_BYTES = 4
 
@@ -100,6 +100,17 @@ def crc32c_backend() -> str:
     Both compute the same checksum: the choice changes speed only.
     """
     return _backend()[0]
+
+
+def large_backend_ready() -> bool:
+    """Whether :func:`crc32c` can take a large buffer without loading a library first: its
+    choice for them is made (awscrt loaded, or found missing), or fixed by ``GPUCKPT_CRC32C``.
+
+    Readers ask this before handing :func:`crc32c` a large buffer: where it would load
+    awscrt, they checksum with a native library they hold already instead, so that a load
+    never waits for awscrt (see the module docstring).
+    """
+    return _choice() != "auto" or _backend.cache_info().currsize > 0
 
 
 def crc32c(data: Any, value: int = 0) -> int:

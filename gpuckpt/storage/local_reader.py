@@ -32,7 +32,7 @@ from gpuckpt.storage.base import (
     NotRegularFileError,
     ReadStop,
 )
-from gpuckpt.storage.checksum import CRC_BYTES, crc32c
+from gpuckpt.storage.checksum import CRC_BYTES, SMALL_BYTES, crc32c, large_backend_ready
 from gpuckpt.storage.direct import DIRECT_MIN_BYTES, read_direct
 from gpuckpt.storage.fileio import (
     buffer_address,
@@ -64,6 +64,27 @@ DIRECT_ALIGN = 4096
 #: and written piece by piece, around the page cache where chosen, one by one)
 NATIVE_MAX_BYTES = min(PIECE_BYTES, DIRECT_MIN_BYTES)
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+
+
+def _crc(data: Any, value: int = 0) -> int:
+    """CRC32C of bytes just read, continued from ``value``.
+
+    A buffer of :data:`~gpuckpt.storage.checksum.SMALL_BYTES` or more goes to
+    :func:`~gpuckpt.storage.checksum.crc32c` only where its library for large buffers is
+    ready; otherwise to the native library of :mod:`~gpuckpt.storage.batchio`, which loads
+    in about a millisecond (and which loads of small chunks load anyway). ``crc32c`` would
+    load awscrt for it: 40-60 ms (its random generator's start-up), during which the GIL
+    is held and every thread of the load waits; the first load of a process with one chunk
+    of 256 KiB to 1 MiB paid that.
+    """
+    if memoryview(data).nbytes >= SMALL_BYTES and not large_backend_ready():
+        try:
+            lib = batchio.instance()
+        except (ImportError, ValueError):
+            lib = None  # the batches that need it raise the same error
+        if lib is not None:
+            return lib.crc32c(data, value)
+    return crc32c(data, value)
 
 
 def open_regular(path: str) -> int:
@@ -245,7 +266,7 @@ class LocalReader(CheckpointReader):
             if len(dests) == 2 and memoryview(dests[0]).nbytes <= PIECE_BYTES:
                 # a small chunk: one system call for its bytes and its checksum
                 total = readv_exact(fd, dests)
-                return total, crc32c(dests[0]) if total >= memoryview(dests[0]).nbytes else 0
+                return total, _crc(dests[0]) if total >= memoryview(dests[0]).nbytes else 0
             total = value = 0
             for d in dests[:-1]:
                 view = memoryview(d).cast("B")
@@ -262,7 +283,7 @@ class LocalReader(CheckpointReader):
                         # not cached (a cold load): straight from the disk into aligned memory
                         start = self._read_direct(fd, view)
                         if start:
-                            value = crc32c(view[:start], value)
+                            value = _crc(view[:start], value)
                             total = start
                             if start % DIRECT_ALIGN:
                                 return total, value  # the file ended early
@@ -275,7 +296,7 @@ class LocalReader(CheckpointReader):
                     total += n
                     if n < piece.nbytes:
                         return total, value
-                    value = crc32c(piece, value)
+                    value = _crc(piece, value)
             return total + read_exact_at(fd, dests[-1], total), value
         finally:
             os.close(fd)
@@ -388,7 +409,7 @@ class LocalReader(CheckpointReader):
             while total < data:
                 view = buf[: min(buf.nbytes, data - total)]
                 n = read_exact_at(fd, view, total)
-                value = crc32c(view[:n], value)
+                value = _crc(view[:n], value)
                 total += n
                 if n < view.nbytes:
                     return total, value, 0
