@@ -37,6 +37,7 @@ from gpuckpt.device.backend import (
     Ticket,
     distinct_backends,
 )
+from gpuckpt.device.torch_dtypes import torch_dtype_view
 from gpuckpt.errors import DeviceUnavailableError, UnsupportedValueError
 
 __all__ = [
@@ -549,9 +550,7 @@ def adapt(value: Any) -> ArrayAdapter:
         return DeviceArray(data, cuda.backend_for_device(int(data.device.id)), dtype, requires_grad)
     try:
         if type(value).__module__.startswith("torch"):
-            from gpuckpt.device.cuda import _torch_dtype
-
-            dtype, view = _torch_dtype(value.detach())
+            dtype, view = torch_dtype_view(value.detach())
             arr = np.from_dlpack(view).view(dtype)
             pinned = bool(value.is_pinned())
         elif dev is not None and hasattr(value, "__dlpack__"):

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from gpuckpt import memory_format as mf
+from gpuckpt.device.torch_dtypes import torch_dtype_view
 from gpuckpt.errors import DeviceUnavailableError
 
 __all__ = [
@@ -81,22 +82,6 @@ def is_pinned_pointer(ptr: int) -> bool:
     return int(getattr(attrs, "type", 0)) == 1
 
 
-_TORCH_BITS = {"bfloat16": "int16", "float8_e4m3fn": "uint8", "float8_e5m2": "uint8",
-               "float8_e4m3fnuz": "uint8", "float8_e5m2fnuz": "uint8"}  # fmt: skip
-
-
-def _torch_dtype(t: Any) -> tuple[np.dtype[Any], Any]:
-    """NumPy/ml_dtypes dtype of a torch tensor, and a same-size view CuPy can hold."""
-    from gpuckpt.dtypes import dtype_from_name
-
-    name = str(t.dtype).removeprefix("torch.")
-    if name in _TORCH_BITS:
-        import torch
-
-        return dtype_from_name(name), t.view(getattr(torch, _TORCH_BITS[name]))
-    return np.dtype(name), t
-
-
 def as_device_array(value: Any) -> tuple[Any, np.dtype[Any], bool]:
     """A zero-copy CuPy view of ``value``, its logical dtype and ``requires_grad``.
 
@@ -108,7 +93,7 @@ def as_device_array(value: Any) -> tuple[Any, np.dtype[Any], bool]:
         return value, np.dtype(value.dtype), False
     requires_grad = bool(getattr(value, "requires_grad", False))
     if type(value).__module__.startswith("torch"):
-        dtype, view = _torch_dtype(value.detach())
+        dtype, view = torch_dtype_view(value.detach())
         return cupy.from_dlpack(view), dtype, requires_grad
     try:
         has_cai = hasattr(value, "__cuda_array_interface__")
