@@ -44,14 +44,15 @@ and a wait of ``--settle`` seconds (default 361, ``bench.compare.common.SETTLE_S
 no output is deleted until the last measurement: each is moved aside (one rename)
 unless the file system has less than 16 GiB free, then deleted at the end.
 
-``--variant LABEL=PATH`` adds a gpuckpt from another source tree (``PATH`` first on
-``PYTHONPATH``, e.g. an older commit from ``git archive``) as more systems of the same
-run, interleaved with the others.
+``--variant LABEL=PATH[;NAME=VALUE...]`` adds a gpuckpt from another source tree (``PATH``
+first on ``PYTHONPATH``, e.g. an older commit from ``git archive``; empty: this checkout),
+with the environment variables given (e.g. ``GPUCKPT_CRC32C=crc32c``), as more systems of
+the same run, interleaved with the others.
 
 Usage (in an environment with torch: ``.venv311``)::
 
     python bench/bench_dcp_first.py [--cases gpt:1,adam:1,adam:2] [--rounds 5] [--warmup 1]
-        [--settle 361] [--settle-op 3] [--no-sync] [--calls 1] [--variant old=/tmp/old]
+        [--settle 361] [--settle-op 3] [--no-sync] [--calls 1] [--variant 'old=/tmp/old;NAME=VALUE']
         [--dir DIR] [--json OUT] [--md OUT] [--quick]
 """
 
@@ -70,6 +71,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -378,12 +380,32 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run_processes(
-    spec: dict[str, Any], world: int, pythonpath: str | None, mode: str
-) -> list[dict[str, Any]]:
+@dataclass(frozen=True)
+class Variant:
+    """The gpuckpt a process runs: this checkout (``path`` None) or another source tree, and
+    environment variables set for it."""
+
+    label: str = ""
+    path: str | None = None
+    env: tuple[tuple[str, str], ...] = ()
+
+    @classmethod
+    def parse(cls, text: str) -> Variant:
+        """``LABEL=PATH[;NAME=VALUE...]``; raises ValueError."""
+        label, sep, rest = text.partition("=")
+        path, *assignments = rest.split(";")
+        pairs = [a.split("=", 1) for a in assignments]
+        if not sep or not label or any(len(a) != 2 or not a[0] for a in pairs):
+            raise ValueError("expected LABEL=PATH[;NAME=VALUE...]")
+        if path and not Path(path, "gpuckpt").is_dir():
+            raise ValueError(f"{path}/gpuckpt is not a directory")
+        return cls(label, os.path.abspath(path) if path else None, tuple((a[0], a[1]) for a in pairs))
+
+
+def run_processes(spec: dict[str, Any], world: int, variant: Variant, mode: str) -> list[dict[str, Any]]:
     """Run ``world`` processes of ``spec``; their records."""
-    env = dict(os.environ)
-    paths = [p for p in (pythonpath, str(REPO), env.get("PYTHONPATH")) if p]
+    env = {**os.environ, **dict(variant.env)}
+    paths = [p for p in (variant.path, str(REPO), env.get("PYTHONPATH")) if p]
     env["PYTHONPATH"] = os.pathsep.join(paths)
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(world))
     env.setdefault("OMP_NUM_THREADS", "1")
@@ -556,7 +578,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-sync", action="store_true", help="saves without durability on both sides")
     ap.add_argument("--settle", type=float, default=SETTLE_S, help="seconds to wait first (see above)")
     ap.add_argument("--settle-op", type=float, default=OP_SETTLE_S, help="idle seconds before each call")
-    ap.add_argument("--variant", action="append", default=[], help="LABEL=PATH: another gpuckpt source tree")
+    ap.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        help="LABEL=PATH[;NAME=VALUE...]: another gpuckpt source tree (PATH empty: this one) and environment",
+    )
+    ap.add_argument(
+        "--variants-only",
+        action="store_true",
+        help="measure gpuckpt in the --variant trees only, not this one",
+    )
     ap.add_argument("--quick", action="store_true", help="toy sizes, no settling, one round")
     ap.add_argument("--dir", help="directory on the file system to measure (default: a temp dir)")
     ap.add_argument("--json", help="write the records and results here")
@@ -566,12 +598,14 @@ def main(argv: list[str] | None = None) -> int:
         args.settle, args.settle_op, args.rounds, args.warmup = 0.0, 0.0, 1, 0
     if args.settle < 0 or args.settle_op < 0 or args.rounds < 1 or args.calls < 1:
         ap.error("--settle and --settle-op must be >= 0, --rounds and --calls >= 1")
-    variants: list[tuple[str, str | None]] = [("", None)]
+    variants = [] if args.variants_only else [Variant()]
     for v in args.variant:
-        label, sep, path = v.partition("=")
-        if not sep or not label or not Path(path, "gpuckpt").is_dir():
-            ap.error(f"--variant {v!r}: expected LABEL=PATH with PATH/gpuckpt a directory")
-        variants.append((label, os.path.abspath(path)))
+        try:
+            variants.append(Variant.parse(v))
+        except ValueError as exc:
+            ap.error(f"--variant {v!r}: {exc}")
+    if not variants:
+        ap.error("--variants-only needs at least one --variant")
     ops = [o for o in args.ops.split(",") if o]
     if unknown := set(ops) - set(OPS):
         ap.error(f"unknown --ops {sorted(unknown)}; expected some of {', '.join(OPS)}")
@@ -608,22 +642,24 @@ def main(argv: list[str] | None = None) -> int:
             refs[kind] = {
                 op: str(base / f"ref-{kind}-{op}") for op in ("load-gpuckpt", "load-fs", "load-native")
             }
-            run_processes({"state": kind, "quick": args.quick, "refs": refs[kind]}, 1, None, "--prepare")
+            run_processes(
+                {"state": kind, "quick": args.quick, "refs": refs[kind]}, 1, variants[0], "--prepare"
+            )
             refs[kind]["read-plain"] = refs[kind]["load-native"]
         for kind, world in cases:
             case = f"{kind}, {world} rank{'s' if world > 1 else ''}"
             systems = [
-                (op, label, path)
+                (op, variant)
                 for op in ops
                 if not (world > 1 and op in SINGLE_PROCESS)
-                for label, path in (
-                    variants if op in ("save-gpuckpt", "load-gpuckpt", "load-native") else [("", None)]
+                for variant in (
+                    variants if op in ("save-gpuckpt", "load-gpuckpt", "load-native") else [Variant()]
                 )
             ]
             records = []
             for rnd in range(args.warmup + args.rounds):
-                for op, label, path in round_order(systems, rnd):  # type: ignore[arg-type]
-                    name = op + (f"@{label}" if label else "")
+                for op, variant in round_order(systems, rnd):  # type: ignore[arg-type]
+                    name = op + (f"@{variant.label}" if variant.label else "")
                     out = base / f"out-{kind}-{world}-{name}-{rnd}"
                     spec = {
                         "op": op,
@@ -635,7 +671,7 @@ def main(argv: list[str] | None = None) -> int:
                         "out": str(out),
                         "ref": refs[kind].get(op, ""),
                     }
-                    rec = combine(run_processes(spec, world, path, "--child"))
+                    rec = combine(run_processes(spec, world, variant, "--child"))
                     rec.update(system=name, case=case, round=rnd - args.warmup)
                     if rec.get("verified") is False:
                         raise RuntimeError(f"{name} ({case}): the loaded tensors differ from the state")
@@ -652,7 +688,7 @@ def main(argv: list[str] | None = None) -> int:
                     if rnd >= args.warmup:
                         records.append(rec)
             results["records"] += records
-            results["cases"].append(summarize(case, records, [label for label, _ in variants]))
+            results["cases"].append(summarize(case, records, [v.label for v in variants]))
     finally:
         shutil.rmtree(base, ignore_errors=True)  # with what was set aside: after the last measurement
     results["load_after"] = loadavg()

@@ -61,7 +61,10 @@ def test_toy_run_of_every_system_with_one_and_two_ranks(tmp_path: Path) -> None:
         (["--cases", "llama:1"], "expected STATE:RANKS"),
         (["--ops", "save-gpuckpt,copy"], "unknown --ops ['copy']"),
         (["--variant", "old"], "expected LABEL=PATH"),
+        (["--variant", "old=/nonexistent"], "/nonexistent/gpuckpt is not a directory"),
+        (["--variant", "crc=;GPUCKPT_CRC32C"], "expected LABEL=PATH"),
         (["--rounds", "0"], "--rounds and --calls >= 1"),
+        (["--variants-only"], "--variants-only needs at least one --variant"),
     ],
 )
 def test_bad_arguments_are_refused_before_anything_runs(
@@ -72,3 +75,19 @@ def test_bad_arguments_are_refused_before_anything_runs(
     )
     assert p.returncode == 2 and message in p.stderr, p.stderr
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.torch
+def test_a_variant_runs_beside_the_checkout_with_its_environment(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    out = tmp_path / "r.json"
+    cmd = [sys.executable, SCRIPT, "--quick", "--cases", "gpt:1", "--ops", "load-native,read-plain"]
+    cmd += ["--variant", f"same={REPO};GPUCKPT_CRCCOPY=off", "--dir", str(tmp_path), "--json", str(out)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads(out.read_text())
+    (case,) = res["cases"]
+    assert set(case["systems"]) == {"load-native", "load-native@same", "read-plain"}
+    assert set(case["ratios"]) == {"native", "native@same"}
+    versions = res["versions"]
+    assert "copy-with-CRC: none" in versions["load-native@same"], versions  # its environment applied
