@@ -51,7 +51,7 @@ from gpuckpt.commit import assemble_metadata
 from gpuckpt.metadata import TensorProperties
 from gpuckpt.planning.boxes import LocalTensor, overlapping_chunks
 from gpuckpt.planning.plan import StateDescription, plan_save
-from gpuckpt.storage.layout import metadata_from_root_document, root_document
+from gpuckpt.storage.layout import metadata_json, root_document
 
 try:  # box fingerprints: ranks send one box per group of alike tensors
     from gpuckpt.planning.uniform import box_fingerprints, tensor_groups
@@ -110,7 +110,8 @@ def _root_and_table(plan: Any, parts: list[tuple[np.ndarray, np.ndarray]]) -> tu
 
 def _load_figure(plan: Any, doc: bytes, documents: list[Any], table: list[Any], rank_box: Any) -> float:
     """Seconds to read what one rank needs of the metadata, from files in a temporary directory."""
-    from gpuckpt.reading import load_chunk_records, validate_metadata
+    from gpuckpt.format.reader import read_index
+    from gpuckpt.reading import load_chunk_records
     from gpuckpt.storage.checksum import crc32c
     from gpuckpt.storage.stores import open_reader
 
@@ -128,8 +129,7 @@ def _load_figure(plan: Any, doc: bytes, documents: list[Any], table: list[Any], 
             f.write(doc)
         t0 = time.perf_counter()
         reader = open_reader(where)
-        md = metadata_from_root_document(reader.read_root(), "zarr.json")
-        tensors, _ = validate_metadata(md)
+        tensors = read_index(metadata_json(reader.read_root(), "zarr.json")).tensors
         entries = list(tensors.values())
         load_chunk_records(reader, entries)
         n = 0
@@ -229,10 +229,9 @@ def simulate_old(ranks: int, tensors: int, irregular: bool) -> dict[str, float]:
     doc = root_document(md)
     save = planned + time.perf_counter() - t1
     t2 = time.perf_counter()
-    md = metadata_from_root_document(doc, "zarr.json")
-    from gpuckpt.reading import validate_metadata
+    from gpuckpt.format.reader import read_index
 
-    validate_metadata(md)
+    read_index(metadata_json(doc, "zarr.json"))
     load = time.perf_counter() - t2
     nchunks = sum(len(t.specs) for t in plan.tensors)
     return {"chunks": nchunks, "planning": planned, "save": save, "root_mib": len(doc) / 2**20, "load": load}

@@ -5,7 +5,6 @@ from __future__ import annotations
 import mmap
 import os
 import uuid
-from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -25,6 +24,7 @@ from gpuckpt.errors import (
     ShapeMismatchError,
 )
 from gpuckpt.incremental import check_base_target
+from gpuckpt.load.open import open_checkpoint
 from gpuckpt.metadata import STATE_DICT_TYPE, Metadata
 from gpuckpt.options import DEFAULT_CHUNK_BYTES, DEFAULT_STAGING_BYTES, LoadOptions, SaveOptions
 from gpuckpt.planning.boxes import Box
@@ -33,17 +33,11 @@ from gpuckpt.progress import ProgressCallback
 from gpuckpt.reading import (
     TensorEntry,
     check_chunk_files,
-    check_chunk_table,
     checking_chunk_files,
     paused_gc,
-    validate_metadata,
-    validated_metadata,
 )
 from gpuckpt.sources import contains_sharded, describe_state, is_leaf
 from gpuckpt.state import flatten_state_dict, select_fqns, unflatten_state_dict
-from gpuckpt.storage.base import CheckpointReader
-from gpuckpt.storage.layout import metadata_from_root_document
-from gpuckpt.storage.stores import open_reader
 from gpuckpt.storage.values import decode_object
 from gpuckpt.writing import execute_save, open_save_writer
 
@@ -179,25 +173,8 @@ def save_with_options(
 @paused_gc()
 def read_metadata(path: PathLike, *, storage_options: dict[str, Any] | None = None) -> Metadata:
     """Metadata of the checkpoint at ``path`` (validated, nothing else read)."""
-    return _open(path, LoadOptions(storage_options=storage_options).storage_options, shared=False)[1]
-
-
-def _open(
-    path: PathLike, storage_options: Mapping[str, Any] | None = None, *, shared: bool = True
-) -> tuple[CheckpointReader, Metadata, dict[str, TensorEntry], dict[str, Any]]:
-    """The reader, metadata, tensors and objects of the checkpoint at ``path``. ``shared``:
-    the metadata may come from the per-process cache of validated root documents
-    (:func:`~gpuckpt.reading.validated_metadata`) and must not be changed."""
-    reader = open_reader(path, storage_options=dict(storage_options) if storage_options is not None else None)
-    root, where = reader.read_root(), f"{os.fspath(path).rstrip('/')}/zarr.json"
-    if shared:
-        md, tensors, objects = validated_metadata(root, where)
-    else:
-        md = metadata_from_root_document(root, where)
-        tensors, objects = validate_metadata(md)
-    # a chunk table's row count is believed only as far as its files hold them
-    check_chunk_table(reader, tensors)
-    return reader, md, tensors, objects
+    options = LoadOptions(storage_options=storage_options)
+    return open_checkpoint(path, options.storage_options, shared=False).index.metadata()
 
 
 def load(
@@ -260,7 +237,8 @@ def load_with_options(
 
 @paused_gc()
 def _load(state_dict: STATE_DICT_TYPE, path: PathLike, options: LoadOptions) -> None:
-    reader, _md, tensors, objects = _open(path, options.storage_options)
+    ck = open_checkpoint(path, options.storage_options)
+    reader, tensors, objects = ck.reader, ck.index.tensors, ck.index.objects
     leaves, _ = flatten_state_dict(state_dict, is_leaf)
     missing = [f for f in leaves if f not in tensors and f not in objects]
     if missing and options.strict:
@@ -437,8 +415,9 @@ def load_state_dict(
         staging_bytes=staging_bytes,
         storage_options=storage_options,
     )
-    reader, md, tensors, objects = _open(path, options.storage_options)
-    chosen = select_fqns(md.state_dict_metadata, keys)
+    ck = open_checkpoint(path, options.storage_options)
+    reader, tensors, objects = ck.reader, ck.index.tensors, ck.index.objects
+    chosen = select_fqns(ck.index.order, keys)
     entries = [tensors[f] for f in chosen if f in tensors]
     check_chunk_files(reader, entries)
     backend = _backend_for(device)
@@ -452,4 +431,4 @@ def load_state_dict(
         if f in objects:
             values[f] = decode_object(objects[f], allow_pickle=options.allow_pickle, fqn=f)
     read_tensors(reader, targets, options)
-    return unflatten_state_dict(md.planner_data["structure"], values, keys)
+    return unflatten_state_dict(ck.index.planner_data["structure"], values, keys)

@@ -1,14 +1,12 @@
 """The tensors of a validated checkpoint as a load sees them: :class:`TensorEntry` and :class:`ChunkRead`.
 
-An entry is made by :func:`gpuckpt.reading.validate_metadata` from parsed
-:class:`~gpuckpt.metadata.Metadata`, or straight from the JSON of a root
-document by :mod:`gpuckpt.load_index` (the usual format version 2 document,
-with no per-tensor metadata objects: those are made when first asked for).
+An entry is made straight from the JSON of a root document by the one reader
+(:mod:`gpuckpt.format.reader`), with no per-tensor metadata object: that is made
+when first asked for.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -79,7 +77,8 @@ class TensorEntry:
     hashes; :func:`~gpuckpt.reading.chunk_column` reads them from either form). ``chunks``
     (every chunk's :class:`ChunkRead`) is built when first asked for; :meth:`chunk` makes
     one. ``whole``: the tensor's only chunk is the whole tensor (the usual small tensor).
-    An entry made by :meth:`indexed` makes its ``metadata`` and ``grid`` when first asked for.
+    An entry makes its ``metadata`` and ``grid`` when first asked for (unless its document lists
+    its chunk boxes).
     """
 
     __slots__ = (
@@ -105,46 +104,6 @@ class TensorEntry:
         self,
         fqn: str,
         name: str,
-        metadata: TensorStorageMetadata,
-        grid: ChunkGrid,
-        crcs: np.ndarray | None,
-        table: ChunkTable | None = None,
-        row: int = 0,
-        listed: Mapping[str, np.ndarray] | None = None,
-        segments: Any = None,
-        *,
-        nchunks: int | None = None,
-    ) -> None:
-        self.fqn, self.name = fqn, name
-        self._metadata: TensorStorageMetadata | None = metadata
-        self._grid: ChunkGrid | None = grid
-        self._stored: StoredProperties | None = None
-        self.crcs, self.table, self.row = crcs, table, row
-        self.listed = listed
-        #: the segment records of its chunks as stored (untrusted; see :mod:`gpuckpt.ranged`)
-        self.segments = segments
-        self._chunks: list[ChunkRead] | None = None
-        # asked for per chunk by every load: worked out once (the metadata of a validated
-        # checkpoint is never changed, see validated_metadata)
-        #: the tensor's shape
-        self.shape: tuple[int, ...] = tuple(metadata.size)
-        #: the tensor's dtype
-        self.dtype: np.dtype[Any] = np.dtype(metadata.properties.dtype)
-        #: the tensor's size in bytes
-        self.nbytes: int = math.prod(self.shape) * self.dtype.itemsize
-        own_shape = grid.kind == "regular" and grid.chunk_shape == self.shape
-        #: how many chunks it has (none when it is empty); ``nchunks``: that number, worked out
-        #: by the caller (as :func:`validate_metadata` does)
-        self.nchunks: int = (
-            nchunks if nchunks is not None else 0 if 0 in self.shape else 1 if own_shape else grid.nchunks
-        )
-        self.whole: bool = own_shape and self.nchunks == 1
-
-    @classmethod
-    def indexed(
-        cls,
-        fqn: str,
-        name: str,
         stored: StoredProperties,
         shape: tuple[int, ...],
         nbytes: int,
@@ -153,16 +112,27 @@ class TensorEntry:
         table: ChunkTable | None,
         row: int,
         segments: Any,
-    ) -> TensorEntry:
-        """An entry from checked values (:mod:`gpuckpt.load_index`); ``grid`` None: the tensor
-        is stored whole (one chunk of its own shape, the grid made when first asked for)."""
-        self = cls.__new__(cls)
-        self.fqn, self.name, self._metadata, self._grid, self._stored = fqn, name, None, grid, stored
-        self.crcs, self.table, self.row, self.listed, self.segments = None, table, row, None, segments
-        self._chunks = None
-        self.shape, self.dtype, self.nbytes, self.nchunks = shape, stored.dtype, nbytes, nchunks
-        self.whole = grid is None
-        return self
+        *,
+        crcs: np.ndarray | None = None,
+        listed: Mapping[str, np.ndarray] | None = None,
+        metadata: TensorStorageMetadata | None = None,
+    ) -> None:
+        """An entry from checked values (:mod:`gpuckpt.format.reader` makes them); ``grid`` None:
+        the tensor is stored whole (one chunk of its own shape, the grid made when first asked
+        for). ``crcs`` and ``listed``: the records of its chunks, where its entry lists them;
+        ``metadata``: its entry where that lists its chunk boxes (else made when first asked
+        for, its chunks left to its grid)."""
+        self.fqn, self.name, self._metadata, self._grid, self._stored = fqn, name, metadata, grid, stored
+        self.crcs, self.table, self.row, self.listed, self.segments = crcs, table, row, listed, segments
+        self._chunks: list[ChunkRead] | None = None
+        #: the tensor's shape, dtype and size in bytes (asked for per chunk by every load)
+        self.shape: tuple[int, ...] = shape
+        self.dtype: np.dtype[Any] = stored.dtype
+        self.nbytes: int = nbytes
+        #: how many chunks it has (none when it is empty)
+        self.nchunks: int = nchunks
+        #: its only chunk is the whole tensor (the usual small tensor)
+        self.whole: bool = grid is None
 
     @property
     def grid(self) -> ChunkGrid:
@@ -177,7 +147,6 @@ class TensorEntry:
         """The tensor's entry of ``Metadata.state_dict_metadata``."""
         md = self._metadata
         if md is None:
-            assert self._stored is not None, "an entry holds its metadata or what makes it"
             md = self._metadata = GridTensorStorageMetadata(
                 self._stored.properties(), self.shape, grid=self.grid, listed=False
             )
@@ -186,9 +155,7 @@ class TensorEntry:
     @property
     def memory_format(self) -> Any:
         """The memory format the tensor was saved in (without making its metadata)."""
-        if self._stored is not None:
-            return self._stored.memory_format
-        return self.metadata.properties.memory_format
+        return self._stored.memory_format
 
     def _crcs(self) -> np.ndarray:
         if self.crcs is None:

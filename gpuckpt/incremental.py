@@ -43,15 +43,14 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from gpuckpt.errors import GpuckptError, IncrementalBaseWarning, InvalidOptionError
-from gpuckpt.metadata import Metadata
+from gpuckpt.load.open import OpenCheckpoint, open_checkpoint
 from gpuckpt.options import SaveOptions
 from gpuckpt.planning.plan import TensorPlan
-from gpuckpt.reading import TensorEntry, chunk_column, load_chunk_records, overclaimed, validate_metadata
+from gpuckpt.reading import TensorEntry, chunk_column, load_chunk_records, overclaimed
 from gpuckpt.storage import contenthash
 from gpuckpt.storage.base import BaseRef, CheckpointReader, CheckpointWriter
 from gpuckpt.storage.contenthash import LEAF
-from gpuckpt.storage.layout import metadata_from_root_document
-from gpuckpt.storage.stores import open_reader, scheme_of
+from gpuckpt.storage.stores import scheme_of
 
 __all__ = [
     "BaseChunk",
@@ -228,21 +227,15 @@ def _unusable(location: str, exc: BaseException) -> None:
     )
 
 
-def _open_checkpoint(
-    location: str, storage_options: Mapping[str, Any] | None
-) -> tuple[CheckpointReader, Metadata, dict[str, TensorEntry]] | None:
-    """The base's reader, metadata and validated tensors, or None (with a warning)."""
+def _open_base(location: str, storage_options: Mapping[str, Any] | None) -> OpenCheckpoint | None:
+    """The base checkpoint, opened, or None (with a warning)."""
     if not contenthash.available():
         _warn_no_hash_library()
     try:
-        reader = open_reader(location, storage_options=dict(storage_options or {}))
-        where = f"{location.rstrip('/')}/zarr.json"
-        md = metadata_from_root_document(reader.read_root(), where)
-        tensors, _objects = validate_metadata(md)
+        return open_checkpoint(location, storage_options)
     except (GpuckptError, OSError, ValueError) as exc:
         _unusable(location, exc)
         return None
-    return reader, md, tensors
 
 
 def _hashes(reader: CheckpointReader, t: TensorEntry) -> tuple[np.ndarray | None, np.ndarray | None]:
@@ -259,12 +252,12 @@ def _hashes(reader: CheckpointReader, t: TensorEntry) -> tuple[np.ndarray | None
 
 def _index(
     location: str,
-    opened: tuple[CheckpointReader, Metadata, dict[str, TensorEntry]],
+    opened: OpenCheckpoint,
     arrays: Collection[str] | None,
 ) -> BaseIndex | None:
     """The index of the base's arrays ``arrays`` (None: all): their chunk records (read from
     the chunk table of a format-2 base) and, where recorded, their hashes."""
-    reader, md, tensors = opened
+    reader, tensors = opened.reader, opened.index.tensors
     chosen = [t for t in tensors.values() if arrays is None or t.name in arrays]
     try:
         for bad in overclaimed(reader, chosen):  # a claim larger than the files: no record per chunk
@@ -273,7 +266,7 @@ def _index(
     except (GpuckptError, OSError) as exc:
         _unusable(location, exc)
         return None
-    sd = md.storage_data
+    sd = opened.index.document.get("storage_data")
     info = sd.get("content_hash") if isinstance(sd, dict) else None
     hashed = isinstance(info, dict) and info.get("algorithm") == contenthash.HASH_ALGORITHM
     by_name: dict[str, TensorEntry] = {}
@@ -298,7 +291,7 @@ def open_base(
     its root document damaged (its CRC does not verify), of a format version this gpuckpt
     does not read, inconsistent, or its chunk table damaged. Bases of format version 1
     (listed records) and 2 (chunk table) are read alike."""
-    opened = _open_checkpoint(location, storage_options)
+    opened = _open_base(location, storage_options)
     return None if opened is None else _index(location, opened, arrays)
 
 
@@ -308,10 +301,10 @@ def open_base_for(options: SaveOptions, tensors: Iterable[TensorPlan]) -> BaseIn
     location = options.base_location
     if location is None:
         return None
-    opened = _open_checkpoint(location, options.storage_options)
+    opened = _open_base(location, options.storage_options)
     if opened is None:
         return None
-    whole = BaseIndex(location, opened[0], {t.name: t for t in opened[2].values()}, {})
+    whole = BaseIndex(location, opened.reader, {t.name: t for t in opened.index.tensors.values()}, {})
     return _index(location, opened, whole.compatible(tensors))
 
 

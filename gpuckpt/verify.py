@@ -20,21 +20,19 @@ from typing import Any
 
 from gpuckpt.chunk_reads import checksum_verified
 from gpuckpt.errors import CheckpointCorruptedError, ChecksumError, MetadataError, UnsafeCheckpointError
+from gpuckpt.load.open import open_checkpoint
 from gpuckpt.printable import printable
 from gpuckpt.progress import ProgressCallback, ProgressCounter
 from gpuckpt.ranged import segments_of
 from gpuckpt.reading import (
     ChunkRead,
     TensorEntry,
-    check_chunk_table,
     load_chunk_records,
     overclaimed,
-    validate_metadata,
 )
 from gpuckpt.runner import default_threads, run_ordered
 from gpuckpt.storage.base import CheckpointReader, NotRegularFileError
-from gpuckpt.storage.layout import ATTRIBUTE, expected_array_document, metadata_from_root_document
-from gpuckpt.storage.stores import open_reader
+from gpuckpt.storage.layout import ATTRIBUTE, expected_array_document
 from gpuckpt.storage.values import decode_object
 
 __all__ = ["Damage", "VerifyReport", "verify_checkpoint"]
@@ -218,19 +216,20 @@ def verify_checkpoint(
     >>> report.ok, report.tensors, report.objects
     (True, 1, 1)
     """
-    reader = open_reader(path, storage_options=storage_options)
-    report = VerifyReport(path=os.fspath(path))
     try:
-        # not a checkpoint at all: CheckpointNotFoundError, raised
-        md = metadata_from_root_document(reader.read_root(), f"{os.fspath(path).rstrip('/')}/zarr.json")
-        tensors, objects = validate_metadata(md)
-    except MetadataError as exc:
-        report.damage.append(Damage("zarr.json", str(exc)))
+        # not a checkpoint at all (or a path of the wrong type): CheckpointNotFoundError, raised
+        ck = open_checkpoint(path, storage_options, shared=False)
+    except (MetadataError, CheckpointCorruptedError) as exc:
+        report = VerifyReport(path=os.fspath(path))
+        # the root document, or its chunk table's files (as the index found them)
+        where = "chunk table" if isinstance(exc, CheckpointCorruptedError) else "zarr.json"
+        report.damage.append(Damage(where, str(exc)))
         return report
+    reader, tensors, objects = ck.reader, ck.index.tensors, ck.index.objects
+    report = VerifyReport(path=ck.location)
     report.tensors, report.objects = len(tensors), len(objects)
     report.chunks = sum(t.nchunks for t in tensors.values())
     try:
-        check_chunk_table(reader, tensors)
         # a tensor claiming more chunks than its array holds files: one line, and its chunks
         # are not checked one by one (their number is the claim's, not what was written)
         short = overclaimed(reader, tensors.values())

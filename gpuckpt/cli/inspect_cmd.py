@@ -15,10 +15,10 @@ import math
 from pathlib import Path
 from typing import Any
 
-from gpuckpt.api import _open
 from gpuckpt.cli.progressbar import format_bytes
 from gpuckpt.dtypes import dtype_name
 from gpuckpt.errors import CheckpointNotFoundError, GpuckptError
+from gpuckpt.load.open import open_checkpoint
 from gpuckpt.manager import step_of
 from gpuckpt.printable import printable
 from gpuckpt.reading import TensorEntry, load_chunk_records, overclaimed, paused_gc
@@ -100,7 +100,8 @@ def _object_row(fqn: str, enc: Any) -> dict[str, Any]:
 def describe_checkpoint(path: Path | str) -> dict[str, Any]:
     """Everything ``inspect`` shows, as JSON values."""
     with paused_gc():
-        reader, md, tensors, objects = _open(path, shared=False)
+        ck = open_checkpoint(path, shared=False)
+        reader, index, tensors, objects = ck.reader, ck.index, ck.index.tensors, ck.index.objects
         # a tensor claiming more chunks than its array holds: only the files there are looked at
         short = {
             bad.tensor.fqn: reader.chunk_keys(bad.tensor.name)
@@ -108,10 +109,10 @@ def describe_checkpoint(path: Path | str) -> dict[str, Any]:
         }
         load_chunk_records(reader, [t for t in tensors.values() if t.fqn not in short])
         rows = [_tensor_row(reader, t, short.get(t.fqn)) for t in tensors.values()]
-    meta = md.storage_meta
+    meta = index.storage_meta
     return {
         "path": str(path),
-        "version": md.version,
+        "version": index.version,
         "checkpoint_id": None if meta is None or meta.checkpoint_id is None else str(meta.checkpoint_id),
         "tensors": rows,
         "objects": [_object_row(f, e) for f, e in objects.items()],

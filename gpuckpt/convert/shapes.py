@@ -14,12 +14,9 @@ import math
 from collections.abc import Sequence
 
 from gpuckpt.errors import MetadataError
-from gpuckpt.load_index import MAX_EXTENT
+from gpuckpt.format.reader import MAX_DIMS, MAX_EXTENT
 
 __all__ = ["MAX_DIMS", "check_shape"]
-
-#: the most dimensions gpuckpt's metadata holds (and fewer than NumPy's 64)
-MAX_DIMS = 32
 
 
 def _brief(shape: Sequence[int]) -> str:

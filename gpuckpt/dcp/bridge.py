@@ -25,11 +25,8 @@ logic is repeated. What they rely on:
   :func:`gpuckpt.storage.values.encode_object` and
   :func:`gpuckpt.storage.layout.root_document` with ``CheckpointWriter.commit``
   / ``abort``;
-- reading: :func:`gpuckpt.storage.stores.open_reader` and ``is_committed``,
-  :func:`gpuckpt.storage.layout.metadata_from_root_document` (and its identity
-  test ``root_document_problem``),
-  :func:`gpuckpt.reading.validate_metadata` (its ``TensorEntry`` values),
-  ``check_chunk_files``, :func:`gpuckpt.distributed.load.read_boxes`,
+- reading: :func:`gpuckpt.load.open.open_checkpoint` (its index's ``TensorEntry``
+  values and metadata), ``is_committed``, ``check_chunk_files``, :func:`gpuckpt.distributed.load.read_boxes`,
   ``read_tensors`` (into adapters), :func:`gpuckpt.storage.values.decode_object`
   and :func:`gpuckpt.state.unflatten_state_dict`;
 - snapshots: :func:`gpuckpt.sources.describe_state`,
@@ -61,18 +58,19 @@ from gpuckpt.dtypes import dtype_name
 from gpuckpt.errors import StagingTimeoutError
 from gpuckpt.incremental import BaseIndex, ChunkResult, check_base_target, open_base_for
 from gpuckpt.incremental import open_base as _open_base
+from gpuckpt.load import open as load_open
 from gpuckpt.metadata import FORMAT_VERSION, Metadata, TensorProperties
 from gpuckpt.options import LoadOptions, SaveOptions
 from gpuckpt.planning.boxes import Box, LocalTensor
 from gpuckpt.planning.plan import ChunkAssignment, SavePlan, StateDescription, plan_save
 from gpuckpt.planning.uniform import compact_description
-from gpuckpt.reading import TensorEntry, check_chunk_files, check_chunk_table, paused_gc, validate_metadata
+from gpuckpt.reading import TensorEntry, check_chunk_files, paused_gc
 from gpuckpt.sources import Source, describe_state
 from gpuckpt.state import unflatten_state_dict
 from gpuckpt.storage.base import CheckpointReader, CheckpointWriter
 from gpuckpt.storage.chunk_table import write_table
-from gpuckpt.storage.layout import metadata_from_root_document, root_document
-from gpuckpt.storage.stores import attach_writer, is_committed, open_reader, scheme_of
+from gpuckpt.storage.layout import root_document
+from gpuckpt.storage.stores import attach_writer, is_committed, scheme_of
 from gpuckpt.storage.values import decode_object, encode_object
 from gpuckpt.writing import (
     array_document_of,
@@ -313,12 +311,10 @@ class OpenCheckpoint:
 
 @paused_gc()
 def open_checkpoint(path: str, options: LoadOptions) -> OpenCheckpoint:
-    """Open and validate the checkpoint at ``path`` (nothing but its root document is read)."""
-    reader = open_reader(path, storage_options=options.store_options())
-    md = metadata_from_root_document(reader.read_root(), f"{os.fspath(path).rstrip('/')}/zarr.json")
-    tensors, values = validate_metadata(md)
-    check_chunk_table(reader, tensors)
-    return OpenCheckpoint(os.fspath(path), reader, md, tensors, values)
+    """Open and validate the checkpoint at ``path`` (nothing but its root document is read;
+    :func:`gpuckpt.load.open.open_checkpoint`, whose shared index the metadata is: read only)."""
+    ck = load_open.open_checkpoint(path, options.store_options())
+    return OpenCheckpoint(ck.location, ck.reader, ck.index.metadata(), ck.index.tensors, ck.index.objects)
 
 
 def read_value(ck: OpenCheckpoint, fqn: str, allow_pickle: bool) -> Any:

@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import json
 import os
 import uuid
 import weakref
@@ -46,6 +47,7 @@ import numpy as np
 
 from gpuckpt.commit import commit_save, table_columns
 from gpuckpt.distributed.coordinator import Coordinator
+from gpuckpt.format.reader import read_index
 from gpuckpt.incremental import BaseIndex, open_base, open_base_for
 from gpuckpt.metadata import Metadata
 from gpuckpt.options import SaveOptions
@@ -256,4 +258,4 @@ def save_described(
             writer.abort()
         raise
     text = coord.broadcast(text, root=0)
-    return Metadata.from_json(text)
+    return read_index(json.loads(text)).metadata()

@@ -47,7 +47,6 @@ __all__ = [
     "chunk_file_key",
     "expected_array_document",
     "is_chunk_file_key",
-    "metadata_from_root_document",
     "metadata_json",
     "root_document",
     "root_document_problem",
@@ -244,17 +243,9 @@ def _as_written(raw: bytes | bytearray) -> Any:
         return None
 
 
-def metadata_from_root_document(raw: bytes | bytearray, where: str) -> Metadata:
-    """Parse and check a root ``zarr.json``; every defect raises :class:`MetadataError`.
-
-    ``raw`` is parsed where it lies (a reader's buffer is never copied).
-    """
-    return Metadata.from_json_dict(metadata_json(raw, where))
-
-
 def metadata_json(raw: bytes | bytearray, where: str) -> Any:
     """The JSON value of the metadata of a root ``zarr.json``, its checksum checked (the value
-    itself is not: :meth:`Metadata.from_json_dict` checks it); raises :class:`MetadataError`."""
+    itself is not: :func:`gpuckpt.format.reader.read_index` checks it); raises :class:`MetadataError`."""
     if len(raw) > MAX_ROOT_DOCUMENT_BYTES:
         raise too_large(where, len(raw), MAX_ROOT_DOCUMENT_BYTES, "MAX_ROOT_DOCUMENT_BYTES")
     md = _as_written(raw)
@@ -295,7 +286,7 @@ ROOT_DOCUMENT_PREFIX = _ROOT_PREFIX
 def root_document_problem(raw: bytes) -> str | None:
     """Why ``raw`` is not the root ``zarr.json`` of a gpuckpt checkpoint; None when it is one.
 
-    This is the identity test of :func:`metadata_from_root_document` (a Zarr v3
+    This is the identity test of :func:`metadata_json` (a Zarr v3
     group carrying ``attributes.gpuckpt.metadata``) without its integrity
     checks: a damaged checkpoint still counts as one, a Zarr store of another
     program does not. A document as gpuckpt writes it is recognised by its

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 import gpuckpt
-from gpuckpt.api import _open
 from gpuckpt.chunk_reads import COLD_SMALL_THREADS, MANY_CHUNKS, cold_small_threads
+from gpuckpt.load.open import open_checkpoint
 from gpuckpt.storage.stores import open_reader
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "RWF_NOWAIT"), reason="no preadv2(RWF_NOWAIT) here")
@@ -35,7 +35,7 @@ def _evict(path: Path) -> None:
 
 
 def _targets(path: Path) -> list[tuple[object, object]]:
-    _reader, _md, tensors, _objects = _open(path)
+    tensors = open_checkpoint(path).index.tensors
     return [(t, None) for t in tensors.values()]
 
 

@@ -21,6 +21,7 @@ import pytest
 
 import gpuckpt
 from gpuckpt.errors import IncrementalBaseWarning, InvalidOptionError
+from gpuckpt.format.reader import metadata_from_json
 from gpuckpt.manager import CheckpointManager
 from gpuckpt.storage.checksum import crc32c
 from gpuckpt.storage.layout import root_document
@@ -221,7 +222,7 @@ def test_reuse_refused_across_file_systems(tmp_path: Path) -> None:
 
 def _rewrite_root(path: Path, change: Any, *, fix_crc: bool = True) -> None:
     doc = json.loads((path / "zarr.json").read_text())
-    md = gpuckpt.Metadata.from_json_dict(doc["attributes"]["gpuckpt"]["metadata"])
+    md = metadata_from_json(doc["attributes"]["gpuckpt"]["metadata"])
     change(md)
     if fix_crc:
         (path / "zarr.json").write_bytes(root_document(md))

@@ -26,8 +26,9 @@ from gpuckpt.device import _kernel_ref
 from gpuckpt.device.arrays import ArrayAdapter, DeviceArray
 from gpuckpt.device.backend import buffer_pool, staging_buffer_bytes
 from gpuckpt.device.host_backend import HostBackend
+from gpuckpt.load.open import index_of_root
 from gpuckpt.options import LoadOptions
-from gpuckpt.reading import TensorEntry, check_chunk_files, validated_metadata
+from gpuckpt.reading import TensorEntry, check_chunk_files
 from gpuckpt.storage import crccopy, direct
 from gpuckpt.storage.local_reader import LocalReader
 from gpuckpt.testing.fakedevice import EmulatedDeviceArray
@@ -243,7 +244,7 @@ def test_copy_error_stops_the_readers(tmp_path: Path) -> None:
 def _load_with_reader(root: Path, backend: Any) -> tuple[LocalReader, dict[str, Any]]:
     """The load pipeline on a reader of our own, to see which read path served each chunk."""
     reader = LocalReader(root)
-    _md, tensors, _ = validated_metadata(reader.read_root(), str(root))
+    tensors = index_of_root(reader.read_root(), str(root)).tensors
     entries: list[TensorEntry] = list(tensors.values())
     check_chunk_files(reader, entries)
     out: dict[str, Any] = {}

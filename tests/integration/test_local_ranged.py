@@ -16,7 +16,8 @@ import pytest
 
 import gpuckpt
 from gpuckpt.errors import ChecksumError
-from gpuckpt.storage.layout import ROOT_KEY, metadata_from_root_document, root_document
+from gpuckpt.format.reader import metadata_of_root
+from gpuckpt.storage.layout import ROOT_KEY, root_document
 from gpuckpt.storage.segments import SEGMENT_BYTES, SEGMENTS_KEY
 from gpuckpt.verify import verify_checkpoint
 
@@ -53,7 +54,7 @@ def test_a_partial_local_load_reads_and_checks_only_the_segments_holding_its_row
 def _rewrite_root(path: Path, change: Any) -> None:
     """Re-publish the root document with ``change(storage_data)`` applied (valid and checksummed)."""
     root = path / ROOT_KEY
-    md = metadata_from_root_document(root.read_bytes(), str(root))
+    md = metadata_of_root(root.read_bytes(), str(root))
     change(md.storage_data)
     root.write_bytes(root_document(md))
 

@@ -17,7 +17,8 @@ import pytest
 
 import gpuckpt
 from gpuckpt.errors import ChecksumError
-from gpuckpt.storage.layout import ROOT_KEY, metadata_from_root_document, root_document
+from gpuckpt.format.reader import metadata_of_root
+from gpuckpt.storage.layout import ROOT_KEY, root_document
 from gpuckpt.storage.segments import SEGMENT_BYTES, SEGMENTS_KEY
 from gpuckpt.testing.faultproxy import FaultProxy
 from gpuckpt.testing.s3server import loopback_s3, s3_options
@@ -68,7 +69,7 @@ def _rewrite_root(endpoint: str, prefix: str, change: Any) -> None:
     document: what a writer that records that would have written)."""
     s3 = _s3(endpoint)
     key = f"{prefix}/{ROOT_KEY}"
-    md = metadata_from_root_document(s3.get_object(Bucket=BUCKET, Key=key)["Body"].read(), key)
+    md = metadata_of_root(s3.get_object(Bucket=BUCKET, Key=key)["Body"].read(), key)
     change(md.storage_data)
     s3.put_object(Bucket=BUCKET, Key=key, Body=root_document(md))
 
@@ -78,7 +79,7 @@ def test_save_records_segments_and_a_partial_load_reads_only_the_segments_it_nee
 ) -> None:
     prefix, opts = _saved(proxy)
     s3 = _s3(endpoint)
-    md = metadata_from_root_document(
+    md = metadata_of_root(
         s3.get_object(Bucket=BUCKET, Key=f"{prefix}/{ROOT_KEY}")["Body"].read(), "root"
     )
     entry = md.storage_data["tensors"]["w"][SEGMENTS_KEY]

@@ -11,19 +11,19 @@ import numpy as np
 import pytest
 
 import gpuckpt
-from gpuckpt import reading
+from gpuckpt.load import open as opening
 from gpuckpt.testing.faults import rewrite_root_metadata
 
 
 def _count_validations(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     calls: list[int] = []
-    real = reading.validate_metadata
+    real = opening.read_index
 
-    def counted(md: Any) -> Any:
+    def counted(data: Any) -> Any:
         calls.append(1)
-        return real(md)
+        return real(data)
 
-    monkeypatch.setattr(reading, "validate_metadata", counted)
+    monkeypatch.setattr(opening, "read_index", counted)
     return calls
 
 

@@ -374,11 +374,11 @@ def test_root_document_is_read_into_one_buffer(tmp_path: Path) -> None:
     got = run_limited(
         """
         from gpuckpt.storage.local_reader import LocalReader
-        from gpuckpt.storage.layout import metadata_from_root_document
+        from gpuckpt.format.reader import metadata_of_root
         before = peak_kib()
         raw = LocalReader(sys.argv[1]).read_root()
         grown = peak_kib() - before
-        md = metadata_from_root_document(raw, "zarr.json")
+        md = metadata_of_root(raw, "zarr.json")
         report(grown_kib=grown, values=sorted(md.state_dict_metadata))
         """,
         path,

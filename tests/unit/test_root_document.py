@@ -10,7 +10,8 @@ import pytest
 
 import gpuckpt
 from gpuckpt.errors import MetadataError
-from gpuckpt.storage.layout import _as_written, metadata_from_root_document, root_document
+from gpuckpt.format.reader import metadata_of_root
+from gpuckpt.storage.layout import _as_written, root_document
 
 
 @pytest.fixture
@@ -21,16 +22,16 @@ def raw(tmp_path: Path) -> bytes:
 
 def test_a_document_as_written_is_read_from_its_stored_bytes(raw: bytes) -> None:
     assert _as_written(raw) is not None
-    md = metadata_from_root_document(raw, "zarr.json")
+    md = metadata_of_root(raw, "zarr.json")
     assert root_document(md) == raw  # the same canonical bytes round-trip
 
 
 def test_a_reserialized_document_takes_the_general_path(raw: bytes) -> None:
     pretty = json.dumps(json.loads(raw), indent=2).encode()
     assert _as_written(pretty) is None
-    assert metadata_from_root_document(pretty, "zarr.json") == metadata_from_root_document(raw, "zarr.json")
+    assert metadata_of_root(pretty, "zarr.json") == metadata_of_root(raw, "zarr.json")
     assert _as_written(raw + b"\n") is None
-    assert metadata_from_root_document(raw + b"\n", "zarr.json") == metadata_from_root_document(
+    assert metadata_of_root(raw + b"\n", "zarr.json") == metadata_of_root(
         raw, "zarr.json"
     )
 
@@ -41,7 +42,7 @@ def test_a_changed_byte_in_the_metadata_is_a_checksum_mismatch(raw: bytes) -> No
     json.loads(damaged)
     assert _as_written(damaged) is None
     with pytest.raises(MetadataError, match="metadata checksum mismatch"):
-        metadata_from_root_document(damaged, "zarr.json")
+        metadata_of_root(damaged, "zarr.json")
 
 
 @pytest.mark.parametrize("crc", [b"4294967296", b"01", b"-1", b"1.0"])
@@ -50,4 +51,4 @@ def test_an_impossible_checksum_is_refused(raw: bytes, crc: bytes) -> None:
     damaged = head + b',"metadata_crc32c":' + crc + b"}}}"
     assert _as_written(damaged) is None
     with pytest.raises(MetadataError):
-        metadata_from_root_document(damaged, "zarr.json")
+        metadata_of_root(damaged, "zarr.json")

@@ -51,5 +51,5 @@ def test_the_check_sees_an_import() -> None:
     # the graph has the edges this test relies on
     graph = import_graph()
     assert "gpuckpt.storage.local" in graph["gpuckpt.storage.stores"]
-    assert "gpuckpt.storage.stores" in graph["gpuckpt.api"]
+    assert "gpuckpt.storage.stores" in graph["gpuckpt.load.open"]
     assert "gpuckpt.storage.local" in graph["gpuckpt.testing.crash"]

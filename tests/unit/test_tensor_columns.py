@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 import gpuckpt
 from gpuckpt import commit
 from gpuckpt.errors import MetadataError, UnsupportedVersionError
-from gpuckpt.metadata import FORMAT_VERSION, READABLE_VERSIONS, Metadata
+from gpuckpt.format.reader import metadata_from_json
+from gpuckpt.metadata import FORMAT_VERSION, READABLE_VERSIONS
 from gpuckpt.storage.layout import metadata_json
 from gpuckpt.tensor_columns import COLUMN_NAMES, COLUMNS_KEY, compact, expand
 
@@ -126,10 +127,10 @@ def test_the_metadata_of_version_3_round_trips_through_json(tmp_path: Path) -> N
     data = metadata_json((tmp_path / "ck" / "zarr.json").read_bytes(), "ck")
     assert data["version"] == "3" and len(data[COLUMNS_KEY]["fqn"]) == 24
     assert set(data["state_dict_metadata"]) == {"step"}  # only the value keeps an entry of its own
-    parsed = Metadata.from_json_dict(data)
+    parsed = metadata_from_json(data)
     assert parsed == md
     assert parsed.to_json_dict() == data  # written again, it is the same document
-    assert Metadata.from_json(parsed.to_json()) == md
+    assert metadata_from_json(parsed.to_json()) == md
     assert parsed.storage_data["tensors"]["layer03.w"] == {
         "name": "layer03.w",
         "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [3, 2]}},
@@ -173,7 +174,7 @@ def test_the_versions_read_and_a_newer_one_refused() -> None:
     assert FORMAT_VERSION == "3" and READABLE_VERSIONS == ("1", "2", "3")
     doc = {"version": "4", "state_dict_metadata": {}, "storage_data": {"tensors": {}, "objects": {}}}
     with pytest.raises(UnsupportedVersionError, match="version 4 is newer"):
-        Metadata.from_json_dict(doc)
+        metadata_from_json(doc)
 
 
 def test_a_tensor_in_the_columns_and_in_an_entry_is_refused() -> None:
@@ -194,4 +195,4 @@ def test_a_tensor_in_the_columns_and_in_an_entry_is_refused() -> None:
         },
     }
     with pytest.raises(MetadataError, match="'a', which has an entry of its own too"):
-        Metadata.from_json_dict(doc)
+        metadata_from_json(doc)

@@ -1,14 +1,14 @@
-"""``load_index`` (gpuckpt/load_index.py) against the general path it stands in for.
+"""The one reader of a root document (gpuckpt/format/reader.py) against the general path of before.
 
-The general path parses a root document's metadata with
-:meth:`Metadata.from_json_dict <gpuckpt.metadata.Metadata.from_json_dict>` and
-cross-checks it with :func:`~gpuckpt.reading.validate_metadata`. The index must
-accept exactly the documents the general path accepts (or leave them to it:
-None), give the same metadata, tensors and objects, and never raise. These
-tests hold it to that on real checkpoints written by :func:`gpuckpt.save`, on
-those documents damaged in known ways, and on random mutations of them
-(Hypothesis), and check that loads through the public API, which take the
-index, give back the saved arrays bit for bit.
+The general path parsed a root document's metadata entry by entry and then
+cross-checked it with the storage entries; it survives as the test oracle
+``metadata_oracle.py``. The reader must accept exactly the documents the
+general path accepts and refuse the others (a :class:`MetadataError`), and give
+the same metadata, tensors and objects. These tests hold it to that on real
+checkpoints written by :func:`gpuckpt.save` (every format version), on those
+documents damaged in known ways, and on random mutations of them
+(Hypothesis), and check that loads through the public API give back the
+saved arrays bit for bit.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import metadata_oracle
 import ml_dtypes
 import numpy as np
 import pytest
@@ -32,9 +33,10 @@ from gpuckpt import commit
 from gpuckpt.device import _kernel_ref
 from gpuckpt.entries import ChunkRead, TensorEntry
 from gpuckpt.errors import MetadataError
-from gpuckpt.load_index import IndexedMetadata, load_index
+from gpuckpt.format.reader import read_index
+from gpuckpt.load.open import index_of_root
 from gpuckpt.metadata import Metadata
-from gpuckpt.reading import load_chunk_records, validate_metadata, validated_metadata
+from gpuckpt.reading import load_chunk_records
 from gpuckpt.storage.base import CheckpointReader
 from gpuckpt.storage.chunk_table import TABLE_MIN_CHUNKS
 from gpuckpt.storage.layout import metadata_json
@@ -154,22 +156,24 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, _Checkpoi
     return out
 
 
-#: the checkpoints whose documents the index takes
-_TABLED = ["small", "mixed", "default", "golden", "small3", "mixed3", "golden3"]
+#: the checkpoints of every kind (chunk tables, columns, listed records)
+_TABLED = ["small", "mixed", "default", "golden", "small3", "mixed3", "golden3", "listed"]
 
 
 def _general(data: Any) -> Result:
-    md = Metadata.from_json_dict(copy.deepcopy(data))
-    tensors, objects = validate_metadata(md)
+    md = metadata_oracle.metadata_from_json_dict(copy.deepcopy(data))
+    tensors, objects = metadata_oracle.validate_metadata(md)
     return md, tensors, objects
 
 
-def _indexed(data: Any) -> Result | None:
-    """``load_index`` of a copy of ``data``, checking that it leaves its argument unchanged."""
+def _indexed(data: Any) -> Result:
+    """The one reader's view of a copy of ``data``, checking that it leaves its argument unchanged."""
     mine = copy.deepcopy(data)
-    result = load_index(mine)
-    assert mine == data, "load_index changed the document it was given"
-    return result
+    try:
+        index = read_index(mine)
+    finally:
+        assert mine == data, "the reader changed the document it was given"
+    return index.metadata(), index.tensors, index.objects
 
 
 def _chunk_fields(c: ChunkRead) -> tuple[Any, ...]:
@@ -187,10 +191,10 @@ def _records(reader: CheckpointReader, tensors: dict[str, TensorEntry]) -> str |
 
 
 def _assert_same(indexed: Result, general: Result, reader: CheckpointReader | None) -> None:
-    """``indexed`` (from load_index) is what the general path made: ``general``."""
+    """``indexed`` (from the reader) is what the general path made: ``general``."""
     md, tensors, objects = indexed
     gmd, gtensors, gobjects = general
-    assert type(md) is IndexedMetadata and type(gmd) is Metadata
+    assert type(md) is Metadata and type(gmd) is Metadata
     assert list(tensors) == list(gtensors)
     assert objects == gobjects and list(objects) == list(gobjects)
     for fqn, g in gtensors.items():
@@ -198,7 +202,9 @@ def _assert_same(indexed: Result, general: Result, reader: CheckpointReader | No
         assert type(t) is TensorEntry
         # before anything is made on demand
         assert t.memory_format is g.memory_format, fqn
-        assert t.crcs is None and g.crcs is None, fqn  # records read later, from the table
+        # records listed in the document, or read later from the table
+        assert (t.crcs is None) == (g.crcs is None), fqn
+        assert t.crcs is None or np.array_equal(t.crcs, g.crcs), fqn
         assert (t.fqn, t.name, t.shape, t.dtype, t.nbytes, t.nchunks, t.row, t.whole) == (
             g.fqn,
             g.name,
@@ -211,8 +217,11 @@ def _assert_same(indexed: Result, general: Result, reader: CheckpointReader | No
         ), fqn
         assert type(t.shape) is tuple and all(type(n) is int for n in t.shape), fqn
         assert type(t.nbytes) is int and type(t.nchunks) is int and type(t.row) is int, fqn
-        assert t.table == g.table and t.table is not None, fqn
-        assert t.listed is None and g.listed is None, fqn
+        assert t.table == g.table, fqn
+        assert (t.listed is None) == (g.listed is None), fqn
+        assert t.listed is None or {k: v.tolist() for k, v in t.listed.items()} == {
+            k: v.tolist() for k, v in g.listed.items()
+        }, fqn
         assert t.segments == g.segments, fqn
         assert t.grid == g.grid, fqn
         assert t.metadata == g.metadata and g.metadata == t.metadata, fqn
@@ -249,15 +258,19 @@ def _assert_same(indexed: Result, general: Result, reader: CheckpointReader | No
 
 
 def _check_contract(data: Any, reader: CheckpointReader | None) -> Result | None:
-    """What the contract asks of load_index for the document ``data``; its result."""
+    """What the contract asks of the reader for the document ``data``; its result (None: refused)."""
     try:
         general: Result | None = _general(data)
     except MetadataError:
-        general = None  # how validated_metadata reports a damaged document
-    indexed = _indexed(data)  # never raises
+        general = None
+    try:
+        indexed: Result | None = _indexed(data)
+    except MetadataError:
+        indexed = None
     if general is None:
-        assert indexed is None, "the index took a document the general path refuses"
-    elif indexed is not None:
+        assert indexed is None, "the reader took a document the general path refuses"
+    else:
+        assert indexed is not None, "the reader refused a document the general path takes"
         _assert_same(indexed, general, reader)
     return indexed
 
@@ -266,13 +279,11 @@ def _check_contract(data: Any, reader: CheckpointReader | None) -> Result | None
 
 
 @pytest.mark.parametrize("name", _TABLED)
-def test_the_index_takes_the_documents_gpuckpt_writes_and_equals_the_general_path(
+def test_the_reader_takes_the_documents_gpuckpt_writes_and_equals_the_general_path(
     checkpoints: dict[str, _Checkpoint], name: str
 ) -> None:
     ck = checkpoints[name]
-    indexed = _indexed(ck.data)
-    assert indexed is not None, f"the index left the {name} checkpoint to the general path"
-    _assert_same(indexed, _general(ck.data), open_reader(ck.path))
+    _assert_same(_indexed(ck.data), _general(ck.data), open_reader(ck.path))
 
 
 def test_the_documents_cover_what_the_index_handles(checkpoints: dict[str, _Checkpoint]) -> None:
@@ -297,29 +308,28 @@ def test_the_documents_cover_what_the_index_handles(checkpoints: dict[str, _Chec
     assert set(cols["fqn"]) == set(tensors) and len(cols["properties"]) >= 5
     assert any(n is not None for n in cols["name"]) and any(n is None for n in cols["name"])
     assert any(c is not None for c in cols["chunk_shape"]) and any(c is None for c in cols["chunk_shape"])
-    assert not _indexed(checkpoints["mixed3"].data)[0].__dict__.get("storage_data")  # made when asked for
 
 
-def test_a_checkpoint_without_a_chunk_table_is_left_to_the_general_path(
+def test_a_checkpoint_without_a_chunk_table_has_its_records_listed(
     checkpoints: dict[str, _Checkpoint],
 ) -> None:
-    """Records listed per chunk (a checkpoint of at most TABLE_MIN_CHUNKS chunks) are outside
-    what the index handles (its module description): it returns None, the general path reads it."""
+    """Records listed per chunk (a checkpoint of at most TABLE_MIN_CHUNKS chunks): read with the
+    document, no table."""
     ck = checkpoints["listed"]
     assert "chunk_table" not in ck.data["storage_data"]
-    assert _indexed(ck.data) is None
-    _md, tensors, _objects = _general(ck.data)
-    assert tensors["split"].crcs is not None
+    _md, tensors, _objects = _indexed(ck.data)
+    assert tensors["split"].crcs is not None and tensors["split"].table is None
 
 
 def test_a_document_of_values_only(tmp_path: Path) -> None:
-    """gpuckpt writes a checkpoint of values only in format version 1 (left to the general
-    path); the same document as version 2 has no chunk table, and the index takes it."""
+    """gpuckpt writes a checkpoint of values only in format version 1; the same document as
+    version 2 has no chunk table; the reader takes both."""
     gpuckpt.save({"step": 3, "name": "x", "sched": [1, 2]}, tmp_path / "ck", sync="none")
     ck = _checkpoint(tmp_path / "ck", None)
     reader = open_reader(ck.path)
     assert ck.data["version"] == "1"
-    assert _check_contract(ck.data, reader) is None
+    one = _check_contract(ck.data, reader)
+    assert one is not None and one[1] == {}
     doc = copy.deepcopy(ck.data)
     doc["version"] = "2"
     indexed = _check_contract(doc, reader)
@@ -576,13 +586,14 @@ def _damaged(data: dict[str, Any], change: Callable[[dict[str, Any]], None]) -> 
         if n not in ("small", "small3") or d not in _NEEDS_SPLIT
     ],
 )
-def test_damage_the_general_path_refuses_is_refused_by_the_index(
+def test_damage_the_general_path_refuses_is_refused_by_the_reader(
     checkpoints: dict[str, _Checkpoint], name: str, defect: str
 ) -> None:
     doc = _damaged(checkpoints[name].data, _DEFECTS[defect])
     with pytest.raises(MetadataError):
         _general(doc)
-    assert _indexed(doc) is None
+    with pytest.raises(MetadataError):
+        _indexed(doc)
 
 
 def _cols(doc: dict[str, Any]) -> dict[str, Any]:
@@ -687,7 +698,8 @@ def test_damaged_columns_are_refused_by_both(
     _COLUMN_DEFECTS[defect](doc)
     with pytest.raises(MetadataError):
         _general(doc)
-    assert _indexed(doc) is None
+    with pytest.raises(MetadataError):
+        _indexed(doc)
 
 
 def _move_out_of_columns(doc: dict[str, Any]) -> None:
@@ -898,7 +910,7 @@ def test_mutated_documents_are_refused_by_both_or_read_alike(
         _general(doc)
     except MetadataError:
         pass
-    except Exception as exc:  # validated_metadata reports every defect as a MetadataError
+    except Exception as exc:  # the general path reported every defect as a MetadataError
         pytest.fail(f"{label}: the general path raised {type(exc).__name__}: {exc}")
     _check_contract(doc, open_reader(ck.path))
 
@@ -935,13 +947,11 @@ def _assert_bits(got: Any, saved: Any, key: str) -> None:
 
 
 @pytest.mark.parametrize("name", ["small", "mixed", "default", "small3", "mixed3"])
-def test_loads_through_the_index_give_the_saved_arrays(
+def test_loads_through_the_reader_give_the_saved_arrays(
     checkpoints: dict[str, _Checkpoint], name: str
 ) -> None:
     ck = checkpoints[name]
     assert ck.state is not None
-    md, _tensors, _objects = validated_metadata(ck.root, str(ck.path))
-    assert type(md) is IndexedMetadata  # what the loads below use
     out = gpuckpt.load_state_dict(ck.path)
     saved = dict(_leaves(ck.state))
     loaded = dict(_leaves(out))
@@ -964,7 +974,8 @@ def test_loads_through_the_index_give_the_saved_arrays(
 def test_read_metadata_equals_what_loads_validate(checkpoints: dict[str, _Checkpoint], name: str) -> None:
     ck = checkpoints[name]
     general = gpuckpt.read_metadata(ck.path)
-    md, _tensors, _objects = validated_metadata(ck.root, str(ck.path))
-    assert type(general) is Metadata and type(md) is IndexedMetadata
+    md = index_of_root(ck.root, str(ck.path)).metadata()
+    assert type(general) is Metadata and type(md) is Metadata
     assert general == md and md == general
+    assert general is not md  # read_metadata hands out metadata of its own
     assert list(general.state_dict_metadata) == list(md.state_dict_metadata)
