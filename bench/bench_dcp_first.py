@@ -77,7 +77,8 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # the repository, for bench.compare
+# the repository, for bench.compare: last, so that a variant's gpuckpt (first on PYTHONPATH) wins
+sys.path.append(str(REPO))
 
 from bench.compare.common import (  # noqa: E402
     OP_SETTLE_S,
@@ -248,6 +249,12 @@ def child(spec: dict[str, Any]) -> None:
     if op in ("save-gpuckpt", "load-gpuckpt", "load-native"):
         import gpuckpt
         import gpuckpt.dcp
+
+        tree = spec.get("tree")
+        if tree is not None and not Path(gpuckpt.__file__).resolve().is_relative_to(Path(tree).resolve()):
+            raise RuntimeError(
+                f"this process imported {gpuckpt.__file__}, not the variant's gpuckpt in {tree}"
+            )
     if world > 1:
         assert dist is not None
         dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -670,6 +677,7 @@ def main(argv: list[str] | None = None) -> int:
                         "settle_op": args.settle_op,
                         "out": str(out),
                         "ref": refs[kind].get(op, ""),
+                        "tree": variant.path,
                     }
                     rec = combine(run_processes(spec, world, variant, "--child"))
                     rec.update(system=name, case=case, round=rnd - args.warmup)
