@@ -36,10 +36,11 @@ from gpuckpt.reading import (
     checking_chunk_files,
     paused_gc,
 )
+from gpuckpt.session import execute_save
 from gpuckpt.sources import contains_sharded, describe_state, is_leaf
 from gpuckpt.state import flatten_state_dict, select_fqns, unflatten_state_dict
 from gpuckpt.storage.values import decode_object
-from gpuckpt.writing import execute_save, open_save_writer
+from gpuckpt.writing import open_save_writer
 
 __all__ = ["load", "load_state_dict", "load_with_options", "read_metadata", "save", "save_with_options"]
 

@@ -37,9 +37,10 @@ from gpuckpt.pending import SaveFuture, submit, wait_all, writer_executor
 from gpuckpt.planning.plan import SavePlan, StateDescription, plan_save
 from gpuckpt.progress import ProgressCallback
 from gpuckpt.reading import paused_gc
+from gpuckpt.session import execute_save
 from gpuckpt.sources import Source, contains_sharded, describe_state
 from gpuckpt.workers import Workers
-from gpuckpt.writing import device_backends, execute_save, open_save_writer, shared_with_base
+from gpuckpt.writing import device_backends, open_save_writer, shared_with_base
 
 __all__ = [
     "SaveFuture",

@@ -148,6 +148,7 @@ def assemble_metadata(
     columns: np.ndarray | Mapping[str, np.ndarray] | Mapping[tuple[str, tuple[int, ...]], Written],
     checkpoint_id: str | None,
     table: Mapping[str, Any] | None = None,
+    planner_extra: Mapping[str, Any] | None = None,
 ) -> Metadata:
     """The checkpoint's Metadata from the plan and every chunk's records: the per-chunk
     columns in chunk table order (:func:`table_columns`; or the CRC32C column alone; or a
@@ -161,7 +162,8 @@ def assemble_metadata(
     (a hashing save) are listed with the records, or are columns of the table, and
     ``storage_data["content_hash"]`` names their algorithm. Segment records among them
     (``segments``, see :mod:`gpuckpt.storage.segments`) go to the tensor's entry when every
-    chunk of its regular grid has them.
+    chunk of its regular grid has them. ``planner_extra``: more entries of ``planner_data``
+    (besides the state's ``structure``).
     """
     cols = as_columns(plan, columns)
     segments = cols.get(SEGMENTS_KEY)
@@ -197,7 +199,7 @@ def assemble_metadata(
         storage_data["content_hash"] = content_hash_info()
     return Metadata(
         state_dict_metadata=state_md,
-        planner_data={"structure": plan.skeleton},
+        planner_data={"structure": plan.skeleton, **(planner_extra or {})},
         storage_data=storage_data,
         storage_meta=StorageMeta(checkpoint_id=checkpoint_id, modules=["gpuckpt"]),
         version=format_version(plan, table is not None),
@@ -242,18 +244,20 @@ def commit_save(
     checkpoint_id: str | None,
     *,
     table: bool | None = None,
+    planner_extra: Mapping[str, Any] | None = None,
 ) -> Metadata:
     """Write the chunk table (large saves), then publish the root document; returns the Metadata.
 
     ``columns``: every chunk's records in chunk table order (:func:`table_columns`), or
-    its CRC32C column alone. ``table``: whether to write the chunk table; None (the
-    default) decides by the number of chunks (:func:`uses_table`). Tests and fixtures
-    force either form.
+    its CRC32C column alone (or the other forms :func:`assemble_metadata` takes).
+    ``table``: whether to write the chunk table; None (the default) decides by the
+    number of chunks (:func:`uses_table`). Tests and fixtures force either form.
+    ``planner_extra``: see :func:`assemble_metadata`.
     """
     cols = as_columns(plan, columns)
     if table is None:
         table = uses_table(plan)
     entry = write_table(writer, cols) if table and plan.nchunks else None
-    metadata = assemble_metadata(plan, cols, checkpoint_id, entry)
+    metadata = assemble_metadata(plan, cols, checkpoint_id, entry, planner_extra)
     writer.commit(root_document(metadata))
     return metadata

@@ -25,15 +25,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gpuckpt.commit import Written, commit_save, result_columns, table_columns
+from gpuckpt.commit import Written, result_columns
 from gpuckpt.device.arrays import ArrayAdapter, StagedOut
 from gpuckpt.device.backend import ChunkBox, DeviceBackend, Staging, distinct_backends
 from gpuckpt.errors import CheckpointWriteError, GpuckptError
 from gpuckpt.incremental import BaseIndex, digests_match, open_base_for, reuse_by_digests
-from gpuckpt.metadata import (
-    FORMAT_VERSION,
-    Metadata,
-)
 from gpuckpt.options import SaveOptions
 from gpuckpt.planning.plan import ChunkAssignment, SavePlan, TensorPlan
 from gpuckpt.progress import ProgressCounter
@@ -52,7 +48,6 @@ __all__ = [
     "written_rows",
     "bind_jobs",
     "device_backends",
-    "execute_save",
     "shared_with_base",
     "open_save_writer",
     "array_document_of",
@@ -410,40 +405,3 @@ def writing(writer: CheckpointWriter) -> Iterator[None]:
     except BaseException:
         writer.abort()
         raise
-
-
-def execute_save(
-    plan: SavePlan,
-    sources: Sources,
-    writer: CheckpointWriter,
-    options: SaveOptions,
-    *,
-    checkpoint_id: str | None = None,
-    table: bool | None = None,
-) -> Metadata:
-    """Write the single-process ``plan`` from ``sources`` through ``writer`` and commit.
-
-    Aborts the writer on any error. ``sources`` are the arrays the plan was
-    described from, or a snapshot of them. ``table``: see :func:`commit_save`.
-    """
-    (mine,) = plan.assignments
-    base = open_base_for(options, plan.tensors)
-    with writing(writer):
-        writer.begin()
-        # single-chunk arrays get their directory and document from the I/O thread
-        # that writes their chunk; the others' must exist before any chunk lands. Those an
-        # incremental save may share with its base are written here too, in batches (their
-        # chunk is usually linked, not written in a batch of small files)
-        shared = set(base.arrays()) if base is not None else set()
-        single = write_array_documents(
-            plan,
-            writer,
-            defer={t.name for t in plan.tensors if len(t.specs) == 1 and t.name not in shared},
-            threads=options.threads,
-        )
-        jobs = bind_jobs(mine, sources)
-        written = write_chunks(jobs, writer, options, documents=single, base=base)
-        columns = table_columns(plan, [written_rows(jobs, written)])
-        metadata = commit_save(plan, columns, writer, checkpoint_id, table=table)
-    metadata.version = metadata.version or FORMAT_VERSION
-    return metadata

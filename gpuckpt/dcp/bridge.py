@@ -50,7 +50,7 @@ import numpy as np
 from gpuckpt.background import copy_host_arrays, host_order, snapshot_bytes, snapshot_on_device
 from gpuckpt.background import snapshot as snapshot_to_arena
 from gpuckpt.chunk_reads import read_tensors
-from gpuckpt.commit import Written, as_columns, assemble_metadata, result_columns, table_columns, uses_table
+from gpuckpt.commit import Written, as_columns, result_columns, table_columns
 from gpuckpt.device.arrays import DeviceArray, HostArray, HostMemory, adapt, device_backends
 from gpuckpt.device.staging import ArenaPool, StagingArena, aligned_bytes, pool_for
 from gpuckpt.distributed.load import read_boxes
@@ -59,24 +59,22 @@ from gpuckpt.errors import StagingTimeoutError
 from gpuckpt.incremental import BaseIndex, ChunkResult, check_base_target, open_base_for
 from gpuckpt.incremental import open_base as _open_base
 from gpuckpt.load import open as load_open
-from gpuckpt.metadata import FORMAT_VERSION, Metadata, TensorProperties
+from gpuckpt.metadata import Metadata, TensorProperties
 from gpuckpt.options import LoadOptions, SaveOptions
 from gpuckpt.planning.boxes import Box, LocalTensor
 from gpuckpt.planning.plan import ChunkAssignment, SavePlan, StateDescription, plan_save
 from gpuckpt.planning.uniform import compact_description
 from gpuckpt.reading import TensorEntry, check_chunk_files, paused_gc
+from gpuckpt.session import SaveSession
 from gpuckpt.sources import Source, describe_state
 from gpuckpt.state import unflatten_state_dict
 from gpuckpt.storage.base import CheckpointReader, CheckpointWriter
-from gpuckpt.storage.chunk_table import write_table
-from gpuckpt.storage.layout import root_document
 from gpuckpt.storage.stores import attach_writer, is_committed, scheme_of
 from gpuckpt.storage.values import decode_object, encode_object
 from gpuckpt.writing import (
     array_document_of,
     bind_jobs,
     open_save_writer,
-    write_array_documents,
     write_chunks,
     writing,
 )
@@ -158,6 +156,7 @@ class OpenSave:
     plan: SavePlan
     token: str
     deferred: dict[str, bytes]
+    session: SaveSession
 
 
 def begin_save(
@@ -182,10 +181,8 @@ def begin_save(
         expected_files=plan.nfiles + nobjects,
         direct_io=world_size == 1 and options.use_direct_io(False),
     )
-    with writing(writer):
-        writer.begin()
-        later = write_array_documents(plan, writer, defer=deferred, threads=options.threads)
-    return OpenSave(path, writer, plan, writer.token or "", later)
+    session, later = SaveSession.begin(plan, writer, options, defer=deferred)
+    return OpenSave(path, writer, plan, writer.token or "", later, session)
 
 
 def reusable_arrays(path: str, plan: SavePlan, options: SaveOptions) -> tuple[str, ...] | None:
@@ -280,14 +277,9 @@ def commit_save(
             if found.properties.memory_format is not planned.properties.memory_format:
                 save.writer.rewrite_array_document(found.name, array_document_of(found))
         objects = {fqn: encode_object(blob, fqn=fqn) for fqn, blob in values.items()}
-        done = dataclasses.replace(save.plan, tensors=tensors, objects=objects, skeleton=skeleton)
-        columns = as_columns(done, results)
-        table = write_table(save.writer, columns) if uses_table(done) else None
-        md = assemble_metadata(done, columns, checkpoint_id, table)
-        md.planner_data = {**md.planner_data, **planner_extra}
-        save.writer.commit(root_document(md))
-    md.version = md.version or FORMAT_VERSION
-    return md
+    done = dataclasses.replace(save.plan, tensors=tensors, objects=objects, skeleton=skeleton)
+    columns = as_columns(done, results)
+    return save.session.commit(columns, checkpoint_id, plan=done, planner_extra=planner_extra)
 
 
 def abort_save(save: OpenSave) -> None:

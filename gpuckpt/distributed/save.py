@@ -39,13 +39,12 @@ import json
 import os
 import uuid
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from gpuckpt.commit import commit_save, table_columns
 from gpuckpt.distributed.coordinator import Coordinator
 from gpuckpt.format.reader import read_index
 from gpuckpt.incremental import BaseIndex, open_base, open_base_for
@@ -59,16 +58,13 @@ from gpuckpt.planning.uniform import (
     local_layout_digest,
     tensor_groups,
 )
+from gpuckpt.session import SaveSession
 from gpuckpt.sources import Source, describe_state
 from gpuckpt.storage.stores import attach_writer
 from gpuckpt.writing import (
     array_document_of,
     bind_jobs,
     open_save_writer,
-    write_array_documents,
-    write_chunks,
-    writing,
-    written_rows,
 )
 
 __all__ = ["PlanCacheInfo", "distributed_save", "plan_cache_info", "save_described"]
@@ -194,6 +190,7 @@ def save_described(
         gathered = coord.gather(send)
 
     base: BaseIndex | None = None
+    session: SaveSession | None = None
 
     def plan_on_root() -> tuple[SavePlan, str, list[str] | None]:
         nonlocal writer, base
@@ -210,10 +207,9 @@ def save_described(
         reusable = None if base is None else base.arrays()
         # the other ranks' writers attach without O_DIRECT: the root's writes alike
         writer = open_save_writer(path, options, expected_files=plan.nfiles, direct_io=False)
-        with writing(writer):
-            writer.begin()
-            if writer.documents_first:
-                write_array_documents(plan, writer, threads=options.threads)
+        # a store that takes chunks before documents gets them from every rank, with its chunks
+        nonlocal session
+        session, _ = SaveSession.begin(plan, writer, options, documents=writer.documents_first)
         return plan, writer.token, reusable
 
     root = _run(coord, plan_on_root) if coord.rank == 0 else _run(coord, lambda: None)
@@ -229,8 +225,14 @@ def save_described(
         documents = _my_documents(shared, coord.rank, coord.world_size)
         _cache[coord] = _Cached(layout_token, shared if coord.rank == 0 else None, mine, documents)
 
-    def write_mine() -> tuple[np.ndarray, dict[str, np.ndarray]]:
-        w = writer if coord.rank == 0 else attach_writer(path, token, storage_options=options.store_options())
+    def write_mine() -> tuple[np.ndarray, Mapping[str, np.ndarray]]:
+        if coord.rank == 0:
+            assert session is not None
+            mine_session = session
+        else:
+            w = attach_writer(path, token, storage_options=options.store_options())
+            mine_session = SaveSession.joined(w, options)
+        w = mine_session.writer
         mine_base = base
         if coord.rank != 0 and reusable is not None and options.base_location is not None:
             mine_base = open_base(options.base_location, options.storage_options, reusable)
@@ -240,17 +242,15 @@ def save_described(
         first = (
             [] if w.documents_first else [functools.partial(w.write_array_document, *d) for d in documents]
         )
-        return written_rows(jobs, write_chunks(jobs, w, options, base=mine_base, first=first))
+        return mine_session.rows(jobs, mine_session.write(jobs, base=mine_base, first=first))
 
     try:
         results = _run(coord, write_mine)
         all_results = coord.gather(results)
 
         def commit_on_root() -> str:
-            assert plan is not None and all_results is not None
-            with writing(writer):
-                md = commit_save(plan, table_columns(plan, all_results), writer, str(uuid.uuid4()))
-            return md.to_json()
+            assert session is not None and all_results is not None
+            return session.commit(all_results, str(uuid.uuid4())).to_json()
 
         text = _run(coord, commit_on_root) if coord.rank == 0 else _run(coord, lambda: None)
     except BaseException:

@@ -74,8 +74,9 @@ def main(argv: list[str]) -> int:
         return 0
     from gpuckpt.options import SaveOptions
     from gpuckpt.planning.plan import plan_save
+    from gpuckpt.session import execute_save
     from gpuckpt.sources import describe_state
-    from gpuckpt.writing import execute_save, open_save_writer
+    from gpuckpt.writing import open_save_writer
 
     options = SaveOptions(chunk_bytes=512)
     local, sources = describe_state(golden_state(), allow_pickle=False)

@@ -15,6 +15,7 @@ from gpuckpt.errors import CheckpointCorruptedError, MetadataError, MissingChunk
 from gpuckpt.metadata import GridTensorStorageMetadata, TensorStorageMetadata
 from gpuckpt.options import SaveOptions
 from gpuckpt.planning.plan import plan_save
+from gpuckpt.session import execute_save
 from gpuckpt.sources import describe_state
 from gpuckpt.storage.checksum import crc32c
 from gpuckpt.storage.chunk_table import (
@@ -27,7 +28,7 @@ from gpuckpt.storage.chunk_table import (
 from gpuckpt.storage.layout import _canonical
 from gpuckpt.storage.stores import open_reader
 from gpuckpt.verify import verify_checkpoint
-from gpuckpt.writing import execute_save, open_save_writer
+from gpuckpt.writing import open_save_writer
 
 TABLE = column_array_name("crc32c")
 

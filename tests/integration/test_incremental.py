@@ -536,11 +536,12 @@ def test_a_chunk_table_base_serves_its_hashes_and_its_unchanged_chunks(tmp_path:
 def test_a_hashed_save_with_a_chunk_table_records_hash_columns(tmp_path: Path) -> None:
     from gpuckpt.options import SaveOptions
     from gpuckpt.planning.plan import plan_save
+    from gpuckpt.session import execute_save
     from gpuckpt.sources import describe_state
     from gpuckpt.storage.chunk_table import TABLE_KEY, ChunkTable
     from gpuckpt.storage.contenthash import LEAF, chunk_hash
     from gpuckpt.storage.stores import open_reader
-    from gpuckpt.writing import execute_save, open_save_writer
+    from gpuckpt.writing import open_save_writer
 
     state = make_state()
     # the table whatever the size (the fixtures' switch), so that chunks of several leaves are in it
