@@ -23,7 +23,7 @@ from gpuckpt.device.backend import ChunkBox, Ticket
 from gpuckpt.errors import CheckpointWriteError
 from gpuckpt.incremental import BaseChunk, BaseIndex, ChunkResult, digests_match
 from gpuckpt.storage import contenthash
-from gpuckpt.storage.base import CheckpointReader, CheckpointWriter, ChunkWrites
+from gpuckpt.storage.base import CheckpointReader, CheckpointWriter, ChunkWrites, CrcDigest
 from gpuckpt.storage.checksum import CRC_BYTES, crc32c
 from gpuckpt.storage.contenthash import LEAF, ChunkHasher
 
@@ -384,17 +384,25 @@ def _write_large(
     if document is not None:
         writer.write_array_document(name, document)
     hasher = ChunkHasher(k.head) if k.value is None else None
-    crc = 0
-
-    def digest(piece: Any) -> None:
-        nonlocal crc
-        crc = crc32c(piece, crc)
-        if hasher is not None:
-            hasher.update(piece)
-
+    digest = _HashingDigest(hasher)
     parts = [buf, bytes(pad)] if pad else [buf]
-    writer.write_chunk_checked(
-        name, key, parts, digest, lambda: crc.to_bytes(CRC_BYTES, "little"), stable=stable
-    )
+    writer.write_chunk_checked(name, key, parts, digest, stable=stable)
+    crc = digest.value
     value, head = hasher.digests() if hasher is not None else (k.value, k.head)
     return ChunkResult(buf.nbytes + pad + CRC_BYTES, crc, value, head)
+
+
+class _HashingDigest(CrcDigest):
+    """The CRC32C of a chunk and, where it is not known already, its content hash, fed the
+    bytes the writer stores."""
+
+    __slots__ = ("_hasher",)
+
+    def __init__(self, hasher: ChunkHasher | None) -> None:
+        super().__init__()
+        self._hasher = hasher
+
+    def update(self, piece: Any) -> None:
+        super().update(piece)
+        if self._hasher is not None:
+            self._hasher.update(piece)

@@ -8,7 +8,7 @@ import stat
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Protocol
 
 from gpuckpt.storage.checksum import CRC_BYTES, crc32c
 from gpuckpt.storage.copies import own_copy
@@ -19,8 +19,10 @@ __all__ = [
     "CheckpointReader",
     "CheckpointRoot",
     "CheckpointWriter",
+    "ChunkDigest",
     "ChunkReads",
     "ChunkWrites",
+    "CrcDigest",
     "NotRegularFileError",
     "ReadStop",
 ]
@@ -56,6 +58,32 @@ class ChunkWrites:
             [docs[i] for i in indices] if docs else (),
             self.stable,
         )
+
+
+class ChunkDigest(Protocol):
+    """What a writer feeds a chunk's bytes to as it stores them
+    (:meth:`CheckpointWriter.write_chunk_checked`)."""
+
+    def update(self, piece: Any) -> None:
+        """Take the next bytes of the chunk (a contiguous buffer)."""
+
+    def trailer(self) -> bytes:
+        """The chunk's checksum trailer, once every byte was fed."""
+
+
+class CrcDigest:
+    """The CRC32C of a chunk's bytes as a :class:`ChunkDigest` (its ``value``)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def update(self, piece: Any) -> None:
+        self.value = crc32c(piece, self.value)
+
+    def trailer(self) -> bytes:
+        return self.value.to_bytes(CRC_BYTES, "little")
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,31 +207,25 @@ class CheckpointWriter(ABC):
         """Store the concatenation of the buffers ``parts`` as chunk ``key`` of array ``name``."""
 
     def write_chunk_checked(
-        self,
-        name: str,
-        key: str,
-        parts: Sequence[Any],
-        digest: Callable[[Any], None],
-        trailer: Callable[[], bytes],
-        *,
-        stable: bool = False,
+        self, name: str, key: str, parts: Sequence[Any], digest: ChunkDigest, *, stable: bool = False
     ) -> None:
-        """Store ``parts`` followed by ``trailer()``, calling ``digest`` on every byte of ``parts`` first.
+        """Store ``parts`` followed by ``digest.trailer()``, feeding ``digest.update`` every byte of
+        ``parts`` first.
 
-        ``digest`` sees the data in order, and exactly the bytes that are stored;
-        ``trailer`` (the checksum) is asked for once all of it was digested.
-        ``stable``: nothing changes ``parts`` until this returns (gpuckpt's own
-        snapshot or staging memory), so they may be digested and stored from where
-        they are; otherwise they are read once, into a copy that is digested and
-        stored (see the class docstring). The default copies the whole chunk unless
-        it is stable, digests it, then writes; back ends that stream copy, digest
-        and write piece by piece, while each piece is still in the CPU cache.
+        ``digest`` sees the data in order, and exactly the bytes that are stored; its
+        trailer (the checksum) is asked for once all of it was digested. ``stable``:
+        nothing changes ``parts`` until this returns (gpuckpt's own snapshot or staging
+        memory), so they may be digested and stored from where they are; otherwise they
+        are read once, into a copy that is digested and stored (see the class
+        docstring). The default copies the whole chunk unless it is stable, digests it,
+        then writes; back ends that stream copy, digest and write piece by piece, while
+        each piece is still in the CPU cache.
         """
         if not stable:
             parts = [own_copy(parts)]
         for p in parts:
-            digest(p)
-        self.write_chunk(name, key, [*parts, trailer()])
+            digest.update(p)
+        self.write_chunk(name, key, [*parts, digest.trailer()])
 
     def reuse_chunk(self, name: str, key: str, base: BaseRef) -> bool:
         """Make chunk ``key`` of array ``name`` the bytes of the earlier checkpoint's chunk
@@ -248,25 +270,11 @@ class CheckpointWriter(ABC):
         same pass: see :mod:`gpuckpt.storage.segments`)."""
         if segmented(sum(memoryview(p).nbytes for p in parts)):
             seg = SegmentDigest()
-            self.write_chunk_checked(
-                name,
-                key,
-                parts,
-                seg.update,
-                lambda: seg.value.to_bytes(CRC_BYTES, "little"),
-                stable=stable,
-            )
+            self.write_chunk_checked(name, key, parts, seg, stable=stable)
             return seg.result()
-        value = 0
-
-        def digest(piece: Any) -> None:
-            nonlocal value
-            value = crc32c(piece, value)
-
-        self.write_chunk_checked(
-            name, key, parts, digest, lambda: value.to_bytes(CRC_BYTES, "little"), stable=stable
-        )
-        return value
+        crc = CrcDigest()
+        self.write_chunk_checked(name, key, parts, crc, stable=stable)
+        return crc.value
 
     @abstractmethod
     def commit(self, root_document: bytes) -> None: ...

@@ -30,9 +30,10 @@ import errno
 import mmap
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
+from gpuckpt.storage.base import ChunkDigest
 from gpuckpt.storage.copies import copy_into
 from gpuckpt.storage.fileio import buffer_address, write_all, writev_all
 
@@ -93,20 +94,13 @@ class DirectWriter:
             buf = self._bounce.buf = mmap.mmap(-1, _PIECE)  # page-aligned
         return memoryview(buf)
 
-    def write(
-        self,
-        fd: int,
-        parts: Sequence[Any],
-        digest: Callable[[Any], None],
-        trailer: Callable[[], bytes],
-        *,
-        stable: bool = False,
-    ) -> None:
-        """Write ``parts`` then ``trailer()`` to ``fd`` (from :meth:`create`), calling ``digest`` on each
-        piece just before it is written: straight from page-aligned ``stable`` memory (a staging
-        arena, a snapshot: nothing changes it meanwhile), else copied through the aligned bounce
-        buffer (and checksummed there, so that the checksum is of the bytes written). The
-        unaligned tail and the trailer go through the page cache. ``fd`` stays open."""
+    def write(self, fd: int, parts: Sequence[Any], digest: ChunkDigest, *, stable: bool = False) -> None:
+        """Write ``parts`` then ``digest.trailer()`` to ``fd`` (from :meth:`create`), feeding
+        ``digest.update`` each piece just before it is written: straight from page-aligned
+        ``stable`` memory (a staging arena, a snapshot: nothing changes it meanwhile), else copied
+        through the aligned bounce buffer (and checksummed there, so that the checksum is of the
+        bytes written). The unaligned tail and the trailer go through the page cache. ``fd``
+        stays open."""
         bounce = self._bounce_buffer()
         direct = True
         fill = 0
@@ -118,7 +112,7 @@ class DirectWriter:
                 aligned = view.nbytes - view.nbytes % _DIRECT_ALIGN
                 for i in range(0, aligned, _PIECE):
                     piece = view[i : min(aligned, i + _PIECE)]
-                    digest(piece)
+                    digest.update(piece)
                     direct = self._write_aligned(fd, piece, direct)
                 i = aligned
             while i < view.nbytes:
@@ -127,17 +121,17 @@ class DirectWriter:
                 fill += take
                 i += take
                 if fill == _PIECE:
-                    digest(bounce)
+                    digest.update(bounce)
                     direct = self._write_aligned(fd, bounce, direct)
                     fill = 0
         if fill:
-            digest(bounce[:fill])
+            digest.update(bounce[:fill])
         aligned = fill - fill % _DIRECT_ALIGN
         if aligned:
             direct = self._write_aligned(fd, bounce[:aligned], direct)
         if direct:
             _clear_direct(fd)
-        writev_all(fd, [bounce[aligned:fill], trailer()])
+        writev_all(fd, [bounce[aligned:fill], digest.trailer()])
 
     def _write_aligned(self, fd: int, data: memoryview, direct: bool) -> bool:
         """Write aligned ``data``; returns whether ``fd`` is still in direct mode (a file system may

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import errno
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,7 @@ from gpuckpt.storage import batchio, fsutil
 from gpuckpt.storage.base import (
     BaseRef,
     CheckpointWriter,
+    ChunkDigest,
     ChunkWrites,
     NotRegularFileError,
 )
@@ -296,14 +297,7 @@ class LocalWriter(CheckpointWriter):
         self._write_file(f"{name}/{key}", parts)
 
     def write_chunk_checked(
-        self,
-        name: str,
-        key: str,
-        parts: Sequence[Any],
-        digest: Callable[[Any], None],
-        trailer: Callable[[], bytes],
-        *,
-        stable: bool = False,
+        self, name: str, key: str, parts: Sequence[Any], digest: ChunkDigest, *, stable: bool = False
     ) -> None:
         direct = self._direct
         if direct is not None and direct.enabled:
@@ -313,7 +307,7 @@ class LocalWriter(CheckpointWriter):
                 try:
                     # direct writes allocate blocks as they land: concurrent files would interleave
                     fsutil.preallocate(fd, size)
-                    direct.write(fd, parts, digest, trailer, stable=stable)
+                    direct.write(fd, parts, digest, stable=stable)
                     self._settle(fd, size)
                 finally:
                     os.close(fd)
@@ -326,15 +320,15 @@ class LocalWriter(CheckpointWriter):
             if len(parts) == 1 and memoryview(parts[0]).nbytes <= PIECE_BYTES:
                 # a small chunk: one system call for its bytes and its checksum
                 (piece,) = list(own_pieces(parts, stable=stable)) or [memoryview(b"")]
-                digest(piece)
-                writev_all(fd, [piece, trailer()])
+                digest.update(piece)
+                writev_all(fd, [piece, digest.trailer()])
                 total = piece.nbytes
             else:
                 for piece in own_pieces(parts, stable=stable, piece=PIECE_BYTES):
                     total += piece.nbytes
-                    digest(piece)
+                    digest.update(piece)
                     write_all(fd, piece)
-                write_all(fd, trailer())
+                write_all(fd, digest.trailer())
             self._settle(fd, total)
         finally:
             os.close(fd)

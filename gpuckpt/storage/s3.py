@@ -71,7 +71,7 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
@@ -81,7 +81,7 @@ from gpuckpt.errors import (
     MetadataError,
 )
 from gpuckpt.storage import fsutil
-from gpuckpt.storage.base import BaseRef, CheckpointWriter
+from gpuckpt.storage.base import BaseRef, CheckpointWriter, ChunkDigest
 from gpuckpt.storage.checksum import CRC_BYTES
 from gpuckpt.storage.copies import PIECE_BYTES, own_copy
 from gpuckpt.storage.layout import (
@@ -503,14 +503,7 @@ class ObjectStoreWriter(Prefix, CheckpointWriter):
         self._write(object_key(name, key), [memoryview(p).cast("B") for p in parts])
 
     def write_chunk_checked(
-        self,
-        name: str,
-        key: str,
-        parts: Sequence[Any],
-        digest: Callable[[Any], None],
-        trailer: Callable[[], bytes],
-        *,
-        stable: bool = False,
+        self, name: str, key: str, parts: Sequence[Any], digest: ChunkDigest, *, stable: bool = False
     ) -> None:
         """A chunk of one put is copied whole (unless ``stable``), digested and put (see
         :class:`~gpuckpt.storage.base.CheckpointWriter`); a larger one goes up as a multipart
@@ -519,7 +512,7 @@ class ObjectStoreWriter(Prefix, CheckpointWriter):
         over, the trailer last: memory stays within the parts in flight."""
         nbytes = sum(memoryview(p).nbytes for p in parts) + CRC_BYTES
         if stable or plan_parts(nbytes, self.transfer.part_bytes)[0] == 1:
-            super().write_chunk_checked(name, key, parts, digest, trailer, stable=stable)
+            super().write_chunk_checked(name, key, parts, digest, stable=stable)
             return
 
         def pieces() -> Iterator[Any]:
@@ -527,9 +520,9 @@ class ObjectStoreWriter(Prefix, CheckpointWriter):
                 view = memoryview(p).cast("B")
                 for i in range(0, view.nbytes, PIECE_BYTES):
                     own = own_copy([view[i : i + PIECE_BYTES]])
-                    digest(own)
+                    digest.update(own)
                     yield own
-            yield trailer()
+            yield digest.trailer()
 
         self._write(object_key(name, key), None, streamed=(nbytes, pieces()))
 

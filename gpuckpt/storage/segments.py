@@ -163,6 +163,10 @@ class SegmentDigest:
         """The CRC32C of every byte fed so far."""
         return crc32c_combine(self._value, self._current, self._filled)
 
+    def trailer(self) -> bytes:
+        """The chunk's CRC32C trailer (little-endian)."""
+        return self.value.to_bytes(4, "little")
+
     def result(self) -> ChunkCRC:
         """The chunk's CRC32C with its segments' (the last one shorter when the size is not a multiple)."""
         segments = self._done + ([self._current] if self._filled else [])

@@ -278,11 +278,19 @@ def test_the_direct_writer_on_its_own(tmp_path):
     aligned[:] = rng.standard_normal(aligned.size, dtype=np.float32)
     parts = [aligned, rng.integers(0, 255, MiB + 4097, dtype=np.uint8), b"tail"]
     seen = bytearray()
+
+    class Recorder:
+        def update(self, piece):
+            seen.extend(memoryview(piece).cast("B"))
+
+        def trailer(self):
+            return b"CRC!"
+
     w = direct.DirectWriter()
     fd = w.create(os.fspath(tmp_path / "f"))
     assert fd is not None
     try:
-        w.write(fd, parts, lambda piece: seen.extend(memoryview(piece).cast("B")), lambda: b"CRC!")
+        w.write(fd, parts, Recorder())
     finally:
         os.close(fd)
     data = b"".join(memoryview(p).cast("B").tobytes() for p in parts)
