@@ -19,7 +19,11 @@ with these differences:
   see :mod:`gpuckpt.pending`);
 * in a child created by ``fork()`` every pool starts empty (no threads, no
   queued work: the parent's queued calls run in the parent only) with fresh
-  locks, and starts threads again on demand.
+  locks, and starts threads again on demand;
+* its threads say ``defers_library_loads``: a library whose first use would hold
+  the GIL for long (awscrt's load, 40-60 ms, see :mod:`gpuckpt.storage.checksum`)
+  is not loaded on them while a library already loaded can do the work, since
+  every other thread of the run would wait for it.
 """
 
 from __future__ import annotations
@@ -44,6 +48,13 @@ _all_pools: weakref.WeakSet[Workers] = weakref.WeakSet()
 #: an idle thread ends after this long (the next call starts one again), so that a pool
 #: nobody uses any more holds no thread and can be collected
 _IDLE_SECONDS = 5.0
+
+
+class _WorkerThread(threading.Thread):
+    """A thread of a :class:`Workers` pool."""
+
+    #: asked (duck-typed) by code that would load a slow library on first use
+    defers_library_loads = True
 
 
 def _run(item: _Item) -> None:
@@ -97,7 +108,7 @@ class Workers:
                 raise RuntimeError(f"the {self.name} workers are shut down; no new work is accepted")
             self._queue.append(item)
             if len(self._queue) > self._idle and len(self._threads) < self.max_workers:
-                thread = threading.Thread(
+                thread = _WorkerThread(
                     target=self._work, name=f"{self.name}_{len(self._threads)}", daemon=True
                 )
                 self._threads.add(thread)

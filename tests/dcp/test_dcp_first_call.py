@@ -1,7 +1,7 @@
-"""What the first dcp.load of a process through gpuckpt.dcp.Reader loads besides the data.
+"""What the first dcp.save and dcp.load of a process through gpuckpt.dcp load besides the data.
 
-A fresh process imports torch, DCP and gpuckpt.dcp, then loads CPU tensors: the load
-must not import the CUDA module (CPU tensors are viewed without it) nor awscrt (whose
+A fresh process imports torch, DCP and gpuckpt.dcp, then saves (or loads) CPU tensors:
+neither may import the CUDA module (CPU tensors are viewed without it) nor awscrt (whose
 load holds the GIL for 40-60 ms, see gpuckpt/storage/checksum.py), whatever the sizes
 of the chunks.
 """
@@ -36,7 +36,9 @@ SAVE = (
     warnings.filterwarnings("ignore")
     import torch.distributed.checkpoint as dcp
     import gpuckpt.dcp
+    before = set(sys.modules)
     dcp.save(state, storage_writer=gpuckpt.dcp.Writer(sys.argv[1]))
+    print(" ".join(sorted(m for m in set(sys.modules) - before if m.startswith(("gpuckpt", "_awscrt", "awscrt")))))
 """
 )
 
@@ -69,10 +71,11 @@ def _run(code: str, path: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_a_first_load_imports_neither_the_cuda_module_nor_awscrt(tmp_path: Path) -> None:
+def test_a_first_save_and_load_import_neither_the_cuda_module_nor_awscrt(tmp_path: Path) -> None:
     pytest.importorskip("torch")
     r = _run(SAVE, tmp_path / "c")
     assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split() == [], r.stdout
     r = _run(LOAD, tmp_path / "c")
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.split() == [], r.stdout
