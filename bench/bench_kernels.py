@@ -267,7 +267,7 @@ def hash_vs_d2h(cupy: Any, nbytes: int, chunk: int, repeat: int) -> dict[str, An
     before staging) against copying the same bytes to pinned host memory (what it avoids for
     an unchanged chunk); the first chunk's digest is checked against the host library's."""
     from gpuckpt.device.hashing import hash_device_chunks
-    from gpuckpt.storage import contenthash
+    from gpuckpt.format import contenthash
 
     src = cupy.random.randint(0, 256, size=nbytes, dtype=cupy.uint8)
     chunks = [(o, min(chunk, nbytes - o)) for o in range(0, nbytes, chunk)]

@@ -48,10 +48,10 @@ from typing import Any
 import numpy as np
 
 from gpuckpt.commit import assemble_metadata
+from gpuckpt.format.documents import metadata_json, root_document
 from gpuckpt.metadata import TensorProperties
 from gpuckpt.planning.boxes import LocalTensor, overlapping_chunks
 from gpuckpt.planning.plan import StateDescription, plan_save
-from gpuckpt.storage.layout import metadata_json, root_document
 
 try:  # box fingerprints: ranks send one box per group of alike tensors
     from gpuckpt.planning.uniform import box_fingerprints, tensor_groups
@@ -62,9 +62,9 @@ except ImportError:
 
 try:  # the code of issue 22
     from gpuckpt.commit import table_columns, uses_table
+    from gpuckpt.format.records import encode_table
     from gpuckpt.planning.plan import merge_values
     from gpuckpt.planning.uniform import compact_description
-    from gpuckpt.storage.chunk_table import encode_table
 
     NEW = True
 except ImportError:  # an older gpuckpt: the before-figures

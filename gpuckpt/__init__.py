@@ -5,7 +5,6 @@ from importlib import metadata as _metadata
 from gpuckpt.api import load, load_state_dict, read_metadata, save
 from gpuckpt.background import SaveFuture, async_save
 from gpuckpt.distributed.sharded import ShardedArray
-from gpuckpt.dtypes import get_default_dtype, set_default_dtype
 from gpuckpt.errors import (
     CheckpointCorruptedError,
     CheckpointExistsError,
@@ -30,15 +29,15 @@ from gpuckpt.errors import (
     UnsupportedValueError,
     UnsupportedVersionError,
 )
-from gpuckpt.manager import CheckpointManager
-from gpuckpt.memory_format import (
+from gpuckpt.format.dtypes import get_default_dtype, set_default_dtype
+from gpuckpt.format.memory_format import (
     channels_last,
     channels_last_3d,
     contiguous_format,
     preserve_format,
     strided,
 )
-from gpuckpt.metadata import (
+from gpuckpt.format.metadata import (
     STATE_DICT_TYPE,
     STORAGE_TYPES,
     BytesStorageMetadata,
@@ -49,6 +48,7 @@ from gpuckpt.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
+from gpuckpt.manager import CheckpointManager
 
 try:
     __version__ = _metadata.version("gpuckpt")  # one source: the version the package was installed as

@@ -23,9 +23,10 @@ from gpuckpt.errors import (
     ReadOnlyTargetError,
     ShapeMismatchError,
 )
+from gpuckpt.format.metadata import STATE_DICT_TYPE, Metadata
+from gpuckpt.format.values import decode_object
 from gpuckpt.incremental import check_base_target
 from gpuckpt.load.open import open_checkpoint
-from gpuckpt.metadata import STATE_DICT_TYPE, Metadata
 from gpuckpt.options import DEFAULT_CHUNK_BYTES, DEFAULT_STAGING_BYTES, LoadOptions, SaveOptions
 from gpuckpt.planning.boxes import Box
 from gpuckpt.planning.plan import plan_save
@@ -39,7 +40,6 @@ from gpuckpt.reading import (
 from gpuckpt.session import execute_save
 from gpuckpt.sources import contains_sharded, describe_state, is_leaf
 from gpuckpt.state import flatten_state_dict, select_fqns, unflatten_state_dict
-from gpuckpt.storage.values import decode_object
 from gpuckpt.writing import open_save_writer
 
 __all__ = ["load", "load_state_dict", "load_with_options", "read_metadata", "save", "save_with_options"]

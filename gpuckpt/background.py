@@ -29,9 +29,9 @@ from gpuckpt.device.arrays import ArrayAdapter, HostArray, copy_all
 from gpuckpt.device.staging import ArenaPool, HostAllocator, StagingArena, aligned_bytes, pool_for
 from gpuckpt.distributed.coordinator import Coordinator, SingleProcessCoordinator
 from gpuckpt.distributed.save import Described, save_described
+from gpuckpt.format.memory_format import physical_order
+from gpuckpt.format.metadata import STATE_DICT_TYPE, Metadata
 from gpuckpt.incremental import check_base_target
-from gpuckpt.memory_format import physical_order
-from gpuckpt.metadata import STATE_DICT_TYPE, Metadata
 from gpuckpt.options import DEFAULT_CHUNK_BYTES, DEFAULT_STAGING_BYTES, SaveOptions
 from gpuckpt.pending import SaveFuture, submit, wait_all, writer_executor
 from gpuckpt.planning.plan import SavePlan, StateDescription, plan_save

@@ -20,19 +20,19 @@ import numpy as np
 from gpuckpt.device.arrays import ArrayAdapter, HostArray, StagedIn
 from gpuckpt.device.backend import Staging
 from gpuckpt.device.upload import CopyQueue
-from gpuckpt.entries import ChunkRead, TensorEntry, whole_chunk_key
 from gpuckpt.errors import (
     CheckpointCorruptedError,
     CheckpointTooLargeError,
     ChecksumError,
     MissingChunkError,
 )
+from gpuckpt.format.chunks import is_prefix_box
+from gpuckpt.format.entries import ChunkRead, TensorEntry, whole_chunk_key
 from gpuckpt.options import LoadOptions
 from gpuckpt.progress import ProgressCounter
 from gpuckpt.runner import IO_BATCH_JOBS, batches, default_threads, run_all
 from gpuckpt.storage.base import CheckpointReader, ChunkReads, ReadStop
 from gpuckpt.storage.checksum import CRC_BYTES
-from gpuckpt.storage.chunks import is_prefix_box
 
 __all__ = [
     "COLD_SMALL_THREADS",

@@ -3,7 +3,7 @@
 Each process reports what writing its chunks gave (:data:`Written`: stored bytes and
 CRC32C, with the content hashes of a hashing save); :func:`table_columns` merges every
 process's rows into per-chunk columns in the order of the chunk table (each chunk
-exactly once), :func:`assemble_metadata` makes the :class:`~gpuckpt.metadata.Metadata`
+exactly once), :func:`assemble_metadata` makes the :class:`~gpuckpt.format.metadata.Metadata`
 of the plan with them, and :func:`commit_save` writes the chunk table of a large save
 and publishes the root document (:meth:`~gpuckpt.storage.base.CheckpointWriter.commit`).
 """
@@ -16,12 +16,9 @@ from typing import Any
 import numpy as np
 
 from gpuckpt.errors import GpuckptError
-from gpuckpt.incremental import (
-    ChunkResult,
-    content_hash_info,
-    hash_columns,
-)
-from gpuckpt.metadata import (
+from gpuckpt.format.chunks import stored_nbytes
+from gpuckpt.format.documents import chunk_file_key, root_document
+from gpuckpt.format.metadata import (
     VERSION_COLUMNS,
     VERSION_LISTED,
     VERSION_WITH_TABLE,
@@ -31,12 +28,15 @@ from gpuckpt.metadata import (
     StorageMeta,
     TensorStorageMetadata,
 )
+from gpuckpt.format.records import COLUMNS, TABLE_KEY, TABLE_MIN_CHUNKS, listed_records, write_table
+from gpuckpt.format.segments import SEGMENTS_KEY, segment_record, segments_entry
+from gpuckpt.incremental import (
+    ChunkResult,
+    content_hash_info,
+    hash_columns,
+)
 from gpuckpt.planning.plan import SavePlan
 from gpuckpt.storage.base import CheckpointWriter
-from gpuckpt.storage.chunk_table import COLUMNS, TABLE_KEY, TABLE_MIN_CHUNKS, listed_records, write_table
-from gpuckpt.storage.chunks import stored_nbytes
-from gpuckpt.storage.layout import chunk_file_key, root_document
-from gpuckpt.storage.segments import SEGMENTS_KEY, segment_record, segments_entry
 
 __all__ = [
     "COLUMNS_MIN_TENSORS",
@@ -59,7 +59,7 @@ def result_columns(results: Sequence[Written]) -> dict[str, np.ndarray]:
     """The per-chunk columns of ``results`` (in their order): ``crc32c``, the content
     hashes when every chunk was hashed (:func:`~gpuckpt.incremental.hash_columns`), and the
     segment records of large chunks where any chunk has them (``segments``: one object per
-    chunk, see :func:`~gpuckpt.storage.segments.segment_record`)."""
+    chunk, see :func:`~gpuckpt.format.segments.segment_record`)."""
     columns = {"crc32c": np.fromiter((r[1] for r in results), np.uint32, len(results))}
     columns.update(hash_columns(results))
     records = [segment_record(r[1]) for r in results]
@@ -155,13 +155,13 @@ def assemble_metadata(
     mapping ``(array name, chunk coords) -> (stored bytes, CRC32C)``).
 
     ``table``: the ``storage_data`` entry of the chunk table written for the save
-    (:func:`gpuckpt.storage.chunk_table.write_table`; format version 2), or None to list
+    (:func:`gpuckpt.format.records.write_table`; format version 2), or None to list
     every chunk's record in the metadata (then the checkpoint is format version 1, which
     every release reads). Chunk lists are never built here: each tensor's chunks are its grid's
-    (:class:`~gpuckpt.metadata.GridTensorStorageMetadata`). Content hashes among the columns
+    (:class:`~gpuckpt.format.metadata.GridTensorStorageMetadata`). Content hashes among the columns
     (a hashing save) are listed with the records, or are columns of the table, and
     ``storage_data["content_hash"]`` names their algorithm. Segment records among them
-    (``segments``, see :mod:`gpuckpt.storage.segments`) go to the tensor's entry when every
+    (``segments``, see :mod:`gpuckpt.format.segments`) go to the tensor's entry when every
     chunk of its regular grid has them. ``planner_extra``: more entries of ``planner_data``
     (besides the state's ``structure``).
     """
@@ -214,7 +214,7 @@ COLUMNS_MIN_TENSORS = 1024
 def format_version(plan: SavePlan, table: bool) -> str:
     """The oldest format version that pays for a checkpoint of ``plan``, so that older releases
     read every checkpoint they can: one that lists its chunks is version 1; a chunk table
-    needs version 2; columns of many tensors' entries (:mod:`gpuckpt.tensor_columns`) need 3."""
+    needs version 2; columns of many tensors' entries (:mod:`gpuckpt.format.columns`) need 3."""
     if not table:
         return VERSION_LISTED
     return VERSION_COLUMNS if len(plan.tensors) >= COLUMNS_MIN_TENSORS else VERSION_WITH_TABLE

@@ -5,7 +5,7 @@ checkpoint's metadata (:func:`open_base`, as untrusted as any load), keeps the
 tensors whose array has the same name, FQN, shape, dtype, chunk grid and memory
 format as in the new save (:meth:`BaseIndex.compatible`), and for each chunk
 with a counterpart of the same stored size decides equality by size, CRC32C and
-the content hash (:mod:`gpuckpt.storage.contenthash`) together, or, where the
+the content hash (:mod:`gpuckpt.format.contenthash`) together, or, where the
 base recorded no hash or ``xxhash`` is missing, by comparing bytes: never by the
 CRC alone. An equal chunk is handed to the writer's
 :meth:`~gpuckpt.storage.base.CheckpointWriter.reuse_chunk` (a hard link, a
@@ -24,7 +24,7 @@ Every checkpoint stays complete on its own: the metadata names no base, and a
 reused chunk is an independent name for the same bytes.
 
 The per-chunk fields of this feature (``xxh3t``, ``head``: 16 bytes each) are
-columns of the chunk records (:data:`gpuckpt.storage.chunk_table.COLUMNS`), in
+columns of the chunk records (:data:`gpuckpt.format.records.COLUMNS`), in
 whichever form a checkpoint keeps them: listed in the metadata (format version
 1) or in the chunk table (format version 2). A save reports them per chunk in
 its :class:`ChunkResult`; :func:`hash_columns` makes the columns the writer
@@ -43,13 +43,13 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from gpuckpt.errors import GpuckptError, IncrementalBaseWarning, InvalidOptionError
+from gpuckpt.format import contenthash
+from gpuckpt.format.contenthash import LEAF
 from gpuckpt.load.open import OpenCheckpoint, open_checkpoint
 from gpuckpt.options import SaveOptions
 from gpuckpt.planning.plan import TensorPlan
 from gpuckpt.reading import TensorEntry, chunk_column, load_chunk_records, overclaimed
-from gpuckpt.storage import contenthash
 from gpuckpt.storage.base import BaseRef, CheckpointReader, CheckpointWriter
-from gpuckpt.storage.contenthash import LEAF
 from gpuckpt.storage.stores import scheme_of
 
 __all__ = [

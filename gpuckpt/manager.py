@@ -80,7 +80,7 @@ from gpuckpt.errors import (
     InvalidOptionError,
     StepOrderError,
 )
-from gpuckpt.metadata import STATE_DICT_TYPE
+from gpuckpt.format.metadata import STATE_DICT_TYPE
 from gpuckpt.options import SaveOptions
 from gpuckpt.runner import run_all
 from gpuckpt.storage.stores import open_root, scheme_of

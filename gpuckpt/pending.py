@@ -27,7 +27,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from gpuckpt.errors import ForkedSaveError
-from gpuckpt.metadata import Metadata
+from gpuckpt.format.metadata import Metadata
 from gpuckpt.workers import Workers
 
 __all__ = ["SaveFuture", "submit", "wait_all", "writer_executor"]

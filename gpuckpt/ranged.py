@@ -4,7 +4,7 @@ A resharding load (:mod:`gpuckpt.distributed.load`) that needs some rows of a
 stored chunk (C order: rows along the first axis are contiguous bytes) reads
 them with one ranged read of the segments that hold them, when the
 checkpoint recorded the CRC32C of each segment of the chunk
-(:mod:`gpuckpt.storage.segments`), the store reads ranges
+(:mod:`gpuckpt.format.segments`), the store reads ranges
 (:attr:`~gpuckpt.storage.base.CheckpointReader.reads_ranges`), and the
 segments are fewer than the chunk's. Every fetched segment is checked
 against its record before any of its bytes is used; the records themselves
@@ -21,10 +21,10 @@ import numpy as np
 
 from gpuckpt.chunk_reads import scratch, vanished
 from gpuckpt.errors import CheckpointCorruptedError, ChecksumError
+from gpuckpt.format.segments import Segments
 from gpuckpt.reading import ChunkRead, TensorEntry
 from gpuckpt.storage.base import CheckpointReader
 from gpuckpt.storage.checksum import CRC_BYTES
-from gpuckpt.storage.segments import Segments
 
 __all__ = ["fetch_rows", "segments_of"]
 

@@ -19,14 +19,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gpuckpt.entries import ChunkRead, TensorEntry, whole_chunk_key
 from gpuckpt.errors import (
     CheckpointCorruptedError,
     MissingChunkError,
 )
+from gpuckpt.format.documents import chunk_file_key
+from gpuckpt.format.entries import ChunkRead, TensorEntry, whole_chunk_key
 from gpuckpt.storage.base import CheckpointReader
 from gpuckpt.storage.checksum import CRC_BYTES
-from gpuckpt.storage.layout import chunk_file_key
 from gpuckpt.workers import Workers
 
 __all__ = [

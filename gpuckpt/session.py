@@ -18,7 +18,7 @@ process's chunks and reports their rows of the chunk table with their records
 it attached with the save's token (:meth:`SaveSession.joined`).
 :meth:`SaveSession.commit` merges every process's rows (each chunk exactly once),
 writes the chunk table of a large save, makes the checkpoint's
-:class:`~gpuckpt.metadata.Metadata` once, whole (its format version and every
+:class:`~gpuckpt.format.metadata.Metadata` once, whole (its format version and every
 entry of its planner data included: nothing changes it afterwards), and
 publishes the root document. An error in any step aborts the writer: nothing is
 published and an earlier checkpoint at the path is untouched.
@@ -33,8 +33,8 @@ from typing import Any
 import numpy as np
 
 from gpuckpt.commit import Written, commit_save, table_columns
+from gpuckpt.format.metadata import Metadata
 from gpuckpt.incremental import BaseIndex, open_base_for
-from gpuckpt.metadata import Metadata
 from gpuckpt.options import SaveOptions
 from gpuckpt.planning.plan import SavePlan
 from gpuckpt.sources import Sources

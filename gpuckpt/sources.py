@@ -18,13 +18,13 @@ from typing import Any
 
 from gpuckpt.device.arrays import ArrayAdapter, adapt, is_array
 from gpuckpt.distributed.sharded import is_sharded_leaf, sharded_boxes
-from gpuckpt.dtypes import dtype_name
 from gpuckpt.errors import UnsupportedValueError
-from gpuckpt.metadata import TensorProperties
+from gpuckpt.format.dtypes import dtype_name
+from gpuckpt.format.metadata import TensorProperties
+from gpuckpt.format.values import encode_object
 from gpuckpt.planning.boxes import Box, LocalTensor
 from gpuckpt.planning.plan import StateDescription
 from gpuckpt.state import flatten_state_dict
-from gpuckpt.storage.values import encode_object
 
 __all__ = ["Source", "Sources", "contains_sharded", "describe_state", "is_leaf"]
 
@@ -68,7 +68,7 @@ def describe_state(
 
     Raises :class:`~gpuckpt.errors.UnsupportedValueError` for what cannot be
     stored (see :func:`gpuckpt.state.flatten_state_dict`, including a state
-    dict that contains itself, and :func:`gpuckpt.storage.values.encode_object`).
+    dict that contains itself, and :func:`gpuckpt.format.values.encode_object`).
     """
     leaves, skeleton = flatten_state_dict(state_dict, is_leaf)
     tensors: list[LocalTensor] = []

@@ -20,6 +20,8 @@ from typing import Any
 
 from gpuckpt.chunk_reads import checksum_verified
 from gpuckpt.errors import CheckpointCorruptedError, ChecksumError, MetadataError, UnsafeCheckpointError
+from gpuckpt.format.documents import ATTRIBUTE, expected_array_document
+from gpuckpt.format.values import decode_object
 from gpuckpt.load.open import open_checkpoint
 from gpuckpt.printable import printable
 from gpuckpt.progress import ProgressCallback, ProgressCounter
@@ -32,8 +34,6 @@ from gpuckpt.reading import (
 )
 from gpuckpt.runner import default_threads, run_ordered
 from gpuckpt.storage.base import CheckpointReader, NotRegularFileError
-from gpuckpt.storage.layout import ATTRIBUTE, expected_array_document
-from gpuckpt.storage.values import decode_object
 
 __all__ = ["Damage", "VerifyReport", "verify_checkpoint"]
 

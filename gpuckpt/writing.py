@@ -3,7 +3,7 @@
 A plan (made by :func:`gpuckpt.planning.plan.plan_save`) says which chunks
 this process writes; :func:`bind_jobs` binds them to the arrays holding them
 (one :class:`ChunkJob` per stored chunk) when the save runs. Tensors become
-Zarr arrays (:mod:`gpuckpt.storage.layout`); chunk jobs run on a thread pool,
+Zarr arrays (:mod:`gpuckpt.format.documents`); chunk jobs run on a thread pool,
 straight from host memory when a chunk is one contiguous byte run (the
 common case, see :func:`gpuckpt.planning.grid.plan_regular_grid`), or
 through a bounded pool of staging buffers for device memory; the root
@@ -29,6 +29,8 @@ from gpuckpt.commit import Written, result_columns
 from gpuckpt.device.arrays import ArrayAdapter, StagedOut
 from gpuckpt.device.backend import ChunkBox, DeviceBackend, Staging, distinct_backends
 from gpuckpt.errors import CheckpointWriteError, GpuckptError
+from gpuckpt.format.chunks import chunk_bytes, stored_nbytes
+from gpuckpt.format.documents import array_document, chunk_file_key
 from gpuckpt.incremental import BaseIndex, digests_match, open_base_for, reuse_by_digests
 from gpuckpt.options import SaveOptions
 from gpuckpt.planning.plan import ChunkAssignment, SavePlan, TensorPlan
@@ -38,9 +40,7 @@ from gpuckpt.runner import Batcher, Runner, default_threads, run_all
 from gpuckpt.sources import Sources
 from gpuckpt.storage.base import CheckpointWriter, ChunkWrites
 from gpuckpt.storage.checksum import CRC_BYTES
-from gpuckpt.storage.chunks import chunk_bytes, stored_nbytes
 from gpuckpt.storage.fsutil import failure_hint
-from gpuckpt.storage.layout import array_document, chunk_file_key
 from gpuckpt.storage.stores import open_writer
 
 __all__ = [

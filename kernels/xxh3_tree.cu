@@ -1,6 +1,6 @@
 // XXH3-128 content hashes of chunks, computed on the device (incremental saves).
 //
-// A chunk's hash is a one-level tree (gpuckpt/storage/contenthash.py):
+// A chunk's hash is a one-level tree (gpuckpt/format/contenthash.py):
 //   hash(b) = XXH3_128(b)                                  if len(b) <= 1 MiB
 //           = XXH3_128(leaf digests, 16 bytes each)         otherwise
 // where the leaves are the 1 MiB pieces of b (the last one shorter) and every

@@ -22,10 +22,10 @@ def _register_dtypes_where_zarr_ignores_entry_points() -> None:
     so there the types are registered explicitly, as its users must do (README); the
     entry-point route itself is tested in tests/unit/test_zarr_dtypes.py.
     """
-    from gpuckpt.storage._zarr_compat import ZARR_BEFORE_3_4
+    from gpuckpt.format._zarr_compat import ZARR_BEFORE_3_4
 
     if ZARR_BEFORE_3_4:
-        from gpuckpt.storage.zarr_dtypes import register_zarr_dtypes
+        from gpuckpt.format.zarr_dtypes import register_zarr_dtypes
 
         register_zarr_dtypes()
 

@@ -16,8 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from gpuckpt.cli.progressbar import format_bytes
-from gpuckpt.dtypes import dtype_name
 from gpuckpt.errors import CheckpointNotFoundError, GpuckptError
+from gpuckpt.format.dtypes import dtype_name
+from gpuckpt.format.values import decode_object
 from gpuckpt.load.open import open_checkpoint
 from gpuckpt.manager import step_of
 from gpuckpt.printable import printable
@@ -25,7 +26,6 @@ from gpuckpt.reading import TensorEntry, load_chunk_records, overclaimed, paused
 from gpuckpt.storage.base import CheckpointReader
 from gpuckpt.storage.checksum import CRC_BYTES
 from gpuckpt.storage.stores import open_root, scheme_of
-from gpuckpt.storage.values import decode_object
 
 HELP = "list the tensors and values of a checkpoint (or the steps under a manager's root)"
 

@@ -23,17 +23,17 @@ from gpuckpt.convert.safetensors_io import (
 from gpuckpt.convert.torch_io import check_trusted, load_dcp, load_torch_save
 from gpuckpt.device.arrays import is_array
 from gpuckpt.errors import MetadataError, UnsupportedValueError
-from gpuckpt.memory_format import (
+from gpuckpt.format.memory_format import (
     contiguous_format,
     detect_memory_format,
     memory_format_from_name,
     physical_order,
 )
+from gpuckpt.format.values import decode_object, encode_object
 from gpuckpt.options import DEFAULT_CHUNK_BYTES
 from gpuckpt.progress import ProgressCallback
 from gpuckpt.state import flatten_state_dict, unflatten_state_dict
 from gpuckpt.storage.stores import scheme_of
-from gpuckpt.storage.values import decode_object, encode_object
 
 __all__ = ["SOURCE_FORMATS", "TARGET_FORMATS", "ConvertResult", "convert", "detect_format"]
 

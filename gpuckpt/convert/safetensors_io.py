@@ -23,8 +23,8 @@ import ml_dtypes
 import numpy as np
 
 from gpuckpt.convert.shapes import check_shape
-from gpuckpt.dtypes import dtype_name
 from gpuckpt.errors import CheckpointExistsError, MetadataError, UnsupportedValueError
+from gpuckpt.format.dtypes import dtype_name
 from gpuckpt.progress import ProgressCallback, ProgressCounter
 from gpuckpt.storage import fsutil
 from gpuckpt.storage.fileio import read_exact, write_all

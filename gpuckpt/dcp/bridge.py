@@ -22,12 +22,12 @@ logic is repeated. What they rely on:
   records of :func:`gpuckpt.device.arrays.adapt`-ed tensors,
   :func:`gpuckpt.writing.write_chunks` (its ``documents``),
   :func:`gpuckpt.commit.assemble_metadata`, the ``writing`` abort guard,
-  :func:`gpuckpt.storage.values.encode_object` and
-  :func:`gpuckpt.storage.layout.root_document` with ``CheckpointWriter.commit``
+  :func:`gpuckpt.format.values.encode_object` and
+  :func:`gpuckpt.format.documents.root_document` with ``CheckpointWriter.commit``
   / ``abort``;
 - reading: :func:`gpuckpt.load.open.open_checkpoint` (its index's ``TensorEntry``
   values and metadata), ``is_committed``, ``check_chunk_files``, :func:`gpuckpt.distributed.load.read_boxes`,
-  ``read_tensors`` (into adapters), :func:`gpuckpt.storage.values.decode_object`
+  ``read_tensors`` (into adapters), :func:`gpuckpt.format.values.decode_object`
   and :func:`gpuckpt.state.unflatten_state_dict`;
 - snapshots: :func:`gpuckpt.sources.describe_state`,
   :func:`gpuckpt.background.snapshot` / ``snapshot_on_device`` /
@@ -54,12 +54,13 @@ from gpuckpt.commit import Written, as_columns, result_columns, table_columns
 from gpuckpt.device.arrays import DeviceArray, HostArray, HostMemory, adapt, device_backends
 from gpuckpt.device.staging import ArenaPool, StagingArena, aligned_bytes, pool_for
 from gpuckpt.distributed.load import read_boxes
-from gpuckpt.dtypes import dtype_name
 from gpuckpt.errors import StagingTimeoutError
+from gpuckpt.format.dtypes import dtype_name
+from gpuckpt.format.metadata import Metadata, TensorProperties
+from gpuckpt.format.values import decode_object, encode_object
 from gpuckpt.incremental import BaseIndex, ChunkResult, check_base_target, open_base_for
 from gpuckpt.incremental import open_base as _open_base
 from gpuckpt.load import open as load_open
-from gpuckpt.metadata import Metadata, TensorProperties
 from gpuckpt.options import LoadOptions, SaveOptions
 from gpuckpt.planning.boxes import Box, LocalTensor
 from gpuckpt.planning.plan import ChunkAssignment, SavePlan, StateDescription, plan_save
@@ -70,7 +71,6 @@ from gpuckpt.sources import Source, describe_state
 from gpuckpt.state import unflatten_state_dict
 from gpuckpt.storage.base import CheckpointReader, CheckpointWriter
 from gpuckpt.storage.stores import attach_writer, is_committed, scheme_of
-from gpuckpt.storage.values import decode_object, encode_object
 from gpuckpt.writing import (
     array_document_of,
     bind_jobs,

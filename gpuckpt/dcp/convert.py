@@ -24,10 +24,10 @@ from typing import Any
 
 import numpy as np
 
-from gpuckpt import memory_format as mf
 from gpuckpt.dcp.tensors import numpy_dtype, torch, torch_dtype
 from gpuckpt.errors import MetadataError
-from gpuckpt.metadata import Metadata, TensorProperties, TensorStorageMetadata
+from gpuckpt.format import memory_format as mf
+from gpuckpt.format.metadata import Metadata, TensorProperties, TensorStorageMetadata
 
 __all__ = [
     "DCP_KEY",

@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from gpuckpt.dtypes import dtype_from_name, dtype_name
 from gpuckpt.errors import MetadataError, UnsupportedValueError
+from gpuckpt.format.dtypes import dtype_from_name, dtype_name
 
 try:
     import torch

@@ -19,9 +19,9 @@ from torch.futures import Future
 
 import gpuckpt.dcp.bridge as bridge
 import gpuckpt.dcp.convert as convert
-from gpuckpt import memory_format as mf
 from gpuckpt.dcp.tensors import torch
 from gpuckpt.errors import GpuckptError, UnsupportedValueError
+from gpuckpt.format import memory_format as mf
 from gpuckpt.options import DEFAULT_CHUNK_BYTES, DEFAULT_STAGING_BYTES, SaveOptions
 from gpuckpt.progress import ProgressCallback
 

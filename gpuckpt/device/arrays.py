@@ -12,7 +12,7 @@ path for every kind of memory and never check array types themselves:
   :class:`~gpuckpt.device.backend.DeviceBackend` that copies it) queues copies
   through staging buffers of a :class:`~gpuckpt.device.backend.Staging`.
 
-Adapters know nothing of the checkpoint format: :mod:`gpuckpt.metadata`
+Adapters know nothing of the checkpoint format: :mod:`gpuckpt.format.metadata`
 builds tensor properties from their facts.
 """
 
@@ -27,7 +27,6 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from gpuckpt import memory_format as mf
 from gpuckpt.device.backend import (
     FINISHED,
     BufferPool,
@@ -39,6 +38,7 @@ from gpuckpt.device.backend import (
 )
 from gpuckpt.device.torch_dtypes import torch_dtype_view
 from gpuckpt.errors import DeviceUnavailableError, UnsupportedValueError
+from gpuckpt.format import memory_format as mf
 
 __all__ = [
     "ArrayAdapter",

@@ -125,7 +125,7 @@ class DeviceBackend(Protocol):
 
     def hash_chunks(self, array: Any, chunks: Sequence[ChunkBox]) -> list[tuple[bytes, bytes]] | None:
         """The content hash and first-leaf hash (16 bytes each, the tree hash of
-        :mod:`gpuckpt.storage.contenthash`) of each chunk of ``array`` as it is stored,
+        :mod:`gpuckpt.format.contenthash`) of each chunk of ``array`` as it is stored,
         computed where the array lives, before any copy to the host.
 
         A chunk is ``(offsets, sizes, stored)``: its box in the array, and the shape of

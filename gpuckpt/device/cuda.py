@@ -23,9 +23,9 @@ from typing import Any
 
 import numpy as np
 
-from gpuckpt import memory_format as mf
 from gpuckpt.device.torch_dtypes import torch_dtype_view
 from gpuckpt.errors import DeviceUnavailableError
+from gpuckpt.format import memory_format as mf
 
 __all__ = [
     "CupyBackend",

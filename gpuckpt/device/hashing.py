@@ -2,7 +2,7 @@
 
 An incremental save compares each chunk's hash with the base's before the
 chunk is staged: a chunk found unchanged never crosses PCIe. The hash is the
-one :mod:`gpuckpt.storage.contenthash` defines (XXH3-128 over 1 MiB leaves);
+one :mod:`gpuckpt.format.contenthash` defines (XXH3-128 over 1 MiB leaves);
 :func:`leaf_plan` (pure data) cuts chunks into leaves, the kernel
 ``gpuckpt_xxh3_leaves`` hashes every leaf of many chunks in one launch (one
 thread per leaf) and ``gpuckpt_xxh3_roots`` the leaf digests of each chunk;
@@ -46,14 +46,14 @@ __all__ = [
 
 
 _xxhash: Any
-try:  # optional (gpuckpt[incremental]), as for gpuckpt.storage.contenthash
+try:  # optional (gpuckpt[incremental]), as for gpuckpt.format.contenthash
     _xxhash = importlib.import_module("xxhash")
 except ImportError:  # exercised where xxhash is not installed
     _xxhash = None
 
 #: the kernel source, next to the channels-last kernels
 HASH_KERNEL_FILE = "xxh3_tree.cu"
-#: bytes per leaf: :data:`gpuckpt.storage.contenthash.LEAF` (the device layer imports no storage;
+#: bytes per leaf: :data:`gpuckpt.format.contenthash.LEAF` (the device layer imports no storage;
 #: ``tests/kernels/test_xxh3_emu.py`` checks that the two agree)
 LEAF = 1 << 20
 _THREADS = 128
@@ -170,7 +170,7 @@ def stored_block(array: np.ndarray, chunk: ChunkBox) -> np.ndarray:
 
 
 def _tree(data: memoryview) -> tuple[bytes, bytes]:
-    """``(hash, head)`` of one chunk's stored bytes: the tree of :mod:`gpuckpt.storage.contenthash`."""
+    """``(hash, head)`` of one chunk's stored bytes: the tree of :mod:`gpuckpt.format.contenthash`."""
     n = data.nbytes
     if n <= LEAF:
         d = bytes(_xxhash.xxh3_128_digest(data))

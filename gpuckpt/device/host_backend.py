@@ -19,12 +19,12 @@ from typing import Any
 
 import numpy as np
 
-from gpuckpt import memory_format as mf
 from gpuckpt.device import _kernel_ref
 from gpuckpt.device.arrays import HostMemory
 from gpuckpt.device.backend import ChunkBox, Ticket
 from gpuckpt.device.packing import ARENA_ALIGN, plan_packing
 from gpuckpt.device.staging import HostAllocator
+from gpuckpt.format import memory_format as mf
 from gpuckpt.workers import Workers
 
 __all__ = ["HostBackend"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from gpuckpt import memory_format as mf
+from gpuckpt.format import memory_format as mf
 
 __all__ = [
     "SUPPORTED_ITEMSIZES",

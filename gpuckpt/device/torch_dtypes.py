@@ -26,7 +26,7 @@ def torch_dtype_view(t: Any) -> tuple[np.dtype[Any], Any]:
     if name in TORCH_BITS:
         import torch
 
-        from gpuckpt.dtypes import dtype_from_name
+        from gpuckpt.format.dtypes import dtype_from_name
 
         return dtype_from_name(name), t.view(getattr(torch, TORCH_BITS[name]))
     return np.dtype(name), t

@@ -46,9 +46,9 @@ from typing import Any
 import numpy as np
 
 from gpuckpt.distributed.coordinator import Coordinator
+from gpuckpt.format.metadata import Metadata
 from gpuckpt.format.reader import read_index
 from gpuckpt.incremental import BaseIndex, open_base, open_base_for
-from gpuckpt.metadata import Metadata
 from gpuckpt.options import SaveOptions
 from gpuckpt.planning.plan import ChunkAssignment, SavePlan, StateDescription, merge_values, plan_save
 from gpuckpt.planning.uniform import (

@@ -5,7 +5,7 @@ inspect, convert, the base of an incremental save, the DCP layer) parses the
 metadata of the root document here, once, into a :class:`CheckpointIndex`:
 each tensor's :class:`~gpuckpt.format.entries.TensorEntry` (its array, grid and
 chunk records, checked against each other), the encoded values, the planner
-data and the storage identifiers. :class:`~gpuckpt.metadata.Metadata`, the
+data and the storage identifiers. :class:`~gpuckpt.format.metadata.Metadata`, the
 model of the spec, is made from the index when someone asks for it
 (:meth:`CheckpointIndex.metadata`).
 
@@ -38,9 +38,12 @@ from typing import Any
 
 import numpy as np
 
-from gpuckpt.entries import StoredProperties, TensorEntry
 from gpuckpt.errors import MetadataError
-from gpuckpt.metadata import (
+from gpuckpt.format.chunks import stored_nbytes
+from gpuckpt.format.columns import COLUMNS_KEY, checked_columns, expand
+from gpuckpt.format.documents import chunk_file_key, metadata_json
+from gpuckpt.format.entries import StoredProperties, TensorEntry
+from gpuckpt.format.metadata import (
     VERSION_COLUMNS,
     VERSION_LISTED,
     BytesStorageMetadata,
@@ -52,13 +55,10 @@ from gpuckpt.metadata import (
     parse_storage_meta,
     parse_version,
 )
+from gpuckpt.format.names import is_safe_name
+from gpuckpt.format.records import TABLE_KEY, ChunkTable, parse_listed
+from gpuckpt.format.segments import SEGMENTS_KEY
 from gpuckpt.planning.grid import ChunkGrid
-from gpuckpt.storage.chunk_table import TABLE_KEY, ChunkTable, parse_listed
-from gpuckpt.storage.chunks import stored_nbytes
-from gpuckpt.storage.layout import chunk_file_key, metadata_json
-from gpuckpt.storage.names import is_safe_name
-from gpuckpt.storage.segments import SEGMENTS_KEY
-from gpuckpt.tensor_columns import COLUMNS_KEY, checked_columns, expand
 
 __all__ = [
     "MAX_DIMS",
@@ -99,7 +99,7 @@ class CheckpointIndex:
     reads; ``order`` is every FQN in the order of the document's
     ``state_dict_metadata`` (values and tensors). An index may be shared by loads on
     several threads: nothing changes it after it is made, and :meth:`metadata` makes
-    its :class:`~gpuckpt.metadata.Metadata` once, under a lock.
+    its :class:`~gpuckpt.format.metadata.Metadata` once, under a lock.
     """
 
     version: str
@@ -113,7 +113,7 @@ class CheckpointIndex:
     _metadata: Metadata | None = field(default=None, repr=False)
 
     def metadata(self) -> Metadata:
-        """The :class:`~gpuckpt.metadata.Metadata` of the checkpoint (made on the first call;
+        """The :class:`~gpuckpt.format.metadata.Metadata` of the checkpoint (made on the first call;
         the same object afterwards: do not change it). Its ``storage_data`` is that of format
         version 2 for a version 3 document (its columns expanded)."""
         md = self._metadata
@@ -466,8 +466,8 @@ def _column_tensors(
     tensors: dict[str, TensorEntry],
 ) -> list[str]:
     """Add the tensors of a ``tensor_columns`` object (format version 3; its lists' shape checked
-    by :func:`~gpuckpt.tensor_columns.checked_columns`) to ``tensors``, each checked as its
-    version 2 entry would be (:func:`~gpuckpt.tensor_columns.expand` gives those back); returns
+    by :func:`~gpuckpt.format.columns.checked_columns`) to ``tensors``, each checked as its
+    version 2 entry would be (:func:`~gpuckpt.format.columns.expand` gives those back); returns
     their FQNs."""
     fqns, names, sizes, properties, prop, shapes, rows = lists
     # each properties object checked once, when a tensor first uses it (an unused one is read by nobody)
@@ -495,8 +495,8 @@ def _column_tensors(
 
 
 def metadata_from_json(data: Any) -> Metadata:
-    """The :class:`~gpuckpt.metadata.Metadata` of a metadata object (its JSON value, or the text
-    :meth:`Metadata.to_json <gpuckpt.metadata.Metadata.to_json>` wrote), read and checked by
+    """The :class:`~gpuckpt.format.metadata.Metadata` of a metadata object (its JSON value, or the text
+    :meth:`Metadata.to_json <gpuckpt.format.metadata.Metadata.to_json>` wrote), read and checked by
     :func:`read_index`: what ``to_json`` wrote reads back equal."""
     if isinstance(data, (str, bytes, bytearray)):
         try:
@@ -507,6 +507,6 @@ def metadata_from_json(data: Any) -> Metadata:
 
 
 def metadata_of_root(raw: bytes | bytearray, where: str) -> Metadata:
-    """The :class:`~gpuckpt.metadata.Metadata` of the root document ``raw`` (named ``where`` in
+    """The :class:`~gpuckpt.format.metadata.Metadata` of the root document ``raw`` (named ``where`` in
     errors): its checksum checked, its metadata read by :func:`read_index`."""
     return read_index(metadata_json(raw, where)).metadata()

@@ -27,9 +27,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from gpuckpt.format.documents import ROOT_KEY, metadata_json
 from gpuckpt.format.reader import CheckpointIndex, read_index
 from gpuckpt.storage.base import CheckpointReader
-from gpuckpt.storage.layout import ROOT_KEY, metadata_json
 from gpuckpt.storage.stores import open_reader
 
 __all__ = ["OpenCheckpoint", "index_of_root", "open_checkpoint"]

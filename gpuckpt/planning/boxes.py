@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from gpuckpt.errors import UnsupportedValueError
-from gpuckpt.metadata import TensorProperties
+from gpuckpt.format.metadata import TensorProperties
 from gpuckpt.planning.grid import ChunkGrid, ChunkSpec, plan_regular_grid
 
 __all__ = [
@@ -58,7 +58,7 @@ Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
 class LocalTensor:
     """What one rank holds of one tensor (small and picklable: no data).
 
-    ``dtype`` is the stored dtype name (:func:`gpuckpt.dtypes.dtype_name`, so that
+    ``dtype`` is the stored dtype name (:func:`gpuckpt.format.dtypes.dtype_name`, so that
     ranks holding different byte orders agree); ``boxes`` are the ``(offsets,
     sizes)`` of the rank's pieces in the global tensor, a whole tensor being
     one box at the origin.

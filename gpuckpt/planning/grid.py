@@ -1,7 +1,7 @@
 """Chunk grids: pure data, no arrays and no I/O.
 
 A tensor is stored as a Zarr array whose chunk grid mirrors the metadata:
-every :class:`~gpuckpt.metadata.ChunkStorageMetadata` is exactly one Zarr
+every :class:`~gpuckpt.format.metadata.ChunkStorageMetadata` is exactly one Zarr
 chunk. :class:`ChunkGrid` describes the grid (regular, the portable default,
 or rectilinear for uneven boxes), and :func:`plan_regular_grid` picks a
 regular grid for a tensor of a given shape and element size.

@@ -28,12 +28,12 @@ from typing import Any
 
 import numpy as np
 
-from gpuckpt.dtypes import dtype_from_name
-from gpuckpt.metadata import TensorProperties
+from gpuckpt.format.dtypes import dtype_from_name
+from gpuckpt.format.metadata import TensorProperties
+from gpuckpt.format.names import encode_name
 from gpuckpt.planning.boxes import LocalTensor, TensorWrites, axis_starts, box_chunks, plan_tensors
 from gpuckpt.planning.grid import ChunkGrid, ChunkSpec
 from gpuckpt.planning.uniform import CompactDescription, plan_uniform
-from gpuckpt.storage.names import encode_name
 
 __all__ = [
     "ChunkAssignment",
@@ -52,7 +52,7 @@ class StateDescription:
 
     ``tensors``: one :class:`~gpuckpt.planning.boxes.LocalTensor` per array
     leaf; ``objects``: every other leaf, encoded (JSON values, see
-    :mod:`gpuckpt.storage.values`), by FQN; ``skeleton``: the nesting of the
+    :mod:`gpuckpt.format.values`), by FQN; ``skeleton``: the nesting of the
     state dict (:func:`gpuckpt.state.flatten_state_dict`).
     """
 
@@ -188,7 +188,7 @@ class SavePlan:
     Examples
     --------
     >>> import numpy as np
-    >>> from gpuckpt.metadata import TensorProperties
+    >>> from gpuckpt.format.metadata import TensorProperties
     >>> from gpuckpt.planning.boxes import LocalTensor
     >>> props = TensorProperties(np.dtype("float32"))
     >>> w = LocalTensor("w", (1000, 256), "float32", 4, props, (((0, 0), (1000, 256)),))

@@ -10,9 +10,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
+from gpuckpt.format.segments import SegmentDigest, segmented
 from gpuckpt.storage.checksum import CRC_BYTES, crc32c
 from gpuckpt.storage.copies import own_copy
-from gpuckpt.storage.segments import SegmentDigest, segmented
 
 __all__ = [
     "BaseRef",
@@ -266,8 +266,8 @@ class CheckpointWriter(ABC):
 
     def _write_checked(self, name: str, key: str, parts: list[Any], stable: bool) -> int:
         """Write one chunk through :meth:`write_chunk_checked`; its CRC32C, which for a large
-        chunk also carries its segments' (:class:`~gpuckpt.storage.segments.ChunkCRC`, in the
-        same pass: see :mod:`gpuckpt.storage.segments`)."""
+        chunk also carries its segments' (:class:`~gpuckpt.format.segments.ChunkCRC`, in the
+        same pass: see :mod:`gpuckpt.format.segments`)."""
         if segmented(sum(memoryview(p).nbytes for p in parts)):
             seg = SegmentDigest()
             self.write_chunk_checked(name, key, parts, seg, stable=stable)
@@ -289,8 +289,8 @@ class CheckpointReader(ABC):
     Call :meth:`read_root` first; the other methods may then be called in
     any order and concurrently. Names and keys have been validated by the
     caller; implementations must still refuse to leave the checkpoint, and
-    refuse documents over :data:`~gpuckpt.storage.layout.MAX_ROOT_DOCUMENT_BYTES`
-    and :data:`~gpuckpt.storage.layout.MAX_ARRAY_DOCUMENT_BYTES` before reading them.
+    refuse documents over :data:`~gpuckpt.format.documents.MAX_ROOT_DOCUMENT_BYTES`
+    and :data:`~gpuckpt.format.documents.MAX_ARRAY_DOCUMENT_BYTES` before reading them.
     """
 
     #: whether the I/O threads should hand this reader many small chunks per call (see

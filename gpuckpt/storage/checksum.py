@@ -1,7 +1,7 @@
 """CRC32C, the checksum of every stored chunk and of the root metadata, and which library computes it.
 
 Zarr's ``crc32c`` codec appends it to each chunk as :data:`CRC_BYTES` little-endian
-bytes (see :mod:`gpuckpt.storage.chunks`). Two libraries compute the same value:
+bytes (see :mod:`gpuckpt.format.chunks`). Two libraries compute the same value:
 awscrt where it is installed and passes a self-test (the faster), else the
 ``crc32c`` package; ``GPUCKPT_CRC32C`` forces either (:func:`crc32c_backend`).
 

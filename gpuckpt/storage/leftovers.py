@@ -26,7 +26,7 @@ What may be deleted: a dead writer's temporary. A set-aside copy is the last
 complete copy of the checkpoint while ``NAME`` has none: it is put back
 there, and deleted only once ``NAME`` holds a checkpoint again. What counts as
 a checkpoint, for this and for ``overwrite=True``, is the identity test of
-:func:`gpuckpt.read_metadata` (:func:`~gpuckpt.storage.layout.root_document_problem`):
+:func:`gpuckpt.read_metadata` (:func:`~gpuckpt.format.documents.root_document_problem`):
 another program's Zarr store is never one.
 """
 
@@ -39,10 +39,10 @@ import secrets
 import stat
 from pathlib import Path
 
+from gpuckpt.format.documents import ROOT_DOCUMENT_PREFIX, ROOT_KEY, root_document_problem
 from gpuckpt.storage import fsutil
 from gpuckpt.storage.fileio import read_exact_at
 from gpuckpt.storage.fsutil import side_prefix
-from gpuckpt.storage.layout import ROOT_DOCUMENT_PREFIX, ROOT_KEY, root_document_problem
 from gpuckpt.storage.shared_dir import JOURNAL, restore
 
 __all__ = [

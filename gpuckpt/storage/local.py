@@ -33,6 +33,7 @@ from gpuckpt.errors import (
     CheckpointExistsError,
     CheckpointWriteError,
 )
+from gpuckpt.format.documents import ROOT_KEY
 from gpuckpt.options import SYNC_MODES  # the one list of durability modes
 from gpuckpt.storage import batchio, fsutil
 from gpuckpt.storage.base import (
@@ -51,7 +52,6 @@ from gpuckpt.storage.fileio import (
     write_all,
     writev_all,
 )
-from gpuckpt.storage.layout import ROOT_KEY
 from gpuckpt.storage.leftovers import (
     OLD_TAG,
     TMP_TAG,

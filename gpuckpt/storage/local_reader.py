@@ -24,6 +24,13 @@ from gpuckpt.errors import (
     CheckpointNotFoundError,
     MetadataError,
 )
+from gpuckpt.format.documents import (
+    MAX_ARRAY_DOCUMENT_BYTES,
+    MAX_ROOT_DOCUMENT_BYTES,
+    ROOT_KEY,
+    is_chunk_file_key,
+    too_large,
+)
 from gpuckpt.options import direct_io_from_env  # the one list of durability modes
 from gpuckpt.storage import batchio, crccopy
 from gpuckpt.storage.base import (
@@ -40,13 +47,6 @@ from gpuckpt.storage.fileio import (
     read_exact,
     read_exact_at,
     readv_exact,
-)
-from gpuckpt.storage.layout import (
-    MAX_ARRAY_DOCUMENT_BYTES,
-    MAX_ROOT_DOCUMENT_BYTES,
-    ROOT_KEY,
-    is_chunk_file_key,
-    too_large,
 )
 from gpuckpt.storage.leftovers import (
     TMP_TAG,

@@ -1,7 +1,7 @@
 """Checkpoints in S3-compatible object storage (``s3://bucket/prefix``).
 
 Object stores have no rename, so a checkpoint is published by its commit
-object: the root ``zarr.json`` (:data:`~gpuckpt.storage.layout.ROOT_KEY`) is
+object: the root ``zarr.json`` (:data:`~gpuckpt.format.documents.ROOT_KEY`) is
 written last, and a prefix without it is not a checkpoint. Every object sits
 at its final key; a reader that finds the root finds everything it lists.
 
@@ -80,18 +80,18 @@ from gpuckpt.errors import (
     CheckpointWriteError,
     MetadataError,
 )
-from gpuckpt.storage import fsutil
-from gpuckpt.storage.base import BaseRef, CheckpointWriter, ChunkDigest
-from gpuckpt.storage.checksum import CRC_BYTES
-from gpuckpt.storage.copies import PIECE_BYTES, own_copy
-from gpuckpt.storage.layout import (
+from gpuckpt.format.documents import (
     MAX_ROOT_DOCUMENT_BYTES,
     ROOT_DOCUMENT_PREFIX,
     ROOT_KEY,
     is_chunk_file_key,
     root_document_problem,
 )
-from gpuckpt.storage.names import is_safe_name
+from gpuckpt.format.names import is_safe_name
+from gpuckpt.storage import fsutil
+from gpuckpt.storage.base import BaseRef, CheckpointWriter, ChunkDigest
+from gpuckpt.storage.checksum import CRC_BYTES
+from gpuckpt.storage.copies import PIECE_BYTES, own_copy
 from gpuckpt.storage.s3_client import (
     first_line,
     parse_s3_url,

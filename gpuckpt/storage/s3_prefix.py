@@ -8,8 +8,8 @@ import errno
 from collections.abc import Iterator
 from typing import Any
 
-from gpuckpt.storage.layout import ROOT_KEY, is_chunk_file_key, too_large
-from gpuckpt.storage.names import is_safe_name
+from gpuckpt.format.documents import ROOT_KEY, is_chunk_file_key, too_large
+from gpuckpt.format.names import is_safe_name
 from gpuckpt.storage.s3_client import RequestBudget, first_line, obstore_for, pop_transfer_options
 
 __all__ = [

@@ -5,7 +5,7 @@ the caller's buffers in order; the CRC32C is computed while each piece is
 copied (in one pass with the native copy-with-CRC loop where it is built),
 never in a second pass: over every buffer but the last (a whole chunk, its
 trailer in the last buffer), or per buffer (the segments of a ranged read,
-see :mod:`gpuckpt.storage.segments`, each checked against its record).
+see :mod:`gpuckpt.format.segments`, each checked against its record).
 """
 
 from __future__ import annotations

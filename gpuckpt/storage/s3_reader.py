@@ -8,14 +8,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from gpuckpt.errors import CheckpointNotFoundError
-from gpuckpt.storage.base import CheckpointReader
-from gpuckpt.storage.checksum import CRC_BYTES, crc32c
-from gpuckpt.storage.layout import (
+from gpuckpt.format.documents import (
     MAX_ARRAY_DOCUMENT_BYTES,
     MAX_ROOT_DOCUMENT_BYTES,
     ROOT_KEY,
     is_chunk_file_key,
 )
+from gpuckpt.storage.base import CheckpointReader
+from gpuckpt.storage.checksum import CRC_BYTES, crc32c
 from gpuckpt.storage.s3_prefix import CLAIM_KEY, MAX_CLAIM_BYTES, Prefix, object_key
 from gpuckpt.storage.s3_ranges import stream_into
 

@@ -3,7 +3,7 @@
 Children are the prefixes one level down (``s3://bucket/run1/step_00000040``),
 found by one delimited listing of the root: the objects inside the children
 are never listed to find them. A child is committed when its root document
-(:data:`~gpuckpt.storage.layout.ROOT_KEY`) exists and starts as a gpuckpt
+(:data:`~gpuckpt.format.documents.ROOT_KEY`) exists and starts as a gpuckpt
 root document does: one ranged GET of its first bytes, which is as cheap as
 a HEAD and also tells another program's Zarr store apart (its ``zarr.json``
 exists too). Only an empty ``zarr.json``, which the server refuses a range
@@ -36,9 +36,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from gpuckpt.errors import CheckpointExistsError
+from gpuckpt.format.documents import ROOT_DOCUMENT_PREFIX, ROOT_KEY
+from gpuckpt.format.names import is_safe_name
 from gpuckpt.storage.base import CheckpointRoot
-from gpuckpt.storage.layout import ROOT_DOCUMENT_PREFIX, ROOT_KEY
-from gpuckpt.storage.names import is_safe_name
 from gpuckpt.storage.s3 import ObjectStoreWriter
 from gpuckpt.storage.s3_prefix import CLAIM_KEY, Prefix
 

@@ -35,14 +35,14 @@ import stat
 from pathlib import Path
 
 from gpuckpt.errors import CheckpointExistsError
+from gpuckpt.format.documents import ROOT_DOCUMENT_PREFIX, ROOT_KEY, root_document_problem
 from gpuckpt.storage import fsutil
-from gpuckpt.storage.layout import ROOT_DOCUMENT_PREFIX, ROOT_KEY, root_document_problem
 
 __all__ = ["JOURNAL", "directory_entries", "publish_into", "restore"]
 
 #: the journal of a publication into a shared directory, in its set-aside directory
 JOURNAL = ".gpuckpt-publish.json"
-#: the attribute that marks an array document as gpuckpt's (see gpuckpt.storage.layout)
+#: the attribute that marks an array document as gpuckpt's (see gpuckpt.format.documents)
 _ARRAY_MARK = b'"attributes":{"gpuckpt":'
 _MAX_ARRAY_DOCUMENT = 1 << 20  # a gpuckpt array document is a few hundred bytes
 

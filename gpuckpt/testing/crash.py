@@ -135,8 +135,8 @@ class _Tracer:
 @contextlib.contextmanager
 def _traced(emit: _Tracer) -> Iterator[None]:
     """Wrap the writer's steps so each one emits its event (and may be killed there)."""
+    from gpuckpt.format.documents import ROOT_KEY
     from gpuckpt.storage import direct, fsutil, local
-    from gpuckpt.storage.layout import ROOT_KEY
     from gpuckpt.testing.faults import inject_os_faults
 
     W = local.LocalWriter

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from gpuckpt.dtypes import dtype_from_name
+from gpuckpt.format.dtypes import dtype_from_name
 from gpuckpt.testing.states import ALL_DTYPE_NAMES
 
 

@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from gpuckpt.dtypes import ML_DTYPE_NAMES
+from gpuckpt.format.dtypes import ML_DTYPE_NAMES
 
 __all__ = ["ALL_DTYPE_NAMES", "gpt_state_dict", "random_array", "small_tensors_state_dict"]
 

@@ -67,7 +67,7 @@ def test_writer_with_missing_base_warns_and_writes(tmp_path: Path) -> None:
 
 
 def test_writer_hashes_go_to_the_chunk_table_and_serve_the_next_save(tmp_path: Path) -> None:
-    from gpuckpt.storage.chunk_table import TABLE_KEY
+    from gpuckpt.format.records import TABLE_KEY
 
     w = torch.arange(4200 * 4, dtype=torch.float32).reshape(4200, 4)  # 4,200 chunks of 16 bytes
     sd = {"w": w, "step": 1}

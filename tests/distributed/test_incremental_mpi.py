@@ -51,7 +51,7 @@ def test_incremental_save_of_a_chunk_table_from_3_threads(tmp_path: Path) -> Non
     the next save (the same layout: a plan cache hit) links each rank's unchanged chunks."""
     from gpuckpt.distributed import run_ranks
     from gpuckpt.distributed.save import plan_cache_info
-    from gpuckpt.storage.chunk_table import TABLE_KEY
+    from gpuckpt.format.records import TABLE_KEY
 
     full = np.arange(4200 * 4, dtype=np.float32).reshape(4200, 4)
 

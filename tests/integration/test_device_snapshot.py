@@ -127,7 +127,9 @@ def test_cupy_device_snapshot(tmp_path: Path, layout: str) -> None:
         flat = cupy.asarray(rng.standard_normal(40 * 300).astype(np.float32))
         live = {f"p{i:02d}": flat[i * 300 : (i + 1) * 300].reshape(15, 20) for i in range(40)}
     else:
-        live = {f"w{i}": cupy.asarray(rng.standard_normal(1000 + 7 * i).astype(np.float32)) for i in range(40)}
+        live = {
+            f"w{i}": cupy.asarray(rng.standard_normal(1000 + 7 * i).astype(np.float32)) for i in range(40)
+        }
         live["odd"] = cupy.asarray(rng.integers(0, 255, 4097, dtype=np.uint8))[1:]  # not 16-byte aligned
     expected = {k: cupy.asnumpy(v) for k, v in live.items()}
     fut = gpuckpt.async_save(live, tmp_path / "c", staging="device", sync="none")

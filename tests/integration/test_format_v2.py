@@ -12,20 +12,20 @@ import zarr
 
 import gpuckpt
 from gpuckpt.errors import CheckpointCorruptedError, MetadataError, MissingChunkError
-from gpuckpt.metadata import GridTensorStorageMetadata, TensorStorageMetadata
-from gpuckpt.options import SaveOptions
-from gpuckpt.planning.plan import plan_save
-from gpuckpt.session import execute_save
-from gpuckpt.sources import describe_state
-from gpuckpt.storage.checksum import crc32c
-from gpuckpt.storage.chunk_table import (
+from gpuckpt.format.documents import _canonical
+from gpuckpt.format.records import (
     ROWS_PER_CHUNK,
     TABLE_MIN_CHUNKS,
     ChunkTable,
     column_array_name,
     write_table,
 )
-from gpuckpt.storage.layout import _canonical
+from gpuckpt.metadata import GridTensorStorageMetadata, TensorStorageMetadata
+from gpuckpt.options import SaveOptions
+from gpuckpt.planning.plan import plan_save
+from gpuckpt.session import execute_save
+from gpuckpt.sources import describe_state
+from gpuckpt.storage.checksum import crc32c
 from gpuckpt.storage.stores import open_reader
 from gpuckpt.verify import verify_checkpoint
 from gpuckpt.writing import open_save_writer

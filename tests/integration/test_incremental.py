@@ -21,10 +21,10 @@ import pytest
 
 import gpuckpt
 from gpuckpt.errors import IncrementalBaseWarning, InvalidOptionError
+from gpuckpt.format.documents import root_document
 from gpuckpt.format.reader import metadata_from_json
 from gpuckpt.manager import CheckpointManager
 from gpuckpt.storage.checksum import crc32c
-from gpuckpt.storage.layout import root_document
 from gpuckpt.verify import verify_checkpoint
 
 pytestmark = pytest.mark.filterwarnings("error::gpuckpt.errors.IncrementalBaseWarning")
@@ -504,9 +504,9 @@ def _many_chunks(seed: int) -> dict[str, Any]:
 
 
 def test_a_chunk_table_base_serves_its_hashes_and_its_unchanged_chunks(tmp_path: Path) -> None:
+    from gpuckpt.format.contenthash import chunk_hash
+    from gpuckpt.format.records import TABLE_MIN_CHUNKS
     from gpuckpt.incremental import open_base
-    from gpuckpt.storage.chunk_table import TABLE_MIN_CHUNKS
-    from gpuckpt.storage.contenthash import chunk_hash
 
     s0 = _many_chunks(0)
     gpuckpt.save(s0, tmp_path / "c0", chunk_bytes=16, content_hash=True)
@@ -534,12 +534,12 @@ def test_a_chunk_table_base_serves_its_hashes_and_its_unchanged_chunks(tmp_path:
 
 
 def test_a_hashed_save_with_a_chunk_table_records_hash_columns(tmp_path: Path) -> None:
+    from gpuckpt.format.contenthash import LEAF, chunk_hash
+    from gpuckpt.format.records import TABLE_KEY, ChunkTable
     from gpuckpt.options import SaveOptions
     from gpuckpt.planning.plan import plan_save
     from gpuckpt.session import execute_save
     from gpuckpt.sources import describe_state
-    from gpuckpt.storage.chunk_table import TABLE_KEY, ChunkTable
-    from gpuckpt.storage.contenthash import LEAF, chunk_hash
     from gpuckpt.storage.stores import open_reader
     from gpuckpt.writing import open_save_writer
 

@@ -16,9 +16,9 @@ import pytest
 
 import gpuckpt
 from gpuckpt.errors import ChecksumError
+from gpuckpt.format.documents import ROOT_KEY, root_document
 from gpuckpt.format.reader import metadata_of_root
-from gpuckpt.storage.layout import ROOT_KEY, root_document
-from gpuckpt.storage.segments import SEGMENT_BYTES, SEGMENTS_KEY
+from gpuckpt.format.segments import SEGMENT_BYTES, SEGMENTS_KEY
 from gpuckpt.verify import verify_checkpoint
 
 STATE = np.arange(3 << 20, dtype=np.float32).reshape(3072, 1024)

@@ -9,7 +9,7 @@ import pytest
 import zarr
 
 import gpuckpt
-from gpuckpt.dtypes import dtype_from_name
+from gpuckpt.format.dtypes import dtype_from_name
 from gpuckpt.testing.states import ALL_DTYPE_NAMES, random_array
 
 

@@ -17,9 +17,9 @@ import pytest
 
 import gpuckpt
 from gpuckpt.errors import ChecksumError
+from gpuckpt.format.documents import ROOT_KEY, root_document
 from gpuckpt.format.reader import metadata_of_root
-from gpuckpt.storage.layout import ROOT_KEY, root_document
-from gpuckpt.storage.segments import SEGMENT_BYTES, SEGMENTS_KEY
+from gpuckpt.format.segments import SEGMENT_BYTES, SEGMENTS_KEY
 from gpuckpt.testing.faultproxy import FaultProxy
 from gpuckpt.testing.s3server import loopback_s3, s3_options
 
@@ -79,9 +79,7 @@ def test_save_records_segments_and_a_partial_load_reads_only_the_segments_it_nee
 ) -> None:
     prefix, opts = _saved(proxy)
     s3 = _s3(endpoint)
-    md = metadata_of_root(
-        s3.get_object(Bucket=BUCKET, Key=f"{prefix}/{ROOT_KEY}")["Body"].read(), "root"
-    )
+    md = metadata_of_root(s3.get_object(Bucket=BUCKET, Key=f"{prefix}/{ROOT_KEY}")["Body"].read(), "root")
     entry = md.storage_data["tensors"]["w"][SEGMENTS_KEY]
     assert entry["bytes"] == SEGMENT_BYTES and md.version == "1"  # readable by every release
     # rows 1500..1600 lie in chunk 1 (rows 1024..2048), bytes 476 * 4 KiB .. 576 * 4 KiB of it:

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 import gpuckpt
 from gpuckpt import ShardedArray
 from gpuckpt.distributed import DistributedError, run_ranks
-from gpuckpt.storage._zarr_compat import ZARR_BEFORE_3_4
+from gpuckpt.format._zarr_compat import ZARR_BEFORE_3_4
 
 
 def global_tensor(shape: tuple[int, ...]) -> np.ndarray:

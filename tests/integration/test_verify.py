@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import gpuckpt
+from gpuckpt.format.documents import expected_array_document
 from gpuckpt.load.open import open_checkpoint
-from gpuckpt.storage.layout import expected_array_document
 from gpuckpt.verify import verify_checkpoint
 
 

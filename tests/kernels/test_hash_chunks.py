@@ -1,6 +1,6 @@
 """``DeviceBackend.hash_chunks``: the digests of chunks as stored (the box at the origin of a zero
-block of the stored shape), against :func:`gpuckpt.storage.contenthash.chunk_hash` of the bytes a
-save stores (:func:`gpuckpt.storage.chunks.chunk_bytes`). The host stand-in runs everywhere; the
+block of the stored shape), against :func:`gpuckpt.format.contenthash.chunk_hash` of the bytes a
+save stores (:func:`gpuckpt.format.chunks.chunk_bytes`). The host stand-in runs everywhere; the
 CuPy back end (the kernels of ``kernels/xxh3_tree.cu``) needs a GPU."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from gpuckpt import memory_format as mf
 from gpuckpt.device.host_backend import HostBackend
-from gpuckpt.storage.chunks import chunk_bytes
-from gpuckpt.storage.contenthash import LEAF, chunk_hash
+from gpuckpt.format import memory_format as mf
+from gpuckpt.format.chunks import chunk_bytes
+from gpuckpt.format.contenthash import LEAF, chunk_hash
 
 xxhash = pytest.importorskip("xxhash")
 

@@ -1,7 +1,7 @@
 """The device hash kernel (kernels/xxh3_tree.cu), run on the CPU through the emulation header and
 compared with the ``xxhash`` library: every XXH3 size class (0, 1-240 byte by byte, long inputs
 around the 1 KiB block and the 1 MiB leaf), misaligned inputs, and whole chunks of several MiB
-against :func:`gpuckpt.storage.contenthash.chunk_hash`."""
+against :func:`gpuckpt.format.contenthash.chunk_hash`."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 
 from gpuckpt.device import hashing
 from gpuckpt.device.hashing import leaf_plan
-from gpuckpt.storage.contenthash import LEAF, chunk_hash
+from gpuckpt.format.contenthash import LEAF, chunk_hash
 
 xxhash = pytest.importorskip("xxhash")
 

@@ -1,5 +1,5 @@
 """The device hash on a real GPU: :func:`gpuckpt.device.hashing.hash_device_chunks` against the host's
-:func:`gpuckpt.storage.contenthash.chunk_hash`. Skipped without a CUDA device."""
+:func:`gpuckpt.format.contenthash.chunk_hash`. Skipped without a CUDA device."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from gpuckpt.device.hashing import hash_device_chunks
-from gpuckpt.storage.contenthash import LEAF, chunk_hash
+from gpuckpt.format.contenthash import LEAF, chunk_hash
 
 pytestmark = pytest.mark.gpu
 xxhash = pytest.importorskip("xxhash")

@@ -20,17 +20,17 @@ import atheris
 with atheris.instrument_imports():
     import gpuckpt
     import gpuckpt.api
+    import gpuckpt.format.documents
+    import gpuckpt.format.values
     import gpuckpt.metadata
     import gpuckpt.reading
     import gpuckpt.state
-    import gpuckpt.storage.layout
-    import gpuckpt.storage.values
 
 sys.path.insert(0, str(Path(__file__).parent))
 from hostile import is_known_bug, make_state
 
+from gpuckpt.format.documents import _canonical
 from gpuckpt.storage.checksum import crc32c
-from gpuckpt.storage.layout import _canonical
 
 _DIR = Path(tempfile.mkdtemp(prefix="gpuckpt-atheris-"))
 CKPT = _DIR / "c"

@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 
 import gpuckpt
+from gpuckpt.format import documents as layout
 from gpuckpt.printable import printable
-from gpuckpt.storage import layout
 from gpuckpt.storage.local import NotRegularFileError
 from gpuckpt.storage.local_reader import LocalReader
 from gpuckpt.testing.faults import copy_checkpoint, rewrite_root_metadata, temporaries

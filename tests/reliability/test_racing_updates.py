@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 
 import gpuckpt
+from gpuckpt.format import contenthash
 from gpuckpt.incremental import open_base
-from gpuckpt.storage import contenthash
 from gpuckpt.verify import verify_checkpoint
 
 ROUNDS = 6

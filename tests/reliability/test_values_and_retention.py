@@ -23,8 +23,8 @@ import gpuckpt
 from gpuckpt.cli import main as cli_main
 from gpuckpt.convert import convert, detect_format, read_safetensors, write_safetensors
 from gpuckpt.errors import MetadataError, StepOrderError, UnsupportedValueError
+from gpuckpt.format.values import MAX_INT_BITS, decode_object, encode_object
 from gpuckpt.manager import CheckpointManager
-from gpuckpt.storage.values import MAX_INT_BITS, decode_object, encode_object
 
 
 def bits(x: float) -> int:

@@ -17,12 +17,17 @@ from typing import Any
 
 import numpy as np
 
-from gpuckpt import memory_format as mf
-from gpuckpt import tensor_columns
-from gpuckpt.entries import StoredProperties, TensorEntry
 from gpuckpt.errors import MetadataError
+from gpuckpt.format import columns as tensor_columns
+from gpuckpt.format import memory_format as mf
+from gpuckpt.format.chunks import stored_nbytes
+from gpuckpt.format.documents import chunk_file_key
+from gpuckpt.format.entries import StoredProperties, TensorEntry
+from gpuckpt.format.names import is_safe_name
 from gpuckpt.format.reader import beyond_any_array
-from gpuckpt.metadata import (
+from gpuckpt.format.records import TABLE_KEY, ChunkTable, parse_listed
+from gpuckpt.format.segments import SEGMENTS_KEY
+from gpuckpt.format.metadata import (
     VERSION_COLUMNS,
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -34,11 +39,6 @@ from gpuckpt.metadata import (
     parse_version,
 )
 from gpuckpt.planning import ChunkGrid
-from gpuckpt.storage.chunk_table import TABLE_KEY, ChunkTable, parse_listed
-from gpuckpt.storage.chunks import stored_nbytes
-from gpuckpt.storage.layout import chunk_file_key
-from gpuckpt.storage.names import is_safe_name
-from gpuckpt.storage.segments import SEGMENTS_KEY
 
 
 def metadata_from_json_dict(data: Any) -> Metadata:

@@ -8,9 +8,9 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpuckpt.dtypes import dtype_from_name
+from gpuckpt.format.documents import array_document, expected_array_document
+from gpuckpt.format.dtypes import dtype_from_name
 from gpuckpt.planning.grid import ChunkGrid, plan_regular_grid
-from gpuckpt.storage.layout import array_document, expected_array_document
 
 DTYPES = [
     "bool",

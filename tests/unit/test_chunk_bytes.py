@@ -1,4 +1,4 @@
-"""chunk_bytes (gpuckpt/storage/chunks.py): the stored bytes of a chunk as (buffer, zero tail),
+"""chunk_bytes (gpuckpt/format/chunks.py): the stored bytes of a chunk as (buffer, zero tail),
 equal to the padded block the per-chunk path writes, for any box, byte order and layout."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpuckpt.storage.chunks import chunk_bytes, is_prefix_box, padded_chunk
+from gpuckpt.format.chunks import chunk_bytes, is_prefix_box, padded_chunk
 
 
 @st.composite

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from gpuckpt.errors import MetadataError
+from gpuckpt.format import records as ct
 from gpuckpt.options import SaveOptions
-from gpuckpt.storage import chunk_table as ct
 from gpuckpt.storage.stores import open_reader
 from gpuckpt.writing import open_save_writer
 

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from gpuckpt.errors import MetadataError
+from gpuckpt.format import records as ct
+from gpuckpt.format.contenthash import LEAF, ChunkHasher, chunk_hash, is_hash_hex
 from gpuckpt.incremental import ChunkResult, hash_columns
-from gpuckpt.storage import chunk_table as ct
-from gpuckpt.storage.contenthash import LEAF, ChunkHasher, chunk_hash, is_hash_hex
 
 xxhash = pytest.importorskip("xxhash")
 

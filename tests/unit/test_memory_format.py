@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import gpuckpt
-from gpuckpt.memory_format import detect_memory_format, physical_order
+from gpuckpt.format.memory_format import detect_memory_format, physical_order
 
 
 def fmt(a: np.ndarray) -> object:

@@ -10,8 +10,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import gpuckpt
+from gpuckpt.format.documents import chunk_file_key
 from gpuckpt.format.reader import metadata_from_json
-from gpuckpt.metadata import (
+from gpuckpt.format.metadata import (
     _MEM_FORMAT_ENCODING,
     FORMAT_VERSION,
     BytesStorageMetadata,
@@ -22,7 +23,6 @@ from gpuckpt.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
-from gpuckpt.storage.layout import chunk_file_key
 
 FORMATS = [
     gpuckpt.contiguous_format,

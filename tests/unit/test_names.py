@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpuckpt.storage.names import MAX_NAME_BYTES, decode_name, encode_name, is_safe_name
+from gpuckpt.format.names import MAX_NAME_BYTES, decode_name, encode_name, is_safe_name
 
 
 @pytest.mark.parametrize(

@@ -7,9 +7,9 @@ import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
+from gpuckpt.format.chunks import is_prefix_box
+from gpuckpt.format.documents import chunk_file_key
 from gpuckpt.planning import ChunkGrid, plan_regular_grid
-from gpuckpt.storage.chunks import is_prefix_box
-from gpuckpt.storage.layout import chunk_file_key
 
 
 def coverage(grid: ChunkGrid) -> np.ndarray:

@@ -31,17 +31,17 @@ from hypothesis import strategies as st
 import gpuckpt
 from gpuckpt import commit
 from gpuckpt.device import _kernel_ref
-from gpuckpt.entries import ChunkRead, TensorEntry
 from gpuckpt.errors import MetadataError
+from gpuckpt.format.columns import COLUMNS_KEY, compact, expand
+from gpuckpt.format.documents import metadata_json
+from gpuckpt.format.entries import ChunkRead, TensorEntry
 from gpuckpt.format.reader import read_index
+from gpuckpt.format.records import TABLE_MIN_CHUNKS
 from gpuckpt.load.open import index_of_root
 from gpuckpt.metadata import Metadata
 from gpuckpt.reading import load_chunk_records
 from gpuckpt.storage.base import CheckpointReader
-from gpuckpt.storage.chunk_table import TABLE_MIN_CHUNKS
-from gpuckpt.storage.layout import metadata_json
 from gpuckpt.storage.stores import open_reader
-from gpuckpt.tensor_columns import COLUMNS_KEY, compact, expand
 
 REPO = Path(__file__).resolve().parents[2]
 

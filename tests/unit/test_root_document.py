@@ -10,8 +10,8 @@ import pytest
 
 import gpuckpt
 from gpuckpt.errors import MetadataError
+from gpuckpt.format.documents import _as_written, root_document
 from gpuckpt.format.reader import metadata_of_root
-from gpuckpt.storage.layout import _as_written, root_document
 
 
 @pytest.fixture
@@ -31,9 +31,7 @@ def test_a_reserialized_document_takes_the_general_path(raw: bytes) -> None:
     assert _as_written(pretty) is None
     assert metadata_of_root(pretty, "zarr.json") == metadata_of_root(raw, "zarr.json")
     assert _as_written(raw + b"\n") is None
-    assert metadata_of_root(raw + b"\n", "zarr.json") == metadata_of_root(
-        raw, "zarr.json"
-    )
+    assert metadata_of_root(raw + b"\n", "zarr.json") == metadata_of_root(raw, "zarr.json")
 
 
 def test_a_changed_byte_in_the_metadata_is_a_checksum_mismatch(raw: bytes) -> None:

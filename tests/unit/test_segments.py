@@ -10,8 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpuckpt.storage.checksum import crc32c
-from gpuckpt.storage.segments import (
+from gpuckpt.format.segments import (
     SegmentDigest,
     Segments,
     crc32c_combine,
@@ -19,6 +18,7 @@ from gpuckpt.storage.segments import (
     segmented,
     segments_entry,
 )
+from gpuckpt.storage.checksum import crc32c
 
 
 @given(st.binary(max_size=300), st.binary(max_size=300))

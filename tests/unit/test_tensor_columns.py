@@ -1,4 +1,4 @@
-"""Format version 3 (gpuckpt/tensor_columns.py): tensor entries as columns, exactly
+"""Format version 3 (gpuckpt/format/columns.py): tensor entries as columns, exactly
 convertible to and from the entries of version 2, and chosen only where it pays."""
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from hypothesis import strategies as st
 import gpuckpt
 from gpuckpt import commit
 from gpuckpt.errors import MetadataError, UnsupportedVersionError
+from gpuckpt.format.columns import COLUMN_NAMES, COLUMNS_KEY, compact, expand
+from gpuckpt.format.documents import metadata_json
 from gpuckpt.format.reader import metadata_from_json
 from gpuckpt.metadata import FORMAT_VERSION, READABLE_VERSIONS
-from gpuckpt.storage.layout import metadata_json
-from gpuckpt.tensor_columns import COLUMN_NAMES, COLUMNS_KEY, compact, expand
 
 _names = st.text(st.characters(codec="utf-8"), max_size=6)
 _sizes = st.lists(st.integers(0, 9), max_size=3)

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gpuckpt.errors import MetadataError, UnsafeCheckpointError, UnsupportedValueError
-from gpuckpt.storage.values import decode_object, encode_object
+from gpuckpt.format.values import decode_object, encode_object
 
 plain = st.recursive(
     st.one_of(

@@ -24,9 +24,9 @@ from zarr.core.dtype.wrapper import ZDType
 from zarr.core.metadata import ArrayV3Metadata
 from zarr.storage import LocalStore
 
-from gpuckpt.dtypes import ML_DTYPE_NAMES
-from gpuckpt.storage._zarr_compat import ZARR_BEFORE_3_4, DataTypeValidationError
-from gpuckpt.storage.zarr_dtypes import (
+from gpuckpt.format._zarr_compat import ZARR_BEFORE_3_4, DataTypeValidationError
+from gpuckpt.format.dtypes import ML_DTYPE_NAMES
+from gpuckpt.format.zarr_dtypes import (
     ZARR_DTYPE_CLASSES,
     BFloat16,
     register_zarr_dtypes,
@@ -428,7 +428,7 @@ def test_classes_are_loadable_as_zarr_data_type_entry_points() -> None:
     for name, cls in ZARR_DTYPE_CLASSES.items():
         entry_point = EntryPoint(
             name=name,
-            value=f"gpuckpt.storage.zarr_dtypes:{cls.__name__}",
+            value=f"gpuckpt.format.zarr_dtypes:{cls.__name__}",
             group="zarr.data_type",
         )
         loaded = entry_point.load()
@@ -454,7 +454,7 @@ def test_installed_entry_points_register_without_calling_register(tmp_path: Path
         "Metadata-Version: 2.1\nName: gpuckpt-entry-point-probe\nVersion: 0\n"
     )
     lines = [
-        f"{name} = gpuckpt.storage.zarr_dtypes:{cls.__name__}" for name, cls in ZARR_DTYPE_CLASSES.items()
+        f"{name} = gpuckpt.format.zarr_dtypes:{cls.__name__}" for name, cls in ZARR_DTYPE_CLASSES.items()
     ]
     (dist_info / "entry_points.txt").write_text("[zarr.data_type]\n" + "\n".join(lines) + "\n")
     script = (
@@ -462,7 +462,7 @@ def test_installed_entry_points_register_without_calling_register(tmp_path: Path
         "a = zarr.create_array(zarr.storage.MemoryStore(), shape=(2,), dtype=ml_dtypes.bfloat16)\n"
         "assert type(a.metadata.data_type).__name__ == 'BFloat16', a.metadata.data_type\n"
         "assert a.metadata.to_dict()['data_type'] == 'bfloat16'\n"
-        "assert 'gpuckpt.storage.zarr_dtypes' in sys.modules\n"
+        "assert 'gpuckpt.format.zarr_dtypes' in sys.modules\n"
     )
     env = {
         **os.environ,

@@ -8,7 +8,7 @@ Modes (``mpiexec -n N python plan_cache.py MODE PATH``):
     with other values: the plan of ``a`` is reused), ``c`` with one more
     tensor (the layout changed: planned again) and ``d`` like ``c`` (reused),
     then ``big``: one tensor split evenly by rows into more chunks than
-    :data:`~gpuckpt.storage.chunk_table.TABLE_MIN_CHUNKS` (planned per
+    :data:`~gpuckpt.format.records.TABLE_MIN_CHUNKS` (planned per
     tensor, stored with a chunk table). Returns the plan cache counters.
 ``load``
     Each rank loads ``b``, ``d`` and ``big`` under PATH into targets split

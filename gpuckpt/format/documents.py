@@ -7,7 +7,7 @@
       <array name>/zarr.json    one Zarr v3 array per tensor (logical shape and dtype)
       <array name>/c.0.0        its chunks: bytes codec (little-endian) + crc32c
 
-Array names come from FQNs (:mod:`gpuckpt.storage.names`). Chunk keys use
+Array names come from FQNs (:mod:`gpuckpt.format.names`). Chunk keys use
 Zarr's ``default`` encoding with the ``.`` separator, so an array's chunks
 are plain files in its directory. The root ``zarr.json`` is written last; a
 directory or prefix without it is not a checkpoint.
@@ -30,9 +30,9 @@ from typing import Any
 
 import numpy as np
 
-from gpuckpt.dtypes import dtype_name
 from gpuckpt.errors import MetadataError
-from gpuckpt.metadata import Metadata
+from gpuckpt.format.dtypes import dtype_name
+from gpuckpt.format.metadata import Metadata
 from gpuckpt.planning import ChunkGrid
 from gpuckpt.storage import batchio
 from gpuckpt.storage.checksum import crc32c
@@ -96,7 +96,7 @@ def expected_array_document(
     The one definition of that document: :func:`array_document` encodes it for
     a writer, and :func:`gpuckpt.verify.verify_checkpoint` compares a stored
     document with it. ``attributes.gpuckpt`` names the tensor (``fqn``) and
-    its ``memory_format`` (a :class:`~gpuckpt.memory_format.MemoryFormat` name).
+    its ``memory_format`` (a :class:`~gpuckpt.format.memory_format.MemoryFormat` name).
     """
     codecs: list[dict[str, Any]] = [{"name": "bytes"}, {"name": "crc32c"}]
     if dtype.itemsize > 1:

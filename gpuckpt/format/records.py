@@ -23,7 +23,7 @@ records in one of two forms, per tensor:
 Columns (:data:`COLUMNS`): ``crc32c`` (``uint32``), and in checkpoints that
 record content hashes (:mod:`gpuckpt.incremental`) ``xxh3t`` and ``head``
 (16 bytes each: the chunk's XXH3-128 tree hash and the hash of its first
-leaf, see :mod:`gpuckpt.storage.contenthash`). A column of a fixed-width
+leaf, see :mod:`gpuckpt.format.contenthash`). A column of a fixed-width
 per-chunk field is a ``uint8`` array of ``rows x width``; listed, such a field
 is a string of ``2 * width`` lowercase hex digits. Optional columns are
 written for every chunk or for none; reading, a fixed-width column is taken
@@ -43,9 +43,9 @@ from typing import Any
 import numpy as np
 
 from gpuckpt.errors import CheckpointCorruptedError, MetadataError, MissingChunkError
+from gpuckpt.format.documents import is_chunk_file_key
 from gpuckpt.storage.base import CheckpointReader, CheckpointWriter, ChunkWrites
 from gpuckpt.storage.checksum import CRC_BYTES, crc32c
-from gpuckpt.storage.layout import is_chunk_file_key
 
 __all__ = [
     "COLUMNS",

@@ -13,15 +13,15 @@ from typing import Any
 
 import numpy as np
 
-from gpuckpt import memory_format as mf
 from gpuckpt.errors import MetadataError
-from gpuckpt.metadata import GridTensorStorageMetadata, TensorProperties, TensorStorageMetadata
+from gpuckpt.format import memory_format as mf
+from gpuckpt.format.chunks import stored_nbytes
+from gpuckpt.format.documents import chunk_file_key
+from gpuckpt.format.metadata import GridTensorStorageMetadata, TensorProperties, TensorStorageMetadata
+from gpuckpt.format.records import ChunkTable
 from gpuckpt.planning import ChunkGrid, ChunkSpec
 from gpuckpt.planning.boxes import axis_starts
 from gpuckpt.storage.checksum import CRC_BYTES
-from gpuckpt.storage.chunk_table import ChunkTable
-from gpuckpt.storage.chunks import stored_nbytes
-from gpuckpt.storage.layout import chunk_file_key
 
 __all__ = ["ChunkRead", "StoredProperties", "TensorEntry", "whole_chunk_key"]
 
@@ -37,7 +37,7 @@ class ChunkRead:
 
 @dataclass(frozen=True, slots=True)
 class StoredProperties:
-    """The checked :class:`~gpuckpt.metadata.TensorProperties` of a document, shared by every
+    """The checked :class:`~gpuckpt.format.metadata.TensorProperties` of a document, shared by every
     tensor that stores the same ones (a :class:`TensorProperties` is mutable: each entry's
     metadata gets its own, made from these when first asked for)."""
 

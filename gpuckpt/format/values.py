@@ -45,8 +45,8 @@ from typing import Any
 
 import numpy as np
 
-from gpuckpt.dtypes import dtype_from_name, dtype_name, is_storable_dtype
 from gpuckpt.errors import MetadataError, UnsafeCheckpointError, UnsupportedValueError
+from gpuckpt.format.dtypes import dtype_from_name, dtype_name, is_storable_dtype
 
 __all__ = ["MAX_INT_BITS", "decode_object", "encode_object"]
 

@@ -22,7 +22,7 @@ and a version 3 document without ``tensor_columns`` is a version 2 document.
 
 :func:`compact` and :func:`expand` convert between the two shapes exactly
 (``expand(compact(d)) == d``): everything that reads version 2 reads version 3
-through :func:`expand`, and :mod:`gpuckpt.load_index` reads the columns
+through :func:`expand`, and :mod:`gpuckpt.format.reader` reads the columns
 directly for a load.
 """
 

@@ -40,8 +40,8 @@ from zarr.core.dtype.npy.common import (
 )
 from zarr.core.dtype.wrapper import TBaseDType, ZDType
 
-from gpuckpt.dtypes import ML_DTYPE_NAMES, dtype_from_name
-from gpuckpt.storage._zarr_compat import DataTypeValidationError, check_dtype_spec_no_object_codec_v2
+from gpuckpt.format._zarr_compat import DataTypeValidationError, check_dtype_spec_no_object_codec_v2
+from gpuckpt.format.dtypes import ML_DTYPE_NAMES, dtype_from_name
 
 if TYPE_CHECKING:
     from zarr.core.common import JSON, ZarrFormat
@@ -87,7 +87,7 @@ class _MLFloat(ZDType[TBaseDType, np.generic], HasItemSize):
 
     A concrete subclass sets only ``_zarr_v3_name``; ``__init_subclass__``
     derives everything else from the NumPy dtype of that name, so the nine
-    classes cannot drift apart from :mod:`gpuckpt.dtypes`.
+    classes cannot drift apart from :mod:`gpuckpt.format.dtypes`.
 
     Attributes
     ----------
@@ -560,11 +560,11 @@ ZARR_DTYPE_CLASSES: dict[str, type[_MLFloat]] = {
     )
 }
 
-# A name added to gpuckpt.dtypes without a class here would fail only when an
+# A name added to gpuckpt.format.dtypes without a class here would fail only when an
 # array of that type is written; fail at import instead.
 if set(ZARR_DTYPE_CLASSES) != set(ML_DTYPE_NAMES):  # pragma: no cover
     raise ImportError(
-        "gpuckpt.storage.zarr_dtypes is out of step with gpuckpt.dtypes.ML_DTYPE_NAMES: "
+        "gpuckpt.format.zarr_dtypes is out of step with gpuckpt.format.dtypes.ML_DTYPE_NAMES: "
         f"{sorted(set(ZARR_DTYPE_CLASSES) ^ set(ML_DTYPE_NAMES))}"
     )
 

@@ -19,7 +19,7 @@ shim can give, so tests that need them expect a failure where
 
 * its data-type registry collects the ``zarr.data_type`` entry points but never
   loads them, so with zarr 3.1 plain zarr-python knows bfloat16 and the float8
-  types only after :func:`gpuckpt.storage.zarr_dtypes.register_zarr_dtypes`;
+  types only after :func:`gpuckpt.format.zarr_dtypes.register_zarr_dtypes`;
 * it has no ``rectilinear`` chunk grid, so it cannot open the arrays of an
   uneven sharded save unless that was saved with ``portable=True``.
 
