@@ -349,7 +349,7 @@ def child(spec: dict[str, Any]) -> None:
         record["files"] = len(files)
         record["disk_bytes"] = sum(os.path.getsize(f) for f in files)
     if op in ("save-gpuckpt", "load-gpuckpt", "load-native"):
-        from gpuckpt.storage.checksum import crc32c_backend
+        from gpuckpt.format.checksum import crc32c_backend
         from gpuckpt.storage.crccopy import instruction_set
 
         record["version"] = (

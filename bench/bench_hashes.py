@@ -7,7 +7,7 @@ measured in the same run on the same buffer:
 
 * a memcpy (``np.copyto`` into a second buffer of the same size), the cost
   of touching every byte once;
-* the CRC32C every save already computes (:func:`gpuckpt.storage.checksum.crc32c`).
+* the CRC32C every save already computes (:func:`gpuckpt.format.checksum.crc32c`).
 
 Columns: ``1T GB/s`` one thread on one buffer; ``2T GB/s`` two threads each
 hashing its own buffer at once (what two I/O threads of a save do; meaningful
@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from gpuckpt.storage.checksum import crc32c, crc32c_backend
+from gpuckpt.format.checksum import crc32c, crc32c_backend
 
 Fn = Callable[[Any], object]
 

@@ -110,9 +110,9 @@ def _root_and_table(plan: Any, parts: list[tuple[np.ndarray, np.ndarray]]) -> tu
 
 def _load_figure(plan: Any, doc: bytes, documents: list[Any], table: list[Any], rank_box: Any) -> float:
     """Seconds to read what one rank needs of the metadata, from files in a temporary directory."""
+    from gpuckpt.format.checksum import crc32c
     from gpuckpt.format.reader import read_index
     from gpuckpt.reading import load_chunk_records
-    from gpuckpt.storage.checksum import crc32c
     from gpuckpt.storage.stores import open_reader
 
     where = tempfile.mkdtemp(prefix="bench-planning-")

@@ -4,7 +4,7 @@ from importlib import metadata as _metadata
 
 from gpuckpt.api import load, load_state_dict, read_metadata, save
 from gpuckpt.background import SaveFuture, async_save
-from gpuckpt.distributed.sharded import ShardedArray
+from gpuckpt.device.sharded import ShardedArray
 from gpuckpt.errors import (
     CheckpointCorruptedError,
     CheckpointExistsError,

@@ -12,10 +12,10 @@ import numpy as np
 from gpuckpt.chunk_reads import prepare_reads, read_tensors
 from gpuckpt.device.arrays import ArrayAdapter, DeviceArray, HostArray, HostMemory, adapt, is_array
 from gpuckpt.device.backend import DeviceBackend
+from gpuckpt.device.sharded import is_sharded_leaf, sharded_boxes
 from gpuckpt.distributed.coordinator import Coordinator, SingleProcessCoordinator
 from gpuckpt.distributed.load import read_boxes
 from gpuckpt.distributed.save import distributed_save
-from gpuckpt.distributed.sharded import is_sharded_leaf, sharded_boxes
 from gpuckpt.errors import (
     CheckpointTooLargeError,
     DTypeMismatchError,

@@ -26,13 +26,13 @@ from gpuckpt.errors import (
     ChecksumError,
     MissingChunkError,
 )
+from gpuckpt.format.checksum import CRC_BYTES
 from gpuckpt.format.chunks import is_prefix_box
 from gpuckpt.format.entries import ChunkRead, TensorEntry, whole_chunk_key
 from gpuckpt.options import LoadOptions
 from gpuckpt.progress import ProgressCounter
 from gpuckpt.runner import IO_BATCH_JOBS, batches, default_threads, run_all
 from gpuckpt.storage.base import CheckpointReader, ChunkReads, ReadStop
-from gpuckpt.storage.checksum import CRC_BYTES
 
 __all__ = [
     "COLD_SMALL_THREADS",

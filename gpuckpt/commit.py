@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from gpuckpt.errors import GpuckptError
+from gpuckpt.errors import CheckpointCorruptedError, GpuckptError
 from gpuckpt.format.chunks import stored_nbytes
 from gpuckpt.format.documents import chunk_file_key, root_document
 from gpuckpt.format.metadata import (
@@ -28,7 +28,7 @@ from gpuckpt.format.metadata import (
     StorageMeta,
     TensorStorageMetadata,
 )
-from gpuckpt.format.records import COLUMNS, TABLE_KEY, TABLE_MIN_CHUNKS, listed_records, write_table
+from gpuckpt.format.records import COLUMNS, TABLE_KEY, TABLE_MIN_CHUNKS, encode_table, listed_records
 from gpuckpt.format.segments import SEGMENTS_KEY, segment_record, segments_entry
 from gpuckpt.incremental import (
     ChunkResult,
@@ -36,7 +36,7 @@ from gpuckpt.incremental import (
     hash_columns,
 )
 from gpuckpt.planning.plan import SavePlan
-from gpuckpt.storage.base import CheckpointWriter
+from gpuckpt.storage.base import CheckpointWriter, ChunkWrites
 
 __all__ = [
     "COLUMNS_MIN_TENSORS",
@@ -49,6 +49,7 @@ __all__ = [
     "result_columns",
     "table_columns",
     "uses_table",
+    "write_table",
 ]
 
 #: what writing one chunk gave: ``(stored bytes, CRC32C)``, with the chunk's hashes when hashing
@@ -143,6 +144,28 @@ def columns_of_results(
     return result_columns(ordered)
 
 
+def write_table(writer: CheckpointWriter, columns: Mapping[str, np.ndarray]) -> dict[str, Any]:
+    """Write the chunk table of ``columns`` through ``writer``; returns its ``storage_data`` entry."""
+    entry, documents, parts = encode_table(columns)
+    for name, doc in documents:
+        writer.write_array_document(name, doc)
+    crcs = writer.write_chunks(
+        ChunkWrites(
+            [p.name for p in parts],
+            [p.key for p in parts],
+            [np.frombuffer(p.data, np.uint8) for p in parts],
+            [0] * len(parts),
+        )
+    )
+    for p, c in zip(parts, crcs, strict=True):
+        if p.crc != c:
+            raise CheckpointCorruptedError(
+                f"chunk table {p.name}/{p.key}: the writer computed CRC32C {c:#010x}, the table "
+                f"{p.crc:#010x}; memory or the writer is faulty, nothing was published"
+            )
+    return entry
+
+
 def assemble_metadata(
     plan: SavePlan,
     columns: np.ndarray | Mapping[str, np.ndarray] | Mapping[tuple[str, tuple[int, ...]], Written],
@@ -155,7 +178,7 @@ def assemble_metadata(
     mapping ``(array name, chunk coords) -> (stored bytes, CRC32C)``).
 
     ``table``: the ``storage_data`` entry of the chunk table written for the save
-    (:func:`gpuckpt.format.records.write_table`; format version 2), or None to list
+    (:func:`write_table`; format version 2), or None to list
     every chunk's record in the metadata (then the checkpoint is format version 1, which
     every release reads). Chunk lists are never built here: each tensor's chunks are its grid's
     (:class:`~gpuckpt.format.metadata.GridTensorStorageMetadata`). Content hashes among the columns

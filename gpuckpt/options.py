@@ -23,6 +23,7 @@ from types import MappingProxyType
 from typing import Any
 
 from gpuckpt.errors import InvalidOptionError
+from gpuckpt.format.grid import DEFAULT_CHUNK_BYTES
 from gpuckpt.progress import ProgressCallback
 
 __all__ = [
@@ -36,8 +37,6 @@ __all__ = [
     "direct_io_from_env",
 ]
 
-#: target size of one stored chunk
-DEFAULT_CHUNK_BYTES = 64 << 20
 #: budget of (page-locked) host memory through which device arrays stream
 DEFAULT_STAGING_BYTES = 512 << 20
 #: durability modes of a save (see :mod:`gpuckpt.storage.local`)

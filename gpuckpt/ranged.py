@@ -21,10 +21,10 @@ import numpy as np
 
 from gpuckpt.chunk_reads import scratch, vanished
 from gpuckpt.errors import CheckpointCorruptedError, ChecksumError
+from gpuckpt.format.checksum import CRC_BYTES
 from gpuckpt.format.segments import Segments
 from gpuckpt.reading import ChunkRead, TensorEntry
 from gpuckpt.storage.base import CheckpointReader
-from gpuckpt.storage.checksum import CRC_BYTES
 
 __all__ = ["fetch_rows", "segments_of"]
 

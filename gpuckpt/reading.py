@@ -23,10 +23,10 @@ from gpuckpt.errors import (
     CheckpointCorruptedError,
     MissingChunkError,
 )
+from gpuckpt.format.checksum import CRC_BYTES
 from gpuckpt.format.documents import chunk_file_key
 from gpuckpt.format.entries import ChunkRead, TensorEntry, whole_chunk_key
 from gpuckpt.storage.base import CheckpointReader
-from gpuckpt.storage.checksum import CRC_BYTES
 from gpuckpt.workers import Workers
 
 __all__ = [

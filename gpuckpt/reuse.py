@@ -22,10 +22,10 @@ from gpuckpt.device.arrays import ArrayAdapter, HostArray, StagedIn, StagedOut
 from gpuckpt.device.backend import ChunkBox, Ticket
 from gpuckpt.errors import CheckpointWriteError
 from gpuckpt.format import contenthash
+from gpuckpt.format.checksum import CRC_BYTES, crc32c
 from gpuckpt.format.contenthash import LEAF, ChunkHasher
 from gpuckpt.incremental import BaseChunk, BaseIndex, ChunkResult, digests_match
 from gpuckpt.storage.base import CheckpointReader, CheckpointWriter, ChunkWrites, CrcDigest
-from gpuckpt.storage.checksum import CRC_BYTES, crc32c
 
 __all__ = ["SharedChunk", "SharedWithBase", "share_unchanged", "write_hashed"]
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpuckpt.device.arrays import ArrayAdapter, adapt, is_array
-from gpuckpt.distributed.sharded import is_sharded_leaf, sharded_boxes
+from gpuckpt.device.sharded import is_sharded_leaf, sharded_boxes
 from gpuckpt.errors import UnsupportedValueError
 from gpuckpt.format.dtypes import dtype_name
 from gpuckpt.format.metadata import TensorProperties

@@ -21,7 +21,7 @@ with these differences:
   queued work: the parent's queued calls run in the parent only) with fresh
   locks, and starts threads again on demand;
 * its threads say ``defers_library_loads``: a library whose first use would hold
-  the GIL for long (awscrt's load, 40-60 ms, see :mod:`gpuckpt.storage.checksum`)
+  the GIL for long (awscrt's load, 40-60 ms, see :mod:`gpuckpt.format.checksum`)
   is not loaded on them while a library already loaded can do the work, since
   every other thread of the run would wait for it.
 """

@@ -5,7 +5,7 @@ this process writes; :func:`bind_jobs` binds them to the arrays holding them
 (one :class:`ChunkJob` per stored chunk) when the save runs. Tensors become
 Zarr arrays (:mod:`gpuckpt.format.documents`); chunk jobs run on a thread pool,
 straight from host memory when a chunk is one contiguous byte run (the
-common case, see :func:`gpuckpt.planning.grid.plan_regular_grid`), or
+common case, see :func:`gpuckpt.format.grid.plan_regular_grid`), or
 through a bounded pool of staging buffers for device memory; the root
 document carrying the metadata is written last by
 :meth:`CheckpointWriter.commit`. Distributed saves
@@ -29,6 +29,7 @@ from gpuckpt.commit import Written, result_columns
 from gpuckpt.device.arrays import ArrayAdapter, StagedOut
 from gpuckpt.device.backend import ChunkBox, DeviceBackend, Staging, distinct_backends
 from gpuckpt.errors import CheckpointWriteError, GpuckptError
+from gpuckpt.format.checksum import CRC_BYTES
 from gpuckpt.format.chunks import chunk_bytes, stored_nbytes
 from gpuckpt.format.documents import array_document, chunk_file_key
 from gpuckpt.incremental import BaseIndex, digests_match, open_base_for, reuse_by_digests
@@ -39,7 +40,6 @@ from gpuckpt.reuse import share_unchanged, write_hashed
 from gpuckpt.runner import Batcher, Runner, default_threads, run_all
 from gpuckpt.sources import Sources
 from gpuckpt.storage.base import CheckpointWriter, ChunkWrites
-from gpuckpt.storage.checksum import CRC_BYTES
 from gpuckpt.storage.fsutil import failure_hint
 from gpuckpt.storage.stores import open_writer
 

@@ -170,7 +170,7 @@ class DCPGpuckpt(_TorchAdapter):
         # as the native adapter's version(): naming the backends loads them (the CRC32C library's
         # code, ~4 MB resident), before any timed operation as for every other library
         import gpuckpt
-        from gpuckpt.storage.checksum import crc32c_backend
+        from gpuckpt.format.checksum import crc32c_backend
         from gpuckpt.storage.crccopy import instruction_set
 
         return (

@@ -31,9 +31,9 @@ from gpuckpt.cli.progressbar import progress_for
 from gpuckpt.cli.usage import UsageError
 from gpuckpt.device.arrays import is_array
 from gpuckpt.errors import DeviceUnavailableError
+from gpuckpt.format.checksum import crc32c_backend
 from gpuckpt.manager import CheckpointManager
 from gpuckpt.state import flatten_state_dict
-from gpuckpt.storage.checksum import crc32c_backend
 from gpuckpt.storage.crccopy import instruction_set
 from gpuckpt.testing.states import gpt_state_dict
 from gpuckpt.verify import verify_checkpoint

@@ -17,6 +17,7 @@ from typing import Any
 
 from gpuckpt.cli.progressbar import format_bytes
 from gpuckpt.errors import CheckpointNotFoundError, GpuckptError
+from gpuckpt.format.checksum import CRC_BYTES
 from gpuckpt.format.dtypes import dtype_name
 from gpuckpt.format.values import decode_object
 from gpuckpt.load.open import open_checkpoint
@@ -24,7 +25,6 @@ from gpuckpt.manager import step_of
 from gpuckpt.printable import printable
 from gpuckpt.reading import TensorEntry, load_chunk_records, overclaimed, paused_gc
 from gpuckpt.storage.base import CheckpointReader
-from gpuckpt.storage.checksum import CRC_BYTES
 from gpuckpt.storage.stores import open_root, scheme_of
 
 HELP = "list the tensors and values of a checkpoint (or the steps under a manager's root)"

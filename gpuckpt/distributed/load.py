@@ -1,6 +1,6 @@
 """Resharding loads: fill any requested boxes from any saved chunking.
 
-For each requested box (a :class:`~gpuckpt.distributed.sharded.ShardedArray`
+For each requested box (a :class:`~gpuckpt.device.sharded.ShardedArray`
 target), the chunks of the stored grid that overlap it are found by
 bisection on the grid's edges; each such chunk is read once per process,
 verified against its CRC32C, and the overlapping part of it is copied into

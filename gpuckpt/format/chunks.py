@@ -2,7 +2,7 @@
 
 A stored chunk is the chunk's elements in C order, little-endian, padded to
 the grid's chunk shape on regular grids, followed by the CRC32C of all those
-bytes as 4 little-endian bytes (:mod:`gpuckpt.storage.checksum`). zarr-python
+bytes as 4 little-endian bytes (:mod:`gpuckpt.format.checksum`). zarr-python
 and TensorStore decode exactly this; doing it here avoids their per-chunk
 overhead and lets a read land straight in the destination array.
 """
@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from gpuckpt.storage.checksum import CRC_BYTES
+from gpuckpt.format.checksum import CRC_BYTES
 
 __all__ = ["chunk_bytes", "is_prefix_box", "padded_chunk", "stored_nbytes"]
 

@@ -31,11 +31,10 @@ from typing import Any
 import numpy as np
 
 from gpuckpt.errors import MetadataError
+from gpuckpt.format.checksum import crc32c_loaded
 from gpuckpt.format.dtypes import dtype_name
+from gpuckpt.format.grid import ChunkGrid
 from gpuckpt.format.metadata import Metadata
-from gpuckpt.planning import ChunkGrid
-from gpuckpt.storage import batchio
-from gpuckpt.storage.checksum import crc32c
 
 __all__ = [
     "ATTRIBUTE",
@@ -183,7 +182,7 @@ def root_document(metadata: Metadata) -> bytes:
         _ROOT_PREFIX
         + canonical
         + b',"metadata_crc32c":'
-        + str(_document_crc(memoryview(canonical))).encode()
+        + str(crc32c_loaded(memoryview(canonical))).encode()
         + b"}}}"
     )
     if len(doc) > MAX_ROOT_DOCUMENT_BYTES:
@@ -210,18 +209,6 @@ def _text(view: memoryview) -> str:
     return str(view, json.detect_encoding(bytes(view[:4])), "surrogatepass")
 
 
-def _document_crc(view: memoryview) -> int:
-    """CRC32C of a root document's metadata bytes: by the native library of
-    :mod:`gpuckpt.storage.batchio` where it is built, which a load of small chunks loads
-    anyway (in a few hundred microseconds), else by :func:`~gpuckpt.storage.checksum.crc32c`,
-    whose choice for a buffer of this size (awscrt) takes 40-60 ms to load."""
-    try:
-        lib = batchio.instance()
-    except (ImportError, ValueError):
-        lib = None  # the reads that need it raise the same error; the metadata is readable without it
-    return crc32c(view) if lib is None else lib.crc32c(view)
-
-
 def _as_written(raw: bytes | bytearray) -> Any:
     """The metadata of a root document exactly as :func:`root_document` writes it, or None.
 
@@ -235,7 +222,7 @@ def _as_written(raw: bytes | bytearray) -> Any:
     if tail is None:
         return None
     canonical = memoryview(raw)[len(_ROOT_PREFIX) : tail.start()]
-    if _document_crc(canonical) != int(tail.group(1)):
+    if crc32c_loaded(canonical) != int(tail.group(1)):
         return None
     try:
         return json.loads(_text(canonical))
@@ -268,7 +255,7 @@ def metadata_json(raw: bytes | bytearray, where: str) -> Any:
     md = entry["metadata"]
     expected = entry.get("metadata_crc32c")
     try:
-        actual = crc32c(_canonical(md))
+        actual = crc32c_loaded(_canonical(md))
     except (ValueError, TypeError, RecursionError) as exc:
         raise MetadataError(f"{where}: metadata cannot be re-encoded ({exc})") from None
     if expected != actual:

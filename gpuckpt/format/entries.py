@@ -15,13 +15,12 @@ import numpy as np
 
 from gpuckpt.errors import MetadataError
 from gpuckpt.format import memory_format as mf
+from gpuckpt.format.checksum import CRC_BYTES
 from gpuckpt.format.chunks import stored_nbytes
 from gpuckpt.format.documents import chunk_file_key
+from gpuckpt.format.grid import ChunkGrid, ChunkSpec, axis_starts
 from gpuckpt.format.metadata import GridTensorStorageMetadata, TensorProperties, TensorStorageMetadata
 from gpuckpt.format.records import ChunkTable
-from gpuckpt.planning import ChunkGrid, ChunkSpec
-from gpuckpt.planning.boxes import axis_starts
-from gpuckpt.storage.checksum import CRC_BYTES
 
 __all__ = ["ChunkRead", "StoredProperties", "TensorEntry", "whole_chunk_key"]
 

@@ -43,6 +43,7 @@ from gpuckpt.format.chunks import stored_nbytes
 from gpuckpt.format.columns import COLUMNS_KEY, checked_columns, expand
 from gpuckpt.format.documents import chunk_file_key, metadata_json
 from gpuckpt.format.entries import StoredProperties, TensorEntry
+from gpuckpt.format.grid import ChunkGrid
 from gpuckpt.format.metadata import (
     VERSION_COLUMNS,
     VERSION_LISTED,
@@ -58,7 +59,6 @@ from gpuckpt.format.metadata import (
 from gpuckpt.format.names import is_safe_name
 from gpuckpt.format.records import TABLE_KEY, ChunkTable, parse_listed
 from gpuckpt.format.segments import SEGMENTS_KEY
-from gpuckpt.planning.grid import ChunkGrid
 
 __all__ = [
     "MAX_DIMS",

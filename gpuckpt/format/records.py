@@ -38,14 +38,13 @@ import json
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from gpuckpt.errors import CheckpointCorruptedError, MetadataError, MissingChunkError
+from gpuckpt.format.checksum import CRC_BYTES, crc32c
 from gpuckpt.format.documents import is_chunk_file_key
-from gpuckpt.storage.base import CheckpointReader, CheckpointWriter, ChunkWrites
-from gpuckpt.storage.checksum import CRC_BYTES, crc32c
 
 __all__ = [
     "COLUMNS",
@@ -54,12 +53,22 @@ __all__ = [
     "TABLE_MIN_CHUNKS",
     "Column",
     "ChunkTable",
+    "ChunkFiles",
     "column_array_name",
     "encode_table",
     "listed_records",
     "parse_listed",
-    "write_table",
 ]
+
+
+class ChunkFiles(Protocol):
+    """What the table reads its chunks through: a store's reader
+    (:class:`gpuckpt.storage.base.CheckpointReader`)."""
+
+    def chunk_nbytes(self, name: str, key: str) -> int | None: ...
+
+    def read_chunk_crc(self, name: str, key: str, dests: Sequence[Any]) -> tuple[int, int]: ...
+
 
 #: checkpoints with more chunks than this keep their per-chunk records in the chunk table
 TABLE_MIN_CHUNKS = 4096
@@ -230,28 +239,6 @@ def encode_table(
     return entry, documents, parts
 
 
-def write_table(writer: CheckpointWriter, columns: Mapping[str, np.ndarray]) -> dict[str, Any]:
-    """Write the chunk table of ``columns`` through ``writer``; returns its ``storage_data`` entry."""
-    entry, documents, parts = encode_table(columns)
-    for name, doc in documents:
-        writer.write_array_document(name, doc)
-    crcs = writer.write_chunks(
-        ChunkWrites(
-            [p.name for p in parts],
-            [p.key for p in parts],
-            [np.frombuffer(p.data, np.uint8) for p in parts],
-            [0] * len(parts),
-        )
-    )
-    for p, c in zip(parts, crcs, strict=True):
-        if p.crc != c:
-            raise CheckpointCorruptedError(
-                f"chunk table {p.name}/{p.key}: the writer computed CRC32C {c:#010x}, the table "
-                f"{p.crc:#010x}; memory or the writer is faulty, nothing was published"
-            )
-    return entry
-
-
 def _bad_table(what: str) -> MetadataError:
     return MetadataError(
         f"metadata.storage_data.{TABLE_KEY} is inconsistent: {what}; the checkpoint is damaged or "
@@ -299,7 +286,7 @@ class ChunkTable:
             columns[name] = (col, column_array_name(name), crcs)
         return cls(rows, chunk_rows, columns)
 
-    def _chunk(self, reader: CheckpointReader, name: str, k: int) -> np.ndarray:
+    def _chunk(self, reader: ChunkFiles, name: str, k: int) -> np.ndarray:
         hit = self._chunks.get((name, k))
         if hit is not None:
             return hit
@@ -334,7 +321,7 @@ class ChunkTable:
         self._chunks[(name, k)] = buf
         return buf
 
-    def check_files(self, reader: CheckpointReader) -> None:
+    def check_files(self, reader: ChunkFiles) -> None:
         """Check that every chunk of every column exists with the size the table's row count
         needs (no byte is read): a root document cannot claim more rows than the files hold."""
         for col, arr, crcs in self.columns.values():
@@ -353,7 +340,7 @@ class ChunkTable:
                         "the checkpoint is damaged"
                     )
 
-    def rows_of(self, reader: CheckpointReader, name: str, start: int, count: int) -> np.ndarray:
+    def rows_of(self, reader: ChunkFiles, name: str, start: int, count: int) -> np.ndarray:
         """:meth:`read`, with fewer steps for rows that lie in one chunk of the table already
         read (the rows of one small tensor, asked for once per tensor by a load)."""
         k = start // self.chunk_rows
@@ -363,7 +350,7 @@ class ChunkTable:
             return self.read(reader, name, start, count)
         return hit[at : at + count]
 
-    def read(self, reader: CheckpointReader, name: str, start: int, count: int) -> np.ndarray:
+    def read(self, reader: ChunkFiles, name: str, start: int, count: int) -> np.ndarray:
         """Rows ``[start, start + count)`` of column ``name``, reading only the chunks that hold them."""
         if not 0 <= start <= start + count <= self.rows:
             raise _bad_table(f"rows {start}..{start + count} lie outside the table of {self.rows} rows")

@@ -45,7 +45,7 @@ from typing import Any
 
 import numpy as np
 
-from gpuckpt.storage.checksum import crc32c
+from gpuckpt.format.checksum import crc32c
 
 __all__ = [
     "SEGMENTS_KEY",

@@ -1,6 +1,6 @@
 """Planning: where every byte of a checkpoint goes, as pure data (no arrays, no I/O).
 
-- :mod:`gpuckpt.planning.grid`: chunk grids of one tensor (:class:`ChunkGrid`,
+- :mod:`gpuckpt.format.grid`: chunk grids of one tensor (:class:`ChunkGrid`,
   :func:`plan_regular_grid`);
 - :mod:`gpuckpt.planning.boxes`: the boxes processes hold, which process
   writes which chunk (:func:`plan_global`), and box overlaps for resharding loads;
@@ -8,6 +8,7 @@
   :func:`plan_save` for every kind of save.
 """
 
+from gpuckpt.format.grid import ChunkGrid, ChunkSpec, plan_regular_grid
 from gpuckpt.planning.boxes import (
     Box,
     GlobalTensorPlan,
@@ -16,7 +17,6 @@ from gpuckpt.planning.boxes import (
     overlapping_chunks,
     plan_global,
 )
-from gpuckpt.planning.grid import ChunkGrid, ChunkSpec, plan_regular_grid
 from gpuckpt.planning.plan import ChunkAssignment, SavePlan, StateDescription, TensorPlan, plan_save
 
 __all__ = [

@@ -12,7 +12,7 @@ each tensor whole):
    properties, the boxes it holds);
 2. :func:`plan_global` merges them: boxes held by several ranks are written
    once, by the least-loaded holder; the boxes of each tensor must tile it
-   exactly. A tensor held whole gets the grid :func:`~gpuckpt.planning.grid.plan_regular_grid`
+   exactly. A tensor held whole gets the grid :func:`~gpuckpt.format.grid.plan_regular_grid`
    chooses; otherwise the chunk grid is the grid of box edges (regular when
    the boxes are an even split, rectilinear otherwise, or a regular
    refinement on request) so that every chunk lies in one box;
@@ -23,7 +23,6 @@ each tensor whole):
 from __future__ import annotations
 
 import bisect
-import functools
 import itertools
 import math
 from collections.abc import Iterable, Iterator, Sequence
@@ -32,8 +31,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from gpuckpt.errors import UnsupportedValueError
+from gpuckpt.format.grid import ChunkGrid, ChunkSpec, axis_starts, plan_regular_grid, starts_of
 from gpuckpt.format.metadata import TensorProperties
-from gpuckpt.planning.grid import ChunkGrid, ChunkSpec, plan_regular_grid
 
 __all__ = [
     "Box",
@@ -171,12 +170,6 @@ def grid_from_edges(
     return ChunkGrid.rectilinear(shape, intervals)
 
 
-def _axis_starts(grid: ChunkGrid) -> list[list[int]]:
-    if grid.kind == "regular":
-        return [list(range(0, max(n, 1), c)) for n, c in zip(grid.shape, grid.chunk_shape, strict=True)]
-    return [list(itertools.accumulate(e, initial=0))[:-1] for e in grid.edges]
-
-
 def overlapping_chunks(
     grid: ChunkGrid, box: Box, starts: list[list[int]] | None = None
 ) -> Iterable[tuple[int, ...]]:
@@ -243,13 +236,6 @@ class TensorWrites:
             found.append(i)
 
 
-@functools.lru_cache(maxsize=64)
-def axis_starts(grid: ChunkGrid) -> list[list[int]]:
-    """The first index of every chunk along each axis of ``grid`` (kept for the last grids
-    asked for: the layers of a model share one; callers must not change the lists)."""
-    return _axis_starts(grid)
-
-
 def box_chunks(grid: ChunkGrid, box: Box, starts: list[list[int]]) -> Iterable[tuple[int, ...]]:
     """Grid coordinates of the chunks inside ``box`` (whose edges are edges of ``grid``), in C order."""
     return _box_chunks(grid, box, starts)
@@ -309,7 +295,7 @@ def plan_one_tensor(
         load[rank] += math.prod(shape) * itemsize
         return plan_regular_grid(shape, itemsize, chunk_bytes), TensorWrites.one(rank, idx, whole)
     grid = grid_for_boxes(unique, shape, itemsize, chunk_bytes=chunk_bytes, portable=portable)
-    starts = _axis_starts(grid)
+    starts = starts_of(grid)
     seen: set[tuple[int, ...]] = set()
     ranks: list[int] = []
     idxs: list[int] = []

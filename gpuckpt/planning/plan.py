@@ -29,10 +29,10 @@ from typing import Any
 import numpy as np
 
 from gpuckpt.format.dtypes import dtype_from_name
+from gpuckpt.format.grid import ChunkGrid, ChunkSpec
 from gpuckpt.format.metadata import TensorProperties
 from gpuckpt.format.names import encode_name
 from gpuckpt.planning.boxes import LocalTensor, TensorWrites, axis_starts, box_chunks, plan_tensors
-from gpuckpt.planning.grid import ChunkGrid, ChunkSpec
 from gpuckpt.planning.uniform import CompactDescription, plan_uniform
 
 __all__ = [

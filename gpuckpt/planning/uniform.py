@@ -38,13 +38,13 @@ from typing import Any
 
 import numpy as np
 
+from gpuckpt.format.grid import ChunkGrid, plan_regular_grid
 from gpuckpt.planning.boxes import (
     LocalTensor,
     TensorWrites,
     grid_from_edges,
     plan_one_tensor,
 )
-from gpuckpt.planning.grid import ChunkGrid, plan_regular_grid
 
 __all__ = [
     "CompactDescription",

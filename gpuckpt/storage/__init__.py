@@ -13,6 +13,6 @@ What is where:
   writes), :mod:`~gpuckpt.storage.leftovers` (what crashed saves leave),
   :mod:`~gpuckpt.storage.fileio` and :mod:`~gpuckpt.storage.fsutil` (system
   calls), :mod:`~gpuckpt.storage.crccopy` (the native copy-with-checksum),
-  :mod:`~gpuckpt.storage.checksum` (CRC32C);
+  :mod:`~gpuckpt.format.checksum` (CRC32C);
 * object storage: :mod:`~gpuckpt.storage.s3`.
 """

@@ -10,8 +10,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
+from gpuckpt.format.checksum import CRC_BYTES, crc32c
 from gpuckpt.format.segments import SegmentDigest, segmented
-from gpuckpt.storage.checksum import CRC_BYTES, crc32c
 from gpuckpt.storage.copies import own_copy
 
 __all__ = [

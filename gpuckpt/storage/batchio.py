@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from gpuckpt.storage.checksum import _crc_package
+from gpuckpt.format.checksum import _crc_package
 from gpuckpt.workers import Workers
 
 __all__ = [

@@ -29,7 +29,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from gpuckpt.storage.checksum import crc32c
+from gpuckpt.format.checksum import crc32c
 from gpuckpt.storage.fileio import buffer_address
 
 __all__ = [

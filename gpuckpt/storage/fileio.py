@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from gpuckpt.storage.checksum import crc32c
+from gpuckpt.format.checksum import crc32c
 
 __all__ = [
     "buffer_address",

@@ -33,6 +33,7 @@ from gpuckpt.errors import (
     CheckpointExistsError,
     CheckpointWriteError,
 )
+from gpuckpt.format.checksum import CRC_BYTES
 from gpuckpt.format.documents import ROOT_KEY
 from gpuckpt.options import SYNC_MODES  # the one list of durability modes
 from gpuckpt.storage import batchio, fsutil
@@ -43,7 +44,6 @@ from gpuckpt.storage.base import (
     ChunkWrites,
     NotRegularFileError,
 )
-from gpuckpt.storage.checksum import CRC_BYTES
 from gpuckpt.storage.copies import own_pieces
 from gpuckpt.storage.direct import DIRECT_MIN_BYTES, DirectWriter
 from gpuckpt.storage.direct import available as direct_io_available

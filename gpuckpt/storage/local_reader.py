@@ -24,6 +24,7 @@ from gpuckpt.errors import (
     CheckpointNotFoundError,
     MetadataError,
 )
+from gpuckpt.format.checksum import CRC_BYTES, SMALL_BYTES, crc32c, large_backend_ready
 from gpuckpt.format.documents import (
     MAX_ARRAY_DOCUMENT_BYTES,
     MAX_ROOT_DOCUMENT_BYTES,
@@ -39,7 +40,6 @@ from gpuckpt.storage.base import (
     NotRegularFileError,
     ReadStop,
 )
-from gpuckpt.storage.checksum import CRC_BYTES, SMALL_BYTES, crc32c, large_backend_ready
 from gpuckpt.storage.direct import DIRECT_MIN_BYTES, read_direct
 from gpuckpt.storage.fileio import (
     buffer_address,
@@ -69,8 +69,8 @@ _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEX
 def _crc(data: Any, value: int = 0) -> int:
     """CRC32C of bytes just read, continued from ``value``.
 
-    A buffer of :data:`~gpuckpt.storage.checksum.SMALL_BYTES` or more goes to
-    :func:`~gpuckpt.storage.checksum.crc32c` only where its library for large buffers is
+    A buffer of :data:`~gpuckpt.format.checksum.SMALL_BYTES` or more goes to
+    :func:`~gpuckpt.format.checksum.crc32c` only where its library for large buffers is
     ready; otherwise to the native library of :mod:`~gpuckpt.storage.batchio`, which loads
     in about a millisecond (and which loads of small chunks load anyway). ``crc32c`` would
     load awscrt for it: 40-60 ms (its random generator's start-up), during which the GIL

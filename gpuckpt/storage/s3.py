@@ -80,6 +80,7 @@ from gpuckpt.errors import (
     CheckpointWriteError,
     MetadataError,
 )
+from gpuckpt.format.checksum import CRC_BYTES
 from gpuckpt.format.documents import (
     MAX_ROOT_DOCUMENT_BYTES,
     ROOT_DOCUMENT_PREFIX,
@@ -90,7 +91,6 @@ from gpuckpt.format.documents import (
 from gpuckpt.format.names import is_safe_name
 from gpuckpt.storage import fsutil
 from gpuckpt.storage.base import BaseRef, CheckpointWriter, ChunkDigest
-from gpuckpt.storage.checksum import CRC_BYTES
 from gpuckpt.storage.copies import PIECE_BYTES, own_copy
 from gpuckpt.storage.s3_client import (
     first_line,

@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Literal
 
+from gpuckpt.format.checksum import crc32c
 from gpuckpt.storage import crccopy
-from gpuckpt.storage.checksum import crc32c
 
 __all__ = ["stream_into"]
 

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from gpuckpt.errors import CheckpointNotFoundError
+from gpuckpt.format.checksum import CRC_BYTES, crc32c
 from gpuckpt.format.documents import (
     MAX_ARRAY_DOCUMENT_BYTES,
     MAX_ROOT_DOCUMENT_BYTES,
@@ -15,7 +16,6 @@ from gpuckpt.format.documents import (
     is_chunk_file_key,
 )
 from gpuckpt.storage.base import CheckpointReader
-from gpuckpt.storage.checksum import CRC_BYTES, crc32c
 from gpuckpt.storage.s3_prefix import CLAIM_KEY, MAX_CLAIM_BYTES, Prefix, object_key
 from gpuckpt.storage.s3_ranges import stream_into
 

@@ -288,8 +288,8 @@ def rewrite_root_metadata(path: Path, edit: Callable[[dict[str, Any]], Any]) -> 
     This is what a hostile author does: the root document stays
     self-consistent, so only validation can catch the edit.
     """
+    from gpuckpt.format.checksum import crc32c
     from gpuckpt.format.documents import _canonical
-    from gpuckpt.storage.checksum import crc32c
 
     doc = json.loads((path / "zarr.json").read_bytes())
     md = doc["attributes"]["gpuckpt"]["metadata"]

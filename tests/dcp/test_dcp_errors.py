@@ -249,7 +249,7 @@ def test_writer_needs_collectives(tmp_path: Path) -> None:
 
 def test_hostile_planner_data_is_a_metadata_error(saved: Path) -> None:
     """A checkpoint whose DCP marker names a value it does not hold: a clear error, no crash."""
-    from gpuckpt.storage.checksum import crc32c
+    from gpuckpt.format.checksum import crc32c
 
     root = saved / "zarr.json"
     doc = json.loads(root.read_text())

@@ -2,7 +2,7 @@
 
 A fresh process imports torch, DCP and gpuckpt.dcp, then saves (or loads) CPU tensors:
 neither may import the CUDA module (CPU tensors are viewed without it) nor awscrt (whose
-load holds the GIL for 40-60 ms, see gpuckpt/storage/checksum.py), whatever the sizes
+load holds the GIL for 40-60 ms, see gpuckpt/format/checksum.py), whatever the sizes
 of the chunks.
 """
 

@@ -22,7 +22,7 @@ def test_from_dtensor_single_rank(tmp_path: Path) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from gpuckpt.distributed.sharded import from_dtensor
+    from gpuckpt.device.sharded import from_dtensor
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:

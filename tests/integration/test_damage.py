@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import gpuckpt
-from gpuckpt.storage.checksum import crc32c
+from gpuckpt.format.checksum import crc32c
 
 
 @pytest.fixture
@@ -101,8 +101,8 @@ def test_damaged_root_metadata(ckpt: Path) -> None:
 
 
 def _rewrite_metadata(ckpt: Path, edit: object) -> None:
+    from gpuckpt.format.checksum import crc32c
     from gpuckpt.format.documents import _canonical
-    from gpuckpt.storage.checksum import crc32c
 
     doc = json.loads((ckpt / "zarr.json").read_text())
     md = doc["attributes"]["gpuckpt"]["metadata"]

@@ -11,21 +11,21 @@ import pytest
 import zarr
 
 import gpuckpt
+from gpuckpt.commit import write_table
 from gpuckpt.errors import CheckpointCorruptedError, MetadataError, MissingChunkError
+from gpuckpt.format.checksum import crc32c
 from gpuckpt.format.documents import _canonical
 from gpuckpt.format.records import (
     ROWS_PER_CHUNK,
     TABLE_MIN_CHUNKS,
     ChunkTable,
     column_array_name,
-    write_table,
 )
 from gpuckpt.metadata import GridTensorStorageMetadata, TensorStorageMetadata
 from gpuckpt.options import SaveOptions
 from gpuckpt.planning.plan import plan_save
 from gpuckpt.session import execute_save
 from gpuckpt.sources import describe_state
-from gpuckpt.storage.checksum import crc32c
 from gpuckpt.storage.stores import open_reader
 from gpuckpt.verify import verify_checkpoint
 from gpuckpt.writing import open_save_writer
@@ -94,7 +94,7 @@ def test_tensorstore_reads_a_large_checkpoint_if_installed(tmp_path: Path) -> No
 
 
 def test_lazy_chunk_lists_compare_pickle_and_print_as_plain_ones() -> None:
-    from gpuckpt.planning.grid import ChunkGrid
+    from gpuckpt.format.grid import ChunkGrid
 
     props = gpuckpt.TensorProperties(np.dtype("float32"))
     lazy = GridTensorStorageMetadata(props, (10, 4), grid=ChunkGrid.regular((10, 4), (3, 4)), listed=False)

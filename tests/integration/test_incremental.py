@@ -21,10 +21,10 @@ import pytest
 
 import gpuckpt
 from gpuckpt.errors import IncrementalBaseWarning, InvalidOptionError
+from gpuckpt.format.checksum import crc32c
 from gpuckpt.format.documents import root_document
 from gpuckpt.format.reader import metadata_from_json
 from gpuckpt.manager import CheckpointManager
-from gpuckpt.storage.checksum import crc32c
 from gpuckpt.verify import verify_checkpoint
 
 pytestmark = pytest.mark.filterwarnings("error::gpuckpt.errors.IncrementalBaseWarning")

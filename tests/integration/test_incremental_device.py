@@ -23,7 +23,7 @@ from gpuckpt import background
 from gpuckpt.device.host_backend import HostBackend
 from gpuckpt.errors import CheckpointWriteError
 from gpuckpt.format import contenthash
-from gpuckpt.storage.checksum import crc32c
+from gpuckpt.format.checksum import crc32c
 from gpuckpt.testing.fakedevice import EmulatedDeviceArray
 from tests.integration.test_incremental import (
     CHUNK,

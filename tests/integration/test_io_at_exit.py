@@ -27,7 +27,7 @@ w = np.arange(64 * 1024, dtype=np.float32).reshape(64, 1024)
 def at_exit():
     import gpuckpt
     from gpuckpt.device.host_backend import HostBackend
-    from gpuckpt.distributed.sharded import ShardedArray
+    from gpuckpt.device.sharded import ShardedArray
     from gpuckpt.verify import verify_checkpoint
 
     back = gpuckpt.load_state_dict(root)

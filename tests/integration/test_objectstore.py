@@ -23,8 +23,8 @@ import pytest
 
 import gpuckpt
 from gpuckpt.errors import CheckpointExistsError, CheckpointNotFoundError, ChecksumError
+from gpuckpt.format.checksum import crc32c
 from gpuckpt.storage import fsutil
-from gpuckpt.storage.checksum import crc32c
 from gpuckpt.testing.s3server import loopback_s3, s3_options
 from gpuckpt.verify import verify_checkpoint
 

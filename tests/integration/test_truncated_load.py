@@ -247,7 +247,7 @@ THREADS = """
     import json, os, sys, threading
     import numpy as np
     from gpuckpt.storage import crccopy
-    from gpuckpt.storage.checksum import crc32c
+    from gpuckpt.format.checksum import crc32c
 
     root, rounds, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     failures, expected_faults = [], []

@@ -29,8 +29,8 @@ with atheris.instrument_imports():
 sys.path.insert(0, str(Path(__file__).parent))
 from hostile import is_known_bug, make_state
 
+from gpuckpt.format.checksum import crc32c
 from gpuckpt.format.documents import _canonical
-from gpuckpt.storage.checksum import crc32c
 
 _DIR = Path(tempfile.mkdtemp(prefix="gpuckpt-atheris-"))
 CKPT = _DIR / "c"

@@ -27,8 +27,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import gpuckpt
+from gpuckpt.format.checksum import crc32c
 from gpuckpt.format.documents import _canonical
-from gpuckpt.storage.checksum import crc32c
 from gpuckpt.testing.faults import copy_checkpoint, rewrite_root_metadata
 
 from .conftest import STRESS_TRIALS

@@ -477,7 +477,7 @@ def _sparse_table_claim(path: Path, rows: int) -> None:
     """``path`` becomes a format-2 checkpoint whose one tensor ``w`` claims ``rows`` chunks of 16
     float32 through a chunk table of ``rows`` rows kept in sparse files of zeros (with valid
     trailers), as a hostile author makes it for a few KiB; only the first 5,000 chunk files exist."""
-    from gpuckpt.storage.checksum import crc32c
+    from gpuckpt.format.checksum import crc32c
 
     gpuckpt.save({"w": np.zeros(5000 * 16, np.float32)}, path, chunk_bytes=64, sync="none")
     per_chunk = 1 << 20  # the most rows one table chunk may hold

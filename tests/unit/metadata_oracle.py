@@ -23,10 +23,6 @@ from gpuckpt.format import memory_format as mf
 from gpuckpt.format.chunks import stored_nbytes
 from gpuckpt.format.documents import chunk_file_key
 from gpuckpt.format.entries import StoredProperties, TensorEntry
-from gpuckpt.format.names import is_safe_name
-from gpuckpt.format.reader import beyond_any_array
-from gpuckpt.format.records import TABLE_KEY, ChunkTable, parse_listed
-from gpuckpt.format.segments import SEGMENTS_KEY
 from gpuckpt.format.metadata import (
     VERSION_COLUMNS,
     BytesStorageMetadata,
@@ -38,6 +34,10 @@ from gpuckpt.format.metadata import (
     parse_storage_meta,
     parse_version,
 )
+from gpuckpt.format.names import is_safe_name
+from gpuckpt.format.reader import beyond_any_array
+from gpuckpt.format.records import TABLE_KEY, ChunkTable, parse_listed
+from gpuckpt.format.segments import SEGMENTS_KEY
 from gpuckpt.planning import ChunkGrid
 
 
@@ -109,7 +109,7 @@ MAX_GRID_CHUNKS = 1 << 32
 def _regular_grid(size: tuple[int, ...], chunk_shape: tuple[int, ...]) -> Any:
     """``ChunkGrid.regular(size, chunk_shape)``."""
     # at call time: the grid is planning's type, and planning builds on this module
-    from gpuckpt.planning.grid import ChunkGrid
+    from gpuckpt.format.grid import ChunkGrid
 
     return ChunkGrid(size, "regular", chunk_shape)
 
@@ -117,7 +117,7 @@ def _regular_grid(size: tuple[int, ...], chunk_shape: tuple[int, ...]) -> Any:
 def _grid_of(storage_data: Any, fqn: str, size: tuple[int, ...]) -> Any:
     """The chunk grid of tensor ``fqn`` from ``storage_data.tensors[fqn].chunk_grid``."""
     # at call time: the grid is planning's type, and planning builds on this module
-    from gpuckpt.planning.grid import ChunkGrid
+    from gpuckpt.format.grid import ChunkGrid
 
     where = f"storage_data.tensors[{fqn!r}]"
     tensors = storage_data.get("tensors") if isinstance(storage_data, dict) else None
@@ -146,7 +146,7 @@ class _GridEntries:
     :meth:`entry` accepts only an entry that the general path of
     :meth:`Metadata.from_json_dict` accepts, and makes the equal object (a
     :class:`GridTensorStorageMetadata` with its own :class:`TensorProperties`; equal grids are
-    one shared :class:`~gpuckpt.planning.grid.ChunkGrid`, which is immutable). For anything
+    one shared :class:`~gpuckpt.format.grid.ChunkGrid`, which is immutable). For anything
     else (another grid kind, a value of an unexpected type, a defect) it returns None, and
     the general path parses the entry and raises its error.
     """

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from gpuckpt.format.documents import array_document, expected_array_document
 from gpuckpt.format.dtypes import dtype_from_name
-from gpuckpt.planning.grid import ChunkGrid, plan_regular_grid
+from gpuckpt.format.grid import ChunkGrid, plan_regular_grid
 
 DTYPES = [
     "bool",

@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-import gpuckpt.storage.checksum as checksum
-from gpuckpt.storage.checksum import _aws_function, _crc_package, crc32c, crc32c_backend
+import gpuckpt.format.checksum as checksum
+from gpuckpt.format.checksum import _aws_function, _crc_package, crc32c, crc32c_backend
 
 aws = _aws_function()
 needs_aws = pytest.mark.skipif(aws is None, reason="awscrt is not installed here")
@@ -74,13 +74,13 @@ def _run(code: str, env_value: str | None, block_awscrt: bool = False) -> subpro
 
 
 def test_environment_variable_forces_the_package():
-    r = _run("from gpuckpt.storage.checksum import crc32c_backend; print(crc32c_backend())", "crc32c")
+    r = _run("from gpuckpt.format.checksum import crc32c_backend; print(crc32c_backend())", "crc32c")
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "crc32c"
 
 
 def test_without_awscrt_auto_falls_back_and_forcing_it_is_a_clear_error():
-    code = "from gpuckpt.storage.checksum import crc32c_backend; print(crc32c_backend())"
+    code = "from gpuckpt.format.checksum import crc32c_backend; print(crc32c_backend())"
     r = _run(code, None, block_awscrt=True)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "crc32c"
@@ -90,7 +90,7 @@ def test_without_awscrt_auto_falls_back_and_forcing_it_is_a_clear_error():
 
 
 def test_unknown_choice_names_the_valid_ones():
-    r = _run("from gpuckpt.storage.checksum import crc32c; crc32c(b'x')", "fastest")
+    r = _run("from gpuckpt.format.checksum import crc32c; crc32c(b'x')", "fastest")
     assert r.returncode != 0
     assert "GPUCKPT_CRC32C='fastest'" in r.stderr and "'auto', 'awscrt' or 'crc32c'" in r.stderr
 
@@ -106,7 +106,7 @@ def test_checkpoints_verify_across_backends(tmp_path):
         sd = {"w": np.zeros(300_000, np.float32), "b": np.zeros(7)}
         gpuckpt.load(sd, sys.argv[1])
         assert (sd["w"] == np.arange(300_000, dtype=np.float32)).all() and (sd["b"] == 1).all()
-        from gpuckpt.storage.checksum import crc32c_backend
+        from gpuckpt.format.checksum import crc32c_backend
         print(crc32c_backend())
     """
     choices = ["crc32c", "awscrt"] if aws is not None else ["crc32c", "crc32c"]
@@ -132,7 +132,7 @@ def test_a_small_save_and_load_do_not_wait_for_awscrt_to_load(tmp_path):
         pytest.skip("awscrt is not installed here")
     code = """
         import sys, numpy as np, gpuckpt
-        from gpuckpt.storage.checksum import SMALL_BYTES, crc32c
+        from gpuckpt.format.checksum import SMALL_BYTES, crc32c
         sd = {f"t{i}": np.full(4096 + i, i, np.float32) for i in range(20)}
         gpuckpt.save(sd, sys.argv[1])
         gpuckpt.load(sd, sys.argv[1])

@@ -58,8 +58,8 @@ def test_a_save_with_awscrt_forced_loads_it(tmp_path: Path) -> None:
 def test_awscrt_is_loaded_on_worker_threads_once_it_pays_back() -> None:
     code = """
         import sys, numpy as np
-        from gpuckpt.storage import checksum
-        from gpuckpt.storage.checksum import _crc_package, crc32c
+        from gpuckpt.format import checksum
+        from gpuckpt.format.checksum import _crc_package, crc32c
         from gpuckpt.workers import Workers
         checksum.LOAD_AFTER_BYTES = 3 << 20
         data = np.random.default_rng(0).integers(0, 256, 1 << 20, dtype=np.uint8)
@@ -80,7 +80,7 @@ def test_awscrt_is_loaded_on_worker_threads_once_it_pays_back() -> None:
 def test_the_callers_own_thread_loads_awscrt_at_the_first_large_buffer() -> None:
     code = """
         import sys, threading, numpy as np
-        from gpuckpt.storage.checksum import SMALL_BYTES, crc32c
+        from gpuckpt.format.checksum import SMALL_BYTES, crc32c
         big = np.arange(SMALL_BYTES, dtype=np.uint8)
         t = threading.Thread(target=crc32c, args=(big,)); t.start(); t.join()
         print("_awscrt" in sys.modules)

@@ -11,7 +11,6 @@ from hypothesis import strategies as st
 
 import gpuckpt
 from gpuckpt.format.documents import chunk_file_key
-from gpuckpt.format.reader import metadata_from_json
 from gpuckpt.format.metadata import (
     _MEM_FORMAT_ENCODING,
     FORMAT_VERSION,
@@ -23,6 +22,7 @@ from gpuckpt.format.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
+from gpuckpt.format.reader import metadata_from_json
 
 FORMATS = [
     gpuckpt.contiguous_format,

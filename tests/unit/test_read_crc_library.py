@@ -19,8 +19,8 @@ import pytest
 
 import gpuckpt
 from gpuckpt.errors import CheckpointCorruptedError
+from gpuckpt.format.checksum import SMALL_BYTES, _crc_package, large_backend_ready
 from gpuckpt.storage import batchio
-from gpuckpt.storage.checksum import SMALL_BYTES, _crc_package, large_backend_ready
 from gpuckpt.storage.local_reader import _crc
 
 pytestmark = pytest.mark.skipif(
@@ -119,7 +119,7 @@ def test_the_read_checksum_is_crc32c_whichever_library(n: int, start: int) -> No
 
 def test_ready_means_no_library_load_is_left() -> None:
     # in this process the CRC choice may or may not be made; either way the answer is the cache's
-    from gpuckpt.storage import checksum
+    from gpuckpt.format import checksum
 
     checksum.crc32c_backend()
     assert large_backend_ready()

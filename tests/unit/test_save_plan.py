@@ -25,10 +25,10 @@ from gpuckpt.background import snapshot
 from gpuckpt.device.arrays import HostArray
 from gpuckpt.device.staging import HostAllocator, StagingArena
 from gpuckpt.errors import UnsupportedValueError
+from gpuckpt.format.grid import plan_regular_grid
 from gpuckpt.format.names import encode_name
 from gpuckpt.metadata import TensorProperties
 from gpuckpt.planning.boxes import Box, LocalTensor, intersect
-from gpuckpt.planning.grid import plan_regular_grid
 from gpuckpt.planning.plan import StateDescription, plan_save
 from gpuckpt.sources import describe_state
 from gpuckpt.writing import bind_jobs

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gpuckpt.format.checksum import crc32c
 from gpuckpt.format.segments import (
     SegmentDigest,
     Segments,
@@ -18,7 +19,6 @@ from gpuckpt.format.segments import (
     segmented,
     segments_entry,
 )
-from gpuckpt.storage.checksum import crc32c
 
 
 @given(st.binary(max_size=300), st.binary(max_size=300))

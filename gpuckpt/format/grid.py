@@ -13,19 +13,24 @@ C-contiguous array, so writes and reads need no gather or scatter copies.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpuckpt.options import DEFAULT_CHUNK_BYTES
-
 __all__ = [
+    "DEFAULT_CHUNK_BYTES",
     "ChunkGrid",
     "ChunkSpec",
+    "axis_starts",
     "plan_regular_grid",
+    "starts_of",
 ]
+
+#: the default target size of a stored chunk (a save's ``chunk_bytes``)
+DEFAULT_CHUNK_BYTES = 64 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,3 +218,17 @@ def plan_regular_grid(
             return ChunkGrid.regular(shape, (1,) * d + (per,) + whole[d + 1 :])
     # a single element row of the innermost axis exceeds the target
     return ChunkGrid.regular(shape, (1,) * (ndim - 1) + (max(1, target_bytes // itemsize),))
+
+
+def starts_of(grid: ChunkGrid) -> list[list[int]]:
+    """The first index of every chunk along each axis of ``grid`` (new lists each call)."""
+    if grid.kind == "regular":
+        return [list(range(0, max(n, 1), c)) for n, c in zip(grid.shape, grid.chunk_shape, strict=True)]
+    return [list(itertools.accumulate(e, initial=0))[:-1] for e in grid.edges]
+
+
+@functools.lru_cache(maxsize=64)
+def axis_starts(grid: ChunkGrid) -> list[list[int]]:
+    """The first index of every chunk along each axis of ``grid`` (kept for the last grids
+    asked for: the layers of a model share one; callers must not change the lists)."""
+    return starts_of(grid)

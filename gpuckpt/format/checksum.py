@@ -28,7 +28,15 @@ from typing import Any
 
 import crc32c as _crc32c
 
-__all__ = ["CRC_BYTES", "LOAD_AFTER_BYTES", "SMALL_BYTES", "crc32c", "crc32c_backend", "large_backend_ready"]
+__all__ = [
+    "CRC_BYTES",
+    "LOAD_AFTER_BYTES",
+    "SMALL_BYTES",
+    "crc32c",
+    "crc32c_backend",
+    "crc32c_loaded",
+    "large_backend_ready",
+]
 
 CRC_BYTES = 4
 
@@ -148,3 +156,12 @@ def crc32c(data: Any, value: int = 0) -> int:
         _deferred[0] += nbytes
         return _crc_package(data, value)
     return _backend()[1](data, value)
+
+
+def crc32c_loaded(data: Any, value: int = 0) -> int:
+    """:func:`crc32c`, by a library loaded already: the one chosen for large buffers once it
+    is (:func:`large_backend_ready`), else the ``crc32c`` package. For what a load reads
+    before any chunk (its root document), which must not wait for awscrt's load."""
+    if large_backend_ready():
+        return crc32c(data, value)
+    return _crc_package(data, value)
