@@ -65,7 +65,7 @@ from gpuckpt.options import LoadOptions, SaveOptions
 from gpuckpt.planning.boxes import Box, LocalTensor
 from gpuckpt.planning.plan import ChunkAssignment, SavePlan, StateDescription, plan_save
 from gpuckpt.planning.uniform import compact_description
-from gpuckpt.reading import TensorEntry, check_chunk_files, paused_gc
+from gpuckpt.reading import TensorEntry, check_chunk_files, overclaimed, paused_gc
 from gpuckpt.session import SaveSession
 from gpuckpt.sources import Source, describe_state
 from gpuckpt.state import unflatten_state_dict
@@ -304,8 +304,14 @@ class OpenCheckpoint:
 @paused_gc()
 def open_checkpoint(path: str, options: LoadOptions) -> OpenCheckpoint:
     """Open and validate the checkpoint at ``path`` (nothing but its root document is read;
-    :func:`gpuckpt.load.open.open_checkpoint`, whose shared index the metadata is: read only)."""
+    :func:`gpuckpt.load.open.open_checkpoint`, whose shared index the metadata is: read only).
+
+    DCP's metadata lists every chunk of every tensor, so a claim of more chunks than the
+    arrays hold files is refused first (:func:`~gpuckpt.reading.overclaimed`): a hostile
+    chunk table costs what was written, not a record per claimed chunk."""
     ck = load_open.open_checkpoint(path, options.store_options())
+    for bad in overclaimed(ck.reader, ck.index.tensors.values()):
+        raise bad.error()
     return OpenCheckpoint(ck.location, ck.reader, ck.index.metadata(), ck.index.tensors, ck.index.objects)
 
 

@@ -49,6 +49,7 @@ __all__ = [
     "fault_shim_env",
     "inject_os_faults",
     "rewrite_root_metadata",
+    "sparse_table_claim",
     "temporaries",
 ]
 
@@ -298,6 +299,41 @@ def rewrite_root_metadata(path: Path, edit: Callable[[dict[str, Any]], Any]) -> 
         md = doc["attributes"]["gpuckpt"]["metadata"] = replaced
     doc["attributes"]["gpuckpt"]["metadata_crc32c"] = crc32c(_canonical(md))
     (path / "zarr.json").write_bytes(json.dumps(doc).encode())
+
+
+def sparse_table_claim(path: Path, rows: int) -> None:
+    """``path`` becomes a format-2 checkpoint whose one tensor ``w`` claims ``rows`` chunks of 16
+    float32 through a chunk table of ``rows`` rows kept in sparse files of zeros (with valid
+    trailers), as a hostile author makes it for a few KiB; only the first 5,000 chunk files exist."""
+    import numpy as np
+
+    import gpuckpt
+    from gpuckpt.format.checksum import crc32c
+
+    gpuckpt.save({"w": np.zeros(5000 * 16, np.float32)}, path, chunk_bytes=64, sync="none")
+    per_chunk = 1 << 20  # the most rows one table chunk may hold
+    column = path / "_gpuckpt.table.crc32c"
+    for f in column.glob("c.*"):
+        f.unlink()
+    crc = crc32c(bytes(per_chunk * 4))
+    nchunks = -(-rows // per_chunk)
+    for k in range(nchunks):
+        with open(column / f"c.{k}", "wb") as out:
+            out.truncate(per_chunk * 4)
+            out.seek(per_chunk * 4)
+            out.write(crc.to_bytes(4, "little"))
+    document = json.loads((column / "zarr.json").read_bytes())
+    document["shape"] = [rows]
+    document["chunk_grid"]["configuration"]["chunk_shape"] = [per_chunk]
+    (column / "zarr.json").write_text(json.dumps(document))
+
+    def edit(md: dict[str, Any]) -> None:
+        md["state_dict_metadata"]["w"]["size"] = [rows * 16]
+        table = md["storage_data"]["chunk_table"]
+        table["rows"], table["rows_per_chunk"] = rows, per_chunk
+        table["columns"]["crc32c"]["chunk_crc32c"] = [crc] * nchunks
+
+    rewrite_root_metadata(path, edit)
 
 
 def copy_checkpoint(src: Path, dst: Path) -> Path:

@@ -264,6 +264,31 @@ def test_hostile_planner_data_is_a_metadata_error(saved: Path) -> None:
     assert "planner_data names 'ghost', which the checkpoint does not hold" in str(info.value)
 
 
+def test_a_table_claiming_millions_of_chunks_costs_the_reader_what_was_written(tmp_path: Path) -> None:
+    """DCP's metadata lists every chunk: a chunk table claiming 33.5 million rows over sparse
+    files (5,000 chunk files written) is refused before a record per claimed chunk is made."""
+    import subprocess
+    import sys
+
+    from gpuckpt.testing.faults import sparse_table_claim
+
+    path = tmp_path / "claim"
+    sparse_table_claim(path, 1 << 25)
+    code = (
+        "import sys, torch, torch.distributed.checkpoint as dcp, gpuckpt, gpuckpt.dcp\n"
+        "try:\n"
+        "    gpuckpt.dcp.Reader(sys.argv[1]).read_metadata()\n"
+        "except gpuckpt.MissingChunkError as e:\n"
+        "    print('typed:', e)\n"
+    )
+    # a record per claimed chunk takes minutes and gigabytes: the timeout is the failure
+    done = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=90)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "typed: tensor 'w' claims 33554432 chunks but its array w holds 5000 chunk files" in done.stdout
+    with pytest.raises(CheckpointException, match="33549432 are missing"):
+        dcp.load({"w": torch.zeros(16)}, storage_reader=gpuckpt.dcp.Reader(path))
+
+
 def test_cached_save_plans_are_refused_clearly(tmp_path: Path) -> None:
     """DCP's plan caching would hand the ranks the temporary of an earlier save: refused, nothing written."""
     planner = DefaultSavePlanner(enable_plan_caching=True)

@@ -26,7 +26,7 @@ from gpuckpt.format import documents as layout
 from gpuckpt.printable import printable
 from gpuckpt.storage.local import NotRegularFileError
 from gpuckpt.storage.local_reader import LocalReader
-from gpuckpt.testing.faults import copy_checkpoint, rewrite_root_metadata, temporaries
+from gpuckpt.testing.faults import copy_checkpoint, rewrite_root_metadata, sparse_table_claim, temporaries
 from gpuckpt.verify import verify_checkpoint
 
 from .hostile import make_state, time_limit
@@ -473,43 +473,10 @@ def test_verify_and_error_lines_escape_paths(template: Path, tmp_path: Path) -> 
 # 9. a chunk table claiming millions of rows over sparse files: what was written bounds the work --
 
 
-def _sparse_table_claim(path: Path, rows: int) -> None:
-    """``path`` becomes a format-2 checkpoint whose one tensor ``w`` claims ``rows`` chunks of 16
-    float32 through a chunk table of ``rows`` rows kept in sparse files of zeros (with valid
-    trailers), as a hostile author makes it for a few KiB; only the first 5,000 chunk files exist."""
-    from gpuckpt.format.checksum import crc32c
-
-    gpuckpt.save({"w": np.zeros(5000 * 16, np.float32)}, path, chunk_bytes=64, sync="none")
-    per_chunk = 1 << 20  # the most rows one table chunk may hold
-    column = path / "_gpuckpt.table.crc32c"
-    for f in column.glob("c.*"):
-        f.unlink()
-    zeros = bytes(per_chunk * 4)
-    crc = crc32c(zeros)
-    nchunks = -(-rows // per_chunk)
-    for k in range(nchunks):
-        with open(column / f"c.{k}", "wb") as f:
-            f.truncate(per_chunk * 4)
-            f.seek(per_chunk * 4)
-            f.write(crc.to_bytes(4, "little"))
-    json_doc = json.loads((column / "zarr.json").read_bytes())
-    json_doc["shape"] = [rows]
-    json_doc["chunk_grid"]["configuration"]["chunk_shape"] = [per_chunk]
-    (column / "zarr.json").write_text(json.dumps(json_doc))
-
-    def edit(md: dict[str, Any]) -> None:
-        md["state_dict_metadata"]["w"]["size"] = [rows * 16]
-        table = md["storage_data"]["chunk_table"]
-        table["rows"], table["rows_per_chunk"] = rows, per_chunk
-        table["columns"]["crc32c"]["chunk_crc32c"] = [crc] * nchunks
-
-    rewrite_root_metadata(path, edit)
-
-
 @pytest.fixture(scope="module")
 def sparse_claim(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("claim") / "ckpt"
-    _sparse_table_claim(path, 1 << 25)  # 33.5 million chunks claimed, 5,000 written
+    sparse_table_claim(path, 1 << 25)  # 33.5 million chunks claimed, 5,000 written
     assert disk_bytes_allocated(path / "_gpuckpt.table.crc32c") < 1 << 20  # 128 MiB of rows, sparse
     return path
 
