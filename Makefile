@@ -11,7 +11,7 @@ TORCH_VERSION ?= 2.13.0
 VENV311 := .venv311
 BIN311 := $(VENV311)/bin
 STAMP311 := $(VENV311)/.installed
-INSTALL_INPUTS := pyproject.toml hatch_build.py gpuckpt/storage/crccopy.c gpuckpt/storage/batchio.c gpuckpt/storage/crc32c_simd.h
+INSTALL_INPUTS := pyproject.toml hatch_build.py gpuckpt/storage/local/crccopy.c gpuckpt/storage/local/batchio.c gpuckpt/storage/local/crc32c_simd.h
 
 .PHONY: setup setup-torch demo test test-main test-torch test-fast bench bench-kernels gpu-check lint typecheck clean
 

@@ -1,8 +1,8 @@
 """Build hook: compile gpuckpt's native libraries where a C compiler is available.
 
-* ``gpuckpt/storage/crccopy.c`` into ``_crccopy.so``: the one-pass copy-with-CRC32C
+* ``gpuckpt/storage/local/crccopy.c`` into ``_crccopy.so``: the one-pass copy-with-CRC32C
   load loop (without it: pread + a CRC32C library);
-* ``gpuckpt/storage/batchio.c`` into ``_batchio.so``: batches of small chunk files
+* ``gpuckpt/storage/local/batchio.c`` into ``_batchio.so``: batches of small chunk files
   written and read with the GIL released (without it: one file at a time from Python).
 
 Both are optional, so a missing compiler or a failed build prints a warning and
@@ -29,9 +29,10 @@ except ImportError:  # outside a build (the test suite imports compile_library):
     BuildHookInterface = object
 
 #: (source, what it is, where the library goes in the package)
+_LOCAL = "gpuckpt/storage/local"
 LIBRARIES = (
-    (Path("gpuckpt/storage/crccopy.c"), "the native copy-with-CRC loop", "gpuckpt/storage/_crccopy.so"),
-    (Path("gpuckpt/storage/batchio.c"), "the native small-file batches", "gpuckpt/storage/_batchio.so"),
+    (Path(f"{_LOCAL}/crccopy.c"), "the native copy-with-CRC loop", f"{_LOCAL}/_crccopy.so"),
+    (Path(f"{_LOCAL}/batchio.c"), "the native small-file batches", f"{_LOCAL}/_batchio.so"),
 )
 
 

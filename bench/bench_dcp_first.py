@@ -350,7 +350,7 @@ def child(spec: dict[str, Any]) -> None:
         record["disk_bytes"] = sum(os.path.getsize(f) for f in files)
     if op in ("save-gpuckpt", "load-gpuckpt", "load-native"):
         from gpuckpt.format.checksum import crc32c_backend
-        from gpuckpt.storage.crccopy import instruction_set
+        from gpuckpt.storage.local.crccopy import instruction_set
 
         record["version"] = (
             f"gpuckpt {gpuckpt.__version__} from {Path(gpuckpt.__file__).parent}, "  # type: ignore[union-attr]

@@ -47,11 +47,11 @@ from typing import Any
 
 import numpy as np
 
-from gpuckpt.commit import assemble_metadata
 from gpuckpt.format.documents import metadata_json, root_document
 from gpuckpt.metadata import TensorProperties
 from gpuckpt.planning.boxes import LocalTensor, overlapping_chunks
 from gpuckpt.planning.plan import StateDescription, plan_save
+from gpuckpt.saving.commit import assemble_metadata
 
 try:  # box fingerprints: ranks send one box per group of alike tensors
     from gpuckpt.planning.uniform import box_fingerprints, tensor_groups
@@ -61,10 +61,10 @@ except ImportError:
     GROUPED = False
 
 try:  # the code of issue 22
-    from gpuckpt.commit import table_columns, uses_table
     from gpuckpt.format.records import encode_table
     from gpuckpt.planning.plan import merge_values
     from gpuckpt.planning.uniform import compact_description
+    from gpuckpt.saving.commit import table_columns, uses_table
 
     NEW = True
 except ImportError:  # an older gpuckpt: the before-figures
@@ -112,7 +112,7 @@ def _load_figure(plan: Any, doc: bytes, documents: list[Any], table: list[Any], 
     """Seconds to read what one rank needs of the metadata, from files in a temporary directory."""
     from gpuckpt.format.checksum import crc32c
     from gpuckpt.format.reader import read_index
-    from gpuckpt.reading import load_chunk_records
+    from gpuckpt.loading.checks import load_chunk_records
     from gpuckpt.storage.stores import open_reader
 
     where = tempfile.mkdtemp(prefix="bench-planning-")

@@ -60,7 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository, 
 
 import gpuckpt
 from bench.compare.common import build_state, state_bytes
-from gpuckpt.storage.s3_client import DEFAULT_PART_BYTES, DEFAULT_PARTS_IN_FLIGHT, plan_parts
+from gpuckpt.storage.s3.client import DEFAULT_PART_BYTES, DEFAULT_PARTS_IN_FLIGHT, plan_parts
 from gpuckpt.testing.faultproxy import FaultProxy
 from gpuckpt.testing.s3server import copy_prefix, loopback_env, s3_options, s3_server
 

@@ -58,7 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository, 
 import gpuckpt
 from bench.compare.common import SETTLE_S, drop_cache, set_aside, settle, warm_cache
 from gpuckpt.format.checksum import crc32c_backend
-from gpuckpt.storage import batchio, crccopy
+from gpuckpt.storage.local import batchio, crccopy
 
 
 def small_state(n: int, seed: int) -> dict[str, np.ndarray]:

@@ -9,7 +9,6 @@ from typing import Any
 
 import numpy as np
 
-from gpuckpt.chunk_reads import prepare_reads, read_tensors
 from gpuckpt.device.arrays import ArrayAdapter, DeviceArray, HostArray, HostMemory, adapt, is_array
 from gpuckpt.device.backend import DeviceBackend
 from gpuckpt.device.sharded import is_sharded_leaf, sharded_boxes
@@ -25,22 +24,23 @@ from gpuckpt.errors import (
 )
 from gpuckpt.format.metadata import STATE_DICT_TYPE, Metadata
 from gpuckpt.format.values import decode_object
-from gpuckpt.incremental import check_base_target
-from gpuckpt.load.open import open_checkpoint
+from gpuckpt.loading.checks import (
+    TensorEntry,
+    check_chunk_files,
+    checking_chunk_files,
+)
+from gpuckpt.loading.chunk_reads import prepare_reads, read_tensors
+from gpuckpt.loading.open import open_checkpoint
 from gpuckpt.options import DEFAULT_CHUNK_BYTES, DEFAULT_STAGING_BYTES, LoadOptions, SaveOptions
 from gpuckpt.planning.boxes import Box
 from gpuckpt.planning.plan import plan_save
 from gpuckpt.progress import ProgressCallback
-from gpuckpt.reading import (
-    TensorEntry,
-    check_chunk_files,
-    checking_chunk_files,
-    paused_gc,
-)
-from gpuckpt.session import execute_save
-from gpuckpt.sources import contains_sharded, describe_state, is_leaf
+from gpuckpt.runtime.collector import paused_gc
+from gpuckpt.saving.incremental import check_base_target
+from gpuckpt.saving.session import execute_save
+from gpuckpt.saving.sources import contains_sharded, describe_state, is_leaf
+from gpuckpt.saving.writing import open_save_writer
 from gpuckpt.state import flatten_state_dict, select_fqns, unflatten_state_dict
-from gpuckpt.writing import open_save_writer
 
 __all__ = ["load", "load_state_dict", "load_with_options", "read_metadata", "save", "save_with_options"]
 
@@ -92,7 +92,7 @@ def save(
         a checkpoint then needs ``allow_pickle=True`` too.
     sync
         Durability: ``"auto"`` (default), ``"file"``, ``"fs"`` or ``"none"``
-        (see :class:`gpuckpt.storage.local.LocalWriter`).
+        (see :class:`gpuckpt.storage.local.writer.LocalWriter`).
     threads
         I/O threads (default: twice the CPU count, between 2 and 8).
     progress

@@ -31,16 +31,16 @@ from gpuckpt.distributed.coordinator import Coordinator, SingleProcessCoordinato
 from gpuckpt.distributed.save import Described, save_described
 from gpuckpt.format.memory_format import physical_order
 from gpuckpt.format.metadata import STATE_DICT_TYPE, Metadata
-from gpuckpt.incremental import check_base_target
 from gpuckpt.options import DEFAULT_CHUNK_BYTES, DEFAULT_STAGING_BYTES, SaveOptions
 from gpuckpt.pending import SaveFuture, submit, wait_all, writer_executor
 from gpuckpt.planning.plan import SavePlan, StateDescription, plan_save
 from gpuckpt.progress import ProgressCallback
-from gpuckpt.reading import paused_gc
-from gpuckpt.session import execute_save
-from gpuckpt.sources import Source, contains_sharded, describe_state
-from gpuckpt.workers import Workers
-from gpuckpt.writing import device_backends, open_save_writer, shared_with_base
+from gpuckpt.runtime.collector import paused_gc
+from gpuckpt.runtime.workers import Workers
+from gpuckpt.saving.incremental import check_base_target
+from gpuckpt.saving.session import execute_save
+from gpuckpt.saving.sources import Source, contains_sharded, describe_state
+from gpuckpt.saving.writing import device_backends, open_save_writer, shared_with_base
 
 __all__ = [
     "SaveFuture",
@@ -145,7 +145,7 @@ def snapshot(
     """Copies in ``arena`` (host memory) of the arrays of the state described by ``local``:
     the sources a save of it is bound to. ``shared``: stand-ins, by ``(FQN, box)``, of
     arrays not copied because the save shares every chunk of them with its base
-    (:func:`~gpuckpt.writing.shared_with_base`).
+    (:func:`~gpuckpt.saving.writing.shared_with_base`).
 
     Host arrays are copied keeping their memory layout (slabs in parallel);
     dense device arrays are copied as their raw memory image, one

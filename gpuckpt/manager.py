@@ -10,7 +10,7 @@ Layout::
 The root may also be an object-store prefix (``s3://bucket/run1``): the
 steps are the prefixes under it (``s3://bucket/run1/step_00000040``), each a
 checkpoint published by its root document (see
-:mod:`gpuckpt.storage.s3_root`).
+:mod:`gpuckpt.storage.s3.root`).
 
 Step directories are named ``step_<step>`` (zero-padded to 8 digits) and
 are ordered by their number, never by name; plain integer names (``42``)
@@ -82,7 +82,7 @@ from gpuckpt.errors import (
 )
 from gpuckpt.format.metadata import STATE_DICT_TYPE
 from gpuckpt.options import SaveOptions
-from gpuckpt.runner import run_all
+from gpuckpt.runtime.runner import run_all
 from gpuckpt.storage.stores import open_root, scheme_of
 
 __all__ = ["CheckpointManager", "step_of"]

@@ -39,7 +39,7 @@ __all__ = [
 
 #: budget of (page-locked) host memory through which device arrays stream
 DEFAULT_STAGING_BYTES = 512 << 20
-#: durability modes of a save (see :mod:`gpuckpt.storage.local`)
+#: durability modes of a save (see :mod:`gpuckpt.storage.local.writer`)
 _SYNC_MEANINGS = {"auto": "choose", "file": "fsync each file", "fs": "one syncfs", "none": "no durability"}
 SYNC_MODES = tuple(_SYNC_MEANINGS)
 #: where :func:`gpuckpt.async_save` takes its snapshot
@@ -123,7 +123,7 @@ class SaveOptions:
     """How a checkpoint is written; see :func:`gpuckpt.save` for each field.
 
     ``base``: an earlier checkpoint whose equal chunks this save reuses instead
-    of writing them (:mod:`gpuckpt.incremental`); ``content_hash``: record each
+    of writing them (:mod:`gpuckpt.saving.incremental`); ``content_hash``: record each
     chunk's content hash even without a base, so that a later save can use this
     one as its base. ``staging`` matters to background saves only; ``direct_io`` is
     ``GPUCKPT_DIRECT_IO`` as read when the value was made (``"auto"``: the

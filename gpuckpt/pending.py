@@ -8,7 +8,7 @@ main module ending, ``sys.exit``, an uncaught exception) first waits for
 every queued save. A save that failed without anyone asking for its outcome
 (``result()`` or ``exception()``) is reported on standard error, and the
 process then exits with status 1. The threads involved are gpuckpt's own
-(:mod:`gpuckpt.workers`), so nothing refuses the work during exit, and after
+(:mod:`gpuckpt.runtime.workers`), so nothing refuses the work during exit, and after
 ``fork()`` the child starts with empty queues and fresh locks: its own saves
 run, the parent's saves stay the parent's.
 """
@@ -28,7 +28,7 @@ from typing import Any
 
 from gpuckpt.errors import ForkedSaveError
 from gpuckpt.format.metadata import Metadata
-from gpuckpt.workers import Workers
+from gpuckpt.runtime.workers import Workers
 
 __all__ = ["SaveFuture", "submit", "wait_all", "writer_executor"]
 

@@ -18,21 +18,21 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpuckpt.chunk_reads import checksum_verified
 from gpuckpt.errors import CheckpointCorruptedError, ChecksumError, MetadataError, UnsafeCheckpointError
 from gpuckpt.format.documents import ATTRIBUTE, expected_array_document
 from gpuckpt.format.values import decode_object
-from gpuckpt.load.open import open_checkpoint
-from gpuckpt.printable import printable
-from gpuckpt.progress import ProgressCallback, ProgressCounter
-from gpuckpt.ranged import segments_of
-from gpuckpt.reading import (
+from gpuckpt.loading.checks import (
     ChunkRead,
     TensorEntry,
     load_chunk_records,
     overclaimed,
 )
-from gpuckpt.runner import default_threads, run_ordered
+from gpuckpt.loading.chunk_reads import checksum_verified
+from gpuckpt.loading.open import open_checkpoint
+from gpuckpt.loading.ranged import segments_of
+from gpuckpt.printable import printable
+from gpuckpt.progress import ProgressCallback, ProgressCounter
+from gpuckpt.runtime.runner import default_threads, run_ordered
 from gpuckpt.storage.base import CheckpointReader, NotRegularFileError
 
 __all__ = ["Damage", "VerifyReport", "verify_checkpoint"]

@@ -67,7 +67,7 @@ class Gpuckpt(Adapter):
     def version(self) -> str:
         import gpuckpt
         from gpuckpt.format.checksum import crc32c_backend
-        from gpuckpt.storage.crccopy import instruction_set
+        from gpuckpt.storage.local.crccopy import instruction_set
 
         return f"{gpuckpt.__version__} (CRC32C: {crc32c_backend()}; copy-with-CRC: {instruction_set()})"
 

@@ -171,7 +171,7 @@ class DCPGpuckpt(_TorchAdapter):
         # code, ~4 MB resident), before any timed operation as for every other library
         import gpuckpt
         from gpuckpt.format.checksum import crc32c_backend
-        from gpuckpt.storage.crccopy import instruction_set
+        from gpuckpt.storage.local.crccopy import instruction_set
 
         return (
             f"torch {torch.__version__}, gpuckpt {gpuckpt.__version__} "

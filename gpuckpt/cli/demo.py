@@ -34,7 +34,7 @@ from gpuckpt.errors import DeviceUnavailableError
 from gpuckpt.format.checksum import crc32c_backend
 from gpuckpt.manager import CheckpointManager
 from gpuckpt.state import flatten_state_dict
-from gpuckpt.storage.crccopy import instruction_set
+from gpuckpt.storage.local.crccopy import instruction_set
 from gpuckpt.testing.states import gpt_state_dict
 from gpuckpt.verify import verify_checkpoint
 

@@ -55,7 +55,7 @@ def evict(root: Path) -> bool:
     Returns whether they left it (a file system that keeps files in memory, such
     as tmpfs, keeps them): the cold figures are meaningful only then.
     """
-    from gpuckpt.storage import crccopy
+    from gpuckpt.storage.local import crccopy
 
     left = True
     paths = [root] if root.is_file() else [p for p in root.rglob("*") if p.is_file()]

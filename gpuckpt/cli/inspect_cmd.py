@@ -20,10 +20,11 @@ from gpuckpt.errors import CheckpointNotFoundError, GpuckptError
 from gpuckpt.format.checksum import CRC_BYTES
 from gpuckpt.format.dtypes import dtype_name
 from gpuckpt.format.values import decode_object
-from gpuckpt.load.open import open_checkpoint
+from gpuckpt.loading.checks import TensorEntry, load_chunk_records, overclaimed
+from gpuckpt.loading.open import open_checkpoint
 from gpuckpt.manager import step_of
 from gpuckpt.printable import printable
-from gpuckpt.reading import TensorEntry, load_chunk_records, overclaimed, paused_gc
+from gpuckpt.runtime.collector import paused_gc
 from gpuckpt.storage.base import CheckpointReader
 from gpuckpt.storage.stores import open_root, scheme_of
 
@@ -54,7 +55,7 @@ def _stored_bytes(t: TensorEntry) -> int:
 
 def _tensor_row(reader: CheckpointReader, t: TensorEntry, held: set[str] | None = None) -> dict[str, Any]:
     """``held``: the chunk files of a tensor that claims more chunks than its array holds
-    (:func:`~gpuckpt.reading.overclaimed`): only those are looked at."""
+    (:func:`~gpuckpt.loading.checks.overclaimed`): only those are looked at."""
     grid = t.grid
     keys = sorted(held) if held is not None else [c.key for c in t.chunks]
     usage = [reader.chunk_usage(t.name, k) for k in keys]

@@ -26,8 +26,8 @@ from gpuckpt.convert.shapes import check_shape
 from gpuckpt.errors import CheckpointExistsError, MetadataError, UnsupportedValueError
 from gpuckpt.format.dtypes import dtype_name
 from gpuckpt.progress import ProgressCallback, ProgressCounter
-from gpuckpt.storage import fsutil
-from gpuckpt.storage.fileio import read_exact, write_all
+from gpuckpt.storage.local import fsutil
+from gpuckpt.storage.local.fileio import read_exact, write_all
 
 __all__ = [
     "METADATA_KEY",

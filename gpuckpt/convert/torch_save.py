@@ -23,7 +23,7 @@ import numpy as np
 
 from gpuckpt.convert.torch_io import VIEW_AS, import_torch
 from gpuckpt.errors import CheckpointExistsError, UnsafeCheckpointError, UnsupportedValueError
-from gpuckpt.storage import fsutil
+from gpuckpt.storage.local import fsutil
 
 __all__ = ["count", "dcp_state", "gpuckpt_state", "numpy_to_torch", "write_torch_save"]
 

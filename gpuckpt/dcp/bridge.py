@@ -15,21 +15,21 @@ logic is repeated. What they rely on:
   :class:`~gpuckpt.planning.boxes.LocalTensor` boxes, as for ``ShardedArray``
   saves), whose :class:`~gpuckpt.planning.plan.ChunkAssignment` records say
   what each rank writes;
-- writing: :func:`gpuckpt.writing.open_save_writer`,
+- writing: :func:`gpuckpt.saving.writing.open_save_writer`,
   :func:`gpuckpt.storage.stores.attach_writer` (ranks other than the
-  coordinator), :func:`gpuckpt.writing.write_array_documents` (its ``defer``),
-  :func:`gpuckpt.writing.bind_jobs` over :class:`gpuckpt.sources.Source`
+  coordinator), :func:`gpuckpt.saving.writing.write_array_documents` (its ``defer``),
+  :func:`gpuckpt.saving.writing.bind_jobs` over :class:`gpuckpt.saving.sources.Source`
   records of :func:`gpuckpt.device.arrays.adapt`-ed tensors,
-  :func:`gpuckpt.writing.write_chunks` (its ``documents``),
-  :func:`gpuckpt.commit.assemble_metadata`, the ``writing`` abort guard,
+  :func:`gpuckpt.saving.writing.write_chunks` (its ``documents``),
+  :func:`gpuckpt.saving.commit.assemble_metadata`, the ``writing`` abort guard,
   :func:`gpuckpt.format.values.encode_object` and
   :func:`gpuckpt.format.documents.root_document` with ``CheckpointWriter.commit``
   / ``abort``;
-- reading: :func:`gpuckpt.load.open.open_checkpoint` (its index's ``TensorEntry``
+- reading: :func:`gpuckpt.loading.open.open_checkpoint` (its index's ``TensorEntry``
   values and metadata), ``is_committed``, ``check_chunk_files``, :func:`gpuckpt.distributed.load.read_boxes`,
   ``read_tensors`` (into adapters), :func:`gpuckpt.format.values.decode_object`
   and :func:`gpuckpt.state.unflatten_state_dict`;
-- snapshots: :func:`gpuckpt.sources.describe_state`,
+- snapshots: :func:`gpuckpt.saving.sources.describe_state`,
   :func:`gpuckpt.background.snapshot` / ``snapshot_on_device`` /
   ``snapshot_bytes``, ``host_order`` / ``copy_host_arrays`` (host arrays laid
   out once, copied again) and the :class:`~gpuckpt.device.staging.ArenaPool`
@@ -49,8 +49,6 @@ import numpy as np
 
 from gpuckpt.background import copy_host_arrays, host_order, snapshot_bytes, snapshot_on_device
 from gpuckpt.background import snapshot as snapshot_to_arena
-from gpuckpt.chunk_reads import read_tensors
-from gpuckpt.commit import Written, as_columns, result_columns, table_columns
 from gpuckpt.device.arrays import DeviceArray, HostArray, HostMemory, adapt, device_backends
 from gpuckpt.device.staging import ArenaPool, StagingArena, aligned_bytes, pool_for
 from gpuckpt.distributed.load import read_boxes
@@ -58,26 +56,29 @@ from gpuckpt.errors import StagingTimeoutError
 from gpuckpt.format.dtypes import dtype_name
 from gpuckpt.format.metadata import Metadata, TensorProperties
 from gpuckpt.format.values import decode_object, encode_object
-from gpuckpt.incremental import BaseIndex, ChunkResult, check_base_target, open_base_for
-from gpuckpt.incremental import open_base as _open_base
-from gpuckpt.load import open as load_open
+from gpuckpt.loading import open as load_open
+from gpuckpt.loading.checks import TensorEntry, check_chunk_files, overclaimed
+from gpuckpt.loading.chunk_reads import read_tensors
 from gpuckpt.options import LoadOptions, SaveOptions
 from gpuckpt.planning.boxes import Box, LocalTensor
 from gpuckpt.planning.plan import ChunkAssignment, SavePlan, StateDescription, plan_save
 from gpuckpt.planning.uniform import compact_description
-from gpuckpt.reading import TensorEntry, check_chunk_files, overclaimed, paused_gc
-from gpuckpt.session import SaveSession
-from gpuckpt.sources import Source, describe_state
-from gpuckpt.state import unflatten_state_dict
-from gpuckpt.storage.base import CheckpointReader, CheckpointWriter
-from gpuckpt.storage.stores import attach_writer, is_committed, scheme_of
-from gpuckpt.writing import (
+from gpuckpt.runtime.collector import paused_gc
+from gpuckpt.saving.commit import Written, as_columns, result_columns, table_columns
+from gpuckpt.saving.incremental import BaseIndex, ChunkResult, check_base_target, open_base_for
+from gpuckpt.saving.incremental import open_base as _open_base
+from gpuckpt.saving.session import SaveSession
+from gpuckpt.saving.sources import Source, describe_state
+from gpuckpt.saving.writing import (
     array_document_of,
     bind_jobs,
     open_save_writer,
     write_chunks,
     writing,
 )
+from gpuckpt.state import unflatten_state_dict
+from gpuckpt.storage.base import CheckpointReader, CheckpointWriter
+from gpuckpt.storage.stores import attach_writer, is_committed, scheme_of
 
 __all__ = [
     "BaseIndex",
@@ -304,10 +305,10 @@ class OpenCheckpoint:
 @paused_gc()
 def open_checkpoint(path: str, options: LoadOptions) -> OpenCheckpoint:
     """Open and validate the checkpoint at ``path`` (nothing but its root document is read;
-    :func:`gpuckpt.load.open.open_checkpoint`, whose shared index the metadata is: read only).
+    :func:`gpuckpt.loading.open.open_checkpoint`, whose shared index the metadata is: read only).
 
     DCP's metadata lists every chunk of every tensor, so a claim of more chunks than the
-    arrays hold files is refused first (:func:`~gpuckpt.reading.overclaimed`): a hostile
+    arrays hold files is refused first (:func:`~gpuckpt.loading.checks.overclaimed`): a hostile
     chunk table costs what was written, not a record per claimed chunk."""
     ck = load_open.open_checkpoint(path, options.store_options())
     for bad in overclaimed(ck.reader, ck.index.tensors.values()):

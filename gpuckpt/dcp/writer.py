@@ -88,7 +88,7 @@ class Writer(StorageWriter):  # type: ignore[misc,unused-ignore]
     atomically (on object storage, where that cannot be atomic, it is refused);
     an empty directory (``tempfile.mkdtemp()``) is saved into; a directory that
     holds other files gets the checkpoint's own names beside them, a clash of
-    names refused and nothing else touched (see :mod:`gpuckpt.storage.shared_dir`).
+    names refused and nothing else touched (see :mod:`gpuckpt.storage.local.shared_dir`).
     With ``overwrite=False`` an existing checkpoint fails the save with
     :class:`~gpuckpt.errors.CheckpointExistsError` beginning ``Checkpoint already
     exists``, as DCP's own writers say it.

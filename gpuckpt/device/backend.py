@@ -135,7 +135,7 @@ class DeviceBackend(Protocol):
         :meth:`wait_for_producers` first). None when this back end cannot hash (the
         hash library or kernel is missing): the chunks are then staged and hashed on
         the host. An incremental save reuses a chunk whose digests equal its base's
-        without staging it (:func:`gpuckpt.writing.write_chunks`).
+        without staging it (:func:`gpuckpt.saving.writing.write_chunks`).
         """
         ...
 

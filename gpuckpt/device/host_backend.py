@@ -25,7 +25,7 @@ from gpuckpt.device.backend import ChunkBox, Ticket
 from gpuckpt.device.packing import ARENA_ALIGN, plan_packing
 from gpuckpt.device.staging import HostAllocator
 from gpuckpt.format import memory_format as mf
-from gpuckpt.workers import Workers
+from gpuckpt.runtime.workers import Workers
 
 __all__ = ["HostBackend"]
 

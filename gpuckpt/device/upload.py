@@ -22,7 +22,7 @@ from concurrent.futures import Future
 
 from gpuckpt.device.arrays import StagedIn
 from gpuckpt.device.backend import Ticket
-from gpuckpt.workers import Workers
+from gpuckpt.runtime.workers import Workers
 
 __all__ = ["CopyQueue"]
 

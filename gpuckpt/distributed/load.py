@@ -7,7 +7,7 @@ verified against its CRC32C, and the overlapping part of it is copied into
 every target box that needs it; where the checkpoint recorded the CRC32C of
 each segment of a large chunk and the store reads ranges (``s3://``, local), only
 the segments holding the rows the boxes need are read, each one checked
-(:mod:`gpuckpt.ranged`); a chunk that lies whole inside the one box that
+(:mod:`gpuckpt.loading.ranged`); a chunk that lies whole inside the one box that
 needs it is read straight into that box, and small chunks are read in
 batches, as by an unsharded load. Chunks that overlap no requested box are
 never read.
@@ -20,16 +20,16 @@ import math
 
 import numpy as np
 
-from gpuckpt.chunk_reads import fetch_verified, read_chunk_into, run_reads, scratch, upload_chunk
 from gpuckpt.device.arrays import ArrayAdapter
 from gpuckpt.device.backend import Staging
 from gpuckpt.device.upload import CopyQueue
+from gpuckpt.loading.checks import ChunkRead, TensorEntry
+from gpuckpt.loading.chunk_reads import fetch_verified, read_chunk_into, run_reads, scratch, upload_chunk
+from gpuckpt.loading.ranged import fetch_rows
 from gpuckpt.options import LoadOptions
 from gpuckpt.planning.boxes import Box, intersect, overlapping_chunks
 from gpuckpt.progress import ProgressCounter
-from gpuckpt.ranged import fetch_rows
-from gpuckpt.reading import ChunkRead, TensorEntry
-from gpuckpt.runner import IO_BATCH_JOBS, batches
+from gpuckpt.runtime.runner import IO_BATCH_JOBS, batches
 from gpuckpt.storage.base import CheckpointReader
 
 __all__ = ["read_boxes"]

@@ -4,7 +4,7 @@ The protocol, with a collective error check after every step so that a
 failure on any rank fails the save on every rank and publishes nothing:
 
 1. every rank describes its tensors (boxes, no data) and plain values
-   (:func:`gpuckpt.sources.describe_state`);
+   (:func:`gpuckpt.saving.sources.describe_state`);
 2. every rank sends the digest of its layout (one small collective); when
    every digest is the previous save's through this coordinator, the previous
    plan is reused (only the plain values are gathered); otherwise rank 0
@@ -48,7 +48,6 @@ import numpy as np
 from gpuckpt.distributed.coordinator import Coordinator
 from gpuckpt.format.metadata import Metadata
 from gpuckpt.format.reader import read_index
-from gpuckpt.incremental import BaseIndex, open_base, open_base_for
 from gpuckpt.options import SaveOptions
 from gpuckpt.planning.plan import ChunkAssignment, SavePlan, StateDescription, merge_values, plan_save
 from gpuckpt.planning.uniform import (
@@ -58,18 +57,19 @@ from gpuckpt.planning.uniform import (
     local_layout_digest,
     tensor_groups,
 )
-from gpuckpt.session import SaveSession
-from gpuckpt.sources import Source, describe_state
-from gpuckpt.storage.stores import attach_writer
-from gpuckpt.writing import (
+from gpuckpt.saving.incremental import BaseIndex, open_base, open_base_for
+from gpuckpt.saving.session import SaveSession
+from gpuckpt.saving.sources import Source, describe_state
+from gpuckpt.saving.writing import (
     array_document_of,
     bind_jobs,
     open_save_writer,
 )
+from gpuckpt.storage.stores import attach_writer
 
 __all__ = ["PlanCacheInfo", "distributed_save", "plan_cache_info", "save_described"]
 
-#: what a rank saves: its state's description and the arrays behind it (see :mod:`gpuckpt.sources`)
+#: what a rank saves: its state's description and the arrays behind it (see :mod:`gpuckpt.saving.sources`)
 Described = tuple[StateDescription, dict[str, tuple[Source, ...]]]
 
 

@@ -11,7 +11,7 @@ here (its random generator measures CPU jitter at start-up; seconds where the
 library's pages were paged out), which the first save or load of a small state
 would wait for, and on a 64 KiB buffer it saves 1.5 us. It is loaded when the
 first large buffer comes, with one exception: on the I/O threads of a save or a
-load (threads marked ``defers_library_loads``, see :mod:`gpuckpt.workers`) the
+load (threads marked ``defers_library_loads``, see :mod:`gpuckpt.runtime.workers`) the
 load would hold the GIL while every other thread of the run waits, so there large
 buffers go to the ``crc32c`` package until the process has checksummed
 :data:`LOAD_AFTER_BYTES` that way (about 2x awscrt's time per byte: the load pays

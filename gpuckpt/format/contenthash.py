@@ -1,6 +1,6 @@
 """The content hash of a stored chunk: XXH3-128 over a one-level tree of 1 MiB leaves.
 
-Incremental saves (:mod:`gpuckpt.incremental`) decide that a chunk equals the
+Incremental saves (:mod:`gpuckpt.saving.incremental`) decide that a chunk equals the
 chunk of an earlier checkpoint by its size, its CRC32C and this hash together,
 never by the CRC alone. The hash covers the chunk's stored bytes without the
 CRC trailer (data and padding) and is defined so that a GPU can compute it

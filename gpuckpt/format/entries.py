@@ -71,9 +71,9 @@ class TensorEntry:
 
     ``crcs`` holds the CRC32C of every chunk (C order of grid coordinates); for a
     checkpoint that keeps its records in a chunk table it is None until
-    :func:`~gpuckpt.reading.load_chunk_records` reads the rows of this tensor (``table``,
+    :func:`~gpuckpt.loading.checks.load_chunk_records` reads the rows of this tensor (``table``,
     ``row``). ``listed``: the other per-chunk columns its listed records hold (content
-    hashes; :func:`~gpuckpt.reading.chunk_column` reads them from either form). ``chunks``
+    hashes; :func:`~gpuckpt.loading.checks.chunk_column` reads them from either form). ``chunks``
     (every chunk's :class:`ChunkRead`) is built when first asked for; :meth:`chunk` makes
     one. ``whole``: the tensor's only chunk is the whole tensor (the usual small tensor).
     An entry makes its ``metadata`` and ``grid`` when first asked for (unless its document lists
@@ -160,7 +160,7 @@ class TensorEntry:
         if self.crcs is None:
             raise MetadataError(
                 f"the chunk records of tensor {self.fqn!r} were not read from the chunk table; "
-                "call gpuckpt.reading.load_chunk_records first"
+                "call gpuckpt.loading.checks.load_chunk_records first"
             )
         return self.crcs
 

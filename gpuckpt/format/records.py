@@ -21,7 +21,7 @@ records in one of two forms, per tensor:
   hold the rows of the tensors it loads.
 
 Columns (:data:`COLUMNS`): ``crc32c`` (``uint32``), and in checkpoints that
-record content hashes (:mod:`gpuckpt.incremental`) ``xxh3t`` and ``head``
+record content hashes (:mod:`gpuckpt.saving.incremental`) ``xxh3t`` and ``head``
 (16 bytes each: the chunk's XXH3-128 tree hash and the hash of its first
 leaf, see :mod:`gpuckpt.format.contenthash`). A column of a fixed-width
 per-chunk field is a ``uint8`` array of ``rows x width``; listed, such a field

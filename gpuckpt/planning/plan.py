@@ -13,7 +13,7 @@ rank, gathered on the coordinator).
 A plan names no array: the chunks a process writes are
 :class:`ChunkAssignment` records (which tensor, which chunk, which of the
 process's boxes holds it). They are bound to the arrays only when the plan
-runs (:func:`gpuckpt.writing.bind_jobs`, from a mapping FQN -> the arrays
+runs (:func:`gpuckpt.saving.writing.bind_jobs`, from a mapping FQN -> the arrays
 holding each box), so that a background save binds the same plan to its
 snapshot, and plans are tested as data (``tests/unit/test_save_plan.py``).
 """
@@ -182,8 +182,8 @@ class SavePlan:
     chunk. Together they cover every chunk of every tensor exactly once.
     A plan is made by :func:`plan_save` and never changed: running it binds
     each process's assignments to that process's arrays
-    (:func:`gpuckpt.writing.bind_jobs`), and the chunk checksums the writes
-    return complete the metadata (:func:`gpuckpt.commit.assemble_metadata`).
+    (:func:`gpuckpt.saving.writing.bind_jobs`), and the chunk checksums the writes
+    return complete the metadata (:func:`gpuckpt.saving.commit.assemble_metadata`).
 
     Examples
     --------

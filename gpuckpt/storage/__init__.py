@@ -7,12 +7,12 @@ the interfaces of :mod:`~gpuckpt.storage.base`, never a back end directly.
 
 What is where:
 
-* where bytes hit the disk: :mod:`~gpuckpt.storage.local` (a directory,
-  published atomically; read by :mod:`~gpuckpt.storage.local_reader`),
-  :mod:`~gpuckpt.storage.direct` (``O_DIRECT``
-  writes), :mod:`~gpuckpt.storage.leftovers` (what crashed saves leave),
-  :mod:`~gpuckpt.storage.fileio` and :mod:`~gpuckpt.storage.fsutil` (system
-  calls), :mod:`~gpuckpt.storage.crccopy` (the native copy-with-checksum),
+* where bytes hit the disk: :mod:`~gpuckpt.storage.local.writer` (a directory,
+  published atomically; read by :mod:`~gpuckpt.storage.local.reader`),
+  :mod:`~gpuckpt.storage.local.direct` (``O_DIRECT``
+  writes), :mod:`~gpuckpt.storage.local.leftovers` (what crashed saves leave),
+  :mod:`~gpuckpt.storage.local.fileio` and :mod:`~gpuckpt.storage.local.fsutil` (system
+  calls), :mod:`~gpuckpt.storage.local.crccopy` (the native copy-with-checksum),
   :mod:`~gpuckpt.format.checksum` (CRC32C);
-* object storage: :mod:`~gpuckpt.storage.s3`.
+* object storage: :mod:`~gpuckpt.storage.s3.writer`.
 """

@@ -106,7 +106,7 @@ class ChunkReads:
     followed by ``pads[i]`` bytes of padding (read, checksummed, dropped) and the CRC32C
     trailer; the CRC32C of data and padding must equal the trailer and ``expected[i]``.
     ``checked``: every file was found a regular file of the right size just before
-    (:func:`gpuckpt.reading.check_chunk_files`); a reader may then leave out the look
+    (:func:`gpuckpt.loading.checks.check_chunk_files`); a reader may then leave out the look
     before opening each one (never the checks of what it opened)."""
 
     names: Sequence[str]
@@ -327,7 +327,7 @@ class CheckpointReader(ABC):
         """The keys of the chunk files array ``name`` holds (one listing of it: its cost grows with
         what is there, not with what the metadata claims; names that are not chunk keys left
         out), or None where this store cannot list. Readers compare it with a large claim
-        before they make a record per chunk (see :func:`gpuckpt.reading.overclaimed`)."""
+        before they make a record per chunk (see :func:`gpuckpt.loading.checks.overclaimed`)."""
         return None
 
     def chunk_cached(self, name: str, key: str) -> bool | None:

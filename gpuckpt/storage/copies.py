@@ -24,7 +24,7 @@ import threading
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from gpuckpt.storage.fileio import buffer_address
+from gpuckpt.storage.local.fileio import buffer_address
 
 __all__ = ["PIECE_BYTES", "copy_into", "own_copy", "own_pieces"]
 

@@ -7,8 +7,8 @@ checkpoints) and asks here about checkpoint directories
 (:func:`is_committed`, :func:`cleanup_leftovers`), never a back end directly.
 
 A plain path (or ``file://`` URL) is a directory on a local or shared POSIX
-file system (:mod:`gpuckpt.storage.local`); ``s3://`` URLs go to
-:mod:`gpuckpt.storage.s3`; :data:`SCHEMES` maps URL schemes to back ends
+file system (:mod:`gpuckpt.storage.local.writer`); ``s3://`` URLs go to
+:mod:`gpuckpt.storage.s3.writer`; :data:`SCHEMES` maps URL schemes to back ends
 and may be extended. The registry imports the back ends it knows, never the
 other way round.
 """
@@ -21,13 +21,13 @@ from pathlib import Path
 from typing import Any
 
 from gpuckpt.errors import InvalidPathError, UnsupportedValueError
-from gpuckpt.storage import leftovers
 from gpuckpt.storage.base import CheckpointReader, CheckpointRoot, CheckpointWriter
-from gpuckpt.storage.local import LocalWriter
-from gpuckpt.storage.local_reader import LocalReader
-from gpuckpt.storage.local_root import LocalRoot
-from gpuckpt.storage.s3 import ObjectStoreReader, ObjectStoreWriter
-from gpuckpt.storage.s3_root import ObjectStoreRoot
+from gpuckpt.storage.local import leftovers
+from gpuckpt.storage.local.reader import LocalReader
+from gpuckpt.storage.local.root import LocalRoot
+from gpuckpt.storage.local.writer import LocalWriter
+from gpuckpt.storage.s3.root import ObjectStoreRoot
+from gpuckpt.storage.s3.writer import ObjectStoreReader, ObjectStoreWriter
 
 __all__ = [
     "SCHEMES",
@@ -112,7 +112,7 @@ def open_writer(
     """A writer for a new checkpoint at ``path``.
 
     ``direct_io``: write large chunk files around the page cache where the file
-    system allows it (see :mod:`gpuckpt.storage.direct`); the caller decides
+    system allows it (see :mod:`gpuckpt.storage.local.direct`); the caller decides
     (:meth:`gpuckpt.options.SaveOptions.use_direct_io`). Object stores ignore it.
     """
     if scheme_of(path) == "file":
@@ -202,6 +202,6 @@ def cleanup_leftovers(directory: str | os.PathLike[str]) -> list[Path]:
     For every checkpoint name with a save's temporary or set-aside copy there,
     the cleanup a new save to it runs first (a checkpoint an interrupted
     overwrite set aside is put back, never lost; live saves' temporaries are
-    never touched): see :mod:`gpuckpt.storage.leftovers`.
+    never touched): see :mod:`gpuckpt.storage.local.leftovers`.
     """
     return leftovers.cleanup_directory(Path(_local_path(directory)))

@@ -136,7 +136,8 @@ class _Tracer:
 def _traced(emit: _Tracer) -> Iterator[None]:
     """Wrap the writer's steps so each one emits its event (and may be killed there)."""
     from gpuckpt.format.documents import ROOT_KEY
-    from gpuckpt.storage import direct, fsutil, local
+    from gpuckpt.storage.local import direct, fsutil
+    from gpuckpt.storage.local import writer as local
     from gpuckpt.testing.faults import inject_os_faults
 
     W = local.LocalWriter
@@ -168,7 +169,7 @@ def _traced(emit: _Tracer) -> Iterator[None]:
     if os.environ.get("GPUCKPT_TEST_NO_EXCHANGE") == "1":
         patches.append((fsutil, "exchange", fsutil.exchange))
         fsutil.exchange = lambda a, b: False
-    from gpuckpt.storage import local_root
+    from gpuckpt.storage.local import root as local_root
 
     wrap(local_root.LocalRoot, "_delete_one", lambda *a, **k: emit("retention"))
 

@@ -3,14 +3,14 @@
 Three families of tools:
 
 * **I/O faults** — :func:`inject_os_faults` swaps the ``os`` module seen by
-  the storage modules (:mod:`gpuckpt.storage.fileio`, :mod:`gpuckpt.storage.local`,
-  :mod:`gpuckpt.storage.direct`, :mod:`gpuckpt.storage.leftovers`,
-  :mod:`gpuckpt.storage.fsutil`; the native small-file batches are off meanwhile) for a
+  the storage modules (:mod:`gpuckpt.storage.local.fileio`, :mod:`gpuckpt.storage.local.writer`,
+  :mod:`gpuckpt.storage.local.direct`, :mod:`gpuckpt.storage.local.leftovers`,
+  :mod:`gpuckpt.storage.local.fsutil`; the native small-file batches are off meanwhile) for a
   :class:`FaultyOS` proxy that raises a chosen ``OSError`` on the n-th call
   of a function (``write``, ``fsync``, ``mkdir``, ``rename``, ...), optionally
   after writing part of the data, as a full disk does. The publication
   primitives that go through libc (``syncfs``, ``renameat2``) are wrapped at
-  the :mod:`gpuckpt.storage.fsutil` level. Nothing else in the process is
+  the :mod:`gpuckpt.storage.local.fsutil` level. Nothing else in the process is
   touched, so pytest's own I/O keeps working.
 * **libc faults** for native code (:func:`build_fault_shim`, :func:`fault_shim_env`):
   ``faultshim.c``, loaded with ``LD_PRELOAD`` into a subprocess, fails libc's file
@@ -54,12 +54,12 @@ __all__ = [
 ]
 
 STORAGE_MODULES = (
-    "gpuckpt.storage.fileio",
-    "gpuckpt.storage.local",
-    "gpuckpt.storage.local_reader",
-    "gpuckpt.storage.direct",
-    "gpuckpt.storage.leftovers",
-    "gpuckpt.storage.fsutil",
+    "gpuckpt.storage.local.fileio",
+    "gpuckpt.storage.local.writer",
+    "gpuckpt.storage.local.reader",
+    "gpuckpt.storage.local.direct",
+    "gpuckpt.storage.local.leftovers",
+    "gpuckpt.storage.local.fsutil",
 )
 
 
@@ -130,7 +130,7 @@ def inject_os_faults(
     """Inject ``faults`` into the storage modules' ``os`` for the duration of the block.
 
     ``libc`` maps ``"syncfs"``, ``"exchange"`` or ``"rename_noreplace"`` to an
-    errno that the corresponding :mod:`gpuckpt.storage.fsutil` function raises;
+    errno that the corresponding :mod:`gpuckpt.storage.local.fsutil` function raises;
     ``"exchange": 0`` makes ``exchange`` report "unsupported here" instead,
     forcing the two-rename fallback.
     """
@@ -142,10 +142,10 @@ def inject_os_faults(
     # native batches call libc, not this proxy: inside the block the storage code goes
     # file by file through Python, where the faults land (the native path meets the same
     # faults one level lower, through build_fault_shim)
-    batchio = importlib.import_module("gpuckpt.storage.batchio")
+    batchio = importlib.import_module("gpuckpt.storage.local.batchio")
     saved.append((batchio, "instance", batchio.instance))
     batchio.instance = lambda: None  # type: ignore[attr-defined]
-    fsutil = importlib.import_module("gpuckpt.storage.fsutil")
+    fsutil = importlib.import_module("gpuckpt.storage.local.fsutil")
     for fn_name, err in (libc or {}).items():
         saved.append((fsutil, fn_name, getattr(fsutil, fn_name)))
         setattr(fsutil, fn_name, _failing(fn_name, err))

@@ -65,7 +65,7 @@ def main(argv: list[str]) -> int:
     per-chunk records in a chunk table, as large checkpoints of format version 2 keep them;
     ``DIR --columns``: also its tensor entries in columns, as format version 3 keeps them."""
     import gpuckpt
-    from gpuckpt import commit
+    from gpuckpt.saving import commit
 
     if "--columns" in argv[1:]:
         commit.COLUMNS_MIN_TENSORS = 1  # this process writes only the fixture: the switch is global
@@ -74,9 +74,9 @@ def main(argv: list[str]) -> int:
         return 0
     from gpuckpt.options import SaveOptions
     from gpuckpt.planning.plan import plan_save
-    from gpuckpt.session import execute_save
-    from gpuckpt.sources import describe_state
-    from gpuckpt.writing import open_save_writer
+    from gpuckpt.saving.session import execute_save
+    from gpuckpt.saving.sources import describe_state
+    from gpuckpt.saving.writing import open_save_writer
 
     options = SaveOptions(chunk_bytes=512)
     local, sources = describe_state(golden_state(), allow_pickle=False)

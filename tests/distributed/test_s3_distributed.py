@@ -22,7 +22,7 @@ pytest.importorskip("obstore")
 pytest.importorskip("moto.server")
 boto3 = pytest.importorskip("boto3")
 
-from gpuckpt.storage.s3 import CLAIM_KEY  # noqa: E402 - after the skips
+from gpuckpt.storage.s3.writer import CLAIM_KEY  # noqa: E402 - after the skips
 from gpuckpt.testing.s3server import list_keys, loopback_s3, s3_options  # noqa: E402
 
 BUCKET = "dist"
@@ -100,7 +100,7 @@ def test_mpi_rank_killed_mid_upload_publishes_nothing_and_the_next_save_succeeds
 def test_a_second_job_cannot_save_to_a_prefix_a_live_save_claims(
     run_mpi: Any, endpoint: str, url: str
 ) -> None:
-    from gpuckpt.storage.s3 import ObjectStoreWriter
+    from gpuckpt.storage.s3.writer import ObjectStoreWriter
 
     live = ObjectStoreWriter(url, **s3_options(endpoint, lease_seconds=30.0))
     live.begin()
@@ -140,7 +140,7 @@ def test_joining_needs_the_token_of_the_save_that_holds_the_prefix(endpoint: str
     opts = s3_options(endpoint)
     with pytest.raises(gpuckpt.CheckpointExistsError, match="claim .* is missing"):
         attach_writer(url, "0123456789abcdef", storage_options=opts)
-    from gpuckpt.storage.s3 import ObjectStoreWriter
+    from gpuckpt.storage.s3.writer import ObjectStoreWriter
 
     owner = ObjectStoreWriter(url, **opts)
     owner.begin()

@@ -13,8 +13,8 @@ from gpuckpt import background
 from gpuckpt.background import BACKGROUND_PLAN_MIN, wait_all
 from gpuckpt.device.staging import ArenaPool, StagingArena
 from gpuckpt.planning.plan import SavePlan, plan_save
+from gpuckpt.saving.writing import open_save_writer
 from gpuckpt.verify import verify_checkpoint
-from gpuckpt.writing import open_save_writer
 
 
 def test_async_save_snapshots_before_returning(tmp_path: Path) -> None:

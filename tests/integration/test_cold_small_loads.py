@@ -3,7 +3,7 @@
 Each I/O thread waits for one small file at a time, so on a cold cache the number of threads
 is the number of reads queued at the device. A load probes a few of its chunk files with a
 non-blocking one-byte read (``preadv2(RWF_NOWAIT)``) and, when one would have to wait for
-the device, reads with :data:`~gpuckpt.chunk_reads.COLD_SMALL_THREADS` threads; warm loads, and
+the device, reads with :data:`~gpuckpt.loading.chunk_reads.COLD_SMALL_THREADS` threads; warm loads, and
 loads of few or large chunks, keep the default.
 """
 
@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 import gpuckpt
-from gpuckpt.chunk_reads import COLD_SMALL_THREADS, MANY_CHUNKS, cold_small_threads
-from gpuckpt.load.open import open_checkpoint
+from gpuckpt.loading.chunk_reads import COLD_SMALL_THREADS, MANY_CHUNKS, cold_small_threads
+from gpuckpt.loading.open import open_checkpoint
 from gpuckpt.storage.stores import open_reader
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "RWF_NOWAIT"), reason="no preadv2(RWF_NOWAIT) here")
@@ -66,5 +66,5 @@ def test_few_or_large_chunks_keep_the_default(tmp_path: Path, monkeypatch: pytes
     _evict(tmp_path)
     assert cold_small_threads(open_reader(few), _targets(few)) is None  # type: ignore[arg-type]
     # chunks above the small-chunk size (4 KiB + trailer here, against a 4 KiB limit) are not "small"
-    monkeypatch.setattr("gpuckpt.chunk_reads.SMALL_CHUNK_BYTES", 4096)
+    monkeypatch.setattr("gpuckpt.loading.chunk_reads.SMALL_CHUNK_BYTES", 4096)
     assert cold_small_threads(open_reader(many), _targets(many)) is None  # type: ignore[arg-type]

@@ -23,9 +23,9 @@ from gpuckpt.device.backend import BufferPool, buffer_pool, staging_buffer_bytes
 from gpuckpt.device.host_backend import HostBackend
 from gpuckpt.options import SaveOptions
 from gpuckpt.planning.plan import plan_save
-from gpuckpt.session import execute_save
-from gpuckpt.sources import describe_state
-from gpuckpt.storage.local import LocalWriter
+from gpuckpt.saving.session import execute_save
+from gpuckpt.saving.sources import describe_state
+from gpuckpt.storage.local.writer import LocalWriter
 from gpuckpt.testing.fakedevice import EmulatedDeviceArray
 
 

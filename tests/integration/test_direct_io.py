@@ -13,9 +13,9 @@ import pytest
 
 import gpuckpt
 from gpuckpt.options import SaveOptions
-from gpuckpt.storage import direct
-from gpuckpt.storage.direct import DIRECT_MIN_BYTES
-from gpuckpt.storage.local import LocalWriter
+from gpuckpt.storage.local import direct
+from gpuckpt.storage.local.direct import DIRECT_MIN_BYTES
+from gpuckpt.storage.local.writer import LocalWriter
 from gpuckpt.verify import verify_checkpoint
 
 MiB = 1 << 20

@@ -11,7 +11,6 @@ import pytest
 import zarr
 
 import gpuckpt
-from gpuckpt.commit import write_table
 from gpuckpt.errors import CheckpointCorruptedError, MetadataError, MissingChunkError
 from gpuckpt.format.checksum import crc32c
 from gpuckpt.format.documents import _canonical
@@ -24,11 +23,12 @@ from gpuckpt.format.records import (
 from gpuckpt.metadata import GridTensorStorageMetadata, TensorStorageMetadata
 from gpuckpt.options import SaveOptions
 from gpuckpt.planning.plan import plan_save
-from gpuckpt.session import execute_save
-from gpuckpt.sources import describe_state
+from gpuckpt.saving.commit import write_table
+from gpuckpt.saving.session import execute_save
+from gpuckpt.saving.sources import describe_state
+from gpuckpt.saving.writing import open_save_writer
 from gpuckpt.storage.stores import open_reader
 from gpuckpt.verify import verify_checkpoint
-from gpuckpt.writing import open_save_writer
 
 TABLE = column_array_name("crc32c")
 

@@ -1,7 +1,7 @@
 """Loads through the native copy-with-CRC loop: same bytes, same checks as the pread path.
 
 Chunks of 1 MiB and more that are in the page cache are read through a memory map,
-copied and checksummed in one pass (gpuckpt/storage/crccopy.c). These tests save
+copied and checksummed in one pass (gpuckpt/storage/local/crccopy.c). These tests save
 real checkpoints, load them with the loop and without it, and damage chunk files.
 """
 
@@ -16,7 +16,7 @@ import pytest
 
 import gpuckpt
 from gpuckpt.errors import ChecksumError
-from gpuckpt.storage import crccopy
+from gpuckpt.storage.local import crccopy
 
 pytestmark = pytest.mark.skipif(
     not crccopy.available(), reason="the native copy-with-CRC loop is not built here"

@@ -506,7 +506,7 @@ def _many_chunks(seed: int) -> dict[str, Any]:
 def test_a_chunk_table_base_serves_its_hashes_and_its_unchanged_chunks(tmp_path: Path) -> None:
     from gpuckpt.format.contenthash import chunk_hash
     from gpuckpt.format.records import TABLE_MIN_CHUNKS
-    from gpuckpt.incremental import open_base
+    from gpuckpt.saving.incremental import open_base
 
     s0 = _many_chunks(0)
     gpuckpt.save(s0, tmp_path / "c0", chunk_bytes=16, content_hash=True)
@@ -538,10 +538,10 @@ def test_a_hashed_save_with_a_chunk_table_records_hash_columns(tmp_path: Path) -
     from gpuckpt.format.records import TABLE_KEY, ChunkTable
     from gpuckpt.options import SaveOptions
     from gpuckpt.planning.plan import plan_save
-    from gpuckpt.session import execute_save
-    from gpuckpt.sources import describe_state
+    from gpuckpt.saving.session import execute_save
+    from gpuckpt.saving.sources import describe_state
+    from gpuckpt.saving.writing import open_save_writer
     from gpuckpt.storage.stores import open_reader
-    from gpuckpt.writing import open_save_writer
 
     state = make_state()
     # the table whatever the size (the fixtures' switch), so that chunks of several leaves are in it

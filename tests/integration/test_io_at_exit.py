@@ -2,7 +2,7 @@
 
 While the interpreter exits, a ``concurrent.futures`` pool refuses work
 ("cannot schedule new futures after interpreter shutdown"); every pipeline
-runs its jobs on gpuckpt's own workers instead (:mod:`gpuckpt.runner`), which
+runs its jobs on gpuckpt's own workers instead (:mod:`gpuckpt.runtime.runner`), which
 take work until the process ends. Each scenario runs in a real subprocess,
 bounded by a timeout that kills its process group.
 """
@@ -52,13 +52,13 @@ MANY_SMALL = """
 import atexit, sys
 import numpy as np
 root = sys.argv[1]
-# more chunk files than one thread checks (gpuckpt.storage.batchio.PARALLEL_STAT_MIN), more
-# than a load checks on a thread of its own (gpuckpt.reading.BACKGROUND_CHECK_MIN)
+# more chunk files than one thread checks (gpuckpt.storage.local.batchio.PARALLEL_STAT_MIN), more
+# than a load checks on a thread of its own (gpuckpt.loading.checks.BACKGROUND_CHECK_MIN)
 state = {f"t{i}": np.full(4, i, np.float32) for i in range(2100)}
 
 def at_exit():
     import gpuckpt
-    from gpuckpt.storage import batchio
+    from gpuckpt.storage.local import batchio
 
     print("native", batchio.available(), flush=True)
     target = {k: np.zeros(4, np.float32) for k in state}

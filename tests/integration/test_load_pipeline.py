@@ -21,16 +21,16 @@ import numpy as np
 import pytest
 
 import gpuckpt
-from gpuckpt.chunk_reads import read_tensors
 from gpuckpt.device import _kernel_ref
 from gpuckpt.device.arrays import ArrayAdapter, DeviceArray
 from gpuckpt.device.backend import buffer_pool, staging_buffer_bytes
 from gpuckpt.device.host_backend import HostBackend
-from gpuckpt.load.open import index_of_root
+from gpuckpt.loading.checks import TensorEntry, check_chunk_files
+from gpuckpt.loading.chunk_reads import read_tensors
+from gpuckpt.loading.open import index_of_root
 from gpuckpt.options import LoadOptions
-from gpuckpt.reading import TensorEntry, check_chunk_files
-from gpuckpt.storage import crccopy, direct
-from gpuckpt.storage.local_reader import LocalReader
+from gpuckpt.storage.local import crccopy, direct
+from gpuckpt.storage.local.reader import LocalReader
 from gpuckpt.testing.fakedevice import EmulatedDeviceArray
 
 CASES: list[tuple[str, tuple[int, ...], Any, int]] = [

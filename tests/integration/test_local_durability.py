@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import gpuckpt
-from gpuckpt.storage import batchio, fsutil
+from gpuckpt.storage.local import batchio, fsutil
 
 
 def _inodes_under(root: str) -> set[tuple[int, int]]:

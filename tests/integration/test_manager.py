@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 import gpuckpt
 from gpuckpt.manager import CheckpointManager, step_of
-from gpuckpt.storage.local_root import LocalRoot
+from gpuckpt.storage.local.root import LocalRoot
 
 
 def state(v: float, n: int = 16) -> dict[str, object]:

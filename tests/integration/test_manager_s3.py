@@ -19,7 +19,7 @@ pytest.importorskip("obstore")
 pytest.importorskip("moto.server")
 boto3 = pytest.importorskip("boto3")
 
-from gpuckpt.storage.s3 import CLAIM_KEY  # noqa: E402 - after the skips
+from gpuckpt.storage.s3.writer import CLAIM_KEY  # noqa: E402 - after the skips
 from gpuckpt.testing.faultproxy import FaultProxy  # noqa: E402
 from gpuckpt.testing.s3server import list_keys, loopback_s3, s3_options  # noqa: E402
 
@@ -131,8 +131,8 @@ def _put(endpoint: str, key: str, body: bytes) -> None:
 
 
 def test_opening_the_root_cleans_dead_saves_and_leaves_live_ones(endpoint: str, root: str) -> None:
-    from gpuckpt.storage import fsutil
-    from gpuckpt.storage.s3 import ObjectStoreWriter, _machine
+    from gpuckpt.storage.local import fsutil
+    from gpuckpt.storage.s3.writer import ObjectStoreWriter, _machine
 
     opts = s3_options(endpoint)
     base = root.removeprefix(f"s3://{BUCKET}/")

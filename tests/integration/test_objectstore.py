@@ -24,7 +24,7 @@ import pytest
 import gpuckpt
 from gpuckpt.errors import CheckpointExistsError, CheckpointNotFoundError, ChecksumError
 from gpuckpt.format.checksum import crc32c
-from gpuckpt.storage import fsutil
+from gpuckpt.storage.local import fsutil
 from gpuckpt.testing.s3server import loopback_s3, s3_options
 from gpuckpt.verify import verify_checkpoint
 
@@ -32,7 +32,7 @@ pytest.importorskip("obstore")
 pytest.importorskip("moto.server")
 boto3 = pytest.importorskip("boto3")
 
-from gpuckpt.storage.s3 import (  # noqa: E402 - after the skips
+from gpuckpt.storage.s3.writer import (  # noqa: E402 - after the skips
     CLAIM_KEY,
     ObjectStoreReader,
     ObjectStoreWriter,

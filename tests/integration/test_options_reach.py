@@ -34,7 +34,7 @@ from gpuckpt import CheckpointManager, ShardedArray
 from gpuckpt.background import wait_all
 from gpuckpt.device.host_backend import HostBackend
 from gpuckpt.distributed import run_ranks
-from gpuckpt.storage import batchio
+from gpuckpt.storage.local import batchio
 from gpuckpt.testing.fakedevice import EmulatedDeviceArray
 
 SHAPE = (64, 256)  # float32 rows of 1 KiB: 64 KiB

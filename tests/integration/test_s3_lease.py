@@ -26,7 +26,7 @@ pytest.importorskip("obstore")
 pytest.importorskip("moto.server")
 boto3 = pytest.importorskip("boto3")
 
-from gpuckpt.storage.s3 import CLAIM_KEY  # noqa: E402 - after the skips
+from gpuckpt.storage.s3.writer import CLAIM_KEY  # noqa: E402 - after the skips
 from gpuckpt.testing.s3server import list_keys, loopback_s3, s3_options  # noqa: E402
 
 BUCKET = "lease"
@@ -114,7 +114,7 @@ def test_stalled_writer_keeps_its_claim_until_the_lease_expires_then_loses_it(
 
 
 def test_a_shorter_lease_of_the_next_save_never_cuts_a_live_claim_short(endpoint: str) -> None:
-    from gpuckpt.storage.s3 import ObjectStoreWriter
+    from gpuckpt.storage.s3.writer import ObjectStoreWriter
 
     url = f"s3://{BUCKET}/run-{uuid.uuid4().hex[:8]}/step-1"
     live = ObjectStoreWriter(url, **s3_options(endpoint, lease_seconds=30.0))
@@ -157,7 +157,7 @@ def _claim_of_another_machine(endpoint: str, url: str, lease: float) -> None:
 
 @pytest.mark.parametrize("skew", [120.0, -120.0])
 def test_a_writer_with_a_skewed_clock_never_takes_over_a_live_claim(endpoint: str, skew: float) -> None:
-    from gpuckpt.storage.s3 import ObjectStoreWriter
+    from gpuckpt.storage.s3.writer import ObjectStoreWriter
 
     url = f"s3://{BUCKET}/run-{uuid.uuid4().hex[:8]}/step-1"
     live = ObjectStoreWriter(url, **s3_options(endpoint, lease_seconds=3.0))

@@ -178,7 +178,7 @@ def test_segment_records_that_do_not_add_up_to_the_chunk_crc_are_not_used(
 
 def test_zarr_reads_a_checkpoint_with_segment_records(endpoint: str, proxy: FaultProxy) -> None:
     zarr = pytest.importorskip("zarr")
-    from gpuckpt.storage.s3 import zarr_store
+    from gpuckpt.storage.s3.writer import zarr_store
 
     prefix, _ = _saved(proxy)
     store = zarr_store(f"s3://{BUCKET}/{prefix}", **s3_options(endpoint))

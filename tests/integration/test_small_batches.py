@@ -1,4 +1,4 @@
-"""Saves and loads of many small tensors through the native batches (gpuckpt/storage/batchio.c),
+"""Saves and loads of many small tensors through the native batches (gpuckpt/storage/local/batchio.c),
 end to end: the same checkpoint, the same loaded values and the same typed errors as the
 one-file-at-a-time path, and a save that meets a failing disk below the native code publishes
 nothing."""
@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import gpuckpt
-from gpuckpt.storage import batchio
+from gpuckpt.storage.local import batchio
 from gpuckpt.testing.faults import fault_shim_env, temporaries
 
 REPO = Path(__file__).resolve().parents[2]
@@ -185,7 +185,7 @@ _FAULTED = """
     import json, sys
     import numpy as np
     import gpuckpt
-    from gpuckpt.storage import batchio
+    from gpuckpt.storage.local import batchio
     base = sys.argv[1]
     rng = np.random.default_rng(0)
     sd = {f"t{i}": rng.standard_normal(int(n)).astype(np.float32) for i, n in enumerate(rng.integers(1, 16000, 200))}
@@ -251,7 +251,7 @@ _TRACED = """
     import sys
     import numpy as np
     import gpuckpt
-    from gpuckpt.storage import batchio
+    from gpuckpt.storage.local import batchio
     assert batchio.available()
     state = {f"layer{i}": {"w": np.full((3, 5), i, np.float32), "b": np.arange(i + 1)} for i in range(40)}
     state["big"] = np.arange(100_000, dtype=np.float64)  # several chunks

@@ -12,7 +12,7 @@ import pytest
 
 import gpuckpt
 from gpuckpt.errors import UnsupportedValueError
-from gpuckpt.storage import fsutil
+from gpuckpt.storage.local import fsutil
 from gpuckpt.storage.stores import attach_writer, cleanup_leftovers, is_committed, open_reader, open_writer
 
 

@@ -1,6 +1,6 @@
 """A chunk file truncated while a load copies it out of its memory map: a typed error, never a crash.
 
-Cached chunks of 1 MiB and more are loaded through a memory map (gpuckpt/storage/crccopy.c).
+Cached chunks of 1 MiB and more are loaded through a memory map (gpuckpt/storage/local/crccopy.c).
 A file truncated after its size was checked (``cp``, ``rsync --inplace`` or ``: > file`` over
 a checkpoint during a load) turns the copy's next read into SIGBUS, which used to kill the
 process. Here the truncation happens at the worst moment on every run, after the map is made
@@ -30,8 +30,8 @@ import pytest
 
 import gpuckpt
 from gpuckpt.errors import CheckpointCorruptedError, GpuckptError
-from gpuckpt.storage import crccopy
-from gpuckpt.storage.crccopy import CrcCopy
+from gpuckpt.storage.local import crccopy
+from gpuckpt.storage.local.crccopy import CrcCopy
 
 pytestmark = pytest.mark.skipif(
     not crccopy.available(), reason="the native copy-with-CRC loop is not built here"
@@ -99,7 +99,7 @@ LOAD = """
     import numpy as np
     import gpuckpt
     from gpuckpt.errors import GpuckptError
-    from gpuckpt.storage import crccopy
+    from gpuckpt.storage.local import crccopy
 
     path, how, shape = sys.argv[1], sys.argv[2], tuple(json.loads(sys.argv[3]))
     assert crccopy.available(), "the mapped path must be the one under test"
@@ -168,7 +168,7 @@ def test_an_intact_checkpoint_under_the_shim_loads_through_the_map(tmp_path: Pat
         import json, sys
         import numpy as np
         import gpuckpt
-        from gpuckpt.storage import crccopy
+        from gpuckpt.storage.local import crccopy
 
         calls = []
         real = crccopy.cached_copy_crc
@@ -187,7 +187,7 @@ def test_an_intact_checkpoint_under_the_shim_loads_through_the_map(tmp_path: Pat
 
 FAULT_OUTSIDE = """
     import faulthandler, json, mmap, os, sys
-    from gpuckpt.storage import crccopy
+    from gpuckpt.storage.local import crccopy
 
     intact, victim, outside, when = sys.argv[1:5]
     if when == "before":
@@ -246,7 +246,7 @@ def test_a_sigbus_outside_a_copy_reaches_the_handler_installed_before(
 THREADS = """
     import json, os, sys, threading
     import numpy as np
-    from gpuckpt.storage import crccopy
+    from gpuckpt.storage.local import crccopy
     from gpuckpt.format.checksum import crc32c
 
     root, rounds, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
@@ -295,7 +295,7 @@ def test_copies_on_many_threads_each_get_their_own_outcome(tmp_path: Path, shim:
 
 TWO_LIBRARIES = """
     import json, os, sys
-    from gpuckpt.storage.crccopy import CrcCopy
+    from gpuckpt.storage.local.crccopy import CrcCopy
 
     intact, victim, outside = sys.argv[1:4]
     libs = [CrcCopy(p) for p in sys.argv[4:]]
@@ -378,7 +378,7 @@ MEMMAP_TARGET = """
     import errno, json, sys
     import numpy as np
     import gpuckpt
-    from gpuckpt.storage import crccopy
+    from gpuckpt.storage.local import crccopy
 
     path, target_file, shape = sys.argv[1], sys.argv[2], tuple(json.loads(sys.argv[3]))
     target = np.memmap(target_file, dtype=np.float32, mode="r+", shape=shape)  # truncated as it is mapped

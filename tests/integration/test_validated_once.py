@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import gpuckpt
-from gpuckpt.load import open as opening
+from gpuckpt.loading import open as opening
 from gpuckpt.testing.faults import rewrite_root_metadata
 
 

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import gpuckpt
 from gpuckpt.format.documents import expected_array_document
-from gpuckpt.load.open import open_checkpoint
+from gpuckpt.loading.open import open_checkpoint
 from gpuckpt.verify import verify_checkpoint
 
 

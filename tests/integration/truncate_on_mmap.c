@@ -3,7 +3,7 @@
  * library that wraps mmap and, whenever a file under GCK_TRUNCATE_DIR has just been
  * mapped, truncates it to GCK_TRUNCATE_TO bytes (default 0) before the map is returned.
  *
- * A load that copies a cached chunk out of a map (gpuckpt/storage/crccopy.c) checks the
+ * A load that copies a cached chunk out of a map (gpuckpt/storage/local/crccopy.c) checks the
  * file's size, maps it, then copies: truncated in between (cp, rsync --inplace or
  * `: > file` over a checkpoint), the copy reads pages past the new end of the file, which
  * is SIGBUS. Here that happens on every load, after the size check and the map and before

@@ -22,8 +22,8 @@ with atheris.instrument_imports():
     import gpuckpt.api
     import gpuckpt.format.documents
     import gpuckpt.format.values
+    import gpuckpt.loading.checks
     import gpuckpt.metadata
-    import gpuckpt.reading
     import gpuckpt.state
 
 sys.path.insert(0, str(Path(__file__).parent))

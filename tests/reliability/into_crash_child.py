@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 import gpuckpt
-from gpuckpt.storage import fsutil, shared_dir
+from gpuckpt.storage.local import fsutil, shared_dir
 
 
 def old_state() -> dict[str, Any]:

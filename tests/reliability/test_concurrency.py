@@ -140,7 +140,7 @@ def test_concurrent_loads_of_one_checkpoint_share_its_metadata_safely(tmp_path: 
 def _load_in_threads(path: Path, state: dict[str, Any], failures: list[BaseException]) -> None:
     import threading
 
-    from gpuckpt.load.open import clear_shared_indexes
+    from gpuckpt.loading.open import clear_shared_indexes
 
     for _ in range(4):
         clear_shared_indexes()  # the next load parses the document again: a new shared index

@@ -33,8 +33,8 @@ import pytest
 import gpuckpt
 from gpuckpt.cli import main as cli_main
 from gpuckpt.manager import CheckpointManager
-from gpuckpt.storage import fsutil
-from gpuckpt.storage.local import LocalWriter
+from gpuckpt.storage.local import fsutil
+from gpuckpt.storage.local.writer import LocalWriter
 from gpuckpt.testing.crash import make_state
 from gpuckpt.testing.faults import temporaries
 

@@ -24,8 +24,8 @@ import pytest
 import gpuckpt
 from gpuckpt.format import documents as layout
 from gpuckpt.printable import printable
-from gpuckpt.storage.local import NotRegularFileError
-from gpuckpt.storage.local_reader import LocalReader
+from gpuckpt.storage.local.reader import LocalReader
+from gpuckpt.storage.local.writer import NotRegularFileError
 from gpuckpt.testing.faults import copy_checkpoint, rewrite_root_metadata, sparse_table_claim, temporaries
 from gpuckpt.verify import verify_checkpoint
 
@@ -373,7 +373,7 @@ def test_root_document_is_read_into_one_buffer(tmp_path: Path) -> None:
     size = (path / "zarr.json").stat().st_size
     got = run_limited(
         """
-        from gpuckpt.storage.local_reader import LocalReader
+        from gpuckpt.storage.local.reader import LocalReader
         from gpuckpt.format.reader import metadata_of_root
         before = peak_kib()
         raw = LocalReader(sys.argv[1]).read_root()
@@ -506,7 +506,7 @@ def test_a_table_claiming_millions_of_chunks_over_sparse_files_costs_what_was_wr
             "import warnings\n"
             "with warnings.catch_warnings(record=True) as w:\n"
             "    warnings.simplefilter('always')\n"
-            "    from gpuckpt.incremental import open_base\n"
+            "    from gpuckpt.saving.incremental import open_base\n"
             "    index = open_base(sys.argv[1])\n"
             "report(index=index is not None, warnings=[str(x.message) for x in w])"
         ),

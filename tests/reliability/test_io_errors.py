@@ -101,7 +101,7 @@ def test_error_after_publication_leaves_a_complete_checkpoint(tmp_path: Path) ->
     """
     old = tmp_path / "ckpt"
     gpuckpt.save(state(1), old)
-    from gpuckpt.storage import fsutil
+    from gpuckpt.storage.local import fsutil
 
     real = fsutil.fsync_dir
 

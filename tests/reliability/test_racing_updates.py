@@ -21,7 +21,7 @@ import pytest
 
 import gpuckpt
 from gpuckpt.format import contenthash
-from gpuckpt.incremental import open_base
+from gpuckpt.saving.incremental import open_base
 from gpuckpt.verify import verify_checkpoint
 
 ROUNDS = 6

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import gpuckpt
-from gpuckpt.storage.leftovers import cleanup_stale_temporaries
+from gpuckpt.storage.local.leftovers import cleanup_stale_temporaries
 from gpuckpt.testing.faults import temporaries
 from gpuckpt.verify import verify_checkpoint
 

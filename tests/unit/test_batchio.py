@@ -1,4 +1,4 @@
-"""The native small-file batches (gpuckpt/storage/batchio.c) against the one-file-at-a-time Python path.
+"""The native small-file batches (gpuckpt/storage/local/batchio.c) against the one-file-at-a-time Python path.
 
 The library is built here from its source. Its CRC32C code is checked against the
 crc32c package on every code path (AVX-512, PCLMULQDQ, table); writes and reads of
@@ -35,11 +35,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import hatch_build
-from gpuckpt.storage import batchio
 from gpuckpt.storage.base import ChunkReads, ChunkWrites, ReadStop
-from gpuckpt.storage.batchio import BatchIO, load_library
-from gpuckpt.storage.local import LocalWriter
-from gpuckpt.storage.local_reader import LocalReader
+from gpuckpt.storage.local import batchio
+from gpuckpt.storage.local.batchio import BatchIO, load_library
+from gpuckpt.storage.local.reader import LocalReader
+from gpuckpt.storage.local.writer import LocalWriter
 from gpuckpt.testing.faults import fault_shim_env
 
 SOURCE = Path(batchio.__file__).with_name("batchio.c")
@@ -458,10 +458,10 @@ def test_a_checked_read_refuses_a_file_replaced_after_the_check_without_blocking
 _FAULTED_SAVE = """
     import ctypes, json, os, sys
     import numpy as np
-    from gpuckpt.storage import batchio
+    from gpuckpt.storage.local import batchio
     from gpuckpt.storage.base import CheckpointWriter, ChunkWrites, ChunkReads, CheckpointReader
-    from gpuckpt.storage.local import LocalWriter
-    from gpuckpt.storage.local_reader import LocalReader
+    from gpuckpt.storage.local.writer import LocalWriter
+    from gpuckpt.storage.local.reader import LocalReader
     base, sync, mode = sys.argv[1], sys.argv[2], sys.argv[3]
     rng = np.random.default_rng(0)
     buffers = [rng.integers(0, 256, n, dtype=np.uint8) for n in (5000, 70000, 300, 9000, 40000, 1)]
@@ -565,7 +565,7 @@ def test_without_a_compiler_the_build_goes_on_and_saves_go_file_by_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("CC", "no-such-cc")
-    why = hatch_build.compile_library(REPO / "gpuckpt/storage/batchio.c", tmp_path / "_batchio.so")
+    why = hatch_build.compile_library(REPO / "gpuckpt/storage/local/batchio.c", tmp_path / "_batchio.so")
     assert why is not None and "no C compiler (no-such-cc not found" in why
     assert not (tmp_path / "_batchio.so").exists()
     # an installation without the library: the same files, written one by one
@@ -611,7 +611,7 @@ def test_the_environment_switch(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_the_build_hook_builds_both_native_libraries() -> None:
     targets = [t for _, _, t in hatch_build.LIBRARIES]
-    assert targets == ["gpuckpt/storage/_crccopy.so", "gpuckpt/storage/_batchio.so"]
+    assert targets == ["gpuckpt/storage/local/_crccopy.so", "gpuckpt/storage/local/_batchio.so"]
     assert all((REPO / source).exists() for source, _, _ in hatch_build.LIBRARIES)
 
 
@@ -620,7 +620,7 @@ def test_the_build_hook_builds_both_native_libraries() -> None:
 _SANITIZED = """
     import ctypes, os, sys
     import numpy as np
-    from gpuckpt.storage.batchio import BatchIO, CHUNK, FILE, MKDIR, ITEM
+    from gpuckpt.storage.local.batchio import BatchIO, CHUNK, FILE, MKDIR, ITEM
     lib = BatchIO(sys.argv[1]); base = sys.argv[2]
     rng = np.random.default_rng(3)
     for level in ("avx512", "pclmul", "table"):

@@ -7,12 +7,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gpuckpt.commit import write_table
 from gpuckpt.errors import MetadataError
 from gpuckpt.format import records as ct
 from gpuckpt.options import SaveOptions
+from gpuckpt.saving.commit import write_table
+from gpuckpt.saving.writing import open_save_writer
 from gpuckpt.storage.stores import open_reader
-from gpuckpt.writing import open_save_writer
 
 KEYS = ["c.0", "c.1", "c.2"]
 NBYTES = [44, 44, 24]

@@ -10,7 +10,7 @@ import pytest
 from gpuckpt.errors import MetadataError
 from gpuckpt.format import records as ct
 from gpuckpt.format.contenthash import LEAF, ChunkHasher, chunk_hash, is_hash_hex
-from gpuckpt.incremental import ChunkResult, hash_columns
+from gpuckpt.saving.incremental import ChunkResult, hash_columns
 
 xxhash = pytest.importorskip("xxhash")
 

@@ -60,7 +60,7 @@ def test_awscrt_is_loaded_on_worker_threads_once_it_pays_back() -> None:
         import sys, numpy as np
         from gpuckpt.format import checksum
         from gpuckpt.format.checksum import _crc_package, crc32c
-        from gpuckpt.workers import Workers
+        from gpuckpt.runtime.workers import Workers
         checksum.LOAD_AFTER_BYTES = 3 << 20
         data = np.random.default_rng(0).integers(0, 256, 1 << 20, dtype=np.uint8)
         seen = []

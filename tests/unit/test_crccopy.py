@@ -1,4 +1,4 @@
-"""The native copy-with-CRC32C loop (gpuckpt/storage/crccopy.c), built here from its source.
+"""The native copy-with-CRC32C loop (gpuckpt/storage/local/crccopy.c), built here from its source.
 
 Each instruction-set path (AVX-512 + VPCLMULQDQ, SSE PCLMULQDQ) is checked against
 the crc32c package on lengths around every threshold of the vector loops, with
@@ -19,8 +19,8 @@ import crc32c as crc32c_package
 import numpy as np
 import pytest
 
-from gpuckpt.storage import crccopy
-from gpuckpt.storage.crccopy import CrcCopy, load_library
+from gpuckpt.storage.local import crccopy
+from gpuckpt.storage.local.crccopy import CrcCopy, load_library
 
 SOURCE = Path(crccopy.__file__).with_name("crccopy.c")
 X86 = platform.machine() in ("x86_64", "AMD64")

@@ -8,7 +8,7 @@ import threading
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpuckpt.storage.fileio import _advance, readv_exact, writev_all
+from gpuckpt.storage.local.fileio import _advance, readv_exact, writev_all
 
 
 @given(sizes=st.lists(st.integers(0, 9), max_size=6), data=st.data())

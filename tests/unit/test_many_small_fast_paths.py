@@ -26,17 +26,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import gpuckpt
-from gpuckpt import commit
 from gpuckpt.errors import MetadataError
 from gpuckpt.format import metadata as metadata_module
 from gpuckpt.format.chunks import stored_nbytes
 from gpuckpt.format.documents import chunk_file_key
 from gpuckpt.format.grid import ChunkGrid
 from gpuckpt.format.reader import metadata_from_json, read_index
-from gpuckpt.load.open import index_of_root
+from gpuckpt.loading.checks import ChunkRead, TensorEntry, check_chunk_files
+from gpuckpt.loading.open import index_of_root
 from gpuckpt.metadata import GridTensorStorageMetadata, Metadata, TensorStorageMetadata
-from gpuckpt.reading import ChunkRead, TensorEntry, check_chunk_files
-from gpuckpt.storage import batchio
+from gpuckpt.saving import commit
+from gpuckpt.storage.local import batchio
 from gpuckpt.storage.stores import open_reader
 
 REPO = Path(__file__).resolve().parents[2]

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import gpuckpt
-from gpuckpt.reading import BACKGROUND_CHECK_MIN
+from gpuckpt.loading.checks import BACKGROUND_CHECK_MIN
 
 
 def test_load_state_dict_of_many_small_tensors_is_exact_and_independent(tmp_path: Any) -> None:

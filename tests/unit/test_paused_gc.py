@@ -12,7 +12,7 @@ import pytest
 
 import gpuckpt
 from gpuckpt.errors import CheckpointNotFoundError, ShapeMismatchError
-from gpuckpt.reading import paused_gc
+from gpuckpt.runtime.collector import paused_gc
 
 
 @pytest.fixture

@@ -20,8 +20,8 @@ import pytest
 import gpuckpt
 from gpuckpt.errors import CheckpointCorruptedError
 from gpuckpt.format.checksum import SMALL_BYTES, _crc_package, large_backend_ready
-from gpuckpt.storage import batchio
-from gpuckpt.storage.local_reader import _crc
+from gpuckpt.storage.local import batchio
+from gpuckpt.storage.local.reader import _crc
 
 pytestmark = pytest.mark.skipif(
     not batchio.available(), reason="the native batchio library is not built here"

@@ -29,7 +29,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import gpuckpt
-from gpuckpt import commit
 from gpuckpt.device import _kernel_ref
 from gpuckpt.errors import MetadataError
 from gpuckpt.format.columns import COLUMNS_KEY, compact, expand
@@ -37,9 +36,10 @@ from gpuckpt.format.documents import metadata_json
 from gpuckpt.format.entries import ChunkRead, TensorEntry
 from gpuckpt.format.reader import read_index
 from gpuckpt.format.records import TABLE_MIN_CHUNKS
-from gpuckpt.load.open import index_of_root
+from gpuckpt.loading.checks import load_chunk_records
+from gpuckpt.loading.open import index_of_root
 from gpuckpt.metadata import Metadata
-from gpuckpt.reading import load_chunk_records
+from gpuckpt.saving import commit
 from gpuckpt.storage.base import CheckpointReader
 from gpuckpt.storage.stores import open_reader
 

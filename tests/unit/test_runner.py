@@ -9,8 +9,16 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from gpuckpt import runner
-from gpuckpt.runner import IO_BATCH_BYTES, IO_BATCH_JOBS, Batcher, Runner, batches, run_all, run_ordered
+from gpuckpt.runtime import runner
+from gpuckpt.runtime.runner import (
+    IO_BATCH_BYTES,
+    IO_BATCH_JOBS,
+    Batcher,
+    Runner,
+    batches,
+    run_all,
+    run_ordered,
+)
 
 WAIT = 10.0  # seconds a test waits for an event that must come at once (a bound, never reached)
 

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpuckpt.storage.s3_client import RequestBudget, plan_parts, pop_transfer_options
+from gpuckpt.storage.s3.client import RequestBudget, plan_parts, pop_transfer_options
 
 
 @given(st.integers(1, 1 << 40), st.integers(5 << 20, 1 << 30))

@@ -30,8 +30,8 @@ from gpuckpt.format.names import encode_name
 from gpuckpt.metadata import TensorProperties
 from gpuckpt.planning.boxes import Box, LocalTensor, intersect
 from gpuckpt.planning.plan import StateDescription, plan_save
-from gpuckpt.sources import describe_state
-from gpuckpt.writing import bind_jobs
+from gpuckpt.saving.sources import describe_state
+from gpuckpt.saving.writing import bind_jobs
 
 F32 = TensorProperties(np.dtype("float32"))
 

@@ -11,10 +11,10 @@ import pytest
 import gpuckpt
 from gpuckpt.options import SaveOptions
 from gpuckpt.planning.plan import plan_save
-from gpuckpt.session import SaveSession
-from gpuckpt.sources import describe_state
+from gpuckpt.saving.session import SaveSession
+from gpuckpt.saving.sources import describe_state
+from gpuckpt.saving.writing import bind_jobs
 from gpuckpt.storage.stores import open_writer
-from gpuckpt.writing import bind_jobs
 
 
 def _plan(state: dict[str, object]) -> tuple[object, object]:

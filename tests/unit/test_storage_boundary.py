@@ -12,14 +12,14 @@ from test_import_graph import import_graph
 #: the back ends and their internals; the rest of gpuckpt goes through storage.stores and storage.base
 BACK_ENDS = frozenset(
     (
-        "gpuckpt.storage.local",
-        "gpuckpt.storage.local_reader",
-        "gpuckpt.storage.leftovers",
-        "gpuckpt.storage.direct",
-        "gpuckpt.storage.s3",
-        "gpuckpt.storage.s3_client",
-        "gpuckpt.storage.s3_root",
-        "gpuckpt.storage.local_root",
+        "gpuckpt.storage.local.writer",
+        "gpuckpt.storage.local.reader",
+        "gpuckpt.storage.local.leftovers",
+        "gpuckpt.storage.local.direct",
+        "gpuckpt.storage.s3.writer",
+        "gpuckpt.storage.s3.client",
+        "gpuckpt.storage.s3.root",
+        "gpuckpt.storage.local.root",
     )
 )
 #: fault injection and crash tracing wrap the local back end's functions on purpose
@@ -50,6 +50,6 @@ def test_back_ends_do_not_import_the_registry() -> None:
 def test_the_check_sees_an_import() -> None:
     # the graph has the edges this test relies on
     graph = import_graph()
-    assert "gpuckpt.storage.local" in graph["gpuckpt.storage.stores"]
-    assert "gpuckpt.storage.stores" in graph["gpuckpt.load.open"]
-    assert "gpuckpt.storage.local" in graph["gpuckpt.testing.crash"]
+    assert "gpuckpt.storage.local.writer" in graph["gpuckpt.storage.stores"]
+    assert "gpuckpt.storage.stores" in graph["gpuckpt.loading.open"]
+    assert "gpuckpt.storage.local.writer" in graph["gpuckpt.testing.crash"]

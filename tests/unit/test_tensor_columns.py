@@ -15,12 +15,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import gpuckpt
-from gpuckpt import commit
 from gpuckpt.errors import MetadataError, UnsupportedVersionError
 from gpuckpt.format.columns import COLUMN_NAMES, COLUMNS_KEY, compact, expand
 from gpuckpt.format.documents import metadata_json
 from gpuckpt.format.reader import metadata_from_json
 from gpuckpt.metadata import FORMAT_VERSION, READABLE_VERSIONS
+from gpuckpt.saving import commit
 
 _names = st.text(st.characters(codec="utf-8"), max_size=6)
 _sizes = st.lists(st.integers(0, 9), max_size=3)

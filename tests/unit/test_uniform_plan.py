@@ -229,8 +229,8 @@ def test_box_fingerprints_depend_on_the_rank_and_the_box_not_the_tensor() -> Non
 
 
 def test_merging_the_ranks_rows_needs_each_chunk_exactly_once() -> None:
-    from gpuckpt.commit import table_columns
     from gpuckpt.errors import GpuckptError
+    from gpuckpt.saving.commit import table_columns
 
     shape = (64, 8)
     descs = [StateDescription((lt("w", shape, box),), {}, {"d": []}) for box in split_boxes(shape, (16, 8))]

@@ -1,0 +1,469 @@
+/*
+ * Batches of small chunk files, written and read without the interpreter.
+ *
+ * A checkpoint of many small tensors is mostly system calls: per tensor a directory,
+ * an array document and a chunk file, each created, written (the chunk with its
+ * CRC-32C trailer) and closed; on load each chunk is checked, opened, read, its
+ * checksum verified and the file closed. Done from Python, every one of these calls
+ * holds the interpreter for a few microseconds, so the I/O threads take turns instead
+ * of running in parallel. Here one call runs a whole batch with the GIL released
+ * (ctypes releases it), and reports per item what happened, so that Python raises the
+ * same typed errors as the per-file path (gpuckpt/storage/local/batchio.py).
+ *
+ * Built by the package's build hook into _batchio.so and loaded with ctypes; without a
+ * C compiler gpuckpt writes and reads the same files one by one from Python. No Python
+ * headers are needed. Linux only (openat/mkdirat/fstatat, sync_file_range).
+ *
+ * CRC-32C follows the usual convention (reflected, initial value and final XOR
+ * 0xFFFFFFFF) and is computed with the kernels shared with crccopy.c (crc32c_simd.h),
+ * or a table where the CPU has no CRC instructions.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include "crc32c_simd.h"
+
+#define GBIO_ABI 4
+
+/* What an item is (kind). */
+enum { GBIO_MKDIR = 1, GBIO_FILE = 2, GBIO_CHUNK = 3 };
+
+/* Where an item stopped (step); 0 when it completed. */
+enum {
+    GBIO_OK = 0,
+    GBIO_STEP_MKDIR = 1,
+    GBIO_STEP_OPEN = 2,
+    GBIO_STEP_WRITE = 3,
+    GBIO_STEP_FSYNC = 4,
+    GBIO_STEP_CLOSE = 5,
+    GBIO_STEP_STAT = 6,
+    GBIO_STEP_NOTREG = 7, /* the file is not a regular file (mode says what it is): never read */
+    GBIO_STEP_READ = 8,
+    GBIO_STEP_SHORT = 9,    /* fewer bytes than the item needs: the file is truncated */
+    GBIO_STEP_MISMATCH = 10 /* the bytes do not match the trailer or the expected CRC */
+};
+
+/* Write flags: fsync each file as written; start the writeback of large files; fsync the
+ * files once a group of them is written (see gbio_write). */
+enum { GBIO_FSYNC = 1, GBIO_WRITEBACK = 2, GBIO_FSYNC_GROUP = 4 };
+/* flags of gbio_read */
+enum { GBIO_CHECKED = 1 };
+
+/* files held open until their group's fsync */
+#define GROUP 64
+
+/* One item of a batch. The layout is mirrored by a NumPy structured dtype in batchio.py
+ * (gbio_item_size() guards against drift). */
+struct gbio_item {
+    const char *path; /* relative to the batch's directory; no ".." (the caller validated names) */
+    void *data;       /* bytes to write, or where a read puts the chunk's leading bytes */
+    uint64_t nbytes;  /* size of data */
+    uint64_t pad;     /* chunk: zero bytes after data (write), or bytes read, checksummed, dropped (read) */
+    uint32_t kind;    /* GBIO_MKDIR, GBIO_FILE (no trailer), GBIO_CHUNK (CRC-32C trailer) */
+    uint32_t expect;  /* read: the CRC-32C the metadata lists */
+    /* results */
+    int32_t err;     /* errno of the failed step, else 0 */
+    int32_t step;    /* GBIO_STEP_* where the item stopped, GBIO_OK when done */
+    uint32_t crc;    /* CRC-32C of data and padding (written, or read) */
+    uint32_t stored; /* read: the trailer's value */
+    uint64_t done;   /* bytes written or read, trailer included */
+    uint32_t mode;   /* GBIO_STEP_NOTREG: the st_mode found */
+    uint32_t reserved;
+};
+
+int gbio_abi(void) { return GBIO_ABI; }
+
+int gbio_item_size(void) { return (int)sizeof(struct gbio_item); }
+
+/* ---- CRC-32C ------------------------------------------------------------------------ */
+
+static uint32_t table[256];
+
+static void table_init(void)
+{
+    for (uint32_t i = 0; i < 256; i++) {
+        uint32_t c = i;
+        for (int k = 0; k < 8; k++) c = c & 1 ? (c >> 1) ^ 0x82F63B78u : c >> 1;
+        table[i] = c;
+    }
+}
+
+/* raw (not inverted) CRC by table: any CPU */
+static uint32_t crc_table(uint32_t c, const uint8_t *s, size_t n)
+{
+    while (n--) c = table[(c ^ *s++) & 0xff] ^ (c >> 8);
+    return c;
+}
+
+static int level = -1; /* 0: table, 1: SSE/PCLMUL folding, 2: AVX-512 folding */
+
+/* Which CRC code is in use; chooses it on the first call (batchio.py calls this once at load). */
+int gbio_isa(void)
+{
+    if (level < 0) {
+        table_init();
+#if GCK_HAVE_X86_CRC
+        setup();
+        level = isa;
+#else
+        level = 0;
+#endif
+    }
+    return level;
+}
+
+/* Use at most the given level (tests exercise every path on one machine). */
+int gbio_limit_isa(int most)
+{
+    if (gbio_isa() > most) level = most < 0 ? 0 : most;
+    return level;
+}
+
+static uint32_t crc_update(uint32_t c, const uint8_t *s, size_t n)
+{
+#if GCK_HAVE_X86_CRC
+    if (level == 2) return fold_copy_512(c, s, NULL, n);
+    if (level == 1) return fold_copy_128(c, s, NULL, n);
+#endif
+    return crc_table(c, s, n);
+}
+
+/* CRC-32C of src[0:n] continued from crc (the finished value of a previous call, or 0). */
+uint32_t gbio_crc32c(uint32_t crc, const void *src, uint64_t n)
+{
+    gbio_isa();
+    return ~crc_update(~crc, src, n);
+}
+
+/* ---- writing ------------------------------------------------------------------------ */
+
+#define ZEROS (64 * 1024)
+static const uint8_t zeros[ZEROS];
+
+static uint32_t crc_zeros(uint32_t c, uint64_t n)
+{
+    for (; n; n -= n < ZEROS ? n : ZEROS) c = crc_update(c, zeros, n < ZEROS ? n : ZEROS);
+    return c;
+}
+
+/* Write all of iov[0:cnt] (which it consumes), retrying short writes and interruptions. */
+static int writev_all(int fd, struct iovec *iov, int cnt, uint64_t *done)
+{
+    for (;;) {
+        while (cnt > 0 && iov->iov_len == 0) iov++, cnt--;
+        if (cnt == 0) return 0;
+        ssize_t w = writev(fd, iov, cnt);
+        if (w < 0) {
+            if (errno == EINTR) continue;
+            return errno;
+        }
+        if (w == 0) return EIO; /* a regular file that takes nothing: do not spin */
+        *done += (uint64_t)w;
+        size_t left = (size_t)w;
+        while (cnt > 0 && left >= iov->iov_len) {
+            left -= iov->iov_len;
+            iov++, cnt--;
+        }
+        if (cnt > 0) {
+            iov->iov_base = (uint8_t *)iov->iov_base + left;
+            iov->iov_len -= left;
+        }
+    }
+}
+
+static int fail(struct gbio_item *it, int step, int err)
+{
+    it->step = step;
+    it->err = err;
+    return -1;
+}
+
+/* Write one item; a file to be fsynced with its group stays open, its fd in *keep. A chunk's
+ * data is copied into copy (at least nbytes long) first, and checksummed and written from
+ * there: the caller's memory is read once, so the trailer is the CRC-32C of the very bytes
+ * written even if the caller changes its memory meanwhile (a torn value is stored with its
+ * own checksum, never a file that contradicts its trailer). */
+static int write_one(int dir, struct gbio_item *it, uint32_t flags, uint64_t writeback_min, int *keep,
+                     uint8_t *copy)
+{
+    if (it->kind == GBIO_MKDIR) return mkdirat(dir, it->path, 0777) ? fail(it, GBIO_STEP_MKDIR, errno) : 0;
+    int fd;
+    do fd = openat(dir, it->path, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+    while (fd < 0 && errno == EINTR);
+    if (fd < 0) return fail(it, GBIO_STEP_OPEN, errno);
+    int err = 0;
+    uint8_t trailer[4];
+    struct iovec iov[2] = {{it->data, it->nbytes}, {trailer, 0}};
+    if (it->kind == GBIO_CHUNK) {
+        if (it->nbytes) memcpy(copy, it->data, it->nbytes);
+        iov[0].iov_base = copy;
+        uint32_t c = crc_zeros(crc_update(~0u, copy, it->nbytes), it->pad);
+        it->crc = ~c;
+        for (int i = 0; i < 4; i++) trailer[i] = (uint8_t)(it->crc >> (8 * i));
+        iov[1].iov_len = 4;
+    }
+    if (it->pad == 0) {
+        /* data and trailer in one system call */
+        err = writev_all(fd, iov, it->kind == GBIO_CHUNK ? 2 : 1, &it->done);
+    } else {
+        err = writev_all(fd, iov, 1, &it->done);
+        for (uint64_t left = it->pad; !err && left;) {
+            struct iovec z = {(void *)zeros, left < ZEROS ? left : ZEROS};
+            left -= z.iov_len;
+            err = writev_all(fd, &z, 1, &it->done);
+        }
+        if (!err && it->kind == GBIO_CHUNK) err = writev_all(fd, &iov[1], 1, &it->done);
+    }
+    int step = err ? GBIO_STEP_WRITE : 0;
+    if (!err && (flags & GBIO_FSYNC_GROUP)) {
+        sync_file_range(fd, 0, 0, SYNC_FILE_RANGE_WRITE); /* a hint: the fsync reports errors */
+        *keep = fd;
+        return 0;
+    }
+    if (!err && (flags & GBIO_FSYNC) && fsync(fd)) err = errno, step = GBIO_STEP_FSYNC;
+    if (!err && !(flags & GBIO_FSYNC) && (flags & GBIO_WRITEBACK) && it->done >= writeback_min)
+        sync_file_range(fd, 0, 0, SYNC_FILE_RANGE_WRITE); /* a hint: the final sync reports errors */
+    if (close(fd) && !err && errno != EINTR) err = errno, step = GBIO_STEP_CLOSE;
+    return err ? fail(it, step, err) : 0;
+}
+
+/* fsync and close the held files; returns the index of the first that failed, or -1 */
+static int64_t sync_group(struct gbio_item *items, int *fds, uint64_t *idx, int count)
+{
+    int64_t failed = -1;
+    for (int k = 0; k < count; k++) {
+        struct gbio_item *it = &items[idx[k]];
+        int step = 0, err = 0;
+        if (failed < 0 && fsync(fds[k])) step = GBIO_STEP_FSYNC, err = errno;
+        if (close(fds[k]) && !err && failed < 0 && errno != EINTR) step = GBIO_STEP_CLOSE, err = errno;
+        if (err) {
+            fail(it, step, err);
+            failed = (int64_t)idx[k];
+        }
+    }
+    return failed;
+}
+
+/* Create the items under the directory root, in order: directories (mkdir), files (data,
+ * then zero padding), chunks (data, padding, CRC-32C trailer); new files are never opened
+ * over existing ones (O_EXCL). Durability of the files: GBIO_FSYNC fsyncs each as it is
+ * written; GBIO_FSYNC_GROUP starts each one's writeback as it is written and fsyncs the
+ * files GROUP at a time once they are all written (on ext4 the first fsync of a group
+ * commits the journal for all of them, and the others find little left to do: one
+ * commit per group instead of one per file); GBIO_WRITEBACK starts the writeback of
+ * files of writeback_min bytes or more. Stops at the first failure. Returns the number
+ * of items before the first that failed (n when none did; with GBIO_FSYNC_GROUP later
+ * items of its group may have been written too), or -errno when root cannot be opened (or
+ * the copy that chunks are written from cannot be allocated). The trailer of each chunk is
+ * the CRC-32C of the bytes written (see write_one). */
+int64_t gbio_write(const char *root, struct gbio_item *items, uint64_t n, uint32_t flags,
+                   uint64_t writeback_min)
+{
+    gbio_isa();
+    uint64_t most = 0;
+    for (uint64_t k = 0; k < n; k++)
+        if (items[k].kind == GBIO_CHUNK && items[k].nbytes > most) most = items[k].nbytes;
+    uint8_t *copy = most ? malloc(most) : NULL;
+    if (most && !copy) return -ENOMEM;
+    int dir = open(root, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (dir < 0) {
+        int err = errno;
+        free(copy);
+        return -err;
+    }
+    int fds[GROUP];
+    uint64_t idx[GROUP];
+    int held = 0;
+    int64_t failed = -1;
+    uint64_t i = 0;
+    for (; i < n; i++) {
+        int keep = -1;
+        if (write_one(dir, &items[i], flags, writeback_min, &keep, copy)) break;
+        if (keep >= 0) {
+            fds[held] = keep, idx[held++] = i;
+            if (held == GROUP) {
+                failed = sync_group(items, fds, idx, held);
+                held = 0;
+                if (failed >= 0) break;
+            }
+        }
+    }
+    if (held) {
+        int64_t f = sync_group(items, fds, idx, held);
+        if (failed < 0) failed = f;
+    }
+    close(dir);
+    free(copy);
+    return failed >= 0 && (uint64_t)failed < i ? failed : (int64_t)i;
+}
+
+/* ---- reading ------------------------------------------------------------------------ */
+
+/* Read into iov[0:cnt] (consumed) until full or end of file. */
+static int readv_full(int fd, struct iovec *iov, int cnt, uint64_t *done)
+{
+    for (;;) {
+        while (cnt > 0 && iov->iov_len == 0) iov++, cnt--;
+        if (cnt == 0) return 0;
+        ssize_t r = readv(fd, iov, cnt);
+        if (r < 0) {
+            if (errno == EINTR) continue;
+            return errno;
+        }
+        if (r == 0) return 0;
+        *done += (uint64_t)r;
+        size_t left = (size_t)r;
+        while (cnt > 0 && left >= iov->iov_len) {
+            left -= iov->iov_len;
+            iov++, cnt--;
+        }
+        if (cnt > 0) {
+            iov->iov_base = (uint8_t *)iov->iov_base + left;
+            iov->iov_len -= left;
+        }
+    }
+}
+
+/* Open a checkpoint file the way gpuckpt reads untrusted files: never a symlink, never a
+ * FIFO or device (checked before opening, so that none is even opened, and again after,
+ * in case it was replaced meanwhile), never blocking. GBIO_CHECKED: the caller checked
+ * every file with gbio_stat just before, so the check before opening is left out (a file
+ * replaced since is opened without blocking, as no controlling terminal, and refused). */
+static int open_regular(int dir, struct gbio_item *it, uint32_t flags)
+{
+    struct stat st;
+    if (!(flags & GBIO_CHECKED)) {
+        if (fstatat(dir, it->path, &st, AT_SYMLINK_NOFOLLOW)) return fail(it, GBIO_STEP_STAT, errno);
+        if (!S_ISREG(st.st_mode)) {
+            it->mode = st.st_mode;
+            return fail(it, GBIO_STEP_NOTREG, ENOENT);
+        }
+    }
+    int fd;
+    do fd = openat(dir, it->path, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_NOCTTY | O_CLOEXEC);
+    while (fd < 0 && errno == EINTR);
+    if (fd < 0) {
+        if (errno == ELOOP) { /* replaced by a symlink since the fstatat */
+            it->mode = S_IFLNK;
+            return fail(it, GBIO_STEP_NOTREG, ENOENT);
+        }
+        return fail(it, GBIO_STEP_OPEN, errno);
+    }
+    if (fstat(fd, &st)) {
+        int err = errno;
+        close(fd);
+        return fail(it, GBIO_STEP_STAT, err);
+    }
+    if (!S_ISREG(st.st_mode)) {
+        close(fd);
+        it->mode = st.st_mode;
+        return fail(it, GBIO_STEP_NOTREG, ENOENT);
+    }
+    return fd;
+}
+
+static int read_one(int dir, struct gbio_item *it, uint8_t *scratch, uint32_t flags)
+{
+    int fd = open_regular(dir, it, flags);
+    if (fd < 0) return -1;
+    uint8_t trailer[4];
+    struct iovec iov[2] = {{it->data, it->nbytes}, {trailer, 4}};
+    int err = 0;
+    uint32_t c = ~0u;
+    if (it->pad == 0) {
+        err = readv_full(fd, iov, 2, &it->done);
+        if (!err && it->done >= it->nbytes) c = crc_update(c, it->data, it->nbytes);
+    } else {
+        err = readv_full(fd, iov, 1, &it->done);
+        if (!err && it->done == it->nbytes) {
+            c = crc_update(c, it->data, it->nbytes);
+            for (uint64_t left = it->pad; !err && left;) {
+                uint64_t before = it->done;
+                struct iovec s = {scratch, left < ZEROS ? left : ZEROS};
+                err = readv_full(fd, &s, 1, &it->done);
+                c = crc_update(c, scratch, it->done - before);
+                if (it->done - before < s.iov_len) break;
+                left -= s.iov_len;
+            }
+            if (!err && it->done == it->nbytes + it->pad) err = readv_full(fd, &iov[1], 1, &it->done);
+        }
+    }
+    int step = err ? GBIO_STEP_READ : 0;
+    if (close(fd) && !err && errno != EINTR) err = errno, step = GBIO_STEP_CLOSE;
+    if (err) return fail(it, step, err);
+    it->crc = ~c;
+    if (it->done != it->nbytes + it->pad + 4) return fail(it, GBIO_STEP_SHORT, 0);
+    it->stored = (uint32_t)trailer[0] | (uint32_t)trailer[1] << 8 | (uint32_t)trailer[2] << 16 |
+                 (uint32_t)trailer[3] << 24;
+    if (it->crc != it->stored || it->crc != it->expect) return fail(it, GBIO_STEP_MISMATCH, 0);
+    return 0;
+}
+
+/* Read the chunk items (kind GBIO_CHUNK) under the directory root, in order: each file's
+ * first nbytes into data, then pad bytes that are checksummed and dropped, then the
+ * 4-byte trailer; the CRC-32C of data and padding must equal both the trailer and expect.
+ * A file longer than that is read no further. Stops at the first item that fails (a
+ * system error, a file that is not regular, a short file, a checksum mismatch). flags:
+ * GBIO_CHECKED (see open_regular). Returns the number of items done, or -errno when root
+ * cannot be opened. */
+int64_t gbio_read(const char *root, struct gbio_item *items, uint64_t n, uint32_t flags)
+{
+    gbio_isa();
+    int dir = open(root, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (dir < 0) return -errno;
+    uint8_t *scratch = NULL;
+    uint64_t i = 0;
+    for (; i < n; i++) {
+        struct gbio_item *it = &items[i];
+        if (it->kind != GBIO_CHUNK) {
+            fail(it, GBIO_STEP_OPEN, EINVAL);
+            break;
+        }
+        if (it->pad && !scratch && !(scratch = malloc(ZEROS))) {
+            fail(it, GBIO_STEP_READ, ENOMEM);
+            break;
+        }
+        if (read_one(dir, it, scratch, flags)) break;
+    }
+    free(scratch);
+    close(dir);
+    return (int64_t)i;
+}
+
+/* The size of each item's file under root (its done field), without opening it: items
+ * that are not regular files (symlinks included) get GBIO_STEP_NOTREG and their mode,
+ * items that cannot be stat'ed (missing, a missing directory) GBIO_STEP_STAT and the
+ * errno. Unlike reads and writes this does not stop at the first failure: a load checks
+ * every chunk file of a checkpoint before it allocates or overwrites anything, and
+ * reports the first one that is wrong in the order it chooses. Returns the number of
+ * items that are regular files, or -errno when root cannot be opened. */
+int64_t gbio_stat(const char *root, struct gbio_item *items, uint64_t n)
+{
+    int dir = open(root, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (dir < 0) return -errno;
+    int64_t good = 0;
+    for (uint64_t i = 0; i < n; i++) {
+        struct gbio_item *it = &items[i];
+        struct stat st;
+        if (fstatat(dir, it->path, &st, AT_SYMLINK_NOFOLLOW)) {
+            fail(it, GBIO_STEP_STAT, errno);
+            continue;
+        }
+        if (!S_ISREG(st.st_mode)) {
+            it->mode = st.st_mode;
+            fail(it, GBIO_STEP_NOTREG, ENOENT);
+            continue;
+        }
+        it->done = (uint64_t)st.st_size;
+        good++;
+    }
+    close(dir);
+    return good;
+}

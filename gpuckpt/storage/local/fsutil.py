@@ -1,0 +1,302 @@
+"""File-system primitives for durable, atomic publication (Linux first, POSIX fallback)."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import errno
+import fcntl
+import functools
+import hashlib
+import os
+import shutil
+import socket
+from pathlib import Path
+
+__all__ = [
+    "boot_tag",
+    "exchange",
+    "fsync_dir",
+    "lock_dir",
+    "preallocate",
+    "start_writeback",
+    "pid_alive",
+    "rename_noreplace",
+    "lock_unsupported",
+    "rmtree_quiet",
+    "same_file",
+    "syncfs",
+    "failure_hint",
+    "side_prefix",
+    "tmp_owner",
+    "unlock",
+]
+
+_AT_FDCWD = -100
+_RENAME_NOREPLACE = 1
+_RENAME_EXCHANGE = 2
+
+try:
+    _libc: ctypes.CDLL | None = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+except OSError:
+    _libc = None
+
+
+def _renameat2(src: Path, dst: Path, flags: int) -> bool:
+    """renameat2(2); False when the call or the flag is unsupported here."""
+    fn = getattr(_libc, "renameat2", None)
+    if fn is None:
+        return False
+    rc = fn(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), ctypes.c_uint(flags))
+    if rc == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL):
+        return False
+    raise OSError(err, os.strerror(err), os.fspath(src), None, os.fspath(dst))
+
+
+def rename_noreplace(src: Path, dst: Path) -> None:
+    """Rename ``src`` to ``dst``, failing with ``FileExistsError`` if ``dst`` exists."""
+    if _renameat2(src, dst, _RENAME_NOREPLACE):
+        return
+    # Fallback: a directory rename fails on a non-empty target, and we refuse
+    # an existing one first; the window between the two is the fallback's limit.
+    if dst.exists() or dst.is_symlink():
+        raise FileExistsError(errno.EEXIST, "target exists", os.fspath(dst))
+    os.rename(src, dst)
+
+
+def exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths; False where the system cannot."""
+    return _renameat2(a, b, _RENAME_EXCHANGE)
+
+
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+def start_writeback(fd: int) -> None:
+    """Ask the kernel to start writing ``fd``'s dirty pages now, without waiting (Linux).
+
+    Writeback of earlier chunks then overlaps the writing of later ones, and
+    the durability barrier at the end has less left to do. A no-op elsewhere.
+    """
+    fn = getattr(_libc, "sync_file_range", None)
+    if fn is not None:
+        fn(fd, ctypes.c_int64(0), ctypes.c_int64(0), ctypes.c_uint(_SYNC_FILE_RANGE_WRITE))
+
+
+_FALLOC_FL_KEEP_SIZE = 1
+
+
+def preallocate(fd: int, nbytes: int) -> None:
+    """Reserve ``nbytes`` of space for ``fd`` from offset 0 in as few extents as the file
+    system can (Linux ``fallocate`` with ``FALLOC_FL_KEEP_SIZE``: the size stays as written).
+
+    A hint: where the call or the mode is unsupported, or space is short (the
+    write that follows reports that), nothing happens.
+    """
+    fn = getattr(_libc, "fallocate", None)
+    if fn is not None:
+        fn(fd, ctypes.c_int(_FALLOC_FL_KEEP_SIZE), ctypes.c_int64(0), ctypes.c_int64(nbytes))
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def syncfs(path: Path) -> bool:
+    """Flush the whole file system holding ``path``; False where syncfs(2) is missing."""
+    fn = getattr(_libc, "syncfs", None)
+    if fn is None:
+        return False
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        if fn(fd) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"syncfs failed: {os.strerror(err)}", os.fspath(path))
+    finally:
+        os.close(fd)
+    return True
+
+
+#: the longest file name made here (NAME_MAX of Linux file systems), and the most an owner
+#: (HOST-PID-RAND: a 64-byte host name, a 7-digit pid, 17 bytes of RAND) adds to a prefix
+_NAME_MAX = 255
+_OWNER_MAX = 64 + 1 + 7 + 1 + 17
+
+
+def side_prefix(name: str, tag: str) -> str:
+    """The start of the names of ``NAME``'s temporaries or set-aside copies (``tag``: see
+    :mod:`gpuckpt.storage.local.leftovers`): ``.NAME`` and the tag, or where that and an owner could exceed
+    a file name's 255 bytes, ``.`` and as many of NAME's first bytes as fit, ``~``, 12 hex
+    digits of a hash of the whole name, and the tag (the same for the same name, on every
+    machine)."""
+    full = f".{name}{tag}"
+    budget = _NAME_MAX - _OWNER_MAX
+    if len(os.fsencode(full)) <= budget:
+        return full
+    digest = hashlib.blake2b(os.fsencode(name), digest_size=6).hexdigest()
+    keep = budget - len(f".~{digest}{tag}")
+    head = os.fsencode(name)[:keep].decode("utf-8", "ignore") if keep > 0 else ""
+    while len(os.fsencode(head)) > keep:  # a name that is not UTF-8 (surrogate escapes)
+        head = head[:-1]
+    return f".{head}~{digest}{tag}"
+
+
+def _name_max(directory: str) -> int:
+    try:
+        return int(os.pathconf(directory or ".", "PC_NAME_MAX"))
+    except (OSError, ValueError):
+        return _NAME_MAX
+
+
+def _not_a_directory(path: str) -> str | None:
+    """The first component of ``path`` that exists and is not a directory, if any."""
+    parts = Path(path).parts
+    for i in range(1, len(parts) + 1):
+        at = Path(*parts[:i])
+        try:
+            if not at.is_dir():
+                return str(at) if at.exists() or at.is_symlink() else None
+        except OSError:
+            return None
+    return None
+
+
+def failure_hint(exc: OSError) -> str:
+    """What to do about the failed system call ``exc`` of a save: a remedy that fits its errno
+    (and, where it says which, the name at fault), for the end of an error message."""
+    e, name = exc.errno, os.fspath(exc.filename) if isinstance(exc.filename, (str, os.PathLike)) else ""
+    if e == errno.ENAMETOOLONG and name:
+        limit = _name_max(name.rstrip("/").rpartition("/")[0])
+        longest = max((c for c in name.split("/")), key=lambda c: len(os.fsencode(c)))
+        n = len(os.fsencode(longest))
+        if n > limit:
+            return (
+                f"the name {longest!r} is {n} bytes, {n - limit} more than the {limit} this file system "
+                "allows: save under a shorter name"
+            )
+        size = len(os.fsencode(name))
+        return f"the path is {size} bytes, more than the system allows: save under a shorter path"
+    if e in (errno.ENOSPC, errno.EDQUOT):
+        return "free space on the device (or raise the quota), then save again"
+    if e in (errno.EEXIST, errno.ENOTDIR):
+        where = _not_a_directory(name) if name else None
+        if where is not None:
+            return f"{where} is a file, not a directory: save under a path whose parents are directories"
+        return "a file stands where a directory is needed: save under another path"
+    if e in (errno.EMFILE, errno.ENFILE):
+        return (
+            "this process has too many files open: raise the limit (`ulimit -n`) or save with fewer "
+            "threads, then save again"
+        )
+    if e in (errno.EACCES, errno.EPERM):
+        return f"permission denied{f' on {name}' if name else ''}: save where this process may write"
+    if e == errno.EROFS:
+        return "the file system is mounted read-only: save elsewhere"
+    if e == errno.EIO:
+        return "the device reported an I/O error: check it (the kernel log), then save again"
+    return "fix the cause, then save again"
+
+
+def tmp_owner() -> str:
+    """Tag naming this process in temporary names: host and pid."""
+    return f"{socket.gethostname().replace('-', '_').replace('.', '_')}-{os.getpid()}"
+
+
+def pid_alive(host: str, pid: int) -> bool:
+    """Whether a process that left a temporary may still be running (unknown hosts: assume yes)."""
+    if host != socket.gethostname().replace("-", "_").replace(".", "_"):
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@functools.cache
+def boot_tag() -> str:
+    """Eight hex digits of this kernel's boot id, shared by every container on the machine
+    ("" where unknown). Two processes with the same tag see each other's ``flock`` s on any
+    file system, whatever their host names and pid namespaces."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            tag = f.read().strip().replace("-", "")[:8].lower()
+    except OSError:
+        return ""
+    return tag if len(tag) == 8 and all(c in "0123456789abcdef" for c in tag) else ""
+
+
+_LOCK_UNSUPPORTED = frozenset((errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL, errno.ENOSYS))
+_HELD: set[int] = set()  # fds of the locks this process holds (see _forget_locks)
+
+
+def lock_dir(path: Path, *, wait: bool = False) -> int | None:
+    """An fd of the directory ``path`` holding an exclusive ``flock`` on it, or None when
+    another open file description holds one (``wait=False``). Release it with :func:`unlock`.
+
+    The lock belongs to the directory itself, so it follows the directory through
+    renames, and it is released when the process dies, however it dies (a child
+    forked meanwhile does not inherit it). Raises ``OSError``: ``ENOTDIR``/``ELOOP``
+    for a non-directory or a symlink, ``ENOENT`` when it is gone, and where the file
+    system has no locks an error for which :func:`lock_unsupported` is true.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    except BaseException:
+        os.close(fd)
+        raise
+    _HELD.add(fd)
+    return fd
+
+
+def unlock(fd: int) -> None:
+    """Release a lock taken by :func:`lock_dir`."""
+    _HELD.discard(fd)
+    with contextlib.suppress(OSError):  # the lock goes with the descriptor all the same
+        os.close(fd)
+
+
+def _forget_locks() -> None:
+    # A forked child shares the parent's open file descriptions, and with them its
+    # locks: without this, a long-lived child (a data-loader worker forked during a
+    # save) would keep a dead parent's temporary "alive" and its checkpoint locked.
+    for fd in _HELD:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _HELD.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_locks)
+
+
+def lock_unsupported(exc: OSError) -> bool:
+    """Whether ``exc`` from :func:`lock_dir` means "this file system has no locks"."""
+    return exc.errno in _LOCK_UNSUPPORTED
+
+
+def same_file(fd: int, path: Path) -> bool:
+    """Whether ``path`` (not followed if a symlink) is still the file open as ``fd``."""
+    try:
+        a, b = os.fstat(fd), os.lstat(path)
+    except OSError:
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def rmtree_quiet(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)

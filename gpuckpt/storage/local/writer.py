@@ -1,0 +1,609 @@
+"""Checkpoints in a directory of a local (or POSIX shared) file system.
+
+Publication: everything is written under a temporary sibling directory
+``.<name>.gpuckpt-tmp-<host>-<pid>-<random>``, made durable (each file and
+directory fsynced, or one ``syncfs`` of the file system when there are many
+files), then renamed to ``<name>`` in one step, and the parent directory is
+fsynced. A reader therefore sees either no checkpoint or a complete one.
+Temporaries left by crashed processes are removed by the next save to the
+same path.
+
+A writer holds a lock on its temporary while it lives, and replaces only a
+gpuckpt checkpoint or an empty directory: ``RENAME_EXCHANGE``, else two
+renames (old aside, new in place). What is dead, foreign or set aside is
+decided in :mod:`gpuckpt.storage.local.leftovers`.
+
+A writer made with ``direct_io=True`` (what :func:`gpuckpt.async_save` uses)
+writes large chunk files (1 MiB and more) around the page cache, into space
+allocated up front for the whole file, through :mod:`gpuckpt.storage.local.direct`
+(which falls back to buffered writes where the file system refuses).
+Synchronous saves write through the page cache, so that a checkpoint read
+soon after is served from memory. Reading is :mod:`gpuckpt.storage.local.reader`.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from gpuckpt.errors import (
+    CheckpointExistsError,
+    CheckpointWriteError,
+)
+from gpuckpt.format.checksum import CRC_BYTES
+from gpuckpt.format.documents import ROOT_KEY
+from gpuckpt.options import SYNC_MODES  # the one list of durability modes
+from gpuckpt.storage.base import (
+    BaseRef,
+    CheckpointWriter,
+    ChunkDigest,
+    ChunkWrites,
+    NotRegularFileError,
+)
+from gpuckpt.storage.copies import own_pieces
+from gpuckpt.storage.local import batchio, fsutil
+from gpuckpt.storage.local.direct import DIRECT_MIN_BYTES, DirectWriter
+from gpuckpt.storage.local.direct import available as direct_io_available
+from gpuckpt.storage.local.fileio import (
+    read_exact_at,
+    write_all,
+    writev_all,
+)
+from gpuckpt.storage.local.leftovers import (
+    OLD_TAG,
+    TMP_TAG,
+    cleanup_stale_temporaries,
+    is_committed,
+    new_owner,
+    replace_problem,
+    set_aside_copies,
+    side_prefix,
+)
+from gpuckpt.storage.local.reader import NATIVE_MAX_BYTES, PIECE_BYTES, open_regular
+from gpuckpt.storage.local.shared_dir import JOURNAL, directory_entries, publish_into
+
+__all__ = [
+    "LocalWriter",
+    "NotRegularFileError",
+    "SYNC_MODES",
+    "cleanup_stale_temporaries",
+    "is_committed",
+    "set_aside_copies",
+]
+
+_MANY_FILES = 64
+_WRITEBACK_MIN = 1 << 20
+_CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+#: ``ioctl(dst, FICLONE, src)``: share the source's blocks (btrfs, XFS with reflink, bcachefs)
+_FICLONE = 0x40049409
+#: link() refusals that mean "no hard link here" (another device, too many links, a file
+#: system without links or that forbids them): a clone, else a write, takes its place
+_NO_LINK = frozenset(
+    getattr(errno, n)
+    for n in ("EXDEV", "EMLINK", "EPERM", "EOPNOTSUPP", "ENOSYS", "EACCES")
+    if hasattr(errno, n)
+)
+#: ioctl(FICLONE) refusals that mean "no clone here"
+_NO_CLONE = frozenset(
+    getattr(errno, n)
+    for n in ("EXDEV", "EOPNOTSUPP", "EINVAL", "ENOTTY", "ENOSYS", "EPERM", "EBADF")
+    if hasattr(errno, n)
+)
+
+
+class LocalWriter(CheckpointWriter):
+    """Writes a checkpoint directory; see the module docstring for the protocol."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        overwrite: bool = False,
+        sync: str = "auto",
+        expected_files: int = 0,
+        direct_io: bool = False,
+    ) -> None:
+        """``sync``: ``"file"`` fsyncs each file as it is written, ``"fs"`` runs one
+        syncfs before publishing (cheaper for many small files), ``"none"`` skips
+        durability (tests, scratch data); ``"auto"`` picks ``"fs"`` above 64 files.
+        ``direct_io``: write large chunk files with ``O_DIRECT`` where the platform
+        and the file system allow it (:mod:`gpuckpt.storage.local.direct`); never with ``sync="none"``."""
+        if sync not in SYNC_MODES:
+            raise ValueError(f"sync={sync!r}; expected one of {SYNC_MODES}")
+        self.path = Path(path).absolute()
+        self.overwrite = overwrite
+        if sync == "auto":
+            sync = "fs" if expected_files > _MANY_FILES else "file"
+        self.sync = sync
+        self.tmp = self._new_name(TMP_TAG)
+        self._lock_fd: int | None = None  # held on self.tmp from begin to commit or abort
+        self._dirs: list[Path] = []
+        use_direct = direct_io and sync != "none" and direct_io_available()
+        self._direct = DirectWriter() if use_direct else None
+        self._published: dict[str, int | None] = {}  # base root -> its root document's mtime
+        self._begun = "new"  # how the target looked when the save began (see _target_mode)
+
+    @property
+    def direct_io(self) -> bool:
+        """Whether large chunk files are (still) written with ``O_DIRECT``."""
+        return self._direct is not None and self._direct.enabled
+
+    @property
+    def token(self) -> str:
+        """What other processes need to write into this save (see :meth:`attach`)."""
+        return os.fspath(self.tmp)
+
+    @classmethod
+    def attach(cls, path: str | os.PathLike[str], token: str) -> LocalWriter:
+        """A participant writing chunks into the save ``token`` that another process began.
+
+        A participant only calls :meth:`write_chunk`; each of its files is
+        fsynced as it is written, and the process that began the save commits it.
+        """
+        w = cls(path, sync="file")
+        tmp = Path(token)
+        if tmp.parent != w.path.parent or not tmp.name.startswith(side_prefix(w.path.name, TMP_TAG)):
+            raise ValueError(f"{token!r} is not a temporary of a save to {w.path}")
+        w.tmp = tmp
+        return w
+
+    def _new_name(self, tag: str) -> Path:
+        return self.path.parent / f"{side_prefix(self.path.name, tag)}{new_owner()}"
+
+    def _target_mode(self) -> str:
+        """How this save will publish, given what is at the path now; raises
+        :class:`CheckpointExistsError` where it may not:
+
+        * ``"new"``: nothing there;
+        * ``"empty"``: an empty directory, which holds no checkpoint (no ``overwrite`` needed);
+        * ``"replace"``: a checkpoint and nothing else (``overwrite=True``): one atomic exchange;
+        * ``"into"``: a directory holding other files (``overwrite=True``): the checkpoint's own
+          names are published into it beside them (:mod:`gpuckpt.storage.local.shared_dir`).
+        """
+        path = self.path
+        if not (path.exists() or path.is_symlink()):
+            return "new"
+        if path.is_symlink() or not path.is_dir():
+            what = "a symbolic link" if path.is_symlink() else "not a directory"
+            raise CheckpointExistsError(
+                f"{path} exists and is not a gpuckpt checkpoint: it is {what}; refusing to replace it"
+                f"{' even with overwrite=True' if self.overwrite else ''}, nothing was deleted. Save to "
+                "another path, or remove it yourself if it is yours to delete"
+            )
+        root, arrays, others = directory_entries(path)
+        if ROOT_KEY in others:
+            problem = replace_problem(path) or f"its {ROOT_KEY} is not a gpuckpt root document"
+            raise CheckpointExistsError(
+                f"{path} exists and is not a gpuckpt checkpoint: {problem}; refusing to replace it"
+                f"{' even with overwrite=True' if self.overwrite else ''}, nothing was deleted. Save to "
+                "another path, or remove it yourself if it is yours to delete"
+            )
+        if root and not self.overwrite:
+            raise CheckpointExistsError(
+                f"Checkpoint already exists at {path}; pass overwrite=True to replace it, "
+                "or save to a new path"
+            )
+        if not (root or arrays or others):
+            return "empty"
+        if others or not root:
+            if not self.overwrite:
+                raise CheckpointExistsError(
+                    f"{path} holds {len(others) + len(arrays)} entries (e.g. {(others + arrays)[:3]}) and no "
+                    "checkpoint; pass overwrite=True to publish the checkpoint's own names into it beside "
+                    "them (nothing there that is not a gpuckpt checkpoint's is touched; a clash of names is "
+                    "refused), or save to a new path"
+                )
+            return "into"
+        return "replace"
+
+    def begin(self) -> None:
+        # first: a checkpoint a crashed overwrite set aside is put back before anything is judged
+        cleanup_stale_temporaries(self.path)
+        self._begun = self._target_mode()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.tmp, self._lock_fd = self._make_locked(self.tmp, TMP_TAG)
+        self._dirs.append(self.tmp)
+
+    def _make_locked(self, first: Path, tag: str) -> tuple[Path, int | None]:
+        """A new directory (``first``, else another new name with ``tag``) and its lock, which tells
+        cleaners that its writer lives (None where the file system has no locks: cleaners then
+        go by the pid in its name)."""
+        where = first
+        for _ in range(8):
+            os.mkdir(where)
+            try:
+                fd = fsutil.lock_dir(where)
+            except FileNotFoundError:
+                fd = None  # removed by a cleaner that took it for a dead writer's: try another name
+            except OSError as exc:
+                if not fsutil.lock_unsupported(exc):
+                    raise
+                return where, None
+            if fd is not None and fsutil.same_file(fd, where):
+                return where, fd
+            if fd is not None:
+                fsutil.unlock(fd)
+            # a cleaner locked the new directory between its mkdir and our lock and removes it
+            where = self._new_name(tag)
+        raise CheckpointWriteError(
+            errno.EBUSY,
+            f"saving {self.path}: every new directory beside it was removed right after it was made "
+            "(another process keeps cleaning this directory); nothing was published",
+        )
+
+    def _unlock(self) -> None:
+        fd, self._lock_fd = self._lock_fd, None
+        if fd is not None:
+            fsutil.unlock(fd)
+
+    def _create(self, rel: str) -> int:
+        return os.open(f"{self.tmp}/{rel}", _CREATE_FLAGS, 0o644)
+
+    def _write_file(self, rel: str, parts: Sequence[Any]) -> None:
+        fd = self._create(rel)
+        try:
+            for p in parts:
+                write_all(fd, p)
+            if self.sync == "file":
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def write_array_document(self, name: str, document: bytes) -> None:
+        d = f"{self.tmp}/{name}"
+        os.mkdir(d)
+        if self.sync == "file":
+            self._dirs.append(Path(d))
+        self._write_file(f"{name}/zarr.json", [document])
+
+    def write_array_documents(self, names: Sequence[str], documents: Sequence[bytes]) -> None:
+        """The directories and documents of ``names`` in one native call with the GIL released
+        (:mod:`gpuckpt.storage.local.batchio`) where the library is available, else one by one."""
+        lib = batchio.instance()
+        if lib is None or len(names) < 2:
+            super().write_array_documents(names, documents)
+            return
+        kinds: list[int] = []
+        paths: list[str] = []
+        buffers: list[Any] = []
+        for name, document in zip(names, documents, strict=True):
+            kinds += (batchio.MKDIR, batchio.FILE)
+            paths += (name, f"{name}/{ROOT_KEY}")
+            buffers += (b"", document)
+        tmp = os.fspath(self.tmp)
+        _items, stop = lib.write(
+            tmp,
+            kinds,
+            paths,
+            buffers,
+            [0] * len(kinds),
+            fsync="group" if self.sync == "file" else None,
+            writeback_min=None,
+        )
+        if self.sync == "file":
+            self._dirs.extend(Path(f"{self.tmp}/{n}") for n in names)
+        if stop is not None:
+            raise stop.os_error(f"{tmp}/{paths[stop.index]}")
+
+    def rewrite_array_document(self, name: str, document: bytes) -> None:
+        # within the unpublished temporary: the new file replaces the old one in one rename
+        self._write_file(f"{name}/{ROOT_KEY}.new", [document])
+        os.replace(f"{self.tmp}/{name}/{ROOT_KEY}.new", f"{self.tmp}/{name}/{ROOT_KEY}")
+
+    def write_chunk(self, name: str, key: str, parts: Sequence[Any]) -> None:
+        self._write_file(f"{name}/{key}", parts)
+
+    def write_chunk_checked(
+        self, name: str, key: str, parts: Sequence[Any], digest: ChunkDigest, *, stable: bool = False
+    ) -> None:
+        direct = self._direct
+        if direct is not None and direct.enabled:
+            size = sum(memoryview(p).nbytes for p in parts)
+            fd = direct.create(f"{self.tmp}/{name}/{key}") if size >= DIRECT_MIN_BYTES else None
+            if fd is not None:
+                try:
+                    # direct writes allocate blocks as they land: concurrent files would interleave
+                    fsutil.preallocate(fd, size)
+                    direct.write(fd, parts, digest, stable=stable)
+                    self._settle(fd, size)
+                finally:
+                    os.close(fd)
+                return
+        # copied (unless stable), checksummed and written in pieces that are still in the CPU
+        # cache: the checksum is of the bytes written (see CheckpointWriter)
+        fd = self._create(f"{name}/{key}")
+        try:
+            total = 0
+            if len(parts) == 1 and memoryview(parts[0]).nbytes <= PIECE_BYTES:
+                # a small chunk: one system call for its bytes and its checksum
+                (piece,) = list(own_pieces(parts, stable=stable)) or [memoryview(b"")]
+                digest.update(piece)
+                writev_all(fd, [piece, digest.trailer()])
+                total = piece.nbytes
+            else:
+                for piece in own_pieces(parts, stable=stable, piece=PIECE_BYTES):
+                    total += piece.nbytes
+                    digest.update(piece)
+                    write_all(fd, piece)
+                write_all(fd, digest.trailer())
+            self._settle(fd, total)
+        finally:
+            os.close(fd)
+
+    def _published_ns(self, root: str) -> int | None:
+        """When the checkpoint at ``root`` was published: the mtime of its root document,
+        written after every other file of it (None when it cannot be read)."""
+        if root not in self._published:
+            try:
+                self._published[root] = os.stat(f"{root}/{ROOT_KEY}", follow_symlinks=False).st_mtime_ns
+            except OSError:
+                self._published[root] = None
+        return self._published[root]
+
+    def reuse_chunk(self, name: str, key: str, base: BaseRef) -> bool:
+        """A hard link to the base's chunk file, else a reflink (``FICLONE``) of it, else False.
+
+        The base file is opened as a load opens it (no symlink, no FIFO), checked to
+        have the size and the CRC32C trailer its metadata gives and to be no younger
+        than the base's root document (a file written into after the base was
+        published, its trailer kept, may hold other bytes than the base's records
+        describe: it is not linked, the chunk is written), and the new name is
+        checked to be that very file (the base may have been replaced meanwhile). Two
+        checkpoints then share one inode: nothing in gpuckpt ever writes into a
+        published chunk file, and deleting either name leaves the other intact.
+        """
+        if "://" in base.location and not base.location.startswith("file://"):
+            return False
+        root = base.location.removeprefix("file://")
+        src = f"{root}/{base.name}/{base.key}"
+        try:
+            fd = open_regular(src)
+        except OSError:
+            return False  # missing, not a regular file: written instead
+        try:
+            st = os.fstat(fd)
+            if st.st_size != base.nbytes or base.nbytes < CRC_BYTES:
+                return False
+            published = self._published_ns(root)
+            if published is None or st.st_mtime_ns > published:
+                return False  # changed after its checkpoint was published: its bytes are not the base's
+            trailer = bytearray(CRC_BYTES)
+            if read_exact_at(fd, trailer, base.nbytes - CRC_BYTES) != CRC_BYTES:
+                return False
+            if int.from_bytes(trailer, "little") != base.crc32c:
+                return False
+            dst = f"{self.tmp}/{name}/{key}"
+            try:
+                os.link(src, dst, follow_symlinks=False)
+            except FileNotFoundError:
+                return False  # the base file went away since it was opened
+            except OSError as exc:
+                if exc.errno not in _NO_LINK:
+                    raise
+                return self._clone(fd, f"{name}/{key}", base.nbytes)
+            linked = os.lstat(dst)
+            if (linked.st_dev, linked.st_ino) != (st.st_dev, st.st_ino):
+                os.unlink(dst)  # another file took the base's name between the check and the link
+                return False
+            return True
+        finally:
+            os.close(fd)
+
+    def _clone(self, src_fd: int, rel: str, nbytes: int) -> bool:
+        """A new file sharing ``src_fd``'s blocks (``FICLONE``), or False where refused."""
+        try:
+            import fcntl
+        except ImportError:  # pragma: no cover - not POSIX
+            return False
+        fd = self._create(rel)
+        try:
+            fcntl.ioctl(fd, _FICLONE, src_fd)
+            self._settle(fd, nbytes)
+        except OSError as exc:
+            os.close(fd)
+            os.unlink(f"{self.tmp}/{rel}")
+            if exc.errno in _NO_CLONE:
+                return False
+            raise
+        os.close(fd)
+        return True
+
+    def write_chunks(self, batch: ChunkWrites) -> list[int]:
+        """Chunks under 1 MiB in one native call with the GIL released
+        (:mod:`gpuckpt.storage.local.batchio`) where the library is available; larger ones,
+        and all without the library, one file at a time (:meth:`write_chunk_checked`:
+        checksummed piece by piece while in the CPU cache, ``O_DIRECT`` where chosen)."""
+        lib = batchio.instance()
+        small = [
+            i
+            for i, (b, p) in enumerate(zip(batch.buffers, batch.pads, strict=True))
+            if memoryview(b).nbytes + p < NATIVE_MAX_BYTES
+        ]
+        if lib is None or not small:
+            return super().write_chunks(batch)
+        crcs = [0] * len(batch.names)
+        if len(small) < len(crcs):
+            large = sorted(set(range(len(crcs))) - set(small))
+            for i, c in zip(large, super().write_chunks(batch.select(large)), strict=True):
+                crcs[i] = c
+            batch = batch.select(small)
+        for i, c in zip(small, self._write_native(lib, batch), strict=True):
+            crcs[i] = c
+        return crcs
+
+    def _write_native(self, lib: batchio.BatchIO, batch: ChunkWrites) -> list[int]:
+        kinds: list[int] = []
+        paths: list[str] = []
+        buffers: list[Any] = []
+        pads: list[int] = []
+        made: list[Path] = []
+        documents = batch.documents or [None] * len(batch.names)
+        for name, key, buf, pad, document in zip(
+            batch.names, batch.keys, batch.buffers, batch.pads, documents, strict=True
+        ):
+            if document is not None:
+                kinds += (batchio.MKDIR, batchio.FILE)
+                paths += (name, f"{name}/zarr.json")
+                buffers += (b"", document)
+                pads += (0, 0)
+                made.append(Path(f"{self.tmp}/{name}"))
+            kinds.append(batchio.CHUNK)
+            paths.append(f"{name}/{key}")
+            buffers.append(buf)
+            pads.append(pad)
+        tmp = os.fspath(self.tmp)
+        items, stop = lib.write(
+            tmp,
+            kinds,
+            paths,
+            buffers,
+            pads,
+            fsync="group" if self.sync == "file" else None,
+            writeback_min=_WRITEBACK_MIN if self.sync == "fs" else None,
+        )
+        if self.sync == "file":
+            self._dirs.extend(made)
+        if stop is not None:
+            raise stop.os_error(f"{tmp}/{paths[stop.index]}")
+        return [int(c) for c in items["crc"][items["kind"] == batchio.CHUNK]]
+
+    def _settle(self, fd: int, nbytes: int) -> None:
+        """A written chunk file's share of durability: its fsync (``"file"``), or the start
+        of its writeback (``"fs"``) for large files, so that the final syncfs waits for
+        less; for small ones the extra call costs more than it saves."""
+        if self.sync == "file":
+            os.fsync(fd)
+        elif self.sync == "fs" and nbytes >= _WRITEBACK_MIN:
+            fsutil.start_writeback(fd)
+
+    def _make_durable(self) -> None:
+        if self.sync == "none":
+            return
+        if self.sync == "fs" and fsutil.syncfs(self.tmp):
+            return
+        dirs = list(self._dirs)
+        if self.sync == "fs":
+            # no syncfs here: files were not fsynced as they were written
+            for root, _dirs, files in os.walk(self.tmp):
+                if root != os.fspath(self.tmp):
+                    dirs.append(Path(root))
+                for f in files:
+                    fd = os.open(os.path.join(root, f), os.O_RDONLY)
+                    try:
+                        os.fsync(fd)
+                    finally:
+                        os.close(fd)
+        for d in reversed(dirs):
+            fsutil.fsync_dir(d)
+
+    def commit(self, root_document: bytes) -> None:
+        self._write_file(ROOT_KEY, [root_document])
+        self._make_durable()
+        try:
+            mode = self._target_mode()  # judged again: another process may have changed it meanwhile
+        except CheckpointExistsError:
+            if self._begun in ("new", "empty") and is_committed(self.path):
+                raise CheckpointExistsError(
+                    f"Checkpoint already exists at {self.path}: another save published it while this one "
+                    "ran; this save was discarded and the other one kept"
+                ) from None
+            raise
+        if mode == "replace":
+            if not fsutil.exchange(self.tmp, self.path):
+                self._replace_by_two_renames()
+            else:
+                fsutil.rmtree_quiet(self.tmp)  # it holds the previous checkpoint now
+        elif mode == "into":
+            self._publish_into()
+        else:
+            try:
+                if mode == "new":
+                    fsutil.rename_noreplace(self.tmp, self.path)
+                else:
+                    os.rename(self.tmp, self.path)  # replaces an empty directory, and only an empty one
+            except OSError as exc:
+                if exc.errno in (errno.EEXIST, errno.ENOTEMPTY):
+                    raise CheckpointExistsError(
+                        f"Checkpoint already exists at {self.path}: another save published it (or put files "
+                        "there) while this one ran; this save was discarded and the other one kept"
+                    ) from None
+                raise
+        if self.sync != "none":
+            try:
+                fsutil.fsync_dir(self.path.parent)
+            except OSError as exc:
+                raise CheckpointWriteError(
+                    exc.errno or errno.EIO,
+                    f"checkpoint {self.path} was published complete, but syncing its parent directory "
+                    f"failed ({exc.strerror or exc}): it may not survive a power loss; save again to be sure",
+                ) from exc
+        self._unlock()
+
+    def _publish_into(self) -> None:
+        """Publish into the directory at the path, which holds other files
+        (:func:`~gpuckpt.storage.local.shared_dir.publish_into`), holding its lock; the set-aside
+        directory is removed once the publication is done or undone (kept, with its journal,
+        if undoing failed too: the next save settles it)."""
+        held = self._lock_target()
+        try:
+            aside, fd = self._make_locked(self._new_name(OLD_TAG), OLD_TAG)
+            done = False
+            try:
+                publish_into(self.tmp, self.path, aside)
+                done = True
+            finally:
+                if done or set(os.listdir(aside)) <= {JOURNAL}:
+                    fsutil.rmtree_quiet(aside)
+                if fd is not None:
+                    fsutil.unlock(fd)
+            fsutil.rmtree_quiet(self.tmp)  # empty now, but for names it never had
+        finally:
+            if held is not None:
+                fsutil.unlock(held)
+
+    def _replace_by_two_renames(self) -> None:
+        """No atomic exchange here: move the old checkpoint aside, then the new one into place.
+
+        The old one is locked first and stays locked (a live writer's) until this
+        save is done with it: a crash between the two renames leaves it, complete
+        and unlocked, for the next save to put back (:func:`cleanup_stale_temporaries`).
+        """
+        held = self._lock_target()
+        try:
+            old = self._new_name(OLD_TAG)
+            os.rename(self.path, old)
+            try:
+                os.rename(self.tmp, self.path)
+            except BaseException:
+                os.rename(old, self.path)  # put the previous checkpoint back
+                raise
+            self.tmp = old
+            fsutil.rmtree_quiet(old)  # still locked: no cleaner takes it for a dead writer's
+        finally:
+            if held is not None:
+                fsutil.unlock(held)
+
+    def _lock_target(self) -> int | None:
+        """The lock of the checkpoint at ``path`` (waiting for a save that is setting it aside or
+        has just published it); None where the file system has no locks."""
+        for _ in range(100):
+            try:
+                fd = fsutil.lock_dir(self.path, wait=True)
+            except OSError as exc:
+                if fsutil.lock_unsupported(exc):
+                    return None
+                raise
+            assert fd is not None
+            if fsutil.same_file(fd, self.path):
+                return fd
+            fsutil.unlock(fd)  # replaced while we waited: lock the new one
+        raise CheckpointWriteError(
+            errno.EBUSY, f"saving {self.path}: it kept being replaced by other saves; nothing was published"
+        )
+
+    def abort(self) -> None:
+        fsutil.rmtree_quiet(self.tmp)
+        self._unlock()

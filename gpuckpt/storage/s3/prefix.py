@@ -1,0 +1,105 @@
+"""What the readers, writers and roots of ``s3://`` prefixes share: the object store client,
+the error translation, object keys inside a prefix and the claim object's name."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+from collections.abc import Iterator
+from typing import Any
+
+from gpuckpt.format.documents import ROOT_KEY, is_chunk_file_key, too_large
+from gpuckpt.format.names import is_safe_name
+from gpuckpt.storage.s3.client import RequestBudget, first_line, obstore_for, pop_transfer_options
+
+__all__ = [
+    "CLAIM_KEY",
+    "CLOCK_PROBE_PREFIX",
+    "DEFAULT_LEASE_SECONDS",
+    "MAX_CLAIM_BYTES",
+    "Prefix",
+    "object_key",
+]
+
+CLAIM_KEY = ".gpuckpt-writer"
+#: keys of the empty objects a writer puts to read the server's clock (a writer's token follows)
+CLOCK_PROBE_PREFIX = ".gpuckpt-clock-"
+DEFAULT_LEASE_SECONDS = 60.0
+MAX_CLAIM_BYTES = 1 << 24
+
+
+def object_key(name: str, key: str) -> str:
+    """Key of ``name/key`` inside the prefix; refuses anything that could leave it."""
+    if not is_safe_name(name) or not (key == ROOT_KEY or is_chunk_file_key(key)):
+        raise ValueError(f"refusing object key {name!r}/{key!r}: not a checkpoint array name and key")
+    return f"{name}/{key}"
+
+
+class Prefix:
+    """What readers and writers share: the store and error translation."""
+
+    def __init__(self, url: str, storage_options: dict[str, Any]) -> None:
+        self.lease = float(storage_options.pop("lease_seconds", DEFAULT_LEASE_SECONDS))
+        if not self.lease > 0:
+            raise ValueError(f"lease_seconds must be a positive number of seconds, got {self.lease!r}")
+        self.conditional = bool(storage_options.pop("conditional_writes", True))
+        self.transfer = pop_transfer_options(storage_options)
+        self.budget = RequestBudget(self.transfer.max_requests, self.transfer.upload_buffer_bytes)
+        self.path = url.rstrip("/")
+        self._obs = obstore_for(url, storage_options)
+
+    #: what errors of the store become (:meth:`_io`) where no other type is asked for
+    _error: type[OSError] = OSError
+
+    @contextlib.contextmanager
+    def _io(self, what: str, error: type[OSError] | None = None) -> Iterator[None]:
+        """Turn obstore's errors (not OSErrors, except not-found) into ``error`` naming ``what``.
+
+        Nested blocks name the innermost operation: an error already turned is an
+        OSError, which passes through the outer ones.
+        """
+        error = error or self._error
+        from obstore.exceptions import (
+            BaseError,
+            NotSupportedError,
+            PermissionDeniedError,
+            UnauthenticatedError,
+        )
+
+        try:
+            yield
+        except (PermissionDeniedError, UnauthenticatedError) as exc:
+            raise error(
+                errno.EACCES,
+                f"{what} at {self.path} was refused ({first_line(exc)}); check the credentials "
+                "and bucket policy in storage_options",
+            ) from None
+        except NotSupportedError as exc:
+            raise error(
+                errno.EOPNOTSUPP,
+                f"{what} at {self.path}: the server refused a request ({first_line(exc)}); if it does not "
+                "support conditional puts (If-None-Match), pass storage_options conditional_writes=False",
+            ) from None
+        except BaseError as exc:
+            raise error(errno.EIO, f"{what} at {self.path} failed: {first_line(exc)}") from exc
+
+    def _get_small(self, rel: str, limit: int, name: str) -> bytes | None:
+        """The object ``rel`` (None when absent), refused unread above ``limit`` (the cap ``name``)."""
+        import obstore as obs
+
+        with self._io(f"reading {rel}"):
+            try:
+                res = obs.get(self._obs, rel)
+            except FileNotFoundError:
+                return None
+            size = res.meta["size"]
+            if size > limit:
+                raise too_large(f"{self.path}/{rel}", size, limit, name)
+            return bytes(res.bytes())
+
+    def _list(self) -> dict[str, int]:
+        """Every object under the prefix: relative key -> size."""
+        import obstore as obs
+
+        with self._io("listing the objects"):
+            return {m["path"]: m["size"] for batch in obs.list(self._obs) for m in batch}

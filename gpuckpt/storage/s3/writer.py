@@ -1,0 +1,657 @@
+"""Checkpoints in S3-compatible object storage (``s3://bucket/prefix``).
+
+Object stores have no rename, so a checkpoint is published by its commit
+object: the root ``zarr.json`` (:data:`~gpuckpt.format.documents.ROOT_KEY`) is
+written last, and a prefix without it is not a checkpoint. Every object sits
+at its final key; a reader that finds the root finds everything it lists.
+
+A save to ``s3://bucket/prefix`` goes:
+
+1. ``begin``: refuse if the root exists. Create the *claim* object
+   ``prefix/.gpuckpt-writer`` with a conditional put (``If-None-Match: *``),
+   so one writer at a time owns the prefix. A claim left by a save that died
+   (its process is gone from this machine and pid namespace, or the claim was
+   not refreshed for ``lease_seconds``, both times read off the server's clock:
+   the age is the claim's last-modified time subtracted from that of a probe
+   object the writer puts, so a client clock skewed either way judges no claim) is
+   taken over with a compare-and-swap on its ETag. Then, with the root
+   checked again, objects of the unfinished save whose claim was taken over
+   are deleted. Objects under a prefix that had no claim, and objects no
+   gpuckpt save writes, are refused, never deleted: a prefix holding another
+   program's Zarr store (even one whose keys look like a checkpoint's) is
+   left as it is.
+2. Array documents and chunks are plain puts at their final keys (a chunk
+   above ``part_bytes`` a multipart upload, see
+   :mod:`gpuckpt.storage.s3.client`); a thread refreshes the claim every
+   quarter lease. In a distributed save the other ranks join the save with
+   its :attr:`~ObjectStoreWriter.token` (:meth:`ObjectStoreWriter.attach`,
+   which checks that the claim is that save's) and put their own chunks; only
+   the writer that began the save holds and refreshes the claim, and commits
+   after every rank has finished.
+3. ``commit``: check the claim is still ours, create the root with a
+   conditional put (of two writers, exactly one commits; the other gets
+   :class:`~gpuckpt.errors.CheckpointExistsError`), delete the claim.
+4. ``abort`` deletes the checkpoint objects under the prefix (every rank's:
+   the claim made them all this save's) and then its claim, unless the
+   prefix has meanwhile passed to another writer or was published.
+
+Requests are retried by the client (backoff with jitter); a put whose answer
+was lost and whose retry then finds the object (the claim or the root
+document, byte for byte this save's) counts as done, so a retried
+conditional put never fails a save that went through.
+
+A root ``zarr.json`` that is not a gpuckpt checkpoint's (another program's
+Zarr store at that prefix) is refused with a message that says so.
+
+``overwrite=True`` cannot replace a published checkpoint: an object store
+cannot swap two sets of objects atomically, and deleting the old root first
+would leave no checkpoint at all if the save then failed. Such a save is
+refused; save to a new prefix (as :class:`gpuckpt.CheckpointManager` does
+with one prefix per step) and delete the old one afterwards.
+
+The back end is obstore's ``S3Store``, called directly: plain and
+conditional puts with their outcome, gets with a size limit, listings with
+sizes, bulk deletes, and streamed reads into the caller's buffers (zarr is
+not imported by a save or a load; :func:`zarr_store` opens a checkpoint with
+zarr itself, through zarr's :class:`zarr.storage.ObjectStore`). Conditional puts need
+a server that honours ``If-None-Match``/``If-Match`` on PUT (AWS S3, MinIO,
+Cloudflare R2, moto); for others pass ``conditional_writes=False``, which
+keeps atomic publication but not the guarantees between concurrent saves.
+
+Reading a published checkpoint is :mod:`gpuckpt.storage.s3.reader`; what readers,
+writers and roots share (the client, error translation, object keys) is
+:mod:`gpuckpt.storage.s3.prefix`.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import secrets
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from datetime import UTC, datetime
+from typing import Any
+
+from gpuckpt.errors import (
+    CheckpointExistsError,
+    CheckpointWriteError,
+    MetadataError,
+)
+from gpuckpt.format.checksum import CRC_BYTES
+from gpuckpt.format.documents import (
+    MAX_ROOT_DOCUMENT_BYTES,
+    ROOT_DOCUMENT_PREFIX,
+    ROOT_KEY,
+    is_chunk_file_key,
+    root_document_problem,
+)
+from gpuckpt.format.names import is_safe_name
+from gpuckpt.storage.base import BaseRef, CheckpointWriter, ChunkDigest
+from gpuckpt.storage.copies import PIECE_BYTES, own_copy
+from gpuckpt.storage.local import fsutil
+from gpuckpt.storage.s3.client import (
+    first_line,
+    parse_s3_url,
+    plan_parts,
+    zarr_store,
+)
+from gpuckpt.storage.s3.prefix import CLAIM_KEY, CLOCK_PROBE_PREFIX, MAX_CLAIM_BYTES, Prefix, object_key
+from gpuckpt.storage.s3.reader import ObjectStoreReader
+
+__all__ = ["CLAIM_KEY", "ObjectStoreReader", "ObjectStoreWriter", "parse_s3_url", "zarr_store"]
+
+
+#: the resolution of the times an S3 server reports (``Last-Modified`` is an HTTP date)
+_TIME_RESOLUTION = 1.0
+
+
+def _machine() -> str:
+    """Boot and pid-namespace identity: a pid is only comparable where both match ("" if unknown)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        return f"{boot}/{os.readlink('/proc/self/ns/pid')}"
+    except OSError:
+        return ""
+
+
+class ObjectStoreWriter(Prefix, CheckpointWriter):
+    """Writes a checkpoint under an ``s3://`` prefix; see the module docstring for the protocol.
+
+    Parameters
+    ----------
+    url
+        ``s3://bucket/prefix``.
+    overwrite
+        Accepted for a prefix without a checkpoint; a published one is never
+        replaced (see the module docstring).
+    **storage_options
+        ``endpoint_url``, ``region``, ``access_key_id``, ``secret_access_key``,
+        ``session_token``, ``allow_http`` (implied by an ``http://`` endpoint),
+        ``skip_signature``, ``client_options``, ``retry_config`` (over the defaults of
+        :mod:`gpuckpt.storage.s3.client`), other obstore ``S3Config`` keys; and
+        ``lease_seconds`` (claim lease, default 60), ``conditional_writes``
+        (default True; False for servers without ``If-None-Match``/``If-Match``
+        on PUT, losing the concurrency guarantees), ``max_requests``,
+        ``part_bytes`` and ``max_parts_in_flight`` (see :mod:`gpuckpt.storage.s3.client`).
+    """
+
+    _error = CheckpointWriteError
+    batches_chunks = False  # each chunk is a request: small ones go out in parallel
+    documents_first = False  # no directories: chunks may land before their array's document
+
+    def __init__(self, url: str, *, overwrite: bool = False, **storage_options: Any) -> None:
+        super().__init__(url, storage_options)
+        self.overwrite = overwrite
+        self._token = secrets.token_hex(8)
+        self._claim_body = json.dumps(
+            {
+                "owner": fsutil.tmp_owner(),
+                "machine": _machine(),
+                "token": self._token,
+                "started": datetime.now(UTC).isoformat(),
+                "lease_seconds": self.lease,
+            }
+        ).encode()
+        # until when (monotonic clock) no other save can have taken the claim over: half a lease
+        # after the start of the last put of the claim that went through; writes stop past it
+        self._valid_until: float | None = None
+        self._claim_etag: str | None = None
+        self._written: set[str] = set()
+        self._published: dict[str, Any] = {}  # base prefix -> its root document's last-modified time
+        self._lost: str | None = None
+        self._committed = False
+        self._stop = threading.Event()
+        self._heartbeat: threading.Thread | None = None
+
+    @property
+    def token(self) -> str:
+        """What the other ranks of a distributed save need to write into it (:meth:`attach`)."""
+        return self._token
+
+    @classmethod
+    def attach(cls, url: str, token: str, **storage_options: Any) -> ObjectStoreWriter:
+        """A rank's writer of chunks into the save ``token`` that another process began.
+
+        Chunks go straight to their final keys under the prefix; the process that
+        began the save holds the claim, refreshes it, and commits or aborts (its
+        abort deletes every object of the save, the other ranks' included).
+
+        Raises
+        ------
+        CheckpointExistsError
+            When the prefix is not claimed by the save ``token`` (it ended, or
+            another save took the prefix over).
+        """
+        w = cls(url, **storage_options)
+        with w._io("joining the save", CheckpointWriteError):
+            raw = w._get_small(CLAIM_KEY, MAX_CLAIM_BYTES, "the claim object's limit")
+        try:
+            found = json.loads(raw or b"null")["token"]
+        except (ValueError, KeyError, TypeError):
+            found = None
+        if found != token:
+            state = "is missing" if raw is None else "belongs to another save"
+            raise CheckpointExistsError(
+                f"{w.path}: the save this rank was to join (claim token {token!r}) does not hold the prefix "
+                f"(its claim {w.path}/{CLAIM_KEY} {state}); the save was aborted or taken over, nothing "
+                "of this rank was written"
+            )
+        w._token = token
+        return w
+
+    # -- conditional puts -------------------------------------------------
+    def _put(self, rel: str, data: Any, mode: Any) -> str | None:
+        """Put with ``mode`` ("create" or {"e_tag": ...}); plain put when conditional writes are off."""
+        import obstore as obs
+
+        if not self.conditional:
+            if mode == "create" and self._exists(rel):
+                from obstore.exceptions import AlreadyExistsError
+
+                raise AlreadyExistsError(rel)
+            mode = "overwrite"
+        return obs.put(self._obs, rel, data, mode=mode)["e_tag"]
+
+    def _exists(self, rel: str) -> bool:
+        import obstore as obs
+
+        try:
+            obs.head(self._obs, rel)
+        except FileNotFoundError:
+            return False
+        return True
+
+    def _root_problem(self) -> str | None:
+        """Why the root object is not a gpuckpt checkpoint's; None when it is (damaged or not)."""
+        import obstore as obs
+
+        n = len(ROOT_DOCUMENT_PREFIX)
+        try:
+            if obs.head(self._obs, ROOT_KEY)["size"] >= n:
+                head = bytes(obs.get(self._obs, ROOT_KEY, options={"range": (0, n)}).bytes())
+                if head == ROOT_DOCUMENT_PREFIX:
+                    return None
+        except FileNotFoundError:
+            return None  # deleted meanwhile: nothing to protect, the conditional put decides
+        try:
+            raw = self._get_small(ROOT_KEY, MAX_ROOT_DOCUMENT_BYTES, "MAX_ROOT_DOCUMENT_BYTES")
+        except MetadataError:
+            return f"its {ROOT_KEY} is larger than any gpuckpt root document"
+        return None if raw is None else root_document_problem(raw)
+
+    def _refuse_published(self) -> None:
+        if not self._exists(ROOT_KEY):
+            return
+        problem = self._root_problem()
+        if problem is not None:
+            raise CheckpointExistsError(
+                f"{self.path} holds something that is not a gpuckpt checkpoint: {problem}; refusing to "
+                f"touch it{' even with overwrite=True' if self.overwrite else ''}, nothing was deleted. "
+                "Save to another prefix"
+            )
+        if self.overwrite:
+            raise CheckpointExistsError(
+                f"Checkpoint already exists at {self.path} and overwrite=True cannot replace it: object "
+                "storage has no atomic swap, and unpublishing it first could leave no checkpoint at all; "
+                "save to a new prefix, then delete the old one"
+            )
+        raise CheckpointExistsError(f"Checkpoint already exists at {self.path}; save to a new prefix")
+
+    def _claim(self) -> bool:
+        """Claim the prefix; True when that took over the claim of an abandoned save."""
+        import obstore as obs
+        from obstore.exceptions import AlreadyExistsError, PreconditionError
+
+        for _ in range(3):
+            sent = time.monotonic()
+            try:
+                self._claim_etag = self._put(CLAIM_KEY, self._claim_body, "create")
+                self._renewed(sent)
+                return False
+            except AlreadyExistsError:
+                pass
+            try:
+                res = obs.get(self._obs, CLAIM_KEY)
+            except FileNotFoundError:
+                continue  # released meanwhile: try to create it again
+            meta, raw = res.meta, bytes(res.bytes())
+            if raw == self._claim_body:
+                # our own put: it reached the server, its answer was lost and the retry found it
+                self._claim_etag = meta["e_tag"]
+                self._renewed(sent)
+                return False
+            try:
+                info = json.loads(raw)
+                owner, machine = str(info["owner"]), str(info.get("machine", ""))
+                # the holder refreshes within its own lease: never judge it by a shorter one
+                lease = max(self.lease, float(info.get("lease_seconds", 0.0)))
+            except (ValueError, KeyError, TypeError):
+                owner, machine, lease = "?", "", self.lease
+            host, _, pid = owner.rpartition("-")
+            # a pid means something only on the same machine and in the same pid namespace
+            same = machine != "" and machine == _machine()
+            dead = same and pid.isdigit() and not fsutil.pid_alive(host, int(pid))
+            if not dead:
+                # the claim's age in the server's time: this machine's clock may run ahead of the
+                # server's (every claim would look expired) or behind it (dead ones would look alive)
+                # (whole seconds on S3: the difference of two such times may exceed the true age
+                # by up to one second, so that second is not counted)
+                age = (self._server_now() - meta["last_modified"]).total_seconds() - _TIME_RESOLUTION
+                if age <= lease:
+                    raise CheckpointExistsError(
+                        f"{self.path} has no checkpoint but another save to it is running (claimed by "
+                        f"{owner}, refreshed {max(age, 0.0):.0f} s ago by the server's clock); wait for it "
+                        f"or save to another prefix. If that save died, its claim {self.path}/{CLAIM_KEY} "
+                        f"expires {lease:g} s after its last refresh (or delete it)"
+                    )
+            sent = time.monotonic()
+            try:  # take the abandoned claim over, unless another writer does so first
+                self._claim_etag = self._put(CLAIM_KEY, self._claim_body, {"e_tag": meta["e_tag"]})
+                self._renewed(sent)
+                return True
+            except (PreconditionError, AlreadyExistsError, FileNotFoundError):
+                continue
+        raise CheckpointExistsError(
+            f"{self.path}: other saves keep claiming this prefix; save to another prefix"
+        )
+
+    def _server_now(self) -> datetime:
+        """The server's clock now, at the latest: the last-modified time of a probe object this
+        writer puts (and deletes) now. Ages of claims are differences of two server times, so
+        that no client's clock, skewed either way, judges another writer's claim."""
+        import obstore as obs
+
+        probe = f"{CLOCK_PROBE_PREFIX}{self._token}"
+        obs.put(self._obs, probe, b"", mode="overwrite")
+        try:
+            return obs.head(self._obs, probe)["last_modified"]
+        finally:
+            self._delete_quietly([probe])
+
+    def _refresh(self) -> None:
+        from obstore.exceptions import AlreadyExistsError, PreconditionError
+
+        while not self._stop.wait(self.lease / 4):
+            sent = time.monotonic()
+            try:
+                self._claim_etag = self._put(CLAIM_KEY, self._claim_body, {"e_tag": self._claim_etag})
+                self._renewed(sent)
+            except (PreconditionError, AlreadyExistsError, FileNotFoundError):
+                if self._reclaim_own():
+                    self._renewed(sent)
+                    continue
+                self._lost = (
+                    f"the claim on {self.path} was taken over by another save while this one ran "
+                    f"(more than {self.lease:.0f} s without a refresh); this save was discarded"
+                )
+                return
+            except Exception:  # transient: retry at the next beat, commit checks
+                continue
+
+    def _renewed(self, sent: float) -> None:
+        self._valid_until = sent + self.lease / 2
+
+    def _reclaim_own(self) -> bool:
+        """After a refused refresh: True (and its new ETag kept) when the claim is still ours,
+        i.e. our own refresh went through and only its answer was lost before a retry."""
+        import obstore as obs
+
+        try:
+            res = obs.get(self._obs, CLAIM_KEY)
+            if bytes(res.bytes()) == self._claim_body:
+                self._claim_etag = res.meta["e_tag"]
+                return True
+        except Exception:  # gone, or cannot tell: treated as lost, commit checks again
+            pass
+        return False
+
+    def _still_ours(self) -> bool:
+        import obstore as obs
+
+        if self._lost is not None:
+            return False
+        try:
+            return bytes(obs.get(self._obs, CLAIM_KEY).bytes()) == self._claim_body
+        except FileNotFoundError:
+            return False
+
+    def _stop_refresh(self) -> None:
+        self._stop.set()
+        if self._heartbeat is not None:
+            self._heartbeat.join()
+            self._heartbeat = None
+
+    # -- the CheckpointWriter protocol ------------------------------------
+    def begin(self) -> None:
+        with self._io("starting a save", CheckpointWriteError):
+            self._refuse_published()
+            took_over = self._claim()
+            try:
+                # the root may have been committed between the first check and the claim
+                self._refuse_published()
+                self._delete_leftovers(took_over)
+            except BaseException:
+                self._delete_quietly([CLAIM_KEY])
+                raise
+        heartbeat = threading.Thread(target=self._refresh, name="gpuckpt-s3-claim", daemon=True)
+        try:
+            heartbeat.start()
+        except RuntimeError:
+            # no thread can be started (a save finished while the interpreter exits): the
+            # claim is not refreshed, and commit still refuses to publish if it was lost
+            return
+        self._heartbeat = heartbeat
+
+    def _delete_leftovers(self, took_over: bool) -> None:
+        """Delete what the abandoned save whose claim we took over left; refuse anything else.
+
+        Keys shaped like a checkpoint's are not proof enough: a Zarr v3 store of
+        another program can have only such keys. Only a claim left behind says
+        that the objects are a gpuckpt save's (a save aborts its objects before
+        its claim).
+        """
+        import obstore as obs
+
+        listed = [k for k in self._list() if k != CLAIM_KEY]
+        # clock probes (see _server_now) that a process left when it died: gpuckpt's, never in the way
+        probes = [k for k in listed if k.startswith(CLOCK_PROBE_PREFIX)]
+        if probes:
+            obs.delete(self._obs, probes)
+        keys = [k for k in listed if not k.startswith(CLOCK_PROBE_PREFIX)]
+        foreign = [k for k in keys if not self._is_checkpoint_key(k)]
+        if foreign:
+            raise CheckpointExistsError(
+                f"{self.path} has no checkpoint but holds {len(foreign)} other object(s), e.g. "
+                f"{foreign[:3]}; refusing to delete them: save to an empty prefix"
+            )
+        if keys and not took_over:
+            raise CheckpointExistsError(
+                f"{self.path} has no checkpoint and no claim of an unfinished gpuckpt save, but holds "
+                f"{len(keys)} object(s), e.g. {keys[:3]} (another program's Zarr store?); refusing to "
+                "delete them, nothing was deleted: save to an empty prefix"
+            )
+        if keys:
+            obs.delete(self._obs, keys)
+
+    @staticmethod
+    def _is_checkpoint_key(rel: str) -> bool:
+        name, sep, key = rel.partition("/")
+        return bool(sep) and is_safe_name(name) and (key == ROOT_KEY or is_chunk_file_key(key))
+
+    def _check_claim(self) -> None:
+        """Raise :class:`CheckpointExistsError` when this save may no longer write (its claim
+        is lost, or could not be refreshed for more than half the lease)."""
+        if self._lost is None and self._valid_until is not None and time.monotonic() > self._valid_until:
+            # stalled (a stopped process, a hung node) past half the lease: the claim may be
+            # another save's by now, whose objects this put could replace
+            self._lost = (
+                f"the save to {self.path} could not refresh its claim for more than half its lease "
+                f"({self.lease:g} s); another save may have taken the prefix over, so this one stopped "
+                "writing and was discarded"
+            )
+        if self._lost is not None:
+            raise CheckpointExistsError(self._lost)
+
+    def _write(self, rel: str, data: Any, streamed: tuple[int, Iterator[Any]] | None = None) -> None:
+        """Put ``data`` (a buffer, or a list of buffers to store one after the other) at ``rel``;
+        or, with ``streamed`` ``(nbytes, pieces)``, the buffers the iterator ``pieces`` yields as
+        the upload asks for them (a multipart upload; ``data`` unused).
+
+        One request, or from twice ``part_bytes`` on a multipart upload whose parts are
+        sent a few at a time, within the request and memory budgets (see
+        :mod:`gpuckpt.storage.s3.client`).
+        """
+        import obstore as obs
+
+        self._check_claim()
+        self._written.add(rel)
+        pieces = data if isinstance(data, list) else [data]
+        nbytes = streamed[0] if streamed is not None else sum(memoryview(p).nbytes for p in pieces)
+        nparts, part = plan_parts(nbytes, self.transfer.part_bytes)
+        at_once = min(nparts, self.transfer.max_parts_in_flight)
+        with (
+            self._io(f"writing {rel} ({nbytes} bytes)", CheckpointWriteError),
+            # the client's buffers of what is in flight: the whole object, or the parts being sent
+            self.budget.take(at_once, nbytes if nparts == 1 else at_once * part) as slots,
+        ):
+            # the put zarr's ObjectStore.set makes, without its event-loop thread: that thread
+            # cannot be started while the interpreter exits, when queued saves still run
+            if streamed is not None:
+                obs.put(
+                    self._obs, rel, streamed[1], use_multipart=True, chunk_size=part, max_concurrency=slots
+                )
+            elif nparts == 1:
+                # the client gathers the pieces into its own buffer: no joined copy of ours first
+                obs.put(self._obs, rel, pieces if len(pieces) > 1 else pieces[0], use_multipart=False)
+            else:
+                views = [memoryview(p).cast("B") for p in pieces]
+                obs.put(self._obs, rel, views, use_multipart=True, chunk_size=part, max_concurrency=slots)
+
+    def write_array_document(self, name: str, document: bytes) -> None:
+        self._write(object_key(name, ROOT_KEY), document)
+
+    def rewrite_array_document(self, name: str, document: bytes) -> None:
+        self._write(object_key(name, ROOT_KEY), document)  # a put replaces the object
+
+    def write_chunk(self, name: str, key: str, parts: Sequence[Any]) -> None:
+        # no concatenation here: a small chunk is joined once for its single put, a large one
+        # goes up in parts read from the caller's buffers
+        self._write(object_key(name, key), [memoryview(p).cast("B") for p in parts])
+
+    def write_chunk_checked(
+        self, name: str, key: str, parts: Sequence[Any], digest: ChunkDigest, *, stable: bool = False
+    ) -> None:
+        """A chunk of one put is copied whole (unless ``stable``), digested and put (see
+        :class:`~gpuckpt.storage.base.CheckpointWriter`); a larger one goes up as a multipart
+        upload fed piece by piece, each piece copied into a buffer the upload keeps (a retried
+        part resends those bytes, never rereads the caller's memory) and digested as it is handed
+        over, the trailer last: memory stays within the parts in flight."""
+        nbytes = sum(memoryview(p).nbytes for p in parts) + CRC_BYTES
+        if stable or plan_parts(nbytes, self.transfer.part_bytes)[0] == 1:
+            super().write_chunk_checked(name, key, parts, digest, stable=stable)
+            return
+
+        def pieces() -> Iterator[Any]:
+            for p in parts:
+                view = memoryview(p).cast("B")
+                for i in range(0, view.nbytes, PIECE_BYTES):
+                    own = own_copy([view[i : i + PIECE_BYTES]])
+                    digest.update(own)
+                    yield own
+            yield digest.trailer()
+
+        self._write(object_key(name, key), None, streamed=(nbytes, pieces()))
+
+    def reuse_chunk(self, name: str, key: str, base: BaseRef) -> bool:
+        """A server-side copy (``CopyObject``: no chunk bytes through this process) of the
+        base's chunk object, when the base is in the same bucket of the same endpoint (the
+        save's ``storage_options`` reach both) and the object has the size and CRC32C trailer
+        the base's metadata gives and is no younger than the base's root document (an object
+        put again after the base was published may hold other bytes than its records
+        describe); False otherwise, or when the server refuses the copy."""
+        import obstore as obs
+        from obstore.exceptions import BaseError
+        from obstore.store import S3Store
+
+        self._check_claim()
+        try:
+            src_bucket, src_prefix = parse_s3_url(base.location)
+            bucket, prefix = parse_s3_url(self.path)
+            src = "/".join(p for p in (src_prefix, object_key(base.name, base.key)) if p)
+        except ValueError:
+            return False
+        # a single CopyObject takes objects up to 5 GiB (larger ones need UploadPartCopy)
+        if src_bucket != bucket or not CRC_BYTES <= base.nbytes <= 5 << 30:
+            return False
+        rel = object_key(name, key)
+        store = S3Store(
+            config=self._obs.config,
+            client_options=self._obs.client_options,
+            retry_config=self._obs.retry_config,
+            credential_provider=self._obs.credential_provider,
+        )  # the bucket's root: the base lives under another prefix
+        try:
+            with self.budget.take():
+                meta = obs.head(store, src)
+                if meta["size"] != base.nbytes:
+                    return False
+                published = self._published.get(src_prefix)
+                if published is None:
+                    root = "/".join(p for p in (src_prefix, ROOT_KEY) if p)
+                    published = self._published[src_prefix] = obs.head(store, root)["last_modified"]
+                if meta["last_modified"] > published:
+                    return False  # put again after its checkpoint was published: not the base's bytes
+                trailer = bytes(obs.get_range(store, src, start=base.nbytes - CRC_BYTES, end=base.nbytes))
+                if int.from_bytes(trailer, "little") != base.crc32c:
+                    return False
+                self._check_claim()
+                self._written.add(rel)
+                obs.copy(store, src, "/".join(p for p in (prefix, rel) if p))
+        except (FileNotFoundError, BaseError):
+            return False
+        return True
+
+    def commit(self, root_document: bytes) -> None:
+        from obstore.exceptions import AlreadyExistsError, BaseError
+
+        self._stop_refresh()
+        with self._io("publishing the checkpoint", CheckpointWriteError):
+            if not self._still_ours():
+                self._lost = self._lost or (
+                    f"the claim on {self.path} passed to another save while this one ran; this save "
+                    "was discarded"
+                )
+                raise CheckpointExistsError(self._lost)
+            try:
+                self._put(ROOT_KEY, root_document, "create")
+            except AlreadyExistsError:
+                if self._published_ours(root_document, None):
+                    # our own put went through and its retry found it (the document names this save)
+                    self._committed = True
+                    self._delete_quietly([CLAIM_KEY])
+                    return
+                self._lost = (
+                    f"Checkpoint already exists at {self.path}: another save published it while this one "
+                    "ran; this save was discarded and the other one kept"
+                )
+                raise CheckpointExistsError(self._lost) from None
+            except BaseError as exc:
+                # the retries ran out: the put may still have reached the server (its answers lost)
+                if not self._published_ours(root_document, exc):
+                    raise
+            self._committed = True
+        self._delete_quietly([CLAIM_KEY])
+
+    def _published_ours(self, root_document: bytes, failure: BaseException | None) -> bool:
+        """Whether the root object is ``root_document`` (unique to this save: it holds its id).
+
+        After a failed put (``failure``) a root that cannot be read leaves the outcome
+        unknown: that is raised as such, never reported as a plain failure.
+        """
+        try:
+            found = self._get_small(ROOT_KEY, MAX_ROOT_DOCUMENT_BYTES, "MAX_ROOT_DOCUMENT_BYTES")
+        except Exception as exc:
+            if failure is None:
+                raise
+            raise CheckpointWriteError(
+                errno.EIO,
+                f"publishing {self.path}: the put of {ROOT_KEY} failed ({first_line(failure)}) and reading "
+                f"it back failed too ({first_line(exc)}): whether the checkpoint was published is "
+                "unknown; gpuckpt.read_metadata on it tells (a published checkpoint is whole)",
+            ) from failure
+        return found == bytes(root_document)
+
+    def abort(self) -> None:
+        self._stop_refresh()
+        if self._committed or self._claim_etag is None:
+            return
+        try:
+            ours = self._still_ours() and not self._exists(ROOT_KEY)
+        except Exception:  # cannot tell: leave the objects to the next save's cleanup
+            ours = False
+        if not ours:
+            return  # the prefix belongs to another save now: its objects are not ours to delete
+        # every checkpoint object under the claimed prefix is this save's (begin refused or removed
+        # all others), the other ranks' chunks included; the claim goes only once they are gone:
+        # it is what lets the next save delete them
+        try:
+            listed = {k for k in self._list() if k != CLAIM_KEY and self._is_checkpoint_key(k)}
+        except Exception:
+            listed = set()
+        if self._delete_quietly(sorted(self._written | listed)):
+            self._delete_quietly([CLAIM_KEY])
+
+    def _delete_quietly(self, keys: list[str]) -> bool:
+        """Delete ``keys``; False (and no exception) when that failed."""
+        import obstore as obs
+
+        try:
+            if keys:
+                obs.delete(self._obs, keys)
+        except Exception:
+            return False
+        return True
