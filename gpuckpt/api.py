@@ -238,7 +238,7 @@ def load_with_options(
 
 @paused_gc()
 def _load(state_dict: STATE_DICT_TYPE, path: PathLike, options: LoadOptions) -> None:
-    ck = open_checkpoint(path, options.storage_options)
+    ck = open_checkpoint(path, options.storage_options, direct_io=options.reads_direct())
     reader, tensors, objects = ck.reader, ck.index.tensors, ck.index.objects
     leaves, _ = flatten_state_dict(state_dict, is_leaf)
     missing = [f for f in leaves if f not in tensors and f not in objects]
@@ -416,7 +416,7 @@ def load_state_dict(
         staging_bytes=staging_bytes,
         storage_options=storage_options,
     )
-    ck = open_checkpoint(path, options.storage_options)
+    ck = open_checkpoint(path, options.storage_options, direct_io=options.reads_direct())
     reader, tensors, objects = ck.reader, ck.index.tensors, ck.index.objects
     chosen = select_fqns(ck.index.order, keys)
     entries = [tensors[f] for f in chosen if f in tensors]

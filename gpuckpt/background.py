@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from gpuckpt.device.arrays import ArrayAdapter, HostArray, copy_all
+from gpuckpt.device.arrays import ArrayAdapter, HostArray, copy_all, device_backends
 from gpuckpt.device.staging import ArenaPool, HostAllocator, StagingArena, aligned_bytes, pool_for
 from gpuckpt.distributed.coordinator import Coordinator, SingleProcessCoordinator
 from gpuckpt.distributed.save import Described, save_described
@@ -40,7 +40,7 @@ from gpuckpt.runtime.workers import Workers
 from gpuckpt.saving.incremental import check_base_target
 from gpuckpt.saving.session import execute_save
 from gpuckpt.saving.sources import Source, contains_sharded, describe_state
-from gpuckpt.saving.writing import device_backends, open_save_writer, shared_with_base
+from gpuckpt.saving.writing import open_save_writer, shared_with_base
 
 __all__ = [
     "SaveFuture",

@@ -206,6 +206,7 @@ class LoadOptions:
     progress: ProgressCallback | None = None
     staging_bytes: int = DEFAULT_STAGING_BYTES
     storage_options: Mapping[str, Any] | None = None
+    direct_io: str = dataclasses.field(default_factory=direct_io_from_env)
 
     def __post_init__(self) -> None:
         _flag("strict", self.strict)
@@ -214,6 +215,14 @@ class LoadOptions:
         _callback("progress", self.progress)
         _count("staging_bytes", self.staging_bytes, "bytes of staging memory")
         object.__setattr__(self, "storage_options", _mapping("storage_options", self.storage_options))
+        _choice("direct_io", self.direct_io, _DIRECT_IO_MEANINGS, "a direct I/O mode")
+
+    def reads_direct(self) -> bool:
+        """Whether large chunks that are not in the page cache are read around it (``O_DIRECT``
+        into aligned memory: the cache is not filled with a checkpoint read once): unless
+        ``direct_io`` is ``"off"`` (``"auto"`` and ``"on"`` both read cold chunks that way; a
+        chunk in the cache is copied from it). The platform may still refuse."""
+        return self.direct_io != "off"
 
     def replace(self, **changes: Any) -> LoadOptions:
         """A copy with ``changes`` applied (and validated)."""

@@ -310,7 +310,7 @@ def open_checkpoint(path: str, options: LoadOptions) -> OpenCheckpoint:
     DCP's metadata lists every chunk of every tensor, so a claim of more chunks than the
     arrays hold files is refused first (:func:`~gpuckpt.loading.checks.overclaimed`): a hostile
     chunk table costs what was written, not a record per claimed chunk."""
-    ck = load_open.open_checkpoint(path, options.store_options())
+    ck = load_open.open_checkpoint(path, options.store_options(), direct_io=options.reads_direct())
     for bad in overclaimed(ck.reader, ck.index.tensors.values()):
         raise bad.error()
     return OpenCheckpoint(ck.location, ck.reader, ck.index.metadata(), ck.index.tensors, ck.index.objects)

@@ -131,7 +131,7 @@ def read_boxes(
     )
     # small chunks go to the I/O threads in batches, as in an unsharded load
     copies = CopyQueue("gpuckpt-reshard-upload") if staging.backends else None
-    per_job = IO_BATCH_JOBS if reader.batches_chunks else 1  # an object store: one request each
+    per_job = IO_BATCH_JOBS if reader.capabilities.batches_chunks else 1  # an object store: one request each
     jobs = [
         functools.partial(_read_batch, reader, batch, staging, copies, counter)
         for batch in batches(((r, r[1].nbytes) for r in reads), max_items=per_job)

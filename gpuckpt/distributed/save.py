@@ -209,7 +209,7 @@ def save_described(
         writer = open_save_writer(path, options, expected_files=plan.nfiles, direct_io=False)
         # a store that takes chunks before documents gets them from every rank, with its chunks
         nonlocal session
-        session, _ = SaveSession.begin(plan, writer, options, documents=writer.documents_first)
+        session, _ = SaveSession.begin(plan, writer, options, documents=writer.capabilities.documents_first)
         return plan, writer.token, reusable
 
     root = _run(coord, plan_on_root) if coord.rank == 0 else _run(coord, lambda: None)
@@ -240,7 +240,9 @@ def save_described(
         # an object store takes chunks before documents: every rank started on the plan at once,
         # and puts its share of the documents on its I/O threads, within its request budget
         first = (
-            [] if w.documents_first else [functools.partial(w.write_array_document, *d) for d in documents]
+            []
+            if w.capabilities.documents_first
+            else [functools.partial(w.write_array_document, *d) for d in documents]
         )
         return mine_session.rows(jobs, mine_session.write(jobs, base=mine_base, first=first))
 

@@ -419,7 +419,7 @@ def prepare_reads(
     whole: list[tuple[TensorEntry, np.ndarray]] = []
     rest: list[tuple[TensorEntry, ArrayAdapter]] = []
     for t, dest in targets:
-        buf = _whole_buffer(t, dest) if reader.batches_chunks else None
+        buf = _whole_buffer(t, dest) if reader.capabilities.batches_chunks else None
         if buf is None:
             rest.append((t, dest))
         else:
@@ -447,7 +447,9 @@ def prepare_reads(
             *(functools.partial(job, counter) for job in whole_jobs),
             *(
                 functools.partial(_read_chunks, reader, batch, staging, copies, counter)
-                for batch in batches(reads, max_items=IO_BATCH_JOBS if reader.batches_chunks else 1)
+                for batch in batches(
+                    reads, max_items=IO_BATCH_JOBS if reader.capabilities.batches_chunks else 1
+                )
             ),
         ]
         run_reads(jobs, copies, threads=threads, name="gpuckpt-read")

@@ -29,6 +29,7 @@ from typing import Any
 
 from gpuckpt.format.documents import ROOT_KEY, metadata_json
 from gpuckpt.format.reader import CheckpointIndex, read_index
+from gpuckpt.options import LoadOptions
 from gpuckpt.storage.base import CheckpointReader
 from gpuckpt.storage.stores import open_reader
 
@@ -54,12 +55,15 @@ def open_checkpoint(
     storage_options: Mapping[str, Any] | None = None,
     *,
     shared: bool = True,
+    direct_io: bool | None = None,
 ) -> OpenCheckpoint:
     """Open the checkpoint at ``path`` (a directory or a URL, with ``storage_options`` for its
     store) and check its root document and chunk table; nothing else is read.
 
     ``shared``: the index may come from (and goes to) the per-process cache of recent root
     documents (see the module docstring); its objects must then not be changed.
+    ``direct_io``: whether a file system reads large cold chunks around the page cache
+    (:meth:`~gpuckpt.options.LoadOptions.reads_direct`; None: the default load options').
 
     Raises
     ------
@@ -70,7 +74,10 @@ def open_checkpoint(
         :class:`~gpuckpt.errors.UnsupportedVersionError`).
     """
     # the store first: it refuses a path of the wrong type or an unknown scheme, saying which
-    reader = open_reader(path, storage_options=dict(storage_options) if storage_options is not None else None)
+    direct = LoadOptions().reads_direct() if direct_io is None else direct_io
+    reader = open_reader(
+        path, storage_options=dict(storage_options) if storage_options is not None else None, direct_io=direct
+    )
     location = os.fspath(path)
     root = reader.read_root()
     where = f"{location.rstrip('/')}/{ROOT_KEY}"

@@ -5,7 +5,7 @@ stored chunk (C order: rows along the first axis are contiguous bytes) reads
 them with one ranged read of the segments that hold them, when the
 checkpoint recorded the CRC32C of each segment of the chunk
 (:mod:`gpuckpt.format.segments`), the store reads ranges
-(:attr:`~gpuckpt.storage.base.CheckpointReader.reads_ranges`), and the
+(:attr:`~gpuckpt.storage.base.Capabilities.reads_ranges`), and the
 segments are fewer than the chunk's. Every fetched segment is checked
 against its record before any of its bytes is used; the records themselves
 are used only when they combine to the chunk's recorded CRC32C. Otherwise
@@ -60,7 +60,7 @@ def fetch_rows(
     record, :class:`~gpuckpt.errors.CheckpointCorruptedError` when the object is shorter,
     :class:`~gpuckpt.errors.MissingChunkError` when it disappeared.
     """
-    if not reader.reads_ranges or not c.stored or not 0 <= start < stop <= c.stored[0]:
+    if not reader.capabilities.reads_ranges or not c.stored or not 0 <= start < stop <= c.stored[0]:
         return None
     seg = segments_of(t)
     if seg is None or seg.data_nbytes != c.nbytes - CRC_BYTES:

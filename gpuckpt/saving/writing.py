@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gpuckpt.device.arrays import ArrayAdapter, StagedOut
-from gpuckpt.device.backend import ChunkBox, DeviceBackend, Staging, distinct_backends
+from gpuckpt.device.arrays import ArrayAdapter, StagedOut, device_backends
+from gpuckpt.device.backend import ChunkBox, Staging
 from gpuckpt.errors import CheckpointWriteError, GpuckptError
 from gpuckpt.format.checksum import CRC_BYTES
 from gpuckpt.format.chunks import chunk_bytes, stored_nbytes
@@ -47,7 +47,6 @@ __all__ = [
     "ChunkJob",
     "written_rows",
     "bind_jobs",
-    "device_backends",
     "shared_with_base",
     "open_save_writer",
     "array_document_of",
@@ -107,11 +106,6 @@ def open_save_writer(
         storage_options=options.store_options(),
         direct_io=direct_io,
     )
-
-
-def device_backends(arrays: Iterable[ArrayAdapter]) -> list[DeviceBackend]:
-    """The distinct back ends of the device arrays among ``arrays``."""
-    return distinct_backends(a.backend for a in arrays)
 
 
 def array_document_of(t: TensorPlan) -> bytes:
@@ -184,7 +178,7 @@ def write_chunks(
 
     ``first``: other writes (the array documents of a distributed save to a
     store that takes chunks before documents, see
-    :attr:`~gpuckpt.storage.base.CheckpointWriter.documents_first`) run on the
+    :attr:`~gpuckpt.storage.base.Capabilities.documents_first`) run on the
     same I/O threads, queued before the chunks.
 
     With a ``base``, the chunks of device memory are hashed on their device first
@@ -205,7 +199,7 @@ def write_chunks(
         for i in done:
             counter.add(sizes[i])
     # one call per chunk where each chunk is a request of its own (an object store)
-    batch: Batcher[_Item] = Batcher() if writer.batches_chunks else Batcher(max_items=1)
+    batch: Batcher[_Item] = Batcher() if writer.capabilities.batches_chunks else Batcher(max_items=1)
     reuse = _Reuse(base, compared) if options.hashing or base is not None else None
     with Runner[list[Written]](threads, name="gpuckpt-write") as run:
         for write in first:

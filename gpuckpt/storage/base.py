@@ -15,7 +15,9 @@ from gpuckpt.format.segments import SegmentDigest, segmented
 from gpuckpt.storage.copies import own_copy
 
 __all__ = [
+    "Backend",
     "BaseRef",
+    "Capabilities",
     "CheckpointReader",
     "CheckpointRoot",
     "CheckpointWriter",
@@ -26,6 +28,51 @@ __all__ = [
     "NotRegularFileError",
     "ReadStop",
 ]
+
+
+@dataclass(frozen=True, slots=True)
+class Capabilities:
+    """What a store does differently, as the save and load pipelines ask it: one value per
+    back end (:attr:`CheckpointWriter.capabilities`, :attr:`CheckpointReader.capabilities`),
+    read where a pipeline decides, never a check of which back end it is.
+
+    The defaults are those of a file system."""
+
+    #: the I/O threads hand the store many small chunks per call (one :meth:`~CheckpointWriter.write_chunks`
+    #: or :meth:`~CheckpointReader.read_chunks` batch: cheaper than a call per chunk where native code
+    #: does the files); False where every chunk is a request of its own (an object store), so that
+    #: small chunks go out in parallel on the I/O threads, not one after the other
+    batches_chunks: bool = True
+    #: an array's document must be written before any of its chunks (a file system: writing the
+    #: document makes the array's directory); False where chunks may land first (an object store
+    #: has no directories), which lets a distributed save start every rank's chunk writes while
+    #: the documents are still being written
+    documents_first: bool = True
+    #: :meth:`CheckpointReader.read_range_crcs` reads part of a chunk (else only whole chunks are read)
+    reads_ranges: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Backend:
+    """A storage back end as :mod:`gpuckpt.storage.stores` registers it, one per URL scheme
+    (a plain path is ``file``). Every factory takes the location as the back end names it
+    (:attr:`location`) and keyword arguments:
+
+    * ``writer(location, *, overwrite, sync, expected_files, direct_io, storage_options)``;
+    * ``reader(location, *, direct_io, storage_options)``;
+    * ``attach(location, token, *, storage_options)``: a writer joining another process's
+      save, or None where a save is written by the process that began it;
+    * ``root(location, *, storage_options)``: a place of several checkpoints, or None.
+
+    Options a back end has no use for are ignored (``sync`` and ``direct_io`` by an object
+    store, ``storage_options`` by the file system)."""
+
+    writer: Callable[..., CheckpointWriter]
+    reader: Callable[..., CheckpointReader]
+    attach: Callable[..., CheckpointWriter] | None = None
+    root: Callable[..., CheckpointRoot] | None = None
+    #: the path or URL text as the factories take it
+    location: Callable[[str], str] = str
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,17 +216,8 @@ class CheckpointWriter(ABC):
     own snapshot or staging memory) may be stored without that copy.
     """
 
-    #: whether the I/O threads should hand this writer many small chunks per call (one
-    #: :meth:`write_chunks` batch: cheaper than a call per chunk where native code writes the
-    #: files); False where every chunk is a request of its own (an object store), so that small
-    #: chunks go out in parallel on the I/O threads, not one after the other
-    batches_chunks: bool = True
-
-    #: whether an array's document must be written before any of its chunks (a file system:
-    #: writing the document makes the array's directory); False where chunks may land first
-    #: (an object store has no directories), which lets a distributed save start every rank's
-    #: chunk writes while the documents are still being written
-    documents_first: bool = True
+    #: what this store does differently (see :class:`Capabilities`)
+    capabilities: Capabilities = Capabilities()
 
     @property
     def token(self) -> str | None:
@@ -293,12 +331,8 @@ class CheckpointReader(ABC):
     and :data:`~gpuckpt.format.documents.MAX_ARRAY_DOCUMENT_BYTES` before reading them.
     """
 
-    #: whether the I/O threads should hand this reader many small chunks per call (see
-    #: :attr:`CheckpointWriter.batches_chunks`)
-    batches_chunks: bool = True
-
-    #: whether :meth:`read_range_crcs` reads part of a chunk (else only whole chunks are read)
-    reads_ranges: bool = False
+    #: what this store does differently (see :class:`Capabilities`)
+    capabilities: Capabilities = Capabilities()
 
     def read_range_crcs(
         self, name: str, key: str, offset: int, dests: Sequence[Any]

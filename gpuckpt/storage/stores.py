@@ -6,22 +6,23 @@ opens stores here (:func:`open_writer`, :func:`attach_writer`,
 checkpoints) and asks here about checkpoint directories
 (:func:`is_committed`, :func:`cleanup_leftovers`), never a back end directly.
 
-A plain path (or ``file://`` URL) is a directory on a local or shared POSIX
-file system (:mod:`gpuckpt.storage.local.writer`); ``s3://`` URLs go to
-:mod:`gpuckpt.storage.s3.writer`; :data:`SCHEMES` maps URL schemes to back ends
-and may be extended. The registry imports the back ends it knows, never the
-other way round.
+Back ends are registered alike, one :class:`~gpuckpt.storage.base.Backend` per
+URL scheme in :data:`BACKENDS` (which may be extended): a plain path (or
+``file://`` URL) is ``file``, a directory on a local or shared POSIX file system
+(:mod:`gpuckpt.storage.local`); ``s3://`` URLs go to :mod:`gpuckpt.storage.s3`.
+What a back end does differently the pipelines ask through its
+:class:`~gpuckpt.storage.base.Capabilities`, never through its scheme. The
+registry imports the back ends it knows, never the other way round.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from gpuckpt.errors import InvalidPathError, UnsupportedValueError
-from gpuckpt.storage.base import CheckpointReader, CheckpointRoot, CheckpointWriter
+from gpuckpt.storage.base import Backend, CheckpointReader, CheckpointRoot, CheckpointWriter
 from gpuckpt.storage.local import leftovers
 from gpuckpt.storage.local.reader import LocalReader
 from gpuckpt.storage.local.root import LocalRoot
@@ -30,7 +31,7 @@ from gpuckpt.storage.s3.root import ObjectStoreRoot
 from gpuckpt.storage.s3.writer import ObjectStoreReader, ObjectStoreWriter
 
 __all__ = [
-    "SCHEMES",
+    "BACKENDS",
     "attach_writer",
     "cleanup_leftovers",
     "is_committed",
@@ -41,12 +42,66 @@ __all__ = [
     "scheme_of",
 ]
 
-_Factories = tuple[Callable[..., CheckpointWriter], Callable[..., CheckpointReader]]
 
-#: scheme -> (writer factory, reader factory); factories take (url, **options).
-SCHEMES: dict[str, _Factories] = {"s3": (ObjectStoreWriter, ObjectStoreReader)}
-#: scheme -> factory of a root of several checkpoints (:class:`CheckpointRoot`), taking (url, **options)
-ROOTS: dict[str, Callable[..., CheckpointRoot]] = {"s3": ObjectStoreRoot}
+def _local_location(text: str) -> str:
+    return text[len("file://") :] if text.startswith("file://") else text
+
+
+def _local_writer(
+    location: str,
+    *,
+    overwrite: bool,
+    sync: str,
+    expected_files: int,
+    direct_io: bool,
+    storage_options: dict[str, Any],
+) -> CheckpointWriter:
+    return LocalWriter(
+        location, overwrite=overwrite, sync=sync, expected_files=expected_files, direct_io=direct_io
+    )
+
+
+def _local_reader(location: str, *, direct_io: bool, storage_options: dict[str, Any]) -> CheckpointReader:
+    return LocalReader(location, direct_io=direct_io)
+
+
+def _local_attach(location: str, token: str, *, storage_options: dict[str, Any]) -> CheckpointWriter:
+    return LocalWriter.attach(location, token)
+
+
+def _local_root(location: str, *, storage_options: dict[str, Any]) -> CheckpointRoot:
+    return LocalRoot(location)
+
+
+def _s3_writer(
+    location: str,
+    *,
+    overwrite: bool,
+    sync: str,
+    expected_files: int,
+    direct_io: bool,
+    storage_options: dict[str, Any],
+) -> CheckpointWriter:
+    return ObjectStoreWriter(location, overwrite=overwrite, **storage_options)
+
+
+def _s3_reader(location: str, *, direct_io: bool, storage_options: dict[str, Any]) -> CheckpointReader:
+    return ObjectStoreReader(location, **storage_options)
+
+
+def _s3_attach(location: str, token: str, *, storage_options: dict[str, Any]) -> CheckpointWriter:
+    return ObjectStoreWriter.attach(location, token, **storage_options)
+
+
+def _s3_root(location: str, *, storage_options: dict[str, Any]) -> CheckpointRoot:
+    return ObjectStoreRoot(location.rstrip("/"), **storage_options)
+
+
+#: URL scheme (``file`` for plain paths) -> its back end
+BACKENDS: dict[str, Backend] = {
+    "file": Backend(_local_writer, _local_reader, _local_attach, _local_root, _local_location),
+    "s3": Backend(_s3_writer, _s3_reader, _s3_attach, _s3_root),
+}
 
 
 def path_text(path: Any) -> str:
@@ -84,20 +139,18 @@ def scheme_of(path: str | os.PathLike[str]) -> str:
     return "file"
 
 
-def _local_path(path: str | os.PathLike[str]) -> str:
-    text = path_text(path)
-    return text[len("file://") :] if text.startswith("file://") else text
-
-
-def _lookup(path: str | os.PathLike[str]) -> _Factories:
+def _backend(path: str | os.PathLike[str]) -> tuple[Backend, str]:
+    """The back end of ``path``'s scheme and the location as it names it."""
     scheme = scheme_of(path)
     try:
-        return SCHEMES[scheme]
+        backend = BACKENDS[scheme]
     except KeyError:
+        others = sorted(s for s in BACKENDS if s != "file")
         raise InvalidPathError(
             f"no storage back end for {scheme}:// URLs ({path_text(path)!r}); use a local path or one of "
-            f"{', '.join(sorted(SCHEMES)) or 'file'}"
+            f"{', '.join(others) or 'file'}"
         ) from None
+    return backend, backend.location(path_text(path))
 
 
 def open_writer(
@@ -115,16 +168,15 @@ def open_writer(
     system allows it (see :mod:`gpuckpt.storage.local.direct`); the caller decides
     (:meth:`gpuckpt.options.SaveOptions.use_direct_io`). Object stores ignore it.
     """
-    if scheme_of(path) == "file":
-        return LocalWriter(
-            _local_path(path),
-            overwrite=overwrite,
-            sync=sync,
-            expected_files=expected_files,
-            direct_io=direct_io,
-        )
-    writer, _ = _lookup(path)
-    return writer(path_text(path), overwrite=overwrite, **(storage_options or {}))
+    backend, location = _backend(path)
+    return backend.writer(
+        location,
+        overwrite=overwrite,
+        sync=sync,
+        expected_files=expected_files,
+        direct_io=direct_io,
+        storage_options=dict(storage_options or {}),
+    )
 
 
 def attach_writer(
@@ -140,7 +192,7 @@ def attach_writer(
     Raises
     ------
     UnsupportedValueError
-        For a store whose writer cannot be joined by other processes (it has no
+        For a store whose writer cannot be joined by other processes (its back end has no
         ``attach``), or without a token.
     """
     if not token:
@@ -148,43 +200,39 @@ def attach_writer(
             f"{path_text(path)!r}: no save to join: another process's save is joined with its writer's "
             f"token (CheckpointWriter.token, after begin), got {token!r}"
         )
-    if scheme_of(path) == "file":
-        return LocalWriter.attach(_local_path(path), token)
-    attach = getattr(_lookup(path)[0], "attach", None)
-    if attach is not None:
-        writer: CheckpointWriter = attach(path_text(path), token, **(storage_options or {}))
-        return writer
-    raise UnsupportedValueError(
-        f"{path_text(path)!r}: a save to a {scheme_of(path)}:// store is written by the one process that "
-        "began it, other processes cannot join it; save from several processes to a shared file system path"
-    )
+    backend, location = _backend(path)
+    if backend.attach is None:
+        raise UnsupportedValueError(
+            f"{path_text(path)!r}: a save to a {scheme_of(path)}:// store is written by the one process that "
+            "began it, other processes cannot join it; save from several processes to a shared file "
+            "system path"
+        )
+    return backend.attach(location, token, storage_options=dict(storage_options or {}))
 
 
 def open_reader(
-    path: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = None
+    path: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = None, direct_io: bool = True
 ) -> CheckpointReader:
-    """A reader of the published checkpoint at ``path``."""
-    if scheme_of(path) == "file":
-        return LocalReader(_local_path(path))
-    _, reader = _lookup(path)
-    return reader(path_text(path), **(storage_options or {}))
+    """A reader of the published checkpoint at ``path``.
+
+    ``direct_io``: a file system may read large chunks that are not in the page cache around it
+    (:meth:`gpuckpt.options.LoadOptions.reads_direct` decides); object stores ignore it."""
+    backend, location = _backend(path)
+    return backend.reader(location, direct_io=direct_io, storage_options=dict(storage_options or {}))
 
 
 def open_root(
     path: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = None
 ) -> CheckpointRoot:
     """The root of several checkpoints at ``path`` (a directory, created if needed, or a URL prefix)."""
-    if scheme_of(path) == "file":
-        return LocalRoot(_local_path(path))
-    _lookup(path)  # an unknown scheme is refused with the known ones
-    try:
-        root = ROOTS[scheme_of(path)]
-    except KeyError:
+    backend, location = _backend(path)
+    if backend.root is None:
+        roots = sorted(s for s, b in BACKENDS.items() if b.root is not None and s != "file")
         raise UnsupportedValueError(
             f"{path_text(path)!r}: {scheme_of(path)}:// stores cannot hold a root of several checkpoints "
-            f"yet; use a local directory or one of {', '.join(sorted(ROOTS))}"
-        ) from None
-    return root(path_text(path).rstrip("/"), **(storage_options or {}))
+            f"yet; use a local directory or one of {', '.join(roots)}"
+        )
+    return backend.root(location, storage_options=dict(storage_options or {}))
 
 
 def is_committed(path: str | os.PathLike[str]) -> bool:
@@ -193,7 +241,7 @@ def is_committed(path: str | os.PathLike[str]) -> bool:
     The identity test of :func:`gpuckpt.read_metadata`: another program's Zarr
     store is not one, nor a save's temporary, nor a symbolic link.
     """
-    return leftovers.is_committed(Path(_local_path(path)))
+    return leftovers.is_committed(Path(_local_location(path_text(path))))
 
 
 def cleanup_leftovers(directory: str | os.PathLike[str]) -> list[Path]:
@@ -204,4 +252,4 @@ def cleanup_leftovers(directory: str | os.PathLike[str]) -> list[Path]:
     overwrite set aside is put back, never lost; live saves' temporaries are
     never touched): see :mod:`gpuckpt.storage.local.leftovers`.
     """
-    return leftovers.cleanup_directory(Path(_local_path(directory)))
+    return leftovers.cleanup_directory(Path(_local_location(path_text(directory))))

@@ -27,7 +27,7 @@ from gpuckpt.device.backend import buffer_pool, staging_buffer_bytes
 from gpuckpt.device.host_backend import HostBackend
 from gpuckpt.loading.checks import TensorEntry, check_chunk_files
 from gpuckpt.loading.chunk_reads import read_tensors
-from gpuckpt.loading.open import index_of_root
+from gpuckpt.loading.open import open_checkpoint
 from gpuckpt.options import LoadOptions
 from gpuckpt.storage.local import crccopy, direct
 from gpuckpt.storage.local.reader import LocalReader
@@ -241,10 +241,16 @@ def test_copy_error_stops_the_readers(tmp_path: Path) -> None:
 # ---- cold loads: O_DIRECT into aligned staging ------------------------------------
 
 
-def _load_with_reader(root: Path, backend: Any) -> tuple[LocalReader, dict[str, Any]]:
-    """The load pipeline on a reader of our own, to see which read path served each chunk."""
-    reader = LocalReader(root)
-    tensors = index_of_root(reader.read_root(), str(root)).tensors
+def _load_with_reader(
+    root: Path, backend: Any, options: LoadOptions | None = None
+) -> tuple[LocalReader, dict[str, Any]]:
+    """The load pipeline on a reader of our own (opened as a load with ``options`` opens it),
+    to see which read path served each chunk."""
+    options = options or LoadOptions()
+    ck = open_checkpoint(root, direct_io=options.reads_direct(), shared=False)
+    reader = ck.reader
+    assert isinstance(reader, LocalReader)
+    tensors = ck.index.tensors
     entries: list[TensorEntry] = list(tensors.values())
     check_chunk_files(reader, entries)
     out: dict[str, Any] = {}
@@ -330,12 +336,28 @@ def test_cold_load_falls_back_where_o_direct_is_refused(
 
 
 @pytest.mark.usefixtures("cold_needs_crccopy")
-def test_cold_load_without_direct_io_reads_buffered(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("how", ["environment", "option"])
+def test_cold_load_without_direct_io_reads_buffered(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    """Load options carry direct I/O as save options do: ``LoadOptions(direct_io="off")``, or
+    ``GPUCKPT_DIRECT_IO=off`` read once when the options are made."""
     value = _save_cold(tmp_path / "c")
-    monkeypatch.setenv("GPUCKPT_DIRECT_IO", "off")
-    reader, out = _load_with_reader(tmp_path / "c", HostBackend())
+    if how == "environment":
+        monkeypatch.setenv("GPUCKPT_DIRECT_IO", "off")
+        options = LoadOptions()
+        monkeypatch.delenv("GPUCKPT_DIRECT_IO")  # read when the options were made, not later
+    else:
+        options = LoadOptions(direct_io="off")
+    assert options.direct_io == "off" and not options.reads_direct()
+    reader, out = _load_with_reader(tmp_path / "c", HostBackend(), options)
     assert out["x"].tobytes() == value.tobytes()
     assert reader.read_paths["direct"] == 0 and reader.read_paths["buffered"] == 9
+
+
+def test_load_options_refuse_an_unknown_direct_io_mode() -> None:
+    with pytest.raises(gpuckpt.InvalidOptionError, match="direct_io"):
+        LoadOptions(direct_io="sometimes")
 
 
 def test_tmpfs_loads_use_direct_or_fall_back(tmp_path: Path) -> None:

@@ -132,7 +132,8 @@ def _put(endpoint: str, key: str, body: bytes) -> None:
 
 def test_opening_the_root_cleans_dead_saves_and_leaves_live_ones(endpoint: str, root: str) -> None:
     from gpuckpt.storage.local import fsutil
-    from gpuckpt.storage.s3.writer import ObjectStoreWriter, _machine
+    from gpuckpt.storage.s3.claim import machine_identity
+    from gpuckpt.storage.s3.writer import ObjectStoreWriter
 
     opts = s3_options(endpoint)
     base = root.removeprefix(f"s3://{BUCKET}/")
@@ -140,7 +141,7 @@ def test_opening_the_root_cleans_dead_saves_and_leaves_live_ones(endpoint: str, 
         [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
     )
     owner = f"{fsutil.tmp_owner().rsplit('-', 1)[0]}-{int(dead.stdout)}"
-    claim = {"owner": owner, "machine": _machine(), "token": "t", "lease_seconds": 60.0}
+    claim = {"owner": owner, "machine": machine_identity(), "token": "t", "lease_seconds": 60.0}
     _put(endpoint, f"{base}/step_00000007/{CLAIM_KEY}", json.dumps(claim).encode())
     _put(endpoint, f"{base}/step_00000007/a/c.0", b"partial")
     _put(endpoint, f"{base}/notes/readme.txt", b"not a checkpoint's")  # no claim: never touched

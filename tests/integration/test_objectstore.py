@@ -32,11 +32,11 @@ pytest.importorskip("obstore")
 pytest.importorskip("moto.server")
 boto3 = pytest.importorskip("boto3")
 
+from gpuckpt.storage.s3.claim import machine_identity  # noqa: E402 - after the skips
 from gpuckpt.storage.s3.writer import (  # noqa: E402 - after the skips
     CLAIM_KEY,
     ObjectStoreReader,
     ObjectStoreWriter,
-    _machine,
     parse_s3_url,
     zarr_store,
 )
@@ -285,7 +285,7 @@ def _put_claim(s3: Any, prefix: str, owner: str, machine: str = "") -> None:
 
 
 def test_leftovers_of_a_dead_save_are_cleaned(opts: dict[str, Any], prefix: str, s3: Any) -> None:
-    machine = _machine()
+    machine = machine_identity()
     if not machine:
         pytest.skip("no /proc: a dead owner is recognised by its lease only")
     _put_claim(s3, prefix, f"{fsutil.tmp_owner().rsplit('-', 1)[0]}-{_dead_pid()}", machine)

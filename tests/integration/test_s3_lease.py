@@ -171,7 +171,7 @@ def test_a_writer_with_a_skewed_clock_never_takes_over_a_live_claim(endpoint: st
         )
         # the live save still holds its prefix and publishes
         live.write_array_document("a", b"{}")
-        assert live._still_ours()
+        assert live._claim.still_ours()
     finally:
         live.abort()
     assert _keys(endpoint, url) == set()

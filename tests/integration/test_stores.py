@@ -80,3 +80,38 @@ def test_is_committed(tmp_path: Path) -> None:
     (tmp_path / "zarr-store" / "zarr.json").write_text('{"zarr_format": 3, "node_type": "group"}')
     assert is_committed(tmp_path / "ck") and is_committed(f"file://{tmp_path / 'ck'}")
     assert not any(is_committed(tmp_path / n) for n in ("empty", "link", "zarr-store", "missing"))
+
+
+def test_a_back_end_registered_like_the_others_serves_saves_and_loads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Back ends are entries of one registry, the file system included: a scheme added there
+    (here ``mirror://``, the local back end under another name) is saved to, joined, loaded
+    from and listed as a root with no other change."""
+    from gpuckpt.storage import stores
+    from gpuckpt.storage.base import Backend
+
+    assert all(isinstance(b, Backend) for b in stores.BACKENDS.values())
+    assert {"file", "s3"} <= set(stores.BACKENDS)
+    local = stores.BACKENDS["file"]
+    mirror = Backend(local.writer, local.reader, local.attach, local.root, lambda t: t[len("mirror://") :])
+    monkeypatch.setitem(stores.BACKENDS, "mirror", mirror)
+    url = f"mirror://{tmp_path}/ck"
+    state = {"w": np.arange(12.0).reshape(3, 4), "step": 3}
+    gpuckpt.save(state, url)
+    assert is_committed(tmp_path / "ck")
+    back = gpuckpt.load_state_dict(url)
+    assert np.array_equal(back["w"], state["w"]) and back["step"] == 3
+    assert type(open_reader(url)) is type(open_reader(tmp_path / "ck"))
+    writer = open_writer(f"mirror://{tmp_path}/joined")
+    writer.begin()
+    assert attach_writer(f"mirror://{tmp_path}/joined", writer.token) is not None
+    writer.abort()
+    assert stores.open_root(f"mirror://{tmp_path}").is_committed("ck")
+
+
+def test_an_unknown_scheme_names_the_registered_ones(tmp_path: Path) -> None:
+    from gpuckpt.errors import InvalidPathError
+
+    with pytest.raises(InvalidPathError, match=r"no storage back end for gs:// URLs .*one of s3"):
+        open_reader("gs://bucket/ck")

@@ -32,8 +32,8 @@ from gpuckpt.format.documents import (
     is_chunk_file_key,
     too_large,
 )
-from gpuckpt.options import direct_io_from_env  # the one list of durability modes
 from gpuckpt.storage.base import (
+    Capabilities,
     CheckpointReader,
     ChunkReads,
     NotRegularFileError,
@@ -148,7 +148,7 @@ class LocalReader(CheckpointReader):
     it, block, or read without end.
     """
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, direct_io: bool = True) -> None:
         self.path = Path(path)
         self._root = os.fspath(self.path)
         self._dirs: set[str] | None = None
@@ -158,9 +158,9 @@ class LocalReader(CheckpointReader):
         #: ``"buffered"`` (pread and checksum in pieces); a record for tests and benchmarks
         self.read_paths = {"cached": 0, "direct": 0, "buffered": 0}
         self._paths_lock = threading.Lock()
-        # cold chunks are read around the page cache unless GPUCKPT_DIRECT_IO=off; turned off
-        # for good the first time the file system refuses
-        self._direct = direct_io_from_env() != "off"
+        # cold chunks are read around the page cache unless the load says not to
+        # (LoadOptions.direct_io); turned off for good the first time the file system refuses
+        self._direct = direct_io
 
     def _note(self, path: str) -> None:
         with self._paths_lock:
@@ -446,7 +446,7 @@ class LocalReader(CheckpointReader):
         except NotADirectoryError:
             raise FileNotFoundError(errno.ENOENT, "array directory is not a directory", name) from None
 
-    reads_ranges = True
+    capabilities = Capabilities(reads_ranges=True)
 
     def read_range_crcs(
         self, name: str, key: str, offset: int, dests: Sequence[Any]

@@ -48,6 +48,27 @@ class Prefix:
         self.path = url.rstrip("/")
         self._obs = obstore_for(url, storage_options)
 
+    def _put(self, rel: str, data: Any, mode: Any) -> str | None:
+        """Put with ``mode`` ("create" or {"e_tag": ...}); plain put when conditional writes are off."""
+        import obstore as obs
+
+        if not self.conditional:
+            if mode == "create" and self._exists(rel):
+                from obstore.exceptions import AlreadyExistsError
+
+                raise AlreadyExistsError(rel)
+            mode = "overwrite"
+        return obs.put(self._obs, rel, data, mode=mode)["e_tag"]
+
+    def _exists(self, rel: str) -> bool:
+        import obstore as obs
+
+        try:
+            obs.head(self._obs, rel)
+        except FileNotFoundError:
+            return False
+        return True
+
     #: what errors of the store become (:meth:`_io`) where no other type is asked for
     _error: type[OSError] = OSError
 

@@ -15,7 +15,7 @@ from gpuckpt.format.documents import (
     ROOT_KEY,
     is_chunk_file_key,
 )
-from gpuckpt.storage.base import CheckpointReader
+from gpuckpt.storage.base import Capabilities, CheckpointReader
 from gpuckpt.storage.s3.prefix import CLAIM_KEY, MAX_CLAIM_BYTES, Prefix, object_key
 from gpuckpt.storage.s3.ranges import stream_into
 
@@ -30,8 +30,8 @@ class ObjectStoreReader(Prefix, CheckpointReader):
     checked to stay inside the prefix.
     """
 
-    batches_chunks = False  # each chunk is a request: small ones are fetched in parallel
-    reads_ranges = True
+    # each chunk is a request: small ones are fetched in parallel
+    capabilities = Capabilities(batches_chunks=False, reads_ranges=True)
 
     def read_range_crcs(
         self, name: str, key: str, offset: int, dests: Sequence[Any]

@@ -101,7 +101,7 @@ class ObjectStoreRoot(Prefix, CheckpointRoot):
             w = ObjectStoreWriter(self.child(name), **self._options)
             try:
                 with w._io("claiming the checkpoint to delete it"):
-                    w._claim()
+                    w._claim.take()
                 claims.append(f"{name}/{CLAIM_KEY}")
             except CheckpointExistsError:
                 pass  # another deletion of it runs: the batches below are idempotent

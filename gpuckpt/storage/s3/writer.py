@@ -16,10 +16,10 @@ A save to ``s3://bucket/prefix`` goes:
    object the writer puts, so a client clock skewed either way judges no claim) is
    taken over with a compare-and-swap on its ETag. Then, with the root
    checked again, objects of the unfinished save whose claim was taken over
-   are deleted. Objects under a prefix that had no claim, and objects no
-   gpuckpt save writes, are refused, never deleted: a prefix holding another
-   program's Zarr store (even one whose keys look like a checkpoint's) is
-   left as it is.
+   are deleted (the claim is :mod:`gpuckpt.storage.s3.claim`). Objects under
+   a prefix that had no claim, and objects no gpuckpt save writes, are
+   refused, never deleted: a prefix holding another program's Zarr store
+   (even one whose keys look like a checkpoint's) is left as it is.
 2. Array documents and chunks are plain puts at their final keys (a chunk
    above ``part_bytes`` a multipart upload, see
    :mod:`gpuckpt.storage.s3.client`); a thread refreshes the claim every
@@ -66,13 +66,8 @@ writers and roots share (the client, error translation, object keys) is
 from __future__ import annotations
 
 import errno
-import json
-import os
 import secrets
-import threading
-import time
 from collections.abc import Iterator, Sequence
-from datetime import UTC, datetime
 from typing import Any
 
 from gpuckpt.errors import (
@@ -89,33 +84,19 @@ from gpuckpt.format.documents import (
     root_document_problem,
 )
 from gpuckpt.format.names import is_safe_name
-from gpuckpt.storage.base import BaseRef, CheckpointWriter, ChunkDigest
+from gpuckpt.storage.base import BaseRef, Capabilities, CheckpointWriter, ChunkDigest
 from gpuckpt.storage.copies import PIECE_BYTES, own_copy
-from gpuckpt.storage.local import fsutil
+from gpuckpt.storage.s3.claim import Claim, claim_token
 from gpuckpt.storage.s3.client import (
     first_line,
     parse_s3_url,
     plan_parts,
     zarr_store,
 )
-from gpuckpt.storage.s3.prefix import CLAIM_KEY, CLOCK_PROBE_PREFIX, MAX_CLAIM_BYTES, Prefix, object_key
+from gpuckpt.storage.s3.prefix import CLAIM_KEY, CLOCK_PROBE_PREFIX, Prefix, object_key
 from gpuckpt.storage.s3.reader import ObjectStoreReader
 
 __all__ = ["CLAIM_KEY", "ObjectStoreReader", "ObjectStoreWriter", "parse_s3_url", "zarr_store"]
-
-
-#: the resolution of the times an S3 server reports (``Last-Modified`` is an HTTP date)
-_TIME_RESOLUTION = 1.0
-
-
-def _machine() -> str:
-    """Boot and pid-namespace identity: a pid is only comparable where both match ("" if unknown)."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-        return f"{boot}/{os.readlink('/proc/self/ns/pid')}"
-    except OSError:
-        return ""
 
 
 class ObjectStoreWriter(Prefix, CheckpointWriter):
@@ -140,32 +121,18 @@ class ObjectStoreWriter(Prefix, CheckpointWriter):
     """
 
     _error = CheckpointWriteError
-    batches_chunks = False  # each chunk is a request: small ones go out in parallel
-    documents_first = False  # no directories: chunks may land before their array's document
+    # each chunk is a request (small ones go out in parallel); no directories: chunks may land
+    # before their array's document
+    capabilities = Capabilities(batches_chunks=False, documents_first=False)
 
     def __init__(self, url: str, *, overwrite: bool = False, **storage_options: Any) -> None:
         super().__init__(url, storage_options)
         self.overwrite = overwrite
         self._token = secrets.token_hex(8)
-        self._claim_body = json.dumps(
-            {
-                "owner": fsutil.tmp_owner(),
-                "machine": _machine(),
-                "token": self._token,
-                "started": datetime.now(UTC).isoformat(),
-                "lease_seconds": self.lease,
-            }
-        ).encode()
-        # until when (monotonic clock) no other save can have taken the claim over: half a lease
-        # after the start of the last put of the claim that went through; writes stop past it
-        self._valid_until: float | None = None
-        self._claim_etag: str | None = None
+        self._claim = Claim(self, self._token)
         self._written: set[str] = set()
         self._published: dict[str, Any] = {}  # base prefix -> its root document's last-modified time
-        self._lost: str | None = None
         self._committed = False
-        self._stop = threading.Event()
-        self._heartbeat: threading.Thread | None = None
 
     @property
     def token(self) -> str:
@@ -188,13 +155,9 @@ class ObjectStoreWriter(Prefix, CheckpointWriter):
         """
         w = cls(url, **storage_options)
         with w._io("joining the save", CheckpointWriteError):
-            raw = w._get_small(CLAIM_KEY, MAX_CLAIM_BYTES, "the claim object's limit")
-        try:
-            found = json.loads(raw or b"null")["token"]
-        except (ValueError, KeyError, TypeError):
-            found = None
+            held, found = claim_token(w)
         if found != token:
-            state = "is missing" if raw is None else "belongs to another save"
+            state = "belongs to another save" if held else "is missing"
             raise CheckpointExistsError(
                 f"{w.path}: the save this rank was to join (claim token {token!r}) does not hold the prefix "
                 f"(its claim {w.path}/{CLAIM_KEY} {state}); the save was aborted or taken over, nothing "
@@ -202,28 +165,6 @@ class ObjectStoreWriter(Prefix, CheckpointWriter):
             )
         w._token = token
         return w
-
-    # -- conditional puts -------------------------------------------------
-    def _put(self, rel: str, data: Any, mode: Any) -> str | None:
-        """Put with ``mode`` ("create" or {"e_tag": ...}); plain put when conditional writes are off."""
-        import obstore as obs
-
-        if not self.conditional:
-            if mode == "create" and self._exists(rel):
-                from obstore.exceptions import AlreadyExistsError
-
-                raise AlreadyExistsError(rel)
-            mode = "overwrite"
-        return obs.put(self._obs, rel, data, mode=mode)["e_tag"]
-
-    def _exists(self, rel: str) -> bool:
-        import obstore as obs
-
-        try:
-            obs.head(self._obs, rel)
-        except FileNotFoundError:
-            return False
-        return True
 
     def _root_problem(self) -> str | None:
         """Why the root object is not a gpuckpt checkpoint's; None when it is (damaged or not)."""
@@ -261,135 +202,11 @@ class ObjectStoreWriter(Prefix, CheckpointWriter):
             )
         raise CheckpointExistsError(f"Checkpoint already exists at {self.path}; save to a new prefix")
 
-    def _claim(self) -> bool:
-        """Claim the prefix; True when that took over the claim of an abandoned save."""
-        import obstore as obs
-        from obstore.exceptions import AlreadyExistsError, PreconditionError
-
-        for _ in range(3):
-            sent = time.monotonic()
-            try:
-                self._claim_etag = self._put(CLAIM_KEY, self._claim_body, "create")
-                self._renewed(sent)
-                return False
-            except AlreadyExistsError:
-                pass
-            try:
-                res = obs.get(self._obs, CLAIM_KEY)
-            except FileNotFoundError:
-                continue  # released meanwhile: try to create it again
-            meta, raw = res.meta, bytes(res.bytes())
-            if raw == self._claim_body:
-                # our own put: it reached the server, its answer was lost and the retry found it
-                self._claim_etag = meta["e_tag"]
-                self._renewed(sent)
-                return False
-            try:
-                info = json.loads(raw)
-                owner, machine = str(info["owner"]), str(info.get("machine", ""))
-                # the holder refreshes within its own lease: never judge it by a shorter one
-                lease = max(self.lease, float(info.get("lease_seconds", 0.0)))
-            except (ValueError, KeyError, TypeError):
-                owner, machine, lease = "?", "", self.lease
-            host, _, pid = owner.rpartition("-")
-            # a pid means something only on the same machine and in the same pid namespace
-            same = machine != "" and machine == _machine()
-            dead = same and pid.isdigit() and not fsutil.pid_alive(host, int(pid))
-            if not dead:
-                # the claim's age in the server's time: this machine's clock may run ahead of the
-                # server's (every claim would look expired) or behind it (dead ones would look alive)
-                # (whole seconds on S3: the difference of two such times may exceed the true age
-                # by up to one second, so that second is not counted)
-                age = (self._server_now() - meta["last_modified"]).total_seconds() - _TIME_RESOLUTION
-                if age <= lease:
-                    raise CheckpointExistsError(
-                        f"{self.path} has no checkpoint but another save to it is running (claimed by "
-                        f"{owner}, refreshed {max(age, 0.0):.0f} s ago by the server's clock); wait for it "
-                        f"or save to another prefix. If that save died, its claim {self.path}/{CLAIM_KEY} "
-                        f"expires {lease:g} s after its last refresh (or delete it)"
-                    )
-            sent = time.monotonic()
-            try:  # take the abandoned claim over, unless another writer does so first
-                self._claim_etag = self._put(CLAIM_KEY, self._claim_body, {"e_tag": meta["e_tag"]})
-                self._renewed(sent)
-                return True
-            except (PreconditionError, AlreadyExistsError, FileNotFoundError):
-                continue
-        raise CheckpointExistsError(
-            f"{self.path}: other saves keep claiming this prefix; save to another prefix"
-        )
-
-    def _server_now(self) -> datetime:
-        """The server's clock now, at the latest: the last-modified time of a probe object this
-        writer puts (and deletes) now. Ages of claims are differences of two server times, so
-        that no client's clock, skewed either way, judges another writer's claim."""
-        import obstore as obs
-
-        probe = f"{CLOCK_PROBE_PREFIX}{self._token}"
-        obs.put(self._obs, probe, b"", mode="overwrite")
-        try:
-            return obs.head(self._obs, probe)["last_modified"]
-        finally:
-            self._delete_quietly([probe])
-
-    def _refresh(self) -> None:
-        from obstore.exceptions import AlreadyExistsError, PreconditionError
-
-        while not self._stop.wait(self.lease / 4):
-            sent = time.monotonic()
-            try:
-                self._claim_etag = self._put(CLAIM_KEY, self._claim_body, {"e_tag": self._claim_etag})
-                self._renewed(sent)
-            except (PreconditionError, AlreadyExistsError, FileNotFoundError):
-                if self._reclaim_own():
-                    self._renewed(sent)
-                    continue
-                self._lost = (
-                    f"the claim on {self.path} was taken over by another save while this one ran "
-                    f"(more than {self.lease:.0f} s without a refresh); this save was discarded"
-                )
-                return
-            except Exception:  # transient: retry at the next beat, commit checks
-                continue
-
-    def _renewed(self, sent: float) -> None:
-        self._valid_until = sent + self.lease / 2
-
-    def _reclaim_own(self) -> bool:
-        """After a refused refresh: True (and its new ETag kept) when the claim is still ours,
-        i.e. our own refresh went through and only its answer was lost before a retry."""
-        import obstore as obs
-
-        try:
-            res = obs.get(self._obs, CLAIM_KEY)
-            if bytes(res.bytes()) == self._claim_body:
-                self._claim_etag = res.meta["e_tag"]
-                return True
-        except Exception:  # gone, or cannot tell: treated as lost, commit checks again
-            pass
-        return False
-
-    def _still_ours(self) -> bool:
-        import obstore as obs
-
-        if self._lost is not None:
-            return False
-        try:
-            return bytes(obs.get(self._obs, CLAIM_KEY).bytes()) == self._claim_body
-        except FileNotFoundError:
-            return False
-
-    def _stop_refresh(self) -> None:
-        self._stop.set()
-        if self._heartbeat is not None:
-            self._heartbeat.join()
-            self._heartbeat = None
-
     # -- the CheckpointWriter protocol ------------------------------------
     def begin(self) -> None:
         with self._io("starting a save", CheckpointWriteError):
             self._refuse_published()
-            took_over = self._claim()
+            took_over = self._claim.take()
             try:
                 # the root may have been committed between the first check and the claim
                 self._refuse_published()
@@ -397,14 +214,7 @@ class ObjectStoreWriter(Prefix, CheckpointWriter):
             except BaseException:
                 self._delete_quietly([CLAIM_KEY])
                 raise
-        heartbeat = threading.Thread(target=self._refresh, name="gpuckpt-s3-claim", daemon=True)
-        try:
-            heartbeat.start()
-        except RuntimeError:
-            # no thread can be started (a save finished while the interpreter exits): the
-            # claim is not refreshed, and commit still refuses to publish if it was lost
-            return
-        self._heartbeat = heartbeat
+        self._claim.start_refresh()
 
     def _delete_leftovers(self, took_over: bool) -> None:
         """Delete what the abandoned save whose claim we took over left; refuse anything else.
@@ -417,7 +227,7 @@ class ObjectStoreWriter(Prefix, CheckpointWriter):
         import obstore as obs
 
         listed = [k for k in self._list() if k != CLAIM_KEY]
-        # clock probes (see _server_now) that a process left when it died: gpuckpt's, never in the way
+        # clock probes (see Claim.server_now) that a process left when it died: gpuckpt's, never in the way
         probes = [k for k in listed if k.startswith(CLOCK_PROBE_PREFIX)]
         if probes:
             obs.delete(self._obs, probes)
@@ -442,20 +252,6 @@ class ObjectStoreWriter(Prefix, CheckpointWriter):
         name, sep, key = rel.partition("/")
         return bool(sep) and is_safe_name(name) and (key == ROOT_KEY or is_chunk_file_key(key))
 
-    def _check_claim(self) -> None:
-        """Raise :class:`CheckpointExistsError` when this save may no longer write (its claim
-        is lost, or could not be refreshed for more than half the lease)."""
-        if self._lost is None and self._valid_until is not None and time.monotonic() > self._valid_until:
-            # stalled (a stopped process, a hung node) past half the lease: the claim may be
-            # another save's by now, whose objects this put could replace
-            self._lost = (
-                f"the save to {self.path} could not refresh its claim for more than half its lease "
-                f"({self.lease:g} s); another save may have taken the prefix over, so this one stopped "
-                "writing and was discarded"
-            )
-        if self._lost is not None:
-            raise CheckpointExistsError(self._lost)
-
     def _write(self, rel: str, data: Any, streamed: tuple[int, Iterator[Any]] | None = None) -> None:
         """Put ``data`` (a buffer, or a list of buffers to store one after the other) at ``rel``;
         or, with ``streamed`` ``(nbytes, pieces)``, the buffers the iterator ``pieces`` yields as
@@ -467,7 +263,7 @@ class ObjectStoreWriter(Prefix, CheckpointWriter):
         """
         import obstore as obs
 
-        self._check_claim()
+        self._claim.check()
         self._written.add(rel)
         pieces = data if isinstance(data, list) else [data]
         nbytes = streamed[0] if streamed is not None else sum(memoryview(p).nbytes for p in pieces)
@@ -537,7 +333,7 @@ class ObjectStoreWriter(Prefix, CheckpointWriter):
         from obstore.exceptions import BaseError
         from obstore.store import S3Store
 
-        self._check_claim()
+        self._claim.check()
         try:
             src_bucket, src_prefix = parse_s3_url(base.location)
             bucket, prefix = parse_s3_url(self.path)
@@ -568,7 +364,7 @@ class ObjectStoreWriter(Prefix, CheckpointWriter):
                 trailer = bytes(obs.get_range(store, src, start=base.nbytes - CRC_BYTES, end=base.nbytes))
                 if int.from_bytes(trailer, "little") != base.crc32c:
                     return False
-                self._check_claim()
+                self._claim.check()
                 self._written.add(rel)
                 obs.copy(store, src, "/".join(p for p in (prefix, rel) if p))
         except (FileNotFoundError, BaseError):
@@ -578,14 +374,15 @@ class ObjectStoreWriter(Prefix, CheckpointWriter):
     def commit(self, root_document: bytes) -> None:
         from obstore.exceptions import AlreadyExistsError, BaseError
 
-        self._stop_refresh()
+        claim = self._claim
+        claim.stop_refresh()
         with self._io("publishing the checkpoint", CheckpointWriteError):
-            if not self._still_ours():
-                self._lost = self._lost or (
+            if not claim.still_ours():
+                claim.lost = claim.lost or (
                     f"the claim on {self.path} passed to another save while this one ran; this save "
                     "was discarded"
                 )
-                raise CheckpointExistsError(self._lost)
+                raise CheckpointExistsError(claim.lost)
             try:
                 self._put(ROOT_KEY, root_document, "create")
             except AlreadyExistsError:
@@ -594,11 +391,11 @@ class ObjectStoreWriter(Prefix, CheckpointWriter):
                     self._committed = True
                     self._delete_quietly([CLAIM_KEY])
                     return
-                self._lost = (
+                claim.lost = (
                     f"Checkpoint already exists at {self.path}: another save published it while this one "
                     "ran; this save was discarded and the other one kept"
                 )
-                raise CheckpointExistsError(self._lost) from None
+                raise CheckpointExistsError(claim.lost) from None
             except BaseError as exc:
                 # the retries ran out: the put may still have reached the server (its answers lost)
                 if not self._published_ours(root_document, exc):
@@ -626,11 +423,11 @@ class ObjectStoreWriter(Prefix, CheckpointWriter):
         return found == bytes(root_document)
 
     def abort(self) -> None:
-        self._stop_refresh()
-        if self._committed or self._claim_etag is None:
+        self._claim.stop_refresh()
+        if self._committed or not self._claim.taken:
             return
         try:
-            ours = self._still_ours() and not self._exists(ROOT_KEY)
+            ours = self._claim.still_ours() and not self._exists(ROOT_KEY)
         except Exception:  # cannot tell: leave the objects to the next save's cleanup
             ours = False
         if not ours:
