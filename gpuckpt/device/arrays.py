@@ -39,6 +39,7 @@ from gpuckpt.device.backend import (
 from gpuckpt.device.torch_dtypes import torch_dtype_view
 from gpuckpt.errors import DeviceUnavailableError, UnsupportedValueError
 from gpuckpt.format import memory_format as mf
+from gpuckpt.format.metadata import register_array_view
 
 __all__ = [
     "ArrayAdapter",
@@ -582,3 +583,8 @@ class HostMemory:
         physical = np.empty(tuple(shape[a] for a in order), dtype=dtype)
         inverse = [order.index(a) for a in range(len(shape))]
         return physical.transpose(inverse)
+
+
+# TensorProperties.create_from_tensor reads arrays of every kind through adapt (the format
+# declares what it reads and imports nothing of this layer)
+register_array_view(adapt)

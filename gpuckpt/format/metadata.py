@@ -12,18 +12,42 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from gpuckpt.errors import MetadataError, UnsupportedVersionError
 from gpuckpt.format import columns as tensor_columns
 from gpuckpt.format import memory_format as mf
 from gpuckpt.format.dtypes import dtype_from_name, dtype_name, get_default_dtype
 
-if TYPE_CHECKING:
-    from gpuckpt.device.arrays import ArrayAdapter
+
+class ArrayProperties(Protocol):
+    """What :meth:`TensorProperties.from_array` reads of an array (the adapters of
+    :mod:`gpuckpt.device.arrays` have it)."""
+
+    @property
+    def dtype(self) -> Any: ...
+    @property
+    def requires_grad(self) -> bool: ...
+    @property
+    def memory_format(self) -> mf.MemoryFormat: ...
+    @property
+    def pinned(self) -> bool: ...
+
+
+#: how :meth:`TensorProperties.create_from_tensor` views an array of any kind: set by
+#: :mod:`gpuckpt.device.arrays` when it is imported (``import gpuckpt`` imports it), so that the
+#: format imports no layer above it
+_array_view: Callable[[Any], ArrayProperties] | None = None
+
+
+def register_array_view(view: Callable[[Any], ArrayProperties]) -> None:
+    """Let :meth:`TensorProperties.create_from_tensor` read arrays through ``view``."""
+    global _array_view
+    _array_view = view
+
 
 __all__ = [
     "FORMAT_VERSION",
@@ -127,13 +151,12 @@ class TensorProperties:
         >>> TensorProperties.create_from_tensor(x).memory_format
         gpuckpt.contiguous_format
         """
-        # at call time: the format layer depends on no array kind; only this convenience reads one
-        from gpuckpt.device.arrays import adapt
-
-        return TensorProperties.from_array(adapt(tensor))
+        if _array_view is None:  # gpuckpt.device.arrays registers it; import gpuckpt imports that
+            raise RuntimeError("TensorProperties.create_from_tensor needs gpuckpt imported: import gpuckpt")
+        return TensorProperties.from_array(_array_view(tensor))
 
     @staticmethod
-    def from_array(array: ArrayAdapter) -> TensorProperties:
+    def from_array(array: ArrayProperties) -> TensorProperties:
         """The properties of the array behind ``array`` (an adapter of :mod:`gpuckpt.device.arrays`)."""
         return TensorProperties(
             dtype=array.dtype,

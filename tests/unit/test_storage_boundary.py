@@ -9,19 +9,23 @@ from __future__ import annotations
 
 from test_import_graph import import_graph
 
-#: the back ends and their internals; the rest of gpuckpt goes through storage.stores and storage.base
-BACK_ENDS = frozenset(
-    (
-        "gpuckpt.storage.local.writer",
-        "gpuckpt.storage.local.reader",
-        "gpuckpt.storage.local.leftovers",
-        "gpuckpt.storage.local.direct",
-        "gpuckpt.storage.s3.writer",
-        "gpuckpt.storage.s3.client",
-        "gpuckpt.storage.s3.root",
-        "gpuckpt.storage.local.root",
-    )
+#: the packages of the back ends: every module in them is the back end's own
+BACK_END_PACKAGES = ("gpuckpt.storage.local", "gpuckpt.storage.s3")
+#: modules of the local back end that the rest of gpuckpt may use, each for a reason: file
+#: primitives (durable publication, error hints, whole reads and writes) that convert uses to write
+#: single files and saves use to explain an errno; which copy-with-CRC loop this machine runs
+#: (reported by the demo and the device benchmark)
+SHARED_HELPERS = frozenset(
+    ("gpuckpt.storage.local.fsutil", "gpuckpt.storage.local.fileio", "gpuckpt.storage.local.crccopy")
 )
+
+
+def _back_ends(graph: dict[str, set[str]]) -> set[str]:
+    # the packages themselves hold only a docstring: ``from gpuckpt.storage.local import fsutil``
+    # names the package on the way to the module
+    return {m for m in graph if m.startswith(tuple(f"{p}." for p in BACK_END_PACKAGES))} - SHARED_HELPERS
+
+
 #: fault injection and crash tracing wrap the local back end's functions on purpose
 MAY_REACH_IN = ("gpuckpt.testing.",)
 
@@ -32,9 +36,14 @@ def _outside_storage(module: str) -> bool:
 
 def test_no_module_outside_storage_imports_a_back_end() -> None:
     graph = import_graph()
-    assert set(BACK_ENDS) <= set(graph), "a back end module is missing: update BACK_ENDS"
+    back_ends = _back_ends(graph)
+    assert {
+        "gpuckpt.storage.local.writer",
+        "gpuckpt.storage.s3.writer",
+        "gpuckpt.storage.s3.claim",
+    } <= back_ends
     found = sorted(
-        f"{m} imports {t}" for m, targets in graph.items() if _outside_storage(m) for t in targets & BACK_ENDS
+        f"{m} imports {t}" for m, targets in graph.items() if _outside_storage(m) for t in targets & back_ends
     )
     assert found == [], "; ".join(found) + ": go through gpuckpt.storage.stores instead"
 
