@@ -86,7 +86,7 @@ step torch-tests timeout 30 "${PYTEST[@]}" tests/device/test_torch_host.py tests
   tests/distributed/test_coordinator_torch.py tests/integration/test_convert.py -k "torch or dcp or dtensor or gloo or subgroup" \
   > "$OUT/pytest_torch.txt" 2>&1
 STEPS+=("--step" "torch-tests=$(status $?)")
-step demo timeout 20 "$PY" -m gpuckpt.demo --device gpu > "$OUT/demo_gpu.txt" 2>&1
+step demo timeout 20 "$PY" -m gpuckpt.cli demo "$OUT/demo" --device gpu > "$OUT/demo_gpu.txt" 2>&1
 STEPS+=("--step" "demo=$(status $?)")
 
 echo "== test outcomes =="
