@@ -204,3 +204,19 @@ def test_gpu_check_fits_its_time() -> None:
     budget = re.search(r"bench_kernels\.py --out \"\$OUT\" --budget-s (\d+)", real)
     kernel_limit = re.search(r"step bench-kernels timeout (\d+)", real)
     assert budget and kernel_limit and int(budget.group(1)) + 30 <= int(kernel_limit.group(1))
+
+
+def test_everything_the_gpu_check_runs_exists() -> None:
+    """What the script runs on a lent GPU (where a mistake costs the session's device time):
+    every module it runs with ``-m``, and every test file, script and folder it names, exists."""
+    script = (REPO_ROOT / "bench" / "gpu_check.sh").read_text()
+    modules = set(re.findall(r'"\$PY" -m (gpuckpt[\w.]*)', script))
+    assert "gpuckpt.cli" in modules, modules
+    for module in sorted(modules):
+        assert importlib.util.find_spec(module) is not None, (
+            f"gpu_check.sh runs -m {module}, which does not exist"
+        )
+    paths = set(re.findall(r"(?<![\w/$])((?:tests|bench)/[\w/.]+)", script))
+    assert any(p.startswith("tests/") for p in paths) and any(p.startswith("bench/") for p in paths), paths
+    missing = sorted(p for p in paths if not (REPO_ROOT / p).exists())
+    assert not missing, f"gpu_check.sh names paths that do not exist: {missing}"
