@@ -1,8 +1,14 @@
-"""The CuPy adapter: the only module that touches a GPU.
+"""The CuPy back end of the pipelines: device memory, pinned staging, copy streams.
 
-CuPy is imported lazily and only here. Detection never crashes: CuPy that
-is installed without a driver or device raises ``CUDARuntimeError`` on first
-use, which :func:`gpu_available` turns into ``False``. A GPU feature used
+The modules of :mod:`gpuckpt.device` are the ones that touch a GPU: this one
+(memory and copies), the kernel launchers (:mod:`~gpuckpt.device.kernels`,
+:mod:`~gpuckpt.device.kernel_source`, :mod:`~gpuckpt.device.batched_copy`) and the
+device content hash (:mod:`~gpuckpt.device.hashing`); outside it, only the
+command line's device benchmark does. All of them import CuPy lazily, inside
+functions, so ``import gpuckpt`` never touches a GPU.
+
+Detection never crashes: CuPy that is installed without a driver or device
+raises ``CUDARuntimeError`` on first use, which :func:`gpu_available` turns into ``False``. A GPU feature used
 without CuPy or without a device raises
 :class:`~gpuckpt.errors.DeviceUnavailableError` with an install hint.
 
