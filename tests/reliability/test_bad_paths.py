@@ -102,7 +102,7 @@ def test_a_dead_save_to_a_long_name_is_cleaned_up_by_the_next(tmp_path: Path) ->
     path = tmp_path / ("x" * 230)
     code = (
         "import os, sys, numpy as np, gpuckpt\n"
-        "from gpuckpt.storage import local\n"
+        "from gpuckpt.storage.local import writer as local\n"
         "def die(self, *a, **k): os._exit(9)\n"
         "local.LocalWriter.commit = die\n"
         "gpuckpt.save({'w': np.zeros(4)}, sys.argv[1])\n"
