@@ -6,7 +6,7 @@
 # reads: the load pipeline warm and cold, async_save blocking vs one D2H copy
 # and, with staging="device", vs one D2D copy), then compute-sanitizer, the
 # PyTorch-only tests and the demo on the GPU; writes $OUT/<date>-summary.json
-# (bench/gpu_summary.py, i.e. gpuckpt.cli.gpu_summary) and prints its table last.
+# (bench/gpu_summary.py, with the targets) and prints its table last.
 #
 # Usage (repository root of a machine with an NVIDIA GPU, CuPy and PyTorch;
 # no zarr and no network needed: `bash bench/fetch_wheels.sh` beforehand puts

@@ -6,9 +6,9 @@ in-place ``load`` of a GPT-like state against the raw baselines of
 for all), and reports GB/s and ratios to the best raw baseline. With CuPy
 and a CUDA device it also reports host<->device copy ceilings.
 
-``--device`` reports the GPU figures instead (:mod:`gpuckpt.cli.device_bench`,
-the table of :mod:`gpuckpt.cli.gpu_summary`); without a GPU it says so and
-exits 1; ``--device --dry-run`` shows the table on made-up, marked numbers.
+``--device`` reports the GPU figures instead, each with its ratio to the ceiling
+of the same run (:mod:`gpuckpt.cli.device_bench`); without a GPU it says so and
+exits 1.
 """
 
 from __future__ import annotations
@@ -54,11 +54,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--gib", type=float, default=1.0, help="--device: size of the device state in GiB (1)")
     p.add_argument("--no-cold", action="store_true", help="--device: skip cold reads (evicted page cache)")
-    p.add_argument(
-        "--dry-run",
-        action="store_true",
-        help="--device: print the table on made-up numbers, clearly marked (no GPU needed)",
-    )
 
 
 def bench_state(sd: dict[str, Any], rounds: int, base: Path, threads: int | None = None) -> dict[str, Any]:
@@ -133,56 +128,30 @@ def gpu_ceilings(nbytes: int) -> dict[str, float] | None:
 
 
 def run_device(args: argparse.Namespace) -> int:
-    """``gpuckpt bench --device``: the GPU figures and the targets of issue 23, or a clear refusal."""
-    import datetime as dt
+    """``gpuckpt bench --device``: gpuckpt's figures on this GPU against the ceilings of the same
+    run, or a clear refusal."""
+    from gpuckpt.device import cuda
 
-    from gpuckpt import __version__
-    from gpuckpt.cli.gpu_summary import build_summary, fake_inputs, render_table
-
-    date = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d")
-    if args.dry_run:
-        kernels, gpu = fake_inputs()
-        summary = build_summary(
-            date=date,
-            commit=__version__,
-            kernels=kernels,
-            gpu=gpu,
-            steps={"bench": "dry run"},
-            kind="format-test",
-            note="made-up numbers (--dry-run); not a measurement",
+    if not cuda.gpu_available():
+        raise DeviceUnavailableError(
+            "bench --device: no usable GPU here (CuPy is missing, or no CUDA driver or device "
+            "answers); run it on a machine with an NVIDIA GPU and CuPy (pip install 'gpuckpt[gpu]')"
         )
-    else:
-        from gpuckpt.device import cuda
+    if args.gib <= 0 or args.rounds < 1:
+        raise UsageError("--gib must be positive and --rounds at least 1")
+    from gpuckpt.cli.device_bench import measure, report
 
-        if not cuda.gpu_available():
-            raise DeviceUnavailableError(
-                "bench --device: no usable GPU here (CuPy is missing, or no CUDA driver or device "
-                "answers); run it on a machine with an NVIDIA GPU and CuPy (pip install 'gpuckpt[gpu]'), "
-                "or add --dry-run to see the table's format"
-            )
-        if args.gib <= 0 or args.rounds < 1:
-            raise UsageError("--gib must be positive and --rounds at least 1")
-        from gpuckpt.cli.device_bench import measure
-
-        base = Path(tempfile.mkdtemp(prefix="gpuckpt-bench-device-", dir=args.dir))
-        try:
-            res = measure(args.gib, args.rounds, base, cold=not args.no_cold, kernels=True)
-        finally:
-            shutil.rmtree(base, ignore_errors=True)
-        summary = build_summary(
-            date=date, commit=__version__, kernels=res.get("kernels"), gpu=res, steps={"bench": "ok"}
-        )
-    if args.json:
-        print(json.dumps(summary, indent=2))
-    else:
-        print(render_table(summary))
+    base = Path(tempfile.mkdtemp(prefix="gpuckpt-bench-device-", dir=args.dir))
+    try:
+        res = measure(args.gib, args.rounds, base, cold=not args.no_cold, kernels=True)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    print(json.dumps(res, indent=2) if args.json else report(res))
     return 0
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.device or args.dry_run:
-        if not args.device:
-            raise UsageError("--dry-run goes with --device")
+    if args.device:
         return run_device(args)
     if args.size_mb < 1 or args.rounds < 1:
         raise UsageError("--size-mb and --rounds must be at least 1")

@@ -13,9 +13,11 @@ and cold (evicted first). Figures, on a device state of ``gib`` GiB:
   and ``cupy.ascontiguousarray``.
 
 Timing: one warm-up, then medians; the stream or device is synchronised before
-every clock read; random data, never zeros. :mod:`bench.bench_gpu` and
-``bench/gpu_check.sh`` run the same :func:`measure`; the summary and its table
-come from :mod:`gpuckpt.cli.gpu_summary`.
+every clock read; random data, never zeros. :func:`report` is what
+``gpuckpt bench --device`` prints: the figures and their ratios to the ceilings,
+no targets. ``bench/bench_gpu.py`` and ``bench/gpu_check.sh`` run the same
+:func:`measure` for the runs of record, whose summary and targets are
+``bench/gpu_summary.py``'s.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["evict", "kernel_rows", "measure", "median_time"]
+__all__ = ["evict", "kernel_rows", "measure", "median_time", "report"]
 
 
 def median_time(fn: Callable[[], object], rounds: int, before: Callable[[], object] | None = None) -> float:
@@ -273,3 +275,43 @@ def measure(
     with contextlib.suppress(OSError):
         shutil.rmtree(base)
     return res
+
+
+def _num(value: Any, spec: str = ".2f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def report(res: dict[str, Any]) -> str:
+    """The figures of :func:`measure` as text: the ceilings of the run, then each gpuckpt figure
+    with its ratio to the ceiling it is measured against (1.00: as fast as that ceiling)."""
+    c = res.get("ceilings_GBps", {})
+    g = res.get("gpuckpt", {})
+    lines = [
+        f"{res.get('device', 'unknown device')}: a device state of {res.get('gib', '?')} GiB, "
+        "medians after one warm-up",
+        f"ceilings GB/s: D2D {_num(c.get('d2d_read_plus_write'), '.0f')} (read+write)  "
+        f"D2H {_num(c.get('d2h_pinned'), '.1f')}  H2D {_num(c.get('h2d_pinned'), '.1f')}  "
+        f"disk write+fsync {_num(c.get('disk_write_fsync'))}  warm read {_num(c.get('disk_read_warm'))}  "
+        f"cold read {_num(c.get('disk_read_cold'))}",
+        f"save          {_num(g.get('save_GBps'))} GB/s = "
+        f"{_num(g.get('save_ratio_to_min_d2h_disk'))} x min(D2H, disk write)",
+        f"load (warm)   {_num(g.get('load_GBps'))} GB/s = "
+        f"{_num(g.get('load_ratio_to_min_h2d_warm_read'))} x min(H2D, warm read)",
+        f"load (cold)   {_num(g.get('load_cold_GBps'))} GB/s = "
+        f"{_num(g.get('load_ratio_to_min_h2d_cold_read'))} x min(H2D, cold read)",
+        f"async_save    blocks {_num(g.get('async_block_s'), '.4f')} s = "
+        f"{_num(g.get('async_block_ratio_to_one_d2h'))} x one D2H copy of the state",
+        f"async device  blocks {_num(g.get('async_device_block_s'), '.4f')} s = "
+        f"{_num(g.get('async_device_block_ratio_to_one_d2d'))} x one D2D copy (staging='device')",
+    ]
+    if g.get("cold_files_left_page_cache") is False:
+        lines.append("cold figures: the files stayed in the page cache (tmpfs?); they are warm reads")
+    rows = (res.get("kernels") or {}).get("rows") or []
+    if rows:
+        pct = [100 * r["fraction_of_copy"] for r in rows]
+        lines.append(
+            f"channels-last kernels: {len(rows)} rows at {min(pct):.0f}-{max(pct):.0f}% of the D2D copy, "
+            f"{min(r['speedup_vs_cupy'] for r in rows):.2f}-{max(r['speedup_vs_cupy'] for r in rows):.2f}x "
+            "cupy.ascontiguousarray"
+        )
+    return "\n".join(lines)
