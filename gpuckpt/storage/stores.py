@@ -47,45 +47,37 @@ def _local_location(text: str) -> str:
     return text[len("file://") :] if text.startswith("file://") else text
 
 
+# Each factory takes the keywords of its kind (see Backend) and ignores, through ``**_``, those
+# its store has no use for.
+
+
 def _local_writer(
-    location: str,
-    *,
-    overwrite: bool,
-    sync: str,
-    expected_files: int,
-    direct_io: bool,
-    storage_options: dict[str, Any],
+    location: str, *, overwrite: bool, sync: str, expected_files: int, direct_io: bool, **_: Any
 ) -> CheckpointWriter:
     return LocalWriter(
         location, overwrite=overwrite, sync=sync, expected_files=expected_files, direct_io=direct_io
     )
 
 
-def _local_reader(location: str, *, direct_io: bool, storage_options: dict[str, Any]) -> CheckpointReader:
+def _local_reader(location: str, *, direct_io: bool, **_: Any) -> CheckpointReader:
     return LocalReader(location, direct_io=direct_io)
 
 
-def _local_attach(location: str, token: str, *, storage_options: dict[str, Any]) -> CheckpointWriter:
+def _local_attach(location: str, token: str, **_: Any) -> CheckpointWriter:
     return LocalWriter.attach(location, token)
 
 
-def _local_root(location: str, *, storage_options: dict[str, Any]) -> CheckpointRoot:
+def _local_root(location: str, **_: Any) -> CheckpointRoot:
     return LocalRoot(location)
 
 
 def _s3_writer(
-    location: str,
-    *,
-    overwrite: bool,
-    sync: str,
-    expected_files: int,
-    direct_io: bool,
-    storage_options: dict[str, Any],
+    location: str, *, overwrite: bool, storage_options: dict[str, Any], **_: Any
 ) -> CheckpointWriter:
     return ObjectStoreWriter(location, overwrite=overwrite, **storage_options)
 
 
-def _s3_reader(location: str, *, direct_io: bool, storage_options: dict[str, Any]) -> CheckpointReader:
+def _s3_reader(location: str, *, storage_options: dict[str, Any], **_: Any) -> CheckpointReader:
     return ObjectStoreReader(location, **storage_options)
 
 
