@@ -52,7 +52,13 @@ def test_a_cold_load_of_many_small_chunks_uses_more_threads_and_a_warm_one_does_
     _evict(path)
     if reader.chunk_cached(first.name, "c.0") is not False:  # type: ignore[attr-defined]
         pytest.skip("this file system keeps the pages of a file after POSIX_FADV_DONTNEED")
-    assert cold_small_threads(reader, _targets(path)) == COLD_SMALL_THREADS  # type: ignore[arg-type]
+    cold = cold_small_threads(reader, _targets(path))  # type: ignore[arg-type]
+    for _attempt in range(2):  # eviction is best-effort (pages in use or under writeback stay): again
+        if cold is not None:
+            break
+        _evict(path)
+        cold = cold_small_threads(reader, _targets(path))  # type: ignore[arg-type]
+    assert cold == COLD_SMALL_THREADS
     dest = {k: np.zeros_like(v) for k, v in state.items()}
     gpuckpt.load(dest, path)  # cold, on more threads: bit-exact
     assert all(np.array_equal(dest[k], v) for k, v in state.items())
