@@ -83,6 +83,7 @@ sys.path.append(str(REPO))
 from bench.compare.common import (  # noqa: E402
     OP_SETTLE_S,
     SETTLE_S,
+    cut_from,
     fingerprint,
     settle,
     tree_files,
@@ -125,17 +126,10 @@ def gpt_state(quick: bool) -> dict[str, Any]:
     rng = np.random.default_rng(0)
     block = (rng.standard_normal(_BLOCK, dtype=np.float32) * np.float32(0.02)).astype(np.float32)
     shapes = gpt_shapes(quick)
-    out = {}
-    for (name, shape), off in zip(shapes, rng.integers(0, _BLOCK, size=len(shapes)), strict=True):
-        a = np.empty(shape, np.float32)
-        flat = a.reshape(-1)
-        pos, start = 0, int(off)
-        while pos < flat.size:
-            k = min(flat.size - pos, _BLOCK - start)
-            flat[pos : pos + k] = block[start : start + k]
-            pos, start = pos + k, 0
-        out[name] = a
-    return out
+    offsets = rng.integers(0, _BLOCK, size=len(shapes))
+    return {
+        name: cut_from(block, shape, int(off)) for (name, shape), off in zip(shapes, offsets, strict=True)
+    }
 
 
 def adam_state(quick: bool) -> dict[str, Any]:

@@ -28,6 +28,7 @@ __all__ = [
     "OP_SETTLE_S",
     "STATE_KINDS",
     "build_state",
+    "cut_from",
     "drop_cache",
     "emit",
     "fingerprint",
@@ -90,17 +91,22 @@ def build_state(kind: str, *, quick: bool = False, seed: int = 0) -> dict[str, n
     else:
         raise ValueError(f"unknown state kind {kind!r}; expected one of {STATE_KINDS}")
     offsets = rng.integers(0, _BLOCK, size=len(shapes))
-    out: dict[str, np.ndarray] = {}
-    for (name, shape), off in zip(shapes, offsets, strict=True):
-        a = np.empty(shape, np.float32)
-        flat = a.reshape(-1)
-        pos, start = 0, int(off)
-        while pos < flat.size:
-            k = min(flat.size - pos, _BLOCK - start)
-            flat[pos : pos + k] = block[start : start + k]
-            pos, start = pos + k, 0
-        out[name] = a
-    return out
+    return {
+        name: cut_from(block, shape, int(off)) for (name, shape), off in zip(shapes, offsets, strict=True)
+    }
+
+
+def cut_from(block: np.ndarray, shape: tuple[int, ...], offset: int) -> np.ndarray:
+    """A new float32 array of ``shape`` filled with ``block`` read from ``offset`` on, wrapping
+    around: random bytes without a random draw per tensor."""
+    a = np.empty(shape, np.float32)
+    flat = a.reshape(-1)
+    pos, start = 0, offset
+    while pos < flat.size:
+        k = min(flat.size - pos, block.size - start)
+        flat[pos : pos + k] = block[start : start + k]
+        pos, start = pos + k, 0
+    return a
 
 
 def state_bytes(state: Mapping[str, Any]) -> int:

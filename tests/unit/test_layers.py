@@ -16,7 +16,7 @@ import re
 from collections.abc import Mapping
 from pathlib import Path
 
-from test_import_graph import import_graph
+from test_import_graph import cycles, import_graph
 
 import gpuckpt
 
@@ -95,43 +95,8 @@ def node_cycles(graph: Mapping[str, set[str]]) -> list[list[str]]:
     edges: dict[str, set[str]] = {}
     for module, targets in graph.items():
         a = node_of(module)
-        edges.setdefault(a, set())
-        for target in targets:
-            b = node_of(target)
-            if a != b:
-                edges[a].add(b)
-                edges.setdefault(b, set())
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on_stack: set[str] = set()
-    found: list[list[str]] = []
-
-    def visit(v: str) -> None:  # Tarjan's algorithm; the graph has a few dozen nodes
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        on_stack.add(v)
-        for w in sorted(edges[v]):
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on_stack:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            component = []
-            while True:
-                w = stack.pop()
-                on_stack.discard(w)
-                component.append(w)
-                if w == v:
-                    break
-            if len(component) > 1:
-                found.append(sorted(component))
-
-    for v in sorted(edges):
-        if v not in index:
-            visit(v)
-    return found
+        edges.setdefault(a, set()).update(b for b in map(node_of, targets) if b != a)
+    return cycles(edges)
 
 
 def _package_graph() -> dict[str, set[str]]:
