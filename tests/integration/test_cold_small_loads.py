@@ -19,19 +19,9 @@ import gpuckpt
 from gpuckpt.loading.chunk_reads import COLD_SMALL_THREADS, MANY_CHUNKS, cold_small_threads
 from gpuckpt.loading.open import open_checkpoint
 from gpuckpt.storage.stores import open_reader
+from tests.pagecache import evict, files_under
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "RWF_NOWAIT"), reason="no preadv2(RWF_NOWAIT) here")
-
-
-def _evict(path: Path) -> None:
-    os.sync()
-    for root, _dirs, files in os.walk(path):
-        for f in files:
-            fd = os.open(os.path.join(root, f), os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
 
 
 def _targets(path: Path) -> list[tuple[object, object]]:
@@ -49,16 +39,13 @@ def test_a_cold_load_of_many_small_chunks_uses_more_threads_and_a_warm_one_does_
     gpuckpt.save(state, path)
     reader = open_reader(path)
     first = _targets(path)[0][0]
-    _evict(path)
-    if reader.chunk_cached(first.name, "c.0") is not False:  # type: ignore[attr-defined]
+    if evict(files_under(path)):
         pytest.skip("this file system keeps the pages of a file after POSIX_FADV_DONTNEED")
-    cold = cold_small_threads(reader, _targets(path))  # type: ignore[arg-type]
-    for _attempt in range(2):  # eviction is best-effort (pages in use or under writeback stay): again
-        if cold is not None:
-            break
-        _evict(path)
-        cold = cold_small_threads(reader, _targets(path))  # type: ignore[arg-type]
-    assert cold == COLD_SMALL_THREADS
+    # the first chunk is never one of the load's probes, so this probe (whose readahead
+    # caches it) leaves those cold: it only checks that the kernel reports a cold page
+    if reader.chunk_cached(first.name, "c.0") is not False:  # type: ignore[attr-defined]
+        pytest.skip("this kernel or file system does not report uncached pages to preadv2(RWF_NOWAIT)")
+    assert cold_small_threads(reader, _targets(path)) == COLD_SMALL_THREADS  # type: ignore[arg-type]
     dest = {k: np.zeros_like(v) for k, v in state.items()}
     gpuckpt.load(dest, path)  # cold, on more threads: bit-exact
     assert all(np.array_equal(dest[k], v) for k, v in state.items())
@@ -69,7 +56,7 @@ def test_few_or_large_chunks_keep_the_default(tmp_path: Path, monkeypatch: pytes
     few, many = tmp_path / "few", tmp_path / "many"
     gpuckpt.save(_state(MANY_CHUNKS - 1, 1024), few)
     gpuckpt.save(_state(MANY_CHUNKS, 1024), many)
-    _evict(tmp_path)
+    evict(files_under(tmp_path))
     assert cold_small_threads(open_reader(few), _targets(few)) is None  # type: ignore[arg-type]
     # chunks above the small-chunk size (4 KiB + trailer here, against a 4 KiB limit) are not "small"
     monkeypatch.setattr("gpuckpt.loading.chunk_reads.SMALL_CHUNK_BYTES", 4096)
