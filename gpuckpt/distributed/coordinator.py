@@ -2,8 +2,15 @@
 
 A distributed save or load runs the same code on every rank; the ranks agree
 on a plan (who writes which box, which metadata is published) by exchanging
-small Python objects through a :class:`Coordinator`. Bulk tensor data never
-goes through it: each rank reads and writes its own chunks in the store.
+small Python objects through a :class:`Coordinator`. A save or a load moves no
+tensor data through it: each rank reads and writes its own chunks in the store.
+
+Three collectives reach further: :meth:`Coordinator.duplicate` makes a new
+coordinator over the same ranks, usable from another thread at the same time
+(a background writer keeps one of its own); :meth:`Coordinator.exchange_objects`
+and :meth:`Coordinator.exchange_buffers` move objects and bulk bytes between
+chosen pairs of ranks (copies of checkpoint files from one rank to another),
+in pieces of at most :data:`PIECE_BYTES`.
 
 Implementations: :class:`SingleProcessCoordinator` (the default, one rank),
 :class:`~gpuckpt.distributed.threads.ThreadCoordinator` (N threads acting as N
@@ -14,7 +21,10 @@ and :class:`~gpuckpt.distributed.torch_dist.TorchCoordinator`
 
 from __future__ import annotations
 
+import pickle
 from abc import ABC, abstractmethod
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -22,6 +32,7 @@ import numpy as np
 from gpuckpt.errors import CoordinatorError, DistributedError, MissingDependencyError
 
 __all__ = [
+    "PIECE_BYTES",
     "Coordinator",
     "CoordinatorError",
     "DistributedError",
@@ -29,6 +40,11 @@ __all__ = [
     "SingleProcessCoordinator",
     "describe_error",
 ]
+
+#: The largest message :meth:`Coordinator.exchange_buffers` sends: larger buffers go in pieces of
+#: this size (256 MiB), so that no count overflows a C ``int`` (MPI's counts are ``int``). Read at
+#: each call: tests set it small to exercise the pieces.
+PIECE_BYTES = 256 << 20
 
 
 def describe_error(error: BaseException) -> str:
@@ -54,11 +70,21 @@ class Coordinator(ABC):
     multi-rank implementation): a receiver never shares one with its sender.
     They are meant to be small (plans, box lists, metadata), not tensor data.
 
+    A coordinator is used by one thread at a time. Work that runs in another
+    thread at the same time (a background save) uses a :meth:`duplicate`: a
+    coordinator over the same ranks whose messages never mix with this one's.
+
     A subclass implements :attr:`rank`, :attr:`world_size`, :meth:`gather`,
     :meth:`scatter`, :meth:`broadcast`, :meth:`all_gather` and
     :meth:`barrier`; :meth:`all_reduce_errors` is built on :meth:`all_gather`, and so is
     :meth:`all_reduce_xor` unless the subclass reduces in its transport (MPI and gloo do:
     what each rank receives then does not grow with the number of ranks).
+    :meth:`exchange_objects` is built on :meth:`all_gather` too (correct, but every
+    rank receives every rank's sends), and :meth:`exchange_buffers` on
+    :meth:`exchange_objects` (the bytes are pickled and copied): a subclass
+    overrides both with its transport's point-to-point messages, as gpuckpt's
+    coordinators do. :meth:`duplicate` has no generic form: a subclass that
+    supports it implements it (the default raises :class:`CoordinatorError`).
 
     Examples
     --------
@@ -109,6 +135,160 @@ class Coordinator(ABC):
     @abstractmethod
     def barrier(self) -> None:
         """Return once every rank has called it."""
+
+    def duplicate(self) -> Coordinator:
+        """A new coordinator over the same ranks, for use from another thread at the same time.
+
+        A collective: every rank calls it, in the same order relative to the
+        other collectives. The ``k``-th duplicate of each rank is a member of the
+        same new group, with the same :attr:`rank` and :attr:`world_size` as
+        this coordinator. Messages of the duplicate never mix with this
+        coordinator's (nor with another duplicate's), so that one thread may
+        run collectives on this coordinator while another runs them on the
+        duplicate; each coordinator is still used by one thread at a time.
+
+        Returns
+        -------
+        Coordinator
+            The duplicate (of the same class as this coordinator).
+
+        Raises
+        ------
+        CoordinatorError
+            If the transport cannot carry two threads' messages at once (MPI
+            without ``MPI_THREAD_MULTIPLE``; raised on every rank), or, in this
+            default, always: a subclass that supports duplicates implements
+            this method.
+
+        Examples
+        --------
+        >>> from gpuckpt.distributed import SingleProcessCoordinator
+        >>> SingleProcessCoordinator().duplicate()
+        SingleProcessCoordinator()
+        """
+        raise CoordinatorError(
+            f"{type(self).__name__} cannot duplicate itself: Coordinator.duplicate has no generic form; "
+            "implement duplicate() in the subclass (a new channel over the same ranks, usable from "
+            "another thread), or use a coordinator of gpuckpt.distributed"
+        )
+
+    def exchange_objects(self, sends: Mapping[int, Any], sources: Iterable[int]) -> dict[int, Any]:
+        """Send ``sends[dest]`` to each rank ``dest``; receive one object from each rank of ``sources``.
+
+        A collective: every rank calls it, in the same order relative to the
+        other collectives, with its own ``sends`` and ``sources`` (either may be
+        empty). The pairs must match, which is the caller's contract: rank
+        ``s`` has ``d`` among the keys of its ``sends`` exactly when rank ``d``
+        has ``s`` among its ``sources``. A rank that expects an object nobody
+        sends waits for it (MPI and torch hang until their own timeouts; the
+        in-process coordinators raise :class:`CoordinatorError`). A rank may
+        send to itself (it receives a copy).
+
+        The objects travel pickled, as with the other collectives: every
+        object received is a copy. They are meant to be small (manifests,
+        lists of sizes); bulk bytes go through :meth:`exchange_buffers`.
+
+        Parameters
+        ----------
+        sends
+            Rank -> the object this rank sends it.
+        sources
+            The ranks this rank receives one object from, each at most once.
+
+        Returns
+        -------
+        dict
+            Source rank -> the object it sent to this rank, for each rank of ``sources``.
+
+        Raises
+        ------
+        CoordinatorError
+            If a rank of ``sends`` or ``sources`` is not an ``int`` in
+            ``[0, world_size)``, a source is named twice, or this rank sends to
+            itself without receiving from itself (or the reverse): raised on
+            this rank before anything is sent. The in-process coordinators also
+            raise it when the ranks' sends and sources do not match.
+
+        Examples
+        --------
+        >>> from gpuckpt.distributed import run_ranks
+        >>> def ring(c):
+        ...     got = c.exchange_objects({(c.rank + 1) % c.world_size: f"from {c.rank}"},
+        ...                              [(c.rank - 1) % c.world_size])
+        ...     return got
+        >>> run_ranks(3, ring)
+        [{2: 'from 2'}, {0: 'from 0'}, {1: 'from 1'}]
+        """
+        sent, srcs = self._check_exchange(sends, sources)
+        everyone = self.all_gather({dest: _dumps(obj) for dest, obj in sent.items()})
+        received, problems = pick_mail(self.rank, srcs, everyone)
+        raise_problems("exchange_objects", problems)
+        return {src: pickle.loads(data) for src, data in received.items()}
+
+    def exchange_buffers(
+        self, sends: Mapping[int, Sequence[Any]], recvs: Mapping[int, Sequence[Any]]
+    ) -> None:
+        """Send the buffers of ``sends[dest]`` to each rank ``dest``; receive into those of ``recvs[source]``.
+
+        A collective: every rank calls it, in the same order relative to the
+        other collectives, with its own ``sends`` and ``recvs`` (either may be
+        empty). The pairs must match, as for :meth:`exchange_objects` (the
+        caller's contract): rank ``s`` has ``d`` among the keys of its
+        ``sends`` exactly when rank ``d`` has ``s`` among the keys of its
+        ``recvs``, empty lists included. The buffers of one pair are matched in
+        order: the ``i``-th buffer rank ``s`` sends to ``d`` lands in the
+        ``i``-th receive buffer ``d`` gives for ``s``, which must have the same
+        size (the receiver knows the sizes in advance, e.g. from an
+        :meth:`exchange_objects` round). A rank may send to itself (a copy).
+
+        Sent buffers are bytes-like and C-contiguous, of any size, and may be
+        read-only (``bytes``, a ``memoryview`` of a read-only ``mmap``); they
+        are only read, and must not change until the call returns. Receive
+        buffers are writable, C-contiguous bytes-like objects. Buffers larger
+        than :data:`PIECE_BYTES` travel in pieces. This default pickles the
+        bytes through :meth:`exchange_objects`; gpuckpt's coordinators send
+        them with their transport's own point-to-point messages, without a copy
+        on either side beyond what the transport makes.
+
+        Parameters
+        ----------
+        sends
+            Rank -> the buffers this rank sends it, in order.
+        recvs
+            Rank -> the buffers this rank receives from it, in order.
+
+        Raises
+        ------
+        CoordinatorError
+            If a rank is not an ``int`` in ``[0, world_size)``, a buffer is not
+            C-contiguous, a receive buffer is read-only, or this rank sends to
+            itself without receiving from itself (or the reverse): raised on
+            this rank before anything is sent. If a buffer received has another
+            size than its receive buffer, or a pair's sender sends another
+            number of buffers than the receiver gives: raised on the receiving
+            rank, once every message has arrived (no memory past a receive
+            buffer is written, and the group stays usable); the other ranks
+            return. Callers pass such errors to :meth:`all_reduce_errors`.
+
+        Examples
+        --------
+        >>> from gpuckpt.distributed import run_ranks
+        >>> def ring(c):
+        ...     out = bytearray(5)
+        ...     c.exchange_buffers({(c.rank + 1) % c.world_size: [b"rank%d" % c.rank]},
+        ...                        {(c.rank - 1) % c.world_size: [out]})
+        ...     return bytes(out)
+        >>> run_ranks(3, ring)
+        [b'rank2', b'rank0', b'rank1']
+        """
+        send_views, recv_views = self._buffer_views(sends, recvs)
+        received = self.exchange_objects(
+            {dest: [bytes(v) for v in views] for dest, views in send_views.items()}, recv_views
+        )
+        problems: list[str] = []
+        for src, targets in recv_views.items():
+            problems += copy_buffers(received[src], targets, src, self.rank)
+        raise_problems("exchange_buffers", problems)
 
     def all_reduce_xor(self, values: np.ndarray) -> np.ndarray:
         """The bitwise XOR over every rank of ``values``, on every rank.
@@ -174,6 +354,108 @@ class Coordinator(ABC):
             )
         return root
 
+    def _check_peer(self, rank: Any, what: str) -> int:
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.world_size:
+            raise CoordinatorError(
+                f"{what}: rank {rank!r} is not a rank of this group; "
+                f"expected an int in [0, {self.world_size})"
+            )
+        return rank
+
+    def _check_exchange(
+        self, sends: Mapping[int, Any], sources: Iterable[int]
+    ) -> tuple[dict[int, Any], list[int]]:
+        """``sends`` and ``sources`` of :meth:`exchange_objects`, checked before anything is sent."""
+        if not isinstance(sends, Mapping):
+            raise CoordinatorError(
+                f"exchange_objects: sends must be a mapping of rank -> object, got {type(sends).__name__}"
+            )
+        sent = {self._check_peer(dest, "exchange_objects sends"): obj for dest, obj in sends.items()}
+        srcs = [self._check_peer(src, "exchange_objects sources") for src in sources]
+        if len(set(srcs)) != len(srcs):
+            twice = sorted({src for src in srcs if srcs.count(src) > 1})
+            raise CoordinatorError(f"exchange_objects: sources name ranks {twice} more than once")
+        self._check_self_pair("exchange_objects", self.rank in sent, self.rank in srcs)
+        return sent, srcs
+
+    def _buffer_views(
+        self, sends: Mapping[int, Sequence[Any]], recvs: Mapping[int, Sequence[Any]]
+    ) -> tuple[dict[int, list[memoryview]], dict[int, list[memoryview]]]:
+        """The buffers of :meth:`exchange_buffers` as flat byte views, checked before anything is sent."""
+        send_views = self._views("sends", sends, writable=False)
+        recv_views = self._views("recvs", recvs, writable=True)
+        self._check_self_pair("exchange_buffers", self.rank in send_views, self.rank in recv_views)
+        return send_views, recv_views
+
+    def _views(
+        self, what: str, buffers: Mapping[int, Sequence[Any]], *, writable: bool
+    ) -> dict[int, list[memoryview]]:
+        if not isinstance(buffers, Mapping):
+            raise CoordinatorError(
+                f"exchange_buffers: {what} must be a mapping of rank -> list of buffers, "
+                f"got {type(buffers).__name__}"
+            )
+        views: dict[int, list[memoryview]] = {}
+        for peer, bufs in buffers.items():
+            self._check_peer(peer, f"exchange_buffers {what}")
+            if isinstance(bufs, bytes | bytearray | memoryview) or not isinstance(bufs, Sequence):
+                raise CoordinatorError(
+                    f"exchange_buffers: {what}[{peer}] must be a list of buffers, got {type(bufs).__name__} "
+                    "(wrap a single buffer in a list)"
+                )
+            views[peer] = [
+                byte_view(buf, writable=writable, name=f"exchange_buffers: {what}[{peer}][{i}]")
+                for i, buf in enumerate(bufs)
+            ]
+        return views
+
+    def _plan_buffer_round(
+        self, sends: Mapping[int, Sequence[Any]], recvs: Mapping[int, Sequence[Any]]
+    ) -> BufferRound:
+        """The messages of one :meth:`exchange_buffers` over point-to-point messages, copies to self done.
+
+        Checks the buffers, copies this rank's buffers to itself, then sends
+        each receiver the sizes of its buffers (one :meth:`exchange_objects`
+        round), so that a receiver posts exactly the messages its senders
+        send, whatever the sizes it expected: a buffer whose size differs is
+        received into a scratch buffer of its own size and reported by
+        :meth:`BufferRound.finish`, never written past a receive buffer.
+        """
+        send_views, recv_views = self._buffer_views(sends, recvs)
+        me = self.rank
+        problems = copy_buffers(send_views[me], recv_views[me], me, me) if me in send_views else []
+        sizes = self.exchange_objects(
+            {dest: [v.nbytes for v in views] for dest, views in send_views.items() if dest != me},
+            [src for src in recv_views if src != me],
+        )
+        piece = PIECE_BYTES
+        round_ = BufferRound(problems=problems)
+        for src, sent_sizes in sizes.items():
+            targets = recv_views[src]
+            if len(sent_sizes) != len(targets):
+                round_.problems.append(count_mismatch(src, me, len(sent_sizes), len(targets)))
+            for i, nbytes in enumerate(sent_sizes):
+                target = targets[i] if i < len(targets) else None
+                if target is None or target.nbytes != nbytes:
+                    if target is not None:
+                        round_.problems.append(size_mismatch(src, me, i, nbytes, target.nbytes))
+                    target = memoryview(bytearray(nbytes))  # drains the message; discarded
+                round_.recvs += [(src, target[off : off + piece]) for off in range(0, nbytes, piece)]
+        for dest, views in send_views.items():
+            if dest != me:
+                round_.sends += [
+                    (dest, v[off : off + piece]) for v in views for off in range(0, v.nbytes, piece)
+                ]
+        return round_
+
+    def _check_self_pair(self, op: str, sends: bool, receives: bool) -> None:
+        if sends != receives:
+            did, did_not = ("sends to", "receive from") if sends else ("receives from", "send to")
+            raise CoordinatorError(
+                f"{op}: rank {self.rank} {did} itself but does not {did_not} itself; "
+                "a rank's send to itself and its receive from itself come in pairs"
+            )
+
     def _scatter_payload(self, objs: list[Any] | None) -> list[Any]:
         """What ``root`` sends: ``objs``, or a misuse marker per rank so that no rank hangs."""
         if isinstance(objs, list | tuple) and len(objs) == self.world_size:
@@ -189,6 +471,119 @@ class Coordinator(ABC):
         if isinstance(received, _ScatterMisuse):
             raise CoordinatorError(received.message)
         return received
+
+
+@dataclass(slots=True)
+class BufferRound:
+    """The messages one rank posts in one :meth:`Coordinator.exchange_buffers` (see ``_plan_buffer_round``).
+
+    ``sends`` and ``recvs`` hold ``(peer, piece)``, each piece at most
+    :data:`PIECE_BYTES` long, in the order the pair's other side posts them;
+    ``problems`` are the mismatches found so far.
+    """
+
+    sends: list[tuple[int, memoryview]] = field(default_factory=list)
+    recvs: list[tuple[int, memoryview]] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+    def finish(self) -> None:
+        """Raise :class:`CoordinatorError` if a buffer did not match (call once every message arrived)."""
+        raise_problems("exchange_buffers", self.problems)
+
+
+def _dumps(obj: Any) -> bytes:
+    return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def byte_view(buf: Any, *, writable: bool, name: str) -> memoryview:
+    """``buf`` as a flat ``memoryview`` of its bytes (no copy); ``name`` is where the caller passed it.
+
+    Raises :class:`CoordinatorError` if ``buf`` has no buffer, is not C-contiguous, or is
+    read-only where ``writable`` is asked.
+    """
+    try:
+        view = memoryview(buf)
+    except TypeError as exc:
+        raise CoordinatorError(
+            f"{name} is a {type(buf).__name__}, not a bytes-like object; pass bytes, a bytearray, a "
+            "memoryview or a NumPy array (an array whose dtype has no buffer format: array.view(numpy.uint8))"
+        ) from exc
+    if not view.c_contiguous:
+        raise CoordinatorError(
+            f"{name} is not C-contiguous (shape {view.shape}, strides {view.strides}); pass a contiguous "
+            "copy (numpy.ascontiguousarray)"
+        )
+    if writable and view.readonly:
+        raise CoordinatorError(
+            f"{name} is read-only; a receive buffer must be writable (a bytearray, an array)"
+        )
+    return view.cast("B") if view.ndim != 1 or view.format != "B" else view
+
+
+def copy_buffers(sent: Sequence[Any], targets: Sequence[memoryview], source: int, rank: int) -> list[str]:
+    """Copy each buffer ``source`` sent into the matching buffer of ``targets`` on ``rank``.
+
+    Copies the pairs whose sizes agree; returns what did not match (empty when all did).
+    """
+    problems = []
+    if len(sent) != len(targets):
+        problems.append(count_mismatch(source, rank, len(sent), len(targets)))
+    for i, (data, target) in enumerate(zip(sent, targets, strict=False)):
+        nbytes = memoryview(data).nbytes
+        if nbytes != target.nbytes:
+            problems.append(size_mismatch(source, rank, i, nbytes, target.nbytes))
+        elif nbytes:
+            np.copyto(np.frombuffer(target, np.uint8), np.frombuffer(data, np.uint8))
+    return problems
+
+
+def count_mismatch(source: int, rank: int, sent: int, expected: int) -> str:
+    """The report of a pair whose sender sent ``sent`` buffers where the receiver gave ``expected``."""
+    return f"rank {source} sent {sent} buffers to rank {rank}, which receives {expected} from it"
+
+
+def size_mismatch(source: int, rank: int, index: int, sent: int, expected: int) -> str:
+    """The report of buffer ``index`` from ``source`` to ``rank`` whose sizes differ."""
+    return (
+        f"buffer {index} from rank {source} to rank {rank} holds {sent} bytes, its receive buffer {expected}"
+    )
+
+
+def pick_mail(
+    rank: int, sources: Sequence[int], mailboxes: Sequence[Mapping[int, Any]]
+) -> tuple[dict[int, Any], list[str]]:
+    """What each rank of ``sources`` left for ``rank`` in its mailbox (``mailboxes[src]``: dest -> mail).
+
+    Returns the mail by source, and the pairs that do not match: a source
+    that left nothing for ``rank``, or a rank that left mail ``rank`` does
+    not receive.
+    """
+    received = {src: mailboxes[src][rank] for src in sources if rank in mailboxes[src]}
+    problems = [
+        f"rank {src} sent nothing to rank {rank}, which receives from it"
+        for src in sources
+        if src not in received
+    ]
+    expected = set(sources)
+    problems += [
+        f"rank {src} sent to rank {rank}, which does not receive from it"
+        for src, mailbox in enumerate(mailboxes)
+        if rank in mailbox and src not in expected
+    ]
+    return received, problems
+
+
+def raise_problems(op: str, problems: list[str]) -> None:
+    """Raise :class:`CoordinatorError` naming ``problems`` (the mismatches one rank found), if any."""
+    if not problems:
+        return
+    shown = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
+    contract = (
+        "same pairs, same number of buffers of the same sizes, in the same order"
+        if op == "exchange_buffers"
+        else "same pairs"
+    )
+    raise CoordinatorError(f"{op}: {shown}; every rank's sends must match its receivers' ({contract})")
 
 
 class _ScatterMisuse:
@@ -238,6 +633,29 @@ class SingleProcessCoordinator(Coordinator):
 
     def barrier(self) -> None:
         return None
+
+    def duplicate(self) -> SingleProcessCoordinator:
+        """A new :class:`SingleProcessCoordinator` (one rank has no messages to mix)."""
+        return SingleProcessCoordinator()
+
+    def exchange_objects(self, sends: Mapping[int, Any], sources: Iterable[int]) -> dict[int, Any]:
+        """Rank 0 sends to itself only: a pickled copy of ``sends[0]`` if ``0`` is among ``sources``.
+
+        See :meth:`Coordinator.exchange_objects` (and what it raises).
+        """
+        sent, srcs = self._check_exchange(sends, sources)
+        return {0: pickle.loads(_dumps(sent[0]))} if srcs else {}
+
+    def exchange_buffers(
+        self, sends: Mapping[int, Sequence[Any]], recvs: Mapping[int, Sequence[Any]]
+    ) -> None:
+        """Rank 0 sends to itself only: a copy of each buffer of ``sends[0]`` into ``recvs[0]``.
+
+        See :meth:`Coordinator.exchange_buffers` (and what it raises).
+        """
+        send_views, recv_views = self._buffer_views(sends, recvs)
+        if send_views:
+            raise_problems("exchange_buffers", copy_buffers(send_views[0], recv_views[0], 0, 0))
 
     def __repr__(self) -> str:
         return "SingleProcessCoordinator()"

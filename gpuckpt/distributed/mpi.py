@@ -1,14 +1,28 @@
-"""A coordinator over an MPI communicator (mpi4py, imported when one is created)."""
+"""A coordinator over an MPI communicator (mpi4py, imported when one is created).
+
+Collectives of objects use mpi4py's pickle-based calls; ``exchange_objects``
+uses its point-to-point ones (``isend``, ``recv``), ``exchange_buffers`` the
+buffer ones (``Isend``, ``Irecv``, ``Waitall``) straight on the caller's
+buffers, and ``duplicate`` the communicator's ``Dup``, which needs an MPI
+initialised with ``MPI_THREAD_MULTIPLE``.
+"""
 
 from __future__ import annotations
 
+import pickle
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from gpuckpt.distributed.coordinator import Coordinator, MissingDependencyError
+from gpuckpt.distributed.coordinator import Coordinator, CoordinatorError, MissingDependencyError
 
 __all__ = ["MPICoordinator"]
+
+# Tags of the point-to-point messages; the coordinator's communicator carries nothing else (a duplicate
+# of the job's communicator, ideally: see MPICoordinator.duplicate).
+_OBJECT_TAG = 0x6770
+_BUFFER_TAG = 0x6771
 
 
 def _comm_world() -> Any:
@@ -27,7 +41,9 @@ class MPICoordinator(Coordinator):
 
     Uses mpi4py's pickle-based collectives (``comm.gather``, ``comm.bcast``,
     ...), which suit the small objects a coordinator exchanges. The objects
-    travel between the trusted ranks of one job and are never stored.
+    travel between the trusted ranks of one job and are never stored. Bulk
+    bytes (:meth:`exchange_buffers`) travel as MPI messages of bytes, in
+    pieces of at most :data:`~gpuckpt.distributed.coordinator.PIECE_BYTES`.
 
     Parameters
     ----------
@@ -90,6 +106,86 @@ class MPICoordinator(Coordinator):
 
     def barrier(self) -> None:
         self._comm.Barrier()
+
+    def duplicate(self) -> MPICoordinator:
+        """A coordinator over ``comm.Dup()``: the same ranks, a communicator of its own.
+
+        See :meth:`Coordinator.duplicate`. Two threads then call MPI at the
+        same time, which MPI allows only when initialised with
+        ``MPI_THREAD_MULTIPLE``. Every rank first gathers every rank's thread
+        level, so that all of them refuse, or none does.
+
+        Raises
+        ------
+        CoordinatorError
+            On every rank, if any rank's MPI provides less than
+            ``MPI_THREAD_MULTIPLE`` (``MPI.Query_thread()``).
+        """
+        from mpi4py import MPI
+
+        levels = self._comm.allgather(int(MPI.Query_thread()))
+        lacking = [rank for rank, level in enumerate(levels) if level != MPI.THREAD_MULTIPLE]
+        if lacking:
+            names = {
+                int(MPI.THREAD_SINGLE): "MPI_THREAD_SINGLE",
+                int(MPI.THREAD_FUNNELED): "MPI_THREAD_FUNNELED",
+                int(MPI.THREAD_SERIALIZED): "MPI_THREAD_SERIALIZED",
+            }
+            found = ", ".join(f"rank {r}: {names.get(levels[r], levels[r])}" for r in lacking)
+            raise CoordinatorError(
+                "MPICoordinator.duplicate: a duplicate is used from another thread while this coordinator "
+                "is used, so two threads call MPI at once, which needs MPI_THREAD_MULTIPLE; MPI was "
+                f'initialised with less ({found}). Set mpi4py.rc.thread_level = "multiple" (mpi4py\'s '
+                "default) before the first `from mpi4py import MPI`, with an MPI build that provides it "
+                "(MPICH and Open MPI do)"
+            )
+        return MPICoordinator(self._comm.Dup())
+
+    def exchange_objects(self, sends: Mapping[int, Any], sources: Iterable[int]) -> dict[int, Any]:
+        """``comm.isend`` of each object, ``comm.recv`` from each source (pickled, of any size).
+
+        See :meth:`Coordinator.exchange_objects`. A copy goes to this rank
+        itself without MPI. A source that sends nothing leaves this rank
+        waiting (the pairs are the caller's contract).
+        """
+        from mpi4py import MPI
+
+        sent, srcs = self._check_exchange(sends, sources)
+        me = self._rank
+        requests = [
+            self._comm.isend(obj, dest=dest, tag=_OBJECT_TAG) for dest, obj in sent.items() if dest != me
+        ]
+        received: dict[int, Any] = {}
+        # a blocking recv probes the size first (irecv would need a buffer as large as any message)
+        for src in srcs:
+            if src == me:
+                received[src] = pickle.loads(pickle.dumps(sent[me], protocol=pickle.HIGHEST_PROTOCOL))
+            else:
+                received[src] = self._comm.recv(source=src, tag=_OBJECT_TAG)
+        MPI.Request.waitall(requests)
+        return received
+
+    def exchange_buffers(
+        self, sends: Mapping[int, Sequence[Any]], recvs: Mapping[int, Sequence[Any]]
+    ) -> None:
+        """``comm.Isend``/``comm.Irecv`` of bytes straight from and into the buffers, then ``Waitall``.
+
+        See :meth:`Coordinator.exchange_buffers`. The sizes go first (one
+        :meth:`exchange_objects` round), so that each receiver posts exactly
+        the messages its senders send; copies to this rank itself are made
+        without MPI.
+        """
+        from mpi4py import MPI
+
+        plan = self._plan_buffer_round(sends, recvs)
+        requests = [
+            self._comm.Isend([piece, MPI.BYTE], dest=dest, tag=_BUFFER_TAG) for dest, piece in plan.sends
+        ]
+        requests += [
+            self._comm.Irecv([piece, MPI.BYTE], source=src, tag=_BUFFER_TAG) for src, piece in plan.recvs
+        ]
+        MPI.Request.Waitall(requests)
+        plan.finish()
 
     def __repr__(self) -> str:
         return f"MPICoordinator(rank={self._rank}, world_size={self._size})"

@@ -9,16 +9,31 @@ every rank must call the same collective in the same order with the same
 raises :class:`~gpuckpt.distributed.coordinator.CoordinatorError` on every
 rank: a rank calling another collective, a rank that left (returned or
 raised) while others wait for it, or a rank not arriving within ``timeout``.
+
+Point-to-point exchanges go through the same rounds: each rank deposits what
+it sends to each rank, then picks what was sent to it (``exchange_buffers``
+copies straight from the sender's buffer into the receiver's, and a second
+round keeps the senders' buffers alive until every copy is made). A
+duplicate is a child group of the same size, with its own lock and rounds,
+shared by the ranks: the ``k``-th ``duplicate()`` of each rank joins the
+``k``-th child.
 """
 
 from __future__ import annotations
 
 import pickle
 import threading
-from collections.abc import Callable
+import traceback
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
-from gpuckpt.distributed.coordinator import Coordinator, CoordinatorError
+from gpuckpt.distributed.coordinator import (
+    Coordinator,
+    CoordinatorError,
+    copy_buffers,
+    pick_mail,
+    raise_problems,
+)
 
 __all__ = ["ThreadCoordinator", "ThreadGroup", "run_ranks"]
 
@@ -79,24 +94,50 @@ class ThreadGroup:
         self._readers: dict[int, int] = {}
         self._departed: dict[int, str] = {}  # rank -> how it left
         self._broken: str | None = None
+        self._children: list[ThreadGroup] = []  # the duplicates, in the order the ranks made them
+        self._duplicated = [0] * world_size  # rank -> how many duplicates it made
         self.coordinators = [ThreadCoordinator(self, rank) for rank in range(world_size)]
 
     def depart(self, rank: int, error: BaseException | None = None) -> None:
         """Record that ``rank`` left (returned, or raised ``error``): it will call no more collectives.
 
-        Ranks waiting for it, and later collectives, raise instead of waiting.
+        Ranks waiting for it, and later collectives, raise instead of waiting;
+        in the group's duplicates too.
         """
         how = "returned" if error is None else f"raised {type(error).__name__}: {error}"
         with self._cond:
             self._departed[rank] = how
             self._cond.notify_all()
+            children = list(self._children)
+        for child in children:
+            child.depart(rank, error)
 
     def abort(self, reason: str = "the group was aborted") -> None:
-        """Break the group: every waiting and later collective raises :class:`CoordinatorError`."""
+        """Break the group and its duplicates: waiting and later collectives raise CoordinatorError."""
         with self._cond:
             if self._broken is None:
                 self._broken = reason
             self._cond.notify_all()
+            children = list(self._children)
+        for child in children:
+            child.abort(reason)
+
+    def duplicate(self, rank: int) -> ThreadGroup:
+        """The group of ``rank``'s next duplicate: the ``k``-th call of each rank returns the ``k``-th child.
+
+        A child is created by the first rank that asks for it, with this
+        group's size and timeout, and with the departures and the break this
+        group has seen so far.
+        """
+        with self._cond:
+            k = self._duplicated[rank]
+            self._duplicated[rank] += 1
+            if k == len(self._children):
+                child = ThreadGroup(self.world_size, timeout=self.timeout)
+                child._departed = dict(self._departed)
+                child._broken = self._broken
+                self._children.append(child)
+            return self._children[k]
 
     def _failure(self, rank: int, op: str) -> CoordinatorError | None:
         """Why ``rank`` cannot complete ``op`` now, or None (the lock is held)."""
@@ -209,8 +250,75 @@ class ThreadCoordinator(Coordinator):
     def barrier(self) -> None:
         self._group.exchange(self._rank, "barrier", None, None)
 
+    def duplicate(self) -> ThreadCoordinator:
+        """This rank of the group's next child :class:`ThreadGroup` (see :meth:`Coordinator.duplicate`).
+
+        One round of the group (so that a rank calling another collective
+        fails as usual), then the ``k``-th call of each rank returns its
+        coordinator of the ``k``-th child group: same size and timeout, its own
+        lock and rounds.
+
+        Raises
+        ------
+        CoordinatorError
+            As every collective of the group: a rank that left, a rank that
+            called another collective, a rank not arriving within the timeout.
+        """
+        self._group.exchange(self._rank, "duplicate", None, None)
+        return self._group.duplicate(self._rank).coordinators[self._rank]
+
+    def exchange_objects(self, sends: Mapping[int, Any], sources: Iterable[int]) -> dict[int, Any]:
+        """One round: each rank deposits its pickled sends, then unpickles those sent to it.
+
+        See :meth:`Coordinator.exchange_objects`. Raises :class:`CoordinatorError`
+        as every collective of the group does, and on a rank whose sources do
+        not match what was sent to it.
+        """
+        sent, srcs = self._check_exchange(sends, sources)
+        payload = {dest: _dumps(obj) for dest, obj in sent.items()}
+        entries = self._group.exchange(self._rank, "exchange_objects", None, payload)
+        received, problems = pick_mail(self._rank, srcs, [e[2] for e in entries])
+        raise_problems("exchange_objects", problems)
+        return {src: _loads(data) for src, data in received.items()}
+
+    def exchange_buffers(
+        self, sends: Mapping[int, Sequence[Any]], recvs: Mapping[int, Sequence[Any]]
+    ) -> None:
+        """Two rounds: each rank deposits views of its buffers, copies what was sent to it, then all wait.
+
+        Each byte is copied once, from the sender's buffer into the
+        receiver's; the second round keeps each sender in the call (its
+        buffers in use) until every receiver has copied. See
+        :meth:`Coordinator.exchange_buffers`; raises :class:`CoordinatorError`
+        as every collective of the group does, and on a rank whose receive
+        buffers do not match what was sent to it (after both rounds).
+        """
+        send_views, recv_views = self._buffer_views(sends, recvs)
+        entries = self._group.exchange(self._rank, "exchange_buffers", None, send_views)
+        problems: list[str] = []
+        error: BaseException | None = None
+        try:
+            problems = _copy_mail(self._rank, entries, recv_views)
+        except BaseException as exc:  # the senders wait in the second round: reach it, then raise
+            error = exc
+            traceback.clear_frames(exc.__traceback__)
+        # no reference to another rank's buffers may outlive the call (a sender may close its mmap then)
+        del entries
+        self._group.exchange(self._rank, "exchange_buffers (copied)", None, None)
+        if error is not None:
+            raise error
+        raise_problems("exchange_buffers", problems)
+
     def __repr__(self) -> str:
         return f"ThreadCoordinator(rank={self._rank}, world_size={self.world_size})"
+
+
+def _copy_mail(rank: int, entries: list[_Entry], recv_views: dict[int, list[memoryview]]) -> list[str]:
+    """Copy into ``rank``'s receive buffers what each rank deposited for it; return the mismatches."""
+    received, problems = pick_mail(rank, list(recv_views), [e[2] for e in entries])
+    for src, sent in received.items():
+        problems += copy_buffers(sent, recv_views[src], src, rank)
+    return problems
 
 
 def run_ranks(n: int, fn: Callable[[ThreadCoordinator], _T], *, timeout: float | None = 60.0) -> list[_T]:

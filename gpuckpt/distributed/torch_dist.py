@@ -1,7 +1,16 @@
-"""A coordinator over a ``torch.distributed`` process group (torch imported when one is created)."""
+"""A coordinator over a ``torch.distributed`` process group (torch imported when one is created).
+
+Collectives of objects use torch's object collectives; ``exchange_objects``
+and ``exchange_buffers`` use ``isend``/``irecv`` of CPU ``uint8`` tensors that
+alias the pickles and the caller's buffers (no copy), and ``duplicate`` a new
+gloo group over the same ranks.
+"""
 
 from __future__ import annotations
 
+import ctypes
+import pickle
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -9,6 +18,10 @@ import numpy as np
 from gpuckpt.distributed.coordinator import Coordinator, CoordinatorError, MissingDependencyError
 
 __all__ = ["TorchCoordinator"]
+
+# Tags of exchange_objects' two messages per pair; exchange_buffers numbers its messages of each pair
+_SIZE_TAG = 0
+_OBJECT_TAG = 1
 
 
 def _torch_distributed() -> Any:
@@ -35,6 +48,8 @@ class TorchCoordinator(Coordinator):
     and roots are ranks *within* ``group``. With the NCCL backend, the object
     collectives stage through the current CUDA device: call
     ``torch.cuda.set_device`` first (as for any NCCL object collective).
+    :meth:`exchange_objects` and :meth:`exchange_buffers` send CPU tensors,
+    which need a gloo group: use them on a :meth:`duplicate` (always gloo).
 
     Parameters
     ----------
@@ -84,9 +99,12 @@ class TorchCoordinator(Coordinator):
     def _global(self, root: int) -> int:
         """The global rank of group rank ``root`` (torch's ``dst``/``src`` are global ranks)."""
         self._check_root(root)
+        return self._global_rank(root)
+
+    def _global_rank(self, rank: int) -> int:
         if self._group is None:
-            return root
-        return int(self._dist.get_global_rank(self._group, root))
+            return rank
+        return int(self._dist.get_global_rank(self._group, rank))
 
     def gather(self, obj: Any, root: int = 0) -> list[Any] | None:
         dst = self._global(root)
@@ -126,5 +144,161 @@ class TorchCoordinator(Coordinator):
     def barrier(self) -> None:
         self._dist.barrier(group=self._group)
 
+    def duplicate(self) -> TorchCoordinator:
+        """A coordinator over a new gloo group of the same ranks, in the same order.
+
+        See :meth:`Coordinator.duplicate`. The group is
+        ``new_group(ranks, backend="gloo", use_local_synchronization=True)``
+        whatever this group's backend: gloo carries the CPU tensors of
+        :meth:`exchange_buffers`, and only the members of this group take part
+        (the other ranks of the job call nothing). The ranks keep their order,
+        and so their numbers, even where this group lists them out of order.
+        torch names a group made this way after its ranks and the number of
+        groups the process has made so far: every member must have made as
+        many groups as the others (as when each group is made by every rank of
+        the job, ``new_group``'s default, or by the same members).
+
+        Raises
+        ------
+        CoordinatorError
+            If this torch has no gloo, or cannot keep the ranks' order (a group
+            whose global ranks are not in increasing order needs a torch whose
+            ``new_group`` takes ``sort_ranks``).
+        """
+        dist = self._dist
+        if not dist.is_gloo_available():
+            raise CoordinatorError(
+                "TorchCoordinator.duplicate makes a gloo group, and this torch build has no gloo "
+                "(torch.distributed.is_gloo_available() is False); install a torch build with gloo"
+            )
+        ranks = [self._global_rank(r) for r in range(self._size)]
+        # the default sorts the ranks: a group that lists them in another order needs them kept
+        order: dict[str, Any] = {} if ranks == sorted(ranks) else {"sort_ranks": False}
+        try:
+            group = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True, **order)
+        except TypeError as exc:
+            if not order:
+                raise
+            raise CoordinatorError(
+                f"TorchCoordinator.duplicate: this group's ranks {ranks} are not in increasing order, and "
+                f"this torch's new_group cannot keep their order ({exc}); use a torch whose new_group "
+                "takes sort_ranks"
+            ) from exc
+        return TorchCoordinator(group)
+
+    def exchange_objects(self, sends: Mapping[int, Any], sources: Iterable[int]) -> dict[int, Any]:
+        """``isend``/``irecv`` of each pickle's size, then of its bytes (all posted, then waited).
+
+        See :meth:`Coordinator.exchange_objects`. Needs a group that carries
+        CPU tensors, such as gloo (a :meth:`duplicate`; an NCCL group raises
+        :class:`CoordinatorError` before anything is sent). A copy goes to this rank itself without torch. A
+        source that sends nothing leaves this rank waiting until the group's
+        timeout (the pairs are the caller's contract).
+        """
+        import torch
+
+        sent, srcs = self._check_exchange(sends, sources)
+        self._check_cpu_transport("exchange_objects")
+        dist, group, me = self._dist, self._group, self._rank
+        pickles = {dest: _dumps(obj) for dest, obj in sent.items()}
+        works = []
+        for dest, data in pickles.items():
+            if dest != me:
+                peer = self._global_rank(dest)
+                size = torch.tensor([len(data)], dtype=torch.int64)
+                works.append(dist.isend(size, dst=peer, group=group, tag=_SIZE_TAG))
+                works.append(
+                    dist.isend(_send_tensor(memoryview(data)), dst=peer, group=group, tag=_OBJECT_TAG)
+                )
+        others = [src for src in srcs if src != me]
+        sizes = {src: torch.zeros(1, dtype=torch.int64) for src in others}
+        size_works = [
+            dist.irecv(sizes[src], src=self._global_rank(src), group=group, tag=_SIZE_TAG) for src in others
+        ]
+        for work in size_works:
+            work.wait()
+        buffers = {src: bytearray(int(sizes[src].item())) for src in others}
+        for src in others:
+            tensor = _recv_tensor(memoryview(buffers[src]))
+            works.append(dist.irecv(tensor, src=self._global_rank(src), group=group, tag=_OBJECT_TAG))
+        for work in works:
+            work.wait()
+        return {src: pickle.loads(pickles[me] if src == me else buffers[src]) for src in srcs}
+
+    def exchange_buffers(
+        self, sends: Mapping[int, Sequence[Any]], recvs: Mapping[int, Sequence[Any]]
+    ) -> None:
+        """``isend``/``irecv`` of ``uint8`` CPU tensors over the buffers' own memory, all posted, then waited.
+
+        See :meth:`Coordinator.exchange_buffers`. Needs a group that carries
+        CPU tensors, such as gloo (a :meth:`duplicate`; an NCCL group raises
+        :class:`CoordinatorError` before anything is sent). The sizes go first (one :meth:`exchange_objects`
+        round), so that each receiver posts exactly the messages its senders
+        send; the messages of one pair are numbered by their tags. Copies to
+        this rank itself are made without torch.
+        """
+        self._check_cpu_transport("exchange_buffers")
+        plan = self._plan_buffer_round(sends, recvs)
+        dist, group = self._dist, self._group
+        works = [
+            dist.isend(_send_tensor(piece), dst=self._global_rank(dest), group=group, tag=tag)
+            for dest, piece, tag in _numbered(plan.sends)
+        ]
+        works += [
+            dist.irecv(_recv_tensor(piece), src=self._global_rank(src), group=group, tag=tag)
+            for src, piece, tag in _numbered(plan.recvs)
+        ]
+        for work in works:
+            work.wait()
+        plan.finish()
+
+    def _check_cpu_transport(self, op: str) -> None:
+        backend = str(self._dist.get_backend(self._group))
+        if backend == "nccl":
+            raise CoordinatorError(
+                f"TorchCoordinator.{op} sends CPU tensors, which this group's backend ({backend}) does not "
+                "carry; call it on a duplicate() of this coordinator (a gloo group over the same ranks)"
+            )
+
     def __repr__(self) -> str:
         return f"TorchCoordinator(rank={self._rank}, world_size={self._size})"
+
+
+def _dumps(obj: Any) -> bytes:
+    return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _numbered(messages: list[tuple[int, memoryview]]) -> list[tuple[int, memoryview, int]]:
+    """``(peer, piece, tag)`` of each message: the tags of each peer's messages count from 0."""
+    counts: dict[int, int] = {}
+    numbered = []
+    for peer, piece in messages:
+        tag = counts.get(peer, 0)
+        counts[peer] = tag + 1
+        numbered.append((peer, piece, tag))
+    return numbered
+
+
+def _recv_tensor(view: memoryview) -> Any:
+    """A ``uint8`` tensor over the memory of the writable byte view ``view`` (no copy)."""
+    import torch
+
+    return torch.frombuffer(view, dtype=torch.uint8)
+
+
+def _send_tensor(view: memoryview) -> Any:
+    """A ``uint8`` tensor over the memory of the byte view ``view``, which may be read-only (no copy).
+
+    ``torch.frombuffer`` warns on a read-only buffer (its tensors are
+    writable); a send only reads, so a read-only buffer is wrapped through a
+    writable ``ctypes`` alias of its memory instead (no change to the
+    process's warning filters, which another thread may be using). The
+    alias does not keep ``view`` alive: the caller holds it until the send
+    completed.
+    """
+    import torch
+
+    if not view.readonly:
+        return torch.frombuffer(view, dtype=torch.uint8)
+    address = np.frombuffer(view, np.uint8).ctypes.data
+    return torch.frombuffer((ctypes.c_ubyte * view.nbytes).from_address(address), dtype=torch.uint8)
