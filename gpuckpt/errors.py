@@ -24,6 +24,7 @@ __all__ = [
     "DeviceUnavailableError",
     "GpuckptError",
     "InvalidOptionError",
+    "TierBudgetError",
     "InvalidPathError",
     "MetadataError",
     "MissingChunkError",
@@ -170,6 +171,10 @@ class MissingDependencyError(GpuckptError, ImportError):
 
 class InvalidOptionError(GpuckptError, ValueError, TypeError):
     """An option of a save or a load has a wrong type or value (caught as ValueError or TypeError)."""
+
+
+class TierBudgetError(InvalidOptionError):
+    """A node's local tier cannot hold ``local_max_to_keep`` steps of its parts and replicas."""
 
 
 class InvalidPathError(GpuckptError, ValueError, TypeError):

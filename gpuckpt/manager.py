@@ -60,22 +60,38 @@ for the first time, and a probe of each name found not committed at or above
 the new step: none of either in a run going forward, whether 10 or 10,000
 steps are kept. A retention pass adds the deletion of what it retires, in
 bulk requests. The one pass over every step is at open.
+
+A distributed job has one manager per rank (``coordinator=``). Every rank
+calls the same methods in the same order (they are collectives, as a
+distributed save is); rank 0 alone lists, probes and deletes, and what it
+finds (the committed steps, or its error) reaches every rank in one
+broadcast, so every rank sees the same steps, takes the same decisions and
+raises the same errors. Each step is one distributed checkpoint (see
+:func:`gpuckpt.save`), saved in the background on a duplicate of the
+coordinator kept for saves, while the manager's own queries use another:
+neither mixes its messages with the caller's use of ``coordinator``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import re
-from collections.abc import Sequence
+import threading
+import uuid
+from collections.abc import Callable, Sequence
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 import gpuckpt.api as api
 from gpuckpt.background import SaveFuture, async_save_with_options
+from gpuckpt.device.sharded import shard_dtensors
+from gpuckpt.distributed.coordinator import Coordinator, SingleProcessCoordinator, describe_error
 from gpuckpt.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
+    DistributedError,
     GpuckptError,
     InvalidOptionError,
     StepOrderError,
@@ -83,7 +99,9 @@ from gpuckpt.errors import (
 from gpuckpt.format.metadata import STATE_DICT_TYPE
 from gpuckpt.options import SaveOptions
 from gpuckpt.runtime.runner import run_all
+from gpuckpt.runtime.workers import Workers
 from gpuckpt.storage.stores import open_root, scheme_of
+from gpuckpt.tiers import LocalTier, PartSource, RestoreReport, copy_values_back
 
 __all__ = ["CheckpointManager", "step_of"]
 
@@ -103,18 +121,32 @@ _SAVE_OPTIONS = frozenset(
     )
 )
 #: options of gpuckpt.save that a manager cannot take, and why
-_REFUSED = {
-    "overwrite": "the manager never overwrites a step",
-    "coordinator": "a manager saves from one process",
-}
+_REFUSED = {"overwrite": "the manager never overwrites a step"}
 #: probes of root documents sent at once (each is a small request on an object store)
 _PROBE_THREADS = 16
+
+_T = TypeVar("_T")
 
 
 def step_of(name: str) -> int | None:
     """The step a directory name stands for (``step_00000042`` or ``42``), else None."""
     m = _STEP_RE.match(name)
     return int(m.group(1)) if m else None
+
+
+def _failures(error: BaseException, rank: int) -> dict[int, str]:
+    """Rank -> what failed, for an error of background work on ``rank`` (a collective's
+    :class:`~gpuckpt.errors.DistributedError` names the ranks where it began)."""
+    if isinstance(error, DistributedError):
+        return dict(error.failures)
+    return {rank: describe_error(error)}
+
+
+def _nice_this_thread() -> None:
+    """Lower the calling thread's CPU priority to the least (Linux: per thread), so that the
+    drain yields to training's threads; elsewhere, or where refused, nothing happens."""
+    with contextlib.suppress(AttributeError, OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
 
 
 def _check_count(name: str, value: int | None, minimum: int) -> None:
@@ -150,6 +182,17 @@ class CheckpointManager:
         complete checkpoint: retention deletes names, and a chunk shared with a
         kept step lives on in it. The first save records the content hashes
         the next one compares with.
+    coordinator
+        A distributed job: every rank makes its manager with its own
+        :class:`~gpuckpt.distributed.Coordinator` and calls every method in the
+        same order (each is a collective). Each step is then one distributed
+        checkpoint of every rank's state (``ShardedArray`` boxes, replicated
+        arrays, plain values; see :func:`gpuckpt.save`); :meth:`restore` loads
+        one step on every rank. The manager makes two duplicates of the
+        coordinator (:meth:`~gpuckpt.distributed.Coordinator.duplicate`): one
+        for its background saves, one for its queries; ``coordinator`` itself
+        stays the caller's. ``root`` must be the same place for every rank (a
+        shared file system, or an object store).
     **save_options
         Options of every save, as for :func:`gpuckpt.async_save`:
         ``chunk_bytes``, ``allow_pickle``, ``sync``, ``threads``, ``progress``,
@@ -203,6 +246,12 @@ class CheckpointManager:
         keep_period: int | None = None,
         async_save: bool = True,
         incremental: bool = False,
+        coordinator: Coordinator | None = None,
+        local_dir: str | os.PathLike[str] | None = None,
+        persist_interval_steps: int | None = None,
+        replicas: int = 1,
+        local_max_to_keep: int = 2,
+        node: str | None = None,
         **save_options: Any,
     ) -> None:
         _check_count("max_to_keep", max_to_keep, 1)
@@ -222,15 +271,30 @@ class CheckpointManager:
                 f"CheckpointManager got storage_options for {os.fspath(root)!r}, a local directory; "
                 "storage_options are for URL roots (s3://bucket/prefix): drop them"
             )
+        if coordinator is not None and not isinstance(coordinator, Coordinator):
+            raise TypeError(
+                f"coordinator must be a gpuckpt.distributed.Coordinator, got {type(coordinator).__name__}"
+            )
         # bad values fail here, not at some later save (which could have taken staging memory)
         self.options = SaveOptions(**save_options)
         self.incremental = incremental
+        _check_count("persist_interval_steps", persist_interval_steps, 1)
+        if local_dir is not None and incremental:
+            raise InvalidOptionError(
+                "incremental saves do not go through a local tier: pass one or the other"
+            )
+        if local_dir is not None and coordinator is None:
+            coordinator = SingleProcessCoordinator()
+        #: the manager's own channels: queries (this thread) and saves (the writer thread, or
+        #: with a local tier the drain thread)
+        self._queries = None if coordinator is None else coordinator.duplicate()
+        self._saves = None if coordinator is None else coordinator.duplicate()
         self._store = open_root(root, storage_options=self.options.store_options())
         self.root: Any = getattr(self._store, "path", root)
         #: child name -> whether it is committed, for the names of the last listing this manager
-        #: probed or committed itself (see the module docstring)
+        #: probed or committed itself (see the module docstring); rank 0's alone in a distributed job
         self._known: dict[str, bool] = {}
-        self._open_root()
+        self._agreed(self._open_root)
         self.max_to_keep = max_to_keep
         self.save_interval_steps = save_interval_steps
         self.keep_period = keep_period
@@ -238,8 +302,54 @@ class CheckpointManager:
         self._pending: tuple[int, SaveFuture] | None = None
         self._error: BaseException | None = None
         self._closed = False
+        #: what the last restore read, where each rank's part came from
+        self.last_restore: RestoreReport | None = None
+        self._tier: LocalTier | None = None
+        if local_dir is not None:
+            assert coordinator is not None and self._queries is not None
+            self._tier = LocalTier(
+                local_dir,
+                queries=self._queries,
+                background=coordinator.duplicate(),
+                node=node,
+                replicas=replicas,
+                keep=local_max_to_keep,
+                options=self.options,
+            )
+        self.persist_interval_steps = persist_interval_steps
+        self._drains = Workers(1, "gpuckpt-drain")
+        self._drain: tuple[int, Any] | None = None
+        #: background work whose failure every rank has raised already: ("tier" | "drain", step)
+        self._reported: set[tuple[str, int]] = set()
+        self._tier_last: int | None = None
 
     # the steps in the store --------------------------------------------------
+
+    @property
+    def coordinator(self) -> Coordinator | None:
+        """The duplicate of the job's coordinator the manager's queries use (None: one process)."""
+        return self._queries
+
+    def _agreed(self, fn: Callable[[], _T]) -> _T:
+        """``fn()`` run on rank 0 alone, its result on every rank (in one process: ``fn()``).
+
+        An error there is raised on every rank as one :class:`~gpuckpt.errors.DistributedError`
+        naming it (its cause, on rank 0, the error itself): every rank then raises, or none does."""
+        c = self._queries
+        if c is None:
+            return fn()
+        if c.rank == 0:
+            try:
+                value = fn()
+            except Exception as exc:
+                c.broadcast((False, describe_error(exc)))
+                raise DistributedError({0: describe_error(exc)}, c.world_size) from exc
+            c.broadcast((True, value))
+            return value
+        ok, value = c.broadcast(None)
+        if not ok:
+            raise DistributedError({0: value}, c.world_size)
+        return value
 
     def _open_root(self) -> None:
         """Probe every child named like a step once (in parallel), then clean what dead saves and
@@ -296,15 +406,19 @@ class CheckpointManager:
         saved = self._collect(block=block)
         if raise_error:
             self._raise_error()
-        steps = self._view(recheck_from)
-        if saved is not None:
-            self._apply_retention(saved, steps)
-        return steps
+
+        def listed() -> dict[int, str]:
+            steps = self._view(recheck_from)
+            if saved is not None:
+                self._apply_retention(saved, steps)
+            return steps
+
+        return self._agreed(listed)
 
     def step_path(self, step: int) -> Any:
         """Where ``step`` is (a directory, or a URL for an object store): the existing one,
         else where a save would put it."""
-        return self._store.child(self._view(step).get(step, f"step_{step:08d}"))
+        return self._store.child(self._agreed(lambda: self._view(step)).get(step, f"step_{step:08d}"))
 
     def all_steps(self) -> list[int]:
         """Committed steps, in increasing order."""
@@ -335,6 +449,10 @@ class CheckpointManager:
             raise ValueError(f"step must be a non-negative integer, got {step!r}")
         if not force and not self.should_save(step):
             return False
+        state_dict = shard_dtensors(state_dict)  # a DCP state dict: its DTensors' local shards
+        if self._tier is not None:
+            self._save_tiered(step, state_dict)
+            return True
         # one listing serves the retention of the save that just ended and this save's checks
         steps = self._steps(step, block=True, raise_error=True)
         existing = steps.get(step)
@@ -363,15 +481,134 @@ class CheckpointManager:
             latest = self._store.child(steps[max(steps)]) if steps else None
             options = options.replace(content_hash=True, base=None if latest is None else os.fspath(latest))
         if self.async_save:
-            self._pending = (step, async_save_with_options(state_dict, path, options))
+            self._pending = (step, async_save_with_options(state_dict, path, options, self._saves))
         else:
-            api.save_with_options(state_dict, path, options)
+            api.save_with_options(state_dict, path, options, self._saves)
             self._known[name] = True
             # retention on the listing made before the save: a step that appeared meanwhile is
             # not counted (it is kept), one deleted meanwhile is deleted again (nothing happens)
             steps[step] = name
-            self._apply_retention(step, steps)
+            self._agreed(lambda: self._apply_retention(step, steps))
         return True
+
+    # the local tier ----------------------------------------------------------------------
+
+    def _save_tiered(self, step: int, state_dict: STATE_DICT_TYPE) -> None:
+        """A save through the local tier: one report of every rank's background work, the step
+        checks on the agreed view, the part's snapshot; the drain of a persist step."""
+        tier = self._tier
+        assert tier is not None and self._queries is not None
+        if self._tier_last is not None:
+            # one step in flight, as for saves to the root: its snapshot memory is reused, and
+            # its outcome is known on every rank before the next one starts
+            tier.wait_for(self._tier_last)
+        persist = step % (self.persist_interval_steps or 1) == 0
+        if not self._gather_background(wait_tier=False, wait_drain=False) and persist:
+            # the previous drain still runs somewhere: a persist step waits for it (the root
+            # keeps up with the persist steps, or the saves slow down; none is skipped)
+            self._gather_background(wait_tier=False, wait_drain=True)
+        steps = self._agreed(lambda: self._view(step))
+        existing = steps.get(step)
+        if existing is not None or (self._tier_last is not None and step == self._tier_last):
+            where = f"under {self.root}" if existing else "in the local tier"
+            raise CheckpointExistsError(
+                f"step {step} is already saved ({where}); each step is saved once: "
+                "save under another step number"
+            )
+        newer = sorted(s for s in steps if s > step)
+        if self._tier_last is not None and self._tier_last > step:
+            newer.append(self._tier_last)
+        if newer:
+            raise StepOrderError(
+                f"step {step} is older than step(s) {sorted(newer)[:10]} already saved (under {self.root} "
+                "or in the local tier); steps only move forward: to roll back, restore the earlier "
+                "step and delete the newer ones under the root"
+            )
+        save_id = self._queries.broadcast(uuid.uuid4().hex if self._queries.rank == 0 else None)
+        tier.begin(step, state_dict, save_id)
+        self._tier_last = step
+        if persist:
+            self._start_drain(step)
+
+    def _gather_background(self, *, wait_tier: bool = True, wait_drain: bool = True) -> bool:
+        """Collective: every rank's failed background work (tier steps, drains) raised on every
+        rank, once; a drain that ended on every rank joins the root (its retention applied).
+        Waits for the tier's work and the drain first where asked. Returns whether no drain
+        is running on any rank."""
+        tier = self._tier
+        assert tier is not None and self._queries is not None
+        if wait_tier:
+            tier.wait_all()
+        if wait_drain and self._drain is not None:
+            self._drain[1].exception()
+        failed: dict[tuple[str, int], BaseException] = {("tier", s): e for s, e in tier.settled().items()}
+        running = False
+        if self._drain is not None:
+            step, fut = self._drain
+            if fut.done():
+                exc = fut.exception()
+                if exc is not None:
+                    failed[("drain", step)] = exc
+            else:
+                running = True
+        # what failed where: a collective's error names the ranks that failed it
+        mine = {k: _failures(e, self._queries.rank) for k, e in failed.items() if k not in self._reported}
+        reports = self._queries.all_gather((mine, running))
+        failures: dict[int, str] = {}
+        for errs, _ in reports:
+            for (kind, s), by_rank in sorted(errs.items()):
+                self._reported.add((kind, s))
+                what = "writing the local tier" if kind == "tier" else "persisting"
+                for rank, message in by_rank.items():
+                    failures.setdefault(rank, f"{what} step {s}: {message}")
+        idle = not any(r[1] for r in reports)
+        if idle and self._drain is not None:
+            step, fut = self._drain
+            self._drain = None
+            tier.pinned.discard(step)
+            ok = fut.exception() is None and fut.result()
+
+            def joined() -> None:
+                if ok:  # committed at root: it counts for retention from now on
+                    self._known[f"step_{step:08d}"] = True
+                    self._apply_retention(step, self._view(None))
+
+            self._agreed(joined)
+        if failures:
+            raise DistributedError(failures, self._queries.world_size)
+        return idle
+
+    def _start_drain(self, step: int) -> None:
+        """Persist ``step`` to the root in the background, from the parts in the local tier."""
+        tier = self._tier
+        assert tier is not None and self._saves is not None
+        tier.pinned.add(step)
+        job = tier.job(step)
+        path = self._store.child(f"step_{step:08d}")
+        options, coord = self.options, self._saves
+
+        def drain() -> bool:
+            _nice_this_thread()
+            if job is not None and job.exception() is not None:
+                # the step failed on every rank (a tier step fails in a collective): it was
+                # reported as such, and there is nothing to persist
+                return False
+            error: BaseException | None = None
+            state: Any = None
+            try:
+                state = tier.read_part(step)
+            except Exception as exc:  # every rank joins the save's first collective, failed or not
+                error = exc
+            coord.all_reduce_errors(error)
+            api.save_with_options(state, path, options, coord)
+            return True
+
+        self._drain = (step, self._drains.submit(drain))
+
+    def local_steps(self) -> list[int]:
+        """The steps this rank's node holds in its local tier (own parts or replicas; not a
+        collective, so not an agreed view)."""
+        return [] if self._tier is None else self._tier.steps()
 
     def _collect(self, *, block: bool) -> int | None:
         """Take note of the save in flight once it has ended (waiting for it when ``block``): the
@@ -395,9 +632,17 @@ class CheckpointManager:
     def _settle(self) -> None:
         """Wait for the save in flight, apply retention (listing the root only then), raise a
         stored error."""
+        if self._tier is not None:
+            self._gather_background()
+            return
         saved = self._collect(block=True)
-        if saved is not None and self.max_to_keep is not None:
-            self._apply_retention(saved, self._view(None))
+        if self.max_to_keep is not None:  # a collective in a distributed job: whatever this rank saw
+
+            def retire() -> None:
+                if saved is not None:
+                    self._apply_retention(saved, self._view(None))
+
+            self._agreed(retire)
         self._raise_error()
 
     def wait(self) -> None:
@@ -421,7 +666,17 @@ class CheckpointManager:
             self.close()
             return
         try:
-            self.close()
+            if self._queries is None:
+                self.close()
+            else:
+                # the other ranks may not be leaving: no collective, only this rank's save waited for
+                self._closed = True
+                self._collect(block=True)
+                if self._tier is not None:
+                    self._tier.wait_all()
+                    if self._drain is not None:
+                        self._drain[1].exception()
+                self._raise_error()
         except Exception as err:  # do not mask the exception that ends the block
             exc.add_note(f"also, a background checkpoint save failed: {err}")
 
@@ -464,8 +719,12 @@ class CheckpointManager:
         if not isinstance(step, int) or isinstance(step, bool):
             raise TypeError(f"step must be an int, got {step!r}")
         step, name = self._resolve(step)
-        self._known.pop(name, None)
-        self._store.delete([name])
+
+        def delete() -> None:
+            self._known.pop(name, None)
+            self._store.delete([name])
+
+        self._agreed(delete)
 
     # restoring ---------------------------------------------------------------
 
@@ -493,16 +752,64 @@ class CheckpointManager:
         from it, delete the newer steps (:meth:`delete`): a save of a step
         older than a committed one is refused (see the class notes).
         """
-        step, name = self._resolve(step)
-        options.setdefault("storage_options", self.options.store_options() or None)
-        api.load(state_dict, self._store.child(name), **options)
+        view = shard_dtensors(state_dict)  # DTensors are filled in place through views of their shards
+        if self._tier is not None:
+            step = self._restore_tiered(view, step, options)
+        else:
+            step, name = self._resolve(step)
+            options.setdefault("storage_options", self.options.store_options() or None)
+            api.load(view, self._store.child(name), coordinator=self._queries, **options)
+        if view is not state_dict:
+            copy_values_back(state_dict, view)
         return step
+
+    def _restore_tiered(self, state_dict: STATE_DICT_TYPE, step: int | None, options: dict[str, Any]) -> int:
+        """The newest step complete in the tiers (or ``step``), else the root's (see LocalTier)."""
+        tier = self._tier
+        assert tier is not None and self._queries is not None
+        tier.wait_all()  # failures stay for the next save or wait to raise
+        if self._drain is not None:
+            self._drain[1].exception()
+
+        def root_latest() -> int | None:
+            steps = self._agreed(lambda: self._view(None))
+            if step is not None:
+                return step if step in steps else None
+            return max(steps, default=None)
+
+        choice, report = tier.restore(state_dict, root_latest, dict(options), only=step)
+        if report is not None:
+            self.last_restore = report
+            assert choice.step is not None
+            return choice.step
+        if choice.source == "none":
+            where = f"step {step}" if step is not None else "any step"
+            raise CheckpointNotFoundError(
+                f"{where}: no step is complete in the local tiers nor committed under {self.root}"
+            )
+        assert choice.step is not None
+        _, name = self._resolve(choice.step)
+        options.setdefault("storage_options", self.options.store_options() or None)
+        api.load(state_dict, self._store.child(name), coordinator=self._queries, **options)
+        world = self._queries.world_size
+        self.last_restore = RestoreReport(
+            choice.step, "root", None, {r: PartSource(r, "root") for r in range(world)}, ()
+        )
+        return choice.step
 
     def restore_state_dict(self, step: int | None = None, **options: Any) -> dict[str, Any]:
         """Load ``step`` (default: the latest) into a new dict (see :func:`gpuckpt.load_state_dict`)."""
         _step, name = self._resolve(step)
         options.setdefault("storage_options", self.options.store_options() or None)
-        return api.load_state_dict(self._store.child(name), **options)
+        if self._queries is None:
+            return api.load_state_dict(self._store.child(name), **options)
+        error, loaded = None, {}
+        try:  # every rank reads the whole step
+            loaded = api.load_state_dict(self._store.child(name), **options)
+        except Exception as exc:
+            error = exc
+        self._queries.all_reduce_errors(error)
+        return loaded
 
     def __repr__(self) -> str:
         pending = f", step {self._pending[0]} in flight" if self._pending else ""

@@ -153,6 +153,9 @@ class SaveOptions:
     direct_io: str = dataclasses.field(default_factory=direct_io_from_env)
     base: str | os.PathLike[str] | None = None
     content_hash: bool = False
+    #: entries added to the root document's ``planner_data`` by a single-process save (a local
+    #: tier's part record, :mod:`gpuckpt.format.parts`); JSON values
+    planner_extra: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         _flag("overwrite", self.overwrite)
@@ -168,6 +171,7 @@ class SaveOptions:
         _choice("direct_io", self.direct_io, _DIRECT_IO_MEANINGS, "a direct I/O mode")
         _location("base", self.base)
         _flag("content_hash", self.content_hash)
+        object.__setattr__(self, "planner_extra", _mapping("planner_extra", self.planner_extra))
 
     @property
     def base_location(self) -> str | None:

@@ -19,6 +19,7 @@ from gpuckpt.cli.progressbar import format_bytes
 from gpuckpt.errors import CheckpointNotFoundError, GpuckptError
 from gpuckpt.format.checksum import CRC_BYTES
 from gpuckpt.format.dtypes import dtype_name
+from gpuckpt.format.parts import PartRecord, parse_part_name
 from gpuckpt.format.values import decode_object
 from gpuckpt.loading.checks import TensorEntry, load_chunk_records, overclaimed
 from gpuckpt.loading.open import open_checkpoint
@@ -28,7 +29,10 @@ from gpuckpt.runtime.collector import paused_gc
 from gpuckpt.storage.base import CheckpointReader
 from gpuckpt.storage.stores import open_root, scheme_of
 
-HELP = "list the tensors and values of a checkpoint (or the steps under a manager's root)"
+HELP = (
+    "list the tensors and values of a checkpoint (or the steps under a manager's root, or the parts "
+    "in a local tier)"
+)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -221,6 +225,59 @@ def describe_root(path: Path | str) -> dict[str, Any] | None:
     return {"root": str(path), "steps": steps, "latest_step": steps[-1]["step"]}
 
 
+def describe_tier(path: Path) -> dict[str, Any] | None:
+    """The parts in a manager's local tier (``local_dir``) by step, or None if it holds none.
+
+    Each step lists the parts held here by rank, with the node that wrote each one (a part
+    written elsewhere is a replica) and its save; ``complete_here``: this directory alone
+    holds every rank's part of one save. What the other nodes hold is in their tiers."""
+    if not path.is_dir():
+        return None
+    root = open_root(path)
+    steps: dict[int, dict[str, Any]] = {}
+    for name in root.children():
+        parsed = parse_part_name(name)
+        if parsed is None or not root.is_committed(name):
+            continue
+        step, rank = parsed
+        entry = steps.setdefault(step, {"step": step, "parts": {}})
+        try:
+            record = PartRecord.from_planner_data(open_checkpoint(path / name).index.metadata().planner_data)
+        except (GpuckptError, OSError) as exc:
+            entry["parts"][rank] = {"error": str(exc)}
+            continue
+        if record is None:
+            entry["parts"][rank] = {"error": "not a part (no record of what it is a part of)"}
+            continue
+        entry["parts"][rank] = {
+            "node": record.node,
+            "save_id": record.save_id,
+            "world_size": record.world_size,
+            "bytes": sum(f.stat().st_size for f in (path / name).rglob("*") if f.is_file()),
+        }
+    if not steps:
+        return None
+    for entry in steps.values():
+        parts = entry["parts"]
+        saves = {(p.get("save_id"), p.get("world_size")) for p in parts.values()}
+        world = next(iter(saves))[1] if len(saves) == 1 else None
+        entry["complete_here"] = world is not None and sorted(parts) == list(range(world))
+    ordered = [steps[s] for s in sorted(steps)]
+    return {"local_dir": str(path), "steps": ordered}
+
+
+def _print_tier(tier: dict[str, Any]) -> None:
+    print(f"{printable(tier['local_dir'])} is a local tier with {len(tier['steps'])} step(s):")
+    for entry in tier["steps"]:
+        shown = []
+        for rank, p in sorted(entry["parts"].items()):
+            shown.append(
+                f"rank {rank} " + (f"damaged ({p['error']})" if "error" in p else f"from {p['node']}")
+            )
+        whole = "every rank's part here" if entry["complete_here"] else "not every rank's part here"
+        print(f"  {entry['step']:>10}  {whole}: {', '.join(shown)}")
+
+
 def run(args: argparse.Namespace) -> int:
     # a URL stays text (a Path would fold its "//")
     path: Path | str = Path(args.path) if scheme_of(args.path) == "file" else args.path
@@ -229,7 +286,14 @@ def run(args: argparse.Namespace) -> int:
     except CheckpointNotFoundError:
         root = describe_root(path)
         if root is None:
-            raise
+            tier = describe_tier(path) if isinstance(path, Path) else None
+            if tier is None:
+                raise
+            if args.json:
+                print(json.dumps(tier, indent=2))
+            else:
+                _print_tier(tier)
+            return 0
         if args.json:
             print(json.dumps(root, indent=2))
         else:

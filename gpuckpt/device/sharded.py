@@ -7,7 +7,7 @@ from typing import Any
 
 from gpuckpt.errors import UnsupportedValueError
 
-__all__ = ["ShardedArray", "from_dtensor", "is_sharded_leaf", "sharded_boxes"]
+__all__ = ["ShardedArray", "from_dtensor", "is_dtensor", "is_sharded_leaf", "shard_dtensors", "sharded_boxes"]
 
 
 class ShardedArray:
@@ -103,3 +103,33 @@ def from_dtensor(tensor: Any) -> list[ShardedArray]:
         out.append(ShardedArray(local[start : start + n], tuple(c.offsets), shape))
         start += n
     return out
+
+
+def is_dtensor(value: Any) -> bool:
+    """A PyTorch ``DTensor`` (told by its type, without importing torch)."""
+    t = type(value)
+    return t.__name__ == "DTensor" and t.__module__.startswith("torch.distributed")
+
+
+def shard_dtensors(state: Any) -> Any:
+    """``state`` with each ``DTensor`` leaf replaced by its local shards as ShardedArrays
+    (:func:`from_dtensor`: views, so a load into them fills the DTensors in place), in new
+    containers on the way to them; ``state`` itself when it holds no DTensor.
+
+    This is how a state dict of ``torch.distributed.checkpoint`` (``get_state_dict`` of an
+    FSDP or tensor-parallel model) goes through a :class:`~gpuckpt.CheckpointManager`."""
+
+    def visit(value: Any, depth: int) -> Any:
+        if is_dtensor(value):
+            return from_dtensor(value)
+        if depth > 200 or not isinstance(value, dict | list | tuple):
+            return value
+        if isinstance(value, dict):
+            items = {k: visit(v, depth + 1) for k, v in value.items()}
+            return value if all(items[k] is v for k, v in value.items()) else items
+        kids = [visit(v, depth + 1) for v in value]
+        if all(a is b for a, b in zip(kids, value, strict=True)):
+            return value
+        return kids if isinstance(value, list) else tuple(kids)
+
+    return visit(state, 0)

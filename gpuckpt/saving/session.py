@@ -163,4 +163,5 @@ def execute_save(
     session, deferred = SaveSession.begin(plan, writer, options, defer=single)
     jobs = bind_jobs(mine, sources)
     written = session.write(jobs, documents=deferred, base=base)
-    return session.commit([session.rows(jobs, written)], checkpoint_id, table=table)
+    rows = [session.rows(jobs, written)]
+    return session.commit(rows, checkpoint_id, planner_extra=options.planner_extra, table=table)

@@ -208,6 +208,15 @@ def _traced(emit: _Tracer) -> Iterator[None]:
             setattr(obj, name, orig)
 
 
+@contextlib.contextmanager
+def kill_points(kill_at: str | None, trace_file: str | None = None) -> Iterator[None]:
+    """Within the block, SIGKILL this process at the ``EVENT:N`` of ``kill_at`` (the events of
+    ``GPUCKPT_TEST_KILL_AT``, see the module docstring), tracing to ``trace_file``; for test
+    scripts of their own (the distributed ones), as ``main`` does here."""
+    with _traced(_Tracer(trace_file, kill_at)):
+        yield
+
+
 def _scribble(state: dict[str, Any]) -> None:
     for arr in state["model"].values():
         arr[:] = np.float32(-12345.0)

@@ -413,7 +413,7 @@ def test_storage_options_reach_the_s3_client(where: Where) -> None:
     [
         ("overwrite", True, "never overwrites"),
         ("storage_options", {"endpoint_url": "http://127.0.0.1:9"}, "local directory"),
-        ("coordinator", None, "one process"),
+        ("coordinator", "mpi", "must be a gpuckpt.distributed.Coordinator"),
         ("chunk_size", 1, "expected some of"),
     ],
 )

@@ -1,0 +1,135 @@
+"""Local tiers as pure data: where replicas go, which step a restore takes, what retention drops.
+
+Every rank computes these from the same gathered inputs, so every rank decides the same.
+
+Nodes are ordered by their lowest rank; rank ``r`` has local index ``j`` on node ``k`` of
+``N``. Replica ``i`` (1 to ``replicas``) of its part goes to the rank of local index
+``j mod size`` on node ``(k + i) mod N``: never its own node, and spread over the ranks
+of the other node.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from gpuckpt.errors import InvalidOptionError
+
+__all__ = ["Choice", "CopySeen", "choose", "nodes_of", "replica_holders", "tier_retention"]
+
+
+def nodes_of(node_names: Sequence[str]) -> list[list[int]]:
+    """The ranks of each node (``node_names[r]`` is rank r's), nodes ordered by their lowest rank."""
+    order: dict[str, list[int]] = {}
+    for rank, name in enumerate(node_names):
+        order.setdefault(name, []).append(rank)
+    return list(order.values())
+
+
+def replica_holders(rank: int, node_names: Sequence[str], replicas: int) -> list[int]:
+    """The ranks that hold the replicas of ``rank``'s part, replica 1 first.
+
+    Raises
+    ------
+    InvalidOptionError
+        When the job has fewer than ``replicas + 1`` nodes.
+    """
+    nodes = nodes_of(node_names)
+    if replicas + 1 > len(nodes):
+        raise InvalidOptionError(
+            f"replicas={replicas} needs {replicas + 1} nodes; this job has {len(nodes)} "
+            f"({', '.join(sorted(set(node_names)))}): pass replicas={len(nodes) - 1}, or node= to name "
+            "the nodes of a job simulated on one machine"
+        )
+    k = next(i for i, ranks in enumerate(nodes) if rank in ranks)
+    j = nodes[k].index(rank)
+    out = []
+    for i in range(1, replicas + 1):
+        other = nodes[(k + i) % len(nodes)]
+        out.append(other[j % len(other)])
+    return out
+
+
+@dataclass(frozen=True)
+class CopySeen:
+    """A committed part in a local tier, as the rank ``holder`` (on its node) lists it."""
+
+    step: int
+    save_id: str
+    rank: int
+    world_size: int
+    layout: str
+    holder: int
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What a restore reads: ``source`` is ``"tiers"`` (``senders[r]`` holds rank r's part;
+    ``senders[r] == r``: its own node's copy), ``"root"`` (the root's ``step``) or ``"none"``."""
+
+    source: str
+    step: int | None = None
+    save_id: str | None = None
+    senders: dict[int, int] = field(default_factory=dict)
+    #: steps complete under two save ids (two lines of one run): never taken
+    ambiguous: tuple[int, ...] = ()
+
+
+def choose(
+    copies: Iterable[CopySeen],
+    layouts: Sequence[str],
+    node_names: Sequence[str],
+    root_latest: int | None,
+) -> Choice:
+    """The newest step whose every rank's part has a usable copy, else the root's latest.
+
+    A copy is usable for rank r when it is r's part, of a save of this many ranks, with
+    r's present layout. Step T (of one ``save_id``) is complete when every rank has a
+    usable copy; the newest complete T is taken when it is at least ``root_latest``.
+    Every rank reads a part of the same ``(T, save_id)``: never a mix.
+    """
+    n = len(layouts)
+    nodes = nodes_of(node_names)
+    local_index = {r: ranks.index(r) for ranks in nodes for r in ranks}
+    holders: dict[tuple[int, str], dict[int, set[int]]] = {}
+    for c in copies:
+        if c.world_size != n or not 0 <= c.rank < n or c.layout != layouts[c.rank]:
+            continue
+        holders.setdefault((c.step, c.save_id), {}).setdefault(c.rank, set()).add(c.holder)
+    complete: dict[int, list[str]] = {}
+    for (step, save_id), by_rank in holders.items():
+        if len(by_rank) == n:
+            complete.setdefault(step, []).append(save_id)
+    ambiguous = tuple(sorted(s for s, ids in complete.items() if len(ids) > 1))
+    steps = [s for s, ids in complete.items() if len(ids) == 1]
+    best = max(steps, default=None)
+    if best is None or (root_latest is not None and root_latest > best):
+        if root_latest is None:
+            return Choice("none", ambiguous=ambiguous)
+        return Choice("root", root_latest, ambiguous=ambiguous)
+    (save_id,) = complete[best]
+    senders = {}
+    for r, found in holders[(best, save_id)].items():
+        if r in found:
+            senders[r] = r
+        else:
+            ordered = sorted(found)
+            senders[r] = ordered[local_index[r] % len(ordered)]
+    return Choice("tiers", best, save_id, senders, ambiguous)
+
+
+def tier_retention(steps: Iterable[int], keep: int, newest: int, pinned: Iterable[int] = ()) -> list[int]:
+    """The steps a tier deletes once ``newest`` is written, to hold at most ``keep`` steps up to
+    it: the oldest, never a pinned one, never one after ``newest`` (parts of later steps may be
+    committed before this step's replication ends: they are the next steps' to count)."""
+    ordered = sorted(s for s in set(steps) if s <= newest)
+    held = set(pinned)
+    excess = len(ordered) - keep
+    out = []
+    for s in ordered:
+        if excess <= 0:
+            break
+        if s not in held:
+            out.append(s)
+            excess -= 1
+    return out

@@ -1,0 +1,625 @@
+"""The local tier of a distributed :class:`~gpuckpt.CheckpointManager`: parts, replicas, recovery.
+
+Each saved step is written by every rank to its node's ``local_dir`` (tmpfs or node-local
+NVMe) as a *part*: an ordinary single-process gpuckpt checkpoint of what the rank holds
+(each ``ShardedArray`` box as an array of the box's shape), with a record of what it is a
+part of (:mod:`gpuckpt.format.parts`), named ``step_00000120.rank_00002``. gpuckpt,
+zarr-python and TensorStore read a part as any checkpoint.
+
+After a rank's part is committed, a background thread sends its files to the rank that
+holds its replica on another node (:func:`gpuckpt.planning.tiers.replica_holders`), over
+the coordinator's own transport (MPI, gloo through torch.distributed, or threads in tests);
+gpuckpt opens no socket of its own. A failure of any rank's write or replication fails the
+step on every rank: each deletes what it wrote of it.
+
+A restore (:meth:`LocalTier.choose` and :meth:`LocalTier.read`) lists the parts every node
+holds, takes the newest step whose every rank's part has a copy somewhere (never a mix of
+steps), fetches the parts a rank's node lacks (a replaced node) from the ranks that hold
+them, and loads each part with every chunk checked; a copy that fails its checks is deleted
+and the choice made again without it.
+
+Retention: the lowest rank of each node deletes the oldest steps of its ``local_dir``
+(own parts and replicas) beyond ``local_max_to_keep``, never a step being drained to root.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import mmap
+import os
+import secrets
+import shutil
+import socket
+import time
+import warnings
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import gpuckpt.api as api
+from gpuckpt.background import async_save_with_options
+from gpuckpt.device.arrays import adapt, is_array
+from gpuckpt.device.sharded import ShardedArray, is_dtensor, is_sharded_leaf, sharded_boxes
+from gpuckpt.distributed.coordinator import Coordinator, describe_error
+from gpuckpt.errors import (
+    CheckpointCorruptedError,
+    DistributedError,
+    InvalidOptionError,
+    MetadataError,
+    TierBudgetError,
+)
+from gpuckpt.format.parts import PART_KEY, PartRecord, parse_part_name, part_name
+from gpuckpt.options import SaveOptions
+from gpuckpt.planning.tiers import Choice, CopySeen, choose, nodes_of, replica_holders, tier_retention
+from gpuckpt.runtime.workers import Workers
+from gpuckpt.state import flatten_state_dict
+from gpuckpt.storage.stores import open_root
+
+__all__ = ["LocalTier", "PartSource", "RestoreReport", "layout_of", "part_view"]
+
+#: errors of a copy that mean the copy is damaged or gone (the restore skips it), not a misuse
+_DAMAGE = (CheckpointCorruptedError, MetadataError, FileNotFoundError)
+
+Boxes = dict[str, tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]]
+
+
+# a rank's state as a part ------------------------------------------------------------
+
+
+def part_view(state: Any) -> tuple[dict[str, Any], Boxes]:
+    """``state`` with each ``ShardedArray`` leaf replaced by its local array (a list of them for
+    several boxes), sharing every array and value; and each sharded FQN's boxes."""
+    boxes: Boxes = {}
+
+    def visit(value: Any, prefix: str) -> Any:
+        if is_sharded_leaf(value):
+            found = sharded_boxes(value)
+            boxes[prefix] = tuple((b.offsets, b.global_shape) for b in found)
+            return found[0].local if isinstance(value, ShardedArray) else [b.local for b in found]
+        if isinstance(value, dict):
+            return {k: visit(v, f"{prefix}.{k}" if prefix else str(k)) for k, v in value.items()}
+        if isinstance(value, list | tuple) and not is_array(value):
+            kids = [visit(v, f"{prefix}.{i}" if prefix else str(i)) for i, v in enumerate(value)]
+            return kids if isinstance(value, list) else tuple(kids)
+        return value
+
+    return visit(state, ""), boxes
+
+
+def sharded_from_part(loaded: Any, boxes: Boxes) -> Any:
+    """The inverse of :func:`part_view` for a loaded part: arrays under a sharded FQN become
+    ``ShardedArray`` boxes again."""
+
+    def visit(value: Any, prefix: str) -> Any:
+        if prefix in boxes:
+            found = boxes[prefix]
+            if isinstance(value, list | tuple):  # saved as a list of boxes (of one or more)
+                return [ShardedArray(a, o, g) for a, (o, g) in zip(value, found, strict=True)]
+            ((offsets, shape),) = found
+            return ShardedArray(value, offsets, shape)
+        if isinstance(value, dict):
+            return {k: visit(v, f"{prefix}.{k}" if prefix else str(k)) for k, v in value.items()}
+        if isinstance(value, list | tuple) and not is_array(value):
+            kids = [visit(v, f"{prefix}.{i}" if prefix else str(i)) for i, v in enumerate(value)]
+            return kids if isinstance(value, list) else tuple(kids)
+        return value
+
+    return visit(loaded, "")
+
+
+def copy_values_back(target: Any, loaded: Any) -> None:
+    """Put the plain values a load left in ``loaded`` (a :func:`part_view` of ``target``) into
+    ``target``'s containers; arrays were filled in place."""
+    if isinstance(target, dict):
+        items: Any = target.items()
+    elif isinstance(target, list | tuple):
+        items = enumerate(target)
+    else:
+        return
+    for key, value in list(items):
+        got = loaded[key]
+        if is_sharded_leaf(value) or is_array(value) or is_dtensor(value):
+            continue
+        if isinstance(value, dict) or (isinstance(value, list | tuple) and _holds_containers(value)):
+            copy_values_back(value, got)
+        elif not isinstance(target, tuple):
+            target[key] = got
+
+
+def _holds_containers(value: list[Any] | tuple[Any, ...]) -> bool:
+    return any(isinstance(v, dict | list | tuple) or is_array(v) or is_sharded_leaf(v) for v in value)
+
+
+def layout_of(view: dict[str, Any], boxes: Boxes) -> str:
+    """A digest of a part's layout: every array's FQN, shape and dtype, every box."""
+    leaves, _ = flatten_state_dict(view, is_array)
+    arrays = []
+    for fqn, leaf in sorted(leaves.items()):
+        if is_array(leaf.value):
+            a = adapt(leaf.value)
+            arrays.append([fqn, list(a.shape), str(a.dtype)])
+    text = json.dumps([arrays, sorted((k, [list(map(list, b)) for b in v]) for k, v in boxes.items())])
+    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+
+
+def part_bytes(view: dict[str, Any]) -> int:
+    """The bytes of a part's arrays (what a part costs its tier, plain values aside)."""
+    leaves, _ = flatten_state_dict(view, is_array)
+    total = 0
+    for leaf in leaves.values():
+        if is_array(leaf.value):
+            a = adapt(leaf.value)
+            total += a.dtype.itemsize * int(_prod(a.shape))
+    return total
+
+
+def _prod(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+# what a restore reports ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PartSource:
+    """Where one rank's part of a restored step came from."""
+
+    rank: int
+    where: str  # "local", "peer" or "root"
+    holder: int | None = None  # the rank that sent it ("peer")
+    node: str | None = None
+    nbytes: int = 0
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class RestoreReport:
+    """What :meth:`~gpuckpt.CheckpointManager.restore` read, identical on every rank."""
+
+    step: int
+    source: str  # "tiers" or "root"
+    save_id: str | None = None
+    parts: dict[int, PartSource] = field(default_factory=dict)
+    skipped: tuple[str, ...] = ()
+
+
+# the tier -------------------------------------------------------------------------------
+
+
+class LocalTier:
+    """One rank's side of the local tier (see the module docstring); made by the manager.
+
+    ``queries`` carries the foreground collectives (the caller's thread), ``background``
+    the replication rounds (the tier's thread): two duplicates of the job's coordinator.
+    """
+
+    def __init__(
+        self,
+        local_dir: str | os.PathLike[str],
+        *,
+        queries: Coordinator,
+        background: Coordinator,
+        node: str | None,
+        replicas: int,
+        keep: int,
+        options: SaveOptions,
+    ) -> None:
+        if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0:
+            raise InvalidOptionError(f"replicas must be an integer >= 0, got {replicas!r}")
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 2:
+            raise InvalidOptionError(
+                f"local_max_to_keep must be an integer >= 2 (the step being written and the last "
+                f"complete one), got {keep!r}"
+            )
+        if node is not None and (not isinstance(node, str) or not node):
+            raise InvalidOptionError(f"node must be a non-empty string or None, got {node!r}")
+        self.queries, self.background = queries, background
+        self.rank, self.world_size = queries.rank, queries.world_size
+        self.dir = Path(local_dir).absolute()
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.node = node if node is not None else socket.gethostname()
+        self.keep, self.replicas = keep, replicas
+        self.options = options.replace(
+            sync="none", base=None, content_hash=False, overwrite=True, storage_options=None
+        )
+        self._store = open_root(self.dir)
+        for leftover in self.dir.glob(f".recv-r{self.rank}-*"):  # this rank's receptions a crash cut short
+            shutil.rmtree(leftover, ignore_errors=True)
+        st = self.dir.stat()
+        seen = queries.all_gather((self.node, str(self.dir.resolve()), st.st_dev, st.st_ino))
+        self.node_names = [s[0] for s in seen]
+        self._check_directories(seen)
+        self.node_ranks = next(ranks for ranks in nodes_of(self.node_names) if self.rank in ranks)
+        self.leader = self.node_ranks[0] == self.rank
+        if self.leader:  # what dead saves left (never a live save's: see CheckpointRoot.cleanup)
+            self._store.cleanup()
+        self.holders = replica_holders(self.rank, self.node_names, replicas) if replicas else []
+        #: the ranks whose replicas this rank holds
+        self.held = [
+            r
+            for r in range(self.world_size)
+            if replicas and self.rank in replica_holders(r, self.node_names, replicas)
+        ]
+        self._thread = Workers(1, "gpuckpt-tier")
+        self._jobs: dict[int, Future[None]] = {}
+        #: steps being drained to root: retention keeps them
+        self.pinned: set[int] = set()
+        self._budget_checked = False
+        queries.barrier()  # nobody writes before every leader has cleaned up
+
+    def _check_directories(self, seen: list[tuple[str, str, int, int]]) -> None:
+        by_node: dict[str, set[tuple[int, int]]] = {}
+        for node, _path, dev, ino in seen:
+            by_node.setdefault(node, set()).add((dev, ino))
+        for node, dirs in by_node.items():
+            if len(dirs) > 1:
+                raise InvalidOptionError(
+                    f"the ranks of node {node!r} name {len(dirs)} different local_dir directories; "
+                    "every rank of a node must pass the same local_dir"
+                )
+        owners: dict[tuple[int, int], set[str]] = {}
+        for node, _path, dev, ino in seen:
+            owners.setdefault((dev, ino), set()).add(node)
+        for key, nodes in owners.items():
+            if len(nodes) > 1:
+                path = next(p for n, p, d, i in seen if (d, i) == key)
+                raise InvalidOptionError(
+                    f"nodes {sorted(nodes)} share the local_dir {path}: a node's tier must be its own "
+                    "(give each simulated node its own directory, or pass node= consistently)"
+                )
+
+    # writing ---------------------------------------------------------------------------
+
+    def check_budget(self, nbytes: int) -> None:
+        """Collective: refuse, on every rank and before anything is written, part sizes the
+        nodes' tiers cannot hold ``keep`` steps of, replicas included (at the first save)."""
+        sizes = self.queries.all_gather((nbytes, self._free_bytes()))
+        problems = []
+        for ranks in nodes_of(self.node_names):
+            held = [r for r in range(self.world_size) if r not in ranks and self._holds(ranks, r)]
+            need = self.keep * (sum(sizes[r][0] for r in ranks) + sum(sizes[r][0] for r in held))
+            free = sizes[ranks[0]][1]
+            if need > free:
+                problems.append(
+                    f"node {self.node_names[ranks[0]]!r} needs {need:,} bytes (local_max_to_keep={self.keep} "
+                    f"x {len(ranks)} parts + {len(held)} replicas) and has {free:,} free"
+                )
+        if problems:
+            raise TierBudgetError(
+                "the local tier cannot hold its steps: "
+                + "; ".join(problems)
+                + "; keep fewer steps (local_max_to_keep), pass replicas=0, or use a larger local_dir"
+            )
+
+    def _holds(self, ranks: list[int], r: int) -> bool:
+        return bool(self.replicas) and any(
+            h in ranks for h in replica_holders(r, self.node_names, self.replicas)
+        )
+
+    def _free_bytes(self) -> int:
+        """Free bytes for new parts: the file system's, plus what the tier holds (retention
+        frees it), capped on tmpfs by the memory the system has available."""
+        st = os.statvfs(self.dir)
+        free = st.f_bavail * st.f_frsize
+        held = sum(f.stat().st_size for f in self.dir.rglob("*") if f.is_file())
+        total = free + held
+        try:
+            with open("/proc/meminfo") as f:
+                info = dict(line.split(":", 1) for line in f)
+            available = int(info["MemAvailable"].split()[0]) * 1024
+            if _is_tmpfs(self.dir):
+                total = min(total, available + held)
+        except (OSError, KeyError, ValueError):
+            pass
+        return total
+
+    def begin(self, step: int, state: Any, save_id: str) -> None:
+        """Snapshot this rank's part of ``step`` and write, replicate and retire in the background."""
+        view, boxes = part_view(state)
+        if not self._budget_checked:
+            self.check_budget(part_bytes(view))
+            self._budget_checked = True
+        record = PartRecord(
+            step, save_id, self.rank, self.world_size, self.node, layout_of(view, boxes), boxes
+        )
+        options = self.options.replace(planner_extra={PART_KEY: record.to_json()})
+        error: BaseException | None = None
+        try:
+            written = async_save_with_options(view, self.dir / part_name(step, self.rank), options)
+        except Exception as exc:  # the others learn of it in the step's first collective
+            error, written = exc, None
+        self._jobs[step] = self._thread.submit(self._finish, step, written, error)
+
+    def _finish(self, step: int, written: Any, error: BaseException | None) -> None:
+        """The tier thread's work for ``step``: the part committed everywhere, replicated, old
+        steps retired. Every collective runs on every rank, whatever failed where."""
+        try:
+            if written is not None:
+                written.result()
+        except Exception as exc:
+            error = exc
+        try:
+            self.background.all_reduce_errors(error)
+            self._replicate(step)
+        except BaseException:
+            self._delete_step(step, [self.rank, *self.held])
+            raise
+        if self.leader:  # after the collectives: a failure here is this node's, warned about
+            try:
+                present = {s for s, _ in self._parts()}
+                self._delete_steps(tier_retention(present, self.keep, step, self.pinned | {step}))
+            except OSError as exc:
+                warnings.warn(f"the local tier {self.dir} could not retire old steps: {exc}", stacklevel=1)
+
+    def wait_for(self, step: int) -> None:
+        """Block until ``step``'s tier work is done (its error stays for :meth:`settled`)."""
+        job = self._jobs.get(step)
+        if job is not None:
+            job.exception()
+
+    def job(self, step: int) -> Future[None] | None:
+        return self._jobs.get(step)
+
+    def settled(self) -> dict[int, BaseException]:
+        """The steps whose tier work ended in an error, and the error (forgets them)."""
+        out = {}
+        for step, job in list(self._jobs.items()):
+            if job.done():
+                del self._jobs[step]
+                exc = job.exception()
+                if exc is not None:
+                    out[step] = exc
+        return out
+
+    def wait_all(self) -> None:
+        """Block until every step's tier work is done (errors stay for :meth:`settled`)."""
+        for job in list(self._jobs.values()):
+            job.exception()
+
+    def _replicate(self, step: int) -> None:
+        """Send this rank's part of ``step`` to its holders; receive the parts it holds."""
+        self._transfer(step, {h: self.rank for h in self.holders}, self.held, self.background)
+
+    def _transfer(self, step: int, sends: dict[int, int], receive_from: list[int], c: Coordinator) -> None:
+        """One round on ``c``: ``sends[dest] = rank whose part of step to send to dest``; receive
+        from each rank in ``receive_from`` the part it sends (committed here under its name)."""
+        error: BaseException | None = None
+        manifests: dict[int, Any] = {}
+        maps: list[Any] = []
+        try:
+            for dest, whose in sends.items():
+                manifests[dest] = (whose, self._manifest(step, whose))
+        except Exception as exc:
+            error = exc
+            manifests = {dest: None for dest in sends}
+        got = c.exchange_objects(manifests, receive_from)
+        out_buffers: dict[int, list[Any]] = {}
+        in_buffers: dict[int, list[Any]] = {}
+        receptions: list[tuple[Path, str, list[tuple[str, int]], list[bytearray]]] = []
+        try:
+            for dest, m in manifests.items():
+                if m is not None:
+                    views, maps_ = self._views(step, m[0], m[1])
+                    maps.extend(maps_)
+                    out_buffers[dest] = views
+            for source, m in got.items():
+                if m is None:
+                    continue
+                whose, files = m
+                bufs = [bytearray(size) for _, size in files if size]
+                in_buffers[source] = bufs
+                tmp = self.dir / f".recv-r{self.rank}-{secrets.token_hex(4)}"
+                receptions.append((tmp, part_name(step, whose), files, bufs))
+        except Exception as exc:
+            error = error or exc
+        try:
+            c.exchange_buffers(out_buffers, in_buffers)
+        finally:
+            for views in out_buffers.values():
+                for v in views:
+                    v.release()
+            for m in maps:
+                with contextlib.suppress(BufferError):  # a transport still holds a view: closed later
+                    m.close()
+        try:
+            for tmp, name, files, bufs in receptions:
+                self._commit_received(tmp, name, files, bufs)
+        except Exception as exc:
+            error = error or exc
+        missing = [s for s in receive_from if got.get(s) is None]
+        if missing and error is None:
+            error = FileNotFoundError(f"ranks {missing} had no part of step {step} to send")
+        c.all_reduce_errors(error)
+
+    def _manifest(self, step: int, whose: int) -> list[tuple[str, int]]:
+        root = self.dir / part_name(step, whose)
+        if not self._store.is_committed(part_name(step, whose)):
+            raise FileNotFoundError(f"no committed part of rank {whose} at step {step} in {self.dir}")
+        files = []
+        for dirpath, _dirs, names in os.walk(root):
+            for n in sorted(names):
+                p = Path(dirpath) / n
+                files.append((str(p.relative_to(root)), p.stat().st_size))
+        return sorted(files)
+
+    def _views(self, step: int, whose: int, files: list[tuple[str, int]]) -> tuple[list[Any], list[Any]]:
+        root = self.dir / part_name(step, whose)
+        views, maps = [], []
+        for rel, size in files:
+            if not size:
+                continue
+            with open(root / rel, "rb") as f:
+                m = mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ)
+            maps.append(m)
+            views.append(memoryview(m))
+        return views, maps
+
+    def _commit_received(
+        self, tmp: Path, name: str, files: list[tuple[str, int]], bufs: list[bytearray]
+    ) -> None:
+        it = iter(bufs)
+        tmp.mkdir()
+        try:
+            for rel, size in files:
+                target = tmp / rel
+                if ".." in Path(rel).parts or Path(rel).is_absolute():
+                    raise CheckpointCorruptedError(f"a received part names the file {rel!r}")
+                target.parent.mkdir(parents=True, exist_ok=True)
+                with open(target, "wb") as f:
+                    if size:
+                        f.write(next(it))
+            if self._store.is_committed(name):  # an older copy (an abandoned line): replaced
+                self._store.delete([name])
+            os.rename(tmp, self.dir / name)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+    # listing and retention ---------------------------------------------------------------
+
+    def _parts(self) -> list[tuple[int, int]]:
+        """``(step, rank)`` of every committed part in this node's tier."""
+        out = []
+        for name in self._store.children():
+            parsed = parse_part_name(name)
+            if parsed is not None and self._store.is_committed(name):
+                out.append(parsed)
+        return out
+
+    def steps(self) -> list[int]:
+        return sorted({s for s, _ in self._parts()})
+
+    def _delete_steps(self, steps: list[int]) -> None:
+        doomed = set(steps)
+        names = [part_name(s, r) for s, r in self._parts() if s in doomed]
+        if names:
+            self._store.delete(names)
+
+    def _delete_step(self, step: int, ranks: list[int]) -> None:
+        """Delete this node's copies of the parts of ``ranks`` at ``step`` (those there are)."""
+        names = [part_name(step, r) for r in sorted(set(ranks))]
+        with contextlib.suppress(OSError):
+            self._store.delete([n for n in names if self._store.is_committed(n)])
+
+    def inventory(self) -> list[CopySeen]:
+        """Every committed part in this node's tier whose record reads, as this rank sees it."""
+        out = []
+        for step, rank in self._parts():
+            try:
+                md = api.read_metadata(self.dir / part_name(step, rank))
+                rec = PartRecord.from_planner_data(md.planner_data)
+            except Exception:  # a damaged part's root document: not a copy
+                continue
+            if rec is None or (rec.step, rec.rank) != (step, rank):
+                continue
+            out.append(CopySeen(rec.step, rec.save_id, rec.rank, rec.world_size, rec.layout, self.rank))
+        return out
+
+    # restoring -------------------------------------------------------------------------
+
+    def read_part(self, step: int) -> Any:
+        """This rank's part of ``step`` as the state it was saved from (``ShardedArray`` boxes
+        again), every chunk checked: what the drain saves to the root."""
+        path = self.dir / part_name(step, self.rank)
+        record = PartRecord.from_planner_data(api.read_metadata(path).planner_data)
+        if record is None:
+            raise MetadataError(f"{path} is not a part of a local tier (its metadata has no {PART_KEY!r})")
+        loaded = api.load_state_dict(path, allow_pickle=self.options.allow_pickle)
+        return sharded_from_part(loaded, record.boxes)
+
+    def restore(
+        self,
+        state: Any,
+        root_latest: Callable[[], int | None],
+        load_options: dict[str, Any],
+        *,
+        only: int | None = None,
+    ) -> tuple[Choice, RestoreReport | None]:
+        """Collective: load the newest complete step of the tiers (``only``: that step) into
+        ``state``; returns the choice (``"root"`` or ``"none"``: nothing was read) and the report."""
+        c = self.queries
+        view, boxes = part_view(state)
+        layout = layout_of(view, boxes)
+        skipped: list[str] = []
+        latest_root = root_latest()
+        for _attempt in range(4 * self.world_size + 4):
+            copies = [cp for mine in c.all_gather(self.inventory()) for cp in mine if only in (None, cp.step)]
+            layouts = c.all_gather(layout)
+            choice = choose(copies, layouts, self.node_names, latest_root)
+            if choice.source != "tiers":
+                return choice, None
+            assert choice.step is not None
+            step, senders = choice.step, choice.senders
+            started = time.perf_counter()
+            sends = {r: r for r, h in senders.items() if h == self.rank and r != self.rank}
+            mine = senders[self.rank]
+            self._transfer(step, sends, [] if mine == self.rank else [mine], c)
+            path = self.dir / part_name(step, self.rank)
+            error: BaseException | None = None
+            try:
+                api.load(view, path, **load_options)
+                copy_values_back(state, view)
+            except Exception as exc:
+                error = exc
+            seconds = time.perf_counter() - started
+            damaged = isinstance(error, _DAMAGE)
+            report = None if error is None else (damaged, describe_error(error), mine)
+            outcomes = c.all_gather((report, _tree_bytes(path) if error is None else 0, seconds))
+            bad = {r: o[0] for r, o in enumerate(outcomes) if o[0] is not None}
+            if not bad:
+                parts = {
+                    r: PartSource(
+                        r,
+                        "local" if senders[r] == r else "peer",
+                        None if senders[r] == r else senders[r],
+                        self.node_names[senders[r]],
+                        int(outcomes[r][1]),
+                        float(outcomes[r][2]),
+                    )
+                    for r in range(self.world_size)
+                }
+                self._abandon_newer(step)
+                return choice, RestoreReport(step, "tiers", choice.save_id, parts, tuple(skipped))
+            if not all(b[0] for b in bad.values()):
+                failures = {r: b[1] for r, b in bad.items()}
+                raise DistributedError(failures, self.world_size) from error
+            # damaged copies: the reader's, and the sender's it came from, are deleted; choose again
+            for r, (_, what, holder) in sorted(bad.items()):
+                skipped.append(f"step {step} part of rank {r} (copy of rank {holder}'s node): {what}")
+                if self.rank in (r, holder):
+                    self._delete_step(step, [r])
+            c.barrier()
+        raise DistributedError(
+            {self.rank: "no undamaged copy found after deleting damaged ones"}, self.world_size
+        )
+
+    def _abandon_newer(self, step: int) -> None:
+        """Tier steps newer than the one restored are an abandoned line: deleted on every node."""
+        if self.leader:
+            self._delete_steps([s for s in self.steps() if s > step])
+        self.queries.barrier()
+
+
+def _tree_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def _is_tmpfs(path: Path) -> bool:
+    try:
+        with open("/proc/mounts") as f:
+            mounts = [line.split() for line in f]
+    except OSError:
+        return False
+    best, fstype = "", ""
+    text = str(path.resolve())
+    for m in mounts:
+        if len(m) > 2 and (text == m[1] or text.startswith(m[1].rstrip("/") + "/")) and len(m[1]) > len(best):
+            best, fstype = m[1], m[2]
+    return fstype == "tmpfs"

@@ -1,0 +1,111 @@
+"""A CheckpointManager with a local tier on every rank: 4 ranks as 2 simulated nodes.
+
+Rank r is on node ``n{r // 2}``, whose tier is ``BASE/n{r // 2}``; the root is ``BASE/root``.
+Modes (``mpiexec -n 4 python tier_ranks.py BACKEND MODE BASE [ARGS]``):
+
+``train LAST KILL_AT``
+    Save steps 1..LAST (persisting every 2nd), waiting for step KILL_AT - 2 to be written
+    everywhere; at step KILL_AT, the ranks of node n1 kill themselves with SIGKILL right
+    after ``save`` returns (their part's write, the replication or the drain in flight).
+    KILL_AT 0: no kill, and a final ``wait``.
+``restore``
+    Restore the newest complete step; report the step, whether it is bit-exact, and
+    ``last_restore``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+from _rank_io import finish, make_coordinator, process_rank, run_rank
+from manager_ranks import empty, exact, state
+
+import gpuckpt
+from gpuckpt.distributed import Coordinator
+
+
+def manager(c: Coordinator, base: str | Path, **kw: Any) -> gpuckpt.CheckpointManager:
+    node = f"n{c.rank // 2}"
+    kw.setdefault("persist_interval_steps", 2)
+    return gpuckpt.CheckpointManager(
+        Path(base) / "root", local_dir=Path(base) / node, node=node, coordinator=c, **kw
+    )
+
+
+def train(c: Coordinator, base: str, last: int, kill_at: int = 0, settle: bool = False) -> dict[str, Any]:
+    """Save steps 1..last; ``settle``: wait for each (so that no persist step is skipped)."""
+    r, n = c.rank, c.world_size
+    mgr = manager(c, base)
+    for step in range(1, last + 1):
+        mgr.save(step, state(step, r, n))
+        if settle or step == kill_at - 2:
+            mgr.wait()
+        if step == kill_at and r // 2 == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+    mgr.wait()
+    out = {"local": mgr.local_steps(), "root": mgr.all_steps()}
+    mgr.close()
+    return out
+
+
+def train_until_killed(c: Coordinator, base: str, settled: int, event: str) -> dict[str, Any]:
+    """Save steps 1..``settled`` waiting for each, then go on without waiting; the ranks of node
+    n1 are killed with SIGKILL at ``event`` (``EVENT:N`` of gpuckpt.testing.crash: the N-th
+    chunk written, root document, publication... of a part, a replica or a drain)."""
+    from gpuckpt.testing.crash import kill_points
+
+    r, n = c.rank, c.world_size
+    mgr = manager(c, base)
+    for step in range(1, settled + 1):
+        mgr.save(step, state(step, r, n))
+        mgr.wait()
+    with kill_points(event if r // 2 == 1 else None):
+        for step in range(settled + 1, settled + 50):
+            mgr.save(step, state(step, r, n))
+    mgr.wait()
+    return {"survived": True}
+
+
+def restore(c: Coordinator, base: str, step: int | None = None) -> dict[str, Any]:
+    r, n = c.rank, c.world_size
+    mgr = manager(c, base)
+    target = empty(r, n)
+    got = mgr.restore(target, step=step)
+    report = mgr.last_restore
+    assert report is not None
+    out = {
+        "step": got,
+        "exact": exact(target, got, r, n),
+        "source": report.source,
+        "parts": {str(k): [p.where, p.holder] for k, p in sorted(report.parts.items())},
+        "skipped": len(report.skipped),
+    }
+    mgr.close()
+    return out
+
+
+def main(backend: str, mode: str, base: str, *args: str) -> None:
+    rank = process_rank(backend)
+
+    def work() -> dict[str, Any]:
+        c = make_coordinator(backend)
+        try:
+            if mode == "train":
+                return train(c, base, int(args[0]), int(args[1]))
+            if mode == "killed":
+                return train_until_killed(c, base, int(args[0]), args[1])
+            if mode == "restore":
+                return restore(c, base)
+            raise ValueError(f"unknown mode {mode!r}")
+        finally:
+            finish(backend)
+
+    run_rank(rank, work, backend)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

@@ -1,0 +1,93 @@
+"""The local tier across real processes: 4 ranks as 2 simulated nodes under mpiexec and gloo.
+
+A node's ranks are killed with SIGKILL while their last step is being written, replicated
+and drained; the node's tier is wiped (a replaced node) and the root moved away (tests run
+as root: permissions prove nothing), and 4 new ranks restore bit-exact from the tiers,
+the replaced node's parts coming from the ranks that hold their replicas.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+SCRIPT = "tier_ranks.py"
+PEERS = {"0": ["local", None], "1": ["local", None], "2": ["peer", 0], "3": ["peer", 1]}
+
+
+def _replace_node_and_hide_root(base: Path) -> None:
+    shutil.rmtree(base / "n1", ignore_errors=True)
+    shutil.move(base / "root", base / "root-moved-away")
+
+
+@pytest.mark.parametrize("kill_at", [4, 5])
+def test_mpi_ranks_killed_mid_save_resume_from_the_tiers(run_mpi: Any, tmp_path: Path, kill_at: int) -> None:
+    killed = run_mpi(4, SCRIPT, "mpi", "train", tmp_path, 8, kill_at, timeout=120)
+    assert killed.returncode != 0 and not killed.results, killed.describe()
+    _replace_node_and_hide_root(tmp_path)
+    restored = run_mpi(4, SCRIPT, "mpi", "restore", tmp_path, timeout=120).check(4)
+    steps = {r["step"] for r in restored.values()}
+    assert len(steps) == 1, restored  # every rank resumes from the same step
+    (step,) = steps
+    assert kill_at - 2 <= step <= kill_at, restored  # at least the step waited for
+    for rank, r in restored.items():
+        assert r["exact"] and r["source"] == "tiers" and r["parts"] == PEERS, (rank, r)
+    assert not any((tmp_path / "root").iterdir())
+
+
+@pytest.mark.parametrize(
+    "event", ["chunk:3", "chunk:9", "array-doc:5", "root-write:2", "publish:4", "retention:3"]
+)
+def test_mpi_ranks_killed_at_a_kill_point_resume_from_the_tiers(
+    run_mpi: Any, tmp_path: Path, event: str
+) -> None:
+    """Kill points in a part's write (chunks, documents, root document, publication) and in
+    retention, of later steps and of drains alike."""
+    killed = run_mpi(4, SCRIPT, "mpi", "killed", tmp_path, 3, event, timeout=120)
+    assert killed.returncode != 0 and not killed.results, killed.describe()
+    _replace_node_and_hide_root(tmp_path)
+    restored = run_mpi(4, SCRIPT, "mpi", "restore", tmp_path, timeout=120).check(4)
+    (step,) = {r["step"] for r in restored.values()}
+    assert step >= 3, restored
+    for rank, r in restored.items():
+        assert r["exact"] and r["source"] == "tiers" and r["parts"] == PEERS, (rank, r)
+
+
+def test_mpi_ranks_restore_from_their_own_tiers(run_mpi: Any, tmp_path: Path) -> None:
+    trained = run_mpi(4, SCRIPT, "mpi", "train", tmp_path, 5, 0, timeout=120).check(4)
+    assert all(r["local"][-1] == 5 for r in trained.values()), trained
+    restored = run_mpi(4, SCRIPT, "mpi", "restore", tmp_path, timeout=120).check(4)
+    for rank, r in restored.items():
+        assert r["step"] == 5 and r["exact"] and r["parts"] == {str(k): ["local", None] for k in range(4)}, (
+            rank,
+            r,
+        )
+
+
+@pytest.mark.torch
+def test_gloo_ranks_of_a_replaced_node_get_their_parts_from_peers(run_torch: Any, tmp_path: Path) -> None:
+    run_torch(4, SCRIPT, "torch", "train", tmp_path, 5, 0, timeout=180).check(4)
+    _replace_node_and_hide_root(tmp_path)
+    restored = run_torch(4, SCRIPT, "torch", "restore", tmp_path, timeout=180).check(4)
+    for rank, r in restored.items():
+        assert r["step"] == 5 and r["exact"] and r["source"] == "tiers" and r["parts"] == PEERS, (rank, r)
+
+
+@pytest.mark.torch
+def test_a_dcp_state_dict_of_dtensors_goes_through_the_tiers(run_torch: Any, tmp_path: Path) -> None:
+    """DCP code reaches the tiers by handing its state dict (DTensors and plain values) to the
+    manager: each rank's shards are its part; a replaced node's come from its peers."""
+    run_torch(4, "dtensor_tiers.py", "train", tmp_path, timeout=180).check(4)
+    _replace_node_and_hide_root(tmp_path)
+    restored = run_torch(4, "dtensor_tiers.py", "restore", tmp_path, timeout=180).check(4)
+    for rank, r in restored.items():
+        assert r == {
+            "step": 3,
+            "w": True,
+            "b": True,
+            "values": [{"lr": 0.30000000000000004, "betas": [0.9, 0.999]}, 3],
+            "source": "tiers",
+        }, (rank, r)

@@ -1,0 +1,186 @@
+"""The local tier with 4 thread ranks as 2 simulated nodes: parts, replicas, drain, recovery.
+
+Real files in real directories (one per simulated node), real checkpoints; the ranks are
+threads of this process (the same code runs under mpiexec in test_tiers_mpi.py).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import gpuckpt
+from gpuckpt.distributed import DistributedError, run_ranks
+from gpuckpt.format.parts import PartRecord, part_name
+
+
+@pytest.fixture
+def tiers(load_script: Any) -> Any:
+    return load_script("tier_ranks")
+
+
+def _trained(tiers: Any, base: Path, last: int = 5) -> list[dict[str, Any]]:
+    return run_ranks(4, lambda c: tiers.train(c, str(base), last, settle=True), timeout=120)
+
+
+def _restored(tiers: Any, base: Path, step: int | None = None) -> list[dict[str, Any]]:
+    return run_ranks(4, lambda c: tiers.restore(c, str(base), step), timeout=120)
+
+
+def test_every_step_goes_to_the_tier_with_a_replica_and_persist_steps_to_root(
+    tiers: Any, tmp_path: Path
+) -> None:
+    seen = _trained(tiers, tmp_path)
+    assert all(s == {"local": [4, 5], "root": [2, 4]} for s in seen), seen
+    for node in ("n0", "n1"):  # own parts and the other node's replicas, local_max_to_keep=2 steps
+        names = sorted(p.name for p in (tmp_path / node).iterdir() if not p.name.startswith("."))
+        assert names == [part_name(s, r) for s in (4, 5) for r in range(4)], (node, names)
+    # a part is an ordinary checkpoint with its record; the root step an ordinary distributed one
+    md = gpuckpt.read_metadata(tmp_path / "n1" / part_name(5, 0))
+    record = PartRecord.from_planner_data(md.planner_data)
+    assert record is not None and (record.step, record.rank, record.world_size) == (5, 0, 4)
+    assert record.node == "n0" and record.boxes == {"w": (((0, 0), (12, 5)),)}
+    part = gpuckpt.load_state_dict(tmp_path / "n1" / part_name(5, 0))
+    assert np.array_equal(part["w"], tiers.state(5, 0, 4)["w"].local) and part["step"] == 5
+    whole = gpuckpt.load_state_dict(tmp_path / "root" / "step_00000004")
+    assert whole["step"] == 4
+    zarr = pytest.importorskip("zarr")
+    assert np.array_equal(
+        zarr.open_array(tmp_path / "n0" / part_name(5, 2) / "w", mode="r")[:], part_w(tiers, 5, 2)
+    )
+
+
+def part_w(tiers: Any, step: int, rank: int) -> np.ndarray:
+    return np.asarray(tiers.state(step, rank, 4)["w"].local)
+
+
+def test_restore_reads_the_tiers_not_the_root(tiers: Any, tmp_path: Path) -> None:
+    _trained(tiers, tmp_path)
+    shutil.move(tmp_path / "root", tmp_path / "root-moved-away")
+    got = _restored(tiers, tmp_path)
+    for r, g in enumerate(got):
+        assert g["step"] == 5 and g["exact"] and g["source"] == "tiers", (r, g)
+        assert g["parts"] == {str(k): ["local", None] for k in range(4)}
+    assert not any((tmp_path / "root").iterdir())
+
+
+def test_a_replaced_node_gets_its_parts_from_the_replicas(tiers: Any, tmp_path: Path) -> None:
+    _trained(tiers, tmp_path)
+    shutil.rmtree(tmp_path / "n1")
+    shutil.move(tmp_path / "root", tmp_path / "root-moved-away")
+    got = _restored(tiers, tmp_path)
+    want = {"0": ["local", None], "1": ["local", None], "2": ["peer", 0], "3": ["peer", 1]}
+    for r, g in enumerate(got):
+        assert g["step"] == 5 and g["exact"] and g["parts"] == want, (r, g)
+    # the replaced node's tier holds its parts again
+    assert (tmp_path / "n1" / part_name(5, 2)).is_dir() and (tmp_path / "n1" / part_name(5, 3)).is_dir()
+
+
+def test_a_damaged_local_copy_is_skipped_and_its_replica_used(tiers: Any, tmp_path: Path) -> None:
+    _trained(tiers, tmp_path)
+    chunk = tmp_path / "n0" / part_name(5, 0) / "w" / "c" / "0" / "0"
+    if not chunk.is_file():
+        chunk = next(
+            p
+            for p in (tmp_path / "n0" / part_name(5, 0) / "w").rglob("*")
+            if p.is_file() and p.name != "zarr.json"
+        )
+    data = bytearray(chunk.read_bytes())
+    data[3] ^= 0x40
+    chunk.write_bytes(bytes(data))
+    got = _restored(tiers, tmp_path)
+    for r, g in enumerate(got):
+        assert g["step"] == 5 and g["exact"] and g["skipped"] == 1, (r, g)
+        assert g["parts"]["0"] == ["peer", 2], (r, g)
+
+
+def test_with_both_copies_of_a_part_gone_restore_falls_back_to_root(tiers: Any, tmp_path: Path) -> None:
+    _trained(tiers, tmp_path)
+    for node in ("n0", "n1"):
+        for step in (4, 5):
+            shutil.rmtree(tmp_path / node / part_name(step, 1))
+    got = _restored(tiers, tmp_path)
+    for r, g in enumerate(got):
+        assert g["step"] == 4 and g["exact"] and g["source"] == "root", (r, g)
+        assert g["parts"] == {str(k): ["root", None] for k in range(4)}
+
+
+def test_a_rank_failing_its_part_fails_the_step_on_every_rank_and_the_next_save_goes_on(
+    tiers: Any, tmp_path: Path
+) -> None:
+    def work(c: Any) -> dict[str, Any]:
+        mgr = tiers.manager(c, tmp_path)
+        r, n = c.rank, c.world_size
+        mgr.save(1, tiers.state(1, r, n))
+        mgr.save(2, tiers.state(2, r, n, bad=(r == 1)))  # rank 1 cannot store a value of step 2
+        out: dict[str, Any] = {}
+        try:
+            mgr.save(3, tiers.state(3, r, n))
+            mgr.wait()
+        except DistributedError as exc:
+            out["failed"] = sorted(exc.failures)
+        mgr.save(4, tiers.state(4, r, n))
+        mgr.wait()
+        target = tiers.empty(r, n)
+        out["restored"] = mgr.restore(target)
+        out["exact"] = tiers.exact(target, 4, r, n)
+        out["root"] = mgr.all_steps()
+        mgr.close()
+        return out
+
+    got = run_ranks(4, work, timeout=120)
+    assert all(g == {"failed": [1], "restored": 4, "exact": True, "root": [4]} for g in got), got
+    assert not any(part_name(2, r) in {p.name for p in (tmp_path / "n0").iterdir()} for r in range(4))
+
+
+def test_a_tier_too_small_for_its_steps_is_refused_on_every_rank_before_any_write(
+    tiers: Any, tmp_path: Path
+) -> None:
+    def work(c: Any) -> str:
+        mgr = tiers.manager(c, tmp_path, local_max_to_keep=10**15)
+        try:
+            mgr.save(1, tiers.state(1, c.rank, c.world_size))
+        except gpuckpt.TierBudgetError as exc:
+            return str(exc)
+        return "saved"
+
+    got = run_ranks(4, work, timeout=60)
+    assert all("node 'n0' needs" in g and "local_max_to_keep" in g for g in got), got
+    assert not [p for p in (tmp_path / "n0").iterdir() if not p.name.startswith(".")]
+
+
+def test_replicas_need_another_node(tiers: Any, tmp_path: Path) -> None:
+    def work(c: Any) -> str:
+        try:
+            gpuckpt.CheckpointManager(tmp_path / "root", local_dir=tmp_path / "one", node="n0", coordinator=c)
+        except gpuckpt.InvalidOptionError as exc:
+            return str(exc)
+        return "made"
+
+    got = run_ranks(2, work)
+    assert all("replicas=1 needs 2 nodes; this job has 1" in g for g in got), got
+
+
+def test_inspect_shows_the_parts_of_a_local_tier(tiers: Any, tmp_path: Path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    _trained(tiers, tmp_path)
+    shutil.rmtree(tmp_path / "n1" / part_name(4, 0))  # n1 then lacks rank 0's replica of step 4
+    cmd = [sys.executable, "-m", "gpuckpt.cli", "inspect"]
+    text = subprocess.run([*cmd, str(tmp_path / "n1")], capture_output=True, text=True, check=True).stdout
+    assert "is a local tier with 2 step(s)" in text
+    assert "4  not every rank's part here: rank 1 from n0, rank 2 from n1, rank 3 from n1" in text
+    assert "5  every rank's part here: rank 0 from n0, rank 1 from n0, rank 2 from n1, rank 3 from n1" in text
+    out = subprocess.run([*cmd, "--json", str(tmp_path / "n1")], capture_output=True, text=True, check=True)
+    steps = json.loads(out.stdout)["steps"]
+    assert [(s["step"], s["complete_here"], sorted(s["parts"])) for s in steps] == [
+        (4, False, ["1", "2", "3"]),
+        (5, True, ["0", "1", "2", "3"]),
+    ]
+    assert all(p["bytes"] > 0 for s in steps for p in s["parts"].values())

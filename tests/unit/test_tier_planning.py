@@ -1,0 +1,151 @@
+"""Local tiers as pure data: replica placement, the restore's choice, retention, the part record."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import gpuckpt
+from gpuckpt.errors import InvalidOptionError, MetadataError
+from gpuckpt.format.parts import PART_KEY, PartRecord, parse_part_name, part_name
+from gpuckpt.planning.tiers import CopySeen, choose, nodes_of, replica_holders, tier_retention
+from gpuckpt.tiers import copy_values_back, layout_of, part_view, sharded_from_part
+
+node_layouts = st.lists(st.integers(1, 4), min_size=2, max_size=5)  # ranks per node
+
+
+def _names(sizes: list[int]) -> list[str]:
+    return [f"n{k}" for k, size in enumerate(sizes) for _ in range(size)]
+
+
+@given(node_layouts, st.integers(1, 3), st.randoms())
+def test_replicas_go_to_other_nodes_one_per_node(sizes: list[int], replicas: int, rnd: Any) -> None:
+    names = _names(sizes)
+    rnd.shuffle(names)  # ranks of a node need not be contiguous
+    if replicas + 1 > len(sizes):
+        with pytest.raises(InvalidOptionError, match=f"replicas={replicas} needs {replicas + 1} nodes"):
+            replica_holders(0, names, replicas)
+        return
+    for rank in range(len(names)):
+        holders = replica_holders(rank, names, replicas)
+        nodes = [names[h] for h in holders]
+        assert len(holders) == replicas and names[rank] not in nodes and len(set(nodes)) == replicas
+
+
+def test_replicas_pair_local_indexes_across_nodes() -> None:
+    names = ["a", "a", "b", "b"]
+    assert [replica_holders(r, names, 1) for r in range(4)] == [[2], [3], [0], [1]]
+    assert nodes_of(["b", "a", "b", "a"]) == [[0, 2], [1, 3]]
+
+
+def _copies(
+    step: int, save_id: str, ranks: list[int], holders: dict[int, list[int]], n: int = 4
+) -> list[CopySeen]:
+    return [CopySeen(step, save_id, r, n, f"L{r}", h) for r in ranks for h in holders.get(r, [r])]
+
+
+NAMES = ["n0", "n0", "n1", "n1"]
+LAYOUTS = [f"L{r}" for r in range(4)]
+
+
+def test_the_newest_complete_step_is_chosen_with_local_copies_first() -> None:
+    copies = _copies(4, "a", [0, 1, 2, 3], {}) + _copies(5, "a", [0, 1, 2], {})  # 5 lacks rank 3
+    choice = choose(copies, LAYOUTS, NAMES, None)
+    assert (choice.source, choice.step, choice.save_id) == ("tiers", 4, "a")
+    assert choice.senders == {0: 0, 1: 1, 2: 2, 3: 3}
+
+
+def test_a_part_missing_on_its_node_comes_from_a_holder() -> None:
+    copies = _copies(5, "a", [0, 1], {}) + _copies(5, "a", [2, 3], {2: [0, 1], 3: [0, 1]})
+    choice = choose(copies, LAYOUTS, NAMES, 4)
+    assert choice.step == 5 and choice.senders == {0: 0, 1: 1, 2: 0, 3: 1}
+
+
+def test_the_root_wins_when_newer_and_nothing_is_none() -> None:
+    assert choose(_copies(4, "a", [0, 1, 2, 3], {}), LAYOUTS, NAMES, 6).source == "root"
+    assert choose([], LAYOUTS, NAMES, None).source == "none"
+    # another world size or layout makes a part unusable
+    other = [CopySeen(5, "a", r, 3, f"L{r}", r) for r in range(3)]
+    assert choose(other, LAYOUTS, NAMES, 2).source == "root"
+    assert choose(_copies(5, "a", [0, 1, 2, 3], {}), ["x"] * 4, NAMES, None).source == "none"
+
+
+@settings(max_examples=200)
+@given(st.lists(st.tuples(st.integers(0, 6), st.sampled_from("ab"), st.integers(0, 3), st.integers(0, 3))))
+def test_the_choice_never_mixes_saves(seen: list[tuple[int, str, int, int]]) -> None:
+    copies = [CopySeen(s, sid, r, 4, f"L{r}", h) for s, sid, r, h in seen]
+    choice = choose(copies, LAYOUTS, NAMES, None)
+    if choice.source != "tiers":
+        return
+    assert choice.step not in choice.ambiguous
+    for r, h in choice.senders.items():  # every rank's copy is of the chosen save, held by its sender
+        assert any(
+            c.step == choice.step and c.save_id == choice.save_id and c.rank == r and c.holder == h
+            for c in copies
+        )
+    assert sorted(choice.senders) == [0, 1, 2, 3]
+
+
+def test_a_step_complete_under_two_saves_is_never_taken() -> None:
+    copies = (
+        _copies(5, "a", [0, 1, 2, 3], {})
+        + _copies(5, "b", [0, 1, 2, 3], {})
+        + _copies(4, "a", [0, 1, 2, 3], {})
+    )
+    choice = choose(copies, LAYOUTS, NAMES, None)
+    assert choice.step == 4 and choice.ambiguous == (5,)
+
+
+def test_retention_keeps_the_newest_and_the_pinned_and_never_a_later_step() -> None:
+    assert tier_retention([1, 2, 3, 4], 2, 4) == [1, 2]
+    assert tier_retention([1, 2, 3, 4], 2, 4, pinned=[2]) == [1, 3]
+    assert tier_retention([1, 2, 3, 4, 5, 6], 2, 3) == [1]  # 4..6 were written after 3: not counted
+
+
+def test_part_names_and_records_round_trip_and_malformed_records_are_refused() -> None:
+    assert parse_part_name(part_name(120, 3)) == (120, 3)
+    assert parse_part_name("step_00000120") is None and parse_part_name("step_x.rank_1") is None
+    rec = PartRecord(120, "id", 3, 4, "n1", "L", {"w": (((0, 2), (4, 6)),)})
+    assert PartRecord.from_planner_data({PART_KEY: rec.to_json()}) == rec
+    assert PartRecord.from_planner_data({"structure": {}}) is None
+    for bad in (
+        {**rec.to_json(), "rank": 4},
+        {**rec.to_json(), "step": -1},
+        {**rec.to_json(), "boxes": {"w": [[[0], [4, 6]]]}},
+        {**rec.to_json(), "format": 2},
+    ):
+        with pytest.raises(MetadataError, match=PART_KEY):
+            PartRecord.from_planner_data({PART_KEY: bad})
+
+
+def test_a_part_view_shares_arrays_and_round_trips() -> None:
+    w = np.arange(12.0).reshape(3, 4)
+    state = {
+        "m": {
+            "w": gpuckpt.ShardedArray(w, (3, 0), (6, 4)),
+            "u": [gpuckpt.ShardedArray(w[:1], (0, 0), (6, 4))],
+        },
+        "opt": [np.ones(2), {"lr": 0.1}],
+        "betas": (0.9, 0.99),
+        "step": 7,
+    }
+    view, boxes = part_view(state)
+    assert view["m"]["w"] is w and view["opt"][0] is state["opt"][0]
+    assert boxes == {"m.w": (((3, 0), (6, 4)),), "m.u": (((0, 0), (6, 4)),)}
+    again = sharded_from_part(view, boxes)
+    assert again["m"]["w"].offsets == (3, 0) and isinstance(again["m"]["u"], list)
+    assert layout_of(view, boxes) == layout_of(*part_view(state))
+    assert layout_of(view, boxes) != layout_of(*part_view({**state, "x": np.zeros(1)}))
+    loaded = {
+        "m": {"w": w, "u": [w[:1]]},
+        "opt": [state["opt"][0], {"lr": 0.5}],
+        "betas": (0.8, 0.9),
+        "step": 9,
+    }
+    copy_values_back(state, loaded)
+    assert state["step"] == 9 and state["opt"][1] == {"lr": 0.5} and state["betas"] == (0.8, 0.9)
+    assert isinstance(state["m"]["w"], gpuckpt.ShardedArray)
