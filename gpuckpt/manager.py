@@ -654,7 +654,16 @@ class CheckpointManager:
         if self._closed:
             return
         self._closed = True
-        self._settle()
+        try:
+            self._settle()
+        finally:
+            self._stop_threads()
+
+    def _stop_threads(self) -> None:
+        """End the tier's and the drain's threads (their work is done or failed by now)."""
+        if self._tier is not None:
+            self._tier.close()
+            self._drains.shutdown(wait=False)
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -676,6 +685,7 @@ class CheckpointManager:
                     self._tier.wait_all()
                     if self._drain is not None:
                         self._drain[1].exception()
+                    self._stop_threads()
                 self._raise_error()
         except Exception as err:  # do not mask the exception that ends the block
             exc.add_note(f"also, a background checkpoint save failed: {err}")

@@ -378,6 +378,10 @@ class LocalTier:
                     out[step] = exc
         return out
 
+    def close(self) -> None:
+        """End the tier's thread once its queued work is done."""
+        self._thread.shutdown(wait=False)
+
     def wait_all(self) -> None:
         """Block until every step's tier work is done (errors stay for :meth:`settled`)."""
         for job in list(self._jobs.values()):

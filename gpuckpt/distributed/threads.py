@@ -27,13 +27,8 @@ import traceback
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
-from gpuckpt.distributed.coordinator import (
-    Coordinator,
-    CoordinatorError,
-    copy_buffers,
-    pick_mail,
-    raise_problems,
-)
+from gpuckpt.distributed.coordinator import Coordinator, CoordinatorError
+from gpuckpt.distributed.exchange import copy_buffers, dumps, pick_mail, raise_problems
 
 __all__ = ["ThreadCoordinator", "ThreadGroup", "run_ranks"]
 
@@ -41,10 +36,6 @@ _Entry = tuple[str, int | None, Any]  # (collective, root, pickled payload or No
 
 # A module-level TypeVar, not PEP 695 syntax (`def run_ranks[T]`): that needs Python 3.12.
 _T = TypeVar("_T")
-
-
-def _dumps(obj: Any) -> bytes:
-    return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def _loads(data: bytes | None) -> Any:
@@ -228,23 +219,23 @@ class ThreadCoordinator(Coordinator):
 
     def gather(self, obj: Any, root: int = 0) -> list[Any] | None:
         self._check_root(root)
-        entries = self._group.exchange(self._rank, "gather", root, _dumps(obj))
+        entries = self._group.exchange(self._rank, "gather", root, dumps(obj))
         return [_loads(e[2]) for e in entries] if self._rank == root else None
 
     def scatter(self, objs: list[Any] | None, root: int = 0) -> Any:
         self._check_root(root)
-        payload = [_dumps(o) for o in self._scatter_payload(objs)] if self._rank == root else None
+        payload = [dumps(o) for o in self._scatter_payload(objs)] if self._rank == root else None
         entries = self._group.exchange(self._rank, "scatter", root, payload)
         return self._scatter_result(_loads(entries[root][2][self._rank]))
 
     def broadcast(self, obj: Any, root: int = 0) -> Any:
         self._check_root(root)
-        payload = _dumps(obj) if self._rank == root else None
+        payload = dumps(obj) if self._rank == root else None
         entries = self._group.exchange(self._rank, "broadcast", root, payload)
         return _loads(entries[root][2])
 
     def all_gather(self, obj: Any) -> list[Any]:
-        entries = self._group.exchange(self._rank, "all_gather", None, _dumps(obj))
+        entries = self._group.exchange(self._rank, "all_gather", None, dumps(obj))
         return [_loads(e[2]) for e in entries]
 
     def barrier(self) -> None:
@@ -275,7 +266,7 @@ class ThreadCoordinator(Coordinator):
         not match what was sent to it.
         """
         sent, srcs = self._check_exchange(sends, sources)
-        payload = {dest: _dumps(obj) for dest, obj in sent.items()}
+        payload = {dest: dumps(obj) for dest, obj in sent.items()}
         entries = self._group.exchange(self._rank, "exchange_objects", None, payload)
         received, problems = pick_mail(self._rank, srcs, [e[2] for e in entries])
         raise_problems("exchange_objects", problems)

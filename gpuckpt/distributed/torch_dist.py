@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from gpuckpt.distributed.coordinator import Coordinator, CoordinatorError, MissingDependencyError
+from gpuckpt.distributed.exchange import dumps
 
 __all__ = ["TorchCoordinator"]
 
@@ -200,7 +201,7 @@ class TorchCoordinator(Coordinator):
         sent, srcs = self._check_exchange(sends, sources)
         self._check_cpu_transport("exchange_objects")
         dist, group, me = self._dist, self._group, self._rank
-        pickles = {dest: _dumps(obj) for dest, obj in sent.items()}
+        pickles = {dest: dumps(obj) for dest, obj in sent.items()}
         works = []
         for dest, data in pickles.items():
             if dest != me:
@@ -262,10 +263,6 @@ class TorchCoordinator(Coordinator):
 
     def __repr__(self) -> str:
         return f"TorchCoordinator(rank={self._rank}, world_size={self._size})"
-
-
-def _dumps(obj: Any) -> bytes:
-    return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def _numbered(messages: list[tuple[int, memoryview]]) -> list[tuple[int, memoryview, int]]:

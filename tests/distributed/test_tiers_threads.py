@@ -184,3 +184,50 @@ def test_inspect_shows_the_parts_of_a_local_tier(tiers: Any, tmp_path: Path) -> 
         (5, True, ["0", "1", "2", "3"]),
     ]
     assert all(p["bytes"] > 0 for s in steps for p in s["parts"].values())
+
+
+def test_a_drained_step_restores_on_another_number_of_ranks_from_root(tiers: Any, tmp_path: Path) -> None:
+    """Parts fit only the layout that wrote them: 3 ranks restore the root's newest step,
+    resharded, and the report says so."""
+    _trained(tiers, tmp_path)
+
+    def work(c: Any) -> tuple[int, bool, str | None]:
+        node = f"n{c.rank // 2}"
+        mgr = gpuckpt.CheckpointManager(
+            tmp_path / "root", local_dir=tmp_path / f"three-{node}", node=node, coordinator=c
+        )
+        target = tiers.empty(c.rank, c.world_size)
+        step = mgr.restore(target)
+        report = mgr.last_restore
+        mgr.close()
+        return step, bool(tiers.exact(target, step, c.rank, c.world_size)), report and report.source
+
+    assert run_ranks(3, work) == [(4, True, "root")] * 3
+
+
+def test_a_failed_drain_never_deletes_the_last_root_step(tiers: Any, tmp_path: Path) -> None:
+    def work(c: Any) -> dict[str, Any]:
+        mgr = tiers.manager(c, tmp_path, max_to_keep=1)
+        r, n = c.rank, c.world_size
+        out: dict[str, Any] = {}
+        mgr.save(2, tiers.state(2, r, n))
+        mgr.wait()
+        c.barrier()
+        if r == 0:  # something else already sits where step 4 would be persisted
+            (tmp_path / "root" / "step_00000004").write_text("not a checkpoint")
+        c.barrier()
+        mgr.save(4, tiers.state(4, r, n))
+        try:
+            mgr.wait()
+        except DistributedError as exc:
+            out["failed"] = "persisting step 4" in str(exc)
+        out["root"] = mgr.all_steps()
+        target = tiers.empty(r, n)
+        out["restored"] = mgr.restore(target)  # the tiers hold step 4 complete
+        out["exact"] = tiers.exact(target, 4, r, n)
+        mgr.close()
+        return out
+
+    got = run_ranks(4, work, timeout=120)
+    assert all(g == {"failed": True, "root": [2], "restored": 4, "exact": True} for g in got), got
+    assert gpuckpt.load_state_dict(tmp_path / "root" / "step_00000002")["step"] == 2
