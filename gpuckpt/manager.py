@@ -788,6 +788,8 @@ class CheckpointManager:
             return max(steps, default=None)
 
         choice, report = tier.restore(state_dict, root_latest, dict(options), only=step)
+        if choice.step is not None:  # the line goes on from here: newer tier steps were deleted
+            self._tier_last = choice.step
         if report is not None:
             self.last_restore = report
             assert choice.step is not None

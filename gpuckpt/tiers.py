@@ -557,6 +557,9 @@ class LocalTier:
             copies = [cp for mine in c.all_gather(self.inventory()) for cp in mine if only in (None, cp.step)]
             layouts = c.all_gather(layout)
             choice = choose(copies, layouts, self.node_names, latest_root)
+            if choice.source == "root":
+                assert choice.step is not None
+                self._abandon_newer(choice.step)
             if choice.source != "tiers":
                 return choice, None
             assert choice.step is not None
@@ -605,7 +608,8 @@ class LocalTier:
         )
 
     def _abandon_newer(self, step: int) -> None:
-        """Tier steps newer than the one restored are an abandoned line: deleted on every node."""
+        """Tier steps newer than the one restored are an abandoned line: deleted on every node
+        (else a later restore could take them for newer than the steps saved from here on)."""
         if self.leader:
             self._delete_steps([s for s in self.steps() if s > step])
         self.queries.barrier()

@@ -231,3 +231,23 @@ def test_a_failed_drain_never_deletes_the_last_root_step(tiers: Any, tmp_path: P
     got = run_ranks(4, work, timeout=120)
     assert all(g == {"failed": True, "root": [2], "restored": 4, "exact": True} for g in got), got
     assert gpuckpt.load_state_dict(tmp_path / "root" / "step_00000002")["step"] == 2
+
+
+def test_a_restore_of_an_earlier_step_starts_the_line_again(tiers: Any, tmp_path: Path) -> None:
+    """Restoring step 4 deletes tier step 5 on every node: saving 5 again later makes a step
+    that a restore takes, never the old 5."""
+    _trained(tiers, tmp_path)
+
+    def work(c: Any) -> tuple[int, list[int], int, bool]:
+        mgr = tiers.manager(c, tmp_path)
+        r, n = c.rank, c.world_size
+        mgr.restore(tiers.empty(r, n), step=4)
+        after = mgr.local_steps()
+        mgr.save(5, tiers.state(50, r, n))  # another step 5: the line after the roll-back
+        mgr.wait()
+        target = tiers.empty(r, n)
+        got = mgr.restore(target)
+        mgr.close()
+        return got, after, target["step"], bool(tiers.exact(target, 50, r, n))
+
+    assert run_ranks(4, work, timeout=120) == [(5, [4], 50, True)] * 4
