@@ -393,10 +393,14 @@ class LocalTier:
 
     def _transfer(self, step: int, sends: dict[int, int], receive_from: list[int], c: Coordinator) -> None:
         """One round on ``c``: ``sends[dest] = rank whose part of step to send to dest``; receive
-        from each rank in ``receive_from`` the part it sends (committed here under its name)."""
+        from each rank in ``receive_from`` the part it sends (committed here under its name).
+
+        Files go from a read-only memory map of the sender's file into a writable map of the
+        receiver's new file, sized beforehand: one copy by the transport, nothing zero-filled.
+        Every rank takes part in every exchange whatever failed where, and the round ends in
+        one error check."""
         error: BaseException | None = None
         manifests: dict[int, Any] = {}
-        maps: list[Any] = []
         try:
             for dest, whose in sends.items():
                 manifests[dest] = (whose, self._manifest(step, whose))
@@ -406,41 +410,54 @@ class LocalTier:
         got = c.exchange_objects(manifests, receive_from)
         out_buffers: dict[int, list[Any]] = {}
         in_buffers: dict[int, list[Any]] = {}
-        receptions: list[tuple[Path, str, list[tuple[str, int]], list[bytearray]]] = []
-        try:
-            for dest, m in manifests.items():
-                if m is not None:
-                    views, maps_ = self._views(step, m[0], m[1])
-                    maps.extend(maps_)
-                    out_buffers[dest] = views
-            for source, m in got.items():
-                if m is None:
-                    continue
+        maps: list[mmap.mmap] = []
+        receptions: list[tuple[Path, str]] = []
+        # what failed here still sends and receives the sizes announced (zeros, scratch memory),
+        # so that every transport's round completes; the round's error check then fails it
+        for dest, m in manifests.items():
+            if m is not None:
+                try:
+                    part = self.dir / part_name(step, m[0])
+                    out_buffers[dest] = self._mapped(part, m[1], maps, create=False)
+                except Exception as exc:
+                    error = error or exc
+                    out_buffers[dest] = [bytes(size) for _, size in m[1] if size]
+        for source, m in got.items():
+            if m is not None:
                 whose, files = m
-                bufs = [bytearray(size) for _, size in files if size]
-                in_buffers[source] = bufs
                 tmp = self.dir / f".recv-r{self.rank}-{secrets.token_hex(4)}"
-                receptions.append((tmp, part_name(step, whose), files, bufs))
-        except Exception as exc:
-            error = error or exc
+                receptions.append((tmp, part_name(step, whose)))
+                try:
+                    in_buffers[source] = self._mapped(tmp, files, maps, create=True)
+                except Exception as exc:
+                    error = error or exc
+                    in_buffers[source] = [bytearray(size) for _, size in files if size]
         try:
             c.exchange_buffers(out_buffers, in_buffers)
+        except Exception as exc:  # a mismatch is raised on the receiver, after every message arrived
+            error = error or exc
         finally:
-            for views in out_buffers.values():
+            for views in (*out_buffers.values(), *in_buffers.values()):
                 for v in views:
                     v.release()
             for m in maps:
                 with contextlib.suppress(BufferError):  # a transport still holds a view: closed later
                     m.close()
-        try:
-            for tmp, name, files, bufs in receptions:
-                self._commit_received(tmp, name, files, bufs)
-        except Exception as exc:
-            error = error or exc
         missing = [s for s in receive_from if got.get(s) is None]
         if missing and error is None:
             error = FileNotFoundError(f"ranks {missing} had no part of step {step} to send")
-        c.all_reduce_errors(error)
+        try:
+            c.all_reduce_errors(error)  # nothing received is published unless every rank succeeded
+            published: BaseException | None = None
+            try:
+                for tmp, name in receptions:
+                    self._commit_received(tmp, name)
+            except Exception as exc:
+                published = exc
+            c.all_reduce_errors(published)  # a publication that failed here fails the round everywhere
+        finally:
+            for tmp, _ in receptions:
+                shutil.rmtree(tmp, ignore_errors=True)
 
     def _manifest(self, step: int, whose: int) -> list[tuple[str, int]]:
         root = self.dir / part_name(step, whose)
@@ -453,38 +470,49 @@ class LocalTier:
                 files.append((str(p.relative_to(root)), p.stat().st_size))
         return sorted(files)
 
-    def _views(self, step: int, whose: int, files: list[tuple[str, int]]) -> tuple[list[Any], list[Any]]:
-        root = self.dir / part_name(step, whose)
-        views, maps = [], []
+    @staticmethod
+    def _mapped(
+        root: Path, files: list[tuple[str, int]], maps: list[mmap.mmap], *, create: bool
+    ) -> list[Any]:
+        """Memory maps of the non-empty ``files`` under ``root`` (appended to ``maps``), as views:
+        read-only of existing files, or writable of new files of the given sizes (``create``:
+        the empty ones are made too)."""
+        views = []
         for rel, size in files:
+            path = root / rel
+            if create:
+                if (
+                    ".." in Path(rel).parts
+                    or Path(rel).is_absolute()
+                    or not isinstance(size, int)
+                    or size < 0
+                ):
+                    raise CheckpointCorruptedError(
+                        f"a received part names the file {rel!r} of {size!r} bytes"
+                    )
+                path.parent.mkdir(parents=True, exist_ok=True)
             if not size:
+                if create:
+                    path.touch()
                 continue
-            with open(root / rel, "rb") as f:
-                m = mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ)
+            flags = os.O_RDWR | os.O_CREAT | os.O_EXCL if create else os.O_RDONLY
+            fd = os.open(path, flags, 0o644)
+            try:
+                if create:
+                    os.ftruncate(fd, size)
+                prot = mmap.PROT_READ | (mmap.PROT_WRITE if create else 0)
+                m = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=prot)
+            finally:
+                os.close(fd)
             maps.append(m)
             views.append(memoryview(m))
-        return views, maps
+        return views
 
-    def _commit_received(
-        self, tmp: Path, name: str, files: list[tuple[str, int]], bufs: list[bytearray]
-    ) -> None:
-        it = iter(bufs)
-        tmp.mkdir()
-        try:
-            for rel, size in files:
-                target = tmp / rel
-                if ".." in Path(rel).parts or Path(rel).is_absolute():
-                    raise CheckpointCorruptedError(f"a received part names the file {rel!r}")
-                target.parent.mkdir(parents=True, exist_ok=True)
-                with open(target, "wb") as f:
-                    if size:
-                        f.write(next(it))
-            if self._store.is_committed(name):  # an older copy (an abandoned line): replaced
-                self._store.delete([name])
-            os.rename(tmp, self.dir / name)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+    def _commit_received(self, tmp: Path, name: str) -> None:
+        """Publish the part received under ``tmp`` as ``name`` (an older copy is replaced)."""
+        if self._store.is_committed(name):  # an older copy (an abandoned line): replaced
+            self._store.delete([name])
+        os.rename(tmp, self.dir / name)
 
     # listing and retention ---------------------------------------------------------------
 
