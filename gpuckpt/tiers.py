@@ -57,6 +57,7 @@ from gpuckpt.options import SaveOptions
 from gpuckpt.planning.tiers import Choice, CopySeen, choose, nodes_of, replica_holders, tier_retention
 from gpuckpt.runtime.workers import Workers
 from gpuckpt.state import flatten_state_dict
+from gpuckpt.storage.local.fileio import write_all
 from gpuckpt.storage.stores import open_root
 
 __all__ = ["LocalTier", "PartSource", "RestoreReport", "layout_of", "part_view"]
@@ -252,6 +253,8 @@ class LocalTier:
         #: steps being drained to root: retention keeps them
         self.pinned: set[int] = set()
         self._budget_checked = False
+        #: where replicas and fetched parts arrive before they are written to the tier
+        self._received = bytearray()
         queries.barrier()  # nobody writes before every leader has cleaned up
 
     def _check_directories(self, seen: list[tuple[str, str, int, int]]) -> None:
@@ -411,34 +414,29 @@ class LocalTier:
         out_buffers: dict[int, list[Any]] = {}
         in_buffers: dict[int, list[Any]] = {}
         maps: list[mmap.mmap] = []
-        receptions: list[tuple[Path, str]] = []
+        receptions: list[tuple[Path, str, list[tuple[str, int]]]] = []
         # what failed here still sends and receives the sizes announced (zeros, scratch memory),
         # so that every transport's round completes; the round's error check then fails it
         for dest, m in manifests.items():
             if m is not None:
                 try:
-                    part = self.dir / part_name(step, m[0])
-                    out_buffers[dest] = self._mapped(part, m[1], maps, create=False)
+                    out_buffers[dest] = self._mapped(self.dir / part_name(step, m[0]), m[1], maps)
                 except Exception as exc:
                     error = error or exc
                     out_buffers[dest] = [bytes(size) for _, size in m[1] if size]
-        for source, m in got.items():
-            if m is not None:
-                whose, files = m
-                tmp = self.dir / f".recv-r{self.rank}-{secrets.token_hex(4)}"
-                receptions.append((tmp, part_name(step, whose)))
-                try:
-                    in_buffers[source] = self._mapped(tmp, files, maps, create=True)
-                except Exception as exc:
-                    error = error or exc
-                    in_buffers[source] = [bytearray(size) for _, size in files if size]
+        incoming = {src: m for src, m in got.items() if m is not None}
+        cut = self._receive_buffer(sum(size for m in incoming.values() for _, size in m[1]))
+        for source, (whose, files) in incoming.items():
+            tmp = self.dir / f".recv-r{self.rank}-{secrets.token_hex(4)}"
+            receptions.append((tmp, part_name(step, whose), files))
+            in_buffers[source] = [cut(size) for _, size in files if size]
         try:
             c.exchange_buffers(out_buffers, in_buffers)
         except Exception as exc:  # a mismatch is raised on the receiver, after every message arrived
             error = error or exc
         finally:
-            for views in (*out_buffers.values(), *in_buffers.values()):
-                for v in views:
+            for sent in out_buffers.values():
+                for v in sent:
                     v.release()
             for m in maps:
                 with contextlib.suppress(BufferError):  # a transport still holds a view: closed later
@@ -450,13 +448,14 @@ class LocalTier:
             c.all_reduce_errors(error)  # nothing received is published unless every rank succeeded
             published: BaseException | None = None
             try:
-                for tmp, name in receptions:
+                for (tmp, name, files), bufs in zip(receptions, in_buffers.values(), strict=True):
+                    self._write_received(tmp, files, bufs)
                     self._commit_received(tmp, name)
             except Exception as exc:
                 published = exc
             c.all_reduce_errors(published)  # a publication that failed here fails the round everywhere
         finally:
-            for tmp, _ in receptions:
+            for tmp, _, _ in receptions:
                 shutil.rmtree(tmp, ignore_errors=True)
 
     def _manifest(self, step: int, whose: int) -> list[tuple[str, int]]:
@@ -471,42 +470,55 @@ class LocalTier:
         return sorted(files)
 
     @staticmethod
-    def _mapped(
-        root: Path, files: list[tuple[str, int]], maps: list[mmap.mmap], *, create: bool
-    ) -> list[Any]:
-        """Memory maps of the non-empty ``files`` under ``root`` (appended to ``maps``), as views:
-        read-only of existing files, or writable of new files of the given sizes (``create``:
-        the empty ones are made too)."""
+    def _mapped(root: Path, files: list[tuple[str, int]], maps: list[mmap.mmap]) -> list[Any]:
+        """Read-only memory maps of the non-empty ``files`` under ``root`` (appended to ``maps``),
+        as views; populated at once (the part is in the page cache: no fault per page)."""
         views = []
         for rel, size in files:
-            path = root / rel
-            if create:
-                if (
-                    ".." in Path(rel).parts
-                    or Path(rel).is_absolute()
-                    or not isinstance(size, int)
-                    or size < 0
-                ):
-                    raise CheckpointCorruptedError(
-                        f"a received part names the file {rel!r} of {size!r} bytes"
-                    )
-                path.parent.mkdir(parents=True, exist_ok=True)
             if not size:
-                if create:
-                    path.touch()
                 continue
-            flags = os.O_RDWR | os.O_CREAT | os.O_EXCL if create else os.O_RDONLY
-            fd = os.open(path, flags, 0o644)
+            fd = os.open(root / rel, os.O_RDONLY)
             try:
-                if create:
-                    os.ftruncate(fd, size)
-                prot = mmap.PROT_READ | (mmap.PROT_WRITE if create else 0)
-                m = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=prot)
+                flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+                m = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ)
             finally:
                 os.close(fd)
             maps.append(m)
             views.append(memoryview(m))
         return views
+
+    def _receive_buffer(self, total: int) -> Callable[[int], memoryview]:
+        """A cutter of the tier's receive buffer (kept from round to round: its pages are mapped
+        once, not faulted in again for every replica), grown to ``total`` bytes: each call
+        returns the next ``size`` bytes."""
+        if len(self._received) < total:
+            self._received = bytearray(total)
+        view = memoryview(self._received)
+        at = 0
+
+        def cut(size: int) -> memoryview:
+            nonlocal at
+            at += size
+            return view[at - size : at]
+
+        return cut
+
+    @staticmethod
+    def _write_received(tmp: Path, files: list[tuple[str, int]], bufs: list[memoryview]) -> None:
+        """The files of a received part under ``tmp``, from the receive buffer."""
+        it = iter(bufs)
+        tmp.mkdir()
+        for rel, size in files:
+            if ".." in Path(rel).parts or Path(rel).is_absolute() or not isinstance(size, int) or size < 0:
+                raise CheckpointCorruptedError(f"a received part names the file {rel!r} of {size!r} bytes")
+            path = tmp / rel
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                if size:
+                    write_all(fd, next(it))
+            finally:
+                os.close(fd)
 
     def _commit_received(self, tmp: Path, name: str) -> None:
         """Publish the part received under ``tmp`` as ``name`` (an older copy is replaced)."""
