@@ -1,0 +1,454 @@
+"""One rank of ``bench/bench_tiers.py``: 4 ranks as 2 simulated nodes, started by it under mpiexec.
+
+``mpiexec -n 4 python bench/tiers_ranks.py --out DIR --local BASE --root ROOT [--mib 256]
+[--rounds 5] [--warmup 3] [--op-settle 3]``: rank ``r`` is on node ``n{r // 2}`` with the local tier
+``BASE/n{r // 2}``; the root is ``ROOT``. Each rank writes what it measured to
+``DIR/rank<R>.json`` (``{"error": traceback}`` if it failed, and the job is aborted). What is
+measured, and how, is said in ``bench/bench_tiers.py``; the figures are made there.
+
+The state helpers (:func:`tensor_rows`, :func:`rank_state`, :func:`plain_state`) are imported
+by ``bench_tiers.py`` too; mpi4py is imported only when a rank runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import gpuckpt  # noqa: E402
+import gpuckpt.background as background_module  # noqa: E402
+import gpuckpt.tiers as tiers_module  # noqa: E402
+from bench.compare.common import cut_from, drop_cache  # noqa: E402
+from gpuckpt.background import copy_host_arrays, host_order  # noqa: E402
+from gpuckpt.device.staging import HostAllocator, StagingArena, aligned_bytes  # noqa: E402
+from gpuckpt.format.parts import part_name  # noqa: E402
+from gpuckpt.planning.tiers import replica_holders  # noqa: E402
+from gpuckpt.runtime.runner import default_threads  # noqa: E402
+
+RANKS = 4
+#: MiB of each tensor of a rank's 256 MiB (scaled by --mib): a few MiB to tens of MiB
+TENSOR_MIB = (48, 32, 32, 24, 24, 16, 16, 16, 8, 8, 8, 4, 4, 4, 4, 4, 2, 2)
+COLS = 1024  # float32 columns: a row is 4 KiB
+
+
+def node_of(rank: int) -> str:
+    return f"n{rank // 2}"
+
+
+def tensor_rows(mib: float) -> list[int]:
+    """Rows (of :data:`COLS` float32) of each tensor of a state of about ``mib`` MiB."""
+    scale = mib / sum(TENSOR_MIB)
+    return [max(1, round(m * scale * (1 << 20) / (4 * COLS))) for m in TENSOR_MIB]
+
+
+def _block(seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal(1 << 22, dtype=np.float32)
+
+
+def rank_state(rank: int, mib: float, step: int = 0) -> dict[str, Any]:
+    """What ``rank`` holds: a row box of each global tensor (the FSDP layout), and the step."""
+    block = _block(rank)
+    model = {}
+    for i, rows in enumerate(tensor_rows(mib)):
+        local = cut_from(block, (rows, COLS), 7919 * i)
+        model[f"t{i:02d}"] = gpuckpt.ShardedArray(local, (rank * rows, 0), (RANKS * rows, COLS))
+    return {"model": model, "step": step}
+
+
+def empty_like(state: dict[str, Any]) -> dict[str, Any]:
+    """A restore target of the same layout, every page touched (a model already in memory)."""
+    model = {}
+    for k, s in state["model"].items():
+        model[k] = gpuckpt.ShardedArray(np.zeros_like(s.local), s.offsets, s.global_shape)
+    return {"model": model, "step": -1}
+
+
+def plain_state(mib: float) -> dict[str, Any]:
+    """A single process's state of about ``mib`` MiB (the same tensor sizes, plain arrays)."""
+    block = _block(99)
+    arrays = {f"t{i:02d}": cut_from(block, (rows, COLS), 7919 * i) for i, rows in enumerate(tensor_rows(mib))}
+    return {"model": arrays, "step": 0}
+
+
+def local_arrays(state: dict[str, Any]) -> list[np.ndarray]:
+    return [s.local for s in state["model"].values()]
+
+
+def tree_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+# plain I/O: the ceilings ---------------------------------------------------------------------
+
+
+def _write_file(path: Path, data: memoryview) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        while data.nbytes:
+            data = data[os.write(fd, data) :]
+    finally:
+        os.close(fd)
+
+
+def plain_write(arrays: list[np.ndarray], d: Path, threads: int) -> None:
+    """One file per array in the new directory ``d``, written by ``threads`` threads, no fsync
+    (the tier writes with ``sync="none"``; on tmpfs an fsync does nothing anyway)."""
+    d.mkdir()
+    with ThreadPoolExecutor(threads) as ex:
+        jobs = [
+            ex.submit(_write_file, d / f"{i}.bin", memoryview(a.reshape(-1).view(np.uint8)))
+            for i, a in enumerate(arrays)
+        ]
+        for j in jobs:
+            j.result()
+
+
+def _read_file(path: Path, buf: np.ndarray) -> None:
+    with open(path, "rb", buffering=0) as f:
+        view = memoryview(buf)
+        while view.nbytes:
+            n = f.readinto(view)
+            if not n:
+                raise EOFError(f"{path} ended early")
+            view = view[n:]
+
+
+def plain_read(files: list[Path], bufs: list[np.ndarray], threads: int) -> None:
+    """Every byte of ``files`` into the preallocated ``bufs``, by ``threads`` threads."""
+    with ThreadPoolExecutor(threads) as ex:
+        for j in [ex.submit(_read_file, f, b) for f, b in zip(files, bufs, strict=True)]:
+            j.result()
+
+
+def evict(path: Path) -> tuple[str, float]:
+    """Drop ``path``'s files from the page cache: ``/proc/sys/vm/drop_caches`` where allowed,
+    else ``posix_fadvise(DONTNEED)`` per file; returns the method and the fraction still resident."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("1\n")
+        method = "drop_caches"
+    except OSError as exc:
+        method = f"posix_fadvise(DONTNEED) per file (drop_caches refused: {exc.strerror})"
+    return method, drop_cache(os.fspath(path))
+
+
+# the rank's harness ---------------------------------------------------------------------------
+
+
+class Harness:
+    """Synchronisation of the timed operations on a communicator of the harness's own.
+
+    Its barriers poll a non-blocking barrier with sleeps: MPICH's waits spin, and a rank
+    spinning in the harness's barrier would take a core from a rank still being measured.
+    """
+
+    def __init__(self, settle_s: float) -> None:
+        from mpi4py import MPI
+
+        self.comm = MPI.COMM_WORLD.Dup()
+        self.rank = self.comm.Get_rank()
+        self.settle_s = settle_s
+
+    def barrier(self) -> None:
+        req = self.comm.Ibarrier()
+        while not req.Test():
+            time.sleep(0.0005)
+
+    def timed(self, fn: Callable[[], Any]) -> float:
+        """``fn()`` on every rank at once after a sync and the settle wait; this rank's seconds."""
+        os.sync()
+        time.sleep(self.settle_s)
+        self.barrier()
+        t = time.perf_counter()
+        fn()
+        dt = time.perf_counter() - t
+        self.barrier()
+        return dt
+
+
+class TierProbe:
+    """Times of a manager's local tier per step, from wrappers around its own calls: the part's
+    snapshot, its write from its start on the writer thread to the part committed, the
+    replication round, every transfer round."""
+
+    def __init__(self) -> None:
+        self.marks: dict[str, dict[str, float]] = {}
+        #: ``(start, end)`` of every transfer round (replications and restores' fetches)
+        self.transfers: list[tuple[float, float]] = []
+        original = tiers_module.async_save_with_options
+
+        def timed_async(view: Any, path: Any, options: Any, coordinator: Any = None) -> Any:
+            t = time.perf_counter()
+            fut = original(view, path, options, coordinator)
+            self.marks.setdefault(Path(path).name, {}).update(snap0=t, snap1=time.perf_counter())
+            return fut
+
+        tiers_module.async_save_with_options = timed_async  # the tier looks it up at each call
+        submit = background_module.submit
+
+        def timed_submit(ex: Any, fn: Callable[[], Any], path: str, handover: Any = None) -> Any:
+            def write() -> Any:  # on the writer thread: when the part's write really starts
+                self.marks.setdefault(Path(path).name, {})["write0"] = time.perf_counter()
+                return fn()
+
+            return submit(ex, write, path, handover)
+
+        background_module.submit = timed_submit  # async_save_with_options looks it up at each call
+
+    def attach(self, tier: Any) -> None:
+        finish, replicate, transfer, rank = tier._finish, tier._replicate, tier._transfer, tier.rank
+
+        def timed_finish(step: int, written: Any, error: Any) -> None:
+            if written is not None:
+                with contextlib.suppress(Exception):
+                    written.exception()
+            self.marks.setdefault(part_name(step, rank), {})["committed"] = time.perf_counter()
+            finish(step, written, error)
+
+        def timed_replicate(step: int) -> None:
+            t = time.perf_counter()
+            replicate(step)
+            self.marks.setdefault(part_name(step, rank), {}).update(rep0=t, rep1=time.perf_counter())
+
+        def timed_transfer(*a: Any, **kw: Any) -> None:
+            t = time.perf_counter()
+            transfer(*a, **kw)
+            self.transfers.append((t, time.perf_counter()))
+
+        tier._finish, tier._replicate, tier._transfer = timed_finish, timed_replicate, timed_transfer
+
+
+def _order(names: list[str], r: int) -> list[str]:
+    return names if r % 2 == 0 else names[::-1]
+
+
+class Rank:
+    """What every phase of a rank uses: its coordinator, harness, state, directories, tier probe."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        from gpuckpt.distributed import MPICoordinator
+
+        self.args = args
+        self.h = Harness(args.op_settle)
+        self.c = MPICoordinator()
+        self.rank, n = self.c.rank, self.c.world_size
+        if n != RANKS:
+            raise SystemExit(f"tiers_ranks.py runs as {RANKS} ranks (2 simulated nodes), not {n}")
+        self.node = node_of(self.rank)
+        self.local_dir = Path(args.local) / self.node
+        self.root = Path(args.root)
+        self.threads = default_threads()
+        self.names = [node_of(r) for r in range(n)]
+        self.state = rank_state(self.rank, args.mib)
+        self.arrays = local_arrays(self.state)
+        self.nbytes = sum(a.nbytes for a in self.arrays)
+        self.probe = TierProbe()
+        self.transport = self.c.duplicate()  # the ceilings' exchanges: a channel of their own
+        self.last = args.warmup + args.rounds  # the step restored: the last saved, persisted to the root
+
+    def manager(self, **kw: Any) -> gpuckpt.CheckpointManager:
+        mgr = gpuckpt.CheckpointManager(
+            self.root, local_dir=self.local_dir, node=self.node, coordinator=self.c, **kw
+        )
+        assert mgr._tier is not None
+        self.probe.attach(mgr._tier)
+        return mgr
+
+
+def _bytes(arrays: list[np.ndarray]) -> list[memoryview]:
+    return [memoryview(a.reshape(-1).view(np.uint8)) for a in arrays]
+
+
+def save_phase(k: Rank) -> dict[str, Any]:
+    """Figures 1-3: save, the tier's write, replication; and their ceilings, interleaved."""
+    h, rank, arrays = k.h, k.rank, k.arrays
+    mgr = k.manager(replicas=1, persist_interval_steps=k.last, local_max_to_keep=2)
+    tier = mgr._tier
+    assert tier is not None
+    arena = StagingArena(HostAllocator())
+    orders = [host_order(a) for a in arrays]
+    recv = {s: [np.zeros_like(a) for a in arrays] for s in tier.held}  # the peers' arrays: same sizes
+    rounds: list[dict[str, Any]] = []
+    for step in range(1, k.last + 1):
+        rec: dict[str, Any] = {"step": step, "warmup": step <= k.args.warmup}
+        k.state["step"] = step
+
+        def copy() -> None:
+            arena.reset(sum(aligned_bytes(a.nbytes) for a in arrays))
+            copy_host_arrays(arrays, orders, arena)
+
+        def save(step: int = step, rec: dict[str, Any] = rec) -> None:
+            rec["save_s"] = h.timed(lambda: mgr.save(step, k.state))
+            tier.wait_for(step)
+            mgr.wait()  # the drain of the last step too: nothing runs under the next operation
+            m = k.probe.marks[part_name(step, rank)]
+            rec["snapshot_s"] = m["snap1"] - m["snap0"]
+            rec["write_s"] = m["committed"] - m["write0"]
+            rec["replicate_s"] = m["rep1"] - m["rep0"]
+            rec["part_bytes"] = tree_bytes(k.local_dir / part_name(step, rank))
+
+        def write(step: int = step, rec: dict[str, Any] = rec) -> None:
+            d = k.local_dir / f".plain-r{rank}-{step}"
+            try:
+                rec["plain_write_s"] = h.timed(lambda: plain_write(arrays, d, k.threads))
+            finally:
+                shutil.rmtree(d, ignore_errors=True)
+
+        def exchange(rec: dict[str, Any] = rec) -> None:
+            sends = {dest: _bytes(arrays) for dest in tier.holders}
+            recvs = {s: _bytes(bufs) for s, bufs in recv.items()}
+            rec["exchange_s"] = h.timed(lambda: k.transport.exchange_buffers(sends, recvs))
+            rec["exchange_bytes"] = k.nbytes * len(tier.holders)
+
+        def host_copy(rec: dict[str, Any] = rec) -> None:
+            rec["copy_s"] = h.timed(copy)
+
+        ops = {"copy": host_copy, "save": save, "write": write, "exchange": exchange}
+        for name in _order(list(ops), step):
+            ops[name]()
+        rounds.append(rec)
+    mgr.close()
+    return {"save_rounds": rounds, "holders": tier.holders, "held": tier.held}
+
+
+def restore_phase(k: Rank) -> dict[str, Any]:
+    """Figures 4-6: restores from the tier, from the root cold, of a replaced node; and their
+    ceilings, interleaved."""
+    h, rank, last = k.h, k.rank, k.last
+    target = empty_like(k.state)
+    targets = local_arrays(target)
+    expected = k.arrays  # what every array must hold after a restore (saved unchanged every step)
+
+    def exact() -> bool:
+        same = all(np.array_equal(a, b) for a, b in zip(targets, expected, strict=True))
+        return bool(same and target["step"] == last)
+
+    def clear() -> None:
+        for a in targets:
+            a.fill(0)
+        target["step"] = -1
+
+    part = k.local_dir / part_name(last, rank)
+    files = sorted(f for f in part.rglob("*") if f.is_file())
+    read_bufs = [np.zeros(f.stat().st_size, np.uint8) for f in files]
+    root_mgr = gpuckpt.CheckpointManager(k.root, coordinator=k.c)
+    # the replaced node n1's ranks, and the ranks that hold their replicas
+    peers = {r: replica_holders(r, k.names, 1)[0] for r in range(RANKS) if node_of(r) == "n1"}
+    one_sends = {r: k.arrays for r, holder in peers.items() if holder == rank}
+    one_recvs = {peers[rank]: targets} if rank in peers else {}
+    rounds: list[dict[str, Any]] = []
+    for r in range(k.args.rounds + 1):  # round 0 is a warm-up
+        rec: dict[str, Any] = {"round": r, "warmup": r == 0}
+
+        def read(rec: dict[str, Any] = rec) -> None:
+            rec["plain_read_s"] = h.timed(lambda: plain_read(files, read_bufs, k.threads))
+
+        def restore_tier(rec: dict[str, Any] = rec) -> None:
+            m = k.manager()  # a new manager: a restarted job's
+            clear()
+            rec["tier_s"] = h.timed(lambda: m.restore(target))
+            report = m.last_restore
+            assert report is not None
+            rec["tier_sources"] = sorted({p.where for p in report.parts.values()})
+            rec["tier_exact"] = exact()
+            m.close()
+
+        def restore_root(rec: dict[str, Any] = rec) -> None:
+            clear()
+            if rank == 0:
+                rec["evict"], rec["resident_after_evict"] = evict(k.root / f"step_{last:08d}")
+            rec["root_s"] = h.timed(lambda: root_mgr.restore(target, step=last))
+            rec["root_exact"] = exact()
+
+        def restore_peer(rec: dict[str, Any] = rec) -> None:
+            h.barrier()
+            if rank == 2:  # the lowest rank of node n1: the node is replaced, its tier empty
+                shutil.rmtree(Path(k.args.local) / "n1")
+            h.barrier()
+            m = k.manager()
+            clear()
+            before = len(k.probe.transfers)
+            rec["peer_s"] = h.timed(lambda: m.restore(target))
+            report = m.last_restore
+            assert report is not None and report.source == "tiers", report
+            rec["peer_sources"] = {str(q): [p.where, p.holder] for q, p in sorted(report.parts.items())}
+            rec["peer_report_s"] = report.parts[rank].seconds
+            rec["peer_bytes"] = report.parts[rank].nbytes if rank in peers else 0
+            rec["peer_exact"] = exact()
+            rec["peer_transfer_s"] = sum(b - a for a, b in k.probe.transfers[before:])
+            m.close()
+
+        def exchange_one_way(rec: dict[str, Any] = rec) -> None:
+            sends = {d: _bytes(bufs) for d, bufs in one_sends.items()}
+            recvs = {s: _bytes(bufs) for s, bufs in one_recvs.items()}
+            rec["one_way_s"] = h.timed(lambda: k.transport.exchange_buffers(sends, recvs))
+            rec["one_way_bytes"] = k.nbytes if rank in peers else 0
+
+        ops = {"read": read, "tier": restore_tier, "root": restore_root}
+        ops.update(peer=restore_peer, one_way=exchange_one_way)
+        for name in _order(list(ops), r):
+            ops[name]()
+        rounds.append(rec)
+    root_mgr.close()
+    return {
+        "restore_rounds": rounds,
+        "peers": {str(q): v for q, v in peers.items()},
+        "part_files": len(files),
+        "part_bytes": sum(b.nbytes for b in read_bufs),
+    }
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    k = Rank(args)
+    out: dict[str, Any] = {"rank": k.rank, "node": k.node, "state_bytes": k.nbytes, "io_threads": k.threads}
+    out.update(save_phase(k))
+    out.update(restore_phase(k))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--local", required=True, help="the local tiers' parent: one directory per node")
+    ap.add_argument("--root", required=True)
+    ap.add_argument("--mib", type=float, default=256)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=3, help="steps saved before the measured ones")
+    ap.add_argument("--op-settle", type=float, default=3.0)
+    args = ap.parse_args(argv)
+    from mpi4py import MPI
+
+    rank = MPI.COMM_WORLD.Get_rank()
+    try:
+        result = run(args)
+    except BaseException:
+        (args.out / f"rank{rank}.json").write_text(json.dumps({"error": traceback.format_exc()}))
+        traceback.print_exc()
+        sys.stderr.flush()
+        MPI.COMM_WORLD.Abort(1)
+        return 1
+    tmp = args.out / f".rank{rank}.json.tmp"
+    tmp.write_text(json.dumps(result, indent=1))
+    os.replace(tmp, args.out / f"rank{rank}.json")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,66 @@
+"""bench/bench_tiers.py runs end to end at toy size under mpiexec (figures are not checked: a smoke test)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+FIGURES = {"save", "write", "replicate", "restore", "root", "peer", "loop"}
+
+
+def _find_mpiexec() -> str | None:
+    """As ``tests/distributed/conftest.py`` finds it: ``GPUCKPT_MPIEXEC``, this venv, then PATH."""
+    explicit = os.environ.get("GPUCKPT_MPIEXEC")
+    if explicit:
+        return explicit
+    for folder in (Path(sys.executable).parent, Path(sysconfig.get_path("scripts"))):
+        candidate = folder / "mpiexec"
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return str(candidate)
+    return shutil.which("mpiexec")
+
+
+MPIEXEC = _find_mpiexec()
+HAVE_MPI4PY = importlib.util.find_spec("mpi4py") is not None
+
+
+@pytest.mark.skipif(
+    MPIEXEC is None or not HAVE_MPI4PY,
+    reason="bench_tiers runs 4 ranks under mpiexec: it needs mpiexec and mpi4py (`pip install mpich mpi4py`); "
+    f"found mpiexec={MPIEXEC!r}, mpi4py={'yes' if HAVE_MPI4PY else 'no'}",
+)
+def test_bench_tiers_toy_run(tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    local = tmp_path / "local"
+    local.mkdir()
+    cmd = [sys.executable, str(REPO / "bench" / "bench_tiers.py"), "--quick", "--json", str(out)]
+    cmd += ["--dir", str(tmp_path), "--local", str(local)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=90)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    res = json.loads(out.read_text())
+    assert set(res["figures"]) == FIGURES
+    for key, f in res["figures"].items():
+        assert f["measured"] > 0 and f["ceiling"] > 0 and f["ratio"] > 0, (key, f)
+        assert f["ceiling_what"] and f["target"] and f["met"] in ("yes", "NO"), (key, f)
+    assert res["extras"]["every restore bit-exact"] is True
+    assert res["extras"]["replaced node's parts came from"] == {
+        "0": ["local", None],
+        "1": ["local", None],
+        "2": ["peer", 0],
+        "3": ["peer", 1],
+    }
+    for field in ("cpus", "cpu_model", "memory_gib", "kernel"):
+        assert res["machine"][field], field
+    assert res["machine"].get("git_commit") or not (REPO / ".git").exists()
+    assert res["date"].endswith("UTC") and "local_is_tmpfs" in res
+    # everything the run wrote was removed
+    assert not any(q.name.startswith("gpuckpt-bench-tiers-") for q in [*tmp_path.iterdir(), *local.iterdir()])
