@@ -28,8 +28,9 @@ These environment variables serve the harness (read only here):
     ``array-doc``, ``chunk``, ``mid-file`` (half of a buffer written),
     ``fsync``, ``root-write``, ``durable``, ``fsync-dir``, ``publish``,
     ``rename`` (a plain ``os.rename`` of the storage code, about to run),
-    ``published``, ``retention``, ``returned``. :func:`phase_of` maps the
-    last line to a phase.
+    ``published``, ``retention``, ``returned``; ``snapshot`` (a background save's copy
+    of the state) and ``transfer`` (a local tier's replication or fetch round) for the
+    distributed tests. :func:`phase_of` maps the last line to a phase.
 ``GPUCKPT_TEST_KILL_AT=EVENT:N``
     SIGKILL this process at the N-th occurrence of EVENT (deterministic
     kill points, so every phase is hit, including the middle of a file).
@@ -62,12 +63,12 @@ __all__ = ["PHASES", "chain_state", "make_state", "phase_of"]
 
 #: Phases of a save, in order, and the trace events that belong to each.
 PHASES: dict[str, tuple[str, ...]] = {
-    "before-files": ("start", "begin"),
+    "before-files": ("start", "snapshot", "begin"),
     "writing-chunks": ("tmp-created", "array-doc", "chunk", "mid-file", "reuse"),
     "fsync": ("fsync",),
     "root-and-durability": ("root-write", "durable", "fsync-dir"),
     "renaming": ("publish", "rename"),
-    "after-rename": ("published", "fsync-dir-after-publish", "retention"),
+    "after-rename": ("published", "fsync-dir-after-publish", "retention", "transfer"),
     "returned": ("returned",),
 }
 
@@ -172,6 +173,12 @@ def _traced(emit: _Tracer) -> Iterator[None]:
     from gpuckpt.storage.local import root as local_root
 
     wrap(local_root.LocalRoot, "_delete_one", lambda *a, **k: emit("retention"))
+    # a background snapshot being taken; a local tier's replication or fetch round beginning
+    import gpuckpt.background as background
+    from gpuckpt.tiers import LocalTier
+
+    wrap(background, "snapshot", lambda *a, **k: emit("snapshot"))
+    wrap(LocalTier, "_transfer", lambda *a, **k: emit("transfer"))
 
     real_write_all = local.write_all  # type: ignore[attr-defined]
 

@@ -39,13 +39,23 @@ def test_mpi_ranks_killed_mid_save_resume_from_the_tiers(run_mpi: Any, tmp_path:
 
 
 @pytest.mark.parametrize(
-    "event", ["chunk:3", "chunk:9", "array-doc:5", "root-write:2", "publish:4", "retention:3"]
+    "event",
+    [
+        "snapshot:2",
+        "chunk:3",
+        "chunk:9",
+        "array-doc:5",
+        "root-write:2",
+        "publish:4",
+        "transfer:2",
+        "retention:3",
+    ],
 )
 def test_mpi_ranks_killed_at_a_kill_point_resume_from_the_tiers(
     run_mpi: Any, tmp_path: Path, event: str
 ) -> None:
-    """Kill points in a part's write (chunks, documents, root document, publication) and in
-    retention, of later steps and of drains alike."""
+    """Kill points in a part's snapshot, its write (chunks, documents, root document,
+    publication), its replication round and retention, of later steps and of drains alike."""
     killed = run_mpi(4, SCRIPT, "mpi", "killed", tmp_path, 3, event, timeout=120)
     assert killed.returncode != 0 and not killed.results, killed.describe()
     _replace_node_and_hide_root(tmp_path)
