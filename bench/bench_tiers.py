@@ -82,7 +82,6 @@ import signal
 import statistics
 import subprocess
 import sys
-import sysconfig
 import tempfile
 import threading
 import time
@@ -97,7 +96,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 import gpuckpt  # noqa: E402
-from bench.compare.common import OP_SETTLE_S  # noqa: E402
+from bench.compare.common import OP_SETTLE_S, find_mpiexec  # noqa: E402
 from bench.tiers_ranks import RANKS, TierProbe, plain_state  # noqa: E402
 from gpuckpt.format.parts import part_name  # noqa: E402
 
@@ -111,18 +110,6 @@ TARGETS = {
     "peer": (">=", 0.7),
     "loop": ("<=", 1.10),
 }
-
-
-def find_mpiexec() -> str | None:
-    """The mpiexec of the MPI that mpi4py was built for: ``GPUCKPT_MPIEXEC``, this venv, then PATH."""
-    explicit = os.environ.get("GPUCKPT_MPIEXEC")
-    if explicit:
-        return explicit
-    for folder in (Path(sys.executable).parent, Path(sysconfig.get_path("scripts"))):
-        candidate = folder / "mpiexec"
-        if candidate.is_file() and os.access(candidate, os.X_OK):
-            return str(candidate)
-    return shutil.which("mpiexec")
 
 
 def fs_type(path: Path) -> str:

@@ -578,6 +578,13 @@ class CheckpointManager:
             raise DistributedError(failures, self._queries.world_size)
         return idle
 
+    def _wait_background(self) -> None:
+        """Block until the tier's work and the drain in flight are done (errors kept, not raised)."""
+        assert self._tier is not None
+        self._tier.wait_all()
+        if self._drain is not None:
+            self._drain[1].exception()
+
     def _start_drain(self, step: int) -> None:
         """Persist ``step`` to the root in the background, from the parts in the local tier."""
         tier = self._tier
@@ -682,9 +689,7 @@ class CheckpointManager:
                 self._closed = True
                 self._collect(block=True)
                 if self._tier is not None:
-                    self._tier.wait_all()
-                    if self._drain is not None:
-                        self._drain[1].exception()
+                    self._wait_background()
                     self._stop_threads()
                 self._raise_error()
         except Exception as err:  # do not mask the exception that ends the block
@@ -777,9 +782,7 @@ class CheckpointManager:
         """The newest step complete in the tiers (or ``step``), else the root's (see LocalTier)."""
         tier = self._tier
         assert tier is not None and self._queries is not None
-        tier.wait_all()  # failures stay for the next save or wait to raise
-        if self._drain is not None:
-            self._drain[1].exception()
+        self._wait_background()  # failures stay for the next save or wait to raise
 
         def root_latest() -> int | None:
             steps = self._agreed(lambda: self._view(None))

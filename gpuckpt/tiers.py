@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import mmap
 import os
 import secrets
@@ -71,45 +72,52 @@ Boxes = dict[str, tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]]
 # a rank's state as a part ------------------------------------------------------------
 
 
+_DESCEND = object()
+
+
+def _rebuilt(value: Any, prefix: str, leaf: Callable[[Any, str], Any]) -> Any:
+    """``value`` with what ``leaf(item, fqn)`` returns for each item it takes (anything but
+    ``_DESCEND``), in new dicts, lists and tuples on the way; the FQNs of a state dict."""
+    out = leaf(value, prefix)
+    if out is not _DESCEND:
+        return out
+    if isinstance(value, dict):
+        return {k: _rebuilt(v, f"{prefix}.{k}" if prefix else str(k), leaf) for k, v in value.items()}
+    if isinstance(value, list | tuple) and not is_array(value):
+        kids = [_rebuilt(v, f"{prefix}.{i}" if prefix else str(i), leaf) for i, v in enumerate(value)]
+        return kids if isinstance(value, list) else tuple(kids)
+    return value
+
+
 def part_view(state: Any) -> tuple[dict[str, Any], Boxes]:
     """``state`` with each ``ShardedArray`` leaf replaced by its local array (a list of them for
     several boxes), sharing every array and value; and each sharded FQN's boxes."""
     boxes: Boxes = {}
 
-    def visit(value: Any, prefix: str) -> Any:
-        if is_sharded_leaf(value):
-            found = sharded_boxes(value)
-            boxes[prefix] = tuple((b.offsets, b.global_shape) for b in found)
-            return found[0].local if isinstance(value, ShardedArray) else [b.local for b in found]
-        if isinstance(value, dict):
-            return {k: visit(v, f"{prefix}.{k}" if prefix else str(k)) for k, v in value.items()}
-        if isinstance(value, list | tuple) and not is_array(value):
-            kids = [visit(v, f"{prefix}.{i}" if prefix else str(i)) for i, v in enumerate(value)]
-            return kids if isinstance(value, list) else tuple(kids)
-        return value
+    def local(value: Any, fqn: str) -> Any:
+        if not is_sharded_leaf(value):
+            return _DESCEND
+        found = sharded_boxes(value)
+        boxes[fqn] = tuple((b.offsets, b.global_shape) for b in found)
+        return found[0].local if isinstance(value, ShardedArray) else [b.local for b in found]
 
-    return visit(state, ""), boxes
+    return _rebuilt(state, "", local), boxes
 
 
 def sharded_from_part(loaded: Any, boxes: Boxes) -> Any:
     """The inverse of :func:`part_view` for a loaded part: arrays under a sharded FQN become
     ``ShardedArray`` boxes again."""
 
-    def visit(value: Any, prefix: str) -> Any:
-        if prefix in boxes:
-            found = boxes[prefix]
-            if isinstance(value, list | tuple):  # saved as a list of boxes (of one or more)
-                return [ShardedArray(a, o, g) for a, (o, g) in zip(value, found, strict=True)]
-            ((offsets, shape),) = found
-            return ShardedArray(value, offsets, shape)
-        if isinstance(value, dict):
-            return {k: visit(v, f"{prefix}.{k}" if prefix else str(k)) for k, v in value.items()}
-        if isinstance(value, list | tuple) and not is_array(value):
-            kids = [visit(v, f"{prefix}.{i}" if prefix else str(i)) for i, v in enumerate(value)]
-            return kids if isinstance(value, list) else tuple(kids)
-        return value
+    def sharded(value: Any, fqn: str) -> Any:
+        if fqn not in boxes:
+            return _DESCEND
+        found = boxes[fqn]
+        if isinstance(value, list | tuple):  # saved as a list of boxes (of one or more)
+            return [ShardedArray(a, o, g) for a, (o, g) in zip(value, found, strict=True)]
+        ((offsets, shape),) = found
+        return ShardedArray(value, offsets, shape)
 
-    return visit(loaded, "")
+    return _rebuilt(loaded, "", sharded)
 
 
 def copy_values_back(target: Any, loaded: Any) -> None:
@@ -154,15 +162,8 @@ def part_bytes(view: dict[str, Any]) -> int:
     for leaf in leaves.values():
         if is_array(leaf.value):
             a = adapt(leaf.value)
-            total += a.dtype.itemsize * int(_prod(a.shape))
+            total += a.dtype.itemsize * math.prod(a.shape)
     return total
-
-
-def _prod(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 # what a restore reports ---------------------------------------------------------------
@@ -311,7 +312,7 @@ class LocalTier:
         frees it), capped on tmpfs by the memory the system has available."""
         st = os.statvfs(self.dir)
         free = st.f_bavail * st.f_frsize
-        held = sum(f.stat().st_size for f in self.dir.rglob("*") if f.is_file())
+        held = tree_bytes(self.dir)
         total = free + held
         try:
             with open("/proc/meminfo") as f:
@@ -619,7 +620,7 @@ class LocalTier:
             seconds = time.perf_counter() - started
             damaged = isinstance(error, _DAMAGE)
             report = None if error is None else (damaged, describe_error(error), mine)
-            outcomes = c.all_gather((report, _tree_bytes(path) if error is None else 0, seconds))
+            outcomes = c.all_gather((report, tree_bytes(path) if error is None else 0, seconds))
             bad = {r: o[0] for r, o in enumerate(outcomes) if o[0] is not None}
             if not bad:
                 parts = {
@@ -656,7 +657,8 @@ class LocalTier:
         self.queries.barrier()
 
 
-def _tree_bytes(path: Path) -> int:
+def tree_bytes(path: Path) -> int:
+    """The bytes of the files below ``path`` (a part, a tier)."""
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 

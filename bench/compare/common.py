@@ -17,6 +17,7 @@ import resource
 import secrets
 import shutil
 import sys
+import sysconfig
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -268,6 +269,19 @@ def resident_fraction(files: Iterable[str]) -> float:
         resident += int(np.frombuffer(vec, np.uint8).__and__(1).sum())
         total += npages
     return resident / total if total else 0.0
+
+
+def find_mpiexec() -> str | None:
+    """The mpiexec of the MPI that mpi4py was built for: ``GPUCKPT_MPIEXEC``, this venv, then PATH
+    (where the ``mpich`` wheel puts it, next to the running Python)."""
+    explicit = os.environ.get("GPUCKPT_MPIEXEC")
+    if explicit:
+        return explicit
+    for folder in (Path(sys.executable).parent, Path(sysconfig.get_path("scripts"))):
+        candidate = folder / "mpiexec"
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return str(candidate)
+    return shutil.which("mpiexec")
 
 
 def emit(record: Mapping[str, Any]) -> None:

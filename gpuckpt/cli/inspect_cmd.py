@@ -28,6 +28,7 @@ from gpuckpt.printable import printable
 from gpuckpt.runtime.collector import paused_gc
 from gpuckpt.storage.base import CheckpointReader
 from gpuckpt.storage.stores import open_root, scheme_of
+from gpuckpt.tiers import tree_bytes
 
 HELP = (
     "list the tensors and values of a checkpoint (or the steps under a manager's root, or the parts "
@@ -253,7 +254,7 @@ def describe_tier(path: Path) -> dict[str, Any] | None:
             "node": record.node,
             "save_id": record.save_id,
             "world_size": record.world_size,
-            "bytes": sum(f.stat().st_size for f in (path / name).rglob("*") if f.is_file()),
+            "bytes": tree_bytes(path / name),
         }
     if not steps:
         return None

@@ -4,32 +4,19 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import shutil
 import subprocess
 import sys
-import sysconfig
 from pathlib import Path
 
 import pytest
+
+from bench.compare.common import find_mpiexec
 
 REPO = Path(__file__).resolve().parents[2]
 FIGURES = {"save", "write", "replicate", "restore", "root", "peer", "loop"}
 
 
-def _find_mpiexec() -> str | None:
-    """As ``tests/distributed/conftest.py`` finds it: ``GPUCKPT_MPIEXEC``, this venv, then PATH."""
-    explicit = os.environ.get("GPUCKPT_MPIEXEC")
-    if explicit:
-        return explicit
-    for folder in (Path(sys.executable).parent, Path(sysconfig.get_path("scripts"))):
-        candidate = folder / "mpiexec"
-        if candidate.is_file() and os.access(candidate, os.X_OK):
-            return str(candidate)
-    return shutil.which("mpiexec")
-
-
-MPIEXEC = _find_mpiexec()
+MPIEXEC = find_mpiexec()
 HAVE_MPI4PY = importlib.util.find_spec("mpi4py") is not None
 
 

@@ -20,11 +20,9 @@ import functools
 import importlib.util
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import sysconfig
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -34,19 +32,9 @@ from typing import Any
 
 import pytest
 
+from bench.compare.common import find_mpiexec
+
 SCRIPTS = Path(__file__).parent / "scripts"
-
-
-def find_mpiexec() -> str | None:
-    """The mpiexec of the MPI that mpi4py was built for: env override, this venv, then PATH."""
-    explicit = os.environ.get("GPUCKPT_MPIEXEC")
-    if explicit:
-        return explicit
-    for folder in (Path(sys.executable).parent, Path(sysconfig.get_path("scripts"))):
-        candidate = folder / "mpiexec"
-        if candidate.is_file() and os.access(candidate, os.X_OK):
-            return str(candidate)
-    return shutil.which("mpiexec")
 
 
 MPIEXEC = find_mpiexec()
