@@ -507,7 +507,8 @@ class CheckpointManager:
             # the previous drain still runs somewhere: a persist step waits for it (the root
             # keeps up with the persist steps, or the saves slow down; none is skipped)
             self._gather_background(wait_tier=False, wait_drain=True)
-        steps = self._agreed(lambda: self._view(step))
+        # the view and the save's id in one broadcast: the save blocks for two collectives
+        steps, save_id = self._agreed(lambda: (self._view(step), uuid.uuid4().hex))
         existing = steps.get(step)
         if existing is not None or (self._tier_last is not None and step == self._tier_last):
             where = f"under {self.root}" if existing else "in the local tier"
@@ -524,7 +525,6 @@ class CheckpointManager:
                 "or in the local tier); steps only move forward: to roll back, restore the earlier "
                 "step and delete the newer ones under the root"
             )
-        save_id = self._queries.broadcast(uuid.uuid4().hex if self._queries.rank == 0 else None)
         tier.begin(step, state_dict, save_id)
         self._tier_last = step
         if persist:

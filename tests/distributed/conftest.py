@@ -16,6 +16,7 @@ group (``init_method=file://``); it skips when torch is not importable.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import json
@@ -23,6 +24,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -86,31 +88,56 @@ def _read_results(out: Path) -> dict[int, dict[str, Any]]:
     return results
 
 
-def _run_processes(cmds: list[list[str]], envs: list[dict[str, str]], timeout: float) -> tuple[int, str]:
-    """Run the commands concurrently, each in its own process group; kill them all past ``timeout``."""
+def _run_processes(
+    cmds: list[list[str]], envs: list[dict[str, str]], timeout: float, fail_fast: bool = False
+) -> tuple[int, str]:
+    """Run the commands concurrently, each in its own process group; kill them all past ``timeout``.
+
+    ``fail_fast``: once a process has died of a signal, the others are killed too (what a
+    launcher such as torchrun's agent does when a worker dies; mpiexec does it by itself)."""
+    with contextlib.ExitStack() as files:
+        outs = [files.enter_context(tempfile.TemporaryFile(mode="w+")) for _ in cmds]
+        return _watch(cmds, envs, outs, timeout, fail_fast)
+
+
+def _watch(
+    cmds: list[list[str]], envs: list[dict[str, str]], outs: list[Any], timeout: float, fail_fast: bool
+) -> tuple[int, str]:
+    """:func:`_run_processes` with the processes' output going to the files ``outs``."""
     procs = [
         subprocess.Popen(
-            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+            cmd, env=env, stdout=out, stderr=subprocess.STDOUT, text=True, start_new_session=True
         )
-        for cmd, env in zip(cmds, envs, strict=True)
+        for cmd, env, out in zip(cmds, envs, outs, strict=True)
     ]
-    outputs: list[str] = []
-    codes: list[int] = []
-    deadline = time.monotonic() + timeout
-    try:
-        for p in procs:
-            out, _ = p.communicate(timeout=max(0.0, deadline - time.monotonic()))
-            outputs.append(out)
-            codes.append(p.returncode)
-    except subprocess.TimeoutExpired:
+
+    def kill_all() -> None:
         for p in procs:
             if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-        tails = [p.communicate()[0][-2000:] for p in procs]
-        pytest.fail(
-            f"{cmds[0][:4]}... ran past {timeout} s and was killed; output tails:\n" + "\n---\n".join(tails)
-        )
-    return max(codes, key=abs), "\n".join(outputs)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+        for p in procs:
+            p.wait()
+
+    def output(i: int) -> str:
+        outs[i].seek(0)
+        return outs[i].read()
+
+    deadline = time.monotonic() + timeout
+    while any(p.poll() is None for p in procs):
+        if time.monotonic() > deadline:
+            kill_all()
+            tails = [output(i)[-2000:] for i in range(len(procs))]
+            pytest.fail(
+                f"{cmds[0][:4]}... ran past {timeout} s and was killed; output tails:\n"
+                + "\n---\n".join(tails)
+            )
+        if fail_fast and any((p.returncode or 0) < 0 for p in procs):
+            kill_all()
+            break
+        time.sleep(0.05)
+    codes = [p.returncode for p in procs]
+    return max(codes, key=abs), "\n".join(output(i) for i in range(len(procs)))
 
 
 def _base_env(out: Path) -> dict[str, str]:
@@ -143,7 +170,8 @@ def run_mpi(tmp_path: Path) -> Callable[..., RankJob]:
 
 @pytest.fixture
 def run_torch(tmp_path: Path) -> Callable[..., RankJob]:
-    """``run_torch(n, script, *args, timeout=60) -> RankJob``: N processes joined by a gloo group.
+    """``run_torch(n, script, *args, timeout=60, fail_fast=False) -> RankJob``: N processes
+    joined by a gloo group (``fail_fast``: see ``_run_processes``).
 
     Each process gets ``RANK``, ``WORLD_SIZE`` and ``GPUCKPT_TORCH_INIT`` (a ``file://`` rendezvous).
     """
@@ -151,7 +179,9 @@ def run_torch(tmp_path: Path) -> Callable[..., RankJob]:
         pytest.skip("torch.distributed is not importable (torch is not installed)")
     counter = iter(range(1_000_000))
 
-    def run(n: int, script: str | Path, *args: str, timeout: float = 60.0) -> RankJob:
+    def run(
+        n: int, script: str | Path, *args: str, timeout: float = 60.0, fail_fast: bool = False
+    ) -> RankJob:
         job = next(counter)
         out = tmp_path / f"torch-job-{job}"
         out.mkdir()
@@ -165,7 +195,7 @@ def run_torch(tmp_path: Path) -> Callable[..., RankJob]:
                 GPUCKPT_TORCH_INIT=f"file://{tmp_path / f'torch-rendezvous-{job}'}",
             )
             envs.append(env)
-        code, output = _run_processes([cmd] * n, envs, timeout)
+        code, output = _run_processes([cmd] * n, envs, timeout, fail_fast)
         return RankJob(cmd, code, output, _read_results(out))
 
     return run

@@ -78,6 +78,26 @@ def test_mpi_ranks_restore_from_their_own_tiers(run_mpi: Any, tmp_path: Path) ->
 
 
 @pytest.mark.torch
+@pytest.mark.parametrize("event", ["mid-save", "transfer:2", "chunk:9"])
+def test_gloo_ranks_killed_resume_from_the_tiers(run_torch: Any, tmp_path: Path, event: str) -> None:
+    """The same failures over torch.distributed (gloo): node n1's ranks SIGKILLed right after a
+    save returned, at the start of a replication round, and at a chunk write of a part or a
+    drain; the other ranks are then killed as a launcher would; 4 new ranks restore from the
+    tiers, the replaced node's parts from their holders."""
+    if event == "mid-save":
+        killed = run_torch(4, SCRIPT, "torch", "train", tmp_path, 8, 5, timeout=180, fail_fast=True)
+    else:
+        killed = run_torch(4, SCRIPT, "torch", "killed", tmp_path, 3, event, timeout=180, fail_fast=True)
+    assert killed.returncode != 0 and not {2, 3} & set(killed.results), killed.describe()
+    _replace_node_and_hide_root(tmp_path)
+    restored = run_torch(4, SCRIPT, "torch", "restore", tmp_path, timeout=180).check(4)
+    (step,) = {r["step"] for r in restored.values()}
+    assert step >= 3, restored
+    for rank, r in restored.items():
+        assert r["exact"] and r["source"] == "tiers" and r["parts"] == PEERS, (rank, r)
+
+
+@pytest.mark.torch
 def test_gloo_ranks_of_a_replaced_node_get_their_parts_from_peers(run_torch: Any, tmp_path: Path) -> None:
     run_torch(4, SCRIPT, "torch", "train", tmp_path, 5, 0, timeout=180).check(4)
     _replace_node_and_hide_root(tmp_path)
