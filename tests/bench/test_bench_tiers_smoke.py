@@ -34,7 +34,8 @@ def test_bench_tiers_toy_run(tmp_path: Path) -> None:
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=90)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     res = json.loads(out.read_text())
-    assert set(res["figures"]) == FIGURES
+    # figure 7 as the issue words it needs steps that ran beside a drain: a toy run may have none
+    assert FIGURES <= set(res["figures"]) <= FIGURES | {"loop_draining"}, set(res["figures"])
     for key, f in res["figures"].items():
         assert f["measured"] > 0 and f["ceiling"] > 0 and f["ratio"] > 0, (key, f)
         assert f["ceiling_what"] and f["target"] and f["met"] in ("yes", "NO"), (key, f)
