@@ -269,7 +269,10 @@ def export_hf(
         _write_shards(src, tmp, plans, threads, progress, storage_options)
         if not single_file:
             index = {
-                "metadata": {"total_size": sum(t.nbytes for t in tensors)},
+                "metadata": {
+                    "total_parameters": sum(math.prod(t.shape) for t in tensors),
+                    "total_size": sum(t.nbytes for t in tensors),
+                },
                 "weight_map": {t.name: p.file for p in plans for t, _ in p.tensors},
             }
             _write_small(tmp / INDEX_NAME, json.dumps(index, indent=2, sort_keys=True).encode() + b"\n")
