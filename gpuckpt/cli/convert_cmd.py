@@ -7,7 +7,7 @@ import argparse
 from gpuckpt.cli.progressbar import format_bytes, progress_for
 from gpuckpt.cli.usage import UsageError
 from gpuckpt.convert.core import SOURCE_FORMATS, TARGET_FORMATS, convert
-from gpuckpt.convert.hf import parse_size
+from gpuckpt.convert.hf_layout import parse_size
 from gpuckpt.printable import printable
 
 HELP = (

@@ -2,14 +2,16 @@
 ``model-0000i-of-0000N.safetensors`` shards plus ``model.safetensors.index.json``.
 
 Export (:func:`export_hf`) plans every shard first (names, sizes, header with the
-offset of every tensor), creates each shard file at its final size, maps it, and
-loads the checkpoint straight into the mapped places with :func:`gpuckpt.load`:
-every chunk is read once, its checksum checked, into its place in the output
-file, on the load's threads; a distributed checkpoint's boxes are assembled there
-too. No copy of the state is held in memory (only the tensors cast to another
-dtype pass through a bounded buffer). The directory is written under a
-temporary name beside ``dst``, every file and the directory fsync'd, and
-published by one rename: nothing half-written looks complete.
+offset of every tensor: :mod:`gpuckpt.convert.hf_layout`), creates each shard file
+at its final size, then reads the checkpoint in groups of rows cut at chunk edges
+(:func:`gpuckpt.load` into boxes of two reused 64 MiB buffers: every chunk read
+once, its checksum checked, on the load's threads; a distributed checkpoint's
+boxes assembled there too) while a writer thread writes the previous group
+at its offsets in the shard files and starts their writeback, so the disk writes
+while the next group is read. Memory use is the two buffers, whatever the size
+of the state. The directory is written under a temporary name beside ``dst``,
+every file and the directory fsync'd, and published by one rename: nothing
+half-written looks complete.
 
 Import (:func:`import_hf`) maps the shards read-only and saves the mapped
 tensors as a gpuckpt checkpoint: the save reads each byte once from the page
@@ -19,12 +21,14 @@ cache.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import mmap
 import os
 import secrets
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,126 +36,32 @@ from typing import Any
 import numpy as np
 
 from gpuckpt import api
-from gpuckpt.convert.safetensors_io import safetensors_code
+from gpuckpt.convert.hf_layout import (
+    DEFAULT_MAX_SHARD_BYTES,
+    Piece,
+    ShardPlan,
+    ShardTensor,
+    parse_size,
+    plan_groups,
+    plan_shards,
+)
+from gpuckpt.device.sharded import ShardedArray
 from gpuckpt.errors import CheckpointExistsError, InvalidOptionError, UnsupportedValueError
-from gpuckpt.format.safetensors import INDEX_NAME, METADATA_KEY, SINGLE_NAME, shard_name
+from gpuckpt.format.safetensors import INDEX_NAME
 from gpuckpt.loading.hf import open_hf
 from gpuckpt.loading.open import open_checkpoint
 from gpuckpt.options import DEFAULT_CHUNK_BYTES, LoadOptions
 from gpuckpt.progress import ProgressCallback, ProgressCounter
 from gpuckpt.runtime.runner import run_all
+from gpuckpt.runtime.workers import Workers
 from gpuckpt.state import select_fqns
 from gpuckpt.storage.local import fsutil
 from gpuckpt.storage.local.fileio import write_all
 
-__all__ = [
-    "DEFAULT_MAX_SHARD_BYTES",
-    "HfExport",
-    "ShardPlan",
-    "export_hf",
-    "import_hf",
-    "parse_size",
-    "plan_shards",
-]
+__all__ = ["CONFIG_FILES", "DEFAULT_MAX_SHARD_BYTES", "HfExport", "export_hf", "import_hf", "parse_size"]
 
-#: transformers' default ``max_shard_size`` ("5GB": decimal gigabytes)
-DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
-#: floating tensors cast to another dtype pass through buffers of about this many bytes
-CAST_BATCH_BYTES = 256 * 2**20
 #: the files of a model directory besides its weights that ``config=DIR`` copies
 CONFIG_FILES = ("config.json", "generation_config.json")
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
-_UNITS |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-
-
-def parse_size(text: str | int) -> int:
-    """``"5GB"`` -> 5,000,000,000 (decimal units as transformers reads them; ``MiB`` and such binary)."""
-    if isinstance(text, int) and not isinstance(text, bool):
-        value = text
-    else:
-        s = str(text).strip().upper()
-        digits = s.rstrip("KMGTIB")
-        try:
-            value = int(float(digits) * _UNITS[s[len(digits) :]])
-        except (KeyError, ValueError):
-            raise InvalidOptionError(
-                f"max shard size {text!r} is not a size; write e.g. 5GB, 500MB, 64MiB or a number of bytes"
-            ) from None
-    if value < 1:
-        raise InvalidOptionError(f"max shard size must be at least one byte, got {text!r}")
-    return value
-
-
-@dataclass(frozen=True, slots=True)
-class ShardTensor:
-    """A tensor of the export: its name in the checkpoint and in the output, its output dtype."""
-
-    fqn: str
-    name: str
-    shape: tuple[int, ...]
-    dtype: np.dtype[Any]
-    source_dtype: np.dtype[Any]
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
-
-
-@dataclass(frozen=True, slots=True)
-class ShardPlan:
-    """One output file: its name, header bytes (padded) and each tensor's offset in the file."""
-
-    file: str
-    header: bytes
-    tensors: tuple[tuple[ShardTensor, int], ...]
-    size: int
-
-
-def _header(tensors: Sequence[ShardTensor]) -> tuple[bytes, list[tuple[ShardTensor, int]]]:
-    """The header of a file holding ``tensors`` (laid out by decreasing element size, then name,
-    as the reference writer does, so every tensor is aligned) and their data offsets."""
-    ordered = sorted(tensors, key=lambda t: (-t.dtype.itemsize, t.name))
-    doc: dict[str, Any] = {METADATA_KEY: {"format": "pt"}}
-    offset = 0
-    placed = []
-    for t in ordered:
-        doc[t.name] = {
-            "dtype": safetensors_code(t.dtype, t.name),
-            "shape": list(t.shape),
-            "data_offsets": [offset, offset + t.nbytes],
-        }
-        placed.append((t, offset))
-        offset += t.nbytes
-    raw = json.dumps(doc, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # the reference writer pads the header to 8 bytes with spaces
-    start = 8 + len(raw)
-    return len(raw).to_bytes(8, "little") + raw, [(t, start + off) for t, off in placed]
-
-
-def plan_shards(tensors: Sequence[ShardTensor], max_shard_bytes: int, single_file: bool) -> list[ShardPlan]:
-    """Split ``tensors`` (in order) into files of at most ``max_shard_bytes`` of data, as
-    transformers does: a tensor that does not fit in the current file starts the next one, a
-    tensor larger than the limit has a file of its own."""
-    groups: list[list[ShardTensor]] = [[]]
-    size = 0
-    for t in tensors:
-        if groups[-1] and size + t.nbytes > max_shard_bytes:
-            groups.append([])
-            size = 0
-        groups[-1].append(t)
-        size += t.nbytes
-    total = sum(t.nbytes for t in tensors)
-    if single_file and len(groups) > 1:
-        raise InvalidOptionError(
-            f"single_file: the tensors hold {total} bytes, more than the maximum shard size "
-            f"{max_shard_bytes}; raise max_shard_size or write shards"
-        )
-    plans = []
-    for i, group in enumerate(groups, 1):
-        header, placed = _header(group)
-        name = SINGLE_NAME if single_file else shard_name(i, len(groups))
-        plans.append(ShardPlan(name, header, tuple(placed), len(header) + sum(t.nbytes for t in group)))
-    return plans
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,7 +99,8 @@ def _select(
             )
         seen[name] = fqn
         out_dt = cast if cast is not None and _is_floating(t.dtype) else t.dtype
-        out.append(ShardTensor(fqn, name, tuple(t.shape), np.dtype(out_dt), np.dtype(t.dtype)))
+        edges = tuple(sorted({c.spec.offsets[0] for c in t.chunks})) if t.shape else (0,)
+        out.append(ShardTensor(fqn, name, tuple(t.shape), np.dtype(out_dt), np.dtype(t.dtype), edges))
     return out, len(chosen) - len(out)
 
 
@@ -333,41 +244,54 @@ def _publish(tmp: Path, dst: Path, overwrite: bool) -> None:
     fsutil.fsync_dir(dst.parent)
 
 
-class _Shard:
-    """An output file created at its final size, its header written, mapped for the tensors."""
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    while data.nbytes:
+        n = os.pwrite(fd, data, offset)
+        data, offset = data[n:], offset + n
 
-    def __init__(self, directory: Path, plan: ShardPlan) -> None:
-        self.plan = plan
-        self.fd = os.open(directory / plan.file, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
-        self.map: mmap.mmap | None = None
-        fsutil.preallocate(self.fd, plan.size)
-        write_all(self.fd, plan.header)
-        os.ftruncate(self.fd, plan.size)
-        if plan.size > len(plan.header):
-            self.map = mmap.mmap(self.fd, plan.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
 
-    def views(self) -> list[tuple[ShardTensor, np.ndarray]]:
-        out = []
-        for t, at in self.plan.tensors:
-            if t.nbytes == 0 or self.map is None:
-                out.append((t, np.empty(t.shape, t.dtype)))
-                continue
-            arr = np.frombuffer(self.map, dtype=t.dtype, count=math.prod(t.shape), offset=at)
-            out.append((t, arr.reshape(t.shape)))
-        return out
+def _create(directory: Path, plan: ShardPlan) -> int:
+    """The shard file, created at its final size with its header (no space reserved up front:
+    writes into reserved, unwritten extents measured slower here)."""
+    fd = os.open(directory / plan.file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        _pwrite_all(fd, memoryview(plan.header), 0)
+        os.ftruncate(fd, plan.size)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
-    def finish(self) -> None:
-        """Write the mapped pages back and make the file durable."""
-        if self.map is not None:
-            self.map.flush()
-        os.fsync(self.fd)
 
-    def close(self) -> None:
-        if self.map is not None:
-            # a view still referring to it keeps the mapping until the view goes
-            with contextlib.suppress(BufferError):
-                self.map.close()
-        os.close(self.fd)
+def _targets(group: list[Piece], buffer: np.ndarray) -> dict[str, Any]:
+    """The load targets of a group: each piece's rows as a box of its tensor, in ``buffer``."""
+    state: dict[str, Any] = {}
+    for p in group:
+        t = p.tensor
+        n = (p.stop - p.start) * t.row_items
+        local = buffer[p.buffer_offset : p.buffer_offset + p.source_nbytes].view(t.source_dtype)
+        local = local[:n].reshape((p.stop - p.start, *t.shape[1:]) if t.shape else ())
+        if not t.shape or (p.start, p.stop) == (0, t.shape[0]):
+            state[t.fqn] = local  # the whole tensor
+        else:
+            box = ShardedArray(local, (p.start,) + (0,) * (len(t.shape) - 1), t.shape)
+            state.setdefault(t.fqn, []).append(box)
+    return state
+
+
+def _write_group(group: list[Piece], buffer: np.ndarray, fds: list[int], counter: ProgressCounter) -> None:
+    """Write a loaded group at its places in the shard files and start their writeback."""
+    touched: set[int] = set()
+    for p in group:
+        t = p.tensor
+        data = buffer[p.buffer_offset : p.buffer_offset + p.source_nbytes]
+        if t.dtype != t.source_dtype:
+            data = data.view(t.source_dtype).astype(t.dtype).view(np.uint8)
+        _pwrite_all(fds[p.shard], memoryview(data), p.file_offset)
+        touched.add(fds[p.shard])
+        counter.add(data.nbytes)
+    for fd in touched:  # the disk works while the next group is read
+        fsutil.start_writeback(fd)
 
 
 def _write_shards(
@@ -378,63 +302,40 @@ def _write_shards(
     progress: ProgressCallback | None,
     storage_options: Mapping[str, Any] | None,
 ) -> None:
-    shards: list[_Shard] = []
+    """Read the checkpoint group by group into two buffers taken in turn, each group written by
+    a writer thread while the next is read; then fsync every shard."""
+    groups = plan_groups(plans)
+    counter = ProgressCounter(progress, sum(t.nbytes for p in plans for t, _ in p.tensors))
+    size = max((g[-1].buffer_offset + g[-1].source_nbytes for g in groups), default=0)
+    # page-aligned memory of its own (anonymous maps), so that cold chunks are read with O_DIRECT
+    maps = [mmap.mmap(-1, max(size, 1)) for _ in range(2)]
+    buffers = [np.frombuffer(m, np.uint8) for m in maps]
+    options = LoadOptions(threads=threads, storage_options=storage_options)
+    fds: list[int] = []
+    writes: list[Future[None] | None] = [None, None]
+    writer = Workers(1, "gpuckpt-hf-write")
     try:
         for plan in plans:
-            shards.append(_Shard(tmp, plan))
-        direct: dict[str, np.ndarray] = {}
-        cast: list[tuple[ShardTensor, np.ndarray]] = []
-        for shard in shards:
-            for t, view in shard.views():
-                if t.dtype == t.source_dtype:
-                    direct[t.fqn] = view
-                else:
-                    cast.append((t, view))
-        total = sum(t.nbytes for p in plans for t, _ in p.tensors)
-        counter = ProgressCounter(progress, total)
-        options = LoadOptions(
-            threads=threads,
-            progress=_offset(counter, sum(v.nbytes for v in direct.values())),
-            storage_options=storage_options,
-        )
-        if direct:
-            api.load_with_options(direct, src, options)
-        for batch in _cast_batches(cast):
-            buffers = {t.fqn: np.empty(t.shape, t.source_dtype) for t, _ in batch}
-            api.load_with_options(buffers, src, LoadOptions(threads=threads, storage_options=storage_options))
-            for t, view in batch:
-                view[...] = buffers[t.fqn].astype(t.dtype)
-                counter.add(t.nbytes)
-        direct.clear()
-        cast.clear()
-        run_all([shard.finish for shard in shards], threads=threads, name="gpuckpt-hf-sync")
+            fds.append(_create(tmp, plan))
+        for i, group in enumerate(groups):
+            pending = writes[i % 2]
+            if pending is not None:
+                pending.result()  # its buffer is free again
+            buffer = buffers[i % 2]
+            api.load_with_options(_targets(group, buffer), src, options)
+            writes[i % 2] = writer.submit(_write_group, group, buffer, fds, counter)
+        for pending in writes:
+            if pending is not None:
+                pending.result()
+        run_all([functools.partial(os.fsync, fd) for fd in fds], threads=threads, name="gpuckpt-hf-sync")
     finally:
-        for shard in shards:
-            shard.close()
-
-
-def _offset(counter: ProgressCounter, part: int) -> Callable[[int, int], None]:
-    """A load's progress callback that reports into ``counter`` (the load is ``part`` of it)."""
-    seen = [0]
-
-    def report(done: int, _total: int) -> None:
-        counter.add(done - seen[0])
-        seen[0] = done
-
-    return report
-
-
-def _cast_batches(cast: list[tuple[ShardTensor, np.ndarray]]) -> list[list[tuple[ShardTensor, np.ndarray]]]:
-    out: list[list[tuple[ShardTensor, np.ndarray]]] = []
-    size = CAST_BATCH_BYTES
-    for t, view in cast:
-        nbytes = math.prod(t.shape) * t.source_dtype.itemsize
-        if size + nbytes > CAST_BATCH_BYTES:
-            out.append([])
-            size = 0
-        out[-1].append((t, view))
-        size += nbytes
-    return out
+        writer.shutdown(wait=True)
+        for fd in fds:
+            os.close(fd)
+        del buffers
+        for m in maps:
+            with contextlib.suppress(BufferError):  # a view kept by a failed load's traceback
+                m.close()
 
 
 def import_hf(
