@@ -4,23 +4,25 @@
 Export (:func:`export_hf`) plans every shard first (names, sizes, header with the
 offset of every tensor: :mod:`gpuckpt.convert.hf_layout`), creates each shard file
 at its final size, then reads the checkpoint in groups of rows cut at chunk edges
-(:func:`gpuckpt.load` into boxes of two reused 64 MiB buffers: every chunk read
-once, its checksum checked, on the load's threads; a distributed checkpoint's
-boxes assembled there too) while a writer thread writes the previous group
-at its offsets in the shard files and starts their writeback, so the disk writes
-while the next group is read. Memory use is the two buffers, whatever the size
+(:func:`gpuckpt.load` into boxes of two page-aligned 64 MiB buffers that hold a
+shard's bytes from an aligned offset on: every chunk read once, its checksum
+checked, on the load's threads; a distributed checkpoint's boxes assembled there
+too) while a writer thread writes the previous group with aligned ``O_DIRECT``
+writes (:mod:`gpuckpt.convert.hf_layout` plans them), so the disk writes while the
+next group is read. Memory use is the two buffers, whatever the size
 of the state. The directory is written under a temporary name beside ``dst``,
 every file and the directory fsync'd, and published by one rename: nothing
 half-written looks complete.
 
 Import (:func:`import_hf`) maps the shards read-only and saves the mapped
 tensors as a gpuckpt checkpoint: the save reads each byte once from the page
-cache.
+cache and writes its chunk files with ``O_DIRECT``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import json
 import math
@@ -37,8 +39,9 @@ import numpy as np
 
 from gpuckpt import api
 from gpuckpt.convert.hf_layout import (
+    BUFFER_ALIGN,
     DEFAULT_MAX_SHARD_BYTES,
-    Piece,
+    Group,
     ShardPlan,
     ShardTensor,
     parse_size,
@@ -50,7 +53,7 @@ from gpuckpt.errors import CheckpointExistsError, InvalidOptionError, Unsupporte
 from gpuckpt.format.safetensors import INDEX_NAME
 from gpuckpt.loading.hf import open_hf
 from gpuckpt.loading.open import open_checkpoint
-from gpuckpt.options import DEFAULT_CHUNK_BYTES, LoadOptions
+from gpuckpt.options import DEFAULT_CHUNK_BYTES, LoadOptions, SaveOptions, direct_io_from_env
 from gpuckpt.progress import ProgressCallback, ProgressCounter
 from gpuckpt.runtime.runner import run_all
 from gpuckpt.runtime.workers import Workers
@@ -250,48 +253,70 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
         data, offset = data[n:], offset + n
 
 
-def _create(directory: Path, plan: ShardPlan) -> int:
-    """The shard file, created at its final size with its header (no space reserved up front:
-    writes into reserved, unwritten extents measured slower here)."""
-    fd = os.open(directory / plan.file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        _pwrite_all(fd, memoryview(plan.header), 0)
-        os.ftruncate(fd, plan.size)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
+class _ShardFile:
+    """A shard file created at its final size: a buffered descriptor, and an ``O_DIRECT`` one where
+    the file system takes it (the aligned writes go around the page cache)."""
+
+    def __init__(self, directory: Path, plan: ShardPlan) -> None:
+        path = directory / plan.file
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        self.direct: int | None = None
+        try:
+            os.ftruncate(self.fd, plan.size)
+            flag = getattr(os, "O_DIRECT", 0)
+            if flag:
+                with contextlib.suppress(OSError):  # tmpfs and others refuse it: buffered writes
+                    self.direct = os.open(path, os.O_WRONLY | flag)
+        except BaseException:
+            self.close()
+            raise
+
+    def write(self, data: memoryview, offset: int) -> None:
+        """``data`` at ``offset``: the aligned head around the page cache where possible."""
+        aligned = data.nbytes - data.nbytes % BUFFER_ALIGN
+        if self.direct is not None and aligned and offset % BUFFER_ALIGN == 0:
+            try:
+                _pwrite_all(self.direct, data[:aligned], offset)
+                data, offset = data[aligned:], offset + aligned
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                os.close(self.direct)  # refused after all: buffered from now on
+                self.direct = None
+        if data.nbytes:
+            _pwrite_all(self.fd, data, offset)
+            fsutil.start_writeback(self.fd)
+
+    def close(self) -> None:
+        for fd in (self.direct, self.fd):
+            if fd is not None:
+                os.close(fd)
 
 
-def _targets(group: list[Piece], buffer: np.ndarray) -> dict[str, Any]:
-    """The load targets of a group: each piece's rows as a box of its tensor, in ``buffer``."""
+def _targets(group: Group, buffer: np.ndarray) -> tuple[dict[str, Any], list[tuple[np.ndarray, np.ndarray]]]:
+    """The load targets of a group (each piece's rows as a box of its tensor, in its place in
+    ``buffer``) and the ``(place, source)`` pairs of the pieces to cast once loaded."""
     state: dict[str, Any] = {}
-    for p in group:
+    casts: list[tuple[np.ndarray, np.ndarray]] = []
+    for p in group.pieces:
         t = p.tensor
-        n = (p.stop - p.start) * t.row_items
-        local = buffer[p.buffer_offset : p.buffer_offset + p.source_nbytes].view(t.source_dtype)
-        local = local[:n].reshape((p.stop - p.start, *t.shape[1:]) if t.shape else ())
+        shape = (p.stop - p.start, *t.shape[1:]) if t.shape else ()
+        place = buffer[p.buffer_offset : p.buffer_offset + p.nbytes].view(t.dtype).reshape(shape)
+        local = place
+        if t.dtype != t.source_dtype:
+            local = np.empty(shape, t.source_dtype)
+            casts.append((place, local))
         if not t.shape or (p.start, p.stop) == (0, t.shape[0]):
             state[t.fqn] = local  # the whole tensor
         else:
             box = ShardedArray(local, (p.start,) + (0,) * (len(t.shape) - 1), t.shape)
             state.setdefault(t.fqn, []).append(box)
-    return state
+    return state, casts
 
 
-def _write_group(group: list[Piece], buffer: np.ndarray, fds: list[int], counter: ProgressCounter) -> None:
-    """Write a loaded group at its places in the shard files and start their writeback."""
-    touched: set[int] = set()
-    for p in group:
-        t = p.tensor
-        data = buffer[p.buffer_offset : p.buffer_offset + p.source_nbytes]
-        if t.dtype != t.source_dtype:
-            data = data.view(t.source_dtype).astype(t.dtype).view(np.uint8)
-        _pwrite_all(fds[p.shard], memoryview(data), p.file_offset)
-        touched.add(fds[p.shard])
-        counter.add(data.nbytes)
-    for fd in touched:  # the disk works while the next group is read
-        fsutil.start_writeback(fd)
+def _write_group(group: Group, buffer: np.ndarray, shard: _ShardFile, counter: ProgressCounter) -> None:
+    shard.write(memoryview(buffer[: group.write_end - group.start]), group.start)
+    counter.add(sum(p.nbytes for p in group.pieces))
 
 
 def _write_shards(
@@ -306,32 +331,41 @@ def _write_shards(
     a writer thread while the next is read; then fsync every shard."""
     groups = plan_groups(plans)
     counter = ProgressCounter(progress, sum(t.nbytes for p in plans for t, _ in p.tensors))
-    size = max((g[-1].buffer_offset + g[-1].source_nbytes for g in groups), default=0)
-    # page-aligned memory of its own (anonymous maps), so that cold chunks are read with O_DIRECT
+    size = max(g.end - g.start for g in groups)
+    # page-aligned memory of its own (anonymous maps): what O_DIRECT writes need
     maps = [mmap.mmap(-1, max(size, 1)) for _ in range(2)]
     buffers = [np.frombuffer(m, np.uint8) for m in maps]
     options = LoadOptions(threads=threads, storage_options=storage_options)
-    fds: list[int] = []
+    shards: list[_ShardFile] = []
     writes: list[Future[None] | None] = [None, None]
     writer = Workers(1, "gpuckpt-hf-write")
     try:
         for plan in plans:
-            fds.append(_create(tmp, plan))
+            shards.append(_ShardFile(tmp, plan))
+        head = b""
         for i, group in enumerate(groups):
             pending = writes[i % 2]
             if pending is not None:
                 pending.result()  # its buffer is free again
             buffer = buffers[i % 2]
-            api.load_with_options(_targets(group, buffer), src, options)
-            writes[i % 2] = writer.submit(_write_group, group, buffer, fds, counter)
+            if i == 0 or groups[i - 1].shard != group.shard:  # a shard's first group starts with its header
+                head = plans[group.shard].header
+            buffer[: len(head)] = np.frombuffer(head, np.uint8)
+            state, casts = _targets(group, buffer)
+            api.load_with_options(state, src, options)
+            for place, loaded in casts:
+                place[...] = loaded.astype(place.dtype)
+            del state, casts
+            head = buffer[group.write_end - group.start : group.end - group.start].tobytes()
+            writes[i % 2] = writer.submit(_write_group, group, buffer, shards[group.shard], counter)
         for pending in writes:
             if pending is not None:
                 pending.result()
-        run_all([functools.partial(os.fsync, fd) for fd in fds], threads=threads, name="gpuckpt-hf-sync")
+        run_all([functools.partial(os.fsync, s.fd) for s in shards], threads=threads, name="gpuckpt-hf-sync")
     finally:
         writer.shutdown(wait=True)
-        for fd in fds:
-            os.close(fd)
+        for shard in shards:
+            shard.close()
         del buffers
         for m in maps:
             with contextlib.suppress(BufferError):  # a view kept by a failed load's traceback
@@ -375,15 +409,17 @@ def import_hf(
             if mm.size() < at + nbytes:  # the file shrank since its header was read
                 raise UnsupportedValueError(f"{h.path}: changed while it was read; export it again")
             state[name] = np.frombuffer(mm, dtype=dt, count=math.prod(shape), offset=at).reshape(shape)
-        api.save(
-            state,
-            dst,
+        # the chunk files go around the page cache (which holds the shards being read) unless
+        # GPUCKPT_DIRECT_IO=0 says otherwise: writing them through it measured 3x slower here
+        options = SaveOptions(
             overwrite=overwrite,
             chunk_bytes=chunk_bytes,
             threads=threads,
             progress=progress,
             storage_options=storage_options,
+            direct_io="off" if direct_io_from_env() == "off" else "on",
         )
+        api.save_with_options(state, dst, options)
         return len(state), sum(a.nbytes for a in state.values())
     finally:
         state.clear()

@@ -2,10 +2,11 @@
 offset, the headers, and the pieces an export reads and writes (no arrays, no I/O).
 
 An export (:mod:`gpuckpt.convert.hf`) reads the checkpoint in groups of about
-:data:`GROUP_BYTES`: each group is a run of consecutive rows (axis 0) of one or more
-tensors, cut only at the edges of stored chunks, so that every chunk is read once,
-whole, into its place in a group's buffer; the group is then written at its offsets
-in the shard files.
+:data:`GROUP_BYTES` of one shard file: each group is a run of consecutive rows (axis 0)
+of one or more tensors, cut only at the edges of stored chunks, so that every chunk is
+read once, whole, into its place in the group's buffer, which holds the file's bytes
+from an aligned offset on; the group is then written with aligned writes
+(``O_DIRECT`` where the file system takes it).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from gpuckpt.format.safetensors import METADATA_KEY, SINGLE_NAME, shard_name
 
 __all__ = [
     "BUFFER_ALIGN",
+    "Group",
     "DEFAULT_MAX_SHARD_BYTES",
     "GROUP_BYTES",
     "Piece",
@@ -144,19 +146,42 @@ def plan_shards(tensors: Sequence[ShardTensor], max_shard_bytes: int, single_fil
 
 @dataclass(frozen=True, slots=True)
 class Piece:
-    """Rows ``[start, stop)`` of a tensor: read into a group's buffer at ``buffer_offset`` (in the
-    source dtype), written to file ``shard`` (an index into the shard plans) at ``file_offset``."""
+    """Rows ``[start, stop)`` of a tensor, at ``file_offset`` in its shard file and at
+    ``buffer_offset`` in its group's buffer (the output's bytes, in the output dtype)."""
 
     tensor: ShardTensor
-    shard: int
     start: int
     stop: int
     file_offset: int
     buffer_offset: int
 
     @property
+    def nbytes(self) -> int:
+        """Bytes in the output (the output dtype)."""
+        return (self.stop - self.start) * self.tensor.row_items * self.tensor.dtype.itemsize
+
+    @property
     def source_nbytes(self) -> int:
         return (self.stop - self.start) * self.tensor.row_items * self.tensor.source_dtype.itemsize
+
+
+@dataclass(frozen=True, slots=True)
+class Group:
+    """A run of one shard file's bytes, ``[start, end)``, read into one buffer and written from
+    it: ``start`` is a multiple of :data:`BUFFER_ALIGN`, and the buffer's bytes before the first
+    piece are the previous group's unwritten tail (or the header); the group writes
+    ``[start, end)`` rounded down to :data:`BUFFER_ALIGN` (its last group: to ``end``) and leaves
+    the rest to the next one, so that every write of a shard is aligned (``O_DIRECT``)."""
+
+    shard: int
+    start: int
+    end: int
+    pieces: tuple[Piece, ...]
+    last: bool
+
+    @property
+    def write_end(self) -> int:
+        return self.end if self.last else self.end - self.end % BUFFER_ALIGN
 
 
 def _row_runs(t: ShardTensor, limit: int) -> list[tuple[int, int]]:
@@ -176,21 +201,24 @@ def _row_runs(t: ShardTensor, limit: int) -> list[tuple[int, int]]:
     return runs
 
 
-def plan_groups(plans: Sequence[ShardPlan], limit: int = GROUP_BYTES) -> list[list[Piece]]:
-    """The groups an export reads, in file order: each at most ``limit`` source bytes unless one
-    run of rows between chunk edges is larger; a tensor appears at most once per group. Each
-    piece starts at a multiple of :data:`BUFFER_ALIGN` in the group's buffer, so that chunks not
-    in the page cache are read into it with ``O_DIRECT``."""
-    groups: list[list[Piece]] = [[]]
-    used = 0
+def plan_groups(plans: Sequence[ShardPlan], limit: int = GROUP_BYTES) -> list[Group]:
+    """The groups an export reads and writes, shard by shard in file order: each at most about
+    ``limit`` bytes unless one run of rows between chunk edges is larger; a tensor appears at
+    most once per group, a group holds one shard's bytes only."""
+    groups: list[Group] = []
     for s, plan in enumerate(plans):
+        start = 0  # the header is the first group's head
+        pieces: list[Piece] = []
+        end = len(plan.header)
         for t, at in plan.tensors:
             out_row = t.row_items * t.dtype.itemsize
-            for start, stop in _row_runs(t, limit):
-                nbytes = (stop - start) * t.row_items * t.source_dtype.itemsize
-                if groups[-1] and used + nbytes > limit:
-                    groups.append([])
-                    used = 0
-                groups[-1].append(Piece(t, s, start, stop, at + start * out_row, used))
-                used += -(-nbytes // BUFFER_ALIGN) * BUFFER_ALIGN
-    return [g for g in groups if g]
+            for lo, hi in _row_runs(t, limit):
+                nbytes = (hi - lo) * out_row
+                if pieces and end + nbytes - start > limit:
+                    groups.append(Group(s, start, end, tuple(pieces), False))
+                    start, pieces = end - end % BUFFER_ALIGN, []
+                offset = at + lo * out_row
+                pieces.append(Piece(t, lo, hi, offset, offset - start))
+                end = offset + nbytes
+        groups.append(Group(s, start, plan.size, tuple(pieces), True))
+    return groups

@@ -35,18 +35,21 @@ def _same(a: np.ndarray, b: np.ndarray) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
 
 
-def test_small_groups_and_chunks_round_trip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("group", "shard"), [(4096, 5000), (3 * 4096 + 100, 15_000)])
+def test_small_groups_and_chunks_round_trip(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, group: int, shard: int
+) -> None:
     state = _state()
     gpuckpt.save({"model": state, "step": 3}, tmp_path / "ck", chunk_bytes=2048)
-    monkeypatch.setattr(layout, "GROUP_BYTES", 4096)  # many groups, rows cut at chunk edges
-    monkeypatch.setattr(layout.plan_groups, "__defaults__", (4096,))
+    # many groups per shard, rows cut at chunk edges, groups that end inside an aligned block
+    monkeypatch.setattr(layout.plan_groups, "__defaults__", (group,))
     res = convert(
         tmp_path / "ck",
         tmp_path / "hf",
         target_format="hf",
         keys="model",
         strip_prefix="model.",
-        max_shard_size=5000,
+        max_shard_size=shard,
     )
     assert res.tensors == len(state)
     index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
@@ -89,3 +92,13 @@ def test_distributed_source_and_cli(tmp_path: Path) -> None:
     target = {"w": np.zeros((50, 6), np.float16)}
     gpuckpt.load(target, tmp_path / "hf")
     assert _same(target["w"], full.astype(np.float16))
+
+
+def test_overwrite_replaces_the_directory_whole(tmp_path: Path) -> None:
+    gpuckpt.save({"a": np.ones(10, np.float32), "b": np.ones(3, np.int8)}, tmp_path / "ck")
+    convert(tmp_path / "ck", tmp_path / "hf", target_format="hf")
+    gpuckpt.save({"a": np.zeros(10, np.float32)}, tmp_path / "ck2")
+    convert(tmp_path / "ck2", tmp_path / "hf", target_format="hf", overwrite=True)
+    assert list(gpuckpt.load_state_dict(tmp_path / "hf")) == ["a"]
+    assert not gpuckpt.load_state_dict(tmp_path / "hf")["a"].any()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "ck2", "hf"]  # nothing set aside remains

@@ -41,20 +41,29 @@ def test_shards_split_like_transformers_and_headers_parse() -> None:
     assert [p.file for p in plan_shards(ts, 10**6, single_file=True)] == ["model.safetensors"]
 
 
-def test_groups_cut_only_at_chunk_edges_and_align_pieces() -> None:
+def test_groups_cut_only_at_chunk_edges_and_write_aligned() -> None:
     row = 10 * 4
-    t = _t("w", (100, 10), edges=(0, 25, 50, 75))
-    plans = plan_shards([_t("s", (3,)), t], 10**6, single_file=False)
-    groups = plan_groups(plans, limit=50 * row)
-    pieces = [(p.tensor.name, p.start, p.stop) for g in groups for p in g]
-    # header order (element size, then name); "w" cut at its chunk edges into runs of <= 50 rows
-    assert pieces == [("s", 0, 3), ("w", 0, 50), ("w", 50, 100)], pieces
+    t = _t("w", (1000, 10), edges=(0, 250, 500, 750))
+    plans = plan_shards([_t("s", (3,)), t, _t("z", (5,), "float16")], 10**6, single_file=False)
+    groups = plan_groups(plans, limit=500 * row)
+    pieces = [(p.tensor.name, p.start, p.stop) for g in groups for p in g.pieces]
+    # header order (element size, then name); "w" cut at its chunk edges into runs of <= 500 rows
+    assert pieces == [("s", 0, 3), ("w", 0, 500), ("w", 500, 1000), ("z", 0, 5)], pieces
+    written = 0
     for g in groups:
-        assert all(p.buffer_offset % BUFFER_ALIGN == 0 for p in g)
-        assert len({p.tensor.name for p in g}) == len(g)  # a tensor once per group
+        assert g.start % BUFFER_ALIGN == 0 and g.start <= written  # the rest comes as the head
+        assert g.last or g.write_end % BUFFER_ALIGN == 0
+        for p in g.pieces:
+            assert p.buffer_offset == p.file_offset - g.start
+        assert len({p.tensor.name for p in g.pieces}) == len(g.pieces)  # a tensor once per group
+        written = g.write_end
+    assert groups[-1].last and written == plans[0].size
     # a run between two edges larger than the limit stays whole
     big = plan_groups(plan_shards([_t("w", (100, 10), edges=(0, 50))], 10**6, False), limit=row)
-    assert [(p.start, p.stop) for g in big for p in g] == [(0, 50), (50, 100)]
+    assert [(p.start, p.stop) for g in big for p in g.pieces] == [(0, 50), (50, 100)]
+    # groups never span two shards
+    two = plan_shards([_t("a", (10,)), _t("b", (10,))], 40, single_file=False)
+    assert [g.shard for g in plan_groups(two)] == [0, 1]
 
 
 def test_index_documents_are_checked() -> None:
