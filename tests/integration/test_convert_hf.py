@@ -102,3 +102,15 @@ def test_overwrite_replaces_the_directory_whole(tmp_path: Path) -> None:
     assert list(gpuckpt.load_state_dict(tmp_path / "hf")) == ["a"]
     assert not gpuckpt.load_state_dict(tmp_path / "hf")["a"].any()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "ck2", "hf"]  # nothing set aside remains
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs a tmpfs at /dev/shm (refuses O_DIRECT)")
+def test_export_where_o_direct_is_refused(tmp_path: Path) -> None:
+    import tempfile
+
+    state = _state()
+    gpuckpt.save(state, tmp_path / "ck")
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as shm:
+        convert(tmp_path / "ck", Path(shm) / "hf", target_format="hf", max_shard_size=5000)
+        back = gpuckpt.load_state_dict(Path(shm) / "hf")
+        assert all(_same(back[k], v) for k, v in state.items())
