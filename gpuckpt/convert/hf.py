@@ -87,7 +87,7 @@ def _select(
     ck = open_checkpoint(src, storage_options)
     tensors, order = ck.index.tensors, ck.index.order
     chosen = select_fqns(order, keys)
-    cast = np.dtype(dtype) if dtype is not None else None
+    cast = _cast_dtype(dtype)
     out: list[ShardTensor] = []
     seen: dict[str, str] = {}
     for fqn in chosen:
@@ -95,7 +95,12 @@ def _select(
         if t is None:
             continue
         name = fqn[len(strip_prefix) :] if strip_prefix and fqn.startswith(strip_prefix) else fqn
-        if not name or name in seen:
+        if not name:
+            raise UnsupportedValueError(
+                f"tensor {fqn!r} has no name left once {strip_prefix!r} is stripped; strip a shorter prefix "
+                "(e.g. one ending in '.')"
+            )
+        if name in seen:
             raise UnsupportedValueError(
                 f"tensors {seen.get(name, '')!r} and {fqn!r} both become {name!r} once {strip_prefix!r} is "
                 "stripped; select fewer keys or strip another prefix"
@@ -105,6 +110,23 @@ def _select(
         edges = tuple(sorted({c.spec.offsets[0] for c in t.chunks})) if t.shape else (0,)
         out.append(ShardTensor(fqn, name, tuple(t.shape), np.dtype(out_dt), np.dtype(t.dtype), edges))
     return out, len(chosen) - len(out)
+
+
+def _cast_dtype(dtype: Any) -> np.dtype[Any] | None:
+    """The dtype of ``dtype=``: None, or a floating dtype safetensors stores."""
+    if dtype is None:
+        return None
+    fix = (
+        f"dtype={dtype!r}: expected a floating dtype to cast floating tensors to (bfloat16, float16, "
+        "float32, float64, float8_e4m3fn, float8_e5m2)"
+    )
+    try:
+        dt: np.dtype[Any] = np.dtype(dtype)
+    except TypeError:
+        raise InvalidOptionError(fix) from None
+    if not _is_floating(dt):
+        raise InvalidOptionError(fix)
+    return dt
 
 
 def _is_floating(dt: np.dtype[Any]) -> bool:

@@ -114,3 +114,19 @@ def test_export_where_o_direct_is_refused(tmp_path: Path) -> None:
         convert(tmp_path / "ck", Path(shm) / "hf", target_format="hf", max_shard_size=5000)
         back = gpuckpt.load_state_dict(Path(shm) / "hf")
         assert all(_same(back[k], v) for k, v in state.items())
+
+
+def test_bad_options_are_refused_before_anything_is_written(tmp_path: Path) -> None:
+    from gpuckpt.errors import InvalidOptionError, UnsupportedValueError
+
+    gpuckpt.save({"a": np.ones(4, np.float32), "m.a": np.ones(4, np.float32), "n": 3}, tmp_path / "ck")
+    for kw in ({"dtype": "int8"}, {"dtype": "nope"}, {"max_shard_size": "5XB"}):
+        with pytest.raises(InvalidOptionError):
+            convert(tmp_path / "ck", tmp_path / "hf", target_format="hf", **kw)
+    with pytest.raises(UnsupportedValueError, match="nothing to export"):
+        convert(tmp_path / "ck", tmp_path / "hf", target_format="hf", keys=["n"])
+    with pytest.raises(UnsupportedValueError, match="no name left"):
+        convert(tmp_path / "ck", tmp_path / "hf", target_format="hf", strip_prefix="a")
+    with pytest.raises(UnsupportedValueError, match="both become 'a'"):
+        convert(tmp_path / "ck", tmp_path / "hf", target_format="hf", strip_prefix="m.")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
