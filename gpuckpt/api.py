@@ -21,6 +21,7 @@ from gpuckpt.errors import (
     MissingKeyError,
     ReadOnlyTargetError,
     ShapeMismatchError,
+    UnsupportedValueError,
 )
 from gpuckpt.format.metadata import STATE_DICT_TYPE, Metadata
 from gpuckpt.format.values import decode_object
@@ -30,6 +31,7 @@ from gpuckpt.loading.checks import (
     checking_chunk_files,
 )
 from gpuckpt.loading.chunk_reads import prepare_reads, read_tensors
+from gpuckpt.loading.hf import is_hf_source, load_hf, load_hf_state_dict
 from gpuckpt.loading.open import open_checkpoint
 from gpuckpt.options import DEFAULT_CHUNK_BYTES, DEFAULT_STAGING_BYTES, LoadOptions, SaveOptions
 from gpuckpt.planning.boxes import Box
@@ -192,6 +194,10 @@ def load(
 ) -> None:
     """Load the checkpoint at ``path`` into ``state_dict`` in place.
 
+    ``path`` may also be a Hugging Face directory (``model.safetensors.index.json`` plus
+    shards, or ``model.safetensors``) or a ``.safetensors`` file: host targets keyed like
+    its tensor names once flattened; only the shards holding the state's keys are read.
+
     Every array in ``state_dict`` is filled with the stored values (shape and
     dtype must match); plain values are replaced; an entry whose value is not
     an array but was stored as a tensor receives a new array. Keys missing
@@ -238,6 +244,9 @@ def load_with_options(
 
 @paused_gc()
 def _load(state_dict: STATE_DICT_TYPE, path: PathLike, options: LoadOptions) -> None:
+    if is_hf_source(path):  # a Hugging Face directory or safetensors file: no gpuckpt metadata
+        load_hf(state_dict, path, options)
+        return
     ck = open_checkpoint(path, options.storage_options, direct_io=options.reads_direct())
     reader, tensors, objects = ck.reader, ck.index.tensors, ck.index.objects
     leaves, _ = flatten_state_dict(state_dict, is_leaf)
@@ -385,6 +394,11 @@ def load_state_dict(
 ) -> dict[str, Any]:
     """Load the checkpoint at ``path`` into a new nested dict.
 
+    ``path`` may also be a Hugging Face directory (``model.safetensors.index.json`` plus
+    shards, or ``model.safetensors``) or a ``.safetensors`` file: its tensors (those ``keys``
+    selects) come back as NumPy arrays in a flat dict by name, as ``model.load_state_dict``
+    takes them; only the shards that hold them are read.
+
     Arrays are allocated with the stored shape, dtype and memory format, as
     NumPy arrays (``device="cpu"``, the default) or as CuPy arrays on a GPU
     (``device="cuda"`` or ``"cuda:N"``; CuPy has no bfloat16/float8, so such
@@ -416,6 +430,13 @@ def load_state_dict(
         staging_bytes=staging_bytes,
         storage_options=storage_options,
     )
+    if is_hf_source(path):  # a Hugging Face directory or safetensors file: host arrays by name
+        if _backend_for(device) is not None:
+            raise UnsupportedValueError(
+                f"{path}: loads from a Hugging Face directory make host arrays; load with "
+                "device='cpu' and copy them to the device"
+            )
+        return load_hf_state_dict(path, keys, options)
     ck = open_checkpoint(path, options.storage_options, direct_io=options.reads_direct())
     reader, tensors, objects = ck.reader, ck.index.tensors, ck.index.objects
     chosen = select_fqns(ck.index.order, keys)

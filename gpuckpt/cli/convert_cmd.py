@@ -7,11 +7,13 @@ import argparse
 from gpuckpt.cli.progressbar import format_bytes, progress_for
 from gpuckpt.cli.usage import UsageError
 from gpuckpt.convert.core import SOURCE_FORMATS, TARGET_FORMATS, convert
+from gpuckpt.convert.hf_layout import parse_size
 from gpuckpt.printable import printable
 
 HELP = (
-    "convert a safetensors file, a torch.save state dict or a torch.distributed.checkpoint directory "
-    "into gpuckpt, or a gpuckpt checkpoint into safetensors or (--to torch) one torch.save file"
+    "convert a safetensors file, a Hugging Face directory, a torch.save state dict or a "
+    "torch.distributed.checkpoint directory into gpuckpt, or a gpuckpt checkpoint into safetensors, "
+    "(--to hf) a Hugging Face sharded directory or (--to torch) one torch.save file"
 )
 
 
@@ -49,7 +51,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=("auto", *TARGET_FORMATS),
         default="auto",
         help="target format (default: safetensors for a .safetensors DST, else gpuckpt); torch: "
-        "one torch.save file of the whole state dict, as DCP's dcp_to_torch_save writes",
+        "one torch.save file of the whole state dict, as DCP's dcp_to_torch_save writes; hf: a "
+        "Hugging Face directory (model-0000i-of-0000N.safetensors and model.safetensors.index.json)",
+    )
+    hf = p.add_argument_group("the Hugging Face layout (--to hf; --keys also for an hf source)")
+    hf.add_argument(
+        "--keys",
+        action="append",
+        metavar="KEY",
+        help="export only these tensors: names or .-prefixes (repeat for several; default: all)",
+    )
+    hf.add_argument("--strip-prefix", metavar="PREFIX", help="remove PREFIX from names (e.g. 'model.')")
+    hf.add_argument("--dtype", help="cast floating tensors to this dtype (e.g. bfloat16, float16)")
+    hf.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        help="most bytes of tensor data per shard (5GB, as transformers; units KB MB GB, KiB MiB GiB)",
+    )
+    hf.add_argument(
+        "--single-file", action="store_true", help="write one model.safetensors (no index) if it fits"
+    )
+    hf.add_argument(
+        "--config",
+        metavar="PATH",
+        help="a config.json, or a model directory whose config.json and generation_config.json are "
+        "copied beside the weights (from_pretrained needs config.json)",
     )
     p.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     p.add_argument(
@@ -96,6 +122,12 @@ def run(args: argparse.Namespace) -> int:
             threads=args.threads,
             read_progress=read_bar,
             write_progress=on_write,
+            keys=getattr(args, "keys", None),
+            strip_prefix=getattr(args, "strip_prefix", None),
+            dtype=getattr(args, "dtype", None),
+            max_shard_size=parse_size(getattr(args, "max_shard_size", "5GB")),
+            single_file=getattr(args, "single_file", False),
+            config=getattr(args, "config", None),
         )
     finally:
         for bar in (read_bar, write_bar):

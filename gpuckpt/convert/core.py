@@ -12,6 +12,7 @@ import numpy as np
 
 import gpuckpt.convert.torch_save as torch_save
 from gpuckpt import api
+from gpuckpt.convert.hf import DEFAULT_MAX_SHARD_BYTES, export_hf, import_hf
 from gpuckpt.convert.safetensors_io import (
     check_tensor_name,
     is_safetensors,
@@ -29,7 +30,9 @@ from gpuckpt.format.memory_format import (
     memory_format_from_name,
     physical_order,
 )
+from gpuckpt.format.safetensors import INDEX_NAME, SINGLE_NAME
 from gpuckpt.format.values import decode_object, encode_object
+from gpuckpt.loading.hf import is_hf_source
 from gpuckpt.options import DEFAULT_CHUNK_BYTES
 from gpuckpt.progress import ProgressCallback
 from gpuckpt.state import flatten_state_dict, unflatten_state_dict
@@ -37,8 +40,8 @@ from gpuckpt.storage.stores import scheme_of
 
 __all__ = ["SOURCE_FORMATS", "TARGET_FORMATS", "ConvertResult", "convert", "detect_format"]
 
-SOURCE_FORMATS = ("gpuckpt", "safetensors", "torch", "dcp")
-TARGET_FORMATS = ("gpuckpt", "safetensors", "torch")
+SOURCE_FORMATS = ("gpuckpt", "safetensors", "torch", "dcp", "hf")
+TARGET_FORMATS = ("gpuckpt", "safetensors", "torch", "hf")
 #: ``__metadata__`` key that carries a gpuckpt state's plain values and nesting.
 STATE_KEY = "gpuckpt.state"
 
@@ -70,9 +73,12 @@ def detect_format(path: str | os.PathLike[str]) -> str:
             return "gpuckpt"
         if (p / ".metadata").is_file():
             return "dcp"
+        if is_hf_source(p):
+            return "hf"
         raise UnsupportedValueError(
-            f"{p} is a directory but neither a gpuckpt checkpoint (no zarr.json) nor a "
-            "torch.distributed.checkpoint directory (no .metadata)"
+            f"{p} is a directory but neither a gpuckpt checkpoint (no zarr.json), a "
+            f"torch.distributed.checkpoint directory (no .metadata) nor a Hugging Face directory (no "
+            f"{INDEX_NAME} or {SINGLE_NAME})"
         )
     if not p.exists():
         raise FileNotFoundError(2, "No such file or directory", os.fspath(p))
@@ -161,8 +167,21 @@ def convert(
     read_progress: ProgressCallback | None = None,
     write_progress: ProgressCallback | None = None,
     storage_options: dict[str, Any] | None = None,
+    keys: list[str] | str | None = None,
+    strip_prefix: str | None = None,
+    dtype: Any = None,
+    max_shard_size: str | int = DEFAULT_MAX_SHARD_BYTES,
+    single_file: bool = False,
+    config: Any = None,
 ) -> ConvertResult:
     """Convert the checkpoint at ``src`` into ``dst``, keeping every tensor's exact bits.
+
+    ``hf`` (a target only when asked for: ``target_format="hf"``; a source detected by its
+    ``model.safetensors.index.json`` or ``model.safetensors``) is the Hugging Face sharded
+    layout: see :func:`gpuckpt.convert.hf.export_hf` for ``keys``, ``strip_prefix``,
+    ``dtype`` (a cast of floating tensors), ``max_shard_size``, ``single_file`` and
+    ``config``, which apply to it alone (``keys`` also selects what an ``hf`` source imports).
+    A gpuckpt source of any number of ranks is assembled straight into the output files.
 
     Sources: a gpuckpt checkpoint, a safetensors file, a ``torch.save`` state
     dict (loaded with ``weights_only=True``; needs torch) or a
@@ -218,6 +237,24 @@ def convert(
         )
     if _same(src_p, dst_p):
         raise ValueError(f"source and destination are the same path ({src_p}); write to a new path")
+    if fmt_out == "hf" or fmt_in == "hf":
+        return _convert_hf(
+            src_p,
+            dst_p,
+            fmt_in,
+            fmt_out,
+            overwrite=overwrite,
+            chunk_bytes=chunk_bytes,
+            threads=threads,
+            progress=write_progress,
+            storage_options=storage_options,
+            keys=keys,
+            strip_prefix=strip_prefix,
+            dtype=dtype,
+            max_shard_size=max_shard_size,
+            single_file=single_file,
+            config=config,
+        )
     # a URL destination: the store refuses a published checkpoint itself
     if isinstance(dst_p, Path) and (dst_p.exists() or dst_p.is_symlink()) and not overwrite:
         raise FileExistsError(
@@ -316,6 +353,42 @@ def _to_torch_save(
     if write_progress is not None:
         write_progress(nbytes, nbytes)
     return ConvertResult(fmt_in, "torch", tensors, objects, nbytes)
+
+
+def _convert_hf(src: Any, dst: Any, fmt_in: str, fmt_out: str, **kw: Any) -> ConvertResult:
+    """The Hugging Face layout: from a gpuckpt checkpoint, or into one."""
+    if fmt_out == "hf" and fmt_in == "gpuckpt":
+        out = export_hf(
+            src,
+            dst,
+            keys=kw["keys"],
+            strip_prefix=kw["strip_prefix"],
+            dtype=kw["dtype"],
+            max_shard_size=kw["max_shard_size"],
+            single_file=kw["single_file"],
+            config=kw["config"],
+            overwrite=kw["overwrite"],
+            threads=kw["threads"],
+            progress=kw["progress"],
+            storage_options=kw["storage_options"],
+        )
+        return ConvertResult(fmt_in, "hf", out.tensors, 0, out.nbytes)
+    if fmt_in == "hf" and fmt_out == "gpuckpt":
+        n, nbytes = import_hf(
+            src,
+            dst,
+            keys=kw["keys"],
+            overwrite=kw["overwrite"],
+            chunk_bytes=kw["chunk_bytes"],
+            threads=kw["threads"],
+            progress=kw["progress"],
+            storage_options=kw["storage_options"] if isinstance(dst, str) else None,
+        )
+        return ConvertResult("hf", fmt_out, n, 0, nbytes)
+    raise UnsupportedValueError(
+        f"{fmt_in} -> {fmt_out}: the Hugging Face layout converts to and from gpuckpt only; convert "
+        f"to gpuckpt first (gpuckpt convert SRC CKPT), then to {fmt_out}"
+    )
 
 
 def _same(a: Path | str, b: Path | str) -> bool:

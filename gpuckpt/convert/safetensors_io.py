@@ -1,30 +1,22 @@
 """Reading and writing safetensors files with NumPy alone.
 
-The format: 8 bytes (little-endian u64) giving the header length ``N``, ``N``
-bytes of JSON (``{"name": {"dtype": "F32", "shape": [..], "data_offsets":
-[begin, end]}, ..., "__metadata__": {str: str}}``), then the tensors' bytes,
-C order, little-endian, at those offsets from the end of the header. The
-header is validated as strictly as the reference implementation does: known
-dtypes, sizes that match the shapes, offsets that tile the data exactly; and
-shapes within gpuckpt's bounds (:func:`~gpuckpt.convert.shapes.check_shape`).
+What the bytes mean (the header, its validation) is :mod:`gpuckpt.format.safetensors`.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import secrets
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
-from gpuckpt.convert.shapes import check_shape
 from gpuckpt.errors import CheckpointExistsError, MetadataError, UnsupportedValueError
 from gpuckpt.format.dtypes import dtype_name
+from gpuckpt.format.safetensors import MAX_HEADER, METADATA_KEY, SAFETENSORS_DTYPES, parse_header
 from gpuckpt.progress import ProgressCallback, ProgressCounter
 from gpuckpt.storage.local import fsutil
 from gpuckpt.storage.local.fileio import read_exact, write_all
@@ -38,30 +30,8 @@ __all__ = [
     "write_safetensors",
 ]
 
-#: safetensors dtype code -> NumPy dtype (every code gpuckpt can store).
-SAFETENSORS_DTYPES: dict[str, np.dtype[Any]] = {
-    "BOOL": np.dtype(np.bool_),
-    "U8": np.dtype(np.uint8),
-    "I8": np.dtype(np.int8),
-    "U16": np.dtype(np.uint16),
-    "I16": np.dtype(np.int16),
-    "U32": np.dtype(np.uint32),
-    "I32": np.dtype(np.int32),
-    "U64": np.dtype(np.uint64),
-    "I64": np.dtype(np.int64),
-    "F16": np.dtype(np.float16),
-    "BF16": np.dtype(ml_dtypes.bfloat16),
-    "F32": np.dtype(np.float32),
-    "F64": np.dtype(np.float64),
-    "C64": np.dtype(np.complex64),
-    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
-    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
-    "F8_E8M0": np.dtype(ml_dtypes.float8_e8m0fnu),
-}
 _CODE_OF = {dt: code for code, dt in SAFETENSORS_DTYPES.items()}
-_MAX_HEADER = 100_000_000  # the reference implementation's limit
-#: The header key of the file's string metadata: no tensor can have this name.
-METADATA_KEY = "__metadata__"
+_MAX_HEADER = MAX_HEADER
 
 
 def is_safetensors(path: str | os.PathLike[str]) -> bool:
@@ -108,57 +78,7 @@ def read_safetensors_header(path: str | os.PathLike[str]) -> tuple[dict[str, Any
         size = os.fstat(f.fileno()).st_size
     if len(raw) < n:
         raise MetadataError(f"{path}: header of {n} bytes is truncated to {len(raw)}")
-    try:
-        header = json.loads(raw)
-    except (ValueError, RecursionError) as exc:
-        raise MetadataError(f"{path} is not a safetensors file: its header is not JSON ({exc})") from None
-    if not isinstance(header, dict):
-        raise MetadataError(f"{path}: safetensors header must be a JSON object")
-    meta = header.pop(METADATA_KEY, None) or {}
-    if not isinstance(meta, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in meta.items()
-    ):
-        raise MetadataError(f"{path}: __metadata__ must map strings to strings")
-    data_len = size - 8 - n
-    spans = []
-    for name, e in header.items():
-        where = f"{path}: tensor {name!r}"
-        if not isinstance(e, dict):
-            raise MetadataError(f"{where}: entry must be an object")
-        code, shape, offs = e.get("dtype"), e.get("shape"), e.get("data_offsets")
-        if code not in SAFETENSORS_DTYPES:
-            raise MetadataError(
-                f"{where}: dtype {code!r} is not supported; known: {', '.join(SAFETENSORS_DTYPES)}"
-            )
-        if not isinstance(shape, list) or not all(
-            isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape
-        ):
-            raise MetadataError(f"{where}: shape {str(shape)[:200]} is not a list of non-negative integers")
-        check_shape(shape, SAFETENSORS_DTYPES[code].itemsize, where)  # before any product of it
-        if (
-            not isinstance(offs, list)
-            or len(offs) != 2
-            or not all(isinstance(o, int) and not isinstance(o, bool) for o in offs)
-            or not 0 <= offs[0] <= offs[1]
-        ):
-            raise MetadataError(f"{where}: data_offsets {offs!r} must be [begin, end] with begin <= end")
-        need = math.prod(shape) * SAFETENSORS_DTYPES[code].itemsize
-        if offs[1] - offs[0] != need:
-            raise MetadataError(
-                f"{where}: data_offsets span {offs[1] - offs[0]} bytes, shape {shape} needs {need}"
-            )
-        spans.append((offs[0], offs[1], name))
-    end = 0
-    for begin, stop, name in sorted(spans):
-        if begin != end:
-            raise MetadataError(
-                f"{path}: tensor {name!r} starts at {begin}, expected {end} (overlap or hole)"
-            )
-        end = stop
-    if end != data_len:
-        raise MetadataError(
-            f"{path}: tensors cover {end} bytes, the file holds {data_len} after the header (truncated?)"
-        )
+    header, meta = parse_header(raw, size - 8 - n, os.fspath(path))
     return header, meta, 8 + n
 
 

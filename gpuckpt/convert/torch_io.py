@@ -17,8 +17,8 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from gpuckpt.convert.shapes import check_shape
 from gpuckpt.errors import GpuckptError, MetadataError, UnsafeCheckpointError, UnsupportedValueError
+from gpuckpt.format.shapes import check_shape
 
 __all__ = ["VIEW_AS", "check_trusted", "import_torch", "load_dcp", "load_torch_save", "torch_to_numpy"]
 

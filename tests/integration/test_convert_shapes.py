@@ -16,7 +16,7 @@ import pytest
 import gpuckpt
 from gpuckpt.convert import convert, read_safetensors
 from gpuckpt.convert.safetensors_io import read_safetensors_header
-from gpuckpt.convert.shapes import MAX_DIMS
+from gpuckpt.format.shapes import MAX_DIMS
 
 
 def _safetensors(path: Path, shape: list[int], code: str = "F32") -> Path:

@@ -1,4 +1,4 @@
-"""Bounds on the shapes of tensors read from files that ``convert`` reads (untrusted input).
+"""Bounds on the shapes of tensors read from foreign files (safetensors, ``torch.save``): untrusted input.
 
 A file may claim any shape: a safetensors header is JSON, a ``torch.save``
 pickle rebuilds tensors of any size with an empty storage when one axis is

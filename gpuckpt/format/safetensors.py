@@ -1,0 +1,176 @@
+"""What the bytes of a safetensors file and of a Hugging Face index mean: pure parsing, no I/O.
+
+A safetensors file: 8 bytes (little-endian u64) giving the header length ``N``,
+``N`` bytes of JSON (``{"name": {"dtype": "F32", "shape": [..], "data_offsets":
+[begin, end]}, ..., "__metadata__": {str: str}}``), then the tensors' bytes, C
+order, little-endian, at those offsets from the end of the header. The header is
+validated as strictly as the reference implementation does: known dtypes, sizes
+that match the shapes, offsets that tile the data exactly; and shapes within
+gpuckpt's bounds (:func:`~gpuckpt.format.shapes.check_shape`).
+
+A Hugging Face sharded directory adds ``model.safetensors.index.json``:
+``{"metadata": {"total_size": N, ...}, "weight_map": {"name": "model-00001-of-00002.safetensors"}}``.
+Every file name it gives must be a plain name in the same directory.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from gpuckpt.errors import MetadataError
+from gpuckpt.format.shapes import check_shape
+
+__all__ = [
+    "INDEX_NAME",
+    "MAX_HEADER",
+    "METADATA_KEY",
+    "SAFETENSORS_DTYPES",
+    "SINGLE_NAME",
+    "parse_header",
+    "parse_index",
+    "shard_name",
+]
+
+#: safetensors dtype code -> NumPy dtype (every code gpuckpt can store).
+SAFETENSORS_DTYPES: dict[str, np.dtype[Any]] = {
+    "BOOL": np.dtype(np.bool_),
+    "U8": np.dtype(np.uint8),
+    "I8": np.dtype(np.int8),
+    "U16": np.dtype(np.uint16),
+    "I16": np.dtype(np.int16),
+    "U32": np.dtype(np.uint32),
+    "I32": np.dtype(np.int32),
+    "U64": np.dtype(np.uint64),
+    "I64": np.dtype(np.int64),
+    "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "F32": np.dtype(np.float32),
+    "F64": np.dtype(np.float64),
+    "C64": np.dtype(np.complex64),
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
+    "F8_E8M0": np.dtype(ml_dtypes.float8_e8m0fnu),
+}
+#: the reference implementation's limit on the header length
+MAX_HEADER = 100_000_000
+#: The header key of the file's string metadata: no tensor can have this name.
+METADATA_KEY = "__metadata__"
+#: The index file of a sharded Hugging Face directory, and the name of an unsharded one's file.
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+#: the index of a directory of a million tensors is some 100 MB; more is not an index
+MAX_INDEX = 256 * 2**20
+
+
+def shard_name(i: int, n: int) -> str:
+    """The name transformers gives shard ``i`` (from 1) of ``n``: ``model-00001-of-00003.safetensors``."""
+    return f"model-{i:05d}-of-{n:05d}.safetensors"
+
+
+def parse_header(raw: bytes, data_len: int, where: str) -> tuple[dict[str, Any], dict[str, str]]:
+    """The tensor entries and ``__metadata__`` of a header ``raw``, checked against ``data_len``
+    bytes of data after it (``where`` names the file in errors).
+
+    Raises
+    ------
+    MetadataError
+        For anything the reference reader refuses, naming the tensor and the fix.
+    """
+    try:
+        header = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise MetadataError(f"{where} is not a safetensors file: its header is not JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise MetadataError(f"{where}: safetensors header must be a JSON object")
+    meta = header.pop(METADATA_KEY, None) or {}
+    if not isinstance(meta, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in meta.items()
+    ):
+        raise MetadataError(f"{where}: __metadata__ must map strings to strings")
+    spans = []
+    for name, e in header.items():
+        at = f"{where}: tensor {name!r}"
+        if not isinstance(e, dict):
+            raise MetadataError(f"{at}: entry must be an object")
+        code, shape, offs = e.get("dtype"), e.get("shape"), e.get("data_offsets")
+        if code not in SAFETENSORS_DTYPES:
+            raise MetadataError(
+                f"{at}: dtype {code!r} is not supported; known: {', '.join(SAFETENSORS_DTYPES)}"
+            )
+        if not isinstance(shape, list) or not all(
+            isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape
+        ):
+            raise MetadataError(f"{at}: shape {str(shape)[:200]} is not a list of non-negative integers")
+        check_shape(shape, SAFETENSORS_DTYPES[code].itemsize, at)  # before any product of it
+        if (
+            not isinstance(offs, list)
+            or len(offs) != 2
+            or not all(isinstance(o, int) and not isinstance(o, bool) for o in offs)
+            or not 0 <= offs[0] <= offs[1]
+        ):
+            raise MetadataError(f"{at}: data_offsets {offs!r} must be [begin, end] with begin <= end")
+        need = math.prod(shape) * SAFETENSORS_DTYPES[code].itemsize
+        if offs[1] - offs[0] != need:
+            raise MetadataError(
+                f"{at}: data_offsets span {offs[1] - offs[0]} bytes, shape {shape} needs {need}"
+            )
+        spans.append((offs[0], offs[1], name))
+    end = 0
+    for begin, stop, name in sorted(spans):
+        if begin != end:
+            raise MetadataError(
+                f"{where}: tensor {name!r} starts at {begin}, expected {end} (overlap or hole)"
+            )
+        end = stop
+    if end != data_len:
+        raise MetadataError(
+            f"{where}: tensors cover {end} bytes, the file holds {data_len} after the header (truncated?); "
+            "the file is damaged: export it again from its source"
+        )
+    return header, meta
+
+
+def parse_index(raw: bytes, where: str) -> tuple[dict[str, str], dict[str, Any]]:
+    """``(weight_map, metadata)`` of a ``model.safetensors.index.json`` document ``raw``.
+
+    Every shard name must be a plain file name ending in ``.safetensors`` (no directory
+    part: an index cannot send a reader elsewhere).
+
+    Raises
+    ------
+    MetadataError
+        When the document is not JSON, lacks a ``weight_map`` of strings to strings, or names
+        a shard outside its directory.
+    """
+    try:
+        doc = json.loads(raw)
+    except (ValueError, RecursionError, UnicodeDecodeError) as exc:
+        raise MetadataError(
+            f"{where} is not a Hugging Face index: not JSON ({exc}); write it again (gpuckpt convert "
+            "CKPT DIR --to hf writes one)"
+        ) from None
+    wmap = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(wmap, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in wmap.items()
+    ):
+        raise MetadataError(
+            f'{where}: expected an object with a "weight_map" of tensor names to shard file names; '
+            "the index is damaged or not a safetensors index"
+        )
+    for name, shard in wmap.items():
+        if shard in ("", ".", "..") or "/" in shard or "\\" in shard or "\0" in shard:
+            raise MetadataError(
+                f"{where}: tensor {name!r} maps to {shard[:200]!r}, which is not a file name in the "
+                "index's directory; the index is damaged"
+            )
+        if name == METADATA_KEY:
+            raise MetadataError(f"{where}: {METADATA_KEY!r} is not a tensor name; the index is damaged")
+    meta = doc.get("metadata") or {}
+    if not isinstance(meta, dict):
+        raise MetadataError(f'{where}: "metadata" must be an object, got {type(meta).__name__}')
+    return dict(wmap), dict(meta)

@@ -1,0 +1,242 @@
+"""``gpuckpt.lightning.CheckpointIO``: PyTorch Lightning checkpoints saved as gpuckpt checkpoints.
+
+Lightning hands its ``CheckpointIO`` plug-in one dictionary per checkpoint: the
+model's ``state_dict``, the optimizers' and schedulers' states, the loops'
+progress counters, the callbacks' states and the hyper-parameters. This
+plug-in saves it with :func:`gpuckpt.save` (a directory at the path Lightning
+names, ``epoch=0-step=3.ckpt``, published atomically): tensors as arrays,
+plain values (numbers, strings, None, lists, tuples, dicts) as gpuckpt's tagged
+JSON values, and other objects only with ``allow_pickle=True``. Loading gives
+back the same dictionary with CPU tensors (moved to ``map_location`` when given).
+:class:`AsyncCheckpointIO` takes a snapshot and writes it in the background
+(:func:`gpuckpt.async_save`).
+
+Lightning is imported here, when this module is imported, never by ``import gpuckpt``;
+the plug-in derives from the ``CheckpointIO`` of ``pytorch_lightning`` (``lightning_fabric``)
+and of ``lightning``, whichever are installed, so either package's ``Trainer`` accepts it.
+
+Examples
+--------
+>>> from gpuckpt.lightning import CheckpointIO  # doctest: +SKIP
+>>> trainer = pl.Trainer(plugins=[CheckpointIO()])  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+from pathlib import Path
+from typing import Any
+
+from gpuckpt import api, background
+from gpuckpt.convert.torch_save import numpy_to_torch
+from gpuckpt.errors import InvalidOptionError, MissingDependencyError, UnsupportedValueError
+from gpuckpt.pending import SaveFuture
+
+__all__ = ["AsyncCheckpointIO", "CheckpointIO"]
+
+
+def _bases() -> tuple[type, ...]:
+    found: list[type] = []
+    try:
+        from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO as FabricIO
+
+        found.append(FabricIO)
+    except ImportError:
+        pass
+    try:
+        from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO as UnifiedIO
+
+        if UnifiedIO not in found:
+            found.append(UnifiedIO)
+    except ImportError:
+        pass
+    if not found:
+        raise MissingDependencyError(
+            "gpuckpt.lightning needs PyTorch Lightning: pip install pytorch-lightning (or lightning)"
+        )
+    return tuple(found)
+
+
+_BASES = _bases()
+
+_PICKLE_HINT = (
+    "; the Lightning checkpoint holds an object that is not a tensor or a plain value (often a "
+    "hyper-parameter: save_hyperparameters(ignore=[...]) leaves it out); to store such objects "
+    "with pickle, pass allow_pickle=True to the plug-in (loading then runs their code)"
+)
+
+
+def _check_storage_options(storage_options: Any) -> None:
+    if storage_options is not None:
+        raise InvalidOptionError(
+            f"gpuckpt.lightning: storage_options={storage_options!r} is not supported per call; give the "
+            "plug-in storage_options= when you create it"
+        )
+
+
+class CheckpointIO(*_BASES):  # type: ignore[misc]
+    """A Lightning ``CheckpointIO`` that writes each checkpoint as a gpuckpt checkpoint.
+
+    Parameters
+    ----------
+    allow_pickle
+        Store objects that are neither tensors nor plain values with pickle (and read them
+        back). Off by default: such an object is an error that says so.
+    threads, chunk_bytes, storage_options
+        As for :func:`gpuckpt.save` (``storage_options`` for ``s3://`` paths).
+
+    Examples
+    --------
+    >>> import pytorch_lightning as pl  # doctest: +SKIP
+    >>> from gpuckpt.lightning import CheckpointIO  # doctest: +SKIP
+    >>> trainer = pl.Trainer(plugins=[CheckpointIO()], max_steps=10)  # doctest: +SKIP
+    >>> trainer.fit(model, ckpt_path="checkpoints/last.ckpt")  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        *,
+        allow_pickle: bool = False,
+        threads: int | None = None,
+        chunk_bytes: int | None = None,
+        storage_options: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        self.allow_pickle = bool(allow_pickle)
+        self.threads = threads
+        self.chunk_bytes = chunk_bytes
+        self.storage_options = storage_options
+
+    def _save_kwargs(self) -> dict[str, Any]:
+        kw: dict[str, Any] = {
+            "overwrite": True,  # Lightning saves "last.ckpt" again and again
+            "allow_pickle": self.allow_pickle,
+            "threads": self.threads,
+            "storage_options": self.storage_options,
+        }
+        if self.chunk_bytes is not None:
+            kw["chunk_bytes"] = self.chunk_bytes
+        return kw
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: str | os.PathLike[str], storage_options: Any = None
+    ) -> None:
+        """Save Lightning's ``checkpoint`` dict as a gpuckpt checkpoint at ``path``."""
+        _check_storage_options(storage_options)
+        try:
+            api.save(checkpoint, os.fspath(path), **self._save_kwargs())
+        except UnsupportedValueError as exc:
+            if self.allow_pickle:
+                raise
+            raise UnsupportedValueError(f"{exc}{_PICKLE_HINT}") from None
+
+    def load_checkpoint(
+        self, path: str | os.PathLike[str], map_location: Any = None, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        """The checkpoint dict at ``path``, tensors as CPU torch tensors (or on ``map_location``).
+
+        ``weights_only`` is accepted for Lightning's sake: nothing is unpickled unless the plug-in
+        was made with ``allow_pickle=True``."""
+        state = api.load_state_dict(
+            os.fspath(path),
+            allow_pickle=self.allow_pickle,
+            threads=self.threads,
+            storage_options=self.storage_options,
+        )
+        out: dict[str, Any] = numpy_to_torch(state)
+        if map_location is None:
+            return out
+        moved: dict[str, Any] = _moved(out, map_location)
+        return moved
+
+    def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
+        """Delete the whole checkpoint at ``path`` (nothing when there is none)."""
+        p = Path(path)
+        if p.is_dir() and not p.is_symlink():
+            if not (p / "zarr.json").is_file() and any(p.iterdir()):
+                raise UnsupportedValueError(
+                    f"{p} is not a gpuckpt checkpoint (no zarr.json); not deleting it: remove it by hand"
+                )
+            shutil.rmtree(p)
+        elif p.exists() or p.is_symlink():
+            p.unlink()
+
+    def teardown(self) -> None:
+        """Nothing to release (gpuckpt's threads and staging memory are kept for the next save)."""
+
+
+def _moved(value: Any, where: Any) -> Any:
+    """``value`` with every tensor moved by ``map_location`` (a device, a string or a callable)."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        if callable(where):
+            moved = where(value, "cpu")
+            return value if moved is None else moved
+        if isinstance(where, dict):
+            return value.to(where.get("cpu", "cpu"))
+        return value.to(where)
+    if isinstance(value, dict):
+        return {k: _moved(v, where) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_moved(v, where) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_moved(v, where) for v in value)
+    return value
+
+
+class AsyncCheckpointIO(CheckpointIO):
+    """:class:`CheckpointIO` whose saves return once a snapshot is taken
+    (:func:`gpuckpt.async_save`); the write goes on in the background.
+
+    One save is in flight at a time: a save waits for the previous one, and loads, removals and
+    ``teardown`` (called by Lightning at the end of ``fit``) wait for it too; a failed
+    background save raises from the next of these calls.
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._pending: SaveFuture | None = None
+        self._lock = threading.Lock()
+
+    def wait(self) -> None:
+        """Wait for the save in flight; raise its error, if it failed."""
+        with self._lock:
+            pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        try:
+            pending.result()
+        except UnsupportedValueError as exc:
+            if self.allow_pickle:
+                raise
+            raise UnsupportedValueError(f"{exc}{_PICKLE_HINT}") from None
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: str | os.PathLike[str], storage_options: Any = None
+    ) -> None:
+        _check_storage_options(storage_options)
+        self.wait()
+        try:
+            future = background.async_save(checkpoint, os.fspath(path), **self._save_kwargs())
+        except UnsupportedValueError as exc:
+            if self.allow_pickle:
+                raise
+            raise UnsupportedValueError(f"{exc}{_PICKLE_HINT}") from None
+        with self._lock:
+            self._pending = future
+
+    def load_checkpoint(
+        self, path: str | os.PathLike[str], map_location: Any = None, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        self.wait()
+        return super().load_checkpoint(path, map_location, weights_only)
+
+    def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
+        self.wait()
+        super().remove_checkpoint(path)
+
+    def teardown(self) -> None:
+        self.wait()

@@ -1,0 +1,126 @@
+"""``gpuckpt.lightning``: a real ``Trainer.fit`` on CPU checkpoints through the plug-in, resumes
+from its checkpoint, and ends bit-exact with a run that was never interrupted."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.torch
+
+EPOCHS = 3  # the interrupted run stops after 2 and resumes for the third
+
+
+class Schedule:
+    """A hyper-parameter that is neither a tensor nor a plain value."""
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Schedule)
+
+    __hash__ = object.__hash__
+
+
+def _lightning() -> Any:
+    pytest.importorskip("torch")
+    return pytest.importorskip("pytorch_lightning")
+
+
+def _module(pl: Any, torch: Any, hparam: Any = 0.05) -> Any:
+    class Tiny(pl.LightningModule):  # type: ignore[misc, name-defined]
+        def __init__(self, lr: Any = hparam) -> None:
+            super().__init__()
+            self.save_hyperparameters()
+            self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+
+        def training_step(self, batch: Any, _index: int) -> Any:
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self) -> Any:
+            opt = torch.optim.AdamW(self.parameters(), lr=0.05)
+            return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)]
+
+    return Tiny()
+
+
+def _fit(pl: Any, torch: Any, plugin: Any, root: Path, epochs: int, ckpt_path: str | None = None) -> Any:
+    pl.seed_everything(7, workers=True)
+    model = _module(pl, torch)
+    g = torch.Generator().manual_seed(3)
+    data = torch.utils.data.TensorDataset(torch.randn(32, 8, generator=g), torch.randn(32, 2, generator=g))
+    trainer = pl.Trainer(
+        max_epochs=epochs,
+        plugins=[plugin] if plugin is not None else None,
+        default_root_dir=root,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        logger=False,
+        deterministic=True,
+        accelerator="cpu",
+        devices=1,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Lightning's tips about workers and loggers
+        trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=8), ckpt_path=ckpt_path)
+    return trainer, model
+
+
+def _bits(model: Any) -> dict[str, bytes]:
+    return {k: v.detach().numpy().tobytes() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("kind", ["CheckpointIO", "AsyncCheckpointIO"])
+def test_fit_checkpoint_resume_is_bit_exact(tmp_path: Path, kind: str) -> None:
+    pl = _lightning()
+    import torch
+
+    import gpuckpt.lightning
+
+    _, whole = _fit(pl, torch, None, tmp_path / "whole", EPOCHS)
+    plugin = getattr(gpuckpt.lightning, kind)()
+    first, _ = _fit(pl, torch, plugin, tmp_path / "run", EPOCHS - 1)
+    ckdir = tmp_path / "run" / "checkpoints"
+    kept = sorted(p.name for p in ckdir.iterdir() if not p.name.startswith("."))
+    # ModelCheckpoint kept the last epoch's checkpoint and removed the first one whole
+    assert kept == [f"epoch={EPOCHS - 2}-step={4 * (EPOCHS - 1)}.ckpt"], kept
+    ck = ckdir / kept[0]
+    assert (ck / "zarr.json").is_file()
+    loaded = plugin.load_checkpoint(ck)
+    assert loaded["global_step"] == 4 * (EPOCHS - 1) and loaded["hyper_parameters"] == {"lr": 0.05}
+    assert isinstance(loaded["state_dict"]["net.0.weight"], torch.Tensor)
+    assert loaded["optimizer_states"][0]["param_groups"][0]["betas"] == (0.9, 0.999)
+    _, resumed = _fit(pl, torch, getattr(gpuckpt.lightning, kind)(), tmp_path / "run2", EPOCHS, str(ck))
+    assert _bits(resumed) == _bits(whole)
+    assert first.global_step == 4 * (EPOCHS - 1)
+
+
+def test_objects_need_allow_pickle_and_the_error_says_so(tmp_path: Path) -> None:
+    pl = _lightning()
+    import torch
+
+    from gpuckpt.errors import UnsupportedValueError
+    from gpuckpt.lightning import AsyncCheckpointIO, CheckpointIO
+
+    model = _module(pl, torch, Schedule())
+    checkpoint = {"state_dict": model.state_dict(), "hyper_parameters": dict(model.hparams)}
+    for plugin in (CheckpointIO(), AsyncCheckpointIO()):
+        with pytest.raises(UnsupportedValueError, match="allow_pickle=True to the plug-in"):
+            plugin.save_checkpoint(checkpoint, tmp_path / "refused.ckpt")
+            plugin.teardown()
+        assert not (tmp_path / "refused.ckpt").exists()
+    plugin = CheckpointIO(allow_pickle=True)
+    plugin.save_checkpoint(checkpoint, tmp_path / "pickled.ckpt")
+    back = plugin.load_checkpoint(tmp_path / "pickled.ckpt", map_location="cpu")
+    assert back["hyper_parameters"]["lr"] == Schedule()
+    assert np.array_equal(
+        back["state_dict"]["net.0.weight"].numpy(), model.state_dict()["net.0.weight"].numpy()
+    )
+    with pytest.raises(Exception, match="allow_pickle"):
+        CheckpointIO().load_checkpoint(tmp_path / "pickled.ckpt")
+    plugin.remove_checkpoint(tmp_path / "pickled.ckpt")
+    assert not (tmp_path / "pickled.ckpt").exists()
+    plugin.remove_checkpoint(tmp_path / "pickled.ckpt")  # nothing there: nothing to do
