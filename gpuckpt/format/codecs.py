@@ -234,6 +234,8 @@ class Compression:
     skip: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
+        if self.codec not in ("blosc", "zstd"):
+            raise ValueError(f"compression codec {self.codec!r} is not 'blosc' or 'zstd'")
         self.codec_for("", np.dtype(np.float32), 0)  # raises ValueError for a bad combination
 
     def codec_for(self, fqn: str, dtype: np.dtype[Any], chunk_nbytes: int) -> Codec | None:

@@ -211,7 +211,7 @@ def _fill_compressed(reader: CheckpointReader, t: TensorEntry, c: ChunkRead, box
 def decode_verified(reader: CheckpointReader, t: TensorEntry, c: ChunkRead) -> None:
     """Read chunk ``c`` of compressed tensor ``t``, check its CRC32C and that it decompresses to
     its chunk's bytes (kept nowhere: what verify asks of a compressed chunk)."""
-    _fill_compressed(reader, t, c, scratch(c.stored, t.dtype.newbyteorder("<"), t))
+    _fill_compressed(reader, t, c, scratch(c.spec.sizes, t.dtype.newbyteorder("<"), t))
 
 
 def _decoded(t: TensorEntry, c: ChunkRead, src: np.ndarray, dest: np.ndarray) -> None:
