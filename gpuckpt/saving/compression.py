@@ -26,12 +26,13 @@ import math
 import os
 import time
 from collections import defaultdict
-from typing import Any
+from collections.abc import Iterable
 
 import numpy as np
 
 from gpuckpt.device.arrays import HostArray
 from gpuckpt.format.codecs import Codec, Compression, encode
+from gpuckpt.format.dtypes import dtype_from_name
 from gpuckpt.options import SaveOptions
 from gpuckpt.planning.boxes import LocalTensor
 from gpuckpt.planning.plan import StateDescription
@@ -39,7 +40,16 @@ from gpuckpt.runtime.runner import default_threads
 from gpuckpt.saving.sources import Sources
 from gpuckpt.storage.stores import write_rate
 
-__all__ = ["AUTO_MIN_BYTES", "MIN_SAVING", "SAMPLES", "SAMPLE_BYTES", "AutoDecision", "decide", "resolve"]
+__all__ = [
+    "AUTO_MIN_BYTES",
+    "MIN_SAVING",
+    "SAMPLES",
+    "SAMPLE_BYTES",
+    "AutoDecision",
+    "decide",
+    "resolve",
+    "resolve_unsampled",
+]
 
 #: tensors smaller than this are never compressed by "auto"
 AUTO_MIN_BYTES = 1 << 20
@@ -136,6 +146,34 @@ def decide(local: StateDescription, sources: Sources, compression: Compression) 
 
 def _nbytes(t: LocalTensor) -> int:
     return math.prod(t.global_shape) * t.itemsize
+
+
+#: the compressor throughput per thread "auto" assumes where it samples nothing (the DCP
+#: Writer plans on rank 0 from the shapes alone): byte-shuffled zstd-1 on bf16 weights, measured
+#: on a loaded 2-core VM (bench/RESULTS.md)
+NOMINAL_BYTES_PER_S = 0.5e9
+#: and the fraction of bytes it assumes saved (fp32 moments save about that, bf16 weights more)
+NOMINAL_SAVING = 0.15
+
+
+def resolve_unsampled(
+    path: str | os.PathLike[str], options: SaveOptions, tensors: Iterable[LocalTensor]
+) -> Compression | None:
+    """:func:`resolve` where no tensor can be sampled: "auto" compresses the floating-point
+    tensors of :data:`AUTO_MIN_BYTES` or more when :data:`NOMINAL_BYTES_PER_S` and
+    :data:`NOMINAL_SAVING` beat the store's write rate, else nothing."""
+    c = options.codecs
+    if c is None or not c.auto:
+        return c
+    threads = min(options.threads or default_threads(), os.cpu_count() or 1)
+    if NOMINAL_BYTES_PER_S * threads * NOMINAL_SAVING <= write_rate(path):
+        return None
+    skip = {
+        t.fqn
+        for t in tensors
+        if _nbytes(t) < AUTO_MIN_BYTES or np.dtype(dtype_from_name(t.dtype)).kind != "f"
+    }
+    return Compression(c.codec, c.level, c.cname, c.shuffle, c.blocksize, auto=True, skip=frozenset(skip))
 
 
 def resolve(

@@ -182,3 +182,15 @@ def test_a_bad_compression_option_is_refused_before_anything_is_written(tmp_path
     with pytest.raises(gpuckpt.InvalidOptionError, match="compression"):
         gpuckpt.save({"w": np.zeros(4)}, tmp_path / "c", compression=bad)
     assert not (tmp_path / "c").exists()
+
+
+def test_inspect_shows_stored_and_logical_bytes(tmp_path: Path) -> None:
+    from gpuckpt.cli.inspect_cmd import describe_checkpoint, format_description
+
+    state = {"w": (np.random.default_rng(0).standard_normal(1 << 18) * 0.02).astype(ml_dtypes.bfloat16)}
+    gpuckpt.save(state, tmp_path / "c", compression="zstd")
+    d = describe_checkpoint(tmp_path / "c")
+    (row,) = d["tensors"]
+    assert row["codec"] == "blosc zstd-1 shuffle" and row["stored_bytes"] == row["file_bytes"] < row["bytes"]
+    text = format_description(d)
+    assert "stored" in text and "x smaller" in text and "warning" not in text

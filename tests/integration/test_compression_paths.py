@@ -6,10 +6,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import uuid
-from unittest import mock
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import ml_dtypes
 import numpy as np
@@ -27,7 +27,7 @@ from gpuckpt.verify import verify_checkpoint
 pytest.importorskip("obstore")
 pytest.importorskip("moto.server")
 
-from gpuckpt.testing.s3server import loopback_s3, s3_options  # noqa: E402 - after the skips
+from gpuckpt.testing.s3server import loopback_s3, s3_options
 
 BUCKET = "compression"
 
