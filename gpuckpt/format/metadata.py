@@ -334,7 +334,9 @@ class Metadata:
             else:
                 raise MetadataError(f"entry {fqn!r} has unsupported metadata type {type(md).__name__}")
         meta = self.storage_meta
-        version = self.version or FORMAT_VERSION
+        # unversioned metadata is written as version 3, as before version 4 (compressed
+        # tensors) existed: a save always names its version
+        version = self.version or VERSION_COLUMNS
         data = {
             "version": version,
             "state_dict_metadata": entries,
