@@ -194,3 +194,17 @@ def test_inspect_shows_stored_and_logical_bytes(tmp_path: Path) -> None:
     assert row["codec"] == "blosc zstd-1 shuffle" and row["stored_bytes"] == row["file_bytes"] < row["bytes"]
     text = format_description(d)
     assert "stored" in text and "x smaller" in text and "warning" not in text
+
+
+def test_a_release_that_reads_version_3_refuses_a_compressed_checkpoint_cleanly(tmp_path: Path) -> None:
+    from unittest import mock
+
+    import gpuckpt.format.metadata as fmt
+
+    gpuckpt.save({"w": np.zeros(1000, np.float32)}, tmp_path / "c", compression="zstd")
+    gpuckpt.save({"w": np.zeros(1000, np.float32)}, tmp_path / "plain")
+    # what the previous release's version check says of each (its versions: 1 to 3)
+    with mock.patch.multiple(fmt, FORMAT_VERSION="3", READABLE_VERSIONS=("1", "2", "3")):
+        with pytest.raises(gpuckpt.UnsupportedVersionError, match="version 4 is newer .* upgrade gpuckpt"):
+            gpuckpt.load_state_dict(tmp_path / "c")
+        assert gpuckpt.load_state_dict(tmp_path / "plain")["w"].shape == (1000,)
