@@ -42,6 +42,7 @@ __all__ = [
     "SMALL_CHUNK_BYTES",
     "checksum_verified",
     "decode_verified",
+    "stored_chunk",
     "cold_small_threads",
     "fetch_verified",
     "read_chunk_into",
@@ -206,6 +207,17 @@ def _fill_compressed(reader: CheckpointReader, t: TensorEntry, c: ChunkRead, box
         stored = scratch(c.stored, t.dtype.newbyteorder("<"), t)
         _decoded(t, c, src, stored.reshape(-1).view(np.uint8))
         box[...] = stored[tuple(slice(0, s) for s in c.spec.sizes)]
+
+
+def stored_chunk(reader: CheckpointReader, t: TensorEntry, c: ChunkRead) -> np.ndarray:
+    """Chunk ``c`` of ``t`` as stored (its padded shape ``c.stored``, little-endian), read into
+    scratch memory and verified (and decompressed, for a compressed tensor)."""
+    stored = scratch(c.stored, t.dtype.newbyteorder("<"), t)
+    if t.codec is not None:
+        _fill_compressed(reader, t, c, stored)
+    else:
+        fetch_verified(reader, t, c, [stored.reshape(-1).view(np.uint8)])
+    return stored
 
 
 def decode_verified(reader: CheckpointReader, t: TensorEntry, c: ChunkRead) -> None:
