@@ -200,13 +200,14 @@ def _fill_compressed(reader: CheckpointReader, t: TensorEntry, c: ChunkRead, box
     assert t.codec is not None
     src = scratch((c.nbytes - CRC_BYTES,), np.dtype(np.uint8), t)
     fetch_verified(reader, t, c, [src])
-    whole = box.flags.c_contiguous and box.dtype.byteorder != ">" and tuple(c.spec.sizes) == tuple(c.stored)
+    # ``box``: the chunk's box, or the whole stored (padded) chunk
+    whole = box.flags.c_contiguous and box.dtype.byteorder != ">" and tuple(box.shape) == tuple(c.stored)
     if whole:
         _decoded(t, c, src, box.reshape(-1).view(np.uint8))
     else:
         stored = scratch(c.stored, t.dtype.newbyteorder("<"), t)
         _decoded(t, c, src, stored.reshape(-1).view(np.uint8))
-        box[...] = stored[tuple(slice(0, s) for s in c.spec.sizes)]
+        box[...] = stored[tuple(slice(0, s) for s in box.shape)]
 
 
 def stored_chunk(reader: CheckpointReader, t: TensorEntry, c: ChunkRead) -> np.ndarray:
@@ -223,7 +224,7 @@ def stored_chunk(reader: CheckpointReader, t: TensorEntry, c: ChunkRead) -> np.n
 def decode_verified(reader: CheckpointReader, t: TensorEntry, c: ChunkRead) -> None:
     """Read chunk ``c`` of compressed tensor ``t``, check its CRC32C and that it decompresses to
     its chunk's bytes (kept nowhere: what verify asks of a compressed chunk)."""
-    _fill_compressed(reader, t, c, scratch(c.spec.sizes, t.dtype.newbyteorder("<"), t))
+    _fill_compressed(reader, t, c, scratch(c.stored, t.dtype.newbyteorder("<"), t))
 
 
 def _decoded(t: TensorEntry, c: ChunkRead, src: np.ndarray, dest: np.ndarray) -> None:
