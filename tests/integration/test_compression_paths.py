@@ -155,3 +155,19 @@ def test_s3_multipart_save_and_load_of_compressed_chunks(endpoint: str) -> None:
     assert back["w"].tobytes() == state["w"].tobytes() and back["noise"].tobytes() == state["noise"].tobytes()
     assert verify_checkpoint(url, storage_options=opts).ok
     assert json.loads(json.dumps(md.storage_data["tensors"]["w"]["codec"]))["name"] == "blosc"
+
+
+def test_device_arrays_are_compressed_after_staging_and_decompressed_into_staging(tmp_path: Path) -> None:
+    from gpuckpt.device.host_backend import HostBackend
+    from gpuckpt.testing.fakedevice import EmulatedDeviceArray
+
+    backend = HostBackend()
+    w = _weights(300 * 1024, 5).reshape(300, 1024)
+    # chunks of 64 rows: four whole ones and an edge chunk, each staged before it is compressed
+    gpuckpt.save(
+        {"w": EmulatedDeviceArray(w, backend)}, tmp_path / "c", compression="zstd", chunk_bytes=128 << 10
+    )
+    assert _codecs(tmp_path / "c")["w"] == "blosc"
+    out = EmulatedDeviceArray(np.zeros_like(w), backend)
+    gpuckpt.load({"w": out}, tmp_path / "c")
+    assert out.data.tobytes() == w.tobytes()
