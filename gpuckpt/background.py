@@ -37,6 +37,7 @@ from gpuckpt.planning.plan import SavePlan, StateDescription, plan_save
 from gpuckpt.progress import ProgressCallback
 from gpuckpt.runtime.collector import paused_gc
 from gpuckpt.runtime.workers import Workers
+from gpuckpt.saving.compression import resolve as resolve_compression
 from gpuckpt.saving.incremental import check_base_target
 from gpuckpt.saving.session import execute_save
 from gpuckpt.saving.sources import Source, contains_sharded, describe_state
@@ -237,6 +238,7 @@ def async_save(
     portable: bool = False,
     base: str | os.PathLike[str] | None = None,
     content_hash: bool = False,
+    compression: str | dict[str, Any] | None = None,
 ) -> SaveFuture:
     """Snapshot ``state_dict`` and save it to ``path`` in the background.
 
@@ -291,6 +293,7 @@ def async_save(
         portable=portable,
         base=base,
         content_hash=content_hash,
+        compression=compression,
     )
     return async_save_with_options(state_dict, path, options, coordinator)
 
@@ -315,8 +318,12 @@ def async_save_with_options(
     # a second for 10,000 tensors, more than their copy); an incremental save needs it now,
     # to leave out the arrays it shares with its base. A process's whole arrays plan without
     # error: what could be wrong with them was found by describe_state.
+    compression = resolve_compression(path, options, local, sources)
+
     def make_plan() -> SavePlan:
-        return plan_save([local], chunk_bytes=options.chunk_bytes, portable=options.portable)
+        return plan_save(
+            [local], chunk_bytes=options.chunk_bytes, portable=options.portable, compression=compression
+        )
 
     later = options.base is None and len(local.tensors) >= BACKGROUND_PLAN_MIN
     plan = None if later else make_plan()

@@ -21,6 +21,7 @@ __all__ = [
     "DistributedError",
     "MissingDependencyError",
     "ChecksumError",
+    "ChunkDecodeError",
     "DeviceUnavailableError",
     "GpuckptError",
     "InvalidOptionError",
@@ -120,6 +121,18 @@ class ChecksumError(CheckpointCorruptedError):
             f"{what}: computed {self.computed:#010x}, chunk file {self.stored:#010x}, "
             f"metadata {self.expected:#010x}"
         )
+
+
+class ChunkDecodeError(CheckpointCorruptedError):
+    """A compressed chunk matches its checksum but does not decompress to its chunk's bytes
+    (a frame that announces another size, or does not decode): a hostile or miswritten chunk.
+
+    Attributes ``fqn`` and ``key`` name the tensor and its chunk."""
+
+    def __init__(self, message: str, *, fqn: str | None = None, key: str | None = None) -> None:
+        super().__init__(message)
+        self.fqn = fqn
+        self.key = key
 
 
 class MissingChunkError(CheckpointCorruptedError):

@@ -110,6 +110,7 @@ _STEP_RE = re.compile(r"^(?:step_)?([0-9]{1,19})$")
 _SAVE_OPTIONS = frozenset(
     (
         "chunk_bytes",
+        "compression",
         "allow_pickle",
         "sync",
         "threads",
@@ -195,7 +196,7 @@ class CheckpointManager:
         shared file system, or an object store).
     **save_options
         Options of every save, as for :func:`gpuckpt.async_save`:
-        ``chunk_bytes``, ``allow_pickle``, ``sync``, ``threads``, ``progress``,
+        ``chunk_bytes``, ``compression``, ``allow_pickle``, ``sync``, ``threads``, ``progress``,
         ``staging``, ``staging_bytes``, ``portable``, ``storage_options``; checked here
         (:class:`~gpuckpt.errors.InvalidOptionError` for a bad value).
 

@@ -23,6 +23,7 @@ from types import MappingProxyType
 from typing import Any
 
 from gpuckpt.errors import InvalidOptionError
+from gpuckpt.format.codecs import Compression, parse_compression
 from gpuckpt.format.grid import DEFAULT_CHUNK_BYTES
 from gpuckpt.progress import ProgressCallback
 
@@ -153,6 +154,9 @@ class SaveOptions:
     direct_io: str = dataclasses.field(default_factory=direct_io_from_env)
     base: str | os.PathLike[str] | None = None
     content_hash: bool = False
+    #: chunk compression (:func:`gpuckpt.format.codecs.parse_compression`): None, "zstd", "lz4",
+    #: "auto", or a dict spec; kept as a :class:`~gpuckpt.format.codecs.Compression`
+    compression: Compression | str | Mapping[str, Any] | None = None
     #: entries added to the root document's ``planner_data`` by a single-process save (a local
     #: tier's part record, :mod:`gpuckpt.format.parts`); JSON values
     planner_extra: Mapping[str, Any] | None = None
@@ -172,6 +176,20 @@ class SaveOptions:
         _location("base", self.base)
         _flag("content_hash", self.content_hash)
         object.__setattr__(self, "planner_extra", _mapping("planner_extra", self.planner_extra))
+        try:
+            spec = dict(self.compression) if isinstance(self.compression, Mapping) else self.compression
+            object.__setattr__(self, "compression", parse_compression(spec))
+        except (ValueError, TypeError) as exc:
+            raise InvalidOptionError(
+                f"{exc}; compression is None, 'zstd', 'lz4', 'auto' or a dict spec (see docs/compression.md)"
+            ) from None
+
+    @property
+    def codecs(self) -> Compression | None:
+        """``compression`` as validated (a :class:`~gpuckpt.format.codecs.Compression`, or None)."""
+        value = self.compression
+        assert value is None or isinstance(value, Compression)
+        return value
 
     @property
     def base_location(self) -> str | None:

@@ -27,7 +27,7 @@ from gpuckpt.loading.checks import (
     load_chunk_records,
     overclaimed,
 )
-from gpuckpt.loading.chunk_reads import checksum_verified
+from gpuckpt.loading.chunk_reads import checksum_verified, decode_verified
 from gpuckpt.loading.open import open_checkpoint
 from gpuckpt.loading.ranged import segments_of
 from gpuckpt.printable import printable
@@ -115,7 +115,7 @@ def _check_array_doc(reader: CheckpointReader, t: TensorEntry) -> Damage | None:
         return Damage(where, "is not a JSON object", t.fqn)
     fmt = t.memory_format.name
     expected = expected_array_document(
-        shape=t.shape, dtype=t.dtype, grid=t.grid, fqn=t.fqn, memory_format=fmt
+        shape=t.shape, dtype=t.dtype, grid=t.grid, fqn=t.fqn, memory_format=fmt, codec=t.codec
     )
     # other attributes (added by another tool) are allowed; gpuckpt's own must be as written
     want_attrs = expected.pop("attributes")[ATTRIBUTE]
@@ -142,7 +142,10 @@ def _check_chunk(reader: CheckpointReader, t: TensorEntry, c: ChunkRead, piece: 
     if size != c.nbytes:
         return Damage(where, f"is {size} bytes, expected {c.nbytes} (truncated or overwritten)", t.fqn)
     try:
-        checksum_verified(reader, t, c, piece)
+        if t.codec is None:
+            checksum_verified(reader, t, c, piece)
+        else:
+            decode_verified(reader, t, c)  # and that it decompresses to the chunk's bytes
     except ChecksumError as exc:
         # the "computed / chunk file / metadata" detail, without the advice meant for loads
         return Damage(where, f"checksum mismatch ({exc.mismatch})" if exc.mismatch else str(exc), t.fqn)

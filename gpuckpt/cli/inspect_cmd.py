@@ -51,7 +51,11 @@ def _shape(shape: tuple[int, ...]) -> str:
 
 
 def _stored_bytes(t: TensorEntry) -> int:
-    """What the metadata claims the chunk files of ``t`` hold, without a record per chunk."""
+    """What the metadata claims the chunk files of ``t`` hold, without a record per chunk (a
+    compressed tensor: the sizes its records give; the most its codec stores where they were
+    not read)."""
+    if t.codec is not None:
+        return int(t.sizes.sum()) if t.sizes is not None else t.nchunks * t.max_stored()
     grid = t.grid
     if grid.kind == "regular":
         return t.nchunks * (math.prod(grid.chunk_shape) * t.dtype.itemsize + CRC_BYTES)
@@ -75,6 +79,7 @@ def _tensor_row(reader: CheckpointReader, t: TensorEntry, held: set[str] | None 
         "chunks": t.nchunks,
         "chunk_shape": list(grid.chunk_shape) if grid.kind == "regular" else None,
         "bytes": t.nbytes,
+        "codec": _codec(t),
         "stored_bytes": _stored_bytes(t),  # what the metadata claims
         "file_bytes": sum(size for size, _ in found),  # apparent size of the chunk files found
         "disk_bytes": sum(used for _, used in found),  # what they take on disk
@@ -82,6 +87,14 @@ def _tensor_row(reader: CheckpointReader, t: TensorEntry, held: set[str] | None 
         "own_bytes": sum(size for size, _ in found) - shared,  # of file_bytes: this checkpoint's own
         "missing_chunks": t.nchunks - len(found),
     }
+
+
+def _codec(t: TensorEntry) -> str | None:
+    """The compression of ``t``'s chunks in a few words (None: stored as they are)."""
+    c = t.codec
+    if c is None:
+        return None
+    return f"zstd-{c.level}" if c.name == "zstd" else f"blosc {c.cname}-{c.level} {c.shuffle}"
 
 
 def _object_row(fqn: str, enc: Any) -> dict[str, Any]:
@@ -169,13 +182,13 @@ def format_description(d: dict[str, Any]) -> str:
                 r["memory_format"],
                 chunks,
                 format_bytes(r["bytes"]),
+                format_bytes(r["stored_bytes"]),
+                r.get("codec") or "-",
             ]
         )
     out.append(f"tensors ({len(rows)}):")
-    out += [
-        "  " + line
-        for line in _table(["name", "shape", "dtype", "memory format", "chunks", "bytes"], rows, {4, 5})
-    ]
+    header = ["name", "shape", "dtype", "memory format", "chunks", "bytes", "stored", "codec"]
+    out += ["  " + line for line in _table(header, rows, {4, 5, 6})]
     if d["objects"]:
         out += ["", f"objects ({len(d['objects'])}):"]
         orows = [[o["name"], o["type"], o["value"]] for o in d["objects"]]
@@ -187,6 +200,8 @@ def format_description(d: dict[str, Any]) -> str:
         f"chunk files: {format_bytes(t['stored_bytes'])} claimed by the metadata, "
         f"{format_bytes(t['file_bytes'])} found ({format_bytes(t['disk_bytes'])} allocated on disk); "
         f"{t['objects']} objects",
+        f"stored: {format_bytes(t['stored_bytes'])} for {format_bytes(t['bytes'])} of tensors"
+        + (f" ({t['bytes'] / t['stored_bytes']:.2f}x smaller)" if t["stored_bytes"] else ""),
         f"sharing: {format_bytes(t['own_bytes'])} in chunk files of its own, "
         f"{format_bytes(t['shared_bytes'])} in chunk files shared with other checkpoints "
         "(hard links of incremental saves)",

@@ -65,6 +65,7 @@ from gpuckpt.planning.plan import ChunkAssignment, SavePlan, StateDescription, p
 from gpuckpt.planning.uniform import compact_description
 from gpuckpt.runtime.collector import paused_gc
 from gpuckpt.saving.commit import Written, as_columns, result_columns, table_columns
+from gpuckpt.saving.compression import resolve_unsampled
 from gpuckpt.saving.incremental import BaseIndex, ChunkResult, check_base_target, open_base_for
 from gpuckpt.saving.incremental import open_base as _open_base
 from gpuckpt.saving.session import SaveSession
@@ -121,8 +122,12 @@ HeldTensor = tuple[str, tuple[int, ...], np.dtype[Any], TensorProperties, Sequen
 # save -----------------------------------------------------------------------
 
 
-def plan(held_by_rank: Sequence[Sequence[HeldTensor]], options: SaveOptions) -> SavePlan:
-    """The save plan (chunk grids, each rank's chunks) from the boxes each rank holds.
+def plan(
+    held_by_rank: Sequence[Sequence[HeldTensor]], options: SaveOptions, path: str | os.PathLike[str] = ""
+) -> SavePlan:
+    """The save plan (chunk grids, each rank's chunks) from the boxes each rank holds (``path``:
+    where it goes, for ``compression="auto"``, which samples nothing here: see
+    :func:`~gpuckpt.saving.compression.resolve_unsampled`).
 
     Plain values are not planned: DCP hands them over only in ``write_data``,
     and :func:`commit_save` adds them.
@@ -140,11 +145,17 @@ def plan(held_by_rank: Sequence[Sequence[HeldTensor]], options: SaveOptions) -> 
     ]
     # every rank holding one box of the same tensors (FSDP, TP): planned per tensor, not per chunk
     compact = [compact_description(r.tensors, r.objects, r.skeleton) for r in ranks]
+    compression = resolve_unsampled(path, options, (t for r in ranks for t in r.tensors))
     if all(c is not None and c.digest == compact[0].digest for c in compact):  # type: ignore[union-attr]
         return plan_save(
-            [c for c in compact if c is not None], chunk_bytes=options.chunk_bytes, portable=options.portable
+            [c for c in compact if c is not None],
+            chunk_bytes=options.chunk_bytes,
+            portable=options.portable,
+            compression=compression,
         )
-    return plan_save(ranks, chunk_bytes=options.chunk_bytes, portable=options.portable)
+    return plan_save(
+        ranks, chunk_bytes=options.chunk_bytes, portable=options.portable, compression=compression
+    )
 
 
 @dataclass(slots=True)

@@ -78,10 +78,12 @@ class Writer(StorageWriter):  # type: ignore[misc,unused-ignore]
         Checkpoint directory (or ``s3://`` URL: single-process saves only).
         DCP's ``checkpoint_id`` replaces it for one save.
     overwrite, chunk_bytes, sync, threads, progress, staging_bytes, storage_options, portable, base,
-    content_hash
+    content_hash, compression
         As for :func:`gpuckpt.save`: with ``base`` (an earlier checkpoint), chunks
         equal to the base's are shared with it instead of written (each rank
-        decides for the chunks it writes).
+        decides for the chunks it writes); ``compression="auto"`` samples no tensor
+        here: it compresses the large floating-point ones where the store is slow
+        (see docs/compression.md).
 
     ``overwrite`` is True by default, as for DCP's ``FileSystemWriter``, so that a
     DCP program runs unchanged: a checkpoint already at the path is replaced
@@ -119,6 +121,7 @@ class Writer(StorageWriter):  # type: ignore[misc,unused-ignore]
         portable: bool = False,
         base: str | os.PathLike[str] | None = None,
         content_hash: bool = False,
+        compression: str | dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         self.options = SaveOptions(
@@ -132,6 +135,7 @@ class Writer(StorageWriter):  # type: ignore[misc,unused-ignore]
             portable=portable,
             base=base,
             content_hash=content_hash,
+            compression=compression,
         )
         self._path = os.fspath(path)
         self._coordinator = True
@@ -190,7 +194,7 @@ class Writer(StorageWriter):  # type: ignore[misc,unused-ignore]
             ]
             for rank in per_rank
         ]
-        save_plan = bridge.plan(described, self.options)
+        save_plan = bridge.plan(described, self.options, self._path)
         assignments = save_plan.assignments
         nvalues = len({i.index.fqn for p in plans for i in p.items if i.type == WriteItemType.BYTE_IO})
         self._discard()

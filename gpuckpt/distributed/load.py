@@ -18,13 +18,11 @@ from __future__ import annotations
 import functools
 import math
 
-import numpy as np
-
 from gpuckpt.device.arrays import ArrayAdapter
 from gpuckpt.device.backend import Staging
 from gpuckpt.device.upload import CopyQueue
 from gpuckpt.loading.checks import ChunkRead, TensorEntry
-from gpuckpt.loading.chunk_reads import fetch_verified, read_chunk_into, run_reads, scratch, upload_chunk
+from gpuckpt.loading.chunk_reads import read_chunk_into, run_reads, stored_chunk, upload_chunk
 from gpuckpt.loading.ranged import fetch_rows
 from gpuckpt.options import LoadOptions
 from gpuckpt.planning.boxes import Box, intersect, overlapping_chunks
@@ -66,8 +64,7 @@ def _read_one(
         start = min(inter[0][0] for _, _, inter in inters) - origin[0]
         stored = fetch_rows(reader, t, c, start, max(i[0][0] + i[1][0] for _, _, i in inters) - origin[0])
     if stored is None:
-        stored = scratch(c.stored, t.dtype.newbyteorder("<"), t)
-        fetch_verified(reader, t, c, [stored.reshape(-1).view(np.uint8)])
+        stored = stored_chunk(reader, t, c)  # decompressed where the tensor is compressed
     else:
         origin = (origin[0] + start, *origin[1:])
     for adapter, box, inter in inters:

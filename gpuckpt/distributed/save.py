@@ -57,6 +57,7 @@ from gpuckpt.planning.uniform import (
     local_layout_digest,
     tensor_groups,
 )
+from gpuckpt.saving.compression import resolve as resolve_compression
 from gpuckpt.saving.incremental import BaseIndex, open_base, open_base_for
 from gpuckpt.saving.session import SaveSession
 from gpuckpt.saving.sources import Source, describe_state
@@ -136,7 +137,8 @@ def plan_cache_info(coordinator: Coordinator) -> PlanCacheInfo:
 def _layout_keys(local: StateDescription, options: SaveOptions) -> tuple[bytes, CompactDescription | None]:
     compact = compact_description(local.tensors, local.objects, local.skeleton)
     digest = local_layout_digest(local.tensors, chunk_bytes=options.chunk_bytes, portable=options.portable)
-    return digest, compact
+    # a plan holds each tensor's codec: another compression is another plan
+    return digest + repr(options.codecs).encode(), compact
 
 
 def save_described(
@@ -200,7 +202,13 @@ def save_described(
             plan = dataclasses.replace(cached.plan, objects=objects, skeleton=skeleton)
         else:
             assert gathered is not None
-            plan = plan_save(gathered, chunk_bytes=options.chunk_bytes, portable=options.portable)
+            # "auto" samples the tensors this rank holds (the others follow their dtype's)
+            plan = plan_save(
+                gathered,
+                chunk_bytes=options.chunk_bytes,
+                portable=options.portable,
+                compression=resolve_compression(path, options, local, sources),
+            )
         # an incremental save: the arrays whose chunks the base may serve (each rank then reads
         # the base's records of those only)
         base = open_base_for(options, plan.tensors)

@@ -32,6 +32,7 @@ import numpy as np
 
 from gpuckpt.errors import MetadataError
 from gpuckpt.format.checksum import crc32c_loaded
+from gpuckpt.format.codecs import Codec
 from gpuckpt.format.dtypes import dtype_name
 from gpuckpt.format.grid import ChunkGrid
 from gpuckpt.format.metadata import Metadata
@@ -88,7 +89,13 @@ def _fill_value(dtype: np.dtype[Any]) -> Any:
 
 
 def expected_array_document(
-    *, shape: tuple[int, ...], dtype: np.dtype[Any], grid: ChunkGrid, fqn: str, memory_format: str
+    *,
+    shape: tuple[int, ...],
+    dtype: np.dtype[Any],
+    grid: ChunkGrid,
+    fqn: str,
+    memory_format: str,
+    codec: Codec | None = None,
 ) -> dict[str, Any]:
     """The ``zarr.json`` of one tensor's array, as the JSON object a save writes.
 
@@ -96,10 +103,14 @@ def expected_array_document(
     a writer, and :func:`gpuckpt.verify.verify_checkpoint` compares a stored
     document with it. ``attributes.gpuckpt`` names the tensor (``fqn``) and
     its ``memory_format`` (a :class:`~gpuckpt.format.memory_format.MemoryFormat` name).
+    A compressed tensor's ``codec`` goes between ``bytes`` and ``crc32c``
+    (:mod:`gpuckpt.format.codecs`).
     """
     codecs: list[dict[str, Any]] = [{"name": "bytes"}, {"name": "crc32c"}]
     if dtype.itemsize > 1:
         codecs[0]["configuration"] = {"endian": "little"}
+    if codec is not None:
+        codecs.insert(1, codec.to_json())
     return {
         "zarr_format": 3,
         "node_type": "array",
@@ -122,11 +133,13 @@ def _ints(values: tuple[int, ...]) -> bytes:
 
 
 @functools.lru_cache(maxsize=256)
-def _document_parts(dtype: np.dtype[Any], memory_format: str) -> tuple[bytes, bytes, bytes]:
-    """The parts of an array document that follow from its dtype and memory format: what goes
-    between the shape and the chunk grid, between the grid and the FQN, and after the FQN."""
+def _document_parts(
+    dtype: np.dtype[Any], memory_format: str, codec: Codec | None
+) -> tuple[bytes, bytes, bytes]:
+    """The parts of an array document that follow from its dtype, memory format and codec: what
+    goes between the shape and the chunk grid, between the grid and the FQN, and after the FQN."""
     doc = expected_array_document(
-        shape=(), dtype=dtype, grid=ChunkGrid.regular((), ()), fqn="", memory_format=""
+        shape=(), dtype=dtype, grid=ChunkGrid.regular((), ()), fqn="", memory_format="", codec=codec
     )
     codecs, fill = doc["codecs"], doc["fill_value"]
     before_grid = b',"data_type":' + _dumps(doc["data_type"]) + b',"chunk_grid":'
@@ -138,12 +151,18 @@ def _document_parts(dtype: np.dtype[Any], memory_format: str) -> tuple[bytes, by
 
 
 def array_document(
-    *, shape: tuple[int, ...], dtype: np.dtype[Any], grid: ChunkGrid, fqn: str, memory_format: str
+    *,
+    shape: tuple[int, ...],
+    dtype: np.dtype[Any],
+    grid: ChunkGrid,
+    fqn: str,
+    memory_format: str,
+    codec: Codec | None = None,
 ) -> bytes:
     """The ``zarr.json`` of one tensor's array (:func:`expected_array_document`), encoded: the
     bytes ``json.dumps`` gives the object with compact separators, built from parts kept per
     dtype (a save of many small tensors writes thousands of them)."""
-    before_grid, before_fqn, end = _document_parts(dtype, memory_format)
+    before_grid, before_fqn, end = _document_parts(dtype, memory_format, codec)
     if grid.kind == "regular":
         chunk_grid = b'{"name":"regular","configuration":{"chunk_shape":' + _ints(grid.chunk_shape) + b"}}"
     else:

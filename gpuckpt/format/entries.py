@@ -7,6 +7,7 @@ when first asked for.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -17,6 +18,7 @@ from gpuckpt.errors import MetadataError
 from gpuckpt.format import memory_format as mf
 from gpuckpt.format.checksum import CRC_BYTES
 from gpuckpt.format.chunks import stored_nbytes
+from gpuckpt.format.codecs import Codec
 from gpuckpt.format.documents import chunk_file_key
 from gpuckpt.format.grid import ChunkGrid, ChunkSpec, axis_starts
 from gpuckpt.format.metadata import GridTensorStorageMetadata, TensorProperties, TensorStorageMetadata
@@ -85,6 +87,7 @@ class TensorEntry:
         "_grid",
         "_metadata",
         "_stored",
+        "codec",
         "crcs",
         "dtype",
         "fqn",
@@ -95,6 +98,7 @@ class TensorEntry:
         "row",
         "segments",
         "shape",
+        "sizes",
         "table",
         "whole",
     )
@@ -115,6 +119,8 @@ class TensorEntry:
         crcs: np.ndarray | None = None,
         listed: Mapping[str, np.ndarray] | None = None,
         metadata: TensorStorageMetadata | None = None,
+        codec: Codec | None = None,
+        sizes: np.ndarray | None = None,
     ) -> None:
         """An entry from checked values (:mod:`gpuckpt.format.reader` makes them); ``grid`` None:
         the tensor is stored whole (one chunk of its own shape, the grid made when first asked
@@ -123,6 +129,10 @@ class TensorEntry:
         for, its chunks left to its grid)."""
         self.fqn, self.name, self._metadata, self._grid, self._stored = fqn, name, metadata, grid, stored
         self.crcs, self.table, self.row, self.listed, self.segments = crcs, table, row, listed, segments
+        #: how its chunks are compressed (None: stored as they are) and, for a compressed tensor,
+        #: each chunk's stored size (like ``crcs``, None until read from a chunk table)
+        self.codec: Codec | None = codec
+        self.sizes: np.ndarray | None = sizes
         self._chunks: list[ChunkRead] | None = None
         #: the tensor's shape, dtype and size in bytes (asked for per chunk by every load)
         self.shape: tuple[int, ...] = shape
@@ -164,17 +174,36 @@ class TensorEntry:
             )
         return self.crcs
 
-    def _read(self, spec: ChunkSpec, crc: int) -> ChunkRead:
+    def max_stored(self) -> int:
+        """The most bytes one stored chunk of this tensor may hold (checksum included)."""
+        itemsize = self.dtype.itemsize
+        if self.whole:
+            logical = self.nbytes
+        elif self.grid.kind == "regular":
+            logical = math.prod(self.grid.chunk_shape) * itemsize
+        else:
+            logical = math.prod(max(e, default=0) for e in self.grid.edges) * itemsize
+        return (logical if self.codec is None else self.codec.max_stored(logical)) + CRC_BYTES
+
+    def _stored_size(self, flat: int, stored: tuple[int, ...]) -> int:
+        if self.codec is None:
+            return stored_nbytes(stored, self.dtype.itemsize)
+        if self.sizes is None:
+            raise MetadataError(
+                f"the chunk records of tensor {self.fqn!r} were not read from the chunk table; "
+                "call gpuckpt.loading.checks.load_chunk_records first"
+            )
+        return int(self.sizes[flat])
+
+    def _read(self, spec: ChunkSpec, crc: int, flat: int) -> ChunkRead:
         stored = self.grid.stored_chunk_shape(spec)
-        return ChunkRead(
-            spec, chunk_file_key(spec.coords), stored_nbytes(stored, self.dtype.itemsize), crc, stored
-        )
+        return ChunkRead(spec, chunk_file_key(spec.coords), self._stored_size(flat, stored), crc, stored)
 
     @property
     def chunks(self) -> list[ChunkRead]:
         if self._chunks is None:
             crcs = self._crcs()
-            if self.whole and len(crcs) == 1:
+            if self.whole and len(crcs) == 1 and self.codec is None:
                 # the one chunk of a small tensor: what chunk_list and _read make, made directly
                 zero = (0,) * len(self.shape)
                 shape = self.shape
@@ -189,7 +218,10 @@ class TensorEntry:
                 ]
             else:
                 values = crcs.tolist()
-                self._chunks = [self._read(s, c) for s, c in zip(self.grid.chunk_list(), values, strict=True)]
+                self._chunks = [
+                    self._read(s, c, i)
+                    for i, (s, c) in enumerate(zip(self.grid.chunk_list(), values, strict=True))
+                ]
         return self._chunks
 
     def chunk(self, coords: tuple[int, ...]) -> ChunkRead:
@@ -208,7 +240,8 @@ class TensorEntry:
             offsets = tuple(st[c] for st, c in zip(starts, coords, strict=True))
             sizes = tuple(e[c] for e, c in zip(grid.edges, coords, strict=True))
         spec = ChunkSpec(tuple(coords), offsets, sizes)
-        return self._read(spec, int(self._crcs()[_flat(coords, grid.grid_shape)]))
+        flat = _flat(coords, grid.grid_shape)
+        return self._read(spec, int(self._crcs()[flat]), flat)
 
 
 def _flat(coords: tuple[int, ...], shape: tuple[int, ...]) -> int:

@@ -53,6 +53,7 @@ __all__ = [
     "FORMAT_VERSION",
     "READABLE_VERSIONS",
     "VERSION_COLUMNS",
+    "VERSION_COMPRESSED",
     "VERSION_LISTED",
     "VERSION_WITH_TABLE",
     "STATE_DICT_TYPE",
@@ -68,7 +69,7 @@ __all__ = [
 ]
 
 #: The newest version of the on-disk format this release writes (it reads every version up to it).
-FORMAT_VERSION = "3"
+FORMAT_VERSION = "4"
 #: The version of a checkpoint that lists every chunk in its metadata (the only form of version 1).
 VERSION_LISTED = "1"
 #: The version of a checkpoint that keeps its per-chunk records in a chunk table.
@@ -76,8 +77,11 @@ VERSION_WITH_TABLE = "2"
 #: The version of a checkpoint that keeps its usual tensor entries as columns
 #: (:mod:`gpuckpt.format.columns`; a superset of version 2).
 VERSION_COLUMNS = "3"
+#: The version of a checkpoint with compressed tensors (:mod:`gpuckpt.format.codecs`; a superset of
+#: version 3: a tensor's entry may name its ``codec``, and its records give each chunk's stored size).
+VERSION_COMPRESSED = "4"
 #: Every format version this release reads.
-READABLE_VERSIONS = ("1", "2", "3")
+READABLE_VERSIONS = ("1", "2", "3", "4")
 
 
 @dataclass
@@ -330,7 +334,9 @@ class Metadata:
             else:
                 raise MetadataError(f"entry {fqn!r} has unsupported metadata type {type(md).__name__}")
         meta = self.storage_meta
-        version = self.version or FORMAT_VERSION
+        # unversioned metadata is written as version 3, as before version 4 (compressed
+        # tensors) existed: a save always names its version
+        version = self.version or VERSION_COLUMNS
         data = {
             "version": version,
             "state_dict_metadata": entries,
@@ -345,7 +351,8 @@ class Metadata:
                 "modules": list(meta.modules),
             },
         }
-        return tensor_columns.compact(data) if version == VERSION_COLUMNS else data
+        compact = version in (VERSION_COLUMNS, VERSION_COMPRESSED)
+        return tensor_columns.compact(data) if compact else data
 
 
 def parse_version(d: Mapping[str, Any]) -> str:

@@ -39,13 +39,16 @@ from typing import Any
 import numpy as np
 
 from gpuckpt.errors import MetadataError
+from gpuckpt.format.checksum import CRC_BYTES
 from gpuckpt.format.chunks import stored_nbytes
+from gpuckpt.format.codecs import parse_codec
 from gpuckpt.format.columns import COLUMNS_KEY, checked_columns, expand
 from gpuckpt.format.documents import chunk_file_key, metadata_json
 from gpuckpt.format.entries import StoredProperties, TensorEntry
 from gpuckpt.format.grid import ChunkGrid
 from gpuckpt.format.metadata import (
     VERSION_COLUMNS,
+    VERSION_COMPRESSED,
     VERSION_LISTED,
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -130,7 +133,8 @@ class CheckpointIndex:
             f: tensors[f].metadata if f in tensors else BytesStorageMetadata() for f in self.order
         }
         doc = self.document
-        columns = self.version == VERSION_COLUMNS and COLUMNS_KEY in doc  # version 2 ignores them
+        # version 2 ignores them
+        columns = self.version in (VERSION_COLUMNS, VERSION_COMPRESSED) and COLUMNS_KEY in doc
         storage_data = expand(doc)["storage_data"] if columns else doc.get("storage_data")
         return Metadata(
             state_dict_metadata=entries,
@@ -170,10 +174,13 @@ class _Document:
     regular grids by their stored form, the array names taken, the chunk table and the row
     ranges of the tensors in it."""
 
-    __slots__ = ("_grids", "_properties", "names", "spans", "storage_data", "table")
+    __slots__ = ("_grids", "_properties", "compressed", "names", "spans", "storage_data", "table", "version")
 
-    def __init__(self, storage_data: dict[str, Any]) -> None:
+    def __init__(self, storage_data: dict[str, Any], version: str = VERSION_COMPRESSED) -> None:
         self.storage_data = storage_data
+        self.version = version
+        #: tensors may name a codec (format version 4)
+        self.compressed = version == VERSION_COMPRESSED
         self._properties: dict[Any, StoredProperties] = {}
         self._grids: dict[tuple[tuple[int, ...], tuple[int, ...]], ChunkGrid] = {}
         self.names: set[str] = set()
@@ -335,7 +342,12 @@ def _tensor(
         for i, (spec, box) in enumerate(zip(specs, boxes, strict=True)):
             if box.offsets != spec.offsets or box.sizes != spec.sizes:
                 raise _bad(fqn, f"chunk {i} box {box} does not match the grid {spec}")
-    crcs = listed = table = None
+    crcs = listed = table = sizes = codec = None
+    raw_codec = None if info is None else info.get("codec")
+    if raw_codec is not None:
+        if not doc.compressed:
+            raise _bad(fqn, f"it names a codec, which format version {doc.version} does not have")
+        codec = parse_codec(raw_codec, itemsize, f"metadata of tensor {fqn!r}")
     row = 0
     if rows is not _LISTED:
         table = doc.table or doc.chunk_table()
@@ -351,13 +363,18 @@ def _tensor(
             raise _bad(fqn, "storage chunk list does not match the chunk metadata")
         g = grid or ChunkGrid(size, "regular", size)
         specs = g.chunk_list()
+        claims = [stored_nbytes(g.stored_chunk_shape(s), itemsize) for s in specs]
+        if codec is not None:  # the most each chunk's codec may store
+            claims = [codec.max_stored(n - CRC_BYTES) + CRC_BYTES for n in claims]
         columns = parse_listed(
             raw_chunks,
             [chunk_file_key(s.coords) for s in specs],
-            [stored_nbytes(g.stored_chunk_shape(s), itemsize) for s in specs],
+            claims,
             functools.partial(_bad, fqn),
+            compressed=codec is not None,
         )
         crcs = columns.pop("crc32c")
+        sizes = columns.pop("nbytes", None)
         listed = columns or None
     metadata = None
     if boxes is not None:
@@ -377,6 +394,8 @@ def _tensor(
         crcs=crcs,
         listed=listed,
         metadata=metadata,
+        codec=codec,
+        sizes=sizes,
     )
 
 
@@ -408,7 +427,7 @@ def read_index(data: Any) -> CheckpointIndex:
     storage_meta = parse_storage_meta(d.get("storage_meta"))
     stored_tensors, stored_objects = sd["tensors"], sd["objects"]
     tabled = version != VERSION_LISTED  # a chunk table is read from format version 2 on
-    doc = _Document(sd)
+    doc = _Document(sd, version)
     tensors: dict[str, TensorEntry] = {}
     objects: dict[str, Any] = {}
     for fqn, raw in raw_entries.items():
@@ -437,7 +456,7 @@ def read_index(data: Any) -> CheckpointIndex:
             doc, fqn, stored, size, boxes, info.get("name"), info.get("chunk_grid"), rows, info
         )
     order = list(raw_entries)
-    if version == VERSION_COLUMNS and COLUMNS_KEY in d:
+    if version in (VERSION_COLUMNS, VERSION_COMPRESSED) and COLUMNS_KEY in d:
         fqns = _column_tensors(doc, checked_columns(d[COLUMNS_KEY]), raw_entries, stored_tensors, tensors)
         if fqns:
             order = sorted(order + fqns)

@@ -97,10 +97,12 @@ class Column:
         return self.dtype.itemsize * self.width
 
 
-#: the per-chunk fields, by name: the CRC32C (every checkpoint), the content hash and the hash
-#: of the first leaf (checkpoints that record content hashes)
+#: the per-chunk fields, by name: the CRC32C (every checkpoint), the stored size (checkpoints
+#: with compressed tensors: format version 4), the content hash and the hash of the first leaf
+#: (checkpoints that record content hashes)
 COLUMNS: dict[str, Column] = {
     "crc32c": Column("crc32c", np.dtype("<u4")),
+    "nbytes": Column("nbytes", np.dtype("<u8")),
     "xxh3t": Column("xxh3t", np.dtype("u1"), 16),
     "head": Column("head", np.dtype("u1"), 16, absent="xxh3t"),
 }
@@ -124,6 +126,8 @@ def listed_records(
     """The listed form: one JSON object per chunk (``key``, ``nbytes`` and each column's value)."""
     out: list[dict[str, Any]] = [{"key": k, "nbytes": n} for k, n in zip(keys, nbytes, strict=True)]
     for name, values in columns.items():
+        if name == "nbytes":
+            continue  # the stored sizes are ``nbytes`` (a compressed tensor's, as written)
         col = COLUMNS[name]
         if col.width == 1:
             for rec, v in zip(out, values.tolist(), strict=True):
@@ -135,10 +139,16 @@ def listed_records(
 
 
 def parse_listed(
-    raw: list[Any], keys: Sequence[str], nbytes: Sequence[int], bad: Callable[[str], Exception]
+    raw: list[Any],
+    keys: Sequence[str],
+    nbytes: Sequence[int],
+    bad: Callable[[str], Exception],
+    compressed: bool = False,
 ) -> dict[str, np.ndarray]:
     """The columns of listed records ``raw`` (untrusted JSON), each checked against the key and
     byte size the grid gives its chunk (``keys``, ``nbytes``); ``bad(what)`` makes the error.
+    ``compressed``: the chunks of a compressed tensor, whose byte size may be anything from 5
+    to ``nbytes`` (then the most the codec may store), returned as the column ``nbytes``.
 
     ``crc32c`` must be a 32-bit integer in every record. A fixed-width column is taken only
     when every record holds a valid value (``2 * width`` lowercase hex digits; a record
@@ -146,6 +156,7 @@ def parse_listed(
     without one leaves that column out, never an error.
     """
     crcs = np.zeros(len(raw), np.uint32)
+    sizes = np.zeros(len(raw), np.uint64) if compressed else None
     wide = {name: col for name, col in COLUMNS.items() if col.width > 1}
     found: dict[str, list[bytes] | None] = {name: [] for name in wide}
     for i, rec in enumerate(raw):
@@ -154,7 +165,13 @@ def parse_listed(
         key, size, crc = rec.get("key"), rec.get("nbytes"), rec.get("crc32c")
         if not is_chunk_file_key(key) or key != keys[i]:
             raise bad(f"chunk {i} key {key!r} is not {keys[i]!r}")
-        if type(size) is not int or size != nbytes[i]:
+        if sizes is not None:
+            if type(size) is not int or not CRC_BYTES < size <= nbytes[i]:
+                raise bad(
+                    f"chunk {key} claims {size!r} bytes, its codec stores {CRC_BYTES + 1} to {nbytes[i]}"
+                )
+            sizes[i] = size
+        elif type(size) is not int or size != nbytes[i]:
             raise bad(f"chunk {key} claims {size!r} bytes, its shape needs {nbytes[i]}")
         if not isinstance(crc, int) or isinstance(crc, bool) or not 0 <= crc < 2**32:
             raise bad(f"chunk {key} checksum {crc!r} is not a 32-bit value")
@@ -169,6 +186,8 @@ def parse_listed(
             else:
                 found[name] = None
     columns: dict[str, np.ndarray] = {"crc32c": crcs}
+    if sizes is not None:
+        columns["nbytes"] = sizes
     for name, values in found.items():
         if values is not None and raw:
             columns[name] = np.frombuffer(b"".join(values), np.uint8).reshape(len(raw), wide[name].width)

@@ -20,6 +20,7 @@ import numpy as np
 
 from gpuckpt.errors import (
     CheckpointCorruptedError,
+    MetadataError,
     MissingChunkError,
 )
 from gpuckpt.format.checksum import CRC_BYTES
@@ -48,6 +49,21 @@ def load_chunk_records(reader: CheckpointReader, entries: Iterable[TensorEntry])
     for t in entries:
         if t.crcs is None and t.table is not None:
             t.crcs = t.table.rows_of(reader, "crc32c", t.row, t.nchunks)
+        if t.codec is not None and t.sizes is None and t.table is not None:
+            if "nbytes" not in t.table.columns:
+                raise MetadataError(
+                    f"tensor {t.fqn!r} is compressed but the chunk table has no nbytes column; the "
+                    "checkpoint is damaged or was not written by gpuckpt"
+                )
+            sizes = t.table.rows_of(reader, "nbytes", t.row, t.nchunks)
+            most = t.max_stored()
+            if t.nchunks and (int(sizes.min()) <= CRC_BYTES or int(sizes.max()) > most):
+                raise MetadataError(
+                    f"tensor {t.fqn!r}: its chunk table rows give stored sizes from {int(sizes.min())} "
+                    f"to {int(sizes.max())} bytes; its codec stores {CRC_BYTES + 1} to {most}; the "
+                    "checkpoint is damaged or was not written by gpuckpt"
+                )
+            t.sizes = sizes
 
 
 def chunk_column(reader: CheckpointReader, t: TensorEntry, name: str) -> np.ndarray | None:
@@ -155,7 +171,7 @@ def checking_chunk_files(
     keys: list[str] = []
     expected: list[int] = []
     for t in entries:
-        if t.whole:
+        if t.whole and t.codec is None:
             # a tensor stored whole: its one chunk's key and size without its chunk record
             names.append(t.name)
             keys.append(whole_chunk_key(len(t.shape)))

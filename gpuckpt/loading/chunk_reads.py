@@ -24,10 +24,12 @@ from gpuckpt.errors import (
     CheckpointCorruptedError,
     CheckpointTooLargeError,
     ChecksumError,
+    ChunkDecodeError,
     MissingChunkError,
 )
 from gpuckpt.format.checksum import CRC_BYTES
 from gpuckpt.format.chunks import is_prefix_box
+from gpuckpt.format.codecs import CodecError, decode_into
 from gpuckpt.format.entries import ChunkRead, TensorEntry, whole_chunk_key
 from gpuckpt.options import LoadOptions
 from gpuckpt.progress import ProgressCounter
@@ -39,6 +41,8 @@ __all__ = [
     "MANY_CHUNKS",
     "SMALL_CHUNK_BYTES",
     "checksum_verified",
+    "decode_verified",
+    "stored_chunk",
     "cold_small_threads",
     "fetch_verified",
     "read_chunk_into",
@@ -174,7 +178,9 @@ def upload_chunk(
 def _fill_box(reader: CheckpointReader, t: TensorEntry, c: ChunkRead, box: np.ndarray) -> None:
     """Read and verify chunk ``c`` into ``box``: straight into its memory where the layout
     allows (the stored bytes are the box's), else through scratch memory."""
-    if box.flags.c_contiguous and box.dtype.byteorder != ">" and is_prefix_box(c.spec.sizes, c.stored):
+    if t.codec is not None:
+        _fill_compressed(reader, t, c, box)
+    elif box.flags.c_contiguous and box.dtype.byteorder != ">" and is_prefix_box(c.spec.sizes, c.stored):
         # straight into the box; padding of an edge chunk goes to scratch
         data = box.reshape(-1).view(np.uint8)
         pad = c.nbytes - CRC_BYTES - data.nbytes
@@ -183,6 +189,56 @@ def _fill_box(reader: CheckpointReader, t: TensorEntry, c: ChunkRead, box: np.nd
         stored = scratch(c.stored, t.dtype.newbyteorder("<"), t)
         fetch_verified(reader, t, c, [stored.reshape(-1).view(np.uint8)])
         box[...] = stored[tuple(slice(0, s) for s in c.spec.sizes)]
+
+
+def _fill_compressed(reader: CheckpointReader, t: TensorEntry, c: ChunkRead, box: np.ndarray) -> None:
+    """Read chunk ``c`` of compressed tensor ``t`` whole into scratch memory of its stored size
+    (checked against the file and bounded by its codec before), verify its CRC32C, and
+    decompress it straight into ``box`` where the box is the whole stored chunk in C order,
+    else into scratch copied into place. Raises :class:`~gpuckpt.errors.ChunkDecodeError` for a
+    chunk that does not decompress to exactly its chunk's bytes."""
+    assert t.codec is not None
+    src = scratch((c.nbytes - CRC_BYTES,), np.dtype(np.uint8), t)
+    fetch_verified(reader, t, c, [src])
+    # ``box``: the chunk's box, or the whole stored (padded) chunk
+    whole = box.flags.c_contiguous and box.dtype.byteorder != ">" and tuple(box.shape) == tuple(c.stored)
+    if whole:
+        _decoded(t, c, src, box.reshape(-1).view(np.uint8))
+    else:
+        stored = scratch(c.stored, t.dtype.newbyteorder("<"), t)
+        _decoded(t, c, src, stored.reshape(-1).view(np.uint8))
+        box[...] = stored[tuple(slice(0, s) for s in box.shape)]
+
+
+def stored_chunk(reader: CheckpointReader, t: TensorEntry, c: ChunkRead) -> np.ndarray:
+    """Chunk ``c`` of ``t`` as stored (its padded shape ``c.stored``, little-endian), read into
+    scratch memory and verified (and decompressed, for a compressed tensor)."""
+    stored = scratch(c.stored, t.dtype.newbyteorder("<"), t)
+    if t.codec is not None:
+        _fill_compressed(reader, t, c, stored)
+    else:
+        fetch_verified(reader, t, c, [stored.reshape(-1).view(np.uint8)])
+    return stored
+
+
+def decode_verified(reader: CheckpointReader, t: TensorEntry, c: ChunkRead) -> None:
+    """Read chunk ``c`` of compressed tensor ``t``, check its CRC32C and that it decompresses to
+    its chunk's bytes (kept nowhere: what verify asks of a compressed chunk)."""
+    _fill_compressed(reader, t, c, scratch(c.stored, t.dtype.newbyteorder("<"), t))
+
+
+def _decoded(t: TensorEntry, c: ChunkRead, src: np.ndarray, dest: np.ndarray) -> None:
+    assert t.codec is not None
+    try:
+        decode_into(t.codec, memoryview(src), dest)
+    except CodecError as exc:
+        raise ChunkDecodeError(
+            f"chunk {c.key} of tensor {t.fqn!r} passed its CRC32C check but does not decompress to the "
+            f"chunk's {dest.nbytes} bytes ({exc}); the checkpoint is damaged or hostile, or was written "
+            "wrongly: restore it from a copy or load an earlier checkpoint",
+            fqn=t.fqn,
+            key=c.key,
+        ) from None
 
 
 def _read_chunks(
@@ -195,11 +251,13 @@ def _read_chunks(
     """Chunks of host targets as one batch of the reader's (native code for the small
     chunk files of a local checkpoint); chunks of device targets one by one, each
     read into a staging buffer and moved in by ``copies`` while the next is read."""
-    host = [r for r in reads if r[2].backend is None]
+    host = [r for r in reads if r[2].backend is None and r[0].codec is None]
     if host:
         _read_host_batch(reader, host, staging, counter)
     for t, c, dest in reads:
-        if dest.backend is not None:
+        if dest.backend is None and t.codec is not None:
+            read_chunk_into(reader, t, c, dest, c.spec.offsets, staging, counter)
+        elif dest.backend is not None:
             assert copies is not None, "device targets need the run's copy queue"
             upload_chunk(reader, t, c, dest, c.spec.offsets, staging, copies, counter)
 
@@ -290,7 +348,7 @@ def _whole_buffer(t: TensorEntry, dest: ArrayAdapter) -> np.ndarray | None:
     """The memory of host array ``dest`` when the one chunk of ``t`` (stored whole) can be
     read straight into it, else None: the array itself where NumPy exports its buffer (its
     own dtypes), its bytes otherwise (bfloat16 and other extension dtypes export none)."""
-    if not (t.whole and isinstance(dest, HostArray)):
+    if not (t.whole and t.codec is None and isinstance(dest, HostArray)):
         return None
     a = dest.array
     if not a.flags.c_contiguous or a.dtype.byteorder == ">":
@@ -366,7 +424,7 @@ def cold_small_threads(reader: CheckpointReader, targets: list[tuple[TensorEntry
 
 def _file_bytes(t: TensorEntry) -> int:
     """The bytes of the chunk files of ``t`` (of a tensor stored whole: without its chunk record)."""
-    if t.whole:
+    if t.whole and t.codec is None:
         return t.nbytes + CRC_BYTES
     return sum(c.nbytes for c in t.chunks)
 

@@ -8,7 +8,9 @@ checkpoint recorded the CRC32C of each segment of the chunk
 (:attr:`~gpuckpt.storage.base.Capabilities.reads_ranges`), and the
 segments are fewer than the chunk's. Every fetched segment is checked
 against its record before any of its bytes is used; the records themselves
-are used only when they combine to the chunk's recorded CRC32C. Otherwise
+are used only when they combine to the chunk's recorded CRC32C. A compressed
+chunk (:mod:`gpuckpt.format.codecs`) has no segment records and is always read
+whole. Otherwise
 (:func:`fetch_rows` returns None) the caller reads the whole chunk and checks
 it as before.
 """
@@ -62,6 +64,8 @@ def fetch_rows(
     """
     if not reader.capabilities.reads_ranges or not c.stored or not 0 <= start < stop <= c.stored[0]:
         return None
+    if t.codec is not None:
+        return None  # a compressed chunk is read whole: its rows are not byte ranges of the file
     seg = segments_of(t)
     if seg is None or seg.data_nbytes != c.nbytes - CRC_BYTES:
         return None

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from gpuckpt.format.codecs import Codec, Compression
 from gpuckpt.format.dtypes import dtype_from_name
 from gpuckpt.format.grid import ChunkGrid, ChunkSpec
 from gpuckpt.format.metadata import TensorProperties
@@ -73,6 +74,14 @@ class ChunkAssignment:
     stored: tuple[int, ...]  # stored (possibly padded) chunk shape
     box: int  # index of the box in the process's ``LocalTensor.boxes`` of this tensor
     row: int = 0  # of the chunk in the plan's chunk table (see :attr:`TensorPlan.row`)
+    codec: Codec | None = None  # the tensor's (see :attr:`TensorPlan.codec`)
+
+
+def largest_chunk_elements(grid: ChunkGrid) -> int:
+    """Elements of the largest stored chunk of ``grid``."""
+    if grid.kind == "regular":
+        return math.prod(grid.chunk_shape)
+    return math.prod(max(e, default=0) for e in grid.edges)
 
 
 @functools.lru_cache(maxsize=256)
@@ -98,6 +107,8 @@ class TensorPlan:
     properties: TensorProperties
     writes: TensorWrites
     row: int = 0
+    #: how its chunks are compressed (:mod:`gpuckpt.format.codecs`); None: stored as they are
+    codec: Codec | None = None
 
     @property
     def nbytes(self) -> int:
@@ -126,7 +137,7 @@ class TensorPlan:
             mine = memo[id(w)] = w.of_rank(rank) if found is None else found
         if not mine:
             return
-        grid, fqn, name = self.grid, self.fqn, self.name
+        grid, fqn, name, codec = self.grid, self.fqn, self.name, self.codec
         if grid.nchunks == 1 and grid.kind == "regular":
             # one chunk (most tensors of a state of many small ones): written from the box that
             # holds the whole tensor; an empty box holds none of it
@@ -135,7 +146,7 @@ class TensorPlan:
                 if 0 not in w.sizes[i * nd : (i + 1) * nd]:
                     zero = (0,) * nd
                     yield ChunkAssignment(
-                        fqn, name, zero, zero, grid.shape, grid.chunk_shape, w.boxes[i], self.row
+                        fqn, name, zero, zero, grid.shape, grid.chunk_shape, w.boxes[i], self.row, codec
                     )
                     return
             return
@@ -157,7 +168,7 @@ class TensorPlan:
                 flat = 0
                 for c, g in zip(coords, gshape, strict=True):
                     flat = flat * g + c
-                yield ChunkAssignment(fqn, name, coords, offsets, sizes, stored, idx, self.row + flat)
+                yield ChunkAssignment(fqn, name, coords, offsets, sizes, stored, idx, self.row + flat, codec)
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,7 +260,11 @@ def merge_values(ranks: Sequence[tuple[Mapping[str, Any], Any]]) -> tuple[dict[s
 
 
 def plan_save(
-    ranks: Sequence[StateDescription | CompactDescription], *, chunk_bytes: int, portable: bool = False
+    ranks: Sequence[StateDescription | CompactDescription],
+    *,
+    chunk_bytes: int,
+    portable: bool = False,
+    compression: Compression | None = None,
 ) -> SavePlan:
     """The plan of a save from what each process (rank) holds, ``ranks[r]`` being rank ``r``'s.
 
@@ -259,7 +274,9 @@ def plan_save(
     When every rank sent a :class:`~gpuckpt.planning.uniform.CompactDescription`
     with the same digest, the tensors are planned over all ranks at once
     (:func:`~gpuckpt.planning.uniform.plan_uniform`, the same plan at a cost per
-    tensor). Raises :class:`~gpuckpt.errors.UnsupportedValueError` for boxes that
+    tensor). ``compression``: each tensor's codec (:meth:`Compression.codec_for
+    <gpuckpt.format.codecs.Compression.codec_for>`; None: no tensor compressed).
+    Raises :class:`~gpuckpt.errors.UnsupportedValueError` for boxes that
     do not tile their tensor or ranks that disagree on a tensor.
     """
     if not ranks:
@@ -286,16 +303,11 @@ def plan_save(
     row = 0
     for lt, grid, writes in planned:
         fqn = lt.fqn
-        t = TensorPlan(
-            fqn,
-            encode_name(fqn),
-            lt.global_shape,
-            dtype_from_name(lt.dtype),
-            grid,
-            lt.properties,
-            writes,
-            row,
-        )
+        dtype = dtype_from_name(lt.dtype)
+        codec = None
+        if compression is not None:
+            codec = compression.codec_for(fqn, dtype, largest_chunk_elements(grid) * dtype.itemsize)
+        t = TensorPlan(fqn, encode_name(fqn), lt.global_shape, dtype, grid, lt.properties, writes, row, codec)
         tensors.append(t)
         row += t.nchunks
     objects, skeleton = merge_values([(r.objects, r.skeleton) for r in ranks])

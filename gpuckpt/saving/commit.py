@@ -20,6 +20,7 @@ from gpuckpt.format.chunks import stored_nbytes
 from gpuckpt.format.documents import chunk_file_key, root_document
 from gpuckpt.format.metadata import (
     VERSION_COLUMNS,
+    VERSION_COMPRESSED,
     VERSION_LISTED,
     VERSION_WITH_TABLE,
     BytesStorageMetadata,
@@ -45,8 +46,10 @@ __all__ = [
     "assemble_metadata",
     "columns_of_results",
     "commit_save",
+    "compresses",
     "format_version",
     "result_columns",
+    "sized_columns",
     "table_columns",
     "uses_table",
     "write_table",
@@ -61,7 +64,11 @@ def result_columns(results: Sequence[Written]) -> dict[str, np.ndarray]:
     hashes when every chunk was hashed (:func:`~gpuckpt.saving.incremental.hash_columns`), and the
     segment records of large chunks where any chunk has them (``segments``: one object per
     chunk, see :func:`~gpuckpt.format.segments.segment_record`)."""
-    columns = {"crc32c": np.fromiter((r[1] for r in results), np.uint32, len(results))}
+    columns: dict[str, np.ndarray] = {
+        "crc32c": np.fromiter((r[1] for r in results), np.uint32, len(results)),
+        # kept only by saves that compress (see sized_columns)
+        "nbytes": np.fromiter((r[0] for r in results), np.uint64, len(results)),
+    }
     columns.update(hash_columns(results))
     records = [segment_record(r[1]) for r in results]
     if any(r is not None for r in records):
@@ -114,14 +121,16 @@ def table_columns(
         for name in others:
             col = COLUMNS[name]
             values = cols[name]
+            if col.width == 1 and values.ndim == 1:
+                values = values.reshape(len(values), 1)
             if values.shape != (len(rows), col.width):
                 raise GpuckptError(
                     f"a process reported a {name} column of shape {values.shape}, "
                     f"expected {(len(rows), col.width)}"
                 )
             if name not in columns:
-                columns[name] = np.zeros((n, col.width), col.dtype)
-            columns[name][rows] = values
+                columns[name] = np.zeros((n, col.width) if col.width > 1 else n, col.dtype)
+            columns[name][rows] = values if col.width > 1 else values[:, 0]
     # n rows reported and every one of the n filled: each exactly once (counted only to name one that was not)
     if total != n or not filled.all():
         seen = np.bincount(np.concatenate(every) if every else np.zeros(0, np.int64), minlength=n)
@@ -142,6 +151,20 @@ def columns_of_results(
     """:func:`table_columns` from ``(array name, chunk coords) -> result`` (see :data:`Written`)."""
     ordered = [results[(t.name, s.coords)] for t in plan.tensors for s in t.specs]
     return result_columns(ordered)
+
+
+def compresses(plan: SavePlan) -> bool:
+    """Whether any tensor of ``plan`` is compressed (then the checkpoint is format version 4)."""
+    return any(t.codec is not None for t in plan.tensors)
+
+
+def sized_columns(plan: SavePlan, columns: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """``columns`` with the stored sizes (``nbytes``) kept only where some tensor is compressed:
+    other chunks' sizes follow from their grid, and a checkpoint without compressed tensors
+    stays what earlier releases wrote."""
+    if compresses(plan):
+        return dict(columns)
+    return {name: c for name, c in columns.items() if name != "nbytes"}
 
 
 def write_table(writer: CheckpointWriter, columns: Mapping[str, np.ndarray]) -> dict[str, Any]:
@@ -188,27 +211,35 @@ def assemble_metadata(
     chunk of its regular grid has them. ``planner_extra``: more entries of ``planner_data``
     (besides the state's ``structure``).
     """
-    cols = as_columns(plan, columns)
+    cols = sized_columns(plan, as_columns(plan, columns))
     segments = cols.get(SEGMENTS_KEY)
     cols = {name: c for name, c in cols.items() if name in COLUMNS}
+    sizes = cols.get("nbytes")
     state_md: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
     tensors_sd: dict[str, Any] = {}
     listed = table is None
     for t in plan.tensors:
         state_md[t.fqn] = GridTensorStorageMetadata(t.properties, t.shape, grid=t.grid, listed=listed)
         info: dict[str, Any] = {"name": t.name, "chunk_grid": t.grid.to_zarr_json()}
+        if t.codec is not None:
+            info["codec"] = t.codec.to_json()
         if listed:
             specs = t.specs
             itemsize = t.dtype.itemsize
             regular = t.grid.kind == "regular"
+            if t.codec is not None and sizes is not None:  # as written
+                nbytes = [int(n) for n in sizes[t.row : t.row + t.nchunks]]
+            else:
+                nbytes = [stored_nbytes(t.grid.chunk_shape if regular else s.sizes, itemsize) for s in specs]
             info["chunks"] = listed_records(
                 [chunk_file_key(s.coords) for s in specs],
-                [stored_nbytes(t.grid.chunk_shape if regular else s.sizes, itemsize) for s in specs],
+                nbytes,
                 {name: c[t.row : t.row + t.nchunks] for name, c in cols.items()},
             )
         else:
             info["rows"] = t.row
-        if segments is not None and t.grid.kind == "regular":  # one size for every chunk
+        # segments of a compressed chunk would be ranges of its compressed bytes: none recorded
+        if segments is not None and t.grid.kind == "regular" and t.codec is None:  # one size for every chunk
             entry = segments_entry(segments[t.row : t.row + t.nchunks])
             if entry is not None:
                 info[SEGMENTS_KEY] = entry
@@ -225,7 +256,7 @@ def assemble_metadata(
         planner_data={"structure": plan.skeleton, **(planner_extra or {})},
         storage_data=storage_data,
         storage_meta=StorageMeta(checkpoint_id=checkpoint_id, modules=["gpuckpt"]),
-        version=format_version(plan, table is not None),
+        version=VERSION_COMPRESSED if compresses(plan) else format_version(plan, table is not None),
     )
 
 
@@ -277,7 +308,7 @@ def commit_save(
     number of chunks (:func:`uses_table`). Tests and fixtures force either form.
     ``planner_extra``: see :func:`assemble_metadata`.
     """
-    cols = as_columns(plan, columns)
+    cols = sized_columns(plan, as_columns(plan, columns))
     if table is None:
         table = uses_table(plan)
     entry = write_table(writer, cols) if table and plan.nchunks else None

@@ -30,6 +30,7 @@ from gpuckpt.device.backend import ChunkBox, Staging
 from gpuckpt.errors import CheckpointWriteError, GpuckptError
 from gpuckpt.format.checksum import CRC_BYTES
 from gpuckpt.format.chunks import chunk_bytes, stored_nbytes
+from gpuckpt.format.codecs import Codec, encode
 from gpuckpt.format.documents import array_document, chunk_file_key
 from gpuckpt.options import SaveOptions
 from gpuckpt.planning.plan import ChunkAssignment, SavePlan, TensorPlan
@@ -69,6 +70,7 @@ class ChunkJob:
     sizes: tuple[int, ...]
     stored: tuple[int, ...]
     row: int = 0  # of the chunk in the save's chunk table
+    codec: Codec | None = None  # compressed by the I/O thread that writes it
 
     @property
     def key(self) -> str:
@@ -89,7 +91,7 @@ def bind_jobs(assignments: Iterable[ChunkAssignment], sources: Sources) -> list[
             if not any(src.offsets)
             else tuple(o - b for o, b in zip(a.offsets, src.offsets, strict=True))
         )
-        jobs.append(ChunkJob(a.name, a.coords, src.array, local, a.sizes, a.stored, a.row))
+        jobs.append(ChunkJob(a.name, a.coords, src.array, local, a.sizes, a.stored, a.row, a.codec))
     return jobs
 
 
@@ -110,7 +112,12 @@ def open_save_writer(
 
 def array_document_of(t: TensorPlan) -> bytes:
     return array_document(
-        shape=t.shape, dtype=t.dtype, grid=t.grid, fqn=t.fqn, memory_format=t.properties.memory_format.name
+        shape=t.shape,
+        dtype=t.dtype,
+        grid=t.grid,
+        fqn=t.fqn,
+        memory_format=t.properties.memory_format.name,
+        codec=t.codec,
     )
 
 
@@ -342,13 +349,18 @@ def _write_items(
         pads: list[int] = []
         for j, staged, _document in items:
             data, pad = chunk_bytes(staged.wait(), j.stored)
+            if j.codec is not None:
+                # compressed here, on the I/O thread (the codecs release the GIL); the CRC32C
+                # and the content hashes of an incremental save are those of the stored bytes
+                data, pad = encode(j.codec, data, pad), 0
             buffers.append(data)
             pads.append(pad)
         names = [j.name for j, _, _ in items]
         keys = [j.key for j, _, _ in items]
         documents = [document for _, _, document in items]
         # the caller's memory is copied once by the writer before it is checksummed and stored
-        stable = all(staged.stable for _, staged, _ in items)
+        # (compressed bytes are the writer's own already)
+        stable = all(staged.stable or j.codec is not None for j, staged, _ in items)
         results: list[Written]
         if reuse is not None:
             results = list(

@@ -73,6 +73,10 @@ class Backend:
     root: Callable[..., CheckpointRoot] | None = None
     #: the path or URL text as the factories take it
     location: Callable[[str], str] = str
+    #: bytes per second a save to this store is assumed to write, for the rule of
+    #: ``compression="auto"`` (:mod:`gpuckpt.saving.compression`): a local NVMe or the page
+    #: cache by default
+    write_bytes_per_s: float = 2e9
 
 
 @dataclass(frozen=True, slots=True)

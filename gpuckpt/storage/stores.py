@@ -32,6 +32,7 @@ from gpuckpt.storage.s3.writer import ObjectStoreReader, ObjectStoreWriter
 
 __all__ = [
     "BACKENDS",
+    "write_rate",
     "attach_writer",
     "cleanup_leftovers",
     "is_committed",
@@ -92,8 +93,14 @@ def _s3_root(location: str, *, storage_options: dict[str, Any]) -> CheckpointRoo
 #: URL scheme (``file`` for plain paths) -> its back end
 BACKENDS: dict[str, Backend] = {
     "file": Backend(_local_writer, _local_reader, _local_attach, _local_root, _local_location),
-    "s3": Backend(_s3_writer, _s3_reader, _s3_attach, _s3_root),
+    # an object store through one client: a few hundred MB/s (see docs/compression.md)
+    "s3": Backend(_s3_writer, _s3_reader, _s3_attach, _s3_root, write_bytes_per_s=0.25e9),
 }
+
+
+def write_rate(path: str | os.PathLike[str]) -> float:
+    """Bytes per second a save to ``path`` is assumed to write (:attr:`Backend.write_bytes_per_s`)."""
+    return _backend(path)[0].write_bytes_per_s
 
 
 def path_text(path: Any) -> str:

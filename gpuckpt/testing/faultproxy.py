@@ -96,6 +96,7 @@ class _Handler(socketserver.StreamRequestHandler):
                     headers.append(("Content-Length", str(len(body))))
                 else:
                     body = self.rfile.read(int(lower.get("content-length", "0") or 0))
+                self.server.proxy._carry("up", len(body))
                 fault = self.server.proxy._decide(method, target, len(body))
                 self._kind = request_kind(method, target)
                 self._held = len(body)
@@ -177,6 +178,7 @@ class _Handler(socketserver.StreamRequestHandler):
         if cut:  # part of the answer: half the body, or half the head when there is no body
             raw = raw[: len(head) + len(body) // 2] if len(body) > 1 else raw[: len(head) // 2]
         self.server.proxy._sent(self._kind, len(raw) - len(head) if len(raw) > len(head) else 0)
+        self.server.proxy._carry("down", len(raw) - len(head))
         self.wfile.write(raw)
         self.wfile.flush()
 
@@ -207,6 +209,11 @@ class FaultProxy:
         The kinds to draw from (see the module docstring), with equal weight.
     stall_seconds
         How long a stalled request is held.
+    bandwidth
+        Bytes per second of the link it stands for, each way (None: as fast as it goes):
+        request bodies are held until the link upstream has carried them, answer bodies until
+        the link back has, every connection sharing the two (a slow object store, for
+        benchmarks).
     """
 
     def __init__(
@@ -217,6 +224,7 @@ class FaultProxy:
         seed: int = 0,
         faults: tuple[str, ...] = FAULTS,
         stall_seconds: float = 2.0,
+        bandwidth: float | None = None,
     ) -> None:
         unknown = sorted(set(faults) - set(FAULTS))
         if unknown:
@@ -224,6 +232,9 @@ class FaultProxy:
         parts = urlsplit(upstream)
         self._upstream = (parts.hostname or "127.0.0.1", parts.port or 80)
         self.rate, self.faults, self.stall_seconds = rate, faults, stall_seconds
+        self.bandwidth = bandwidth
+        #: when each direction of the link is free again (``time.monotonic``)
+        self._link_free = {"up": 0.0, "down": 0.0}
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
         self.counts: Counter[str] = Counter()
@@ -258,6 +269,18 @@ class FaultProxy:
             fault = self._rng.choice(self.faults)
             self.injected[fault] += 1
             return fault
+
+    def _carry(self, direction: str, nbytes: int) -> None:
+        """Wait until ``nbytes`` have crossed the link ``direction`` ("up" or "down"), after
+        what it carries already (nothing without a :attr:`bandwidth`)."""
+        if self.bandwidth is None or nbytes <= 0:
+            return
+        with self._lock:
+            start = max(time.monotonic(), self._link_free[direction])
+            end = self._link_free[direction] = start + nbytes / self.bandwidth
+        delay = end - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
 
     def _sent(self, kind: str, nbytes: int) -> None:
         with self._lock:

@@ -43,6 +43,17 @@ def test_save_with_n_ranks_load_with_m(
     _check_single_process_view(module, path)
 
 
+def test_compressed_save_with_3_ranks_loads_with_2(run_mpi: Any, load_script: Any, tmp_path: Path) -> None:
+    module = load_script("sharded_save_load")
+    path = tmp_path / "ckpt"
+    run_mpi(3, SCRIPT, "save_compressed", path, timeout=60).check(3)
+    md = gpuckpt.read_metadata(path)
+    assert md.version == "4" and all("codec" in e for e in md.storage_data["tensors"].values())
+    loaded = run_mpi(2, SCRIPT, "load", path, timeout=60).check(2)
+    assert all(r == module.expected_loaded() for r in loaded.values())
+    _check_single_process_view(module, path)
+
+
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_async_save_with_n_ranks(run_mpi: Any, load_script: Any, tmp_path: Path, n: int) -> None:
     module = load_script("sharded_save_load")

@@ -80,7 +80,7 @@ def test_inspect_json(ckpt: Path) -> None:
     stored = 4 * (16 * 16 * 4 + 4)
     assert rows["layer.weight"] == {
         "name": "layer.weight", "shape": [64, 16], "dtype": "float32", "memory_format": "contiguous_format",
-        "chunks": 4, "chunk_shape": [16, 16], "bytes": 4096, "stored_bytes": stored,
+        "chunks": 4, "chunk_shape": [16, 16], "bytes": 4096, "codec": None, "stored_bytes": stored,
         "file_bytes": stored, "shared_bytes": 0, "own_bytes": stored, "missing_chunks": 0,
     }  # fmt: skip
     assert {o["name"]: o["type"] for o in d["objects"]} == {"step": "int", "note": "str"}

@@ -14,6 +14,7 @@ from gpuckpt.format.documents import chunk_file_key
 from gpuckpt.format.metadata import (
     _MEM_FORMAT_ENCODING,
     FORMAT_VERSION,
+    VERSION_COLUMNS,
     BytesStorageMetadata,
     ChunkStorageMetadata,
     Metadata,
@@ -171,7 +172,7 @@ def test_metadata_json_round_trip(entries: dict[str, object]) -> None:
     assert back.state_dict_metadata == md.state_dict_metadata
     assert back.storage_meta == md.storage_meta
     assert back.planner_data == md.planner_data and back.storage_data == md.storage_data
-    assert back.version == FORMAT_VERSION
+    assert back.version == VERSION_COLUMNS  # unversioned metadata is written as version 3
 
 
 def test_metadata_never_pickles() -> None:

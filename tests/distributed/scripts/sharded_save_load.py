@@ -131,12 +131,14 @@ def expected_loaded() -> dict[str, Any]:
     return {"w": True, "u": True, "opt.m": True, "rep": True, "plain": PLAIN}
 
 
-def save_rank(c: Coordinator, path: str, *, use_async: bool = False) -> dict[str, Any]:
+def save_rank(
+    c: Coordinator, path: str, *, use_async: bool = False, compression: str | None = None
+) -> dict[str, Any]:
     state = save_layout(c.rank, c.world_size)
     if use_async:
-        gpuckpt.async_save(state, path, coordinator=c).result()
+        gpuckpt.async_save(state, path, coordinator=c, compression=compression).result()
     else:
-        gpuckpt.save(state, path, coordinator=c)
+        gpuckpt.save(state, path, coordinator=c, compression=compression)
     return {"saved": True}
 
 
@@ -172,6 +174,8 @@ def main(mode: str, path: str) -> None:
             return save_rank(c, path)
         if mode == "async_save":
             return save_rank(c, path, use_async=True)
+        if mode == "save_compressed":
+            return save_rank(c, path, compression="zstd")
         if mode == "load":
             return load_rank(c, path)
         if mode == "save_fail":

@@ -1,0 +1,254 @@
+"""Lossless compression (``compression=``): ratios, codec speed, "auto", and saves and loads to a slow
+object store, each figure against a ceiling measured in the same run.
+
+The state is synthetic: bf16 weights drawn from N(0, 0.02), Adam-like fp32 moments (``exp_avg``
+from N(0, 1e-3), ``exp_avg_sq`` its square plus N(0, 1e-8) noise, as positive values), and an
+incompressible tensor of random bytes.
+
+Figures:
+
+1. **ratio**: logical bytes over stored bytes of each tensor saved with each choice ("zstd",
+   the default; "lz4"; the core zstd codec at level 3). Ceiling: 1.0 (stored as they are).
+2. **codec speed**: the default codec compressing and decompressing one 64 MiB chunk of the
+   weights on one thread (what one I/O thread does), against a ``memcpy`` of the same bytes.
+3. **auto on random bytes**: a local save of the incompressible tensor with
+   ``compression="auto"`` over the same save with none (auto samples it and stores it as it is).
+4. **slow object store**: a save and a load of the compressible state (``--mib``, default 1 GiB)
+   to the S3-protocol server on loopback through a proxy limited to ``--link`` MB/s each way
+   (``gpuckpt.testing.faultproxy``; server and proxy in a process of their own), with
+   ``compression="zstd"`` over without; and the save
+   without compression over the link's ceiling (the bytes over the link rate: an uncompressed
+   save cannot beat it).
+
+Usage: ``python bench/bench_compression.py [--mib 1024] [--rounds 2] [--link 200] [--json OUT] [--quick]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+import gpuckpt
+from gpuckpt.format.codecs import PRESETS, decode_into, encode
+
+CHOICES: dict[str, Any] = {"zstd": "zstd", "lz4": "lz4", "zstd-core-3": {"codec": "zstd", "level": 3}}
+
+
+def make_state(mib: float, seed: int = 0) -> dict[str, np.ndarray]:
+    """Weights (half the bytes, bf16) and two fp32 moments (a quarter each)."""
+    rng = np.random.default_rng(seed)
+    n = int(mib * (1 << 20)) // 4  # bf16 weights: half the bytes
+    rows = max(1, n // 4096)
+    w = (rng.standard_normal((rows, 4096), dtype=np.float32) * 0.02).astype(ml_dtypes.bfloat16)
+    m = rng.standard_normal((rows // 4 or 1, 4096), dtype=np.float32) * 1e-3  # a quarter of the bytes
+    v = np.abs(m * m + rng.standard_normal(m.shape, dtype=np.float32) * 1e-8).astype(np.float32)
+    return {"weight": w, "exp_avg": m, "exp_avg_sq": v}
+
+
+def random_bytes(mib: float, seed: int = 1) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, int(mib * (1 << 20)), dtype=np.uint8)
+
+
+def _stored(path: Path, fqn: str) -> int:
+    md = gpuckpt.read_metadata(path)
+    return sum(int(c["nbytes"]) for c in md.storage_data["tensors"][fqn]["chunks"])
+
+
+def ratios(tmp: Path, state: dict[str, np.ndarray], noise: np.ndarray) -> dict[str, dict[str, float]]:
+    out: dict[str, dict[str, float]] = {}
+    tensors = {**state, "random": noise}
+    for name, choice in CHOICES.items():
+        path = tmp / f"ratio-{name}"
+        gpuckpt.save(tensors, path, compression=choice)
+        out[name] = {f: a.nbytes / _stored(path, f) for f, a in tensors.items()}
+        shutil.rmtree(path)
+    return out
+
+
+def _best(fn: Any, rounds: int) -> float:
+    best = float("inf")
+    for _ in range(rounds):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def codec_speed(weights: np.ndarray, rounds: int) -> dict[str, float]:
+    data = weights.reshape(-1).view(np.uint8)[: 64 << 20]
+    codec = PRESETS["zstd"].codec_for("weight", weights.dtype, data.nbytes)
+    assert codec is not None
+    packed = encode(codec, data, 0)
+    dest = np.empty_like(data)
+    copy = _best(lambda: np.copyto(dest, data), rounds)
+    comp = _best(lambda: encode(codec, data, 0), rounds)
+    dec = _best(lambda: decode_into(codec, memoryview(packed), dest), rounds)
+    assert dest.tobytes() == data.tobytes()
+    n = data.nbytes
+    return {
+        "bytes": n,
+        "memcpy_gbps": n / copy / 1e9,
+        "compress_gbps": n / comp / 1e9,
+        "decompress_gbps": n / dec / 1e9,
+        "ratio": n / packed.nbytes,
+    }
+
+
+def auto_on_random(tmp: Path, noise: np.ndarray, rounds: int) -> dict[str, float]:
+    times: dict[str, list[float]] = {"none": [], "auto": []}
+    for _ in range(rounds):
+        for mode in ("none", "auto"):
+            path = tmp / f"auto-{mode}"
+            t = time.perf_counter()
+            gpuckpt.save({"random": noise}, path, compression=None if mode == "none" else "auto")
+            times[mode].append(time.perf_counter() - t)
+            stored = _stored(path, "random")
+            shutil.rmtree(path)
+    return {
+        "none_s": min(times["none"]),
+        "auto_s": min(times["auto"]),
+        "auto_over_none": min(times["auto"]) / min(times["none"]),
+        "stored_over_logical": stored / noise.nbytes,
+    }
+
+
+_SERVER = """
+import sys
+from gpuckpt.testing.faultproxy import FaultProxy
+from gpuckpt.testing.s3server import loopback_s3
+with loopback_s3("bench") as endpoint, FaultProxy(endpoint, bandwidth=float(sys.argv[1])) as proxy:
+    print(proxy.endpoint, flush=True)
+    sys.stdin.read()
+"""
+
+
+@contextlib.contextmanager
+def limited_s3(link_mbps: float) -> Iterator[str]:
+    """The S3-protocol server and the proxy limited to ``link_mbps`` in a process of their own (so
+    that they do not share this process's GIL with the save); yields the proxy's endpoint."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", _SERVER, str(link_mbps * 1e6)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert child.stdout is not None
+        yield child.stdout.readline().strip()
+    finally:
+        assert child.stdin is not None
+        child.stdin.close()
+        child.wait(timeout=60)
+
+
+def slow_store(state: dict[str, np.ndarray], link_mbps: float, rounds: int) -> dict[str, Any]:
+    from gpuckpt.testing.s3server import s3_options
+
+    nbytes = sum(a.nbytes for a in state.values())
+    out: dict[str, Any] = {"bytes": nbytes, "link_mbps": link_mbps}
+    times: dict[str, list[float]] = {}
+    stored: dict[str, int] = {}
+    with limited_s3(link_mbps) as endpoint:
+        opts = s3_options(endpoint)
+        for _ in range(rounds):
+            for mode in ("none", "zstd"):
+                url = f"s3://bench/{mode}-{uuid.uuid4().hex[:8]}"
+                t = time.perf_counter()
+                md = gpuckpt.save(
+                    state, url, compression=None if mode == "none" else mode, storage_options=opts
+                )
+                times.setdefault(f"save_{mode}", []).append(time.perf_counter() - t)
+                stored[mode] = sum(
+                    int(c["nbytes"]) for e in md.storage_data["tensors"].values() for c in e["chunks"]
+                )
+                dest = {k: np.empty_like(a) for k, a in state.items()}
+                t = time.perf_counter()
+                gpuckpt.load(dest, url, storage_options=opts)
+                times.setdefault(f"load_{mode}", []).append(time.perf_counter() - t)
+                assert all(dest[k].tobytes() == a.tobytes() for k, a in state.items())
+                del dest
+    best = {k: min(v) for k, v in times.items()}
+    ceiling = nbytes / (link_mbps * 1e6)
+    out.update(
+        {
+            **{f"{k}_s": v for k, v in best.items()},
+            "stored_ratio": stored["none"] / stored["zstd"],
+            "link_ceiling_s": ceiling,
+            "save_speedup": best["save_none"] / best["save_zstd"],
+            "load_speedup": best["load_none"] / best["load_zstd"],
+            "uncompressed_save_over_ceiling": ceiling / best["save_none"],
+        }
+    )
+    return out
+
+
+TARGETS = [
+    ("bf16 weights ratio (zstd)", lambda r: r["ratios"]["zstd"]["weight"], 1.35),
+    ("fp32 exp_avg ratio (zstd)", lambda r: r["ratios"]["zstd"]["exp_avg"], 1.12),
+    ("fp32 exp_avg_sq ratio (zstd)", lambda r: r["ratios"]["zstd"]["exp_avg_sq"], 1.12),
+    ("compress GB/s per core (zstd)", lambda r: r["codec"]["compress_gbps"], 0.4),
+    ("decompress GB/s per core (zstd)", lambda r: r["codec"]["decompress_gbps"], 1.0),
+    ("auto on random bytes: none / auto time", lambda r: 1 / r["auto"]["auto_over_none"], 1 / 1.05),
+    ("slow store: save speedup", lambda r: r["s3"]["save_speedup"], 1.25),
+    ("slow store: load speedup", lambda r: r["s3"]["load_speedup"], 1.25),
+]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--mib", type=float, default=1024, help="MiB of the compressible state")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--link", type=float, default=200, help="MB/s of the proxy each way")
+    ap.add_argument("--dir", type=Path, default=None)
+    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--quick", action="store_true", help="8 MiB, 1 round (smoke test)")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.mib, args.rounds = 8, 1
+    tmp = Path(tempfile.mkdtemp(prefix="gpuckpt-bench-compression-", dir=args.dir))
+    try:
+        state = make_state(args.mib)
+        noise = random_bytes(min(args.mib, 256))
+        result: dict[str, Any] = {
+            "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} CPUs",
+            "load_average": os.getloadavg(),
+            "args": {k: str(v) for k, v in vars(args).items()},
+            "ratios": ratios(
+                tmp, {k: a[: max(1, a.shape[0] // 4)] for k, a in state.items()}, noise[: 16 << 20]
+            ),
+            "codec": codec_speed(state["weight"], max(args.rounds, 3)),
+            "auto": auto_on_random(tmp, noise, max(args.rounds, 3)),
+            "s3": slow_store(state, args.link, args.rounds),
+        }
+        result["load_average_after"] = os.getloadavg()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    rows = []
+    for name, get, target in TARGETS:
+        value = get(result)
+        rows.append({"figure": name, "value": value, "target": target, "met": value >= target})
+        print(f"{name:45s} {value:8.3f}  target >= {target:.3f}  {'met' if value >= target else 'NOT MET'}")
+    result["targets"] = rows
+    print(json.dumps({k: v for k, v in result.items() if k != "targets"}, indent=1, default=str))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
