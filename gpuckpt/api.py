@@ -20,6 +20,7 @@ from gpuckpt.distributed.load import read_boxes
 from gpuckpt.distributed.save import distributed_save
 from gpuckpt.errors import (
     CheckpointTooLargeError,
+    DistributedError,
     DTypeMismatchError,
     MissingKeyError,
     ReadOnlyTargetError,
@@ -351,7 +352,14 @@ def _load_cooperative(
         read_cooperative(ready.reader, ready.tensors, [*whole, *ready.requests], options, coordinator)
     except Exception as exc:  # every rank learns of any rank's failure
         error = exc
-    coordinator.all_reduce_errors(error)
+    try:
+        coordinator.all_reduce_errors(error)
+    except DistributedError:
+        raise
+    except Exception:
+        if error is None:
+            raise
+        raise error from None  # the transport is broken (a rank died): this rank's own error says so
     for leaf, value in (*fresh, *ready.decoded):
         leaf.replace(value)
 

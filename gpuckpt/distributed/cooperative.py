@@ -35,9 +35,9 @@ import functools
 import math
 import pickle
 import socket
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -45,7 +45,7 @@ from gpuckpt.device.arrays import ArrayAdapter
 from gpuckpt.device.backend import Staging
 from gpuckpt.distributed.coordinator import Coordinator, describe_error
 from gpuckpt.distributed.load import BoxRead, run_box_reads
-from gpuckpt.errors import CoordinatorError, DistributedError
+from gpuckpt.errors import CoordinatorError, DistributedError, GpuckptError
 from gpuckpt.format.checksum import CRC_BYTES
 from gpuckpt.loading.checks import ChunkRead, TensorEntry
 from gpuckpt.loading.chunk_reads import fetch_verified, scratch
@@ -57,6 +57,7 @@ from gpuckpt.runtime.runner import run_all
 
 __all__ = ["CooperativeReport", "read_cooperative"]
 
+_T = TypeVar("_T")
 Requests = list[tuple[TensorEntry, list[tuple[ArrayAdapter, Box]]]]
 
 
@@ -88,7 +89,8 @@ def _plan(
 ) -> CooperativePlan:
     """Gather every rank's boxes (once) and make the plan every rank makes alike."""
     mine = [(t.fqn, [box for _, box in boxes]) for t, boxes in requests]
-    everyone = coordinator.all_gather((socket.gethostname(), mine))
+    me = (socket.gethostname(), mine)
+    everyone = _transport("gathering the ranks' boxes", lambda: coordinator.all_gather(me))
     wants: list[list[ChunkId]] = []
     nbytes: dict[ChunkId, int] = {}
     error: Exception | None = None
@@ -113,6 +115,21 @@ def _plan(
     return plan_cooperative(wants, nbytes, budget=options.staging_bytes, nodes=[host for host, _ in everyone])
 
 
+def _transport(step: str, fn: Callable[[], _T]) -> _T:
+    """``fn()``, a collective step; a failure of the transport itself (a rank died, a connection
+    broke: MPI's or gloo's own error) becomes a :class:`CoordinatorError` naming the step."""
+    try:
+        return fn()
+    except GpuckptError:
+        raise
+    except Exception as exc:
+        raise CoordinatorError(
+            f"cooperative load: {step} failed ({type(exc).__name__}: {exc}); another rank of the job "
+            "died or its transport broke: nothing of the round in progress was written to the targets "
+            "(earlier rounds' chunks may be); load again once every rank runs, or pass cooperative=False"
+        ) from exc
+
+
 def _agree(coordinator: Coordinator, error: BaseException | None) -> None:
     """Every rank raises (a copy of) the first error any rank met, or every rank goes on.
 
@@ -123,7 +140,7 @@ def _agree(coordinator: Coordinator, error: BaseException | None) -> None:
             report = pickle.dumps(error)
         except Exception:
             report = pickle.dumps(DistributedError({coordinator.rank: describe_error(error)}))
-    reports = coordinator.all_gather(report)
+    reports = _transport("agreeing on the reads", lambda: coordinator.all_gather(report))
     for rank, found in enumerate(reports):
         if found is not None:
             if rank == coordinator.rank and error is not None:
@@ -209,7 +226,7 @@ def _round(
                 sends.setdefault(r, []).append(buffers[s.id])
         else:
             recvs.setdefault(s.reader, []).append(buffers[s.id])
-    coordinator.exchange_buffers(sends, recvs)
+    _transport("sending the chunks read", lambda: coordinator.exchange_buffers(sends, recvs))
     failed: BaseException | None = None
     try:
         for s in mine:

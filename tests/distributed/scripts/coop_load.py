@@ -160,7 +160,8 @@ def fail_rank(c: Coordinator, path: str, kind: str, **options: Any) -> dict[str,
 
 
 def damaged_copy(path: str, dest: str, kind: str) -> None:
-    """A copy of the checkpoint with chunk ``c.1.0`` of ``model.w`` damaged or deleted."""
+    """A copy of the checkpoint with chunk ``c.1.0`` of ``model.w`` damaged or deleted (``kind``
+    ``"damaged"`` or ``"missing"``; any other kind: an intact copy)."""
     shutil.rmtree(dest, ignore_errors=True)
     shutil.copytree(path, dest)
     chunk = Path(dest) / "model.w" / "c.1.0"
@@ -168,7 +169,7 @@ def damaged_copy(path: str, dest: str, kind: str) -> None:
         chunk = next(p for p in Path(dest).rglob("c.1.0") if "w" in p.parent.name)
     if kind == "missing":
         chunk.unlink()
-    else:
+    elif kind == "damaged":
         data = bytearray(chunk.read_bytes())
         data[100] ^= 0xFF
         chunk.write_bytes(bytes(data))
