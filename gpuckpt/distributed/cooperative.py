@@ -15,7 +15,9 @@ checkpoint's metadata. Then, round by round (each within the memory budget,
    rank) before any byte of the round reaches a target;
 3. the readers send each chunk's bytes to its receivers
    (:meth:`~gpuckpt.distributed.coordinator.Coordinator.exchange_buffers`: MPI
-   or gloo point-to-point messages);
+   or gloo point-to-point messages), straight into the receiver's target where
+   the chunk is a run of whole rows of one host array (the replicas' usual case:
+   no copy), else into memory of the round;
 4. every rank copies the parts of the round's chunks that its boxes need into its
    targets.
 
@@ -25,8 +27,10 @@ fails (a damaged, missing or truncated chunk, an error of the store) fails the
 load on every rank before its round writes anything; targets then hold the
 chunks of the earlier rounds (checked bytes) and nothing of the failing round or
 later ones, so a load whose shared chunks fit the budget (one round) writes no
-shared chunk at all. A rank that dies fails the collectives of the others (the
-transport's error, or the in-process coordinators' :class:`CoordinatorError`).
+shared chunk at all. A rank that dies fails the others' next collective (a
+:class:`CoordinatorError` naming the step); one that dies while the chunks of a
+round travel may leave the receivers' targets holding part of that round
+(checked bytes).
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from gpuckpt.device.arrays import ArrayAdapter
+from gpuckpt.device.arrays import ArrayAdapter, HostArray
 from gpuckpt.device.backend import Staging
 from gpuckpt.distributed.coordinator import Coordinator, describe_error
 from gpuckpt.distributed.load import BoxRead, run_box_reads
@@ -115,9 +119,10 @@ def _plan(
     return plan_cooperative(wants, nbytes, budget=options.staging_bytes, nodes=[host for host, _ in everyone])
 
 
-def _transport(step: str, fn: Callable[[], _T]) -> _T:
+def _transport(step: str, fn: Callable[[], _T], *, written: str = "nothing of the round in progress") -> _T:
     """``fn()``, a collective step; a failure of the transport itself (a rank died, a connection
-    broke: MPI's or gloo's own error) becomes a :class:`CoordinatorError` naming the step."""
+    broke: MPI's or gloo's own error) becomes a :class:`CoordinatorError` naming the step and
+    what the targets may hold."""
     try:
         return fn()
     except GpuckptError:
@@ -125,8 +130,8 @@ def _transport(step: str, fn: Callable[[], _T]) -> _T:
     except Exception as exc:
         raise CoordinatorError(
             f"cooperative load: {step} failed ({type(exc).__name__}: {exc}); another rank of the job "
-            "died or its transport broke: nothing of the round in progress was written to the targets "
-            "(earlier rounds' chunks may be); load again once every rank runs, or pass cooperative=False"
+            f"died or its transport broke: the targets hold {written} (and the checked chunks of "
+            "earlier rounds); load again once every rank runs, or pass cooperative=False"
         ) from exc
 
 
@@ -151,6 +156,28 @@ def _agree(coordinator: Coordinator, error: BaseException | None) -> None:
 def _read_shared(reader: Any, t: TensorEntry, c: ChunkRead, into: np.ndarray) -> None:
     """Read chunk ``c`` of ``t`` into ``into`` (its stored data bytes) and check it."""
     fetch_verified(reader, t, c, [into])
+
+
+def _target_memory(
+    t: TensorEntry, c: ChunkRead, targets: list[tuple[ArrayAdapter, Box]] | None
+) -> np.ndarray | None:
+    """The bytes of the one host target that chunk ``c`` lies in whole, where they are laid out
+    as the chunk's stored bytes (a run of whole rows of a C-ordered array, no edge padding): the
+    chunk is then received straight into them. None otherwise (received into scratch, copied)."""
+    if not targets or c.stored != c.spec.sizes:
+        return None
+    chunk_box: Box = (c.spec.offsets, c.spec.sizes)
+    hits = [(a, b) for a, b in targets if intersect(chunk_box, b)]
+    if len(hits) != 1:
+        return None
+    adapter, box = hits[0]
+    if not isinstance(adapter, HostArray) or intersect(chunk_box, box) != chunk_box:
+        return None
+    view = adapter.array[_slices(box[0], chunk_box)]
+    if not view.flags.c_contiguous or view.dtype.byteorder == ">" or view.dtype.itemsize != t.dtype.itemsize:
+        return None
+    data: np.ndarray = view.reshape(-1).view(np.uint8)
+    return data
 
 
 def _copy_into(
@@ -201,10 +228,17 @@ def _round(
     me, tensors, coordinator = job.coordinator.rank, job.tensors, job.coordinator
     mine = [s for s in chunks if s.reader == me or me in s.receivers]
     buffers: dict[ChunkId, np.ndarray] = {}
+    direct: set[ChunkId] = set()  # received straight into the target's memory
     error, nread = pending, 0
     try:
         for s in mine:
-            buffers[s.id] = scratch((s.nbytes - CRC_BYTES,), np.dtype(np.uint8), tensors[s.fqn])
+            t = tensors[s.fqn]
+            into = None if s.reader == me else _target_memory(t, t.chunk(s.coords), job.boxes_of.get(s.fqn))
+            if into is None:
+                buffers[s.id] = scratch((s.nbytes - CRC_BYTES,), np.dtype(np.uint8), t)
+            else:
+                buffers[s.id] = into
+                direct.add(s.id)
         reads = [
             functools.partial(
                 _read_shared, job.reader, tensors[s.fqn], tensors[s.fqn].chunk(s.coords), buffers[s.id]
@@ -226,17 +260,23 @@ def _round(
                 sends.setdefault(r, []).append(buffers[s.id])
         else:
             recvs.setdefault(s.reader, []).append(buffers[s.id])
-    _transport("sending the chunks read", lambda: coordinator.exchange_buffers(sends, recvs))
+    _transport(
+        "sending the chunks read",
+        lambda: coordinator.exchange_buffers(sends, recvs),
+        written="part of the round in progress (checked bytes, received straight into them)",
+    )
     failed: BaseException | None = None
     try:
         for s in mine:
             targets = job.boxes_of.get(s.fqn)
-            if targets:
+            if s.id in direct:
+                job.counter.add(buffers[s.id].nbytes)
+            elif targets:
                 t = tensors[s.fqn]
                 _copy_into(t, t.chunk(s.coords), buffers[s.id], targets, job.staging, job.counter)
     except Exception as exc:
         failed = exc
-    return failed, nread, sum(b.nbytes for b in buffers.values())
+    return failed, nread, sum(b.nbytes for cid, b in buffers.items() if cid not in direct)
 
 
 def read_cooperative(
