@@ -4,8 +4,9 @@ Every rank of a distributed load calls :func:`read_cooperative` with the boxes i
 needs (the same requests as :func:`gpuckpt.distributed.load.read_boxes`). The
 ranks gather each other's boxes once, and each makes the same
 :class:`~gpuckpt.planning.cooperative.CooperativePlan` from them and the
-checkpoint's metadata. Then, round by round (each within the memory budget,
-``LoadOptions.staging_bytes`` per rank):
+checkpoint's metadata. Then, round by round (each of at most half the memory
+budget, ``LoadOptions.staging_bytes``, per rank: the reads of one round run
+while the round before sends its chunks, so a rank holds at most the budget):
 
 1. every reader reads the shared chunks it was given into memory of its own and
    checks each against its CRC32C, as any load does;
@@ -40,6 +41,7 @@ import math
 import pickle
 import socket
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -58,6 +60,7 @@ from gpuckpt.planning.boxes import Box, intersect, overlapping_chunks
 from gpuckpt.planning.cooperative import ChunkId, CooperativePlan, SharedChunk, plan_cooperative
 from gpuckpt.progress import ProgressCounter
 from gpuckpt.runtime.runner import run_all
+from gpuckpt.runtime.workers import Workers
 
 __all__ = ["CooperativeReport", "read_cooperative"]
 
@@ -116,7 +119,9 @@ def _plan(
                 ids.append(cid)
         wants.append(ids)
     _agree(coordinator, error)
-    return plan_cooperative(wants, nbytes, budget=options.staging_bytes, nodes=[host for host, _ in everyone])
+    # rounds of half the budget: the reads of one overlap the sends of the one before
+    budget = max(1, options.staging_bytes // 2)
+    return plan_cooperative(wants, nbytes, budget=budget, nodes=[host for host, _ in everyone])
 
 
 def _transport(step: str, fn: Callable[[], _T], *, written: str = "nothing of the round in progress") -> _T:
@@ -219,64 +224,120 @@ class _Job:
     counter: ProgressCounter
 
 
-def _round(
-    job: _Job, chunks: list[SharedChunk], pending: BaseException | None
-) -> tuple[BaseException | None, int, int]:
-    """One round: read, agree, send, copy. ``pending``: this rank's failure of the round before
-    (agreed on here, so that it fails every rank). Returns this round's failed copy (or None),
-    the stored bytes read and held; the round's buffers are gone when it returns."""
-    me, tensors, coordinator = job.coordinator.rank, job.tensors, job.coordinator
-    mine = [s for s in chunks if s.reader == me or me in s.receivers]
-    buffers: dict[ChunkId, np.ndarray] = {}
-    direct: set[ChunkId] = set()  # received straight into the target's memory
-    error, nread = pending, 0
+@dataclass(slots=True)
+class _Round:
+    """One round on this rank: its chunks, their buffers, and its reads (running or done)."""
+
+    mine: list[SharedChunk]
+    buffers: dict[ChunkId, np.ndarray]
+    direct: set[ChunkId]  # received straight into the target's memory
+    reads: Future[None] | None
+    error: BaseException | None = None
+    nread: int = 0
+
+    def wait(self) -> BaseException | None:
+        """This rank's failure of the round's reads, once they are done (None: all checked)."""
+        if self.reads is not None:
+            try:
+                self.reads.result()
+            except Exception as exc:
+                self.error = self.error or exc
+            self.reads = None
+        return self.error
+
+    @property
+    def held(self) -> int:
+        return sum(b.nbytes for cid, b in self.buffers.items() if cid not in self.direct)
+
+
+def _read_all(reads: Sequence[Callable[[], None]], threads: int | None) -> None:
+    run_all(reads, threads=threads, name="gpuckpt-coop-read")
+
+
+def _start(job: _Job, chunks: list[SharedChunk], workers: Workers) -> _Round:
+    """Make the buffers of a round and start its reads on ``workers`` (they run while the round
+    before sends its chunks). Nothing is written to a target."""
+    me, tensors = job.coordinator.rank, job.tensors
+    state = _Round([s for s in chunks if s.reader == me or me in s.receivers], {}, set(), None)
     try:
-        for s in mine:
+        for s in state.mine:
             t = tensors[s.fqn]
             into = None if s.reader == me else _target_memory(t, t.chunk(s.coords), job.boxes_of.get(s.fqn))
             if into is None:
-                buffers[s.id] = scratch((s.nbytes - CRC_BYTES,), np.dtype(np.uint8), t)
+                state.buffers[s.id] = scratch((s.nbytes - CRC_BYTES,), np.dtype(np.uint8), t)
             else:
-                buffers[s.id] = into
-                direct.add(s.id)
+                state.buffers[s.id] = into
+                state.direct.add(s.id)
         reads = [
             functools.partial(
-                _read_shared, job.reader, tensors[s.fqn], tensors[s.fqn].chunk(s.coords), buffers[s.id]
+                _read_shared, job.reader, tensors[s.fqn], tensors[s.fqn].chunk(s.coords), state.buffers[s.id]
             )
-            for s in mine
+            for s in state.mine
             if s.reader == me
         ]
-        if error is None:
-            run_all(reads, threads=job.options.threads, name="gpuckpt-coop-read")
-            nread = sum(s.nbytes for s in mine if s.reader == me)
+        state.nread = sum(s.nbytes for s in state.mine if s.reader == me)
+        if reads:
+            state.reads = workers.submit(_read_all, reads, job.options.threads)
     except Exception as exc:
-        error = error or exc
-    _agree(coordinator, error)  # raises on every rank if any failed: nothing of the round is copied
+        state.error = exc
+    return state
+
+
+def _finish(job: _Job, state: _Round) -> BaseException | None:
+    """Send the round's chunks and copy what this rank needs into its targets (the ranks agreed
+    that every read of the round succeeded). Returns this rank's failed copy, or None."""
+    me = job.coordinator.rank
     sends: dict[int, list[np.ndarray]] = {}
     recvs: dict[int, list[np.ndarray]] = {}
-    for s in mine:
+    for s in state.mine:
         if s.reader == me:
             for r in s.receivers:
-                sends.setdefault(r, []).append(buffers[s.id])
+                sends.setdefault(r, []).append(state.buffers[s.id])
         else:
-            recvs.setdefault(s.reader, []).append(buffers[s.id])
+            recvs.setdefault(s.reader, []).append(state.buffers[s.id])
     _transport(
         "sending the chunks read",
-        lambda: coordinator.exchange_buffers(sends, recvs),
+        lambda: job.coordinator.exchange_buffers(sends, recvs),
         written="part of the round in progress (checked bytes, received straight into them)",
     )
-    failed: BaseException | None = None
     try:
-        for s in mine:
+        for s in state.mine:
             targets = job.boxes_of.get(s.fqn)
-            if s.id in direct:
-                job.counter.add(buffers[s.id].nbytes)
+            if s.id in state.direct:
+                job.counter.add(state.buffers[s.id].nbytes)
             elif targets:
-                t = tensors[s.fqn]
-                _copy_into(t, t.chunk(s.coords), buffers[s.id], targets, job.staging, job.counter)
+                t = job.tensors[s.fqn]
+                _copy_into(t, t.chunk(s.coords), state.buffers[s.id], targets, job.staging, job.counter)
     except Exception as exc:
-        failed = exc
-    return failed, nread, sum(b.nbytes for cid, b in buffers.items() if cid not in direct)
+        return exc
+    return None
+
+
+def _rounds(job: _Job, plan: CooperativePlan) -> tuple[int, int]:
+    """Every round of ``plan``: the reads of each overlap the sends of the one before. Returns
+    the stored bytes this rank read and the most bytes of shared chunks it held at once."""
+    nread = held = 0
+    pending: BaseException | None = None  # a failed copy, agreed on with the next round
+    with Workers(1, "gpuckpt-coop-prefetch") as workers:
+        state = _start(job, plan.in_round(0), workers) if plan.nrounds else None
+        try:
+            for k in range(plan.nrounds):
+                assert state is not None
+                error = pending or state.wait()
+                _agree(job.coordinator, error)  # raises on every rank if any failed
+                nread += state.nread
+                current, state = state, None
+                if k + 1 < plan.nrounds:
+                    state = _start(job, plan.in_round(k + 1), workers)
+                held = max(held, current.held + (state.held if state is not None else 0))
+                pending = _finish(job, current)
+                del current
+        finally:
+            if state is not None:
+                state.wait()  # a round read ahead of a failure: its reads end before the buffers go
+        if plan.nrounds:
+            _agree(job.coordinator, pending)
+    return nread, held
 
 
 def read_cooperative(
@@ -305,14 +366,7 @@ def read_cooperative(
     )
     job = _Job(reader, tensors, boxes_of, options, coordinator, staging, counter)
     shared_ids = {s.id for s in plan.shared}
-    read_bytes = held = 0
-    pending: BaseException | None = None  # a failed copy of the previous round, agreed on with the next
-    for k in range(plan.nrounds):
-        pending, nread, nheld = _round(job, plan.in_round(k), pending)
-        read_bytes += nread
-        held = max(held, nheld)
-    if plan.nrounds:
-        _agree(coordinator, pending)
+    read_bytes, held = _rounds(job, plan)
     own: list[BoxRead] = []
     for t, boxes in requests:
         for coords in _wanted(t, [b for _, b in boxes]):
