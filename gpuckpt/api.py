@@ -267,6 +267,8 @@ class _PreparedLoad:
     placeholders: list[tuple[Any, TensorEntry]]
     decoded: list[tuple[Any, Any]]
     reads: Callable[[], None] | None
+    #: what names the checkpoint (its recorded checkpoint and save ids), where it says
+    identity: str | None = None
 
 
 def _prepare(
@@ -284,7 +286,9 @@ def _prepare(
             f"{', '.join(repr(m) for m in missing[:10])}{' ...' if len(missing) > 10 else ''}; "
             "pass strict=False to load the others"
         )
-    ready = _PreparedLoad(reader, tensors, [], [], [], [], None)
+    meta = ck.index.storage_meta
+    identity = None if meta is None else repr((str(meta.checkpoint_id), meta.save_id))
+    ready = _PreparedLoad(reader, tensors, [], [], [], [], None, identity)
     # the sizes of the chunk files are checked before anything is allocated or written; the
     # file system answers on another thread while the targets are checked and their reads made
     with checking_chunk_files(reader, [tensors[f] for f in leaves if f in tensors]) as check_files:
@@ -349,7 +353,9 @@ def _load_cooperative(
     assert ready is not None
     whole = [(t, [(dest, ((0,) * len(t.shape), t.shape))]) for t, dest in ready.targets]
     try:
-        read_cooperative(ready.reader, ready.tensors, [*whole, *ready.requests], options, coordinator)
+        read_cooperative(
+            ready.reader, ready.tensors, [*whole, *ready.requests], options, coordinator, ready.identity
+        )
     except Exception as exc:  # every rank learns of any rank's failure
         error = exc
     try:

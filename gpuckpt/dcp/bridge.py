@@ -355,7 +355,9 @@ def read_boxes_into(
     except Exception as exc:
         error = exc
     coordinator.all_reduce_errors(error)
-    read_cooperative(ck.reader, ck.tensors, boxes, options, coordinator)
+    meta = ck.metadata.storage_meta
+    identity = None if meta is None else repr((str(meta.checkpoint_id), meta.save_id))
+    read_cooperative(ck.reader, ck.tensors, boxes, options, coordinator, identity)
 
 
 def read_whole(ck: OpenCheckpoint, fqn: str, options: LoadOptions) -> np.ndarray:

@@ -92,16 +92,27 @@ def _wanted(t: TensorEntry, boxes: Sequence[Box]) -> list[tuple[int, ...]]:
 
 
 def _plan(
-    tensors: Mapping[str, TensorEntry], requests: Requests, options: LoadOptions, coordinator: Coordinator
+    tensors: Mapping[str, TensorEntry],
+    requests: Requests,
+    options: LoadOptions,
+    coordinator: Coordinator,
+    identity: str | None,
 ) -> CooperativePlan:
     """Gather every rank's boxes (once) and make the plan every rank makes alike."""
     mine = [(t.fqn, [box for _, box in boxes]) for t, boxes in requests]
-    me = (socket.gethostname(), mine)
+    me = (socket.gethostname(), identity, mine)
     everyone = _transport("gathering the ranks' boxes", lambda: coordinator.all_gather(me))
     wants: list[list[ChunkId]] = []
     nbytes: dict[ChunkId, int] = {}
     error: Exception | None = None
-    for rank, (_host, theirs) in enumerate(everyone):
+    ids_seen = {i for _, i, _ in everyone}
+    if len(ids_seen) > 1:  # every rank sees every identity: all of them fail alike
+        error = CoordinatorError(
+            f"cooperative load: the ranks opened different checkpoints (ids "
+            f"{sorted(map(str, ids_seen))}); every rank must load the same checkpoint (or pass "
+            "cooperative=False)"
+        )
+    for rank, (_host, _id, theirs) in enumerate(everyone):
         ids: list[ChunkId] = []
         for fqn, boxes in theirs:
             t = tensors.get(fqn)
@@ -121,7 +132,7 @@ def _plan(
     _agree(coordinator, error)
     # rounds of half the budget: the reads of one overlap the sends of the one before
     budget = max(1, options.staging_bytes // 2)
-    return plan_cooperative(wants, nbytes, budget=budget, nodes=[host for host, _ in everyone])
+    return plan_cooperative(wants, nbytes, budget=budget, nodes=[host for host, _, _ in everyone])
 
 
 def _transport(step: str, fn: Callable[[], _T], *, written: str = "nothing of the round in progress") -> _T:
@@ -346,6 +357,7 @@ def read_cooperative(
     requests: Requests,
     options: LoadOptions,
     coordinator: Coordinator,
+    identity: str | None = None,
 ) -> CooperativeReport:
     """Fill every ``(adapter, box)`` of ``requests``, each stored chunk read once for the whole job.
 
@@ -354,9 +366,10 @@ def read_cooperative(
     name the tensors of each other's requests). Raises on every rank when a read
     of a shared chunk fails on any rank (the error that rank met); the chunks
     this rank alone needs are read last and their errors are this rank's (the
-    caller agrees on them, as :func:`gpuckpt.load` does).
+    caller agrees on them, as :func:`gpuckpt.load` does). ``identity``: what names the
+    checkpoint (its recorded ids): ranks that pass different ones fail together.
     """
-    plan = _plan(tensors, requests, options, coordinator)
+    plan = _plan(tensors, requests, options, coordinator, identity)
     boxes_of: dict[str, list[tuple[ArrayAdapter, Box]]] = {t.fqn: boxes for t, boxes in requests}
     total = sum(math.prod(b[1]) * t.dtype.itemsize for t, boxes in requests for _, b in boxes)
     counter = ProgressCounter(options.progress, total)
