@@ -37,6 +37,7 @@ round travel may leave the receivers' targets holding part of that round
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import pickle
 import socket
@@ -55,6 +56,7 @@ from gpuckpt.errors import CoordinatorError, DistributedError, GpuckptError
 from gpuckpt.format.checksum import CRC_BYTES
 from gpuckpt.loading.checks import ChunkRead, TensorEntry
 from gpuckpt.loading.chunk_reads import fetch_verified, scratch
+from gpuckpt.loading.ranged import segments_of
 from gpuckpt.options import LoadOptions
 from gpuckpt.planning.boxes import Box, intersect, overlapping_chunks
 from gpuckpt.planning.cooperative import ChunkId, CooperativePlan, SharedChunk, plan_cooperative
@@ -92,6 +94,7 @@ def _wanted(t: TensorEntry, boxes: Sequence[Box]) -> list[tuple[int, ...]]:
 
 
 def _plan(
+    reader: Any,
     tensors: Mapping[str, TensorEntry],
     requests: Requests,
     options: LoadOptions,
@@ -112,6 +115,9 @@ def _plan(
             f"{sorted(map(str, ids_seen))}); every rank must load the same checkpoint (or pass "
             "cooperative=False)"
         )
+    rows: dict[
+        ChunkId, list[tuple[int, int]]
+    ] = {}  # of chunks that can be read in part: who needs which rows
     for rank, (_host, _id, theirs) in enumerate(everyone):
         ids: list[ChunkId] = []
         for fqn, boxes in theirs:
@@ -123,16 +129,37 @@ def _plan(
                     "(or pass cooperative=False)"
                 )
                 continue
+            ranged = bool(t.shape) and reader.capabilities.reads_ranges and segments_of(t) is not None
             for coords in _wanted(t, boxes):
                 cid = (fqn, coords)
                 if cid not in nbytes:
                     nbytes[cid] = t.chunk(coords).nbytes
                 ids.append(cid)
+                if ranged:
+                    rows.setdefault(cid, []).append(_rows_of(t.chunk(coords), boxes))
         wants.append(ids)
     _agree(coordinator, error)
+    # a chunk whose needers need disjoint rows: each reads its own rows (ranged), none twice
+    alone = {cid for cid, spans in rows.items() if len(spans) > 1 and _disjoint(spans)}
     # rounds of half the budget: the reads of one overlap the sends of the one before
     budget = max(1, options.staging_bytes // 2)
-    return plan_cooperative(wants, nbytes, budget=budget, nodes=[host for host, _, _ in everyone])
+    nodes = [host for host, _, _ in everyone]
+    return plan_cooperative(wants, nbytes, budget=budget, nodes=nodes, alone=alone)
+
+
+def _rows_of(c: ChunkRead, boxes: Sequence[Box]) -> tuple[int, int]:
+    """The rows (first axis, from the chunk's start) of chunk ``c`` that ``boxes`` need."""
+    chunk_box: Box = (c.spec.offsets, c.spec.sizes)
+    spans = (
+        [i[0][0] for b in boxes if (i := intersect(chunk_box, b))],
+        [i[0][0] + i[1][0] for b in boxes if (i := intersect(chunk_box, b))],
+    )
+    return min(spans[0]) - c.spec.offsets[0], max(spans[1]) - c.spec.offsets[0]
+
+
+def _disjoint(spans: list[tuple[int, int]]) -> bool:
+    ordered = sorted(spans)
+    return all(a[1] <= b[0] for a, b in itertools.pairwise(ordered))
 
 
 def _transport(step: str, fn: Callable[[], _T], *, written: str = "nothing of the round in progress") -> _T:
@@ -369,7 +396,7 @@ def read_cooperative(
     caller agrees on them, as :func:`gpuckpt.load` does). ``identity``: what names the
     checkpoint (its recorded ids): ranks that pass different ones fail together.
     """
-    plan = _plan(tensors, requests, options, coordinator, identity)
+    plan = _plan(reader, tensors, requests, options, coordinator, identity)
     boxes_of: dict[str, list[tuple[ArrayAdapter, Box]]] = {t.fqn: boxes for t, boxes in requests}
     total = sum(math.prod(b[1]) * t.dtype.itemsize for t, boxes in requests for _, b in boxes)
     counter = ProgressCounter(options.progress, total)

@@ -7,7 +7,9 @@ to the other ranks that need it (its *receivers*). :func:`plan_cooperative` make
 that plan from what every rank needs (the same inputs on every rank give the
 same plan, so the ranks agree without a second round of messages):
 
-- a chunk that one rank needs is read by that rank, as in any load;
+- a chunk that one rank needs is read by that rank, as in any load, and so is a
+  chunk of which each rank that needs it needs other rows (``alone``: where the
+  store reads ranges, each reads only its rows, and no byte is read twice);
 - a chunk that several ranks need is read by one of them: the chunks are taken
   largest first and each goes to the rank (of those that need it) that has been
   given the fewest bytes to read so far, ties to the least loaded node, then to
@@ -23,7 +25,7 @@ described by its stored size.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 __all__ = ["ChunkId", "CooperativePlan", "SharedChunk", "plan_cooperative"]
@@ -62,7 +64,8 @@ class CooperativePlan:
     job needs, each chunk counted once (what all readers together read);
     ``requested_bytes``: what the ranks would read each on its own (every chunk
     counted once per rank that needs it); ``round_bytes[k][r]``: the bytes rank
-    ``r`` holds in round ``k``.
+    ``r`` holds in round ``k``. Chunks each of whose needers reads only its own rows
+    (``alone``) count in full for each in ``read_bytes``.
     """
 
     world_size: int
@@ -90,13 +93,17 @@ def plan_cooperative(
     *,
     budget: int,
     nodes: Sequence[str] | None = None,
+    alone: Collection[ChunkId] = (),
 ) -> CooperativePlan:
     """The plan of a load in which rank ``r`` needs the chunks ``wants[r]``.
 
     ``nbytes`` gives the stored size of every chunk named in ``wants``;
     ``budget`` the bytes of shared chunks one rank may hold in one round
     (positive); ``nodes[r]`` names the machine of rank ``r`` (default: every rank
-    on a machine of its own).
+    on a machine of its own). ``alone``: chunks that every rank needing them reads
+    itself even when several do (each needs other rows of it, and reads only those:
+    ranged reads read each byte once without an exchange); each counts in full for
+    each of its readers in ``read_bytes``, an upper bound.
 
     Examples
     --------
@@ -119,12 +126,14 @@ def plan_cooperative(
     node_load: dict[str, int] = dict.fromkeys(node_of, 0)
     requested = 0
     shared_ids: list[tuple[int, ChunkId]] = []
+    alone = set(alone)
     for cid, ranks in needers.items():
         size = nbytes[cid]
         requested += size * len(ranks)
-        if len(ranks) == 1:
-            load[ranks[0]] += size
-            node_load[node_of[ranks[0]]] += size
+        if len(ranks) == 1 or cid in alone:
+            for r in ranks:
+                load[r] += size
+                node_load[node_of[r]] += size
         else:
             shared_ids.append((size, cid))
     # largest first: each goes to the least loaded of the ranks that need it

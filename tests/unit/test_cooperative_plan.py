@@ -98,3 +98,12 @@ def test_bad_arguments() -> None:
         plan_cooperative([[]], {}, budget=0)
     with pytest.raises(ValueError, match="nodes"):
         plan_cooperative([[], []], {}, budget=1, nodes=["x"])
+
+
+def test_a_chunk_whose_needers_need_other_rows_is_read_by_each_alone() -> None:
+    """Ranks that need disjoint rows of one chunk each read their rows (ranged reads): no
+    exchange, and the chunk counts for each reader in read_bytes (an upper bound)."""
+    a, b = ("w", (0,)), ("w", (1,))
+    plan = plan_cooperative([[a, b], [a, b]], {a: 10, b: 10}, budget=100, alone=[b])
+    assert [s.id for s in plan.shared] == [a]
+    assert sum(plan.read_bytes) == 10 + 2 * 10 and plan.needed_bytes == 20
