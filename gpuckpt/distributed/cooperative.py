@@ -207,8 +207,8 @@ def _target_memory(
     """The bytes of the one host target that chunk ``c`` lies in whole, where they are laid out
     as the chunk's stored bytes (a run of whole rows of a C-ordered array, no edge padding): the
     chunk is then received straight into them. None otherwise (received into scratch, copied)."""
-    if not targets or c.stored != c.spec.sizes:
-        return None
+    if not targets or not c.spec.sizes or c.stored != c.spec.sizes:
+        return None  # a 0-d tensor indexes to a scalar, not a view: received into scratch
     chunk_box: Box = (c.spec.offsets, c.spec.sizes)
     hits = [(a, b) for a, b in targets if intersect(chunk_box, b)]
     if len(hits) != 1:

@@ -45,6 +45,7 @@ def global_tensors() -> dict[str, np.ndarray]:
         "model.e": rng.integers(-(2**40), 2**40, (100, 37), dtype=np.int64),
         "model.h": rng.standard_normal(3000).astype(np.float16),
         "opt.m": rng.standard_normal((256, 128)).astype(np.float32),
+        "opt.t": np.array(1234567, np.int64),  # a 0-d tensor (an optimizer's step count)
     }
 
 
@@ -77,7 +78,7 @@ def layout(kind: str, rank: int, n: int) -> dict[str, Any]:
     if kind == "replicated":
         return {
             "model": {k: _whole(f"model.{k}") for k in ("w", "e", "h")},
-            "opt": {"m": _whole("opt.m")},
+            "opt": {"m": _whole("opt.m"), "t": _whole("opt.t")},
             "step": 0,
         }
     if kind == "hsdp":
@@ -85,14 +86,14 @@ def layout(kind: str, rank: int, n: int) -> dict[str, Any]:
         rows = (shard * 128, shard * 128 + 128)
         return {
             "model": {"w": _rows("model.w", *rows), "e": _whole("model.e"), "h": _whole("model.h")},
-            "opt": {"m": _rows("opt.m", *rows)},
+            "opt": {"m": _rows("opt.m", *rows), "t": _whole("opt.t")},
         }
     if kind == "uneven":
         return [
             {"model": {"w": _whole("model.w"), "e": _whole("model.e")}},
             {"model": {"w": _rows("model.w", 10, 140)}, "opt": {"m": _whole("opt.m")}},
             {"model": {"h": _whole("model.h")}, "opt": {"m": _rows("opt.m", 100, 200)}},
-            {"model": {"e": _rows("model.e", 50, 100)}, "step": 0},
+            {"model": {"e": _rows("model.e", 50, 100)}, "opt": {"t": _whole("opt.t")}, "step": 0},
         ][rank % 4]
     raise ValueError(f"unknown layout {kind!r}")
 
