@@ -15,8 +15,10 @@ A replicated state (``--mib`` MiB, default 1 GiB: 16 float32 tensors, gpuckpt's 
 2. time, from the S3 server without the proxy: the cooperative load on 4 ranks (from the barrier
    before to the barrier after) against one rank loading the same state alone, the other ranks
    idle; target <= 1.3. Shown too: 4 ranks each loading alone at the same time
-   (``cooperative=False``). Rounds interleave the three, in an order reversed every other round;
-   medians. Every load is checked bit-exact (CRC32C of each array against the saved one, untimed).
+   (``cooperative=False``), and, as the transport's floor on this machine, ``MPI_Bcast`` of the
+   arrays from one rank to the others (no store, no checks). Rounds interleave the loads, in an
+   order reversed every other round; medians. Every load is checked bit-exact (CRC32C of each
+   array against the saved one, untimed).
 
 Every figure is a ratio to a ceiling measured in the same run. Idle ranks wait in a barrier that
 polls with sleeps (MPICH's own waits spin and would take a core from the rank measured).
@@ -141,6 +143,11 @@ def rank_worker(spec_file: str) -> None:
                 True,
             ),
         }
+
+        def bcast() -> None:  # the transport's floor: rank 0's arrays to every rank, raw MPI
+            for a in targets.values():
+                comm.Bcast(a, root=0)
+
         for r in range(spec["rounds"]):
             order = list(phases) if r % 2 == 0 else list(reversed(phases))
             times: dict[str, float] = {}
@@ -149,6 +156,8 @@ def rank_worker(spec_file: str) -> None:
                 times[name] = timed(fn, everyone=everyone)
                 ok = exact() if everyone or rank == 0 else True
                 checks.append(all(c.all_gather(ok)))
+            times["bcast"] = timed(bcast)
+            exact()  # zeros again
             runs.append(times)
         out["runs"] = runs
         out["exact"] = all(checks)
@@ -319,6 +328,9 @@ def main() -> None:
         "bytes counted by the ranks' readers (s3, cooperative)": got["s3 counted"],
         "local bytes with cooperative=False / needed": round(got["each counted"] / local_bytes, 3),
         "4 ranks each alone (cooperative=False) / one rank alone, time": round(med["each"] / med["solo"], 3),
+        "MPI Bcast of the state from one rank to the others (no store) / one rank alone, time": round(
+            statistics.median(r["bcast"] for r in runs) / med["solo"], 3
+        ),
         "median seconds": {k: round(v, 3) for k, v in med.items()},
         "rounds": runs,
         "every load bit-exact": bool(
