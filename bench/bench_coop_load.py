@@ -15,7 +15,8 @@ A replicated state (``--mib`` MiB, default 1 GiB: 16 float32 tensors, gpuckpt's 
 2. time, from the S3 server without the proxy: the cooperative load on 4 ranks (from the barrier
    before to the barrier after) against one rank loading the same state alone, the other ranks
    idle; target <= 1.3. Shown too: 4 ranks each loading alone at the same time
-   (``cooperative=False``), and, as the transport's floor on this machine, ``MPI_Bcast`` of the
+   (``cooperative=False``), the same three from the local directory (its files in the page cache),
+   and, as the transport's floor on this machine, ``MPI_Bcast`` of the
    arrays from one rank to the others (no store, no checks). Rounds interleave the loads, in an
    order reversed every other round; medians. Every load is checked bit-exact (CRC32C of each
    array against the saved one, untimed).
@@ -140,6 +141,13 @@ def rank_worker(spec_file: str) -> None:
                 lambda: gpuckpt.load(
                     targets, spec["url"], coordinator=c, storage_options=opts, cooperative=False
                 ),
+                True,
+            ),
+            # the same from the local directory, its files in the page cache
+            "solo local": (lambda: gpuckpt.load(targets, spec["local"]), False),
+            "coop local": (lambda: gpuckpt.load(targets, spec["local"], coordinator=c), True),
+            "each local": (
+                lambda: gpuckpt.load(targets, spec["local"], coordinator=c, cooperative=False),
                 True,
             ),
         }
@@ -331,6 +339,10 @@ def main() -> None:
         "MPI Bcast of the state from one rank to the others (no store) / one rank alone, time": round(
             statistics.median(r["bcast"] for r in runs) / med["solo"], 3
         ),
+        "local, page cache: median seconds one rank alone / cooperative / each alone": [
+            round(statistics.median(r[k] for r in runs), 3)
+            for k in ("solo local", "coop local", "each local")
+        ],
         "median seconds": {k: round(v, 3) for k, v in med.items()},
         "rounds": runs,
         "every load bit-exact": bool(
