@@ -26,6 +26,10 @@ Run against an older gpuckpt (``PYTHONPATH=/path/to/old``) it times the
 same steps the old way (full descriptions, per-chunk results) for the
 before-figures.
 
+Tensors have 4,096 rows, or one per rank beyond 4,096 ranks (``rows_for``), so that every rank
+holds rows: at 16,384 ranks each rank's shard of a 16,384 x 1,024 tensor is one row. The
+simulation describes one rank at a time (rank 0's own work is what is timed).
+
 Usage: ``python bench/bench_planning.py [--ranks 1024] [--tensors 1000] [--quick]``
 """
 
@@ -74,25 +78,38 @@ ROWS, COLS = 4096, 1024
 TARGETS = {"save": 1.0, "cached": 0.1, "root_mib": 5.0, "load": 0.2}
 
 
-def describe(ranks: int, tensors: int, irregular: bool) -> list[StateDescription]:
-    props = TensorProperties(dtype=np.dtype("float32"))
+def rows_for(ranks: int) -> int:
+    """Rows of each tensor: 4,096, or one per rank beyond 4,096 ranks (every rank holds rows)."""
+    return max(ROWS, ranks)
+
+
+def _cuts(ranks: int, irregular: bool) -> np.ndarray:
+    rows = rows_for(ranks)
     if irregular:
         # uneven row shards: every rank's share differs a little from the next one's
-        cuts = np.cumsum([0] + [ROWS // ranks + (1 if r % 2 else -1) for r in range(ranks)])
-        cuts[-1] = ROWS
-    else:
-        cuts = np.arange(ranks + 1) * (ROWS // ranks)
-    descs = []
-    for r in range(ranks):
-        lo, hi = int(cuts[r]), int(cuts[r + 1])
-        box = (((lo, 0), (hi - lo, COLS)),)
-        mine = [
-            LocalTensor(f"model.layers.{i}.weight", (ROWS, COLS), "float32", 4, props, box)
-            for i in range(tensors)
-        ]
-        mine.append(LocalTensor("model.norm", (COLS,), "float32", 4, props, (((0,), (COLS,)),)))
-        descs.append(StateDescription(tuple(mine), {"step": {"int": "1"}} if r == 0 else {}, {"d": []}))
-    return descs
+        cuts = np.cumsum([0] + [rows // ranks + (1 if r % 2 else -1) for r in range(ranks)])
+        cuts[-1] = rows
+        return cuts
+    return np.arange(ranks + 1) * (rows // ranks)
+
+
+def describe_rank(
+    rank: int, ranks: int, names: list[str], cuts: np.ndarray, props: TensorProperties
+) -> StateDescription:
+    """What rank ``rank`` describes: a row shard of every tensor named, and the replicated norm."""
+    rows = rows_for(ranks)
+    lo, hi = int(cuts[rank]), int(cuts[rank + 1])
+    box = (((lo, 0), (hi - lo, COLS)),)
+    mine = [LocalTensor(name, (rows, COLS), "float32", 4, props, box) for name in names]
+    mine.append(LocalTensor("model.norm", (COLS,), "float32", 4, props, (((0,), (COLS,)),)))
+    return StateDescription(tuple(mine), {"step": {"int": "1"}} if rank == 0 else {}, {"d": []})
+
+
+def describe(ranks: int, tensors: int, irregular: bool) -> list[StateDescription]:
+    props = TensorProperties(dtype=np.dtype("float32"))
+    names = [f"model.layers.{i}.weight" for i in range(tensors)]
+    cuts = _cuts(ranks, irregular)
+    return [describe_rank(r, ranks, names, cuts, props) for r in range(ranks)]
 
 
 def _timed(fn: Any, *args: Any) -> tuple[Any, float]:
@@ -155,33 +172,49 @@ def _best(fn: Any, *args: Any) -> tuple[Any, float]:
 
 
 def simulate_new(ranks: int, tensors: int, irregular: bool) -> dict[str, float]:
-    descs = describe(ranks, tensors, irregular)
-    compact, per_rank_describe = _timed(
-        lambda: [compact_description(d.tensors, d.objects, d.skeleton) for d in descs]
-    )
-    received: list[Any]
+    """One save and one load of ``ranks`` simulated ranks. The ranks are described one at a time
+    (twice where grouped: once for the fingerprints, once for the groups) so that no more than
+    one rank's description is held at once: 16,384 ranks x 1,000 tensors fit in memory."""
+    props = TensorProperties(dtype=np.dtype("float32"))
+    names = [f"model.layers.{i}.weight" for i in range(tensors)]
+    cuts = _cuts(ranks, irregular)
+    values: list[tuple[Any, Any]] = []  # every rank's (objects, skeleton)
+    per_rank_describe = 0.0
+    received: list[Any] = []
     reduce_share = 0.0
     if GROUPED:
         # every rank fingerprints its boxes; the XOR over the ranks is one reduction in the
         # transport (a tree: rank 0 XORs log2(ranks) arrays of tensors x 16 bytes, timed below);
         # then every rank finds the groups, checks them and sends one box per group
-        prints, per_rank_prints = _timed(lambda: [box_fingerprints(c, r) for r, c in enumerate(compact)])
-        combined = np.zeros_like(prints[0])
-        for f in prints:
-            combined ^= f
-        one_xor = _best(lambda: np.bitwise_xor(combined, prints[0]))[1]
+        combined: np.ndarray | None = None
+        first: np.ndarray | None = None
+        for r in range(ranks):
+            d = describe_rank(r, ranks, names, cuts, props)
+            values.append((d.objects, d.skeleton))
+            t0 = time.perf_counter()
+            prints = box_fingerprints(compact_description(d.tensors, d.objects, d.skeleton), r)
+            per_rank_describe += time.perf_counter() - t0
+            combined = prints.copy() if combined is None else np.bitwise_xor(combined, prints, out=combined)
+            first = prints if first is None else first
+        assert combined is not None and first is not None
+        one_xor = _best(lambda: np.bitwise_xor(combined, first))[1]
         reduce_share = one_xor * math.ceil(math.log2(max(2, ranks)))
-        grouped, per_rank_group = _timed(
-            lambda: [
-                c.grouped(tensor_groups(combined, d.tensors)) for c, d in zip(compact, descs, strict=True)
-            ]
-        )
-        per_rank_describe += per_rank_prints + per_rank_group
-        received = [g if r == 0 else g.without_tensors() for r, g in enumerate(grouped)]
-        sent_bytes = max(len(g.boxes) for g in received[1:]) if ranks > 1 else 0
+        for r in range(ranks):
+            d = describe_rank(r, ranks, names, cuts, props)
+            c = compact_description(d.tensors, d.objects, d.skeleton)  # timed in the first pass
+            t0 = time.perf_counter()
+            g = c.grouped(tensor_groups(combined, d.tensors))
+            per_rank_describe += time.perf_counter() - t0
+            received.append(g if r == 0 else g.without_tensors())
     else:
-        received = [c if r == 0 else c.without_tensors() for r, c in enumerate(compact)]
-        sent_bytes = max(len(c.boxes) for c in received[1:]) if ranks > 1 else 0
+        for r in range(ranks):
+            d = describe_rank(r, ranks, names, cuts, props)
+            values.append((d.objects, d.skeleton))
+            t0 = time.perf_counter()
+            c = compact_description(d.tensors, d.objects, d.skeleton)
+            per_rank_describe += time.perf_counter() - t0
+            received.append(c if r == 0 else c.without_tensors())
+    sent_bytes = max(len(g.boxes) for g in received[1:]) if ranks > 1 else 0
     plan, planned = _best(lambda: plan_save(received, chunk_bytes=64 << 20))
     planned += reduce_share
     # each rank's checksums: a block of as many rows as it writes (rank 0 gets the replicated tensor too)
@@ -196,12 +229,12 @@ def simulate_new(ranks: int, tensors: int, irregular: bool) -> dict[str, float]:
 
     def cache_hit() -> None:
         # the previous plan with this save's values and skeleton, then the same commit work
-        objects, skeleton = merge_values([(d.objects, d.skeleton) for d in descs])
+        objects, skeleton = merge_values(values)
         _root_and_table(dataclasses.replace(plan, objects=objects, skeleton=skeleton), parts)
 
     _, cached = _best(cache_hit)
     rank = ranks // 2
-    per = ROWS // ranks
+    per = rows_for(ranks) // ranks
     load = min(_load_figure(plan, doc, documents, table, ((rank * per, 0), (per, COLS))) for _ in range(3))
     table_bytes = sum(len(p.data) + 4 for p in table)
     return {

@@ -5,6 +5,8 @@ from __future__ import annotations
 import mmap
 import os
 import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -12,11 +14,13 @@ import numpy as np
 from gpuckpt.device.arrays import ArrayAdapter, DeviceArray, HostArray, HostMemory, adapt, is_array
 from gpuckpt.device.backend import DeviceBackend
 from gpuckpt.device.sharded import is_sharded_leaf, sharded_boxes
+from gpuckpt.distributed.cooperative import read_cooperative
 from gpuckpt.distributed.coordinator import Coordinator, SingleProcessCoordinator
 from gpuckpt.distributed.load import read_boxes
 from gpuckpt.distributed.save import distributed_save
 from gpuckpt.errors import (
     CheckpointTooLargeError,
+    DistributedError,
     DTypeMismatchError,
     MissingKeyError,
     ReadOnlyTargetError,
@@ -44,6 +48,7 @@ from gpuckpt.saving.session import execute_save
 from gpuckpt.saving.sources import contains_sharded, describe_state, is_leaf
 from gpuckpt.saving.writing import open_save_writer
 from gpuckpt.state import flatten_state_dict, select_fqns, unflatten_state_dict
+from gpuckpt.storage.base import CheckpointReader
 
 __all__ = ["load", "load_state_dict", "load_with_options", "read_metadata", "save", "save_with_options"]
 
@@ -203,6 +208,7 @@ def load(
     staging_bytes: int = DEFAULT_STAGING_BYTES,
     storage_options: dict[str, Any] | None = None,
     coordinator: Coordinator | None = None,
+    cooperative: bool = True,
 ) -> None:
     """Load the checkpoint at ``path`` into ``state_dict`` in place.
 
@@ -217,6 +223,16 @@ def load(
     absent from ``state_dict`` are not read (partial load). All checks run
     before anything is read (shapes, dtypes, writability of every target, the
     size of every chunk file), so a mismatch changes nothing.
+
+    With a ``coordinator`` (every rank calls ``load`` with its own state dict:
+    ``ShardedArray`` boxes, replicated arrays, plain values), each stored chunk
+    that several ranks need is read once for the whole job (``cooperative``,
+    the default): one rank reads and checks it and sends its bytes to the
+    others over the coordinator's transport, at most ``staging_bytes`` of such
+    chunks per rank at a time. A failed read fails the load on every rank
+    before its round writes anything (see :mod:`gpuckpt.distributed.cooperative`
+    for what earlier rounds leave); ``cooperative=False``: every rank reads
+    what it needs itself.
 
     Examples
     --------
@@ -235,6 +251,7 @@ def load(
         progress=progress,
         staging_bytes=staging_bytes,
         storage_options=storage_options,
+        cooperative=cooperative,
     )
     load_with_options(state_dict, path, options, coordinator)
 
@@ -246,6 +263,9 @@ def load_with_options(
     if coordinator is None:
         _load(state_dict, path, options)
         return
+    if options.cooperative and coordinator.world_size > 1 and not is_hf_source(path):
+        _load_cooperative(state_dict, path, options, coordinator)
+        return
     error = None
     try:
         _load(state_dict, path, options)
@@ -254,11 +274,26 @@ def load_with_options(
     coordinator.all_reduce_errors(error)
 
 
-@paused_gc()
-def _load(state_dict: STATE_DICT_TYPE, path: PathLike, options: LoadOptions) -> None:
-    if is_hf_source(path):  # a Hugging Face directory or safetensors file: no gpuckpt metadata
-        load_hf(state_dict, path, options)
-        return
+@dataclass(slots=True)
+class _PreparedLoad:
+    """A load checked and ready to read: the arrays it fills and the values it replaces."""
+
+    reader: CheckpointReader
+    tensors: Mapping[str, TensorEntry]
+    targets: list[tuple[TensorEntry, ArrayAdapter]]
+    requests: list[tuple[TensorEntry, list[tuple[Any, Box]]]]
+    placeholders: list[tuple[Any, TensorEntry]]
+    decoded: list[tuple[Any, Any]]
+    reads: Callable[[], None] | None
+    #: what names the checkpoint (its recorded checkpoint and save ids), where it says
+    identity: str | None = None
+
+
+def _prepare(
+    state_dict: STATE_DICT_TYPE, path: PathLike, options: LoadOptions, *, whole: bool
+) -> _PreparedLoad:
+    """Open the checkpoint and check every target against it before anything is read;
+    ``whole``: the reads of whole-array targets are prepared too (else the caller reads them)."""
     ck = open_checkpoint(path, options.storage_options, direct_io=options.reads_direct())
     reader, tensors, objects = ck.reader, ck.index.tensors, ck.index.objects
     leaves, _ = flatten_state_dict(state_dict, is_leaf)
@@ -269,40 +304,90 @@ def _load(state_dict: STATE_DICT_TYPE, path: PathLike, options: LoadOptions) -> 
             f"{', '.join(repr(m) for m in missing[:10])}{' ...' if len(missing) > 10 else ''}; "
             "pass strict=False to load the others"
         )
-    targets: list[tuple[TensorEntry, ArrayAdapter]] = []
-    placeholders: list[tuple[Any, TensorEntry]] = []
-    decoded: list[tuple[Any, Any]] = []
-    requests: list[tuple[TensorEntry, list[tuple[Any, Box]]]] = []
+    meta = ck.index.storage_meta
+    identity = None if meta is None else repr((str(meta.checkpoint_id), meta.save_id))
+    ready = _PreparedLoad(reader, tensors, [], [], [], [], None, identity)
     # the sizes of the chunk files are checked before anything is allocated or written; the
     # file system answers on another thread while the targets are checked and their reads made
     with checking_chunk_files(reader, [tensors[f] for f in leaves if f in tensors]) as check_files:
         for fqn, leaf in leaves.items():
             if fqn in objects:
-                decoded.append(
+                ready.decoded.append(
                     (leaf, decode_object(objects[fqn], allow_pickle=options.allow_pickle, fqn=fqn))
                 )
             elif fqn in tensors:
                 t = tensors[fqn]
                 value = leaf.value
                 if type(value) is np.ndarray or (not is_sharded_leaf(value) and is_array(value)):
-                    targets.append((t, _target(fqn, t, value)))
+                    ready.targets.append((t, _target(fqn, t, value)))
                 elif is_sharded_leaf(value):
-                    requests.append((t, _shard_targets(t, value)))
+                    ready.requests.append((t, _shard_targets(t, value)))
                 else:
-                    placeholders.append((leaf, t))
+                    ready.placeholders.append((leaf, t))
         # the arrays that exist have their reads made now; new ones once they are allocated
-        reads = prepare_reads(reader, targets, options) if not placeholders else None
+        if whole and not ready.placeholders:
+            ready.reads = prepare_reads(reader, ready.targets, options)
         check_files()
+    return ready
+
+
+def _allocate_placeholders(ready: _PreparedLoad) -> list[tuple[Any, np.ndarray]]:
+    """New host arrays for the entries that are not arrays but were stored as tensors."""
     fresh: list[tuple[Any, np.ndarray]] = []
-    for leaf, t in placeholders:
+    for leaf, t in ready.placeholders:
         dest = _allocate(None, t)
-        targets.append((t, HostArray(dest)))
+        ready.targets.append((t, HostArray(dest)))
         fresh.append((leaf, dest))
-    if reads is None:
-        reads = prepare_reads(reader, targets, options)
+    return fresh
+
+
+@paused_gc()
+def _load(state_dict: STATE_DICT_TYPE, path: PathLike, options: LoadOptions) -> None:
+    if is_hf_source(path):  # a Hugging Face directory or safetensors file: no gpuckpt metadata
+        load_hf(state_dict, path, options)
+        return
+    ready = _prepare(state_dict, path, options, whole=True)
+    fresh = _allocate_placeholders(ready)
+    reads = ready.reads or prepare_reads(ready.reader, ready.targets, options)
     reads()
-    read_boxes(reader, requests, options)
-    for leaf, value in (*fresh, *decoded):
+    read_boxes(ready.reader, ready.requests, options)
+    for leaf, value in (*fresh, *ready.decoded):
+        leaf.replace(value)
+
+
+@paused_gc()
+def _load_cooperative(
+    state_dict: STATE_DICT_TYPE, path: PathLike, options: LoadOptions, coordinator: Coordinator
+) -> None:
+    """A load in which every stored chunk that several ranks need is read once for the job
+    (:mod:`gpuckpt.distributed.cooperative`): every rank checks its targets first, and the
+    ranks agree on that before any reads; entries replaced by new values (plain values, new
+    arrays) are replaced only once every rank has read everything."""
+    error: Exception | None = None
+    ready = None
+    try:
+        ready = _prepare(state_dict, path, options, whole=False)
+        fresh = _allocate_placeholders(ready)
+    except Exception as exc:
+        error = exc
+    coordinator.all_reduce_errors(error)
+    assert ready is not None
+    whole = [(t, [(dest, ((0,) * len(t.shape), t.shape))]) for t, dest in ready.targets]
+    try:
+        read_cooperative(
+            ready.reader, ready.tensors, [*whole, *ready.requests], options, coordinator, ready.identity
+        )
+    except Exception as exc:  # every rank learns of any rank's failure
+        error = exc
+    try:
+        coordinator.all_reduce_errors(error)
+    except DistributedError:
+        raise
+    except Exception:
+        if error is None:
+            raise
+        raise error from None  # the transport is broken (a rank died): this rank's own error says so
+    for leaf, value in (*fresh, *ready.decoded):
         leaf.replace(value)
 
 

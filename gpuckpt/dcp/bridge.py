@@ -51,6 +51,8 @@ from gpuckpt.background import copy_host_arrays, host_order, snapshot_bytes, sna
 from gpuckpt.background import snapshot as snapshot_to_arena
 from gpuckpt.device.arrays import DeviceArray, HostArray, HostMemory, adapt, device_backends
 from gpuckpt.device.staging import ArenaPool, StagingArena, aligned_bytes, pool_for
+from gpuckpt.distributed.cooperative import read_cooperative
+from gpuckpt.distributed.coordinator import Coordinator
 from gpuckpt.distributed.load import read_boxes
 from gpuckpt.errors import StagingTimeoutError
 from gpuckpt.format.dtypes import dtype_name
@@ -333,19 +335,40 @@ def read_value(ck: OpenCheckpoint, fqn: str, allow_pickle: bool) -> Any:
 
 
 def read_boxes_into(
-    ck: OpenCheckpoint, requests: Mapping[str, list[tuple[Any, Box]]], options: LoadOptions
+    ck: OpenCheckpoint,
+    requests: Mapping[str, list[tuple[Any, Box]]],
+    options: LoadOptions,
+    coordinator: Coordinator | None = None,
 ) -> None:
     """Fill each ``(array, box)`` of each tensor from the stored chunks that overlap the box.
 
     Arrays are any kind gpuckpt adapts (torch CPU or CUDA tensors included);
-    each chunk read is verified against its CRC32C.
+    each chunk read is verified against its CRC32C. With a ``coordinator`` (a
+    collective: every rank calls it), each stored chunk that several ranks need
+    is read once for the job (:mod:`gpuckpt.distributed.cooperative`); the ranks
+    agree on the checks of the chunk files first.
     """
-    check_chunk_files(ck.reader, [ck.tensors[fqn] for fqn in requests])
-    read_boxes(
-        ck.reader,
-        [(ck.tensors[fqn], [(adapt(a), box) for a, box in targets]) for fqn, targets in requests.items()],
-        options,
-    )
+    if coordinator is None:
+        check_chunk_files(ck.reader, [ck.tensors[fqn] for fqn in requests])
+        read_boxes(
+            ck.reader,
+            [(ck.tensors[fqn], [(adapt(a), box) for a, box in targets]) for fqn, targets in requests.items()],
+            options,
+        )
+        return
+    error: Exception | None = None
+    boxes = []
+    try:
+        check_chunk_files(ck.reader, [ck.tensors[fqn] for fqn in requests])
+        boxes = [
+            (ck.tensors[fqn], [(adapt(a), box) for a, box in targets]) for fqn, targets in requests.items()
+        ]
+    except Exception as exc:
+        error = exc
+    coordinator.all_reduce_errors(error)
+    meta = ck.metadata.storage_meta
+    identity = None if meta is None else repr((str(meta.checkpoint_id), meta.save_id))
+    read_cooperative(ck.reader, ck.tensors, boxes, options, coordinator, identity)
 
 
 def read_whole(ck: OpenCheckpoint, fqn: str, options: LoadOptions) -> np.ndarray:

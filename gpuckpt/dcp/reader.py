@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 from typing import Any
@@ -15,6 +16,7 @@ import gpuckpt.dcp.bridge as bridge
 import gpuckpt.dcp.convert as convert
 from gpuckpt.dcp.saved_bytesio import saved_bytesio
 from gpuckpt.dcp.tensors import as_torch, torch, torch_dtype
+from gpuckpt.distributed.torch_dist import TorchCoordinator
 from gpuckpt.errors import (
     MetadataError,
     MissingKeyError,
@@ -22,9 +24,12 @@ from gpuckpt.errors import (
     UnsafeCheckpointError,
     UnsupportedValueError,
 )
-from gpuckpt.options import LoadOptions
+from gpuckpt.options import DEFAULT_STAGING_BYTES, LoadOptions
 
 __all__ = ["Reader"]
+
+#: the mark :meth:`Reader.prepare_global_plan` leaves in each rank's plan: the number of ranks
+_COOPERATIVE = "gpuckpt_cooperative_ranks"
 
 
 class Reader(StorageReader):  # type: ignore[misc,unused-ignore]
@@ -61,6 +66,14 @@ class Reader(StorageReader):  # type: ignore[misc,unused-ignore]
         I/O threads (default as for :func:`gpuckpt.load`).
     storage_options
         Options of URL back ends (``s3://``), as for :func:`gpuckpt.load`.
+    cooperative
+        In a distributed ``dcp.load`` (its plans made over the default process group),
+        each stored chunk that several ranks need is read once for the job: one rank reads
+        and checks it and sends its bytes to the others over a gloo group of the same ranks
+        (:mod:`gpuckpt.distributed.cooperative`). False: every rank reads what it needs.
+    staging_bytes
+        Bytes of shared chunks one rank holds at a time in a cooperative load (and the
+        staging budget of device targets), as for :func:`gpuckpt.load`.
 
     Examples
     --------
@@ -76,12 +89,19 @@ class Reader(StorageReader):  # type: ignore[misc,unused-ignore]
         allow_pickle: bool = False,
         threads: int | None = None,
         storage_options: dict[str, Any] | None = None,
+        cooperative: bool = True,
+        staging_bytes: int = DEFAULT_STAGING_BYTES,
     ) -> None:
         super().__init__()
         self.options = LoadOptions(
-            allow_pickle=allow_pickle, threads=threads, storage_options=storage_options
+            allow_pickle=allow_pickle,
+            threads=threads,
+            storage_options=storage_options,
+            cooperative=cooperative,
+            staging_bytes=staging_bytes,
         )
         self._path = os.fspath(path)
+        self._coordinator: TorchCoordinator | None = None
         self._checkpoint: bridge.OpenCheckpoint | None = None
         self._view: convert.View | None = None
 
@@ -114,11 +134,62 @@ class Reader(StorageReader):  # type: ignore[misc,unused-ignore]
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        return plans
+        # called on the coordinator rank of a distributed load only (and on the one rank of a
+        # load without collectives, with one plan): the mark tells every rank's read_data
+        # that all ranks call it, so that it may run collectives
+        if not self.options.cooperative or len(plans) < 2:
+            return plans
+        mark = {_COOPERATIVE: len(plans)}
+        return [dataclasses.replace(p, storage_data=mark) for p in plans]
+
+    def _cooperating(self, plan: LoadPlan) -> TorchCoordinator | None:
+        """The coordinator of a cooperative ``read_data``, or None (every rank reads alone)."""
+        data = plan.storage_data
+        if not (isinstance(data, dict) and isinstance(data.get(_COOPERATIVE), int)):
+            return None
+        dist = torch.distributed
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() != data[_COOPERATIVE]:
+            return None  # a load over a subgroup: not the default group's ranks
+        if self._coordinator is None:
+            coordinator = TorchCoordinator()
+            # NCCL carries no CPU tensors: the chunks travel over a gloo group of the same ranks
+            if str(dist.get_backend()) != "gloo":
+                coordinator = coordinator.duplicate()
+            self._coordinator = coordinator
+        return self._coordinator
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         if self._checkpoint is None or self._view is None:
             self.read_metadata()
+        assert self._checkpoint is not None and self._view is not None
+        ck = self._checkpoint
+        coordinator = self._cooperating(plan)
+        try:
+            requests, done, values = self._targets(plan, planner)
+        except Exception as exc:
+            if coordinator is not None:
+                # the same collective as the others' agreement on their checks: every rank raises
+                coordinator.all_reduce_errors(exc)
+            raise
+        bridge.read_boxes_into(ck, requests, self.options, coordinator)
+        for item, target, converted in done:
+            if converted is not None:
+                target.copy_(converted)
+            planner.commit_tensor(item, target)
+        for item, entry in values:
+            planner.load_bytes(item, io.BytesIO(self._serialized(ck, entry)))
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    def _targets(
+        self, plan: LoadPlan, planner: LoadPlanner
+    ) -> tuple[
+        dict[str, list[tuple[Any, bridge.Box]]],
+        list[tuple[ReadItem, Any, Any]],
+        list[tuple[ReadItem, convert.Entry]],
+    ]:
+        """The boxes of ``plan``'s tensors with their targets, and its non-tensor values."""
         assert self._checkpoint is not None and self._view is not None
         ck, view = self._checkpoint, self._view
         requests: dict[str, list[tuple[Any, bridge.Box]]] = {}
@@ -155,16 +226,7 @@ class Reader(StorageReader):  # type: ignore[misc,unused-ignore]
             )
             requests.setdefault(entry.fqn, []).append((into, box))
             done.append((item, target, None if into is target else into))
-        bridge.read_boxes_into(ck, requests, self.options)
-        for item, target, converted in done:
-            if converted is not None:
-                target.copy_(converted)
-            planner.commit_tensor(item, target)
-        for item, entry in values:
-            planner.load_bytes(item, io.BytesIO(self._serialized(ck, entry)))
-        fut: Future[None] = Future()
-        fut.set_result(None)
-        return fut
+        return requests, done, values
 
     def _serialized(self, ck: bridge.OpenCheckpoint, entry: convert.Entry) -> bytes:
         """The ``torch.save`` bytes DCP's planner gets for a non-tensor entry."""

@@ -30,7 +30,10 @@ from gpuckpt.progress import ProgressCounter
 from gpuckpt.runtime.runner import IO_BATCH_JOBS, batches
 from gpuckpt.storage.base import CheckpointReader
 
-__all__ = ["read_boxes"]
+__all__ = ["BoxRead", "read_boxes", "run_box_reads"]
+
+#: one stored chunk of a resharding load and the ``(adapter, box)`` targets it fills
+BoxRead = tuple[TensorEntry, ChunkRead, list[tuple[ArrayAdapter, Box]]]
 
 
 def _slices(outer: tuple[int, ...], inner: Box) -> tuple[slice, ...]:
@@ -90,7 +93,7 @@ def _read_one(
 
 def _read_batch(
     reader: CheckpointReader,
-    reads: list[tuple[TensorEntry, ChunkRead, list[tuple[ArrayAdapter, Box]]]],
+    reads: list[BoxRead],
     staging: Staging,
     copies: CopyQueue | None,
     counter: ProgressCounter,
@@ -111,16 +114,25 @@ def read_boxes(
     job, and its overlap with each box is staged into that box's adapter. Of
     ``options``, ``threads``, ``progress`` and ``staging_bytes`` apply.
     """
-    threads, progress, staging_bytes = options.threads, options.progress, options.staging_bytes
     total = sum(math.prod(b[1]) * t.dtype.itemsize for t, boxes in requests for _, b in boxes)
-    counter = ProgressCounter(progress, total)
-    reads: list[tuple[TensorEntry, ChunkRead, list[tuple[ArrayAdapter, Box]]]] = []
+    counter = ProgressCounter(options.progress, total)
+    reads: list[BoxRead] = []
     for t, boxes in requests:
         wanted: dict[tuple[int, ...], list[tuple[ArrayAdapter, Box]]] = {}
         for adapter, box in boxes:
             for coords in overlapping_chunks(t.grid, box):
                 wanted.setdefault(coords, []).append((adapter, box))
         reads.extend((t, t.chunk(coords), targets) for coords, targets in wanted.items())
+    run_box_reads(reader, reads, options, counter)
+
+
+def run_box_reads(
+    reader: CheckpointReader, reads: list[BoxRead], options: LoadOptions, counter: ProgressCounter
+) -> None:
+    """Read each chunk of ``reads`` (once, verified) and fill its targets, on the load's I/O threads."""
+    if not reads:
+        return
+    threads, staging_bytes = options.threads, options.staging_bytes
     # an overlap is at most the chunk's box
     staging = Staging(
         ((a.backend, c.spec.nelem * t.dtype.itemsize) for t, c, targets in reads for a, _ in targets),

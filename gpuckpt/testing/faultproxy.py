@@ -99,6 +99,7 @@ class _Handler(socketserver.StreamRequestHandler):
                 self.server.proxy._carry("up", len(body))
                 fault = self.server.proxy._decide(method, target, len(body))
                 self._kind = request_kind(method, target)
+                self._path = target.partition("?")[0]
                 self._held = len(body)
                 try:
                     if not self._answer(fault, method, target, body, headers):
@@ -114,6 +115,7 @@ class _Handler(socketserver.StreamRequestHandler):
     _upstream: http.client.HTTPConnection | None = None
     _held: int | None = None
     _kind = ""
+    _path = ""
 
     def _release(self) -> None:
         """The request stops counting as in flight (once): before its answer goes out, so that
@@ -177,7 +179,7 @@ class _Handler(socketserver.StreamRequestHandler):
         raw = head.encode("latin-1") + (b"" if method == "HEAD" else body)
         if cut:  # part of the answer: half the body, or half the head when there is no body
             raw = raw[: len(head) + len(body) // 2] if len(body) > 1 else raw[: len(head) // 2]
-        self.server.proxy._sent(self._kind, len(raw) - len(head) if len(raw) > len(head) else 0)
+        self.server.proxy._sent(self._kind, len(raw) - len(head) if len(raw) > len(head) else 0, self._path)
         self.server.proxy._carry("down", len(raw) - len(head))
         self.wfile.write(raw)
         self.wfile.flush()
@@ -241,6 +243,8 @@ class FaultProxy:
         self.injected: Counter[str] = Counter()
         #: bytes of answer bodies sent to the client, by request kind (``get``: object bytes read)
         self.body_bytes_out: Counter[str] = Counter()
+        #: bytes of ``get`` answer bodies by object path (``/bucket/key``): what each object served
+        self.get_bytes_by_path: Counter[str] = Counter()
         #: ``(kind, path)`` of every request, in arrival order
         self.requests: list[tuple[str, str]] = []
         #: the most requests the proxy held at once (received, not yet answered)
@@ -282,9 +286,11 @@ class FaultProxy:
         if delay > 0:
             time.sleep(delay)
 
-    def _sent(self, kind: str, nbytes: int) -> None:
+    def _sent(self, kind: str, nbytes: int, path: str = "") -> None:
         with self._lock:
             self.body_bytes_out[kind] += nbytes
+            if kind == "get":
+                self.get_bytes_by_path[path] += nbytes
 
     def _done(self, nbytes: int) -> None:
         with self._lock:
@@ -302,6 +308,7 @@ class FaultProxy:
             out = dict(self.counts)
             self.counts.clear()
             self.body_bytes_out.clear()
+            self.get_bytes_by_path.clear()
             self.requests.clear()
             self.max_active = self.max_active_bytes = 0
             return out

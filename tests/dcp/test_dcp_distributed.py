@@ -146,3 +146,24 @@ def test_checkpoints_of_4_ranks_convert_to_torch_as_dcp_to_torch_save_does(
     ranks = _script()
     whole = torch.load(out / "dtensors.pt", weights_only=True)
     assert all(torch.equal(whole[n], ranks.global_tensor(n)) for n in ranks.SHAPES)
+
+
+def test_cooperative_load_on_4_ranks_reads_each_chunk_once(
+    tmp_path: Path, run_ranks: Callable[..., Results]
+) -> None:
+    """DCP's default planner (torch has no cooperative load planner of its own here): the Reader
+    reads each stored chunk once for the job, bit-exact against cooperative=False; a damaged
+    chunk fails every rank with its checksum error and leaves the targets as they were."""
+    results = run_ranks(4, "coop", tmp_path)
+    for rank, r in results.items():
+        stored = r["stored"]
+        for layout in ("replicated", "hsdp"):
+            coop, solo = r[f"{layout}-coop"], r[f"{layout}-solo"]
+            assert coop["exact"] and solo["exact"], (rank, layout)
+            assert coop["bytes"] == stored, (rank, layout, coop, stored)
+        # alone, every replica reads its shard (and chunks across the shard edge twice)
+        assert r["replicated-solo"]["bytes"] == 4 * stored and r["hsdp-solo"]["bytes"] >= 2 * stored
+        assert sorted(r["damaged"]) == ["0", "1", "2", "3"], r["damaged"]
+        for report in r["damaged"].values():
+            assert "ChecksumError" in report and "chunk c.1.0 of tensor 'w'" in report, report
+        assert r["damaged_untouched"], rank

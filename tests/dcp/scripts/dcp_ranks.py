@@ -251,6 +251,77 @@ def job_s3(out: Path) -> dict[str, Any]:
     return {"rows_resharded": torch.equal(target["rows"].full_tensor(), global_tensor("rows"))}
 
 
+#: the checkpoint of the cooperative loads: tensors of several chunks (32 KiB each)
+COOP = {"w": (256, 128), "e": (64, 33), "b": (1000,)}
+
+
+def coop_tensor(name: str) -> torch.Tensor:
+    g = torch.Generator().manual_seed(len(name))
+    if name == "e":
+        return torch.randint(-(2**40), 2**40, COOP[name], generator=g, dtype=torch.int64)
+    return torch.randn(COOP[name], generator=g)
+
+
+def _coop_load(path: Path, layout: str, mesh: Any, **options: Any) -> tuple[dict[str, Any], bool, int]:
+    """``dcp.load`` of the checkpoint at ``path`` into zeros of ``layout``: the state, whether it
+    equals what was saved, and the chunk bytes all ranks read together."""
+    from gpuckpt.testing.reads import count_chunk_reads
+
+    if layout == "replicated":  # every rank loads every tensor whole
+        sd: dict[str, Any] = {n: torch.zeros_like(coop_tensor(n)) for n in COOP}
+    else:  # 2 replicas x 2 shards (HSDP): mesh dimension 0 replicates, dimension 1 shards rows
+        sd = {
+            n: distribute_tensor(torch.zeros_like(coop_tensor(n)), mesh, [Replicate(), Shard(0)])
+            for n in COOP
+        }
+    with count_chunk_reads() as counted:
+        dcp.load(sd, storage_reader=gpuckpt.dcp.Reader(path, **options))
+    nbytes = [None] * dist.get_world_size()
+    dist.all_gather_object(nbytes, counted.nbytes)
+    if layout == "replicated":
+        exact = all(torch.equal(sd[n], coop_tensor(n)) for n in COOP)
+    else:
+        want = {n: distribute_tensor(coop_tensor(n), mesh, [Replicate(), Shard(0)]) for n in COOP}
+        exact = all(torch.equal(sd[n].to_local(), want[n].to_local()) for n in COOP)
+    return sd, exact, sum(nbytes)
+
+
+def job_coop(out: Path) -> dict[str, Any]:
+    """4 ranks load one checkpoint through DCP's default planner, cooperatively and not: each stored
+    chunk is read once for the job; a damaged chunk fails every rank with its checksum error."""
+    import shutil
+
+    rank = dist.get_rank()
+    path, damaged = out / "coop", out / "coop-damaged"
+    if rank == 0:
+        gpuckpt.save({n: coop_tensor(n).numpy() for n in COOP}, path, chunk_bytes=32 << 10, overwrite=True)
+        shutil.rmtree(damaged, ignore_errors=True)
+        shutil.copytree(path, damaged)
+        chunk = damaged / "w" / "c.1.0"
+        data = bytearray(chunk.read_bytes())
+        data[100] ^= 0xFF
+        chunk.write_bytes(bytes(data))
+    dist.barrier()
+    mesh = init_device_mesh("cpu", (2, 2))
+    found: dict[str, Any] = {
+        "stored": sum(p.stat().st_size for p in path.rglob("c.*") if p.is_file()),
+        "planners": [n for n in dir(dcp) if "Cooperative" in n],
+    }
+    for layout in ("replicated", "hsdp"):
+        for coop in (True, False):
+            _, exact, nbytes = _coop_load(path, layout, mesh, cooperative=coop)
+            found[f"{layout}-{'coop' if coop else 'solo'}"] = {"exact": exact, "bytes": nbytes}
+    sd = {n: torch.zeros_like(coop_tensor(n)) for n in COOP}
+    try:
+        dcp.load(sd, storage_reader=gpuckpt.dcp.Reader(damaged))
+        found["damaged"] = "no error"
+    except BaseException as exc:  # DCP's CheckpointException is a BaseException
+        failures = getattr(exc, "failures", {})
+        found["damaged"] = {str(r): repr(e) for r, e in failures.items()}
+    found["damaged_untouched"] = all(not sd[n].any() for n in COOP)
+    return found
+
+
 def main() -> None:
     job, out = sys.argv[1], Path(sys.argv[2])
     rank = int(os.environ["RANK"])
@@ -258,7 +329,7 @@ def main() -> None:
     try:
         dist.init_process_group("gloo")
         try:
-            result = {"save": job_save, "load": job_load, "s3": job_s3}[job](out)
+            result = {"save": job_save, "load": job_load, "s3": job_s3, "coop": job_coop}[job](out)
         finally:
             dist.destroy_process_group()
     except BaseException:

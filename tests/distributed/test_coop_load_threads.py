@@ -1,0 +1,188 @@
+"""Cooperative loads with 4 ThreadCoordinator ranks (in-process): each stored chunk read once for the
+job, bit-exact against loads that are not cooperative, failures on every rank, the memory budget.
+
+The same script runs under mpiexec and gloo in ``test_coop_load_processes.py``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import gpuckpt
+from gpuckpt.distributed import SingleProcessCoordinator, ThreadCoordinator, run_ranks
+from gpuckpt.errors import CoordinatorError, DistributedError, InvalidOptionError
+from gpuckpt.testing.reads import count_chunk_reads
+
+
+@pytest.fixture
+def coop(load_script: Any, tmp_path: Path) -> tuple[Any, str]:
+    module = load_script("coop_load")
+    path = str(tmp_path / "ckpt")
+    module.make_checkpoint(path)
+    return module, path
+
+
+@pytest.mark.parametrize("kind", ["replicated", "hsdp", "uneven"])
+def test_each_chunk_is_read_once_and_the_load_is_bit_exact(coop: tuple[Any, str], kind: str) -> None:
+    module, path = coop
+    stored = module.chunk_file_bytes(path)
+    with count_chunk_reads() as counted:
+        coop_results = run_ranks(4, lambda c: module.load_rank(c, path, kind))
+    with count_chunk_reads() as solo_counted:
+        solo_results = run_ranks(4, lambda c: module.load_rank(c, path, kind, cooperative=False))
+    assert all(r["exact"] for r in coop_results), coop_results
+    assert coop_results == solo_results
+    # every layout needs every chunk at least once: read once in all, not once per rank
+    assert counted.nbytes == stored
+    assert solo_counted.nbytes > stored
+    if kind == "replicated":
+        assert solo_counted.nbytes == 4 * stored
+
+
+def test_a_damaged_chunk_fails_every_rank_with_the_checksum_error_and_writes_nothing(
+    coop: tuple[Any, str], tmp_path: Path
+) -> None:
+    module, path = coop
+    module.damaged_copy(path, str(tmp_path / "damaged"), "damaged")
+    outcome = run_ranks(4, lambda c: module.fail_rank(c, str(tmp_path / "damaged"), "replicated"))
+    for o in outcome:
+        assert o["raised"] == "DistributedError" and o["cause"] == "ChecksumError", o
+        assert (o["cause_fqn"], o["cause_key"]) == ("model.w", "c.1.0")
+        assert "chunk c.1.0 of tensor 'model.w'" in o["message"]
+        assert o["untouched"], "one round: nothing of a failed load reaches the targets"
+
+
+def test_a_missing_chunk_fails_every_rank_before_anything_is_read(
+    coop: tuple[Any, str], tmp_path: Path
+) -> None:
+    module, path = coop
+    module.damaged_copy(path, str(tmp_path / "missing"), "missing")
+    outcome = run_ranks(4, lambda c: module.fail_rank(c, str(tmp_path / "missing"), "uneven"))
+    for o in outcome:
+        assert o["raised"] == "DistributedError" and "MissingChunkError" in o["message"], o
+        assert "chunk c.1.0 of tensor 'model.w'" in o["message"] and o["untouched"]
+
+
+def test_a_chunk_deleted_after_the_checks_fails_its_readers_round_on_every_rank(
+    coop: tuple[Any, str], tmp_path: Path
+) -> None:
+    """The chunk file goes away between the checks and the read: the reader meets it, every
+    rank raises the typed error, and nothing of the round reaches any target."""
+    module, path = coop
+    gone = tmp_path / "gone"
+    module.damaged_copy(path, str(gone), "damaged")  # a copy; the damage is replaced below
+    module.damaged_copy(path, str(gone), "none")
+    import gpuckpt.distributed.cooperative as cooperative
+
+    real = cooperative._read_shared
+
+    def vanish_then_read(reader: Any, t: Any, c: Any, into: Any) -> None:
+        if t.fqn == "model.w" and c.key == "c.1.0":
+            (gone / t.name / c.key).unlink(missing_ok=True)
+        real(reader, t, c, into)
+
+    cooperative._read_shared = vanish_then_read  # type: ignore[assignment]
+    try:
+        outcome = run_ranks(4, lambda c: module.fail_rank(c, str(gone), "replicated"))
+    finally:
+        cooperative._read_shared = real  # type: ignore[assignment]
+    for o in outcome:
+        assert o["cause"] == "MissingChunkError" and "'model.w'" in o["message"], o
+        assert o["untouched"]
+
+
+def test_a_reader_that_dies_fails_the_others(coop: tuple[Any, str]) -> None:
+    """Rank 1 leaves once it has read its chunks of the first round, before it sends them (its
+    thread ends, as a process dies): every other rank's next collective fails; none of them
+    writes a target."""
+    module, path = coop
+    import gpuckpt.distributed.cooperative as cooperative
+
+    real = cooperative._agree
+    calls: dict[int, int] = {}
+    states: dict[int, Any] = {}
+
+    def agree_or_die(c: Any, error: Any) -> None:
+        calls[c.rank] = calls.get(c.rank, 0) + 1
+        if c.rank == 1 and calls[c.rank] == 2:  # the first round's agreement (the plan's is first)
+            raise SystemExit("rank 1 dies")
+        real(c, error)
+
+    def rank_main(c: ThreadCoordinator) -> Any:
+        states[c.rank] = module.layout("replicated", c.rank, 4)
+        gpuckpt.load(states[c.rank], path, coordinator=c)
+
+    cooperative._agree = agree_or_die  # type: ignore[assignment]
+    try:
+        with pytest.raises(BaseException) as info:
+            run_ranks(4, rank_main, timeout=30)
+    finally:
+        cooperative._agree = real  # type: ignore[assignment]
+    assert calls[1] == 2 and all(calls[r] >= 2 for r in (0, 2, 3)), calls
+    assert isinstance(info.value, CoordinatorError | SystemExit), repr(info.value)
+    for rank, state in states.items():
+        assert module.untouched(state), f"rank {rank} wrote a target"
+
+
+def test_the_budget_streams_a_state_larger_than_it_in_rounds(coop: tuple[Any, str]) -> None:
+    module, path = coop
+    from gpuckpt.distributed.cooperative import read_cooperative  # the report of one rank's part
+    from gpuckpt.loading.open import open_checkpoint
+    from gpuckpt.options import LoadOptions
+
+    budget = 80 << 10
+    options = LoadOptions(staging_bytes=budget)
+
+    def rank_main(c: ThreadCoordinator) -> Any:
+        ck = open_checkpoint(path, None)
+        tensors = ck.index.tensors
+        from gpuckpt.device.arrays import HostArray
+        from gpuckpt.loading.checks import check_chunk_files
+
+        check_chunk_files(ck.reader, list(tensors.values()))
+        arrays = {f: np.zeros(t.shape, t.dtype) for f, t in tensors.items()}
+        requests = [(t, [(HostArray(arrays[f]), ((0,) * len(t.shape), t.shape))]) for f, t in tensors.items()]
+        report = read_cooperative(ck.reader, tensors, requests, options, c)
+        return report, arrays
+
+    results = run_ranks(4, rank_main)
+    full = module.global_tensors()
+    for report, arrays in results:
+        assert report.plan.nrounds > 1 and report.plan.needed_bytes > 3 * budget
+        assert 0 < report.held_bytes <= budget
+        assert all(max(held) <= budget for held in report.plan.round_bytes)
+        assert all(arrays[k].tobytes() == v.tobytes() for k, v in full.items())
+    assert sum(r.read_bytes for r, _ in results) == results[0][0].plan.needed_bytes
+
+
+def test_one_rank_and_the_option(coop: tuple[Any, str]) -> None:
+    module, path = coop
+    state = module.layout("replicated", 0, 1)
+    gpuckpt.load(state, path, coordinator=SingleProcessCoordinator())  # one rank: the usual load
+    assert module.check(state)["exact"]
+    with pytest.raises(InvalidOptionError, match="cooperative"):
+        gpuckpt.load(state, path, cooperative="yes")  # type: ignore[arg-type]
+
+
+def test_ranks_that_load_different_checkpoints_fail_together(coop: tuple[Any, str], tmp_path: Path) -> None:
+    module, path = coop
+    other = str(tmp_path / "other")
+    gpuckpt.save({"x": np.ones(3)}, other)
+
+    def rank_main(c: ThreadCoordinator) -> Any:
+        if c.rank == 3:
+            state: dict[str, Any] = {"x": np.zeros(3)}
+            target = other
+        else:
+            state, target = module.layout("replicated", c.rank, 4), path
+        try:
+            gpuckpt.load(state, target, coordinator=c)
+        except DistributedError as exc:
+            return str(exc)
+        return None
+
+    out = run_ranks(4, rank_main)
+    assert all(o is not None and "same checkpoint" in o for o in out), out
