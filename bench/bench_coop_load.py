@@ -123,7 +123,7 @@ def rank_worker(spec_file: str) -> None:
             gpuckpt.load(targets, spec["url"], coordinator=c, storage_options=proxy_opts)
         out["s3 exact"] = exact()
         with count_chunk_reads() as local_counted:
-            gpuckpt.load(targets, spec["local"], coordinator=c)
+            gpuckpt.load(targets, spec["local"], coordinator=c, cooperative=True)
         out["local exact"] = exact()
         with count_chunk_reads() as each_counted:
             gpuckpt.load(targets, spec["local"], coordinator=c, cooperative=False)
@@ -145,7 +145,10 @@ def rank_worker(spec_file: str) -> None:
             ),
             # the same from the local directory, its files in the page cache
             "solo local": (lambda: gpuckpt.load(targets, spec["local"]), False),
-            "coop local": (lambda: gpuckpt.load(targets, spec["local"], coordinator=c), True),
+            "coop local": (
+                lambda: gpuckpt.load(targets, spec["local"], coordinator=c, cooperative=True),
+                True,
+            ),
             "each local": (
                 lambda: gpuckpt.load(targets, spec["local"], coordinator=c, cooperative=False),
                 True,

@@ -49,6 +49,7 @@ from gpuckpt.saving.sources import contains_sharded, describe_state, is_leaf
 from gpuckpt.saving.writing import open_save_writer
 from gpuckpt.state import flatten_state_dict, select_fqns, unflatten_state_dict
 from gpuckpt.storage.base import CheckpointReader
+from gpuckpt.storage.stores import shares_reads
 
 __all__ = ["load", "load_state_dict", "load_with_options", "read_metadata", "save", "save_with_options"]
 
@@ -208,7 +209,7 @@ def load(
     staging_bytes: int = DEFAULT_STAGING_BYTES,
     storage_options: dict[str, Any] | None = None,
     coordinator: Coordinator | None = None,
-    cooperative: bool = True,
+    cooperative: bool | None = None,
 ) -> None:
     """Load the checkpoint at ``path`` into ``state_dict`` in place.
 
@@ -226,13 +227,15 @@ def load(
 
     With a ``coordinator`` (every rank calls ``load`` with its own state dict:
     ``ShardedArray`` boxes, replicated arrays, plain values), each stored chunk
-    that several ranks need is read once for the whole job (``cooperative``,
-    the default): one rank reads and checks it and sends its bytes to the
-    others over the coordinator's transport, at most ``staging_bytes`` of such
-    chunks per rank at a time. A failed read fails the load on every rank
-    before its round writes anything (see :mod:`gpuckpt.distributed.cooperative`
-    for what earlier rounds leave); ``cooperative=False``: every rank reads
-    what it needs itself.
+    that several ranks need can be read once for the whole job: one rank reads
+    and checks it and sends its bytes to the others over the coordinator's
+    transport, at most ``staging_bytes`` of such chunks per rank at a time. A
+    failed read fails the load on every rank before its round writes anything
+    (see :mod:`gpuckpt.distributed.cooperative` for what earlier rounds leave).
+    ``cooperative=None`` (the default) does so where the store serves every
+    rank's reads anew (``s3://``, network file systems), not on a local file
+    system, whose page cache serves a node's ranks from one read; True and
+    False force it on and off.
 
     Examples
     --------
@@ -263,7 +266,7 @@ def load_with_options(
     if coordinator is None:
         _load(state_dict, path, options)
         return
-    if options.cooperative and coordinator.world_size > 1 and not is_hf_source(path):
+    if coordinator.world_size > 1 and not is_hf_source(path) and _cooperates(path, options, coordinator):
         _load_cooperative(state_dict, path, options, coordinator)
         return
     error = None
@@ -272,6 +275,20 @@ def load_with_options(
     except Exception as exc:  # every rank learns of any rank's failure
         error = exc
     coordinator.all_reduce_errors(error)
+
+
+def _cooperates(path: PathLike, options: LoadOptions, coordinator: Coordinator) -> bool:
+    """Whether a distributed load of ``path`` is cooperative: as asked, else as rank 0 finds
+    the store (:func:`~gpuckpt.storage.stores.shares_reads`), so that every rank agrees."""
+    if options.cooperative is not None:
+        return options.cooperative
+    shared = None
+    if coordinator.rank == 0:
+        try:
+            shared = shares_reads(path)
+        except Exception:  # an invalid path: the load itself says what is wrong with it
+            shared = False
+    return bool(coordinator.broadcast(shared))
 
 
 @dataclass(slots=True)

@@ -225,7 +225,9 @@ class LoadOptions:
     ``cooperative``: a load with a coordinator reads each stored chunk that several ranks
     need once for the whole job (:mod:`gpuckpt.distributed.cooperative`), holding at most
     ``staging_bytes`` of such chunks per rank at a time; False: every rank reads what it
-    needs itself."""
+    needs itself; None (the default): cooperative where the store serves each rank's reads
+    anew (object storage, network file systems), not on a local file system, whose page
+    cache already serves the ranks of a node from one read."""
 
     strict: bool = True
     allow_pickle: bool = False
@@ -234,7 +236,7 @@ class LoadOptions:
     staging_bytes: int = DEFAULT_STAGING_BYTES
     storage_options: Mapping[str, Any] | None = None
     direct_io: str = dataclasses.field(default_factory=direct_io_from_env)
-    cooperative: bool = True
+    cooperative: bool | None = None
 
     def __post_init__(self) -> None:
         _flag("strict", self.strict)
@@ -244,7 +246,8 @@ class LoadOptions:
         _count("staging_bytes", self.staging_bytes, "bytes of staging memory")
         object.__setattr__(self, "storage_options", _mapping("storage_options", self.storage_options))
         _choice("direct_io", self.direct_io, _DIRECT_IO_MEANINGS, "a direct I/O mode")
-        _flag("cooperative", self.cooperative)
+        if self.cooperative is not None:
+            _flag("cooperative", self.cooperative)
 
     def reads_direct(self) -> bool:
         """Whether large chunks that are not in the page cache are read around it (``O_DIRECT``

@@ -25,6 +25,7 @@ from gpuckpt.errors import (
     UnsupportedValueError,
 )
 from gpuckpt.options import DEFAULT_STAGING_BYTES, LoadOptions
+from gpuckpt.storage.stores import shares_reads
 
 __all__ = ["Reader"]
 
@@ -70,7 +71,9 @@ class Reader(StorageReader):  # type: ignore[misc,unused-ignore]
         In a distributed ``dcp.load`` (its plans made over the default process group),
         each stored chunk that several ranks need is read once for the job: one rank reads
         and checks it and sends its bytes to the others over a gloo group of the same ranks
-        (:mod:`gpuckpt.distributed.cooperative`). False: every rank reads what it needs.
+        (:mod:`gpuckpt.distributed.cooperative`). False: every rank reads what it needs;
+        None (the default): cooperative where the store serves each rank's reads anew
+        (``s3://``, network file systems), as for :func:`gpuckpt.load`.
     staging_bytes
         Bytes of shared chunks one rank holds at a time in a cooperative load (and the
         staging budget of device targets), as for :func:`gpuckpt.load`.
@@ -89,7 +92,7 @@ class Reader(StorageReader):  # type: ignore[misc,unused-ignore]
         allow_pickle: bool = False,
         threads: int | None = None,
         storage_options: dict[str, Any] | None = None,
-        cooperative: bool = True,
+        cooperative: bool | None = None,
         staging_bytes: int = DEFAULT_STAGING_BYTES,
     ) -> None:
         super().__init__()
@@ -137,7 +140,10 @@ class Reader(StorageReader):  # type: ignore[misc,unused-ignore]
         # called on the coordinator rank of a distributed load only (and on the one rank of a
         # load without collectives, with one plan): the mark tells every rank's read_data
         # that all ranks call it, so that it may run collectives
-        if not self.options.cooperative or len(plans) < 2:
+        cooperative = self.options.cooperative
+        if cooperative is None:  # decided here, on one rank: every rank follows the mark
+            cooperative = shares_reads(self._path)
+        if not cooperative or len(plans) < 2:
             return plans
         mark = {_COOPERATIVE: len(plans)}
         return [dataclasses.replace(p, storage_data=mark) for p in plans]

@@ -55,7 +55,7 @@ from gpuckpt.distributed.load import BoxRead, run_box_reads
 from gpuckpt.errors import CoordinatorError, DistributedError, GpuckptError
 from gpuckpt.format.checksum import CRC_BYTES
 from gpuckpt.loading.checks import ChunkRead, TensorEntry
-from gpuckpt.loading.chunk_reads import fetch_verified, scratch
+from gpuckpt.loading.chunk_reads import decoded_chunk, fetch_verified, scratch
 from gpuckpt.loading.ranged import segments_of
 from gpuckpt.options import LoadOptions
 from gpuckpt.planning.boxes import Box, intersect, overlapping_chunks
@@ -197,8 +197,12 @@ def _agree(coordinator: Coordinator, error: BaseException | None) -> None:
 
 
 def _read_shared(reader: Any, t: TensorEntry, c: ChunkRead, into: np.ndarray) -> None:
-    """Read chunk ``c`` of ``t`` into ``into`` (its stored data bytes) and check it."""
+    """Read chunk ``c`` of ``t`` into ``into`` (its stored data bytes) and check it. A compressed
+    chunk travels as stored (fewer bytes); its reader checks here that it decompresses, so
+    that a hostile chunk fails the round before any rank writes a target."""
     fetch_verified(reader, t, c, [into])
+    if t.codec is not None:
+        decoded_chunk(t, c, into)
 
 
 def _target_memory(
@@ -232,7 +236,10 @@ def _copy_into(
     counter: ProgressCounter,
 ) -> None:
     """The parts of chunk ``c`` (its stored bytes ``data``) that ``targets`` need, copied into them."""
-    stored = data.view(t.dtype.newbyteorder("<")).reshape(c.stored)
+    if t.codec is not None:
+        stored = decoded_chunk(t, c, data)
+    else:
+        stored = data.view(t.dtype.newbyteorder("<")).reshape(c.stored)
     chunk_box: Box = (c.spec.offsets, c.spec.sizes)
     for adapter, box in targets:
         inter = intersect(chunk_box, box)
@@ -300,7 +307,11 @@ def _start(job: _Job, chunks: list[SharedChunk], workers: Workers) -> _Round:
     try:
         for s in state.mine:
             t = tensors[s.fqn]
-            into = None if s.reader == me else _target_memory(t, t.chunk(s.coords), job.boxes_of.get(s.fqn))
+            into = (
+                None
+                if s.reader == me or t.codec is not None  # compressed: received as stored, then decoded
+                else _target_memory(t, t.chunk(s.coords), job.boxes_of.get(s.fqn))
+            )
             if into is None:
                 state.buffers[s.id] = scratch((s.nbytes - CRC_BYTES,), np.dtype(np.uint8), t)
             else:

@@ -221,6 +221,15 @@ def stored_chunk(reader: CheckpointReader, t: TensorEntry, c: ChunkRead) -> np.n
     return stored
 
 
+def decoded_chunk(t: TensorEntry, c: ChunkRead, data: np.ndarray) -> np.ndarray:
+    """The chunk ``c`` of compressed tensor ``t`` whose checked stored bytes are ``data``,
+    decompressed into scratch memory of its padded shape ``c.stored`` (little-endian); a
+    :class:`~gpuckpt.errors.ChunkDecodeError` where the bytes do not decompress to it."""
+    out = scratch(c.stored, t.dtype.newbyteorder("<"), t)
+    _decoded(t, c, data, out.reshape(-1).view(np.uint8))
+    return out
+
+
 def decode_verified(reader: CheckpointReader, t: TensorEntry, c: ChunkRead) -> None:
     """Read chunk ``c`` of compressed tensor ``t``, check its CRC32C and that it decompresses to
     its chunk's bytes (kept nowhere: what verify asks of a compressed chunk)."""

@@ -77,6 +77,11 @@ class Backend:
     #: ``compression="auto"`` (:mod:`gpuckpt.saving.compression`): a local NVMe or the page
     #: cache by default
     write_bytes_per_s: float = 2e9
+    #: whether several processes reading the same bytes from ``location`` each cost the store
+    #: a read (an object store, a network file system): a distributed load then reads each
+    #: shared chunk once for the job by default (``cooperative=None``). None: every read
+    #: after the first is served by the machine's page cache, no cost to the store
+    shared_reads: Callable[[str], bool] | None = None
 
 
 @dataclass(frozen=True, slots=True)

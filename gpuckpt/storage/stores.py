@@ -90,12 +90,77 @@ def _s3_root(location: str, *, storage_options: dict[str, Any]) -> CheckpointRoo
     return ObjectStoreRoot(location.rstrip("/"), **storage_options)
 
 
+#: file systems whose reads cross a network: a read by each of several ranks costs the servers
+#: a read each (FUSE mounts are mostly object stores and cluster file systems)
+NETWORK_FILE_SYSTEMS = frozenset(
+    {
+        "nfs",
+        "nfs4",
+        "lustre",
+        "gpfs",
+        "cifs",
+        "smb3",
+        "smbfs",
+        "ceph",
+        "beegfs",
+        "9p",
+        "glusterfs",
+        "wekafs",
+        "orangefs",
+        "pvfs2",
+        "afs",
+        "davfs",
+    }
+)
+
+
+def _file_system_type(path: str) -> str:
+    """The type of the file system mounted where ``path`` lies (``/proc/mounts``), or ``""``."""
+    best, kind = "", ""
+    text = os.path.realpath(path)
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) < 3:
+                    continue
+                mount = fields[1].replace("\\040", " ")
+                inside = text == mount or text.startswith(mount.rstrip("/") + "/")
+                if inside and len(mount) >= len(best):
+                    best, kind = mount, fields[2]
+    except OSError:  # not Linux: no way to tell, treated as local
+        return ""
+    return kind
+
+
+def _local_shared_reads(location: str) -> bool:
+    kind = _file_system_type(location)
+    return kind in NETWORK_FILE_SYSTEMS or kind.startswith("fuse.")
+
+
 #: URL scheme (``file`` for plain paths) -> its back end
 BACKENDS: dict[str, Backend] = {
-    "file": Backend(_local_writer, _local_reader, _local_attach, _local_root, _local_location),
+    "file": Backend(
+        _local_writer,
+        _local_reader,
+        _local_attach,
+        _local_root,
+        _local_location,
+        shared_reads=_local_shared_reads,
+    ),
     # an object store through one client: a few hundred MB/s (see docs/compression.md)
-    "s3": Backend(_s3_writer, _s3_reader, _s3_attach, _s3_root, write_bytes_per_s=0.25e9),
+    "s3": Backend(
+        _s3_writer, _s3_reader, _s3_attach, _s3_root, write_bytes_per_s=0.25e9, shared_reads=lambda _: True
+    ),
 }
+
+
+def shares_reads(path: str | os.PathLike[str]) -> bool:
+    """Whether ranks reading the same bytes of ``path`` each cost its store a read (an object
+    store, a network file system), rather than sharing them through one page cache: where a
+    distributed load reads each shared chunk once by default."""
+    backend, location = _backend(path)
+    return backend.shared_reads is not None and backend.shared_reads(location)
 
 
 def write_rate(path: str | os.PathLike[str]) -> float:

@@ -113,7 +113,7 @@ def test_a_reader_that_dies_fails_the_others(coop: tuple[Any, str]) -> None:
 
     def rank_main(c: ThreadCoordinator) -> Any:
         states[c.rank] = module.layout("replicated", c.rank, 4)
-        gpuckpt.load(states[c.rank], path, coordinator=c)
+        gpuckpt.load(states[c.rank], path, coordinator=c, cooperative=True)
 
     cooperative._agree = agree_or_die  # type: ignore[assignment]
     try:
@@ -179,10 +179,54 @@ def test_ranks_that_load_different_checkpoints_fail_together(coop: tuple[Any, st
         else:
             state, target = module.layout("replicated", c.rank, 4), path
         try:
-            gpuckpt.load(state, target, coordinator=c)
+            gpuckpt.load(state, target, coordinator=c, cooperative=True)
         except DistributedError as exc:
             return str(exc)
         return None
 
     out = run_ranks(4, rank_main)
     assert all(o is not None and "same checkpoint" in o for o in out), out
+
+
+@pytest.mark.parametrize("compression", ["zstd", "lz4", {"codec": "zstd"}])
+def test_compressed_chunks_travel_as_stored_and_load_bit_exact(tmp_path: Path, compression: Any) -> None:
+    """A compressed checkpoint: each chunk read once, sent compressed, decompressed by each rank
+    that needs it (bfloat16, float32 and int64 tensors, edge chunks included)."""
+    import ml_dtypes
+
+    rng = np.random.default_rng(3)
+    state = {
+        "w": rng.normal(0, 0.02, (1000, 96)).astype(ml_dtypes.bfloat16),
+        "m": rng.normal(0, 1e-3, (300, 77)).astype(np.float32),
+        "i": np.arange(10_000, dtype=np.int64),
+    }
+    path = str(tmp_path / "ckpt")
+    gpuckpt.save(state, path, compression=compression, chunk_bytes=32 << 10)
+    stored = sum(f.stat().st_size for f in Path(path).rglob("c.*") if f.is_file())
+
+    def rank(c: ThreadCoordinator) -> bool:
+        target = {k: np.zeros_like(v) for k, v in state.items()}
+        gpuckpt.load(target, path, coordinator=c, cooperative=True)
+        return all(np.array_equal(target[k].view(np.uint8), state[k].view(np.uint8)) for k in state)
+
+    with count_chunk_reads() as counted:
+        assert run_ranks(4, rank) == [True] * 4
+    assert counted.nbytes == stored
+
+
+def test_by_default_a_load_cooperates_where_the_store_serves_every_read(coop: tuple[Any, str]) -> None:
+    """cooperative=None: a local file system (the page cache serves a node's ranks from one read)
+    reads as before, every rank its own chunks; an object store or a network file system
+    cooperates (``shares_reads``); rank 0 decides for every rank."""
+    from gpuckpt.storage.stores import NETWORK_FILE_SYSTEMS, shares_reads
+
+    module, path = coop
+    assert not shares_reads(path) and shares_reads("s3://bucket/run1/step_1")
+    assert {"nfs", "nfs4", "lustre", "gpfs"} <= NETWORK_FILE_SYSTEMS
+    stored = module.chunk_file_bytes(path)
+    with count_chunk_reads() as counted:
+        results = run_ranks(4, lambda c: module.load_rank(c, path, "replicated", cooperative=None))
+    assert all(r["exact"] for r in results), results
+    assert counted.nbytes == 4 * stored  # each rank read everything itself
+    with pytest.raises(InvalidOptionError, match="cooperative must be True or False"):
+        gpuckpt.load({}, path, cooperative="yes")  # type: ignore[arg-type]

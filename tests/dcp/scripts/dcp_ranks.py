@@ -313,7 +313,7 @@ def job_coop(out: Path) -> dict[str, Any]:
             found[f"{layout}-{'coop' if coop else 'solo'}"] = {"exact": exact, "bytes": nbytes}
     sd = {n: torch.zeros_like(coop_tensor(n)) for n in COOP}
     try:
-        dcp.load(sd, storage_reader=gpuckpt.dcp.Reader(damaged))
+        dcp.load(sd, storage_reader=gpuckpt.dcp.Reader(damaged, cooperative=True))
         found["damaged"] = "no error"
     except BaseException as exc:  # DCP's CheckpointException is a BaseException
         failures = getattr(exc, "failures", {})

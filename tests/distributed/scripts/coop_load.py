@@ -138,7 +138,7 @@ def untouched(state: dict[str, Any]) -> bool:
 
 def load_rank(c: Coordinator, path: str, kind: str, **options: Any) -> dict[str, Any]:
     state = layout(kind, c.rank, c.world_size)
-    gpuckpt.load(state, path, coordinator=c, **options)
+    gpuckpt.load(state, path, coordinator=c, **{"cooperative": True, **options})
     return check(state)
 
 
@@ -146,7 +146,7 @@ def fail_rank(c: Coordinator, path: str, kind: str, **options: Any) -> dict[str,
     """A load expected to fail: what it raised on this rank, and whether the targets are untouched."""
     state = layout(kind, c.rank, c.world_size)
     try:
-        gpuckpt.load(state, path, coordinator=c, **options)
+        gpuckpt.load(state, path, coordinator=c, **{"cooperative": True, **options})
     except Exception as exc:
         cause = exc.__cause__
         return {
@@ -193,7 +193,7 @@ def _peak(c: Coordinator, path: str, **options: Any) -> tuple[dict[str, Any], in
     state = layout("replicated", c.rank, c.world_size)
     tracemalloc.start()
     try:
-        gpuckpt.load(state, path, coordinator=c, **options)
+        gpuckpt.load(state, path, coordinator=c, **{"cooperative": True, **options})
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
