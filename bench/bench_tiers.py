@@ -101,6 +101,7 @@ import gpuckpt  # noqa: E402
 from bench.compare.common import OP_SETTLE_S, find_mpiexec  # noqa: E402
 from bench.tiers_ranks import RANKS, TierProbe, plain_state  # noqa: E402
 from gpuckpt.format.parts import part_name  # noqa: E402
+from gpuckpt.storage.stores import file_system_type  # noqa: E402
 
 RANK_SCRIPT = Path(__file__).resolve().parent / "tiers_ranks.py"
 TARGETS = {
@@ -116,19 +117,8 @@ TARGETS = {
 
 
 def fs_type(path: Path) -> str:
-    """The file system type of the mount holding ``path`` (``/proc/mounts``), or ``"?"``."""
-    best, kind = "", "?"
-    text = str(path.resolve())
-    with contextlib.suppress(OSError), open("/proc/mounts") as f:
-        for line in f:
-            m = line.split()
-            if (
-                len(m) > 2
-                and (text == m[1] or text.startswith(m[1].rstrip("/") + "/"))
-                and len(m[1]) > len(best)
-            ):
-                best, kind = m[1], m[2]
-    return kind
+    """The file system type of the mount holding ``path``, or ``"?"``."""
+    return file_system_type(path) or "?"
 
 
 def machine_info(mpiexec: str | None) -> dict[str, Any]:

@@ -59,7 +59,7 @@ from gpuckpt.planning.tiers import Choice, CopySeen, choose, nodes_of, replica_h
 from gpuckpt.runtime.workers import Workers
 from gpuckpt.state import flatten_state_dict
 from gpuckpt.storage.local.fileio import write_all
-from gpuckpt.storage.stores import open_root
+from gpuckpt.storage.stores import file_system_type, open_root
 
 __all__ = ["LocalTier", "PartSource", "RestoreReport", "layout_of", "part_view"]
 
@@ -318,7 +318,7 @@ class LocalTier:
             with open("/proc/meminfo") as f:
                 info = dict(line.split(":", 1) for line in f)
             available = int(info["MemAvailable"].split()[0]) * 1024
-            if _is_tmpfs(self.dir):
+            if file_system_type(self.dir) == "tmpfs":
                 total = min(total, available + held)
         except (OSError, KeyError, ValueError):
             pass
@@ -660,17 +660,3 @@ class LocalTier:
 def tree_bytes(path: Path) -> int:
     """The bytes of the files below ``path`` (a part, a tier)."""
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-
-
-def _is_tmpfs(path: Path) -> bool:
-    try:
-        with open("/proc/mounts") as f:
-            mounts = [line.split() for line in f]
-    except OSError:
-        return False
-    best, fstype = "", ""
-    text = str(path.resolve())
-    for m in mounts:
-        if len(m) > 2 and (text == m[1] or text.startswith(m[1].rstrip("/") + "/")) and len(m[1]) > len(best):
-            best, fstype = m[1], m[2]
-    return fstype == "tmpfs"

@@ -114,8 +114,9 @@ NETWORK_FILE_SYSTEMS = frozenset(
 )
 
 
-def _file_system_type(path: str) -> str:
-    """The type of the file system mounted where ``path`` lies (``/proc/mounts``), or ``""``."""
+def file_system_type(path: str | os.PathLike[str]) -> str:
+    """The type of the file system mounted where ``path`` lies (``/proc/mounts``: ``"tmpfs"``,
+    ``"ext4"``, ``"nfs4"``...), or ``""`` where that cannot be told."""
     best, kind = "", ""
     text = os.path.realpath(path)
     try:
@@ -134,7 +135,7 @@ def _file_system_type(path: str) -> str:
 
 
 def _local_shared_reads(location: str) -> bool:
-    kind = _file_system_type(location)
+    kind = file_system_type(location)
     return kind in NETWORK_FILE_SYSTEMS or kind.startswith("fuse.")
 
 
