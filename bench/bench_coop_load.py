@@ -39,7 +39,6 @@ import argparse
 import contextlib
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -56,6 +55,7 @@ sys.path.insert(0, str(REPO))  # the repository, for bench.compare
 
 import gpuckpt  # noqa: E402
 from bench.compare.common import find_mpiexec  # noqa: E402
+from bench.compare.common import machine_info as common_machine_info  # noqa: E402
 from gpuckpt.format.checksum import crc32c  # noqa: E402
 from gpuckpt.testing.s3server import loopback_env, s3_options, s3_server  # noqa: E402
 
@@ -201,26 +201,9 @@ def _boto(endpoint: str) -> dict[str, Any]:
 
 
 def machine_info() -> dict[str, Any]:
-    info: dict[str, Any] = {
-        "cpus": os.cpu_count(),
-        "kernel": platform.release(),
-        "python": platform.python_version(),
-        "gpuckpt": gpuckpt.__version__,
-    }
-    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
-        info["cpu_model"] = next(
-            (ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "?"
-        )
-    with contextlib.suppress(OSError, StopIteration), open("/proc/meminfo") as f:
-        kb = next(int(ln.split()[1]) for ln in f if ln.startswith("MemTotal:"))
-        info["memory_gib"] = round(kb / 2**20, 1)
+    info = common_machine_info(REPO)
     with contextlib.suppress(OSError):
         info["load_average_at_start"] = [round(x, 2) for x in os.getloadavg()]
-    with contextlib.suppress(OSError, subprocess.SubprocessError):
-        head = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10
-        )
-        info["git_commit"] = head.stdout.strip()[:12]
     return info
 
 

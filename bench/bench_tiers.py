@@ -78,7 +78,6 @@ import contextlib
 import importlib.util
 import json
 import os
-import platform
 import shutil
 import signal
 import statistics
@@ -99,6 +98,7 @@ if str(REPO) not in sys.path:
 
 import gpuckpt  # noqa: E402
 from bench.compare.common import OP_SETTLE_S, find_mpiexec  # noqa: E402
+from bench.compare.common import machine_info as common_machine_info  # noqa: E402
 from bench.tiers_ranks import RANKS, TierProbe, plain_state  # noqa: E402
 from gpuckpt.format.parts import part_name  # noqa: E402
 from gpuckpt.storage.stores import file_system_type  # noqa: E402
@@ -122,34 +122,7 @@ def fs_type(path: Path) -> str:
 
 
 def machine_info(mpiexec: str | None) -> dict[str, Any]:
-    info: dict[str, Any] = {
-        "cpus": os.cpu_count(),
-        "kernel": platform.release(),
-        "python": platform.python_version(),
-        "numpy": np.__version__,
-        "gpuckpt": gpuckpt.__version__,
-    }
-    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
-        info["cpu_model"] = next(
-            (ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "?"
-        )
-    with contextlib.suppress(OSError, StopIteration), open("/proc/meminfo") as f:
-        kb = next(int(ln.split()[1]) for ln in f if ln.startswith("MemTotal:"))
-        info["memory_gib"] = round(kb / 2**20, 1)
-    with contextlib.suppress(OSError, subprocess.SubprocessError):
-        head = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10
-        )
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
-        info["git_commit"] = head.stdout.strip() + (
-            " (with uncommitted changes)" if dirty.stdout.strip() else ""
-        )
+    info = common_machine_info(REPO)
     if mpiexec:
         with contextlib.suppress(OSError, subprocess.SubprocessError):
             v = subprocess.run([mpiexec, "--version"], capture_output=True, text=True, timeout=30)

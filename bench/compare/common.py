@@ -7,15 +7,18 @@ Python 3.11 accepts.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import hashlib
 import json
 import mmap
 import os
+import platform
 import resource
 import secrets
 import shutil
+import subprocess
 import sys
 import sysconfig
 import time
@@ -363,3 +366,38 @@ def settle(trash: Path, settle_s: float = SETTLE_S) -> None:
     shutil.rmtree(trash, ignore_errors=True)
     os.sync()
     time.sleep(settle_s)
+
+
+def machine_info(repo: Path) -> dict[str, Any]:
+    """What a run of record says of its machine and code: CPUs and their model, memory, kernel,
+    Python, NumPy and gpuckpt versions, and the commit of ``repo`` (marked when the tracked
+    files differ from it)."""
+    import gpuckpt
+
+    info: dict[str, Any] = {
+        "cpus": os.cpu_count(),
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "gpuckpt": gpuckpt.__version__,
+    }
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        info["cpu_model"] = next(
+            (ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "?"
+        )
+    with contextlib.suppress(OSError, StopIteration), open("/proc/meminfo") as f:
+        kb = next(int(ln.split()[1]) for ln in f if ln.startswith("MemTotal:"))
+        info["memory_gib"] = round(kb / 2**20, 1)
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        git = ["git", "-C", str(repo)]
+        head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(
+            [*git, "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+        info["git_commit"] = head.stdout.strip() + (
+            " (with uncommitted changes)" if dirty.stdout.strip() else ""
+        )
+    return info
