@@ -48,8 +48,10 @@ import numpy as np
 from gpuckpt.distributed.coordinator import Coordinator
 from gpuckpt.format.metadata import Metadata
 from gpuckpt.format.reader import read_index
+from gpuckpt.format.records import TABLE_MIN_CHUNKS
 from gpuckpt.options import SaveOptions
 from gpuckpt.planning.plan import ChunkAssignment, SavePlan, StateDescription, merge_values, plan_save
+from gpuckpt.planning.table import TableLayout, table_layout
 from gpuckpt.planning.uniform import (
     CompactDescription,
     box_fingerprints,
@@ -61,6 +63,7 @@ from gpuckpt.saving.compression import resolve as resolve_compression
 from gpuckpt.saving.incremental import BaseIndex, open_base, open_base_for
 from gpuckpt.saving.session import SaveSession
 from gpuckpt.saving.sources import Source, describe_state
+from gpuckpt.saving.table_blocks import BlockReport, write_block, write_table_documents
 from gpuckpt.saving.writing import (
     array_document_of,
     bind_jobs,
@@ -108,6 +111,7 @@ class _Cached:
     plan: SavePlan | None  # rank 0's plan (without values); None on the other ranks
     mine: tuple[ChunkAssignment, ...]  # the chunks this rank writes
     documents: tuple[tuple[str, bytes], ...]  # the array documents this rank writes (see _my_documents)
+    layout: TableLayout | None  # the chunk table's blocks (see gpuckpt.saving.table_blocks)
 
 
 def _my_documents(plan: SavePlan, rank: int, world_size: int) -> tuple[tuple[str, bytes], ...]:
@@ -194,7 +198,7 @@ def save_described(
     base: BaseIndex | None = None
     session: SaveSession | None = None
 
-    def plan_on_root() -> tuple[SavePlan, str, list[str] | None]:
+    def plan_on_root() -> tuple[SavePlan, str, list[str] | None, TableLayout | None]:
         nonlocal writer, base
         if hit:
             assert cached is not None and cached.plan is not None and values is not None
@@ -217,23 +221,33 @@ def save_described(
         writer = open_save_writer(path, options, expected_files=plan.nfiles, direct_io=False)
         # a store that takes chunks before documents gets them from every rank, with its chunks
         nonlocal session
-        session, _ = SaveSession.begin(plan, writer, options, documents=writer.capabilities.documents_first)
-        return plan, writer.token, reusable
+        first = writer.capabilities.documents_first
+        session, _ = SaveSession.begin(plan, writer, options, documents=first)
+        # rank 0 gathers every chunk's records, or each rank stores its block of the table
+        layout = (
+            cached.layout
+            if hit and cached is not None
+            else table_layout(plan, min_chunks=TABLE_MIN_CHUNKS, hashing=options.hashing)
+        )
+        if layout is not None and first:
+            write_table_documents(writer, layout)
+        return plan, writer.token, reusable, layout
 
     root = _run(coord, plan_on_root) if coord.rank == 0 else _run(coord, lambda: None)
-    plan, token, reusable = root if root is not None else (None, None, None)
+    plan, token, reusable, layout = root if root is not None else (None, None, None, None)
     if hit:
+        assert cached is not None
         token, reusable = coord.broadcast((token, reusable), root=0)
-        mine = mine_cached
+        mine, layout = mine_cached, cached.layout
     else:
         # one plan for every rank (no values: they stay on rank 0); each lists its own chunks
         shared = None if plan is None else dataclasses.replace(plan, objects={}, skeleton=None)
-        shared, token, reusable = coord.broadcast((shared, token, reusable), root=0)
+        shared, token, reusable, layout = coord.broadcast((shared, token, reusable, layout), root=0)
         mine = _run(coord, shared.assignments_of, coord.rank)
         documents = _my_documents(shared, coord.rank, coord.world_size)
-        _cache[coord] = _Cached(layout_token, shared if coord.rank == 0 else None, mine, documents)
+        _cache[coord] = _Cached(layout_token, shared if coord.rank == 0 else None, mine, documents, layout)
 
-    def write_mine() -> tuple[np.ndarray, Mapping[str, np.ndarray]]:
+    def write_mine() -> tuple[np.ndarray, Mapping[str, np.ndarray]] | BlockReport:
         if coord.rank == 0:
             assert session is not None
             mine_session = session
@@ -252,7 +266,10 @@ def save_described(
             if w.capabilities.documents_first
             else [functools.partial(w.write_array_document, *d) for d in documents]
         )
-        return mine_session.rows(jobs, mine_session.write(jobs, base=mine_base, first=first))
+        rows = mine_session.rows(jobs, mine_session.write(jobs, base=mine_base, first=first))
+        if layout is None:
+            return rows
+        return write_block(w, layout, coord.rank, *rows)
 
     try:
         results = _run(coord, write_mine)
@@ -260,7 +277,9 @@ def save_described(
 
         def commit_on_root() -> str:
             assert session is not None and all_results is not None
-            return session.commit(all_results, str(uuid.uuid4())).to_json()
+            if layout is None:
+                return session.commit(all_results, str(uuid.uuid4())).to_json()
+            return session.commit_blocks(all_results, str(uuid.uuid4()), layout).to_json()
 
         text = _run(coord, commit_on_root) if coord.rank == 0 else _run(coord, lambda: None)
     except BaseException:

@@ -224,6 +224,17 @@ class TensorEntry:
                 ]
         return self._chunks
 
+    def chunk_files(self) -> tuple[list[str], list[int]]:
+        """The key and stored size of every chunk (C order), without reading their checksums."""
+        if self._chunks is not None:
+            return [c.key for c in self._chunks], [c.nbytes for c in self._chunks]
+        grid = self.grid
+        keys, sizes = [], []
+        for i, spec in enumerate(grid.chunk_list()):
+            keys.append(chunk_file_key(spec.coords))
+            sizes.append(self._stored_size(i, grid.stored_chunk_shape(spec)))
+        return keys, sizes
+
     def chunk(self, coords: tuple[int, ...]) -> ChunkRead:
         """The chunk at grid coordinates ``coords`` (made without listing the others)."""
         if self._chunks is not None:

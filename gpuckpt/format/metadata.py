@@ -53,6 +53,9 @@ __all__ = [
     "FORMAT_VERSION",
     "READABLE_VERSIONS",
     "VERSION_COLUMNS",
+    "COLUMN_VERSIONS",
+    "CODEC_VERSIONS",
+    "VERSION_BLOCKS",
     "VERSION_COMPRESSED",
     "VERSION_LISTED",
     "VERSION_WITH_TABLE",
@@ -69,7 +72,7 @@ __all__ = [
 ]
 
 #: The newest version of the on-disk format this release writes (it reads every version up to it).
-FORMAT_VERSION = "4"
+FORMAT_VERSION = "5"
 #: The version of a checkpoint that lists every chunk in its metadata (the only form of version 1).
 VERSION_LISTED = "1"
 #: The version of a checkpoint that keeps its per-chunk records in a chunk table.
@@ -80,8 +83,15 @@ VERSION_COLUMNS = "3"
 #: The version of a checkpoint with compressed tensors (:mod:`gpuckpt.format.codecs`; a superset of
 #: version 3: a tensor's entry may name its ``codec``, and its records give each chunk's stored size).
 VERSION_COMPRESSED = "4"
+#: The version of a checkpoint whose chunk table is ordered by the rank that wrote each block of
+#: its rows (:mod:`gpuckpt.format.blocks`; a superset of version 4: its table entry has ``blocks``).
+VERSION_BLOCKS = "5"
 #: Every format version this release reads.
-READABLE_VERSIONS = ("1", "2", "3", "4")
+READABLE_VERSIONS = ("1", "2", "3", "4", "5")
+#: The versions whose documents may hold tensor entries as columns (:mod:`gpuckpt.format.columns`).
+COLUMN_VERSIONS = ("3", "4", "5")
+#: The versions whose tensors may name a codec (:mod:`gpuckpt.format.codecs`).
+CODEC_VERSIONS = ("4", "5")
 
 
 @dataclass
@@ -351,7 +361,7 @@ class Metadata:
                 "modules": list(meta.modules),
             },
         }
-        compact = version in (VERSION_COLUMNS, VERSION_COMPRESSED)
+        compact = version in COLUMN_VERSIONS
         return tensor_columns.compact(data) if compact else data
 
 

@@ -47,7 +47,9 @@ from gpuckpt.format.documents import chunk_file_key, metadata_json
 from gpuckpt.format.entries import StoredProperties, TensorEntry
 from gpuckpt.format.grid import ChunkGrid
 from gpuckpt.format.metadata import (
-    VERSION_COLUMNS,
+    CODEC_VERSIONS,
+    COLUMN_VERSIONS,
+    VERSION_BLOCKS,
     VERSION_COMPRESSED,
     VERSION_LISTED,
     BytesStorageMetadata,
@@ -134,7 +136,7 @@ class CheckpointIndex:
         }
         doc = self.document
         # version 2 ignores them
-        columns = self.version in (VERSION_COLUMNS, VERSION_COMPRESSED) and COLUMNS_KEY in doc
+        columns = self.version in COLUMN_VERSIONS and COLUMNS_KEY in doc
         storage_data = expand(doc)["storage_data"] if columns else doc.get("storage_data")
         return Metadata(
             state_dict_metadata=entries,
@@ -180,7 +182,7 @@ class _Document:
         self.storage_data = storage_data
         self.version = version
         #: tensors may name a codec (format version 4)
-        self.compressed = version == VERSION_COMPRESSED
+        self.compressed = version in CODEC_VERSIONS
         self._properties: dict[Any, StoredProperties] = {}
         self._grids: dict[tuple[tuple[int, ...], tuple[int, ...]], ChunkGrid] = {}
         self.names: set[str] = set()
@@ -275,7 +277,9 @@ class _Document:
     def chunk_table(self) -> ChunkTable:
         table = self.table
         if table is None:
-            table = self.table = ChunkTable.parse(self.storage_data.get(TABLE_KEY))
+            table = self.table = ChunkTable.parse(
+                self.storage_data.get(TABLE_KEY), blocks=self.version == VERSION_BLOCKS
+            )
         return table
 
 
@@ -351,10 +355,11 @@ def _tensor(
     row = 0
     if rows is not _LISTED:
         table = doc.table or doc.chunk_table()
-        if type(rows) is not int or not 0 <= rows <= table.rows - n:
-            raise _bad(
-                fqn, f"its {n} chunk table rows begin at {rows!r:.60}, outside the table of {table.rows}"
-            )
+        if type(rows) is not int:
+            raise _bad(fqn, f"its chunk table rows begin at {rows!r:.60}, not an integer row")
+        problem = table.span_problem(rows, n)
+        if problem is not None:
+            raise _bad(fqn, problem)
         row = rows
         doc.spans.append((row, n, fqn))
     else:
@@ -456,25 +461,36 @@ def read_index(data: Any) -> CheckpointIndex:
             doc, fqn, stored, size, boxes, info.get("name"), info.get("chunk_grid"), rows, info
         )
     order = list(raw_entries)
-    if version in (VERSION_COLUMNS, VERSION_COMPRESSED) and COLUMNS_KEY in d:
+    if version in COLUMN_VERSIONS and COLUMNS_KEY in d:
         fqns = _column_tensors(doc, checked_columns(d[COLUMNS_KEY]), raw_entries, stored_tensors, tensors)
         if fqns:
             order = sorted(order + fqns)
     if doc.table is not None:
-        # the tensors' rows tile the table: each row belongs to exactly one chunk
-        at = 0
-        for row, n, fqn in sorted(doc.spans):
+        _check_tiling(doc.table, doc.spans)
+    return CheckpointIndex(version, tensors, objects, order, pd, storage_meta, d)
+
+
+def _check_tiling(table: ChunkTable, spans: list[tuple[int, int, str]]) -> None:
+    """Check that the tensors' rows tile the table: each row belongs to exactly one chunk (in
+    a table ordered in blocks, the tensors' runs tile each block's used rows, and the others
+    the tail)."""
+    blocks = table.blocks
+    runs = [] if blocks is None else [(r, n // blocks.count, f) for r, n, f in spans if blocks.holds(r)]
+    rest = spans if blocks is None else [s for s in spans if not blocks.holds(s[0])]
+    regions = [] if blocks is None else [(runs, 0, blocks.used, "each block's used rows")]
+    regions.append((rest, 0 if blocks is None else blocks.tail, table.rows, "the table"))
+    for placed, at, end, what in regions:
+        for row, n, fqn in sorted(placed):
             if n and row != at:
                 raise _bad(
                     fqn, f"its chunk table rows begin at {row}, expected {at} (rows overlap or are left out)"
                 )
             at += n
-        if at != doc.table.rows:
+        if at != end:
             raise MetadataError(
-                f"metadata.storage_data.{TABLE_KEY} has {doc.table.rows} rows, the tensors' chunks {at}; "
-                "the checkpoint is damaged or was not written by gpuckpt"
+                f"metadata.storage_data.{TABLE_KEY}: {what} end at row {end}, the tensors' chunks at "
+                f"{at}; the checkpoint is damaged or was not written by gpuckpt"
             )
-    return CheckpointIndex(version, tensors, objects, order, pd, storage_meta, d)
 
 
 def _column_tensors(

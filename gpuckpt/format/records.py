@@ -43,6 +43,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from gpuckpt.errors import CheckpointCorruptedError, MetadataError, MissingChunkError
+from gpuckpt.format.blocks import BLOCKS_KEY, TableBlocks
 from gpuckpt.format.checksum import CRC_BYTES, crc32c
 from gpuckpt.format.documents import is_chunk_file_key
 
@@ -55,9 +56,11 @@ __all__ = [
     "ChunkTable",
     "ChunkFiles",
     "column_array_name",
+    "encode_rows",
     "encode_table",
     "listed_records",
     "parse_listed",
+    "table_documents",
 ]
 
 
@@ -224,6 +227,29 @@ def _array_document(column: Column, rows: int, chunk_rows: int) -> bytes:
     return json.dumps(doc, separators=(",", ":")).encode()
 
 
+def _encode_chunks(
+    values: np.ndarray, column: Column, arr_name: str, first: int, chunk_rows: int
+) -> list[TablePart]:
+    """The stored chunks ``first, first + 1, ...`` of a column that hold the rows ``values``
+    (the last chunk padded with zeros)."""
+    rows = len(values)
+    nchunks = -(-rows // chunk_rows)
+    padded = np.zeros(nchunks * chunk_rows * column.width, column.dtype)
+    padded[: rows * column.width] = np.ascontiguousarray(values, column.dtype).reshape(-1)
+    raw = memoryview(padded.view(np.uint8)).cast("B")
+    step = chunk_rows * column.row_bytes
+    parts = []
+    for k in range(nchunks):
+        data = raw[k * step : (k + 1) * step]
+        parts.append(TablePart(arr_name, _chunk_key(first + k, column), data, crc32c(data)))
+    return parts
+
+
+def table_documents(names: Sequence[str], rows: int, chunk_rows: int) -> list[tuple[str, bytes]]:
+    """``(array name, zarr.json)`` of the columns ``names`` of a table of ``rows`` rows."""
+    return [(column_array_name(n), _array_document(COLUMNS[n], rows, chunk_rows)) for n in names]
+
+
 def encode_table(
     columns: Mapping[str, np.ndarray],
 ) -> tuple[dict[str, Any], list[tuple[str, bytes]], list[TablePart]]:
@@ -236,26 +262,31 @@ def encode_table(
         raise ValueError(f"a chunk table has 1 to {MAX_TABLE_ROWS} rows, not {rows}")
     chunk_rows = min(ROWS_PER_CHUNK, rows)
     entry: dict[str, Any] = {"rows": rows, "rows_per_chunk": chunk_rows, "columns": {}}
-    documents, parts = [], []
+    parts = []
     for name, values in columns.items():
-        col = COLUMNS[name]
         if len(values) != rows:
             raise ValueError(f"column {name!r} has {len(values)} rows, the table {rows}")
-        arr_name = column_array_name(name)
-        documents.append((arr_name, _array_document(col, rows, chunk_rows)))
-        nchunks = -(-rows // chunk_rows)
-        padded = np.zeros(nchunks * chunk_rows * col.width, col.dtype)
-        padded[: rows * col.width] = np.ascontiguousarray(values, col.dtype).reshape(-1)
-        raw = memoryview(padded.view(np.uint8)).cast("B")
-        step = chunk_rows * col.row_bytes
-        crcs = []
-        for k in range(nchunks):
-            data = raw[k * step : (k + 1) * step]
-            crc = crc32c(data)
-            crcs.append(crc)
-            parts.append(TablePart(arr_name, _chunk_key(k, col), data, crc))
-        entry["columns"][name] = {"name": arr_name, "chunk_crc32c": crcs}
-    return entry, documents, parts
+        mine = _encode_chunks(values, COLUMNS[name], column_array_name(name), 0, chunk_rows)
+        parts.extend(mine)
+        entry["columns"][name] = {"name": column_array_name(name), "chunk_crc32c": [p.crc for p in mine]}
+    return entry, table_documents(list(columns), rows, chunk_rows), parts
+
+
+def encode_rows(
+    columns: Mapping[str, np.ndarray], first_row: int, chunk_rows: int
+) -> dict[str, list[TablePart]]:
+    """The stored chunks of the rows ``[first_row, first_row + len)`` of each column of
+    ``columns`` (``first_row`` a multiple of ``chunk_rows``): one block of a block-ordered
+    table (:mod:`gpuckpt.format.blocks`), or its tail."""
+    if first_row % chunk_rows:
+        raise ValueError(f"row {first_row} does not begin a chunk of {chunk_rows} rows")
+    return {
+        name: _encode_chunks(
+            values, COLUMNS[name], column_array_name(name), first_row // chunk_rows, chunk_rows
+        )
+        for name, values in columns.items()
+        if name in COLUMNS
+    }
 
 
 def _bad_table(what: str) -> MetadataError:
@@ -272,10 +303,15 @@ class ChunkTable:
     rows: int
     chunk_rows: int
     columns: dict[str, tuple[Column, str, list[int]]]  # name -> column, array name, chunk CRC32Cs
+    #: the blocks of a table ordered by writing rank (format version 5), else None
+    blocks: TableBlocks | None = None
     _chunks: dict[tuple[str, int], np.ndarray] = field(default_factory=dict)
+    _matrices: dict[str, np.ndarray] = field(default_factory=dict)
 
     @classmethod
-    def parse(cls, entry: Any) -> ChunkTable:
+    def parse(cls, entry: Any, *, blocks: bool = False) -> ChunkTable:
+        """The table of ``entry`` (``storage_data["chunk_table"]``, untrusted JSON), checked;
+        ``blocks``: the document's version may order the table in blocks (version 5)."""
         if not isinstance(entry, dict):
             raise _bad_table(f"expected an object, found {type(entry).__name__}")
         rows, chunk_rows, cols = entry.get("rows"), entry.get("rows_per_chunk"), entry.get("columns")
@@ -303,7 +339,29 @@ class ChunkTable:
             ):
                 raise _bad_table(f"column {name!r} must list {nchunks} 32-bit chunk checksums")
             columns[name] = (col, column_array_name(name), crcs)
-        return cls(rows, chunk_rows, columns)
+        placed = None
+        if BLOCKS_KEY in entry:
+            if not blocks:
+                raise _bad_table("it has blocks, which its format version does not have")
+            placed = TableBlocks.parse(entry[BLOCKS_KEY], rows, chunk_rows)
+        return cls(rows, chunk_rows, columns, placed)
+
+    def span_problem(self, row: int, nchunks: int) -> str | None:
+        """What is wrong with a tensor of ``nchunks`` chunks whose entry says ``"rows": row``, or None."""
+        if self.blocks is not None and self.blocks.holds(row):
+            return self.blocks.span_problem(row, nchunks)
+        first = 0 if self.blocks is None else self.blocks.tail
+        if not first <= row <= self.rows - nchunks:
+            return f"its {nchunks} chunk table rows begin at {row}, outside rows {first}..{self.rows}"
+        return None
+
+    def tensor_rows(self, reader: ChunkFiles, name: str, row: int, nchunks: int) -> Any:
+        """Column ``name`` of the ``nchunks`` chunks (C order) of a tensor whose entry says
+        ``"rows": row``: an array, or for a tensor in the blocks of a version 5 table a
+        :class:`BlockRows` that reads the table chunk of a row when the row is first asked for."""
+        if self.blocks is not None and self.blocks.holds(row):
+            return BlockRows(self, reader, name, row, nchunks // self.blocks.count)
+        return self.rows_of(reader, name, row, nchunks)
 
     def _chunk(self, reader: ChunkFiles, name: str, k: int) -> np.ndarray:
         hit = self._chunks.get((name, k))
@@ -339,6 +397,31 @@ class ChunkTable:
             buf = buf.reshape(self.chunk_rows, col.width)
         self._chunks[(name, k)] = buf
         return buf
+
+    def block_matrix(self, reader: ChunkFiles, name: str) -> np.ndarray:
+        """Column ``name``'s blocks as one ``(blocks, block rows[, width])`` array (every table
+        chunk of the blocks read once, and kept)."""
+        hit = self._matrices.get(name)
+        if hit is not None:
+            return hit
+        blocks = self.blocks
+        assert blocks is not None
+        col = self.columns[name][0]
+        per = self.chunk_rows
+        flat = np.empty((blocks.tail, col.width) if col.width > 1 else blocks.tail, col.dtype)
+        for k in range(blocks.tail // per):
+            flat[k * per : (k + 1) * per] = self._chunk(reader, name, k)
+            self._chunks[(name, k)] = flat[k * per : (k + 1) * per]
+        matrix = self._matrices[name] = flat.reshape((blocks.count, blocks.rows, *flat.shape[1:]))
+        return matrix
+
+    def row_value(self, reader: ChunkFiles, name: str, row: int) -> Any:
+        """Row ``row`` of column ``name`` (reading the table chunk that holds it, once)."""
+        k = row // self.chunk_rows
+        hit = self._chunks.get((name, k))
+        if hit is None:
+            hit = self._chunk(reader, name, k)
+        return hit[row - k * self.chunk_rows]
 
     def check_files(self, reader: ChunkFiles) -> None:
         """Check that every chunk of every column exists with the size the table's row count
@@ -381,3 +464,48 @@ class ChunkTable:
         joined = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
         at = start - first * self.chunk_rows
         return joined[at : at + count]
+
+
+class BlockRows:
+    """The rows of one column of one tensor in the blocks of a version 5 table
+    (:mod:`gpuckpt.format.blocks`), indexed by chunk (C order): a row is read with the
+    table chunk that holds it when first asked for, so that a rank that loads its shard
+    reads the block its rank wrote, not the table. ``np.asarray`` gives them all."""
+
+    __slots__ = ("_reader", "_table", "column", "per_block", "row")
+
+    def __init__(self, table: ChunkTable, reader: ChunkFiles, column: str, row: int, per_block: int) -> None:
+        self._table, self._reader, self.column, self.row, self.per_block = (
+            table,
+            reader,
+            column,
+            row,
+            per_block,
+        )
+
+    def __len__(self) -> int:
+        blocks = self._table.blocks
+        assert blocks is not None
+        return self.per_block * blocks.count
+
+    def table_row(self, index: int) -> int:
+        """The table row of chunk ``index``."""
+        blocks = self._table.blocks
+        assert blocks is not None
+        if not 0 <= index < len(self):
+            raise IndexError(f"chunk {index} of {len(self)}")
+        b, i = divmod(index, self.per_block)
+        return b * blocks.rows + self.row + i
+
+    def __getitem__(self, index: int) -> Any:
+        return self._table.row_value(self._reader, self.column, self.table_row(int(index)))
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        matrix = self._table.block_matrix(self._reader, self.column)
+        part = matrix[:, self.row : self.row + self.per_block]
+        out = part.reshape((len(self), *matrix.shape[2:]))
+        return out if dtype is None else out.astype(dtype, copy=False)
+
+    def tolist(self) -> list[Any]:
+        values: list[Any] = np.asarray(self).tolist()
+        return values

@@ -26,6 +26,7 @@ from gpuckpt.errors import (
 from gpuckpt.format.checksum import CRC_BYTES
 from gpuckpt.format.documents import chunk_file_key
 from gpuckpt.format.entries import ChunkRead, TensorEntry, whole_chunk_key
+from gpuckpt.format.records import BlockRows
 from gpuckpt.runtime.workers import Workers
 from gpuckpt.storage.base import CheckpointReader
 
@@ -48,14 +49,14 @@ def load_chunk_records(reader: CheckpointReader, entries: Iterable[TensorEntry])
     :class:`~gpuckpt.errors.MissingChunkError` when the table is damaged."""
     for t in entries:
         if t.crcs is None and t.table is not None:
-            t.crcs = t.table.rows_of(reader, "crc32c", t.row, t.nchunks)
+            t.crcs = t.table.tensor_rows(reader, "crc32c", t.row, t.nchunks)
         if t.codec is not None and t.sizes is None and t.table is not None:
             if "nbytes" not in t.table.columns:
                 raise MetadataError(
                     f"tensor {t.fqn!r} is compressed but the chunk table has no nbytes column; the "
                     "checkpoint is damaged or was not written by gpuckpt"
                 )
-            sizes = t.table.rows_of(reader, "nbytes", t.row, t.nchunks)
+            sizes = np.asarray(t.table.tensor_rows(reader, "nbytes", t.row, t.nchunks))
             most = t.max_stored()
             if t.nchunks and (int(sizes.min()) <= CRC_BYTES or int(sizes.max()) > most):
                 raise MetadataError(
@@ -74,7 +75,9 @@ def chunk_column(reader: CheckpointReader, t: TensorEntry, name: str) -> np.ndar
         load_chunk_records(reader, [t])
         return t.crcs
     if t.table is not None:
-        return t.table.read(reader, name, t.row, t.nchunks) if name in t.table.columns else None
+        if name not in t.table.columns:
+            return None
+        return np.asarray(t.table.tensor_rows(reader, name, t.row, t.nchunks))
     return None if t.listed is None else t.listed.get(name)
 
 
@@ -176,6 +179,12 @@ def checking_chunk_files(
             names.append(t.name)
             keys.append(whole_chunk_key(len(t.shape)))
             expected.append(t.nbytes + CRC_BYTES)
+        elif isinstance(t.crcs, BlockRows):
+            # records read as the chunks are: the files' keys and sizes come from the grid
+            found, sizes = t.chunk_files()
+            names.extend([t.name] * len(found))
+            keys.extend(found)
+            expected.extend(sizes)
         else:
             for c in t.chunks:
                 names.append(t.name)

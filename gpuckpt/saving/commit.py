@@ -19,6 +19,7 @@ from gpuckpt.errors import CheckpointCorruptedError, GpuckptError
 from gpuckpt.format.chunks import stored_nbytes
 from gpuckpt.format.documents import chunk_file_key, root_document
 from gpuckpt.format.metadata import (
+    VERSION_BLOCKS,
     VERSION_COLUMNS,
     VERSION_COMPRESSED,
     VERSION_LISTED,
@@ -29,9 +30,17 @@ from gpuckpt.format.metadata import (
     StorageMeta,
     TensorStorageMetadata,
 )
-from gpuckpt.format.records import COLUMNS, TABLE_KEY, TABLE_MIN_CHUNKS, encode_table, listed_records
+from gpuckpt.format.records import (
+    COLUMNS,
+    TABLE_KEY,
+    TABLE_MIN_CHUNKS,
+    TablePart,
+    encode_table,
+    listed_records,
+)
 from gpuckpt.format.segments import SEGMENTS_KEY, segment_record, segments_entry
 from gpuckpt.planning.plan import SavePlan
+from gpuckpt.planning.table import TableLayout
 from gpuckpt.saving.incremental import (
     ChunkResult,
     content_hash_info,
@@ -50,6 +59,7 @@ __all__ = [
     "format_version",
     "result_columns",
     "sized_columns",
+    "store_table_parts",
     "table_columns",
     "uses_table",
     "write_table",
@@ -172,6 +182,14 @@ def write_table(writer: CheckpointWriter, columns: Mapping[str, np.ndarray]) -> 
     entry, documents, parts = encode_table(columns)
     for name, doc in documents:
         writer.write_array_document(name, doc)
+    store_table_parts(writer, parts)
+    return entry
+
+
+def store_table_parts(writer: CheckpointWriter, parts: Sequence[TablePart]) -> None:
+    """Store chunks of the chunk table's columns, each checked against the CRC32C encoded with it."""
+    if not parts:
+        return
     crcs = writer.write_chunks(
         ChunkWrites(
             [p.name for p in parts],
@@ -186,7 +204,6 @@ def write_table(writer: CheckpointWriter, columns: Mapping[str, np.ndarray]) -> 
                 f"chunk table {p.name}/{p.key}: the writer computed CRC32C {c:#010x}, the table "
                 f"{p.crc:#010x}; memory or the writer is faulty, nothing was published"
             )
-    return entry
 
 
 def assemble_metadata(
@@ -195,6 +212,7 @@ def assemble_metadata(
     checkpoint_id: str | None,
     table: Mapping[str, Any] | None = None,
     planner_extra: Mapping[str, Any] | None = None,
+    layout: TableLayout | None = None,
 ) -> Metadata:
     """The checkpoint's Metadata from the plan and every chunk's records: the per-chunk
     columns in chunk table order (:func:`table_columns`; or the CRC32C column alone; or a
@@ -209,7 +227,9 @@ def assemble_metadata(
     ``storage_data["content_hash"]`` names their algorithm. Segment records among them
     (``segments``, see :mod:`gpuckpt.format.segments`) go to the tensor's entry when every
     chunk of its regular grid has them. ``planner_extra``: more entries of ``planner_data``
-    (besides the state's ``structure``).
+    (besides the state's ``structure``). ``layout``: the table's rows are ordered in blocks
+    (:mod:`gpuckpt.saving.table_blocks`; format version 5, ``columns`` then holds only segment
+    records, by the plan's chunk order).
     """
     cols = sized_columns(plan, as_columns(plan, columns))
     segments = cols.get(SEGMENTS_KEY)
@@ -218,7 +238,7 @@ def assemble_metadata(
     state_md: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
     tensors_sd: dict[str, Any] = {}
     listed = table is None
-    for t in plan.tensors:
+    for index, t in enumerate(plan.tensors):
         state_md[t.fqn] = GridTensorStorageMetadata(t.properties, t.shape, grid=t.grid, listed=listed)
         info: dict[str, Any] = {"name": t.name, "chunk_grid": t.grid.to_zarr_json()}
         if t.codec is not None:
@@ -237,7 +257,7 @@ def assemble_metadata(
                 {name: c[t.row : t.row + t.nchunks] for name, c in cols.items()},
             )
         else:
-            info["rows"] = t.row
+            info["rows"] = t.row if layout is None else layout.tensor_row(index)
         # segments of a compressed chunk would be ranges of its compressed bytes: none recorded
         if segments is not None and t.grid.kind == "regular" and t.codec is None:  # one size for every chunk
             entry = segments_entry(segments[t.row : t.row + t.nchunks])
@@ -256,7 +276,11 @@ def assemble_metadata(
         planner_data={"structure": plan.skeleton, **(planner_extra or {})},
         storage_data=storage_data,
         storage_meta=StorageMeta(checkpoint_id=checkpoint_id, modules=["gpuckpt"]),
-        version=VERSION_COMPRESSED if compresses(plan) else format_version(plan, table is not None),
+        version=VERSION_BLOCKS
+        if layout is not None
+        else VERSION_COMPRESSED
+        if compresses(plan)
+        else format_version(plan, table is not None),
     )
 
 

@@ -35,9 +35,11 @@ import numpy as np
 from gpuckpt.format.metadata import Metadata
 from gpuckpt.options import SaveOptions
 from gpuckpt.planning.plan import SavePlan
+from gpuckpt.planning.table import TableLayout
 from gpuckpt.saving.commit import Written, commit_save, table_columns
 from gpuckpt.saving.incremental import BaseIndex, open_base_for
 from gpuckpt.saving.sources import Sources
+from gpuckpt.saving.table_blocks import BlockReport, commit_blocks
 from gpuckpt.saving.writing import (
     ChunkJob,
     bind_jobs,
@@ -133,6 +135,23 @@ class SaveSession:
             columns = parts if isinstance(parts, Mapping) else table_columns(done, parts)
             return commit_save(
                 done, columns, self.writer, checkpoint_id, table=table, planner_extra=planner_extra
+            )
+
+    def commit_blocks(
+        self, reports: Sequence[BlockReport], checkpoint_id: str | None, layout: TableLayout
+    ) -> Metadata:
+        """:meth:`commit` of a save whose chunk table is ordered in blocks, each stored by its
+        rank (:mod:`gpuckpt.saving.table_blocks`): ``reports`` are every rank's."""
+        if not self.owner or self.plan is None:
+            raise RuntimeError("only the process that began a save commits it")
+        with writing(self.writer):
+            return commit_blocks(
+                self.plan,
+                layout,
+                reports,
+                self.writer,
+                checkpoint_id,
+                documents=not self.writer.capabilities.documents_first,
             )
 
     def abort(self) -> None:

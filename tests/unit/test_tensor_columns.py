@@ -171,9 +171,9 @@ def test_a_save_writes_the_oldest_version_that_pays(
 
 
 def test_the_versions_read_and_a_newer_one_refused() -> None:
-    assert FORMAT_VERSION == "4" and READABLE_VERSIONS == ("1", "2", "3", "4")
-    doc = {"version": "5", "state_dict_metadata": {}, "storage_data": {"tensors": {}, "objects": {}}}
-    with pytest.raises(UnsupportedVersionError, match="version 5 is newer"):
+    assert FORMAT_VERSION == "5" and READABLE_VERSIONS == ("1", "2", "3", "4", "5")
+    doc = {"version": "6", "state_dict_metadata": {}, "storage_data": {"tensors": {}, "objects": {}}}
+    with pytest.raises(UnsupportedVersionError, match="version 6 is newer"):
         metadata_from_json(doc)
 
 
