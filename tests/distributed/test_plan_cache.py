@@ -22,7 +22,7 @@ CACHE = {
     "hits": 2,
     "misses": 3,
     "big_has_chunk_table": True,
-    "big_version": "2",
+    "big_version": "5",  # one run of rows per rank: the chunk table in blocks
 }
 
 

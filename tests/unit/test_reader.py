@@ -543,7 +543,7 @@ _DEFECTS: dict[str, Callable[[dict[str, Any]], None]] = {
     "size negative": _set(_first_tensor("entry"), "size", [-1]),
     "type unknown": _set(_first_tensor("entry"), "type", "array"),
     "version 1 without chunk lists": _set(_root, "version", "1"),
-    "version 5": _set(_root, "version", "5"),
+    "version 6": _set(_root, "version", "6"),
     "version an int": _set(_root, "version", 2),
     "no planner structure": _set(_root, "planner_data", {}),
     "storage_meta a list": _set(_root, "storage_meta", []),
