@@ -64,6 +64,17 @@ try:  # box fingerprints: ranks send one box per group of alike tensors
 except ImportError:
     GROUPED = False
 
+try:  # each rank stores its block of the chunk table (format version 5)
+    import pickle
+
+    from gpuckpt.format.records import TABLE_MIN_CHUNKS, encode_rows, table_documents
+    from gpuckpt.planning.table import table_layout
+    from gpuckpt.saving.table_blocks import BlockReport, encode_block, merge_blocks
+
+    BLOCKS = True
+except ImportError:
+    BLOCKS = False
+
 try:  # the code of issue 22
     from gpuckpt.format.records import encode_table
     from gpuckpt.planning.plan import merge_values
@@ -123,6 +134,48 @@ def _root_and_table(plan: Any, parts: list[tuple[np.ndarray, np.ndarray]]) -> tu
     entry, documents, table = encode_table({"crc32c": crcs}) if uses_table(plan) else (None, [], [])
     md = assemble_metadata(plan, crcs, "bench", entry)
     return root_document(md), table, documents
+
+
+def _blocks_root(plan: Any, layout: Any, reports: list[Any]) -> tuple[bytes, list[Any], Any]:
+    """Rank 0's commit of a save whose ranks stored their blocks of the table: the reports
+    checked and merged, the tail encoded, the Metadata and the root document."""
+    entry, tail, columns = merge_blocks(plan, layout, reports)
+    md = assemble_metadata(plan, columns, "bench", entry, layout=layout)
+    return root_document(md), tail, table_documents(layout.columns, layout.rows, layout.chunk_rows)
+
+
+def _block_reports(plan: Any, layout: Any, rng: Any) -> tuple[list[Any], list[Any], float, Any]:
+    """Every rank's report of a save ordered in blocks (rank 0's made by the code a rank runs, timed;
+    the others' blocks encoded alike from simulated checksums), every block's stored chunks, the
+    time one rank takes, and rank 0's report."""
+    rows0 = np.fromiter((a.row for a in plan.assignments_of(0)), np.int64)
+    cols0 = {"crc32c": rng.integers(0, 2**32, len(rows0), dtype=np.uint32)}
+    (parts0, report0), per_rank = _best(encode_block, layout, 0, rows0, cols0)
+    tail_start = layout.blocks * layout.block_rows
+    others = np.setdiff1d(np.arange(tail_start, layout.rows), report0.tail_rows)
+    reports = [report0]
+    if len(others):  # the tail chunks of other ranks (the replicated tensor where rank 0 does not write it)
+        vals = {"crc32c": rng.integers(0, 2**32, len(others), dtype=np.uint32)}
+        reports.append(BlockReport(None, {}, others, vals, np.zeros(0, np.int64), np.empty(0, object)))
+    stored = list(parts0)
+    for b in range(layout.blocks):
+        if b == report0.block:
+            continue
+        block = np.zeros(layout.block_rows, np.uint32)
+        block[: layout.used] = rng.integers(0, 2**32, layout.used, dtype=np.uint32)
+        parts = encode_rows({"crc32c": block}, b * layout.block_rows, layout.chunk_rows)["crc32c"]
+        stored.extend(parts)
+        reports.append(
+            BlockReport(
+                b,
+                {"crc32c": [p.crc for p in parts]},
+                np.zeros(0, np.int64),
+                {"crc32c": np.zeros(0, np.uint32)},
+                np.zeros(0, np.int64),
+                np.empty(0, object),
+            )
+        )
+    return reports, stored, per_rank, report0
 
 
 def _load_figure(plan: Any, doc: bytes, documents: list[Any], table: list[Any], rank_box: Any) -> float:
@@ -225,12 +278,28 @@ def simulate_new(ranks: int, tensors: int, irregular: bool) -> dict[str, float]:
     crcs = rng.integers(0, 2**32, plan.nchunks, dtype=np.uint32)
     starts = np.cumsum([0, *sizes])
     parts = [(np.arange(a, b, dtype=np.int64), crcs[a:b]) for a, b in itertools.pairwise(starts.tolist())]
-    (doc, table, documents), commit = _best(_root_and_table, plan, parts)
+    layout = table_layout(plan, min_chunks=TABLE_MIN_CHUNKS) if BLOCKS else None
+    rank_block = 0.0
+    if layout is None:
+        (doc, table, documents), commit = _best(_root_and_table, plan, parts)
+        # what rank 0 receives of the table: every chunk's row and checksum (12 bytes a chunk)
+        received = (plan.nchunks - len(mine0)) * 12
+
+        def commit_cached(p: Any) -> None:
+            _root_and_table(p, parts)
+    else:
+        reports, blocks, rank_block, report0 = _block_reports(plan, layout, rng)
+        (doc, tail, documents), commit = _best(_blocks_root, plan, layout, reports)
+        table = blocks + tail
+        received = sum(len(pickle.dumps(r)) for r in reports if r is not report0)
+
+        def commit_cached(p: Any) -> None:
+            _blocks_root(p, layout, reports)
 
     def cache_hit() -> None:
         # the previous plan with this save's values and skeleton, then the same commit work
         objects, skeleton = merge_values(values)
-        _root_and_table(dataclasses.replace(plan, objects=objects, skeleton=skeleton), parts)
+        commit_cached(dataclasses.replace(plan, objects=objects, skeleton=skeleton))
 
     _, cached = _best(cache_hit)
     rank = ranks // 2
@@ -247,6 +316,9 @@ def simulate_new(ranks: int, tensors: int, irregular: bool) -> dict[str, float]:
         "load": load,
         "rank_describe": per_rank_describe / ranks,
         "sent_kib": sent_bytes / 1024,
+        "received_mib": received / 2**20,
+        "rank_block": rank_block,
+        "blocks": 0 if layout is None else layout.blocks,
         "rank_list": per_rank_list,
     }
 
@@ -287,6 +359,12 @@ def report(label: str, ranks: int, tensors: int, irregular: bool = False) -> dic
             f"; per rank: describe {r['rank_describe'] * 1e3:.1f} ms, list chunks {r['rank_list'] * 1e3:.1f} ms, "
             f"sends {r['sent_kib']:.1f} KiB of boxes"
         )
+        if "received_mib" in r:
+            form = f"{int(r['blocks'])} blocks, each rank's stored by it" if r["blocks"] else "gathered"
+            line += (
+                f"; chunk table {form}: rank 0 receives {r['received_mib']:.2f} MiB of records, "
+                f"a rank's block {r['rank_block'] * 1e3:.1f} ms"
+            )
     print(line, flush=True)
     return r
 

@@ -25,14 +25,21 @@ from gpuckpt.errors import GpuckptError
 from gpuckpt.format.blocks import BLOCKS_KEY, TableBlocks
 from gpuckpt.format.documents import root_document
 from gpuckpt.format.metadata import Metadata
-from gpuckpt.format.records import COLUMNS, column_array_name, encode_rows, table_documents
+from gpuckpt.format.records import COLUMNS, TablePart, column_array_name, encode_rows, table_documents
 from gpuckpt.format.segments import SEGMENTS_KEY
 from gpuckpt.planning.plan import SavePlan
 from gpuckpt.planning.table import TableLayout
 from gpuckpt.saving.commit import assemble_metadata, store_table_parts
 from gpuckpt.storage.base import CheckpointWriter
 
-__all__ = ["BlockReport", "commit_blocks", "write_block", "write_table_documents"]
+__all__ = [
+    "BlockReport",
+    "commit_blocks",
+    "encode_block",
+    "merge_blocks",
+    "write_block",
+    "write_table_documents",
+]
 
 
 @dataclass(frozen=True)
@@ -68,6 +75,16 @@ def write_block(
     """Store ``rank``'s block of the table from the records of the chunks it wrote (``rows``
     of the plan's order, ``columns`` as :func:`~gpuckpt.saving.writing.written_rows`
     gives them); returns what it reports to the rank that commits."""
+    parts, report = encode_block(layout, rank, rows, columns)
+    store_table_parts(writer, parts)
+    return report
+
+
+def encode_block(
+    layout: TableLayout, rank: int, rows: np.ndarray, columns: Mapping[str, np.ndarray]
+) -> tuple[list[TablePart], BlockReport]:
+    """:func:`write_block` without the store: the stored chunks of ``rank``'s block, and its report."""
+    parts: list[TablePart] = []
     table_rows = layout.table_rows(rows) if len(rows) else np.zeros(0, np.int64)
     tail_start = layout.blocks * layout.block_rows
     in_tail = table_rows >= tail_start
@@ -92,12 +109,12 @@ def write_block(
             )
             filled[at] = columns[name][~in_tail]
             values[name] = filled
-        parts = encode_rows(values, first, layout.chunk_rows)
-        store_table_parts(writer, [p for name in layout.columns for p in parts[name]])
-        crcs = {name: [p.crc for p in parts[name]] for name in layout.columns}
+        encoded = encode_rows(values, first, layout.chunk_rows)
+        parts = [p for name in layout.columns for p in encoded[name]]
+        crcs = {name: [p.crc for p in encoded[name]] for name in layout.columns}
     segs = columns.get(SEGMENTS_KEY)
     held = np.zeros(0, np.int64) if segs is None else np.flatnonzero([s is not None for s in segs])
-    return BlockReport(
+    return parts, BlockReport(
         block,
         crcs,
         table_rows[in_tail],
@@ -107,18 +124,12 @@ def write_block(
     )
 
 
-def commit_blocks(
-    plan: SavePlan,
-    layout: TableLayout,
-    reports: Sequence[BlockReport],
-    writer: CheckpointWriter,
-    checkpoint_id: str | None,
-    *,
-    documents: bool,
-    planner_extra: Mapping[str, Any] | None = None,
-) -> Metadata:
-    """Check every rank's report, store the tail of the table (and its column documents when
-    ``documents``), publish the root document; returns the checkpoint's Metadata."""
+def merge_blocks(
+    plan: SavePlan, layout: TableLayout, reports: Sequence[BlockReport]
+) -> tuple[dict[str, Any], list[TablePart], dict[str, Any]]:
+    """Check every rank's report (each block once, each tail row once) and encode the tail:
+    the table's ``storage_data`` entry, the tail's stored chunks, and the columns argument of
+    :func:`~gpuckpt.saving.commit.assemble_metadata` (the segment records, by the plan's order)."""
     names = layout.columns
     by_block: dict[int, BlockReport] = {}
     for r in reports:
@@ -137,7 +148,7 @@ def commit_blocks(
     seen = np.zeros(layout.tail, np.int64)
     for r in reports:
         at = r.tail_rows - tail_start
-        if len(at) and (int(at.min()) < 0 or int(at.max()) >= layout.tail):
+        if len(at) and (int(np.min(at)) < 0 or int(np.max(at)) >= layout.tail):
             raise _mismatch("a process reported chunk table rows outside the tail")
         np.add.at(seen, at, 1)
         for name in names:
@@ -148,9 +159,6 @@ def commit_blocks(
             f"row {tail_start + bad} of the chunk table was written {int(seen[bad])} times, not once"
         )
     parts = encode_rows(tail, tail_start, layout.chunk_rows) if layout.tail else {n: [] for n in names}
-    if documents:
-        write_table_documents(writer, layout)
-    store_table_parts(writer, [p for name in names for p in parts[name]])
     entry: dict[str, Any] = {
         "rows": layout.rows,
         "rows_per_chunk": layout.chunk_rows,
@@ -170,6 +178,25 @@ def commit_blocks(
         for r in reports:
             segments[r.segment_rows] = r.segments
         columns[SEGMENTS_KEY] = segments
+    return entry, [p for name in names for p in parts[name]], columns
+
+
+def commit_blocks(
+    plan: SavePlan,
+    layout: TableLayout,
+    reports: Sequence[BlockReport],
+    writer: CheckpointWriter,
+    checkpoint_id: str | None,
+    *,
+    documents: bool,
+    planner_extra: Mapping[str, Any] | None = None,
+) -> Metadata:
+    """Check every rank's report, store the tail of the table (and its column documents when
+    ``documents``), publish the root document; returns the checkpoint's Metadata."""
+    entry, parts, columns = merge_blocks(plan, layout, reports)
+    if documents:
+        write_table_documents(writer, layout)
+    store_table_parts(writer, parts)
     metadata = assemble_metadata(plan, columns, checkpoint_id, entry, planner_extra, layout=layout)
     writer.commit(root_document(metadata))
     return metadata
