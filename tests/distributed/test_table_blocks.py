@@ -172,3 +172,35 @@ def test_a_tensor_placed_outside_its_block_rows_is_refused(saved: Any) -> None:
         entries[names[3]]["rows"] = entries[names[2]]["rows"]
     with pytest.raises(MetadataError, match="rows"):
         read_index(md)
+
+
+def test_segment_records_of_large_chunks_reach_their_tensor(tmp_path: Path) -> None:
+    path = str(tmp_path / "ckpt")
+    big_rows = RANKS * 600  # 600 rows of 1,024 float32 per rank: one chunk of 2.3 MiB each, 3 segments
+    big = np.arange(big_rows * 1024, dtype=np.float32).reshape(big_rows, 1024)
+
+    def one(c: Coordinator) -> None:
+        # 1,100 small tensors of one chunk per rank: more chunks than a table's threshold
+        state: dict[str, Any] = {
+            f"t{i:04d}": gpuckpt.ShardedArray(np.full((1, 4), i, np.float32), (c.rank, 0), (RANKS, 4))
+            for i in range(1100)
+        }
+        state["big"] = gpuckpt.ShardedArray(
+            big[c.rank * 600 : (c.rank + 1) * 600].copy(), (c.rank * 600, 0), big.shape
+        )
+        gpuckpt.save(state, path, coordinator=c, chunk_bytes=4 << 20)
+
+    run_ranks(RANKS, one)
+    md = root(path)
+    assert md["version"] == "5"
+    assert "segments" in md["storage_data"]["tensors"]["big"]
+    assert verify_checkpoint(path).ok
+
+    def load(c: Coordinator) -> bool:  # 3 ranks: each reads parts of the stored chunks (their segments)
+        cuts = [0, 700, 1500, big_rows]
+        a, b = cuts[c.rank], cuts[c.rank + 1]
+        state = {"big": gpuckpt.ShardedArray(np.zeros((b - a, 1024), np.float32), (a, 0), big.shape)}
+        gpuckpt.load(state, path, coordinator=c)
+        return bool(np.array_equal(state["big"].local, big[a:b]))
+
+    assert run_ranks(3, load) == [True] * 3
