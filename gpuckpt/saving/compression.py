@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from gpuckpt.device.arrays import HostArray
-from gpuckpt.format.codecs import Codec, Compression, encode
+from gpuckpt.format.codecs import Compression, encode
 from gpuckpt.format.dtypes import dtype_from_name
 from gpuckpt.options import SaveOptions
 from gpuckpt.planning.boxes import LocalTensor
@@ -163,19 +163,14 @@ def decide(local: StateDescription, sources: Sources, compression: Compression) 
     found = AutoDecision()
     big = sorted((t for t in local.tensors if _nbytes(t) >= AUTO_MIN_BYTES), key=_nbytes, reverse=True)
     budget = min(SAMPLE_BUDGET, max(MIN_BUDGET, int(sum(map(_nbytes, big)) * BUDGET_SHARE)))
-    host: dict[str, tuple[np.ndarray, Codec]] = {}
-    for t in big:
-        a = _host_array(t, sources)
-        codec = None if a is None else compression.codec_for(t.fqn, a.dtype, SAMPLE_BYTES)
-        if a is not None and codec is not None:
-            host[t.fqn] = (a, codec)
+    host = {t.fqn: a for t in big if (a := _host_array(t, sources)) is not None}
     # the largest tensor of each dtype first (whatever the budget), then the others by size
     firsts = {t.dtype: t for t in reversed(big) if t.fqn in host}  # the largest wins
     first = {t.fqn for t in firsts.values()}
     for t in sorted(firsts.values(), key=_nbytes, reverse=True) + [t for t in big if t.fqn not in first]:
         if t.fqn not in host or (budget <= 0 and t.fqn not in first):
             continue
-        a, codec = host[t.fqn]
+        a = host[t.fqn]
         pieces = _pieces(a, SCREEN_BYTES, SAMPLES)
         saving = entropy_saving(pieces, a.dtype.itemsize)
         if saving < MIN_SAVING:
@@ -188,7 +183,10 @@ def decide(local: StateDescription, sources: Sources, compression: Compression) 
     for t in big:
         if t.dtype in found.trials or found.saving.get(t.fqn, 0.0) < MIN_SAVING:
             continue
-        a, codec = host[t.fqn]
+        a = host[t.fqn]
+        codec = compression.codec_for(t.fqn, a.dtype, SAMPLE_BYTES)
+        if codec is None:
+            continue
         piece = np.ascontiguousarray(_pieces(a, SAMPLE_BYTES, 1)[0])
         if not found.sampled:
             encode(codec, piece[:64], 0)  # the first call loads the codec library: not timed
