@@ -8,9 +8,10 @@ The rule (docs/compression.md says the same):
    of each byte position of its elements (the bytes a byte shuffle groups) is measured on
    :data:`SAMPLES` pieces of :data:`SCREEN_BYTES` spread over it. A tensor whose entropy
    promises less than :data:`MIN_SAVING` (random bytes, already-quantized data) is stored as it
-   is, unless the codec itself saves that much on a piece (repeats, which entropy misses).
-   The screens of one save read at most :data:`BUDGET_SHARE` of the bytes it may compress
-   (at least :data:`MIN_BUDGET`, at most :data:`SAMPLE_BUDGET`); tensors left unscreened, and
+   is, unless deflate's fastest level saves that much on :data:`REPEAT_BYTES` of it (repeats,
+   which entropy misses). The screens of one save read at most :data:`BUDGET_SHARE` of the
+   bytes it may compress (at least :data:`MIN_BUDGET`, at most :data:`SAMPLE_BUDGET`; the
+   largest tensor of each dtype whatever the budget); tensors left unscreened, and
    tensors in device memory (screening them would cost a copy), follow the screened tensors of
    their dtype, and are compressed where there are none.
 3. Each dtype with a tensor worth compressing gets one trial: a piece of :data:`SAMPLE_BYTES`
@@ -265,8 +266,6 @@ def resolve(
     if c is None or not c.auto:
         return c
     found = decide(local, sources, c)
-    if all(t.fqn in found.skip for t in local.tensors):
-        return None  # nothing worth compressing
     threads = min(options.threads or default_threads(), os.cpu_count() or 1)
     if found.sampled and found.bytes_per_s * threads * found.fraction_saved <= write_rate(path):
         return None  # the store writes faster than compression saves
