@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import json
+from typing import Any
 
 from gpuckpt.cli.progressbar import format_bytes, progress_for
 from gpuckpt.cli.usage import UsageError
 from gpuckpt.convert.core import SOURCE_FORMATS, TARGET_FORMATS, convert
 from gpuckpt.convert.hf_layout import parse_size
+from gpuckpt.errors import InvalidOptionError
+from gpuckpt.options import SaveOptions
 from gpuckpt.printable import printable
 
 HELP = (
@@ -32,6 +36,22 @@ def _chunk_mb(text: str) -> float:
         raise argparse.ArgumentTypeError(
             f"must be a number of MiB of at least one byte and at most {MAX_CHUNK_MB}, got {text!r}"
         )
+    return value
+
+
+def _compression(text: str) -> Any:
+    """``--compression``: none, a name the ``compression`` save option takes (zstd, lz4, auto), or
+    its dict spec as a JSON object; checked as a save checks it."""
+    value: Any = None if text == "none" else text
+    if text.lstrip().startswith("{"):
+        try:
+            value = json.loads(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object ({exc})") from None
+    try:
+        SaveOptions(compression=value)
+    except InvalidOptionError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
     return value
 
 
@@ -85,6 +105,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help=f"target chunk size of a gpuckpt DST in MiB (64; more than 0, at most {MAX_CHUNK_MB})",
     )
     p.add_argument(
+        "--compression",
+        type=_compression,
+        default=None,
+        metavar="CHOICE",
+        help="compress the chunks of a gpuckpt DST: zstd, lz4, auto (only where it pays) or none "
+        '(default), or a JSON spec such as \'{"codec": "zstd", "level": 3}\' '
+        "(docs/compression.md); not for the other targets",
+    )
+    p.add_argument(
         "--allow-pickle",
         action="store_true",
         help="store or load plain values that need pickle (loading runs their code)",
@@ -128,6 +157,7 @@ def run(args: argparse.Namespace) -> int:
             max_shard_size=parse_size(getattr(args, "max_shard_size", "5GB")),
             single_file=getattr(args, "single_file", False),
             config=getattr(args, "config", None),
+            compression=getattr(args, "compression", None),
         )
     finally:
         for bar in (read_bar, write_bar):

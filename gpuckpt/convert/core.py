@@ -23,7 +23,7 @@ from gpuckpt.convert.safetensors_io import (
 )
 from gpuckpt.convert.torch_io import check_trusted, load_dcp, load_torch_save
 from gpuckpt.device.arrays import is_array
-from gpuckpt.errors import MetadataError, UnsupportedValueError
+from gpuckpt.errors import InvalidOptionError, MetadataError, UnsupportedValueError
 from gpuckpt.format.memory_format import (
     contiguous_format,
     detect_memory_format,
@@ -33,7 +33,7 @@ from gpuckpt.format.memory_format import (
 from gpuckpt.format.safetensors import INDEX_NAME, SINGLE_NAME
 from gpuckpt.format.values import decode_object, encode_object
 from gpuckpt.loading.hf import is_hf_source
-from gpuckpt.options import DEFAULT_CHUNK_BYTES
+from gpuckpt.options import DEFAULT_CHUNK_BYTES, SaveOptions
 from gpuckpt.progress import ProgressCallback
 from gpuckpt.state import flatten_state_dict, unflatten_state_dict
 from gpuckpt.storage.stores import scheme_of
@@ -173,6 +173,7 @@ def convert(
     max_shard_size: str | int = DEFAULT_MAX_SHARD_BYTES,
     single_file: bool = False,
     config: Any = None,
+    compression: str | dict[str, Any] | None = None,
 ) -> ConvertResult:
     """Convert the checkpoint at ``src`` into ``dst``, keeping every tensor's exact bits.
 
@@ -207,6 +208,12 @@ def convert(
     endpoint and credentials of the ``AWS_*`` environment); safetensors, torch
     and DCP files are local.
 
+    ``compression`` (a gpuckpt target only): the chunks' compression, as the ``compression``
+    option of :func:`gpuckpt.save` takes it (None, ``"zstd"``, ``"lz4"``, ``"auto"`` or a dict;
+    docs/compression.md). A bad value, or one given for another target (whose files store
+    tensors as they are), is an :class:`~gpuckpt.errors.InvalidOptionError` before anything
+    is read.
+
     Examples
     --------
     >>> import numpy as np, gpuckpt, tempfile, os
@@ -216,6 +223,8 @@ def convert(
     >>> convert(os.path.join(d, "ckpt"), os.path.join(d, "model.safetensors")).tensors
     1
     """
+    # validated as a save validates it, before anything is read
+    codecs = SaveOptions(compression=compression).codecs
     # URLs stay text (a Path would fold their "//"); local paths become Paths
     src_p: Any = Path(src) if scheme_of(src) == "file" else os.fspath(src)
     dst_p: Any = Path(dst) if scheme_of(dst) == "file" else os.fspath(dst)
@@ -230,6 +239,11 @@ def convert(
     if fmt_out not in TARGET_FORMATS:
         raise ValueError(
             f"unknown target format {fmt_out!r}; expected auto or one of {', '.join(TARGET_FORMATS)}"
+        )
+    if codecs is not None and fmt_out != "gpuckpt":
+        raise InvalidOptionError(
+            f"compression applies to a gpuckpt target; the {fmt_out} target stores tensors as they "
+            f"are: leave compression out, or convert to gpuckpt (--to gpuckpt)"
         )
     if fmt_out != "gpuckpt" and isinstance(dst_p, str):
         raise UnsupportedValueError(
@@ -254,6 +268,7 @@ def convert(
             max_shard_size=max_shard_size,
             single_file=single_file,
             config=config,
+            compression=compression,
         )
     # a URL destination: the store refuses a published checkpoint itself
     if isinstance(dst_p, Path) and (dst_p.exists() or dst_p.is_symlink()) and not overwrite:
@@ -294,6 +309,7 @@ def convert(
             threads=threads,
             progress=write_progress,
             storage_options=storage_options if isinstance(dst_p, str) else None,
+            compression=compression,
         )
     else:
         for name, arr in tensors.items():  # refuse before writing anything
@@ -383,6 +399,7 @@ def _convert_hf(src: Any, dst: Any, fmt_in: str, fmt_out: str, **kw: Any) -> Con
             threads=kw["threads"],
             progress=kw["progress"],
             storage_options=kw["storage_options"] if isinstance(dst, str) else None,
+            compression=kw["compression"],
         )
         return ConvertResult("hf", fmt_out, n, 0, nbytes)
     raise UnsupportedValueError(

@@ -404,9 +404,11 @@ def import_hf(
     threads: int | None = None,
     progress: ProgressCallback | None = None,
     storage_options: dict[str, Any] | None = None,
+    compression: str | dict[str, Any] | None = None,
 ) -> tuple[int, int]:
     """Save the tensors of the Hugging Face directory (or safetensors file) ``src`` as the gpuckpt
-    checkpoint ``dst``, keyed by their names; ``(tensors, bytes)``.
+    checkpoint ``dst``, keyed by their names, its chunks compressed as ``compression`` says (the
+    save option); ``(tensors, bytes)``.
 
     The shards that hold the selected tensors are mapped read-only and their tensors saved as
     they lie in the page cache: no copy of the state in memory.
@@ -440,6 +442,7 @@ def import_hf(
             progress=progress,
             storage_options=storage_options,
             direct_io="off" if direct_io_from_env() == "off" else "on",
+            compression=compression,
         )
         api.save_with_options(state, dst, options)
         return len(state), sum(a.nbytes for a in state.values())

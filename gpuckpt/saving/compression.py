@@ -4,20 +4,32 @@ The rule (docs/compression.md says the same):
 
 1. Tensors under :data:`AUTO_MIN_BYTES` are stored as they are: their chunks are small
    files, whose cost is the file, not the bytes (and a load reads them in native batches).
-2. Every other tensor held in host memory is sampled: :data:`SAMPLES` pieces of
-   :data:`SAMPLE_BYTES` spread over it are compressed with the save's codec (a few
-   milliseconds per tensor, at most :data:`SAMPLE_BUDGET` bytes per save). A tensor whose
-   samples shrink by less than :data:`MIN_SAVING` (random bytes, already-quantized data)
-   is stored as it is. A tensor in device memory is not sampled (that would cost a copy):
-   it follows the host tensors of its dtype sampled in the same save, and is compressed
-   where there are none.
-3. Compression must beat the store: with ``C`` the compressor's throughput measured on
-   the samples (bytes per second of one thread), ``T`` the I/O threads that compress in
-   parallel (at most the CPU count) and ``s`` the fraction of bytes saved, compressing
-   ``N`` bytes costs ``N / (C T)`` of CPU and saves ``N s / B`` of writing to a store that
-   writes ``B`` bytes per second (:func:`gpuckpt.storage.stores.write_rate`: 2 GB/s for a
-   local file system, 250 MB/s for an object store). Compression is used when
-   ``C T s > B``; otherwise nothing is compressed.
+2. Every other tensor held in host memory is screened, the largest first: the order-0 entropy
+   of each byte position of its elements (the bytes a byte shuffle groups) is measured on
+   :data:`SAMPLES` pieces of :data:`SCREEN_BYTES` spread over it. A tensor whose entropy
+   promises less than :data:`MIN_SAVING` (random bytes, already-quantized data) is stored as it
+   is, unless deflate's fastest level saves that much on :data:`REPEAT_BYTES` of it (repeats,
+   which entropy misses). The screens of one save read at most :data:`BUDGET_SHARE` of the
+   bytes it may compress (at least :data:`MIN_BUDGET`, at most :data:`SAMPLE_BUDGET`; the
+   largest tensor of each dtype whatever the budget); tensors left unscreened, and
+   tensors in device memory (screening them would cost a copy), follow the screened tensors of
+   their dtype, and are compressed where there are none.
+3. Each dtype with a tensor worth compressing gets one trial: a piece of :data:`SAMPLE_BYTES`
+   of its largest such tensor compressed with the save's codec, timed. A dtype whose trial
+   saves less than :data:`MIN_SAVING` is stored as it is (the codec does not deliver what the
+   entropy promised: bit-shuffled one-byte types).
+4. Compression must beat the store: with ``C`` the compressor's throughput on the trials
+   (bytes per second of one thread), ``T`` the I/O threads that compress in parallel (at most
+   the CPU count) and ``s`` the fraction of bytes saved (each dtype's trial, weighted by the
+   bytes of that dtype to compress), compressing ``N`` bytes costs ``N / (C T)`` of CPU and
+   saves ``N s / B`` of writing to a store that writes ``B`` bytes per second
+   (:func:`gpuckpt.storage.stores.write_rate`: 2 GB/s for a local file system, 250 MB/s for an
+   object store). Compression is used when ``C T s > B``; otherwise nothing is compressed.
+
+Why entropy for the screen, not the codec: zstd's savings on small pieces vary with the piece's
+size (fp32 moments save 8% on 16 KiB, 2% on 64 KiB and 16% on a 1 MiB chunk), while the byte
+entropy is stable from 16 KiB up and costs as little; the codec is timed once per dtype, on a
+piece large enough to save what a chunk saves.
 """
 
 from __future__ import annotations
@@ -25,13 +37,14 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections import defaultdict
+import zlib
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from gpuckpt.device.arrays import HostArray
-from gpuckpt.format.codecs import Codec, Compression, encode
+from gpuckpt.format.codecs import Compression, encode
 from gpuckpt.format.dtypes import dtype_from_name
 from gpuckpt.options import SaveOptions
 from gpuckpt.planning.boxes import LocalTensor
@@ -45,103 +58,171 @@ __all__ = [
     "MIN_SAVING",
     "SAMPLES",
     "SAMPLE_BYTES",
+    "SCREEN_BYTES",
     "AutoDecision",
     "decide",
+    "entropy_saving",
     "resolve",
     "resolve_unsampled",
 ]
 
 #: tensors smaller than this are never compressed by "auto"
 AUTO_MIN_BYTES = 1 << 20
-#: pieces sampled per tensor, and their size (smaller pieces understate what a chunk of 1 MiB
-#: blocks saves: a 64 KiB piece of bf16 weights 1.29x, 256 KiB 1.44x, 1 MiB 1.46x)
+#: pieces screened per tensor, and their size
 SAMPLES = 2
-SAMPLE_BYTES = 256 << 10
-#: most bytes sampled by one save (the largest tensors first)
+SCREEN_BYTES = 16 << 10
+#: bytes of a screened piece deflated where its entropy promises nothing (:func:`_repeats`)
+REPEAT_BYTES = 4 << 10
+#: the piece of a dtype's trial (smaller pieces understate what a chunk of 1 MiB blocks saves:
+#: a 64 KiB piece of bf16 weights 1.29x, 256 KiB 1.44x, 512 KiB and 1 MiB 1.46x; fp32 moments
+#: 1.02x, 1.14x, 1.19x and 1.19x)
+SAMPLE_BYTES = 512 << 10
+#: the bytes one save screens: this share of the bytes "auto" may compress, within the bounds
+BUDGET_SHARE = 1 / 1024
+MIN_BUDGET = 128 << 10
 SAMPLE_BUDGET = 16 << 20
-#: a tensor whose samples shrink by less than this fraction is stored as it is
+#: a tensor (or dtype) expected to shrink by less than this fraction is stored as it is
 MIN_SAVING = 0.05
+#: byte planes of elements wider than this are not told apart (structured types)
+_MAX_PLANES = 16
 
 
+@dataclass(slots=True)
 class AutoDecision:
-    """What "auto" found: per sampled tensor its saving, the compressor's throughput on every
-    sample, and the fraction of bytes saved on the samples of the tensors worth compressing."""
+    """What "auto" found: per screened tensor its expected saving, per dtype the saving of its
+    trial, the compressor's throughput on the trials, and the fraction of bytes the tensors
+    worth compressing are expected to save."""
 
-    def __init__(self) -> None:
-        self.saving: dict[str, float] = {}
-        self.sampled = 0
-        self.seconds = 0.0
-        self.raw = 0  # of the tensors that save at least MIN_SAVING
-        self.stored = 0
+    saving: dict[str, float] = field(default_factory=dict)  # screened tensors, by FQN
+    trials: dict[str, float] = field(default_factory=dict)  # dtypes, by name
+    screened: int = 0  # bytes read by the screens
+    sampled: int = 0  # bytes compressed by the trials
+    seconds: float = 0.0  # spent compressing them
+    fraction_saved: float = 0.0
+    skip: set[str] = field(default_factory=set)
 
     @property
     def bytes_per_s(self) -> float:
         return self.sampled / self.seconds if self.seconds > 0 else float("inf")
 
-    @property
-    def fraction_saved(self) -> float:
-        return 1 - self.stored / self.raw if self.raw else 0.0
+
+def entropy_saving(pieces: Iterable[np.ndarray], itemsize: int) -> float:
+    """``1 -`` the order-0 entropy of each byte position of ``itemsize``-byte elements, summed, over
+    ``8 * itemsize`` bits: the fraction of bytes an entropy coder of byte-shuffled ``pieces``
+    (``uint8``, whole elements) would save (0 for random bytes, 1 for a constant)."""
+    k = itemsize if 1 <= itemsize <= _MAX_PLANES else 1
+    counts = np.zeros(256 * k, np.int64)
+    planes = np.arange(k, dtype=np.uint16) << 8
+    for p in pieces:
+        n = p.nbytes - p.nbytes % k
+        if n:
+            counts += np.bincount((p[:n].reshape(-1, k) + planes).reshape(-1), minlength=256 * k)
+    per_plane = counts.reshape(k, 256)
+    totals = per_plane.sum(axis=1, keepdims=True)
+    if not totals.all():
+        return 0.0
+    prob = per_plane / totals
+    with np.errstate(divide="ignore", invalid="ignore"):
+        bits = -np.nansum(prob * np.log2(prob))
+    return float(1 - bits / (8 * k))
 
 
-def _samples(a: np.ndarray) -> list[np.ndarray]:
-    """Up to :data:`SAMPLES` pieces of :data:`SAMPLE_BYTES` of ``a``'s bytes, spread over it
-    (copies only of what is sampled)."""
+def _pieces(a: np.ndarray, size: int, count: int) -> list[np.ndarray]:
+    """Up to ``count`` pieces of ``size`` bytes of ``a`` (whole elements), spread over it, as
+    contiguous ``uint8`` arrays (copies only of what is taken)."""
     if a.ndim == 0 or a.size == 0:
         return []
+    item = a.dtype.itemsize
+    size = max(item, size - size % item)
     if a.flags.c_contiguous or a.flags.f_contiguous:
         flat = a.ravel(order="K").view(np.uint8)
         n = flat.nbytes
-        step = max(n // SAMPLES, SAMPLE_BYTES)
-        return [flat[at : at + SAMPLE_BYTES] for at in range(0, n - SAMPLE_BYTES + 1, step)][:SAMPLES]
+        if n <= size:
+            return [flat]
+        # at 1/(count+1), 2/(count+1), ... of the bytes, on element boundaries
+        starts = sorted({(n * (i + 1) // (count + 1) - size // 2) // item * item for i in range(count)})
+        return [flat[max(0, s) : max(0, s) + size] for s in starts]
     # another layout (channels-last, a slice): rows of the first axis, each copied
     rows = a.shape[0]
-    row_bytes = a.nbytes // rows
-    take = max(1, SAMPLE_BYTES // max(row_bytes, 1))
-    step = max(rows // SAMPLES, take)
-    return [
-        np.ascontiguousarray(a[at : at + take]).reshape(-1).view(np.uint8)[:SAMPLE_BYTES]
-        for at in range(0, rows - take + 1, step)
-    ][:SAMPLES]
+    row_bytes = max(a.nbytes // rows, 1)
+    take = max(1, size // row_bytes)
+    starts = sorted({max(0, rows * (i + 1) // (count + 1) - take // 2) for i in range(count)})
+    return [np.ascontiguousarray(a[s : s + take]).reshape(-1).view(np.uint8)[:size] for s in starts]
+
+
+def _repeats(piece: np.ndarray) -> float:
+    """The fraction of :data:`REPEAT_BYTES` of ``piece`` that deflate's fastest level saves: repeats
+    the byte entropy cannot see (a tiled pattern). zlib, not the save's codec: it is loaded already,
+    and a save that compresses nothing need not load the codec library."""
+    head = piece[:REPEAT_BYTES]
+    return 1 - len(zlib.compress(head, 1)) / head.nbytes if head.nbytes else 0.0
 
 
 def decide(local: StateDescription, sources: Sources, compression: Compression) -> AutoDecision:
-    """Sample the tensors of ``local`` that ``sources`` holds in host memory (see the module docstring)."""
+    """Screen the tensors of ``local`` that ``sources`` holds in host memory, try the codec once per
+    dtype worth compressing, and say which tensors to skip (see the module docstring)."""
     found = AutoDecision()
-    budget = SAMPLE_BUDGET
-    encode(compression.codec_for("", np.dtype(np.uint8), 1) or Codec("zstd", 1), np.zeros(64, np.uint8), 0)
-    # (the first call loads the codec library: not timed)
-    big = sorted(
-        (t for t in local.tensors if _nbytes(t) >= AUTO_MIN_BYTES),
-        key=_nbytes,
-        reverse=True,
-    )
+    big = sorted((t for t in local.tensors if _nbytes(t) >= AUTO_MIN_BYTES), key=_nbytes, reverse=True)
+    budget = min(SAMPLE_BUDGET, max(MIN_BUDGET, int(sum(map(_nbytes, big)) * BUDGET_SHARE)))
+    host = {t.fqn: a for t in big if (a := _host_array(t, sources)) is not None}
+    # the largest tensor of each dtype first (whatever the budget), then the others by size
+    firsts = {t.dtype: t for t in reversed(big) if t.fqn in host}  # the largest wins
+    first = {t.fqn for t in firsts.values()}
+    for t in sorted(firsts.values(), key=_nbytes, reverse=True) + [t for t in big if t.fqn not in first]:
+        if t.fqn not in host or (budget <= 0 and t.fqn not in first):
+            continue
+        a = host[t.fqn]
+        pieces = _pieces(a, SCREEN_BYTES, SAMPLES)
+        saving = entropy_saving(pieces, a.dtype.itemsize)
+        if saving < MIN_SAVING:
+            saving = max(saving, _repeats(pieces[0]))
+        found.saving[t.fqn] = saving
+        taken = sum(p.nbytes for p in pieces)
+        found.screened += taken
+        budget -= taken
+    # one trial per dtype, on its largest tensor worth compressing
     for t in big:
-        if budget <= 0:
-            break
-        for src in sources.get(t.fqn, ()):
-            adapter = src.array
-            if not isinstance(adapter, HostArray) or adapter.array.dtype.hasobject:
-                continue
-            a = adapter.array
-            codec = compression.codec_for(t.fqn, a.dtype, SAMPLE_BYTES * SAMPLES)
-            if codec is None:
-                continue
-            pieces = _samples(a)
-            raw = stored = 0
-            start = time.perf_counter()
-            for p in pieces:
-                stored += encode(codec, np.ascontiguousarray(p), 0).nbytes
-                raw += p.nbytes
-            found.seconds += time.perf_counter() - start
-            if raw:
-                found.sampled += raw
-                found.saving[t.fqn] = 1 - stored / raw
-                if found.saving[t.fqn] >= MIN_SAVING:
-                    found.raw += raw
-                    found.stored += stored
-                budget -= raw
-            break
+        if t.dtype in found.trials or found.saving.get(t.fqn, 0.0) < MIN_SAVING:
+            continue
+        a = host[t.fqn]
+        codec = compression.codec_for(t.fqn, a.dtype, SAMPLE_BYTES)
+        if codec is None:
+            continue
+        piece = np.ascontiguousarray(_pieces(a, SAMPLE_BYTES, 1)[0])
+        if not found.sampled:
+            encode(codec, piece[:64], 0)  # the first call loads the codec library: not timed
+        start = time.perf_counter()
+        stored = encode(codec, piece, 0).nbytes
+        found.seconds += time.perf_counter() - start
+        found.sampled += piece.nbytes
+        found.trials[t.dtype] = 1 - stored / piece.nbytes
+    # which tensors to skip, and what the others save
+    screened_dtypes = {t.dtype for t in big if t.fqn in found.saving}
+    weighted = weight = 0.0
+    for t in local.tensors:
+        if _nbytes(t) < AUTO_MIN_BYTES:
+            found.skip.add(t.fqn)
+        elif found.saving.get(t.fqn, 1.0) < MIN_SAVING:
+            found.skip.add(t.fqn)  # screened: incompressible
+        elif t.dtype in found.trials:
+            if found.trials[t.dtype] < MIN_SAVING:
+                found.skip.add(t.fqn)  # the codec does not deliver on this dtype
+            else:
+                weighted += found.trials[t.dtype] * _nbytes(t)
+                weight += _nbytes(t)
+        elif t.dtype in screened_dtypes:
+            found.skip.add(t.fqn)  # not screened: as the screened tensors of its dtype, all incompressible
+    found.fraction_saved = weighted / weight if weight else 0.0
     return found
+
+
+def _host_array(t: LocalTensor, sources: Sources) -> np.ndarray | None:
+    """The first box of ``t`` held in host memory as a NumPy array (None: none is)."""
+    for src in sources.get(t.fqn, ()):
+        adapter = src.array
+        if isinstance(adapter, HostArray) and not adapter.array.dtype.hasobject and adapter.array.size:
+            return adapter.array
+    return None
 
 
 def _nbytes(t: LocalTensor) -> int:
@@ -188,17 +269,6 @@ def resolve(
     threads = min(options.threads or default_threads(), os.cpu_count() or 1)
     if found.sampled and found.bytes_per_s * threads * found.fraction_saved <= write_rate(path):
         return None  # the store writes faster than compression saves
-    by_dtype: dict[str, list[float]] = defaultdict(list)
-    dtypes = {t.fqn: t.dtype for t in local.tensors}
-    for fqn, saving in found.saving.items():
-        by_dtype[dtypes[fqn]].append(saving)
-    skip = set()
-    for t in local.tensors:
-        if _nbytes(t) < AUTO_MIN_BYTES:
-            skip.add(t.fqn)
-        elif t.fqn in found.saving:
-            if found.saving[t.fqn] < MIN_SAVING:
-                skip.add(t.fqn)
-        elif by_dtype.get(t.dtype) and max(by_dtype[t.dtype]) < MIN_SAVING:
-            skip.add(t.fqn)  # not sampled (device memory): as the host tensors of its dtype
-    return Compression(c.codec, c.level, c.cname, c.shuffle, c.blocksize, auto=True, skip=frozenset(skip))
+    return Compression(
+        c.codec, c.level, c.cname, c.shuffle, c.blocksize, auto=True, skip=frozenset(found.skip)
+    )

@@ -1,0 +1,116 @@
+"""``compression="auto"``'s decision (gpuckpt/saving/compression.py) as data: what it compresses,
+what it skips, and how many bytes it reads to decide."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from gpuckpt.format.codecs import PRESETS
+from gpuckpt.saving.compression import (
+    AUTO_MIN_BYTES,
+    MIN_BUDGET,
+    MIN_SAVING,
+    SAMPLES,
+    SCREEN_BYTES,
+    AutoDecision,
+    decide,
+    entropy_saving,
+)
+from gpuckpt.saving.sources import describe_state
+
+AUTO = PRESETS["auto"]
+
+
+def _rng(seed: int = 0) -> np.random.Generator:
+    return np.random.default_rng(seed)
+
+
+def _bf16_weights(n: int, seed: int = 0) -> np.ndarray:
+    return (_rng(seed).standard_normal(n, dtype=np.float32) * 0.02).astype(ml_dtypes.bfloat16)
+
+
+def _moments(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    m = _rng(seed).standard_normal(n, dtype=np.float32) * 1e-3
+    v = np.abs(m * m + _rng(seed + 1).standard_normal(n, dtype=np.float32) * 1e-8).astype(np.float32)
+    return m, v
+
+
+def _random_bytes(n: int, seed: int = 1) -> np.ndarray:
+    return _rng(seed).integers(0, 256, n, dtype=np.uint8)
+
+
+def _decide(state: dict[str, Any]) -> AutoDecision:
+    local, sources = describe_state(state, allow_pickle=False)
+    return decide(local, sources, AUTO)
+
+
+def test_entropy_saving_of_random_constant_and_float_bytes() -> None:
+    assert abs(entropy_saving([_random_bytes(1 << 16)], 1)) < 0.01
+    assert entropy_saving([np.zeros(1 << 14, np.uint8)], 4) == pytest.approx(1.0)
+    # bf16 N(0, 0.02): the exponent byte repeats, the mantissa byte does not (about 1/3 saved)
+    w = _bf16_weights(1 << 14).view(np.uint8)
+    assert 0.25 < entropy_saving([w], 2) < 0.4
+    # the same bytes not told apart by position save much less: the planes matter
+    assert entropy_saving([w], 1) < entropy_saving([w], 2) - 0.1
+
+
+def test_weights_and_moments_are_compressed_random_and_quantized_bytes_are_not() -> None:
+    m, v = _moments(1 << 20)
+    quantized = _rng(2).integers(-128, 128, 2 << 20, dtype=np.int8)  # uniform int8: incompressible
+    state = {
+        "weight": _bf16_weights(2 << 20).reshape(2048, 1024),
+        "exp_avg": m,
+        "exp_avg_sq": v,
+        "fp16": _bf16_weights(1 << 20).astype(np.float16),
+        "noise": _random_bytes(4 << 20),
+        "quantized": quantized,
+        "small": _random_bytes(AUTO_MIN_BYTES - 1),
+    }
+    found = _decide(state)
+    assert found.skip == {"noise", "quantized", "small"}
+    # the largest tensor of each dtype screened; exp_avg_sq follows exp_avg (the same dtype)
+    for fqn in ("weight", "exp_avg", "fp16"):
+        assert found.saving[fqn] >= MIN_SAVING, fqn
+    # each compressible dtype tried once with the codec, and saving what a chunk saves
+    assert set(found.trials) == {"bfloat16", "float32", "float16"}
+    assert found.trials["bfloat16"] > 0.28 and found.trials["float32"] > 0.12
+    assert 0.12 < found.fraction_saved < 0.32 and found.bytes_per_s > 0
+
+
+def test_repeats_the_entropy_does_not_see_are_compressed() -> None:
+    # uniformly spread bytes (entropy: incompressible) that repeat every 1000 bytes
+    tiled = np.tile(_random_bytes(1000), 4 << 10)
+    found = _decide({"tiled": tiled, "noise": _random_bytes(8 << 20).view(np.uint16)})
+    assert entropy_saving([tiled[: 1 << 16]], 1) < MIN_SAVING
+    assert found.skip == {"noise"} and found.saving["tiled"] > 0.5
+
+
+def test_a_channels_last_tensor_is_screened_by_its_rows() -> None:
+    w = np.moveaxis(_bf16_weights(64 * 64 * 32 * 8).reshape(64, 64, 32, 8), 3, 1)  # not contiguous
+    noise = np.moveaxis(_random_bytes(64 * 64 * 32 * 8 * 2).view(np.uint16).reshape(64, 64, 32, 8), 3, 1)
+    found = _decide({"w": w, "noise": noise})
+    assert found.skip == {"noise"} and found.saving["w"] > 0.25
+
+
+def test_the_screens_read_a_bounded_share_of_the_bytes() -> None:
+    # 64 tensors of random bytes: one dtype, so a few screens decide for all of them
+    state = {f"r{i}": _random_bytes(2 << 20, seed=i) for i in range(64)}
+    found = _decide(state)
+    assert found.skip == set(state)
+    assert found.sampled == 0  # no trial of the codec: nothing worth compressing
+    per_tensor = SAMPLES * SCREEN_BYTES
+    assert 0 < found.screened <= MIN_BUDGET + per_tensor
+    assert len(found.saving) < len(state)
+
+
+def test_each_dtype_is_screened_whatever_the_budget() -> None:
+    # the budget is spent on the large bf16 tensors; the smaller random bytes are still screened
+    state: dict[str, Any] = {f"w{i}": _bf16_weights(2 << 20, seed=i) for i in range(8)}
+    state["noise"] = _random_bytes(1 << 20)
+    found = _decide(state)
+    assert "noise" in found.saving and found.skip == {"noise"}
+    assert not {f"w{i}" for i in range(8)} & found.skip
