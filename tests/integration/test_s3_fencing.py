@@ -32,7 +32,9 @@ import gpuckpt
 pytest.importorskip("obstore")
 pytest.importorskip("moto.server")
 
-from gpuckpt.storage.s3.writer import CLAIM_KEY
+from gpuckpt.storage.base import CrcDigest
+from gpuckpt.storage.s3.fence import delete_if_unchanged
+from gpuckpt.storage.s3.writer import CLAIM_KEY, ObjectStoreWriter
 from gpuckpt.testing.faultproxy import FaultProxy, Hold
 from gpuckpt.testing.s3server import list_keys, loopback_s3, s3_options
 from gpuckpt.verify import verify_checkpoint
@@ -64,13 +66,15 @@ def _wait(event: threading.Event, proc: subprocess.Popen[str], what: str, limit:
             pytest.fail(f"{what} never happened: {proc.communicate()[0]}")
 
 
-def _take_over(url: str, endpoint: str, limit: float = 30.0) -> None:
-    """Save ``state(2)`` to ``url`` as soon as the stopped writer's lease lets it."""
+def _take_over(
+    url: str, endpoint: str, new: dict[str, np.ndarray] | None = None, limit: float = 30.0
+) -> None:
+    """Save ``new`` (default ``state(2)``) to ``url`` as soon as the stopped writer's lease lets it."""
     opts = s3_options(endpoint, lease_seconds=LEASE)
     deadline = time.monotonic() + limit
     while True:
         try:
-            gpuckpt.save(state(2), url, storage_options=opts)
+            gpuckpt.save(state(2) if new is None else new, url, storage_options=opts)
             return
         except gpuckpt.CheckpointExistsError as exc:
             if "another save to it is running" not in str(exc) or time.monotonic() > deadline:
@@ -166,7 +170,12 @@ def test_a_stray_put_landing_before_the_new_owners_own_put_is_replaced_by_it(
 def test_a_stale_writers_abort_deletes_nothing_of_the_save_that_took_over(
     endpoint: str, tmp_path: Path
 ) -> None:
+    """Deletes are conditional on the ETag the aborting writer saw. An ETag is the hash of the
+    bytes: an object put again with the very same bytes (an array document of the same shape,
+    a chunk of the same values) cannot be told apart, and only the claim's renewal before the
+    deletes protects it (see gpuckpt.storage.s3.fence). Here every object of the new save differs."""
     url = f"s3://{BUCKET}/run-{uuid.uuid4().hex[:8]}/step-1"
+    new = {k: v.astype(np.float64) for k, v in state(2).items()}
     with FaultProxy(endpoint) as proxy:
         # the save fails after its first chunk and aborts: its first delete is held, the process stopped
         held = proxy.hold(lambda kind, path: kind == "delete" and not path.endswith(CLAIM_KEY))
@@ -174,10 +183,122 @@ def test_a_stale_writers_abort_deletes_nothing_of_the_save_that_took_over(
         try:
             _wait(held.arrived, proc, "the aborting writer's delete")
             os.kill(proc.pid, signal.SIGSTOP)
-            _take_over(url, endpoint)
+            _take_over(url, endpoint, new)
         finally:
             out = _resume(proc, held)
     assert proc.returncode == 3 and "failed after its first chunk" in out, out
     opts = s3_options(endpoint)
-    _same(gpuckpt.load_state_dict(url, storage_options=opts), state(2))
+    _same(gpuckpt.load_state_dict(url, storage_options=opts), new)
     assert verify_checkpoint(url, storage_options=opts).ok
+
+
+# -- the fenced requests of one writer, in this process ------------------------------------
+
+
+@pytest.fixture
+def s3(endpoint: str) -> Any:
+    boto3 = pytest.importorskip("boto3")
+    return boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
+
+
+def _begun(endpoint: str, **more: Any) -> tuple[ObjectStoreWriter, str]:
+    prefix = f"run-{uuid.uuid4().hex[:8]}/step-1"
+    w = ObjectStoreWriter(f"s3://{BUCKET}/{prefix}", **s3_options(endpoint, **more))
+    w.begin()
+    return w, prefix
+
+
+def _body(s3: Any, key: str) -> bytes:
+    return bytes(s3.get_object(Bucket=BUCKET, Key=key)["Body"].read())
+
+
+def test_a_put_refused_because_its_own_bytes_are_there_counts_as_done(endpoint: str, s3: Any) -> None:
+    """A put whose answer was lost and whose retry is refused: the object holds the bytes sent."""
+    w, prefix = _begun(endpoint)
+    try:
+        s3.put_object(Bucket=BUCKET, Key=f"{prefix}/a/c.0", Body=b"abcdefg")  # the first attempt landed
+        w.write_chunk("a", "c.0", [b"abc", b"defg"])
+        etag = s3.head_object(Bucket=BUCKET, Key=f"{prefix}/a/c.0")["ETag"]
+        assert w._fence.etags["a/c.0"] == etag
+    finally:
+        w.abort()
+    assert list_keys(endpoint, BUCKET, prefix) == set()  # the abort deleted it: this save's object
+
+
+def test_a_stray_at_a_key_of_the_prefixs_owner_is_deleted_and_put_again(endpoint: str, s3: Any) -> None:
+    w, prefix = _begun(endpoint)
+    try:
+        s3.put_object(Bucket=BUCKET, Key=f"{prefix}/a/c.0", Body=b"a stale writer's bytes")
+        w.write_chunk("a", "c.0", [b"abc", b"defg"])
+        assert _body(s3, f"{prefix}/a/c.0") == b"abcdefg"
+        w.write_array_document("a", b'{"v": 1}')
+        s3.put_object(Bucket=BUCKET, Key=f"{prefix}/a/zarr.json", Body=b'{"v": "stray"}')
+        w.rewrite_array_document("a", b'{"v": 2}')  # its own object was replaced: put again
+        assert _body(s3, f"{prefix}/a/zarr.json") == b'{"v": 2}'
+        w.rewrite_array_document("a", b'{"v": 3}')  # replaces exactly its own put (If-Match)
+        assert _body(s3, f"{prefix}/a/zarr.json") == b'{"v": 3}'
+    finally:
+        w.abort()
+    assert list_keys(endpoint, BUCKET, prefix) == set()
+
+
+def test_a_writer_that_lost_its_prefix_writes_and_deletes_nothing_of_the_new_owner(
+    endpoint: str, s3: Any
+) -> None:
+    import json
+
+    w, prefix = _begun(endpoint)
+    w._claim.stop_refresh()
+    w.write_chunk("b", "c.0", [b"mine"])
+    # another save took the prefix over (its claim), cleaned it and put its own objects
+    other = {"owner": "node-9-77", "machine": "", "token": "f" * 16, "lease_seconds": LEASE}
+    s3.put_object(Bucket=BUCKET, Key=f"{prefix}/{CLAIM_KEY}", Body=json.dumps(other).encode())
+    s3.put_object(Bucket=BUCKET, Key=f"{prefix}/a/c.0", Body=b"theirs")
+    s3.put_object(Bucket=BUCKET, Key=f"{prefix}/b/c.0", Body=b"theirs too")
+    with pytest.raises(gpuckpt.CheckpointExistsError, match="taken over by another save"):
+        w.write_chunk("a", "c.0", [b"abc", b"defg"])
+    w.abort()
+    assert _body(s3, f"{prefix}/a/c.0") == b"theirs" and _body(s3, f"{prefix}/b/c.0") == b"theirs too"
+    assert json.loads(_body(s3, f"{prefix}/{CLAIM_KEY}"))["token"] == "f" * 16
+
+
+class _LosesTheClaim:
+    """A digest that marks its writer's claim lost after ``after`` pieces (a stall detected)."""
+
+    def __init__(self, w: ObjectStoreWriter, after: int) -> None:
+        self.w, self.after, self.crc = w, after, CrcDigest()
+
+    def update(self, piece: Any) -> None:
+        self.crc.update(piece)
+        self.after -= 1
+        if self.after == 0:
+            self.w._claim.lost = "lost while uploading (this test)"
+
+    def trailer(self) -> bytes:
+        return self.crc.trailer()
+
+
+def test_a_multipart_upload_stops_at_the_next_piece_once_the_claim_is_lost(endpoint: str) -> None:
+    w, prefix = _begun(endpoint, part_bytes=5 << 20, max_parts_in_flight=1)
+    data = np.random.default_rng(0).integers(0, 255, 24 << 20, dtype=np.uint8)
+    try:
+        with pytest.raises(gpuckpt.CheckpointExistsError, match="lost while uploading"):
+            w.write_chunk_checked("a", "c.0", [data], _LosesTheClaim(w, after=2))
+    finally:
+        w.abort()
+    assert "a/c.0" not in list_keys(endpoint, BUCKET, prefix)
+
+
+def test_conditional_deletes_spare_what_was_put_again(endpoint: str, s3: Any) -> None:
+    w, prefix = _begun(endpoint)
+    try:
+        s3.put_object(Bucket=BUCKET, Key=f"{prefix}/x", Body=b"one")
+        s3.put_object(Bucket=BUCKET, Key=f"{prefix}/y", Body=b"two")
+        seen = {k: s3.head_object(Bucket=BUCKET, Key=f"{prefix}/{k}")["ETag"] for k in ("x", "y")}
+        s3.put_object(Bucket=BUCKET, Key=f"{prefix}/y", Body=b"two, put again")
+        left = delete_if_unchanged(w._obs, {**seen, "gone": '"0"'}, max_requests=4)
+        assert left == {"y": "changed"}
+        assert list_keys(endpoint, BUCKET, prefix) == {"y", CLAIM_KEY}
+    finally:
+        s3.delete_object(Bucket=BUCKET, Key=f"{prefix}/y")
+        w.abort()

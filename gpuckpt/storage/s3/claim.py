@@ -21,6 +21,7 @@ import json
 import os
 import threading
 import time
+from collections.abc import Iterable, Iterator
 from datetime import UTC, datetime
 from typing import Any
 
@@ -201,6 +202,55 @@ class Claim:
                 return
             except Exception:  # transient: retry at the next beat, commit checks
                 continue
+
+    def renew(self) -> bool:
+        """Refresh the claim now, a compare-and-swap on its ETag: True (and half a lease from now
+        to act in) while it is this save's, False once it passed to another save."""
+        from obstore.exceptions import AlreadyExistsError, PreconditionError
+
+        if self._etag is None or self.lost is not None:
+            return False
+        sent = time.monotonic()
+        try:
+            self._etag = self.prefix._put(CLAIM_KEY, self.body, {"e_tag": self._etag})
+        except (PreconditionError, AlreadyExistsError, FileNotFoundError):
+            if not self._reclaim_own():
+                return False
+        except Exception:
+            # failed in transit (the client does not retry a conditional put): whether it landed
+            # is unknown, so only the window of the last renewal that did counts
+            return self._reclaim_own() and self.holds()
+        self._renewed(sent)
+        return True
+
+    def checked(self, pieces: Iterable[Any]) -> Iterator[Any]:
+        """``pieces``, with :meth:`check` before each one is handed over (to an upload)."""
+        for piece in pieces:
+            self.check()
+            yield piece
+
+    def holds(self) -> bool:
+        """Whether this save may still act on the prefix: the claim was not lost, and it was
+        renewed less than half a lease ago (no other save can have taken it over)."""
+        return self.lost is None and (self._valid_until is None or time.monotonic() <= self._valid_until)
+
+    def release(self) -> bool:
+        """Delete the claim object, only while it is the one this save put last (If-Match on
+        its ETag, see :mod:`gpuckpt.storage.s3.fence`): False when it was left."""
+        from gpuckpt.storage.s3.fence import delete_if_unchanged
+
+        p = self.prefix
+        if self._etag is None:
+            return False
+        if not p.conditional:
+            import obstore as obs
+
+            try:
+                obs.delete(p._obs, [CLAIM_KEY])
+            except Exception:
+                return False
+            return True
+        return not delete_if_unchanged(p._obs, {CLAIM_KEY: self._etag}, p.transfer.max_requests)
 
     def _renewed(self, sent: float) -> None:
         self._valid_until = sent + self.prefix.lease / 2
