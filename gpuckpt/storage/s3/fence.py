@@ -80,8 +80,6 @@ STRAY_ATTEMPTS = 4
 #: how long a presigned delete stays valid (it is sent at once)
 _SIGNED_FOR = timedelta(minutes=10)
 _DELETE_TIMEOUT_S = 60.0
-#: deletes sent at once
-_DELETES_IN_FLIGHT = 16
 #: what the client reports when a request failed in transit (it may have reached the server)
 _IN_TRANSIT = re.compile(
     r"error sending request|timed out|timeout|connection|body error|reset|broken pipe|status code: 5\d\d",
@@ -125,9 +123,9 @@ def same_bytes(stored: Any, pieces: Sequence[Any]) -> bool:
 def delete_if_unchanged(store: Any, etags: dict[str, str], max_requests: int) -> dict[str, str]:
     """Delete each object ``key`` of ``etags`` only while its ETag is ``etags[key]``.
 
-    Returns the keys left, each with why: ``"changed"`` (the server refused,
-    the object was put again since) or the failure of the request. An object
-    already gone counts as deleted.
+    At most ``max_requests`` are in flight (the writer's budget). Returns the keys left, each
+    with why: ``"changed"`` (the server refused, the object was put again since) or the
+    failure of the request. An object already gone counts as deleted.
     """
     import obstore as obs
 
@@ -162,7 +160,7 @@ def delete_if_unchanged(store: Any, etags: dict[str, str], max_requests: int) ->
                 return why
             time.sleep(pause)
 
-    with ThreadPoolExecutor(max(1, min(len(keys), max_requests, _DELETES_IN_FLIGHT))) as pool:
+    with ThreadPoolExecutor(max(1, min(len(keys), max_requests))) as pool:
         outcomes = list(pool.map(one, range(len(keys))))
     return {k: why for k, why in zip(keys, outcomes, strict=True) if why is not None}
 

@@ -226,14 +226,17 @@ class ObjectStoreWriter(Prefix, CheckpointWriter):
         with self._io("starting a save", CheckpointWriteError):
             self._refuse_published()
             took_over = self._claim.take()
+            # refreshed from now on: deleting what an abandoned save left (one request per
+            # object, see gpuckpt.storage.s3.fence) may take longer than half a lease
+            self._claim.start_refresh()
             try:
                 # the root may have been committed between the first check and the claim
                 self._refuse_published()
                 self._delete_leftovers(took_over)
             except BaseException:
+                self._claim.stop_refresh()
                 self._claim.release()
                 raise
-        self._claim.start_refresh()
 
     def _delete_leftovers(self, took_over: bool) -> None:
         """Delete what the abandoned save whose claim we took over left; refuse anything else.
