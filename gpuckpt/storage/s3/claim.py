@@ -167,6 +167,7 @@ class Claim:
 
     def start_refresh(self) -> None:
         """Refresh the claim every quarter lease on a thread, until :meth:`stop_refresh`."""
+        self._stop.clear()  # again after stop_refresh (an abort's deletes)
         heartbeat = threading.Thread(target=self._refresh, name="gpuckpt-s3-claim", daemon=True)
         try:
             heartbeat.start()

@@ -32,9 +32,11 @@ evaluates with the request excludes that, so with ``conditional_writes`` on:
   5xx answers are retried as ``retry_config`` says (a retry of a delete that
   went through finds the object gone, which counts as deleted). An abort makes
   one such request per object instead of one bulk request per 1,000, and
-  renews its claim (a compare-and-swap put) first: its deletes go out only
-  within half a lease of that renewal. What an abort could not delete, with
-  its claim, is left to the next save's cleanup.
+  renews its claim (a compare-and-swap put) first and keeps refreshing it
+  while it deletes: each delete goes out only while the claim holds (renewed
+  less than half a lease ago), so a writer stalled meanwhile sends at most the
+  deletes already past that check. What an abort could not delete, with its
+  claim, is left to the next save's cleanup.
 
 What stays unfenced, narrowed by the claim checks only:
 
@@ -62,7 +64,7 @@ import re
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -120,8 +122,11 @@ def same_bytes(stored: Any, pieces: Sequence[Any]) -> bool:
     return at == whole.nbytes
 
 
-def delete_if_unchanged(store: Any, etags: dict[str, str], max_requests: int) -> dict[str, str]:
-    """Delete each object ``key`` of ``etags`` only while its ETag is ``etags[key]``.
+def delete_if_unchanged(
+    store: Any, etags: dict[str, str], max_requests: int, may_send: Callable[[], bool] | None = None
+) -> dict[str, str]:
+    """Delete each object ``key`` of ``etags`` only while its ETag is ``etags[key]``, and (with
+    ``may_send``) only while ``may_send()`` says so just before the request goes out.
 
     At most ``max_requests`` are in flight (the writer's budget). Returns the keys left, each
     with why: ``"changed"`` (the server refused, the object was put again since) or the
@@ -154,6 +159,8 @@ def delete_if_unchanged(store: Any, etags: dict[str, str], max_requests: int) ->
     def one(i: int) -> str | None:
         delays = _retry_delays(getattr(store, "retry_config", None))
         while True:
+            if may_send is not None and not may_send():
+                return "the claim may have passed to another save"
             why, again = once(i)
             pause = next(delays, None) if again else None
             if pause is None:
@@ -268,7 +275,9 @@ class Fence:
         p = self.prefix
         plain = [k for k, etag in seen.items() if etag is None or not p.conditional]
         fenced = {k: e for k, e in seen.items() if e is not None and k not in plain}
-        left = delete_if_unchanged(p._obs, fenced, p.transfer.max_requests)
+        left = delete_if_unchanged(p._obs, fenced, p.transfer.max_requests, self.claim.holds)
+        if any(why.startswith("the claim") for why in left.values()):
+            self.claim.check()
         # "changed": put again since it was listed, by a writer that lost the prefix (only a
         # multipart upload lands without a condition); this save's conditional put of that key
         # finds it and replaces it, a key it does not write stays a stray

@@ -477,9 +477,13 @@ class ObjectStoreWriter(Prefix, CheckpointWriter):
         # listed (and this writer's own puts only while they are what it put), so that deletes that
         # arrive late, after another save took the prefix over, delete nothing of that save
         doomed = self._fence.still_as_put(listed)
-        if not claim.holds():
-            return  # stalled since the renewal: the prefix may be another save's by now
-        left = delete_if_unchanged(self._obs, doomed, self.transfer.max_requests)
+        # each delete goes out only while the claim holds (renewed meanwhile, for many objects):
+        # a writer stalled since stops, and leaves the rest to the next save's cleanup
+        claim.start_refresh()
+        try:
+            left = delete_if_unchanged(self._obs, doomed, self.transfer.max_requests, claim.holds)
+        finally:
+            claim.stop_refresh()
         # the claim goes only once they are gone: it is what lets the next save delete them
         if not left:
             claim.release()
