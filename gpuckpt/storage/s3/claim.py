@@ -235,23 +235,10 @@ class Claim:
         renewed less than half a lease ago (no other save can have taken it over)."""
         return self.lost is None and (self._valid_until is None or time.monotonic() <= self._valid_until)
 
-    def release(self) -> bool:
-        """Delete the claim object, only while it is the one this save put last (If-Match on
-        its ETag, see :mod:`gpuckpt.storage.s3.fence`): False when it was left."""
-        from gpuckpt.storage.s3.fence import delete_if_unchanged
-
-        p = self.prefix
-        if self._etag is None:
-            return False
-        if not p.conditional:
-            import obstore as obs
-
-            try:
-                obs.delete(p._obs, [CLAIM_KEY])
-            except Exception:
-                return False
-            return True
-        return not delete_if_unchanged(p._obs, {CLAIM_KEY: self._etag}, p.transfer.max_requests)
+    @property
+    def etag(self) -> str | None:
+        """The ETag of the claim object as this save last put it (None before :meth:`take`)."""
+        return self._etag
 
     def _renewed(self, sent: float) -> None:
         self._valid_until = sent + self.prefix.lease / 2

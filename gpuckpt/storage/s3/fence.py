@@ -67,13 +67,11 @@ import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from gpuckpt.errors import CheckpointExistsError, CheckpointWriteError
-
-if TYPE_CHECKING:
-    from gpuckpt.storage.s3.claim import Claim
-    from gpuckpt.storage.s3.prefix import Prefix
+from gpuckpt.storage.s3.claim import Claim, claim_token
+from gpuckpt.storage.s3.prefix import CLAIM_KEY, Prefix
 
 __all__ = ["STRAY_ATTEMPTS", "Fence", "delete_if_unchanged", "same_bytes"]
 
@@ -252,8 +250,6 @@ class Fence:
         """Raise :class:`~gpuckpt.errors.CheckpointExistsError` (this save was taken over)
         unless the prefix's claim is still the one of this writer's save; ``rel`` holds an
         object that is not this writer's."""
-        from gpuckpt.storage.s3.claim import claim_token
-
         claim, path = self.claim, self.prefix.path
         claim.check()
         _, token = claim_token(self.prefix)
@@ -286,6 +282,22 @@ class Fence:
             self.claim.check()
             with p._io("deleting the objects of an abandoned save", CheckpointWriteError):
                 obs.delete(p._obs, plain)
+
+    def release_claim(self) -> bool:
+        """Delete the claim object, only while it is the one this save put last (If-Match on
+        its ETag; plain with ``conditional_writes=False``): False when it was left."""
+        import obstore as obs
+
+        p, etag = self.prefix, self.claim.etag
+        if etag is None:
+            return False
+        if not p.conditional:
+            try:
+                obs.delete(p._obs, [CLAIM_KEY])
+            except Exception:
+                return False
+            return True
+        return not delete_if_unchanged(p._obs, {CLAIM_KEY: etag}, p.transfer.max_requests)
 
     def still_as_put(self, listed: dict[str, str | None]) -> dict[str, str]:
         """Of ``listed`` (key -> ETag), the objects that are as this writer put them, or that it

@@ -235,7 +235,7 @@ class ObjectStoreWriter(Prefix, CheckpointWriter):
                 self._delete_leftovers(took_over)
             except BaseException:
                 self._claim.stop_refresh()
-                self._claim.release()
+                self._fence.release_claim()
                 raise
 
     def _delete_leftovers(self, took_over: bool) -> None:
@@ -486,7 +486,7 @@ class ObjectStoreWriter(Prefix, CheckpointWriter):
             claim.stop_refresh()
         # the claim goes only once they are gone: it is what lets the next save delete them
         if not left:
-            claim.release()
+            self._fence.release_claim()
 
     def _abort_unfenced(self) -> None:
         """:meth:`abort` without conditional requests (``conditional_writes=False``)."""
