@@ -15,6 +15,10 @@ probability per request drawn from a seeded generator, injects one fault:
 ``stall``
     holds the request for ``stall_seconds`` without answering, then closes.
 
+:meth:`FaultProxy.hold` parks the next request that a test picks (by its kind and
+path) before it is forwarded, until the test releases it: a request in flight,
+held there while other clients act (a stalled writer's put that lands late).
+
 With ``rate=0`` it is a counting proxy: :attr:`FaultProxy.counts` tells the
 requests by kind (``put``, ``part``, ``get``, ``head``, ``list``, ...), which the
 benchmark reports per save. The decisions come from ``random.Random(seed)`` in
@@ -37,10 +41,11 @@ import struct
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
-__all__ = ["FAULTS", "FaultProxy", "request_kind"]
+__all__ = ["FAULTS", "FaultProxy", "Hold", "request_kind"]
 
 FAULTS = ("slowdown", "error", "reset", "drop", "stall")
 _BODIES = {
@@ -72,6 +77,25 @@ def request_kind(method: str, target: str) -> str:
     return method.lower()
 
 
+class Hold:
+    """One request parked by :meth:`FaultProxy.hold`: it waits, unforwarded, until :meth:`release`."""
+
+    def __init__(self, match: Callable[[str, str], bool]) -> None:
+        self.match = match
+        #: set when the request reached the proxy (it waits there now)
+        self.arrived = threading.Event()
+        #: set once the server answered it (after :meth:`release`); :attr:`status` is that answer's
+        self.answered = threading.Event()
+        self.status: int | None = None
+        #: ``(kind, path)`` of the request held
+        self.request: tuple[str, str] | None = None
+        self._go = threading.Event()
+
+    def release(self) -> None:
+        """Forward the request (now, or as soon as it arrives)."""
+        self._go.set()
+
+
 class _Handler(socketserver.StreamRequestHandler):
     server: _Server
 
@@ -101,11 +125,17 @@ class _Handler(socketserver.StreamRequestHandler):
                 self._kind = request_kind(method, target)
                 self._path = target.partition("?")[0]
                 self._held = len(body)
+                hold = self.server.proxy._hold_for(self._kind, self._path)
+                if hold is not None:
+                    hold._go.wait()
                 try:
                     if not self._answer(fault, method, target, body, headers):
                         return
                 finally:
                     self._release()
+                    if hold is not None:
+                        hold.status = self._status
+                        hold.answered.set()
         except (OSError, ValueError, http.client.HTTPException):
             return
         finally:
@@ -116,6 +146,7 @@ class _Handler(socketserver.StreamRequestHandler):
     _held: int | None = None
     _kind = ""
     _path = ""
+    _status: int | None = None
 
     def _release(self) -> None:
         """The request stops counting as in flight (once): before its answer goes out, so that
@@ -143,6 +174,7 @@ class _Handler(socketserver.StreamRequestHandler):
         self._upstream.request(method, target, body=body, headers=dict(headers))
         resp = self._upstream.getresponse()
         data = resp.read()
+        self._status = resp.status
         out = [(k, v) for k, v in resp.getheaders() if k.lower() not in _HOP]
         if fault == "reset":
             self._send(resp.status, resp.reason, out, data, method, cut=True)
@@ -256,6 +288,7 @@ class FaultProxy:
         self._server = _Server(("127.0.0.1", 0), _Handler)
         self._server.proxy = self
         self.endpoint = f"http://127.0.0.1:{self._server.server_address[1]}"
+        self._holds: list[Hold] = []
         self._thread = threading.Thread(
             target=self._server.serve_forever, name="gpuckpt-fault-proxy", daemon=True
         )
@@ -273,6 +306,25 @@ class FaultProxy:
             fault = self._rng.choice(self.faults)
             self.injected[fault] += 1
             return fault
+
+    def hold(self, match: Callable[[str, str], bool]) -> Hold:
+        """Park the next request for which ``match(kind, path)`` is true (kinds as
+        :func:`request_kind` names them, paths ``/bucket/key``) before it is forwarded,
+        until :meth:`Hold.release`; its client waits for the answer meanwhile."""
+        held = Hold(match)
+        with self._lock:
+            self._holds.append(held)
+        return held
+
+    def _hold_for(self, kind: str, path: str) -> Hold | None:
+        with self._lock:
+            for held in self._holds:
+                if held.match(kind, path):
+                    self._holds.remove(held)
+                    held.request = (kind, path)
+                    held.arrived.set()
+                    return held
+        return None
 
     def _carry(self, direction: str, nbytes: int) -> None:
         """Wait until ``nbytes`` have crossed the link ``direction`` ("up" or "down"), after

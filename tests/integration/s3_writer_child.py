@@ -2,8 +2,8 @@
 
 ``python s3_writer_child.py MODE URL ENDPOINT MARKER SEED``: saves ``state(SEED)``
 with a 3 s lease (S3 times have one-second resolution: room for a slow machine); once its first chunk is uploaded it writes MARKER, then
-``kill`` SIGKILLs itself and ``stop`` SIGSTOPs itself (the test resumes it
-later). A save that returns prints ``saved``; one that raises prints the
+``kill`` SIGKILLs itself, ``stop`` SIGSTOPs itself (the test resumes it
+later), ``fail`` fails the save (which then aborts) and ``plain`` goes on. A save that returns prints ``saved``; one that raises prints the
 error's type and message and exits 3.
 """
 
@@ -34,7 +34,10 @@ def main(mode: str, url: str, endpoint: str, marker: str, seed: str) -> None:
         if done > 0 and not fired:
             fired = True
             Path(marker).write_text("uploading")
-            os.kill(os.getpid(), signal.SIGKILL if mode == "kill" else signal.SIGSTOP)
+            if mode == "fail":
+                raise RuntimeError("the save failed after its first chunk")
+            if mode in ("kill", "stop"):
+                os.kill(os.getpid(), signal.SIGKILL if mode == "kill" else signal.SIGSTOP)
 
     try:
         gpuckpt.save(

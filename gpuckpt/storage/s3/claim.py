@@ -21,6 +21,7 @@ import json
 import os
 import threading
 import time
+from collections.abc import Iterable, Iterator
 from datetime import UTC, datetime
 from typing import Any
 
@@ -166,6 +167,7 @@ class Claim:
 
     def start_refresh(self) -> None:
         """Refresh the claim every quarter lease on a thread, until :meth:`stop_refresh`."""
+        self._stop.clear()  # again after stop_refresh (an abort's deletes)
         heartbeat = threading.Thread(target=self._refresh, name="gpuckpt-s3-claim", daemon=True)
         try:
             heartbeat.start()
@@ -201,6 +203,42 @@ class Claim:
                 return
             except Exception:  # transient: retry at the next beat, commit checks
                 continue
+
+    def renew(self) -> bool:
+        """Refresh the claim now, a compare-and-swap on its ETag: True (and half a lease from now
+        to act in) while it is this save's, False once it passed to another save."""
+        from obstore.exceptions import AlreadyExistsError, PreconditionError
+
+        if self._etag is None or self.lost is not None:
+            return False
+        sent = time.monotonic()
+        try:
+            self._etag = self.prefix._put(CLAIM_KEY, self.body, {"e_tag": self._etag})
+        except (PreconditionError, AlreadyExistsError, FileNotFoundError):
+            if not self._reclaim_own():
+                return False
+        except Exception:
+            # failed in transit (the client does not retry a conditional put): whether it landed
+            # is unknown, so only the window of the last renewal that did counts
+            return self._reclaim_own() and self.holds()
+        self._renewed(sent)
+        return True
+
+    def checked(self, pieces: Iterable[Any]) -> Iterator[Any]:
+        """``pieces``, with :meth:`check` before each one is handed over (to an upload)."""
+        for piece in pieces:
+            self.check()
+            yield piece
+
+    def holds(self) -> bool:
+        """Whether this save may still act on the prefix: the claim was not lost, and it was
+        renewed less than half a lease ago (no other save can have taken it over)."""
+        return self.lost is None and (self._valid_until is None or time.monotonic() <= self._valid_until)
+
+    @property
+    def etag(self) -> str | None:
+        """The ETag of the claim object as this save last put it (None before :meth:`take`)."""
+        return self._etag
 
     def _renewed(self, sent: float) -> None:
         self._valid_until = sent + self.prefix.lease / 2

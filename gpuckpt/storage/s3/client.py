@@ -6,7 +6,10 @@ Rust ``object_store`` crate), configured, not a retry loop of ours:
 * **Retries.** Server errors (5xx, 503 SlowDown included), dropped and reset
   connections and timeouts of reads are retried by the client with
   exponential backoff and jitter (:data:`DEFAULT_RETRY`); a caller's
-  ``retry_config`` replaces it key by key.
+  ``retry_config`` replaces it key by key. The client does not retry a
+  conditional put that failed in transit (it may have reached the server):
+  :mod:`gpuckpt.storage.s3.fence` retries those of documents and chunks, and
+  its conditional deletes, with the same settings.
 * **Timeouts.** :data:`DEFAULT_CLIENT_OPTIONS` bounds connecting and each
   request, so a stalled connection is given up and retried instead of hanging
   a save; a caller's ``client_options`` win.

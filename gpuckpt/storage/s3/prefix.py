@@ -120,7 +120,11 @@ class Prefix:
 
     def _list(self) -> dict[str, int]:
         """Every object under the prefix: relative key -> size."""
+        return {k: size for k, (size, _) in self._list_meta().items()}
+
+    def _list_meta(self) -> dict[str, tuple[int, str | None]]:
+        """Every object under the prefix: relative key -> (size, ETag)."""
         import obstore as obs
 
         with self._io("listing the objects"):
-            return {m["path"]: m["size"] for batch in obs.list(self._obs) for m in batch}
+            return {m["path"]: (m["size"], m["e_tag"]) for batch in obs.list(self._obs) for m in batch}

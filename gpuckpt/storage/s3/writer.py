@@ -20,10 +20,13 @@ A save to ``s3://bucket/prefix`` goes:
    a prefix that had no claim, and objects no gpuckpt save writes, are
    refused, never deleted: a prefix holding another program's Zarr store
    (even one whose keys look like a checkpoint's) is left as it is.
-2. Array documents and chunks are plain puts at their final keys (a chunk
-   above ``part_bytes`` a multipart upload, see
+2. Array documents and chunks are put at their final keys (a chunk of at
+   least twice ``part_bytes`` as a multipart upload, see
    :mod:`gpuckpt.storage.s3.client`); a thread refreshes the claim every
-   quarter lease. In a distributed save the other ranks join the save with
+   quarter lease. A single put only creates its object, or replaces this
+   writer's own last put of it, so that a put of a writer that lost the
+   prefix, landing late, replaces nothing of the save that took it over
+   (:mod:`gpuckpt.storage.s3.fence`). In a distributed save the other ranks join the save with
    its :attr:`~ObjectStoreWriter.token` (:meth:`ObjectStoreWriter.attach`,
    which checks that the claim is that save's) and put their own chunks; only
    the writer that began the save holds and refreshes the claim, and commits
@@ -31,14 +34,19 @@ A save to ``s3://bucket/prefix`` goes:
 3. ``commit``: check the claim is still ours, create the root with a
    conditional put (of two writers, exactly one commits; the other gets
    :class:`~gpuckpt.errors.CheckpointExistsError`), delete the claim.
-4. ``abort`` deletes the checkpoint objects under the prefix (every rank's:
-   the claim made them all this save's) and then its claim, unless the
-   prefix has meanwhile passed to another writer or was published.
+4. ``abort`` renews the claim (a compare-and-swap), then deletes the
+   checkpoint objects under the prefix (every rank's: the claim made them
+   all this save's), each only while it is the object it listed, and then
+   its claim, unless the prefix has meanwhile passed to another writer or
+   was published.
 
-Requests are retried by the client (backoff with jitter); a put whose answer
+Requests are retried by the client (backoff with jitter), conditional puts of
+documents and chunks by :mod:`gpuckpt.storage.s3.fence` (the client does not
+retry a conditional put that may have reached the server); a put whose answer
 was lost and whose retry then finds the object (the claim or the root
-document, byte for byte this save's) counts as done, so a retried
-conditional put never fails a save that went through.
+document, byte for byte this save's; a document or chunk holding the bytes
+sent) counts as done, so a retried conditional put never fails a save that
+went through.
 
 A root ``zarr.json`` that is not a gpuckpt checkpoint's (another program's
 Zarr store at that prefix) is refused with a message that says so.
@@ -93,10 +101,19 @@ from gpuckpt.storage.s3.client import (
     plan_parts,
     zarr_store,
 )
+from gpuckpt.storage.s3.fence import Fence, delete_if_unchanged
 from gpuckpt.storage.s3.prefix import CLAIM_KEY, CLOCK_PROBE_PREFIX, Prefix, object_key
 from gpuckpt.storage.s3.reader import ObjectStoreReader
 
 __all__ = ["CLAIM_KEY", "ObjectStoreReader", "ObjectStoreWriter", "parse_s3_url", "zarr_store"]
+
+
+def _slices(pieces: list[Any]) -> Iterator[memoryview]:
+    """The buffers ``pieces`` in views of at most :data:`PIECE_BYTES` (no copies)."""
+    for p in pieces:
+        view = memoryview(p).cast("B")
+        for i in range(0, view.nbytes, PIECE_BYTES):
+            yield view[i : i + PIECE_BYTES]
 
 
 class ObjectStoreWriter(Prefix, CheckpointWriter):
@@ -116,7 +133,8 @@ class ObjectStoreWriter(Prefix, CheckpointWriter):
         :mod:`gpuckpt.storage.s3.client`), other obstore ``S3Config`` keys; and
         ``lease_seconds`` (claim lease, default 60), ``conditional_writes``
         (default True; False for servers without ``If-None-Match``/``If-Match``
-        on PUT, losing the concurrency guarantees), ``max_requests``,
+        on PUT, losing the concurrency guarantees and the fencing of
+        :mod:`gpuckpt.storage.s3.fence`), ``max_requests``,
         ``part_bytes`` and ``max_parts_in_flight`` (see :mod:`gpuckpt.storage.s3.client`).
     """
 
@@ -131,6 +149,7 @@ class ObjectStoreWriter(Prefix, CheckpointWriter):
         self._token = secrets.token_hex(8)
         self._claim = Claim(self, self._token)
         self._written: set[str] = set()
+        self._fence = Fence(self, self._claim, self._token)
         self._published: dict[str, Any] = {}  # base prefix -> its root document's last-modified time
         self._committed = False
 
@@ -163,7 +182,7 @@ class ObjectStoreWriter(Prefix, CheckpointWriter):
                 f"(its claim {w.path}/{CLAIM_KEY} {state}); the save was aborted or taken over, nothing "
                 "of this rank was written"
             )
-        w._token = token
+        w._token = w._fence.token = token
         return w
 
     def _root_problem(self) -> str | None:
@@ -207,14 +226,17 @@ class ObjectStoreWriter(Prefix, CheckpointWriter):
         with self._io("starting a save", CheckpointWriteError):
             self._refuse_published()
             took_over = self._claim.take()
+            # refreshed from now on: deleting what an abandoned save left (one request per
+            # object, see gpuckpt.storage.s3.fence) may take longer than half a lease
+            self._claim.start_refresh()
             try:
                 # the root may have been committed between the first check and the claim
                 self._refuse_published()
                 self._delete_leftovers(took_over)
             except BaseException:
-                self._delete_quietly([CLAIM_KEY])
+                self._claim.stop_refresh()
+                self._fence.release_claim()
                 raise
-        self._claim.start_refresh()
 
     def _delete_leftovers(self, took_over: bool) -> None:
         """Delete what the abandoned save whose claim we took over left; refuse anything else.
@@ -226,7 +248,8 @@ class ObjectStoreWriter(Prefix, CheckpointWriter):
         """
         import obstore as obs
 
-        listed = [k for k in self._list() if k != CLAIM_KEY]
+        seen = {k: etag for k, (_, etag) in self._list_meta().items() if k != CLAIM_KEY}
+        listed = sorted(seen)
         # clock probes (see Claim.server_now) that a process left when it died: gpuckpt's, never in the way
         probes = [k for k in listed if k.startswith(CLOCK_PROBE_PREFIX)]
         if probes:
@@ -245,7 +268,7 @@ class ObjectStoreWriter(Prefix, CheckpointWriter):
                 "delete them, nothing was deleted: save to an empty prefix"
             )
         if keys:
-            obs.delete(self._obs, keys)
+            self._fence.delete_abandoned({k: seen[k] for k in keys})
 
     @staticmethod
     def _is_checkpoint_key(rel: str) -> bool:
@@ -259,7 +282,9 @@ class ObjectStoreWriter(Prefix, CheckpointWriter):
 
         One request, or from twice ``part_bytes`` on a multipart upload whose parts are
         sent a few at a time, within the request and memory budgets (see
-        :mod:`gpuckpt.storage.s3.client`).
+        :mod:`gpuckpt.storage.s3.client`). A single put is fenced (see
+        :mod:`gpuckpt.storage.s3.fence`); a multipart upload checks the claim before each
+        piece it takes.
         """
         import obstore as obs
 
@@ -276,16 +301,21 @@ class ObjectStoreWriter(Prefix, CheckpointWriter):
         ):
             # the put zarr's ObjectStore.set makes, without its event-loop thread: that thread
             # cannot be started while the interpreter exits, when queued saves still run
-            if streamed is not None:
-                obs.put(
-                    self._obs, rel, streamed[1], use_multipart=True, chunk_size=part, max_concurrency=slots
-                )
-            elif nparts == 1:
-                # the client gathers the pieces into its own buffer: no joined copy of ours first
-                obs.put(self._obs, rel, pieces if len(pieces) > 1 else pieces[0], use_multipart=False)
+            if nparts == 1 and streamed is None:
+                self._fence.put(rel, pieces, nbytes)
             else:
-                views = [memoryview(p).cast("B") for p in pieces]
-                obs.put(self._obs, rel, views, use_multipart=True, chunk_size=part, max_concurrency=slots)
+                # the client completes a multipart upload without a condition: a writer that lost
+                # its claim while stopped mid-upload stops at the next piece it would hand over
+                source = streamed[1] if streamed is not None else _slices(pieces)
+                put = obs.put(
+                    self._obs,
+                    rel,
+                    self._claim.checked(source),
+                    use_multipart=True,
+                    chunk_size=part,
+                    max_concurrency=slots,
+                )
+                self._fence.put_done(rel, put["e_tag"])
 
     def write_array_document(self, name: str, document: bytes) -> None:
         self._write(object_key(name, ROOT_KEY), document)
@@ -377,6 +407,7 @@ class ObjectStoreWriter(Prefix, CheckpointWriter):
         claim = self._claim
         claim.stop_refresh()
         with self._io("publishing the checkpoint", CheckpointWriteError):
+            claim.check()
             if not claim.still_ours():
                 claim.lost = claim.lost or (
                     f"the claim on {self.path} passed to another save while this one ran; this save "
@@ -423,18 +454,48 @@ class ObjectStoreWriter(Prefix, CheckpointWriter):
         return found == bytes(root_document)
 
     def abort(self) -> None:
-        self._claim.stop_refresh()
-        if self._committed or not self._claim.taken:
+        claim = self._claim
+        claim.stop_refresh()
+        if self._committed or not claim.taken:
             return
+        if not self.conditional:
+            self._abort_unfenced()
+            return
+        try:
+            # a renewal (compare-and-swap) proves the claim ours now and gives half a lease to act
+            ours = claim.renew() and not self._exists(ROOT_KEY)
+        except Exception:  # cannot tell: leave the objects (and the claim) to the next save's cleanup
+            return
+        if not ours:
+            return  # the prefix belongs to another save now: its objects are not ours to delete
+        try:
+            listed = {k: etag for k, (_, etag) in self._list_meta().items() if self._is_checkpoint_key(k)}
+        except Exception:
+            listed = dict(self._fence.etags)  # this writer's own puts, as it put them
+        # every checkpoint object under the claimed prefix is this save's (begin refused or removed
+        # all others), the other ranks' chunks included; each is deleted only while it is the one
+        # listed (and this writer's own puts only while they are what it put), so that deletes that
+        # arrive late, after another save took the prefix over, delete nothing of that save
+        doomed = self._fence.still_as_put(listed)
+        # each delete goes out only while the claim holds (renewed meanwhile, for many objects):
+        # a writer stalled since stops, and leaves the rest to the next save's cleanup
+        claim.start_refresh()
+        try:
+            left = delete_if_unchanged(self._obs, doomed, self.transfer.max_requests, claim.holds)
+        finally:
+            claim.stop_refresh()
+        # the claim goes only once they are gone: it is what lets the next save delete them
+        if not left:
+            self._fence.release_claim()
+
+    def _abort_unfenced(self) -> None:
+        """:meth:`abort` without conditional requests (``conditional_writes=False``)."""
         try:
             ours = self._claim.still_ours() and not self._exists(ROOT_KEY)
         except Exception:  # cannot tell: leave the objects to the next save's cleanup
             ours = False
         if not ours:
             return  # the prefix belongs to another save now: its objects are not ours to delete
-        # every checkpoint object under the claimed prefix is this save's (begin refused or removed
-        # all others), the other ranks' chunks included; the claim goes only once they are gone:
-        # it is what lets the next save delete them
         try:
             listed = {k for k in self._list() if k != CLAIM_KEY and self._is_checkpoint_key(k)}
         except Exception:
