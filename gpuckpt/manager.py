@@ -74,11 +74,9 @@ neither mixes its messages with the caller's use of ``coordinator``.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 import re
-import threading
 import uuid
 from collections.abc import Callable, Sequence
 from types import TracebackType
@@ -99,7 +97,7 @@ from gpuckpt.errors import (
 from gpuckpt.format.metadata import STATE_DICT_TYPE
 from gpuckpt.options import SaveOptions
 from gpuckpt.runtime.runner import run_all
-from gpuckpt.runtime.workers import Workers
+from gpuckpt.runtime.workers import Workers, lower_priority
 from gpuckpt.storage.stores import open_root, scheme_of
 from gpuckpt.tiers import LocalTier, PartSource, RestoreReport, copy_values_back
 
@@ -146,8 +144,7 @@ def _failures(error: BaseException, rank: int) -> dict[int, str]:
 def _nice_this_thread() -> None:
     """Lower the calling thread's CPU priority to the least (Linux: per thread), so that the
     drain yields to training's threads; elsewhere, or where refused, nothing happens."""
-    with contextlib.suppress(AttributeError, OSError):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    lower_priority(19)
 
 
 def _check_count(name: str, value: int | None, minimum: int) -> None:
@@ -607,6 +604,7 @@ class CheckpointManager:
                 state = tier.read_part(step)
             except Exception as exc:  # every rank joins the save's first collective, failed or not
                 error = exc
+            coord.idle_barrier()
             coord.all_reduce_errors(error)
             api.save_with_options(state, path, options, coord)
             return True

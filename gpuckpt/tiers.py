@@ -249,7 +249,11 @@ class LocalTier:
             for r in range(self.world_size)
             if replicas and self.rank in replica_holders(r, self.node_names, replicas)
         ]
-        self._thread = Workers(1, "gpuckpt-tier")
+        # the part's write and the tier's thread (replication, retention) are background work:
+        # at the least priority, they leave the cores to training (and here to the snapshots of
+        # ranks that share this machine's cores)
+        self._thread = Workers(1, "gpuckpt-tier", nice=19)
+        self._writer = Workers(1, "gpuckpt-tier-write", nice=19)
         self._jobs: dict[int, Future[None]] = {}
         #: steps being drained to root: retention keeps them
         self.pinned: set[int] = set()
@@ -336,7 +340,9 @@ class LocalTier:
         options = self.options.replace(planner_extra={PART_KEY: record.to_json()})
         error: BaseException | None = None
         try:
-            written = async_save_with_options(view, self.dir / part_name(step, self.rank), options)
+            written = async_save_with_options(
+                view, self.dir / part_name(step, self.rank), options, writer_thread=self._writer
+            )
         except Exception as exc:  # the others learn of it in the step's first collective
             error, written = exc, None
         self._jobs[step] = self._thread.submit(self._finish, step, written, error)
@@ -350,6 +356,7 @@ class LocalTier:
         except Exception as exc:
             error = exc
         try:
+            self.background.idle_barrier()  # the ranks' writes end apart: the first wait long
             self.background.all_reduce_errors(error)
             self._replicate(step)
         except BaseException:
@@ -383,8 +390,9 @@ class LocalTier:
         return out
 
     def close(self) -> None:
-        """End the tier's thread once its queued work is done."""
+        """End the tier's threads once their queued work is done."""
         self._thread.shutdown(wait=False)
+        self._writer.shutdown(wait=False)
 
     def wait_all(self) -> None:
         """Block until every step's tier work is done (errors stay for :meth:`settled`)."""
@@ -455,6 +463,7 @@ class LocalTier:
                     self._commit_received(tmp, name)
             except Exception as exc:
                 published = exc
+            c.idle_barrier()  # senders and ranks that received little wait for the others' writes
             c.all_reduce_errors(published)  # a publication that failed here fails the round everywhere
         finally:
             for tmp, _, _ in receptions:
@@ -620,6 +629,7 @@ class LocalTier:
             seconds = time.perf_counter() - started
             damaged = isinstance(error, _DAMAGE)
             report = None if error is None else (damaged, describe_error(error), mine)
+            c.idle_barrier()  # parts fetched from peers take longer than local ones
             outcomes = c.all_gather((report, tree_bytes(path) if error is None else 0, seconds))
             bad = {r: o[0] for r, o in enumerate(outcomes) if o[0] is not None}
             if not bad:
@@ -654,7 +664,7 @@ class LocalTier:
         (else a later restore could take them for newer than the steps saved from here on)."""
         if self.leader:
             self._delete_steps([s for s in self.steps() if s > step])
-        self.queries.barrier()
+        self.queries.idle_barrier()
 
 
 def tree_bytes(path: Path) -> int:

@@ -6,7 +6,10 @@ threads of this process (the same code runs under mpiexec in test_tiers_mpi.py).
 
 from __future__ import annotations
 
+import os
 import shutil
+import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -251,3 +254,27 @@ def test_a_restore_of_an_earlier_step_starts_the_line_again(tiers: Any, tmp_path
         return got, after, target["step"], bool(tiers.exact(target, 50, r, n))
 
     assert run_ranks(4, work, timeout=120) == [(5, [4], 50, True)] * 4
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux's")
+def test_the_tiers_background_threads_run_at_the_least_priority(tmp_path: Path) -> None:
+    """The part's write, the tier's thread and the drain yield the cores to training's threads;
+    the caller's thread keeps its priority."""
+    before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    state = {"w": np.arange(1 << 16, dtype=np.float32), "step": 0}
+    with gpuckpt.CheckpointManager(
+        tmp_path / "root", local_dir=tmp_path / "local", persist_interval_steps=1, replicas=0
+    ) as mgr:
+        for step in (1, 2):
+            state["step"] = step
+            mgr.save(step, state)
+            mgr.wait()
+        # idle pool threads stay a few seconds: those of the save just waited for are alive
+        nice = {
+            t.name: os.getpriority(os.PRIO_PROCESS, t.native_id)
+            for t in threading.enumerate()
+            if t.name.startswith(("gpuckpt-tier", "gpuckpt-drain")) and t.native_id is not None
+        }
+    assert {"gpuckpt-tier_0", "gpuckpt-tier-write_0", "gpuckpt-drain_0"} <= set(nice), nice
+    assert set(nice.values()) == {19}, nice
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before
