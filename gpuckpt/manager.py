@@ -336,17 +336,28 @@ class CheckpointManager:
         c = self._queries
         if c is None:
             return fn()
-        if c.rank == 0:
-            try:
-                value = fn()
-            except Exception as exc:
-                c.broadcast((False, describe_error(exc)))
-                raise DistributedError({0: describe_error(exc)}, c.world_size) from exc
-            c.broadcast((True, value))
-            return value
-        ok, value = c.broadcast(None)
+        outcome, error = self._run_on_rank0(fn)
+        outcome = c.broadcast(outcome if c.rank == 0 else None)
+        value: _T = self._outcome_of_rank0(outcome, error)
+        return value
+
+    def _run_on_rank0(self, fn: Callable[[], _T]) -> tuple[tuple[bool, Any] | None, Exception | None]:
+        """On rank 0, ``fn()``'s outcome as sent to every rank, ``(True, value)`` or ``(False,
+        what failed)``, and the error itself; elsewhere ``(None, None)``."""
+        assert self._queries is not None
+        if self._queries.rank != 0:
+            return None, None
+        try:
+            return (True, fn()), None
+        except Exception as exc:
+            return (False, describe_error(exc)), exc
+
+    def _outcome_of_rank0(self, outcome: tuple[bool, Any], error: Exception | None) -> Any:
+        """The value of rank 0's outcome, or its failure raised (on every rank alike)."""
+        assert self._queries is not None
+        ok, value = outcome
         if not ok:
-            raise DistributedError({0: value}, c.world_size)
+            raise DistributedError({0: value}, self._queries.world_size) from error
         return value
 
     def _open_root(self) -> None:
@@ -501,12 +512,17 @@ class CheckpointManager:
             # its outcome is known on every rank before the next one starts
             tier.wait_for(self._tier_last)
         persist = step % (self.persist_interval_steps or 1) == 0
-        if not self._gather_background(wait_tier=False, wait_drain=False) and persist:
+        # the save blocks for one collective: every rank's report of its background work, with
+        # rank 0's view of the root and the save's id (the view may hold old steps that the
+        # retention of a drain joined here deletes: the checks below look at this step and
+        # newer ones only)
+        idle, (steps, save_id) = self._gather_background(
+            wait_tier=False, wait_drain=False, agreed=lambda: (self._view(step), uuid.uuid4().hex)
+        )
+        if not idle and persist:
             # the previous drain still runs somewhere: a persist step waits for it (the root
             # keeps up with the persist steps, or the saves slow down; none is skipped)
             self._gather_background(wait_tier=False, wait_drain=True)
-        # the view and the save's id in one broadcast: the save blocks for two collectives
-        steps, save_id = self._agreed(lambda: (self._view(step), uuid.uuid4().hex))
         existing = steps.get(step)
         if existing is not None or (self._tier_last is not None and step == self._tier_last):
             where = f"under {self.root}" if existing else "in the local tier"
@@ -528,11 +544,14 @@ class CheckpointManager:
         if persist:
             self._start_drain(step)
 
-    def _gather_background(self, *, wait_tier: bool = True, wait_drain: bool = True) -> bool:
+    def _gather_background(
+        self, *, wait_tier: bool = True, wait_drain: bool = True, agreed: Callable[[], Any] | None = None
+    ) -> tuple[bool, Any]:
         """Collective: every rank's failed background work (tier steps, drains) raised on every
         rank, once; a drain that ended on every rank joins the root (its retention applied).
         Waits for the tier's work and the drain first where asked. Returns whether no drain
-        is running on any rank."""
+        is running on any rank, and ``agreed()`` as run on rank 0 (see :meth:`_agreed`), which
+        travels in the same collective (None without it)."""
         tier = self._tier
         assert tier is not None and self._queries is not None
         if wait_tier:
@@ -551,9 +570,10 @@ class CheckpointManager:
                 running = True
         # what failed where: a collective's error names the ranks that failed it
         mine = {k: _failures(e, self._queries.rank) for k, e in failed.items() if k not in self._reported}
-        reports = self._queries.all_gather((mine, running))
+        outcome, error = self._run_on_rank0(agreed) if agreed is not None else (None, None)
+        reports = self._queries.all_gather((mine, running, outcome))
         failures: dict[int, str] = {}
-        for errs, _ in reports:
+        for errs, _, _ in reports:
             for (kind, s), by_rank in sorted(errs.items()):
                 self._reported.add((kind, s))
                 what = "writing the local tier" if kind == "tier" else "persisting"
@@ -574,7 +594,7 @@ class CheckpointManager:
             self._agreed(joined)
         if failures:
             raise DistributedError(failures, self._queries.world_size)
-        return idle
+        return idle, None if agreed is None else self._outcome_of_rank0(reports[0][2], error)
 
     def _wait_background(self) -> None:
         """Block until the tier's work and the drain in flight are done (errors kept, not raised)."""
