@@ -97,7 +97,7 @@ from gpuckpt.errors import (
 from gpuckpt.format.metadata import STATE_DICT_TYPE
 from gpuckpt.options import SaveOptions
 from gpuckpt.runtime.runner import run_all
-from gpuckpt.runtime.workers import Workers, lower_priority
+from gpuckpt.runtime.workers import Workers
 from gpuckpt.storage.stores import open_root, scheme_of
 from gpuckpt.tiers import LocalTier, PartSource, RestoreReport, copy_values_back
 
@@ -139,12 +139,6 @@ def _failures(error: BaseException, rank: int) -> dict[int, str]:
     if isinstance(error, DistributedError):
         return dict(error.failures)
     return {rank: describe_error(error)}
-
-
-def _nice_this_thread() -> None:
-    """Lower the calling thread's CPU priority to the least (Linux: per thread), so that the
-    drain yields to training's threads; elsewhere, or where refused, nothing happens."""
-    lower_priority(19)
 
 
 def _check_count(name: str, value: int | None, minimum: int) -> None:
@@ -315,7 +309,7 @@ class CheckpointManager:
                 options=self.options,
             )
         self.persist_interval_steps = persist_interval_steps
-        self._drains = Workers(1, "gpuckpt-drain")
+        self._drains = Workers(1, "gpuckpt-drain", nice=19)
         self._drain: tuple[int, Any] | None = None
         #: background work whose failure every rank has raised already: ("tier" | "drain", step)
         self._reported: set[tuple[str, int]] = set()
@@ -613,7 +607,6 @@ class CheckpointManager:
         options, coord = self.options, self._saves
 
         def drain() -> bool:
-            _nice_this_thread()
             if job is not None and job.exception() is not None:
                 # the step failed on every rank (a tier step fails in a collective): it was
                 # reported as such, and there is nothing to persist

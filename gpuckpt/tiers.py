@@ -250,11 +250,12 @@ class LocalTier:
             for r in range(self.world_size)
             if replicas and self.rank in replica_holders(r, self.node_names, replicas)
         ]
-        # the part's write and the tier's thread (replication, retention) are background work:
-        # at the least priority, they leave the cores to training (and here to the snapshots of
-        # ranks that share this machine's cores)
-        self._thread = Workers(1, "gpuckpt-tier", nice=19)
-        self._writer = Workers(1, "gpuckpt-tier-write", nice=19)
+        # the part's write and the tier's thread (replication, retention) keep the caller's
+        # priority: the next save waits for them, and at nice 19 a loop that keeps every core
+        # busy starves them (save calls of 0.43 s against 0.02 s in a trial); the drain, which
+        # only a persist step waits for, runs at nice 19 (see CheckpointManager)
+        self._thread = Workers(1, "gpuckpt-tier")
+        self._writer = Workers(1, "gpuckpt-tier-write")
         self._jobs: dict[int, Future[None]] = {}
         #: steps being drained to root: retention keeps them
         self.pinned: set[int] = set()
