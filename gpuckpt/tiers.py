@@ -25,6 +25,7 @@ Retention: the lowest rank of each node deletes the oldest steps of its ``local_
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import math
@@ -618,6 +619,10 @@ class LocalTier:
         with contextlib.suppress(OSError):
             self._store.delete([n for n in names if self._store.is_committed(n)])
 
+    def _node_of(self, rank: int) -> list[int]:
+        """The ranks of ``rank``'s node."""
+        return next(ranks for ranks in nodes_of(self.node_names) if rank in ranks)
+
     def inventory(self) -> list[CopySeen]:
         """Every committed part in this node's tier whose record reads, as this rank sees it."""
         out = []
@@ -660,8 +665,17 @@ class LocalTier:
         skipped: list[str] = []
         latest_root = root_latest()
         for _attempt in range(4 * self.world_size + 4):
-            copies = [cp for mine in c.all_gather(self.inventory()) for cp in mine if only in (None, cp.step)]
-            layouts = c.all_gather(layout)
+            # one all_gather: the parts each node's lowest rank lists (the node's other ranks see
+            # the same directory), and every rank's layout
+            gathered = c.all_gather((self.inventory() if self.leader else [], layout))
+            copies = [
+                dataclasses.replace(cp, holder=holder)
+                for seen, _ in gathered
+                for cp in seen
+                if only in (None, cp.step)
+                for holder in self._node_of(cp.holder)
+            ]
+            layouts = [lay for _, lay in gathered]
             choice = choose(copies, layouts, self.node_names, latest_root)
             if choice.source == "root":
                 assert choice.step is not None
@@ -673,7 +687,8 @@ class LocalTier:
             started = time.perf_counter()
             sends = {r: r for r, h in senders.items() if h == self.rank and r != self.rank}
             mine = senders[self.rank]
-            self._transfer(step, sends, [] if mine == self.rank else [mine], c)
+            if any(h != r for r, h in senders.items()):  # (the same on every rank: no round if none)
+                self._transfer(step, sends, [] if mine == self.rank else [mine], c)
             path = self.dir / part_name(step, self.rank)
             error: BaseException | None = None
             try:
