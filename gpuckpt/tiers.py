@@ -20,6 +20,9 @@ and the choice made again without it.
 
 Retention: the lowest rank of each node deletes the oldest steps of its ``local_dir``
 (own parts and replicas) beyond ``local_max_to_keep``, never a step being drained to root.
+A rank receiving a replica first takes the copy of the same rank's part that this step
+retires out of the tier and writes the received files over its files (pages the file system
+already holds).
 """
 
 from __future__ import annotations
