@@ -40,7 +40,7 @@ on the same bytes, by the same ranks at the same time:
    block time ratio, target <= 1.10; and, as the issue words the target ("slows by at most 10%
    while its drain runs"), the mean step that ran beside a drain from its start to its end
    against the mean step without checkpoints ("7 steps while a drain runs"). The drain thread
-   runs at nice 19 (``gpuckpt.manager._nice_this_thread``); the nice value (and the
+   runs at nice 19 (``Workers(nice=19)``, ``gpuckpt.runtime.workers``); the nice value (and the
    SCHED_IDLE policy, where set) of every gpuckpt thread is sampled mid-block and printed.
 
 Every restore is checked bit-exact (untimed). Each rank's times come back as JSON; for figures
@@ -578,7 +578,7 @@ def print_table(res: dict[str, Any]) -> None:
         )
         print(
             "  7: how the drain is kept out of the way: its thread lowers its own priority to nice 19 "
-            "(gpuckpt.manager._nice_this_thread), and the I/O threads it starts inherit it; sampled half-way "
+            "(Workers(nice=19), gpuckpt.runtime.workers), and the I/O threads it starts inherit it; sampled half-way "
             f"between saves (drain running: {loop['sampled_while_draining']}): {loop['thread_nice']}"
         )
 

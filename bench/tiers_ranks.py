@@ -194,9 +194,9 @@ class TierProbe:
         self.transfers: list[tuple[float, float]] = []
         original = tiers_module.async_save_with_options
 
-        def timed_async(view: Any, path: Any, options: Any, coordinator: Any = None) -> Any:
+        def timed_async(view: Any, path: Any, options: Any, coordinator: Any = None, **kw: Any) -> Any:
             t = time.perf_counter()
-            fut = original(view, path, options, coordinator)
+            fut = original(view, path, options, coordinator, **kw)
             self.marks.setdefault(Path(path).name, {}).update(snap0=t, snap1=time.perf_counter())
             return fut
 

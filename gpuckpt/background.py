@@ -304,11 +304,15 @@ def async_save_with_options(
     path: str | os.PathLike[str],
     options: SaveOptions,
     coordinator: Coordinator | None = None,
+    *,
+    writer_thread: Workers | None = None,
 ) -> SaveFuture:
     """:func:`async_save` with its options made (what :class:`~gpuckpt.CheckpointManager` calls).
 
     The cyclic garbage collector is paused until it returns (describing, planning and
-    the snapshot: the caller's wait), not while the save writes in the background."""
+    the snapshot: the caller's wait), not while the save writes in the background.
+    ``writer_thread``: the thread that writes a single process's save (default: the
+    process's writer thread); a local tier passes its own, at a lower priority."""
     check_base_target(path, options)
     if coordinator is not None or contains_sharded(state_dict):
         return _async_distributed(state_dict, path, options, coordinator or SingleProcessCoordinator())
@@ -344,8 +348,9 @@ def async_save_with_options(
 
         return save
 
+    ex = writer_thread if writer_thread is not None else writer_executor()
     if options.staging == "device":
-        return submit(writer_executor(), run(snapshot_on_device(sources)), os.fspath(path))
+        return submit(ex, run(snapshot_on_device(sources)), os.fspath(path))
     pool = _arena_pool(sources)
     arena = pool.acquire(snapshot_bytes(sources))
     handed_over = False
@@ -363,7 +368,7 @@ def async_save_with_options(
         snap = snapshot(
             local, sources, arena, None if plan is None else shared_with_base(plan, sources, options)
         )
-        return submit(writer_executor(), run(snap), os.fspath(path), hand_over)
+        return submit(ex, run(snap), os.fspath(path), hand_over)
     except BaseException:
         if not handed_over:  # never while the save may still be writing from it
             pool.release(arena)

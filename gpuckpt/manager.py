@@ -74,11 +74,9 @@ neither mixes its messages with the caller's use of ``coordinator``.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 import re
-import threading
 import uuid
 from collections.abc import Callable, Sequence
 from types import TracebackType
@@ -141,13 +139,6 @@ def _failures(error: BaseException, rank: int) -> dict[int, str]:
     if isinstance(error, DistributedError):
         return dict(error.failures)
     return {rank: describe_error(error)}
-
-
-def _nice_this_thread() -> None:
-    """Lower the calling thread's CPU priority to the least (Linux: per thread), so that the
-    drain yields to training's threads; elsewhere, or where refused, nothing happens."""
-    with contextlib.suppress(AttributeError, OSError):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
 
 
 def _check_count(name: str, value: int | None, minimum: int) -> None:
@@ -318,7 +309,7 @@ class CheckpointManager:
                 options=self.options,
             )
         self.persist_interval_steps = persist_interval_steps
-        self._drains = Workers(1, "gpuckpt-drain")
+        self._drains = Workers(1, "gpuckpt-drain", nice=19)
         self._drain: tuple[int, Any] | None = None
         #: background work whose failure every rank has raised already: ("tier" | "drain", step)
         self._reported: set[tuple[str, int]] = set()
@@ -339,17 +330,28 @@ class CheckpointManager:
         c = self._queries
         if c is None:
             return fn()
-        if c.rank == 0:
-            try:
-                value = fn()
-            except Exception as exc:
-                c.broadcast((False, describe_error(exc)))
-                raise DistributedError({0: describe_error(exc)}, c.world_size) from exc
-            c.broadcast((True, value))
-            return value
-        ok, value = c.broadcast(None)
+        outcome, error = self._run_on_rank0(fn)
+        outcome = c.broadcast(outcome if c.rank == 0 else None)
+        value: _T = self._outcome_of_rank0(outcome, error)
+        return value
+
+    def _run_on_rank0(self, fn: Callable[[], _T]) -> tuple[tuple[bool, Any] | None, Exception | None]:
+        """On rank 0, ``fn()``'s outcome as sent to every rank, ``(True, value)`` or ``(False,
+        what failed)``, and the error itself; elsewhere ``(None, None)``."""
+        assert self._queries is not None
+        if self._queries.rank != 0:
+            return None, None
+        try:
+            return (True, fn()), None
+        except Exception as exc:
+            return (False, describe_error(exc)), exc
+
+    def _outcome_of_rank0(self, outcome: tuple[bool, Any], error: Exception | None) -> Any:
+        """The value of rank 0's outcome, or its failure raised (on every rank alike)."""
+        assert self._queries is not None
+        ok, value = outcome
         if not ok:
-            raise DistributedError({0: value}, c.world_size)
+            raise DistributedError({0: value}, self._queries.world_size) from error
         return value
 
     def _open_root(self) -> None:
@@ -504,12 +506,17 @@ class CheckpointManager:
             # its outcome is known on every rank before the next one starts
             tier.wait_for(self._tier_last)
         persist = step % (self.persist_interval_steps or 1) == 0
-        if not self._gather_background(wait_tier=False, wait_drain=False) and persist:
+        # the save blocks for one collective: every rank's report of its background work, with
+        # rank 0's view of the root and the save's id (the view may hold old steps that the
+        # retention of a drain joined here deletes: the checks below look at this step and
+        # newer ones only)
+        idle, (steps, save_id) = self._gather_background(
+            wait_tier=False, wait_drain=False, agreed=lambda: (self._view(step), uuid.uuid4().hex)
+        )
+        if not idle and persist:
             # the previous drain still runs somewhere: a persist step waits for it (the root
             # keeps up with the persist steps, or the saves slow down; none is skipped)
             self._gather_background(wait_tier=False, wait_drain=True)
-        # the view and the save's id in one broadcast: the save blocks for two collectives
-        steps, save_id = self._agreed(lambda: (self._view(step), uuid.uuid4().hex))
         existing = steps.get(step)
         if existing is not None or (self._tier_last is not None and step == self._tier_last):
             where = f"under {self.root}" if existing else "in the local tier"
@@ -531,11 +538,14 @@ class CheckpointManager:
         if persist:
             self._start_drain(step)
 
-    def _gather_background(self, *, wait_tier: bool = True, wait_drain: bool = True) -> bool:
+    def _gather_background(
+        self, *, wait_tier: bool = True, wait_drain: bool = True, agreed: Callable[[], Any] | None = None
+    ) -> tuple[bool, Any]:
         """Collective: every rank's failed background work (tier steps, drains) raised on every
         rank, once; a drain that ended on every rank joins the root (its retention applied).
         Waits for the tier's work and the drain first where asked. Returns whether no drain
-        is running on any rank."""
+        is running on any rank, and ``agreed()`` as run on rank 0 (see :meth:`_agreed`), which
+        travels in the same collective (None without it)."""
         tier = self._tier
         assert tier is not None and self._queries is not None
         if wait_tier:
@@ -554,9 +564,10 @@ class CheckpointManager:
                 running = True
         # what failed where: a collective's error names the ranks that failed it
         mine = {k: _failures(e, self._queries.rank) for k, e in failed.items() if k not in self._reported}
-        reports = self._queries.all_gather((mine, running))
+        outcome, error = self._run_on_rank0(agreed) if agreed is not None else (None, None)
+        reports = self._queries.all_gather((mine, running, outcome))
         failures: dict[int, str] = {}
-        for errs, _ in reports:
+        for errs, _, _ in reports:
             for (kind, s), by_rank in sorted(errs.items()):
                 self._reported.add((kind, s))
                 what = "writing the local tier" if kind == "tier" else "persisting"
@@ -577,7 +588,7 @@ class CheckpointManager:
             self._agreed(joined)
         if failures:
             raise DistributedError(failures, self._queries.world_size)
-        return idle
+        return idle, None if agreed is None else self._outcome_of_rank0(reports[0][2], error)
 
     def _wait_background(self) -> None:
         """Block until the tier's work and the drain in flight are done (errors kept, not raised)."""
@@ -596,7 +607,6 @@ class CheckpointManager:
         options, coord = self.options, self._saves
 
         def drain() -> bool:
-            _nice_this_thread()
             if job is not None and job.exception() is not None:
                 # the step failed on every rank (a tier step fails in a collective): it was
                 # reported as such, and there is nothing to persist
@@ -607,6 +617,7 @@ class CheckpointManager:
                 state = tier.read_part(step)
             except Exception as exc:  # every rank joins the save's first collective, failed or not
                 error = exc
+            coord.idle_barrier()
             coord.all_reduce_errors(error)
             api.save_with_options(state, path, options, coord)
             return True

@@ -145,6 +145,16 @@ class Coordinator(ABC):
     def barrier(self) -> None:
         """Return once every rank has called it."""
 
+    def idle_barrier(self) -> None:
+        """:meth:`barrier` for ranks that may arrive far apart: a rank waiting here leaves the
+        CPU to the ranks still working.
+
+        A transport whose waits spin (MPICH's) polls instead, sleeping between polls; the
+        others block in :meth:`barrier` (the default). Background work calls it before the
+        collective that ends a step of uneven length (each rank's write, load or fetch).
+        """
+        self.barrier()
+
     def duplicate(self) -> Coordinator:
         """A new coordinator over the same ranks, for use from another thread at the same time.
 

@@ -10,6 +10,7 @@ initialised with ``MPI_THREAD_MULTIPLE``.
 from __future__ import annotations
 
 import pickle
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -23,6 +24,9 @@ __all__ = ["MPICoordinator"]
 # of the job's communicator, ideally: see MPICoordinator.duplicate).
 _OBJECT_TAG = 0x6770
 _BUFFER_TAG = 0x6771
+#: the longest sleep between two tests of :meth:`MPICoordinator.idle_barrier` (what it may add
+#: to the wait, after the last rank arrived)
+IDLE_POLL_MAX_S = 0.002
 
 
 def _comm_world() -> Any:
@@ -106,6 +110,19 @@ class MPICoordinator(Coordinator):
 
     def barrier(self) -> None:
         self._comm.Barrier()
+
+    def idle_barrier(self) -> None:
+        """``comm.Ibarrier()`` tested with sleeps in between (growing to
+        :data:`IDLE_POLL_MAX_S`): MPICH's blocking waits spin, and a rank that
+        spins takes a core from the ranks it waits for where ranks share cores.
+
+        See :meth:`Coordinator.idle_barrier`.
+        """
+        request = self._comm.Ibarrier()
+        pause = 50e-6
+        while not request.Test():
+            time.sleep(pause)
+            pause = min(2 * pause, IDLE_POLL_MAX_S)
 
     def duplicate(self) -> MPICoordinator:
         """A coordinator over ``comm.Dup()``: the same ranks, a communicator of its own.

@@ -20,6 +20,10 @@ with these differences:
 * in a child created by ``fork()`` every pool starts empty (no threads, no
   queued work: the parent's queued calls run in the parent only) with fresh
   locks, and starts threads again on demand;
+* ``nice``: its threads lower their own CPU priority (:func:`lower_priority`), so that
+  background work (a local tier's writes and replication, a drain) yields the cores to
+  the training threads, whose priority stays as it was (on Linux the nice value is per
+  thread); threads they start inherit it;
 * its threads say ``defers_library_loads``: a library whose first use would hold
   the GIL for long (awscrt's load, 40-60 ms, see :mod:`gpuckpt.format.checksum`)
   is not loaded on them while a library already loaded can do the work, since
@@ -28,6 +32,7 @@ with these differences:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import weakref
@@ -37,7 +42,7 @@ from concurrent.futures import Future
 from types import TracebackType
 from typing import Any, ParamSpec, TypeVar
 
-__all__ = ["Workers"]
+__all__ = ["Workers", "lower_priority"]
 
 _P = ParamSpec("_P")
 _T = TypeVar("_T")
@@ -55,6 +60,17 @@ class _WorkerThread(threading.Thread):
 
     #: asked (duck-typed) by code that would load a slow library on first use
     defers_library_loads = True
+
+
+def lower_priority(nice: int = 19) -> None:
+    """Set the calling thread's nice value to ``nice`` (19: the least CPU priority).
+
+    On Linux the nice value belongs to the thread (``sched(7)``): the process's other
+    threads keep theirs, and threads started from this one inherit it. Elsewhere, or where
+    the system refuses, nothing happens.
+    """
+    with contextlib.suppress(AttributeError, OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
 
 
 def _run(item: _Item) -> None:
@@ -78,11 +94,13 @@ class Workers:
     queued work is done.
     """
 
-    def __init__(self, max_workers: int, name: str) -> None:
+    def __init__(self, max_workers: int, name: str, *, nice: int | None = None) -> None:
         if not isinstance(max_workers, int) or isinstance(max_workers, bool) or max_workers < 1:
             raise ValueError(f"max_workers must be an integer >= 1, got {max_workers!r}")
         self.max_workers = max_workers
         self.name = name
+        #: the nice value each thread takes when it starts (None: the starting thread's)
+        self.nice = nice
         self._reset()
         _all_pools.add(self)
 
@@ -143,6 +161,8 @@ class Workers:
 
     def _work(self) -> None:
         me = threading.current_thread()
+        if self.nice is not None:
+            lower_priority(self.nice)
         while True:
             with self._lock:
                 idle_out = False

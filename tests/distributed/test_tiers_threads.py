@@ -6,7 +6,10 @@ threads of this process (the same code runs under mpiexec in test_tiers_mpi.py).
 
 from __future__ import annotations
 
+import os
 import shutil
+import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -251,3 +254,72 @@ def test_a_restore_of_an_earlier_step_starts_the_line_again(tiers: Any, tmp_path
         return got, after, target["step"], bool(tiers.exact(target, 50, r, n))
 
     assert run_ranks(4, work, timeout=120) == [(5, [4], 50, True)] * 4
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux's")
+def test_the_drain_runs_at_the_least_priority_and_the_tiers_threads_at_the_callers(tmp_path: Path) -> None:
+    """The drain yields the cores to training's threads; the part's write and the tier's
+    thread, which the next save waits for, run at the caller's priority, which is unchanged."""
+    before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    state = {"w": np.arange(1 << 16, dtype=np.float32), "step": 0}
+    with gpuckpt.CheckpointManager(
+        tmp_path / "root", local_dir=tmp_path / "local", persist_interval_steps=1, replicas=0
+    ) as mgr:
+        for step in (1, 2):
+            state["step"] = step
+            mgr.save(step, state)
+            mgr.wait()
+        # idle pool threads stay a few seconds: those of the save just waited for are alive
+        nice = {
+            t.name: os.getpriority(os.PRIO_PROCESS, t.native_id)
+            for t in threading.enumerate()
+            if t.name.startswith(("gpuckpt-tier", "gpuckpt-drain")) and t.native_id is not None
+        }
+    assert {"gpuckpt-tier_0", "gpuckpt-tier-write_0", "gpuckpt-drain_0"} <= set(nice), nice
+    assert nice == {**{k: before for k in nice}, "gpuckpt-drain_0": 19}, nice
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before
+
+
+def test_a_replica_is_written_into_the_files_of_the_copy_it_retires(tiers: Any, tmp_path: Path) -> None:
+    """With local_max_to_keep=2, step s's replica goes into the files of step s-2's copy (on
+    tmpfs: pages already allocated); a link made to one of them before shows step s's bytes
+    after. Every byte is step s's, and the replica holds exactly the files of the part it
+    copies, also when the layout changes (an array more at step 4 only)."""
+
+    def run(c: Any) -> dict[str, Any]:
+        r, n = c.rank, c.world_size
+        mgr = tiers.manager(c, str(tmp_path), persist_interval_steps=100)
+        tier = mgr._tier
+        out: dict[str, Any] = {}
+        for step in range(1, 7):
+            st = tiers.state(step, r, n)
+            if step == 4:
+                st["more"] = np.arange(1000 + step, dtype=np.int64)
+            witness = tmp_path / f"witness-{step}-{r}"
+            if step >= 3:  # a link to the largest file of the copy this step retires
+                old = tier.dir / part_name(step - 2, tier.held[0])
+                os.link(
+                    max((p for p in old.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size), witness
+                )
+            mgr.save(step, st)
+            mgr.wait()
+            whose = tier.held[0]
+            replica = tier.dir / part_name(step, whose)
+            original = tmp_path / f"n{whose // 2}" / part_name(step, whose)
+            files = sorted(str(p.relative_to(replica)) for p in replica.rglob("*") if p.is_file())
+            expected = sorted(str(p.relative_to(original)) for p in original.rglob("*") if p.is_file())
+            same = all((replica / f).read_bytes() == (original / f).read_bytes() for f in files)
+            recycled = step >= 3 and any(os.path.samefile(witness, replica / f) for f in files)
+            out[str(step)] = {"files": files == expected, "bytes": same, "recycled": recycled}
+        mgr.close()
+        return out
+
+    seen = run_ranks(4, run, timeout=120)
+    for r, by_step in enumerate(seen):
+        for step, got in by_step.items():
+            assert got["files"] and got["bytes"], (r, step, got)
+            # step 6 retires step 4's copy, whose largest file (the array "more") step 6 lacks
+            assert got["recycled"] == (3 <= int(step) <= 5), (r, step, got)
+    for node in ("n0", "n1"):
+        names = sorted(p.name for p in (tmp_path / node).iterdir() if not p.name.startswith("."))
+        assert names == [part_name(s, r) for s in (5, 6) for r in range(4)], (node, names)

@@ -21,6 +21,9 @@ from _rank_io import finish, jsonable, make_coordinator, process_rank, run_rank
 from gpuckpt.distributed import Coordinator, CoordinatorError, DistributedError
 from gpuckpt.errors import GpuckptError
 
+#: how long the last rank arrives after the others at the idle barrier
+IDLE_WAIT_S = 0.4
+
 
 def _error_report(exc: DistributedError, own: BaseException | None) -> dict[str, Any]:
     return {
@@ -71,6 +74,19 @@ def run_checks(c: Coordinator, workdir: Path) -> dict[str, Any]:
     (marks / str(r)).touch()
     c.barrier()
     seen["marks_after_barrier"] = sorted(int(p.name) for p in marks.iterdir())
+
+    # the same of idle_barrier; the ranks that wait for the last one spend little CPU doing so
+    idle = workdir / "idle-barrier-marks"
+    idle.mkdir(exist_ok=True)
+    if r == last:
+        time.sleep(IDLE_WAIT_S)
+    (idle / str(r)).touch()
+    wall, cpu = time.perf_counter(), time.thread_time()
+    c.idle_barrier()
+    wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
+    seen["marks_after_idle_barrier"] = sorted(int(p.name) for p in idle.iterdir())
+    # a spinning wait burns about its whole wall time (two thirds of it with 3 spinners on 2 cores)
+    seen["idle_wait_is_idle"] = r == last or (wall >= 0.5 * IDLE_WAIT_S and cpu < 0.2 * wall)
 
     seen["no_failure"] = _reduce(c, None)
     one = ValueError(f"boom on rank {1 % n}") if r == 1 % n else None
@@ -128,6 +144,8 @@ def expected(rank: int, n: int) -> dict[str, Any]:
         },
         "rounds": [[i, (i + 1) % n] for i in range(20)],
         "marks_after_barrier": list(range(n)),
+        "marks_after_idle_barrier": list(range(n)),
+        "idle_wait_is_idle": True,
         "no_failure": "no error",
         "one_failure": _expected_report({root_b: f"ValueError: boom on rank {root_b}"}, rank),
         "even_failures": _expected_report({i: f"KeyError: 'key-{i}'" for i in range(0, n, 2)}, rank),
