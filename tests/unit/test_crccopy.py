@@ -13,7 +13,6 @@ import platform
 import re
 import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 
 import crc32c as crc32c_package
@@ -22,7 +21,6 @@ import pytest
 
 from gpuckpt.storage.local import crccopy
 from gpuckpt.storage.local.crccopy import CrcCopy, load_library
-from gpuckpt.storage.stores import file_system_type
 from tests.pagecache import evict
 
 SOURCE = Path(crccopy.__file__).with_name("crccopy.c")
@@ -162,31 +160,6 @@ def test_cached_copy_reads_a_cached_file(lib: CrcCopy, tmp_path: Path) -> None:
         assert not out.any()
     finally:
         os.close(fd)
-
-
-def test_cached_copy_reads_a_file_on_tmpfs(lib: CrcCopy) -> None:
-    """A local tier's parts live on tmpfs, whose files refuse ``RWF_NOWAIT`` reads on some
-    kernels (EOPNOTSUPP): their pages' residency is asked of ``mincore`` instead."""
-    shm = Path("/dev/shm")
-    if not shm.is_dir() or file_system_type(shm) != "tmpfs":
-        pytest.skip("no tmpfs at /dev/shm")
-    data = np.random.default_rng(4).integers(0, 256, (2 << 20) + 777, dtype=np.uint8)
-    folder = Path(tempfile.mkdtemp(dir=shm))
-    try:
-        path = folder / "chunk"
-        path.write_bytes(data.tobytes())
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            for offset, n in [(0, data.nbytes), (4095, 1 << 20)]:
-                out = np.zeros(n, np.uint8)
-                assert lib.cached_copy_crc(fd, offset, memoryview(out), 3) == _reference(
-                    data[offset : offset + n].tobytes(), 3
-                )
-                np.testing.assert_array_equal(out, data[offset : offset + n])
-        finally:
-            os.close(fd)
-    finally:
-        shutil.rmtree(folder)
 
 
 def test_cached_copy_declines_a_file_not_in_the_page_cache(lib: CrcCopy, tmp_path: Path) -> None:

@@ -73,27 +73,12 @@ uint32_t gck_crc_copy(uint32_t crc, const void *src, void *dst, uint64_t n)
     return ~c;
 }
 
-/* Whether the page at off is resident: mincore(2) on a one-page map of it. */
-static int resident_at(int fd, int64_t off)
-{
-    long page = sysconf(_SC_PAGESIZE);
-    void *map = mmap(NULL, (size_t)page, PROT_READ, MAP_SHARED, fd, off & ~(int64_t)(page - 1));
-    if (map == MAP_FAILED) return 0;
-    unsigned char resident = 0;
-    int ok = mincore(map, (size_t)page, &resident) == 0 && (resident & 1);
-    munmap(map, (size_t)page);
-    return ok;
-}
-
-/* Whether the byte at off is in the page cache (a one-byte read that may not wait for I/O;
- * where the file system refuses RWF_NOWAIT, as tmpfs does on some kernels, whether its page
- * is resident). */
+/* Whether the byte at off is in the page cache (a one-byte read that may not wait for I/O). */
 static int cached_at(int fd, int64_t off)
 {
     char b;
     struct iovec v = {&b, 1};
-    if (preadv2(fd, &v, 1, off, RWF_NOWAIT) == 1) return 1;
-    return errno == EOPNOTSUPP && resident_at(fd, off);
+    return preadv2(fd, &v, 1, off, RWF_NOWAIT) == 1;
 }
 
 /* ---- The guard against SIGBUS on a mapped file ------------------------------------
