@@ -348,7 +348,7 @@ def _thread_nice() -> dict[str, str]:
 
 
 def _draining(mgr: gpuckpt.CheckpointManager) -> bool:
-    drain = mgr._drain
+    drain = mgr._tiered._drain
     return drain is not None and not drain[1].done()
 
 
@@ -380,7 +380,7 @@ def loop_bench(work: Path, local: Path, args: argparse.Namespace) -> dict[str, A
         max_to_keep=2,
     )
     drains: list[float] = []  # from a drain's start (the save call) to its commit at the root
-    submit = mgr._drains.submit
+    submit = mgr._tiered._drains.submit
 
     def timed_submit(fn: Any, *a: Any, **kw: Any) -> Any:
         t = time.perf_counter()
@@ -388,7 +388,7 @@ def loop_bench(work: Path, local: Path, args: argparse.Namespace) -> dict[str, A
         fut.add_done_callback(lambda _: drains.append(time.perf_counter() - t))
         return fut
 
-    mgr._drains.submit = timed_submit  # type: ignore[method-assign]
+    mgr._tiered._drains.submit = timed_submit  # type: ignore[method-assign]
     step = k - 1  # every checkpointed block starts with a save: its last save's drain runs inside it
     plain_t: list[float] = []
     plain_compute: list[float] = []
@@ -441,7 +441,7 @@ def loop_bench(work: Path, local: Path, args: argparse.Namespace) -> dict[str, A
             if draining and _draining(mgr):  # the drain ran from the step's start to its end
                 steps_while_draining.append(time.perf_counter() - s)
             if i == k + k // 2:  # half-way between two saves
-                drain = mgr._drain
+                drain = mgr._tiered._drain
                 sampled_while_draining.append(drain is not None and not drain[1].done())
                 nice.update(_thread_nice())
         elapsed = time.perf_counter() - t0

@@ -33,7 +33,7 @@ if str(REPO) not in sys.path:
 
 import gpuckpt  # noqa: E402
 import gpuckpt.background as background_module  # noqa: E402
-import gpuckpt.tiers as tiers_module  # noqa: E402
+import gpuckpt.tiers.local as tiers_module  # noqa: E402
 from bench.compare.common import cut_from, drop_cache  # noqa: E402
 from gpuckpt.background import copy_host_arrays, host_order  # noqa: E402
 from gpuckpt.device.staging import HostAllocator, StagingArena, aligned_bytes  # noqa: E402
@@ -267,8 +267,8 @@ class Rank:
         mgr = gpuckpt.CheckpointManager(
             self.root, local_dir=self.local_dir, node=self.node, coordinator=self.c, **kw
         )
-        assert mgr._tier is not None
-        self.probe.attach(mgr._tier)
+        assert mgr._tiered is not None
+        self.probe.attach(mgr._tiered.tier)
         return mgr
 
 
@@ -280,7 +280,7 @@ def save_phase(k: Rank) -> dict[str, Any]:
     """Figures 1-3: save, the tier's write, replication; and their ceilings, interleaved."""
     h, rank, arrays = k.h, k.rank, k.arrays
     mgr = k.manager(replicas=1, persist_interval_steps=k.last, local_max_to_keep=2)
-    tier = mgr._tier
+    tier = mgr._tiered.tier
     assert tier is not None
     arena = StagingArena(HostAllocator())
     orders = [host_order(a) for a in arrays]

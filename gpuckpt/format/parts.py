@@ -13,7 +13,7 @@ readers that do not know the entry ignore it, so no format version is needed::
 ``boxes`` gives, per FQN of a sharded tensor, the offsets and global shape of each of
 the rank's boxes, in the order the part stores them (one box: the array under the FQN;
 several: a list of arrays). ``layout`` is the digest of the rank's state at the save
-(:func:`gpuckpt.tiers.layout_of`): a restore uses a part only for a rank whose state has
+(:func:`gpuckpt.tiers.parts.layout_of`): a restore uses a part only for a rank whose state has
 the same layout. Steps of one line are told apart by ``save_id``: every rank's part of one
 save has the same one.
 """

@@ -289,7 +289,7 @@ def test_a_replica_is_written_into_the_files_of_the_copy_it_retires(tiers: Any, 
     def run(c: Any) -> dict[str, Any]:
         r, n = c.rank, c.world_size
         mgr = tiers.manager(c, str(tmp_path), persist_interval_steps=100)
-        tier = mgr._tier
+        tier = mgr._tiered.tier
         out: dict[str, Any] = {}
         for step in range(1, 7):
             st = tiers.state(step, r, n)

@@ -1,55 +1,24 @@
-"""The local tier of a distributed :class:`~gpuckpt.CheckpointManager`: parts, replicas, recovery.
-
-Each saved step is written by every rank to its node's ``local_dir`` (tmpfs or node-local
-NVMe) as a *part*: an ordinary single-process gpuckpt checkpoint of what the rank holds
-(each ``ShardedArray`` box as an array of the box's shape), with a record of what it is a
-part of (:mod:`gpuckpt.format.parts`), named ``step_00000120.rank_00002``. gpuckpt,
-zarr-python and TensorStore read a part as any checkpoint.
-
-After a rank's part is committed, a background thread sends its files to the rank that
-holds its replica on another node (:func:`gpuckpt.planning.tiers.replica_holders`), over
-the coordinator's own transport (MPI, gloo through torch.distributed, or threads in tests);
-gpuckpt opens no socket of its own. A failure of any rank's write or replication fails the
-step on every rank: each deletes what it wrote of it.
-
-A restore (:meth:`LocalTier.choose` and :meth:`LocalTier.read`) lists the parts every node
-holds, takes the newest step whose every rank's part has a copy somewhere (never a mix of
-steps), fetches the parts a rank's node lacks (a replaced node) from the ranks that hold
-them, and loads each part with every chunk checked; a copy that fails its checks is deleted
-and the choice made again without it.
-
-Retention: the lowest rank of each node deletes the oldest steps of its ``local_dir``
-(own parts and replicas) beyond ``local_max_to_keep``, never a step being drained to root.
-A rank receiving a replica first takes the copy of the same rank's part that this step
-retires out of the tier and writes the received files over its files (pages the file system
-already holds).
-"""
+"""One rank's side of the local tier (see :mod:`gpuckpt.tiers`): its part of each step
+written to the node's ``local_dir``, replicated to its holders, retired; its restore."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
-import json
-import math
 import mmap
 import os
 import secrets
 import shutil
 import socket
-import stat
 import time
 import warnings
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import gpuckpt.api as api
 from gpuckpt.background import async_save_with_options
-from gpuckpt.device.arrays import adapt, is_array
-from gpuckpt.device.sharded import ShardedArray, is_dtensor, is_sharded_leaf, sharded_boxes
 from gpuckpt.distributed.coordinator import Coordinator, describe_error
 from gpuckpt.errors import (
     CheckpointCorruptedError,
@@ -62,142 +31,15 @@ from gpuckpt.format.parts import PART_KEY, PartRecord, parse_part_name, part_nam
 from gpuckpt.options import SaveOptions
 from gpuckpt.planning.tiers import Choice, CopySeen, choose, nodes_of, replica_holders, tier_retention
 from gpuckpt.runtime.workers import Workers
-from gpuckpt.state import flatten_state_dict
-from gpuckpt.storage.local.fileio import write_all
 from gpuckpt.storage.stores import file_system_type, open_root
+from gpuckpt.tiers.files import ReceiveBuffer, mapped, tree_bytes, write_received
+from gpuckpt.tiers.parts import copy_values_back, layout_of, part_bytes, part_view, sharded_from_part
+from gpuckpt.tiers.report import PartSource, RestoreReport
 
-__all__ = ["LocalTier", "PartSource", "RestoreReport", "layout_of", "part_view"]
+__all__ = ["LocalTier"]
 
 #: errors of a copy that mean the copy is damaged or gone (the restore skips it), not a misuse
 _DAMAGE = (CheckpointCorruptedError, MetadataError, FileNotFoundError)
-
-Boxes = dict[str, tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]]
-
-
-# a rank's state as a part ------------------------------------------------------------
-
-
-_DESCEND = object()
-
-
-def _rebuilt(value: Any, prefix: str, leaf: Callable[[Any, str], Any]) -> Any:
-    """``value`` with what ``leaf(item, fqn)`` returns for each item it takes (anything but
-    ``_DESCEND``), in new dicts, lists and tuples on the way; the FQNs of a state dict."""
-    out = leaf(value, prefix)
-    if out is not _DESCEND:
-        return out
-    if isinstance(value, dict):
-        return {k: _rebuilt(v, f"{prefix}.{k}" if prefix else str(k), leaf) for k, v in value.items()}
-    if isinstance(value, list | tuple) and not is_array(value):
-        kids = [_rebuilt(v, f"{prefix}.{i}" if prefix else str(i), leaf) for i, v in enumerate(value)]
-        return kids if isinstance(value, list) else tuple(kids)
-    return value
-
-
-def part_view(state: Any) -> tuple[dict[str, Any], Boxes]:
-    """``state`` with each ``ShardedArray`` leaf replaced by its local array (a list of them for
-    several boxes), sharing every array and value; and each sharded FQN's boxes."""
-    boxes: Boxes = {}
-
-    def local(value: Any, fqn: str) -> Any:
-        if not is_sharded_leaf(value):
-            return _DESCEND
-        found = sharded_boxes(value)
-        boxes[fqn] = tuple((b.offsets, b.global_shape) for b in found)
-        return found[0].local if isinstance(value, ShardedArray) else [b.local for b in found]
-
-    return _rebuilt(state, "", local), boxes
-
-
-def sharded_from_part(loaded: Any, boxes: Boxes) -> Any:
-    """The inverse of :func:`part_view` for a loaded part: arrays under a sharded FQN become
-    ``ShardedArray`` boxes again."""
-
-    def sharded(value: Any, fqn: str) -> Any:
-        if fqn not in boxes:
-            return _DESCEND
-        found = boxes[fqn]
-        if isinstance(value, list | tuple):  # saved as a list of boxes (of one or more)
-            return [ShardedArray(a, o, g) for a, (o, g) in zip(value, found, strict=True)]
-        ((offsets, shape),) = found
-        return ShardedArray(value, offsets, shape)
-
-    return _rebuilt(loaded, "", sharded)
-
-
-def copy_values_back(target: Any, loaded: Any) -> None:
-    """Put the plain values a load left in ``loaded`` (a :func:`part_view` of ``target``) into
-    ``target``'s containers; arrays were filled in place."""
-    if isinstance(target, dict):
-        items: Any = target.items()
-    elif isinstance(target, list | tuple):
-        items = enumerate(target)
-    else:
-        return
-    for key, value in list(items):
-        got = loaded[key]
-        if is_sharded_leaf(value) or is_array(value) or is_dtensor(value):
-            continue
-        if isinstance(value, dict) or (isinstance(value, list | tuple) and _holds_containers(value)):
-            copy_values_back(value, got)
-        elif not isinstance(target, tuple):
-            target[key] = got
-
-
-def _holds_containers(value: list[Any] | tuple[Any, ...]) -> bool:
-    return any(isinstance(v, dict | list | tuple) or is_array(v) or is_sharded_leaf(v) for v in value)
-
-
-def layout_of(view: dict[str, Any], boxes: Boxes) -> str:
-    """A digest of a part's layout: every array's FQN, shape and dtype, every box."""
-    leaves, _ = flatten_state_dict(view, is_array)
-    arrays = []
-    for fqn, leaf in sorted(leaves.items()):
-        if is_array(leaf.value):
-            a = adapt(leaf.value)
-            arrays.append([fqn, list(a.shape), str(a.dtype)])
-    text = json.dumps([arrays, sorted((k, [list(map(list, b)) for b in v]) for k, v in boxes.items())])
-    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
-
-
-def part_bytes(view: dict[str, Any]) -> int:
-    """The bytes of a part's arrays (what a part costs its tier, plain values aside)."""
-    leaves, _ = flatten_state_dict(view, is_array)
-    total = 0
-    for leaf in leaves.values():
-        if is_array(leaf.value):
-            a = adapt(leaf.value)
-            total += a.dtype.itemsize * math.prod(a.shape)
-    return total
-
-
-# what a restore reports ---------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class PartSource:
-    """Where one rank's part of a restored step came from."""
-
-    rank: int
-    where: str  # "local", "peer" or "root"
-    holder: int | None = None  # the rank that sent it ("peer")
-    node: str | None = None
-    nbytes: int = 0
-    seconds: float = 0.0
-
-
-@dataclass(frozen=True)
-class RestoreReport:
-    """What :meth:`~gpuckpt.CheckpointManager.restore` read, identical on every rank."""
-
-    step: int
-    source: str  # "tiers" or "root"
-    save_id: str | None = None
-    parts: dict[int, PartSource] = field(default_factory=dict)
-    skipped: tuple[str, ...] = ()
-
-
-# the tier -------------------------------------------------------------------------------
 
 
 class LocalTier:
@@ -265,7 +107,7 @@ class LocalTier:
         self.pinned: set[int] = set()
         self._budget_checked = False
         #: where replicas and fetched parts arrive before they are written to the tier
-        self._received = bytearray()
+        self._received = ReceiveBuffer()
         queries.barrier()  # nobody writes before every leader has cleaned up
 
     def _check_directories(self, seen: list[tuple[str, str, int, int]]) -> None:
@@ -445,12 +287,12 @@ class LocalTier:
         for dest, m in manifests.items():
             if m is not None:
                 try:
-                    out_buffers[dest] = self._mapped(self.dir / part_name(step, m[0]), m[1], maps)
+                    out_buffers[dest] = mapped(self.dir / part_name(step, m[0]), m[1], maps)
                 except Exception as exc:
                     error = error or exc
                     out_buffers[dest] = [bytes(size) for _, size in m[1] if size]
         incoming = {src: m for src, m in got.items() if m is not None}
-        cut = self._receive_buffer(sum(size for m in incoming.values() for _, size in m[1]))
+        cut = self._received.cutter(sum(size for m in incoming.values() for _, size in m[1]))
         for source, (whose, files) in incoming.items():
             tmp = self.dir / f".recv-r{self.rank}-{secrets.token_hex(4)}"
             receptions.append((tmp, whose, files))
@@ -477,12 +319,12 @@ class LocalTier:
                 for (tmp, whose, files), bufs in zip(receptions, in_buffers.values(), strict=True):
                     if recycle and self._recycled(step, whose, tmp):
                         try:
-                            self._write_received(tmp, files, bufs)
+                            write_received(tmp, files, bufs)
                         except OSError:  # a copy of another layout (a directory for a file): anew
                             shutil.rmtree(tmp)
-                            self._write_received(tmp, files, bufs)
+                            write_received(tmp, files, bufs)
                     else:
-                        self._write_received(tmp, files, bufs)
+                        write_received(tmp, files, bufs)
                     self._commit_received(tmp, part_name(step, whose))
             except Exception as exc:
                 published = exc
@@ -502,40 +344,6 @@ class LocalTier:
                 p = Path(dirpath) / n
                 files.append((str(p.relative_to(root)), p.stat().st_size))
         return sorted(files)
-
-    @staticmethod
-    def _mapped(root: Path, files: list[tuple[str, int]], maps: list[mmap.mmap]) -> list[Any]:
-        """Read-only memory maps of the non-empty ``files`` under ``root`` (appended to ``maps``),
-        as views; populated at once (the part is in the page cache: no fault per page)."""
-        views = []
-        for rel, size in files:
-            if not size:
-                continue
-            fd = os.open(root / rel, os.O_RDONLY)
-            try:
-                flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-                m = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ)
-            finally:
-                os.close(fd)
-            maps.append(m)
-            views.append(memoryview(m))
-        return views
-
-    def _receive_buffer(self, total: int) -> Callable[[int], memoryview]:
-        """A cutter of the tier's receive buffer (kept from round to round: its pages are mapped
-        once, not faulted in again for every replica), grown to ``total`` bytes: each call
-        returns the next ``size`` bytes."""
-        if len(self._received) < total:
-            self._received = bytearray(total)
-        view = memoryview(self._received)
-        at = 0
-
-        def cut(size: int) -> memoryview:
-            nonlocal at
-            at += size
-            return view[at - size : at]
-
-        return cut
 
     def _recycled(self, step: int, whose: int, tmp: Path) -> bool:
         """Move to ``tmp`` this node's copy of ``whose``'s part of the oldest step that the
@@ -558,37 +366,6 @@ class LocalTier:
                     return False
                 return True
         return False
-
-    @staticmethod
-    def _write_received(tmp: Path, files: list[tuple[str, int]], bufs: list[memoryview]) -> None:
-        """The files of a received part under ``tmp``, from the receive buffer: written over
-        the files of a recycled copy already there (see :meth:`_recycled`), new files
-        otherwise; any other file of a recycled copy is deleted."""
-        it = iter(bufs)
-        tmp.mkdir(exist_ok=True)
-        wanted = set()
-        for rel, size in files:
-            if ".." in Path(rel).parts or Path(rel).is_absolute() or not isinstance(size, int) or size < 0:
-                raise CheckpointCorruptedError(f"a received part names the file {rel!r} of {size!r} bytes")
-            path = tmp / rel
-            wanted.add(path)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd = _open_recycled(path)
-            if fd is None:
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            try:
-                if size:
-                    write_all(fd, next(it))
-                os.ftruncate(fd, size)
-            finally:
-                os.close(fd)
-        for dirpath, dirs, names in os.walk(tmp, topdown=False):
-            for n in names:
-                if Path(dirpath) / n not in wanted:
-                    os.unlink(Path(dirpath) / n)
-            for d in dirs:
-                with contextlib.suppress(OSError):  # removed only when empty
-                    os.rmdir(Path(dirpath) / d)
 
     def _commit_received(self, tmp: Path, name: str) -> None:
         """Publish the part received under ``tmp`` as ``name`` (an older copy is replaced)."""
@@ -738,33 +515,3 @@ class LocalTier:
         if self.leader:
             self._delete_steps([s for s in self.steps() if s > step])
         self.queries.idle_barrier()
-
-
-def _open_recycled(path: Path) -> int | None:
-    """``path`` opened for writing over its bytes if it is a regular file (never through a
-    link, never blocking on a special file), else None: nothing there, or what was there
-    removed."""
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except FileNotFoundError:
-        return None
-    except OSError:  # a link (ELOOP), a directory (EISDIR), ...
-        _remove(path)
-        return None
-    if stat.S_ISREG(os.fstat(fd).st_mode):
-        return fd
-    os.close(fd)
-    _remove(path)
-    return None
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    else:
-        path.unlink()
-
-
-def tree_bytes(path: Path) -> int:
-    """The bytes of the files below ``path`` (a part, a tier)."""
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())

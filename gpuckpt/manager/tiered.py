@@ -1,0 +1,238 @@
+"""A manager's saves and restores through a local tier (:mod:`gpuckpt.tiers`): every step to
+the tier, every ``persist_interval_steps``-th drained to the root in the background, the
+failures of that background work raised on every rank, restores from the tiers first.
+
+A save blocks for one collective: every rank's report of its background work (failed tier
+steps and drains, whether a drain still runs), with rank 0's view of the root and the save's
+id. The drain runs on its own thread at nice 19 and saves the step from the parts in the
+tier, never staged from the device again; retention at the root applies once every rank's
+drain has ended.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import gpuckpt.api as api
+from gpuckpt.distributed.coordinator import Coordinator, describe_error
+from gpuckpt.errors import CheckpointExistsError, CheckpointNotFoundError, DistributedError, StepOrderError
+from gpuckpt.format.metadata import STATE_DICT_TYPE
+from gpuckpt.manager.steps import StepRoot, step_name
+from gpuckpt.options import SaveOptions
+from gpuckpt.runtime.workers import Workers
+from gpuckpt.tiers import LocalTier, PartSource, RestoreReport
+
+__all__ = ["TieredSaves"]
+
+
+def _failures(error: BaseException, rank: int) -> dict[int, str]:
+    """Rank -> what failed, for an error of background work on ``rank`` (a collective's
+    :class:`~gpuckpt.errors.DistributedError` names the ranks where it began)."""
+    if isinstance(error, DistributedError):
+        return dict(error.failures)
+    return {rank: describe_error(error)}
+
+
+class TieredSaves:
+    """One rank's steps through its local tier; made by :class:`~gpuckpt.CheckpointManager`.
+
+    ``steps`` is the manager's view of the root (its ``queries`` coordinator carries the
+    foreground collectives), ``saves`` the coordinator of the drains' saves to the root."""
+
+    def __init__(
+        self,
+        steps: StepRoot,
+        tier: LocalTier,
+        *,
+        saves: Coordinator,
+        options: SaveOptions,
+        persist_interval_steps: int | None,
+        root: Any,
+    ) -> None:
+        assert steps.queries is not None
+        self.steps, self.tier, self.saves = steps, tier, saves
+        self.queries: Coordinator = steps.queries
+        self.options = options
+        self.persist_interval_steps = persist_interval_steps
+        self.root = root
+        self._drains = Workers(1, "gpuckpt-drain", nice=19)
+        self._drain: tuple[int, Any] | None = None
+        #: background work whose failure every rank has raised already: ("tier" | "drain", step)
+        self._reported: set[tuple[str, int]] = set()
+        #: the step last given to the tier
+        self.last: int | None = None
+
+    # saving -------------------------------------------------------------------------
+
+    def save(self, step: int, state_dict: STATE_DICT_TYPE) -> None:
+        """A save through the local tier: one report of every rank's background work, the step
+        checks on the agreed view, the part's snapshot; the drain of a persist step."""
+        if self.last is not None:
+            # one step in flight, as for saves to the root: its snapshot memory is reused, and
+            # its outcome is known on every rank before the next one starts
+            self.tier.wait_for(self.last)
+        persist = step % (self.persist_interval_steps or 1) == 0
+        # the save blocks for one collective: every rank's report of its background work, with
+        # rank 0's view of the root and the save's id (the view may hold old steps that the
+        # retention of a drain joined here deletes: the checks below look at this step and
+        # newer ones only)
+        idle, (steps, save_id) = self.gather(
+            wait_tier=False, wait_drain=False, agreed=lambda: (self.steps.view(step), uuid.uuid4().hex)
+        )
+        if not idle and persist:
+            # the previous drain still runs somewhere: a persist step waits for it (the root
+            # keeps up with the persist steps, or the saves slow down; none is skipped)
+            self.gather(wait_tier=False, wait_drain=True)
+        existing = steps.get(step)
+        if existing is not None or (self.last is not None and step == self.last):
+            where = f"under {self.root}" if existing else "in the local tier"
+            raise CheckpointExistsError(
+                f"step {step} is already saved ({where}); each step is saved once: "
+                "save under another step number"
+            )
+        newer = sorted(s for s in steps if s > step)
+        if self.last is not None and self.last > step:
+            newer.append(self.last)
+        if newer:
+            raise StepOrderError(
+                f"step {step} is older than step(s) {sorted(newer)[:10]} already saved (under {self.root} "
+                "or in the local tier); steps only move forward: to roll back, restore the earlier "
+                "step and delete the newer ones under the root"
+            )
+        self.tier.begin(step, state_dict, save_id)
+        self.last = step
+        if persist:
+            self._start_drain(step)
+
+    def gather(
+        self, *, wait_tier: bool = True, wait_drain: bool = True, agreed: Callable[[], Any] | None = None
+    ) -> tuple[bool, Any]:
+        """Collective: every rank's failed background work (tier steps, drains) raised on every
+        rank, once; a drain that ended on every rank joins the root (its retention applied).
+        Waits for the tier's work and the drain first where asked. Returns whether no drain
+        is running on any rank, and ``agreed()`` as run on rank 0 (see :meth:`StepRoot.agreed`),
+        which travels in the same collective (None without it)."""
+        if wait_tier:
+            self.tier.wait_all()
+        if wait_drain and self._drain is not None:
+            self._drain[1].exception()
+        failed: dict[tuple[str, int], BaseException] = {
+            ("tier", s): e for s, e in self.tier.settled().items()
+        }
+        running = False
+        if self._drain is not None:
+            step, fut = self._drain
+            if fut.done():
+                exc = fut.exception()
+                if exc is not None:
+                    failed[("drain", step)] = exc
+            else:
+                running = True
+        # what failed where: a collective's error names the ranks that failed it
+        mine = {k: _failures(e, self.queries.rank) for k, e in failed.items() if k not in self._reported}
+        outcome, error = self.steps.run_on_rank0(agreed) if agreed is not None else (None, None)
+        reports = self.queries.all_gather((mine, running, outcome))
+        failures: dict[int, str] = {}
+        for errs, _, _ in reports:
+            for (kind, s), by_rank in sorted(errs.items()):
+                self._reported.add((kind, s))
+                what = "writing the local tier" if kind == "tier" else "persisting"
+                for rank, message in by_rank.items():
+                    failures.setdefault(rank, f"{what} step {s}: {message}")
+        idle = not any(r[1] for r in reports)
+        if idle and self._drain is not None:
+            step, fut = self._drain
+            self._drain = None
+            self.tier.pinned.discard(step)
+            ok = fut.exception() is None and fut.result()
+
+            def joined() -> None:
+                if ok:  # committed at root: it counts for retention from now on
+                    self.steps.committed(step)
+                    self.steps.retire(step, self.steps.view(None))
+
+            self.steps.agreed(joined)
+        if failures:
+            raise DistributedError(failures, self.queries.world_size)
+        return idle, None if agreed is None else self.steps.outcome_of_rank0(reports[0][2], error)
+
+    def wait(self) -> None:
+        """Block until the tier's work and the drain in flight are done (errors kept, not raised)."""
+        self.tier.wait_all()
+        if self._drain is not None:
+            self._drain[1].exception()
+
+    def _start_drain(self, step: int) -> None:
+        """Persist ``step`` to the root in the background, from the parts in the local tier."""
+        tier = self.tier
+        tier.pinned.add(step)
+        job = tier.job(step)
+        path = self.steps.store.child(step_name(step))
+        options, coord = self.options, self.saves
+
+        def drain() -> bool:
+            if job is not None and job.exception() is not None:
+                # the step failed on every rank (a tier step fails in a collective): it was
+                # reported as such, and there is nothing to persist
+                return False
+            error: BaseException | None = None
+            state: Any = None
+            try:
+                state = tier.read_part(step)
+            except Exception as exc:  # every rank joins the save's first collective, failed or not
+                error = exc
+            coord.idle_barrier()
+            coord.all_reduce_errors(error)
+            api.save_with_options(state, path, options, coord)
+            return True
+
+        self._drain = (step, self._drains.submit(drain))
+
+    def close(self) -> None:
+        """End the tier's and the drain's threads (their work is done or failed by now)."""
+        self.tier.close()
+        self._drains.shutdown(wait=False)
+
+    # restoring ------------------------------------------------------------------------
+
+    def restore(
+        self,
+        state_dict: STATE_DICT_TYPE,
+        step: int | None,
+        options: dict[str, Any],
+        resolve: Callable[[int], str],
+    ) -> tuple[int, RestoreReport]:
+        """The newest step complete in the tiers (or ``step``), else the root's (``resolve``
+        gives a committed step's name there); returns the step and where its parts came from."""
+        self.wait()  # failures stay for the next save or wait to raise
+
+        def root_latest() -> int | None:
+            steps = self.steps.agreed(lambda: self.steps.view(None))
+            if step is not None:
+                return step if step in steps else None
+            return max(steps, default=None)
+
+        choice, report = self.tier.restore(state_dict, root_latest, dict(options), only=step)
+        if choice.step is not None:  # the line goes on from here: newer tier steps were deleted
+            self.last = choice.step
+        if report is not None:
+            assert choice.step is not None
+            return choice.step, report
+        if choice.source == "none":
+            where = f"step {step}" if step is not None else "any step"
+            raise CheckpointNotFoundError(
+                f"{where}: no step is complete in the local tiers nor committed under {self.root}"
+            )
+        assert choice.step is not None
+        name = resolve(choice.step)
+        options.setdefault("storage_options", self.options.store_options() or None)
+        api.load(state_dict, self.steps.store.child(name), coordinator=self.queries, **options)
+        world = self.queries.world_size
+        sources = {r: PartSource(r, "root") for r in range(world)}
+        return choice.step, RestoreReport(choice.step, "root", None, sources, ())
+
+    def local_steps(self) -> list[int]:
+        """The steps this rank's node holds in its local tier (not a collective)."""
+        return self.tier.steps()

@@ -1,0 +1,121 @@
+"""The files of a part as the local tier moves them: mapped to be sent, received into a
+buffer kept from round to round, written over a recycled copy's files or into new ones."""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import shutil
+import stat
+from pathlib import Path
+from typing import Any
+
+from gpuckpt.errors import CheckpointCorruptedError
+from gpuckpt.storage.local.fileio import write_all
+
+__all__ = ["ReceiveBuffer", "mapped", "tree_bytes", "write_received"]
+
+
+def mapped(root: Path, files: list[tuple[str, int]], maps: list[mmap.mmap]) -> list[Any]:
+    """Read-only memory maps of the non-empty ``files`` under ``root`` (appended to ``maps``),
+    as views; populated at once (the part is in the page cache: no fault per page)."""
+    views = []
+    for rel, size in files:
+        if not size:
+            continue
+        fd = os.open(root / rel, os.O_RDONLY)
+        try:
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            m = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        maps.append(m)
+        views.append(memoryview(m))
+    return views
+
+
+class ReceiveBuffer:
+    """Where replicas and fetched parts arrive before they are written to the tier: one
+    buffer kept from round to round (its pages are mapped once, not faulted in again for
+    every replica), grown as needed."""
+
+    def __init__(self) -> None:
+        self._data = bytearray()
+
+    def cutter(self, total: int) -> Any:
+        """A cutter of the buffer, grown to ``total`` bytes: each call ``cut(size)`` returns
+        the next ``size`` bytes as a view."""
+        if len(self._data) < total:
+            self._data = bytearray(total)
+        view = memoryview(self._data)
+        at = 0
+
+        def cut(size: int) -> memoryview:
+            nonlocal at
+            at += size
+            return view[at - size : at]
+
+        return cut
+
+
+def write_received(tmp: Path, files: list[tuple[str, int]], bufs: list[memoryview]) -> None:
+    """The files of a received part under ``tmp``, from the receive buffer: written over
+    the files of a recycled copy already there (see :meth:`LocalTier._recycled
+    <gpuckpt.tiers.local.LocalTier._recycled>`), new files otherwise; any other file of a
+    recycled copy is deleted. A file name that leaves ``tmp`` is refused."""
+    it = iter(bufs)
+    tmp.mkdir(exist_ok=True)
+    wanted = set()
+    for rel, size in files:
+        if ".." in Path(rel).parts or Path(rel).is_absolute() or not isinstance(size, int) or size < 0:
+            raise CheckpointCorruptedError(f"a received part names the file {rel!r} of {size!r} bytes")
+        path = tmp / rel
+        wanted.add(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = _open_recycled(path)
+        if fd is None:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            if size:
+                write_all(fd, next(it))
+            os.ftruncate(fd, size)
+        finally:
+            os.close(fd)
+    for dirpath, dirs, names in os.walk(tmp, topdown=False):
+        for n in names:
+            if Path(dirpath) / n not in wanted:
+                os.unlink(Path(dirpath) / n)
+        for d in dirs:
+            with contextlib.suppress(OSError):  # removed only when empty
+                os.rmdir(Path(dirpath) / d)
+
+
+def _open_recycled(path: Path) -> int | None:
+    """``path`` opened for writing over its bytes if it is a regular file (never through a
+    link, never blocking on a special file), else None: nothing there, or what was there
+    removed."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return None
+    except OSError:  # a link (ELOOP), a directory (EISDIR), ...
+        _remove(path)
+        return None
+    if stat.S_ISREG(os.fstat(fd).st_mode):
+        return fd
+    os.close(fd)
+    _remove(path)
+    return None
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink()
+
+
+def tree_bytes(path: Path) -> int:
+    """The bytes of the files below ``path`` (a part, a tier)."""
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())

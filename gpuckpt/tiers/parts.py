@@ -1,0 +1,111 @@
+"""A rank's state as a part of a local tier, and back: sharded leaves as their local arrays,
+the boxes they were, a digest of the layout (:func:`layout_of`), the bytes a part costs."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Callable
+from typing import Any
+
+from gpuckpt.device.arrays import adapt, is_array
+from gpuckpt.device.sharded import ShardedArray, is_dtensor, is_sharded_leaf, sharded_boxes
+from gpuckpt.state import flatten_state_dict
+
+__all__ = ["Boxes", "copy_values_back", "layout_of", "part_bytes", "part_view", "sharded_from_part"]
+
+Boxes = dict[str, tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]]
+
+_DESCEND = object()
+
+
+def _rebuilt(value: Any, prefix: str, leaf: Callable[[Any, str], Any]) -> Any:
+    """``value`` with what ``leaf(item, fqn)`` returns for each item it takes (anything but
+    ``_DESCEND``), in new dicts, lists and tuples on the way; the FQNs of a state dict."""
+    out = leaf(value, prefix)
+    if out is not _DESCEND:
+        return out
+    if isinstance(value, dict):
+        return {k: _rebuilt(v, f"{prefix}.{k}" if prefix else str(k), leaf) for k, v in value.items()}
+    if isinstance(value, list | tuple) and not is_array(value):
+        kids = [_rebuilt(v, f"{prefix}.{i}" if prefix else str(i), leaf) for i, v in enumerate(value)]
+        return kids if isinstance(value, list) else tuple(kids)
+    return value
+
+
+def part_view(state: Any) -> tuple[dict[str, Any], Boxes]:
+    """``state`` with each ``ShardedArray`` leaf replaced by its local array (a list of them for
+    several boxes), sharing every array and value; and each sharded FQN's boxes."""
+    boxes: Boxes = {}
+
+    def local(value: Any, fqn: str) -> Any:
+        if not is_sharded_leaf(value):
+            return _DESCEND
+        found = sharded_boxes(value)
+        boxes[fqn] = tuple((b.offsets, b.global_shape) for b in found)
+        return found[0].local if isinstance(value, ShardedArray) else [b.local for b in found]
+
+    return _rebuilt(state, "", local), boxes
+
+
+def sharded_from_part(loaded: Any, boxes: Boxes) -> Any:
+    """The inverse of :func:`part_view` for a loaded part: arrays under a sharded FQN become
+    ``ShardedArray`` boxes again."""
+
+    def sharded(value: Any, fqn: str) -> Any:
+        if fqn not in boxes:
+            return _DESCEND
+        found = boxes[fqn]
+        if isinstance(value, list | tuple):  # saved as a list of boxes (of one or more)
+            return [ShardedArray(a, o, g) for a, (o, g) in zip(value, found, strict=True)]
+        ((offsets, shape),) = found
+        return ShardedArray(value, offsets, shape)
+
+    return _rebuilt(loaded, "", sharded)
+
+
+def copy_values_back(target: Any, loaded: Any) -> None:
+    """Put the plain values a load left in ``loaded`` (a :func:`part_view` of ``target``) into
+    ``target``'s containers; arrays were filled in place."""
+    if isinstance(target, dict):
+        items: Any = target.items()
+    elif isinstance(target, list | tuple):
+        items = enumerate(target)
+    else:
+        return
+    for key, value in list(items):
+        got = loaded[key]
+        if is_sharded_leaf(value) or is_array(value) or is_dtensor(value):
+            continue
+        if isinstance(value, dict) or (isinstance(value, list | tuple) and _holds_containers(value)):
+            copy_values_back(value, got)
+        elif not isinstance(target, tuple):
+            target[key] = got
+
+
+def _holds_containers(value: list[Any] | tuple[Any, ...]) -> bool:
+    return any(isinstance(v, dict | list | tuple) or is_array(v) or is_sharded_leaf(v) for v in value)
+
+
+def layout_of(view: dict[str, Any], boxes: Boxes) -> str:
+    """A digest of a part's layout: every array's FQN, shape and dtype, every box."""
+    leaves, _ = flatten_state_dict(view, is_array)
+    arrays = []
+    for fqn, leaf in sorted(leaves.items()):
+        if is_array(leaf.value):
+            a = adapt(leaf.value)
+            arrays.append([fqn, list(a.shape), str(a.dtype)])
+    text = json.dumps([arrays, sorted((k, [list(map(list, b)) for b in v]) for k, v in boxes.items())])
+    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+
+
+def part_bytes(view: dict[str, Any]) -> int:
+    """The bytes of a part's arrays (what a part costs its tier, plain values aside)."""
+    leaves, _ = flatten_state_dict(view, is_array)
+    total = 0
+    for leaf in leaves.values():
+        if is_array(leaf.value):
+            a = adapt(leaf.value)
+            total += a.dtype.itemsize * math.prod(a.shape)
+    return total
