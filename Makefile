@@ -53,7 +53,7 @@ test-main: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not torch" -n 2 --dist loadfile
 
 test-torch: $(STAMP311)
-	GPUCKPT_REQUIRE_TORCH=1 $(BIN311)/python -m pytest -q -m torch
+	GPUCKPT_REQUIRE_TORCH=1 $(BIN311)/python -m pytest -q -m torch -n 2 --dist loadfile
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -x tests/unit

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpuckpt.errors import MetadataError
+from gpuckpt.format.documents import metadata_json
 
 __all__ = ["PART_KEY", "PartRecord", "part_name", "parse_part_name"]
 
@@ -72,6 +73,20 @@ class PartRecord:
             "layout": self.layout,
             "boxes": {fqn: [[list(o), list(g)] for o, g in boxes] for fqn, boxes in self.boxes.items()},
         }
+
+    @classmethod
+    def from_root_document(cls, raw: bytes | bytearray, where: str) -> PartRecord | None:
+        """The record in a part's root ``zarr.json`` (named ``where`` in errors), its checksum
+        checked, without reading the rest of its metadata (a restore lists every part of a
+        tier); None when it holds none.
+
+        Raises
+        ------
+        MetadataError
+            When the document is damaged or the entry malformed.
+        """
+        md = metadata_json(raw, where)
+        return cls.from_planner_data(md.get("planner_data") if isinstance(md, dict) else None)
 
     @classmethod
     def from_planner_data(cls, planner_data: Any) -> PartRecord | None:

@@ -27,6 +27,7 @@ from gpuckpt.errors import (
     MetadataError,
     TierBudgetError,
 )
+from gpuckpt.format.documents import MAX_ROOT_DOCUMENT_BYTES, ROOT_KEY
 from gpuckpt.format.parts import PART_KEY, PartRecord, parse_part_name, part_name
 from gpuckpt.options import SaveOptions
 from gpuckpt.planning.tiers import Choice, CopySeen, choose, nodes_of, replica_holders, tier_retention
@@ -407,11 +408,13 @@ class LocalTier:
         """Every committed part in this node's tier whose record reads, as this rank sees it."""
         out = []
         for step, rank in self._parts():
+            root = self.dir / part_name(step, rank) / ROOT_KEY
             try:
-                md = api.read_metadata(self.dir / part_name(step, rank))
-                rec = PartRecord.from_planner_data(md.planner_data)
-            except Exception:  # a damaged part's root document: not a copy
-                continue
+                with open(root, "rb") as f:  # (a document too large is refused unread)
+                    raw = f.read(MAX_ROOT_DOCUMENT_BYTES + 1)
+                rec = PartRecord.from_root_document(raw, str(root))
+            except Exception:  # a damaged part's root document: not a copy (its chunks are
+                continue  # checked when it is loaded)
             if rec is None or (rec.step, rec.rank) != (step, rank):
                 continue
             out.append(CopySeen(rec.step, rec.save_id, rec.rank, rec.world_size, rec.layout, self.rank))

@@ -10,8 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import gpuckpt
+from gpuckpt.api import save_with_options
 from gpuckpt.errors import InvalidOptionError, MetadataError
 from gpuckpt.format.parts import PART_KEY, PartRecord, parse_part_name, part_name
+from gpuckpt.options import SaveOptions
 from gpuckpt.planning.tiers import CopySeen, choose, nodes_of, replica_holders, tier_retention
 from gpuckpt.tiers import copy_values_back, layout_of, part_view, sharded_from_part
 
@@ -120,6 +122,26 @@ def test_part_names_and_records_round_trip_and_malformed_records_are_refused() -
     ):
         with pytest.raises(MetadataError, match=PART_KEY):
             PartRecord.from_planner_data({PART_KEY: bad})
+
+
+def test_a_part_record_is_read_from_the_root_document_alone(tmp_path: Any) -> None:
+    """What a restore's inventory reads of each part: the record, from the root document with
+    its checksum checked, the same as from the whole metadata; a damaged document is refused."""
+    rec = PartRecord(7, "abc", 0, 2, "n0", "L", {"w": (((0, 0), (4, 3)),)})
+    path = tmp_path / part_name(7, 0)
+    options = SaveOptions(planner_extra={PART_KEY: rec.to_json()})
+    save_with_options({"w": np.ones((2, 3), np.float32)}, path, options)
+    root = path / "zarr.json"
+    raw = root.read_bytes()
+    assert PartRecord.from_root_document(raw, str(root)) == rec
+    assert PartRecord.from_planner_data(gpuckpt.read_metadata(path).planner_data) == rec
+    plain = tmp_path / "plain"
+    gpuckpt.save({"w": np.ones(2)}, plain)
+    assert PartRecord.from_root_document((plain / "zarr.json").read_bytes(), "plain") is None
+    damaged = raw.replace(b'"abc"', b'"abd"')
+    assert damaged != raw
+    with pytest.raises(MetadataError):
+        PartRecord.from_root_document(damaged, str(root))
 
 
 def test_a_part_view_shares_arrays_and_round_trips() -> None:
