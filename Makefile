@@ -50,7 +50,7 @@ demo: $(DEMO_STAMP)
 test: test-main test-torch
 
 test-main: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not torch" -n 2 --dist loadfile
+	$(BIN)/python -m pytest -q -m "not torch" -n 3 --dist loadfile
 
 test-torch: $(STAMP311)
 	GPUCKPT_REQUIRE_TORCH=1 $(BIN311)/python -m pytest -q -m torch -n 2 --dist loadfile
