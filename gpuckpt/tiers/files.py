@@ -8,6 +8,7 @@ import mmap
 import os
 import shutil
 import stat
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +44,7 @@ class ReceiveBuffer:
     def __init__(self) -> None:
         self._data = bytearray()
 
-    def cutter(self, total: int) -> Any:
+    def cutter(self, total: int) -> Callable[[int], memoryview]:
         """A cutter of the buffer, grown to ``total`` bytes: each call ``cut(size)`` returns
         the next ``size`` bytes as a view."""
         if len(self._data) < total:
