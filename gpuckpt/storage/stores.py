@@ -9,7 +9,9 @@ checkpoints) and asks here about checkpoint directories
 Back ends are registered alike, one :class:`~gpuckpt.storage.base.Backend` per
 URL scheme in :data:`BACKENDS` (which may be extended): a plain path (or
 ``file://`` URL) is ``file``, a directory on a local or shared POSIX file system
-(:mod:`gpuckpt.storage.local`); ``s3://`` URLs go to :mod:`gpuckpt.storage.s3`.
+(:mod:`gpuckpt.storage.local`); ``s3://`` URLs go to :mod:`gpuckpt.storage.s3`;
+``mem://`` names a checkpoint this process holds in memory while it is read
+(:func:`in_memory`, :mod:`gpuckpt.storage.memory`).
 What a back end does differently the pipelines ask through its
 :class:`~gpuckpt.storage.base.Capabilities`, never through its scheme. The
 registry imports the back ends it knows, never the other way round.
@@ -27,6 +29,8 @@ from gpuckpt.storage.local import leftovers
 from gpuckpt.storage.local.reader import LocalReader
 from gpuckpt.storage.local.root import LocalRoot
 from gpuckpt.storage.local.writer import LocalWriter
+from gpuckpt.storage.memory import SCHEME as MEMORY_SCHEME
+from gpuckpt.storage.memory import memory_reader, memory_writer, published
 from gpuckpt.storage.s3.root import ObjectStoreRoot
 from gpuckpt.storage.s3.writer import ObjectStoreReader, ObjectStoreWriter
 
@@ -35,6 +39,7 @@ __all__ = [
     "write_rate",
     "attach_writer",
     "cleanup_leftovers",
+    "in_memory",
     "is_committed",
     "open_reader",
     "open_root",
@@ -153,7 +158,13 @@ BACKENDS: dict[str, Backend] = {
     "s3": Backend(
         _s3_writer, _s3_reader, _s3_attach, _s3_root, write_bytes_per_s=0.25e9, shared_reads=lambda _: True
     ),
+    # read-only: a restore's received files (see in_memory)
+    MEMORY_SCHEME: Backend(memory_writer, memory_reader, write_bytes_per_s=10e9),
 }
+
+#: ``with in_memory(files) as url``: the checkpoint whose files (relative name to buffer) are
+#: ``files``, loadable at ``url`` while the block runs (:func:`gpuckpt.storage.memory.published`)
+in_memory = published
 
 
 def shares_reads(path: str | os.PathLike[str]) -> bool:

@@ -4,6 +4,7 @@ buffer kept from round to round, written over a recycled copy's files or into ne
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import mmap
 import os
 import shutil
@@ -12,10 +13,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from gpuckpt.errors import CheckpointCorruptedError
 from gpuckpt.storage.local.fileio import write_all
 
-__all__ = ["ReceiveBuffer", "mapped", "tree_bytes", "write_received"]
+__all__ = ["ReceiveBuffer", "Received", "mapped", "tree_bytes", "write_received"]
 
 
 def mapped(root: Path, files: list[tuple[str, int]], maps: list[mmap.mmap]) -> list[Any]:
@@ -36,19 +39,42 @@ def mapped(root: Path, files: list[tuple[str, int]], maps: list[mmap.mmap]) -> l
     return views
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Received:
+    """A part received from another rank: whose part it is, its files (relative name, size)
+    as the sender listed them, and the bytes of the non-empty ones, in that order."""
+
+    whose: int
+    files: list[tuple[str, int]]
+    bufs: list[memoryview]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(size for _, size in self.files)
+
+    def as_files(self) -> dict[str, Any]:
+        """Relative name to bytes, as :func:`gpuckpt.storage.stores.in_memory` reads them."""
+        it = iter(self.bufs)
+        return {rel: (next(it) if size else b"") for rel, size in self.files}
+
+
 class ReceiveBuffer:
     """Where replicas and fetched parts arrive before they are written to the tier: one
     buffer kept from round to round (its pages are mapped once, not faulted in again for
-    every replica), grown as needed."""
+    every replica), grown as needed.
+
+    The memory is numpy's, which asks the kernel for transparent huge pages for large
+    buffers (``madvise``): a new 256 MiB buffer takes 0.02-0.03 s to fault in on a 2-vCPU
+    VM, against 0.15-0.35 s for a zero-filled ``bytearray`` of base pages."""
 
     def __init__(self) -> None:
-        self._data = bytearray()
+        self._data = np.empty(0, np.uint8)
 
     def cutter(self, total: int) -> Callable[[int], memoryview]:
         """A cutter of the buffer, grown to ``total`` bytes: each call ``cut(size)`` returns
         the next ``size`` bytes as a view."""
-        if len(self._data) < total:
-            self._data = bytearray(total)
+        if self._data.nbytes < total:
+            self._data = np.empty(total, np.uint8)
         view = memoryview(self._data)
         at = 0
 

@@ -32,8 +32,8 @@ from gpuckpt.format.parts import PART_KEY, PartRecord, parse_part_name, part_nam
 from gpuckpt.options import SaveOptions
 from gpuckpt.planning.tiers import Choice, CopySeen, choose, nodes_of, replica_holders, tier_retention
 from gpuckpt.runtime.workers import Workers
-from gpuckpt.storage.stores import file_system_type, open_root
-from gpuckpt.tiers.files import ReceiveBuffer, mapped, tree_bytes, write_received
+from gpuckpt.storage.stores import file_system_type, in_memory, open_root
+from gpuckpt.tiers.files import ReceiveBuffer, Received, mapped, tree_bytes, write_received
 from gpuckpt.tiers.parts import copy_values_back, layout_of, part_bytes, part_view, sharded_from_part
 from gpuckpt.tiers.report import PartSource, RestoreReport
 
@@ -109,6 +109,8 @@ class LocalTier:
         self._budget_checked = False
         #: where replicas and fetched parts arrive before they are written to the tier
         self._received = ReceiveBuffer()
+        #: writes of parts restores fetched from peers (:meth:`_keep_fetched`)
+        self._fetched: list[Future[None]] = []
         queries.barrier()  # nobody writes before every leader has cleaned up
 
     def _check_directories(self, seen: list[tuple[str, str, int, int]]) -> None:
@@ -239,14 +241,20 @@ class LocalTier:
         return out
 
     def close(self) -> None:
-        """End the tier's threads once their queued work is done."""
+        """End the tier's threads once their queued work is done (the parts a restore fetched
+        are written before this returns: a closed manager leaves its tier as restored)."""
+        for job in self._fetched:
+            job.exception()
+        self._fetched.clear()
         self._thread.shutdown(wait=False)
         self._writer.shutdown(wait=False)
 
     def wait_all(self) -> None:
-        """Block until every step's tier work is done (errors stay for :meth:`settled`)."""
-        for job in list(self._jobs.values()):
+        """Block until every step's tier work is done (errors stay for :meth:`settled`), and
+        the writes of parts fetched by a restore."""
+        for job in [*self._jobs.values(), *self._fetched]:
             job.exception()
+        self._fetched.clear()
 
     def _replicate(self, step: int) -> None:
         """Send this rank's part of ``step`` to its holders; receive the parts it holds."""
@@ -262,14 +270,26 @@ class LocalTier:
         recycle: bool = False,
     ) -> None:
         """One round on ``c``: ``sends[dest] = rank whose part of step to send to dest``; receive
-        from each rank in ``receive_from`` the part it sends (committed here under its name).
+        from each rank in ``receive_from`` the part it sends, committed here under its name.
         ``recycle``: a received part is written into the files of the copy of the same rank's
-        part that this step retires (:meth:`_recycled`), not into new ones.
+        part that this step retires (:meth:`_recycled`), not into new ones."""
+        received = self._exchange(step, sends, receive_from, c, self._received)
+        self._publish(step, received, c, recycle=recycle)
 
-        Files go from a read-only memory map of the sender's file into a writable map of the
-        receiver's new file, sized beforehand: one copy by the transport, nothing zero-filled.
-        Every rank takes part in every exchange whatever failed where, and the round ends in
-        one error check."""
+    def _exchange(
+        self,
+        step: int,
+        sends: dict[int, int],
+        receive_from: list[int],
+        c: Coordinator,
+        buffer: ReceiveBuffer,
+    ) -> list[Received]:
+        """The exchange of :meth:`_transfer`, into ``buffer``: returns the parts received, not
+        yet written anywhere (valid until ``buffer`` is cut again).
+
+        Files go from a read-only memory map of the sender's file into the receive buffer:
+        one copy by the transport. Every rank takes part in every exchange whatever failed
+        where, and the round ends in one error check (raised on every rank)."""
         error: BaseException | None = None
         manifests: dict[int, Any] = {}
         try:
@@ -282,7 +302,7 @@ class LocalTier:
         out_buffers: dict[int, list[Any]] = {}
         in_buffers: dict[int, list[Any]] = {}
         maps: list[mmap.mmap] = []
-        receptions: list[tuple[Path, int, list[tuple[str, int]]]] = []
+        received: list[Received] = []
         # what failed here still sends and receives the sizes announced (zeros, scratch memory),
         # so that every transport's round completes; the round's error check then fails it
         for dest, m in manifests.items():
@@ -293,11 +313,10 @@ class LocalTier:
                     error = error or exc
                     out_buffers[dest] = [bytes(size) for _, size in m[1] if size]
         incoming = {src: m for src, m in got.items() if m is not None}
-        cut = self._received.cutter(sum(size for m in incoming.values() for _, size in m[1]))
+        cut = buffer.cutter(sum(size for m in incoming.values() for _, size in m[1]))
         for source, (whose, files) in incoming.items():
-            tmp = self.dir / f".recv-r{self.rank}-{secrets.token_hex(4)}"
-            receptions.append((tmp, whose, files))
             in_buffers[source] = [cut(size) for _, size in files if size]
+            received.append(Received(whose, files, in_buffers[source]))
         try:
             c.exchange_buffers(out_buffers, in_buffers)
         except Exception as exc:  # a mismatch is raised on the receiver, after every message arrived
@@ -313,27 +332,54 @@ class LocalTier:
         missing = [s for s in receive_from if got.get(s) is None]
         if missing and error is None:
             error = FileNotFoundError(f"ranks {missing} had no part of step {step} to send")
+        c.all_reduce_errors(error)  # nothing received is used unless every rank succeeded
+        return received
+
+    def _publish(self, step: int, received: list[Received], c: Coordinator, *, recycle: bool) -> None:
+        """Collective: write the parts ``received`` into this node's tier and commit them; a
+        publication that failed on any rank fails the round on every rank."""
+        published: BaseException | None = None
         try:
-            c.all_reduce_errors(error)  # nothing received is published unless every rank succeeded
-            published: BaseException | None = None
-            try:
-                for (tmp, whose, files), bufs in zip(receptions, in_buffers.values(), strict=True):
-                    if recycle and self._recycled(step, whose, tmp):
-                        try:
-                            write_received(tmp, files, bufs)
-                        except OSError:  # a copy of another layout (a directory for a file): anew
-                            shutil.rmtree(tmp)
-                            write_received(tmp, files, bufs)
-                    else:
-                        write_received(tmp, files, bufs)
-                    self._commit_received(tmp, part_name(step, whose))
-            except Exception as exc:
-                published = exc
-            c.idle_barrier()  # senders and ranks that received little wait for the others' writes
-            c.all_reduce_errors(published)  # a publication that failed here fails the round everywhere
+            for got in received:
+                self._write_part(step, got, recycle=recycle)
+        except Exception as exc:
+            published = exc
+        c.idle_barrier()  # senders and ranks that received little wait for the others' writes
+        c.all_reduce_errors(published)
+
+    def _write_part(self, step: int, got: Received, *, recycle: bool) -> None:
+        """Write the received part ``got`` into the tier and commit it under its name."""
+        tmp = self.dir / f".recv-r{self.rank}-{secrets.token_hex(4)}"
+        try:
+            if recycle and self._recycled(step, got.whose, tmp):
+                try:
+                    write_received(tmp, got.files, got.bufs)
+                except OSError:  # a copy of another layout (a directory for a file): anew
+                    shutil.rmtree(tmp)
+                    write_received(tmp, got.files, got.bufs)
+            else:
+                write_received(tmp, got.files, got.bufs)
+            self._commit_received(tmp, part_name(step, got.whose))
         finally:
-            for tmp, _, _ in receptions:
-                shutil.rmtree(tmp, ignore_errors=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def _keep_fetched(self, step: int, got: Received) -> None:
+        """Write a part a restore fetched from a peer into this node's tier, on the tier's
+        thread (before any later step's retention there), after the restore has returned:
+        until then the peer's copy is the one there is. A failure is warned about: the
+        restore is done, and the next save writes this rank's part anew."""
+
+        def write() -> None:
+            try:
+                self._write_part(step, got, recycle=False)
+            except Exception as exc:
+                warnings.warn(
+                    f"the local tier {self.dir} could not keep the part of rank {got.whose} at step {step} "
+                    f"fetched from a peer ({describe_error(exc)}); the peer's copy remains",
+                    stacklevel=1,
+                )
+
+        self._fetched.append(self._thread.submit(write))
 
     def _manifest(self, step: int, whose: int) -> list[tuple[str, int]]:
         root = self.dir / part_name(step, whose)
@@ -446,6 +492,7 @@ class LocalTier:
         view, boxes = part_view(state)
         layout = layout_of(view, boxes)
         skipped: list[str] = []
+        self.wait_all()  # (a part an earlier restore fetched is in the tier before it is listed)
         latest_root = root_latest()
         for _attempt in range(4 * self.world_size + 4):
             # one all_gather: the parts each node's lowest rank lists (the node's other ranks see
@@ -470,12 +517,22 @@ class LocalTier:
             started = time.perf_counter()
             sends = {r: r for r, h in senders.items() if h == self.rank and r != self.rank}
             mine = senders[self.rank]
+            fetched: list[Received] = []
             if any(h != r for r, h in senders.items()):  # (the same on every rank: no round if none)
-                self._transfer(step, sends, [] if mine == self.rank else [mine], c)
+                # a buffer of its own: it is written to the tier after the restore returns
+                fetched = self._exchange(step, sends, [] if mine == self.rank else [mine], c, ReceiveBuffer())
             path = self.dir / part_name(step, self.rank)
             error: BaseException | None = None
+            nbytes = 0
             try:
-                api.load(view, path, **load_options)
+                if fetched:  # loaded from the bytes received, not written to files and read back
+                    (got,) = fetched
+                    with in_memory(got.as_files()) as url:
+                        api.load(view, url, **load_options)
+                    nbytes = got.nbytes
+                else:
+                    api.load(view, path, **load_options)
+                    nbytes = tree_bytes(path)
                 copy_values_back(state, view)
             except Exception as exc:
                 error = exc
@@ -483,7 +540,7 @@ class LocalTier:
             damaged = isinstance(error, _DAMAGE)
             report = None if error is None else (damaged, describe_error(error), mine)
             c.idle_barrier()  # parts fetched from peers take longer than local ones
-            outcomes = c.all_gather((report, tree_bytes(path) if error is None else 0, seconds))
+            outcomes = c.all_gather((report, nbytes if error is None else 0, seconds))
             bad = {r: o[0] for r, o in enumerate(outcomes) if o[0] is not None}
             if not bad:
                 parts = {
@@ -498,6 +555,8 @@ class LocalTier:
                     for r in range(self.world_size)
                 }
                 self._abandon_newer(step)
+                for got in fetched:
+                    self._keep_fetched(step, got)
                 return choice, RestoreReport(step, "tiers", choice.save_id, parts, tuple(skipped))
             if not all(b[0] for b in bad.values()):
                 failures = {r: b[1] for r, b in bad.items()}

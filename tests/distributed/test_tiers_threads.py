@@ -101,6 +101,32 @@ def test_a_damaged_local_copy_is_skipped_and_its_replica_used(tiers: Any, tmp_pa
         assert g["parts"]["0"] == ["peer", 2], (r, g)
 
 
+def test_a_damaged_replica_fetched_by_a_replaced_node_is_skipped_for_the_step_before(
+    tiers: Any, tmp_path: Path
+) -> None:
+    # the replaced node loads a fetched part from the bytes received (never written to files
+    # first): their checksums are checked all the same
+    _trained(tiers, tmp_path)
+    shutil.rmtree(tmp_path / "n1")
+    replica = tmp_path / "n0" / part_name(5, 2) / "w"
+    chunk = next(p for p in replica.rglob("*") if p.is_file() and p.name != "zarr.json")
+    data = bytearray(chunk.read_bytes())
+    data[5] ^= 0x10
+    chunk.write_bytes(bytes(data))
+    shutil.move(tmp_path / "root", tmp_path / "root-moved-away")
+    got = _restored(tiers, tmp_path)
+    want = {"0": ["local", None], "1": ["local", None], "2": ["peer", 0], "3": ["peer", 1]}
+    for r, g in enumerate(got):
+        assert g["step"] == 4 and g["exact"] and g["skipped"] == 1 and g["parts"] == want, (r, g)
+    # step 5 is abandoned everywhere (the line goes on from step 4); step 4's fetched parts are kept
+    assert not any(
+        p.name.startswith(part_name(5, 0).split(".")[0] + ".")
+        for n in ("n0", "n1")
+        for p in (tmp_path / n).iterdir()
+    )
+    assert (tmp_path / "n1" / part_name(4, 2)).is_dir() and (tmp_path / "n1" / part_name(4, 3)).is_dir()
+
+
 def test_with_both_copies_of_a_part_gone_restore_falls_back_to_root(tiers: Any, tmp_path: Path) -> None:
     _trained(tiers, tmp_path)
     for node in ("n0", "n1"):

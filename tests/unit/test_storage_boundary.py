@@ -11,6 +11,8 @@ from test_import_graph import import_graph
 
 #: the packages of the back ends: every module in them is the back end's own
 BACK_END_PACKAGES = ("gpuckpt.storage.local", "gpuckpt.storage.s3")
+#: back ends of one module
+BACK_END_MODULES = ("gpuckpt.storage.memory",)
 #: modules of the local back end that the rest of gpuckpt may use, each for a reason: file
 #: primitives (durable publication, error hints, whole reads and writes) that convert uses to write
 #: single files and saves use to explain an errno; which copy-with-CRC loop this machine runs
@@ -23,7 +25,9 @@ SHARED_HELPERS = frozenset(
 def _back_ends(graph: dict[str, set[str]]) -> set[str]:
     # the packages themselves hold only a docstring: ``from gpuckpt.storage.local import fsutil``
     # names the package on the way to the module
-    return {m for m in graph if m.startswith(tuple(f"{p}." for p in BACK_END_PACKAGES))} - SHARED_HELPERS
+    return {
+        m for m in graph if m in BACK_END_MODULES or m.startswith(tuple(f"{p}." for p in BACK_END_PACKAGES))
+    } - SHARED_HELPERS
 
 
 #: fault injection and crash tracing wrap the local back end's functions on purpose
@@ -60,5 +64,6 @@ def test_the_check_sees_an_import() -> None:
     # the graph has the edges this test relies on
     graph = import_graph()
     assert "gpuckpt.storage.local.writer" in graph["gpuckpt.storage.stores"]
+    assert "gpuckpt.storage.memory" in graph["gpuckpt.storage.stores"]
     assert "gpuckpt.storage.stores" in graph["gpuckpt.loading.open"]
     assert "gpuckpt.storage.local.writer" in graph["gpuckpt.testing.crash"]
