@@ -31,7 +31,9 @@ on the same bytes, by the same ranks at the same time:
 6. a replaced node: n1's local tier deleted, 4 ranks (new managers) restore, n1's parts
    fetched from their replicas on n0; bytes of a part per second of the whole restore against
    the transport's per-rank bandwidth of figure 3; target >= 0.7. Shown too: the fetch alone
-   (``LocalTier._transfer``, wrapped), and one-way ``exchange_buffers`` on the same pairs.
+   (``LocalTier._exchange``, wrapped: the transfer into memory, which the restore loads from;
+   the part's files are written into n1's tier after the restore returns), and one-way
+   ``exchange_buffers`` on the same pairs.
 7. a single-process training loop (numpy 512x512 float32 matmuls, about 0.1 s a step; this
    process, no MPI) with ``CheckpointManager(root, local_dir=..., replicas=0,
    persist_interval_steps=P*K, save_interval_steps=K)`` saving every K-th step to the tier
@@ -301,7 +303,7 @@ def figures_of_ranks(ranks: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[
 
     extras: dict[str, Any] = {}
     fetch = _slowest(ranks, "restore_rounds", "peer_transfer_s", replaced)
-    extras["6: the fetch alone (LocalTier._transfer), GB/s per replaced rank"] = pbytes / _median(fetch) / 1e9
+    extras["6: the fetch alone (LocalTier._exchange), GB/s per replaced rank"] = pbytes / _median(fetch) / 1e9
     one = _slowest(ranks, "restore_rounds", "one_way_s")
     extras["6: one-way exchange_buffers on the same pairs, GB/s per receiving rank"] = (
         state / _median(one) / 1e9

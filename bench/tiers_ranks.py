@@ -190,7 +190,8 @@ class TierProbe:
 
     def __init__(self) -> None:
         self.marks: dict[str, dict[str, float]] = {}
-        #: ``(start, end)`` of every transfer round (replications and restores' fetches)
+        #: ``(start, end)`` of every exchange round (replications and restores' fetches: the
+        #: transfer into memory, before any file is written)
         self.transfers: list[tuple[float, float]] = []
         original = tiers_module.async_save_with_options
 
@@ -213,7 +214,7 @@ class TierProbe:
         background_module.submit = timed_submit  # async_save_with_options looks it up at each call
 
     def attach(self, tier: Any) -> None:
-        finish, replicate, transfer, rank = tier._finish, tier._replicate, tier._transfer, tier.rank
+        finish, replicate, exchange, rank = tier._finish, tier._replicate, tier._exchange, tier.rank
 
         def timed_finish(step: int, written: Any, error: Any) -> None:
             if written is not None:
@@ -227,12 +228,13 @@ class TierProbe:
             replicate(step)
             self.marks.setdefault(part_name(step, rank), {}).update(rep0=t, rep1=time.perf_counter())
 
-        def timed_transfer(*a: Any, **kw: Any) -> None:
+        def timed_exchange(*a: Any, **kw: Any) -> Any:
             t = time.perf_counter()
-            transfer(*a, **kw)
+            got = exchange(*a, **kw)
             self.transfers.append((t, time.perf_counter()))
+            return got
 
-        tier._finish, tier._replicate, tier._transfer = timed_finish, timed_replicate, timed_transfer
+        tier._finish, tier._replicate, tier._exchange = timed_finish, timed_replicate, timed_exchange
 
 
 def _order(names: list[str], r: int) -> list[str]:

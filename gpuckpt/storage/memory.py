@@ -8,6 +8,10 @@ and writes the files afterwards. The files are named as in a checkpoint director
 checks as files: documents capped before they are parsed, chunks read only up to the sizes
 the metadata gives, every chunk's CRC32C checked by the load.
 
+A file is a buffer or a list of buffers (its bytes in order). A restore may receive a
+chunk's bytes straight into the array the load fills: reading them "into" the same memory
+then only checksums them.
+
 A ``mem://`` name is this process's only, lives while its ``with published(...)`` block
 runs, and is read-only: a save to one is refused.
 """
@@ -31,6 +35,7 @@ from gpuckpt.format.documents import (
 )
 from gpuckpt.storage.base import Capabilities, CheckpointReader
 from gpuckpt.storage.local import crccopy
+from gpuckpt.storage.local.fileio import buffer_address
 
 __all__ = ["SCHEME", "MemoryReader", "memory_reader", "memory_writer", "published"]
 
@@ -42,8 +47,9 @@ _lock = threading.Lock()
 
 @contextlib.contextmanager
 def published(files: Mapping[str, Any]) -> Iterator[str]:
-    """The checkpoint whose files are ``files`` (relative name to buffer), readable under the
-    returned ``mem://`` URL until the block ends. The buffers are read, never kept or changed."""
+    """The checkpoint whose files are ``files`` (relative name to a buffer or a list of
+    buffers), readable under the returned ``mem://`` URL until the block ends. The buffers
+    are read, never kept or changed."""
     name = secrets.token_hex(8)
     with _lock:
         _published[name] = files
@@ -52,6 +58,42 @@ def published(files: Mapping[str, Any]) -> Iterator[str]:
     finally:
         with _lock:
             del _published[name]
+
+
+class _File:
+    """A file as one or more buffers, its bytes in their order."""
+
+    __slots__ = ("nbytes", "pieces")
+
+    def __init__(self, value: Any) -> None:
+        parts = value if isinstance(value, (list, tuple)) else [value]
+        self.pieces = [memoryview(p).cast("B") for p in parts]
+        self.nbytes = sum(p.nbytes for p in self.pieces)
+
+    def whole(self) -> bytearray:
+        out = bytearray(self.nbytes)
+        at = 0
+        for p in self.pieces:
+            out[at : at + p.nbytes] = p
+            at += p.nbytes
+        return out
+
+    def copy_crc(self, at: int, dst: memoryview, value: int) -> int:
+        """Copy the file's bytes from ``at`` into ``dst`` (which the file holds enough bytes
+        for) and return their CRC32C continued from ``value``."""
+        done = 0
+        start = 0
+        for p in self.pieces:
+            if done == dst.nbytes:
+                break
+            end = start + p.nbytes
+            if at + done < end:
+                lo = at + done - start
+                n = min(p.nbytes - lo, dst.nbytes - done)
+                value = _copy_crc(p[lo : lo + n], dst[done : done + n], value)
+                done += n
+            start = end
+        return value
 
 
 class MemoryReader(CheckpointReader):
@@ -63,25 +105,24 @@ class MemoryReader(CheckpointReader):
         self.name = name
         self._files = files
 
-    def _file(self, rel: str) -> memoryview | None:
-        buf = self._files.get(rel)
-        return None if buf is None else memoryview(buf).cast("B")
+    def _file(self, rel: str) -> _File | None:
+        value = self._files.get(rel)
+        return None if value is None else _File(value)
 
     def _document(self, rel: str, limit: int, cap: str) -> bytearray:
-        view = self._file(rel)
-        if view is None:
+        f = self._file(rel)
+        if f is None:
             raise FileNotFoundError(f"{SCHEME}://{self.name}/{rel}")
-        if view.nbytes > limit:
-            raise too_large(f"{SCHEME}://{self.name}/{rel}", view.nbytes, limit, cap)
-        return bytearray(view)
+        if f.nbytes > limit:
+            raise too_large(f"{SCHEME}://{self.name}/{rel}", f.nbytes, limit, cap)
+        return f.whole()
 
     def read_root(self) -> bytearray:
         try:
             return self._document(ROOT_KEY, MAX_ROOT_DOCUMENT_BYTES, "MAX_ROOT_DOCUMENT_BYTES")
         except FileNotFoundError:
-            raise CheckpointNotFoundError(
-                f"no checkpoint at {SCHEME}://{self.name}: it has no {ROOT_KEY}"
-            ) from None
+            where = f"{SCHEME}://{self.name}"
+            raise CheckpointNotFoundError(f"no checkpoint at {where}: it has no {ROOT_KEY}") from None
 
     def read_array_document(self, name: str) -> bytearray:
         return self._document(f"{name}/zarr.json", MAX_ARRAY_DOCUMENT_BYTES, "MAX_ARRAY_DOCUMENT_BYTES")
@@ -95,14 +136,14 @@ class MemoryReader(CheckpointReader):
         }
 
     def chunk_nbytes(self, name: str, key: str) -> int | None:
-        view = self._file(f"{name}/{key}")
-        return None if view is None else view.nbytes
+        f = self._file(f"{name}/{key}")
+        return None if f is None else f.nbytes
 
-    def _chunk(self, name: str, key: str) -> memoryview:
-        view = self._file(f"{name}/{key}")
-        if view is None:
+    def _chunk(self, name: str, key: str) -> _File:
+        f = self._file(f"{name}/{key}")
+        if f is None:
             raise FileNotFoundError(f"{SCHEME}://{self.name}/{name}/{key}")
-        return view
+        return f
 
     def read_chunk_into(self, name: str, key: str, dests: Sequence[Any]) -> int:
         return self.read_range_crcs(name, key, 0, dests)[0]
@@ -113,11 +154,9 @@ class MemoryReader(CheckpointReader):
         for i, d in enumerate(dests):
             dst = memoryview(d).cast("B")
             n = min(dst.nbytes, src.nbytes - total)
-            last = i == len(dests) - 1
-            if last:
-                dst[:n] = src[total : total + n]
-            else:
-                value = _copy_crc(src[total : total + n], dst[:n], value)
+            crc = src.copy_crc(total, dst[:n], value)
+            if i < len(dests) - 1:  # (the last buffer takes the trailer: not in the CRC)
+                value = crc
             total += n
             if n < dst.nbytes:
                 break
@@ -132,7 +171,7 @@ class MemoryReader(CheckpointReader):
         for d in dests:
             dst = memoryview(d).cast("B")
             n = max(0, min(dst.nbytes, src.nbytes - at))
-            crcs.append(_copy_crc(src[at : at + n], dst[:n], 0))
+            crcs.append(src.copy_crc(at, dst[:n], 0))
             total += n
             at += n
             if n < dst.nbytes:
@@ -142,11 +181,17 @@ class MemoryReader(CheckpointReader):
 
 def _copy_crc(src: memoryview, dst: memoryview, value: int) -> int:
     """Copy ``src`` into ``dst`` and return the CRC32C continued from ``value``: in one pass
-    where the native loop is built (:mod:`gpuckpt.storage.local.crccopy`)."""
-    if src.nbytes and crccopy.available():
-        return crccopy.crc_copy(src, dst, value)
-    dst[:] = src
-    return crc32c(dst, value)
+    where the native loop is built (:mod:`gpuckpt.storage.local.crccopy`). Bytes that are
+    already where they are asked for (a restore received them into the load's target) are
+    only checksummed."""
+    if not src.nbytes:
+        return value
+    same = buffer_address(src) == buffer_address(dst)
+    if crccopy.available():
+        return crccopy.crc_copy(src, None if same else dst, value)
+    if not same:
+        dst[:] = src
+    return crc32c(src, value)
 
 
 def memory_reader(location: str, **_: Any) -> CheckpointReader:

@@ -35,6 +35,7 @@ from gpuckpt.runtime.workers import Workers
 from gpuckpt.storage.stores import file_system_type, in_memory, open_root
 from gpuckpt.tiers.files import ReceiveBuffer, Received, mapped, tree_bytes, write_received
 from gpuckpt.tiers.parts import copy_values_back, layout_of, part_bytes, part_view, sharded_from_part
+from gpuckpt.tiers.placement import message_sizes, placement
 from gpuckpt.tiers.report import PartSource, RestoreReport
 
 __all__ = ["LocalTier"]
@@ -283,18 +284,25 @@ class LocalTier:
         receive_from: list[int],
         c: Coordinator,
         buffer: ReceiveBuffer,
+        *,
+        into: dict[str, Any] | None = None,
     ) -> list[Received]:
         """The exchange of :meth:`_transfer`, into ``buffer``: returns the parts received, not
         yet written anywhere (valid until ``buffer`` is cut again).
 
         Files go from a read-only memory map of the sender's file into the receive buffer:
-        one copy by the transport. Every rank takes part in every exchange whatever failed
-        where, and the round ends in one error check (raised on every rank)."""
+        one copy by the transport. ``into`` (a restore's state, as :func:`part_view` gives it;
+        the same on every rank: None or not): this rank's own part is received into its
+        arrays where :func:`~gpuckpt.tiers.placement.placement` allows, the rest into
+        ``buffer``. Every rank takes part in every exchange whatever failed where, and the
+        round ends in one error check (raised on every rank)."""
         error: BaseException | None = None
         manifests: dict[int, Any] = {}
         try:
             for dest, whose in sends.items():
-                manifests[dest] = (whose, self._manifest(step, whose))
+                files = self._manifest(step, whose)
+                root = self._root_document(step, whose, files) if into is not None else None
+                manifests[dest] = (whose, files, root)
         except Exception as exc:
             error = exc
             manifests = {dest: None for dest in sends}
@@ -311,12 +319,22 @@ class LocalTier:
                     out_buffers[dest] = mapped(self.dir / part_name(step, m[0]), m[1], maps)
                 except Exception as exc:
                     error = error or exc
-                    out_buffers[dest] = [bytes(size) for _, size in m[1] if size]
+                    out_buffers[dest] = [bytes(n) for rel, size in m[1] for n in message_sizes(rel, size)]
         incoming = {src: m for src, m in got.items() if m is not None}
-        cut = buffer.cutter(sum(size for m in incoming.values() for _, size in m[1]))
-        for source, (whose, files) in incoming.items():
-            in_buffers[source] = [cut(size) for _, size in files if size]
-            received.append(Received(whose, files, in_buffers[source]))
+        targets = {
+            src: self._targets(m[2], into, step) if into is not None and m[0] == self.rank else {}
+            for src, m in incoming.items()
+        }
+        plans = {src: self._messages(m[1], targets[src]) for src, m in incoming.items()}
+        cut = buffer.cutter(sum(n for plan in plans.values() for sizes in plan for n in sizes if n > 0))
+        for source, (whose, files, _root) in incoming.items():
+            pieces = [
+                [cut(n) if n > 0 else targets[source][rel] for n in sizes]
+                for (rel, _), sizes in zip(files, plans[source], strict=True)
+            ]
+            in_buffers[source] = [p for ps in pieces for p in ps]
+            placed = any(n < 0 for sizes in plans[source] for n in sizes)
+            received.append(Received(whose, files, pieces, placed=placed))
         try:
             c.exchange_buffers(out_buffers, in_buffers)
         except Exception as exc:  # a mismatch is raised on the receiver, after every message arrived
@@ -334,6 +352,37 @@ class LocalTier:
             error = FileNotFoundError(f"ranks {missing} had no part of step {step} to send")
         c.all_reduce_errors(error)  # nothing received is used unless every rank succeeded
         return received
+
+    def _root_document(self, step: int, whose: int, files: list[tuple[str, int]]) -> bytes | None:
+        """The root document of ``whose``'s part of ``step`` here, sent with its manifest to a
+        restore (None if it is missing or too large: nothing is placed then)."""
+        size = dict(files).get(ROOT_KEY)
+        if size is None or size > MAX_ROOT_DOCUMENT_BYTES:
+            return None
+        return (self.dir / part_name(step, whose) / ROOT_KEY).read_bytes()
+
+    def _targets(self, root: bytes | None, into: dict[str, Any], step: int) -> dict[str, Any]:
+        """Which of this rank's arrays take which chunk file of its part (see :mod:`placement`);
+        none where the root document did not come or does not read (the load says why)."""
+        if root is None:
+            return {}
+        try:
+            return placement(root, f"{part_name(step, self.rank)}/{ROOT_KEY} (received)", into)
+        except Exception:
+            return {}
+
+    @staticmethod
+    def _messages(files: list[tuple[str, int]], targets: dict[str, Any]) -> list[list[int]]:
+        """The sizes of each file's messages to cut from the receive buffer; ``-1`` where a
+        message goes straight into the array ``targets`` has for that file."""
+        plan = []
+        for rel, size in files:
+            sizes = message_sizes(rel, size)
+            t = targets.get(rel)
+            if t is not None and len(sizes) == 2 and sizes[0] == t.nbytes:
+                sizes = [-1, sizes[1]]
+            plan.append(sizes)
+        return plan
 
     def _publish(self, step: int, received: list[Received], c: Coordinator, *, recycle: bool) -> None:
         """Collective: write the parts ``received`` into this node's tier and commit them; a
@@ -353,12 +402,12 @@ class LocalTier:
         try:
             if recycle and self._recycled(step, got.whose, tmp):
                 try:
-                    write_received(tmp, got.files, got.bufs)
+                    write_received(tmp, got.files, got.pieces)
                 except OSError:  # a copy of another layout (a directory for a file): anew
                     shutil.rmtree(tmp)
-                    write_received(tmp, got.files, got.bufs)
+                    write_received(tmp, got.files, got.pieces)
             else:
-                write_received(tmp, got.files, got.bufs)
+                write_received(tmp, got.files, got.pieces)
             self._commit_received(tmp, part_name(step, got.whose))
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -519,8 +568,10 @@ class LocalTier:
             mine = senders[self.rank]
             fetched: list[Received] = []
             if any(h != r for r, h in senders.items()):  # (the same on every rank: no round if none)
-                # a buffer of its own: it is written to the tier after the restore returns
-                fetched = self._exchange(step, sends, [] if mine == self.rank else [mine], c, ReceiveBuffer())
+                # into the state's arrays where they allow it, the rest into a buffer of its own
+                # (kept for the tier's copy, written after the restore returns)
+                receive = [] if mine == self.rank else [mine]
+                fetched = self._exchange(step, sends, receive, c, ReceiveBuffer(), into=view)
             path = self.dir / part_name(step, self.rank)
             error: BaseException | None = None
             nbytes = 0
@@ -556,7 +607,8 @@ class LocalTier:
                 }
                 self._abandon_newer(step)
                 for got in fetched:
-                    self._keep_fetched(step, got)
+                    if not got.placed:  # (bytes received into the state are the job's now)
+                        self._keep_fetched(step, got)
                 return choice, RestoreReport(step, "tiers", choice.save_id, parts, tuple(skipped))
             if not all(b[0] for b in bad.values()):
                 failures = {r: b[1] for r, b in bad.items()}

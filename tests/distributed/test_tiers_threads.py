@@ -30,8 +30,8 @@ def _trained(tiers: Any, base: Path, last: int = 5) -> list[dict[str, Any]]:
     return run_ranks(4, lambda c: tiers.train(c, str(base), last, settle=True), timeout=120)
 
 
-def _restored(tiers: Any, base: Path, step: int | None = None) -> list[dict[str, Any]]:
-    return run_ranks(4, lambda c: tiers.restore(c, str(base), step), timeout=120)
+def _restored(tiers: Any, base: Path, step: int | None = None, **kw: Any) -> list[dict[str, Any]]:
+    return run_ranks(4, lambda c: tiers.restore(c, str(base), step, **kw), timeout=120)
 
 
 def test_every_step_goes_to_the_tier_with_a_replica_and_persist_steps_to_root(
@@ -71,16 +71,52 @@ def test_restore_reads_the_tiers_not_the_root(tiers: Any, tmp_path: Path) -> Non
     assert not any((tmp_path / "root").iterdir())
 
 
+def _steps_in(tier: Path) -> list[str]:
+    return sorted(p.name for p in tier.iterdir() if not p.name.startswith("."))
+
+
 def test_a_replaced_node_gets_its_parts_from_the_replicas(tiers: Any, tmp_path: Path) -> None:
     _trained(tiers, tmp_path)
     shutil.rmtree(tmp_path / "n1")
     shutil.move(tmp_path / "root", tmp_path / "root-moved-away")
+    replicas = _steps_in(tmp_path / "n0")
     got = _restored(tiers, tmp_path)
     want = {"0": ["local", None], "1": ["local", None], "2": ["peer", 0], "3": ["peer", 1]}
     for r, g in enumerate(got):
         assert g["step"] == 5 and g["exact"] and g["parts"] == want, (r, g)
-    # the replaced node's tier holds its parts again
-    assert (tmp_path / "n1" / part_name(5, 2)).is_dir() and (tmp_path / "n1" / part_name(5, 3)).is_dir()
+    # the parts went straight into the restored arrays: the replaced node's tier does not hold
+    # them (the copies on n0 do, unchanged) until the next save
+    assert _steps_in(tmp_path / "n1") == [] and _steps_in(tmp_path / "n0") == replicas
+
+
+def test_after_a_replaced_nodes_restore_the_next_save_fills_its_tier_again(
+    tiers: Any, tmp_path: Path
+) -> None:
+    _trained(tiers, tmp_path)
+    shutil.rmtree(tmp_path / "n1")
+    got = _restored(tiers, tmp_path, then=1)
+    assert all(g["step"] == 5 and g["exact"] for g in got), got
+    for node in ("n0", "n1"):  # each node: step 6 of its own ranks and of the other node's
+        assert [n for n in _steps_in(tmp_path / node) if n.startswith("step_00000006")] == [
+            part_name(6, r) for r in range(4)
+        ], node
+
+
+def test_a_part_fetched_into_arrays_it_cannot_fill_in_place_is_kept_in_the_tier(
+    tiers: Any, tmp_path: Path
+) -> None:
+    # a Fortran-ordered array cannot take the stored (C-order) bytes as they arrive: the part
+    # is received into a buffer, loaded from it, and written into the replaced node's tier
+    _trained(tiers, tmp_path)
+    shutil.rmtree(tmp_path / "n1")
+    got = _restored(tiers, tmp_path, fortran=True)
+    want = {"0": ["local", None], "1": ["local", None], "2": ["peer", 0], "3": ["peer", 1]}
+    for r, g in enumerate(got):
+        assert g["step"] == 5 and g["exact"] and g["parts"] == want, (r, g)
+    assert _steps_in(tmp_path / "n1") == [part_name(5, 2), part_name(5, 3)]
+    for r in (2, 3):
+        kept = gpuckpt.load_state_dict(tmp_path / "n1" / part_name(5, r))
+        assert np.array_equal(kept["w"], tiers.state(5, r, 4)["w"].local) and kept["step"] == 5
 
 
 def test_a_damaged_local_copy_is_skipped_and_its_replica_used(tiers: Any, tmp_path: Path) -> None:
@@ -118,13 +154,8 @@ def test_a_damaged_replica_fetched_by_a_replaced_node_is_skipped_for_the_step_be
     want = {"0": ["local", None], "1": ["local", None], "2": ["peer", 0], "3": ["peer", 1]}
     for r, g in enumerate(got):
         assert g["step"] == 4 and g["exact"] and g["skipped"] == 1 and g["parts"] == want, (r, g)
-    # step 5 is abandoned everywhere (the line goes on from step 4); step 4's fetched parts are kept
-    assert not any(
-        p.name.startswith(part_name(5, 0).split(".")[0] + ".")
-        for n in ("n0", "n1")
-        for p in (tmp_path / n).iterdir()
-    )
-    assert (tmp_path / "n1" / part_name(4, 2)).is_dir() and (tmp_path / "n1" / part_name(4, 3)).is_dir()
+    # step 5 is abandoned everywhere (the line goes on from step 4)
+    assert not any(p.startswith("step_00000005") for n in ("n0", "n1") for p in _steps_in(tmp_path / n))
 
 
 def test_with_both_copies_of_a_part_gone_restore_falls_back_to_root(tiers: Any, tmp_path: Path) -> None:

@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from _rank_io import finish, make_coordinator, process_rank, run_rank
 from manager_ranks import empty, exact, state
 
@@ -70,10 +71,18 @@ def train_until_killed(c: Coordinator, base: str, settled: int, event: str) -> d
     return {"survived": True}
 
 
-def restore(c: Coordinator, base: str, step: int | None = None) -> dict[str, Any]:
+def restore(
+    c: Coordinator, base: str, step: int | None = None, *, fortran: bool = False, then: int = 0
+) -> dict[str, Any]:
+    """Restore (``step``: that one); ``fortran``: into Fortran-ordered arrays (no fetched byte
+    can be received into them in place); ``then``: save that many more steps after it."""
     r, n = c.rank, c.world_size
     mgr = manager(c, base)
     target = empty(r, n)
+    if fortran:
+        w = target["w"]
+        target["w"] = gpuckpt.ShardedArray(np.asfortranarray(w.local), w.offsets, w.global_shape)
+        target["rep"] = np.asfortranarray(target["rep"])
     got = mgr.restore(target, step=step)
     report = mgr.last_restore
     assert report is not None
@@ -84,6 +93,9 @@ def restore(c: Coordinator, base: str, step: int | None = None) -> dict[str, Any
         "parts": {str(k): [p.where, p.holder] for k, p in sorted(report.parts.items())},
         "skipped": len(report.skipped),
     }
+    for more in range(got + 1, got + 1 + then):
+        mgr.save(more, state(more, r, n))
+        mgr.wait()
     mgr.close()
     return out
 
