@@ -28,12 +28,12 @@ on the same bytes, by the same ranks at the same time:
    without a tier, ``restore(step=...)``), its files evicted first: ``drop_caches`` is tried
    and, where refused (in a container), ``posix_fadvise(POSIX_FADV_DONTNEED)`` per file, the
    fraction still resident checked with ``mincore``; time ratio, target >= 5.
-6. a replaced node: n1's local tier deleted, 4 ranks (new managers) restore, n1's parts
+6. a replaced node: n1's local tier moved aside (an empty tier; put back after the round, so
+   that the other rounds find it as before), 4 ranks (new managers) restore, n1's parts
    fetched from their replicas on n0; bytes of a part per second of the whole restore against
    the transport's per-rank bandwidth of figure 3; target >= 0.7. Shown too: the fetch alone
-   (``LocalTier._exchange``, wrapped: the transfer into memory, which the restore loads from;
-   the part's files are written into n1's tier after the restore returns), and one-way
-   ``exchange_buffers`` on the same pairs.
+   (``LocalTier._exchange``, wrapped: the transfer, straight into the restored arrays, which
+   the load then checks in place), and one-way ``exchange_buffers`` on the same pairs.
 7. a single-process training loop (numpy 512x512 float32 matmuls, about 0.1 s a step; this
    process, no MPI) with ``CheckpointManager(root, local_dir=..., replicas=0,
    persist_interval_steps=P*K, save_interval_steps=K)`` saving every K-th step to the tier

@@ -380,9 +380,12 @@ def restore_phase(k: Rank) -> dict[str, Any]:
             rec["root_exact"] = exact()
 
         def restore_peer(rec: dict[str, Any] = rec) -> None:
+            n1 = Path(k.args.local) / "n1"
+            away = Path(k.args.local) / "n1.away"
             h.barrier()
-            if rank == 2:  # the lowest rank of node n1: the node is replaced, its tier empty
-                shutil.rmtree(Path(k.args.local) / "n1")
+            if rank == 2:  # the lowest rank of node n1: the node is replaced, its tier empty (the
+                # old one moved aside, put back after the round, so that the other rounds find it)
+                os.rename(n1, away)
             h.barrier()
             m = k.manager()
             clear()
@@ -396,6 +399,11 @@ def restore_phase(k: Rank) -> dict[str, Any]:
             rec["peer_exact"] = exact()
             rec["peer_transfer_s"] = sum(b - a for a, b in k.probe.transfers[before:])
             m.close()
+            h.barrier()
+            if rank == 2:
+                shutil.rmtree(n1)
+                os.rename(away, n1)
+            h.barrier()
 
         def exchange_one_way(rec: dict[str, Any] = rec) -> None:
             sends = {d: _bytes(bufs) for d, bufs in one_sends.items()}

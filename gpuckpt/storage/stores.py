@@ -221,7 +221,7 @@ def _backend(path: str | os.PathLike[str]) -> tuple[Backend, str]:
     try:
         backend = BACKENDS[scheme]
     except KeyError:
-        others = sorted(s for s in BACKENDS if s != "file")
+        others = sorted(s for s in BACKENDS if s not in ("file", MEMORY_SCHEME))  # (mem://: internal)
         raise InvalidPathError(
             f"no storage back end for {scheme}:// URLs ({path_text(path)!r}); use a local path or one of "
             f"{', '.join(others) or 'file'}"
