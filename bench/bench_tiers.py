@@ -70,7 +70,8 @@ node. Absolute numbers mean little; ratios to the ceilings do.
 
 Usage: ``python bench/bench_tiers.py [--mib 256] [--rounds 5] [--warmup 3] [--op-settle 3]
 [--every 10] [--persist-every 5] [--step-s 0.1] [--local DIR] [--dir DIR] [--json OUT] [--quick]`` (``--quick``: 4
-MiB per rank, 1 round after 1 warm-up step, no settling: a smoke test).
+MiB per rank, 1 round after 1 warm-up step, no settling, the root evicted per file and never
+machine-wide: a smoke test, which runs beside other tests).
 """
 
 from __future__ import annotations
@@ -149,6 +150,7 @@ def run_ranks(
     cmd = [mpiexec, "-n", str(RANKS), sys.executable, str(RANK_SCRIPT), "--out", str(out)]
     cmd += ["--local", str(local), "--root", str(root), "--mib", str(args.mib), "--rounds", str(args.rounds)]
     cmd += ["--op-settle", str(args.op_settle), "--warmup", str(args.warmup)]
+    cmd += ["--smoke"] if args.quick else []
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.setdefault("HYDRA_LAUNCHER", "fork")  # one machine: never ssh
     proc = subprocess.Popen(

@@ -101,7 +101,7 @@ class ReceiveBuffer:
 def write_received(tmp: Path, files: list[tuple[str, int]], pieces: list[list[memoryview]]) -> None:
     """The files of a received part under ``tmp``, from the receive buffer: written over
     the files of a recycled copy already there (see :meth:`LocalTier._recycled
-    <gpuckpt.tiers.local.LocalTier._recycled>`), new files otherwise; any other file of a
+    <gpuckpt.tiers.exchange.PartExchange._recycled>`), new files otherwise; any other file of a
     recycled copy is deleted. A file name that leaves ``tmp`` is refused."""
     it = iter(pieces)
     tmp.mkdir(exist_ok=True)

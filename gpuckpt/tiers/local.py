@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import mmap
 import os
-import secrets
 import shutil
 import socket
 import time
@@ -33,9 +31,9 @@ from gpuckpt.options import SaveOptions
 from gpuckpt.planning.tiers import Choice, CopySeen, choose, nodes_of, replica_holders, tier_retention
 from gpuckpt.runtime.workers import Workers
 from gpuckpt.storage.stores import file_system_type, in_memory, open_root
-from gpuckpt.tiers.files import ReceiveBuffer, Received, mapped, tree_bytes, write_received
+from gpuckpt.tiers.exchange import PartExchange
+from gpuckpt.tiers.files import ReceiveBuffer, Received, tree_bytes
 from gpuckpt.tiers.parts import copy_values_back, layout_of, part_bytes, part_view, sharded_from_part
-from gpuckpt.tiers.placement import message_sizes, placement
 from gpuckpt.tiers.report import PartSource, RestoreReport
 
 __all__ = ["LocalTier"]
@@ -44,7 +42,7 @@ __all__ = ["LocalTier"]
 _DAMAGE = (CheckpointCorruptedError, MetadataError, FileNotFoundError)
 
 
-class LocalTier:
+class LocalTier(PartExchange):
     """One rank's side of the local tier (see the module docstring); made by the manager.
 
     ``queries`` carries the foreground collectives (the caller's thread), ``background``
@@ -260,214 +258,6 @@ class LocalTier:
     def _replicate(self, step: int) -> None:
         """Send this rank's part of ``step`` to its holders; receive the parts it holds."""
         self._transfer(step, {h: self.rank for h in self.holders}, self.held, self.background, recycle=True)
-
-    def _transfer(
-        self,
-        step: int,
-        sends: dict[int, int],
-        receive_from: list[int],
-        c: Coordinator,
-        *,
-        recycle: bool = False,
-    ) -> None:
-        """One round on ``c``: ``sends[dest] = rank whose part of step to send to dest``; receive
-        from each rank in ``receive_from`` the part it sends, committed here under its name.
-        ``recycle``: a received part is written into the files of the copy of the same rank's
-        part that this step retires (:meth:`_recycled`), not into new ones."""
-        received = self._exchange(step, sends, receive_from, c, self._received)
-        self._publish(step, received, c, recycle=recycle)
-
-    def _exchange(
-        self,
-        step: int,
-        sends: dict[int, int],
-        receive_from: list[int],
-        c: Coordinator,
-        buffer: ReceiveBuffer,
-        *,
-        into: dict[str, Any] | None = None,
-    ) -> list[Received]:
-        """The exchange of :meth:`_transfer`, into ``buffer``: returns the parts received, not
-        yet written anywhere (valid until ``buffer`` is cut again).
-
-        Files go from a read-only memory map of the sender's file into the receive buffer:
-        one copy by the transport. ``into`` (a restore's state, as :func:`part_view` gives it;
-        the same on every rank: None or not): this rank's own part is received into its
-        arrays where :func:`~gpuckpt.tiers.placement.placement` allows, the rest into
-        ``buffer``. Every rank takes part in every exchange whatever failed where, and the
-        round ends in one error check (raised on every rank)."""
-        error: BaseException | None = None
-        manifests: dict[int, Any] = {}
-        try:
-            for dest, whose in sends.items():
-                files = self._manifest(step, whose)
-                root = self._root_document(step, whose, files) if into is not None else None
-                manifests[dest] = (whose, files, root)
-        except Exception as exc:
-            error = exc
-            manifests = {dest: None for dest in sends}
-        got = c.exchange_objects(manifests, receive_from)
-        out_buffers: dict[int, list[Any]] = {}
-        in_buffers: dict[int, list[Any]] = {}
-        maps: list[mmap.mmap] = []
-        received: list[Received] = []
-        # what failed here still sends and receives the sizes announced (zeros, scratch memory),
-        # so that every transport's round completes; the round's error check then fails it
-        for dest, m in manifests.items():
-            if m is not None:
-                try:
-                    out_buffers[dest] = mapped(self.dir / part_name(step, m[0]), m[1], maps)
-                except Exception as exc:
-                    error = error or exc
-                    out_buffers[dest] = [bytes(n) for rel, size in m[1] for n in message_sizes(rel, size)]
-        incoming = {src: m for src, m in got.items() if m is not None}
-        targets = {
-            src: self._targets(m[2], into, step) if into is not None and m[0] == self.rank else {}
-            for src, m in incoming.items()
-        }
-        plans = {src: self._messages(m[1], targets[src]) for src, m in incoming.items()}
-        cut = buffer.cutter(sum(n for plan in plans.values() for sizes in plan for n in sizes if n > 0))
-        for source, (whose, files, _root) in incoming.items():
-            pieces = [
-                [cut(n) if n > 0 else targets[source][rel] for n in sizes]
-                for (rel, _), sizes in zip(files, plans[source], strict=True)
-            ]
-            in_buffers[source] = [p for ps in pieces for p in ps]
-            placed = any(n < 0 for sizes in plans[source] for n in sizes)
-            received.append(Received(whose, files, pieces, placed=placed))
-        try:
-            c.exchange_buffers(out_buffers, in_buffers)
-        except Exception as exc:  # a mismatch is raised on the receiver, after every message arrived
-            error = error or exc
-        finally:
-            for sent in out_buffers.values():
-                for v in sent:
-                    if isinstance(v, memoryview):  # (zeros stand in for a part that failed here)
-                        v.release()
-            for m in maps:
-                with contextlib.suppress(BufferError):  # a transport still holds a view: closed later
-                    m.close()
-        missing = [s for s in receive_from if got.get(s) is None]
-        if missing and error is None:
-            error = FileNotFoundError(f"ranks {missing} had no part of step {step} to send")
-        c.all_reduce_errors(error)  # nothing received is used unless every rank succeeded
-        return received
-
-    def _root_document(self, step: int, whose: int, files: list[tuple[str, int]]) -> bytes | None:
-        """The root document of ``whose``'s part of ``step`` here, sent with its manifest to a
-        restore (None if it is missing or too large: nothing is placed then)."""
-        size = dict(files).get(ROOT_KEY)
-        if size is None or size > MAX_ROOT_DOCUMENT_BYTES:
-            return None
-        return (self.dir / part_name(step, whose) / ROOT_KEY).read_bytes()
-
-    def _targets(self, root: bytes | None, into: dict[str, Any], step: int) -> dict[str, Any]:
-        """Which of this rank's arrays take which chunk file of its part (see :mod:`placement`);
-        none where the root document did not come or does not read (the load says why)."""
-        if root is None:
-            return {}
-        try:
-            return placement(root, f"{part_name(step, self.rank)}/{ROOT_KEY} (received)", into)
-        except Exception:
-            return {}
-
-    @staticmethod
-    def _messages(files: list[tuple[str, int]], targets: dict[str, Any]) -> list[list[int]]:
-        """The sizes of each file's messages to cut from the receive buffer; ``-1`` where a
-        message goes straight into the array ``targets`` has for that file."""
-        plan = []
-        for rel, size in files:
-            sizes = message_sizes(rel, size)
-            t = targets.get(rel)
-            if t is not None and len(sizes) == 2 and sizes[0] == t.nbytes:
-                sizes = [-1, sizes[1]]
-            plan.append(sizes)
-        return plan
-
-    def _publish(self, step: int, received: list[Received], c: Coordinator, *, recycle: bool) -> None:
-        """Collective: write the parts ``received`` into this node's tier and commit them; a
-        publication that failed on any rank fails the round on every rank."""
-        published: BaseException | None = None
-        try:
-            for got in received:
-                self._write_part(step, got, recycle=recycle)
-        except Exception as exc:
-            published = exc
-        c.idle_barrier()  # senders and ranks that received little wait for the others' writes
-        c.all_reduce_errors(published)
-
-    def _write_part(self, step: int, got: Received, *, recycle: bool) -> None:
-        """Write the received part ``got`` into the tier and commit it under its name."""
-        tmp = self.dir / f".recv-r{self.rank}-{secrets.token_hex(4)}"
-        try:
-            if recycle and self._recycled(step, got.whose, tmp):
-                try:
-                    write_received(tmp, got.files, got.pieces)
-                except OSError:  # a copy of another layout (a directory for a file): anew
-                    shutil.rmtree(tmp)
-                    write_received(tmp, got.files, got.pieces)
-            else:
-                write_received(tmp, got.files, got.pieces)
-            self._commit_received(tmp, part_name(step, got.whose))
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-
-    def _keep_fetched(self, step: int, got: Received) -> None:
-        """Write a part a restore fetched from a peer into this node's tier, on the tier's
-        thread (before any later step's retention there), after the restore has returned:
-        until then the peer's copy is the one there is. A failure is warned about: the
-        restore is done, and the next save writes this rank's part anew."""
-
-        def write() -> None:
-            try:
-                self._write_part(step, got, recycle=False)
-            except Exception as exc:
-                warnings.warn(
-                    f"the local tier {self.dir} could not keep the part of rank {got.whose} at step {step} "
-                    f"fetched from a peer ({describe_error(exc)}); the peer's copy remains",
-                    stacklevel=1,
-                )
-
-        self._fetched.append(self._thread.submit(write))
-
-    def _manifest(self, step: int, whose: int) -> list[tuple[str, int]]:
-        root = self.dir / part_name(step, whose)
-        if not self._store.is_committed(part_name(step, whose)):
-            raise FileNotFoundError(f"no committed part of rank {whose} at step {step} in {self.dir}")
-        files = []
-        for dirpath, _dirs, names in os.walk(root):
-            for n in sorted(names):
-                p = Path(dirpath) / n
-                files.append((str(p.relative_to(root)), p.stat().st_size))
-        return sorted(files)
-
-    def _recycled(self, step: int, whose: int, tmp: Path) -> bool:
-        """Move to ``tmp`` this node's copy of ``whose``'s part of the oldest step that the
-        tier's retention deletes once ``step`` is in (none: nothing moves), to be overwritten.
-
-        The received bytes then go into pages the file system already holds: on tmpfs a
-        ``write()`` into new files costs page allocation and zeroing, about as much again
-        as the copy itself (0.096 s against 0.049 s per 256 MiB on a 2-vCPU VM). The step
-        it comes from is retired by this step anyway (with ``local_max_to_keep`` steps, the
-        one before the last complete step), never a pinned one (being drained); the move
-        takes the copy out of the tier in one rename, and a crash before the commit leaves
-        a ``.recv-`` directory that the next start removes. Returns whether a copy moved."""
-        present = {s for s, _ in self._parts()} | {step}
-        for old in tier_retention(present, self.keep, step, set(self.pinned) | {step}):
-            name = part_name(old, whose)
-            if self._store.is_committed(name):
-                try:
-                    os.rename(self.dir / name, tmp)
-                except FileNotFoundError:  # deleted meanwhile: new files
-                    return False
-                return True
-        return False
-
-    def _commit_received(self, tmp: Path, name: str) -> None:
-        """Publish the part received under ``tmp`` as ``name`` (an older copy is replaced)."""
-        if self._store.is_committed(name):  # an older copy (an abandoned line): replaced
-            self._store.delete([name])
-        os.rename(tmp, self.dir / name)
 
     # listing and retention ---------------------------------------------------------------
 

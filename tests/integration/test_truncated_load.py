@@ -96,6 +96,7 @@ def _write_cached(path: Path, data: bytes) -> None:
 
 LOAD = """
     import json, sys
+    from pathlib import Path
     import numpy as np
     import gpuckpt
     from gpuckpt.errors import GpuckptError
@@ -103,6 +104,8 @@ LOAD = """
 
     path, how, shape = sys.argv[1], sys.argv[2], tuple(json.loads(sys.argv[3]))
     assert crccopy.available(), "the mapped path must be the one under test"
+    for f in Path(path, "big").iterdir():  # in the page cache now (whatever ran beside evicted):
+        f.read_bytes()  # the mapped path is the one a load takes
     try:
         if how == "load":
             target = {"big": np.zeros(shape, np.float32), "small": np.zeros(100, np.float32)}

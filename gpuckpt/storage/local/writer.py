@@ -33,7 +33,6 @@ from gpuckpt.errors import (
     CheckpointExistsError,
     CheckpointWriteError,
 )
-from gpuckpt.format.checksum import CRC_BYTES
 from gpuckpt.format.documents import ROOT_KEY
 from gpuckpt.options import SYNC_MODES  # the one list of durability modes
 from gpuckpt.storage.base import (
@@ -48,7 +47,6 @@ from gpuckpt.storage.local import batchio, fsutil
 from gpuckpt.storage.local.direct import DIRECT_MIN_BYTES, DirectWriter
 from gpuckpt.storage.local.direct import available as direct_io_available
 from gpuckpt.storage.local.fileio import (
-    read_exact_at,
     write_all,
     writev_all,
 )
@@ -62,7 +60,8 @@ from gpuckpt.storage.local.leftovers import (
     set_aside_copies,
     side_prefix,
 )
-from gpuckpt.storage.local.reader import NATIVE_MAX_BYTES, PIECE_BYTES, open_regular
+from gpuckpt.storage.local.reader import NATIVE_MAX_BYTES, PIECE_BYTES
+from gpuckpt.storage.local.reuse import open_base_chunk
 from gpuckpt.storage.local.shared_dir import JOURNAL, directory_entries, publish_into
 
 __all__ = [
@@ -333,48 +332,19 @@ class LocalWriter(CheckpointWriter):
         finally:
             os.close(fd)
 
-    def _published_ns(self, root: str) -> int | None:
-        """When the checkpoint at ``root`` was published: the mtime of its root document,
-        written after every other file of it (None when it cannot be read)."""
-        if root not in self._published:
-            try:
-                self._published[root] = os.stat(f"{root}/{ROOT_KEY}", follow_symlinks=False).st_mtime_ns
-            except OSError:
-                self._published[root] = None
-        return self._published[root]
-
     def reuse_chunk(self, name: str, key: str, base: BaseRef) -> bool:
         """A hard link to the base's chunk file, else a reflink (``FICLONE``) of it, else False.
 
-        The base file is opened as a load opens it (no symlink, no FIFO), checked to
-        have the size and the CRC32C trailer its metadata gives and to be no younger
-        than the base's root document (a file written into after the base was
-        published, its trailer kept, may hold other bytes than the base's records
-        describe: it is not linked, the chunk is written), and the new name is
-        checked to be that very file (the base may have been replaced meanwhile). Two
-        checkpoints then share one inode: nothing in gpuckpt ever writes into a
-        published chunk file, and deleting either name leaves the other intact.
+        The base file is opened and checked as :func:`~gpuckpt.storage.local.reuse.open_base_chunk`
+        says, and the new name is checked to be that very file (the base may have been
+        replaced meanwhile). Two checkpoints then share one inode: nothing in gpuckpt ever
+        writes into a published chunk file, and deleting either name leaves the other intact.
         """
-        if "://" in base.location and not base.location.startswith("file://"):
+        opened = open_base_chunk(base, self._published)
+        if opened is None:
             return False
-        root = base.location.removeprefix("file://")
-        src = f"{root}/{base.name}/{base.key}"
+        fd, st, src = opened
         try:
-            fd = open_regular(src)
-        except OSError:
-            return False  # missing, not a regular file: written instead
-        try:
-            st = os.fstat(fd)
-            if st.st_size != base.nbytes or base.nbytes < CRC_BYTES:
-                return False
-            published = self._published_ns(root)
-            if published is None or st.st_mtime_ns > published:
-                return False  # changed after its checkpoint was published: its bytes are not the base's
-            trailer = bytearray(CRC_BYTES)
-            if read_exact_at(fd, trailer, base.nbytes - CRC_BYTES) != CRC_BYTES:
-                return False
-            if int.from_bytes(trailer, "little") != base.crc32c:
-                return False
             dst = f"{self.tmp}/{name}/{key}"
             try:
                 os.link(src, dst, follow_symlinks=False)

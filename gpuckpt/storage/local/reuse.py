@@ -1,0 +1,64 @@
+"""The chunk file of an incremental save's base, opened to be shared (linked or cloned)
+only when it is certainly the base's: what :meth:`LocalWriter.reuse_chunk
+<gpuckpt.storage.local.writer.LocalWriter.reuse_chunk>` checks first."""
+
+from __future__ import annotations
+
+import os
+
+from gpuckpt.format.checksum import CRC_BYTES
+from gpuckpt.format.documents import ROOT_KEY
+from gpuckpt.storage.base import BaseRef
+from gpuckpt.storage.local.fileio import read_exact_at
+from gpuckpt.storage.local.reader import open_regular
+
+__all__ = ["open_base_chunk", "published_ns"]
+
+
+def published_ns(root: str, seen: dict[str, int | None]) -> int | None:
+    """When the checkpoint at ``root`` was published: the mtime of its root document, written
+    after every other file of it (None when it cannot be read); remembered in ``seen``."""
+    if root not in seen:
+        try:
+            seen[root] = os.stat(f"{root}/{ROOT_KEY}", follow_symlinks=False).st_mtime_ns
+        except OSError:
+            seen[root] = None
+    return seen[root]
+
+
+def open_base_chunk(base: BaseRef, seen: dict[str, int | None]) -> tuple[int, os.stat_result, str] | None:
+    """The base's chunk file opened (its descriptor, status and path), or None where it must
+    be written instead: not on this file system, missing, not a regular file (it is opened
+    as a load opens it: no symlink, no FIFO), not of the size and CRC32C trailer its metadata
+    gives, or younger than the base's root document (a file written into after the base was
+    published, its trailer kept, may hold other bytes than the base's records describe).
+    ``seen``: the publication times already read (:func:`published_ns`)."""
+    if "://" in base.location and not base.location.startswith("file://"):
+        return None
+    root = base.location.removeprefix("file://")
+    src = f"{root}/{base.name}/{base.key}"
+    try:
+        fd = open_regular(src)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if _is_the_base(fd, st, base, root, seen):
+            return fd, st, src
+    except BaseException:
+        os.close(fd)
+        raise
+    os.close(fd)
+    return None
+
+
+def _is_the_base(fd: int, st: os.stat_result, base: BaseRef, root: str, seen: dict[str, int | None]) -> bool:
+    if st.st_size != base.nbytes or base.nbytes < CRC_BYTES:
+        return False
+    published = published_ns(root, seen)
+    if published is None or st.st_mtime_ns > published:
+        return False
+    trailer = bytearray(CRC_BYTES)
+    if read_exact_at(fd, trailer, base.nbytes - CRC_BYTES) != CRC_BYTES:
+        return False
+    return int.from_bytes(trailer, "little") == base.crc32c
