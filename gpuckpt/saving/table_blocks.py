@@ -44,14 +44,29 @@ __all__ = [
 
 @dataclass(frozen=True)
 class BlockReport:
-    """What one rank of a save ordered in blocks sends the rank that commits."""
+    """What one rank of a save ordered in blocks sends the rank that commits.
+
+    It crosses the transport pickled, with no tail rows and no segment records (the usual
+    rank's) sent as nothing rather than as empty arrays: about 92 bytes for such a rank
+    instead of about 450 (bench_planning, 1,024 ranks: 0.09 MiB at rank 0)."""
 
     block: int | None  # the block it stored (None: it writes none)
     crcs: dict[str, list[int]]  # per column: the CRC32C of each stored chunk of its block
     tail_rows: np.ndarray  # the table rows of its chunks in the tail
-    tail: dict[str, np.ndarray]  # per column: those rows' records
+    tail: dict[str, np.ndarray]  # per column: those rows' records (empty: none, or {})
     segment_rows: np.ndarray  # the plan's rows of its chunks that have segment records
     segments: np.ndarray  # those records (objects)
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        tail = (self.tail_rows, self.tail) if len(self.tail_rows) else None
+        segments = (self.segment_rows, self.segments) if len(self.segment_rows) else None
+        return _unpacked_report, (self.block, self.crcs, tail, segments)
+
+
+def _unpacked_report(block: int | None, crcs: dict[str, list[int]], tail: Any, segments: Any) -> BlockReport:
+    tail_rows, tail_records = tail if tail is not None else (np.zeros(0, np.int64), {})
+    segment_rows, records = segments if segments is not None else (np.zeros(0, np.int64), np.empty(0, object))
+    return BlockReport(block, crcs, tail_rows, tail_records, segment_rows, records)
 
 
 def write_table_documents(writer: CheckpointWriter, layout: TableLayout) -> None:
@@ -148,10 +163,14 @@ def merge_blocks(
     seen = np.zeros(layout.tail, np.int64)
     for r in reports:
         at = r.tail_rows - tail_start
-        if len(at) and (int(np.min(at)) < 0 or int(np.max(at)) >= layout.tail):
+        if not len(at):
+            continue
+        if int(np.min(at)) < 0 or int(np.max(at)) >= layout.tail:
             raise _mismatch("a process reported chunk table rows outside the tail")
         np.add.at(seen, at, 1)
         for name in names:
+            if name not in r.tail:
+                raise _mismatch(f"a process reported tail rows without their {name!r} records")
             tail[name][at] = r.tail[name]
     if layout.tail and not (seen == 1).all():
         bad = int(np.flatnonzero(seen != 1)[0])
