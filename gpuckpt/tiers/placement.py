@@ -12,8 +12,9 @@ memory in use).
 A chunk file travels as two messages, its bytes and its checksum trailer
 (:func:`message_sizes`, the same rule on both ends), so that the bytes can land in an array.
 
-Only what is safe is placed: a NumPy array, C-contiguous, writable, of the stored dtype
-(little-endian) and shape, whose memory overlaps no other array of the state (else the
+Only what is safe is placed: host memory (a NumPy array, or a CPU tensor viewed through
+DLPack as the load views it), C-contiguous, writable, of the stored dtype (little-endian) and
+shape, whose memory overlaps no other array of the state (else the
 load could write one array before the bytes received into the other were read). Anything
 else is received into a buffer and loaded from there as before.
 """
@@ -25,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from gpuckpt.device.arrays import HostArray, adapt, is_array
 from gpuckpt.format.checksum import CRC_BYTES
 from gpuckpt.format.documents import is_chunk_file_key
 from gpuckpt.format.entries import whole_chunk_key
@@ -56,7 +58,7 @@ def placement(root: bytes, where: str, view: dict[str, Any]) -> dict[str, memory
     bytes. Raises what reading the document raises (a damaged document: nothing placed)."""
     index = index_of_root(root, where)
     leaves, _ = flatten_state_dict(view, is_leaf)
-    arrays = {fqn: leaf.value for fqn, leaf in leaves.items() if isinstance(leaf.value, np.ndarray)}
+    arrays = {fqn: a for fqn, leaf in leaves.items() if (a := _host_view(leaf.value)) is not None}
     shared = _overlapping(arrays)
     out: dict[str, memoryview] = {}
     for fqn, a in arrays.items():
@@ -74,6 +76,20 @@ def placement(root: bytes, where: str, view: dict[str, Any]) -> dict[str, memory
             continue
         out[f"{t.name}/{whole_chunk_key(len(t.shape))}"] = memoryview(a.reshape(-1).view(np.uint8))
     return out
+
+
+def _host_view(value: Any) -> np.ndarray | None:
+    """``value``'s memory as the NumPy array a load reads into (:func:`~gpuckpt.device.arrays.adapt`:
+    NumPy arrays, CPU tensors through DLPack), or None for device arrays and anything else."""
+    if isinstance(value, np.ndarray):
+        return value
+    if not is_array(value):
+        return None
+    try:
+        adapted = adapt(value)
+    except Exception:  # (what the load says about it is the load's to say)
+        return None
+    return adapted.array if isinstance(adapted, HostArray) else None
 
 
 def _overlapping(arrays: dict[str, np.ndarray]) -> set[str]:

@@ -122,3 +122,6 @@ def test_a_dcp_state_dict_of_dtensors_goes_through_the_tiers(run_torch: Any, tmp
             "values": [{"lr": 0.30000000000000004, "betas": [0.9, 0.999]}, 3],
             "source": "tiers",
         }, (rank, r)
+    # the replaced node's shards went straight into the DTensors' local tensors (placement): its
+    # tier holds no part until the next save
+    assert not [p for p in (tmp_path / "n1").iterdir() if not p.name.startswith(".")]
