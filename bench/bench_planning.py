@@ -380,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
     gc.disable()
     print(
         f"{platform.node()}, {datetime.now(UTC):%Y-%m-%d %H:%M} UTC, python {platform.python_version()}, "
-        f"{'issue-22 code' if NEW else 'code before issue 22'}"
+        f"{'grouped planning' if NEW else 'planning before grouped boxes'}"
     )
     full = report("regular", args.ranks, args.tensors)
     if not args.quick:
