@@ -34,7 +34,7 @@ import numpy as np
 
 from gpuckpt.errors import StagingMemoryError, StagingTimeoutError
 
-__all__ = ["ArenaPool", "HostAllocator", "StagingArena", "pool_for"]
+__all__ = ["ArenaPool", "HostAllocator", "StagingArena", "pool_for", "populated"]
 
 _ALIGN = 4096
 DEFAULT_PIECE_BYTES = 256 << 20
@@ -45,6 +45,19 @@ _CHECK_SECONDS = 0.5
 def aligned_bytes(nbytes: int) -> int:
     """What :meth:`StagingArena.take` of ``nbytes`` uses up at most: whole 4 KiB blocks."""
     return -(-max(nbytes, 1) // _ALIGN) * _ALIGN
+
+
+def populated(nbytes: int) -> mmap.mmap:
+    """Anonymous memory of ``nbytes`` (at least 1), its pages mapped when it is made.
+
+    One ``mmap`` with ``MAP_POPULATE``: the pages are faulted in by one system
+    call, not one fault at a time later, and they are base pages (not the
+    transparent huge pages NumPy asks for, which a VM that returns freed memory
+    to its host may take seconds per GiB to fault in after mass deletions).
+    For buffers of some MiB and more that are filled once and let go.
+    """
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+    return mmap.mmap(-1, max(nbytes, 1), flags=flags)
 
 
 class HostAllocator:

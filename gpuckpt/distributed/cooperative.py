@@ -6,32 +6,40 @@ ranks gather each other's boxes once, and each makes the same
 :class:`~gpuckpt.planning.cooperative.CooperativePlan` from them and the
 checkpoint's metadata. Then, round by round (each of at most half the memory
 budget, ``LoadOptions.staging_bytes``, per rank: the reads of one round run
-while the round before sends its chunks, so a rank holds at most the budget):
+while the round before sends its chunks, so a rank holds at most the budget; a
+chunk a rank reads or receives straight into its targets takes none of it, so a
+replicated state whose arrays take whole chunks travels in one round, with no
+memory beyond the targets):
 
-1. every reader reads the shared chunks it was given into memory of its own and
-   checks each against its CRC32C, as any load does;
-2. the ranks agree on the outcome (one small all-gather): if any read failed,
-   every rank raises the error that rank met (a copy of it: a
-   :class:`~gpuckpt.errors.ChecksumError` names the tensor and the chunk on every
-   rank) before any byte of the round reaches a target;
+1. every reader reads the shared chunks it was given and checks each against its
+   CRC32C, as any load does: straight into its own target where the chunk is a
+   run of whole rows of one host array (as a load without a coordinator reads),
+   else into memory of its own;
+2. the ranks agree on the outcome (one small all-gather, after a barrier that
+   waits without spinning, :meth:`~gpuckpt.distributed.coordinator.Coordinator.idle_barrier`:
+   the readers end apart, and the first to end leave the CPU to the others
+   where ranks share cores): if any read failed, every rank raises the error
+   that rank met (a copy of it: a :class:`~gpuckpt.errors.ChecksumError` names
+   the tensor and the chunk on every rank) before any byte of the round is sent;
 3. the readers send each chunk's bytes to its receivers
    (:meth:`~gpuckpt.distributed.coordinator.Coordinator.exchange_buffers`: MPI
    or gloo point-to-point messages), straight into the receiver's target where
    the chunk is a run of whole rows of one host array (the replicas' usual case:
    no copy), else into memory of the round;
-4. every rank copies the parts of the round's chunks that its boxes need into its
-   targets.
+4. every rank copies the parts of the round's chunks that it holds in memory of
+   the round and its boxes need into its targets.
 
 The chunks that only one rank needs are read by that rank afterwards, as by
 :func:`~gpuckpt.distributed.load.read_boxes`. What a failure leaves: a read that
 fails (a damaged, missing or truncated chunk, an error of the store) fails the
-load on every rank before its round writes anything; targets then hold the
-chunks of the earlier rounds (checked bytes) and nothing of the failing round or
-later ones, so a load whose shared chunks fit the budget (one round) writes no
-shared chunk at all. A rank that dies fails the others' next collective (a
-:class:`CoordinatorError` naming the step); one that dies while the chunks of a
-round travel may leave the receivers' targets holding part of that round
-(checked bytes).
+load on every rank, and no byte of its round (or a later one) is sent: no rank
+receives anything unchecked. As in any ``load`` into existing arrays, the
+targets are not restored: each reader's targets may hold what it read in that
+round (the failing chunk's bytes included), and every target the checked
+chunks of earlier rounds; ``load_state_dict`` never returns partial results. A
+rank that dies fails the others' next collective (a :class:`CoordinatorError`
+naming the step); one that dies while the chunks of a round travel may leave
+the receivers' targets holding part of that round (checked bytes).
 """
 
 from __future__ import annotations
@@ -93,6 +101,19 @@ def _wanted(t: TensorEntry, boxes: Sequence[Box]) -> list[tuple[int, ...]]:
     return list(seen)
 
 
+def _in_place(requests: Requests) -> dict[ChunkId, np.ndarray]:
+    """The chunks this rank needs that it can read or receive straight into its targets, and where."""
+    into: dict[ChunkId, np.ndarray] = {}
+    for t, targets in requests:
+        if t.codec is not None:  # compressed: travels as stored, then decoded
+            continue
+        for coords in _wanted(t, [b for _, b in targets]):
+            memory = _target_memory(t, t.chunk(coords), targets)
+            if memory is not None:
+                into[(t.fqn, coords)] = memory
+    return into
+
+
 def _plan(
     reader: Any,
     tensors: Mapping[str, TensorEntry],
@@ -100,9 +121,17 @@ def _plan(
     options: LoadOptions,
     coordinator: Coordinator,
     identity: str | None,
+    direct: Mapping[ChunkId, np.ndarray],
 ) -> CooperativePlan:
-    """Gather every rank's boxes (once) and make the plan every rank makes alike."""
-    mine = [(t.fqn, [box for _, box in boxes]) for t, boxes in requests]
+    """Gather every rank's boxes and the chunks it can take straight into its targets (``direct``:
+    for each tensor, True for all of them, else their coordinates), once, and make the plan
+    every rank makes alike."""
+    mine = []
+    for entry, boxes in requests:
+        wanted = _wanted(entry, [b for _, b in boxes])
+        ready = tuple(c for c in wanted if (entry.fqn, c) in direct)
+        every = bool(ready) and len(ready) == len(wanted)
+        mine.append((entry.fqn, [box for _, box in boxes], True if every else ready))
     me = (socket.gethostname(), identity, mine)
     everyone = _transport("gathering the ranks' boxes", lambda: coordinator.all_gather(me))
     wants: list[list[ChunkId]] = []
@@ -118,9 +147,12 @@ def _plan(
     rows: dict[
         ChunkId, list[tuple[int, int]]
     ] = {}  # of chunks that can be read in part: who needs which rows
+    free: list[set[ChunkId]] = []
     for rank, (_host, _id, theirs) in enumerate(everyone):
         ids: list[ChunkId] = []
-        for fqn, boxes in theirs:
+        straight: set[ChunkId] = set()
+        free.append(straight)
+        for fqn, boxes, ready in theirs:
             t = tensors.get(fqn)
             if t is None:  # a rank that opened another checkpoint
                 error = error or CoordinatorError(
@@ -135,8 +167,12 @@ def _plan(
                 if cid not in nbytes:
                     nbytes[cid] = t.chunk(coords).nbytes
                 ids.append(cid)
+                if ready is True:
+                    straight.add(cid)
                 if ranged:
                     rows.setdefault(cid, []).append(_rows_of(t.chunk(coords), boxes))
+            if ready is not True:
+                straight.update((fqn, tuple(c)) for c in ready)
         wants.append(ids)
     _agree(coordinator, error)
     # a chunk whose needers need disjoint rows: each reads its own rows (ranged), none twice
@@ -144,7 +180,9 @@ def _plan(
     # rounds of half the budget: the reads of one overlap the sends of the one before
     budget = max(1, options.staging_bytes // 2)
     nodes = [host for host, _, _ in everyone]
-    return plan_cooperative(wants, nbytes, budget=budget, nodes=nodes, alone=alone)
+    # a reader (or a receiver into memory of the round) holds a chunk's data, not its trailer
+    held = {cid: max(0, n - CRC_BYTES) for cid, n in nbytes.items()}
+    return plan_cooperative(wants, nbytes, budget=budget, nodes=nodes, alone=alone, held=held, free=free)
 
 
 def _rows_of(c: ChunkRead, boxes: Sequence[Box]) -> tuple[int, int]:
@@ -196,10 +234,18 @@ def _agree(coordinator: Coordinator, error: BaseException | None) -> None:
             raise pickle.loads(found)
 
 
-def _read_shared(reader: Any, t: TensorEntry, c: ChunkRead, into: np.ndarray) -> None:
-    """Read chunk ``c`` of ``t`` into ``into`` (its stored data bytes) and check it. A compressed
-    chunk travels as stored (fewer bytes); its reader checks here that it decompresses, so
-    that a hostile chunk fails the round before any rank writes a target."""
+def _read_shared(
+    reader: Any, t: TensorEntry, c: ChunkRead, buffers: dict[ChunkId, np.ndarray], cid: ChunkId
+) -> None:
+    """Read chunk ``c`` of ``t`` into ``buffers[cid]`` (its stored data bytes: this rank's target
+    where it holds the chunk whole) or else into new memory, kept there, and check it. New
+    memory is made here, in the read's own thread, so that mapping the pages of one chunk
+    overlaps the reads of the others. A compressed chunk travels as stored (fewer bytes); its
+    reader checks here that it decompresses, so that a hostile chunk fails the round before any
+    rank receives it."""
+    into = buffers.get(cid)
+    if into is None:
+        into = buffers[cid] = scratch((c.nbytes - CRC_BYTES,), np.dtype(np.uint8), t, populate=True)
     fetch_verified(reader, t, c, [into])
     if t.codec is not None:
         decoded_chunk(t, c, into)
@@ -210,9 +256,9 @@ def _target_memory(
 ) -> np.ndarray | None:
     """The bytes of the one host target that chunk ``c`` lies in whole, where they are laid out
     as the chunk's stored bytes (a run of whole rows of a C-ordered array, no edge padding): the
-    chunk is then received straight into them. None otherwise (received into scratch, copied)."""
+    chunk is then read or received straight into them. None otherwise (into scratch, copied)."""
     if not targets or not c.spec.sizes or c.stored != c.spec.sizes:
-        return None  # a 0-d tensor indexes to a scalar, not a view: received into scratch
+        return None  # a 0-d tensor indexes to a scalar, not a view: into scratch
     chunk_box: Box = (c.spec.offsets, c.spec.sizes)
     hits = [(a, b) for a, b in targets if intersect(chunk_box, b)]
     if len(hits) != 1:
@@ -267,6 +313,7 @@ class _Job:
     coordinator: Coordinator
     staging: Staging
     counter: ProgressCounter
+    direct: Mapping[ChunkId, np.ndarray]  # where this rank receives chunks straight into its targets
 
 
 @dataclass(slots=True)
@@ -275,7 +322,7 @@ class _Round:
 
     mine: list[SharedChunk]
     buffers: dict[ChunkId, np.ndarray]
-    direct: set[ChunkId]  # received straight into the target's memory
+    direct: set[ChunkId]  # read or received straight into the target's memory
     reads: Future[None] | None
     error: BaseException | None = None
     nread: int = 0
@@ -292,7 +339,8 @@ class _Round:
 
     @property
     def held(self) -> int:
-        return sum(b.nbytes for cid, b in self.buffers.items() if cid not in self.direct)
+        """The bytes of memory of the round's chunks (its readers' included, made as they read)."""
+        return sum(max(0, s.nbytes - CRC_BYTES) for s in self.mine if s.id not in self.direct)
 
 
 def _read_all(reads: Sequence[Callable[[], None]], threads: int | None) -> None:
@@ -300,26 +348,23 @@ def _read_all(reads: Sequence[Callable[[], None]], threads: int | None) -> None:
 
 
 def _start(job: _Job, chunks: list[SharedChunk], workers: Workers) -> _Round:
-    """Make the buffers of a round and start its reads on ``workers`` (they run while the round
-    before sends its chunks). Nothing is written to a target."""
+    """Start the reads of a round on ``workers`` (they run while the round before sends its
+    chunks), each straight into this rank's target where it holds the chunk whole, and make the
+    memory of the chunks it receives elsewhere. Nothing is received yet."""
     me, tensors = job.coordinator.rank, job.tensors
     state = _Round([s for s in chunks if s.reader == me or me in s.receivers], {}, set(), None)
     try:
         for s in state.mine:
-            t = tensors[s.fqn]
-            into = (
-                None
-                if s.reader == me or t.codec is not None  # compressed: received as stored, then decoded
-                else _target_memory(t, t.chunk(s.coords), job.boxes_of.get(s.fqn))
-            )
-            if into is None:
-                state.buffers[s.id] = scratch((s.nbytes - CRC_BYTES,), np.dtype(np.uint8), t)
-            else:
+            into = job.direct.get(s.id)  # as the plan counted it
+            if into is not None:
                 state.buffers[s.id] = into
                 state.direct.add(s.id)
+            elif s.reader != me:  # a read makes its own memory, as it starts
+                t = tensors[s.fqn]
+                state.buffers[s.id] = scratch((s.nbytes - CRC_BYTES,), np.dtype(np.uint8), t, populate=True)
         reads = [
             functools.partial(
-                _read_shared, job.reader, tensors[s.fqn], tensors[s.fqn].chunk(s.coords), state.buffers[s.id]
+                _read_shared, job.reader, tensors[s.fqn], tensors[s.fqn].chunk(s.coords), state.buffers, s.id
             )
             for s in state.mine
             if s.reader == me
@@ -373,6 +418,7 @@ def _rounds(job: _Job, plan: CooperativePlan) -> tuple[int, int]:
             for k in range(plan.nrounds):
                 assert state is not None
                 error = pending or state.wait()
+                _transport("waiting for the round's reads", job.coordinator.idle_barrier)
                 _agree(job.coordinator, error)  # raises on every rank if any failed
                 nread += state.nread
                 current, state = state, None
@@ -407,7 +453,8 @@ def read_cooperative(
     caller agrees on them, as :func:`gpuckpt.load` does). ``identity``: what names the
     checkpoint (its recorded ids): ranks that pass different ones fail together.
     """
-    plan = _plan(reader, tensors, requests, options, coordinator, identity)
+    direct = _in_place(requests)
+    plan = _plan(reader, tensors, requests, options, coordinator, identity, direct)
     boxes_of: dict[str, list[tuple[ArrayAdapter, Box]]] = {t.fqn: boxes for t, boxes in requests}
     total = sum(math.prod(b[1]) * t.dtype.itemsize for t, boxes in requests for _, b in boxes)
     counter = ProgressCounter(options.progress, total)
@@ -415,7 +462,7 @@ def read_cooperative(
         ((a.backend, math.prod(b[1]) * t.dtype.itemsize) for t, boxes in requests for a, b in boxes),
         options.staging_bytes,
     )
-    job = _Job(reader, tensors, boxes_of, options, coordinator, staging, counter)
+    job = _Job(reader, tensors, boxes_of, options, coordinator, staging, counter, direct)
     shared_ids = {s.id for s in plan.shared}
     read_bytes, held = _rounds(job, plan)
     own: list[BoxRead] = []

@@ -2,13 +2,20 @@
 
 Collectives of objects use mpi4py's pickle-based calls; ``exchange_objects``
 uses its point-to-point ones (``isend``, ``recv``), ``exchange_buffers`` the
-buffer ones (``Isend``, ``Irecv``, ``Waitall``) straight on the caller's
+buffer ones (``Isend``, ``Irecv``, then a wait) straight on the caller's
 buffers, and ``duplicate`` the communicator's ``Dup``, which needs an MPI
 initialised with ``MPI_THREAD_MULTIPLE``.
+
+MPICH's blocking waits spin. Where a node runs more ranks than a rank may use
+CPUs (:func:`shares_cores`), a rank that spins takes a core from the ranks it
+waits for, so there the waits of :meth:`MPICoordinator.exchange_buffers` and
+:meth:`MPICoordinator.idle_barrier` test their requests with sleeps in between
+(with single-copy transfers, the receiver copies a whole message in one test).
 """
 
 from __future__ import annotations
 
+import os
 import pickle
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -27,6 +34,43 @@ _BUFFER_TAG = 0x6771
 #: the longest sleep between two tests of :meth:`MPICoordinator.idle_barrier` (what it may add
 #: to the wait, after the last rank arrived)
 IDLE_POLL_MAX_S = 0.002
+
+
+#: the launchers' variables that give the number of ranks on this rank's node (MPICH's Hydra,
+#: Open MPI, Slurm's srun with one task per rank)
+LOCAL_RANKS_VARIABLES = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE")
+
+
+def shares_cores(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether this node runs more ranks than this process may use CPUs.
+
+    The number of ranks on the node comes from the launcher's environment
+    (:data:`LOCAL_RANKS_VARIABLES`, the first one set to a number), the CPUs
+    from ``os.sched_getaffinity``. Unknown: False (each rank is taken to have a
+    core of its own, and waits spin, as MPI's own do).
+
+    >>> shares_cores({"MPI_LOCALNRANKS": "100000"})
+    True
+    >>> shares_cores({"MPI_LOCALNRANKS": "1"}), shares_cores({})
+    (False, False)
+    """
+    env = os.environ if environ is None else environ
+    for name in LOCAL_RANKS_VARIABLES:
+        text = env.get(name, "").strip()
+        if text.isdigit():
+            return int(text) > len(os.sched_getaffinity(0))
+    return False
+
+
+def _wait_idle(requests: Sequence[Any]) -> None:
+    """Test ``requests`` until all are done, sleeping between tests (growing to
+    :data:`IDLE_POLL_MAX_S`)."""
+    from mpi4py import MPI
+
+    pause = 50e-6
+    while not MPI.Request.Testall(list(requests)):
+        time.sleep(pause)
+        pause = min(2 * pause, IDLE_POLL_MAX_S)
 
 
 def _comm_world() -> Any:
@@ -69,6 +113,7 @@ class MPICoordinator(Coordinator):
         self._comm = _comm_world() if comm is None else comm
         self._rank = int(self._comm.Get_rank())
         self._size = int(self._comm.Get_size())
+        self._waits_idle = shares_cores()
 
     @property
     def comm(self) -> Any:
@@ -118,11 +163,7 @@ class MPICoordinator(Coordinator):
 
         See :meth:`Coordinator.idle_barrier`.
         """
-        request = self._comm.Ibarrier()
-        pause = 50e-6
-        while not request.Test():
-            time.sleep(pause)
-            pause = min(2 * pause, IDLE_POLL_MAX_S)
+        _wait_idle([self._comm.Ibarrier()])
 
     def duplicate(self) -> MPICoordinator:
         """A coordinator over ``comm.Dup()``: the same ranks, a communicator of its own.
@@ -185,12 +226,13 @@ class MPICoordinator(Coordinator):
     def exchange_buffers(
         self, sends: Mapping[int, Sequence[Any]], recvs: Mapping[int, Sequence[Any]]
     ) -> None:
-        """``comm.Isend``/``comm.Irecv`` of bytes straight from and into the buffers, then ``Waitall``.
+        """``comm.Isend``/``comm.Irecv`` of bytes straight from and into the buffers, then a wait.
 
         See :meth:`Coordinator.exchange_buffers`. The sizes go first (one
         :meth:`exchange_objects` round), so that each receiver posts exactly
         the messages its senders send; copies to this rank itself are made
-        without MPI.
+        without MPI. The wait is ``Waitall``, or, where the node's ranks share
+        cores (:func:`shares_cores`), tests with sleeps in between.
         """
         from mpi4py import MPI
 
@@ -201,7 +243,10 @@ class MPICoordinator(Coordinator):
         requests += [
             self._comm.Irecv([piece, MPI.BYTE], source=src, tag=_BUFFER_TAG) for src, piece in plan.recvs
         ]
-        MPI.Request.Waitall(requests)
+        if self._waits_idle:
+            _wait_idle(requests)
+        else:
+            MPI.Request.Waitall(requests)
         plan.finish()
 
     def __repr__(self) -> str:

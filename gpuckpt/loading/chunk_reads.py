@@ -19,6 +19,7 @@ import numpy as np
 
 from gpuckpt.device.arrays import ArrayAdapter, HostArray, StagedIn
 from gpuckpt.device.backend import Staging
+from gpuckpt.device.staging import populated
 from gpuckpt.device.upload import CopyQueue
 from gpuckpt.errors import (
     CheckpointCorruptedError,
@@ -83,11 +84,25 @@ def vanished(t: TensorEntry, c: ChunkRead, exc: FileNotFoundError) -> MissingChu
     )
 
 
-def scratch(shape: tuple[int, ...], dtype: np.dtype[Any], t: TensorEntry) -> np.ndarray:
-    """Scratch memory for a chunk of ``t`` (validation keeps it within the tensor's own size)."""
+#: the smallest scratch buffer made as a populated map (NumPy asks for huge pages from 4 MiB on;
+#: below, malloc's arenas serve it)
+POPULATED_MIN_BYTES = 4 << 20
+
+
+def scratch(
+    shape: tuple[int, ...], dtype: np.dtype[Any], t: TensorEntry, *, populate: bool = False
+) -> np.ndarray:
+    """Scratch memory for a chunk of ``t`` (validation keeps it within the tensor's own size).
+
+    ``populate``: from :data:`POPULATED_MIN_BYTES` on, its pages mapped when it is made
+    (:func:`~gpuckpt.device.staging.populated`), for large buffers made many at a time (a
+    cooperative load's share); smaller ones come from the allocator as any."""
     try:
+        count = math.prod(shape)
+        if populate and count * dtype.itemsize >= POPULATED_MIN_BYTES:
+            return np.frombuffer(populated(count * dtype.itemsize), dtype, count).reshape(shape)
         return np.empty(shape, dtype)
-    except MemoryError:
+    except (MemoryError, OSError):
         raise CheckpointTooLargeError(
             f"tensor {t.fqn!r}: a scratch buffer of shape {shape} ({math.prod(shape) * dtype.itemsize} "
             "bytes) for reading one of its chunks cannot be allocated; free memory and load again"

@@ -17,7 +17,10 @@ same plan, so the ranks agree without a second round of messages):
 - the shared chunks travel in *rounds*: a rank holds, in one round, the bytes of
   every shared chunk it reads or receives in that round, at most ``budget`` bytes
   (first fit, largest chunks first). A chunk larger than the budget travels in a
-  round of its own: the reader checks a chunk whole before sending any of it.
+  round of its own: the reader checks a chunk whole before sending any of it. A
+  rank that reads or receives a chunk straight into its own targets (``free``)
+  holds no memory for it: a replicated state whose targets take whole chunks
+  travels in one round.
 
 No arrays and no I/O: a chunk is named by ``(fqn, grid coordinates)`` and
 described by its stored size.
@@ -64,8 +67,9 @@ class CooperativePlan:
     job needs, each chunk counted once (what all readers together read);
     ``requested_bytes``: what the ranks would read each on its own (every chunk
     counted once per rank that needs it); ``round_bytes[k][r]``: the bytes rank
-    ``r`` holds in round ``k``. Chunks each of whose needers reads only its own rows
-    (``alone``) count in full for each in ``read_bytes``.
+    ``r`` holds in round ``k`` (see ``held`` and ``free`` of :func:`plan_cooperative`).
+    Chunks each of whose needers reads only its own rows (``alone``) count in full
+    for each in ``read_bytes``.
     """
 
     world_size: int
@@ -94,6 +98,8 @@ def plan_cooperative(
     budget: int,
     nodes: Sequence[str] | None = None,
     alone: Collection[ChunkId] = (),
+    held: Mapping[ChunkId, int] | None = None,
+    free: Sequence[Collection[ChunkId]] | None = None,
 ) -> CooperativePlan:
     """The plan of a load in which rank ``r`` needs the chunks ``wants[r]``.
 
@@ -103,7 +109,11 @@ def plan_cooperative(
     on a machine of its own). ``alone``: chunks that every rank needing them reads
     itself even when several do (each needs other rows of it, and reads only those:
     ranged reads read each byte once without an exchange); each counts in full for
-    each of its readers in ``read_bytes``, an upper bound.
+    each of its readers in ``read_bytes``, an upper bound. ``held``: the bytes a rank
+    holds for a chunk in its round (default its stored size; the caller's memory per
+    chunk may be less, its checksum trailer not kept); ``free[r]``: the chunks rank
+    ``r`` reads or receives straight into its targets: they take none of ``r``'s
+    budget.
 
     Examples
     --------
@@ -117,6 +127,10 @@ def plan_cooperative(
         raise ValueError(f"budget must be a positive number of bytes, got {budget!r}")
     if nodes is not None and len(nodes) != world:
         raise ValueError(f"nodes names {len(nodes)} ranks, wants {world}")
+    if free is not None and len(free) != world:
+        raise ValueError(f"free names {len(free)} ranks, wants {world}")
+    cost = nbytes if held is None else held
+    free_of = [set(f) for f in free] if free is not None else [set() for _ in range(world)]
     node_of = list(nodes) if nodes is not None else [str(r) for r in range(world)]
     needers: dict[ChunkId, list[int]] = {}
     for rank, ids in enumerate(wants):
@@ -149,16 +163,17 @@ def plan_cooperative(
     rounds: list[list[int]] = []
     shared: list[SharedChunk] = []
     for cid, size, reader, receivers in placed:
-        involved = (reader, *receivers)
+        kept = cost[cid]
+        holds = [(r, kept) for r in (reader, *receivers) if cid not in free_of[r]]
         k = next(
-            (i for i, held in enumerate(rounds) if all(held[r] + size <= budget for r in involved)),
+            (i for i, taken in enumerate(rounds) if all(taken[r] + n <= budget for r, n in holds)),
             None,
         )
         if k is None:
             k = len(rounds)
             rounds.append([0] * world)
-        for r in involved:
-            rounds[k][r] += size
+        for r, n in holds:
+            rounds[k][r] += n
         shared.append(SharedChunk(cid[0], cid[1], size, reader, receivers, k))
     shared.sort(key=lambda s: (s.round, s.fqn, s.coords))
     return CooperativePlan(

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from gpuckpt.device.staging import populated
 from gpuckpt.errors import CheckpointCorruptedError
 from gpuckpt.storage.local.fileio import write_all
 from gpuckpt.tiers.placement import message_sizes
@@ -85,8 +86,7 @@ class ReceiveBuffer:
         """A cutter of the buffer, grown to ``total`` bytes: each call ``cut(size)`` returns
         the next ``size`` bytes as a view."""
         if self._data is None or len(self._data) < total:
-            flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
-            self._data = mmap.mmap(-1, max(total, 1), flags=flags)
+            self._data = populated(total)
         view = memoryview(self._data)
         at = 0
 

@@ -30,7 +30,8 @@ def _check_all(results: dict[int, dict[str, Any]]) -> None:
         assert budget["peak"] - budget["solo_peak"] <= 80 << 10, budget
         damaged = r["damaged"]
         assert (damaged["raised"], damaged["cause"]) == ("DistributedError", "ChecksumError"), damaged
-        assert (damaged["cause_fqn"], damaged["cause_key"]) == ("model.w", "c.1.0") and damaged["untouched"]
+        assert (damaged["cause_fqn"], damaged["cause_key"]) == ("model.w", "c.1.0")
+        assert damaged["planned"] and damaged["received_nothing"], damaged  # nothing of the round was sent
         missing = r["missing"]
         assert missing["raised"] == "DistributedError" and "MissingChunkError" in missing["message"]
         assert "chunk c.1.0 of tensor 'model.w'" in missing["message"] and missing["untouched"]
@@ -50,10 +51,10 @@ def test_gloo_job(run_torch: Any, tmp_path: Path) -> None:
 @pytest.mark.torch
 def test_gloo_job_whose_reader_dies(run_torch: Any, tmp_path: Path) -> None:
     """Rank 1 is SIGKILLed as it starts reading its first shared chunk: every other rank raises
-    the coordinator's error naming the broken step, and none of them wrote a target."""
+    the coordinator's error naming the broken step, and none of them received anything."""
     job = run_torch(4, SCRIPT, "dead", tmp_path / "ckpt", "torch", timeout=120)
     assert sorted(job.results) == [0, 2, 3], job.describe()
     for rank in (0, 2, 3):
         r = job.results[rank]
         assert r["raised"] == "CoordinatorError" and "another rank of the job died" in r["message"], r
-        assert r["untouched"], rank
+        assert r["planned"] and r["received_nothing"], rank

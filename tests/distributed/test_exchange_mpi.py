@@ -35,3 +35,19 @@ def test_duplicate_needs_thread_multiple_on_every_rank(run_mpi: Any) -> None:
         assert "rank 1: MPI_THREAD_SERIALIZED" in refused and "rank 0" not in refused
         assert 'mpi4py.rc.thread_level = "multiple"' in refused and "two threads call MPI at once" in refused
         assert results[rank]["after"] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("n", [1, 4])
+def test_exchange_waits_spin_or_sleep_by_whether_the_ranks_share_cores(run_mpi: Any, load_script: Any, n: int) -> None:
+    """Both waits of ``exchange_buffers`` deliver every byte; the coordinator sleeps between tests
+    exactly where the node runs more ranks than a rank may use CPUs (MPI_LOCALNRANKS, from
+    mpiexec), and spins (``Waitall``) elsewhere."""
+    import os
+
+    script = load_script("exchange_checks")
+    results = run_mpi(n, "exchange_checks.py", "mpi-waits", timeout=90).check(n)
+    cpus = len(os.sched_getaffinity(0))
+    for rank in range(n):
+        got = results[rank]
+        assert got["chosen"] == got["expected_choice"] == (n > cpus), got["chosen"]
+        assert {k: got[k] for k in ("agrees", "idle=False", "idle=True")} == script.expected_waits(rank, n)

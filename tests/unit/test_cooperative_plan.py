@@ -107,3 +107,46 @@ def test_a_chunk_whose_needers_need_other_rows_is_read_by_each_alone() -> None:
     plan = plan_cooperative([[a, b], [a, b]], {a: 10, b: 10}, budget=100, alone=[b])
     assert [s.id for s in plan.shared] == [a]
     assert sum(plan.read_bytes) == 10 + 2 * 10 and plan.needed_bytes == 20
+
+
+@given(jobs(), st.data())
+def test_receivers_into_their_targets_hold_nothing_and_rounds_keep_the_budget(job, data: st.DataObject) -> None:  # type: ignore[no-untyped-def]
+    """A chunk read or received straight into a rank's targets (``free``) takes none of that rank's
+    budget; a rank that reads or receives it into memory of the round holds ``held`` bytes of it."""
+    wants, sizes, budget, nodes = job
+    held = {c: data.draw(st.integers(0, n)) for c, n in sizes.items()}
+    free = [set(data.draw(st.lists(st.sampled_from(ids)))) if ids else set() for ids in wants]
+    plan = plan_cooperative(wants, sizes, budget=budget, nodes=nodes, held=held, free=free)
+    baseline = plan_cooperative(wants, sizes, budget=budget, nodes=nodes)
+    # who reads what does not depend on the memory: only the rounds do
+    assert sorted((s.id, s.reader, s.receivers) for s in plan.shared) == sorted(
+        (s.id, s.reader, s.receivers) for s in baseline.shared
+    )
+    assert plan.read_bytes == baseline.read_bytes and plan.needed_bytes == baseline.needed_bytes
+    for k, taken in enumerate(plan.round_bytes):
+        chunks = plan.in_round(k)
+        for rank in range(len(wants)):
+            kept = [s for s in chunks if rank in (s.reader, *s.receivers) and s.id not in free[rank]]
+            assert taken[rank] == sum(held[s.id] for s in kept)
+            assert taken[rank] <= budget or len(kept) == 1
+
+
+def test_replicas_received_into_their_targets_travel_in_one_round() -> None:
+    """4 replicas of 16 chunks of 64 MiB (+ a 4-byte trailer each), a budget of 256 MiB a round:
+    each rank reads 4 chunks and receives 12. Into its arrays, it holds nothing: one round.
+    Reading into memory of the round (64 MiB a chunk) and receiving into its arrays: one round
+    at the budget. Holding every chunk it reads or receives, trailers counted: six."""
+    mib = 1 << 20
+    chunks = [(f"w{i:02d}", (0, 0)) for i in range(16)]
+    sizes = dict.fromkeys(chunks, 64 * mib + 4)
+    wants = [chunks] * 4
+    held = dict.fromkeys(chunks, 64 * mib)
+    plan = plan_cooperative(wants, sizes, budget=256 * mib, held=held, free=[set(chunks)] * 4)
+    assert plan.nrounds == 1 and plan.round_bytes == ((0,) * 4,)
+    assert plan.read_bytes == ((64 * mib + 4) * 4,) * 4
+    received_only = [{s.id for s in plan.shared if s.reader != r} for r in range(4)]
+    plan = plan_cooperative(wants, sizes, budget=256 * mib, held=held, free=received_only)
+    assert plan.nrounds == 1 and plan.round_bytes == ((256 * mib,) * 4,)
+    assert plan_cooperative(wants, sizes, budget=256 * mib).nrounds == 6
+    with pytest.raises(ValueError, match="free"):
+        plan_cooperative(wants, sizes, budget=1, free=[set()])

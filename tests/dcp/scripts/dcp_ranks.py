@@ -311,14 +311,27 @@ def job_coop(out: Path) -> dict[str, Any]:
         for coop in (True, False):
             _, exact, nbytes = _coop_load(path, layout, mesh, cooperative=coop)
             found[f"{layout}-{'coop' if coop else 'solo'}"] = {"exact": exact, "bytes": nbytes}
+    from gpuckpt.loading.open import open_checkpoint
+    from gpuckpt.testing.plans import received_boxes, record_plans
+
     sd = {n: torch.zeros_like(coop_tensor(n)) for n in COOP}
     try:
-        dcp.load(sd, storage_reader=gpuckpt.dcp.Reader(damaged, cooperative=True))
+        with record_plans() as plans:
+            dcp.load(sd, storage_reader=gpuckpt.dcp.Reader(damaged, cooperative=True))
         found["damaged"] = "no error"
     except BaseException as exc:  # DCP's CheckpointException is a BaseException
         failures = getattr(exc, "failures", {})
         found["damaged"] = {str(r): repr(e) for r, e in failures.items()}
-    found["damaged_untouched"] = all(not sd[n].any() for n in COOP)
+    # nothing of the failed round crossed between ranks: the chunks this rank was to receive are
+    # still zeros (what it read itself went straight into its tensors, as in any load)
+    tensors = open_checkpoint(str(damaged), None).index.tensors
+    boxes = received_boxes(plans[0], rank, tensors) if len(plans) == 1 else None
+    found["damaged_received_nothing"] = boxes is not None and not any(
+        sd[n][tuple(slice(o, o + k) for o, k in zip(*box, strict=True))].any()
+        for n, where in boxes.items()
+        for box in where
+    )
+    found["damaged_received_some_chunks"] = bool(boxes)
     return found
 
 

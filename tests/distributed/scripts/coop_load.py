@@ -136,6 +136,29 @@ def untouched(state: dict[str, Any]) -> bool:
     return True
 
 
+def received_nothing(state: dict[str, Any], path: str, rank: int, plan: Any) -> bool:
+    """Whether the targets of rank ``rank`` hold zeros wherever a shared chunk of ``plan`` was to
+    reach them from another rank: nothing of a failed round crossed to this rank (its own reads
+    go straight into its targets, as in any load)."""
+    from gpuckpt.loading.open import open_checkpoint
+    from gpuckpt.testing.plans import received_boxes
+
+    leaves = _leaves(state)
+    for fqn, boxes in received_boxes(plan, rank, open_checkpoint(path, None).index.tensors).items():
+        v = leaves.get(fqn)
+        if v is None:
+            continue
+        arr, base = (v.local, v.offsets) if isinstance(v, gpuckpt.ShardedArray) else (v, (0,) * v.ndim)
+        for offsets, sizes in boxes:
+            region = tuple(
+                slice(max(o, b) - b, max(max(o, b), min(o + n, b + size)) - b)
+                for o, n, b, size in zip(offsets, sizes, base, arr.shape, strict=True)
+            )
+            if np.asarray(arr)[region].any():
+                return False
+    return True
+
+
 def load_rank(c: Coordinator, path: str, kind: str, **options: Any) -> dict[str, Any]:
     state = layout(kind, c.rank, c.world_size)
     gpuckpt.load(state, path, coordinator=c, **{"cooperative": True, **options})
@@ -143,11 +166,16 @@ def load_rank(c: Coordinator, path: str, kind: str, **options: Any) -> dict[str,
 
 
 def fail_rank(c: Coordinator, path: str, kind: str, **options: Any) -> dict[str, Any]:
-    """A load expected to fail: what it raised on this rank, and whether the targets are untouched."""
+    """A load expected to fail: what it raised on this rank, whether the targets are untouched,
+    and whether they received nothing from another rank (``received_nothing``)."""
+    from gpuckpt.testing.plans import record_plans
+
     state = layout(kind, c.rank, c.world_size)
     try:
-        gpuckpt.load(state, path, coordinator=c, **{"cooperative": True, **options})
+        with record_plans() as plans:
+            gpuckpt.load(state, path, coordinator=c, **{"cooperative": True, **options})
     except Exception as exc:
+        plan = plans[0] if plans else None
         cause = exc.__cause__
         return {
             "raised": type(exc).__name__,
@@ -156,6 +184,8 @@ def fail_rank(c: Coordinator, path: str, kind: str, **options: Any) -> dict[str,
             "cause_fqn": getattr(cause, "fqn", None),
             "cause_key": getattr(cause, "key", None),
             "untouched": untouched(state),
+            "planned": plan is not None,
+            "received_nothing": plan is not None and received_nothing(state, path, c.rank, plan),
         }
     return {"raised": None, "untouched": untouched(state)}
 

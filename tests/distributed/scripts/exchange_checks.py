@@ -483,6 +483,35 @@ def expected_reversed(global_rank: int, n: int) -> dict[str, Any]:
     }
 
 
+def check_waits(c: Any) -> dict[str, Any]:
+    """MPICoordinator's two waits of ``exchange_buffers`` (``Waitall``, and tests with sleeps where
+    the node's ranks share cores), each over the ring and piece-edge exchanges, and the choice
+    it made for this job."""
+    from gpuckpt.distributed.mpi import shares_cores
+
+    chosen = c._waits_idle
+    seen: dict[str, Any] = {
+        "chosen": chosen,
+        "expected_choice": int(os.environ["MPI_LOCALNRANKS"]) > len(os.sched_getaffinity(0)),
+        "agrees": shares_cores() == chosen,
+    }
+    plans = _buffer_plans(c.world_size)
+    for idle in (False, True):
+        c._waits_idle = idle
+        seen[f"idle={idle}"] = {name: _exchange(c, name, plans[name]) for name in ("ring", "piece_edges")}
+    c._waits_idle = chosen
+    return seen
+
+
+def expected_waits(rank: int, n: int) -> dict[str, Any]:
+    plans = _buffer_plans(n)
+    received = {
+        name: _expected_received(name, {s: d[rank] for s, d in plans[name].items() if rank in d}, rank)
+        for name in ("ring", "piece_edges")
+    }
+    return {"agrees": True, "idle=False": received, "idle=True": received}
+
+
 def main(backend: str) -> None:
     coordinator_module.PIECE_BYTES = SMALL_PIECE
     if backend == "mpi-thread-level":  # rank 1 initialises MPI without MPI_THREAD_MULTIPLE
@@ -495,6 +524,8 @@ def main(backend: str) -> None:
     def work() -> dict[str, Any]:
         if backend == "mpi-thread-level":
             return check_thread_level_refusal(make_coordinator("mpi"))
+        if backend == "mpi-waits":
+            return jsonable(check_waits(make_coordinator("mpi")))
         c = make_coordinator(backend)
         workdir = Path(os.environ["GPUCKPT_TEST_OUT"]) / f"work-{rank}"
         workdir.mkdir()
