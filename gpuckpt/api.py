@@ -229,9 +229,10 @@ def load(
     ``ShardedArray`` boxes, replicated arrays, plain values), each stored chunk
     that several ranks need can be read once for the whole job: one rank reads
     and checks it and sends its bytes to the others over the coordinator's
-    transport, at most ``staging_bytes`` of such chunks per rank at a time. A
-    failed read fails the load on every rank before its round writes anything
-    (see :mod:`gpuckpt.distributed.cooperative` for what earlier rounds leave).
+    transport, straight into their arrays where a chunk is a run of whole rows of
+    one, else through at most ``staging_bytes`` of memory per rank at a time. A
+    failed read fails the load on every rank before any byte of its round is sent
+    (see :mod:`gpuckpt.distributed.cooperative` for what the targets then hold).
     ``cooperative=None`` (the default) does so where the store serves every
     rank's reads anew (``s3://``, network file systems), not on a local file
     system, whose page cache serves a node's ranks from one read; True and

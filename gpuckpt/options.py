@@ -224,7 +224,8 @@ class LoadOptions:
 
     ``cooperative``: a load with a coordinator reads each stored chunk that several ranks
     need once for the whole job (:mod:`gpuckpt.distributed.cooperative`), holding at most
-    ``staging_bytes`` of such chunks per rank at a time; False: every rank reads what it
+    ``staging_bytes`` of such chunks per rank at a time (none for chunks it reads or receives
+    straight into its arrays); False: every rank reads what it
     needs itself; None (the default): cooperative where the store serves each rank's reads
     anew (object storage, network file systems), not on a local file system, whose page
     cache already serves the ranks of a node from one read."""
