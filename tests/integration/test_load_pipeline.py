@@ -292,6 +292,16 @@ def cold_needs_crccopy() -> None:
         pytest.skip("the native copy-with-CRC loop (page cache residency check) is not built")
 
 
+def _assert_read_around_direct_io(reader: LocalReader) -> None:
+    """Every large chunk part (8 of ``x``, 1 of ``odd``) read without O_DIRECT: buffered, or from
+    the page cache where the kernel brought a chunk in by the time the load reached it (the
+    buffered reads of the others ran meanwhile; seen for 1-2 of the 9 in about one load of four
+    on a 2-vCPU VM, never an O_DIRECT read)."""
+    paths = reader.read_paths
+    assert paths["direct"] == 0 and paths["buffered"] + paths["cached"] == 9, paths
+    assert paths["buffered"] >= 1, paths  # the files were cold: not all of them came from the cache
+
+
 @pytest.mark.usefixtures("cold_needs_crccopy")
 def test_cold_load_reads_with_o_direct(tmp_path: Path) -> None:
     if not _direct_allowed(tmp_path):
@@ -325,7 +335,7 @@ def test_cold_load_falls_back_where_o_direct_is_refused(
     monkeypatch.setattr(direct, "_set_direct", refuse)
     reader, out = _load_with_reader(tmp_path / "c", HostBackend())
     assert out["x"].tobytes() == value.tobytes()
-    assert reader.read_paths["direct"] == 0 and reader.read_paths["buffered"] == 9
+    _assert_read_around_direct_io(reader)
     assert len(calls) <= 2  # refused once per reader thread at most, then not asked again
 
 
@@ -346,7 +356,7 @@ def test_cold_load_without_direct_io_reads_buffered(
     assert options.direct_io == "off" and not options.reads_direct()
     reader, out = _load_with_reader(tmp_path / "c", HostBackend(), options)
     assert out["x"].tobytes() == value.tobytes()
-    assert reader.read_paths["direct"] == 0 and reader.read_paths["buffered"] == 9
+    _assert_read_around_direct_io(reader)
 
 
 def test_load_options_refuse_an_unknown_direct_io_mode() -> None:
