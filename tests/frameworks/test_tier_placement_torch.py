@@ -15,7 +15,8 @@ torch = pytest.importorskip("torch")
 import gpuckpt  # noqa: E402 - after the skip
 from gpuckpt.format.documents import ROOT_KEY  # noqa: E402
 from gpuckpt.storage.stores import in_memory  # noqa: E402
-from gpuckpt.tiers.placement import message_sizes, placement  # noqa: E402
+from gpuckpt.tiers.placement import placement  # noqa: E402
+from tests.received_parts import receive  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
@@ -43,26 +44,6 @@ def _targets() -> dict[str, Any]:
     }
 
 
-def _receive(path: Path, targets: dict[str, memoryview]) -> dict[str, list[Any]]:
-    files: dict[str, list[Any]] = {}
-    for p in sorted(path.rglob("*")):
-        if not p.is_file():
-            continue
-        rel, data = str(p.relative_to(path)), p.read_bytes()
-        t = targets.get(rel)
-        pieces: list[Any] = []
-        at = 0
-        for i, n in enumerate(message_sizes(rel, len(data))):
-            if t is not None and i == 0 and n == t.nbytes:
-                t[:] = data[at : at + n]
-                pieces.append(t)
-            else:
-                pieces.append(bytearray(data[at : at + n]))
-            at += n
-        files[rel] = pieces
-    return files
-
-
 def test_contiguous_cpu_tensors_are_placed_and_loaded_bit_exact(tmp_path: Path) -> None:
     state = _state()
     path = tmp_path / "part"
@@ -70,7 +51,7 @@ def test_contiguous_cpu_tensors_are_placed_and_loaded_bit_exact(tmp_path: Path) 
     target = _targets()
     targets = placement((path / ROOT_KEY).read_bytes(), "part", target)
     assert {rel.split("/")[0] for rel in targets} == {"w", "p", "bf", "i"}, targets.keys()
-    files = _receive(path, targets)
+    files = receive(path, targets)
     assert torch.equal(target["w"], state["w"])  # the bytes arrived in the tensor itself
     with in_memory(files) as url:
         gpuckpt.load(target, url)

@@ -21,35 +21,13 @@ from gpuckpt.format.checksum import CRC_BYTES
 from gpuckpt.format.documents import ROOT_KEY
 from gpuckpt.storage.stores import in_memory
 from gpuckpt.tiers.placement import message_sizes, placement
+from tests.received_parts import receive
 
 
 def _saved(tmp_path: Path, state: dict[str, Any], **kw: Any) -> Path:
     path = tmp_path / "part"
     gpuckpt.save(state, path, **kw)
     return path
-
-
-def _receive(path: Path, targets: dict[str, memoryview]) -> dict[str, list[Any]]:
-    """Every file of ``path`` as its messages, each put where a restore puts it."""
-    files: dict[str, list[Any]] = {}
-    for p in sorted(path.rglob("*")):
-        if not p.is_file():
-            continue
-        rel, data = str(p.relative_to(path)), p.read_bytes()
-        sizes = message_sizes(rel, len(data))
-        t = targets.get(rel)
-        pieces: list[Any] = []
-        at = 0
-        for i, n in enumerate(sizes):
-            chunk = data[at : at + n]
-            if t is not None and i == 0 and n == t.nbytes:
-                t[:] = chunk  # the transport writes the bytes into the array
-                pieces.append(t)
-            else:
-                pieces.append(bytearray(chunk))
-            at += n
-        files[rel] = pieces
-    return files
 
 
 def _state() -> dict[str, Any]:
@@ -87,7 +65,7 @@ def test_whole_host_arrays_are_placed_and_the_load_gives_the_saved_state(tmp_pat
     targets = placement((path / ROOT_KEY).read_bytes(), "part", target)
     names = {rel.split("/")[0] for rel in targets}
     assert names == {"w", "layers.0", "layers.1", "scalar"}, targets.keys()
-    files = _receive(path, targets)
+    files = receive(path, targets)
     assert np.array_equal(target["w"], state["w"])  # the bytes arrived in place, before the load
     with in_memory(files) as url:
         gpuckpt.load(target, url)
@@ -101,7 +79,7 @@ def test_a_damaged_byte_received_in_place_fails_the_load(tmp_path: Path) -> None
     path = _saved(tmp_path, state)
     target = _zeros_like(state)
     targets = placement((path / ROOT_KEY).read_bytes(), "part", target)
-    files = _receive(path, targets)
+    files = receive(path, targets)
     target["w"].view(np.uint8).reshape(-1)[77] ^= 0x01  # a byte damaged on its way
     with in_memory(files) as url, pytest.raises(CheckpointCorruptedError, match="'w'"):
         gpuckpt.load(target, url)
