@@ -234,6 +234,11 @@ def _agree(coordinator: Coordinator, error: BaseException | None) -> None:
             raise pickle.loads(found)
 
 
+def _chunk_memory(t: TensorEntry, stored: int) -> np.ndarray:
+    """Memory of the round for a chunk of ``t`` of ``stored`` bytes: its data, not its trailer."""
+    return scratch((stored - CRC_BYTES,), np.dtype(np.uint8), t, populate=True)
+
+
 def _read_shared(
     reader: Any, t: TensorEntry, c: ChunkRead, buffers: dict[ChunkId, np.ndarray], cid: ChunkId
 ) -> None:
@@ -245,7 +250,7 @@ def _read_shared(
     rank receives it."""
     into = buffers.get(cid)
     if into is None:
-        into = buffers[cid] = scratch((c.nbytes - CRC_BYTES,), np.dtype(np.uint8), t, populate=True)
+        into = buffers[cid] = _chunk_memory(t, c.nbytes)
     fetch_verified(reader, t, c, [into])
     if t.codec is not None:
         decoded_chunk(t, c, into)
@@ -313,7 +318,7 @@ class _Job:
     coordinator: Coordinator
     staging: Staging
     counter: ProgressCounter
-    direct: Mapping[ChunkId, np.ndarray]  # where this rank receives chunks straight into its targets
+    direct: Mapping[ChunkId, np.ndarray]  # where this rank reads or receives chunks straight into its targets
 
 
 @dataclass(slots=True)
@@ -360,8 +365,7 @@ def _start(job: _Job, chunks: list[SharedChunk], workers: Workers) -> _Round:
                 state.buffers[s.id] = into
                 state.direct.add(s.id)
             elif s.reader != me:  # a read makes its own memory, as it starts
-                t = tensors[s.fqn]
-                state.buffers[s.id] = scratch((s.nbytes - CRC_BYTES,), np.dtype(np.uint8), t, populate=True)
+                state.buffers[s.id] = _chunk_memory(tensors[s.fqn], s.nbytes)
         reads = [
             functools.partial(
                 _read_shared, job.reader, tensors[s.fqn], tensors[s.fqn].chunk(s.coords), state.buffers, s.id
