@@ -10,16 +10,24 @@ with it.
 
 from __future__ import annotations
 
+import mmap
 import os
 from collections.abc import Iterable
 from pathlib import Path
 
-from bench.compare.common import resident_fraction
+from bench.compare.common import resident_fraction, resident_pages
 
 
 def is_cold(path: str | os.PathLike[str]) -> bool:
     """Whether no page of ``path`` is in the page cache (False where that cannot be told)."""
     return resident_fraction([os.fspath(path)]) == 0.0
+
+
+def is_cached(path: str | os.PathLike[str], offset: int = 0) -> bool:
+    """Whether the page holding byte ``offset`` of ``path`` is in the page cache."""
+    pages = resident_pages(os.fspath(path))
+    assert pages is not None, f"mincore cannot tell the page-cache state of {path}"
+    return bool(pages[offset // mmap.PAGESIZE])
 
 
 def evict(paths: Iterable[str | os.PathLike[str]], attempts: int = 3) -> list[Path]:

@@ -247,30 +247,38 @@ _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
 
 
+def resident_pages(path: str) -> np.ndarray | None:
+    """Which pages of ``path`` are in the page cache, one bool per page (``mincore`` on a shared
+    mapping: it reads nothing and starts no readahead); None where that cannot be told."""
+    size = os.path.getsize(path)
+    if size == 0:
+        return np.zeros(0, bool)
+    npages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        if addr in (None, ctypes.c_void_p(-1).value):
+            return None
+        try:
+            vec = (ctypes.c_ubyte * npages)()
+            if _libc.mincore(addr, size, vec) != 0:
+                return None
+        finally:
+            _libc.munmap(addr, size)
+    finally:
+        os.close(fd)
+    return (np.frombuffer(vec, np.uint8) & 1).astype(bool)
+
+
 def resident_fraction(files: Iterable[str]) -> float:
     """Fraction of the pages of ``files`` that are in the page cache (``mincore``; NaN if unknown)."""
-    page = mmap.PAGESIZE
     total = resident = 0
     for p in files:
-        size = os.path.getsize(p)
-        if size == 0:
-            continue
-        npages = (size + page - 1) // page
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-            if addr in (None, ctypes.c_void_p(-1).value):
-                return float("nan")
-            try:
-                vec = (ctypes.c_ubyte * npages)()
-                if _libc.mincore(addr, size, vec) != 0:
-                    return float("nan")
-            finally:
-                _libc.munmap(addr, size)
-        finally:
-            os.close(fd)
-        resident += int(np.frombuffer(vec, np.uint8).__and__(1).sum())
-        total += npages
+        pages = resident_pages(p)
+        if pages is None:
+            return float("nan")
+        resident += int(pages.sum())
+        total += pages.size
     return resident / total if total else 0.0
 
 

@@ -17,6 +17,7 @@ from gpuckpt.storage.local import direct
 from gpuckpt.storage.local.direct import DIRECT_MIN_BYTES
 from gpuckpt.storage.local.writer import LocalWriter
 from gpuckpt.verify import verify_checkpoint
+from tests.pagecache import is_cached
 
 MiB = 1 << 20
 
@@ -101,19 +102,6 @@ def test_async_save_from_the_staging_arena_writes_direct(tmp_path, monkeypatch):
     assert _chunk_bytes(tmp_path / "async") == _chunk_bytes(tmp_path / "buffered")
 
 
-def _cached(path: Path, offset: int = 0) -> bool:
-    """Whether the page at ``offset`` of ``path`` is in the page cache (a read that may not block)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.preadv(fd, [bytearray(4096)], offset, os.RWF_NOWAIT)
-        return True
-    except BlockingIOError:
-        return False
-    finally:
-        os.close(fd)
-
-
-@pytest.mark.skipif(not hasattr(os, "RWF_NOWAIT"), reason="needs preadv2(RWF_NOWAIT) to see the page cache")
 def test_direct_writes_bypass_the_page_cache(tmp_path, monkeypatch):
     if not _direct_supported(tmp_path):
         pytest.skip(f"{tmp_path} refuses O_DIRECT")
@@ -123,9 +111,9 @@ def test_direct_writes_bypass_the_page_cache(tmp_path, monkeypatch):
     chunk = Path("w") / "c.0"
     assert (tmp_path / "direct" / chunk).is_file()
     # a buffered write leaves the bytes cached; a direct one does not
-    assert _cached(tmp_path / "buffered" / chunk)
-    assert not _cached(tmp_path / "direct" / chunk)
-    assert not _cached(tmp_path / "direct" / chunk, MiB)
+    assert is_cached(tmp_path / "buffered" / chunk)
+    assert not is_cached(tmp_path / "direct" / chunk)
+    assert not is_cached(tmp_path / "direct" / chunk, MiB)
     np.testing.assert_array_equal(gpuckpt.load_state_dict(tmp_path / "direct")["w"], state["w"])
 
 
@@ -212,7 +200,6 @@ def test_switches(tmp_path, monkeypatch):
     assert not (tmp_path / "ck").exists()
 
 
-@pytest.mark.skipif(not hasattr(os, "RWF_NOWAIT"), reason="needs preadv2(RWF_NOWAIT) to see the page cache")
 def test_by_default_background_saves_bypass_the_cache_and_synchronous_ones_do_not(tmp_path, monkeypatch):
     if not _direct_supported(tmp_path):
         pytest.skip(f"{tmp_path} refuses O_DIRECT")
@@ -221,8 +208,8 @@ def test_by_default_background_saves_bypass_the_cache_and_synchronous_ones_do_no
     gpuckpt.save(state, tmp_path / "sync")
     gpuckpt.async_save(state, tmp_path / "async").result()
     chunk = Path("w") / "c.0"
-    assert _cached(tmp_path / "sync" / chunk)
-    assert not _cached(tmp_path / "async" / chunk)
+    assert is_cached(tmp_path / "sync" / chunk)
+    assert not is_cached(tmp_path / "async" / chunk)
     assert (tmp_path / "sync" / chunk).read_bytes() == (tmp_path / "async" / chunk).read_bytes()
 
 

@@ -9,14 +9,17 @@ import errno
 import fcntl
 import functools
 import hashlib
+import mmap
 import os
 import shutil
 import socket
 from pathlib import Path
+from typing import Any
 
 __all__ = [
     "boot_tag",
     "exchange",
+    "first_page_cached",
     "fsync_dir",
     "lock_dir",
     "preallocate",
@@ -100,6 +103,41 @@ def preallocate(fd: int, nbytes: int) -> None:
     fn = getattr(_libc, "fallocate", None)
     if fn is not None:
         fn(fd, ctypes.c_int(_FALLOC_FL_KEEP_SIZE), ctypes.c_int64(0), ctypes.c_int64(nbytes))
+
+
+def first_page_cached(fd: int) -> bool | None:
+    """Whether the first page of the file ``fd`` is in the page cache; None where that cannot be
+    told (an empty file, no ``mincore``). A shared mapping and ``mincore(2)``: it reads nothing
+    and starts no readahead, unlike a non-blocking read (``preadv2(RWF_NOWAIT)`` starts the
+    readahead of the pages it finds missing, and returns them when that I/O is quick)."""
+    calls = _mincore_calls()
+    if calls is None or os.fstat(fd).st_size == 0:
+        return None
+    map_, unmap, mincore = calls
+    addr = map_(None, mmap.PAGESIZE, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+    if addr in (None, ctypes.c_void_p(-1).value):
+        return None
+    try:
+        vec = ctypes.c_ubyte(0)
+        if mincore(addr, mmap.PAGESIZE, ctypes.byref(vec)) != 0:
+            return None
+        return bool(vec.value & 1)
+    finally:
+        unmap(addr, mmap.PAGESIZE)
+
+
+@functools.cache
+def _mincore_calls() -> tuple[Any, Any, Any] | None:
+    """libc's ``mmap``, ``munmap`` and ``mincore`` with their signatures, or None where missing."""
+    if _libc is None or not all(hasattr(_libc, n) for n in ("mmap", "munmap", "mincore")):
+        return None
+    map_, unmap, mincore = _libc.mmap, _libc.munmap, _libc.mincore
+    map_.restype = ctypes.c_void_p
+    int_ = ctypes.c_int
+    map_.argtypes = [ctypes.c_void_p, ctypes.c_size_t, int_, int_, int_, ctypes.c_long]
+    unmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    return map_, unmap, mincore
 
 
 def fsync_dir(path: Path) -> None:

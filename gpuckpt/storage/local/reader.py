@@ -39,7 +39,7 @@ from gpuckpt.storage.base import (
     NotRegularFileError,
     ReadStop,
 )
-from gpuckpt.storage.local import batchio, crccopy
+from gpuckpt.storage.local import batchio, crccopy, fsutil
 from gpuckpt.storage.local.direct import DIRECT_MIN_BYTES, read_direct
 from gpuckpt.storage.local.fileio import (
     buffer_address,
@@ -420,21 +420,15 @@ class LocalReader(CheckpointReader):
             os.close(fd)
 
     def chunk_cached(self, name: str, key: str) -> bool | None:
-        """A one-byte ``preadv2(RWF_NOWAIT)`` of the chunk file: it fails with ``EAGAIN`` instead
-        of reading from the device when the page is not cached (None where the kernel or file
-        system does not offer the flag, or the file cannot be opened)."""
-        flag = getattr(os, "RWF_NOWAIT", None)
-        if flag is None:
-            return None
+        """Whether the first page of the chunk file is in the page cache
+        (:func:`~gpuckpt.storage.local.fsutil.first_page_cached`: it reads nothing, so asking
+        warms nothing); None where that cannot be told or the file cannot be opened."""
         try:
             fd = self._open_chunk(name, key)
         except OSError:
             return None
         try:
-            os.preadv(fd, [bytearray(1)], 0, flag)
-            return True
-        except BlockingIOError:
-            return False
+            return fsutil.first_page_cached(fd)
         except OSError:
             return None
         finally:
