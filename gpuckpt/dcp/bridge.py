@@ -22,6 +22,9 @@ logic is repeated. What they rely on:
   records of :func:`gpuckpt.device.arrays.adapt`-ed tensors,
   :func:`gpuckpt.saving.writing.write_chunks` (its ``documents``),
   :func:`gpuckpt.saving.commit.assemble_metadata`, the ``writing`` abort guard,
+  the chunk table in blocks (:func:`gpuckpt.planning.table.table_layout`,
+  :mod:`gpuckpt.saving.table_blocks`: each rank stores its own rows and reports
+  their checksums only),
   :func:`gpuckpt.format.values.encode_object` and
   :func:`gpuckpt.format.documents.root_document` with ``CheckpointWriter.commit``
   / ``abort``;
@@ -57,6 +60,7 @@ from gpuckpt.distributed.load import read_boxes
 from gpuckpt.errors import StagingTimeoutError
 from gpuckpt.format.dtypes import dtype_name
 from gpuckpt.format.metadata import Metadata, TensorProperties
+from gpuckpt.format.records import TABLE_MIN_CHUNKS
 from gpuckpt.format.values import decode_object, encode_object
 from gpuckpt.loading import open as load_open
 from gpuckpt.loading.checks import TensorEntry, check_chunk_files, overclaimed
@@ -64,6 +68,7 @@ from gpuckpt.loading.chunk_reads import read_tensors
 from gpuckpt.options import LoadOptions, SaveOptions
 from gpuckpt.planning.boxes import Box, LocalTensor
 from gpuckpt.planning.plan import ChunkAssignment, SavePlan, StateDescription, plan_save
+from gpuckpt.planning.table import TableLayout, table_layout
 from gpuckpt.planning.uniform import compact_description
 from gpuckpt.runtime.collector import paused_gc
 from gpuckpt.saving.commit import Written, as_columns, result_columns, table_columns
@@ -72,6 +77,8 @@ from gpuckpt.saving.incremental import BaseIndex, ChunkResult, check_base_target
 from gpuckpt.saving.incremental import open_base as _open_base
 from gpuckpt.saving.session import SaveSession
 from gpuckpt.saving.sources import Source, describe_state
+from gpuckpt.saving.table_blocks import BlockReport, write_table_documents
+from gpuckpt.saving.table_blocks import write_block as _write_block
 from gpuckpt.saving.writing import (
     array_document_of,
     bind_jobs,
@@ -85,6 +92,7 @@ from gpuckpt.storage.stores import attach_writer, is_committed, scheme_of
 
 __all__ = [
     "BaseIndex",
+    "BlockReport",
     "Box",
     "ChunkAssignment",
     "ChunkResult",
@@ -93,6 +101,7 @@ __all__ = [
     "OpenSave",
     "SavePlan",
     "Snapshot",
+    "TableLayout",
     "Written",
     "abort_save",
     "attach",
@@ -115,6 +124,7 @@ __all__ = [
     "staged_bytes",
     "table_columns",
     "write_assigned",
+    "write_block",
 ]
 
 #: what one rank holds of one tensor: ``(fqn, global shape, dtype, properties, boxes)``
@@ -162,8 +172,10 @@ def plan(
 
 @dataclass(slots=True)
 class OpenSave:
-    """A save the coordinator has begun: its writer (holding the temporary), its plan, and the
-    array documents left to be written with their array's one chunk (``deferred``)."""
+    """A save the coordinator has begun: its writer (holding the temporary), its plan, the
+    array documents left to be written with their array's one chunk (``deferred``), and the
+    layout of its chunk table where each rank stores its own rows (``layout``; None: the
+    ranks report every chunk's records to the coordinator)."""
 
     path: str
     writer: CheckpointWriter
@@ -171,6 +183,7 @@ class OpenSave:
     token: str
     deferred: dict[str, bytes]
     session: SaveSession
+    layout: TableLayout | None = None
 
 
 def begin_save(
@@ -196,7 +209,10 @@ def begin_save(
         direct_io=world_size == 1 and options.use_direct_io(False),
     )
     session, later = SaveSession.begin(plan, writer, options, defer=deferred)
-    return OpenSave(path, writer, plan, writer.token or "", later, session)
+    layout = table_layout(plan, min_chunks=TABLE_MIN_CHUNKS, hashing=options.hashing)
+    if layout is not None and writer.capabilities.documents_first:
+        write_table_documents(writer, layout)  # before any rank stores a chunk of its columns
+    return OpenSave(path, writer, plan, writer.token or "", later, session, layout)
 
 
 def reusable_arrays(path: str, plan: SavePlan, options: SaveOptions) -> tuple[str, ...] | None:
@@ -258,9 +274,26 @@ def reported_rows(
     return np.asarray(rows, np.int64), result_columns([r for _, r in results])
 
 
+def write_block(
+    writer: CheckpointWriter,
+    layout: TableLayout,
+    rank: int,
+    rows: Sequence[int],
+    results: Sequence[tuple[tuple[str, tuple[int, ...]], Written]],
+) -> BlockReport:
+    """Store this rank's block of the chunk table from what it wrote (the plan's ``rows`` of
+    its chunks and their results, as :func:`write_assigned` returns them); what it reports
+    to the coordinator is the :class:`~gpuckpt.saving.table_blocks.BlockReport`."""
+    rows_, columns = reported_rows(rows, results)
+    return _write_block(writer, layout, rank, rows_, columns)
+
+
 def commit_save(
     save: OpenSave,
-    results: np.ndarray | Mapping[str, np.ndarray] | Mapping[tuple[str, tuple[int, ...]], Written],
+    results: np.ndarray
+    | Mapping[str, np.ndarray]
+    | Mapping[tuple[str, tuple[int, ...]], Written]
+    | Sequence[BlockReport],
     memory_formats: Mapping[str, Any],
     values: Mapping[str, bytes],
     skeleton: Any,
@@ -272,7 +305,8 @@ def commit_save(
     ``results``: every chunk's records in chunk table order (:func:`table_columns` of what
     the ranks report: the CRC32C column, and the hash columns of a hashing save; or the
     CRC32C column alone), or ``(array name, chunk coords) -> (stored bytes, CRC32C)`` (or
-    :class:`ChunkResult`); a large save gets its chunk table here. ``values`` are stored as
+    :class:`ChunkResult`); a large save gets its chunk table here. Where the save has a
+    ``layout``, ``results`` are every rank's :func:`write_block` reports instead. ``values`` are stored as
     opaque bytes entries; ``planner_extra`` is added to the metadata's ``planner_data``. On
     any error the save is aborted.
     """
@@ -292,7 +326,13 @@ def commit_save(
                 save.writer.rewrite_array_document(found.name, array_document_of(found))
         objects = {fqn: encode_object(blob, fqn=fqn) for fqn, blob in values.items()}
     done = dataclasses.replace(save.plan, tensors=tensors, objects=objects, skeleton=skeleton)
-    columns = as_columns(done, results)
+    if save.layout is not None:
+        if isinstance(results, (np.ndarray, Mapping)):
+            raise TypeError("a save whose ranks store their rows of the chunk table commits their reports")
+        return save.session.commit_blocks(
+            list(results), checkpoint_id, save.layout, plan=done, planner_extra=planner_extra
+        )
+    columns = as_columns(done, results)  # type: ignore[arg-type]  # not reports: no layout
     return save.session.commit(columns, checkpoint_id, plan=done, planner_extra=planner_extra)
 
 

@@ -37,16 +37,22 @@ class _RankPlan:
     chunks: tuple[bridge.ChunkAssignment, ...]
     boxes: dict[str, tuple[tuple[int, ...], ...]]  # fqn -> offsets of each box, by box index
     reusable: tuple[str, ...] | None = None  # incremental saves: arrays the base can serve
+    layout: bridge.TableLayout | None = None  # the chunk table in blocks: each rank stores its rows
 
 
 @dataclass(frozen=True, slots=True)
 class _Written:
-    """A rank's report on one write item (``WriteResult.storage_data``)."""
+    """A rank's report on one write item (``WriteResult.storage_data``).
+
+    Where the save's chunk table is in blocks, the rank stored its own rows and reports them
+    once, in its first tensor item's ``block`` (the checksums of what it stored, and its
+    rows of the table's tail); its items then carry no ``chunks``."""
 
     chunks: tuple[tuple[tuple[str, tuple[int, ...]], bridge.Written], ...] = ()
     memory_format: str | None = None
     blob: bytes | None = None
     rows: tuple[int, ...] = ()  # of ``chunks`` in the save's chunk table
+    block: bridge.BlockReport | None = None
 
 
 class Writer(StorageWriter):  # type: ignore[misc,unused-ignore]
@@ -215,6 +221,7 @@ class Writer(StorageWriter):  # type: ignore[misc,unused-ignore]
                     tuple(assignments[r]),
                     {b.fqn: tuple(box[0] for box in b.boxes) for b in per_rank[r]},
                     reusable,
+                    opened.layout,
                 ),
             )
             for r, plan in enumerate(plans)
@@ -264,6 +271,10 @@ class Writer(StorageWriter):  # type: ignore[misc,unused-ignore]
         }
         base = bridge.open_base(self.options, mine.reusable)
         written, formats = bridge.write_assigned(writer, mine.chunks, held, self.options, documents, base)
+        block = None
+        if mine.layout is not None:
+            # this rank's rows of the chunk table: stored here, only their checksums reported
+            block = bridge.write_block(writer, mine.layout, self._rank, [a.row for a in mine.chunks], written)
         per_box: dict[tuple[str, tuple[int, ...]], list[Any]] = {}
         rows: dict[tuple[str, tuple[int, ...]], list[int]] = {}
         for a, result in zip(mine.chunks, written, strict=True):
@@ -273,14 +284,21 @@ class Writer(StorageWriter):  # type: ignore[misc,unused-ignore]
         for key, item in by_box.items():
             chunks = per_box.get(key, [])
             fmt = formats.get(key[0])
+            fmt_name = None if fmt is None else fmt.name
+            if mine.layout is not None:
+                reported = _Written(memory_format=fmt_name, block=block)
+                block = None  # reported once
+            else:
+                reported = _Written(tuple(chunks), fmt_name, rows=tuple(rows.get(key, ())))
             results.append(
                 WriteResult(
-                    index=item.index,
-                    size_in_bytes=sum(r[0] for _, r in chunks),
-                    storage_data=_Written(
-                        tuple(chunks), None if fmt is None else fmt.name, rows=tuple(rows.get(key, ()))
-                    ),
+                    index=item.index, size_in_bytes=sum(r[0] for _, r in chunks), storage_data=reported
                 )
+            )
+        if block is not None and block.block is not None:
+            raise GpuckptError(
+                f"rank {self._rank} stored block {block.block} of the chunk table but has no tensor "
+                "item to report it with; the ranks did not run the same plan"
             )
         for item in values:
             data = planner.resolve_data(item)
@@ -300,6 +318,7 @@ class Writer(StorageWriter):  # type: ignore[misc,unused-ignore]
                 "another save before this one finished (use one Writer per save in flight)"
             )
         parts: list[tuple[np.ndarray, dict[str, np.ndarray]]] = []
+        blocks: list[bridge.BlockReport] = []
         formats: dict[str, set[str]] = {}
         blobs: dict[str, bytes] = {}
         for rank_results in results:
@@ -311,6 +330,8 @@ class Writer(StorageWriter):  # type: ignore[misc,unused-ignore]
                     )
                 if w.rows:
                     parts.append(bridge.reported_rows(w.rows, w.chunks))
+                if w.block is not None:
+                    blocks.append(w.block)
                 if w.memory_format is not None:
                     formats.setdefault(r.index.fqn, set()).add(w.memory_format)
                 if w.blob is not None:
@@ -324,7 +345,7 @@ class Writer(StorageWriter):  # type: ignore[misc,unused-ignore]
         try:
             bridge.commit_save(
                 opened,
-                bridge.table_columns(opened.plan, parts),
+                blocks if opened.layout is not None else bridge.table_columns(opened.plan, parts),
                 chosen,
                 blobs,
                 convert.skeleton_from_paths(metadata.planner_data, fqns),

@@ -138,20 +138,28 @@ class SaveSession:
             )
 
     def commit_blocks(
-        self, reports: Sequence[BlockReport], checkpoint_id: str | None, layout: TableLayout
+        self,
+        reports: Sequence[BlockReport],
+        checkpoint_id: str | None,
+        layout: TableLayout,
+        *,
+        plan: SavePlan | None = None,
+        planner_extra: Mapping[str, Any] | None = None,
     ) -> Metadata:
         """:meth:`commit` of a save whose chunk table is ordered in blocks, each stored by its
-        rank (:mod:`gpuckpt.saving.table_blocks`): ``reports`` are every rank's."""
+        rank (:mod:`gpuckpt.saving.table_blocks`): ``reports`` are every rank's. ``plan`` and
+        ``planner_extra`` as for :meth:`commit`."""
         if not self.owner or self.plan is None:
             raise RuntimeError("only the process that began a save commits it")
         with writing(self.writer):
             return commit_blocks(
-                self.plan,
+                self.plan if plan is None else plan,
                 layout,
                 reports,
                 self.writer,
                 checkpoint_id,
                 documents=not self.writer.capabilities.documents_first,
+                planner_extra=planner_extra,
             )
 
     def abort(self) -> None:

@@ -85,6 +85,23 @@ def test_rank_failing_in_write_data_fails_everywhere_and_publishes_nothing(
     assert results[0]["overwritten_intact"] is True
 
 
+def test_each_rank_stores_its_rows_of_a_large_chunk_table(saved: tuple[Path, Results]) -> None:
+    """4,400 chunks of FSDP-like row shards: each rank stores its block of the chunk table
+    itself, and its write results carry the block's checksums to the coordinator, not a
+    record per chunk; the checkpoint reads back through gpuckpt and through DCP."""
+    _, results = saved
+    r0 = results[0]
+    received = r0["blocked_received"]
+    assert received["chunks"] == 0  # no chunk's record came through DCP's gather
+    assert received["blocks"] == [0, 1, 2, 3]
+    assert received["tail_rows"] == 1  # the replicated tensor, stored whole by one rank
+    assert received["bytes"] < 8_000  # 2 KB; with a record per chunk, 118 KB (measured 2026-12-03)
+    assert r0["blocked_version"] == "5"
+    assert r0["blocked_table"]["rows"] > 4096 and "blocks" in r0["blocked_table"]
+    assert r0["blocked_native"] is True and r0["blocked_verified"] is True
+    assert all(r["blocked_dcp_load"] is True for r in results.values())
+
+
 def test_async_save_with_stager_snapshots_dtensors(saved: tuple[Path, Results]) -> None:
     _, results = saved
     assert results[0]["async_snapshot"] is True
