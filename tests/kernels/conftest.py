@@ -1,13 +1,15 @@
 """Fixtures for the channels-last kernel tests.
 
 The CPU-emulation libraries are built once per test session, in a temporary
-folder, and in the background: every variant is queued when the first test
-asks for one, on two compiler processes, so later builds overlap with the
-tests that already run.
+folder that the session's test workers share, and in the background: every
+variant is queued when the first test asks for one, on two compiler
+processes, so later builds overlap with the tests that already run; a test
+that needs a variant still queued builds it at once.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -25,7 +27,9 @@ import kernel_emu  # noqa: E402
 
 
 class EmuBuilds:
-    """Session-wide, lazily started builds of every emulation variant."""
+    """Session-wide, lazily started builds of every emulation variant, into a folder that the
+    test workers of one session share (each library is built once, by whichever worker
+    gets to it first: :func:`kernel_emu.build`)."""
 
     def __init__(self, out_dir: Path) -> None:
         self.out_dir = out_dir
@@ -40,14 +44,14 @@ class EmuBuilds:
                 self._futures[variant.name] = self._pool.submit(kernel_emu.build, variant, self.out_dir)
 
     def path(self, variant: kernel_emu.Variant) -> Path:
-        """Library file of ``variant``, building it if needed."""
+        """Library file of ``variant``, building it if needed: now, in this thread, where its
+        build is still queued behind others."""
         if kernel_emu.gxx() is None:
             pytest.skip("g++ not found on PATH: the CPU emulation of the kernels cannot be built")
         self._start()
         future = self._futures.get(variant.name)
-        if future is None:
-            assert self._pool is not None
-            future = self._futures[variant.name] = self._pool.submit(kernel_emu.build, variant, self.out_dir)
+        if future is None or future.cancel():
+            return kernel_emu.build(variant, self.out_dir)
         return future.result()
 
     def library(self, variant: kernel_emu.Variant) -> kernel_emu.EmuLibrary:
@@ -64,7 +68,12 @@ class EmuBuilds:
 
 @pytest.fixture(scope="session")
 def emu_builds(tmp_path_factory: pytest.TempPathFactory):
-    builds = EmuBuilds(tmp_path_factory.mktemp("kernel_emu"))
+    base = tmp_path_factory.getbasetemp()
+    # under pytest-xdist each worker's base is a folder of the session's: builds go beside them
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    out = shared / "kernel_emu"
+    out.mkdir(exist_ok=True)
+    builds = EmuBuilds(out)
     yield builds
     builds.close()
 

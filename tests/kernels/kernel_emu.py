@@ -174,15 +174,24 @@ def mutated_sources(variant: Variant, out_dir: Path) -> Path | None:
 
 
 def build(variant: Variant, out_dir: Path) -> Path:
-    """Build ``variant`` into ``out_dir`` (once) and return the library path."""
+    """Build ``variant`` into ``out_dir`` (once) and return the library path.
+
+    Processes may share ``out_dir`` (the test workers of one session do): a lock file per
+    library lets one of them build it while the others wait, then use it."""
     output = out_dir / f"libgkemu_{variant.name}_{source_digest()}.so"
-    if not output.exists():
-        tmp = output.with_suffix(".tmp.so")
-        sources = mutated_sources(variant, out_dir)
-        proc = subprocess.run(build_command(variant, tmp, sources), capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"building {variant.name} failed:\n{proc.stderr}")
-        tmp.replace(output)
+    if output.exists():
+        return output
+    import fcntl
+
+    with open(out_dir / f"{output.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not output.exists():
+            tmp = output.with_suffix(f".tmp{os.getpid()}.so")
+            sources = mutated_sources(variant, out_dir)
+            proc = subprocess.run(build_command(variant, tmp, sources), capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise RuntimeError(f"building {variant.name} failed:\n{proc.stderr}")
+            tmp.replace(output)
     return output
 
 
