@@ -56,6 +56,7 @@ __all__ = [
     "ChunkTable",
     "ChunkFiles",
     "column_array_name",
+    "is_column_array_name",
     "encode_rows",
     "encode_table",
     "listed_records",
@@ -117,6 +118,14 @@ _HEX = re.compile(r"[0-9a-f]+")
 def column_array_name(column: str) -> str:
     """The array that holds a column; no tensor has it (tensor names begin with a letter, digit or %)."""
     return f"_gpuckpt.table.{column}"
+
+
+def is_column_array_name(name: object) -> bool:
+    """Whether ``name`` is the array of one of the chunk table's columns (:func:`column_array_name`)."""
+    return name in _COLUMN_ARRAYS
+
+
+_COLUMN_ARRAYS = frozenset(column_array_name(c) for c in COLUMNS)
 
 
 def _chunk_key(k: int, column: Column) -> str:

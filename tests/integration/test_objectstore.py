@@ -147,6 +147,53 @@ def test_large_chunk_round_trip(opts: dict[str, Any], prefix: str) -> None:
     assert np.array_equal(gpuckpt.load_state_dict(url, storage_options=opts)["w"], big["w"])
 
 
+@pytest.fixture
+def small_table(monkeypatch: pytest.MonkeyPatch) -> int:
+    """Saves keep a chunk table from 16 chunks on (from 4,096 otherwise: as many objects put to
+    the loopback server take half a minute); what is stored, and how, is what a large save does."""
+    import gpuckpt.distributed.save as distributed_save
+    import gpuckpt.saving.commit as commit
+
+    monkeypatch.setattr(commit, "TABLE_MIN_CHUNKS", 16)
+    monkeypatch.setattr(distributed_save, "TABLE_MIN_CHUNKS", 16)
+    return 16
+
+
+def test_a_checkpoint_with_a_chunk_table_round_trips_on_s3(
+    opts: dict[str, Any], prefix: str, s3: Any, small_table: int
+) -> None:
+    state = {"w": np.arange(64 * 8, dtype=np.float32).reshape(64, 8), "step": 3}
+    url = f"s3://{BUCKET}/{prefix}"
+    gpuckpt.save(state, url, storage_options=opts, chunk_bytes=64)
+    md = gpuckpt.read_metadata(url, storage_options=opts)
+    assert md.storage_data["chunk_table"]["rows"] == 32 > small_table
+    assert f"{prefix}/_gpuckpt.table.crc32c/c.0" in _objects(s3, prefix)
+    _assert_same(gpuckpt.load_state_dict(url, storage_options=opts), state)
+    assert verify_checkpoint(url, storage_options=opts).ok
+
+
+def test_a_distributed_save_stores_its_table_in_blocks_on_s3(
+    opts: dict[str, Any], prefix: str, small_table: int
+) -> None:
+    from gpuckpt.distributed import run_ranks
+
+    full = {f"t{i}": np.arange(32 * 4, dtype=np.float32).reshape(32, 4) + i for i in range(3)}
+    url = f"s3://{BUCKET}/{prefix}"
+
+    def one(c: Any) -> None:
+        mine = {
+            n: gpuckpt.ShardedArray(v[c.rank * 8 : (c.rank + 1) * 8].copy(), (c.rank * 8, 0), (32, 4))
+            for n, v in full.items()
+        }
+        gpuckpt.save(mine, url, coordinator=c, storage_options=opts, chunk_bytes=16)
+
+    run_ranks(4, one)
+    md = gpuckpt.read_metadata(url, storage_options=opts)
+    assert md.version == "5" and "blocks" in md.storage_data["chunk_table"]
+    _assert_same(gpuckpt.load_state_dict(url, storage_options=opts), full)
+    assert verify_checkpoint(url, storage_options=opts).ok
+
+
 def test_zarr_reads_arrays_straight_from_s3(opts: dict[str, Any], prefix: str, endpoint: str) -> None:
     import zarr
     from obstore.store import S3Store
@@ -291,12 +338,15 @@ def test_leftovers_of_a_dead_save_are_cleaned(opts: dict[str, Any], prefix: str,
     _put_claim(s3, prefix, f"{fsutil.tmp_owner().rsplit('-', 1)[0]}-{_dead_pid()}", machine)
     s3.put_object(Bucket=BUCKET, Key=f"{prefix}/stale/zarr.json", Body=b"{}")
     s3.put_object(Bucket=BUCKET, Key=f"{prefix}/stale/c.0.1", Body=b"junk")
+    s3.put_object(Bucket=BUCKET, Key=f"{prefix}/_gpuckpt.table.crc32c/c.0", Body=b"junk")  # its chunk table
     sibling = f"{prefix}2/stale/c.0"  # a different prefix that merely starts with the same text
     s3.put_object(Bucket=BUCKET, Key=sibling, Body=b"keep")
     state = _state()
     _save(state, prefix, opts)
     keys = _objects(s3, prefix)
-    assert not any("/stale/" in k for k in keys) and f"{prefix}/{CLAIM_KEY}" not in keys
+    assert (
+        not any("/stale/" in k or "_gpuckpt.table" in k for k in keys) and f"{prefix}/{CLAIM_KEY}" not in keys
+    )
     assert s3.get_object(Bucket=BUCKET, Key=sibling)["Body"].read() == b"keep"
     _assert_same(gpuckpt.load_state_dict(f"s3://{BUCKET}/{prefix}", storage_options=opts), state)
 

@@ -10,6 +10,7 @@ from typing import Any
 
 from gpuckpt.format.documents import ROOT_KEY, is_chunk_file_key, too_large
 from gpuckpt.format.names import is_safe_name
+from gpuckpt.format.records import is_column_array_name
 from gpuckpt.storage.s3.client import RequestBudget, first_line, obstore_for, pop_transfer_options
 
 __all__ = [
@@ -18,6 +19,7 @@ __all__ = [
     "DEFAULT_LEASE_SECONDS",
     "MAX_CLAIM_BYTES",
     "Prefix",
+    "is_checkpoint_object",
     "object_key",
 ]
 
@@ -28,9 +30,15 @@ DEFAULT_LEASE_SECONDS = 60.0
 MAX_CLAIM_BYTES = 1 << 24
 
 
+def is_checkpoint_object(name: str, key: str) -> bool:
+    """Whether ``name/key`` is an object a checkpoint holds: the document or a chunk of a
+    tensor's array, or of one of the chunk table's columns (large checkpoints)."""
+    return (is_safe_name(name) or is_column_array_name(name)) and (key == ROOT_KEY or is_chunk_file_key(key))
+
+
 def object_key(name: str, key: str) -> str:
     """Key of ``name/key`` inside the prefix; refuses anything that could leave it."""
-    if not is_safe_name(name) or not (key == ROOT_KEY or is_chunk_file_key(key)):
+    if not is_checkpoint_object(name, key):
         raise ValueError(f"refusing object key {name!r}/{key!r}: not a checkpoint array name and key")
     return f"{name}/{key}"
 

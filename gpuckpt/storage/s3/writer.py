@@ -88,10 +88,8 @@ from gpuckpt.format.documents import (
     MAX_ROOT_DOCUMENT_BYTES,
     ROOT_DOCUMENT_PREFIX,
     ROOT_KEY,
-    is_chunk_file_key,
     root_document_problem,
 )
-from gpuckpt.format.names import is_safe_name
 from gpuckpt.storage.base import BaseRef, Capabilities, CheckpointWriter, ChunkDigest
 from gpuckpt.storage.copies import PIECE_BYTES, own_copy
 from gpuckpt.storage.s3.claim import Claim, claim_token
@@ -102,7 +100,7 @@ from gpuckpt.storage.s3.client import (
     zarr_store,
 )
 from gpuckpt.storage.s3.fence import Fence, delete_if_unchanged
-from gpuckpt.storage.s3.prefix import CLAIM_KEY, CLOCK_PROBE_PREFIX, Prefix, object_key
+from gpuckpt.storage.s3.prefix import CLAIM_KEY, CLOCK_PROBE_PREFIX, Prefix, is_checkpoint_object, object_key
 from gpuckpt.storage.s3.reader import ObjectStoreReader
 
 __all__ = ["CLAIM_KEY", "ObjectStoreReader", "ObjectStoreWriter", "parse_s3_url", "zarr_store"]
@@ -273,7 +271,7 @@ class ObjectStoreWriter(Prefix, CheckpointWriter):
     @staticmethod
     def _is_checkpoint_key(rel: str) -> bool:
         name, sep, key = rel.partition("/")
-        return bool(sep) and is_safe_name(name) and (key == ROOT_KEY or is_chunk_file_key(key))
+        return bool(sep) and is_checkpoint_object(name, key)
 
     def _write(self, rel: str, data: Any, streamed: tuple[int, Iterator[Any]] | None = None) -> None:
         """Put ``data`` (a buffer, or a list of buffers to store one after the other) at ``rel``;
