@@ -50,6 +50,7 @@ from gpuckpt.convert.hf_layout import (
 )
 from gpuckpt.device.sharded import ShardedArray
 from gpuckpt.errors import CheckpointExistsError, InvalidOptionError, UnsupportedValueError
+from gpuckpt.format.grid import axis_starts
 from gpuckpt.format.safetensors import INDEX_NAME
 from gpuckpt.loading.hf import open_hf
 from gpuckpt.loading.open import open_checkpoint
@@ -107,7 +108,9 @@ def _select(
             )
         seen[name] = fqn
         out_dt = cast if cast is not None and _is_floating(t.dtype) else t.dtype
-        edges = tuple(sorted({c.spec.offsets[0] for c in t.chunks})) if t.shape else (0,)
+        # where the chunks start along the rows, from the grid alone (a chunk table's records
+        # are read by the load that follows); an empty tensor has no chunk
+        edges = (tuple(axis_starts(t.grid)[0]) if math.prod(t.shape) else ()) if t.shape else (0,)
         out.append(ShardTensor(fqn, name, tuple(t.shape), np.dtype(out_dt), np.dtype(t.dtype), edges))
     return out, len(chosen) - len(out)
 

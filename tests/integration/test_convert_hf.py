@@ -94,6 +94,30 @@ def test_distributed_source_and_cli(tmp_path: Path) -> None:
     assert _same(target["w"], full.astype(np.float16))
 
 
+@pytest.mark.parametrize("ranks", [1, 4])
+def test_a_source_with_a_chunk_table_exports(tmp_path: Path, ranks: int) -> None:
+    """More chunks than a root document lists (a chunk table; in blocks from 4 ranks): the
+    export places its rows from the grid and reads the records with the chunks."""
+    full = np.arange(4400 * 4, dtype=np.float32).reshape(4400, 4)
+    per = len(full) // ranks
+
+    def rank(c: gpuckpt.distributed.Coordinator) -> None:
+        box = full[c.rank * per : (c.rank + 1) * per].copy()
+        gpuckpt.save(
+            {"w": gpuckpt.ShardedArray(box, (c.rank * per, 0), full.shape), "b": np.ones(3)},
+            tmp_path / "ck",
+            coordinator=c,
+            chunk_bytes=16,
+        )
+
+    run_ranks(ranks, rank)
+    md = gpuckpt.read_metadata(tmp_path / "ck")
+    assert md.storage_data["chunk_table"]["rows"] > 4096 and md.version == ("5" if ranks > 1 else "2")
+    convert(tmp_path / "ck", tmp_path / "hf", target_format="hf")
+    back = gpuckpt.load_state_dict(tmp_path / "hf")
+    assert _same(back["w"], full) and _same(back["b"], np.ones(3))
+
+
 def test_overwrite_replaces_the_directory_whole(tmp_path: Path) -> None:
     gpuckpt.save({"a": np.ones(10, np.float32), "b": np.ones(3, np.int8)}, tmp_path / "ck")
     convert(tmp_path / "ck", tmp_path / "hf", target_format="hf")
