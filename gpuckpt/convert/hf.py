@@ -110,7 +110,12 @@ def _select(
         out_dt = cast if cast is not None and _is_floating(t.dtype) else t.dtype
         # where the chunks start along the rows, from the grid alone (a chunk table's records
         # are read by the load that follows); an empty tensor has no chunk
-        edges = (tuple(axis_starts(t.grid)[0]) if math.prod(t.shape) else ()) if t.shape else (0,)
+        if not t.shape:
+            edges: tuple[int, ...] = (0,)
+        elif math.prod(t.shape) == 0:
+            edges = ()
+        else:
+            edges = tuple(axis_starts(t.grid)[0])
         out.append(ShardTensor(fqn, name, tuple(t.shape), np.dtype(out_dt), np.dtype(t.dtype), edges))
     return out, len(chosen) - len(out)
 

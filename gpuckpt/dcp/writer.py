@@ -273,13 +273,12 @@ class Writer(StorageWriter):  # type: ignore[misc,unused-ignore]
         written, formats = bridge.write_assigned(writer, mine.chunks, held, self.options, documents, base)
         block = None
         if mine.layout is not None:
-            # this rank's rows of the chunk table: stored here, only their checksums reported
+            # this rank's rows of the chunk table: stored here, only their checksums reported (with
+            # its first tensor item: a rank that wrote chunks holds the items they came from)
             block = bridge.write_block(writer, mine.layout, self._rank, [a.row for a in mine.chunks], written)
-        per_box: dict[tuple[str, tuple[int, ...]], list[Any]] = {}
-        rows: dict[tuple[str, tuple[int, ...]], list[int]] = {}
+        per_box: dict[tuple[str, tuple[int, ...]], list[tuple[int, Any]]] = {}
         for a, result in zip(mine.chunks, written, strict=True):
-            per_box.setdefault((a.fqn, mine.boxes[a.fqn][a.box]), []).append(result)
-            rows.setdefault((a.fqn, mine.boxes[a.fqn][a.box]), []).append(a.row)
+            per_box.setdefault((a.fqn, mine.boxes[a.fqn][a.box]), []).append((a.row, result))
         results = []
         for key, item in by_box.items():
             chunks = per_box.get(key, [])
@@ -289,16 +288,13 @@ class Writer(StorageWriter):  # type: ignore[misc,unused-ignore]
                 reported = _Written(memory_format=fmt_name, block=block)
                 block = None  # reported once
             else:
-                reported = _Written(tuple(chunks), fmt_name, rows=tuple(rows.get(key, ())))
+                reported = _Written(
+                    tuple(r for _, r in chunks), fmt_name, rows=tuple(row for row, _ in chunks)
+                )
             results.append(
                 WriteResult(
-                    index=item.index, size_in_bytes=sum(r[0] for _, r in chunks), storage_data=reported
+                    index=item.index, size_in_bytes=sum(r[1][0] for _, r in chunks), storage_data=reported
                 )
-            )
-        if block is not None and block.block is not None:
-            raise GpuckptError(
-                f"rank {self._rank} stored block {block.block} of the chunk table but has no tensor "
-                "item to report it with; the ranks did not run the same plan"
             )
         for item in values:
             data = planner.resolve_data(item)
