@@ -144,6 +144,7 @@ def _base_env(out: Path) -> dict[str, str]:
     env = dict(os.environ)
     env["GPUCKPT_TEST_OUT"] = str(out)
     env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONFAULTHANDLER"] = "1"  # a rank that crashes prints where
     env.setdefault("HYDRA_LAUNCHER", "fork")  # single-host job: never try ssh
     return env
 

@@ -220,14 +220,19 @@ def counted_loads(c: Coordinator, path: str) -> dict[str, Any]:
 
 
 def _peak(c: Coordinator, path: str, **options: Any) -> tuple[dict[str, Any], int]:
+    """The load's result, and the most memory traced during it beyond what was traced before.
+
+    Tracing starts at the first measure, between loads, and is never stopped: stopping it
+    while another thread allocates crashes CPython before 3.12.9 (python/cpython#128679; the
+    job's I/O and transport threads do), so each measure resets the peak instead."""
     state = layout("replicated", c.rank, c.world_size)
-    tracemalloc.start()
-    try:
-        gpuckpt.load(state, path, coordinator=c, **{"cooperative": True, **options})
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
-    return check(state), peak
+    if not tracemalloc.is_tracing():
+        tracemalloc.start()
+    tracemalloc.reset_peak()
+    before, _ = tracemalloc.get_traced_memory()
+    gpuckpt.load(state, path, coordinator=c, **{"cooperative": True, **options})
+    _, peak = tracemalloc.get_traced_memory()
+    return check(state), peak - before
 
 
 def budget_load(c: Coordinator, path: str, budget: int) -> dict[str, Any]:
