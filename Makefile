@@ -69,7 +69,7 @@ gpu-check:
 
 lint: $(STAMP)
 	$(BIN)/ruff check gpuckpt tests bench
-	$(BIN)/ruff format --check gpuckpt
+	$(BIN)/ruff format --check gpuckpt tests bench
 
 typecheck: $(STAMP)
 	$(BIN)/mypy

@@ -448,7 +448,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=3, help="steps saved before the measured ones")
     ap.add_argument("--op-settle", type=float, default=3.0)
-    ap.add_argument("--smoke", action="store_true", help="evict the root's files per file, never machine-wide")
+    ap.add_argument(
+        "--smoke", action="store_true", help="evict the root's files per file, never machine-wide"
+    )
     args = ap.parse_args(argv)
     from mpi4py import MPI
 

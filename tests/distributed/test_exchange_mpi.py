@@ -38,7 +38,9 @@ def test_duplicate_needs_thread_multiple_on_every_rank(run_mpi: Any) -> None:
 
 
 @pytest.mark.parametrize("n", [1, 4])
-def test_exchange_waits_spin_or_sleep_by_whether_the_ranks_share_cores(run_mpi: Any, load_script: Any, n: int) -> None:
+def test_exchange_waits_spin_or_sleep_by_whether_the_ranks_share_cores(
+    run_mpi: Any, load_script: Any, n: int
+) -> None:
     """Both waits of ``exchange_buffers`` deliver every byte; the coordinator sleeps between tests
     exactly where the node runs more ranks than a rank may use CPUs (MPI_LOCALNRANKS, from
     mpiexec), and spins (``Waitall``) elsewhere."""

@@ -165,7 +165,11 @@ def test_hostile_compressed_chunks_are_typed_errors_within_bounded_memory(tmp_pa
     bomb = encode(c, np.zeros(1 << 30, np.uint8), 0).tobytes()  # 1 GiB of zeros in a few KiB
     wrong = encode(c, np.zeros(100, np.uint8), 0).tobytes()
     garbage = bytes(wrong[:16]) + b"\xff" * 64
-    cases = [(bomb, "announces 1073741824 bytes"), (wrong, "announces 100 bytes"), (garbage, "decompress|announces")]
+    cases = [
+        (bomb, "announces 1073741824 bytes"),
+        (wrong, "announces 100 bytes"),
+        (garbage, "decompress|announces"),
+    ]
     paths = []
     for i, (payload, _) in enumerate(cases):
         paths.append(copy_checkpoint(tmp_path / "c", tmp_path / f"hostile{i}"))

@@ -110,7 +110,9 @@ def test_a_chunk_whose_needers_need_other_rows_is_read_by_each_alone() -> None:
 
 
 @given(jobs(), st.data())
-def test_receivers_into_their_targets_hold_nothing_and_rounds_keep_the_budget(job, data: st.DataObject) -> None:  # type: ignore[no-untyped-def]
+def test_receivers_into_their_targets_hold_nothing_and_rounds_keep_the_budget(
+    job, data: st.DataObject
+) -> None:  # type: ignore[no-untyped-def]
     """A chunk read or received straight into a rank's targets (``free``) takes none of that rank's
     budget; a rank that reads or receives it into memory of the round holds ``held`` bytes of it."""
     wants, sizes, budget, nodes = job

@@ -226,9 +226,9 @@ def job_save(out: Path) -> dict[str, Any]:
         mine[n].to_local().zero_()
     mine["step"] = 0
     dcp.load(mine, storage_reader=gpuckpt.dcp.Reader(out / "blocked"))
-    found["blocked_dcp_load"] = all(
-        bool((mine[n].full_tensor() == blocked_tensor(n)).all()) for n in BLOCKED
-    ) and mine["step"] == 7
+    found["blocked_dcp_load"] = (
+        all(bool((mine[n].full_tensor() == blocked_tensor(n)).all()) for n in BLOCKED) and mine["step"] == 7
+    )
     return found
 
 
