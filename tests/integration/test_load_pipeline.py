@@ -365,9 +365,9 @@ def test_load_options_refuse_an_unknown_direct_io_mode() -> None:
 
 
 def test_tmpfs_loads_use_direct_or_fall_back(tmp_path: Path) -> None:
-    """/dev/shm (tmpfs): the page-cache probe of the one-pass loop (RWF_NOWAIT) is refused
-    there, so chunks count as not cached; they are read with O_DIRECT where tmpfs accepts it
-    (Linux 6.6 and later), else buffered after one refusal. Either way bit-exact."""
+    """/dev/shm (tmpfs): the one-pass loop declines tmpfs files (copies out of their maps
+    were slower than reads), so chunks count as not cached; they are read with O_DIRECT where
+    tmpfs accepts it (Linux 6.6 and later), else buffered after one refusal. Either way bit-exact."""
     shm = Path("/dev/shm")
     if not shm.is_dir() or not crccopy.available():
         pytest.skip("needs /dev/shm and the native copy-with-CRC loop")

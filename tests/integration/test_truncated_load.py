@@ -4,8 +4,8 @@ Cached chunks of 1 MiB and more are loaded through a memory map (gpuckpt/storage
 A file truncated after its size was checked (``cp``, ``rsync --inplace`` or ``: > file`` over
 a checkpoint during a load) turns the copy's next read into SIGBUS, which used to kill the
 process. Here the truncation happens at the worst moment on every run, after the map is made
-and before a byte is copied, through an LD_PRELOAD library (``truncate_on_mmap.c``) that
-wraps ``mmap``. Everything that could crash runs in a subprocess, so that a crash fails the
+and its pages were found cached and before a byte is copied, through an LD_PRELOAD library
+(``truncate_on_mmap.c``) that wraps ``mmap`` and ``mincore``. Everything that could crash runs in a subprocess, so that a crash fails the
 test instead of ending the test run.
 
 Also checked: a SIGBUS outside a copy still takes its default action or reaches Python's
@@ -72,7 +72,8 @@ def _run(code: str, *args: str, env: dict[str, str] | None = None) -> subprocess
 
 
 def _truncating(shim: Path, under: Path, to: int = 0) -> dict[str, str]:
-    """Environment under which every file below ``under`` is truncated to ``to`` bytes once mapped."""
+    """Environment under which every file below ``under`` is truncated to ``to`` bytes once mapped
+    (by the copy loop: once its pages were found cached)."""
     return {"LD_PRELOAD": str(shim), "GCK_TRUNCATE_DIR": str(under), "GCK_TRUNCATE_TO": str(to)}
 
 
