@@ -27,7 +27,7 @@ def test_bench_s3_toy_run(tmp_path: Path) -> None:
         "--ranks",
         "0",
     ]
-    cmd += ["--sweep", "1,4", "--json", str(out)]
+    cmd += ["--sweep", "1,4", "--manager-steps", "2,20", "--manager-saves", "2", "--json", str(out)]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr[-2000:]
     res = json.loads(out.read_text())
@@ -36,3 +36,6 @@ def test_bench_s3_toy_run(tmp_path: Path) -> None:
     small, large = res["requests"]
     # smaller chunks: more objects, so more puts and gets
     assert small["save"]["put"] > large["save"]["put"] and small["load"]["get"] > large["load"]["get"]
+    few, many = res["manager"]["runs"]
+    assert (few["steps kept"], many["steps kept"]) == (2, 20)
+    assert few["save requests"] == many["save requests"]  # a save's requests do not grow with the steps kept

@@ -68,7 +68,7 @@ def test_harness_main_systems(tmp_path: Path) -> None:
         systems = MAIN_SYSTEMS.replace(",tensorstore", "")
     else:
         systems = MAIN_SYSTEMS
-    states = "gpt,gpt-adam,small"
+    states = "gpt,small"  # the report's targets and plot are of gpt; gpt-adam is gpt with more tensors
     result = run_harness(tmp_path, systems, states)
     check_records(result, systems, states)
     assert {r["system"] for r in result["records"]} >= {"dd-direct", "dd-fdatasync", "gpuckpt-async"}
