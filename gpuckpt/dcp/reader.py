@@ -77,6 +77,9 @@ class Reader(StorageReader):  # type: ignore[misc,unused-ignore]
     staging_bytes
         Bytes of shared chunks one rank holds at a time in a cooperative load (and the
         staging budget of device targets), as for :func:`gpuckpt.load`.
+    _extension_registry
+        DCP's ``FileSystemReader`` argument, taken so that a program that builds one runs
+        with the class name changed; no effect (:mod:`gpuckpt.dcp.fs_arguments`).
 
     Examples
     --------
@@ -94,8 +97,10 @@ class Reader(StorageReader):  # type: ignore[misc,unused-ignore]
         storage_options: dict[str, Any] | None = None,
         cooperative: bool | None = None,
         staging_bytes: int = DEFAULT_STAGING_BYTES,
+        _extension_registry: Any = None,
     ) -> None:
         super().__init__()
+        del _extension_registry  # DCP's FileSystemReader argument: gpuckpt's codecs are Zarr's
         self.options = LoadOptions(
             allow_pickle=allow_pickle,
             threads=threads,

@@ -6,6 +6,7 @@ import dataclasses
 import os
 import uuid
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +20,7 @@ from torch.futures import Future
 
 import gpuckpt.dcp.bridge as bridge
 import gpuckpt.dcp.convert as convert
+from gpuckpt.dcp.fs_arguments import writer_arguments
 from gpuckpt.dcp.tensors import torch
 from gpuckpt.errors import GpuckptError, UnsupportedValueError
 from gpuckpt.format import memory_format as mf
@@ -90,6 +92,13 @@ class Writer(StorageWriter):  # type: ignore[misc,unused-ignore]
         decides for the chunks it writes); ``compression="auto"`` samples no tensor
         here: it compresses the large floating-point ones where the store is slow
         (see docs/compression.md).
+    thread_count, sync_files, single_file_per_rank, per_thread_copy_ahead, cache_staged_state_dict,
+    _extensions, serialization_format
+        DCP's ``FileSystemWriter`` arguments, so that a program that builds one runs with
+        the class name changed: ``thread_count`` is ``threads``, ``sync_files=False`` is
+        ``sync="none"``, ``_extensions=[ZStandard()]`` is ``compression="zstd"``; the
+        others name choices of DCP's own files and have no effect
+        (:mod:`gpuckpt.dcp.fs_arguments`).
 
     ``overwrite`` is True by default, as for DCP's ``FileSystemWriter``, so that a
     DCP program runs unchanged: a checkpoint already at the path is replaced
@@ -128,8 +137,25 @@ class Writer(StorageWriter):  # type: ignore[misc,unused-ignore]
         base: str | os.PathLike[str] | None = None,
         content_hash: bool = False,
         compression: str | dict[str, Any] | None = None,
+        thread_count: int | None = None,
+        sync_files: bool | None = None,
+        single_file_per_rank: bool = True,
+        per_thread_copy_ahead: int = 10_000_000,
+        cache_staged_state_dict: bool = False,
+        _extensions: Sequence[Any] | None = None,
+        serialization_format: Any = None,
     ) -> None:
         super().__init__()
+        del single_file_per_rank, per_thread_copy_ahead, cache_staged_state_dict  # no effect (fs_arguments)
+        threads, sync, compression = writer_arguments(
+            threads=threads,
+            sync=sync,
+            compression=compression,
+            thread_count=thread_count,
+            sync_files=sync_files,
+            extensions=_extensions,
+            serialization_format=serialization_format,
+        )
         self.options = SaveOptions(
             overwrite=overwrite,
             chunk_bytes=chunk_bytes,

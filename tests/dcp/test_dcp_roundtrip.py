@@ -19,6 +19,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("torch.distributed.checkpoint")
 
 import torch.distributed.checkpoint as dcp  # noqa: E402 - after the skip
+from torch.distributed.checkpoint.filesystem import SerializationFormat  # noqa: E402
 
 import gpuckpt  # noqa: E402
 import gpuckpt.dcp  # noqa: E402
@@ -371,6 +372,62 @@ def test_writer_options_are_checked_at_construction(tmp_path: Path) -> None:
             storage_writer=gpuckpt.dcp.Writer(tmp_path / "x"),
         )
     assert gpuckpt.dcp.Reader.validate_checkpoint_id(tmp_path / "c") and not (tmp_path / "x").exists()
+
+
+def test_filesystem_writer_and_reader_arguments_run_unchanged(tmp_path: Path) -> None:
+    """A program that builds DCP's FileSystemWriter/Reader runs with the class names changed:
+    the arguments gpuckpt has mean the same, the ones of DCP's own file layout do nothing."""
+    from torch.distributed.checkpoint._extension import ExtensionRegistry, ZStandard
+
+    w = gpuckpt.dcp.Writer(
+        tmp_path / "c",
+        single_file_per_rank=False,
+        sync_files=False,
+        thread_count=3,
+        per_thread_copy_ahead=1,
+        cache_staged_state_dict=True,
+        overwrite=True,
+        _extensions=[ZStandard()],
+        serialization_format=SerializationFormat.TORCH_SAVE,
+    )
+    zstd = gpuckpt.dcp.Writer(tmp_path / "e", compression="zstd").options.compression
+    assert (w.options.threads, w.options.sync, w.options.compression) == (3, "none", zstd)
+    sd = state()
+    dcp.save(sd, storage_writer=w)
+    target = empty_like_state(sd)
+    dcp.load(
+        target, storage_reader=gpuckpt.dcp.Reader(tmp_path / "c", _extension_registry=ExtensionRegistry())
+    )
+    for k, v in sd["model"].items():
+        assert same_tensor(target["model"][k], v), k
+    stored = gpuckpt.read_metadata(tmp_path / "c").storage_data["tensors"].values()
+    assert {t["codec"]["name"] for t in stored if "codec" in t} == {"blosc"}  # "zstd": byte shuffle + zstd
+    assert gpuckpt.dcp.Writer(tmp_path / "d", sync_files=True, sync="file").options.sync == "file"
+
+
+class _Rot13:
+    """A stream extension of a DCP program's own (as DCP's tests have)."""
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ({"thread_count": 2, "threads": 4}, "thread_count=2 and threads=4 name the same thing"),
+        ({"sync_files": True, "sync": "none"}, "sync_files=True and sync='none' disagree"),
+        ({"sync_files": False, "sync": "file"}, "sync_files=False and sync='file' disagree"),
+        ({"sync_files": "yes"}, "sync_files must be True or False"),
+        ({"_extensions": [_Rot13()]}, r"not DCP stream extensions \(_Rot13\): for zstd compression"),
+        ({"serialization_format": "SAFETENSORS"}, "gpuckpt convert --to safetensors"),
+    ],
+)
+def test_filesystem_writer_arguments_gpuckpt_cannot_honour_are_refused(
+    tmp_path: Path, arguments: dict[str, Any], message: str
+) -> None:
+    if arguments.get("serialization_format") == "SAFETENSORS":
+        arguments = {"serialization_format": SerializationFormat.SAFETENSORS}
+    with pytest.raises(gpuckpt.InvalidOptionError, match=message):
+        gpuckpt.dcp.Writer(tmp_path / "c", **arguments)
+    assert not (tmp_path / "c").exists()
 
 
 def test_dcp_written_channels_last_tensors_verify_and_record_their_format(tmp_path: Path) -> None:
