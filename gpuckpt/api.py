@@ -381,6 +381,7 @@ def _load_cooperative(
     (:mod:`gpuckpt.distributed.cooperative`): every rank checks its targets first, and the
     ranks agree on that before any reads; entries replaced by new values (plain values, new
     arrays) are replaced only once every rank has read everything."""
+    coordinator = coordinator.host_transport()  # NCCL carries no host buffers: a gloo group does
     error: Exception | None = None
     ready = None
     try:

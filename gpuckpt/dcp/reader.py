@@ -162,11 +162,8 @@ class Reader(StorageReader):  # type: ignore[misc,unused-ignore]
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() != data[_COOPERATIVE]:
             return None  # a load over a subgroup: not the default group's ranks
         if self._coordinator is None:
-            coordinator = TorchCoordinator()
-            # NCCL carries no CPU tensors: the chunks travel over a gloo group of the same ranks
-            if str(dist.get_backend()) != "gloo":
-                coordinator = coordinator.duplicate()
-            self._coordinator = coordinator
+            # NCCL carries no CPU tensors: the chunks then travel over a gloo group of the same ranks
+            self._coordinator = TorchCoordinator().host_transport()
         return self._coordinator
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:

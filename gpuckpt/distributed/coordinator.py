@@ -191,6 +191,14 @@ class Coordinator(ABC):
             "another thread), or use a coordinator of gpuckpt.distributed"
         )
 
+    def host_transport(self) -> Coordinator:
+        """This coordinator, or one over the same ranks whose :meth:`exchange_buffers` carries
+        host memory where this one's transport does not (torch's NCCL groups: a gloo
+        :meth:`duplicate`, made on the first call and kept). A collective on that first call:
+        every rank calls it at the same point. Here, where every transport carries host
+        memory: this coordinator."""
+        return self
+
     def exchange_objects(self, sends: Mapping[int, Any], sources: Iterable[int]) -> dict[int, Any]:
         """Send ``sends[dest]`` to each rank ``dest``; receive one object from each rank of ``sources``.
 

@@ -77,6 +77,7 @@ class TorchCoordinator(Coordinator):
             )
         self._dist = dist
         self._group = group
+        self._host: TorchCoordinator | None = None  # host_transport's gloo duplicate, once made
         self._rank = int(dist.get_rank(group))
         self._size = int(dist.get_world_size(group))
         if self._rank < 0:
@@ -253,9 +254,23 @@ class TorchCoordinator(Coordinator):
             work.wait()
         plan.finish()
 
+    def host_transport(self) -> TorchCoordinator:
+        """This coordinator where its group carries CPU tensors (gloo); else a gloo
+        :meth:`duplicate` of it, made on the first call (a collective then) and kept, so
+        that cooperative loads on an NCCL group send their host buffers over gloo as
+        :meth:`exchange_buffers` requires."""
+        if self._carries_cpu_tensors():
+            return self
+        if self._host is None:
+            self._host = self.duplicate()
+        return self._host
+
+    def _carries_cpu_tensors(self) -> bool:
+        return str(self._dist.get_backend(self._group)) != "nccl"
+
     def _check_cpu_transport(self, op: str) -> None:
         backend = str(self._dist.get_backend(self._group))
-        if backend == "nccl":
+        if not self._carries_cpu_tensors():
             raise CoordinatorError(
                 f"TorchCoordinator.{op} sends CPU tensors, which this group's backend ({backend}) does not "
                 "carry; call it on a duplicate() of this coordinator (a gloo group over the same ranks)"

@@ -46,6 +46,12 @@ def test_mpi_job(run_mpi: Any, tmp_path: Path) -> None:
 def test_gloo_job(run_torch: Any, tmp_path: Path) -> None:
     results = run_torch(4, SCRIPT, "all", tmp_path / "ckpt", "torch", timeout=120).check(4)
     _check_all(results)
+    for rank, r in results.items():
+        # a group that carries no CPU tensors (NCCL): the load sends its chunks over a gloo duplicate
+        nccl = r["nccl"]
+        assert nccl["refused"] and "call it on a duplicate()" in nccl["refused"], (rank, nccl)
+        assert nccl["duplicate"] and nccl["again_same"] and nccl["exact"], (rank, nccl)
+        assert nccl["digests"] == r["hsdp-solo"]["digests"], rank
 
 
 @pytest.mark.torch

@@ -245,6 +245,31 @@ def budget_load(c: Coordinator, path: str, budget: int) -> dict[str, Any]:
     return {**result, "peak": peak, "solo_peak": solo, "state": state}
 
 
+def nccl_like_load(c: Coordinator, path: str) -> dict[str, Any]:
+    """A cooperative load on a torch group that says it is NCCL (which carries no CPU tensors):
+    the coordinator itself refuses host buffers, and the load goes through a gloo duplicate
+    (``host_transport``). The group is real gloo; only the name ``get_backend`` gives is NCCL's,
+    since an NCCL group needs a GPU per rank."""
+    import torch.distributed as dist
+
+    from gpuckpt.distributed import CoordinatorError
+
+    real, mine = dist.get_backend, c.group  # type: ignore[attr-defined]
+    dist.get_backend = lambda group=None: "nccl" if group is mine else real(group)  # type: ignore[assignment]
+    try:
+        try:
+            c.exchange_buffers({}, {})
+            refused = None
+        except CoordinatorError as exc:
+            refused = str(exc)
+        host = c.host_transport()
+        result = load_rank(c, path, "hsdp")
+        result["again_same"] = c.host_transport() is host  # one duplicate, kept
+    finally:
+        dist.get_backend = real  # type: ignore[assignment]
+    return {**result, "refused": refused, "duplicate": host is not c}
+
+
 def main(mode: str, path: str, backend: str = "mpi") -> None:
     rank = process_rank(backend)
 
@@ -260,6 +285,8 @@ def main(mode: str, path: str, backend: str = "mpi") -> None:
             out["budget"] = budget_load(c, path, 80 << 10)
             out["damaged"] = fail_rank(c, f"{path}-damaged", "replicated")
             out["missing"] = fail_rank(c, f"{path}-missing", "hsdp")
+            if backend == "torch":
+                out["nccl"] = nccl_like_load(c, path)
         elif mode == "dead":
             # the reader of the first shared chunk of rank 1 dies before it has read it
             import gpuckpt.distributed.cooperative as coop
