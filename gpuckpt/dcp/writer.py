@@ -319,7 +319,7 @@ class Writer(StorageWriter):  # type: ignore[misc,unused-ignore]
                 )
             results.append(
                 WriteResult(
-                    index=item.index, size_in_bytes=sum(r[1][0] for _, r in chunks), storage_data=reported
+                    index=item.index, size_in_bytes=sum(w[0] for _, (_, w) in chunks), storage_data=reported
                 )
             )
         for item in values:

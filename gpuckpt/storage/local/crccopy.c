@@ -41,6 +41,7 @@
 #include <unistd.h>
 
 #define GCK_ABI 3
+#define TMPFS_MAGIC_ 0x01021994 /* linux/magic.h */
 
 int gck_abi(void) { return GCK_ABI; }
 
@@ -77,8 +78,6 @@ uint32_t gck_crc_copy(uint32_t crc, const void *src, void *dst, uint64_t n)
  * nothing and starts no I/O, unlike a one-byte preadv2(RWF_NOWAIT): that starts the
  * readahead of a missing page (up to the device's read_ahead_kb, 8 MiB on some disks) and
  * returns the byte when that I/O completes first, so it can call a cold file cached. */
-#define TMPFS_MAGIC_ 0x01021994 /* linux/magic.h */
-
 static int cached_at(const uint8_t *map, size_t i, long page)
 {
     unsigned char v = 0;
@@ -279,13 +278,13 @@ int gck_cached_copy_crc(int fd, int64_t off, void *dst, uint64_t n, uint32_t crc
     uint8_t *map = mmap(NULL, len, PROT_READ, MAP_SHARED, fd, start);
     if (map == MAP_FAILED) return -errno;
     size_t first = (size_t)(off - start);
-    int rc = 1;
     if (!cached_at(map, first, page) || !cached_at(map, first + n / 2, page) || !cached_at(map, first + n - 1, page)) {
         munmap(map, len);
-        return rc;
+        return 1;
     }
     long tid = thread_id();
     struct guard *g = claim_guard(tid);
+    int rc = 1;
     if (g != NULL) {
         g->src = (uintptr_t)map, g->src_len = len;
         g->dst = (uintptr_t)dst, g->dst_len = n;
