@@ -417,14 +417,12 @@ class _Rot13:
         ({"sync_files": False, "sync": "file"}, "sync_files=False and sync='file' disagree"),
         ({"sync_files": "yes"}, "sync_files must be True or False"),
         ({"_extensions": [_Rot13()]}, r"not DCP stream extensions \(_Rot13\): for zstd compression"),
-        ({"serialization_format": "SAFETENSORS"}, "gpuckpt convert --to safetensors"),
+        ({"serialization_format": SerializationFormat.SAFETENSORS}, "gpuckpt convert --to safetensors"),
     ],
 )
 def test_filesystem_writer_arguments_gpuckpt_cannot_honour_are_refused(
     tmp_path: Path, arguments: dict[str, Any], message: str
 ) -> None:
-    if arguments.get("serialization_format") == "SAFETENSORS":
-        arguments = {"serialization_format": SerializationFormat.SAFETENSORS}
     with pytest.raises(gpuckpt.InvalidOptionError, match=message):
         gpuckpt.dcp.Writer(tmp_path / "c", **arguments)
     assert not (tmp_path / "c").exists()
