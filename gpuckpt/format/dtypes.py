@@ -12,9 +12,10 @@ when it is written and reads back as its native-order equivalent.
 
 from __future__ import annotations
 
+import sys
+import threading
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
 from gpuckpt.errors import UnsupportedValueError
@@ -61,10 +62,48 @@ ML_DTYPE_NAMES: tuple[str, ...] = (
     "float8_e8m0fnu",
 )
 
-_ML_NAMES: dict[str, np.dtype[Any]] = {name: np.dtype(getattr(ml_dtypes, name)) for name in ML_DTYPE_NAMES}
-
-_BY_NAME: dict[str, np.dtype[Any]] = {**_NUMPY_NAMES, **_ML_NAMES}
+# Both maps start with NumPy's own types; ``ml_dtypes`` joins them on first need (its
+# import registers many ufunc loops and costs 0.4 s with NumPy 2.4, the last NumPy for
+# Python 3.11), so a process whose checkpoints hold none of its types never imports it.
+_BY_NAME: dict[str, np.dtype[Any]] = dict(_NUMPY_NAMES)
 _BY_DTYPE: dict[np.dtype[Any], str] = {dt: name for name, dt in _BY_NAME.items()}
+_ML_LOCK = threading.Lock()
+_ml_loaded = False
+
+
+def _load_ml_dtypes() -> None:
+    """Add the ``ml_dtypes`` types to the maps (once)."""
+    global _ml_loaded
+    with _ML_LOCK:
+        if _ml_loaded:
+            return
+        import ml_dtypes
+
+        for name in ML_DTYPE_NAMES:
+            dt = np.dtype(getattr(ml_dtypes, name))
+            _BY_NAME[name] = dt
+            _BY_DTYPE[dt] = name
+        _ml_loaded = True
+
+
+def _name_of(dt: np.dtype[Any]) -> str | None:
+    name = _BY_DTYPE.get(dt)
+    # an ml_dtypes dtype exists only once its module is imported: no need to import it here
+    if name is None and not _ml_loaded and "ml_dtypes" in sys.modules:
+        _load_ml_dtypes()
+        name = _BY_DTYPE.get(dt)
+    return name
+
+
+def _known_names() -> str:
+    return ", ".join(sorted({*_NUMPY_NAMES, *ML_DTYPE_NAMES}))
+
+
+def _as_dtype(dtype: Any) -> np.dtype[Any]:
+    """``np.dtype(dtype)``, which knows the ``ml_dtypes`` names only once that module is in."""
+    if isinstance(dtype, str) and dtype in ML_DTYPE_NAMES:
+        return dtype_from_name(dtype)
+    return np.dtype(dtype)
 
 
 def _native(dtype: np.dtype[Any]) -> np.dtype[Any]:
@@ -74,10 +113,10 @@ def _native(dtype: np.dtype[Any]) -> np.dtype[Any]:
 def is_storable_dtype(dtype: Any) -> bool:
     """Return True when arrays of ``dtype`` can be stored in a checkpoint."""
     try:
-        dt = np.dtype(dtype)
+        dt = _as_dtype(dtype)
     except TypeError:
         return False
-    return _native(dt) in _BY_DTYPE
+    return _name_of(_native(dt)) is not None
 
 
 def dtype_name(dtype: Any) -> str:
@@ -88,12 +127,12 @@ def dtype_name(dtype: Any) -> str:
     UnsupportedValueError
         For dtypes that cannot be stored (objects, strings, structured types).
     """
-    dt = np.dtype(dtype)
-    name = _BY_DTYPE.get(_native(dt))
+    dt = _as_dtype(dtype)
+    name = _name_of(_native(dt))
     if name is None:
         raise UnsupportedValueError(
             f"dtype {dt!s} cannot be stored as a tensor; supported: "
-            f"{', '.join(sorted(_BY_NAME))}. Convert the array (e.g. .astype('float32')) "
+            f"{_known_names()}. Convert the array (e.g. .astype('float32')) "
             "or store the value as a plain Python object."
         )
     return name
@@ -104,11 +143,15 @@ def dtype_from_name(name: str) -> np.dtype[Any]:
     try:
         return _BY_NAME[name]
     except (KeyError, TypeError):
-        from gpuckpt.errors import MetadataError
+        pass
+    if isinstance(name, str) and name in ML_DTYPE_NAMES:
+        _load_ml_dtypes()
+        return _BY_NAME[name]
+    from gpuckpt.errors import MetadataError
 
-        raise MetadataError(
-            f"unknown stored data type {name!r}; this version knows "
-            f"{', '.join(sorted(_BY_NAME))}. Upgrade gpuckpt to read this checkpoint."
+    raise MetadataError(
+        f"unknown stored data type {name!r}; this version knows "
+        f"{_known_names()}. Upgrade gpuckpt to read this checkpoint."
         ) from None
 
 
@@ -132,6 +175,6 @@ def set_default_dtype(dtype: Any) -> None:
     >>> gpuckpt.set_default_dtype(np.float32)
     """
     global _default_dtype
-    dt = np.dtype(dtype)
+    dt = _as_dtype(dtype)
     dtype_name(dt)  # refuse dtypes that cannot be stored
     _default_dtype = dt

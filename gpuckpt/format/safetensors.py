@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterator, Mapping
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
 from gpuckpt.errors import MetadataError
+from gpuckpt.format.dtypes import dtype_from_name
 from gpuckpt.format.shapes import check_shape
 
 __all__ = [
@@ -36,26 +37,47 @@ __all__ = [
     "shard_name",
 ]
 
-#: safetensors dtype code -> NumPy dtype (every code gpuckpt can store).
-SAFETENSORS_DTYPES: dict[str, np.dtype[Any]] = {
-    "BOOL": np.dtype(np.bool_),
-    "U8": np.dtype(np.uint8),
-    "I8": np.dtype(np.int8),
-    "U16": np.dtype(np.uint16),
-    "I16": np.dtype(np.int16),
-    "U32": np.dtype(np.uint32),
-    "I32": np.dtype(np.int32),
-    "U64": np.dtype(np.uint64),
-    "I64": np.dtype(np.int64),
-    "F16": np.dtype(np.float16),
-    "BF16": np.dtype(ml_dtypes.bfloat16),
-    "F32": np.dtype(np.float32),
-    "F64": np.dtype(np.float64),
-    "C64": np.dtype(np.complex64),
-    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
-    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
-    "F8_E8M0": np.dtype(ml_dtypes.float8_e8m0fnu),
+#: safetensors dtype code -> the stored name of its dtype (every code gpuckpt can store)
+_CODE_NAMES: dict[str, str] = {
+    "BOOL": "bool",
+    "U8": "uint8",
+    "I8": "int8",
+    "U16": "uint16",
+    "I16": "int16",
+    "U32": "uint32",
+    "I32": "int32",
+    "U64": "uint64",
+    "I64": "int64",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "F32": "float32",
+    "F64": "float64",
+    "C64": "complex64",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "F8_E8M0": "float8_e8m0fnu",
 }
+
+
+class _CodeDtypes(Mapping[str, np.dtype[Any]]):
+    """safetensors dtype code -> NumPy dtype, each looked up when asked for: ``ml_dtypes`` is
+    imported only when one of its types is (:mod:`gpuckpt.format.dtypes`)."""
+
+    def __getitem__(self, code: str) -> np.dtype[Any]:
+        return dtype_from_name(_CODE_NAMES[code])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(_CODE_NAMES)
+
+    def __len__(self) -> int:
+        return len(_CODE_NAMES)
+
+    def __contains__(self, code: object) -> bool:
+        return code in _CODE_NAMES
+
+
+#: safetensors dtype code -> NumPy dtype (every code gpuckpt can store).
+SAFETENSORS_DTYPES: Mapping[str, np.dtype[Any]] = _CodeDtypes()
 #: the reference implementation's limit on the header length
 MAX_HEADER = 100_000_000
 #: The header key of the file's string metadata: no tensor can have this name.
