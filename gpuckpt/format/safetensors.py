@@ -120,7 +120,7 @@ def parse_header(raw: bytes, data_len: int, where: str) -> tuple[dict[str, Any],
         if not isinstance(e, dict):
             raise MetadataError(f"{at}: entry must be an object")
         code, shape, offs = e.get("dtype"), e.get("shape"), e.get("data_offsets")
-        if code not in SAFETENSORS_DTYPES:
+        if not isinstance(code, str) or code not in SAFETENSORS_DTYPES:
             raise MetadataError(
                 f"{at}: dtype {code!r} is not supported; known: {', '.join(SAFETENSORS_DTYPES)}"
             )

@@ -78,3 +78,18 @@ def test_index_documents_are_checked() -> None:
     ):
         with pytest.raises(MetadataError):
             parse_index(bad, "i")
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        *[("dtype", v) for v in ([1], {"F32": 1}, None, 1.5, True, "F4")],
+        *[("shape", v) for v in ({"F32": 1}, None, 1.5, True, "F4", [-1], [1.5], [True])],
+        *[("data_offsets", v) for v in ([1], {"F32": 1}, None, 1.5, "F4", [4, 0], [0, 8], [True, 4])],
+    ],
+)
+def test_a_header_entry_of_any_wrong_type_is_a_metadata_error(field: str, value: object) -> None:
+    # a list or an object as the dtype code once escaped as a bare TypeError (unhashable)
+    entry = {"dtype": "F32", "shape": [1], "data_offsets": [0, 4], field: value}
+    with pytest.raises(MetadataError, match=r"f: tensor 'a'"):
+        parse_header(json.dumps({"a": entry}).encode(), 4, "f")
