@@ -103,7 +103,8 @@ def _as_dtype(dtype: Any) -> np.dtype[Any]:
     """``np.dtype(dtype)``, which knows the ``ml_dtypes`` names only once that module is in."""
     if isinstance(dtype, str) and dtype in ML_DTYPE_NAMES:
         return dtype_from_name(dtype)
-    return np.dtype(dtype)
+    dt: np.dtype[Any] = np.dtype(dtype)
+    return dt
 
 
 def _native(dtype: np.dtype[Any]) -> np.dtype[Any]:
@@ -152,7 +153,7 @@ def dtype_from_name(name: str) -> np.dtype[Any]:
     raise MetadataError(
         f"unknown stored data type {name!r}; this version knows "
         f"{_known_names()}. Upgrade gpuckpt to read this checkpoint."
-        ) from None
+    ) from None
 
 
 _default_dtype: np.dtype[Any] = np.dtype(np.float32)

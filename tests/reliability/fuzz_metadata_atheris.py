@@ -19,8 +19,16 @@ import atheris
 
 # coverage of what reads a root document: the format, its checks, the plan of a load (not
 # the stdlib, NumPy or the save and distributed paths, whose instrumentation took 10 s a start)
-READER = ["gpuckpt.format", "gpuckpt.loading", "gpuckpt.planning", "gpuckpt.metadata", "gpuckpt.state", "gpuckpt.api"]
-with atheris.instrument_imports(include=READER):
+with atheris.instrument_imports(
+    include=[
+        "gpuckpt.format",
+        "gpuckpt.loading",
+        "gpuckpt.planning",
+        "gpuckpt.metadata",
+        "gpuckpt.state",
+        "gpuckpt.api",
+    ]
+):
     import gpuckpt
     import gpuckpt.api
     import gpuckpt.format.documents
