@@ -69,7 +69,7 @@ class Codec:
         if self.name == "blosc":
             if self.cname not in _BLOSC_CNAMES:
                 raise ValueError(f"blosc cname {self.cname!r} is not one of {', '.join(_BLOSC_CNAMES)}")
-            if self.shuffle not in _SHUFFLES:
+            if not isinstance(self.shuffle, str) or self.shuffle not in _SHUFFLES:
                 raise ValueError(f"blosc shuffle {self.shuffle!r} is not one of {', '.join(_SHUFFLES)}")
             if type(self.level) is not int or not 0 <= self.level <= 9:
                 raise ValueError(f"blosc clevel {self.level!r} is not an integer in 0..9")

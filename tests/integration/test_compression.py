@@ -197,6 +197,25 @@ def test_a_record_claiming_more_than_the_codec_stores_is_refused(tmp_path: Path)
         gpuckpt.read_metadata(tmp_path / "c")
 
 
+@pytest.mark.parametrize("field", ["name", "configuration", "cname", "clevel", "shuffle", "typesize", "blocksize"])
+def test_a_codec_field_of_any_wrong_type_is_a_metadata_error(tmp_path: Path, field: str) -> None:
+    # a list as blosc's shuffle once escaped as a bare TypeError (unhashable)
+    gpuckpt.save({"w": np.zeros(1000, np.float32)}, tmp_path / "c", compression="zstd")
+    path = tmp_path / "c" / "zarr.json"
+    good = json.loads(path.read_text())
+    for value in (None, True, -1, 1.5, "x", [], {}, ["shuffle"], {"a": 1}):
+        root = json.loads(json.dumps(good))
+        md = root["attributes"]["gpuckpt"]["metadata"]
+        codec = md["storage_data"]["tensors"]["w"]["codec"]
+        assert codec["name"] == "blosc"
+        (codec if field in ("name", "configuration") else codec["configuration"])[field] = value
+        canonical = json.dumps(md, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+        root["attributes"]["gpuckpt"]["metadata_crc32c"] = crc32c(canonical)
+        path.write_text(json.dumps(root))
+        with pytest.raises(gpuckpt.MetadataError, match="'w'.*its codec is not one gpuckpt reads"):
+            gpuckpt.read_metadata(tmp_path / "c")
+
+
 def test_a_codec_in_an_older_format_version_is_refused(tmp_path: Path) -> None:
     gpuckpt.save({"w": np.zeros(1000, np.float32)}, tmp_path / "c", compression="zstd")
     root = json.loads((tmp_path / "c" / "zarr.json").read_text())
