@@ -197,7 +197,9 @@ def test_a_record_claiming_more_than_the_codec_stores_is_refused(tmp_path: Path)
         gpuckpt.read_metadata(tmp_path / "c")
 
 
-@pytest.mark.parametrize("field", ["name", "configuration", "cname", "clevel", "shuffle", "typesize", "blocksize"])
+@pytest.mark.parametrize(
+    "field", ["name", "configuration", "cname", "clevel", "shuffle", "typesize", "blocksize"]
+)
 def test_a_codec_field_of_any_wrong_type_is_a_metadata_error(tmp_path: Path, field: str) -> None:
     # a list as blosc's shuffle once escaped as a bare TypeError (unhashable)
     gpuckpt.save({"w": np.zeros(1000, np.float32)}, tmp_path / "c", compression="zstd")
