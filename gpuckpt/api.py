@@ -15,7 +15,7 @@ from gpuckpt.device.arrays import ArrayAdapter, DeviceArray, HostArray, HostMemo
 from gpuckpt.device.backend import DeviceBackend
 from gpuckpt.device.sharded import is_sharded_leaf, sharded_boxes
 from gpuckpt.distributed.cooperative import read_cooperative
-from gpuckpt.distributed.coordinator import Coordinator, SingleProcessCoordinator
+from gpuckpt.distributed.coordinator import Coordinator, SingleProcessCoordinator, check_coordinator
 from gpuckpt.distributed.load import read_boxes
 from gpuckpt.distributed.save import distributed_save
 from gpuckpt.errors import (
@@ -176,6 +176,7 @@ def save_with_options(
     The cyclic garbage collector is paused while it runs (as for a load): describing and
     planning a state of many tensors makes tens of thousands of objects, none of them
     garbage before the save returns, and each collection would walk them all again."""
+    check_coordinator(coordinator)
     check_base_target(path, options)
     if coordinator is not None or contains_sharded(state_dict):
         return distributed_save(state_dict, path, coordinator or SingleProcessCoordinator(), options)
@@ -264,6 +265,7 @@ def load_with_options(
     state_dict: STATE_DICT_TYPE, path: PathLike, options: LoadOptions, coordinator: Coordinator | None = None
 ) -> None:
     """:func:`load` with its options made."""
+    check_coordinator(coordinator)
     if coordinator is None:
         _load(state_dict, path, options)
         return

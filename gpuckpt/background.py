@@ -27,7 +27,7 @@ import numpy as np
 
 from gpuckpt.device.arrays import ArrayAdapter, HostArray, copy_all, device_backends
 from gpuckpt.device.staging import ArenaPool, HostAllocator, StagingArena, aligned_bytes, pool_for
-from gpuckpt.distributed.coordinator import Coordinator, SingleProcessCoordinator
+from gpuckpt.distributed.coordinator import Coordinator, SingleProcessCoordinator, check_coordinator
 from gpuckpt.distributed.save import Described, save_described
 from gpuckpt.format.memory_format import physical_order
 from gpuckpt.format.metadata import STATE_DICT_TYPE, Metadata
@@ -313,6 +313,7 @@ def async_save_with_options(
     the snapshot: the caller's wait), not while the save writes in the background.
     ``writer_thread``: the thread that writes a single process's save (default: the
     process's writer thread); a local tier passes its own, at a lower priority."""
+    check_coordinator(coordinator)
     check_base_target(path, options)
     if coordinator is not None or contains_sharded(state_dict):
         return _async_distributed(state_dict, path, options, coordinator or SingleProcessCoordinator())

@@ -47,6 +47,7 @@ __all__ = [
     "DistributedError",
     "MissingDependencyError",
     "SingleProcessCoordinator",
+    "check_coordinator",
     "describe_error",
 ]
 
@@ -573,3 +574,14 @@ class SingleProcessCoordinator(Coordinator):
 
     def __repr__(self) -> str:
         return "SingleProcessCoordinator()"
+
+
+def check_coordinator(coordinator: Any) -> Coordinator | None:
+    """``coordinator`` itself when it is None or a :class:`Coordinator`; a ``TypeError`` that
+    names what was passed otherwise (before any rank starts work it could not finish)."""
+    if coordinator is not None and not isinstance(coordinator, Coordinator):
+        raise TypeError(
+            f"coordinator must be a gpuckpt.distributed.Coordinator (MPICoordinator, TorchCoordinator, "
+            f"ThreadCoordinator) or None, got {type(coordinator).__name__}"
+        )
+    return coordinator

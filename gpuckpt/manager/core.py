@@ -42,7 +42,7 @@ from typing import Any, TypeVar
 import gpuckpt.api as api
 from gpuckpt.background import SaveFuture, async_save_with_options
 from gpuckpt.device.sharded import shard_dtensors
-from gpuckpt.distributed.coordinator import Coordinator, SingleProcessCoordinator
+from gpuckpt.distributed.coordinator import Coordinator, SingleProcessCoordinator, check_coordinator
 from gpuckpt.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -202,10 +202,7 @@ class CheckpointManager:
                 f"CheckpointManager got storage_options for {os.fspath(root)!r}, a local directory; "
                 "storage_options are for URL roots (s3://bucket/prefix): drop them"
             )
-        if coordinator is not None and not isinstance(coordinator, Coordinator):
-            raise TypeError(
-                f"coordinator must be a gpuckpt.distributed.Coordinator, got {type(coordinator).__name__}"
-            )
+        check_coordinator(coordinator)
         # bad values fail here, not at some later save (which could have taken staging memory)
         self.options = SaveOptions(**save_options)
         self.incremental = incremental

@@ -422,6 +422,22 @@ def test_manager_refuses_options_it_cannot_use(tmp_path: Path, option: str, valu
         CheckpointManager(tmp_path, **{option: value})
 
 
+@pytest.mark.parametrize("value", [True, "mpi", 3, object()])
+def test_a_coordinator_that_is_not_one_is_a_type_error_on_every_path(tmp_path: Path, value: Any) -> None:
+    # a save once failed on it with "'bool' object has no attribute 'all_reduce_errors'"
+    state = {"w": np.zeros(4, np.float32)}
+    gpuckpt.save(state, tmp_path / "good")
+    calls = [
+        lambda: gpuckpt.save(state, tmp_path / "a", coordinator=value),
+        lambda: gpuckpt.async_save(state, tmp_path / "b", coordinator=value),
+        lambda: gpuckpt.load(state, tmp_path / "good", coordinator=value),
+    ]
+    for call in calls:
+        with pytest.raises(TypeError, match="coordinator must be a gpuckpt.distributed.Coordinator"):
+            call()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["good"]  # nothing written, nothing left
+
+
 # -- load paths ------------------------------------------------------------------------------
 
 LOAD_PATHS = [
