@@ -80,11 +80,12 @@ _SAVE_OPTIONS = frozenset(
 _REFUSED = {"overwrite": "the manager never overwrites a step"}
 
 
-def _check_count(name: str, value: int | None, minimum: int) -> None:
-    if value is None:
+def _check_count(name: str, value: int | None, minimum: int, *, optional: bool = True) -> None:
+    if value is None and optional:
         return
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum} or None, got {value!r}")
+        also = " or None" if optional else ""
+        raise ValueError(f"{name} must be an integer >= {minimum}{also}, got {value!r}")
 
 
 class CheckpointManager:
@@ -186,7 +187,7 @@ class CheckpointManager:
         **save_options: Any,
     ) -> None:
         _check_count("max_to_keep", max_to_keep, 1)
-        _check_count("save_interval_steps", save_interval_steps, 1)
+        _check_count("save_interval_steps", save_interval_steps, 1, optional=False)
         _check_count("keep_period", keep_period, 1)
         if not isinstance(incremental, bool):
             raise InvalidOptionError(f"incremental must be True or False, got {incremental!r}")
@@ -207,6 +208,11 @@ class CheckpointManager:
         self.options = SaveOptions(**save_options)
         self.incremental = incremental
         _check_count("persist_interval_steps", persist_interval_steps, 1)
+        if local_dir is not None and not isinstance(local_dir, (str, os.PathLike)):
+            raise TypeError(
+                "local_dir must be a directory path (str or os.PathLike) or None, "
+                f"got {type(local_dir).__name__}"
+            )
         if local_dir is not None and incremental:
             raise InvalidOptionError(
                 "incremental saves do not go through a local tier: pass one or the other"

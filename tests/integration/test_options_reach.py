@@ -422,6 +422,25 @@ def test_manager_refuses_options_it_cannot_use(tmp_path: Path, option: str, valu
         CheckpointManager(tmp_path, **{option: value})
 
 
+@pytest.mark.parametrize(
+    ("option", "value", "error", "why"),
+    [
+        ("save_interval_steps", None, ValueError, r"save_interval_steps must be an integer >= 1, got None"),
+        ("save_interval_steps", 0, ValueError, r"save_interval_steps must be an integer >= 1, got 0"),
+        ("max_to_keep", 0, ValueError, r"max_to_keep must be an integer >= 1 or None"),
+        ("local_dir", True, TypeError, r"local_dir must be a directory path .* got bool"),
+        ("local_dir", 3, TypeError, r"local_dir must be a directory path .* got int"),
+    ],
+)
+def test_manager_arguments_of_the_wrong_type_are_refused_by_name(
+    tmp_path: Path, option: str, value: Any, error: type[Exception], why: str
+) -> None:
+    # save_interval_steps=None once failed at the first save ("unsupported operand type(s) for %")
+    with pytest.raises(error, match=why):
+        CheckpointManager(tmp_path / "r", **{option: value})
+    assert not (tmp_path / "r").exists()
+
+
 @pytest.mark.parametrize("value", [True, "mpi", 3, object()])
 def test_a_coordinator_that_is_not_one_is_a_type_error_on_every_path(tmp_path: Path, value: Any) -> None:
     # a save once failed on it with "'bool' object has no attribute 'all_reduce_errors'"
