@@ -65,6 +65,11 @@ def writer_arguments(
             )
         if not sync_files:
             sync = "none"
+    if extensions is not None and not isinstance(extensions, (list, tuple)):
+        raise InvalidOptionError(
+            f"_extensions must be a list of DCP stream extensions (as FileSystemWriter takes), got "
+            f"{type(extensions).__name__}; for zstd compression pass compression='zstd'"
+        )
     if extensions:
         names = [type(e).__name__ for e in extensions]
         if not (len(extensions) == 1 and _is_zstandard(extensions[0])):

@@ -25,7 +25,7 @@ from gpuckpt.errors import (
     UnsupportedValueError,
 )
 from gpuckpt.options import DEFAULT_STAGING_BYTES, LoadOptions
-from gpuckpt.storage.stores import shares_reads
+from gpuckpt.storage.stores import path_text, shares_reads
 
 __all__ = ["Reader"]
 
@@ -108,7 +108,7 @@ class Reader(StorageReader):  # type: ignore[misc,unused-ignore]
             cooperative=cooperative,
             staging_bytes=staging_bytes,
         )
-        self._path = os.fspath(path)
+        self._path = path_text(path)
         self._coordinator: TorchCoordinator | None = None
         self._checkpoint: bridge.OpenCheckpoint | None = None
         self._view: convert.View | None = None
@@ -122,7 +122,7 @@ class Reader(StorageReader):  # type: ignore[misc,unused-ignore]
         self._checkpoint = None
         self._view = None
         if checkpoint_id is not None:
-            self._path = os.fspath(checkpoint_id)
+            self._path = path_text(checkpoint_id)
 
     def read_metadata(self, *args: Any) -> DcpMetadata:
         # no **kwargs: DCP then does not retry with per-rank metadata, which gpuckpt has none of

@@ -26,6 +26,7 @@ from gpuckpt.errors import GpuckptError, UnsupportedValueError
 from gpuckpt.format import memory_format as mf
 from gpuckpt.options import DEFAULT_CHUNK_BYTES, DEFAULT_STAGING_BYTES, SaveOptions
 from gpuckpt.progress import ProgressCallback
+from gpuckpt.storage.stores import path_text
 
 __all__ = ["Writer"]
 
@@ -169,7 +170,7 @@ class Writer(StorageWriter):  # type: ignore[misc,unused-ignore]
             content_hash=content_hash,
             compression=compression,
         )
-        self._path = os.fspath(path)
+        self._path = path_text(path)
         self._coordinator = True
         self._rank = 0
         self._open: bridge.OpenSave | None = None
@@ -185,7 +186,7 @@ class Writer(StorageWriter):  # type: ignore[misc,unused-ignore]
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         self._discard()
         if checkpoint_id is not None:
-            self._path = os.fspath(checkpoint_id)
+            self._path = path_text(checkpoint_id)
 
     def set_up_storage_writer(
         self, is_coordinator: bool, *args: Any, rank: int = 0, use_collectives: bool = True, **kwargs: Any

@@ -418,6 +418,9 @@ class _Rot13:
         ({"sync_files": "yes"}, "sync_files must be True or False"),
         ({"_extensions": [_Rot13()]}, r"not DCP stream extensions \(_Rot13\): for zstd compression"),
         ({"serialization_format": SerializationFormat.SAFETENSORS}, "gpuckpt convert --to safetensors"),
+        # once a bare "'bool' object is not iterable" and a KeyError
+        ({"_extensions": True}, "_extensions must be a list of DCP stream extensions .* got bool"),
+        ({"_extensions": {"a": 1}}, "_extensions must be a list of DCP stream extensions .* got dict"),
     ],
 )
 def test_filesystem_writer_arguments_gpuckpt_cannot_honour_are_refused(
@@ -426,6 +429,18 @@ def test_filesystem_writer_arguments_gpuckpt_cannot_honour_are_refused(
     with pytest.raises(gpuckpt.InvalidOptionError, match=message):
         gpuckpt.dcp.Writer(tmp_path / "c", **arguments)
     assert not (tmp_path / "c").exists()
+
+
+@pytest.mark.parametrize("path", [None, True, 3, b"/tmp/x", "", {"w": 1}])
+def test_a_path_that_is_not_one_is_an_invalid_path_error_when_made(tmp_path: Path, path: Any) -> None:
+    # os.fspath's "expected str, bytes or os.PathLike object" named no argument, and an empty
+    # Reader path surfaced from dcp.load as an AssertionError of DCP's
+    for cls in (gpuckpt.dcp.Writer, gpuckpt.dcp.Reader):
+        with pytest.raises(gpuckpt.InvalidPathError, match="checkpoint path"):
+            cls(path)
+        made = cls(tmp_path / "c")
+        with pytest.raises(gpuckpt.InvalidPathError, match="checkpoint path"):
+            made.reset(path if path is not None else "")
 
 
 def test_dcp_written_channels_last_tensors_verify_and_record_their_format(tmp_path: Path) -> None:
