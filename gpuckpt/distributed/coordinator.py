@@ -576,12 +576,11 @@ class SingleProcessCoordinator(Coordinator):
         return "SingleProcessCoordinator()"
 
 
-def check_coordinator(coordinator: Any) -> Coordinator | None:
-    """``coordinator`` itself when it is None or a :class:`Coordinator`; a ``TypeError`` that
-    names what was passed otherwise (before any rank starts work it could not finish)."""
+def check_coordinator(coordinator: Any) -> None:
+    """A ``TypeError`` that names what was passed unless ``coordinator`` is None or a
+    :class:`Coordinator` (raised before any rank starts work it could not finish)."""
     if coordinator is not None and not isinstance(coordinator, Coordinator):
         raise TypeError(
             f"coordinator must be a gpuckpt.distributed.Coordinator (MPICoordinator, TorchCoordinator, "
             f"ThreadCoordinator) or None, got {type(coordinator).__name__}"
         )
-    return coordinator

@@ -73,7 +73,8 @@ class _CodeDtypes(Mapping[str, np.dtype[Any]]):
         return len(_CODE_NAMES)
 
     def __contains__(self, code: object) -> bool:
-        return code in _CODE_NAMES
+        # a code read from a header may be anything JSON holds (a list is unhashable)
+        return isinstance(code, str) and code in _CODE_NAMES
 
 
 #: safetensors dtype code -> NumPy dtype (every code gpuckpt can store).
@@ -119,8 +120,9 @@ def parse_header(raw: bytes, data_len: int, where: str) -> tuple[dict[str, Any],
         at = f"{where}: tensor {name!r}"
         if not isinstance(e, dict):
             raise MetadataError(f"{at}: entry must be an object")
-        code, shape, offs = e.get("dtype"), e.get("shape"), e.get("data_offsets")
-        if not isinstance(code, str) or code not in SAFETENSORS_DTYPES:
+        code: Any = e.get("dtype")  # anything JSON holds: SAFETENSORS_DTYPES answers for all of it
+        shape, offs = e.get("shape"), e.get("data_offsets")
+        if code not in SAFETENSORS_DTYPES:
             raise MetadataError(
                 f"{at}: dtype {code!r} is not supported; known: {', '.join(SAFETENSORS_DTYPES)}"
             )
