@@ -3,6 +3,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
+import time
 from collections.abc import Generator
 from pathlib import Path
 
@@ -122,6 +123,22 @@ def pytest_make_collect_report(
             f"{_skip_reason(report)}"
         )
     return report
+
+
+# ---------------------------------------------------------------------------------------------------
+# MPI jobs whose ranks the tests kill with SIGKILL leave MPICH's shared-memory segment in
+# /dev/shm: at the end of the run, those made during it that no process maps are removed.
+
+_SESSION_START = time.time()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if hasattr(session.config, "workerinput"):  # an xdist worker: the controller sweeps, at the end
+        return
+    from gpuckpt.testing.shm import orphaned_segments
+
+    for f in orphaned_segments(_SESSION_START):
+        f.unlink(missing_ok=True)
 
 
 @pytest.fixture(scope="session")
