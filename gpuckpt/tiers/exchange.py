@@ -1,6 +1,7 @@
 """Parts moved between ranks: one exchange round of parts' files over the coordinator's
-transport, received into a kept buffer (replicas) or a restore's own arrays
-(:mod:`gpuckpt.tiers.placement`), then published into this node's tier.
+transport, received straight into files of this node's tier (replicas), or into a restore's
+own arrays (:mod:`gpuckpt.tiers.placement`) and a buffer for the rest, then published into the
+tier.
 
 :class:`PartExchange` is the part of :class:`~gpuckpt.tiers.local.LocalTier` that does it;
 it uses the tier's directory, store, retention and threads.
@@ -25,7 +26,7 @@ from gpuckpt.format.parts import part_name
 from gpuckpt.planning.tiers import tier_retention
 from gpuckpt.runtime.workers import Workers
 from gpuckpt.storage.base import CheckpointRoot
-from gpuckpt.tiers.files import ReceiveBuffer, Received, mapped, write_received
+from gpuckpt.tiers.files import ReceiveBuffer, Received, mapped, receiving_files, write_received
 from gpuckpt.tiers.placement import message_sizes, placement
 
 __all__ = ["PartExchange"]
@@ -57,11 +58,25 @@ class PartExchange:
         recycle: bool = False,
     ) -> None:
         """One round on ``c``: ``sends[dest] = rank whose part of step to send to dest``; receive
-        from each rank in ``receive_from`` the part it sends, committed here under its name.
-        ``recycle``: a received part is written into the files of the copy of the same rank's
-        part that this step retires (:meth:`_recycled`), not into new ones."""
-        received = self._exchange(step, sends, receive_from, c, self._received)
-        self._publish(step, received, c, recycle=recycle)
+        from each rank in ``receive_from`` the part it sends, straight into files of this
+        node's tier, committed there under its name. ``recycle``: a received part goes into the
+        files of the copy of the same rank's part that this step retires (:meth:`_recycled`),
+        not into new ones."""
+        made: list[Path] = []
+
+        def files_at(whose: int) -> Path:
+            tmp = self.dir / f".recv-r{self.rank}-{secrets.token_hex(4)}"
+            made.append(tmp)
+            if not (recycle and self._recycled(step, whose, tmp)):
+                tmp.mkdir()
+            return tmp
+
+        try:
+            received = self._exchange(step, sends, receive_from, c, self._received, files_at=files_at)
+            self._publish(step, received, c, recycle=recycle)
+        finally:  # (a committed part's directory is no longer there)
+            for tmp in made:
+                shutil.rmtree(tmp, ignore_errors=True)
 
     def _exchange(
         self,
@@ -72,13 +87,17 @@ class PartExchange:
         buffer: ReceiveBuffer,
         *,
         into: dict[str, Any] | None = None,
+        files_at: Callable[[int], Path] | None = None,
     ) -> list[Received]:
         """The exchange of :meth:`_transfer`, into ``buffer``: returns the parts received, not
-        yet written anywhere (valid until ``buffer`` is cut again).
+        yet written anywhere (valid until ``buffer`` is cut again), or, with ``files_at``
+        (whose part -> a new directory of the tier), received into files in that directory
+        (:func:`~gpuckpt.tiers.files.receiving_files`; ``buffer`` only where that failed).
 
-        Files go from a read-only memory map of the sender's file into the receive buffer:
-        one copy by the transport. ``into`` (a restore's state, as :func:`part_view` gives it;
-        the same on every rank: None or not): this rank's own part is received into its
+        Files go from a read-only memory map of the sender's file into the receiver's files
+        or the receive buffer: one copy by the transport. ``into`` (a restore's state, as
+        :func:`part_view` gives it; the same on every rank: None or not): this rank's own part
+        is received into its
         arrays where :func:`~gpuckpt.tiers.placement.placement` allows, the rest into
         ``buffer``. Every rank takes part in every exchange whatever failed where, and the
         round ends in one error check (raised on every rank)."""
@@ -111,9 +130,25 @@ class PartExchange:
             src: self._targets(m[2], into, step) if into is not None and m[0] == self.rank else {}
             for src, m in incoming.items()
         }
-        plans = {src: self._messages(m[1], targets[src]) for src, m in incoming.items()}
+        in_files: dict[int, tuple[Path, list[list[memoryview]]]] = {}
+        for source, (whose, files, _root) in incoming.items():
+            if files_at is None:
+                break
+            try:
+                tmp = files_at(whose)
+                in_files[source] = (tmp, receiving_files(tmp, files, maps))
+            except Exception as exc:  # received into the buffer, and the round fails
+                error = error or exc
+        plans = {
+            src: self._messages(m[1], targets[src]) for src, m in incoming.items() if src not in in_files
+        }
         cut = buffer.cutter(sum(n for plan in plans.values() for sizes in plan for n in sizes if n > 0))
         for source, (whose, files, _root) in incoming.items():
+            if source in in_files:
+                tmp, views = in_files[source]
+                in_buffers[source] = [v for vs in views for v in vs]
+                received.append(Received(whose, files, [], directory=tmp))
+                continue
             pieces = [
                 [cut(n) if n > 0 else targets[source][rel] for n in sizes]
                 for (rel, _), sizes in zip(files, plans[source], strict=True)
@@ -129,6 +164,10 @@ class PartExchange:
             for sent in out_buffers.values():
                 for v in sent:
                     if isinstance(v, memoryview):  # (zeros stand in for a part that failed here)
+                        v.release()
+            for _, views in in_files.values():
+                for vs in views:
+                    for v in vs:
                         v.release()
             for m in maps:
                 with contextlib.suppress(BufferError):  # a transport still holds a view: closed later
@@ -183,7 +222,11 @@ class PartExchange:
         c.all_reduce_errors(published)
 
     def _write_part(self, step: int, got: Received, *, recycle: bool) -> None:
-        """Write the received part ``got`` into the tier and commit it under its name."""
+        """Write the received part ``got`` into the tier and commit it under its name (a part
+        received into files already: only committed)."""
+        if got.directory is not None:
+            self._commit_received(got.directory, part_name(step, got.whose))
+            return
         tmp = self.dir / f".recv-r{self.rank}-{secrets.token_hex(4)}"
         try:
             if recycle and self._recycled(step, got.whose, tmp):
