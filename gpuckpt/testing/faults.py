@@ -14,7 +14,7 @@ Three families of tools:
   touched, so pytest's own I/O keeps working.
 * **libc faults** for native code (:func:`build_fault_shim`, :func:`fault_shim_env`):
   ``faultshim.c``, loaded with ``LD_PRELOAD`` into a subprocess, fails libc's file
-  calls (``open``, ``mkdir``, ``write``, ``fsync``, ``read``, ``close``) on files
+  calls (``open``, ``mkdir``, ``write``, ``fsync``, ``posix_fallocate``, ``read``, ``close``) on files
   under one directory, so that C code (``batchio.c``) and the Python path it
   replaces meet the same faults.
 * **Damage** — flip bits, truncate, extend, delete or replace the files of a
@@ -195,8 +195,8 @@ def fault_shim_env(
     trace: Path | None = None,
 ) -> dict[str, str]:
     """Environment for a subprocess whose ``call`` (``open`` of a new file, ``mkdir``, ``write``,
-    ``fsync``, ``read``, ``close``) fails with ``err`` on files under ``directory``, from its ``nth``
-    such call on; a ``write`` fault with ``partial`` first writes that many bytes (a short
+    ``fsync``, ``fallocate``, ``read``, ``close``) fails with ``err`` on files under ``directory``,
+    from its ``nth`` such call on; a ``write`` fault with ``partial`` first writes that many bytes (a short
     write), as a file system that fills up does. ``call="none"`` injects nothing.
     ``trace``: a file where every ``fsync``, ``fdatasync`` and ``sync_file_range`` of a
     file under ``directory`` is logged as ``"<call> <st_dev> <st_ino> <st_size>"``."""

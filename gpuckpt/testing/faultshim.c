@@ -6,15 +6,15 @@
  * gpuckpt's Python I/O is tested by swapping the `os` module its storage modules see
  * (gpuckpt/testing/faults.py); native code (batchio.c) calls libc directly, so the same
  * faults are injected one level lower: this library defines open/openat/mkdir/mkdirat/
- * write/writev/pwrite/fsync/fdatasync/read/readv/close, passes each to the real function
- * (dlsym RTLD_NEXT), and fails the Nth call of the chosen kind on a path under
+ * write/writev/pwrite/fsync/fdatasync/posix_fallocate/read/readv/close, passes each to the
+ * real function (dlsym RTLD_NEXT), and fails the Nth call of the chosen kind on a path under
  * GCK_FAULT_DIR and every later one. Python's own os.* calls go through the same libc
  * functions, so the native path and the Python path of the same operation meet the same
  * faults. Configured by the environment (read once):
  *
  *   GCK_FAULT_DIR      absolute directory; only files under it (and mkdirs in it) are affected
  *   GCK_FAULT_CALL     open (that creates: O_CREAT) | mkdir | write (write, writev, pwrite)
- *                      | fsync (fsync, fdatasync)
+ *                      | fsync (fsync, fdatasync) | fallocate (posix_fallocate)
  *                      | read (read, readv, pread, preadv, preadv2) | close
  *   GCK_FAULT_NTH      the first call that fails (1-based, counted over affected calls)
  *   GCK_FAULT_ERRNO    the errno it fails with (e.g. 5 EIO, 28 ENOSPC)
@@ -272,6 +272,19 @@ int fdatasync(int fd)
     int rc = ((int (*)(int))real("fdatasync"))(fd);
     if (rc == 0 && is_marked(fd)) trace("fdatasync", fd);
     return rc;
+}
+
+/* posix_fallocate returns the error number (errno is left alone) */
+int posix_fallocate(int fd, off_t off, off_t n)
+{
+    if (is_marked(fd) && fails("fallocate")) return err_no;
+    return ((int (*)(int, off_t, off_t))real("posix_fallocate"))(fd, off, n);
+}
+
+int posix_fallocate64(int fd, off64_t off, off64_t n)
+{
+    if (is_marked(fd) && fails("fallocate")) return err_no;
+    return ((int (*)(int, off64_t, off64_t))real("posix_fallocate64"))(fd, off, n);
 }
 
 int sync_file_range(int fd, off64_t off, off64_t n, unsigned int flags)

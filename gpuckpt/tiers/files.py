@@ -146,7 +146,10 @@ def receiving_files(tmp: Path, files: list[tuple[str, int]], maps: list[mmap.mma
             if not size:
                 views.append([])
                 continue
-            os.posix_fallocate(fd, 0, size)
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as exc:  # (it names no file)
+                raise OSError(exc.errno, exc.strerror, str(path)) from exc
             flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
             m = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         finally:

@@ -151,7 +151,8 @@ def _base_env(out: Path) -> dict[str, str]:
 
 @pytest.fixture
 def run_mpi(tmp_path: Path) -> Callable[..., RankJob]:
-    """``run_mpi(n, script, *args, timeout=60) -> RankJob``: ``mpiexec -n N python script args``."""
+    """``run_mpi(n, script, *args, timeout=60, env=None) -> RankJob``: ``mpiexec -n N python
+    script args`` (``env``: variables added to the job's environment)."""
     if MPIEXEC is None or not HAVE_MPI4PY:
         pytest.skip(
             "MPI tests need mpiexec and mpi4py (`pip install mpich mpi4py`); "
@@ -159,11 +160,13 @@ def run_mpi(tmp_path: Path) -> Callable[..., RankJob]:
         )
     counter = iter(range(1_000_000))
 
-    def run(n: int, script: str | Path, *args: str, timeout: float = 60.0) -> RankJob:
+    def run(
+        n: int, script: str | Path, *args: str, timeout: float = 60.0, env: dict[str, str] | None = None
+    ) -> RankJob:
         out = tmp_path / f"mpi-job-{next(counter)}"
         out.mkdir()
         cmd = [str(MPIEXEC), "-n", str(n), sys.executable, str(SCRIPTS / script), *map(str, args)]
-        code, output = _run_processes([cmd], [_base_env(out)], timeout)
+        code, output = _run_processes([cmd], [{**_base_env(out), **(env or {})}], timeout)
         return RankJob(cmd, code, output, _read_results(out))
 
     return run

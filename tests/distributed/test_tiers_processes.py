@@ -8,11 +8,16 @@ the replaced node's parts coming from the ranks that hold their replicas.
 
 from __future__ import annotations
 
+import errno
 import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from gpuckpt.distributed import run_ranks
+from gpuckpt.format.parts import part_name
+from gpuckpt.testing.faults import fault_shim_env
 
 SCRIPT = "tier_ranks.py"
 PEERS = {"0": ["local", None], "1": ["local", None], "2": ["peer", 0], "3": ["peer", 1]}
@@ -75,6 +80,36 @@ def test_mpi_ranks_restore_from_their_own_tiers(run_mpi: Any, tmp_path: Path) ->
             rank,
             r,
         )
+
+
+def test_a_tier_that_refuses_space_for_a_replica_fails_the_step_not_the_process(
+    run_mpi: Any, load_script: Any, shim: Path, tmp_path: Path
+) -> None:
+    """Replicas are received straight into mapped files of the tier: there a full tmpfs would
+    be a SIGBUS when the transport writes, so the files' pages are allocated first. With the
+    tier of node n1 refusing space (posix_fallocate: ENOSPC) from step 2's replicas on, the
+    step fails on every rank naming the full device, the processes live on, and step 1
+    restores bit-exact."""
+    tiers = load_script("tier_ranks")
+    scratch = tmp_path / "layout"  # how many files one part has (the nth allocation fails)
+    run_ranks(4, lambda c: tiers.train(c, str(scratch), 1), timeout=120)
+    sizes = [
+        sum(1 for f in (scratch / "n0" / part_name(1, r)).rglob("*") if f.is_file() and f.stat().st_size)
+        for r in (0, 1)
+    ]
+    assert sizes[0] == sizes[1] > 1, sizes  # ranks 2 and 3 each receive one such part a step
+    base = tmp_path / "job"
+    (base / "n1").mkdir(parents=True)
+    env = fault_shim_env(shim, base / "n1", "fallocate", nth=sizes[0] + 1, err=errno.ENOSPC)
+    job = run_mpi(4, SCRIPT, "mpi", "full", base, timeout=120, env=env).check(4)
+    for rank, r in job.items():
+        assert sorted(r["failed"]) == ["2", "3"], (rank, r)
+        assert all("No space left on device" in m and str(base / "n1") in m for m in r["failed"].values()), (
+            rank,
+            r,
+        )
+        assert r["restored"] == 1 and r["exact"] and r["local"] == [1], (rank, r)
+    assert not [p for p in (base / "n1").iterdir() if p.name.startswith(".recv-")]
 
 
 @pytest.mark.torch

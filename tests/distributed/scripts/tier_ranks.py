@@ -11,6 +11,9 @@ Modes (``mpiexec -n 4 python tier_ranks.py BACKEND MODE BASE [ARGS]``):
 ``restore``
     Restore the newest complete step; report the step, whether it is bit-exact, and
     ``last_restore``.
+``full``
+    Save step 1, then step 2, whose replication fails on node n1 (the test makes its tier
+    refuse space); report the error each rank raised, then restore.
 """
 
 from __future__ import annotations
@@ -100,6 +103,27 @@ def restore(
     return out
 
 
+def full_tier(c: Coordinator, base: str) -> dict[str, Any]:
+    """Step 1 saved everywhere; step 2's replicas cannot be received on node n1 (its tier
+    refuses space): the step fails on every rank, step 1 restores."""
+    r, n = c.rank, c.world_size
+    mgr = manager(c, base, persist_interval_steps=100)
+    mgr.save(1, state(1, r, n))
+    mgr.wait()
+    mgr.save(2, state(2, r, n))
+    out: dict[str, Any] = {}
+    try:
+        mgr.wait()
+        mgr.save(3, state(3, r, n))
+    except gpuckpt.DistributedError as exc:
+        out["failed"] = {str(k): v for k, v in sorted(exc.failures.items())}
+    target = empty(r, n)
+    got = mgr.restore(target)
+    out.update(restored=got, exact=exact(target, got, r, n), local=mgr.local_steps())
+    mgr.close()
+    return out
+
+
 def main(backend: str, mode: str, base: str, *args: str) -> None:
     rank = process_rank(backend)
 
@@ -112,6 +136,8 @@ def main(backend: str, mode: str, base: str, *args: str) -> None:
                 return train_until_killed(c, base, int(args[0]), args[1])
             if mode == "restore":
                 return restore(c, base)
+            if mode == "full":
+                return full_tier(c, base)
             raise ValueError(f"unknown mode {mode!r}")
         finally:
             finish(backend)
