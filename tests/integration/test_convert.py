@@ -256,6 +256,8 @@ def test_torch_save_roundtrip(tmp_path: Path) -> None:
 
 
 @pytest.mark.torch
+# DCP warns on every save without a process group, asked for or not
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 def test_dcp_directory_roundtrip(tmp_path: Path) -> None:
     torch = pytest.importorskip("torch")
     dcp = pytest.importorskip("torch.distributed.checkpoint")
