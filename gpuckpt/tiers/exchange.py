@@ -97,11 +97,12 @@ class PartExchange:
         Files go from a read-only memory map of the sender's file into the receiver's files
         or the receive buffer: one copy by the transport. ``into`` (a restore's state, as
         :func:`part_view` gives it; the same on every rank: None or not): this rank's own part
-        is received into its
-        arrays where :func:`~gpuckpt.tiers.placement.placement` allows, the rest into
-        ``buffer``. Every rank takes part in every exchange whatever failed where, and the
-        round ends in one error check (raised on every rank)."""
-        error: BaseException | None = None
+        is received into its arrays where :func:`~gpuckpt.tiers.placement.placement` allows,
+        the rest into ``buffer``. Every rank takes part in every exchange whatever failed
+        where, and the round ends in one error check (raised on every rank): what failed here
+        still sends and receives the sizes announced (zeros, scratch memory), so that every
+        transport's round completes."""
+        errors: list[BaseException] = []
         manifests: dict[int, Any] = {}
         try:
             for dest, whose in sends.items():
@@ -109,23 +110,61 @@ class PartExchange:
                 root = self._root_document(step, whose, files) if into is not None else None
                 manifests[dest] = (whose, files, root)
         except Exception as exc:
-            error = exc
+            errors.append(exc)
             manifests = {dest: None for dest in sends}
         got = c.exchange_objects(manifests, receive_from)
-        out_buffers: dict[int, list[Any]] = {}
-        in_buffers: dict[int, list[Any]] = {}
         maps: list[mmap.mmap] = []
-        received: list[Received] = []
-        # what failed here still sends and receives the sizes announced (zeros, scratch memory),
-        # so that every transport's round completes; the round's error check then fails it
-        for dest, m in manifests.items():
-            if m is not None:
-                try:
-                    out_buffers[dest] = mapped(self.dir / part_name(step, m[0]), m[1], maps)
-                except Exception as exc:
-                    error = error or exc
-                    out_buffers[dest] = [bytes(n) for rel, size in m[1] for n in message_sizes(rel, size)]
+        out_buffers = self._outgoing(step, manifests, maps, errors)
         incoming = {src: m for src, m in got.items() if m is not None}
+        in_buffers, received, mapped_in = self._incoming(step, incoming, buffer, maps, errors, into, files_at)
+        try:
+            c.exchange_buffers(out_buffers, in_buffers)
+        except Exception as exc:  # a mismatch is raised on the receiver, after every message arrived
+            errors.append(exc)
+        finally:
+            for views in [*out_buffers.values(), mapped_in]:
+                for v in views:
+                    if isinstance(v, memoryview):  # (zeros stand in for a part that failed here)
+                        v.release()
+            for m in maps:
+                with contextlib.suppress(BufferError):  # a transport still holds a view: closed later
+                    m.close()
+        missing = [s for s in receive_from if got.get(s) is None]
+        if missing:
+            errors.append(FileNotFoundError(f"ranks {missing} had no part of step {step} to send"))
+        c.all_reduce_errors(errors[0] if errors else None)  # nothing received is used unless all succeeded
+        return received
+
+    def _outgoing(
+        self, step: int, manifests: dict[int, Any], maps: list[mmap.mmap], errors: list[BaseException]
+    ) -> dict[int, list[Any]]:
+        """The messages to each destination of ``manifests``: views of the sent files, mapped
+        (maps appended to ``maps``), or zeros of the sizes announced where mapping failed (the
+        error appended to ``errors``)."""
+        out: dict[int, list[Any]] = {}
+        for dest, m in manifests.items():
+            if m is None:
+                continue
+            try:
+                out[dest] = mapped(self.dir / part_name(step, m[0]), m[1], maps)
+            except Exception as exc:
+                errors.append(exc)
+                out[dest] = [bytes(n) for rel, size in m[1] for n in message_sizes(rel, size)]
+        return out
+
+    def _incoming(
+        self,
+        step: int,
+        incoming: dict[int, Any],
+        buffer: ReceiveBuffer,
+        maps: list[mmap.mmap],
+        errors: list[BaseException],
+        into: dict[str, Any] | None,
+        files_at: Callable[[int], Path] | None,
+    ) -> tuple[dict[int, list[Any]], list[Received], list[memoryview]]:
+        """Where each source's messages are received (see :meth:`_exchange`): the receive
+        buffers by source, the parts as they will be once received, and the views of mapped
+        files among the buffers (released once the round is over)."""
         targets = {
             src: self._targets(m[2], into, step) if into is not None and m[0] == self.rank else {}
             for src, m in incoming.items()
@@ -138,11 +177,13 @@ class PartExchange:
                 tmp = files_at(whose)
                 in_files[source] = (tmp, receiving_files(tmp, files, maps))
             except Exception as exc:  # received into the buffer, and the round fails
-                error = error or exc
+                errors.append(exc)
         plans = {
             src: self._messages(m[1], targets[src]) for src, m in incoming.items() if src not in in_files
         }
         cut = buffer.cutter(sum(n for plan in plans.values() for sizes in plan for n in sizes if n > 0))
+        in_buffers: dict[int, list[Any]] = {}
+        received: list[Received] = []
         for source, (whose, files, _root) in incoming.items():
             if source in in_files:
                 tmp, views = in_files[source]
@@ -156,27 +197,8 @@ class PartExchange:
             in_buffers[source] = [p for ps in pieces for p in ps]
             placed = any(n < 0 for sizes in plans[source] for n in sizes)
             received.append(Received(whose, files, pieces, placed=placed))
-        try:
-            c.exchange_buffers(out_buffers, in_buffers)
-        except Exception as exc:  # a mismatch is raised on the receiver, after every message arrived
-            error = error or exc
-        finally:
-            for sent in out_buffers.values():
-                for v in sent:
-                    if isinstance(v, memoryview):  # (zeros stand in for a part that failed here)
-                        v.release()
-            for _, views in in_files.values():
-                for vs in views:
-                    for v in vs:
-                        v.release()
-            for m in maps:
-                with contextlib.suppress(BufferError):  # a transport still holds a view: closed later
-                    m.close()
-        missing = [s for s in receive_from if got.get(s) is None]
-        if missing and error is None:
-            error = FileNotFoundError(f"ranks {missing} had no part of step {step} to send")
-        c.all_reduce_errors(error)  # nothing received is used unless every rank succeeded
-        return received
+        mapped_in = [v for src in in_files for v in in_buffers[src]]
+        return in_buffers, received, mapped_in
 
     def _root_document(self, step: int, whose: int, files: list[tuple[str, int]]) -> bytes | None:
         """The root document of ``whose``'s part of ``step`` here, sent with its manifest to a
