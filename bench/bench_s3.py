@@ -69,16 +69,9 @@ MIB = 1 << 20
 
 
 def select_state(size_mib: float) -> dict[str, np.ndarray]:
-    """The GPT-like state, or its first tensors (in order) up to ``size_mib``."""
-    full = build_state("gpt")
-    if size_mib * MIB >= state_bytes(full):
-        return full
-    out, total = {}, 0
-    for k, v in full.items():
-        if out and total + v.nbytes > size_mib * MIB:
-            break
-        out[k], total = v, total + v.nbytes
-    return out
+    """The GPT-like state, or its first tensors (in order) up to ``size_mib`` (below the first
+    tensor's 125 MiB: its first rows)."""
+    return build_state("gpt", max_bytes=size_mib * MIB)
 
 
 def _store(endpoint: str, prefix: str) -> Any:

@@ -12,6 +12,7 @@ import ctypes
 import ctypes.util
 import hashlib
 import json
+import math
 import mmap
 import os
 import platform
@@ -73,14 +74,20 @@ def _gpt_shapes(vocab: int, width: int, layers: int, mlp: int) -> list[tuple[str
     return shapes
 
 
-def build_state(kind: str, *, quick: bool = False, seed: int = 0) -> dict[str, np.ndarray]:
+def build_state(
+    kind: str, *, quick: bool = False, seed: int = 0, max_bytes: float | None = None
+) -> dict[str, np.ndarray]:
     """The benchmark state as a flat ``{fqn: float32 array}``; the same bytes for the same arguments.
 
     ``gpt``: the GPT-like weights; ``gpt-adam``: the same plus two Adam moments
     per weight (3x); ``small``: 10,000 tensors of 4-64 KiB (200 with ``quick``);
     ``tiny``: 20 tensors of 4-64 KiB (the same with ``quick``).
     Every tensor is cut from one seeded block of normal values at a
-    per-tensor offset, so building even 3 GiB takes a fraction of a second.
+    per-tensor offset: no random draw per tensor. ``max_bytes``: only the first tensors (in
+    order) up to that many bytes, each the same bytes as in the whole state, or, where the
+    first alone is larger, its first rows up to that size (at least one); the others are
+    never made (a toy run of a benchmark then touches no more memory than it
+    uses: on a VM that hands freed memory back to its host, first touches cost 0.3 GB/s).
     """
     rng = np.random.default_rng(seed)
     block = (rng.standard_normal(_BLOCK, dtype=np.float32) * np.float32(0.02)).astype(np.float32)
@@ -95,9 +102,18 @@ def build_state(kind: str, *, quick: bool = False, seed: int = 0) -> dict[str, n
     else:
         raise ValueError(f"unknown state kind {kind!r}; expected one of {STATE_KINDS}")
     offsets = rng.integers(0, _BLOCK, size=len(shapes))
-    return {
-        name: cut_from(block, shape, int(off)) for (name, shape), off in zip(shapes, offsets, strict=True)
-    }
+    out: dict[str, np.ndarray] = {}
+    total = 0
+    for (name, shape), off in zip(shapes, offsets, strict=True):
+        nbytes = 4 * math.prod(shape)
+        if max_bytes is not None and total + nbytes > max_bytes:
+            if not out:  # the first tensor alone is larger: its first rows (the same bytes)
+                rows = max(1, int(max_bytes // (nbytes // shape[0])))
+                out[name] = cut_from(block, (rows, *shape[1:]), int(off))
+            break
+        out[name] = cut_from(block, shape, int(off))
+        total += nbytes
+    return out
 
 
 def cut_from(block: np.ndarray, shape: tuple[int, ...], offset: int) -> np.ndarray:
