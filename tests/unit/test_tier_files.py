@@ -23,30 +23,33 @@ FILES = {
 }
 
 
-def _listing(files: dict[str, bytes]) -> list[tuple[str, int]]:
-    return sorted((rel, len(data)) for rel, data in files.items())
+def _items(files: dict[str, bytes] | list[tuple[str, bytes]]) -> list[tuple[str, bytes]]:
+    """A part's files as (name, bytes) in name order; a list may name a file twice."""
+    return sorted(files.items() if isinstance(files, dict) else files, key=lambda kv: kv[0])
 
 
-def _receive(tmp: Path, files: dict[str, bytes]) -> None:
+def _receive(tmp: Path, files: dict[str, bytes] | list[tuple[str, bytes]]) -> None:
     """What the transport does: each message's bytes into the views ``receiving_files`` gives."""
     maps: list[mmap.mmap] = []
-    listing = _listing(files)
+    items = _items(files)
+    listing = [(rel, len(data)) for rel, data in items]
     views = receiving_files(tmp, listing, maps)
     assert len(views) == len(listing)
-    for (rel, size), vs in zip(listing, views, strict=True):
-        assert [v.nbytes for v in vs] == message_sizes(rel, size)
+    for (rel, data), vs in zip(items, views, strict=True):
+        assert [v.nbytes for v in vs] == message_sizes(rel, len(data))
         at = 0
         for v in vs:
-            v[:] = files[rel][at : at + v.nbytes]
+            v[:] = data[at : at + v.nbytes]
             at += v.nbytes
             v.release()
     for m in maps:
         m.close()
 
 
-def _write(tmp: Path, files: dict[str, bytes]) -> None:
-    listing = _listing(files)
-    pieces = [[memoryview(files[rel])] if size else [] for rel, size in listing]
+def _write(tmp: Path, files: dict[str, bytes] | list[tuple[str, bytes]]) -> None:
+    items = _items(files)
+    listing = [(rel, len(data)) for rel, data in items]
+    pieces = [[memoryview(data)] if data else [] for _, data in items]
     write_received(tmp, listing, pieces)
 
 
@@ -95,3 +98,26 @@ def test_a_size_that_is_not_one_is_refused(tmp_path: Path) -> None:
     for size in (-1, 2.5, "10", None):
         with pytest.raises(CheckpointCorruptedError, match="names the file"):
             receiving_files(tmp_path / "part", [("zarr.json", size)], [])  # type: ignore[list-item]
+
+
+@pytest.mark.parametrize("put", [_receive, _write], ids=["received-into-files", "written"])
+@pytest.mark.parametrize(
+    "names",
+    [
+        ["t/c/0", "t/c/0"],
+        ["t/c/0", "./t/c/0"],
+        ["t//c/0", "t/c/0"],
+        ["t", "t/c/0"],  # a file where another's name needs a folder
+        ["t/c/0", "t/c"],
+        ["", "zarr.json"],
+    ],
+)
+def test_a_file_named_twice_or_as_a_folder_is_refused_before_anything_is_made(
+    tmp_path: Path,
+    put,  # type: ignore[no-untyped-def]
+    names: list[str],
+) -> None:
+    part = tmp_path / "part"
+    with pytest.raises(CheckpointCorruptedError, match="twice|both as a file and as a folder"):
+        put(part, [(n, b"x" * (10 + i)) for i, n in enumerate(names)])
+    assert not part.exists()
