@@ -37,11 +37,12 @@ def _mapped_files(shm: Path) -> set[str]:
 
 
 def orphaned_segments(
-    since: float, *, prefix: str = MPICH_PREFIX, min_age_s: float = 5.0, shm: Path = Path("/dev/shm")
+    since: float, *, prefix: str = MPICH_PREFIX, min_age_s: float = 1.0, shm: Path = Path("/dev/shm")
 ) -> list[Path]:
     """The files ``shm/prefix*`` of this user last modified after ``since`` (a ``time.time()``)
     and at least ``min_age_s`` ago, that no live process maps. A younger segment is left out:
-    a job starting now may have made it and not mapped it yet."""
+    a job starting now may have made it and not mapped it yet (MPICH maps it within
+    milliseconds of making it)."""
     if not shm.is_dir():
         return []
     now = time.time()
