@@ -120,13 +120,27 @@ class RecordingWriter(LocalWriter):
 
 
 class RecordingBackend(HostBackend):
+    """A slow link (~1 ms per 64 KiB chunk) whose stream starts only once two copies are queued
+    (or after 5 s): a pipeline that queues the next copies ahead gets two in flight whatever the
+    scheduler does on a loaded machine, one that waits for each copy before the next cannot."""
+
     def __init__(self) -> None:
-        super().__init__(bytes_per_second=64 << 20)  # a slow link: ~1 ms per 64 KiB chunk
+        super().__init__(bytes_per_second=64 << 20, gate=threading.Event())
         self.spans: list[tuple[float, float]] = []
+        self._timeout = threading.Timer(5.0, self.release)
+        self._timeout.daemon = True
+        self._timeout.start()
+
+    def release(self) -> None:
+        assert self.gate is not None
+        self.gate.set()
+        self._timeout.cancel()
 
     def stage_out(self, array: Any, offsets: Any, sizes: Any, dest: np.ndarray) -> Any:
         ticket = super().stage_out(array, offsets, sizes, dest)
         queued = time.perf_counter()
+        if self.in_flight >= 2:
+            self.release()
 
         class T:
             def wait(inner) -> None:
