@@ -111,7 +111,7 @@ def write_received(tmp: Path, files: list[tuple[str, int]], pieces: list[list[me
     paths = _paths_of(tmp, files)
     tmp.mkdir(exist_ok=True)
     for path, (_, size) in zip(paths, files, strict=True):
-        path.parent.mkdir(parents=True, exist_ok=True)
+        _folder_for(path, tmp)
         fd = _open_recycled(path, os.O_WRONLY)
         try:
             for piece in next(it):
@@ -137,7 +137,7 @@ def receiving_files(tmp: Path, files: list[tuple[str, int]], maps: list[mmap.mma
     tmp.mkdir(exist_ok=True)
     views: list[list[memoryview]] = []
     for path, (rel, size) in zip(paths, files, strict=True):
-        path.parent.mkdir(parents=True, exist_ok=True)
+        _folder_for(path, tmp)
         fd = _open_recycled(path, os.O_RDWR)
         try:
             os.ftruncate(fd, size)
@@ -190,6 +190,17 @@ def _paths_of(tmp: Path, files: list[tuple[str, Any]]) -> list[Path]:
             f"a received part names a file twice: {sorted(rel for rel, _ in files)[:20]}"
         )
     return paths
+
+
+def _folder_for(path: Path, tmp: Path) -> None:
+    """Make the folders of ``path`` under ``tmp``: a recycled copy's link or file where a
+    folder must be is removed first (a link would take the file outside ``tmp``)."""
+    at = tmp
+    for part in path.relative_to(tmp).parent.parts:
+        at = at / part
+        if at.is_symlink() or (at.exists() and not at.is_dir()):
+            _remove(at)
+        at.mkdir(exist_ok=True)
 
 
 def _remove_others(tmp: Path, wanted: set[Path]) -> None:

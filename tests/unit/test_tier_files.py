@@ -84,6 +84,21 @@ def test_a_recycled_copys_files_are_reused_and_whatever_else_it_holds_removed(tm
 
 
 @pytest.mark.parametrize("put", [_receive, _write], ids=["received-into-files", "written"])
+def test_a_recycled_copys_file_or_link_where_a_folder_must_be_is_replaced(tmp_path: Path, put) -> None:  # type: ignore[no-untyped-def]
+    """A layout that changed (an array's chunk file ``t/c/0`` now a folder of chunks), and a
+    link where a folder must be: the files land under the part, never through the link."""
+    part, outside = tmp_path / "part", tmp_path / "outside"
+    outside.mkdir()
+    (part / "t" / "c").mkdir(parents=True)
+    (part / "t" / "c" / "0").write_bytes(b"a chunk file of the old layout")
+    (part / "u").symlink_to(outside, target_is_directory=True)
+    new = {"t/c/0/0": b"x" * 100 + b"CRC!", "u/c/0": b"y" * 100 + b"CRC!", "zarr.json": b"{}"}
+    put(part, new)
+    assert _tree(part) == new
+    assert not (part / "u").is_symlink() and not any(outside.iterdir())
+
+
+@pytest.mark.parametrize("put", [_receive, _write], ids=["received-into-files", "written"])
 @pytest.mark.parametrize("name", ["../escape", "/abs/escape", "t/../../escape"])
 def test_a_file_name_that_leaves_the_part_is_refused(tmp_path: Path, put, name: str) -> None:  # type: ignore[no-untyped-def]
     part = tmp_path / "in" / "part"
