@@ -106,8 +106,6 @@ class LocalTier(PartExchange):
         #: steps being drained to root: retention keeps them
         self.pinned: set[int] = set()
         self._budget_checked = False
-        #: where replicas arrive when their files could not be made (the round then fails)
-        self._received = ReceiveBuffer()
         #: writes of parts restores fetched from peers (:meth:`_keep_fetched`)
         self._fetched: list[Future[None]] = []
         queries.barrier()  # nobody writes before every leader has cleaned up
