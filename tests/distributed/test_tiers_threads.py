@@ -197,6 +197,45 @@ def test_a_rank_failing_its_part_fails_the_step_on_every_rank_and_the_next_save_
     assert not any(part_name(2, r) in {p.name for p in (tmp_path / "n0").iterdir()} for r in range(4))
 
 
+def test_a_step_refused_by_its_checks_writes_nothing_and_leaves_the_saved_step_as_it_was(
+    tiers: Any, tmp_path: Path
+) -> None:
+    # the tier writes its parts with overwrite=True: a refused step must write nothing, above
+    # all not over the part of the step it repeats
+    from gpuckpt import pending
+
+    def work(c: Any) -> dict[str, Any]:
+        mgr = tiers.manager(c, tmp_path)
+        r, n = c.rank, c.world_size
+        mgr.save(3, tiers.state(3, r, n))
+        mgr.wait()
+        out: dict[str, Any] = {}
+        for step, data_of in ((3, 9), (2, 2)):  # the same step again (other data), an older one
+            try:
+                mgr.save(step, tiers.state(data_of, r, n))
+                out[step] = "saved"
+            except (gpuckpt.CheckpointExistsError, gpuckpt.StepOrderError) as exc:
+                out[step] = type(exc).__name__
+        mgr.wait()
+        target = tiers.empty(r, n)
+        out["restored"] = mgr.restore(target)
+        out["exact"] = tiers.exact(target, 3, r, n)
+        mgr.save(4, tiers.state(4, r, n))
+        mgr.wait()
+        out["steps"] = mgr.all_steps()
+        mgr.close()
+        return out
+
+    got = run_ranks(4, work, timeout=120)
+    want = {3: "CheckpointExistsError", 2: "StepOrderError", "restored": 3, "exact": True, "steps": [4]}
+    assert all(g == want for g in got), got
+    for node in ("n0", "n1"):
+        names = {p.name for p in (tmp_path / node).iterdir()}
+        assert not {part_name(2, r) for r in range(4)} & names, names
+    # no save of theirs was started: nothing is reported at exit
+    assert not [f for f in pending._unhandled_failures() if str(tmp_path) in f.path]
+
+
 def test_a_tier_too_small_for_its_steps_is_refused_on_every_rank_before_any_write(
     tiers: Any, tmp_path: Path
 ) -> None:
