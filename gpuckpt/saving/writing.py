@@ -35,6 +35,7 @@ from gpuckpt.format.documents import array_document, chunk_file_key
 from gpuckpt.options import SaveOptions
 from gpuckpt.planning.plan import ChunkAssignment, SavePlan, TensorPlan
 from gpuckpt.progress import ProgressCounter
+from gpuckpt.runtime import runner
 from gpuckpt.runtime.runner import Batcher, Runner, default_threads, run_all
 from gpuckpt.saving.commit import Written, result_columns
 from gpuckpt.saving.incremental import BaseIndex, digests_match, open_base_for, reuse_by_digests
@@ -350,9 +351,11 @@ def _write_items(
         for j, staged, _document in items:
             data, pad = chunk_bytes(staged.wait(), j.stored)
             if j.codec is not None:
-                # compressed here, on the I/O thread (the codecs release the GIL); the CRC32C
-                # and the content hashes of an incremental save are those of the stored bytes
-                data, pad = encode(j.codec, data, pad), 0
+                # compressed here, on the I/O thread (the codecs release the GIL), never on every
+                # core at once (runtime.runner.CpuSlots); the CRC32C and the content hashes of an
+                # incremental save are those of the stored bytes
+                with runner.compressing:
+                    data, pad = encode(j.codec, data, pad), 0
             buffers.append(data)
             pads.append(pad)
         names = [j.name for j, _, _ in items]
