@@ -206,8 +206,9 @@ def slow_store(
     state: dict[str, np.ndarray], link_mbps: float, rounds: int, settle_s: float
 ) -> dict[str, Any]:
     """Saves and loads with "zstd" and with none, in turns, the order swapped every round, each
-    pair against a server started for it, each save after ``settle_s`` idle; the best of each. Also the CPU seconds the server's process (moto and the proxy) and this process spent
-    on each save (the median over the rounds): with the server on the same cores, what they sum
+    pair against a server started for it, each save after ``settle_s`` idle; the best of each.
+    Also the CPU seconds the server's process (moto and the proxy) and this process spent on
+    each save (the median over the rounds): with the server on the same cores, what they sum
     to, against the cores, says what limits the save when the link does not."""
     from gpuckpt.testing.s3server import s3_options
 

@@ -93,9 +93,10 @@ class ReceiveBuffer:
     def cutter(self, total: int) -> Callable[[int], memoryview]:
         """A cutter of the buffer, grown to ``total`` bytes: each call ``cut(size)`` returns
         the next ``size`` bytes as a view."""
-        if self._data is None or len(self._data) < total:
+        if total and (self._data is None or len(self._data) < total):
             self._data = populated(total)
-        view = memoryview(self._data)
+        # (a replication round whose parts all go into files cuts nothing: no memory is made)
+        view = memoryview(self._data if self._data is not None else b"")
         at = 0
 
         def cut(size: int) -> memoryview:
