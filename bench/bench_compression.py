@@ -13,7 +13,9 @@ Figures:
    weights on one thread (what one I/O thread does), against a ``memcpy`` of the same bytes.
 3. **auto on random bytes**: a local save of the incompressible tensor with
    ``compression="auto"`` over the same save with none (auto screens it and stores it as it is),
-   in turns, the best of 6 rounds; and the time of the decision itself.
+   in turns, the best of 6 rounds; and the time of the decision itself. Shown too (no target):
+   what "auto" decides for the compressible state, to S3 and to a local disk, and the save
+   its model promises (``predicted_gain``).
 4. **slow object store**: a save and a load of the compressible state (``--mib``, default 1 GiB)
    to the S3-protocol server on loopback through a proxy limited to ``--link`` MB/s each way
    (``gpuckpt.testing.faultproxy``; server and proxy in a process of their own, started anew
@@ -129,6 +131,35 @@ def _decision_s(state: dict[str, np.ndarray], path: Path, rounds: int) -> float:
     local, sources = describe_state(state, allow_pickle=False)
     options = SaveOptions(compression="auto")
     return _best(lambda: resolve(path, options, local, sources), rounds)
+
+
+def auto_on_state(state: dict[str, np.ndarray], tmp: Path) -> dict[str, Any]:
+    """What "auto" decides for the compressible state, to S3 and to a local disk: the compressor's
+    throughput on its trials, the bytes it expects to save, the save it promises
+    (``predicted_gain``) and whether it compresses (not a target: it shows the model at work)."""
+    from gpuckpt.options import SaveOptions
+    from gpuckpt.runtime import runner
+    from gpuckpt.saving.compression import MIN_GAIN, decide, predicted_gain, resolve
+    from gpuckpt.saving.sources import describe_state
+    from gpuckpt.storage.stores import write_rate
+
+    local, sources = describe_state(state, allow_pickle=False)
+    options = SaveOptions(compression="auto")
+    found = decide(local, sources, options.codecs)
+    threads = min(runner.default_threads(), runner.compressing.limit)
+    out: dict[str, Any] = {
+        "trial_gbps": found.bytes_per_s / 1e9,
+        "fraction_saved": found.fraction_saved,
+        "compressing_at_once": threads,
+    }
+    for name, where in (("s3", "s3://bucket/x"), ("local", str(tmp / "x"))):
+        gain = predicted_gain(found.bytes_per_s, threads, found.fraction_saved, write_rate(where))
+        out[name] = {
+            "promised_gain": gain,
+            "compresses": gain >= MIN_GAIN,
+            "resolve_compresses": resolve(where, options, local, sources) is not None,  # its own trial
+        }
+    return out
 
 
 def auto_on_random(tmp: Path, noise: np.ndarray, rounds: int) -> dict[str, float]:
@@ -309,6 +340,7 @@ def main(argv: list[str] | None = None) -> int:
             ),
             "codec": codec_speed(state["weight"], max(args.rounds, 3)),
             "auto": auto_on_random(tmp, noise, max(args.rounds, 6)),
+            "auto_on_state": auto_on_state(state, tmp),
             "s3": slow_store(
                 state,
                 args.link,
