@@ -41,7 +41,7 @@ setup: $(STAMP)
 
 setup-torch: $(STAMP311)
 
-## the main job: save a realistic model state, reload it, verify bit-exact, print throughput
+## the main job: train a small model with a CheckpointManager, SIGKILL it mid-save, resume, check bit-exact
 demo: $(DEMO_STAMP)
 	$(BIN)/gpuckpt demo
 

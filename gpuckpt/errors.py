@@ -240,4 +240,6 @@ class ForkedSaveError(GpuckptError, RuntimeError):
 
 class IncrementalBaseWarning(UserWarning):
     """The ``base`` of an incremental save cannot be used (missing, damaged, another format):
-    the save goes on and writes every chunk. A warning, not an error: the save succeeds."""
+    the save goes on and writes every chunk; or chunks cannot be hashed (``base`` or
+    ``content_hash=True`` without the ``xxhash`` package): the save records no hashes. A
+    warning, not an error: the save succeeds."""

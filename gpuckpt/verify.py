@@ -89,7 +89,7 @@ class VerifyReport:
         if self.ok:
             lines.append(
                 f"OK: {path}: {self.tensors} tensors ({self.chunks} chunks, "
-                f"{self.bytes_checked / 1e6:.1f} MB) and {self.objects} values verified"
+                f"{_size(self.bytes_checked)}) and {self.objects} values verified"
             )
         else:
             lines.append(
@@ -278,3 +278,13 @@ def verify_checkpoint(
             report.bytes_checked += nbytes
             counter.add(nbytes)
     return report
+
+
+def _size(nbytes: int) -> str:
+    """``nbytes`` for a reader: bytes, kB, MB or GB (decimal units)."""
+    if nbytes < 1000:
+        return f"{nbytes} B"
+    for unit, scale in (("kB", 1e3), ("MB", 1e6), ("GB", 1e9)):
+        if nbytes < scale * 1000 or unit == "GB":
+            return f"{nbytes / scale:.1f} {unit}"
+    raise AssertionError("unreachable")

@@ -18,10 +18,20 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from gpuckpt.cli.usage import EXIT_FAILURE, EXIT_USAGE, UsageError
-from gpuckpt.errors import GpuckptError
+from gpuckpt.errors import GpuckptError, InvalidOptionError
 from gpuckpt.printable import one_line, printable
 
 __all__ = ["EXIT_FAILURE", "EXIT_USAGE", "UsageError", "main", "one_line", "printable"]
+
+
+#: what ``gpuckpt --help`` says before the commands (the module's docstring, without its markup)
+DESCRIPTION = """Checkpoints of model state in Zarr v3 stores: inspect, verify, convert, demo, bench.
+
+Every command exits 0 on success, 1 when the work failed (a damaged or missing
+checkpoint, a failed conversion) and 2 for bad arguments; errors are one line on
+stderr ("gpuckpt: error: ..."), never a traceback (set GPUCKPT_DEBUG=1 for one).
+Text from a checkpoint (names, values, paths) is printed with its non-printable
+characters escaped. "python -m gpuckpt.cli" runs it too."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -36,8 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     common.add_argument("--threads", type=int, default=None, help="I/O threads (default: from the CPU count)")
     parser = _Parser(
-        prog="gpuckpt", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="gpuckpt", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument("--version", action="version", version=f"gpuckpt {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
     for module, name in (
@@ -53,6 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _version() -> str:
+    from gpuckpt import __version__
+
+    return __version__
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``gpuckpt`` command with ``argv`` (default: ``sys.argv[1:]``); returns the exit code."""
     debug = bool(os.environ.get("GPUCKPT_DEBUG"))
@@ -65,7 +82,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.threads is not None and args.threads < 1:
             raise UsageError(f"--threads must be at least 1, got {args.threads}")
         return int(args.run(args))
-    except UsageError as exc:
+    except (UsageError, InvalidOptionError) as exc:  # an option a command passed on as given
+        if debug and isinstance(exc, InvalidOptionError):
+            raise
         _error(str(exc))
         return EXIT_USAGE
     except BrokenPipeError:

@@ -201,7 +201,7 @@ def format_description(d: dict[str, Any]) -> str:
         f"{format_bytes(t['file_bytes'])} found ({format_bytes(t['disk_bytes'])} allocated on disk); "
         f"{t['objects']} objects",
         f"stored: {format_bytes(t['stored_bytes'])} for {format_bytes(t['bytes'])} of tensors"
-        + (f" ({t['bytes'] / t['stored_bytes']:.2f}x smaller)" if t["stored_bytes"] else ""),
+        + _ratio(t["bytes"], t["stored_bytes"]),
         f"sharing: {format_bytes(t['own_bytes'])} in chunk files of its own, "
         f"{format_bytes(t['shared_bytes'])} in chunk files shared with other checkpoints "
         "(hard links of incremental saves)",
@@ -328,3 +328,12 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(json.dumps(d, indent=2) if args.json else format_description(d))
     return 0
+
+
+def _ratio(logical: int, stored: int) -> str:
+    """`` (1.46x smaller)`` or `` (1.08x larger)`` (small chunks carry their checksums), or nothing."""
+    if not stored or not logical:
+        return ""
+    if stored <= logical:
+        return f" ({logical / stored:.2f}x smaller)"
+    return f" ({stored / logical:.2f}x larger: each chunk also stores its 4-byte CRC32C)"

@@ -5,9 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
+from gpuckpt.cli.inspect_cmd import describe_root, describe_tier
 from gpuckpt.cli.progressbar import progress_for
+from gpuckpt.errors import CheckpointNotFoundError
 from gpuckpt.printable import one_line, printable
+from gpuckpt.storage.stores import scheme_of
 from gpuckpt.verify import verify_checkpoint
 
 HELP = "read every chunk of a checkpoint and check every checksum; exit 1 if anything is damaged"
@@ -30,6 +34,8 @@ def run(args: argparse.Namespace) -> int:
         report = verify_checkpoint(
             args.path, allow_pickle=args.allow_pickle, threads=args.threads, progress=bar
         )
+    except CheckpointNotFoundError as exc:
+        raise CheckpointNotFoundError(f"{exc}{_what_it_is(args.path)}") from None
     finally:
         if bar is not None:
             bar.close()
@@ -43,3 +49,26 @@ def run(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     return 1
+
+
+def _what_it_is(text: str) -> str:
+    """Where ``text`` is a manager's root or a local tier rather than a checkpoint, what to verify
+    instead (else nothing)."""
+    path: Path | str = Path(text) if scheme_of(text) == "file" else text
+    try:
+        root = describe_root(path)
+        if root is not None:
+            steps = [s["step"] for s in root["steps"]]
+            return (
+                f"; it is a CheckpointManager root with committed steps {steps}: verify a step, "
+                f"e.g. gpuckpt verify {printable(root['steps'][-1]['path'])}"
+            )
+        tier = describe_tier(path) if isinstance(path, Path) else None
+    except Exception:  # (the error already says what is wrong; this only adds a hint)
+        return ""
+    if tier is not None:
+        return (
+            f"; it is a manager's local tier holding steps {[e['step'] for e in tier['steps']]}: each "
+            "part in it is a checkpoint of its own (gpuckpt inspect lists them)"
+        )
+    return ""

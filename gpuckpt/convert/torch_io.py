@@ -38,8 +38,9 @@ def import_torch() -> Any:
         import torch
     except ImportError:
         raise UnsupportedValueError(
-            "reading PyTorch checkpoints needs torch, which is not installed; "
-            "install it (pip install 'gpuckpt[torch]') or convert from safetensors"
+            "reading or writing PyTorch checkpoints (torch.save files, torch.distributed.checkpoint "
+            "directories) needs torch, which is not installed; install it (pip install "
+            "'gpuckpt[torch]') or convert from or to safetensors"
         ) from None
     return torch
 

@@ -263,6 +263,11 @@ def metadata_json(raw: bytes | bytearray, where: str) -> Any:
         raise MetadataError(
             f"{where} is not valid JSON ({exc}); the checkpoint's root metadata is damaged"
         ) from None
+    if isinstance(doc, dict) and doc.get("zarr_format") == 3 and doc.get("node_type") == "array":
+        raise MetadataError(
+            f"{where} is not a Zarr v3 group document: it describes a Zarr array, not a checkpoint "
+            "(a Zarr group); open the checkpoint's directory, the one above its arrays"
+        )
     if not isinstance(doc, dict) or doc.get("zarr_format") != 3 or doc.get("node_type") != "group":
         raise MetadataError(f"{where} is not a Zarr v3 group document")
     attrs = doc.get("attributes")

@@ -200,22 +200,24 @@ def check_base_target(path: str | os.PathLike[str], options: SaveOptions) -> Non
         )
 
 
-_warned_no_xxhash = False
+_warned_no_xxhash: set[str] = set()
 _warn_lock = threading.Lock()
 
+_NO_HASH_LIBRARY = {
+    "base": "incremental save without the xxhash package: chunks are compared with the base by reading "
+    "the base's bytes, and no content hash is recorded; pip install 'gpuckpt[incremental]' to hash",
+    "content_hash": "content_hash=True without the xxhash package: this checkpoint records no content "
+    "hash (a later incremental save on it compares bytes instead); pip install 'gpuckpt[incremental]'",
+}
 
-def _warn_no_hash_library() -> None:
-    global _warned_no_xxhash
+
+def _warn_no_hash_library(why: str) -> None:
+    """Warn, once per process for each ``why`` of :data:`_NO_HASH_LIBRARY`, that nothing is hashed."""
     with _warn_lock:
-        if _warned_no_xxhash:
+        if why in _warned_no_xxhash:
             return
-        _warned_no_xxhash = True
-    warnings.warn(
-        "incremental save without the xxhash package: chunks are compared with the base by reading "
-        "the base's bytes, and no content hash is recorded; pip install 'gpuckpt[incremental]' to hash",
-        IncrementalBaseWarning,
-        stacklevel=4,
-    )
+        _warned_no_xxhash.add(why)
+    warnings.warn(_NO_HASH_LIBRARY[why], IncrementalBaseWarning, stacklevel=4)
 
 
 def _unusable(location: str, exc: BaseException) -> None:
@@ -230,7 +232,7 @@ def _unusable(location: str, exc: BaseException) -> None:
 def _open_base(location: str, storage_options: Mapping[str, Any] | None) -> OpenCheckpoint | None:
     """The base checkpoint, opened, or None (with a warning)."""
     if not contenthash.available():
-        _warn_no_hash_library()
+        _warn_no_hash_library("base")
     try:
         return open_checkpoint(location, storage_options)
     except (GpuckptError, OSError, ValueError) as exc:
@@ -297,9 +299,12 @@ def open_base(
 
 def open_base_for(options: SaveOptions, tensors: Iterable[TensorPlan]) -> BaseIndex | None:
     """:func:`open_base` of ``options.base_location`` with the arrays of ``tensors`` it can
-    serve (:meth:`BaseIndex.compatible`), their records only read."""
+    serve (:meth:`BaseIndex.compatible`), their records only read. (Without a base, a warning
+    where ``content_hash`` asks for hashes this process cannot compute.)"""
     location = options.base_location
     if location is None:
+        if options.content_hash and not contenthash.available():
+            _warn_no_hash_library("content_hash")
         return None
     opened = _open_base(location, options.storage_options)
     if opened is None:

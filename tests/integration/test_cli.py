@@ -269,3 +269,53 @@ def test_progress_bar_draws_and_stays_quiet_without_a_terminal() -> None:
     assert progress_for("x", quiet=False, stream=Tty()) is not None
     assert progress_for("x", quiet=True, stream=Tty()) is None
     assert [format_bytes(n) for n in (5, 1536, 3 << 30)] == ["5 B", "1.5 KiB", "3.0 GiB"]
+
+
+def test_options_a_command_passes_on_are_bad_arguments(
+    tmp_path: Path, ckpt: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Exit 2, as the parser's own refusals, for options the library refuses (InvalidOptionError);
+    nothing written."""
+    hf = tmp_path / "hf"
+    for args, match in (
+        (["--to", "hf", "--dtype", "foo"], "dtype='foo'"),
+        (["--to", "hf", "--max-shard-size", "abc"], "is not a size"),
+    ):
+        assert main(["convert", "-q", str(ckpt), str(hf), *args]) == 2
+        assert match in capsys.readouterr().err
+    assert main(["convert", "-q", str(ckpt), str(tmp_path / "o.safetensors"), "--compression", "zstd"]) == 2
+    assert "compression applies to a gpuckpt target" in capsys.readouterr().err
+    assert not hf.exists() and not (tmp_path / "o.safetensors").exists()
+
+
+def test_paths_that_are_not_checkpoints_say_what_they_are(
+    tmp_path: Path, ckpt: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "f.txt").write_text("hi")
+    for command in ("inspect", "verify"):
+        assert main([command, str(tmp_path / "f.txt")]) == 1
+        assert "f.txt is a file, not a checkpoint" in capsys.readouterr().err
+        assert main([command, str(ckpt / "layer.weight")]) == 1
+        assert "describes a Zarr array, not a checkpoint" in capsys.readouterr().err
+    root = tmp_path / "root"
+    with CheckpointManager(root, async_save=False, sync="none") as mgr:
+        for s in (5, 10):
+            mgr.save(s, {"x": np.ones(2)})
+    assert main(["verify", str(root)]) == 1
+    err = capsys.readouterr().err
+    assert "a CheckpointManager root with committed steps [5, 10]: verify a step" in err
+    assert f"gpuckpt verify {root / 'step_00000010'}" in err
+
+
+def test_small_sizes_read_as_what_they_are(ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["verify", "-q", str(ckpt)]) == 0
+    assert "6 chunks, 4.8 kB)" in capsys.readouterr().out  # 4830 bytes of tensors; not "0.0 MB"
+    assert main(["inspect", str(ckpt)]) == 0  # 4 bytes of CRC32C per chunk outweigh nothing saved
+    assert "x larger: each chunk also stores its 4-byte CRC32C" in capsys.readouterr().out
+
+
+def test_version_and_plain_help() -> None:
+    r = gpuckpt_cli("--version")
+    assert r.returncode == 0 and r.stdout.startswith("gpuckpt ") and r.stdout.split()[1][0].isdigit()
+    r = gpuckpt_cli("--help")
+    assert r.returncode == 0 and "``" not in r.stdout and ":func:" not in r.stdout

@@ -409,6 +409,38 @@ print(len(w), w[0].category.__name__, str(w[0].message)[:80])
     assert_loads(tmp_path / "c2", changed(make_state()))
 
 
+def test_content_hash_without_xxhash_warns_once_and_records_no_hash(tmp_path: Path) -> None:
+    """Asked for hashes this process cannot compute: said at the save, not at a later incremental
+    save; the checkpoint is complete and says it has no hashes."""
+    script = f"""
+import sys, warnings
+sys.modules["xxhash"] = None  # as if not installed
+import gpuckpt
+from tests.integration.test_incremental import make_state, CHUNK
+with warnings.catch_warnings(record=True) as w:
+    warnings.simplefilter("always")
+    for name in ("h0", "h1"):
+        gpuckpt.save(make_state(), {str(tmp_path)!r} + "/" + name, chunk_bytes=CHUNK, content_hash=True)
+print(len(w), w[0].category.__name__)
+print(str(w[0].message))
+"""
+    root = Path(__file__).parent.parent.parent
+    env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env, cwd=root
+    )
+    assert out.returncode == 0, out.stderr
+    count, message = out.stdout.splitlines()[:2]
+    assert count.startswith("1 IncrementalBaseWarning"), out.stdout
+    assert (
+        message.startswith("content_hash=True without the xxhash package")
+        and "gpuckpt[incremental]" in message
+    )
+    for name in ("h0", "h1"):
+        assert "content_hash" not in gpuckpt.read_metadata(tmp_path / name).storage_data
+        assert_loads(tmp_path / name, make_state())
+
+
 # sharing and verification ----------------------------------------------------------------
 
 

@@ -196,6 +196,14 @@ class LocalReader(CheckpointReader):
                     f"{self.path} is not a committed checkpoint: it has no {ROOT_KEY}{hint}"
                 ) from None
             raise CheckpointNotFoundError(f"no checkpoint at {self.path}{hint}") from None
+        except NotADirectoryError:
+            if self.path.is_file():
+                raise CheckpointNotFoundError(
+                    f"{self.path} is a file, not a checkpoint (a directory holding {ROOT_KEY})"
+                ) from None
+            raise CheckpointNotFoundError(
+                f"no checkpoint at {self.path}: a part of the path is a file"
+            ) from None
         except OSError as exc:
             raise CheckpointNotFoundError(f"cannot open {root}: {exc.strerror}") from None
 
