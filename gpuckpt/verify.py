@@ -4,8 +4,17 @@ Unlike a load, which stops at the first problem, :func:`verify_checkpoint`
 reads everything and lists every damaged part, so that one report tells
 what is left to salvage. Each chunk file's size is checked against the
 metadata before it is read, and a chunk is then streamed through one small
-buffer per thread (its checksum needs its bytes, not a copy of them), so
-memory stays bounded by ``group_bytes`` whatever the metadata claims.
+buffer per thread (its checksum needs its bytes, not a copy of them), so for
+chunks stored as they are memory stays bounded by ``group_bytes`` whatever the
+metadata claims.
+
+A compressed chunk cannot be streamed (its codecs decompress whole): it is read
+and decompressed into memory of its stored and its logical size, and the chunks
+being decompressed at once hold at most ``group_bytes`` more (a larger chunk is
+decompressed alone). Its logical size is its chunk shape's, which the frame must
+announce before anything is decompressed; a few KiB of zstd frame can honestly
+announce a chunk thousands of times larger (a chunk of zeros), so for a
+compressed tensor the bound is the metadata's chunk shape, not the file's size.
 """
 
 from __future__ import annotations
@@ -14,7 +23,10 @@ import contextlib
 import dataclasses
 import functools
 import json
+import math
 import os
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -133,7 +145,33 @@ def _check_array_doc(reader: CheckpointReader, t: TensorEntry) -> Damage | None:
     return None
 
 
-def _check_chunk(reader: CheckpointReader, t: TensorEntry, c: ChunkRead, piece: int) -> Damage | None:
+class _ByteGate:
+    """Lets holders of at most ``budget`` bytes in all through at once; a holder of more than the
+    budget goes through alone."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.held = 0
+        self.most = 0  # the most held at once (for tests)
+        self._cv = threading.Condition()
+
+    @contextlib.contextmanager
+    def hold(self, nbytes: int) -> Iterator[None]:
+        with self._cv:
+            self._cv.wait_for(lambda: self.held == 0 or self.held + nbytes <= self.budget)
+            self.held += nbytes
+            self.most = max(self.most, self.held)
+        try:
+            yield
+        finally:
+            with self._cv:
+                self.held -= nbytes
+                self._cv.notify_all()
+
+
+def _check_chunk(
+    reader: CheckpointReader, t: TensorEntry, c: ChunkRead, piece: int, gate: _ByteGate
+) -> Damage | None:
     where = f"{t.name}/{c.key}"
     # the size first: a claim the file cannot back is damage, never an allocation
     size = reader.chunk_nbytes(t.name, c.key)
@@ -144,8 +182,9 @@ def _check_chunk(reader: CheckpointReader, t: TensorEntry, c: ChunkRead, piece: 
     try:
         if t.codec is None:
             checksum_verified(reader, t, c, piece)
-        else:
-            decode_verified(reader, t, c)  # and that it decompresses to the chunk's bytes
+        else:  # and that it decompresses to the chunk's bytes
+            with gate.hold(c.nbytes + math.prod(c.stored) * t.dtype.itemsize):
+                decode_verified(reader, t, c)
     except ChecksumError as exc:
         # the "computed / chunk file / metadata" detail, without the advice meant for loads
         return Damage(where, f"checksum mismatch ({exc.mismatch})" if exc.mismatch else str(exc), t.fqn)
@@ -203,6 +242,8 @@ def verify_checkpoint(
     listed as not checked. A chunk file whose size differs from the metadata's
     is listed as damaged unread; the others are streamed through one buffer per
     thread, all of them together within ``group_bytes`` (at least 64 KiB each).
+    Compressed chunks are decompressed whole, as many at once as fit in
+    ``group_bytes`` more (one at a time where a chunk is larger).
 
     Raises
     ------
@@ -265,7 +306,8 @@ def verify_checkpoint(
     counter = ProgressCounter(progress, sum(t.nbytes for t in entries))
     workers = threads or default_threads()
     piece = max(_MIN_PIECE, min(_MAX_PIECE, group_bytes // workers))
-    jobs = (functools.partial(_check_chunk, reader, t, c, piece) for t in entries for c in t.chunks)
+    gate = _ByteGate(group_bytes)  # compressed chunks in memory at once
+    jobs = (functools.partial(_check_chunk, reader, t, c, piece, gate) for t in entries for c in t.chunks)
     chunks = ((t, c) for t in entries for c in t.chunks)
     # a window of jobs in flight, not one future per chunk of a million-chunk checkpoint
     with contextlib.closing(

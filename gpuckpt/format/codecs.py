@@ -284,6 +284,12 @@ def parse_compression(value: Any) -> Compression | None:
             raise ValueError(f"compression has unknown keys {unknown}; expected some of {list(_SPEC_KEYS)}")
         spec = dict(value)
         if spec.get("codec", "blosc") == "zstd":
+            blosc_only = sorted(set(spec) & {"cname", "shuffle", "blocksize"})
+            if blosc_only:
+                raise ValueError(
+                    f"compression keys {blosc_only} apply to the blosc codec, not to 'zstd' (the core zstd "
+                    "codec has a level only); drop them, or use {'codec': 'blosc', ...} to shuffle"
+                )
             spec.setdefault("level", 3)
         if spec.get("shuffle", "auto") not in (*_SHUFFLES, "auto"):
             raise ValueError(f"compression shuffle {spec['shuffle']!r} is not one of {[*_SHUFFLES, 'auto']}")

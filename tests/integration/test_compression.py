@@ -185,6 +185,42 @@ def test_hostile_compressed_chunks_are_typed_errors_within_bounded_memory(tmp_pa
         assert [d.where for d in verify_checkpoint(path).damage] == ["w/c.0.0"]
 
 
+_TRACED_VERIFY = """
+import json, sys, threading, tracemalloc
+from gpuckpt.verify import verify_checkpoint
+tracemalloc.start()
+out = []
+for group_bytes in (1 << 20, 1 << 30):
+    tracemalloc.reset_peak()
+    before = tracemalloc.get_traced_memory()[0]
+    report = verify_checkpoint(sys.argv[1], threads=4, group_bytes=group_bytes)
+    out.append({"ok": report.ok, "peak": tracemalloc.get_traced_memory()[1] - before})
+print(json.dumps(out))
+"""
+
+
+def test_verify_decompresses_within_group_bytes_or_one_chunk_at_a_time(tmp_path: Path) -> None:
+    """Compressed chunks are decompressed whole (their codecs do not stream): 8 chunks of 8 MiB of
+    zeros, a few KiB each on disk, verified by 4 threads, hold one chunk at a time within a
+    budget of 1 MiB, and at most one chunk per thread within 1 GiB."""
+    gpuckpt.save(
+        {"w": np.zeros((8, 2 << 20), np.float32)}, tmp_path / "c", chunk_bytes=8 << 20, compression="zstd"
+    )
+    assert gpuckpt.read_metadata(tmp_path / "c").storage_data["tensors"]["w"]["codec"]["name"] == "blosc"
+    proc = subprocess.run(
+        [sys.executable, "-c", _TRACED_VERIFY, str(tmp_path / "c")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    tight, loose = json.loads(proc.stdout)
+    assert tight["ok"] and loose["ok"]
+    chunk = 8 << 20
+    assert tight["peak"] < chunk + (2 << 20), tight  # one chunk (and its few KiB of frame)
+    assert loose["peak"] < 4 * chunk + (4 << 20), loose  # at most one chunk per thread
+
+
 def test_a_record_claiming_more_than_the_codec_stores_is_refused(tmp_path: Path) -> None:
     gpuckpt.save({"w": np.zeros(1000, np.float32)}, tmp_path / "c", compression="zstd")
     root = json.loads((tmp_path / "c" / "zarr.json").read_text())
@@ -227,7 +263,20 @@ def test_a_codec_in_an_older_format_version_is_refused(tmp_path: Path) -> None:
         metadata_from_json(md)
 
 
-@pytest.mark.parametrize("bad", ["gzip", {"codec": "lz77"}, {"level": 99}, {"shuffle": "twice"}, 3])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "gzip",
+        {"codec": "lz77"},
+        {"level": 99},
+        {"shuffle": "twice"},
+        3,
+        # the core zstd codec has no shuffle: asked for, it would be dropped without a word
+        {"codec": "zstd", "shuffle": "bitshuffle"},
+        {"codec": "zstd", "cname": "lz4"},
+        {"codec": "zstd", "blocksize": -5},
+    ],
+)
 def test_a_bad_compression_option_is_refused_before_anything_is_written(tmp_path: Path, bad: Any) -> None:
     with pytest.raises(gpuckpt.InvalidOptionError, match="compression"):
         gpuckpt.save({"w": np.zeros(4)}, tmp_path / "c", compression=bad)
