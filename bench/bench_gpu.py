@@ -3,7 +3,9 @@
 The measurement is :func:`gpuckpt.cli.device_bench.measure` (also behind
 ``gpuckpt bench --device``): ceilings D2H, H2D, D2D, disk write+fsync, warm and
 cold reads; save, the load pipeline warm and cold, async_save blocking time
-with pinned and with device staging. This script writes ``bench_gpu.json``
+with pinned and with device staging, and a CheckpointManager's local tier on
+tmpfs (its save's blocking time, a restore from it into device arrays). This
+script writes ``bench_gpu.json``
 for ``bench/gpu_summary.py`` and prints the figures.
 
 Usage: ``python bench/bench_gpu.py [--gib 2] [--rounds 3] [--no-cold] [--dir DIR] [--out DIR]``;
@@ -38,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     from gpuckpt.cli.device_bench import measure
 
     base = Path(tempfile.mkdtemp(prefix="gpuckpt-gpubench-", dir=args.dir))
-    res = measure(args.gib, args.rounds, base, cold=not args.no_cold)
+    res = measure(args.gib, args.rounds, base, cold=not args.no_cold, tiers=True)
     c, g = res["ceilings_GBps"], res["gpuckpt"]
     print(f"\nGPU benchmark on {res['device']}, state {g['state_bytes'] / 2**30:.2f} GiB")
     print(json.dumps({"ceilings_GBps": c, "gpuckpt": g}, indent=2))

@@ -4,8 +4,10 @@
 # the kernel table, the save/load/async figures of a 2 GiB state against
 # ceilings measured in the same run (D2H, H2D, D2D, disk write, warm and cold
 # reads: the load pipeline warm and cold, async_save blocking vs one D2H copy
-# and, with staging="device", vs one D2D copy), then compute-sanitizer, the
-# PyTorch-only tests and the demo on the GPU; writes $OUT/<date>-summary.json
+# and, with staging="device", vs one D2D copy; a CheckpointManager's local tier:
+# its save's blocking vs one D2H copy, a restore from it vs min(H2D, warm read)),
+# then compute-sanitizer, the PyTorch-only tests (the DCP layer's CUDA tests
+# among them) and the demo on the GPU; writes $OUT/<date>-summary.json
 # (bench/gpu_summary.py, with the targets) and prints its table last.
 #
 # Usage (repository root of a machine with an NVIDIA GPU, CuPy and PyTorch;
@@ -78,12 +80,13 @@ STEPS+=("--step" "bench-kernels=$(status $?)")
 step bench-gpu timeout 130 "$PY" bench/bench_gpu.py --gib 2 --rounds 3 --out "$OUT" > "$OUT/bench_gpu.txt" 2>&1
 STEPS+=("--step" "bench-gpu=$(status $?)")
 # 4. compute-sanitizer memcheck and racecheck on both kernel paths.
-step sanitizer timeout 60 "${PYTEST[@]}" -m gpu tests/kernels/test_kernels_gpu.py -k "sanitizer or racecheck" \
+step sanitizer timeout 50 "${PYTEST[@]}" -m gpu tests/kernels/test_kernels_gpu.py -k "sanitizer or racecheck" \
   > "$OUT/pytest_sanitizer.txt" 2>&1
 STEPS+=("--step" "sanitizer=$(status $?)")
 # 5. The PyTorch-only tests that skip on CI, and the demo on the GPU.
-step torch-tests timeout 30 "${PYTEST[@]}" tests/device/test_torch_host.py tests/distributed/test_dtensor.py \
-  tests/distributed/test_coordinator_torch.py tests/integration/test_convert.py -k "torch or dcp or dtensor or gloo or subgroup" \
+step torch-tests timeout 40 "${PYTEST[@]}" tests/device/test_torch_host.py tests/distributed/test_dtensor.py \
+  tests/distributed/test_coordinator_torch.py tests/integration/test_convert.py tests/dcp/test_dcp_cuda.py \
+  -k "torch or dcp or dtensor or gloo or subgroup or cuda" \
   > "$OUT/pytest_torch.txt" 2>&1
 STEPS+=("--step" "torch-tests=$(status $?)")
 step demo timeout 20 "$PY" -m gpuckpt.cli demo "$OUT/demo" --device gpu > "$OUT/demo_gpu.txt" 2>&1

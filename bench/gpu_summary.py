@@ -43,6 +43,9 @@ LOAD_WARM_MIN = 0.80  # of min(H2D, warm read)
 LOAD_COLD_MIN = 0.90  # of min(H2D, cold read)
 ASYNC_HOST_MAX = 1.1  # x one D2H copy of the state
 ASYNC_DEVICE_MAX = 1.2  # x one D2D copy of the state
+#: Issue 34's device figures (a CheckpointManager's local tier, one process)
+TIER_SAVE_MAX = 1.1  # x one D2H copy of the state
+TIER_RESTORE_MIN = 0.8  # of min(H2D, warm read)
 
 KERNEL_ROW_FIELDS = (
     "direction",
@@ -144,6 +147,10 @@ def build_summary(
         "cold_files_left_page_cache": g.get("cold_files_left_page_cache"),
         "channels_last_save_GBps": _ratio(g.get("channels_last_save_GBps")),
         "channels_last_load_GBps": _ratio(g.get("channels_last_load_GBps")),
+        "tier_save_block_s": _ratio(g.get("tier_save_block_s")),
+        "tier_save_block_ratio_to_one_d2h": _ratio(g.get("tier_save_block_ratio_to_one_d2h")),
+        "tier_restore_GBps": _ratio(g.get("tier_restore_GBps")),
+        "tier_restore_ratio_to_min_h2d_warm_read": _ratio(g.get("tier_restore_ratio_to_min_h2d_warm_read")),
     }
     targets = {
         "kernels_16MiB_at_80pct_of_copy": (
@@ -157,6 +164,8 @@ def build_summary(
         "load_cold": _met(save_load["load_ratio_to_min_h2d_cold_read"], at_least=LOAD_COLD_MIN),
         "async_save_host": _met(save_load["async_block_ratio_to_one_d2h"], at_most=ASYNC_HOST_MAX),
         "async_save_device": _met(save_load["async_device_block_ratio_to_one_d2d"], at_most=ASYNC_DEVICE_MAX),
+        "tier_save": _met(save_load["tier_save_block_ratio_to_one_d2h"], at_most=TIER_SAVE_MAX),
+        "tier_restore": _met(save_load["tier_restore_ratio_to_min_h2d_warm_read"], at_least=TIER_RESTORE_MIN),
     }
     return {
         "format": FORMAT,
@@ -184,6 +193,8 @@ def build_summary(
                 "load_cold": f">= {LOAD_COLD_MIN} of min(H2D, cold read)",
                 "async_save_host": f"<= {ASYNC_HOST_MAX} x one D2H copy",
                 "async_save_device": f"<= {ASYNC_DEVICE_MAX} x one D2D copy",
+                "tier_save": f"CheckpointManager.save with a local tier blocks <= {TIER_SAVE_MAX} x one D2H copy",
+                "tier_restore": f"restore from the local tier >= {TIER_RESTORE_MIN} of min(H2D, warm read)",
             },
             "met": targets,
         },
@@ -286,6 +297,15 @@ def render_table(summary: dict[str, Any]) -> str:
         f"{_fmt(s['async_device_block_ratio_to_one_d2d'])} x one D2D      target <= {ASYNC_DEVICE_MAX}"
         + ("" if s.get("async_device_copies") is None else f"  ({s['async_device_copies']} device copies)")
     )
+    lines.append(
+        f"tier save     blocks {_fmt(s.get('tier_save_block_s'), '.4f')} s = "
+        f"{_fmt(s.get('tier_save_block_ratio_to_one_d2h'))} x one D2H      target <= {TIER_SAVE_MAX}"
+    )
+    lines.append(
+        f"tier restore  {_fmt(s.get('tier_restore_GBps'))} GB/s = "
+        f"{_fmt(s.get('tier_restore_ratio_to_min_h2d_warm_read'))} x min(H2D, warm read)"
+        f" target >= {TIER_RESTORE_MIN}"
+    )
     if s.get("cold_files_left_page_cache") is False:
         lines.append("cold figures: the files stayed in the page cache (tmpfs?); they are warm reads")
     lines.append("")
@@ -351,6 +371,10 @@ def fake_inputs() -> tuple[dict[str, Any], dict[str, Any]]:
             "async_block_ratio_to_one_d2h": 1.05,
             "async_device_block_s": 0.002,
             "async_device_block_ratio_to_one_d2d": 1.5,
+            "tier_save_block_s": 0.045,
+            "tier_save_block_ratio_to_one_d2h": 1.08,
+            "tier_restore_GBps": 12.0,
+            "tier_restore_ratio_to_min_h2d_warm_read": 0.6,
         },
     }
     return kernels, gpu

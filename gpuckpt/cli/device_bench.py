@@ -10,7 +10,11 @@ and cold (evicted first). Figures, on a device state of ``gib`` GiB:
 * ``async_save`` blocking time vs one D2H copy of the state (pinned staging)
   and, with ``staging="device"``, vs one D2D copy;
 * a few channels-last kernel rows (16 MiB, both directions) vs the D2D copy
-  and ``cupy.ascontiguousarray``.
+  and ``cupy.ascontiguousarray``;
+* (``tiers=True``) a ``CheckpointManager`` with a local tier on tmpfs (one
+  process, ``replicas=0``): its ``save`` blocking time vs one D2H copy of the
+  state, and a restore from the tier into device arrays (a new manager, as a
+  restarted job's) vs min(H2D, warm read), checked bit-exact.
 
 Timing: one warm-up, then medians; the stream or device is synchronised before
 every clock read; random data, never zeros. :func:`report` is what
@@ -26,6 +30,7 @@ import contextlib
 import os
 import shutil
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -143,7 +148,7 @@ def kernel_rows(cp: Any, copy_gbps: float, mib: int = 16, rounds: int = 5) -> li
 
 
 def measure(
-    gib: float, rounds: int, base: Path, *, cold: bool = True, kernels: bool = False
+    gib: float, rounds: int, base: Path, *, cold: bool = True, kernels: bool = False, tiers: bool = False
 ) -> dict[str, Any]:
     """The figures of a ``gib`` GiB device state on device 0, with files under ``base``."""
     import cupy as cp
@@ -269,12 +274,81 @@ def measure(
         async_device_block_ratio_to_one_d2d=t_async_dev / (2 * total / (d2d * 1e9)),
         async_device_copies=plan_packing([(int(a.data.ptr), int(a.nbytes)) for a in arrays]).copies,
     )
+    if tiers:
+        g.update(_tier_figures(state, targets, base, rounds, d2h, min(h2d, ceilings["disk_read_warm"])))
     res["gpuckpt"] = g
     if kernels:
         res["kernels"] = {"device": res["device"], "copy_GBps": d2d, "rows": kernel_rows(cp, d2d)}
     with contextlib.suppress(OSError):
         shutil.rmtree(base)
     return res
+
+
+def _tier_figures(
+    state: dict[str, Any], targets: dict[str, Any], base: Path, rounds: int, d2h: float, read_ceiling: float
+) -> dict[str, Any]:
+    """A local tier's figures on a device state (see :func:`measure`): steps 1.. saved to a tier
+    on ``/dev/shm`` (a temp dir beside ``base`` where there is none), the root never written
+    (``persist_interval_steps`` past the last step); the first save (it allocates the staging
+    memory) left out of the median."""
+    import cupy as cp
+
+    import gpuckpt
+
+    shm = Path("/dev/shm")
+    local = Path(tempfile.mkdtemp(prefix="gpuckpt-gpubench-tier-", dir=shm if shm.is_dir() else base))
+    root = base / "tier-root"
+    total = sum(int(x.nbytes) for x in _device_arrays(state))
+    opts: dict[str, Any] = {
+        "local_dir": local,
+        "replicas": 0,
+        "persist_interval_steps": 1 << 30,
+        "local_max_to_keep": 2,
+    }
+    try:
+        blocks = []
+        with gpuckpt.CheckpointManager(root, **opts) as mgr:
+            for step in range(1, rounds + 2):
+                cp.cuda.Device().synchronize()
+                t = time.perf_counter()
+                mgr.save(step, state)
+                blocks.append(time.perf_counter() - t)
+                mgr.wait()
+        for x in _device_arrays(targets):
+            x.fill(0)
+        restores = []
+        for _ in range(rounds):
+            with gpuckpt.CheckpointManager(root, **opts) as mgr:
+                cp.cuda.Device().synchronize()
+                t = time.perf_counter()
+                got = mgr.restore(targets)
+                cp.cuda.Device().synchronize()
+                restores.append(time.perf_counter() - t)
+                came_from = mgr.last_restore
+        same = all(
+            bool((a == b).all()) for a, b in zip(_device_arrays(targets), _device_arrays(state), strict=True)
+        )
+        source = getattr(came_from, "source", None)
+        if got != rounds + 1 or not same or source != "tiers":
+            raise AssertionError(
+                f"the tier restore returned step {got} from {source!r}, or other bytes than were saved"
+            )
+        t_block = statistics.median(blocks[1:])
+        t_restore = statistics.median(restores)
+        return {
+            "tier_dir": str(local.parent),
+            "tier_save_block_s": t_block,
+            "tier_save_block_ratio_to_one_d2h": t_block / (total / (d2h * 1e9)),
+            "tier_restore_GBps": total / t_restore / 1e9,
+            "tier_restore_ratio_to_min_h2d_warm_read": (total / t_restore / 1e9) / read_ceiling,
+        }
+    finally:
+        shutil.rmtree(local, ignore_errors=True)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _device_arrays(state: dict[str, Any]) -> list[Any]:
+    return [x["w"] for x in state["layers"]]
 
 
 def _num(value: Any, spec: str = ".2f") -> str:

@@ -220,3 +220,39 @@ def test_everything_the_gpu_check_runs_exists() -> None:
     assert any(p.startswith("tests/") for p in paths) and any(p.startswith("bench/") for p in paths), paths
     missing = sorted(p for p in paths if not (REPO_ROOT / p).exists())
     assert not missing, f"gpu_check.sh names paths that do not exist: {missing}"
+
+
+_TIER_FIGURES = """
+import json, sys, types
+import numpy as np
+from pathlib import Path
+# the one CuPy call the tier figures make beyond the arrays' own methods, on host arrays standing in
+sys.modules["cupy"] = types.SimpleNamespace(cuda=types.SimpleNamespace(Device=lambda: types.SimpleNamespace(synchronize=lambda: None)))
+from gpuckpt.cli.device_bench import _tier_figures
+rng = np.random.default_rng(0)
+state = {"layers": [{"w": rng.standard_normal(1 << 18).astype(np.float32)} for _ in range(3)]}
+targets = {"layers": [{"w": np.empty(1 << 18, np.float32)} for _ in range(3)]}
+print(json.dumps(_tier_figures(state, targets, Path(sys.argv[1]), 2, 10.0, 5.0)))
+"""
+
+
+def test_the_tier_figures_of_the_gpu_run_run_on_host_arrays(tmp_path: Path) -> None:
+    """The GPU run's local-tier figures (gpuckpt.cli.device_bench._tier_figures), on host arrays
+    in place of device arrays: saves, a restore checked bit-exact from the tier, nothing left."""
+    env = {**os.environ, "PYTHONPATH": f"{REPO_ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.run(
+        [sys.executable, "-c", _TIER_FIGURES, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    fig = json.loads(proc.stdout)
+    assert fig["tier_save_block_s"] > 0 and fig["tier_restore_GBps"] > 0
+    state_bytes = 3 * (1 << 18) * 4
+    assert fig["tier_save_block_ratio_to_one_d2h"] == pytest.approx(
+        fig["tier_save_block_s"] / (state_bytes / 10e9)
+    )
+    assert list(tmp_path.iterdir()) == []
+    assert not any(p.name.startswith("gpuckpt-gpubench-tier-") for p in Path(fig["tier_dir"]).iterdir())
