@@ -83,6 +83,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -134,6 +135,11 @@ def machine_info(mpiexec: str | None) -> dict[str, Any]:
                 (ln.split(":", 1)[1].strip() for ln in v.stdout.split("\n") if "Version:" in ln), ""
             )
             info["mpiexec"] = f"mpiexec {first.split()[0] if first else ''} {version}".strip()
+    else:
+        with contextlib.suppress(ImportError):
+            import torch
+
+            info["torch"] = torch.__version__
     return info
 
 
@@ -164,16 +170,59 @@ def run_ranks(
         raise SystemExit(
             f"the ranks ran past {args.timeout} s and were killed; output:\n{output[-4000:]}"
         ) from None
+    return _results(out, proc.returncode, output)
+
+
+def _results(out: Path, returncode: int, output: str) -> list[dict[str, Any]]:
     results = []
     for r in range(RANKS):
         f = out / f"rank{r}.json"
         res = json.loads(f.read_text()) if f.exists() else {"error": "no result"}
-        if "error" in res or proc.returncode != 0:
+        if "error" in res or returncode != 0:
             raise SystemExit(
-                f"rank {r} failed (exit status {proc.returncode}): {res.get('error', '')}\n{output[-4000:]}"
+                f"rank {r} failed (exit status {returncode}): {res.get('error', '')}\n{output[-4000:]}"
             )
         results.append(res)
     return results
+
+
+def run_gloo_ranks(out: Path, local: Path, root: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The same ranks as 4 processes of a ``torch.distributed`` gloo group on loopback (the
+    environment ``torchrun`` would give them); the first rank to fail ends the others."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, str(RANK_SCRIPT), "--out", str(out), "--transport", "gloo"]
+    cmd += ["--local", str(local), "--root", str(root), "--mib", str(args.mib), "--rounds", str(args.rounds)]
+    cmd += ["--op-settle", str(args.op_settle), "--warmup", str(args.warmup)]
+    cmd += ["--smoke"] if args.quick else []
+    logs = [out / f"rank{r}.log" for r in range(RANKS)]
+    procs = []
+    for r in range(RANKS):
+        env = dict(os.environ, PYTHONUNBUFFERED="1", RANK=str(r), WORLD_SIZE=str(RANKS))
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        with open(logs[r], "w") as log:
+            procs.append(
+                subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            )
+    deadline = time.monotonic() + args.timeout
+    returncode = 0
+    try:
+        while any(p.poll() is None for p in procs):
+            failed = [p.returncode for p in procs if p.returncode not in (None, 0)]
+            if failed or time.monotonic() > deadline:
+                returncode = failed[0] if failed else -signal.SIGKILL
+                break
+            time.sleep(0.2)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    returncode = returncode or next((p.returncode for p in procs if p.returncode), 0)
+    output = "".join(f"--- rank {r}\n" + log.read_text()[-2000:] for r, log in enumerate(logs))
+    return _results(out, returncode, output)
 
 
 def _rounds(ranks: list[dict[str, Any]], key: str, field: str) -> list[list[float]]:
@@ -535,7 +584,11 @@ def print_table(res: dict[str, Any]) -> None:
         f"{res['local_dir_kind']}; root: {res['root_fs']}; {res['rounds']} rounds after {res['warmup']} warm-up "
         f"steps (restores: 1 warm-up round); {res['op_settle_s']:g} s settle before each timed operation"
     )
-    print(f"command: {res['command']}; commit {m.get('git_commit', '?')}; {m.get('mpiexec', '')}")
+    if res.get("transport") == "gloo":
+        transport = f"transport: gloo (torch.distributed {m.get('torch', '?')}, TCP on loopback)"
+    else:
+        transport = f"transport: MPI ({m.get('mpiexec', 'mpiexec')})"
+    print(f"command: {res['command']}; commit {m.get('git_commit', '?')}; {transport}")
     head = (
         f"{'figure':<33} {'measured':>11} {'(rounds, s)':>13}  {'ceiling':<30} {'':>11} {'(rounds, s)':>13} "
         f"{'ratio':>6} {'target':>7} {'met':>3}"
@@ -610,12 +663,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--timeout", type=float, default=3600, help="seconds the ranks may run")
     ap.add_argument("--quick", action="store_true", help="4 MiB per rank, 1 round, no settling (smoke test)")
+    ap.add_argument(
+        "--transport",
+        choices=("mpi", "gloo"),
+        default="mpi",
+        help="the coordinator of the ranks: MPICoordinator under mpiexec, or TorchCoordinator over a "
+        "torch.distributed gloo group on loopback (needs torch)",
+    )
     args = ap.parse_args(argv)
     if args.quick:
         args.mib, args.rounds, args.warmup, args.op_settle, args.every, args.step_s = 4, 1, 1, 0.0, 2, 0.02
         args.timeout = min(args.timeout, 120)
-    mpiexec = find_mpiexec()
-    if mpiexec is None or importlib.util.find_spec("mpi4py") is None:
+    mpiexec = find_mpiexec() if args.transport == "mpi" else None
+    if args.transport == "gloo" and importlib.util.find_spec("torch") is None:
+        print("bench_tiers --transport gloo needs torch (`pip install gpuckpt[torch]`)")
+        return 2
+    if args.transport == "mpi" and (mpiexec is None or importlib.util.find_spec("mpi4py") is None):
         print(f"bench_tiers needs mpiexec and mpi4py (`pip install mpich mpi4py`); found mpiexec={mpiexec!r}")
         return 2
     shm = Path("/dev/shm")
@@ -629,6 +692,7 @@ def main(argv: list[str] | None = None) -> int:
         "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S UTC"),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "machine": machine_info(mpiexec),
+        "transport": args.transport,
         "quick": args.quick,
         "rounds": args.rounds,
         "warmup": args.warmup,
@@ -645,7 +709,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         out = work / "ranks-out"
         out.mkdir()
-        ranks = run_ranks(mpiexec, out, local, work / "root", args)
+        if mpiexec is not None:
+            ranks = run_ranks(mpiexec, out, local, work / "root", args)
+        else:
+            ranks = run_gloo_ranks(out, local, work / "root", args)
         res["ranks"] = ranks
         res["figures"], res["extras"] = figures_of_ranks(ranks)
         shutil.rmtree(work / "root", ignore_errors=True)

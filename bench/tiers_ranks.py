@@ -1,13 +1,16 @@
-"""One rank of ``bench/bench_tiers.py``: 4 ranks as 2 simulated nodes, started by it under mpiexec.
+"""One rank of ``bench/bench_tiers.py``: 4 ranks as 2 simulated nodes, started by it under mpiexec
+(or, with ``--transport gloo``, as 4 processes of a ``torch.distributed`` gloo group).
 
 ``mpiexec -n 4 python bench/tiers_ranks.py --out DIR --local BASE --root ROOT [--mib 256]
-[--rounds 5] [--warmup 3] [--op-settle 3]``: rank ``r`` is on node ``n{r // 2}`` with the local tier
-``BASE/n{r // 2}``; the root is ``ROOT``. Each rank writes what it measured to
+[--rounds 5] [--warmup 3] [--op-settle 3] [--transport mpi|gloo]``: rank ``r`` is on node
+``n{r // 2}`` with the local tier ``BASE/n{r // 2}``; the root is ``ROOT``. With gloo the rank
+and the group's address come from the environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
+``MASTER_PORT``, as ``torchrun`` sets them). Each rank writes what it measured to
 ``DIR/rank<R>.json`` (``{"error": traceback}`` if it failed, and the job is aborted). What is
 measured, and how, is said in ``bench/bench_tiers.py``; the figures are made there.
 
 The state helpers (:func:`tensor_rows`, :func:`rank_state`, :func:`plain_state`) are imported
-by ``bench_tiers.py`` too; mpi4py is imported only when a rank runs.
+by ``bench_tiers.py`` too; mpi4py and torch are imported only when a rank runs.
 """
 
 from __future__ import annotations
@@ -159,18 +162,30 @@ def evict(path: Path, machine_wide: bool = True) -> tuple[str, float]:
 class Harness:
     """Synchronisation of the timed operations on a communicator of the harness's own.
 
-    Its barriers poll a non-blocking barrier with sleeps: MPICH's waits spin, and a rank
-    spinning in the harness's barrier would take a core from a rank still being measured.
+    Under MPI its barriers poll a non-blocking barrier with sleeps: MPICH's waits spin, and a
+    rank spinning in the harness's barrier would take a core from a rank still being measured.
+    Under gloo, a group of its own whose barrier blocks in a socket read.
     """
 
-    def __init__(self, settle_s: float) -> None:
+    def __init__(self, settle_s: float, transport: str = "mpi") -> None:
+        self.settle_s = settle_s
+        self.transport = transport
+        if transport == "gloo":
+            import torch.distributed as dist
+
+            self._dist = dist
+            self.group = dist.new_group(backend="gloo")
+            self.rank = dist.get_rank()
+            return
         from mpi4py import MPI
 
         self.comm = MPI.COMM_WORLD.Dup()
         self.rank = self.comm.Get_rank()
-        self.settle_s = settle_s
 
     def barrier(self) -> None:
+        if self.transport == "gloo":
+            self._dist.barrier(group=self.group)
+            return
         req = self.comm.Ibarrier()
         while not req.Test():
             time.sleep(0.0005)
@@ -249,11 +264,16 @@ class Rank:
     """What every phase of a rank uses: its coordinator, harness, state, directories, tier probe."""
 
     def __init__(self, args: argparse.Namespace) -> None:
-        from gpuckpt.distributed import MPICoordinator
-
         self.args = args
-        self.h = Harness(args.op_settle)
-        self.c = MPICoordinator()
+        self.h = Harness(args.op_settle, args.transport)
+        if args.transport == "gloo":
+            from gpuckpt.distributed import TorchCoordinator
+
+            self.c: Any = TorchCoordinator()
+        else:
+            from gpuckpt.distributed import MPICoordinator
+
+            self.c = MPICoordinator()
         self.rank, n = self.c.rank, self.c.world_size
         if n != RANKS:
             raise SystemExit(f"tiers_ranks.py runs as {RANKS} ranks (2 simulated nodes), not {n}")
@@ -451,21 +471,33 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--smoke", action="store_true", help="evict the root's files per file, never machine-wide"
     )
+    ap.add_argument("--transport", choices=("mpi", "gloo"), default="mpi")
     args = ap.parse_args(argv)
-    from mpi4py import MPI
+    if args.transport == "gloo":
+        import torch.distributed as dist
 
-    rank = MPI.COMM_WORLD.Get_rank()
+        dist.init_process_group("gloo")  # RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
+        rank = dist.get_rank()
+    else:
+        from mpi4py import MPI
+
+        rank = MPI.COMM_WORLD.Get_rank()
     try:
         result = run(args)
     except BaseException:
         (args.out / f"rank{rank}.json").write_text(json.dumps({"error": traceback.format_exc()}))
         traceback.print_exc()
         sys.stderr.flush()
+        if args.transport == "gloo":
+            os._exit(1)  # the launcher ends the other ranks
         MPI.COMM_WORLD.Abort(1)
         return 1
     tmp = args.out / f".rank{rank}.json.tmp"
     tmp.write_text(json.dumps(result, indent=1))
     os.replace(tmp, args.out / f"rank{rank}.json")
+    if args.transport == "gloo":
+        dist.barrier()
+        dist.destroy_process_group()
     return 0
 
 

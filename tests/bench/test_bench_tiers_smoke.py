@@ -1,4 +1,5 @@
-"""bench/bench_tiers.py runs end to end at toy size under mpiexec (figures are not checked: a smoke test)."""
+"""bench/bench_tiers.py runs end to end at toy size under mpiexec, and as a gloo group of torch.distributed
+(figures are not checked: a smoke test)."""
 
 from __future__ import annotations
 
@@ -20,17 +21,24 @@ MPIEXEC = find_mpiexec()
 HAVE_MPI4PY = importlib.util.find_spec("mpi4py") is not None
 
 
-@pytest.mark.skipif(
+_NO_MPI = pytest.mark.skipif(
     MPIEXEC is None or not HAVE_MPI4PY,
     reason="bench_tiers runs 4 ranks under mpiexec: it needs mpiexec and mpi4py (`pip install mpich mpi4py`); "
     f"found mpiexec={MPIEXEC!r}, mpi4py={'yes' if HAVE_MPI4PY else 'no'}",
 )
-def test_bench_tiers_toy_run(tmp_path: Path) -> None:
+
+
+@pytest.mark.parametrize(
+    "transport", [pytest.param("mpi", marks=_NO_MPI), pytest.param("gloo", marks=pytest.mark.torch)]
+)
+def test_bench_tiers_toy_run(tmp_path: Path, transport: str) -> None:
+    if transport == "gloo":
+        pytest.importorskip("torch.distributed")
     out = tmp_path / "r.json"
     local = tmp_path / "local"
     local.mkdir()
     cmd = [sys.executable, str(REPO / "bench" / "bench_tiers.py"), "--quick", "--json", str(out)]
-    cmd += ["--dir", str(tmp_path), "--local", str(local)]
+    cmd += ["--dir", str(tmp_path), "--local", str(local), "--transport", transport]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=90)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     res = json.loads(out.read_text())
@@ -49,6 +57,6 @@ def test_bench_tiers_toy_run(tmp_path: Path) -> None:
     for field in ("cpus", "cpu_model", "memory_gib", "kernel"):
         assert res["machine"][field], field
     assert res["machine"].get("git_commit") or not (REPO / ".git").exists()
-    assert res["date"].endswith("UTC") and "local_is_tmpfs" in res
+    assert res["date"].endswith("UTC") and "local_is_tmpfs" in res and res["transport"] == transport
     # everything the run wrote was removed
     assert not any(q.name.startswith("gpuckpt-bench-tiers-") for q in [*tmp_path.iterdir(), *local.iterdir()])
