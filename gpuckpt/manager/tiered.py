@@ -35,6 +35,20 @@ def _failures(error: BaseException, rank: int) -> dict[int, str]:
     return {rank: describe_error(error)}
 
 
+def _unused_steps(other_layout: dict[int, tuple[int, ...]], chosen: int | None) -> str:
+    """What to add to a restore's error where newer tier steps were passed over because some
+    ranks' states do not fit them (else nothing)."""
+    newer = {s: r for s, r in other_layout.items() if chosen is None or s > chosen}
+    if not newer:
+        return ""
+    ranks = sorted({r for rs in newer.values() for r in rs})
+    return (
+        f"; the local tiers hold step(s) {sorted(newer)} for every rank, saved from a state whose "
+        f"arrays, shapes, dtypes or ShardedArray boxes differ from the present state of rank(s) {ranks}: "
+        "restore into the state those steps were saved from (they were left in the tiers)"
+    )
+
+
 class TieredSaves:
     """One rank's steps through its local tier; made by :class:`~gpuckpt.CheckpointManager`.
 
@@ -220,15 +234,23 @@ class TieredSaves:
         if report is not None:
             assert choice.step is not None
             return choice.step, report
+        unused = _unused_steps(choice.other_layout, choice.step)
         if choice.source == "none":
             where = f"step {step}" if step is not None else "any step"
             raise CheckpointNotFoundError(
-                f"{where}: no step is complete in the local tiers nor committed under {self.root}"
+                f"{where}: no step is complete in the local tiers nor committed under {self.root}{unused}"
             )
         assert choice.step is not None
         name = resolve(choice.step)
         options.setdefault("storage_options", self.options.store_options() or None)
-        api.load(state_dict, self.steps.store.child(name), coordinator=self.queries, **options)
+        try:
+            api.load(state_dict, self.steps.store.child(name), coordinator=self.queries, **options)
+        except Exception as exc:  # (nothing of the tiers was deleted)
+            if unused:
+                exc.add_note(f"restoring step {choice.step} of the root{unused}")
+            raise
+        # the line goes on from the root's step: the tiers' newer steps are an abandoned line
+        self.tier.abandon_newer(choice.step)
         world = self.queries.world_size
         sources = {r: PartSource(r, "root") for r in range(world)}
         return choice.step, RestoreReport(choice.step, "root", None, sources, ())

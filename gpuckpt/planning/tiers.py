@@ -73,6 +73,9 @@ class Choice:
     senders: dict[int, int] = field(default_factory=dict)
     #: steps complete under two save ids (two lines of one run): never taken
     ambiguous: tuple[int, ...] = ()
+    #: steps every rank's part of which is in the tiers, saved from a state of another layout
+    #: (arrays, shapes, dtypes or boxes) than some ranks' present one: step -> those ranks
+    other_layout: dict[int, tuple[int, ...]] = field(default_factory=dict)
 
 
 def choose(
@@ -92,21 +95,29 @@ def choose(
     nodes = nodes_of(node_names)
     local_index = {r: ranks.index(r) for ranks in nodes for r in ranks}
     holders: dict[tuple[int, str], dict[int, set[int]]] = {}
+    saved_as: dict[tuple[int, str], dict[int, set[str]]] = {}  # whatever their layout
     for c in copies:
-        if c.world_size != n or not 0 <= c.rank < n or c.layout != layouts[c.rank]:
+        if c.world_size != n or not 0 <= c.rank < n:
             continue
-        holders.setdefault((c.step, c.save_id), {}).setdefault(c.rank, set()).add(c.holder)
+        saved_as.setdefault((c.step, c.save_id), {}).setdefault(c.rank, set()).add(c.layout)
+        if c.layout == layouts[c.rank]:
+            holders.setdefault((c.step, c.save_id), {}).setdefault(c.rank, set()).add(c.holder)
     complete: dict[int, list[str]] = {}
     for (step, save_id), by_rank in holders.items():
         if len(by_rank) == n:
             complete.setdefault(step, []).append(save_id)
+    other: dict[int, set[int]] = {}
+    for (step, save_id), seen in saved_as.items():
+        if len(seen) == n and len(holders.get((step, save_id), {})) < n:
+            other.setdefault(step, set()).update(r for r, lays in seen.items() if layouts[r] not in lays)
+    other_layout = {s: tuple(sorted(rs)) for s, rs in sorted(other.items())}
     ambiguous = tuple(sorted(s for s, ids in complete.items() if len(ids) > 1))
     steps = [s for s, ids in complete.items() if len(ids) == 1]
     best = max(steps, default=None)
     if best is None or (root_latest is not None and root_latest > best):
         if root_latest is None:
-            return Choice("none", ambiguous=ambiguous)
-        return Choice("root", root_latest, ambiguous=ambiguous)
+            return Choice("none", ambiguous=ambiguous, other_layout=other_layout)
+        return Choice("root", root_latest, ambiguous=ambiguous, other_layout=other_layout)
     (save_id,) = complete[best]
     senders = {}
     for r, found in holders[(best, save_id)].items():
@@ -115,7 +126,7 @@ def choose(
         else:
             ordered = sorted(found)
             senders[r] = ordered[local_index[r] % len(ordered)]
-    return Choice("tiers", best, save_id, senders, ambiguous)
+    return Choice("tiers", best, save_id, senders, ambiguous, other_layout)
 
 
 def tier_retention(steps: Iterable[int], keep: int, newest: int, pinned: Iterable[int] = ()) -> list[int]:

@@ -10,7 +10,7 @@ import shutil
 import socket
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -28,12 +28,14 @@ from gpuckpt.errors import (
 from gpuckpt.format.documents import MAX_ROOT_DOCUMENT_BYTES, ROOT_KEY
 from gpuckpt.format.parts import PART_KEY, PartRecord, parse_part_name, part_name
 from gpuckpt.options import SaveOptions
+from gpuckpt.planning.boxes import LocalTensor, plan_tensors
 from gpuckpt.planning.tiers import Choice, CopySeen, choose, nodes_of, replica_holders, tier_retention
 from gpuckpt.runtime.workers import Workers
+from gpuckpt.saving.sources import describe_state
 from gpuckpt.storage.stores import file_system_type, in_memory, open_root
 from gpuckpt.tiers.exchange import PartExchange
 from gpuckpt.tiers.files import ReceiveBuffer, Received, tree_bytes
-from gpuckpt.tiers.parts import copy_values_back, layout_of, part_bytes, part_view, sharded_from_part
+from gpuckpt.tiers.parts import Boxes, copy_values_back, layout_of, part_bytes, part_view, sharded_from_part
 from gpuckpt.tiers.report import PartSource, RestoreReport
 
 __all__ = ["LocalTier"]
@@ -106,6 +108,10 @@ class LocalTier(PartExchange):
         #: steps being drained to root: retention keeps them
         self.pinned: set[int] = set()
         self._budget_checked = False
+        #: this rank's last layout and its tensors' description; every rank's layouts when the
+        #: ranks' boxes were last checked to tile their tensors
+        self._described: tuple[str, Sequence[LocalTensor]] | None = None
+        self._tiled: tuple[str, ...] | None = None
         #: writes of parts restores fetched from peers (:meth:`_keep_fetched`)
         self._fetched: list[Future[None]] = []
         queries.barrier()  # nobody writes before every leader has cleaned up
@@ -133,10 +139,16 @@ class LocalTier(PartExchange):
 
     # writing ---------------------------------------------------------------------------
 
-    def check_budget(self, nbytes: int) -> None:
+    def check_budget(self, nbytes: int, error: BaseException | None = None) -> None:
         """Collective: refuse, on every rank and before anything is written, part sizes the
-        nodes' tiers cannot hold ``keep`` steps of, replicas included (at the first save)."""
-        sizes = self.queries.all_gather((nbytes, self._free_bytes()))
+        nodes' tiers cannot hold ``keep`` steps of, replicas included (at the first save); a
+        rank's ``error`` (its state could not be described) raised on every rank instead."""
+        sizes = self.queries.all_gather(
+            (nbytes, self._free_bytes(), None if error is None else describe_error(error))
+        )
+        failures = {r: s[2] for r, s in enumerate(sizes) if s[2] is not None}
+        if failures:
+            raise DistributedError(failures, self.world_size) from error
         problems = []
         for ranks in nodes_of(self.node_names):
             held = [r for r in range(self.world_size) if r not in ranks and self._holds(ranks, r)]
@@ -177,27 +189,50 @@ class LocalTier(PartExchange):
         return total
 
     def begin(self, step: int, state: Any, save_id: str) -> None:
-        """Snapshot this rank's part of ``step`` and write, replicate and retire in the background."""
-        view, boxes = part_view(state)
-        if not self._budget_checked:
-            self.check_budget(part_bytes(view))
-            self._budget_checked = True
-        record = PartRecord(
-            step, save_id, self.rank, self.world_size, self.node, layout_of(view, boxes), boxes
-        )
-        options = self.options.replace(planner_extra={PART_KEY: record.to_json()})
-        error: BaseException | None = None
-        try:
-            written = async_save_with_options(
-                view, self.dir / part_name(step, self.rank), options, writer_thread=self._writer
-            )
-        except Exception as exc:  # the others learn of it in the step's first collective
-            error, written = exc, None
-        self._jobs[step] = self._thread.submit(self._finish, step, written, error)
+        """Snapshot this rank's part of ``step`` and write, replicate and retire in the background.
 
-    def _finish(self, step: int, written: Any, error: BaseException | None) -> None:
-        """The tier thread's work for ``step``: the part committed everywhere, replicated, old
-        steps retired. Every collective runs on every rank, whatever failed where."""
+        Every rank takes part in the same collectives whatever fails where: a state this rank
+        cannot describe (a key that is not a string, two entries of one name) fails the step on
+        every rank, as a failed write does."""
+        error: BaseException | None = None
+        written: Any = None
+        view: dict[str, Any] = {}
+        boxes: Boxes = {}
+        layout, nbytes = "", 0
+        try:
+            view, boxes = part_view(state)
+            nbytes = part_bytes(view)
+            layout = layout_of(view, boxes)
+            if self._described is None or self._described[0] != layout:
+                self._described = (layout, describe_state(state, allow_pickle=True)[0].tensors)
+        except Exception as exc:  # the others learn of it in the step's first collective
+            error = exc
+        if not self._budget_checked:
+            self.check_budget(nbytes, error)
+            self._budget_checked = True
+        if error is None:
+            record = PartRecord(step, save_id, self.rank, self.world_size, self.node, layout, boxes)
+            options = self.options.replace(planner_extra={PART_KEY: record.to_json()})
+            try:
+                written = async_save_with_options(
+                    view, self.dir / part_name(step, self.rank), options, writer_thread=self._writer
+                )
+            except Exception as exc:  # the others learn of it in the step's first collective
+                error = exc
+        tensors = self._described[1] if self._described is not None and error is None else ()
+        self._jobs[step] = self._thread.submit(self._finish, step, written, error, layout, tensors)
+
+    def _finish(
+        self,
+        step: int,
+        written: Any,
+        error: BaseException | None,
+        layout: str,
+        tensors: Sequence[LocalTensor],
+    ) -> None:
+        """The tier thread's work for ``step``: the part committed everywhere, the ranks' boxes
+        checked to tile each tensor (where a rank's layout changed), replicated, old steps
+        retired. Every collective runs on every rank, whatever failed where."""
         try:
             if written is not None:
                 written.result()
@@ -205,7 +240,11 @@ class LocalTier(PartExchange):
             error = exc
         try:
             self.background.idle_barrier()  # the ranks' writes end apart: the first wait long
-            self.background.all_reduce_errors(error)
+            reports = self.background.all_gather((None if error is None else describe_error(error), layout))
+            failures = {r: e for r, (e, _) in enumerate(reports) if e is not None}
+            if failures:
+                raise DistributedError(failures, self.world_size) from error
+            self._check_tiling(tuple(lay for _, lay in reports), tensors)
             self._replicate(step)
         except BaseException:
             self._delete_step(step, [self.rank, *self.held])
@@ -216,6 +255,19 @@ class LocalTier(PartExchange):
                 self._delete_steps(tier_retention(present, self.keep, step, self.pinned | {step}))
             except OSError as exc:
                 warnings.warn(f"the local tier {self.dir} could not retire old steps: {exc}", stacklevel=1)
+
+    def _check_tiling(self, layouts: tuple[str, ...], tensors: Sequence[LocalTensor]) -> None:
+        """Collective (tier thread): where any rank's layout changed since the last check, every
+        rank's tensors gathered and planned as a distributed save plans them, which raises the
+        same :class:`~gpuckpt.errors.UnsupportedValueError` on every rank for boxes that overlap,
+        leave a tensor uncovered, or ranks that disagree on a tensor's shape or dtype (a step
+        of the tier is a distributed checkpoint in parts: its drain would fail on them)."""
+        if layouts == self._tiled:
+            return
+        everyone = self.background.all_gather(tensors)
+        for _ in plan_tensors(everyone, chunk_bytes=self.options.chunk_bytes):
+            pass
+        self._tiled = layouts
 
     def wait_for(self, step: int) -> None:
         """Block until ``step``'s tier work is done (its error stays for :meth:`settled`)."""
@@ -324,29 +376,43 @@ class LocalTier(PartExchange):
         only: int | None = None,
     ) -> tuple[Choice, RestoreReport | None]:
         """Collective: load the newest complete step of the tiers (``only``: that step) into
-        ``state``; returns the choice (``"root"`` or ``"none"``: nothing was read) and the report."""
+        ``state``; returns the choice (``"root"`` or ``"none"``: nothing was read, nothing
+        deleted: the caller loads the root's step, then calls :meth:`abandon_newer`) and the
+        report. A state a rank cannot describe fails the restore on every rank."""
         c = self.queries
-        view, boxes = part_view(state)
-        layout = layout_of(view, boxes)
+        undescribed: BaseException | None = None
+        view: dict[str, Any] = {}
+        layout = ""
+        try:
+            view, boxes = part_view(state)
+            layout = layout_of(view, boxes)
+        except Exception as exc:  # raised on every rank after the first collective
+            undescribed = exc
         skipped: list[str] = []
         self.wait_all()  # (a part an earlier restore fetched is in the tier before it is listed)
         latest_root = root_latest()
         for _attempt in range(4 * self.world_size + 4):
             # one all_gather: the parts each node's lowest rank lists (the node's other ranks see
-            # the same directory), and every rank's layout
-            gathered = c.all_gather((self.inventory() if self.leader else [], layout))
+            # the same directory), and every rank's layout (or why it has none)
+            gathered = c.all_gather(
+                (
+                    self.inventory() if self.leader else [],
+                    layout,
+                    None if undescribed is None else describe_error(undescribed),
+                )
+            )
+            failures = {r: g[2] for r, g in enumerate(gathered) if g[2] is not None}
+            if failures:
+                raise DistributedError(failures, self.world_size) from undescribed
             copies = [
                 dataclasses.replace(cp, holder=holder)
-                for seen, _ in gathered
+                for seen, _, _ in gathered
                 for cp in seen
                 if only in (None, cp.step)
                 for holder in self._node_of(cp.holder)
             ]
-            layouts = [lay for _, lay in gathered]
+            layouts = [lay for _, lay, _ in gathered]
             choice = choose(copies, layouts, self.node_names, latest_root)
-            if choice.source == "root":
-                assert choice.step is not None
-                self._abandon_newer(choice.step)
             if choice.source != "tiers":
                 return choice, None
             assert choice.step is not None
@@ -393,7 +459,7 @@ class LocalTier(PartExchange):
                     )
                     for r in range(self.world_size)
                 }
-                self._abandon_newer(step)
+                self.abandon_newer(step)
                 for got in fetched:
                     if not got.placed:  # (bytes received into the state are the job's now)
                         self._keep_fetched(step, got)
@@ -411,9 +477,10 @@ class LocalTier(PartExchange):
             {self.rank: "no undamaged copy found after deleting damaged ones"}, self.world_size
         )
 
-    def _abandon_newer(self, step: int) -> None:
-        """Tier steps newer than the one restored are an abandoned line: deleted on every node
-        (else a later restore could take them for newer than the steps saved from here on)."""
+    def abandon_newer(self, step: int) -> None:
+        """Collective, once ``step`` is restored: tier steps newer than it are an abandoned line,
+        deleted on every node (else a later restore could take them for newer than the steps
+        saved from here on)."""
         if self.leader:
             self._delete_steps([s for s in self.steps() if s > step])
         self.queries.idle_barrier()

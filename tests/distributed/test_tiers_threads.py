@@ -419,3 +419,109 @@ def test_a_replica_is_written_into_the_files_of_the_copy_it_retires(tiers: Any, 
     for node in ("n0", "n1"):
         names = sorted(p.name for p in (tmp_path / node).iterdir() if not p.name.startswith("."))
         assert names == [part_name(s, r) for s in (5, 6) for r in range(4)], (node, names)
+
+
+@pytest.mark.parametrize("first", [True, False], ids=["first-save", "later-save"])
+def test_a_state_one_rank_cannot_describe_fails_the_step_on_every_rank_without_a_hang(
+    tiers: Any, tmp_path: Path, first: bool
+) -> None:
+    """A key that is not a string on one rank: at the first save (inside the tier's budget
+    check) or a later one, every rank raises, no rank waits for a collective the others never
+    join, and the next save goes on."""
+
+    def work(c: Any) -> dict[str, Any]:
+        mgr = tiers.manager(c, tmp_path)
+        r, n = c.rank, c.world_size
+        out: dict[str, Any] = {}
+        if not first:
+            mgr.save(1, tiers.state(1, r, n))
+            mgr.wait()
+        bad = tiers.state(2, r, n)
+        if r == 2:
+            bad[None] = 1  # type: ignore[index]
+        try:
+            mgr.save(2, bad)
+            mgr.wait()
+        except DistributedError as exc:
+            out["failed"] = sorted(exc.failures)
+        mgr.save(3, tiers.state(3, r, n))
+        mgr.wait()
+        target = tiers.empty(r, n)
+        out["restored"] = mgr.restore(target)
+        out["exact"] = tiers.exact(target, 3, r, n)
+        mgr.close()
+        return out
+
+    got = run_ranks(4, work, timeout=60)
+    assert all(g == {"failed": [2], "restored": 3, "exact": True} for g in got), got
+    assert not {part_name(2, r) for r in range(4)} & {p.name for p in (tmp_path / "n0").iterdir()}
+
+
+def test_boxes_that_do_not_tile_fail_a_step_that_goes_to_the_tier_only(tiers: Any, tmp_path: Path) -> None:
+    """Step 3 (not a persist step: it never reaches the drain's plan) with rank 2's box moved
+    onto rank 0's rows (the same box twice: a replica, and rank 2's rows uncovered): the step
+    fails on every rank, naming the tensor, and is not kept."""
+
+    def work(c: Any) -> dict[str, Any]:
+        mgr = tiers.manager(c, tmp_path, persist_interval_steps=100)
+        r, n = c.rank, c.world_size
+        mgr.save(1, tiers.state(1, r, n))
+        mgr.wait()
+        st = tiers.state(3, r, n)
+        if r == 2:
+            w = st["w"]
+            st["w"] = gpuckpt.ShardedArray(w.local, (0, 0), w.global_shape)
+        out: dict[str, Any] = {}
+        try:
+            mgr.save(3, st)
+            mgr.wait()
+        except DistributedError as exc:  # every rank's tier found it
+            out["failed"] = sorted(exc.failures)
+            out["said"] = all(
+                "tensor 'w'" in f and "must tile the whole tensor exactly" in f for f in exc.failures.values()
+            )
+        mgr.save(4, tiers.state(4, r, n))
+        mgr.wait()
+        out["local"] = mgr.local_steps()
+        mgr.close()
+        return out
+
+    got = run_ranks(4, work, timeout=60)
+    assert all(g == {"failed": [0, 1, 2, 3], "said": True, "local": [1, 4]} for g in got), got
+
+
+def test_a_restore_into_a_state_of_another_layout_deletes_nothing_and_says_why(
+    tiers: Any, tmp_path: Path
+) -> None:
+    """The tiers hold steps 4 and 5 (the root only 4): rank 2 restores into ``rep`` of another
+    dtype. The root's step 4 is tried (its load fails the same way), and the error says that
+    the tiers' newer steps were passed over for rank 2's layout; nothing is deleted, and the
+    right state restores step 5 from the tiers afterwards. With no root step, the error is not
+    a bare "nothing found"."""
+    _trained(tiers, tmp_path)
+
+    def wrong(c: Any) -> str:
+        target = tiers.empty(c.rank, c.world_size)
+        if c.rank == 2:
+            target["rep"] = target["rep"].astype(np.int32)
+        mgr = tiers.manager(c, tmp_path)
+        try:
+            mgr.restore(target)
+            return "restored"
+        except gpuckpt.GpuckptError as exc:
+            return "\n".join([str(exc), *getattr(exc, "__notes__", [])])
+        finally:
+            mgr.close()
+
+    before = {node: _steps_in(tmp_path / node) for node in ("n0", "n1")}
+    got = run_ranks(4, wrong, timeout=60)
+    for g in got:
+        assert "DTypeMismatchError" in g and "the local tiers hold step(s) [5]" in g and "rank(s) [2]" in g, g
+    assert {node: _steps_in(tmp_path / node) for node in ("n0", "n1")} == before
+    assert all(g["step"] == 5 and g["source"] == "tiers" for g in _restored(tiers, tmp_path))
+    shutil.rmtree(tmp_path / "root")
+    got = run_ranks(4, wrong, timeout=60)
+    for g in got:
+        assert (
+            g.startswith("any step: no step is complete") and "step(s) [4, 5]" in g and "rank(s) [2]" in g
+        ), g
