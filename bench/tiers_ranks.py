@@ -235,12 +235,12 @@ class TierProbe:
     def attach(self, tier: Any) -> None:
         finish, replicate, exchange, rank = tier._finish, tier._replicate, tier._exchange, tier.rank
 
-        def timed_finish(step: int, written: Any, error: Any) -> None:
+        def timed_finish(step: int, written: Any, *rest: Any) -> None:
             if written is not None:
                 with contextlib.suppress(Exception):
                     written.exception()
             self.marks.setdefault(part_name(step, rank), {})["committed"] = time.perf_counter()
-            finish(step, written, error)
+            finish(step, written, *rest)
 
         def timed_replicate(step: int) -> None:
             t = time.perf_counter()

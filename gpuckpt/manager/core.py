@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -86,6 +87,19 @@ def _check_count(name: str, value: int | None, minimum: int, *, optional: bool =
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         also = " or None" if optional else ""
         raise ValueError(f"{name} must be an integer >= {minimum}{also}, got {value!r}")
+
+
+def _check_apart(root: Any, local_dir: str | os.PathLike[str]) -> None:
+    """Refuse a local tier that is the root, inside it or around it (a directory of each's own:
+    each would list the other's entries as its own)."""
+    if scheme_of(root) != "file":
+        return
+    r, t = Path(os.fspath(root)).resolve(), Path(local_dir).resolve()
+    if r == t or r in t.parents or t in r.parents:
+        raise InvalidOptionError(
+            f"local_dir {t} and the root {r} overlap: give the local tier a directory of its own, "
+            "outside the root (a node-local tmpfs such as /dev/shm/RUN, or local NVMe)"
+        )
 
 
 class CheckpointManager:
@@ -217,6 +231,25 @@ class CheckpointManager:
             raise InvalidOptionError(
                 "incremental saves do not go through a local tier: pass one or the other"
             )
+        if local_dir is None:
+            given = [
+                name
+                for name, value, default in (
+                    ("persist_interval_steps", persist_interval_steps, None),
+                    ("replicas", replicas, 1),
+                    ("local_max_to_keep", local_max_to_keep, 2),
+                    ("node", node, None),
+                )
+                if value != default
+            ]
+            if given:
+                raise InvalidOptionError(
+                    f"{', '.join(given)} configure(s) the local tier, and there is none: pass "
+                    "local_dir= too (or drop them: without a tier every saved step goes to the root)"
+                )
+        else:
+            LocalTier.check_arguments(local_dir, replicas, local_max_to_keep, node)
+            _check_apart(root, local_dir)
         if local_dir is not None and coordinator is None:
             coordinator = SingleProcessCoordinator()
         #: the manager's own channels: queries (this thread) and saves (the writer thread, or

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import os
 import shutil
 import socket
@@ -13,7 +14,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import gpuckpt.api as api
 from gpuckpt.background import async_save_with_options
@@ -40,6 +41,9 @@ from gpuckpt.tiers.report import PartSource, RestoreReport
 
 __all__ = ["LocalTier"]
 
+#: the file in a local_dir that the node's lowest rank locks while its manager is open
+LOCK_NAME = ".lock"
+
 #: errors of a copy that mean the copy is damaged or gone (the restore skips it), not a misuse
 _DAMAGE = (CheckpointCorruptedError, MetadataError, FileNotFoundError)
 
@@ -62,15 +66,7 @@ class LocalTier(PartExchange):
         keep: int,
         options: SaveOptions,
     ) -> None:
-        if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0:
-            raise InvalidOptionError(f"replicas must be an integer >= 0, got {replicas!r}")
-        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 2:
-            raise InvalidOptionError(
-                f"local_max_to_keep must be an integer >= 2 (the step being written and the last "
-                f"complete one), got {keep!r}"
-            )
-        if node is not None and (not isinstance(node, str) or not node):
-            raise InvalidOptionError(f"node must be a non-empty string or None, got {node!r}")
+        self.check_arguments(local_dir, replicas, keep, node)
         self.queries, self.background = queries, background
         self.rank, self.world_size = queries.rank, queries.world_size
         self.dir = Path(local_dir).absolute()
@@ -81,16 +77,12 @@ class LocalTier(PartExchange):
             sync="none", base=None, content_hash=False, overwrite=True, storage_options=None
         )
         self._store = open_root(self.dir)
-        for leftover in self.dir.glob(f".recv-r{self.rank}-*"):  # this rank's receptions a crash cut short
-            shutil.rmtree(leftover, ignore_errors=True)
         st = self.dir.stat()
         seen = queries.all_gather((self.node, str(self.dir.resolve()), st.st_dev, st.st_ino))
         self.node_names = [s[0] for s in seen]
         self._check_directories(seen)
         self.node_ranks = next(ranks for ranks in nodes_of(self.node_names) if self.rank in ranks)
         self.leader = self.node_ranks[0] == self.rank
-        if self.leader:  # what dead saves left (never a live save's: see CheckpointRoot.cleanup)
-            self._store.cleanup()
         self.holders = replica_holders(self.rank, self.node_names, replicas) if replicas else []
         #: the ranks whose replicas this rank holds
         self.held = [
@@ -98,6 +90,17 @@ class LocalTier(PartExchange):
             for r in range(self.world_size)
             if replicas and self.rank in replica_holders(r, self.node_names, replicas)
         ]
+        #: the node's lock on its tier (held by the node's lowest rank): one manager per local_dir
+        self._lock: BinaryIO | None = None
+        taken = self._take_lock() if self.leader else None
+        refusals = [m for m in queries.all_gather(taken) if m is not None]
+        if refusals:
+            self._release_lock()
+            raise InvalidOptionError(refusals[0])
+        for leftover in self.dir.glob(f".recv-r{self.rank}-*"):  # this rank's receptions a crash cut short
+            shutil.rmtree(leftover, ignore_errors=True)
+        if self.leader:  # what dead saves left (never a live save's: see CheckpointRoot.cleanup)
+            self._store.cleanup()
         # the part's write and the tier's thread (replication, retention) keep the caller's
         # priority: the next save waits for them, and at nice 19 a loop that keeps every core
         # busy starves them (save calls of 0.43 s against 0.02 s in a trial); the drain, which
@@ -115,6 +118,57 @@ class LocalTier(PartExchange):
         #: writes of parts restores fetched from peers (:meth:`_keep_fetched`)
         self._fetched: list[Future[None]] = []
         queries.barrier()  # nobody writes before every leader has cleaned up
+
+    @staticmethod
+    def check_arguments(local_dir: str | os.PathLike[str], replicas: Any, keep: Any, node: Any) -> None:
+        """Refuse, before anything is made, what a tier cannot take (:class:`InvalidOptionError`)."""
+        if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0:
+            raise InvalidOptionError(f"replicas must be an integer >= 0, got {replicas!r}")
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 2:
+            raise InvalidOptionError(
+                f"local_max_to_keep must be an integer >= 2 (the step being written and the last "
+                f"complete one), got {keep!r}"
+            )
+        if node is not None and (not isinstance(node, str) or not node):
+            raise InvalidOptionError(f"node must be a non-empty string or None, got {node!r}")
+        path = Path(local_dir)
+        if path.exists() and not path.is_dir():
+            raise InvalidOptionError(
+                f"local_dir {path} is not a directory: pass a directory (it is made if missing)"
+            )
+
+    def _take_lock(self) -> str | None:
+        """Lock the tier for this manager (``flock`` of ``local_dir/.lock``, released by
+        :meth:`close` or when the process ends, however it ends); what refuses it, or None.
+        Two managers on one tier would write parts of the same names over each other's. A file
+        system without ``flock`` (some network ones) leaves the tier unlocked."""
+        f = open(self.dir / LOCK_NAME, "a+b")  # noqa: SIM115 - held open while the manager is
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = ""
+            with contextlib.suppress(OSError, ValueError):
+                f.seek(0)
+                holder = f" (process {int(f.read(32).decode().strip() or 0)} holds it)"
+            f.close()
+            return (
+                f"local_dir {self.dir} is the tier of another CheckpointManager that is open{holder}: "
+                "give each run (and each manager) its own local_dir, or close the other manager first"
+            )
+        except OSError:  # no flock here: unlocked, as before
+            f.close()
+            return None
+        f.truncate(0)
+        f.write(f"{os.getpid()}\n".encode())
+        f.flush()
+        self._lock = f
+        return None
+
+    def _release_lock(self) -> None:
+        """Unlock the tier (a manager dropped without ``close`` unlocks it when collected)."""
+        if self._lock is not None:
+            self._lock.close()  # (releases the flock)
+            self._lock = None
 
     def _check_directories(self, seen: list[tuple[str, str, int, int]]) -> None:
         by_node: dict[str, set[tuple[int, int]]] = {}
@@ -297,6 +351,7 @@ class LocalTier(PartExchange):
         self._fetched.clear()
         self._thread.shutdown(wait=False)
         self._writer.shutdown(wait=False)
+        self._release_lock()
 
     def wait_all(self) -> None:
         """Block until every step's tier work is done (errors stay for :meth:`settled`), and
