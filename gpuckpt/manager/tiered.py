@@ -228,7 +228,7 @@ class TieredSaves:
                 return step if step in steps else None
             return max(steps, default=None)
 
-        choice, report = self.tier.restore(state_dict, root_latest, dict(options), only=step)
+        choice, report, skipped = self.tier.restore(state_dict, root_latest, dict(options), only=step)
         if choice.step is not None:  # the line goes on from here: newer tier steps were deleted
             self.last = choice.step
         if report is not None:
@@ -253,7 +253,7 @@ class TieredSaves:
         self.tier.abandon_newer(choice.step)
         world = self.queries.world_size
         sources = {r: PartSource(r, "root") for r in range(world)}
-        return choice.step, RestoreReport(choice.step, "root", None, sources, ())
+        return choice.step, RestoreReport(choice.step, "root", None, sources, skipped)
 
     def local_steps(self) -> list[int]:
         """The steps this rank's node holds in its local tier (not a collective)."""

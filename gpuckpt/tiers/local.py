@@ -396,19 +396,35 @@ class LocalTier(PartExchange):
 
     def inventory(self) -> list[CopySeen]:
         """Every committed part in this node's tier whose record reads, as this rank sees it."""
-        out = []
-        for step, rank in self._parts():
-            root = self.dir / part_name(step, rank) / ROOT_KEY
+        return self._inventory()[0]
+
+    def _inventory(self) -> tuple[list[CopySeen], list[str]]:
+        """:meth:`inventory`, and what was passed over: committed parts whose root document does
+        not read, or whose record names another step or rank than the part's name."""
+        out, passed = [], []
+        for name in self._store.children():
+            parsed = parse_part_name(name)
+            if parsed is None:
+                continue
+            step, rank = parsed
+            if not self._store.is_committed(name):  # a part's name, no checkpoint's root document
+                passed.append(f"step {step} part of rank {rank} in {self.dir}: not a committed checkpoint")
+                continue
+            root = self.dir / name / ROOT_KEY
             try:
                 with open(root, "rb") as f:  # (a document too large is refused unread)
                     raw = f.read(MAX_ROOT_DOCUMENT_BYTES + 1)
                 rec = PartRecord.from_root_document(raw, str(root))
-            except Exception:  # a damaged part's root document: not a copy (its chunks are
-                continue  # checked when it is loaded)
+            except Exception as exc:  # a damaged part's root document: not a copy (its chunks
+                # are checked when it is loaded)
+                passed.append(f"step {step} part of rank {rank} in {self.dir}: {describe_error(exc)}")
+                continue
             if rec is None or (rec.step, rec.rank) != (step, rank):
+                what = "no part record" if rec is None else f"a record of step {rec.step}, rank {rec.rank}"
+                passed.append(f"step {step} part of rank {rank} in {self.dir}: it holds {what}")
                 continue
             out.append(CopySeen(rec.step, rec.save_id, rec.rank, rec.world_size, rec.layout, self.rank))
-        return out
+        return out, passed
 
     # restoring -------------------------------------------------------------------------
 
@@ -429,11 +445,13 @@ class LocalTier(PartExchange):
         load_options: dict[str, Any],
         *,
         only: int | None = None,
-    ) -> tuple[Choice, RestoreReport | None]:
+    ) -> tuple[Choice, RestoreReport | None, tuple[str, ...]]:
         """Collective: load the newest complete step of the tiers (``only``: that step) into
         ``state``; returns the choice (``"root"`` or ``"none"``: nothing was read, nothing
-        deleted: the caller loads the root's step, then calls :meth:`abandon_newer`) and the
-        report. A state a rank cannot describe fails the restore on every rank."""
+        deleted: the caller loads the root's step, then calls :meth:`abandon_newer`), the
+        report (None unless the tiers served), and the copies passed over (damaged, or whose
+        record does not read), the same on every rank. A state a rank cannot describe fails
+        the restore on every rank."""
         c = self.queries
         undescribed: BaseException | None = None
         view: dict[str, Any] = {}
@@ -451,17 +469,19 @@ class LocalTier(PartExchange):
             # the same directory), and every rank's layout (or why it has none)
             gathered = c.all_gather(
                 (
-                    self.inventory() if self.leader else [],
+                    self._inventory() if self.leader else ([], []),
                     layout,
                     None if undescribed is None else describe_error(undescribed),
                 )
             )
+            for (_, passed), _, _ in gathered:
+                skipped.extend(p for p in passed if p not in skipped)
             failures = {r: g[2] for r, g in enumerate(gathered) if g[2] is not None}
             if failures:
                 raise DistributedError(failures, self.world_size) from undescribed
             copies = [
                 dataclasses.replace(cp, holder=holder)
-                for seen, _, _ in gathered
+                for (seen, _), _, _ in gathered
                 for cp in seen
                 if only in (None, cp.step)
                 for holder in self._node_of(cp.holder)
@@ -469,7 +489,7 @@ class LocalTier(PartExchange):
             layouts = [lay for _, lay, _ in gathered]
             choice = choose(copies, layouts, self.node_names, latest_root)
             if choice.source != "tiers":
-                return choice, None
+                return choice, None, tuple(skipped)
             assert choice.step is not None
             step, senders = choice.step, choice.senders
             started = time.perf_counter()
@@ -518,7 +538,8 @@ class LocalTier(PartExchange):
                 for got in fetched:
                     if not got.placed:  # (bytes received into the state are the job's now)
                         self._keep_fetched(step, got)
-                return choice, RestoreReport(step, "tiers", choice.save_id, parts, tuple(skipped))
+                served = RestoreReport(step, "tiers", choice.save_id, parts, tuple(skipped))
+                return choice, served, served.skipped
             if not all(b[0] for b in bad.values()):
                 failures = {r: b[1] for r, b in bad.items()}
                 raise DistributedError(failures, self.world_size) from error

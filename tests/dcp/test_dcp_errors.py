@@ -60,7 +60,7 @@ def test_path_that_is_not_a_gpuckpt_checkpoint(tmp_path: Path) -> None:
         "missing": "no checkpoint at",
         "empty": "not a committed checkpoint",
         "zarr-group": "not a gpuckpt checkpoint",
-        "file": "Not a directory",
+        "file": "is a file, not a checkpoint",
         "dcp-native": "not a committed checkpoint",
     }
     for name, expected in cases.items():

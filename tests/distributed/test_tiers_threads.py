@@ -169,6 +169,18 @@ def test_with_both_copies_of_a_part_gone_restore_falls_back_to_root(tiers: Any, 
         assert g["parts"] == {str(k): ["root", None] for k in range(4)}
 
 
+def test_copies_whose_record_does_not_read_are_named_when_the_root_serves(tiers: Any, tmp_path: Path) -> None:
+    """Both copies of rank 1's part of step 5 with a root document that does not read, of step 4
+    gone: the root's step 4 serves, and last_restore.skipped names the two copies passed over."""
+    _trained(tiers, tmp_path)
+    for node in ("n0", "n1"):
+        (tmp_path / node / part_name(5, 1) / "zarr.json").write_text("{not json")
+        shutil.rmtree(tmp_path / node / part_name(4, 1))
+    got = _restored(tiers, tmp_path)
+    for r, g in enumerate(got):
+        assert g["step"] == 4 and g["exact"] and g["source"] == "root" and g["skipped"] == 2, (r, g["skipped"])
+
+
 def test_a_rank_failing_its_part_fails_the_step_on_every_rank_and_the_next_save_goes_on(
     tiers: Any, tmp_path: Path
 ) -> None:
