@@ -178,7 +178,7 @@ def test_copies_whose_record_does_not_read_are_named_when_the_root_serves(tiers:
         shutil.rmtree(tmp_path / node / part_name(4, 1))
     got = _restored(tiers, tmp_path)
     for r, g in enumerate(got):
-        assert g["step"] == 4 and g["exact"] and g["source"] == "root" and g["skipped"] == 2, (r, g["skipped"])
+        assert (g["step"], g["exact"], g["source"], g["skipped"]) == (4, True, "root", 2), (r, g)
 
 
 def test_a_rank_failing_its_part_fails_the_step_on_every_rank_and_the_next_save_goes_on(
