@@ -35,6 +35,15 @@ def _failures(error: BaseException, rank: int) -> dict[int, str]:
     return {rank: describe_error(error)}
 
 
+def _own(error: BaseException, doing: str) -> BaseException:
+    """The error a single process raised itself (a collective of one wraps it in a
+    :class:`DistributedError` whose cause it is), noting what the background work was doing."""
+    while isinstance(error, DistributedError) and error.__cause__ is not None:
+        error = error.__cause__
+    error.add_note(f"(while {doing}, in the manager's background work)")
+    return error
+
+
 def _unused_steps(other_layout: dict[int, tuple[int, ...]], chosen: int | None) -> str:
     """What to add to a restore's error where newer tier steps were passed over because some
     ranks' states do not fit them (else nothing)."""
@@ -169,6 +178,13 @@ class TieredSaves:
 
             self.steps.agreed(joined)
         if failures:
+            if self.queries.world_size == 1 and len(mine) == 1:
+                # one process: its own error, typed as a manager without a tier raises it
+                ((kind, s),) = mine
+                raise _own(
+                    failed[(kind, s)],
+                    f"{'writing the local tier' if kind == 'tier' else 'persisting'} step {s}",
+                )
             raise DistributedError(failures, self.queries.world_size)
         return idle, None if agreed is None else self.steps.outcome_of_rank0(reports[0][2], error)
 
@@ -246,9 +262,15 @@ class TieredSaves:
         try:
             api.load(state_dict, self.steps.store.child(name), coordinator=self.queries, **options)
         except Exception as exc:  # (nothing of the tiers was deleted)
+            error: BaseException = exc
+            if self.queries.world_size == 1:  # one process: its own error, not one rank's report
+                while isinstance(error, DistributedError) and error.__cause__ is not None:
+                    error = error.__cause__
             if unused:
-                exc.add_note(f"restoring step {choice.step} of the root{unused}")
-            raise
+                error.add_note(f"restoring step {choice.step} of the root{unused}")
+            if error is exc:
+                raise
+            raise error from None
         # the line goes on from the root's step: the tiers' newer steps are an abandoned line
         self.tier.abandon_newer(choice.step)
         world = self.queries.world_size

@@ -202,6 +202,8 @@ class LocalTier(PartExchange):
         )
         failures = {r: s[2] for r, s in enumerate(sizes) if s[2] is not None}
         if failures:
+            if self.world_size == 1 and error is not None:
+                raise error
             raise DistributedError(failures, self.world_size) from error
         problems = []
         for ranks in nodes_of(self.node_names):
@@ -478,6 +480,8 @@ class LocalTier(PartExchange):
                 skipped.extend(p for p in passed if p not in skipped)
             failures = {r: g[2] for r, g in enumerate(gathered) if g[2] is not None}
             if failures:
+                if self.world_size == 1 and undescribed is not None:
+                    raise undescribed
                 raise DistributedError(failures, self.world_size) from undescribed
             copies = [
                 dataclasses.replace(cp, holder=holder)
@@ -541,6 +545,8 @@ class LocalTier(PartExchange):
                 served = RestoreReport(step, "tiers", choice.save_id, parts, tuple(skipped))
                 return choice, served, served.skipped
             if not all(b[0] for b in bad.values()):
+                if self.world_size == 1 and error is not None:
+                    raise error  # one process: its own error, as a load without a tier raises it
                 failures = {r: b[1] for r, b in bad.items()}
                 raise DistributedError(failures, self.world_size) from error
             # damaged copies: the reader's, and the sender's it came from, are deleted; choose again

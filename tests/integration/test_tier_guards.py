@@ -116,3 +116,21 @@ def test_a_local_dir_that_is_a_file_or_overlaps_the_root_is_refused(tmp_path: Pa
         with pytest.raises(InvalidOptionError, match="overlap: give the local tier a directory of its own"):
             gpuckpt.CheckpointManager(tmp_path / root, local_dir=tmp_path / tier, replicas=0)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["f"]
+
+
+def test_one_process_gets_its_own_typed_errors_through_the_tier(tmp_path: Path) -> None:
+    """As a manager without a tier raises them: not wrapped in a DistributedError of one rank."""
+    mgr = _manager(tmp_path)
+    with pytest.raises(gpuckpt.UnsupportedValueError, match="key None"):
+        mgr.save(1, {"w": np.ones(4), None: 1})  # type: ignore[dict-item]
+    mgr.save(2, {"w": np.ones(4), "x": np.ones(3)})
+    mgr.save(3, {"w": np.ones(4), "x": object()})  # refused by the part's save, in the background
+    with pytest.raises(gpuckpt.UnsupportedValueError) as info:
+        mgr.wait()
+        mgr.save(4, {"w": np.ones(4), "x": np.ones(3)})
+    assert any("writing the local tier step 3" in n for n in getattr(info.value, "__notes__", []))
+    with pytest.raises(gpuckpt.DTypeMismatchError):
+        mgr.restore({"w": np.ones(4, np.float32), "x": np.zeros(3)})
+    target = {"w": np.zeros(4), "x": np.zeros(3)}
+    assert mgr.restore(target) == 2 and target["x"].tolist() == [1.0] * 3
+    mgr.close()
