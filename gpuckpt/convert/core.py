@@ -16,6 +16,7 @@ from gpuckpt.convert.hf import DEFAULT_MAX_SHARD_BYTES, export_hf, import_hf
 from gpuckpt.convert.safetensors_io import (
     check_tensor_name,
     is_safetensors,
+    open_source,
     read_safetensors,
     read_safetensors_header,
     safetensors_code,
@@ -23,7 +24,7 @@ from gpuckpt.convert.safetensors_io import (
 )
 from gpuckpt.convert.torch_io import check_trusted, load_dcp, load_torch_save
 from gpuckpt.device.arrays import is_array
-from gpuckpt.errors import InvalidOptionError, MetadataError, UnsupportedValueError
+from gpuckpt.errors import CheckpointExistsError, InvalidOptionError, MetadataError, UnsupportedValueError
 from gpuckpt.format.memory_format import (
     contiguous_format,
     detect_memory_format,
@@ -86,7 +87,7 @@ def detect_format(path: str | os.PathLike[str]) -> str:
     # safetensors file start with 0x80, the first byte of a pickle
     if is_safetensors(p):
         return "safetensors"
-    with open(p, "rb") as f:
+    with open_source(p) as f:
         head = f.read(4)
     if head == b"PK\x03\x04" or head[:1] == b"\x80":  # zip (torch >= 1.6) or legacy pickle
         return "torch"
@@ -110,17 +111,27 @@ def _from_safetensors(path: Path, allow_pickle: bool, progress: ProgressCallback
     try:
         extra = json.loads(meta[STATE_KEY])
         structure, encoded = extra["structure"], dict(extra["objects"])
-    except (ValueError, KeyError, TypeError) as exc:
+        formats = dict(extra.get("memory_formats", {}))
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise MetadataError(
             f"{path}: __metadata__[{STATE_KEY!r}] is not a gpuckpt state description ({exc!r})"
         ) from None
     values: dict[str, Any] = dict(tensors)
-    for fqn, fmt in dict(extra.get("memory_formats", {})).items():
+    for fqn, fmt in formats.items():
         if fqn in values:
             values[fqn] = _in_memory_format(values[fqn], fmt, path)
     for fqn, enc in encoded.items():
         values[fqn] = decode_object(enc, allow_pickle=allow_pickle, fqn=fqn)
-    return unflatten_state_dict(structure, values)
+    state = unflatten_state_dict(structure, values)  # (checks the structure)
+    unlisted = sorted(set(tensors) - _leaf_names(structure))
+    if unlisted:
+        raise MetadataError(
+            f"{path} holds tensors its __metadata__[{STATE_KEY!r}] does not list ({', '.join(unlisted[:5])}"
+            f"{', ...' if len(unlisted) > 5 else ''}): the file was changed after gpuckpt wrote it, and "
+            f"importing it by that description would drop them; remove the {STATE_KEY!r} entry from "
+            "its metadata to import every tensor by its name"
+        )
+    return state
 
 
 def _read(
@@ -250,7 +261,14 @@ def convert(
             f"{dst_p}: {fmt_out} files are written to local paths; only gpuckpt to URLs"
         )
     if _same(src_p, dst_p):
-        raise ValueError(f"source and destination are the same path ({src_p}); write to a new path")
+        raise InvalidOptionError(f"source and destination are the same path ({src_p}); write to a new path")
+    if isinstance(src_p, Path) and isinstance(dst_p, Path):
+        s, d = src_p.resolve(), dst_p.resolve()
+        if s in d.parents or d in s.parents:
+            raise InvalidOptionError(
+                f"the destination {dst_p} and the source {src_p} are one inside the other: writing one "
+                "would replace or change the other; write to a path outside the source"
+            )
     if fmt_out == "hf" or fmt_in == "hf":
         return _convert_hf(
             src_p,
@@ -272,8 +290,8 @@ def convert(
         )
     # a URL destination: the store refuses a published checkpoint itself
     if isinstance(dst_p, Path) and (dst_p.exists() or dst_p.is_symlink()) and not overwrite:
-        raise FileExistsError(
-            17, "destination exists (pass overwrite=True / --overwrite to replace it)", os.fspath(dst_p)
+        raise CheckpointExistsError(
+            f"destination exists: {dst_p} (pass overwrite=True / --overwrite to replace it)"
         )
     if fmt_out == "torch":
         return _to_torch_save(
@@ -406,6 +424,22 @@ def _convert_hf(src: Any, dst: Any, fmt_in: str, fmt_out: str, **kw: Any) -> Con
         f"{fmt_in} -> {fmt_out}: the Hugging Face layout converts to and from gpuckpt only; convert "
         f"to gpuckpt first (gpuckpt convert SRC CKPT), then to {fmt_out}"
     )
+
+
+def _leaf_names(structure: Any) -> set[str]:
+    """The FQNs of the leaves a stored structure (:func:`gpuckpt.state.unflatten_state_dict`'s
+    skeleton) rebuilds."""
+    found: set[str] = set()
+    stack = [structure]
+    while stack:  # (a structure unflatten_state_dict has accepted: tagged nodes of one key)
+        ((tag, body),) = stack.pop().items()
+        if tag == "v":
+            found.add(body)
+        elif tag == "d":
+            stack.extend(child for _, _, child in body)
+        else:
+            stack.extend(body)
+    return found
 
 
 def _same(a: Path | str, b: Path | str) -> bool:

@@ -28,6 +28,7 @@ import json
 import math
 import mmap
 import os
+import re
 import secrets
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
@@ -48,10 +49,11 @@ from gpuckpt.convert.hf_layout import (
     plan_groups,
     plan_shards,
 )
+from gpuckpt.convert.safetensors_io import check_tensor_name, open_source
 from gpuckpt.device.sharded import ShardedArray
 from gpuckpt.errors import CheckpointExistsError, InvalidOptionError, UnsupportedValueError
 from gpuckpt.format.grid import axis_starts
-from gpuckpt.format.safetensors import INDEX_NAME
+from gpuckpt.format.safetensors import INDEX_NAME, SINGLE_NAME
 from gpuckpt.loading.hf import open_hf
 from gpuckpt.loading.open import open_checkpoint
 from gpuckpt.options import DEFAULT_CHUNK_BYTES, LoadOptions, SaveOptions, direct_io_from_env
@@ -101,6 +103,7 @@ def _select(
                 f"tensor {fqn!r} has no name left once {strip_prefix!r} is stripped; strip a shorter prefix "
                 "(e.g. one ending in '.')"
             )
+        check_tensor_name(name)
         if name in seen:
             raise UnsupportedValueError(
                 f"tensors {seen.get(name, '')!r} and {fqn!r} both become {name!r} once {strip_prefix!r} is "
@@ -203,6 +206,8 @@ def export_hf(
     plans = plan_shards(tensors, limit, single_file)
     if (dst.exists() or dst.is_symlink()) and not overwrite:
         raise CheckpointExistsError(f"{dst} already exists; pass overwrite=True (--overwrite) to replace it")
+    if dst.exists() or dst.is_symlink():
+        _replaceable(dst)  # before anything is read or written
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = (
         dst.parent
@@ -239,16 +244,32 @@ def _config_files(config: str | os.PathLike[str] | Mapping[str, Any] | None) -> 
         return {"config.json": json.dumps(dict(config), indent=2, sort_keys=True).encode() + b"\n"}
     p = Path(config)
     if p.is_dir():
-        found = {name: (p / name).read_bytes() for name in CONFIG_FILES if (p / name).is_file()}
+        found = {name: _config_bytes(p / name) for name in CONFIG_FILES if (p / name).exists()}
         if "config.json" not in found:
             raise FileNotFoundError(2, "config=DIR holds no config.json", os.fspath(p / "config.json"))
         return found
-    data = p.read_bytes()
+    return {"config.json": _config_bytes(p)}
+
+
+#: the largest config file copied beside an export (a model's config.json is a few KiB)
+MAX_CONFIG_BYTES = 16 << 20
+
+
+def _config_bytes(path: Path) -> bytes:
+    """A config file's bytes: a regular file of at most :data:`MAX_CONFIG_BYTES`, a JSON object."""
+    with open_source(path, "config") as f:
+        data = f.read(MAX_CONFIG_BYTES + 1)
+    if len(data) > MAX_CONFIG_BYTES:
+        raise InvalidOptionError(
+            f"config {path} is larger than {MAX_CONFIG_BYTES} bytes; pass a model's config.json"
+        )
     try:
-        json.loads(data)
-    except ValueError as exc:
-        raise InvalidOptionError(f"config {p} is not JSON ({exc}); pass a model's config.json") from None
-    return {"config.json": data}
+        doc = json.loads(data)
+    except (ValueError, RecursionError) as exc:
+        raise InvalidOptionError(f"config {path} is not JSON ({exc}); pass a model's config.json") from None
+    if not isinstance(doc, dict):
+        raise InvalidOptionError(f"config {path} is not a JSON object; pass a model's config.json")
+    return data
 
 
 def _write_small(path: Path, data: bytes) -> None:
@@ -258,6 +279,34 @@ def _write_small(path: Path, data: bytes) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _replaceable(dst: Path) -> None:
+    """Refuse to replace ``dst`` unless it is a directory of files an export writes (shards, their
+    index, the config files): ``overwrite`` replaces an export, never a directory of other things
+    (a checkpoint, a project, a model directory with its tokenizer)."""
+    if dst.is_symlink() or not dst.is_dir():
+        raise CheckpointExistsError(
+            f"{dst} exists and is not a Hugging Face export directory; refusing to replace it even with "
+            "overwrite=True (nothing was deleted): write the export to a new directory"
+        )
+    others = sorted(
+        p.name
+        for p in dst.iterdir()
+        if p.is_symlink()
+        or not p.is_file()
+        or not (p.name in (INDEX_NAME, SINGLE_NAME, *CONFIG_FILES) or _SHARD_NAME.fullmatch(p.name))
+    )
+    if others:
+        raise CheckpointExistsError(
+            f"{dst} holds entries an export does not write ({', '.join(others[:5])}"
+            f"{', ...' if len(others) > 5 else ''}); refusing to replace it even with overwrite=True "
+            "(nothing was deleted): write the export to a new directory, or remove them"
+        )
+
+
+#: the names of the shards an export writes (transformers' names)
+_SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 
 
 def _publish(tmp: Path, dst: Path, overwrite: bool) -> None:

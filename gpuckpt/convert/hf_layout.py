@@ -56,7 +56,7 @@ def parse_size(text: str | int) -> int:
         digits = s.rstrip("KMGTIB")
         try:
             value = int(float(digits) * _UNITS[s[len(digits) :]])
-        except (KeyError, ValueError):
+        except (KeyError, ValueError, OverflowError):
             raise InvalidOptionError(
                 f"max shard size {text!r} is not a size; write e.g. 5GB, 500MB, 64MiB or a number of bytes"
             ) from None

@@ -8,9 +8,10 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import stat
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -25,6 +26,7 @@ __all__ = [
     "METADATA_KEY",
     "SAFETENSORS_DTYPES",
     "is_safetensors",
+    "open_source",
     "read_safetensors",
     "read_safetensors_header",
     "write_safetensors",
@@ -32,6 +34,35 @@ __all__ = [
 
 _CODE_OF = {dt: code for code, dt in SAFETENSORS_DTYPES.items()}
 _MAX_HEADER = MAX_HEADER
+
+
+def open_source(path: str | os.PathLike[str], what: str = "source") -> BinaryIO:
+    """``path`` opened for reading, refused unless it is a regular file (a FIFO, a device such as
+    ``/dev/zero`` behind a symlink, or a directory would block or never end):
+    :class:`~gpuckpt.errors.UnsupportedValueError`. ``O_NONBLOCK``: opening a FIFO cannot block."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise UnsupportedValueError(
+                f"{os.fspath(path)}: the {what} is not a regular file ({_kind(mode)}); pass a file"
+            )
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _kind(mode: int) -> str:
+    for test, name in (
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISDIR, "a directory"),
+    ):
+        if test(mode):
+            return name
+    return "not a regular file"
 
 
 def is_safetensors(path: str | os.PathLike[str]) -> bool:
@@ -44,7 +75,7 @@ def is_safetensors(path: str | os.PathLike[str]) -> bool:
     0x80, as a pickle starts. Tensor entries are validated when the file is
     read (:func:`read_safetensors_header`).
     """
-    with open(path, "rb") as f:
+    with open_source(path) as f:
         head = f.read(8)
         if len(head) < 8:
             return False
@@ -65,7 +96,7 @@ def is_safetensors(path: str | os.PathLike[str]) -> bool:
 def read_safetensors_header(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str, str], int]:
     """Parse and validate the header: ``(entries, metadata, data_start)``."""
     path = Path(path)
-    with open(path, "rb") as f:
+    with open_source(path) as f:
         head = f.read(8)
         if len(head) < 8:
             raise MetadataError(
@@ -101,7 +132,8 @@ def read_safetensors(
         progress, sum(header[k]["data_offsets"][1] - header[k]["data_offsets"][0] for k in order)
     )
     out: dict[str, np.ndarray] = {}
-    fd = os.open(path, os.O_RDONLY)
+    source = open_source(path)
+    fd = source.fileno()
     try:
         for name in order:
             e = header[name]
@@ -114,7 +146,7 @@ def read_safetensors(
             out[name] = arr.astype(dt, copy=False)
             counter.add(arr.nbytes)
     finally:
-        os.close(fd)
+        source.close()
     return out, meta
 
 

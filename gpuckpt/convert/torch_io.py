@@ -17,7 +17,13 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from gpuckpt.errors import GpuckptError, MetadataError, UnsafeCheckpointError, UnsupportedValueError
+from gpuckpt.errors import (
+    CheckpointCorruptedError,
+    GpuckptError,
+    MetadataError,
+    UnsafeCheckpointError,
+    UnsupportedValueError,
+)
 from gpuckpt.format.shapes import check_shape
 
 __all__ = ["VIEW_AS", "check_trusted", "import_torch", "load_dcp", "load_torch_save", "torch_to_numpy"]
@@ -48,6 +54,12 @@ def import_torch() -> Any:
 def torch_to_numpy(t: Any, fqn: str = "") -> np.ndarray:
     """A host NumPy array with the tensor's exact bits, dtype and memory format."""
     torch = import_torch()
+    if t.is_meta or t.layout != torch.strided:
+        what = "a meta tensor (no data)" if t.is_meta else f"of layout {t.layout}"
+        raise UnsupportedValueError(
+            f"tensor {fqn!r} is {what}, which gpuckpt cannot store: store its dense values "
+            "(tensor.to_dense(), or materialize it) instead"
+        )
     t = t.detach().cpu()
     name = str(t.dtype).removeprefix("torch.")
     perm: tuple[int, ...] | None = None
@@ -115,11 +127,20 @@ def load_dcp(path: str | os.PathLike[str], *, trust_pickle_metadata: bool = Fals
     path = Path(path)
     check_trusted(path, trust_pickle_metadata)
     torch = import_torch()
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     with tempfile.TemporaryDirectory(prefix="gpuckpt-dcp-") as tmp:
         out = Path(tmp) / "state.pt"
-        dcp_to_torch_save(os.fspath(path), os.fspath(out))
+        try:
+            dcp_to_torch_save(os.fspath(path), os.fspath(out))
+        except CheckpointException as exc:  # a BaseException, which ``except Exception`` misses
+            causes = [f[0] if isinstance(f, tuple) else f for f in exc.failures.values()]
+            what = "; ".join(f"{type(c).__name__}: {c}" for c in causes)[:500]
+            raise CheckpointCorruptedError(
+                f"{path}: torch.distributed.checkpoint cannot read this directory ({what}); it is "
+                "damaged or incomplete: copy or save it again"
+            ) from None
         obj = torch.load(os.fspath(out), weights_only=True, map_location="cpu")
     if not isinstance(obj, dict):
         raise UnsupportedValueError(f"{path} holds a {type(obj).__name__}, not a state dict")

@@ -269,3 +269,27 @@ def test_dcp_directory_roundtrip(tmp_path: Path) -> None:
     back = gpuckpt.load_state_dict(tmp_path / "c")
     assert back["w"].tobytes() == sd["w"].numpy().tobytes()
     assert back["bf"].tobytes() == sd["bf"].view(torch.int16).numpy().tobytes()
+
+
+@pytest.mark.torch
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_damaged_dcp_and_dataless_torch_tensors_are_typed_errors(tmp_path: Path) -> None:
+    """A truncated DCP data file is a CheckpointCorruptedError (DCP's own CheckpointException is a
+    BaseException, which ``except Exception`` misses); meta and sparse tensors are refused by
+    name, not by a torch error."""
+    torch = pytest.importorskip("torch")
+    dcp = pytest.importorskip("torch.distributed.checkpoint")
+    dcp.save({"w": torch.randn(64, 64)}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    (data,) = (tmp_path / "dcp").glob("*.distcp")
+    data.write_bytes(data.read_bytes()[:100])
+    with pytest.raises(gpuckpt.CheckpointCorruptedError, match="damaged or incomplete"):
+        convert(tmp_path / "dcp", tmp_path / "c", trust_pickle_metadata=True)
+    assert not (tmp_path / "c").exists()
+    for name, tensor, what in (
+        ("meta", torch.empty(3, device="meta"), "a meta tensor"),
+        ("sparse", torch.eye(3).to_sparse(), "of layout torch.sparse_coo"),
+    ):
+        torch.save({"w": tensor}, tmp_path / f"{name}.pt")
+        with pytest.raises(gpuckpt.UnsupportedValueError, match=what):
+            convert(tmp_path / f"{name}.pt", tmp_path / f"out-{name}")
+        assert not (tmp_path / f"out-{name}").exists()

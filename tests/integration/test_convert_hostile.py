@@ -1,0 +1,159 @@
+"""``convert`` given what it must refuse: files that are not regular files, configs without end,
+destinations around or inside the source, names and metadata a safetensors file cannot hold or that
+another tool changed; typed errors, nothing deleted, nothing written."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import gpuckpt
+from gpuckpt.convert import convert
+from gpuckpt.convert.core import STATE_KEY
+from gpuckpt.convert.safetensors_io import read_safetensors_header
+from gpuckpt.errors import CheckpointExistsError, InvalidOptionError, MetadataError, UnsupportedValueError
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _ckpt(tmp_path: Path, state: dict | None = None) -> Path:
+    path = tmp_path / "ck"
+    gpuckpt.save(state or {"model": {"w": np.arange(12.0).reshape(3, 4)}, "step": 3}, path, sync="none")
+    return path
+
+
+def _tree(path: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+_FIFO = """
+import os, sys
+from gpuckpt.convert import convert
+try:
+    convert(sys.argv[1], sys.argv[2], source_format=sys.argv[3])
+except Exception as exc:
+    print(type(exc).__name__, exc)
+"""
+
+
+@pytest.mark.parametrize("fmt", ["auto", "safetensors"])
+def test_a_fifo_source_is_refused_not_waited_on(tmp_path: Path, fmt: str) -> None:
+    fifo = tmp_path / "model.safetensors"
+    os.mkfifo(fifo)
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    out = subprocess.run(
+        [sys.executable, "-c", _FIFO, str(fifo), str(tmp_path / "out"), fmt],
+        capture_output=True,
+        text=True,
+        timeout=60,  # (a blocking open would wait here for a writer that never comes)
+        env=env,
+    )
+    assert out.stdout.startswith("UnsupportedValueError") and "not a regular file (a FIFO)" in out.stdout, out
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_config_that_is_not_a_small_regular_file_is_refused(tmp_path: Path) -> None:
+    ck = _ckpt(tmp_path)
+    (tmp_path / "zero.json").symlink_to("/dev/zero")
+    os.mkfifo(tmp_path / "fifo.json")
+    with open(tmp_path / "huge.json", "wb") as f:
+        f.truncate(64 << 20)  # sparse: 64 MiB of zeros
+    (tmp_path / "list.json").write_text("[1, 2]")
+    for name, error, match in (
+        ("zero.json", UnsupportedValueError, "not a regular file"),
+        ("fifo.json", UnsupportedValueError, "not a regular file"),
+        ("huge.json", InvalidOptionError, "larger than"),
+        ("list.json", InvalidOptionError, "not a JSON object"),
+    ):
+        with pytest.raises(error, match=match):
+            convert(ck, tmp_path / "hf", target_format="hf", config=tmp_path / name)
+        assert not (tmp_path / "hf").exists(), name
+
+
+def test_an_export_never_replaces_its_source_its_parent_or_other_things(tmp_path: Path) -> None:
+    project = tmp_path / "proj"
+    project.mkdir()
+    ck = _ckpt(project)
+    (project / "notes.txt").write_text("keep me")
+    before = _tree(project)
+    for dst in (ck / "model.w", project, ck):
+        with pytest.raises(InvalidOptionError):
+            convert(ck, dst, target_format="hf", overwrite=True)
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "tokenizer.json").write_text("{}")
+    with pytest.raises(CheckpointExistsError, match=r"tokenizer\.json.*nothing was deleted"):
+        convert(ck, other, target_format="hf", overwrite=True)
+    assert _tree(project) == before and (other / "tokenizer.json").exists()
+    # an export replaces an export
+    convert(ck, tmp_path / "hf", target_format="hf")
+    convert(ck, tmp_path / "hf", target_format="hf", overwrite=True, dtype="float16")
+    (shard,) = (tmp_path / "hf").glob("*.safetensors")
+    header, _, _ = read_safetensors_header(shard)
+    assert header["model.w"]["dtype"] == "F16"
+
+
+def test_a_tensor_named_like_the_metadata_key_is_not_exported(tmp_path: Path) -> None:
+    ck = _ckpt(tmp_path, {"__metadata__": np.ones(2), "w": np.ones(3)})
+    with pytest.raises(UnsupportedValueError, match="reserves the header key"):
+        convert(ck, tmp_path / "hf", target_format="hf")
+    with pytest.raises(UnsupportedValueError, match="reserves the header key"):
+        convert(
+            _ckpt(tmp_path / "b", {"x": {"__metadata__": np.ones(2)}}),
+            tmp_path / "hf",
+            target_format="hf",
+            strip_prefix="x.",
+        )
+    assert not (tmp_path / "hf").exists()
+
+
+def _rewrite_header(path: Path, change) -> None:  # type: ignore[no-untyped-def]
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + n])
+    change(header)
+    new = json.dumps(header).encode()
+    path.write_bytes(len(new).to_bytes(8, "little") + new + raw[8 + n :])
+
+
+def test_a_stored_state_description_that_is_damaged_or_out_of_date_is_a_metadata_error(
+    tmp_path: Path,
+) -> None:
+    ck = _ckpt(tmp_path)
+    st = tmp_path / "m.safetensors"
+    convert(ck, st)
+
+    def bad_formats(h: dict) -> None:
+        extra = json.loads(h["__metadata__"][STATE_KEY])
+        extra["memory_formats"] = 5
+        h["__metadata__"][STATE_KEY] = json.dumps(extra)
+
+    def another_tool(h: dict) -> None:  # a tensor added by a tool that kept the metadata
+        end = max(e["data_offsets"][1] for k, e in h.items() if k != "__metadata__")
+        h["model.new"] = {"dtype": "F64", "shape": [0], "data_offsets": [end, end]}
+
+    for change, match in ((bad_formats, "not a gpuckpt state description"), (another_tool, "model.new")):
+        target = tmp_path / f"{change.__name__}.safetensors"
+        target.write_bytes(st.read_bytes())
+        _rewrite_header(target, change)
+        with pytest.raises(MetadataError, match=match):
+            convert(target, tmp_path / f"out-{change.__name__}")
+        assert not (tmp_path / f"out-{change.__name__}").exists()
+
+
+def test_sizes_and_destinations_give_typed_errors(tmp_path: Path) -> None:
+    ck = _ckpt(tmp_path)
+    for size in ("inf", "1e400"):
+        with pytest.raises(InvalidOptionError, match="is not a size"):
+            convert(ck, tmp_path / "hf", target_format="hf", max_shard_size=size)
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "x").write_text("x")
+    with pytest.raises(CheckpointExistsError, match="destination exists"):
+        convert(ck, tmp_path / "taken")
+    assert (tmp_path / "taken" / "x").read_text() == "x"
