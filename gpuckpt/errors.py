@@ -39,6 +39,7 @@ __all__ = [
     "UnsupportedVersionError",
     "StagingMemoryError",
     "StagingTimeoutError",
+    "StoreError",
     "ForkedSaveError",
     "IncrementalBaseWarning",
 ]
@@ -58,6 +59,12 @@ class CheckpointExistsError(GpuckptError, FileExistsError):
 
 class CheckpointWriteError(GpuckptError, OSError):
     """Writing a checkpoint failed (disk full, I/O error); ``errno`` is the system's."""
+
+
+class StoreError(GpuckptError, OSError):
+    """A request to a store (object storage) was refused or failed while reading or listing: the
+    credentials (``errno.EACCES``), a bucket that does not exist (``errno.ENOENT``), the network
+    or the server (``errno.EIO``). A failed write is a :class:`CheckpointWriteError`."""
 
 
 class MetadataError(GpuckptError, ValueError):

@@ -7,6 +7,7 @@ leaves the machine.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import subprocess
@@ -15,6 +16,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import ml_dtypes
@@ -534,3 +536,54 @@ def test_verify_command_on_s3(endpoint: str, opts: dict[str, Any], prefix: str, 
     assert r.returncode == 1, (r.stdout, r.stderr)
     assert f"{where}: checksum mismatch" in r.stdout and "is damaged" in r.stderr
     assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
+
+
+def test_bad_urls_and_storage_options_are_typed(opts: dict[str, Any]) -> None:
+    for url in ("s3://ckpts/a//b", "s3://ckpts/a/../b"):
+        with pytest.raises(gpuckpt.InvalidPathError, match="plain segments"):
+            gpuckpt.save({"w": np.ones(2)}, url, storage_options=opts)
+    with pytest.raises(gpuckpt.InvalidOptionError, match="not valid S3 settings"):
+        gpuckpt.save({"w": np.ones(2)}, f"s3://{BUCKET}/x", storage_options={**opts, "endpointurl": "x"})
+
+
+def test_a_missing_bucket_is_named_as_such(opts: dict[str, Any]) -> None:
+    with pytest.raises(gpuckpt.CheckpointWriteError, match="the bucket does not exist") as info:
+        gpuckpt.save({"w": np.ones(2)}, "s3://no-such-bucket/x", storage_options=opts)
+    assert info.value.errno == errno.ENOENT
+    with pytest.raises(gpuckpt.StoreError, match="the bucket does not exist") as found:
+        gpuckpt.CheckpointManager("s3://no-such-bucket/run", storage_options=opts).all_steps()
+    assert found.value.errno == errno.ENOENT
+
+
+_WRONG_KEYS = """
+import errno, os, sys
+os.environ["INITIAL_NO_AUTH_ACTION_COUNT"] = "1"  # the server checks signatures once the bucket is made
+import numpy as np, gpuckpt
+from gpuckpt.testing.s3server import loopback_s3, s3_options
+with loopback_s3("ckpts") as endpoint:
+    bad = s3_options(endpoint, aws_access_key_id="WRONGKEY", aws_secret_access_key="nope")
+    for label, fn in (
+        ("load", lambda: gpuckpt.load_state_dict("s3://ckpts/x", storage_options=bad)),
+        ("listing", lambda: gpuckpt.CheckpointManager("s3://ckpts/run", storage_options=bad).all_steps()),
+    ):
+        try:
+            fn()
+            print(label, "no error")
+        except gpuckpt.StoreError as exc:
+            print(label, exc.errno == errno.EACCES, "check the credentials" in str(exc))
+"""
+
+
+def test_wrong_credentials_on_a_load_or_a_listing_are_a_store_error_naming_the_fix(tmp_path: Path) -> None:
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    out = subprocess.run(
+        [sys.executable, "-c", _WRONG_KEYS],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split("\n")[:2] == ["load True True", "listing True True"], out.stdout

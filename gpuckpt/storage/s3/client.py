@@ -42,6 +42,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from gpuckpt.errors import InvalidOptionError, InvalidPathError
+
 __all__ = [
     "DEFAULT_CLIENT_OPTIONS",
     "DEFAULT_MAX_REQUESTS",
@@ -194,19 +196,19 @@ def parse_s3_url(url: str) -> tuple[str, str]:
 
     Raises
     ------
-    ValueError
-        For another scheme, no bucket, no prefix (a checkpoint never takes a
+    InvalidPathError
+        (a ``ValueError``) For another scheme, no bucket, no prefix (a checkpoint never takes a
         whole bucket), or a prefix with empty, ``.`` or ``..`` segments.
     """
     scheme, sep, rest = url.partition("://")
     if scheme.lower() != "s3" or not sep:
-        raise ValueError(f"{url!r} is not an s3:// URL; expected s3://bucket/prefix")
+        raise InvalidPathError(f"{url!r} is not an s3:// URL; expected s3://bucket/prefix")
     bucket, _, prefix = rest.partition("/")
     prefix = prefix.strip("/")
     segments = prefix.split("/") if prefix else []
     bad = [s for s in segments if s in ("", ".", "..") or any(c in s for c in "\\\0?#")]
     if not bucket or not segments or bad:
-        raise ValueError(
+        raise InvalidPathError(
             f"{url!r}: expected s3://bucket/prefix with a non-empty prefix of plain segments "
             f"(no '', '.', '..', '?', '#'); found bucket {bucket!r}, prefix {prefix!r}"
         )
@@ -249,7 +251,7 @@ def obstore_for(url: str, options: dict[str, Any]) -> Any:
             **config,
         )
     except (BaseError, TypeError) as exc:
-        raise ValueError(
+        raise InvalidOptionError(
             f"storage_options for {url} are not valid S3 settings ({first_line(exc)}); use endpoint_url, "
             "region, access_key_id, secret_access_key, session_token, allow_http, skip_signature, "
             "or another obstore S3Config key"

@@ -8,6 +8,7 @@ import errno
 from collections.abc import Iterator
 from typing import Any
 
+from gpuckpt.errors import StoreError
 from gpuckpt.format.documents import ROOT_KEY, is_chunk_file_key, too_large
 from gpuckpt.format.names import is_safe_name
 from gpuckpt.format.records import is_column_array_name
@@ -78,7 +79,7 @@ class Prefix:
         return True
 
     #: what errors of the store become (:meth:`_io`) where no other type is asked for
-    _error: type[OSError] = OSError
+    _error: type[OSError] = StoreError
 
     @contextlib.contextmanager
     def _io(self, what: str, error: type[OSError] | None = None) -> Iterator[None]:
@@ -97,6 +98,10 @@ class Prefix:
 
         try:
             yield
+        except FileNotFoundError as exc:  # an object not found passes, a bucket not found does not
+            if "NoSuchBucket" in str(exc):
+                raise error(errno.ENOENT, self._no_bucket(what)) from None
+            raise
         except (PermissionDeniedError, UnauthenticatedError) as exc:
             raise error(
                 errno.EACCES,
@@ -110,7 +115,22 @@ class Prefix:
                 "support conditional puts (If-None-Match), pass storage_options conditional_writes=False",
             ) from None
         except BaseError as exc:
+            text = str(exc)
+            if "NoSuchBucket" in text:
+                raise error(errno.ENOENT, self._no_bucket(what)) from None
+            if "403 Forbidden" in text or "AccessDenied" in text or "InvalidAccessKeyId" in text:
+                raise error(
+                    errno.EACCES,
+                    f"{what} at {self.path} was refused ({first_line(exc)}); check the credentials "
+                    "and bucket policy in storage_options",
+                ) from None
             raise error(errno.EIO, f"{what} at {self.path} failed: {first_line(exc)}") from exc
+
+    def _no_bucket(self, what: str) -> str:
+        return (
+            f"{what} at {self.path}: the bucket does not exist; create it, or fix the bucket in the URL "
+            "(and the endpoint in storage_options)"
+        )
 
     def _get_small(self, rel: str, limit: int, name: str) -> bytes | None:
         """The object ``rel`` (None when absent), refused unread above ``limit`` (the cap ``name``)."""
