@@ -38,9 +38,15 @@ def _failures(error: BaseException, rank: int) -> dict[int, str]:
 def _own(error: BaseException, doing: str) -> BaseException:
     """The error a single process raised itself (a collective of one wraps it in a
     :class:`DistributedError` whose cause it is), noting what the background work was doing."""
+    error = _cause(error)
+    error.add_note(f"(while {doing}, in the manager's background work)")
+    return error
+
+
+def _cause(error: BaseException) -> BaseException:
+    """The exception a collective of one process wrapped (itself, when it is not wrapped)."""
     while isinstance(error, DistributedError) and error.__cause__ is not None:
         error = error.__cause__
-    error.add_note(f"(while {doing}, in the manager's background work)")
     return error
 
 
@@ -262,10 +268,8 @@ class TieredSaves:
         try:
             api.load(state_dict, self.steps.store.child(name), coordinator=self.queries, **options)
         except Exception as exc:  # (nothing of the tiers was deleted)
-            error: BaseException = exc
-            if self.queries.world_size == 1:  # one process: its own error, not one rank's report
-                while isinstance(error, DistributedError) and error.__cause__ is not None:
-                    error = error.__cause__
+            # one process: its own error, not one rank's report
+            error = _cause(exc) if self.queries.world_size == 1 else exc
             if unused:
                 error.add_note(f"restoring step {choice.step} of the root{unused}")
             if error is exc:
