@@ -89,7 +89,8 @@ def detect_format(path: str | os.PathLike[str]) -> str:
         return "safetensors"
     with open_source(p) as f:
         head = f.read(4)
-    if head == b"PK\x03\x04" or head[:1] == b"\x80":  # zip (torch >= 1.6) or legacy pickle
+    # zip (torch >= 1.6), or a legacy pickle: PROTO (0x80) and a protocol torch.save writes (2-5)
+    if head == b"PK\x03\x04" or (len(head) > 1 and head[0] == 0x80 and 2 <= head[1] <= 5):
         return "torch"
     raise UnsupportedValueError(
         f"cannot tell the format of {p}: not safetensors, not a torch.save file; "

@@ -84,7 +84,8 @@ def is_safetensors(path: str | os.PathLike[str]) -> bool:
             return False
         if f.read(1) != b"{":
             return False
-        raw = b"{" + f.read(n - 1)
+        f.seek(8)
+        raw = f.read(n)  # one buffer: a header near the cap is not copied once more
     if len(raw) < n:
         return False
     try:

@@ -40,14 +40,17 @@ def part_name(step: int, rank: int) -> str:
 
 
 def parse_part_name(name: str) -> tuple[int, int] | None:
-    """``(step, rank)`` of a part's directory name, else None."""
+    """``(step, rank)`` of a part's directory name, else None: only the name :func:`part_name`
+    gives (``step_120.rank_3`` is no part's name; a restore, which opens parts by
+    :func:`part_name`, would not find it)."""
     head, sep, tail = name.partition(".rank_")
     if not sep or not head.startswith("step_"):
         return None
     step, rank = head.removeprefix("step_"), tail
     if not (step.isdigit() and rank.isdigit() and step.isascii() and rank.isascii()):
         return None
-    return int(step), int(rank)
+    parsed = int(step), int(rank)
+    return parsed if part_name(*parsed) == name else None
 
 
 @dataclass(frozen=True)

@@ -159,7 +159,7 @@ def parse_header(raw: bytes, data_len: int, where: str) -> tuple[dict[str, Any],
     return header, meta
 
 
-def parse_index(raw: bytes, where: str) -> tuple[dict[str, str], dict[str, Any]]:
+def parse_index(raw: bytes | bytearray, where: str) -> tuple[dict[str, str], dict[str, Any]]:
     """``(weight_map, metadata)`` of a ``model.safetensors.index.json`` document ``raw``.
 
     Every shard name must be a plain file name ending in ``.safetensors`` (no directory

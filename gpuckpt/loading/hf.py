@@ -196,7 +196,7 @@ def open_hf(path: str | os.PathLike[str]) -> HfSource:
         read_exact_at(fd, raw, 0)
     finally:
         os.close(fd)
-    wmap, meta = parse_index(bytes(raw), os.fspath(index))
+    wmap, meta = parse_index(raw, os.fspath(index))  # parsed where it was read: no copy
     return HfSource(p, {name: p / shard for name, shard in wmap.items()}, meta)
 
 

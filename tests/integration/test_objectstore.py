@@ -553,6 +553,13 @@ def test_a_missing_bucket_is_named_as_such(opts: dict[str, Any]) -> None:
     with pytest.raises(gpuckpt.StoreError, match="the bucket does not exist") as found:
         gpuckpt.CheckpointManager("s3://no-such-bucket/run", storage_options=opts).all_steps()
     assert found.value.errno == errno.ENOENT
+    # reads too: a missing bucket is not "no checkpoint at" the URL
+    for read in (gpuckpt.load_state_dict, gpuckpt.read_metadata):
+        with pytest.raises(gpuckpt.StoreError, match="no-such-bucket/x: the bucket does not exist") as found:
+            read("s3://no-such-bucket/x", storage_options=opts)
+        assert found.value.errno == errno.ENOENT
+    with pytest.raises(gpuckpt.CheckpointNotFoundError, match="no checkpoint at"):
+        gpuckpt.load_state_dict(f"s3://{BUCKET}/never-saved", storage_options=opts)
 
 
 _WRONG_KEYS = """

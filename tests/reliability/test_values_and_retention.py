@@ -82,6 +82,12 @@ def test_torch_files_and_junk_are_still_told_apart(tmp_path: Path) -> None:
     short.write_bytes((1000).to_bytes(8, "little") + b'{"a": 1}')
     with pytest.raises(UnsupportedValueError, match="cannot tell the format"):
         detect_format(short)
+    # 0x80 without a protocol torch.save writes next: no torch file (and no "needs torch")
+    for head in (b"\x80", b"\x80\x00", b"\x80\x06", b"\x80\xff"):
+        odd = tmp_path / "odd.bin"
+        odd.write_bytes(head + b"\x00" * 64)
+        with pytest.raises(UnsupportedValueError, match="cannot tell the format"):
+            detect_format(odd)
 
 
 def test_tensor_named_metadata_is_refused_before_writing(tmp_path: Path) -> None:

@@ -111,6 +111,15 @@ def test_retention_keeps_the_newest_and_the_pinned_and_never_a_later_step() -> N
 def test_part_names_and_records_round_trip_and_malformed_records_are_refused() -> None:
     assert parse_part_name(part_name(120, 3)) == (120, 3)
     assert parse_part_name("step_00000120") is None and parse_part_name("step_x.rank_1") is None
+    # only the canonical name: a restore opens parts by part_name, so no other spelling counts
+    assert parse_part_name(part_name(10**9, 1 << 20)) == (10**9, 1 << 20)
+    for odd in (
+        "step_120.rank_00003",
+        "step_00000120.rank_3",
+        "step_000000120.rank_00003",
+        "step_+0000120.rank_00003",
+    ):
+        assert parse_part_name(odd) is None, odd
     rec = PartRecord(120, "id", 3, 4, "n1", "L", {"w": (((0, 2), (4, 6)),)})
     assert PartRecord.from_planner_data({PART_KEY: rec.to_json()}) == rec
     assert PartRecord.from_planner_data({"structure": {}}) is None

@@ -139,7 +139,9 @@ class Prefix:
         with self._io(f"reading {rel}"):
             try:
                 res = obs.get(self._obs, rel)
-            except FileNotFoundError:
+            except FileNotFoundError as exc:
+                if "NoSuchBucket" in str(exc):  # not an absent object: _io names the bucket
+                    raise
                 return None
             size = res.meta["size"]
             if size > limit:
