@@ -219,7 +219,8 @@ def load(
     its tensor names once flattened; only the shards holding the state's keys are read.
 
     Every array in ``state_dict`` is filled with the stored values (shape and
-    dtype must match); plain values are replaced; an entry whose value is not
+    dtype must match); plain values are replaced (inside a tuple, by a new tuple
+    of the same items in the tuple's place); an entry whose value is not
     an array but was stored as a tensor receives a new array. Keys missing
     from the checkpoint are an error unless ``strict=False``; checkpoint keys
     absent from ``state_dict`` are not read (partial load). All checks run

@@ -35,6 +35,23 @@ _MAX_DEPTH = 200
 
 
 @dataclass(slots=True)
+class _TupleSlot:
+    """A tuple of a state dict, as the list its leaves are replaced in, and where it lives: a
+    tuple cannot change, so a replaced leaf puts a new tuple in its place (and so on up, for
+    tuples in tuples; the root is a dict)."""
+
+    items: list[Any]
+    container: Any
+    key: Any
+    outer: _TupleSlot | None
+
+    def rebuild(self) -> None:
+        self.container[self.key] = tuple(self.items)
+        if self.outer is not None:
+            self.outer.rebuild()
+
+
+@dataclass(slots=True)
 class Leaf:
     """A leaf of a state dict and where it lives, so that a load can replace it."""
 
@@ -42,9 +59,13 @@ class Leaf:
     value: Any
     container: Any
     key: Any
+    #: the tuple the leaf is in (its ``container`` is then that tuple's list of items)
+    tuple_slot: _TupleSlot | None = None
 
     def replace(self, value: Any) -> None:
         self.container[self.key] = value
+        if self.tuple_slot is not None:
+            self.tuple_slot.rebuild()
 
 
 def _contains_array(value: Any, is_array: Callable[[Any], bool], depth: int = 0) -> bool:
@@ -62,8 +83,9 @@ def flatten_state_dict(
 ) -> tuple[dict[str, Leaf], dict[str, Any]]:
     """Flatten ``state_dict`` into ``{fqn: Leaf}`` and a JSON skeleton.
 
-    Tuples are immutable: arrays inside them are still filled in place by a
-    load, but plain values inside them cannot be replaced and are left as is.
+    Tuples are immutable: arrays inside them are filled in place by a load, and
+    replacing a leaf inside one (:meth:`Leaf.replace`) puts a new tuple of the same
+    items, the new leaf among them, where the tuple was.
 
     Raises
     ------
@@ -78,7 +100,9 @@ def flatten_state_dict(
     leaves: dict[str, Leaf] = {}
     active: set[int] = set()
 
-    def visit(container: Any, key: Any, value: Any, prefix: str, depth: int) -> Any:
+    def visit(
+        container: Any, key: Any, value: Any, prefix: str, depth: int, slot: _TupleSlot | None = None
+    ) -> Any:
         if depth > _MAX_DEPTH:
             raise UnsupportedValueError(f"state dict nesting deeper than {_MAX_DEPTH} at {prefix!r}")
         traverse = isinstance(value, dict) or (
@@ -90,7 +114,7 @@ def flatten_state_dict(
                     f"two entries flatten to the same name {prefix!r} (e.g. a key 'a.b' next to "
                     "a nested 'a' -> 'b'); rename one of them"
                 )
-            leaves[prefix] = Leaf(prefix, value, container, key)
+            leaves[prefix] = Leaf(prefix, value, container, key, slot)
             return {"v": prefix}
         if id(value) in active:
             raise UnsupportedValueError(f"the state dict contains a reference cycle at {prefix!r}")
@@ -114,9 +138,16 @@ def flatten_state_dict(
                         ) from None
                     items.append(["i" if isinstance(k, int) else "s", k, visit(value, k, v, name, depth + 1)])
                 return {"d": items}
-            seq = value if isinstance(value, list) else list(value)
+            # a list's leaves live in the list; a tuple's in a list that makes a new tuple
+            # where the tuple was, in its container, when one is replaced; a dict or list
+            # inside a tuple is changed in place, so the tuple stays as it is for them
+            seq, inner = value, None
+            if isinstance(value, tuple):
+                seq = list(value)
+                inner = _TupleSlot(seq, container, key, slot)
             kids = [
-                visit(seq, i, v, f"{prefix}.{i}" if depth else str(i), depth + 1) for i, v in enumerate(seq)
+                visit(seq, i, v, f"{prefix}.{i}" if depth else str(i), depth + 1, inner)
+                for i, v in enumerate(seq)
             ]
             return {"l": kids} if isinstance(value, list) else {"t": kids}
         finally:

@@ -34,6 +34,36 @@ def test_round_trip_preserves_containers_and_key_types() -> None:
     assert back["l"] == [1, 2]
 
 
+def test_replacing_a_leaf_inside_tuples_puts_new_tuples_in_their_places(tmp_path) -> None:
+    import gpuckpt
+
+    w, v = np.zeros(2), np.zeros(3)
+    sd = {
+        "t": ("old", w, ("deep", v, [1, ("x", np.zeros(1))])),
+        "d": {"pair": (np.zeros(1), 7)},
+        "l": [("a", np.zeros(1))],
+    }
+    leaves, _ = flatten_state_dict(sd, is_array)
+    leaves["t.0"].replace("new")
+    leaves["t.2.0"].replace("DEEP")
+    leaves["t.2.2.1.0"].replace("y")
+    leaves["d.pair.1"].replace(8)
+    leaves["l.0.0"].replace("b")
+    assert sd["t"][0] == "new" and sd["t"][1] is w  # the arrays are the same objects
+    assert sd["t"][2][0] == "DEEP" and sd["t"][2][1] is v and sd["t"][2][2][1][0] == "y"
+    assert isinstance(sd["t"], tuple) and isinstance(sd["t"][2], tuple) and isinstance(sd["t"][2][2], list)
+    assert sd["d"]["pair"][1] == 8 and sd["l"][0] == ("b", sd["l"][0][1])
+    # a load in place: plain values inside tuples are the stored ones, not left as they were
+    saved = {"t": ("new", np.ones(2)), "n": {"p": (3, (4.5, np.arange(2)))}}
+    gpuckpt.save(saved, tmp_path / "c")
+    target = {"t": ("old", np.zeros(2)), "n": {"p": (0, (0.0, np.zeros(2, np.int64)))}}
+    arr = target["t"][1]
+    gpuckpt.load(target, tmp_path / "c")
+    assert target["t"][0] == "new" and target["t"][1] is arr and arr.tolist() == [1.0, 1.0]
+    assert target["n"]["p"][0] == 3 and target["n"]["p"][1][0] == 4.5
+    assert target["n"]["p"][1][1].tolist() == [0, 1]
+
+
 def test_partial_unflatten_drops_unselected_containers_and_keys_partial_sequences_by_position() -> None:
     sd = {"a": {"x": np.ones(1), "y": np.ones(1)}, "b": {"z": np.ones(1)}, "s": [np.ones(1), np.ones(1)]}
     _, skel = flatten_state_dict(sd, is_array)
