@@ -16,7 +16,6 @@ by ``bench_tiers.py`` too; mpi4py and torch are imported only when a rank runs.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import shutil
@@ -236,10 +235,17 @@ class TierProbe:
         finish, replicate, exchange, rank = tier._finish, tier._replicate, tier._exchange, tier.rank
 
         def timed_finish(step: int, written: Any, *rest: Any) -> None:
-            if written is not None:
-                with contextlib.suppress(Exception):
-                    written.exception()
-            self.marks.setdefault(part_name(step, rank), {})["committed"] = time.perf_counter()
+            # the part's write starts once every rank's snapshot is done, which the tier's
+            # thread learns in _finish: its end is marked by the write's own future
+            marks = self.marks.setdefault(part_name(step, rank), {})
+
+            def committed(_: Any) -> None:
+                marks["committed"] = time.perf_counter()
+
+            if written is None:
+                committed(None)
+            else:
+                written._future.add_done_callback(committed)
             finish(step, written, *rest)
 
         def timed_replicate(step: int) -> None:

@@ -60,3 +60,17 @@ def test_bench_tiers_toy_run(tmp_path: Path, transport: str) -> None:
     assert res["date"].endswith("UTC") and "local_is_tmpfs" in res and res["transport"] == transport
     # everything the run wrote was removed
     assert not any(q.name.startswith("gpuckpt-bench-tiers-") for q in [*tmp_path.iterdir(), *local.iterdir()])
+
+
+@_NO_MPI
+def test_bench_tier_gate_toy_run(tmp_path: Path) -> None:
+    out = tmp_path / "g.json"
+    cmd = [str(MPIEXEC), "-n", "4", sys.executable, str(REPO / "bench" / "bench_tier_gate.py")]
+    cmd += ["--mib", "1", "--pairs", "2", "--warmup", "1", "--op-settle", "0", "--json", str(out)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=90)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    res = json.loads(out.read_text())
+    assert set(res["per_rank_median"]) == {"0", "1", "2", "3"}
+    for arm in ("on", "off"):
+        assert len(res["worst_rank_per_step"][arm]) == 2 and res["worst_rank_median"][arm] > 0
+    assert "worst rank per step, median: gate on" in p.stdout

@@ -10,6 +10,7 @@ import os
 import shutil
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ import pytest
 import gpuckpt
 from gpuckpt.distributed import DistributedError, run_ranks
 from gpuckpt.format.parts import PartRecord, part_name
+from gpuckpt.tiers.local import WriteGate
 
 
 @pytest.fixture
@@ -537,3 +539,73 @@ def test_a_restore_into_a_state_of_another_layout_deletes_nothing_and_says_why(
         assert (
             g.startswith("any step: no step is complete") and "step(s) [4, 5]" in g and "rank(s) [2]" in g
         ), g
+
+
+class _TimedThread:
+    """A tier's writer thread that notes when each job it runs starts."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.starts = inner, []
+
+    def submit(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        def run() -> Any:
+            self.starts.append(time.monotonic())
+            return fn(*args, **kwargs)
+
+        return self.inner.submit(run)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def _held_writes(tmp_path: Path, delay: float) -> list[dict[str, Any]]:
+    """Two ranks save step 2, rank 1 ``delay`` s late in beginning its part: when each rank's
+    snapshot was done, when its part's write started, how long its save took, its part."""
+
+    def rank(c: Any) -> dict[str, Any]:
+        mgr = gpuckpt.CheckpointManager(
+            tmp_path / "root", local_dir=tmp_path / f"n{c.rank}", node=f"n{c.rank}", replicas=0, coordinator=c
+        )
+        tier = mgr._tiered.tier  # type: ignore[union-attr]
+        tier._writer = timed = _TimedThread(tier._writer)
+        begin, out = tier.begin, {}
+
+        def late_begin(step: int, *a: Any) -> None:
+            if c.rank == 1 and step == 2:
+                time.sleep(delay)
+            begin(step, *a)
+            out["snapshot_done"] = time.monotonic()
+
+        tier.begin = late_begin
+        mgr.save(1, {"w": np.zeros(1 << 16, np.float32)})  # (the first save checks the budget: a collective)
+        mgr.wait()
+        t = time.monotonic()
+        mgr.save(2, {"w": np.full(1 << 16, c.rank, np.float32)})
+        out["save_s"] = time.monotonic() - t
+        mgr.wait()
+        out["write_started"] = timed.starts[3]  # each step's first job is its gate's hold
+        out["part"] = gpuckpt.load_state_dict(tmp_path / f"n{c.rank}" / part_name(2, c.rank))["w"]
+        mgr.close()
+        return out
+
+    return run_ranks(2, rank, timeout=60)
+
+
+def test_a_parts_write_starts_once_every_ranks_snapshot_is_done(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 1 begins its step 0.4 s late: rank 0's part is written only after rank 1's snapshot
+    is done (rank 0's save itself does not wait for it), and both parts are whole."""
+    monkeypatch.setattr(WriteGate, "MIN_HOLD_S", 30.0)
+    r0, r1 = _held_writes(tmp_path, 0.4)
+    assert r0["write_started"] >= r1["snapshot_done"], (r0, r1)
+    assert r0["save_s"] < 0.3, r0  # the wait is the tier thread's, not the save's
+    assert (r0["part"] == 0).all() and (r1["part"] == 1).all()
+
+
+def test_a_write_is_held_at_most_twice_its_own_snapshot(tmp_path: Path) -> None:
+    """A rank far slower than the others (1 s late, the others' snapshots taking milliseconds)
+    does not hold their writes for long: rank 0's part is written before rank 1's snapshot."""
+    r0, r1 = _held_writes(tmp_path, 1.0)
+    assert r0["write_started"] < r1["snapshot_done"] - 0.5, (r0, r1)
+    assert (r0["part"] == 0).all() and (r1["part"] == 1).all()
