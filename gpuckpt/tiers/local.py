@@ -57,10 +57,11 @@ class WriteGate:
 
     The snapshots are the part of a save that blocks training: a rank that finished its copy
     first would otherwise write beside the copies of the ranks sharing its node's cores and
-    memory bandwidth (4 ranks on 2 cores: the slowest rank's save 1.44x a plain copy of its
-    state, 1.13x held). The bound keeps a rank from waiting on a far slower one, and keeps ranks
-    that are threads of one process from waiting on each other's staging memory: held writes
-    keep their snapshots' arenas, which a snapshot of another of those ranks may wait for."""
+    memory bandwidth (4 MPI ranks on 2 cores: the slowest rank's save 1.44x a plain copy of
+    its state, 1.16x held; bench/RESULTS.md, 2026-12-04). The bound keeps a rank from waiting
+    on a far slower one, and keeps ranks that are threads of one process from waiting on each
+    other's staging memory: held writes keep their snapshots' arenas, which a snapshot of
+    another of those ranks may wait for."""
 
     #: the least a write is held for (a tiny state's snapshot takes microseconds)
     MIN_HOLD_S = 0.05
@@ -154,7 +155,7 @@ class LocalTier(PartExchange):
         self._tiled: tuple[str, ...] | None = None
         #: writes of parts restores fetched from peers (:meth:`_keep_fetched`)
         self._fetched: list[Future[None]] = []
-        #: the arrays the last drain read its part into, and their layout (:meth:`_read_into_kept`)
+        #: the arrays the last drain read its part into, and the part's shape (:meth:`_read_into_kept`)
         self._drain_buffers: tuple[str, dict[str, Any]] | None = None
         queries.barrier()  # nobody writes before every leader has cleaned up
 
