@@ -306,13 +306,17 @@ def async_save_with_options(
     coordinator: Coordinator | None = None,
     *,
     writer_thread: Workers | None = None,
+    reuse_files_of: str | os.PathLike[str] | None = None,
 ) -> SaveFuture:
     """:func:`async_save` with its options made (what :class:`~gpuckpt.CheckpointManager` calls).
 
     The cyclic garbage collector is paused until it returns (describing, planning and
     the snapshot: the caller's wait), not while the save writes in the background.
     ``writer_thread``: the thread that writes a single process's save (default: the
-    process's writer thread); a local tier passes its own, at a lower priority."""
+    process's writer thread); a local tier passes its own.
+    ``reuse_files_of``: a directory the caller gives up, whose files the save's files of the
+    same names may overwrite (:meth:`~gpuckpt.storage.base.CheckpointWriter.reuse_files_of`;
+    a single process's save to a local directory; a local tier passes the part it retires)."""
     check_coordinator(coordinator)
     check_base_target(path, options)
     if coordinator is not None or contains_sharded(state_dict):
@@ -341,6 +345,8 @@ def async_save_with_options(
         expected_files=len(local.tensors) + 1 if plan is None else plan.nfiles,
         direct_io=options.use_direct_io(True),
     )
+    if reuse_files_of is not None:
+        writer.reuse_files_of(reuse_files_of)
 
     def run(snap: dict[str, tuple[Source, ...]]) -> Callable[[], Metadata]:
         def save() -> Metadata:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import functools
+import os
 import stat
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -227,6 +228,14 @@ class CheckpointWriter(ABC):
 
     #: what this store does differently (see :class:`Capabilities`)
     capabilities: Capabilities = Capabilities()
+
+    def reuse_files_of(self, path: str | os.PathLike[str]) -> None:
+        """Before :meth:`begin`: the files of the directory ``path``, which the caller gives up,
+        may be overwritten by this save's files of the same names, so that their storage is
+        used again (on tmpfs, pages already allocated); whatever of them this save does not
+        write is deleted at its commit or abort. A store that cannot do so ignores it (the
+        default) and ``path`` stays as it is."""
+        del path  # (the default: nothing reused)
 
     @property
     def token(self) -> str | None:

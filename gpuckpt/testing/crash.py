@@ -173,6 +173,8 @@ def _traced(emit: _Tracer) -> Iterator[None]:
     from gpuckpt.storage.local import root as local_root
 
     wrap(local_root.LocalRoot, "_delete_one", lambda *a, **k: emit("retention"))
+    # a retired step's part leaving a local tier into the save that reuses its files
+    wrap(W, "_take_over", lambda *a, **k: emit("retention"))
     # a background snapshot being taken; a local tier's replication or fetch round beginning
     import gpuckpt.background as background
     from gpuckpt.tiers import LocalTier

@@ -314,7 +314,11 @@ class LocalTier(PartExchange):
             began = time.monotonic()
             try:
                 written = async_save_with_options(
-                    view, self.dir / part_name(step, self.rank), options, writer_thread=self._writer
+                    view,
+                    self.dir / part_name(step, self.rank),
+                    options,
+                    writer_thread=self._writer,
+                    reuse_files_of=self._retired_part(step),
                 )
             except Exception as exc:  # the others learn of it in the step's first collective
                 error = exc
@@ -322,6 +326,20 @@ class LocalTier(PartExchange):
                 gate.snapshot_took(time.monotonic() - began)
         tensors = self._described[1] if self._described is not None and error is None else ()
         self._jobs[step] = self._thread.submit(self._finish, step, written, error, layout, tensors, gate)
+
+    def _retired_part(self, step: int) -> Path | None:
+        """This rank's part of the oldest step that the tier's retention deletes once ``step``
+        is in (never a pinned one: being drained), whose files the part of ``step`` is written
+        into, as a replica is into the copy it retires: on tmpfs new files cost page
+        allocation and zeroing, about as much again as the copy (see :meth:`_recycled`).
+        The part leaves the tier in one rename when the write begins; if the write then
+        fails, that step, which this one retires anyway, has lost this rank's part."""
+        present = {s for s, _ in self._parts()} | {step}
+        for old in tier_retention(present, self.keep, step, set(self.pinned) | {step}):
+            name = part_name(old, self.rank)
+            if self._store.is_committed(name):
+                return self.dir / name
+        return None
 
     def _finish(
         self,

@@ -103,3 +103,29 @@ def test_a_damaged_part_fails_its_drain_and_the_next_drain_reads_anew(tmp_path: 
         gpuckpt.load_state_dict(tmp_path / "root" / "step_00000006")["w"], _state(6)["w"]
     )
     mgr.close()
+
+
+def test_a_part_is_written_into_the_files_of_the_part_it_retires(tmp_path: Path) -> None:
+    """local_max_to_keep=2: step s's part takes the files of step s-2's part (on tmpfs, pages
+    already allocated); every step restores bit-exactly and the tier holds two steps."""
+    mgr = gpuckpt.CheckpointManager(
+        tmp_path / "root", local_dir=tmp_path / "tier", replicas=0, persist_interval_steps=100
+    )
+    inode = {}
+    for step in (1, 2, 3, 4):
+        mgr.save(step, {"w": np.full(1 << 21, step, np.float32), "step": step})  # one 8 MiB chunk
+        mgr.wait()
+        chunk = tmp_path / "tier" / part_name(step, 0) / "w" / "c.0"
+        inode[step] = chunk.stat().st_ino
+    assert inode[3] == inode[1] and inode[4] == inode[2] and inode[1] != inode[2], inode
+    assert mgr.local_steps() == [3, 4]
+    mgr.close()
+    target = {"w": np.zeros(1 << 21, np.float32), "step": 0}
+    again = gpuckpt.CheckpointManager(
+        tmp_path / "root", local_dir=tmp_path / "tier", replicas=0, persist_interval_steps=100
+    )
+    assert again.restore(target) == 4 and (target["w"] == 4).all() and target["step"] == 4
+    again.close()
+    for step in (3, 4):  # each part whole, its chunks cut to their sizes
+        got = gpuckpt.load_state_dict(tmp_path / "tier" / part_name(step, 0))
+        assert (got["w"] == step).all()

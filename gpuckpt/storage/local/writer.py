@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -75,6 +76,8 @@ __all__ = [
 
 _MANY_FILES = 64
 _WRITEBACK_MIN = 1 << 20
+#: where a directory given to :meth:`LocalWriter.reuse_files_of` lies until the commit
+REUSED_NAME = ".gpuckpt-reused"
 _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
 #: ``ioctl(dst, FICLONE, src)``: share the source's blocks (btrfs, XFS with reflink, bcachefs)
 _FICLONE = 0x40049409
@@ -123,6 +126,9 @@ class LocalWriter(CheckpointWriter):
         use_direct = direct_io and sync != "none" and direct_io_available()
         self._direct = DirectWriter() if use_direct else None
         self._published: dict[str, int | None] = {}  # base root -> its root document's mtime
+        self._reuse_from: Path | None = None  # a directory given up to this save (reuse_files_of)
+        self._reused: Path | None = None  # where it lies in the temporary directory, once moved
+        self._reused_fds: set[int] = set()  # files open over a reused file's bytes
         self._begun = "new"  # how the target looked when the save began (see _target_mode)
 
     @property
@@ -198,6 +204,13 @@ class LocalWriter(CheckpointWriter):
             return "into"
         return "replace"
 
+    def reuse_files_of(self, path: str | os.PathLike[str]) -> None:
+        """See :meth:`CheckpointWriter.reuse_files_of`: at :meth:`begin` the directory moves
+        into this save's temporary directory in one rename (on the same file system; else it
+        stays where it is), and each file created under a name it holds takes that file,
+        overwritten and cut to its new size, rather than a new one."""
+        self._reuse_from = Path(path)
+
     def begin(self) -> None:
         # first: a checkpoint a crashed overwrite set aside is put back before anything is judged
         cleanup_stale_temporaries(self.path)
@@ -205,6 +218,17 @@ class LocalWriter(CheckpointWriter):
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.tmp, self._lock_fd = self._make_locked(self.tmp, TMP_TAG)
         self._dirs.append(self.tmp)
+        if self._reuse_from is not None:
+            self._take_over(self._reuse_from)
+
+    def _take_over(self, given: Path) -> None:
+        """Move the directory given to :meth:`reuse_files_of` into the temporary directory."""
+        reused = self.tmp / REUSED_NAME
+        try:
+            os.rename(given, reused)
+        except OSError:  # gone meanwhile, or on another file system: new files
+            return
+        self._reused = reused
 
     def _make_locked(self, first: Path, tag: str) -> tuple[Path, int | None]:
         """A new directory (``first``, else another new name with ``tag``) and its lock, which tells
@@ -239,13 +263,47 @@ class LocalWriter(CheckpointWriter):
             fsutil.unlock(fd)
 
     def _create(self, rel: str) -> int:
-        return os.open(f"{self.tmp}/{rel}", _CREATE_FLAGS, 0o644)
+        path = f"{self.tmp}/{rel}"
+        if self._reused is not None:
+            fd = self._take_reused(rel, path)
+            if fd is not None:
+                return fd
+        return os.open(path, _CREATE_FLAGS, 0o644)
+
+    def _take_reused(self, rel: str, path: str) -> int | None:
+        """The reused directory's file ``rel`` moved to ``path`` and opened over its bytes, or
+        None where there is none (what stood there that is no regular file is removed)."""
+        try:
+            os.rename(f"{self._reused}/{rel}", path)
+        except OSError:  # none of that name (or its folder is not made yet)
+            return None
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        except OSError:  # a link, a directory, ...
+            if os.path.isdir(path) and not os.path.islink(path):
+                fsutil.rmtree_quiet(Path(path))
+            else:
+                os.unlink(path)
+            return None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            os.unlink(path)
+            return None
+        self._reused_fds.add(fd)
+        return fd
+
+    def _end_file(self, fd: int) -> None:
+        """A written file opened over a reused one's bytes is cut where its writes ended."""
+        if fd in self._reused_fds:
+            self._reused_fds.discard(fd)
+            os.ftruncate(fd, os.lseek(fd, 0, os.SEEK_CUR))
 
     def _write_file(self, rel: str, parts: Sequence[Any]) -> None:
         fd = self._create(rel)
         try:
             for p in parts:
                 write_all(fd, p)
+            self._end_file(fd)
             if self.sync == "file":
                 os.fsync(fd)
         finally:
@@ -328,6 +386,7 @@ class LocalWriter(CheckpointWriter):
                     digest.update(piece)
                     write_all(fd, piece)
                 write_all(fd, digest.trailer())
+            self._end_file(fd)
             self._settle(fd, total)
         finally:
             os.close(fd)
@@ -368,7 +427,7 @@ class LocalWriter(CheckpointWriter):
             import fcntl
         except ImportError:  # pragma: no cover - not POSIX
             return False
-        fd = self._create(rel)
+        fd = os.open(f"{self.tmp}/{rel}", _CREATE_FLAGS, 0o644)  # (never a reused file)
         try:
             fcntl.ioctl(fd, _FICLONE, src_fd)
             self._settle(fd, nbytes)
@@ -470,6 +529,9 @@ class LocalWriter(CheckpointWriter):
             fsutil.fsync_dir(d)
 
     def commit(self, root_document: bytes) -> None:
+        if self._reused is not None:  # what this save did not take of the reused files
+            fsutil.rmtree_quiet(self._reused)
+            self._reused = None
         self._write_file(ROOT_KEY, [root_document])
         self._make_durable()
         try:
