@@ -16,8 +16,10 @@ on the same bytes, by the same ranks at the same time:
 2. the tier's write: from the part's write starting on the writer thread to the part committed
    in the tier (timed by wrappers around the calls the tier makes: ``gpuckpt.background.submit``
    and ``LocalTier._finish``; see ``bench/tiers_ranks.py``'s ``TierProbe``) against plain
-   ``os.write`` of the same arrays into new files in the same tmpfs directory, by as many
-   threads as the save's I/O threads; target >= 0.8.
+   ``os.write`` of the same arrays into files in the same tmpfs directory, by as many threads
+   as the save's I/O threads; target >= 0.8. The ceiling's files are kept from round to round
+   and overwritten in place (their pages allocated once, in the warm-up), as the tier writes
+   each part into the files of the part its step retires: both are the copy alone.
 3. replication: the replication round (``LocalTier._replicate``, wrapped) against
    ``exchange_buffers`` of the same arrays between the same pairs (each rank sends one part and
    receives one), on a duplicate of the same coordinator; bytes per second per rank; target >= 0.7.
@@ -306,7 +308,7 @@ def figures_of_ranks(ranks: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[
     figs["save"]["per_rank"] = per_rank
     figs["write"] = _rate_figure(
         "2 tier write",
-        "plain writes, same tmpfs dir",
+        "plain overwrites, same tmpfs",
         part,
         _slowest(ranks, "save_rounds", "write_s"),
         state,

@@ -100,7 +100,7 @@ def tree_bytes(path: Path) -> int:
 
 
 def _write_file(path: Path, data: memoryview) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)  # over the bytes of the last round's
     try:
         while data.nbytes:
             data = data[os.write(fd, data) :]
@@ -109,9 +109,11 @@ def _write_file(path: Path, data: memoryview) -> None:
 
 
 def plain_write(arrays: list[np.ndarray], d: Path, threads: int) -> None:
-    """One file per array in the new directory ``d``, written by ``threads`` threads, no fsync
-    (the tier writes with ``sync="none"``; on tmpfs an fsync does nothing anyway)."""
-    d.mkdir()
+    """One file per array in the directory ``d``, written by ``threads`` threads, no fsync (the
+    tier writes with ``sync="none"``; on tmpfs an fsync does nothing anyway). The files of the
+    last call are overwritten in place (the same sizes): their pages are there, as those of
+    the part files a tier reuses are, so the ceiling is the copy alone."""
+    d.mkdir(exist_ok=True)
     with ThreadPoolExecutor(threads) as ex:
         jobs = [
             ex.submit(_write_file, d / f"{i}.bin", memoryview(a.reshape(-1).view(np.uint8)))
@@ -317,6 +319,7 @@ def save_phase(k: Rank) -> dict[str, Any]:
     arena = StagingArena(HostAllocator())
     orders = [host_order(a) for a in arrays]
     recv = {s: [np.zeros_like(a) for a in arrays] for s in tier.held}  # the peers' arrays: same sizes
+    plain_dir = k.local_dir / f".plain-r{rank}"  # figure 2's ceiling: its files kept, overwritten
     rounds: list[dict[str, Any]] = []
     for step in range(1, k.last + 1):
         rec: dict[str, Any] = {"step": step, "warmup": step <= k.args.warmup}
@@ -336,12 +339,8 @@ def save_phase(k: Rank) -> dict[str, Any]:
             rec["replicate_s"] = m["rep1"] - m["rep0"]
             rec["part_bytes"] = tree_bytes(k.local_dir / part_name(step, rank))
 
-        def write(step: int = step, rec: dict[str, Any] = rec) -> None:
-            d = k.local_dir / f".plain-r{rank}-{step}"
-            try:
-                rec["plain_write_s"] = h.timed(lambda: plain_write(arrays, d, k.threads))
-            finally:
-                shutil.rmtree(d, ignore_errors=True)
+        def write(rec: dict[str, Any] = rec) -> None:
+            rec["plain_write_s"] = h.timed(lambda: plain_write(arrays, plain_dir, k.threads))
 
         def exchange(rec: dict[str, Any] = rec) -> None:
             sends = {dest: _bytes(arrays) for dest in tier.holders}
@@ -357,6 +356,7 @@ def save_phase(k: Rank) -> dict[str, Any]:
             ops[name]()
         rounds.append(rec)
     mgr.close()
+    shutil.rmtree(plain_dir, ignore_errors=True)
     return {"save_rounds": rounds, "holders": tier.holders, "held": tier.held}
 
 
