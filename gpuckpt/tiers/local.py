@@ -333,13 +333,28 @@ class LocalTier(PartExchange):
         into, as a replica is into the copy it retires: on tmpfs new files cost page
         allocation and zeroing, about as much again as the copy (see :meth:`_recycled`).
         The part leaves the tier in one rename when the write begins; if the write then
-        fails, that step, which this one retires anyway, has lost this rank's part."""
+        fails, that step, which this one retires anyway, has lost this rank's part. So only
+        while a newer step stays whose tier work is done without error (a step still in
+        flight may yet fail on another rank and be deleted): this rank then never holds less
+        than one complete step, whatever happens to this one; otherwise the part goes into new
+        files."""
         present = {s for s, _ in self._parts()} | {step}
-        for old in tier_retention(present, self.keep, step, set(self.pinned) | {step}):
+        retired = tier_retention(present, self.keep, step, set(self.pinned) | {step})
+        stays = [s for s in present if s < step and s not in retired]
+        if not stays or not self._settled_ok(max(stays)):
+            return None
+        for old in retired:
             name = part_name(old, self.rank)
             if self._store.is_committed(name):
                 return self.dir / name
         return None
+
+    def _settled_ok(self, step: int) -> bool:
+        """Whether ``step``'s tier work here is over without error (no job: an earlier
+        manager's step, or one whose job :meth:`settled` already reported; a failed step's
+        parts are deleted, so it is not listed)."""
+        job = self._jobs.get(step)
+        return job is None or (job.done() and job.exception() is None)
 
     def _finish(
         self,

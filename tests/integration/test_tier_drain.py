@@ -129,3 +129,25 @@ def test_a_part_is_written_into_the_files_of_the_part_it_retires(tmp_path: Path)
     for step in (3, 4):  # each part whole, its chunks cut to their sizes
         got = gpuckpt.load_state_dict(tmp_path / "tier" / part_name(step, 0))
         assert (got["w"] == step).all()
+
+
+def test_a_part_is_written_into_new_files_while_the_step_before_is_in_flight(tmp_path: Path) -> None:
+    """The retired part's files are taken only while a newer step stays whose tier work ended
+    without error: a step still in flight may yet fail (on another rank) and be deleted, and
+    the rank would then hold no complete step until this one commits."""
+    from concurrent.futures import Future
+
+    mgr = gpuckpt.CheckpointManager(
+        tmp_path / "root", local_dir=tmp_path / "tier", replicas=0, persist_interval_steps=100
+    )
+    for step in (1, 2):
+        mgr.save(step, {"w": np.full(1 << 10, step, np.float32)})
+        mgr.wait()
+    tier = mgr._tiered.tier  # type: ignore[union-attr]
+    assert tier._retired_part(3) == tmp_path / "tier" / part_name(1, 0)
+    pending: Future[None] = Future()
+    tier._jobs[2] = pending  # step 2's collectives not over yet
+    assert tier._retired_part(3) is None
+    pending.set_result(None)
+    assert tier._retired_part(3) == tmp_path / "tier" / part_name(1, 0)
+    mgr.close()
