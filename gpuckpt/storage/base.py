@@ -233,8 +233,9 @@ class CheckpointWriter(ABC):
         """Before :meth:`begin`: the files of the directory ``path``, which the caller gives up,
         may be overwritten by this save's files of the same names, so that their storage is
         used again (on tmpfs, pages already allocated); whatever of them this save does not
-        write is deleted at its commit or abort. A store that cannot do so ignores it (the
-        default) and ``path`` stays as it is."""
+        write is deleted at its commit or abort. A file another name shares (a hard link) is
+        never written into. A store that cannot do so ignores it (the default) and ``path``
+        stays as it is."""
         del path  # (the default: nothing reused)
 
     @property

@@ -221,8 +221,9 @@ def _remove_others(tmp: Path, wanted: set[Path]) -> None:
 
 def _open_recycled(path: Path, mode: int) -> int:
     """``path`` opened (``mode``: ``O_WRONLY`` or ``O_RDWR``) over its bytes if it is a regular
-    file (never through a link, never blocking on a special file), else made anew, whatever
-    was there removed."""
+    file of this one name (never through a link, never blocking on a special file, never into
+    a file a hard link shares: a copy kept with ``cp -al``), else made anew, whatever was there
+    removed (the other names keep their bytes)."""
     try:
         fd = os.open(path, mode | os.O_NOFOLLOW | os.O_NONBLOCK)
     except FileNotFoundError:
@@ -230,7 +231,8 @@ def _open_recycled(path: Path, mode: int) -> int:
     except OSError:  # a link (ELOOP), a directory (EISDIR), ...
         _remove(path)
         return os.open(path, mode | os.O_CREAT | os.O_EXCL, 0o644)
-    if stat.S_ISREG(os.fstat(fd).st_mode):
+    st = os.fstat(fd)
+    if stat.S_ISREG(st.st_mode) and st.st_nlink == 1:
         return fd
     os.close(fd)
     _remove(path)

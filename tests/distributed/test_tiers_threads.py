@@ -392,9 +392,9 @@ def test_the_drain_runs_at_the_least_priority_and_the_tiers_threads_at_the_calle
 
 def test_a_replica_is_written_into_the_files_of_the_copy_it_retires(tiers: Any, tmp_path: Path) -> None:
     """With local_max_to_keep=2, step s's replica goes into the files of step s-2's copy (on
-    tmpfs: pages already allocated); a link made to one of them before shows step s's bytes
-    after. Every byte is step s's, and the replica holds exactly the files of the part it
-    copies, also when the layout changes (an array more at step 4 only)."""
+    tmpfs: pages already allocated): the largest file of that copy, held open, is a file of
+    step s's replica after. Every byte is step s's, and the replica holds exactly the files of
+    the part it copies, also when the layout changes (an array more at step 4 only)."""
 
     def run(c: Any) -> dict[str, Any]:
         r, n = c.rank, c.world_size
@@ -405,12 +405,11 @@ def test_a_replica_is_written_into_the_files_of_the_copy_it_retires(tiers: Any, 
             st = tiers.state(step, r, n)
             if step == 4:
                 st["more"] = np.arange(1000 + step, dtype=np.int64)
-            witness = tmp_path / f"witness-{step}-{r}"
-            if step >= 3:  # a link to the largest file of the copy this step retires
+            witness = None
+            if step >= 3:  # the largest file of the copy this step retires, held open (no other name)
                 old = tier.dir / part_name(step - 2, tier.held[0])
-                os.link(
-                    max((p for p in old.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size), witness
-                )
+                largest = max((p for p in old.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+                witness = os.open(largest, os.O_RDONLY)
             mgr.save(step, st)
             mgr.wait()
             whose = tier.held[0]
@@ -419,7 +418,13 @@ def test_a_replica_is_written_into_the_files_of_the_copy_it_retires(tiers: Any, 
             files = sorted(str(p.relative_to(replica)) for p in replica.rglob("*") if p.is_file())
             expected = sorted(str(p.relative_to(original)) for p in original.rglob("*") if p.is_file())
             same = all((replica / f).read_bytes() == (original / f).read_bytes() for f in files)
-            recycled = step >= 3 and any(os.path.samefile(witness, replica / f) for f in files)
+            recycled = False
+            if witness is not None:
+                held = os.fstat(witness)
+                recycled = any(
+                    os.path.samestat(held, (replica / f).stat()) for f in files if (replica / f).exists()
+                )
+                os.close(witness)
             out[str(step)] = {"files": files == expected, "bytes": same, "recycled": recycled}
         mgr.close()
         return out

@@ -51,6 +51,24 @@ def test_a_save_overwrites_the_files_it_is_given_and_drops_the_rest(tmp_path: Pa
     assert verify_checkpoint(new).ok  # every chunk cut to its size, checksums right
 
 
+def test_a_file_that_a_hard_link_shares_is_never_written_into(tmp_path: Path) -> None:
+    """A copy kept with ``cp -al`` (or any other name of a file) keeps its bytes: that file is
+    replaced by a new one; the files of one name are still overwritten in place."""
+    old = tmp_path / "old"
+    _save({"w": np.full(3 << 20, 7, np.float32)}, old, None)
+    chunks = sorted(p for p in (old / "w").iterdir() if p.name != "zarr.json")
+    kept = tmp_path / "kept"
+    os.link(chunks[0], kept)
+    expected = kept.read_bytes()
+    alone = chunks[1].stat().st_ino
+    state = {"w": np.arange(3 << 20, dtype=np.float32)}
+    _save(state, tmp_path / "new", old)
+    assert kept.read_bytes() == expected and kept.stat().st_nlink == 1
+    assert (tmp_path / "new" / "w" / chunks[1].name).stat().st_ino == alone
+    np.testing.assert_array_equal(gpuckpt.load_state_dict(tmp_path / "new")["w"], state["w"])
+    assert verify_checkpoint(tmp_path / "new").ok
+
+
 def test_what_is_no_regular_file_among_them_is_not_written_through(tmp_path: Path) -> None:
     old = tmp_path / "old"
     _save({"w": np.full(2 << 20, 1, np.float32)}, old, None)

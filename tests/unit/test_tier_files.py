@@ -84,6 +84,20 @@ def test_a_recycled_copys_files_are_reused_and_whatever_else_it_holds_removed(tm
 
 
 @pytest.mark.parametrize("put", [_receive, _write], ids=["received-into-files", "written"])
+def test_a_recycled_file_that_a_hard_link_shares_keeps_its_bytes(tmp_path: Path, put) -> None:  # type: ignore[no-untyped-def]
+    """A copy someone kept of a part with ``cp -al`` shares its files' inodes: the part's
+    file is replaced by a new one, never written into, and the kept copy reads as before."""
+    part, kept = tmp_path / "part", tmp_path / "kept"
+    (part / "t" / "c").mkdir(parents=True)
+    (part / "t" / "c" / "0").write_bytes(b"the kept copy's bytes")
+    os.link(part / "t" / "c" / "0", kept)
+    put(part, FILES)
+    assert _tree(part) == FILES
+    assert kept.read_bytes() == b"the kept copy's bytes"
+    assert not os.path.samefile(kept, part / "t" / "c" / "0")
+
+
+@pytest.mark.parametrize("put", [_receive, _write], ids=["received-into-files", "written"])
 def test_a_recycled_copys_file_or_link_where_a_folder_must_be_is_replaced(tmp_path: Path, put) -> None:  # type: ignore[no-untyped-def]
     """A layout that changed (an array's chunk file ``t/c/0`` now a folder of chunks), and a
     link where a folder must be: the files land under the part, never through the link."""

@@ -272,7 +272,9 @@ class LocalWriter(CheckpointWriter):
 
     def _take_reused(self, rel: str, path: str) -> int | None:
         """The reused directory's file ``rel`` moved to ``path`` and opened over its bytes, or
-        None where there is none (what stood there that is no regular file is removed)."""
+        None where there is none (what stood there that is no regular file is removed). A file
+        with another name (a hard link: a copy someone kept with ``cp -al``, another checkpoint
+        sharing it) is never written into: its name here is removed and a new file made."""
         try:
             os.rename(f"{self._reused}/{rel}", path)
         except OSError:  # none of that name (or its folder is not made yet)
@@ -285,7 +287,8 @@ class LocalWriter(CheckpointWriter):
             else:
                 os.unlink(path)
             return None
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:  # (another name shares it: left intact)
             os.close(fd)
             os.unlink(path)
             return None
