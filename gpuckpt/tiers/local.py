@@ -354,7 +354,7 @@ class LocalTier(PartExchange):
         manager's step, or one whose job :meth:`settled` already reported; a failed step's
         parts are deleted, so it is not listed)."""
         job = self._jobs.get(step)
-        return job is None or (job.done() and job.exception() is None)
+        return job is None or (job.done() and not job.cancelled() and job.exception() is None)
 
     def _finish(
         self,
