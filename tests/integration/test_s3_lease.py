@@ -195,3 +195,39 @@ def test_a_clock_probe_left_by_a_dead_process_is_removed_not_refused(endpoint: s
     client.put_object(Bucket=BUCKET, Key=f"{prefix}/.gpuckpt-clock-deadbeefdeadbeef", Body=b"")
     gpuckpt.save(state(3), url, storage_options=s3_options(endpoint))
     assert _keys(endpoint, url) - {"zarr.json"} and not any(k.startswith(".") for k in _keys(endpoint, url))
+
+
+def test_a_clock_probe_deleted_by_another_save_beginning_is_put_again(
+    endpoint: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A save judging a live claim reads the server's clock from a probe object it puts; another
+    save beginning on the prefix deletes probes it takes for a dead process's (here, once,
+    between the put and the head). The probe is put again: the save is refused because the
+    claim is alive (CheckpointExistsError), not failed by the vanished probe."""
+    import obstore
+
+    from gpuckpt.storage.s3.prefix import CLOCK_PROBE_PREFIX
+    from gpuckpt.storage.s3.writer import ObjectStoreWriter
+
+    url = f"s3://{BUCKET}/run-{uuid.uuid4().hex[:8]}/step-1"
+    holder = ObjectStoreWriter(url, **s3_options(endpoint))
+    holder.begin()
+    real_head = obstore.head
+    deleted: list[str] = []
+
+    def head(store: Any, path: str) -> Any:
+        if CLOCK_PROBE_PREFIX in path and not deleted:
+            obstore.delete(store, [path])  # what the other save's begin does
+            deleted.append(path)
+        return real_head(store, path)
+
+    monkeypatch.setattr(obstore, "head", head)
+    try:
+        second = ObjectStoreWriter(url, **s3_options(endpoint))
+        with pytest.raises(gpuckpt.CheckpointExistsError, match="another save to it is running"):
+            second.begin()
+        assert deleted
+    finally:
+        monkeypatch.undo()
+        holder.abort()
+    assert not any(k.startswith(".gpuckpt-clock-") for k in _keys(endpoint, url))

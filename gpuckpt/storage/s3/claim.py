@@ -33,6 +33,8 @@ __all__ = ["Claim", "claim_token", "machine_identity"]
 
 #: the resolution of the times an S3 server reports (``Last-Modified`` is an HTTP date)
 _TIME_RESOLUTION = 1.0
+#: puts of a clock probe before giving up, when other saves beginning keep deleting it
+_PROBE_ATTEMPTS = 5
 
 
 def machine_identity() -> str:
@@ -157,13 +159,20 @@ class Claim:
         import obstore as obs
 
         probe = f"{CLOCK_PROBE_PREFIX}{self.token}"
-        obs.put(self.prefix._obs, probe, b"", mode="overwrite")
-        try:
-            return obs.head(self.prefix._obs, probe)["last_modified"]
-        finally:
-            # a probe left behind is deleted by the next save's begin
-            with contextlib.suppress(Exception):
-                obs.delete(self.prefix._obs, [probe])
+        for attempt in range(_PROBE_ATTEMPTS):
+            obs.put(self.prefix._obs, probe, b"", mode="overwrite")
+            try:
+                return obs.head(self.prefix._obs, probe)["last_modified"]
+            except FileNotFoundError:
+                # another save to this prefix, beginning, took the probe for one a dead process
+                # left and deleted it between the put and the head: put it again
+                if attempt == _PROBE_ATTEMPTS - 1:
+                    raise
+            finally:
+                # a probe left behind is deleted by the next save's begin
+                with contextlib.suppress(Exception):
+                    obs.delete(self.prefix._obs, [probe])
+        raise AssertionError("unreachable")  # (the loop returns or raises)
 
     def start_refresh(self) -> None:
         """Refresh the claim every quarter lease on a thread, until :meth:`stop_refresh`."""
