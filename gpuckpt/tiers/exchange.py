@@ -26,6 +26,7 @@ from gpuckpt.format.parts import part_name
 from gpuckpt.planning.tiers import tier_retention
 from gpuckpt.runtime.workers import Workers
 from gpuckpt.storage.base import CheckpointRoot
+from gpuckpt.storage.local.fsutil import move_directory
 from gpuckpt.tiers.files import ReceiveBuffer, Received, mapped, receiving_files, write_received
 from gpuckpt.tiers.placement import message_sizes, placement
 
@@ -299,11 +300,8 @@ class PartExchange:
         for old in tier_retention(present, self.keep, step, set(self.pinned) | {step}):
             name = part_name(old, whose)
             if self._store.is_committed(name):
-                try:
-                    os.rename(self.dir / name, tmp)
-                except FileNotFoundError:  # deleted meanwhile: new files
-                    return False
-                return True
+                # (deleted meanwhile, or a link to a directory elsewhere: new files)
+                return move_directory(self.dir / name, tmp)
         return False
 
     def _commit_received(self, tmp: Path, name: str) -> None:

@@ -440,6 +440,36 @@ def test_a_replica_is_written_into_the_files_of_the_copy_it_retires(tiers: Any, 
         assert names == [part_name(s, r) for s in (5, 6) for r in range(4)], (node, names)
 
 
+def test_a_replica_left_as_a_link_to_a_directory_elsewhere_is_not_written_through(
+    tiers: Any, tmp_path: Path
+) -> None:
+    """A replica that someone moved to another disk and left as a symbolic link: the replica of
+    the step that retires it goes into new files, and the moved copy keeps its bytes."""
+
+    def run(c: Any) -> dict[str, Any]:
+        r, n = c.rank, c.world_size
+        mgr = tiers.manager(c, str(tmp_path), persist_interval_steps=100)
+        tier = mgr._tiered.tier
+        whose = tier.held[0]
+        kept = tmp_path / f"kept-{whose}"
+        for step in range(1, 4):
+            if step == 3:  # step 3 retires step 1's copy of rank whose's part
+                old = tier.dir / part_name(1, whose)
+                shutil.move(old, kept)
+                old.symlink_to(kept, target_is_directory=True)
+                before = {str(p.relative_to(kept)): p.read_bytes() for p in kept.rglob("*") if p.is_file()}
+            mgr.save(step, tiers.state(step, r, n))
+            mgr.wait()
+        after = {str(p.relative_to(kept)): p.read_bytes() for p in kept.rglob("*") if p.is_file()}
+        replica = tier.dir / part_name(3, whose)
+        ok = not replica.is_symlink() and not any(p.is_symlink() for p in replica.rglob("*"))
+        mgr.close()
+        return {"kept": after == before and bool(before), "replica": ok}
+
+    for r, got in enumerate(run_ranks(4, run, timeout=120)):
+        assert got["kept"] and got["replica"], (r, got)
+
+
 @pytest.mark.parametrize("first", [True, False], ids=["first-save", "later-save"])
 def test_a_state_one_rank_cannot_describe_fails_the_step_on_every_rank_without_a_hang(
     tiers: Any, tmp_path: Path, first: bool

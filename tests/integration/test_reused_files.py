@@ -69,6 +69,23 @@ def test_a_file_that_a_hard_link_shares_is_never_written_into(tmp_path: Path) ->
     assert verify_checkpoint(tmp_path / "new").ok
 
 
+def test_a_link_to_a_directory_elsewhere_is_not_taken(tmp_path: Path) -> None:
+    """A part moved to another disk and left as a symbolic link: its files stay where they are,
+    with their bytes; the save writes new files."""
+    elsewhere = tmp_path / "elsewhere"
+    _save({"w": np.full(3 << 20, 7, np.float32)}, elsewhere, None)
+    before = {rel: (elsewhere / rel).read_bytes() for rel in _files(elsewhere) if (elsewhere / rel).is_file()}
+    link = tmp_path / "old"
+    link.symlink_to(elsewhere, target_is_directory=True)
+    state = {"w": np.arange(3 << 20, dtype=np.float32)}
+    _save(state, tmp_path / "new", link)
+    assert link.is_symlink()
+    assert {
+        rel: (elsewhere / rel).read_bytes() for rel in _files(elsewhere) if (elsewhere / rel).is_file()
+    } == before
+    np.testing.assert_array_equal(gpuckpt.load_state_dict(tmp_path / "new")["w"], state["w"])
+
+
 def test_what_is_no_regular_file_among_them_is_not_written_through(tmp_path: Path) -> None:
     old = tmp_path / "old"
     _save({"w": np.full(2 << 20, 1, np.float32)}, old, None)

@@ -13,6 +13,7 @@ import mmap
 import os
 import shutil
 import socket
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ __all__ = [
     "pid_alive",
     "rename_noreplace",
     "lock_unsupported",
+    "move_directory",
     "rmtree_quiet",
     "same_file",
     "syncfs",
@@ -334,6 +336,29 @@ def same_file(fd: int, path: Path) -> bool:
     except OSError:
         return False
     return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def move_directory(src: Path, dst: Path) -> bool:
+    """Rename ``src`` to ``dst`` (a free name) only if ``src`` is itself a directory: never a
+    symbolic link to one (whose target's files a caller would then take and overwrite) nor
+    anything else. False where it is not, is gone, or the rename fails; a link put in its
+    place between the check and the rename is moved back."""
+    try:
+        before = os.lstat(src)
+    except OSError:
+        return False
+    if not stat.S_ISDIR(before.st_mode):
+        return False
+    try:
+        os.rename(src, dst)
+    except OSError:
+        return False
+    after = os.lstat(dst)
+    if (after.st_dev, after.st_ino) != (before.st_dev, before.st_ino) or not stat.S_ISDIR(after.st_mode):
+        with contextlib.suppress(OSError):
+            os.rename(dst, src)
+        return False
+    return True
 
 
 def rmtree_quiet(path: Path) -> None:

@@ -224,11 +224,9 @@ class LocalWriter(CheckpointWriter):
     def _take_over(self, given: Path) -> None:
         """Move the directory given to :meth:`reuse_files_of` into the temporary directory."""
         reused = self.tmp / REUSED_NAME
-        try:
-            os.rename(given, reused)
-        except OSError:  # gone meanwhile, or on another file system: new files
-            return
-        self._reused = reused
+        # (gone meanwhile, a link to a directory elsewhere, on another file system: new files)
+        if fsutil.move_directory(given, reused):
+            self._reused = reused
 
     def _make_locked(self, first: Path, tag: str) -> tuple[Path, int | None]:
         """A new directory (``first``, else another new name with ``tag``) and its lock, which tells
