@@ -86,6 +86,22 @@ def test_a_link_to_a_directory_elsewhere_is_not_taken(tmp_path: Path) -> None:
     np.testing.assert_array_equal(gpuckpt.load_state_dict(tmp_path / "new")["w"], state["w"])
 
 
+def test_a_folder_inside_them_that_is_a_link_is_not_followed(tmp_path: Path) -> None:
+    """An array's folder in the given directory replaced by a link to a folder elsewhere: the
+    files there stay where they are, with their bytes."""
+    old = tmp_path / "old"
+    _save({"w": np.full(3 << 20, 7, np.float32)}, old, None)
+    elsewhere = tmp_path / "elsewhere"
+    (old / "w").rename(elsewhere)
+    (old / "w").symlink_to(elsewhere, target_is_directory=True)
+    before = {p.name: p.read_bytes() for p in elsewhere.iterdir()}
+    state = {"w": np.arange(3 << 20, dtype=np.float32)}
+    _save(state, tmp_path / "new", old)
+    assert {p.name: p.read_bytes() for p in elsewhere.iterdir()} == before
+    np.testing.assert_array_equal(gpuckpt.load_state_dict(tmp_path / "new")["w"], state["w"])
+    assert verify_checkpoint(tmp_path / "new").ok
+
+
 def test_what_is_no_regular_file_among_them_is_not_written_through(tmp_path: Path) -> None:
     old = tmp_path / "old"
     _save({"w": np.full(2 << 20, 1, np.float32)}, old, None)

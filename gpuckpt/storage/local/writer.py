@@ -129,6 +129,7 @@ class LocalWriter(CheckpointWriter):
         self._reuse_from: Path | None = None  # a directory given up to this save (reuse_files_of)
         self._reused: Path | None = None  # where it lies in the temporary directory, once moved
         self._reused_fds: set[int] = set()  # files open over a reused file's bytes
+        self._reused_dirs: set[str] = set()  # folders of the reused directory found to be real ones
         self._begun = "new"  # how the target looked when the save began (see _target_mode)
 
     @property
@@ -273,6 +274,8 @@ class LocalWriter(CheckpointWriter):
         None where there is none (what stood there that is no regular file is removed). A file
         with another name (a hard link: a copy someone kept with ``cp -al``, another checkpoint
         sharing it) is never written into: its name here is removed and a new file made."""
+        if not self._reused_folders_real(rel):
+            return None
         try:
             os.rename(f"{self._reused}/{rel}", path)
         except OSError:  # none of that name (or its folder is not made yet)
@@ -292,6 +295,20 @@ class LocalWriter(CheckpointWriter):
             return None
         self._reused_fds.add(fd)
         return fd
+
+    def _reused_folders_real(self, rel: str) -> bool:
+        """Whether every folder of ``rel`` in the reused directory is a directory itself: a
+        link there would have the rename take a file from wherever it points."""
+        folder = os.path.dirname(rel)
+        while folder and folder not in self._reused_dirs:
+            try:
+                if not stat.S_ISDIR(os.lstat(f"{self._reused}/{folder}").st_mode):
+                    return False
+            except OSError:
+                return False
+            self._reused_dirs.add(folder)
+            folder = os.path.dirname(folder)
+        return True
 
     def _end_file(self, fd: int) -> None:
         """A written file opened over a reused one's bytes is cut where its writes ended."""
