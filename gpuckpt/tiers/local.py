@@ -146,6 +146,8 @@ class LocalTier(PartExchange):
         self._thread = Workers(1, "gpuckpt-tier")
         self._writer = Workers(1, "gpuckpt-tier-write")
         self._jobs: dict[int, Future[None]] = {}
+        #: steps whose tier work failed here, once :meth:`settled` took their jobs
+        self._failed: set[int] = set()
         #: steps being drained to root: retention keeps them
         self.pinned: set[int] = set()
         self._budget_checked = False
@@ -351,8 +353,10 @@ class LocalTier(PartExchange):
 
     def _settled_ok(self, step: int) -> bool:
         """Whether ``step``'s tier work here is over without error (no job: an earlier
-        manager's step, or one whose job :meth:`settled` already reported; a failed step's
-        parts are deleted, so it is not listed)."""
+        manager's step, or one whose job :meth:`settled` already took; a failed step's parts
+        are deleted, and one whose parts could not be deleted is remembered as failed)."""
+        if step in self._failed:
+            return False
         job = self._jobs.get(step)
         return job is None or (job.done() and not job.cancelled() and job.exception() is None)
 
@@ -429,6 +433,7 @@ class LocalTier(PartExchange):
                 exc = job.exception()
                 if exc is not None:
                     out[step] = exc
+                    self._failed.add(step)
         return out
 
     def close(self) -> None:

@@ -134,7 +134,8 @@ def test_a_part_is_written_into_the_files_of_the_part_it_retires(tmp_path: Path)
 def test_a_part_is_written_into_new_files_while_the_step_before_is_in_flight(tmp_path: Path) -> None:
     """The retired part's files are taken only while a newer step stays whose tier work ended
     without error: a step still in flight may yet fail (on another rank) and be deleted, and
-    the rank would then hold no complete step until this one commits."""
+    the rank would then hold no complete step until this one commits; a failed step whose
+    parts are still there (their deletion failed) never counts, also once reported."""
     from concurrent.futures import Future
 
     mgr = gpuckpt.CheckpointManager(
@@ -150,4 +151,9 @@ def test_a_part_is_written_into_new_files_while_the_step_before_is_in_flight(tmp
     assert tier._retired_part(3) is None
     pending.set_result(None)
     assert tier._retired_part(3) == tmp_path / "tier" / part_name(1, 0)
+    failed: Future[None] = Future()
+    failed.set_exception(OSError("its parts could not be deleted"))  # and are still there
+    tier._jobs[2] = failed
+    assert set(tier.settled()) == {2}  # taken and reported: still not a step to rely on
+    assert tier._retired_part(3) is None
     mgr.close()
