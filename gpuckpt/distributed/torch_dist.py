@@ -23,6 +23,10 @@ __all__ = ["TorchCoordinator"]
 # Tags of exchange_objects' two messages per pair; exchange_buffers numbers its messages of each pair
 _SIZE_TAG = 0
 _OBJECT_TAG = 1
+#: the bytes of each rank's pickle that :meth:`TorchCoordinator.all_gather` sends in its one
+#: round over gloo (larger ones take a second round)
+GATHER_SLOT_BYTES = 16 << 10
+_LENGTH_BYTES = 8
 
 
 def _torch_distributed() -> Any:
@@ -128,9 +132,38 @@ class TorchCoordinator(Coordinator):
         return box[0]
 
     def all_gather(self, obj: Any) -> list[Any]:
-        out: list[Any] = [None] * self._size
-        self._dist.all_gather_object(out, obj, group=self._group)
-        return out
+        """Every rank's ``obj``. Over gloo in one round of fixed-size slots where every rank's
+        pickle fits :data:`GATHER_SLOT_BYTES` (a second round, of the largest size, where one
+        does not): ``all_gather_object`` always takes two (the sizes, then the bytes), 7.4 ms
+        against 3.8 ms for one round of 4 ranks on a 2-vCPU VM. Other back ends (NCCL stages
+        through the device) use ``all_gather_object``."""
+        if self._dist.get_backend(self._group) != "gloo":
+            out: list[Any] = [None] * self._size
+            self._dist.all_gather_object(out, obj, group=self._group)
+            return out
+        import torch
+
+        data = dumps(obj)
+        slot = np.zeros(_LENGTH_BYTES + GATHER_SLOT_BYTES, np.uint8)
+        slot[:_LENGTH_BYTES] = np.frombuffer(len(data).to_bytes(_LENGTH_BYTES, "little"), np.uint8)
+        if len(data) <= GATHER_SLOT_BYTES:
+            slot[_LENGTH_BYTES : _LENGTH_BYTES + len(data)] = np.frombuffer(data, np.uint8)
+        mine = torch.from_numpy(slot)
+        slots = [torch.empty_like(mine) for _ in range(self._size)]
+        self._dist.all_gather(slots, mine, group=self._group)
+        raw = [t.numpy() for t in slots]
+        lengths = [int.from_bytes(a[:_LENGTH_BYTES].tobytes(), "little") for a in raw]
+        if max(lengths) <= GATHER_SLOT_BYTES:
+            return [
+                pickle.loads(a[_LENGTH_BYTES : _LENGTH_BYTES + n].tobytes())
+                for a, n in zip(raw, lengths, strict=True)
+            ]
+        whole = np.zeros(max(lengths), np.uint8)
+        whole[: len(data)] = np.frombuffer(data, np.uint8)
+        mine = torch.from_numpy(whole)
+        bodies = [torch.empty_like(mine) for _ in range(self._size)]
+        self._dist.all_gather(bodies, mine, group=self._group)
+        return [pickle.loads(t.numpy()[:n].tobytes()) for t, n in zip(bodies, lengths, strict=True)]
 
     def all_reduce_xor(self, values: np.ndarray) -> np.ndarray:
         # gloo reduces integers bitwise on the CPU; NCCL has no bitwise reduction: the default

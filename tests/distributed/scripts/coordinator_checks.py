@@ -23,6 +23,8 @@ from gpuckpt.errors import GpuckptError
 
 #: how long the last rank arrives after the others at the idle barrier
 IDLE_WAIT_S = 0.4
+#: a pickle larger than the one round of TorchCoordinator.all_gather's fixed slots takes
+_BIG = 100_000
 
 
 def _error_report(exc: DistributedError, own: BaseException | None) -> dict[str, Any]:
@@ -66,6 +68,9 @@ def run_checks(c: Coordinator, workdir: Path) -> dict[str, Any]:
     xor = c.all_reduce_xor(_xor_input(r))
     seen["all_reduce_xor"] = {"values": xor.tolist(), "dtype": str(xor.dtype), "shape": list(xor.shape)}
     seen["rounds"] = [c.all_gather((i, r))[(i + 1) % n] for i in range(20)]
+    # objects of every size, one larger than a gather's first round takes (TorchCoordinator)
+    mixed = c.all_gather({"r": r, "pad": bytes([r + 1]) * (_BIG if r == 1 % n else 10 * r)})
+    seen["all_gather_mixed_sizes"] = [[g["r"], len(g["pad"]), g["pad"][-1:].hex()] for g in mixed]
 
     # every rank leaves its mark before the barrier; after it, each must see all marks
     marks = workdir / "barrier-marks"
@@ -143,6 +148,10 @@ def expected(rank: int, n: int) -> dict[str, Any]:
             "shape": [2, 2],
         },
         "rounds": [[i, (i + 1) % n] for i in range(20)],
+        "all_gather_mixed_sizes": [
+            [i, size, bytes([i + 1]).hex() if size else ""]
+            for i, size in ((i, _BIG if i == 1 % n else 10 * i) for i in range(n))
+        ],
         "marks_after_barrier": list(range(n)),
         "marks_after_idle_barrier": list(range(n)),
         "idle_wait_is_idle": True,
