@@ -340,9 +340,10 @@ class LocalTier(PartExchange):
         flight may yet fail on another rank and be deleted): this rank then never holds less
         than one complete step, whatever happens to this one; otherwise the part goes into new
         files."""
-        present = {s for s, _ in self._parts()} | {step}
+        parts = self._parts()
+        present = {s for s, _ in parts} | {step}
         retired = tier_retention(present, self.keep, step, set(self.pinned) | {step})
-        stays = [s for s in present if s < step and s not in retired]
+        stays = [s for s, r in parts if r == self.rank and s < step and s not in retired]
         if not stays or not self._settled_ok(max(stays)):
             return None
         for old in retired:

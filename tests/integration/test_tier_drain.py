@@ -156,4 +156,9 @@ def test_a_part_is_written_into_new_files_while_the_step_before_is_in_flight(tmp
     tier._jobs[2] = failed
     assert set(tier.settled()) == {2}  # taken and reported: still not a step to rely on
     assert tier._retired_part(3) is None
+    tier._failed.clear()
+    assert tier._retired_part(3) == tmp_path / "tier" / part_name(1, 0)
+    # step 2 held only as another rank's part (a replica), not this rank's own: nothing to rely on
+    (tmp_path / "tier" / part_name(2, 0)).rename(tmp_path / "tier" / part_name(2, 1))
+    assert tier._retired_part(3) is None
     mgr.close()
