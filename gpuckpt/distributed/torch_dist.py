@@ -126,10 +126,32 @@ class TorchCoordinator(Coordinator):
         return self._scatter_result(out[0])
 
     def broadcast(self, obj: Any, root: int = 0) -> Any:
+        """``obj`` of rank ``root``, on every rank (a copy on the others). Over gloo in one
+        round of one fixed-size slot where the pickle fits :data:`GATHER_SLOT_BYTES` (a second
+        round of its size where it does not), as :meth:`all_gather`; ``broadcast_object_list``
+        elsewhere."""
         src = self._global(root)
-        box = [obj if self._rank == root else None]
-        self._dist.broadcast_object_list(box, src=src, group=self._group)
-        return box[0]
+        if self._dist.get_backend(self._group) != "gloo":
+            box = [obj if self._rank == root else None]
+            self._dist.broadcast_object_list(box, src=src, group=self._group)
+            return box[0]
+        import torch
+
+        data = dumps(obj) if self._rank == root else b""
+        slot = np.zeros(_LENGTH_BYTES + GATHER_SLOT_BYTES, np.uint8)
+        if self._rank == root:
+            slot[:_LENGTH_BYTES] = np.frombuffer(len(data).to_bytes(_LENGTH_BYTES, "little"), np.uint8)
+            if len(data) <= GATHER_SLOT_BYTES:
+                slot[_LENGTH_BYTES : _LENGTH_BYTES + len(data)] = np.frombuffer(data, np.uint8)
+        self._dist.broadcast(torch.from_numpy(slot), src=src, group=self._group)
+        n = int.from_bytes(slot[:_LENGTH_BYTES].tobytes(), "little")
+        if n <= GATHER_SLOT_BYTES:
+            return (
+                obj if self._rank == root else pickle.loads(slot[_LENGTH_BYTES : _LENGTH_BYTES + n].tobytes())
+            )
+        body = np.frombuffer(data, np.uint8).copy() if self._rank == root else np.empty(n, np.uint8)
+        self._dist.broadcast(torch.from_numpy(body), src=src, group=self._group)
+        return obj if self._rank == root else pickle.loads(body.tobytes())
 
     def all_gather(self, obj: Any) -> list[Any]:
         """Every rank's ``obj``. Over gloo in one round of fixed-size slots where every rank's

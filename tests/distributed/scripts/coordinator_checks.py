@@ -71,6 +71,8 @@ def run_checks(c: Coordinator, workdir: Path) -> dict[str, Any]:
     # objects of every size, one larger than a gather's first round takes (TorchCoordinator)
     mixed = c.all_gather({"r": r, "pad": bytes([r + 1]) * (_BIG if r == 1 % n else 10 * r)})
     seen["all_gather_mixed_sizes"] = [[g["r"], len(g["pad"]), g["pad"][-1:].hex()] for g in mixed]
+    large = c.broadcast({"from": r, "pad": b"\x07" * _BIG} if r == last else None, root=last)
+    seen["broadcast_large"] = [large["from"], len(large["pad"]), large["pad"] == b"\x07" * _BIG]
 
     # every rank leaves its mark before the barrier; after it, each must see all marks
     marks = workdir / "barrier-marks"
@@ -148,6 +150,7 @@ def expected(rank: int, n: int) -> dict[str, Any]:
             "shape": [2, 2],
         },
         "rounds": [[i, (i + 1) % n] for i in range(20)],
+        "broadcast_large": [last, _BIG, True],
         "all_gather_mixed_sizes": [
             [i, size, bytes([i + 1]).hex() if size else ""]
             for i, size in ((i, _BIG if i == 1 % n else 10 * i) for i in range(n))
