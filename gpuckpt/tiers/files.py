@@ -10,7 +10,6 @@ import dataclasses
 import mmap
 import os
 import shutil
-import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ from typing import Any
 from gpuckpt.device.staging import populated
 from gpuckpt.errors import CheckpointCorruptedError
 from gpuckpt.storage.local.fileio import write_all
+from gpuckpt.storage.local.fsutil import overwritable
 from gpuckpt.tiers.placement import message_sizes
 
 __all__ = ["ReceiveBuffer", "Received", "mapped", "receiving_files", "tree_bytes", "write_received"]
@@ -231,8 +231,7 @@ def _open_recycled(path: Path, mode: int) -> int:
     except OSError:  # a link (ELOOP), a directory (EISDIR), ...
         _remove(path)
         return os.open(path, mode | os.O_CREAT | os.O_EXCL, 0o644)
-    st = os.fstat(fd)
-    if stat.S_ISREG(st.st_mode) and st.st_nlink == 1:
+    if overwritable(fd):
         return fd
     os.close(fd)
     _remove(path)

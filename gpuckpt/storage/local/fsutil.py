@@ -29,6 +29,7 @@ __all__ = [
     "rename_noreplace",
     "lock_unsupported",
     "move_directory",
+    "overwritable",
     "rmtree_quiet",
     "same_file",
     "syncfs",
@@ -336,6 +337,13 @@ def same_file(fd: int, path: Path) -> bool:
     except OSError:
         return False
     return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def overwritable(fd: int) -> bool:
+    """Whether the file open as ``fd`` may be written over in place: a regular file of one name
+    (a hard link's other name, a copy kept with ``cp -al``, keeps its bytes only if it is not)."""
+    st = os.fstat(fd)
+    return stat.S_ISREG(st.st_mode) and st.st_nlink == 1
 
 
 def move_directory(src: Path, dst: Path) -> bool:

@@ -288,8 +288,7 @@ class LocalWriter(CheckpointWriter):
             else:
                 os.unlink(path)
             return None
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:  # (another name shares it: left intact)
+        if not fsutil.overwritable(fd):  # (another name shares it: left intact)
             os.close(fd)
             os.unlink(path)
             return None
