@@ -36,7 +36,8 @@ PY=${PYTHON:-python3}
 export PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
 
 wheels=(.whl/zarr-*.whl .whl/numcodecs-*.whl .whl/donfig-*.whl .whl/google_crc32c-*.whl
-        .whl/crc32c-*.whl .whl/msgspec-*.whl .whl/typing_extensions-*.whl)
+        .whl/crc32c-*.whl .whl/msgspec-*.whl .whl/typing_extensions-*.whl
+        .whl/nvidia_nvcomp_cu13-*.whl .whl/nvidia_libnvcomp_cu13-*.whl)
 if [ "$DRY" = 0 ] && [ ${#wheels[@]} -gt 0 ]; then
   # only what the GPU machine lacks; its own torch, numpy, pytest stay in charge
   "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/gpuckpt-site "${wheels[@]}"
@@ -79,6 +80,10 @@ STEPS+=("--step" "bench-kernels=$(status $?)")
 #    state against the ceilings of the same run.
 step bench-gpu timeout 130 "$PY" bench/bench_gpu.py --gib 2 --rounds 3 --out "$OUT" > "$OUT/bench_gpu.txt" 2>&1
 STEPS+=("--step" "bench-gpu=$(status $?)")
+# 3b. Compression on the device: nvCOMP's zstd frames against the host codec, and
+#     that the host reads them (bench/bench_nvcomp.py; skipped without the nvCOMP wheels).
+step bench-nvcomp timeout 75 "$PY" bench/bench_nvcomp.py --mib 256 --rounds 3 --out "$OUT" > "$OUT/bench_nvcomp.txt" 2>&1
+STEPS+=("--step" "bench-nvcomp=$(status $?)")
 # 4. compute-sanitizer memcheck and racecheck on both kernel paths.
 step sanitizer timeout 50 "${PYTEST[@]}" -m gpu tests/kernels/test_kernels_gpu.py -k "sanitizer or racecheck" \
   > "$OUT/pytest_sanitizer.txt" 2>&1
@@ -100,4 +105,4 @@ grep -h -E "^(FAILED|ERROR)" "$OUT"/pytest_*.txt | head -20
 echo
 # The summary and its table, printed last.
 "$PY" bench/gpu_summary.py --kernels "$OUT/bench_kernels.json" --gpu "$OUT/bench_gpu.json" \
-  --commit "$COMMIT" --date "$DATE" --out "$SUMMARY" "${STEPS[@]}"
+  --nvcomp "$OUT/bench_nvcomp.json" --commit "$COMMIT" --date "$DATE" --out "$SUMMARY" "${STEPS[@]}"

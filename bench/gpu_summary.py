@@ -316,7 +316,30 @@ def render_table(summary: dict[str, Any]) -> str:
         f" ({k['rows_skipped']} left out by the time budget)"
     )
     lines.append("targets: " + ", ".join(f"{name} {_verdict(v)}" for name, v in met.items()))
+    lines.extend(_nvcomp_lines(summary.get("nvcomp")))
     return "\n".join(lines)
+
+
+def _nvcomp_lines(nv: dict[str, Any] | None) -> list[str]:
+    """Compression on the device (bench/bench_nvcomp.py), one line per data kind and chunk size."""
+    if not nv:
+        return []
+    lines = ["", f"nvCOMP {nv.get('nvcomp')} zstd (RAW frames) against host zstd level 1, one thread:"]
+    lines.append(
+        f"{'kind':<14}{'chunk':>7}{'ratio':>7}{'host':>7}{'comp':>8}{'decomp':>8}{'host GB/s':>10}"
+        f"{'CPU reads':>10}{'size in frame':>14}"
+    )
+    for r in nv.get("rows", []):
+        fcs = (r.get("frame_headers") or [{}])[0].get("content_size")
+        lines.append(
+            f"{r['kind']:<14}{r['chunk_bytes'] >> 20:>5}Mi{r['device_ratio']:>7.3f}{r['host_l1_ratio']:>7.3f}"
+            f"{r['device_compress_GBps']:>8.1f}{r['device_decompress_GBps']:>8.1f}"
+            f"{r['host_l1_compress_1thread_GBps']:>10.2f}"
+            f"{'exact' if r['host_reads_device_frames_exact'] else 'WRONG':>10}{fcs == r['chunk_bytes']!s:>14}"
+        )
+    for e in nv.get("errors", []):
+        lines.append(f"  {e['kind']} {e['chunk_bytes'] >> 20} MiB: {e['error'][:150]}")
+    return lines
 
 
 def fake_inputs() -> tuple[dict[str, Any], dict[str, Any]]:
@@ -395,6 +418,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--kernels", help="bench_kernels.json of the run (missing: kernel fields null)")
     ap.add_argument("--gpu", help="bench_gpu.json of the run (missing: save/load fields null)")
     ap.add_argument("--step", action="append", default=[], metavar="NAME=STATUS", help="a step's outcome")
+    ap.add_argument("--nvcomp", help="bench_nvcomp.json of the run (compression on the device)")
     ap.add_argument("--commit", default="unknown")
     ap.add_argument("--date", default=None, help="UTC date of the run (default: today)")
     ap.add_argument("--out", required=True, help="the summary JSON to write")
@@ -420,6 +444,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         summary = build_summary(
             date=date, commit=args.commit, kernels=_load(args.kernels), gpu=_load(args.gpu), steps=steps
         )
+    summary["nvcomp"] = _load(args.nvcomp)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(summary, indent=2) + "\n")
