@@ -89,7 +89,7 @@ step sanitizer timeout 50 "${PYTEST[@]}" -m gpu tests/kernels/test_kernels_gpu.p
   > "$OUT/pytest_sanitizer.txt" 2>&1
 STEPS+=("--step" "sanitizer=$(status $?)")
 # 5. The PyTorch-only tests that skip on CI, and the demo on the GPU.
-step torch-tests timeout 40 "${PYTEST[@]}" tests/device/test_torch_host.py tests/distributed/test_dtensor.py \
+step torch-tests timeout 80 "${PYTEST[@]}" tests/device/test_torch_host.py tests/distributed/test_dtensor.py \
   tests/distributed/test_coordinator_torch.py tests/integration/test_convert.py tests/dcp/test_dcp_cuda.py \
   -k "torch or dcp or dtensor or gloo or subgroup or cuda" \
   > "$OUT/pytest_torch.txt" 2>&1

@@ -253,9 +253,13 @@ class CupyBackend:
         cupy = self.cupy
         views = [self._view(a) for a in arrays]
         dense = [i for i, v in enumerate(views) if _is_dense(v)]
-        plan = plan_packing([(int(views[i].data.ptr), int(views[i].nbytes)) for i in dense])
+        starts = [int(views[i].data.ptr) for i in dense]
         out: list[Any] = [None] * len(views)
         with cupy.cuda.Device(self.device_id), self.stream:
+            plan = plan_packing(
+                [(p, int(views[i].nbytes)) for p, i in zip(starts, dense, strict=True)],
+                allocations=allocation_bases(starts),  # the driver answers in the device's context
+            )
             arena = cupy.empty(max(1, plan.total), dtype=cupy.uint8)  # from CuPy's pool: reused
             base = int(arena.data.ptr)
             if plan.batched:
@@ -294,6 +298,38 @@ class CupyBackend:
 
         with self.cupy.cuda.Device(self.device_id), self.stream:
             return hash_device_boxes(self._view(array), chunks)
+
+
+@functools.cache
+def _address_range() -> Any:
+    """The driver's ``cuMemGetAddressRange_v2`` through ctypes (None where it cannot be loaded):
+    CuPy does not expose it."""
+    import ctypes
+
+    try:
+        fn = ctypes.CDLL("libcuda.so.1").cuMemGetAddressRange_v2
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = (ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t), ctypes.c_uint64)
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def allocation_bases(pointers: Sequence[int]) -> list[int]:
+    """The base address of the device allocation each of ``pointers`` lies in (the pointer itself
+    where the driver cannot say: an allocation of its own). A copy must not run from one
+    allocation into the next, even where they lie back to back in the address space
+    (``cudaErrorInvalidValue``), so the snapshot packs runs per allocation."""
+    import ctypes
+
+    fn = _address_range()
+    if fn is None:
+        return list(pointers)
+    base, size = ctypes.c_uint64(), ctypes.c_size_t()
+    out = []
+    for p in pointers:
+        out.append(base.value if fn(ctypes.byref(base), ctypes.byref(size), p) == 0 else p)
+    return out
 
 
 def _is_dense(arr: Any) -> bool:

@@ -52,6 +52,14 @@ def _is_dense(array: Any) -> bool:
     return bool(array.transpose(mf.physical_order(array.ndim, fmt)).flags.c_contiguous)
 
 
+def _allocation(array: np.ndarray) -> int:
+    """A key of the buffer ``array`` views (the allocation, as the device back end asks the
+    driver): views of one array share it; separate arrays never do, wherever they lie."""
+    while isinstance(array.base, np.ndarray):
+        array = array.base
+    return id(array if array.base is None else array.base)
+
+
 def _is_channels_last(array: Any) -> bool:
     fmt = mf.detect_memory_format(array.shape, array.strides, array.itemsize)
     return fmt in (mf.channels_last, mf.channels_last_3d)
@@ -186,7 +194,10 @@ class HostBackend:
 
     def copy_many_on_device(self, arrays: Sequence[Any]) -> list[Any]:
         dense = [i for i, a in enumerate(arrays) if _is_dense(a)]
-        plan = plan_packing([(int(arrays[i].ctypes.data), int(arrays[i].nbytes)) for i in dense])
+        plan = plan_packing(
+            [(int(arrays[i].ctypes.data), int(arrays[i].nbytes)) for i in dense],
+            allocations=[_allocation(arrays[i]) for i in dense],  # as the device back end does
+        )
         arena = HostAllocator()(plan.total + ARENA_ALIGN)  # page-aligned, as device allocations are
         out: list[Any] = [None] * len(arrays)
         for k, i in enumerate(dense):

@@ -3,11 +3,13 @@
 A snapshot on the device should cost one device-to-device copy of the state,
 not one allocation and one copy per tensor. :func:`plan_packing` takes the
 memory extents of the arrays (address, bytes) and plans one arena: arrays
-that lie back to back (or overlap: views of one buffer) form a *run*, copied
-as one block, keeping their distances, so that a state held in one flat
-buffer is one copy; runs are placed one after another, aligned. With many
-runs, the back end copies them all with one batched copy (one kernel over a
-table of pieces) instead of one copy each.
+of one allocation that lie back to back (or overlap: views of one buffer) form
+a *run*, copied as one block, keeping their distances, so that a state held in
+one flat buffer is one copy (a copy never runs from one allocation into the
+next, even where they lie back to back: CUDA refuses such a copy); runs are
+placed one after another, aligned. With many runs, the back end copies them
+all with one batched copy (one kernel over a table of pieces) instead of one
+copy each.
 
 Pure data: no arrays, no device. Both back ends follow the same plan.
 """
@@ -64,13 +66,20 @@ class Packing:
         return out
 
 
-def plan_packing(extents: Sequence[tuple[int, int]], align: int = ARENA_ALIGN) -> Packing:
+def plan_packing(
+    extents: Sequence[tuple[int, int]], align: int = ARENA_ALIGN, allocations: Sequence[int] | None = None
+) -> Packing:
     """Plan the arena for arrays whose memory images are ``extents`` (address, bytes).
 
-    Arrays of no bytes take no room (their place is 0). Arrays that touch or
-    overlap form one run; their offsets within it are their distances in memory.
+    Arrays of no bytes take no room (their place is 0). Arrays of one allocation
+    (``allocations[i]``: a key of the allocation array ``i`` lies in, such as its
+    base address; all one allocation when omitted) that touch or overlap form one
+    run; their offsets within it are their distances in memory.
     """
-    order = sorted((i for i, (_, n) in enumerate(extents) if n > 0), key=lambda i: extents[i][0])
+    keys = [0] * len(extents) if allocations is None else list(allocations)
+    if len(keys) != len(extents):
+        raise ValueError(f"{len(keys)} allocations for {len(extents)} extents")
+    order = sorted((i for i, (_, n) in enumerate(extents) if n > 0), key=lambda i: (keys[i], extents[i][0]))
     runs: list[Run] = []
     places = [0] * len(extents)
     total = 0
@@ -87,14 +96,15 @@ def plan_packing(extents: Sequence[tuple[int, int]], align: int = ARENA_ALIGN) -
             places[i] = offset + extents[i][0] - run_start
         total = offset + run_end - run_start
 
+    run_key = None
     for i in order:
         ptr, nbytes = extents[i]
-        if members and ptr <= run_end:
+        if members and keys[i] == run_key and ptr <= run_end:
             run_end = max(run_end, ptr + nbytes)
         else:
             close()
             members = []
-            run_start, run_end = ptr, ptr + nbytes
+            run_start, run_end, run_key = ptr, ptr + nbytes, keys[i]
         members.append(i)
     close()
     return Packing(tuple(runs), tuple(places), total)

@@ -42,6 +42,19 @@ def test_separate_arrays_are_aligned_runs_and_many_are_batched() -> None:
     assert all(r.offset % ARENA_ALIGN == 0 for r in many.runs)
 
 
+def test_arrays_of_separate_allocations_never_share_a_run() -> None:
+    # back to back in the address space, but two allocations (one copy may not cross them),
+    # and a view inside the second allocation that touches the first
+    extents = [(1000, 100), (1100, 50), (1120, 10)]
+    plan = plan_packing(extents, allocations=[1000, 1100, 1100])
+    assert plan.runs == (Run(1000, 100, 0), Run(1100, 50, 256))
+    assert plan.places == (0, 256, 276)
+    # views of one allocation still form one run
+    assert plan_packing(extents, allocations=[7, 7, 7]).runs == (Run(1000, 150, 0),)
+    with pytest.raises(ValueError, match="2 allocations for 3 extents"):
+        plan_packing(extents, allocations=[1, 2])
+
+
 def test_pieces_cover_every_run_exactly() -> None:
     plan = plan_packing([(1 << 30, 5000), (2 << 30, 1), (3 << 30, 4096)])
     pieces = plan.pieces(arena=1 << 40, piece_bytes=2048)
@@ -115,6 +128,26 @@ def test_strided_views_are_copied_on_their_own(tmp_path: Path) -> None:
     assert backend.device_copies == 2  # the buffer's run, and the view alone
 
 
+def test_back_to_back_buffers_are_copied_apart_views_of_one_together() -> None:
+    # two buffers that lie back to back in memory (two allocations, as the driver would see
+    # them) are two copies; views of one buffer are one, as on the device
+    raw = bytearray(np.random.default_rng(9).integers(0, 255, 8192, dtype=np.uint8).tobytes())
+    first = np.frombuffer(memoryview(raw)[:4096], np.uint8)
+    second = np.frombuffer(memoryview(raw)[4096:], np.uint8)
+    assert first.ctypes.data + first.nbytes == second.ctypes.data
+    backend = HostBackend()
+    copies = backend.copy_many_on_device([first, second])
+    backend.synchronize()
+    assert backend.device_copies == 2
+    assert copies[0].tobytes() == first.tobytes() and copies[1].tobytes() == second.tobytes()
+    whole = np.frombuffer(raw, np.uint8)
+    backend = HostBackend()
+    copies = backend.copy_many_on_device([whole[:4096], whole[4096:]])
+    backend.synchronize()
+    assert backend.device_copies == 1
+    assert copies[0].tobytes() + copies[1].tobytes() == bytes(raw)
+
+
 # ---- on a GPU ---------------------------------------------------------------------
 
 
@@ -158,3 +191,27 @@ def test_cupy_copy_many_on_device_is_bit_exact() -> None:
         assert c.shape == a.shape and c.strides == a.strides
         assert int(c.data.ptr) != int(a.data.ptr) or a.size == 0
         assert cupy.asnumpy(c).tobytes() == cupy.asnumpy(a).tobytes()
+
+
+@pytest.mark.gpu
+def test_cupy_snapshot_of_large_separate_allocations() -> None:
+    # Large arrays are separate cudaMallocs that the driver often places back to back: a
+    # copy that ran from one into the next failed with cudaErrorInvalidValue (a 2 GiB state
+    # on an H200). Each allocation is its own run; views of one stay one run.
+    cupy = pytest.importorskip("cupy")
+    from gpuckpt.device.cuda import allocation_bases, backend_for_device
+
+    backend = backend_for_device(0)
+    rng = cupy.random.default_rng(8)
+    with cupy.cuda.using_allocator(cupy.cuda.MemoryPool().malloc):  # nothing freed to split
+        arrays = [rng.integers(0, 2**31, (64 << 20) // 4, dtype=cupy.int32) for _ in range(3)]
+    starts = [int(a.data.ptr) for a in arrays]
+    bases = allocation_bases([*starts, int(arrays[0][1000:].data.ptr)])
+    assert bases[3] == bases[0]  # a view lies in its array's allocation
+    assert len(set(bases[:3])) == 3  # each 64 MiB array of a fresh pool is an allocation of its own
+    expected = [cupy.asnumpy(a) for a in arrays]
+    backend.wait_for_producers()
+    copies = backend.copy_many_on_device(arrays)
+    backend.synchronize()
+    for want, c in zip(expected, copies, strict=True):
+        assert np.array_equal(cupy.asnumpy(c), want)
