@@ -155,6 +155,7 @@ def measure(
 
     import gpuckpt
     import gpuckpt.cli.rawio as rawio
+    from gpuckpt.device.cuda import allocation_bases
     from gpuckpt.device.packing import plan_packing
 
     res: dict[str, Any] = {"device": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(), "gib": gib}
@@ -272,7 +273,10 @@ def measure(
         async_block_ratio_to_one_d2h=t_async / (total / (d2h * 1e9)),
         async_device_block_s=t_async_dev,
         async_device_block_ratio_to_one_d2d=t_async_dev / (2 * total / (d2d * 1e9)),
-        async_device_copies=plan_packing([(int(a.data.ptr), int(a.nbytes)) for a in arrays]).copies,
+        async_device_copies=plan_packing(
+            [(int(a.data.ptr), int(a.nbytes)) for a in arrays],
+            allocations=allocation_bases([int(a.data.ptr) for a in arrays]),
+        ).copies,
     )
     if tiers:
         g.update(_tier_figures(state, targets, base, rounds, d2h, min(h2d, ceilings["disk_read_warm"])))
