@@ -63,7 +63,17 @@ if [ "$DRY" = 1 ]; then
   exit $?
 fi
 
-{ date -u; nvidia-smi; "$PY" -c "import sys, cupy, numpy, zarr; print(sys.version); print('cupy', cupy.__version__, 'numpy', numpy.__version__, 'zarr', zarr.__version__)";
+# The native helpers, built as an install with a C compiler builds them (the tree that
+# travels has no build outputs): without them loads take the pure-Python paths.
+"$PY" - > "$OUT/native.txt" 2>&1 <<'PYEOF'
+import sys
+from pathlib import Path
+sys.path.insert(0, ".")
+from hatch_build import LIBRARIES, compile_library
+for source, what, target in LIBRARIES:
+    print(f"{what}: {compile_library(Path(source), Path(target)) or 'built'}")
+PYEOF
+{ date -u; nvidia-smi; cat "$OUT/native.txt"; "$PY" -c "import sys, cupy, numpy, zarr; print(sys.version); print('cupy', cupy.__version__, 'numpy', numpy.__version__, 'zarr', zarr.__version__)";
   "$PY" -c "import torch; print('torch', torch.__version__, torch.cuda.is_available())"; df -h /tmp; nproc; free -g; } > "$OUT/env.txt" 2>&1
 
 # 1. Correctness on the device first (kernels against NumPy, every path).

@@ -156,6 +156,7 @@ def measure(
     import gpuckpt
     import gpuckpt.cli.rawio as rawio
     from gpuckpt.device.cuda import allocation_bases
+    from gpuckpt.device.cuda import backend_for_device as cuda_backend_for_device
     from gpuckpt.device.packing import plan_packing
 
     res: dict[str, Any] = {"device": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(), "gib": gib}
@@ -268,11 +269,20 @@ def measure(
     t_async = blocking("host")
     t_async_dev = blocking("device")
     arrays = [x["w"] for x in state["layers"]]
+    backend = cuda_backend_for_device(0)
+
+    def snapshot_copy() -> None:  # the snapshot's copy alone: what the rest of the blocking adds
+        backend.wait_for_producers()
+        backend.copy_many_on_device(arrays)
+        backend.synchronize()
+
+    t_copy_dev = median_time(snapshot_copy, rounds)
     g.update(
         async_block_s=t_async,
         async_block_ratio_to_one_d2h=t_async / (total / (d2h * 1e9)),
         async_device_block_s=t_async_dev,
         async_device_block_ratio_to_one_d2d=t_async_dev / (2 * total / (d2d * 1e9)),
+        async_device_snapshot_copy_s=t_copy_dev,
         async_device_copies=plan_packing(
             [(int(a.data.ptr), int(a.nbytes)) for a in arrays],
             allocations=allocation_bases([int(a.data.ptr) for a in arrays]),

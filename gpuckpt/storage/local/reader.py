@@ -66,6 +66,13 @@ NATIVE_MAX_BYTES = min(PIECE_BYTES, DIRECT_MIN_BYTES)
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
 
 
+def _cold(fd: int) -> bool:
+    """Whether a large chunk the native loop did not copy from the page cache is cold: where
+    that loop is built it probed the cache and declined; without it, ``mincore`` is asked about
+    the first page (a cached chunk read around the cache would load at the disk's speed)."""
+    return crccopy.available() or fsutil.first_page_cached(fd) is not True
+
+
 def _crc(data: Any, value: int = 0) -> int:
     """CRC32C of bytes just read, continued from ``value``.
 
@@ -287,7 +294,7 @@ class LocalReader(CheckpointReader):
                         total += view.nbytes
                         self._note("cached")
                         continue
-                    if total == 0 and self._direct:
+                    if total == 0 and self._direct and _cold(fd):
                         # not cached (a cold load): straight from the disk into aligned memory
                         start = self._read_direct(fd, view)
                         if start:
