@@ -115,8 +115,8 @@ class DeviceBackend(Protocol):
 
         Dense arrays are packed into one device allocation as
         :func:`gpuckpt.device.packing.plan_packing` plans it: one copy per run of
-        arrays that lie back to back in memory, or one batched copy of many runs;
-        others are copied one by one. Queued on the back end's stream: call
+        arrays that lie back to back in one allocation, or one batched copy of many
+        small runs; others are copied one by one. Queued on the back end's stream: call
         :meth:`synchronize` before the originals may change.
         """
         ...

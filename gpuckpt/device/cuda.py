@@ -267,15 +267,14 @@ class CupyBackend:
                 table = cupy.asarray(np.asarray(pieces, dtype=np.uint64).reshape(-1))
                 launch_batched_copy(self.device_id, table, len(pieces))
                 self._keep.append(table)  # until the stream has run the kernel
-            else:
-                for r in plan.runs:
-                    cupy.cuda.runtime.memcpyAsync(
-                        base + r.offset,
-                        r.start,
-                        r.nbytes,
-                        cupy.cuda.runtime.memcpyDeviceToDevice,
-                        self.stream.ptr,
-                    )
+            for r in plan.direct_runs:
+                cupy.cuda.runtime.memcpyAsync(
+                    base + r.offset,
+                    r.start,
+                    r.nbytes,
+                    cupy.cuda.runtime.memcpyDeviceToDevice,
+                    self.stream.ptr,
+                )
             for k, i in enumerate(dense):
                 v = views[i]
                 out[i] = cupy.ndarray(v.shape, v.dtype, arena.data + plan.places[k], strides=v.strides)

@@ -17,7 +17,7 @@ import pytest
 import gpuckpt
 from gpuckpt.device import _kernel_ref
 from gpuckpt.device.host_backend import HostBackend
-from gpuckpt.device.packing import ARENA_ALIGN, BATCH_MIN_RUNS, Run, plan_packing
+from gpuckpt.device.packing import ARENA_ALIGN, BATCH_MIN_RUNS, DIRECT_MIN_BYTES, Run, plan_packing
 from gpuckpt.testing.fakedevice import EmulatedDeviceArray
 
 # ---- the plan (pure data) ---------------------------------------------------------
@@ -55,10 +55,31 @@ def test_arrays_of_separate_allocations_never_share_a_run() -> None:
         plan_packing(extents, allocations=[1, 2])
 
 
+def test_large_runs_are_one_copy_each_and_the_small_ones_batched() -> None:
+    big = DIRECT_MIN_BYTES
+    # eight large allocations (a model's big weights): eight plain copies, no batched copy
+    plan = plan_packing([(i << 30, big) for i in range(8)], allocations=range(8))
+    assert plan.direct_runs == plan.runs and not plan.batched and plan.copies == 8
+    assert plan.pieces(arena=1 << 40) == []
+    # two large and many small: the large ones alone, the small ones in one batched copy
+    extents = [(1 << 30, big), (2 << 30, 4 * big)] + [
+        ((3 + i) << 30, 1000 + i) for i in range(BATCH_MIN_RUNS)
+    ]
+    plan = plan_packing(extents, allocations=range(len(extents)))
+    assert [r.nbytes for r in plan.direct_runs] == [big, 4 * big]
+    assert [r.nbytes for r in plan.batched_runs] == [1000 + i for i in range(BATCH_MIN_RUNS)]
+    assert plan.batched and plan.copies == 3
+    assert sum(n for _, _, n in plan.pieces(arena=1 << 40)) == sum(1000 + i for i in range(BATCH_MIN_RUNS))
+    # fewer small runs than make a batched copy worth its launch: one copy each
+    plan = plan_packing(extents[: BATCH_MIN_RUNS + 1], allocations=range(BATCH_MIN_RUNS + 1))
+    assert not plan.batched and plan.copies == BATCH_MIN_RUNS + 1
+
+
 def test_pieces_cover_every_run_exactly() -> None:
-    plan = plan_packing([(1 << 30, 5000), (2 << 30, 1), (3 << 30, 4096)])
+    plan = plan_packing([(1 << 30, 5000), (2 << 30, 1), (3 << 30, 4096), (4 << 30, 3)])
+    assert plan.batched
     pieces = plan.pieces(arena=1 << 40, piece_bytes=2048)
-    assert sum(n for _, _, n in pieces) == 5000 + 1 + 4096
+    assert sum(n for _, _, n in pieces) == 5000 + 1 + 4096 + 3
     assert all(0 < n <= 2048 for _, _, n in pieces)
     for r in plan.runs:
         mine = [(s, d, n) for s, d, n in pieces if r.start <= s < r.start + r.nbytes]
@@ -109,6 +130,18 @@ def test_many_separate_tensors_are_one_batched_copy(tmp_path: Path) -> None:
     backend = HostBackend()
     _save_device_snapshot(tmp_path, arrays, backend)
     assert backend.device_copies == 1
+
+
+def test_a_large_tensor_is_a_copy_of_its_own_beside_the_batched_small_ones() -> None:
+    rng = np.random.default_rng(3)
+    arrays = [rng.integers(0, 255, DIRECT_MIN_BYTES, dtype=np.uint8)]
+    arrays += [rng.standard_normal(100 + i) for i in range(BATCH_MIN_RUNS)]
+    backend = HostBackend()
+    copies = backend.copy_many_on_device(arrays)
+    backend.synchronize()
+    assert backend.device_copies == 2  # the large one, and one batched copy of the others
+    for a, c in zip(arrays, copies, strict=True):
+        assert c.tobytes() == a.tobytes()
 
 
 def test_few_separate_tensors_are_one_copy_each(tmp_path: Path) -> None:
@@ -209,6 +242,24 @@ def test_cupy_snapshot_of_large_separate_allocations() -> None:
     bases = allocation_bases([*starts, int(arrays[0][1000:].data.ptr)])
     assert bases[3] == bases[0]  # a view lies in its array's allocation
     assert len(set(bases[:3])) == 3  # each 64 MiB array of a fresh pool is an allocation of its own
+    expected = [cupy.asnumpy(a) for a in arrays]
+    backend.wait_for_producers()
+    copies = backend.copy_many_on_device(arrays)
+    backend.synchronize()
+    for want, c in zip(expected, copies, strict=True):
+        assert np.array_equal(cupy.asnumpy(c), want)
+
+
+@pytest.mark.gpu
+def test_cupy_snapshot_of_large_and_small_arrays() -> None:
+    # large allocations by plain copies and the small arrays by one batched copy, in one call
+    cupy = pytest.importorskip("cupy")
+    from gpuckpt.device.cuda import backend_for_device
+
+    backend = backend_for_device(0)
+    rng = cupy.random.default_rng(9)
+    arrays = [rng.integers(0, 2**31, (DIRECT_MIN_BYTES * 2) // 4, dtype=cupy.int32) for _ in range(2)]
+    arrays += [rng.integers(0, 2**31, 1000 + 13 * i, dtype=cupy.int32) for i in range(2 * BATCH_MIN_RUNS)]
     expected = [cupy.asnumpy(a) for a in arrays]
     backend.wait_for_producers()
     copies = backend.copy_many_on_device(arrays)

@@ -61,7 +61,7 @@ def _run(lib: ctypes.CDLL, sizes: list[int], offsets: list[int], blocks: int, or
     base = arena.ctypes.data + GUARD
     base += -base % 256  # the device arena is 256-byte aligned
     lead = base - arena.ctypes.data
-    pieces = plan.pieces(base, piece_bytes=4096)
+    pieces = plan.pieces(base, piece_bytes=4096, runs=plan.runs)  # every run, batched or not
     table = np.asarray(pieces, dtype=np.uint64).reshape(-1)
     assert lib.gpuckpt_emu_set_order(order, 7) == 0
     rc = lib.gpuckpt_emu_batched_copy(blocks or len(pieces), THREADS, table.ctypes.data, len(pieces))
