@@ -200,7 +200,7 @@ def test_gpu_check_fits_its_time() -> None:
     script = (BENCH / "gpu_check.sh").read_text()
     real = script.split('if [ "$DRY" = 1 ]; then', 1)[1].split("\nfi\n", 1)[1]
     limits = [int(n) for n in re.findall(r"\btimeout (\d+)", real)]
-    assert len(limits) == 6 and sum(limits) <= 450, limits
+    assert len(limits) == 7 and sum(limits) <= 450, limits
     budget = re.search(r"bench_kernels\.py --out \"\$OUT\" --budget-s (\d+)", real)
     kernel_limit = re.search(r"step bench-kernels timeout (\d+)", real)
     assert budget and kernel_limit and int(budget.group(1)) + 30 <= int(kernel_limit.group(1))
