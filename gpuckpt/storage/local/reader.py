@@ -67,10 +67,13 @@ _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEX
 
 
 def _cold(fd: int) -> bool:
-    """Whether a large chunk the native loop did not copy from the page cache is cold: where
-    that loop is built it probed the cache and declined; without it, ``mincore`` is asked about
-    the first page (a cached chunk read around the cache would load at the disk's speed)."""
-    return crccopy.available() or fsutil.first_page_cached(fd) is not True
+    """Whether a large chunk the native loop did not copy from the page cache is cold, asked of
+    ``mincore`` (its first page). The loop declines cached chunks too: those of tmpfs (where
+    copies out of maps measured slower than reads), and all of them where it is not built (an
+    install without a C compiler). Read around the cache, a cached chunk loads at the disk's
+    speed, or, on tmpfs, is read whole and then read again for its checksum, where ``pread`` in
+    pieces checksums each piece while it is in the CPU's cache."""
+    return fsutil.first_page_cached(fd) is not True
 
 
 def _crc(data: Any, value: int = 0) -> int:
