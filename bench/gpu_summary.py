@@ -144,6 +144,7 @@ def build_summary(
         "async_device_block_s": _ratio(g.get("async_device_block_s")),
         "async_device_block_ratio_to_one_d2d": _ratio(g.get("async_device_block_ratio_to_one_d2d")),
         "async_device_copies": g.get("async_device_copies"),
+        "async_device_snapshot_copy_s": _ratio(g.get("async_device_snapshot_copy_s")),
         "cold_files_left_page_cache": g.get("cold_files_left_page_cache"),
         "channels_last_save_GBps": _ratio(g.get("channels_last_save_GBps")),
         "channels_last_load_GBps": _ratio(g.get("channels_last_load_GBps")),
@@ -296,6 +297,11 @@ def render_table(summary: dict[str, Any]) -> str:
         f"async device  blocks {_fmt(s['async_device_block_s'], '.4f')} s = "
         f"{_fmt(s['async_device_block_ratio_to_one_d2d'])} x one D2D      target <= {ASYNC_DEVICE_MAX}"
         + ("" if s.get("async_device_copies") is None else f"  ({s['async_device_copies']} device copies)")
+        + (
+            ""
+            if s.get("async_device_snapshot_copy_s") is None
+            else f", the copy alone {s['async_device_snapshot_copy_s']:.4f} s"
+        )
     )
     lines.append(
         f"tier save     blocks {_fmt(s.get('tier_save_block_s'), '.4f')} s = "
