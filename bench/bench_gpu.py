@@ -47,6 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "bench_gpu.json").write_text(json.dumps(res, indent=2))
+    if res.get("errors"):  # the other figures are written; the step still fails
+        print(f"bench_gpu: figures that failed: {json.dumps(res['errors'], indent=2)}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -147,7 +147,7 @@ def run_device(args: argparse.Namespace) -> int:
     finally:
         shutil.rmtree(base, ignore_errors=True)
     print(json.dumps(res, indent=2) if args.json else report(res))
-    return 0
+    return 1 if res.get("errors") else 0
 
 
 def run(args: argparse.Namespace) -> int:

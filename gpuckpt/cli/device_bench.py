@@ -32,6 +32,7 @@ import shutil
 import statistics
 import tempfile
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -266,30 +267,48 @@ def measure(
             shutil.rmtree(base / f"a-{staging}-{i}", ignore_errors=True)
         return statistics.median(times[1:])  # the first call allocates the staging memory
 
-    t_async = blocking("host")
-    t_async_dev = blocking("device")
-    arrays = [x["w"] for x in state["layers"]]
-    backend = cuda_backend_for_device(0)
+    errors: dict[str, str] = {}
 
-    def snapshot_copy() -> None:  # the snapshot's copy alone: what the rest of the blocking adds
-        backend.wait_for_producers()
-        backend.copy_many_on_device(arrays)
-        backend.synchronize()
+    def part(name: str, figures: Callable[[], dict[str, Any]]) -> None:
+        """One group of figures; a failure is recorded and the others still run (a device
+        machine's time is scarce: one broken path must not cost the rest of the run)."""
+        try:
+            g.update(figures())
+        except Exception as exc:
+            errors[name] = f"{type(exc).__name__}: {exc}"
+            traceback.print_exc()
 
-    t_copy_dev = median_time(snapshot_copy, rounds)
-    g.update(
-        async_block_s=t_async,
-        async_block_ratio_to_one_d2h=t_async / (total / (d2h * 1e9)),
-        async_device_block_s=t_async_dev,
-        async_device_block_ratio_to_one_d2d=t_async_dev / (2 * total / (d2d * 1e9)),
-        async_device_snapshot_copy_s=t_copy_dev,
-        async_device_copies=plan_packing(
-            [(int(a.data.ptr), int(a.nbytes)) for a in arrays],
-            allocations=allocation_bases([int(a.data.ptr) for a in arrays]),
-        ).copies,
-    )
+    def async_host() -> dict[str, Any]:
+        t_async = blocking("host")
+        return {"async_block_s": t_async, "async_block_ratio_to_one_d2h": t_async / (total / (d2h * 1e9))}
+
+    def async_device() -> dict[str, Any]:
+        t_async_dev = blocking("device")
+        arrays = [x["w"] for x in state["layers"]]
+        backend = cuda_backend_for_device(0)
+
+        def snapshot_copy() -> None:  # the snapshot's copy alone: what the rest of the blocking adds
+            backend.wait_for_producers()
+            backend.copy_many_on_device(arrays)
+            backend.synchronize()
+
+        return {
+            "async_device_block_s": t_async_dev,
+            "async_device_block_ratio_to_one_d2d": t_async_dev / (2 * total / (d2d * 1e9)),
+            "async_device_snapshot_copy_s": median_time(snapshot_copy, rounds),
+            "async_device_copies": plan_packing(
+                [(int(a.data.ptr), int(a.nbytes)) for a in arrays],
+                allocations=allocation_bases([int(a.data.ptr) for a in arrays]),
+            ).copies,
+        }
+
+    part("async_save", async_host)
+    part("async_save_device", async_device)
     if tiers:
-        g.update(_tier_figures(state, targets, base, rounds, d2h, min(h2d, ceilings["disk_read_warm"])))
+        read_ceiling = min(h2d, ceilings["disk_read_warm"])
+        part("tiers", lambda: _tier_figures(state, targets, base, rounds, d2h, read_ceiling))
+    if errors:
+        res["errors"] = errors
     res["gpuckpt"] = g
     if kernels:
         res["kernels"] = {"device": res["device"], "copy_GBps": d2d, "rows": kernel_rows(cp, d2d)}
@@ -402,4 +421,6 @@ def report(res: dict[str, Any]) -> str:
             f"{min(r['speedup_vs_cupy'] for r in rows):.2f}-{max(r['speedup_vs_cupy'] for r in rows):.2f}x "
             "cupy.ascontiguousarray"
         )
+    for name, error in (res.get("errors") or {}).items():
+        lines.append(f"FAILED {name}: {error}")
     return "\n".join(lines)

@@ -232,6 +232,12 @@ def test_bench_device_reports_each_figure_against_its_ceiling() -> None:
     assert "D2H 50.0  H2D 51.0" in text and "save          0.90 GB/s = 0.90 x min(D2H, disk write)" in text
     assert "load (cold)   - GB/s" in text  # not measured: said, not invented
     assert "1 rows at 81-81% of the D2D copy" in text and "target" not in text
+    assert "FAILED" not in text
+    # a group of figures that failed on the device is named with its error; the rest still print
+    res["errors"] = {"async_save_device": "CUDARuntimeError: cudaErrorInvalidValue: invalid argument"}
+    text = report(res)
+    assert "FAILED async_save_device: CUDARuntimeError: cudaErrorInvalidValue" in text
+    assert "save          0.90 GB/s" in text
 
 
 @pytest.mark.gpu
