@@ -7,8 +7,9 @@ random bytes) and per chunk size:
   ratio, the device's compression and decompression throughput (CUDA-synchronized clocks,
   median of rounds after a warm-up), and whether each frame announces its content size
   (gpuckpt's reader and the Zarr ``zstd`` codec size their output from it);
-- that the host's zstd (numcodecs, what zarr-python reads with) decompresses every frame the
-  device wrote bit-exactly, and that the device decompresses frames the host wrote;
+- that the host's zstd (numcodecs) decompresses every frame the device wrote bit-exactly, as do
+  gpuckpt's reader and zarr-python reading them as the chunks of a Zarr v3 array with the core
+  ``zstd`` codec; and that the device decompresses frames the host wrote;
 - the host codec gpuckpt uses today (zstd level 1 after staging) on the same bytes: ratio and
   one thread's throughput, the ceiling the device path must beat.
 
@@ -78,6 +79,53 @@ def _median_s(cp: Any, fn: Any, rounds: int) -> tuple[float, Any]:
     return statistics.median(times), out
 
 
+def _zarr_reads(frames: list[bytes], expect: np.ndarray, chunk: int) -> bool | str:
+    """zarr-python reads the device's frames as the chunks of a Zarr v3 array with the core
+    ``zstd`` codec (the frames written as its chunk files), bit-exactly."""
+    import os
+    import shutil
+    import tempfile
+
+    try:
+        import zarr
+
+        where = tempfile.mkdtemp(prefix="gpuckpt-nvcomp-zarr-")
+        try:
+            zarr.create_array(
+                store=where,
+                shape=(expect.nbytes,),
+                chunks=(chunk,),
+                dtype="uint8",
+                compressors=zarr.codecs.ZstdCodec(level=1),
+                fill_value=0,
+            )
+            os.makedirs(os.path.join(where, "c"), exist_ok=True)
+            for i, frame in enumerate(frames):
+                with open(os.path.join(where, "c", str(i)), "wb") as f:
+                    f.write(frame)
+            return bool(np.array_equal(zarr.open_array(where, mode="r")[:], expect))
+        finally:
+            shutil.rmtree(where, ignore_errors=True)
+    except Exception as exc:  # reported, never the end of the run
+        return f"{type(exc).__name__}: {exc}"
+
+
+def _gpuckpt_reads(frames: list[bytes], expect: np.ndarray, chunk: int) -> bool | str:
+    """gpuckpt's own reader of compressed chunks (the size the frame announces is checked)
+    decodes the device's frames bit-exactly."""
+    try:
+        from gpuckpt.format.codecs import Codec, decode_into
+
+        dest = np.empty(chunk, np.uint8)
+        for i, frame in enumerate(frames):
+            decode_into(Codec("zstd", 1), memoryview(frame), dest)
+            if not np.array_equal(dest, expect[i * chunk : (i + 1) * chunk]):
+                return False
+        return True
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
 def measure_one(cp: Any, nvcomp: Any, kind: str, total: int, chunk: int, rounds: int) -> dict[str, Any]:
     from numcodecs import zstd as host_zstd
 
@@ -118,6 +166,8 @@ def measure_one(cp: Any, nvcomp: Any, kind: str, total: int, chunk: int, rounds:
         for i in range(n)
     )
     return {
+        "zarr_reads_device_frames_exact": _zarr_reads(host_frames, expect, chunk),
+        "gpuckpt_reads_device_frames_exact": _gpuckpt_reads(host_frames, expect, chunk),
         "kind": kind,
         "chunk_bytes": chunk,
         "chunks": n,
