@@ -166,8 +166,8 @@ def measure_one(cp: Any, nvcomp: Any, kind: str, total: int, chunk: int, rounds:
         for i in range(n)
     )
     return {
-        # the format checked on the first frames (each reader has decoded every frame above
-        # through numcodecs already): seconds, not the run's budget
+        # numcodecs decoded every frame above; zarr-python and gpuckpt's reader read the first
+        # four of each row (seconds, not the step's budget)
         "zarr_reads_device_frames_exact": _zarr_reads(host_frames[:4], expect[: 4 * chunk], chunk),
         "gpuckpt_reads_device_frames_exact": _gpuckpt_reads(host_frames[:4], expect[: 4 * chunk], chunk),
         "kind": kind,
