@@ -297,7 +297,7 @@ class LocalReader(CheckpointReader):
                         total += view.nbytes
                         self._note("cached")
                         continue
-                    if total == 0 and self._direct and _cold(fd):
+                    if total == 0 and self._direct and buffer_address(view) % DIRECT_ALIGN == 0 and _cold(fd):
                         # not cached (a cold load): straight from the disk into aligned memory
                         start = self._read_direct(fd, view)
                         if start:
@@ -321,9 +321,7 @@ class LocalReader(CheckpointReader):
 
     def _read_direct(self, fd: int, view: memoryview) -> int:
         """The bytes of ``view`` read with O_DIRECT from offset 0 (0 where not possible)."""
-        if buffer_address(view) % DIRECT_ALIGN:
-            return 0  # memory not aligned (host targets): buffered
-        got = read_direct(fd, view)
+        got = read_direct(fd, view)  # the caller checked that the memory is aligned
         if got is None:
             self._direct = False  # the file system refuses: buffered from now on
             return 0
