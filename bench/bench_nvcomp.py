@@ -32,24 +32,23 @@ from typing import Any
 
 import numpy as np
 
-_ZSTD_MAGIC = 0xFD2FB528
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a source checkout without an install
 
 
 def _frame_header(frame: bytes) -> dict[str, Any]:
-    """What a zstd frame's header says: magic, whether it is one segment, its content size."""
-    if len(frame) < 6 or int.from_bytes(frame[:4], "little") != _ZSTD_MAGIC:
+    """What a zstd frame's header says: whether it is one, one segment, with its own checksum,
+    and the content size it announces, read as gpuckpt's reader reads it."""
+    from gpuckpt.format.codecs import CodecError, _zstd_content_size
+
+    try:
+        content = _zstd_content_size(memoryview(frame))
+    except CodecError:
         return {"zstd_frame": False}
     fhd = frame[4]
-    fcs_flag, single, checksum = fhd >> 6, (fhd >> 5) & 1, (fhd >> 2) & 1
-    at = 5 + (0 if single else 1) + (0, 1, 2, 4)[fhd & 3]
-    size = (1 if single else 0, 2, 4, 8)[fcs_flag]
-    content = None
-    if size:
-        content = int.from_bytes(frame[at : at + size], "little") + (256 if size == 2 else 0)
     return {
         "zstd_frame": True,
-        "single_segment": bool(single),
-        "checksum": bool(checksum),
+        "single_segment": bool((fhd >> 5) & 1),
+        "checksum": bool((fhd >> 2) & 1),
         "content_size": content,
     }
 

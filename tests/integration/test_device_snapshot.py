@@ -1,7 +1,8 @@
 """Device-side snapshots (``async_save(staging="device")``) at one device-to-device copy (issue 23).
 
 The arrays of a state are packed into one device allocation and copied with one copy
-per run of arrays back to back in memory, or one batched copy of many runs; the host back
+per run of arrays back to back in one allocation (and per run of 16 MiB or more), and one
+batched copy of many small runs; the host back
 end counts the copies it is asked for (``device_copies``), exactly as the CuPy back end
 issues them.
 """
@@ -9,6 +10,7 @@ issues them.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -226,6 +228,16 @@ def test_cupy_copy_many_on_device_is_bit_exact() -> None:
         assert cupy.asnumpy(c).tobytes() == cupy.asnumpy(a).tobytes()
 
 
+def _assert_copied_exactly(cupy: Any, backend: Any, arrays: list[Any]) -> None:
+    """``backend.copy_many_on_device(arrays)`` gives copies of exactly their bytes."""
+    expected = [cupy.asnumpy(a) for a in arrays]
+    backend.wait_for_producers()
+    copies = backend.copy_many_on_device(arrays)
+    backend.synchronize()
+    for want, c in zip(expected, copies, strict=True):
+        assert np.array_equal(cupy.asnumpy(c), want)
+
+
 @pytest.mark.gpu
 def test_cupy_snapshot_of_large_separate_allocations() -> None:
     # Large arrays are separate cudaMallocs that the driver often places back to back: a
@@ -242,12 +254,7 @@ def test_cupy_snapshot_of_large_separate_allocations() -> None:
     bases = allocation_bases([*starts, int(arrays[0][1000:].data.ptr)])
     assert bases[3] == bases[0]  # a view lies in its array's allocation
     assert len(set(bases[:3])) == 3  # each 64 MiB array of a fresh pool is an allocation of its own
-    expected = [cupy.asnumpy(a) for a in arrays]
-    backend.wait_for_producers()
-    copies = backend.copy_many_on_device(arrays)
-    backend.synchronize()
-    for want, c in zip(expected, copies, strict=True):
-        assert np.array_equal(cupy.asnumpy(c), want)
+    _assert_copied_exactly(cupy, backend, arrays)
 
 
 @pytest.mark.gpu
@@ -260,9 +267,4 @@ def test_cupy_snapshot_of_large_and_small_arrays() -> None:
     rng = cupy.random.default_rng(9)
     arrays = [rng.integers(0, 2**31, (DIRECT_MIN_BYTES * 2) // 4, dtype=cupy.int32) for _ in range(2)]
     arrays += [rng.integers(0, 2**31, 1000 + 13 * i, dtype=cupy.int32) for i in range(2 * BATCH_MIN_RUNS)]
-    expected = [cupy.asnumpy(a) for a in arrays]
-    backend.wait_for_producers()
-    copies = backend.copy_many_on_device(arrays)
-    backend.synchronize()
-    for want, c in zip(expected, copies, strict=True):
-        assert np.array_equal(cupy.asnumpy(c), want)
+    _assert_copied_exactly(cupy, backend, arrays)
