@@ -27,7 +27,7 @@ from gpuckpt.planning.tiers import tier_retention
 from gpuckpt.runtime.workers import Workers
 from gpuckpt.storage.base import CheckpointRoot
 from gpuckpt.storage.local.fsutil import move_directory
-from gpuckpt.tiers.files import ReceiveBuffer, Received, mapped, receiving_files, write_received
+from gpuckpt.tiers.files import FileMaps, ReceiveBuffer, Received, mapped, receiving_files, write_received
 from gpuckpt.tiers.placement import message_sizes, placement
 
 __all__ = ["PartExchange"]
@@ -43,6 +43,8 @@ class PartExchange:
     pinned: set[int]
     _store: CheckpointRoot
     _thread: Workers
+    #: maps of the tier's large files kept from round to round (:class:`FileMaps`)
+    _file_maps: FileMaps
     #: writes of parts restores fetched from peers (:meth:`_keep_fetched`)
     _fetched: list[Future[None]]
     #: ``(step, rank)`` of every committed part in this node's tier
@@ -96,7 +98,8 @@ class PartExchange:
         (:func:`~gpuckpt.tiers.files.receiving_files`; ``buffer`` only where that failed).
 
         Files go from a read-only memory map of the sender's file into the receiver's files
-        or the receive buffer: one copy by the transport. ``into`` (a restore's state, as
+        or the receive buffer: one copy by the transport. Maps of large files are kept for the
+        next rounds (:class:`~gpuckpt.tiers.files.FileMaps`). ``into`` (a restore's state, as
         :func:`part_view` gives it; the same on every rank: None or not): this rank's own part
         is received into its arrays where :func:`~gpuckpt.tiers.placement.placement` allows,
         the rest into ``buffer``. Every rank takes part in every exchange whatever failed
@@ -147,7 +150,7 @@ class PartExchange:
             if m is None:
                 continue
             try:
-                out[dest] = mapped(self.dir / part_name(step, m[0]), m[1], maps)
+                out[dest] = mapped(self.dir / part_name(step, m[0]), m[1], maps, self._file_maps)
             except Exception as exc:
                 errors.append(exc)
                 out[dest] = [bytes(n) for rel, size in m[1] for n in message_sizes(rel, size)]
@@ -176,7 +179,7 @@ class PartExchange:
                 break
             try:
                 tmp = files_at(whose)
-                in_files[source] = (tmp, receiving_files(tmp, files, maps))
+                in_files[source] = (tmp, receiving_files(tmp, files, maps, self._file_maps))
             except Exception as exc:  # received into the buffer, and the round fails
                 errors.append(exc)
         plans = {

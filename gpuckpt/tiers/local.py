@@ -37,7 +37,7 @@ from gpuckpt.runtime.workers import Workers
 from gpuckpt.saving.sources import describe_state
 from gpuckpt.storage.stores import file_system_type, in_memory, open_root
 from gpuckpt.tiers.exchange import PartExchange
-from gpuckpt.tiers.files import ReceiveBuffer, Received, tree_bytes
+from gpuckpt.tiers.files import FileMaps, ReceiveBuffer, Received, tree_bytes
 from gpuckpt.tiers.parts import Boxes, copy_values_back, layout_of, part_bytes, part_view, sharded_from_part
 from gpuckpt.tiers.report import PartSource, RestoreReport
 
@@ -144,6 +144,7 @@ class LocalTier(PartExchange):
         # busy starves them (save calls of 0.43 s against 0.02 s in a trial); the drain, which
         # only a persist step waits for, runs at nice 19 (see CheckpointManager)
         self._thread = Workers(1, "gpuckpt-tier")
+        self._file_maps = FileMaps()
         self._writer = Workers(1, "gpuckpt-tier-write")
         self._jobs: dict[int, Future[None]] = {}
         #: steps whose tier work failed here, once :meth:`settled` took their jobs
@@ -395,13 +396,19 @@ class LocalTier(PartExchange):
             self._replicate(step)
         except BaseException:
             self._delete_step(step, [self.rank, *self.held])
+            self._file_maps.forget_all_but(self.dir)
             raise
-        if self.leader:  # after the collectives: a failure here is this node's, warned about
-            try:
-                present = {s for s, _ in self._parts()}
-                self._delete_steps(tier_retention(present, self.keep, step, self.pinned | {step}))
-            except OSError as exc:
-                warnings.warn(f"the local tier {self.dir} could not retire old steps: {exc}", stacklevel=1)
+        try:  # after the collectives: a failure here is this node's, warned about
+            parts = self._parts()
+            retired = tier_retention({s for s, _ in parts}, self.keep, step, self.pinned | {step})
+            if self.leader:
+                self._delete_steps(retired)
+            # a kept map holds its file's memory: the maps of the retired parts' files go now, on
+            # every rank of the node, whether or not its lowest rank has deleted them yet
+            doomed = set(retired)
+            self._file_maps.forget_all_but(self.dir, {part_name(s, r) for s, r in parts if s in doomed})
+        except OSError as exc:
+            warnings.warn(f"the local tier {self.dir} could not retire old steps: {exc}", stacklevel=1)
 
     def _check_tiling(self, layouts: tuple[str, ...], tensors: Sequence[LocalTensor]) -> None:
         """Collective (tier thread): where any rank's layout changed since the last check, every
@@ -443,6 +450,10 @@ class LocalTier(PartExchange):
         for job in self._fetched:
             job.exception()
         self._fetched.clear()
+        try:
+            self._thread.submit(self._file_maps.close)  # after the rounds queued before it
+        except RuntimeError:  # closed before: no round is left to run
+            self._file_maps.close()
         self._thread.shutdown(wait=False)
         self._writer.shutdown(wait=False)
         self._release_lock()

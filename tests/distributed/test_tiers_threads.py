@@ -644,3 +644,53 @@ def test_a_write_is_held_at_most_twice_its_own_snapshot(tmp_path: Path) -> None:
     r0, r1 = _held_writes(tmp_path, 1.0)
     assert r0["write_started"] < r1["snapshot_done"] - 0.5, (r0, r1)
     assert (r0["part"] == 0).all() and (r1["part"] == 1).all()
+
+
+def test_maps_kept_between_rounds_never_hold_a_retired_parts_memory(tmp_path: Path) -> None:
+    """Large parts' files stay mapped from one replication round to the next (the tier's
+    files are recycled from step to step); no map outlives its file in the tier, whichever
+    rank of the node deletes it (the node's lowest), with drains pinning steps and a layout
+    that changes; none outlives the manager."""
+    from gpuckpt.tiers.files import FileMaps
+
+    rows = FileMaps.MIN_BYTES // (4 * 256) * 2  # a 2 MiB box per rank: its chunk file's map is kept
+
+    def mapped_deleted() -> list[str]:
+        marker = str(tmp_path) + "/"
+        lines = Path("/proc/self/maps").read_text().splitlines()
+        return [line for line in lines if marker in line and line.endswith("(deleted)")]
+
+    def run(c: Any) -> dict[str, Any]:
+        r, n = c.rank, c.world_size
+        node = f"n{r // 2}"
+        mgr = gpuckpt.CheckpointManager(
+            tmp_path / "root", local_dir=tmp_path / node, node=node, coordinator=c, persist_interval_steps=3
+        )
+        kept, deleted = [], []
+        for step in range(1, 8):
+            w = np.full((rows, 256), step * 10 + r, dtype=np.float32)
+            st: dict[str, Any] = {"w": gpuckpt.ShardedArray(w, (r * rows, 0), (n * rows, 256))}
+            if step in (3, 4):  # an array more for two steps: its files go when the layout changes back
+                st["more"] = gpuckpt.ShardedArray(w + 1, (r * rows, 0), (n * rows, 256))
+            mgr.save(step, st)
+            mgr.wait()
+            c.barrier()  # every rank's round and retention over
+            kept.append(len(mgr._tiered.tier._file_maps))
+            deleted.append(len(mapped_deleted()))
+            c.barrier()
+        mgr.close()
+        return {"kept": kept, "deleted": deleted}
+
+    seen = run_ranks(4, run, timeout=120)
+    for r, got in enumerate(seen):
+        # from the first round on: this rank's part and the replica it holds
+        assert all(k >= 2 for k in got["kept"]), (r, got)
+        assert got["deleted"] == [0] * 7, (r, got)
+    deadline = time.monotonic() + 10  # (the tier thread closes them after its queued work)
+    while time.monotonic() < deadline and any(
+        str(tmp_path) in line for line in Path("/proc/self/maps").read_text().splitlines()
+    ):
+        time.sleep(0.05)
+    assert not [
+        line for line in Path("/proc/self/maps").read_text().splitlines() if str(tmp_path) + "/" in line
+    ]

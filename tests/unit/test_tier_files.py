@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import mmap
 import os
+import shutil
 from pathlib import Path
 
 import pytest
 
 from gpuckpt.errors import CheckpointCorruptedError
-from gpuckpt.tiers.files import receiving_files, write_received
+from gpuckpt.tiers.files import FileMaps, mapped, receiving_files, write_received
 from gpuckpt.tiers.placement import message_sizes
 
 # a part's files: a chunk file travels as its bytes and its 4-byte checksum trailer
@@ -150,3 +151,104 @@ def test_a_file_named_twice_or_as_a_folder_is_refused_before_anything_is_made(
     with pytest.raises(CheckpointCorruptedError, match="twice|both as a file and as a folder"):
         put(part, [(n, b"x" * (10 + i)) for i, n in enumerate(names)])
     assert not part.exists()
+
+
+# --- maps kept from round to round (FileMaps) ----------------------------------------------
+
+BIG = FileMaps.MIN_BYTES + 4096  # a chunk file large enough for its map to be kept
+
+
+def _big_part(seed: int, size: int = BIG) -> dict[str, bytes]:
+    return {"zarr.json": b"{}", "t/c/0": bytes([seed]) * (size - 4) + b"CRC!"}
+
+
+def _receive_kept(tmp: Path, files: dict[str, bytes], kept: FileMaps) -> list[mmap.mmap]:
+    """:func:`_receive` with ``kept``; returns the maps the round itself had to close."""
+    maps: list[mmap.mmap] = []
+    items = _items(files)
+    views = receiving_files(tmp, [(rel, len(data)) for rel, data in items], maps, kept)
+    for (_, data), vs in zip(items, views, strict=True):
+        at = 0
+        for v in vs:
+            v[:] = data[at : at + v.nbytes]
+            at += v.nbytes
+            v.release()
+    for m in maps:
+        m.close()
+    return maps
+
+
+def _mapped_here(path: Path) -> list[str]:
+    """This process's maps of files under ``path`` (deleted ones marked so)."""
+    marker = str(path) + "/"
+    return [
+        line[line.find(marker) :]
+        for line in Path("/proc/self/maps").read_text().splitlines()
+        if marker in line
+    ]
+
+
+def test_a_large_files_map_is_kept_and_serves_the_next_rounds_of_the_same_file(tmp_path: Path) -> None:
+    kept = FileMaps()
+    part = tmp_path / "part"
+    closed = _receive_kept(part, _big_part(1), kept)
+    assert len(closed) == 1 and len(kept) == 1  # the small document's map is the round's own
+    assert _tree(part) == _big_part(1)
+    # the copy recycled (moved, same inode) and received into again: the kept map takes it
+    os.rename(part, tmp_path / "again")
+    closed = _receive_kept(tmp_path / "again", _big_part(2), kept)
+    assert len(closed) == 1 and len(kept) == 1
+    assert _tree(tmp_path / "again") == _big_part(2)
+    # and sends from it: a reader is served by the kept (writable) map
+    maps: list[mmap.mmap] = []
+    views = mapped(tmp_path / "again", [("t/c/0", BIG), ("zarr.json", 2)], maps, kept)
+    assert len(maps) == 1 and len(kept) == 1
+    assert b"".join(bytes(v) for v in views) == _big_part(2)["t/c/0"] + b"{}"
+    for v in views:
+        v.release()
+    for m in maps:
+        m.close()
+    kept.close()
+    assert len(kept) == 0 and _mapped_here(tmp_path) == []
+
+
+def test_a_kept_map_of_a_file_whose_size_changed_is_made_anew(tmp_path: Path) -> None:
+    kept = FileMaps()
+    part = tmp_path / "part"
+    _receive_kept(part, _big_part(1), kept)
+    _receive_kept(part, _big_part(3, BIG + 8192), kept)  # grown: a map of the old size would be short
+    assert _tree(part) == _big_part(3, BIG + 8192) and len(kept) == 1
+    _receive_kept(part, _big_part(4), kept)  # shrunk: a longer map would fault past the end
+    assert _tree(part) == _big_part(4) and len(kept) == 1
+    maps: list[mmap.mmap] = []
+    views = mapped(part, [("t/c/0", BIG)], maps, kept)
+    assert b"".join(bytes(v) for v in views) == _big_part(4)["t/c/0"]
+    for v in views:
+        v.release()
+    kept.close()
+
+
+def test_maps_of_deleted_or_leaving_files_are_dropped_and_their_memory_with_them(tmp_path: Path) -> None:
+    kept = FileMaps()
+    tier = tmp_path / "tier"
+    for name, seed in (("a", 1), ("b", 2), ("c", 3)):
+        tier.mkdir(exist_ok=True)
+        _receive_kept(tier / name, _big_part(seed), kept)
+    assert len(kept) == 3
+    shutil.rmtree(tier / "a")  # deleted: its pages stay while a map holds them
+    assert any("(deleted)" in line for line in _mapped_here(tier))
+    kept.forget_all_but(tier, {"b"})  # "b" is about to be deleted: its map goes too
+    assert len(kept) == 1
+    left = _mapped_here(tier)
+    assert left and all(line.endswith(str(tier / "c" / "t" / "c" / "0")) for line in left), left
+    kept.close()
+    assert _mapped_here(tier) == []
+
+
+def test_no_more_maps_than_the_limit_are_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(FileMaps, "MAX_MAPS", 2)
+    kept = FileMaps()
+    closed = [len(_receive_kept(tmp_path / f"p{i}", _big_part(i), kept)) for i in range(3)]
+    assert closed == [1, 1, 2] and len(kept) == 2  # the third large map is the round's own
+    assert _tree(tmp_path / "p2") == _big_part(2)
+    kept.close()
