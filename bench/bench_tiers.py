@@ -23,6 +23,10 @@ on the same bytes, by the same ranks at the same time:
 3. replication: the replication round (``LocalTier._replicate``, wrapped) against
    ``exchange_buffers`` of the same arrays between the same pairs (each rank sends one part and
    receives one), on a duplicate of the same coordinator; bytes per second per rank; target >= 0.7.
+   The ceiling's arrays are NumPy's, in transparent huge pages; the tier's files are tmpfs
+   pages of 4 KiB, and MPI's single-copy transfer pins the sender's pages one by one. Shown
+   beside it (not a figure): the same exchange between files of the tier's tmpfs, mapped and
+   populated once (as the tier keeps its maps), and replication against that.
 4. restore from the local tier (a new manager per restore, as a restarted job's) against a
    plain read of the same part files from tmpfs into preallocated buffers (same threads);
    target >= 0.8.
@@ -35,7 +39,9 @@ on the same bytes, by the same ranks at the same time:
    fetched from their replicas on n0; bytes of a part per second of the whole restore against
    the transport's per-rank bandwidth of figure 3; target >= 0.7. Shown too: the fetch alone
    (``LocalTier._exchange``, wrapped: the transfer, straight into the restored arrays, which
-   the load then checks in place), and one-way ``exchange_buffers`` on the same pairs.
+   the load then checks in place), one-way ``exchange_buffers`` on the same pairs, one-way from
+   files of the tier's tmpfs into the arrays (a holder sends from such files), and the restore
+   against figure 3's exchange between tmpfs files.
 7. a single-process training loop (numpy 512x512 float32 matmuls, about 0.1 s a step; this
    process, no MPI) with ``CheckpointManager(root, local_dir=..., replicas=0,
    persist_interval_steps=P*K, save_interval_steps=K)`` saving every K-th step to the tier
@@ -360,6 +366,20 @@ def figures_of_ranks(ranks: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[
     one = _slowest(ranks, "restore_rounds", "one_way_s")
     extras["6: one-way exchange_buffers on the same pairs, GB/s per receiving rank"] = (
         state / _median(one) / 1e9
+    )
+    xt = _slowest(ranks, "save_rounds", "exchange_tmpfs_s")
+    rt = _slowest(ranks, "save_rounds", "replicate_s")
+    extras[
+        "3, 6: exchange_buffers of figure 3 between files of the tier's tmpfs (base pages), GB/s per rank"
+    ] = xbytes / _median(xt) / 1e9
+    extras["3: replication against that exchange (ratio)"] = (part / _median(rt)) / (xbytes / _median(xt))
+    ot = _slowest(ranks, "restore_rounds", "one_way_tmpfs_s")
+    extras["6: one-way exchange_buffers from files of the tier's tmpfs, GB/s per receiving rank"] = (
+        state / _median(ot) / 1e9
+    )
+    pt = _slowest(ranks, "restore_rounds", "peer_s")
+    extras["6: replaced node's restore against the exchange of figure 3 between tmpfs files (ratio)"] = (
+        _median(xt) / xbytes * pbytes / _median(pt)
     )
     warm = [[float(x[f]) for x in ranks[0]["save_rounds"] if x["warmup"]] for f in ("write_s", "replicate_s")]
     extras["2, 3: warm-up steps (not in the figures): write s, replication s (rank 0)"] = [

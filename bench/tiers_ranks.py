@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import mmap
 import os
 import shutil
 import sys
@@ -310,6 +311,34 @@ def _bytes(arrays: list[np.ndarray]) -> list[memoryview]:
     return [memoryview(a.reshape(-1).view(np.uint8)) for a in arrays]
 
 
+class TmpfsBuffers:
+    """Buffers of the given sizes in files of ``directory`` (the local tier's file system),
+    mapped shared and populated once, kept for every round: the transport's own bandwidth
+    between pages of the tier's kind (tmpfs: base pages, where the arrays of the figures'
+    ceilings have transparent huge pages), shown beside figures 3 and 6."""
+
+    def __init__(self, directory: Path, sizes: list[int]) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        self.dir = directory
+        self.maps: list[mmap.mmap] = []
+        for i, n in enumerate(sizes):
+            fd = os.open(directory / f"b{i}", os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                os.ftruncate(fd, n)
+                os.posix_fallocate(fd, 0, n)
+                self.maps.append(mmap.mmap(fd, n, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE))
+            finally:
+                os.close(fd)
+
+    def views(self) -> list[memoryview]:
+        return [memoryview(m) for m in self.maps]
+
+    def close(self) -> None:
+        for m in self.maps:
+            m.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
 def save_phase(k: Rank) -> dict[str, Any]:
     """Figures 1-3: save, the tier's write, replication; and their ceilings, interleaved."""
     h, rank, arrays = k.h, k.rank, k.arrays
@@ -320,6 +349,9 @@ def save_phase(k: Rank) -> dict[str, Any]:
     orders = [host_order(a) for a in arrays]
     recv = {s: [np.zeros_like(a) for a in arrays] for s in tier.held}  # the peers' arrays: same sizes
     plain_dir = k.local_dir / f".plain-r{rank}"  # figure 2's ceiling: its files kept, overwritten
+    sizes = [a.nbytes for a in arrays]
+    send_files = TmpfsBuffers(k.local_dir / f".xsend-r{rank}", sizes)
+    recv_files = {s: TmpfsBuffers(k.local_dir / f".xrecv-r{rank}-{s}", sizes) for s in tier.held}
     rounds: list[dict[str, Any]] = []
     for step in range(1, k.last + 1):
         rec: dict[str, Any] = {"step": step, "warmup": step <= k.args.warmup}
@@ -348,15 +380,26 @@ def save_phase(k: Rank) -> dict[str, Any]:
             rec["exchange_s"] = h.timed(lambda: k.transport.exchange_buffers(sends, recvs))
             rec["exchange_bytes"] = k.nbytes * len(tier.holders)
 
+        def exchange_tmpfs(rec: dict[str, Any] = rec) -> None:
+            sends = {dest: send_files.views() for dest in tier.holders}
+            recvs = {s: b.views() for s, b in recv_files.items()}
+            rec["exchange_tmpfs_s"] = h.timed(lambda: k.transport.exchange_buffers(sends, recvs))
+            for v in [*(x for vs in sends.values() for x in vs), *(x for vs in recvs.values() for x in vs)]:
+                v.release()
+
         def host_copy(rec: dict[str, Any] = rec) -> None:
             rec["copy_s"] = h.timed(copy)
 
         ops = {"copy": host_copy, "save": save, "write": write, "exchange": exchange}
+        ops["exchange_tmpfs"] = exchange_tmpfs
         for name in _order(list(ops), step):
             ops[name]()
         rounds.append(rec)
     mgr.close()
     shutil.rmtree(plain_dir, ignore_errors=True)
+    send_files.close()
+    for b in recv_files.values():
+        b.close()
     return {"save_rounds": rounds, "holders": tier.holders, "held": tier.held}
 
 
@@ -385,6 +428,7 @@ def restore_phase(k: Rank) -> dict[str, Any]:
     peers = {r: replica_holders(r, k.names, 1)[0] for r in range(RANKS) if node_of(r) == "n1"}
     one_sends = {r: k.arrays for r, holder in peers.items() if holder == rank}
     one_recvs = {peers[rank]: targets} if rank in peers else {}
+    from_files = TmpfsBuffers(k.local_dir / f".xfrom-r{rank}", [a.nbytes for a in k.arrays])
     rounds: list[dict[str, Any]] = []
     for r in range(k.args.rounds + 1):  # round 0 is a warm-up
         rec: dict[str, Any] = {"round": r, "warmup": r == 0}
@@ -443,12 +487,21 @@ def restore_phase(k: Rank) -> dict[str, Any]:
             rec["one_way_s"] = h.timed(lambda: k.transport.exchange_buffers(sends, recvs))
             rec["one_way_bytes"] = k.nbytes if rank in peers else 0
 
+        def one_way_tmpfs(rec: dict[str, Any] = rec) -> None:
+            # from files of the tier's file system (as a holder sends a replica) into the arrays
+            sends = {d: from_files.views() for d in one_sends}
+            recvs = {s: _bytes(bufs) for s, bufs in one_recvs.items()}
+            rec["one_way_tmpfs_s"] = h.timed(lambda: k.transport.exchange_buffers(sends, recvs))
+            for v in (x for vs in sends.values() for x in vs):
+                v.release()
+
         ops = {"read": read, "tier": restore_tier, "root": restore_root}
-        ops.update(peer=restore_peer, one_way=exchange_one_way)
+        ops.update(peer=restore_peer, one_way=exchange_one_way, one_way_tmpfs=one_way_tmpfs)
         for name in _order(list(ops), r):
             ops[name]()
         rounds.append(rec)
     root_mgr.close()
+    from_files.close()
     return {
         "restore_rounds": rounds,
         "peers": {str(q): v for q, v in peers.items()},
