@@ -34,6 +34,8 @@ _BUFFER_TAG = 0x6771
 #: the longest sleep between two tests of :meth:`MPICoordinator.idle_barrier` (what it may add
 #: to the wait, after the last rank arrived)
 IDLE_POLL_MAX_S = 0.002
+#: the first sleep of such a wait, and the sleep after a test that completed something
+IDLE_POLL_MIN_S = 50e-6
 
 
 #: the launchers' variables that give the number of ranks on this rank's node (MPICH's Hydra,
@@ -64,11 +66,25 @@ def shares_cores(environ: Mapping[str, str] | None = None) -> bool:
 
 def _wait_idle(requests: Sequence[Any]) -> None:
     """Test ``requests`` until all are done, sleeping between tests (growing to
-    :data:`IDLE_POLL_MAX_S`)."""
+    :data:`IDLE_POLL_MAX_S`, and back to the shortest whenever a test completes some).
+
+    A round of many messages completes them one handshake after another, each needing a test
+    on both ends: sleeps that only grew would add up to one per message. Sleeping anew from
+    the shortest after progress, 256 MiB in the 55 messages of a part's 37 files moved one
+    way in 0.06-0.12 s where sleeps that only grew took 0.15-0.18 s (4 ranks on a 2-vCPU VM)."""
     from mpi4py import MPI
 
-    pause = 50e-6
-    while not MPI.Request.Testall(list(requests)):
+    pending = list(requests)
+    pause = IDLE_POLL_MIN_S
+    while pending:
+        done = MPI.Request.Testsome(pending)
+        if done is None:  # (no active request left)
+            return
+        if done:
+            finished = set(done)
+            pending = [r for i, r in enumerate(pending) if i not in finished]
+            pause = IDLE_POLL_MIN_S
+            continue
         time.sleep(pause)
         pause = min(2 * pause, IDLE_POLL_MAX_S)
 
