@@ -160,6 +160,26 @@ def test_a_damaged_replica_fetched_by_a_replaced_node_is_skipped_for_the_step_be
     assert not any(p.startswith("step_00000005") for n in ("n0", "n1") for p in _steps_in(tmp_path / n))
 
 
+def test_a_damaged_own_part_read_beside_a_replaced_nodes_fetch_is_skipped_for_the_step_before(
+    tiers: Any, tmp_path: Path
+) -> None:
+    """A rank whose part is local reads it while the round that fetches the replaced node's
+    parts runs: a damaged chunk found there fails that copy as one found after the round does
+    (its replica was on the replaced node: the step before is restored, every part exact)."""
+    _trained(tiers, tmp_path)
+    shutil.rmtree(tmp_path / "n1")
+    own = tmp_path / "n0" / part_name(5, 0) / "w"
+    chunk = next(p for p in own.rglob("*") if p.is_file() and p.name != "zarr.json")
+    data = bytearray(chunk.read_bytes())
+    data[7] ^= 0x08
+    chunk.write_bytes(bytes(data))
+    shutil.move(tmp_path / "root", tmp_path / "root-moved-away")
+    got = _restored(tiers, tmp_path)
+    want = {"0": ["local", None], "1": ["local", None], "2": ["peer", 0], "3": ["peer", 1]}
+    for r, g in enumerate(got):
+        assert g["step"] == 4 and g["exact"] and g["skipped"] == 1 and g["parts"] == want, (r, g)
+
+
 def test_with_both_copies_of_a_part_gone_restore_falls_back_to_root(tiers: Any, tmp_path: Path) -> None:
     _trained(tiers, tmp_path)
     for node in ("n0", "n1"):
