@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fcntl
+import functools
 import json
 import os
 import shutil
@@ -660,7 +661,7 @@ class LocalTier(PartExchange):
                 # (kept for the tier's copy, written after the restore returns)
                 receive = [] if mine == self.rank else [mine]
                 if mine == self.rank:  # this rank's own part is read while the round runs
-                    own = _Beside(lambda: api.load(view, path, **load_options))
+                    own = _Beside(functools.partial(api.load, view, path, **load_options))
                 try:
                     fetched = self._exchange(step, sends, receive, c, ReceiveBuffer(), into=view)
                 finally:
