@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fcntl
-import functools
 import json
 import os
 import shutil
@@ -85,28 +84,6 @@ class WriteGate:
         """Wait (on the writer thread) for :meth:`open`, at most twice this rank's snapshot."""
         self._snapped.wait()
         self._open.wait(max(2 * self._took, self.MIN_HOLD_S))
-
-
-class _Beside:
-    """``fn()`` run on a thread of its own beside the caller's work (a restore's own part read
-    while the round that fetches other ranks' parts runs: on separate nodes, a network transfer
-    and a read from memory); :meth:`join` waits and returns its error (None if it succeeded)."""
-
-    def __init__(self, fn: Callable[[], Any]) -> None:
-        self._error: BaseException | None = None
-
-        def run() -> None:
-            try:
-                fn()
-            except BaseException as exc:  # handed to the caller by join
-                self._error = exc
-
-        self._thread = threading.Thread(target=run, name="gpuckpt-restore-own", daemon=True)
-        self._thread.start()
-
-    def join(self) -> BaseException | None:
-        self._thread.join()
-        return self._error
 
 
 class LocalTier(PartExchange):
@@ -651,33 +628,23 @@ class LocalTier(PartExchange):
             started = time.perf_counter()
             sends = {r: r for r, h in senders.items() if h == self.rank and r != self.rank}
             mine = senders[self.rank]
-            path = self.dir / part_name(step, self.rank)
-            error: BaseException | None = None
-            nbytes = 0
             fetched: list[Received] = []
-            own: _Beside | None = None
             if any(h != r for r, h in senders.items()):  # (the same on every rank: no round if none)
                 # into the state's arrays where they allow it, the rest into a buffer of its own
                 # (kept for the tier's copy, written after the restore returns)
                 receive = [] if mine == self.rank else [mine]
-                if mine == self.rank:  # this rank's own part is read while the round runs
-                    own = _Beside(functools.partial(api.load, view, path, **load_options))
-                try:
-                    fetched = self._exchange(step, sends, receive, c, ReceiveBuffer(), into=view)
-                finally:
-                    if own is not None:
-                        error = own.join()
+                fetched = self._exchange(step, sends, receive, c, ReceiveBuffer(), into=view)
+            path = self.dir / part_name(step, self.rank)
+            error: BaseException | None = None
+            nbytes = 0
             try:
-                if error is not None:
-                    raise error
                 if fetched:  # loaded from the bytes received, not written to files and read back
                     (got,) = fetched
                     with in_memory(got.as_files()) as url:
                         api.load(view, url, **load_options)
                     nbytes = got.nbytes
                 else:
-                    if own is None:
-                        api.load(view, path, **load_options)
+                    api.load(view, path, **load_options)
                     nbytes = tree_bytes(path)
                 copy_values_back(state, view)
             except Exception as exc:

@@ -160,12 +160,12 @@ def test_a_damaged_replica_fetched_by_a_replaced_node_is_skipped_for_the_step_be
     assert not any(p.startswith("step_00000005") for n in ("n0", "n1") for p in _steps_in(tmp_path / n))
 
 
-def test_a_damaged_own_part_read_beside_a_replaced_nodes_fetch_is_skipped_for_the_step_before(
+def test_a_damaged_own_part_beside_a_replaced_nodes_fetch_is_skipped_for_the_step_before(
     tiers: Any, tmp_path: Path
 ) -> None:
-    """A rank whose part is local reads it while the round that fetches the replaced node's
-    parts runs: a damaged chunk found there fails that copy as one found after the round does
-    (its replica was on the replaced node: the step before is restored, every part exact)."""
+    """A damaged chunk in the part of a rank that loads it from its own node's tier, while the
+    replaced node's parts are fetched: that copy fails (its replica was on the replaced node),
+    and the step before is restored, every part exact."""
     _trained(tiers, tmp_path)
     shutil.rmtree(tmp_path / "n1")
     own = tmp_path / "n0" / part_name(5, 0) / "w"
