@@ -27,7 +27,15 @@ from gpuckpt.planning.tiers import tier_retention
 from gpuckpt.runtime.workers import Workers
 from gpuckpt.storage.base import CheckpointRoot
 from gpuckpt.storage.local.fsutil import move_directory
-from gpuckpt.tiers.files import FileMaps, ReceiveBuffer, Received, mapped, receiving_files, write_received
+from gpuckpt.tiers.files import (
+    FileMaps,
+    ReceiveBuffer,
+    Received,
+    mapped,
+    receiving_files,
+    with_open_files_hint,
+    write_received,
+)
 from gpuckpt.tiers.placement import message_sizes, placement
 
 __all__ = ["PartExchange"]
@@ -136,7 +144,9 @@ class PartExchange:
         missing = [s for s in receive_from if got.get(s) is None]
         if missing:
             errors.append(FileNotFoundError(f"ranks {missing} had no part of step {step} to send"))
-        c.all_reduce_errors(errors[0] if errors else None)  # nothing received is used unless all succeeded
+        nfiles = sum(len(m[1]) for m in [*manifests.values(), *incoming.values()] if m is not None)
+        first = with_open_files_hint(errors[0], nfiles) if errors else None
+        c.all_reduce_errors(first)  # nothing received is used unless all succeeded
         return received
 
     def _outgoing(

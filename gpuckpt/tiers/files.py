@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import mmap
 import os
 import posixpath
+import resource
 import shutil
 import threading
 from collections.abc import Callable
@@ -24,6 +26,8 @@ from gpuckpt.tiers.placement import message_sizes
 
 __all__ = [
     "FileMaps",
+    "open_files_limit",
+    "raise_open_files_limit",
     "ReceiveBuffer",
     "Received",
     "mapped",
@@ -31,6 +35,44 @@ __all__ = [
     "tree_bytes",
     "write_received",
 ]
+
+
+def open_files_limit() -> int:
+    """The number of files this process may have open (the soft ``RLIMIT_NOFILE``)."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return soft if soft != resource.RLIM_INFINITY else 1 << 20
+
+
+def raise_open_files_limit() -> int:
+    """Raise this process's soft limit on open files to its hard limit (where it is lower);
+    returns the limit then in force.
+
+    An exchange round maps every file of the parts it sends and receives, and each map holds a
+    file descriptor until the round ends (Python's ``mmap`` keeps one): a part has a chunk file
+    and a document per tensor, so a rank that sends and receives the parts of 300 tensors holds
+    about 1,200, more than the 1,024 that many systems allow by default (their hard limits are
+    far higher)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
+        with contextlib.suppress(ValueError, OSError):  # (a limit this process may not set)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    return open_files_limit()
+
+
+def with_open_files_hint(exc: BaseException, nfiles: int) -> BaseException:
+    """``exc`` with what to do added where it is the process's limit on open files (EMFILE),
+    ``nfiles`` the files the round maps; else ``exc`` itself."""
+    if not isinstance(exc, OSError) or exc.errno != errno.EMFILE:
+        return exc
+    hinted = OSError(
+        errno.EMFILE,
+        f"too many open files: the exchange round maps the {nfiles:,} files of the parts it sends and "
+        f"receives, and this process may have {open_files_limit():,} open; raise the limit "
+        "(`ulimit -n`, or the hard limit of the job's launcher)",
+        exc.filename,
+    )
+    hinted.__cause__ = exc
+    return hinted
 
 
 class FileMaps:
@@ -46,7 +88,7 @@ class FileMaps:
     populated (the sender's pages faulted in by the copy) into a populated one, made in
     0.06-0.09 s more.
 
-    A map is kept only for a file of :data:`MIN_BYTES` or more, at most :data:`MAX_MAPS` of
+    A map is kept only for a file of :data:`MIN_BYTES` or more, at most :attr:`max_maps` of
     them, keyed by the file's device and inode; it is used again only while the file keeps
     the size it was mapped at (a file cut shorter under a longer map would fault the reader).
     A kept map holds its file's pages, so :meth:`forget` drops the maps of files no longer in
@@ -61,6 +103,9 @@ class FileMaps:
     def __init__(self) -> None:
         self._maps: dict[tuple[int, int], tuple[int, bool, mmap.mmap]] = {}
         self._lock = threading.Lock()
+        #: the most maps kept here: :data:`MAX_MAPS`, and at most an eighth of the open files
+        #: the process may have (each kept map holds one)
+        self.max_maps = min(self.MAX_MAPS, max(16, open_files_limit() // 8))
 
     def __len__(self) -> int:
         return len(self._maps)
@@ -88,7 +133,7 @@ class FileMaps:
             return False
         key = (st.st_dev, st.st_ino)
         with self._lock:
-            if key in self._maps or len(self._maps) >= self.MAX_MAPS:
+            if key in self._maps or len(self._maps) >= self.max_maps:
                 return False
             self._maps[key] = (size, writable, m)
         return True

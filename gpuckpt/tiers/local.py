@@ -37,7 +37,7 @@ from gpuckpt.runtime.workers import Workers
 from gpuckpt.saving.sources import describe_state
 from gpuckpt.storage.stores import file_system_type, in_memory, open_root
 from gpuckpt.tiers.exchange import PartExchange
-from gpuckpt.tiers.files import FileMaps, ReceiveBuffer, Received, tree_bytes
+from gpuckpt.tiers.files import FileMaps, ReceiveBuffer, Received, raise_open_files_limit, tree_bytes
 from gpuckpt.tiers.parts import Boxes, copy_values_back, layout_of, part_bytes, part_view, sharded_from_part
 from gpuckpt.tiers.report import PartSource, RestoreReport
 
@@ -144,6 +144,8 @@ class LocalTier(PartExchange):
         # busy starves them (save calls of 0.43 s against 0.02 s in a trial); the drain, which
         # only a persist step waits for, runs at nice 19 (see CheckpointManager)
         self._thread = Workers(1, "gpuckpt-tier")
+        # an exchange round holds a file descriptor per file of the parts it moves
+        raise_open_files_limit()
         self._file_maps = FileMaps()
         self._writer = Workers(1, "gpuckpt-tier-write")
         self._jobs: dict[int, Future[None]] = {}

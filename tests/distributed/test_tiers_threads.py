@@ -714,3 +714,67 @@ def test_maps_kept_between_rounds_never_hold_a_retired_parts_memory(tmp_path: Pa
     assert not [
         line for line in Path("/proc/self/maps").read_text().splitlines() if str(tmp_path) + "/" in line
     ]
+
+
+def _many_tensors(c: Any, base: Path, count: int) -> list[int]:
+    """Three steps of ``count`` small tensors per rank through a tier (a part of 2 files per
+    tensor); returns the files of this rank's last part."""
+    r, n = c.rank, c.world_size
+    node = f"n{r // 2}"
+    mgr = gpuckpt.CheckpointManager(
+        base / "root", local_dir=base / node, node=node, coordinator=c, persist_interval_steps=100
+    )
+    st = {
+        f"t{i}": gpuckpt.ShardedArray(np.full((4, 16), i + r, np.float32), (4 * r, 0), (4 * n, 16))
+        for i in range(count)
+    }
+    for step in range(1, 4):
+        mgr.save(step, st)
+        mgr.wait()
+    files = sum(len(f) for _, _, f in os.walk(base / node / part_name(3, r)))
+    mgr.close()
+    return [files]
+
+
+def test_a_tier_raises_the_open_files_limit_that_its_rounds_need(tmp_path: Path) -> None:
+    """A round maps every file of the parts it moves, each map holding a file descriptor: 4
+    ranks (threads of one process) moving parts of 300 tensors hold about 4,800 at once. Under
+    a soft limit of 1,024 the tier raises it to the hard limit, and every step replicates."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 8192:
+        pytest.skip(f"the hard limit on open files here ({hard}) is below what the test needs")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard))
+    try:
+        seen = run_ranks(4, lambda c: _many_tensors(c, tmp_path, 300), timeout=120)
+        assert seen == [[601]] * 4
+        assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] == hard
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_a_round_over_the_hard_open_files_limit_says_what_to_raise(tmp_path: Path) -> None:
+    """Where the hard limit itself is too low, the step fails on every rank with an error that
+    names the files the round maps, the limit, and what to raise (a process of its own: the
+    limit cannot be raised again once lowered)."""
+    script = f"""
+import resource, sys
+from pathlib import Path
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+resource.setrlimit(resource.RLIMIT_NOFILE, (512, 512))
+from gpuckpt.distributed import DistributedError, run_ranks
+import test_tiers_threads as t
+try:
+    run_ranks(4, lambda c: t._many_tensors(c, Path({str(tmp_path)!r}), 150), timeout=120)
+except DistributedError as exc:
+    print("ERROR", exc)
+else:
+    print("NO ERROR")
+"""
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180)
+    assert "ERROR" in out.stdout and "NO ERROR" not in out.stdout, (out.stdout, out.stderr[-2000:])
+    assert "too many open files" in out.stdout and "ulimit -n" in out.stdout, out.stdout
+    assert "this process may have 512 open" in out.stdout, out.stdout
