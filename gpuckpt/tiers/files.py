@@ -51,7 +51,8 @@ def raise_open_files_limit() -> int:
     file descriptor until the round ends (Python's ``mmap`` keeps one): a part has a chunk file
     and a document per tensor, so a rank that sends and receives the parts of 300 tensors holds
     about 1,200, more than the 1,024 that many systems allow by default (their hard limits are
-    far higher)."""
+    far higher). Descriptors numbered above the old limit (which code using ``select()`` cannot
+    watch) exist only where that many files are open at once, which failed before."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
         with contextlib.suppress(ValueError, OSError):  # (a limit this process may not set)
