@@ -37,6 +37,10 @@ __all__ = [
 ]
 
 
+#: files smaller than this are sent from a copy of their bytes, not from a map (:func:`mapped`)
+COPIED_MAX_BYTES = 64 << 10
+
+
 def open_files_limit() -> int:
     """The number of files this process may have open (the soft ``RLIMIT_NOFILE``)."""
     soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -179,6 +183,9 @@ def mapped(
     ``kept``, maps kept from earlier rounds are used and new ones of large files kept there
     instead (:class:`FileMaps`).
 
+    A file under :data:`COPIED_MAX_BYTES` (a document) is sent from a copy of its bytes
+    instead: a map would hold a file descriptor through the round for a few hundred bytes.
+
     Not populated: the transport reads each page once, and with MPI's single-copy transfers
     the receiver itself faults the sender's pages in as it copies them. Populating them here
     first cost more than it saved: replication rounds of 0.30-0.38 s populated against
@@ -190,13 +197,21 @@ def mapped(
         if not size:
             continue
         fd = os.open(root / rel, os.O_RDONLY)
+        m: Any
         try:
-            st = os.fstat(fd)
-            m = kept.get(st, size, writable=False) if kept is not None else None
-            if m is None:
-                m = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-                if kept is None or not kept.keep(st, size, m, writable=False):
-                    maps.append(m)
+            if size < COPIED_MAX_BYTES:  # (no map, no descriptor held through the round)
+                m = bytearray(os.pread(fd, size, 0))
+                if len(m) != size:
+                    raise OSError(
+                        errno.EIO, f"{len(m)} bytes where the part's listing says {size}", str(root / rel)
+                    )
+            else:
+                st = os.fstat(fd)
+                m = kept.get(st, size, writable=False) if kept is not None else None
+                if m is None:
+                    m = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+                    if kept is None or not kept.keep(st, size, m, writable=False):
+                        maps.append(m)
         finally:
             os.close(fd)
         with memoryview(m) as whole:

@@ -202,7 +202,7 @@ def test_a_large_files_map_is_kept_and_serves_the_next_rounds_of_the_same_file(t
     # and sends from it: a reader is served by the kept (writable) map
     maps: list[mmap.mmap] = []
     views = mapped(tmp_path / "again", [("t/c/0", BIG), ("zarr.json", 2)], maps, kept)
-    assert len(maps) == 1 and len(kept) == 1
+    assert maps == [] and len(kept) == 1  # (the document is sent from a copy of its bytes)
     assert b"".join(bytes(v) for v in views) == _big_part(2)["t/c/0"] + b"{}"
     for v in views:
         v.release()
@@ -252,3 +252,17 @@ def test_no_more_maps_than_the_limit_are_kept(tmp_path: Path, monkeypatch: pytes
     assert closed == [1, 1, 2] and len(kept) == 2  # the third large map is the round's own
     assert _tree(tmp_path / "p2") == _big_part(2)
     kept.close()
+
+
+def test_a_document_is_sent_from_a_copy_and_one_shorter_than_listed_is_refused(tmp_path: Path) -> None:
+    """Files under COPIED_MAX_BYTES go from a copy of their bytes (no map holding a descriptor
+    through the round); one shorter than the part's listing says is an error, never a short
+    message."""
+    part = tmp_path / "part"
+    part.mkdir()
+    (part / "zarr.json").write_bytes(b'{"a": 1}')
+    maps: list[mmap.mmap] = []
+    views = mapped(part, [("zarr.json", 8)], maps)
+    assert maps == [] and [bytes(v) for v in views] == [b'{"a": 1}']
+    with pytest.raises(OSError, match="8 bytes where the part's listing says 9"):
+        mapped(part, [("zarr.json", 9)], maps)
