@@ -144,8 +144,10 @@ class PartExchange:
         missing = [s for s in receive_from if got.get(s) is None]
         if missing:
             errors.append(FileNotFoundError(f"ranks {missing} had no part of step {step} to send"))
-        nfiles = sum(len(m[1]) for m in [*manifests.values(), *incoming.values()] if m is not None)
-        first = with_open_files_hint(errors[0], nfiles) if errors else None
+        first = None
+        if errors:  # (an error of the process's limit on open files says how many the round maps)
+            moved = [m for m in [*manifests.values(), *incoming.values()] if m is not None]
+            first = with_open_files_hint(errors[0], sum(len(m[1]) for m in moved))
         c.all_reduce_errors(first)  # nothing received is used unless all succeeded
         return received
 

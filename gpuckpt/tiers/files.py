@@ -47,9 +47,8 @@ def open_files_limit() -> int:
     return soft if soft != resource.RLIM_INFINITY else 1 << 20
 
 
-def raise_open_files_limit() -> int:
-    """Raise this process's soft limit on open files to its hard limit (where it is lower);
-    returns the limit then in force.
+def raise_open_files_limit() -> None:
+    """Raise this process's soft limit on open files to its hard limit (where it is lower).
 
     An exchange round maps every file of the parts it sends and receives, and each map holds a
     file descriptor until the round ends (Python's ``mmap`` keeps one): a part has a chunk file
@@ -61,7 +60,6 @@ def raise_open_files_limit() -> int:
     if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
         with contextlib.suppress(ValueError, OSError):  # (a limit this process may not set)
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    return open_files_limit()
 
 
 def with_open_files_hint(exc: BaseException, nfiles: int) -> BaseException:
@@ -175,6 +173,24 @@ def _close(m: mmap.mmap) -> None:
         m.close()
 
 
+def _map_of(
+    fd: int, st: os.stat_result, size: int, maps: list[mmap.mmap], kept: FileMaps | None, *, writable: bool
+) -> mmap.mmap:
+    """A shared map of the open file ``fd`` (``st``, ``size`` bytes): the one ``kept`` holds from
+    an earlier round, else a new one (populated where ``writable``), kept there where it takes
+    it, else appended to ``maps`` (closed after the round)."""
+    m = kept.get(st, size, writable=writable) if kept is not None else None
+    if m is None:
+        if writable:
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            m = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        else:
+            m = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        if kept is None or not kept.keep(st, size, m, writable=writable):
+            maps.append(m)
+    return m
+
+
 def mapped(
     root: Path, files: list[tuple[str, int]], maps: list[mmap.mmap], kept: FileMaps | None = None
 ) -> list[memoryview]:
@@ -206,12 +222,7 @@ def mapped(
                         errno.EIO, f"{len(m)} bytes where the part's listing says {size}", str(root / rel)
                     )
             else:
-                st = os.fstat(fd)
-                m = kept.get(st, size, writable=False) if kept is not None else None
-                if m is None:
-                    m = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-                    if kept is None or not kept.keep(st, size, m, writable=False):
-                        maps.append(m)
+                m = _map_of(fd, os.fstat(fd), size, maps, kept, writable=False)
         finally:
             os.close(fd)
         with memoryview(m) as whole:
@@ -330,12 +341,7 @@ def receiving_files(
                     os.posix_fallocate(fd, 0, size)
                 except OSError as exc:  # (it names no file)
                     raise OSError(exc.errno, exc.strerror, str(path)) from exc
-            m = kept.get(st, size, writable=True) if kept is not None else None
-            if m is None:
-                flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-                m = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-                if kept is None or not kept.keep(st, size, m, writable=True):
-                    maps.append(m)
+            m = _map_of(fd, st, size, maps, kept, writable=True)
         finally:
             os.close(fd)
         with memoryview(m) as whole:

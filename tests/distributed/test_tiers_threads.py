@@ -139,6 +139,14 @@ def test_a_damaged_local_copy_is_skipped_and_its_replica_used(tiers: Any, tmp_pa
         assert g["parts"]["0"] == ["peer", 2], (r, g)
 
 
+def _flip_a_chunk_byte(array: Path, at: int, mask: int) -> None:
+    """Damage a chunk file of the stored ``array``: its byte ``at`` xor ``mask``."""
+    chunk = next(p for p in array.rglob("*") if p.is_file() and p.name != "zarr.json")
+    data = bytearray(chunk.read_bytes())
+    data[at] ^= mask
+    chunk.write_bytes(bytes(data))
+
+
 def test_a_damaged_replica_fetched_by_a_replaced_node_is_skipped_for_the_step_before(
     tiers: Any, tmp_path: Path
 ) -> None:
@@ -146,11 +154,7 @@ def test_a_damaged_replica_fetched_by_a_replaced_node_is_skipped_for_the_step_be
     # first): their checksums are checked all the same
     _trained(tiers, tmp_path)
     shutil.rmtree(tmp_path / "n1")
-    replica = tmp_path / "n0" / part_name(5, 2) / "w"
-    chunk = next(p for p in replica.rglob("*") if p.is_file() and p.name != "zarr.json")
-    data = bytearray(chunk.read_bytes())
-    data[5] ^= 0x10
-    chunk.write_bytes(bytes(data))
+    _flip_a_chunk_byte(tmp_path / "n0" / part_name(5, 2) / "w", 5, 0x10)
     shutil.move(tmp_path / "root", tmp_path / "root-moved-away")
     got = _restored(tiers, tmp_path)
     want = {"0": ["local", None], "1": ["local", None], "2": ["peer", 0], "3": ["peer", 1]}
@@ -168,11 +172,7 @@ def test_a_damaged_own_part_beside_a_replaced_nodes_fetch_is_skipped_for_the_ste
     and the step before is restored, every part exact."""
     _trained(tiers, tmp_path)
     shutil.rmtree(tmp_path / "n1")
-    own = tmp_path / "n0" / part_name(5, 0) / "w"
-    chunk = next(p for p in own.rglob("*") if p.is_file() and p.name != "zarr.json")
-    data = bytearray(chunk.read_bytes())
-    data[7] ^= 0x08
-    chunk.write_bytes(bytes(data))
+    _flip_a_chunk_byte(tmp_path / "n0" / part_name(5, 0) / "w", 7, 0x08)
     shutil.move(tmp_path / "root", tmp_path / "root-moved-away")
     got = _restored(tiers, tmp_path)
     want = {"0": ["local", None], "1": ["local", None], "2": ["peer", 0], "3": ["peer", 1]}
@@ -675,10 +675,10 @@ def test_maps_kept_between_rounds_never_hold_a_retired_parts_memory(tmp_path: Pa
 
     rows = FileMaps.MIN_BYTES // (4 * 256) * 2  # a 2 MiB box per rank: its chunk file's map is kept
 
-    def mapped_deleted() -> list[str]:
+    def mapped_here() -> list[str]:
+        """This process's maps of files under ``tmp_path``."""
         marker = str(tmp_path) + "/"
-        lines = Path("/proc/self/maps").read_text().splitlines()
-        return [line for line in lines if marker in line and line.endswith("(deleted)")]
+        return [line for line in Path("/proc/self/maps").read_text().splitlines() if marker in line]
 
     def run(c: Any) -> dict[str, Any]:
         r, n = c.rank, c.world_size
@@ -696,7 +696,7 @@ def test_maps_kept_between_rounds_never_hold_a_retired_parts_memory(tmp_path: Pa
             mgr.wait()
             c.barrier()  # every rank's round and retention over
             kept.append(len(mgr._tiered.tier._file_maps))
-            deleted.append(len(mapped_deleted()))
+            deleted.append(sum(line.endswith("(deleted)") for line in mapped_here()))
             c.barrier()
         mgr.close()
         return {"kept": kept, "deleted": deleted}
@@ -707,13 +707,9 @@ def test_maps_kept_between_rounds_never_hold_a_retired_parts_memory(tmp_path: Pa
         assert all(k >= 2 for k in got["kept"]), (r, got)
         assert got["deleted"] == [0] * 7, (r, got)
     deadline = time.monotonic() + 10  # (the tier thread closes them after its queued work)
-    while time.monotonic() < deadline and any(
-        str(tmp_path) in line for line in Path("/proc/self/maps").read_text().splitlines()
-    ):
+    while time.monotonic() < deadline and mapped_here():
         time.sleep(0.05)
-    assert not [
-        line for line in Path("/proc/self/maps").read_text().splitlines() if str(tmp_path) + "/" in line
-    ]
+    assert not mapped_here()
 
 
 def _many_tensors(c: Any, base: Path, count: int) -> list[int]:

@@ -29,12 +29,16 @@ def _items(files: dict[str, bytes] | list[tuple[str, bytes]]) -> list[tuple[str,
     return sorted(files.items() if isinstance(files, dict) else files, key=lambda kv: kv[0])
 
 
-def _receive(tmp: Path, files: dict[str, bytes] | list[tuple[str, bytes]]) -> None:
-    """What the transport does: each message's bytes into the views ``receiving_files`` gives."""
+def _receive(
+    tmp: Path, files: dict[str, bytes] | list[tuple[str, bytes]], kept: FileMaps | None = None
+) -> list[mmap.mmap]:
+    """What the transport does: each message's bytes into the views ``receiving_files`` gives
+    (with ``kept``: its maps kept from round to round); returns the maps the round itself had
+    to close."""
     maps: list[mmap.mmap] = []
     items = _items(files)
     listing = [(rel, len(data)) for rel, data in items]
-    views = receiving_files(tmp, listing, maps)
+    views = receiving_files(tmp, listing, maps, kept)
     assert len(views) == len(listing)
     for (rel, data), vs in zip(items, views, strict=True):
         assert [v.nbytes for v in vs] == message_sizes(rel, len(data))
@@ -45,6 +49,7 @@ def _receive(tmp: Path, files: dict[str, bytes] | list[tuple[str, bytes]]) -> No
             v.release()
     for m in maps:
         m.close()
+    return maps
 
 
 def _write(tmp: Path, files: dict[str, bytes] | list[tuple[str, bytes]]) -> None:
@@ -162,22 +167,6 @@ def _big_part(seed: int, size: int = BIG) -> dict[str, bytes]:
     return {"zarr.json": b"{}", "t/c/0": bytes([seed]) * (size - 4) + b"CRC!"}
 
 
-def _receive_kept(tmp: Path, files: dict[str, bytes], kept: FileMaps) -> list[mmap.mmap]:
-    """:func:`_receive` with ``kept``; returns the maps the round itself had to close."""
-    maps: list[mmap.mmap] = []
-    items = _items(files)
-    views = receiving_files(tmp, [(rel, len(data)) for rel, data in items], maps, kept)
-    for (_, data), vs in zip(items, views, strict=True):
-        at = 0
-        for v in vs:
-            v[:] = data[at : at + v.nbytes]
-            at += v.nbytes
-            v.release()
-    for m in maps:
-        m.close()
-    return maps
-
-
 def _mapped_here(path: Path) -> list[str]:
     """This process's maps of files under ``path`` (deleted ones marked so)."""
     marker = str(path) + "/"
@@ -191,12 +180,12 @@ def _mapped_here(path: Path) -> list[str]:
 def test_a_large_files_map_is_kept_and_serves_the_next_rounds_of_the_same_file(tmp_path: Path) -> None:
     kept = FileMaps()
     part = tmp_path / "part"
-    closed = _receive_kept(part, _big_part(1), kept)
+    closed = _receive(part, _big_part(1), kept)
     assert len(closed) == 1 and len(kept) == 1  # the small document's map is the round's own
     assert _tree(part) == _big_part(1)
     # the copy recycled (moved, same inode) and received into again: the kept map takes it
     os.rename(part, tmp_path / "again")
-    closed = _receive_kept(tmp_path / "again", _big_part(2), kept)
+    closed = _receive(tmp_path / "again", _big_part(2), kept)
     assert len(closed) == 1 and len(kept) == 1
     assert _tree(tmp_path / "again") == _big_part(2)
     # and sends from it: a reader is served by the kept (writable) map
@@ -215,10 +204,10 @@ def test_a_large_files_map_is_kept_and_serves_the_next_rounds_of_the_same_file(t
 def test_a_kept_map_of_a_file_whose_size_changed_is_made_anew(tmp_path: Path) -> None:
     kept = FileMaps()
     part = tmp_path / "part"
-    _receive_kept(part, _big_part(1), kept)
-    _receive_kept(part, _big_part(3, BIG + 8192), kept)  # grown: a map of the old size would be short
+    _receive(part, _big_part(1), kept)
+    _receive(part, _big_part(3, BIG + 8192), kept)  # grown: a map of the old size would be short
     assert _tree(part) == _big_part(3, BIG + 8192) and len(kept) == 1
-    _receive_kept(part, _big_part(4), kept)  # shrunk: a longer map would fault past the end
+    _receive(part, _big_part(4), kept)  # shrunk: a longer map would fault past the end
     assert _tree(part) == _big_part(4) and len(kept) == 1
     maps: list[mmap.mmap] = []
     views = mapped(part, [("t/c/0", BIG)], maps, kept)
@@ -233,7 +222,7 @@ def test_maps_of_deleted_or_leaving_files_are_dropped_and_their_memory_with_them
     tier = tmp_path / "tier"
     for name, seed in (("a", 1), ("b", 2), ("c", 3)):
         tier.mkdir(exist_ok=True)
-        _receive_kept(tier / name, _big_part(seed), kept)
+        _receive(tier / name, _big_part(seed), kept)
     assert len(kept) == 3
     shutil.rmtree(tier / "a")  # deleted: its pages stay while a map holds them
     assert any("(deleted)" in line for line in _mapped_here(tier))
@@ -248,7 +237,7 @@ def test_maps_of_deleted_or_leaving_files_are_dropped_and_their_memory_with_them
 def test_no_more_maps_than_the_limit_are_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(FileMaps, "MAX_MAPS", 2)
     kept = FileMaps()
-    closed = [len(_receive_kept(tmp_path / f"p{i}", _big_part(i), kept)) for i in range(3)]
+    closed = [len(_receive(tmp_path / f"p{i}", _big_part(i), kept)) for i in range(3)]
     assert closed == [1, 1, 2] and len(kept) == 2  # the third large map is the round's own
     assert _tree(tmp_path / "p2") == _big_part(2)
     kept.close()
