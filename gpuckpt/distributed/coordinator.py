@@ -48,6 +48,7 @@ __all__ = [
     "MissingDependencyError",
     "SingleProcessCoordinator",
     "check_coordinator",
+    "check_error_argument",
     "describe_error",
 ]
 
@@ -353,7 +354,10 @@ class Coordinator(ABC):
         """Raise :class:`DistributedError` on every rank if any rank passed an error.
 
         Every rank calls it, with the exception it caught or ``None``. If all
-        pass ``None`` it returns on every rank. Otherwise every rank raises
+        pass ``None`` it returns on every rank. Ranks may arrive far apart: it
+        waits as :meth:`idle_barrier` does (MPI's coordinator, where ranks share
+        cores, polls a sum of the ranks' failure flags, and gathers the errors
+        only when one is set). Otherwise every rank raises
         :class:`DistributedError` whose :attr:`~DistributedError.failures`
         names each failing rank and its ``"TypeName: message"``; on a failing
         rank the error's ``__cause__`` is that rank's own exception.
@@ -367,8 +371,7 @@ class Coordinator(ABC):
         ...     print(e.failures)
         {0: 'ValueError: bad value'}
         """
-        if error is not None and not isinstance(error, BaseException):
-            raise TypeError(f"all_reduce_errors expects an exception or None, got {type(error).__name__}")
+        check_error_argument(error)
         reports = self.all_gather(None if error is None else describe_error(error))
         failures = {rank: report for rank, report in enumerate(reports) if report is not None}
         if not failures:
@@ -574,6 +577,13 @@ class SingleProcessCoordinator(Coordinator):
 
     def __repr__(self) -> str:
         return "SingleProcessCoordinator()"
+
+
+def check_error_argument(error: Any) -> None:
+    """The ``TypeError`` of :meth:`Coordinator.all_reduce_errors` given neither an exception
+    nor None, raised before any collective."""
+    if error is not None and not isinstance(error, BaseException):
+        raise TypeError(f"all_reduce_errors expects an exception or None, got {type(error).__name__}")
 
 
 def check_coordinator(coordinator: Any) -> None:

@@ -8,9 +8,11 @@ initialised with ``MPI_THREAD_MULTIPLE``.
 
 MPICH's blocking waits spin. Where a node runs more ranks than a rank may use
 CPUs (:func:`shares_cores`), a rank that spins takes a core from the ranks it
-waits for, so there the waits of :meth:`MPICoordinator.exchange_buffers` and
-:meth:`MPICoordinator.idle_barrier` test their requests with sleeps in between
-(with single-copy transfers, the receiver copies a whole message in one test).
+waits for, so there the waits of :meth:`MPICoordinator.exchange_buffers`,
+:meth:`MPICoordinator.exchange_objects`, :meth:`MPICoordinator.all_reduce_errors` and
+:meth:`MPICoordinator.idle_barrier` test their requests (or probe for the messages) with
+sleeps in between (with single-copy transfers, the receiver copies a whole message in one
+test).
 """
 
 from __future__ import annotations
@@ -23,7 +25,12 @@ from typing import Any
 
 import numpy as np
 
-from gpuckpt.distributed.coordinator import Coordinator, CoordinatorError, MissingDependencyError
+from gpuckpt.distributed.coordinator import (
+    Coordinator,
+    CoordinatorError,
+    MissingDependencyError,
+    check_error_argument,
+)
 
 __all__ = ["MPICoordinator"]
 
@@ -87,6 +94,26 @@ def _wait_idle(requests: Sequence[Any]) -> None:
             continue
         time.sleep(pause)
         pause = min(2 * pause, IDLE_POLL_MAX_S)
+
+
+def _receive_idle(comm: Any, sources: Sequence[int], tag: int) -> dict[int, Any]:
+    """``comm.recv`` of one message of ``tag`` from each of ``sources``, in the order they
+    arrive: probed for with sleeps between the probes, as :func:`_wait_idle` tests (a blocking
+    receive probes by spinning)."""
+    pending = list(sources)
+    received: dict[int, Any] = {}
+    pause = IDLE_POLL_MIN_S
+    while pending:
+        arrived = [src for src in pending if comm.iprobe(source=src, tag=tag)]
+        if not arrived:
+            time.sleep(pause)
+            pause = min(2 * pause, IDLE_POLL_MAX_S)
+            continue
+        for src in arrived:
+            received[src] = comm.recv(source=src, tag=tag)
+        pending = [src for src in pending if src not in received]
+        pause = IDLE_POLL_MIN_S
+    return received
 
 
 def _comm_world() -> Any:
@@ -172,6 +199,24 @@ class MPICoordinator(Coordinator):
     def barrier(self) -> None:
         self._comm.Barrier()
 
+    def all_reduce_errors(self, error: BaseException | None) -> None:
+        """See :meth:`Coordinator.all_reduce_errors`. Where the node's ranks share cores
+        (:func:`shares_cores`): first a non-blocking sum of the ranks' failure flags, tested with
+        sleeps in between (as :meth:`idle_barrier` waits: the ranks of background work arrive
+        far apart), and the errors gathered only where some rank failed; one collective of a
+        few bytes when none did."""
+        if not self._waits_idle:
+            super().all_reduce_errors(error)
+            return
+        check_error_argument(error)
+        from mpi4py import MPI
+
+        flag = np.array([0 if error is None else 1], dtype=np.int64)
+        failed = np.zeros(1, dtype=np.int64)
+        _wait_idle([self._comm.Iallreduce(flag, failed, op=MPI.SUM)])
+        if failed[0]:
+            super().all_reduce_errors(error)
+
     def idle_barrier(self) -> None:
         """``comm.Ibarrier()`` tested with sleeps in between (growing to
         :data:`IDLE_POLL_MAX_S`): MPICH's blocking waits spin, and a rank that
@@ -220,7 +265,9 @@ class MPICoordinator(Coordinator):
 
         See :meth:`Coordinator.exchange_objects`. A copy goes to this rank
         itself without MPI. A source that sends nothing leaves this rank
-        waiting (the pairs are the caller's contract).
+        waiting (the pairs are the caller's contract). Where the node's ranks
+        share cores (:func:`shares_cores`), each message is probed for with
+        sleeps in between, and received as it comes.
         """
         from mpi4py import MPI
 
@@ -230,14 +277,18 @@ class MPICoordinator(Coordinator):
             self._comm.isend(obj, dest=dest, tag=_OBJECT_TAG) for dest, obj in sent.items() if dest != me
         ]
         received: dict[int, Any] = {}
-        # a blocking recv probes the size first (irecv would need a buffer as large as any message)
-        for src in srcs:
-            if src == me:
-                received[src] = pickle.loads(pickle.dumps(sent[me], protocol=pickle.HIGHEST_PROTOCOL))
-            else:
+        if me in srcs:
+            received[me] = pickle.loads(pickle.dumps(sent[me], protocol=pickle.HIGHEST_PROTOCOL))
+        # a receive probes for the size first (irecv would need a buffer as large as any message)
+        others = [src for src in srcs if src != me]
+        if self._waits_idle:
+            received.update(_receive_idle(self._comm, others, _OBJECT_TAG))
+            _wait_idle(requests)
+        else:
+            for src in others:
                 received[src] = self._comm.recv(source=src, tag=_OBJECT_TAG)
-        MPI.Request.waitall(requests)
-        return received
+            MPI.Request.waitall(requests)
+        return {src: received[src] for src in srcs}
 
     def exchange_buffers(
         self, sends: Mapping[int, Sequence[Any]], recvs: Mapping[int, Sequence[Any]]

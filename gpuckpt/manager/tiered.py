@@ -219,8 +219,7 @@ class TieredSaves:
                 state = tier.read_part(step)
             except Exception as exc:  # every rank joins the save's first collective, failed or not
                 error = exc
-            coord.idle_barrier()
-            coord.all_reduce_errors(error)
+            coord.all_reduce_errors(error)  # (an idle wait where a transport's waits spin)
             api.save_with_options(state, path, options, coord)
             return True
 

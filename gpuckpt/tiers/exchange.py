@@ -258,8 +258,7 @@ class PartExchange:
                 self._commit_received(got.directory, part_name(step, got.whose))
         except Exception as exc:
             published = exc
-        c.idle_barrier()  # senders and ranks that received little wait for the others
-        c.all_reduce_errors(published)
+        c.all_reduce_errors(published)  # (an idle wait where a transport's waits spin)
 
     def _write_part(self, step: int, got: Received) -> None:
         """Write the part ``got``, received into a buffer, into new files of the tier and

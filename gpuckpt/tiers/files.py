@@ -13,6 +13,7 @@ import os
 import posixpath
 import resource
 import shutil
+import stat
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -296,7 +297,7 @@ def write_received(tmp: Path, files: list[tuple[str, int]], pieces: list[list[me
     it = iter(pieces)
     paths = _paths_of(tmp, files)
     tmp.mkdir(exist_ok=True)
-    made: set[Path] = set()
+    made: set[str] = set()
     for path, (_, size) in zip(paths, files, strict=True):
         _folder_for(path, tmp, made)
         fd = _open_recycled(path, os.O_WRONLY)
@@ -326,7 +327,7 @@ def receiving_files(
     paths = _paths_of(tmp, files)
     tmp.mkdir(exist_ok=True)
     views: list[list[memoryview]] = []
-    made: set[Path] = set()
+    made: set[str] = set()
     for path, (rel, size) in zip(paths, files, strict=True):
         _folder_for(path, tmp, made)
         fd = _open_recycled(path, os.O_RDWR)
@@ -354,7 +355,7 @@ def receiving_files(
     return views
 
 
-def _paths_of(tmp: Path, files: list[tuple[str, Any]]) -> list[Path]:
+def _paths_of(tmp: Path, files: list[tuple[str, Any]]) -> list[str]:
     """The paths under ``tmp`` of a received part's files, checked before any is made: a name
     that leaves ``tmp``, a size that is not one, a file named twice (however spelled) or a
     file that another's name puts a folder at are refused (two maps of one file, or a file
@@ -384,30 +385,37 @@ def _paths_of(tmp: Path, files: list[tuple[str, Any]]) -> list[Path]:
         raise CheckpointCorruptedError(
             f"a received part names a file twice: {sorted(rel for rel, _ in files)[:20]}"
         )
-    return [tmp / r for r in rels]
+    base = os.fspath(tmp)
+    return [f"{base}/{r}" for r in rels]
 
 
-def _folder_for(path: Path, tmp: Path, made: set[Path]) -> None:
-    """Make the folders of ``path`` under ``tmp`` (those not in ``made``, the folders this
-    call's part has made already; added there): a recycled copy's link or file where a folder
-    must be is removed first (a link would take the file outside ``tmp``)."""
-    if path.parent in made:
+def _folder_for(path: str, tmp: Path, made: set[str]) -> None:
+    """Make the folders of ``path`` (one of :func:`_paths_of`) under ``tmp`` (those not in
+    ``made``, the folders this call's part has made already; added there): a recycled copy's
+    link or file where a folder must be is removed first (a link would take the file outside
+    ``tmp``). String operations and one ``lstat`` per folder: a part has a folder per tensor."""
+    parent = posixpath.dirname(path)
+    if parent in made:
         return
-    at = tmp
-    for part in path.relative_to(tmp).parent.parts:
-        at = at / part
+    at = os.fspath(tmp)
+    for part in parent[len(at) + 1 :].split("/") if len(parent) > len(at) else ():
+        at = f"{at}/{part}"
         if at in made:
             continue
-        if at.is_symlink() or (at.exists() and not at.is_dir()):
-            _remove(at)
-        at.mkdir(exist_ok=True)
+        try:
+            mode = os.lstat(at).st_mode
+        except FileNotFoundError:
+            os.mkdir(at)
+        else:
+            if not stat.S_ISDIR(mode):  # (a link's mode is a link's)
+                _remove(at)
+                os.mkdir(at)
         made.add(at)
 
 
-def _remove_others(tmp: Path, wanted: set[Path]) -> None:
-    """Delete every file under ``tmp`` not in ``wanted`` (a recycled copy's), and the folders
+def _remove_others(tmp: Path, keep: set[str]) -> None:
+    """Delete every file under ``tmp`` not in ``keep`` (a recycled copy's), and the folders
     left empty."""
-    keep = {str(p) for p in wanted}
     for dirpath, dirs, names in os.walk(tmp, topdown=False):
         for n in names:
             if os.path.join(dirpath, n) not in keep:
@@ -417,7 +425,7 @@ def _remove_others(tmp: Path, wanted: set[Path]) -> None:
                 os.rmdir(os.path.join(dirpath, d))
 
 
-def _open_recycled(path: Path, mode: int) -> int:
+def _open_recycled(path: str, mode: int) -> int:
     """``path`` opened (``mode``: ``O_WRONLY`` or ``O_RDWR``) over its bytes if it is a regular
     file of this one name (never through a link, never blocking on a special file, never into
     a file a hard link shares: a copy kept with ``cp -al``), else made anew, whatever was there
@@ -436,11 +444,11 @@ def _open_recycled(path: Path, mode: int) -> int:
     return os.open(path, mode | os.O_CREAT | os.O_EXCL, 0o644)
 
 
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
+def _remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
         shutil.rmtree(path)
     else:
-        path.unlink()
+        os.unlink(path)
 
 
 def tree_bytes(path: Path) -> int:

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 from _rank_io import finish, jsonable, make_coordinator, process_rank, run_rank
 
-from gpuckpt.distributed import Coordinator, CoordinatorError
+from gpuckpt.distributed import Coordinator, CoordinatorError, DistributedError
 from gpuckpt.distributed import coordinator as coordinator_module
 
 SMALL_PIECE = 1 << 20
@@ -483,10 +483,36 @@ def expected_reversed(global_rank: int, n: int) -> dict[str, Any]:
     }
 
 
+def _errors_reduced(c: Coordinator) -> dict[str, Any]:
+    """``all_reduce_errors`` with no error anywhere, then with one on the last rank."""
+    seen: dict[str, Any] = {}
+    c.all_reduce_errors(None)
+    seen["none"] = "no error"
+    own = ValueError(f"rank {c.rank} failed") if c.rank == c.world_size - 1 else None
+    try:
+        c.all_reduce_errors(own)
+        seen["last"] = "no error"
+    except DistributedError as exc:
+        seen["last"] = {
+            "failures": {str(r): m for r, m in exc.failures.items()},
+            "cause_is_own": exc.__cause__ is own,
+        }
+    return seen
+
+
+def _expected_errors(n: int) -> dict[str, Any]:
+    last = n - 1
+    return {
+        "none": "no error",
+        "last": {"failures": {str(last): f"ValueError: rank {last} failed"}, "cause_is_own": True},
+    }
+
+
 def check_waits(c: Any) -> dict[str, Any]:
-    """MPICoordinator's two waits of ``exchange_buffers`` (``Waitall``, and tests with sleeps where
-    the node's ranks share cores), each over the ring and piece-edge exchanges, and the choice
-    it made for this job."""
+    """MPICoordinator's two kinds of waits (blocking ones, and tests or probes with sleeps where
+    the node's ranks share cores), each over the ring and piece-edge exchanges of
+    ``exchange_buffers``, the object exchanges and ``all_reduce_errors``, and the choice it
+    made for this job."""
     from gpuckpt.distributed.mpi import shares_cores
 
     chosen = c._waits_idle
@@ -499,6 +525,8 @@ def check_waits(c: Any) -> dict[str, Any]:
     for idle in (False, True):
         c._waits_idle = idle
         seen[f"idle={idle}"] = {name: _exchange(c, name, plans[name]) for name in ("ring", "piece_edges")}
+        seen[f"idle={idle}"]["objects"] = _check_objects(c)
+        seen[f"idle={idle}"]["errors"] = _errors_reduced(c)
     c._waits_idle = chosen
     return seen
 
@@ -509,6 +537,7 @@ def expected_waits(rank: int, n: int) -> dict[str, Any]:
         name: _expected_received(name, {s: d[rank] for s, d in plans[name].items() if rank in d}, rank)
         for name in ("ring", "piece_edges")
     }
+    received = {**received, "objects": _expected_objects(rank, n), "errors": _expected_errors(n)}
     return {"agrees": True, "idle=False": received, "idle=True": received}
 
 
