@@ -11,7 +11,10 @@ random bytes) and per chunk size:
   gpuckpt's reader and zarr-python reading them as the chunks of a Zarr v3 array with the core
   ``zstd`` codec; and that the device decompresses frames the host wrote;
 - the host codec gpuckpt uses today (zstd level 1 after staging) on the same bytes: ratio and
-  one thread's throughput, the ceiling the device path must beat.
+  one thread's throughput, the ceiling the device path must beat;
+- ``gpuckpt.save`` of the bf16 weights held on the device with the core zstd codec compressed on
+  the device (``compression={"codec": "zstd", "device": True}``) against the same codec on the
+  host after staging, at chunks of 4 and 64 MiB: seconds, ratio, and a bit-exact load.
 
 Writes ``bench_nvcomp.json`` under ``--out``. Exits 0 with a message where there is no GPU or no
 nvCOMP (the ``nvidia-nvcomp-cu13`` wheel).
@@ -186,20 +189,45 @@ def measure_one(cp: Any, nvcomp: Any, kind: str, total: int, chunk: int, rounds:
     }
 
 
-def _import_nvcomp() -> Any:
-    """``nvidia.nvcomp``, also where another ``nvidia`` package earlier on the path is a regular
-    package (CUDA wheels) and hides the folder the nvCOMP wheel was installed into."""
-    try:
-        from nvidia import nvcomp
-    except ModuleNotFoundError:
-        import nvidia
+def measure_saves(cp: Any, mib: int, rounds: int, where: Path) -> list[dict[str, Any]]:
+    """``gpuckpt.save`` of a device state of bf16 weights with the core zstd codec compressed on
+    the device (``device: True``, nvCOMP) against the same codec on the host after staging:
+    seconds (median of ``rounds``), stored bytes, and a bit-exact load of each."""
+    import shutil
 
-        for entry in sys.path:
-            folder = Path(entry or ".") / "nvidia"
-            if (folder / "nvcomp").is_dir() and str(folder) not in list(nvidia.__path__):
-                nvidia.__path__.append(str(folder))
-        from nvidia import nvcomp
-    return nvcomp
+    import gpuckpt
+
+    rows: list[dict[str, Any]] = []
+    w = _data(cp, "bf16_weights", mib << 20).view(cp.uint16).reshape(-1, 4096)
+    cp.cuda.Device().synchronize()
+    for chunk in (4 << 20, 64 << 20):
+        for device in (True, False):
+            path = where / f"save-{chunk}-{device}"
+            times = []
+            for _ in range(rounds):
+                shutil.rmtree(path, ignore_errors=True)
+                t0 = time.perf_counter()
+                gpuckpt.save(
+                    {"w": w}, path, compression={"codec": "zstd", "device": device}, chunk_bytes=chunk
+                )
+                times.append(time.perf_counter() - t0)
+            stored = sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and f.name != "zarr.json")
+            back = cp.zeros_like(w)
+            gpuckpt.load({"w": back}, path)
+            rows.append(
+                {
+                    "save": "zstd on the device (nvCOMP)" if device else "zstd on the host after staging",
+                    "chunk_bytes": chunk,
+                    "bytes": int(w.nbytes),
+                    "stored_bytes": stored,
+                    "ratio": w.nbytes / stored,
+                    "save_s": statistics.median(times),
+                    "save_GBps": w.nbytes / statistics.median(times) / 1e9,
+                    "load_exact": bool((back == w).all()),
+                }
+            )
+            shutil.rmtree(path, ignore_errors=True)
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -212,7 +240,9 @@ def main(argv: list[str] | None = None) -> int:
         import cupy as cp
 
         cp.cuda.runtime.getDeviceCount()
-        nvcomp = _import_nvcomp()
+        from gpuckpt.device.compress import import_nvcomp
+
+        nvcomp = import_nvcomp()
     except Exception as exc:  # no CuPy, no device or no nvCOMP: nothing to measure
         print(f"bench_nvcomp: nothing to measure here ({type(exc).__name__}: {exc})")
         return 0
@@ -223,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     rows, errors = [], []
     total = args.mib << 20
     for kind in ("bf16_weights", "fp32_moments", "random_bytes"):
-        for chunk in (1 << 20, 4 << 20, 16 << 20, 64 << 20):
+        for chunk in (1 << 20, 4 << 20, 64 << 20):  # (16 MiB left out: the step's time is the saves')
             try:
                 row = measure_one(cp, nvcomp, kind, total, chunk, args.rounds)
                 rows.append(row)
@@ -232,6 +262,16 @@ def main(argv: list[str] | None = None) -> int:
                 errors.append({"kind": kind, "chunk_bytes": chunk, "error": f"{type(exc).__name__}: {exc}"})
                 print(f"{kind} chunk {chunk}: {type(exc).__name__}: {exc}", flush=True)
                 traceback.print_exc()
+    try:
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="gpuckpt-nvcomp-saves-") as where:
+            res["saves"] = measure_saves(cp, args.mib, 2, Path(where))
+        for row in res["saves"]:
+            print(json.dumps(row), flush=True)
+    except Exception as exc:
+        errors.append({"kind": "saves", "error": f"{type(exc).__name__}: {exc}"})
+        traceback.print_exc()
     res["rows"], res["errors"] = rows, errors
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)

@@ -90,8 +90,9 @@ STEPS+=("--step" "bench-kernels=$(status $?)")
 #    state against the ceilings of the same run.
 step bench-gpu timeout 90 "$PY" bench/bench_gpu.py --gib 2 --rounds 3 --out "$OUT" > "$OUT/bench_gpu.txt" 2>&1
 STEPS+=("--step" "bench-gpu=$(status $?)")
-# 3b. Compression on the device: nvCOMP's zstd frames against the host codec, and
-#     that the host reads them (bench/bench_nvcomp.py; skipped without the nvCOMP wheels).
+# 3b. Compression on the device: nvCOMP's zstd frames against the host codec, that
+#     the host reads them, and saves compressed on the device (bench/bench_nvcomp.py;
+#     skipped without the nvCOMP wheels).
 step bench-nvcomp timeout 45 "$PY" bench/bench_nvcomp.py --mib 256 --rounds 3 --out "$OUT" > "$OUT/bench_nvcomp.txt" 2>&1
 STEPS+=("--step" "bench-nvcomp=$(status $?)")
 # 4. compute-sanitizer memcheck and racecheck on both kernel paths.

@@ -354,8 +354,17 @@ def _nvcomp_lines(nv: dict[str, Any] | None) -> list[str]:
             f"{r['host_l1_compress_1thread_GBps']:>10.2f}"
             f"{'exact' if _read_exactly(r) else 'WRONG':>10}{fcs == r['chunk_bytes']!s:>14}"
         )
+    saves = nv.get("saves", [])
+    if saves:
+        lines += ["", "gpuckpt.save of bf16 weights on the device, core zstd codec:"]
+        lines.append(f"{'where':<34}{'chunk':>7}{'ratio':>7}{'save s':>8}{'GB/s':>7}{'load':>7}")
+        for r in saves:
+            lines.append(
+                f"{r['save']:<34}{r['chunk_bytes'] >> 20:>5}Mi{r['ratio']:>7.3f}{r['save_s']:>8.3f}"
+                f"{r['save_GBps']:>7.2f}{'exact' if r['load_exact'] else 'WRONG':>7}"
+            )
     for e in nv.get("errors", []):
-        lines.append(f"  {e['kind']} {e['chunk_bytes'] >> 20} MiB: {e['error'][:150]}")
+        lines.append(f"  {e['kind']} {e.get('chunk_bytes', 0) >> 20} MiB: {e['error'][:150]}")
     return lines
 
 

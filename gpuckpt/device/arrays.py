@@ -199,6 +199,13 @@ class ArrayAdapter(Protocol):
         that gains nothing (host memory is hashed while it is written) or cannot be done."""
         ...
 
+    def encode_chunks(self, chunks: Sequence[ChunkBox], codec_name: str) -> list[np.ndarray] | None:
+        """Each chunk ``(offsets, sizes, stored shape)`` as stored, compressed where the array
+        lives into a frame of the codec ``codec_name``, as host bytes
+        (:meth:`~gpuckpt.device.backend.DeviceBackend.encode_chunks`), or None where that is
+        not done there (host memory; a back end without a device codec)."""
+        ...
+
 
 def copy_all(arrays: Sequence[ArrayAdapter]) -> list[ArrayAdapter]:
     """Copies of ``arrays`` (see :meth:`ArrayAdapter.copy`), for a snapshot of a whole state.
@@ -347,6 +354,9 @@ class HostArray:
     def content_digests(self, chunks: Sequence[ChunkBox]) -> None:
         return None  # host memory is hashed while it is written, in the same pass as its CRC32C
 
+    def encode_chunks(self, chunks: Sequence[ChunkBox], codec_name: str) -> None:
+        return None  # host memory is compressed by the I/O thread that writes it
+
 
 class _DeviceOut:
     """A box of device memory being copied into a staging buffer."""
@@ -493,6 +503,10 @@ class DeviceArray:
     def content_digests(self, chunks: Sequence[ChunkBox]) -> list[tuple[bytes, bytes]] | None:
         hash_chunks = getattr(self.backend, "hash_chunks", None)  # back ends written before it: none
         return None if hash_chunks is None else hash_chunks(self.data, chunks)
+
+    def encode_chunks(self, chunks: Sequence[ChunkBox], codec_name: str) -> list[np.ndarray] | None:
+        encode = getattr(self.backend, "encode_chunks", None)  # back ends written before it: none
+        return None if encode is None else encode(self.data, chunks, codec_name)
 
 
 def _dlpack_device(value: Any) -> tuple[int, int] | None:

@@ -139,6 +139,18 @@ class DeviceBackend(Protocol):
         """
         ...
 
+    def encode_chunks(
+        self, array: Any, chunks: Sequence[ChunkBox], codec_name: str
+    ) -> list[np.ndarray] | None:
+        """The stored block of each chunk of ``array`` (as :meth:`hash_chunks` takes them)
+        compressed where the array lives into a frame of the Zarr codec ``codec_name``
+        (``"zstd"``: one zstd frame announcing its size), as host ``uint8`` arrays: only the
+        compressed bytes cross to the host. Ordered after work already queued on the back
+        end's stream (call :meth:`wait_for_producers` first). None when this back end cannot
+        (no device codec library, another codec): the chunks are then staged and compressed on
+        the host (a save with ``compression={"codec": "zstd", "device": True}``)."""
+        ...
+
 
 class BufferPool:
     """Staging buffers of ``buffer_bytes`` each, at most ``budget_bytes`` in all.

@@ -298,6 +298,19 @@ class CupyBackend:
         with self.cupy.cuda.Device(self.device_id), self.stream:
             return hash_device_boxes(self._view(array), chunks)
 
+    def encode_chunks(
+        self,
+        array: Any,
+        chunks: Sequence[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]],
+        codec_name: str,
+    ) -> list[Any] | None:  # chunks: gpuckpt.device.backend.ChunkBox
+        """The chunks compressed by nvCOMP on the device (:mod:`gpuckpt.device.compress`), after
+        the work on the copy stream; None without nvCOMP or for a codec it does not write."""
+        from gpuckpt.device.compress import encode_device_chunks
+
+        with self.cupy.cuda.Device(self.device_id), self.stream:
+            return encode_device_chunks(self._view(array), chunks, codec_name)
+
 
 @functools.cache
 def _address_range() -> Any:

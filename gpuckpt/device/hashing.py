@@ -23,7 +23,7 @@ from __future__ import annotations
 import importlib
 import math
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -204,15 +204,18 @@ def hash_host_chunks(array: np.ndarray, chunks: Sequence[ChunkBox]) -> list[tupl
 _SCRATCH_BYTES = 256 << 20
 
 
-def hash_device_boxes(array: Any, chunks: Sequence[ChunkBox]) -> list[tuple[bytes, bytes]]:
-    """``(hash, head)`` of the stored block of each of ``chunks`` of the CuPy ``array``
-    (as :func:`stored_block` makes it on the host), computed on the array's device on the
-    current stream: chunks that are a contiguous byte run of a C-contiguous array in
-    place, the others gathered (with their zero padding) into device scratch of at most
-    about 256 MiB per launch. Only 32 bytes per chunk come back to the host."""
+def device_stored_groups(
+    array: Any, chunks: Sequence[ChunkBox], scratch_bytes: int = _SCRATCH_BYTES
+) -> Iterator[tuple[list[int], Any, list[tuple[int, int]]]]:
+    """The stored blocks of ``chunks`` of the CuPy ``array`` (as :func:`stored_block` makes them
+    on the host), on the array's device, on the current stream: groups ``(indices, buffer,
+    spans)``, where the chunk ``chunks[indices[k]]`` is the C-contiguous byte run
+    ``spans[k] = (start, nbytes)`` of the ``uint8`` device ``buffer``. Chunks that are a
+    contiguous byte run of a C-contiguous array come first, in place (the buffer is the
+    array's memory); the others are gathered, with their zero padding, into device scratch of
+    at most about ``scratch_bytes`` per group (a group is used before the next is made)."""
     import cupy  # the array is CuPy's already (gpuckpt.device.cuda imports this module)
 
-    out: list[tuple[bytes, bytes] | None] = [None] * len(chunks)
     in_place: list[int] = []
     spans: list[tuple[int, int]] = []
     gather: list[int] = []
@@ -225,13 +228,12 @@ def hash_device_boxes(array: Any, chunks: Sequence[ChunkBox]) -> list[tuple[byte
         else:
             gather.append(i)
     if in_place:
-        for i, d in zip(in_place, hash_device_chunks(array.reshape(-1), spans), strict=True):
-            out[i] = d
+        yield in_place, array.reshape(-1).view(cupy.uint8), spans
     itemsize = int(array.itemsize)
     while gather:
         take: list[int] = []
         total = 0
-        while gather and (not take or total + math.prod(chunks[gather[0]][2]) * itemsize <= _SCRATCH_BYTES):
+        while gather and (not take or total + math.prod(chunks[gather[0]][2]) * itemsize <= scratch_bytes):
             i = gather.pop(0)
             take.append(i)
             total += math.prod(chunks[i][2]) * itemsize
@@ -247,6 +249,15 @@ def hash_device_boxes(array: Any, chunks: Sequence[ChunkBox]) -> list[tuple[byte
             block[region] = array[src]
             places.append((at, n))
             at += n
-        for i, d in zip(take, hash_device_chunks(scratch, places), strict=True):
+        yield take, scratch, places
+
+
+def hash_device_boxes(array: Any, chunks: Sequence[ChunkBox]) -> list[tuple[bytes, bytes]]:
+    """``(hash, head)`` of the stored block of each of ``chunks`` of the CuPy ``array``
+    (:func:`device_stored_groups`), computed on the array's device on the current stream.
+    Only 32 bytes per chunk come back to the host."""
+    out: list[tuple[bytes, bytes] | None] = [None] * len(chunks)
+    for indices, buffer, spans in device_stored_groups(array, chunks):
+        for i, d in zip(indices, hash_device_chunks(buffer, spans), strict=True):
             out[i] = d
     return [d for d in out if d is not None]

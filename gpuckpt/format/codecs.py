@@ -222,7 +222,9 @@ class Compression:
     (the core codec, ``level``). ``shuffle`` ``"auto"``: byte shuffle for elements of 2 bytes
     or more, bit shuffle for 1-byte elements (where a byte shuffle does nothing). ``auto``:
     compress only where it pays (:mod:`gpuckpt.saving.compression` decides, per tensor, and
-    names those it leaves uncompressed in ``skip``, by FQN).
+    names those it leaves uncompressed in ``skip``, by FQN). ``device`` (``"zstd"`` only):
+    the chunks of device arrays are compressed on their device where its back end can (nvCOMP),
+    and only their compressed bytes cross to the host; the stored frames are the same codec's.
     """
 
     codec: str = "blosc"
@@ -232,10 +234,18 @@ class Compression:
     blocksize: int = 1 << 20
     auto: bool = False
     skip: frozenset[str] = frozenset()
+    device: bool = False
 
     def __post_init__(self) -> None:
         if self.codec not in ("blosc", "zstd"):
             raise ValueError(f"compression codec {self.codec!r} is not 'blosc' or 'zstd'")
+        if type(self.device) is not bool:
+            raise ValueError(f"compression device must be True or False, got {self.device!r}")
+        if self.device and self.codec != "zstd":
+            raise ValueError(
+                "compression device=True needs {'codec': 'zstd'}: a device compresses into the core "
+                "zstd codec's frames; blosc's shuffled frames are made on the host after staging"
+            )
         self.codec_for("", np.dtype(np.float32), 0)  # raises ValueError for a bad combination
 
     def codec_for(self, fqn: str, dtype: np.dtype[Any], chunk_nbytes: int) -> Codec | None:
@@ -262,15 +272,15 @@ PRESETS: dict[str, Compression] = {
     "auto": Compression(auto=True),
 }
 
-_SPEC_KEYS = ("codec", "cname", "level", "shuffle", "blocksize", "auto")
+_SPEC_KEYS = ("codec", "cname", "level", "shuffle", "blocksize", "auto", "device")
 
 
 def parse_compression(value: Any) -> Compression | None:
     """The ``compression`` save option as a :class:`Compression` (None: no compression); raises
     ValueError naming what is wrong. ``value``: None, a name of :data:`PRESETS`, a
     :class:`Compression`, or a dict of some of ``codec`` ("blosc" or "zstd"), ``cname``,
-    ``level``, ``shuffle`` ("shuffle", "bitshuffle", "noshuffle", "auto"), ``blocksize`` and
-    ``auto`` (the rest as in the "zstd" preset)."""
+    ``level``, ``shuffle`` ("shuffle", "bitshuffle", "noshuffle", "auto"), ``blocksize``,
+    ``auto`` and ``device`` (the rest as in the "zstd" preset)."""
     if value is None or isinstance(value, Compression):
         return value
     if isinstance(value, str):

@@ -37,6 +37,7 @@ piece large enough to save what a chunk saves.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
@@ -281,7 +282,7 @@ def resolve_unsampled(
         for t in tensors
         if _nbytes(t) < AUTO_MIN_BYTES or np.dtype(dtype_from_name(t.dtype)).kind != "f"
     }
-    return Compression(c.codec, c.level, c.cname, c.shuffle, c.blocksize, auto=True, skip=frozenset(skip))
+    return dataclasses.replace(c, auto=True, skip=frozenset(skip))
 
 
 def resolve(
@@ -296,6 +297,4 @@ def resolve(
     gain = predicted_gain(found.bytes_per_s, _compressing(options), found.fraction_saved, write_rate(path))
     if found.sampled and gain < MIN_GAIN:
         return None  # the store writes about as fast as compression would make the save
-    return Compression(
-        c.codec, c.level, c.cname, c.shuffle, c.blocksize, auto=True, skip=frozenset(found.skip)
-    )
+    return dataclasses.replace(c, auto=True, skip=frozenset(found.skip))

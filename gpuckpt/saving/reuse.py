@@ -90,6 +90,9 @@ class SharedWithBase:
             return None
         return [f.digests for f in found if f is not None]
 
+    def encode_chunks(self, chunks: Sequence[ChunkBox], codec_name: str) -> None:
+        return None  # its chunks are the base's stored bytes already
+
     def stage_out(self, offsets: tuple[int, ...], sizes: tuple[int, ...], staging: Any) -> StagedOut:
         c = self._chunks.get((tuple(offsets), tuple(sizes)))
         if c is None:

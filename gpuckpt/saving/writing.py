@@ -38,6 +38,7 @@ from gpuckpt.progress import ProgressCounter
 from gpuckpt.runtime import runner
 from gpuckpt.runtime.runner import Batcher, Runner, default_threads, run_all
 from gpuckpt.saving.commit import Written, result_columns
+from gpuckpt.saving.device_encoding import DeviceEncoder, EncodedChunk
 from gpuckpt.saving.incremental import BaseIndex, digests_match, open_base_for, reuse_by_digests
 from gpuckpt.saving.reuse import share_unchanged, write_hashed
 from gpuckpt.saving.sources import Sources
@@ -209,6 +210,9 @@ def write_chunks(
     # one call per chunk where each chunk is a request of its own (an object store)
     batch: Batcher[_Item] = Batcher() if writer.capabilities.batches_chunks else Batcher(max_items=1)
     reuse = _Reuse(base, compared) if options.hashing or base is not None else None
+    codecs = options.codecs
+    # compression on the device: chunks compressed where they live, only their frames staged
+    encoder = DeviceEncoder(jobs, staging_bytes) if codecs is not None and codecs.device else None
     with Runner[list[Written]](threads, name="gpuckpt-write") as run:
         for write in first:
             run.submit(functools.partial(_no_results, write))
@@ -233,7 +237,10 @@ def write_chunks(
                 continue  # reused without being staged
             run.check()
             # device memory: blocks while the staging budget is in use (back-pressure)
-            staged = j.source.stage_out(j.offsets, j.sizes, staging)
+            encoded = encoder.take(i, done) if encoder is not None else None
+            staged: StagedOut = (
+                encoded if encoded is not None else j.source.stage_out(j.offsets, j.sizes, staging)
+            )
             item = (j, staged, docs.pop(j.name, None))
             if staged.ready:
                 # small chunks go to the I/O threads in batches: one task per
@@ -349,6 +356,10 @@ def _write_items(
         buffers: list[np.ndarray] = []
         pads: list[int] = []
         for j, staged, _document in items:
+            if isinstance(staged, EncodedChunk):  # compressed on its device already
+                buffers.append(staged.wait())
+                pads.append(0)
+                continue
             data, pad = chunk_bytes(staged.wait(), j.stored)
             if j.codec is not None:
                 # compressed here, on the I/O thread (the codecs release the GIL), never on every
