@@ -18,6 +18,7 @@ import zarr
 import gpuckpt
 from gpuckpt.device.arrays import adapt
 from gpuckpt.device.host_backend import HostBackend
+from gpuckpt.distributed import run_ranks
 from gpuckpt.errors import InvalidOptionError
 from gpuckpt.format.codecs import Codec
 from gpuckpt.saving.device_encoding import ByteBudget, DeviceEncoder
@@ -126,6 +127,25 @@ def test_async_save_staged_on_the_device_compresses_its_snapshot_there(tmp_path:
     out = {"w": np.zeros_like(w)}
     gpuckpt.load(out, tmp_path / "c")
     assert out["w"].tobytes() == w.tobytes()
+
+
+def test_a_distributed_save_compresses_every_ranks_device_boxes_there(tmp_path: Path) -> None:
+    backend = HostBackend()
+    full = _weights((4 * 256, 128), 6)
+
+    def rank(c: Any) -> None:
+        r = c.rank
+        local = EmulatedDeviceArray(full[r * 256 : (r + 1) * 256].copy(), backend)
+        box = gpuckpt.ShardedArray(local, (r * 256, 0), full.shape)
+        gpuckpt.save(
+            {"w": box, "step": 2}, tmp_path / "c", coordinator=c, compression=ON_DEVICE, chunk_bytes=16 << 10
+        )
+
+    run_ranks(4, rank)
+    assert backend.encoded_chunks == len(_chunk_files(tmp_path / "c", "w")) == 16
+    assert _codecs(tmp_path / "c")["w"] == "zstd"
+    assert gpuckpt.load_state_dict(tmp_path / "c")["w"].tobytes() == full.tobytes()
+    assert verify_checkpoint(tmp_path / "c").ok
 
 
 def test_device_compression_is_zstd_only_and_a_bool() -> None:
