@@ -33,6 +33,9 @@ __all__ = ["DEVICE_CODECS", "encode_device_chunks", "import_nvcomp", "nvcomp_mod
 DEVICE_CODECS = ("zstd",)
 #: raw bytes compressed per nvCOMP batch (its scratch and output are about as large again)
 BATCH_BYTES = 256 << 20
+#: where each chunk's bytes start in the buffers given to nvCOMP, a multiple of this (a chunk
+#: that is a byte run of its array elsewhere, in a narrow dtype, is gathered into scratch)
+INPUT_ALIGN = 16
 
 
 def import_nvcomp() -> Any:
@@ -61,18 +64,25 @@ def nvcomp_module() -> Any:
         return None
 
 
-def encode_device_chunks(array: Any, chunks: Sequence[ChunkBox], codec_name: str) -> list[np.ndarray] | None:
+def encode_device_chunks(
+    array: Any, chunks: Sequence[ChunkBox], codec_name: str, *, nvcomp: Any = None, xp: Any = None
+) -> list[np.ndarray] | None:
     """The compressed stored bytes of each of ``chunks`` of the CuPy ``array`` (host ``uint8``
     arrays, in order), compressed on the array's device after the work queued on the current
     stream; None where this device cannot write ``codec_name`` (no nvCOMP, another codec, an
-    empty chunk)."""
-    nvcomp = nvcomp_module()
+    empty chunk). ``nvcomp`` and ``xp`` (the array module): nvCOMP's module and CuPy unless
+    given (tests give stand-ins that run on the host)."""
+    nvcomp = nvcomp if nvcomp is not None else nvcomp_module()
     if nvcomp is None or codec_name not in DEVICE_CODECS or any(math.prod(c[2]) == 0 for c in chunks):
         return None
-    import cupy  # the array is CuPy's already
+    if xp is None:
+        import cupy  # the array is CuPy's already
+
+        xp = cupy
 
     out: list[np.ndarray | None] = [None] * len(chunks)
-    for indices, buffer, spans in device_stored_groups(array, chunks, BATCH_BYTES):
+    groups = device_stored_groups(array, chunks, BATCH_BYTES, align=INPUT_ALIGN, xp=xp)
+    for indices, buffer, spans in groups:
         # batches of at most BATCH_BYTES of raw bytes (an in-place group may be the whole array)
         k = 0
         while k < len(indices):
@@ -83,8 +93,8 @@ def encode_device_chunks(array: Any, chunks: Sequence[ChunkBox], codec_name: str
                 total += spans[k][1]
                 k += 1
             largest = max(spans[j][1] for j in take)
-            # the gather ran on the current stream; nvCOMP queues on its own
-            cupy.cuda.get_current_stream().synchronize()
+            if hasattr(xp, "cuda"):  # the gather ran on the current stream; nvCOMP queues on its own
+                xp.cuda.get_current_stream().synchronize()
             codec = nvcomp.Codec(
                 algorithm="Zstd", bitstream_kind=nvcomp.BitstreamKind.RAW, uncomp_chunk_size=largest
             )

@@ -205,39 +205,60 @@ _SCRATCH_BYTES = 256 << 20
 
 
 def device_stored_groups(
-    array: Any, chunks: Sequence[ChunkBox], scratch_bytes: int = _SCRATCH_BYTES
+    array: Any,
+    chunks: Sequence[ChunkBox],
+    scratch_bytes: int = _SCRATCH_BYTES,
+    *,
+    align: int = 1,
+    xp: Any = None,
 ) -> Iterator[tuple[list[int], Any, list[tuple[int, int]]]]:
     """The stored blocks of ``chunks`` of the CuPy ``array`` (as :func:`stored_block` makes them
     on the host), on the array's device, on the current stream: groups ``(indices, buffer,
     spans)``, where the chunk ``chunks[indices[k]]`` is the C-contiguous byte run
-    ``spans[k] = (start, nbytes)`` of the ``uint8`` device ``buffer``. Chunks that are a
-    contiguous byte run of a C-contiguous array come first, in place (the buffer is the
-    array's memory); the others are gathered, with their zero padding, into device scratch of
-    at most about ``scratch_bytes`` per group (a group is used before the next is made)."""
-    import cupy  # the array is CuPy's already (gpuckpt.device.cuda imports this module)
+    ``spans[k] = (start, nbytes)`` of the ``uint8`` device ``buffer``, each start a multiple of
+    ``align`` (a library's required input alignment). Chunks that are such a byte run of a
+    C-contiguous array come first, in place (the buffer is the array's memory); the others are
+    gathered, with their zero padding, into device scratch of at most about ``scratch_bytes``
+    per group (a group is used before the next is made). ``xp``: the array module (CuPy; NumPy
+    where tests run the grouping on the host)."""
+    if xp is None:
+        import cupy  # the array is CuPy's already (gpuckpt.device.cuda imports this module)
+
+        xp = cupy
 
     in_place: list[int] = []
     spans: list[tuple[int, int]] = []
     gather: list[int] = []
-    base = int(array.data.ptr)
+    base = _address(array)
     for i, (offsets, sizes, stored) in enumerate(chunks):
         box = array[tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=True))] if sizes else array
-        if array.flags.c_contiguous and tuple(sizes) == tuple(stored) and box.flags.c_contiguous:
+        start = _address(box) - base if box.size else 0
+        if (
+            array.flags.c_contiguous
+            and tuple(sizes) == tuple(stored)
+            and box.flags.c_contiguous
+            and start % align == 0
+        ):
             in_place.append(i)
-            spans.append((int(box.data.ptr) - base if box.size else 0, int(box.nbytes)))
+            spans.append((start, int(box.nbytes)))
         else:
             gather.append(i)
     if in_place:
-        yield in_place, array.reshape(-1).view(cupy.uint8), spans
+        yield in_place, array.reshape(-1).view(xp.uint8), spans
     itemsize = int(array.itemsize)
-    while gather:
+    step = math.lcm(align, itemsize)
+    nxt = 0
+    while nxt < len(gather):
         take: list[int] = []
         total = 0
-        while gather and (not take or total + math.prod(chunks[gather[0]][2]) * itemsize <= scratch_bytes):
-            i = gather.pop(0)
-            take.append(i)
-            total += math.prod(chunks[i][2]) * itemsize
-        scratch = cupy.zeros(max(1, total), cupy.uint8)
+        while nxt < len(gather):
+            n = -(-math.prod(chunks[gather[nxt]][2]) * itemsize // step) * step
+            if take and total + n > scratch_bytes:
+                break
+            take.append(gather[nxt])
+            total += n
+            nxt += 1
+        scratch = xp.zeros(max(1, total), xp.uint8)
         places = []
         at = 0
         for i in take:
@@ -248,8 +269,15 @@ def device_stored_groups(
             src = tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=True))
             block[region] = array[src]
             places.append((at, n))
-            at += n
+            at += -(-n // step) * step
         yield take, scratch, places
+
+
+def _address(a: Any) -> int:
+    """Where ``a``'s first element is: a CuPy array's device pointer, a NumPy array's address."""
+    data = getattr(a, "data", None)
+    ptr = getattr(data, "ptr", None)
+    return int(ptr) if ptr is not None else int(a.ctypes.data)
 
 
 def hash_device_boxes(array: Any, chunks: Sequence[ChunkBox]) -> list[tuple[bytes, bytes]]:
