@@ -39,7 +39,9 @@ def test_cupy_chunks_are_compressed_by_nvcomp_and_read_on_the_host(
         "w": (rng.standard_normal((1000, 1024), dtype=cp.float32) * 0.02).astype(cp.float16),  # edge chunk
         "m": rng.standard_normal((333, 77), dtype=cp.float32) ** 2,
         # channels-last memory of an NCHW tensor: stored in logical C order
-        "conv": cp.ascontiguousarray(rng.standard_normal((8, 12, 12, 32), dtype=cp.float32)).transpose(0, 3, 1, 2),
+        "conv": cp.ascontiguousarray(rng.standard_normal((8, 12, 12, 32), dtype=cp.float32)).transpose(
+            0, 3, 1, 2
+        ),
         "i": rng.integers(0, 100, 100_000, dtype=cp.int32),
     }
     ckpt = tmp_path / "c"
