@@ -5,7 +5,9 @@ to compress its chunks where they live
 (:meth:`~gpuckpt.device.backend.DeviceBackend.encode_chunks`: nvCOMP on a GPU): only the
 compressed frames are copied to the host, and the I/O threads checksum and write them as they
 are (no staging buffer, no host compression). A back end that cannot (no nvCOMP) is asked once
-per array; its chunks are then staged and compressed on the host, as every other codec's are.
+per array; its chunks are then staged and compressed on the host, as every other codec's are. So
+are the chunks of an array whose compression on the device failed (its device short of memory
+for the codec's scratch, a library error), with a ``RuntimeWarning`` naming the error.
 
 :class:`DeviceEncoder` runs in the save's calling thread, ahead of the staging loop: it
 compresses the next chunks of the same array together, up to half the save's staging budget
@@ -17,6 +19,7 @@ it block).
 from __future__ import annotations
 
 import threading
+import warnings
 from collections.abc import Container, Sequence
 from typing import Protocol
 
@@ -92,6 +95,8 @@ class _Job(Protocol):
     def codec(self) -> Codec | None: ...
     @property
     def nbytes(self) -> int: ...
+    @property
+    def name(self) -> str: ...
 
 
 class DeviceEncoder:
@@ -137,6 +142,14 @@ class DeviceEncoder:
                 [(self._jobs[k].offsets, self._jobs[k].sizes, self._jobs[k].stored) for k in group],
                 first.codec.name,
             )
+        except Exception as exc:  # (device memory for the codec's scratch, a library error)
+            warnings.warn(
+                f"compressing chunks of {first.name!r} on the device failed ({type(exc).__name__}: {exc}); "
+                "they are compressed on the host after staging, with the same codec",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            frames = None
         except BaseException:
             self.budget.give(raw)
             raise

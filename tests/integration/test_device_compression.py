@@ -114,6 +114,23 @@ def test_a_back_end_without_a_device_codec_compresses_on_the_host(tmp_path: Path
     assert out["w"].tobytes() == arrays["w"].tobytes() and np.array_equal(out["i"], arrays["i"])
 
 
+def test_a_failure_on_the_device_falls_back_to_the_host_with_a_warning(tmp_path: Path) -> None:
+    backend = HostBackend()
+    state, arrays = _state(backend)
+
+    def fails(*_: Any) -> Any:
+        raise RuntimeError("out of device memory for the codec's scratch")
+
+    backend.encode_chunks = fails  # type: ignore[method-assign]
+    with pytest.warns(RuntimeWarning, match="on the device failed .*out of device memory"):
+        gpuckpt.save(state, tmp_path / "c", compression=ON_DEVICE, chunk_bytes=128 << 10)
+    assert backend.bytes_to_host == sum(v.nbytes for v in arrays.values())  # staged raw
+    assert set(_codecs(tmp_path / "c").values()) == {"zstd"}
+    out = {"w": np.zeros_like(arrays["w"]), "m": np.zeros_like(arrays["m"])}
+    gpuckpt.load(out, tmp_path / "c")
+    assert out["w"].tobytes() == arrays["w"].tobytes() and out["m"].tobytes() == arrays["m"].tobytes()
+
+
 def test_async_save_staged_on_the_device_compresses_its_snapshot_there(tmp_path: Path) -> None:
     backend = HostBackend()
     w = _weights((512, 512), 4)
