@@ -152,11 +152,8 @@ class Coordinator(ABC):
         CPU to the ranks still working.
 
         A transport whose waits spin (MPICH's) polls instead, sleeping between polls; the
-        others block in :meth:`barrier` (the default). Background work calls it where ranks
-        only wait for each other; MPI's coordinator waits the same way in
-        :meth:`all_gather` and :meth:`all_reduce_errors` where ranks share cores, so the
-        collective that ends a step of uneven length (each rank's write, load or fetch) needs
-        no barrier before it.
+        others block in :meth:`barrier` (the default). Background work calls it before the
+        collective that ends a step of uneven length (each rank's write, load or fetch).
         """
         self.barrier()
 

@@ -1,8 +1,5 @@
 """The bookkeeping of the coordinators' point-to-point exchanges, shared by every transport.
 
-Also the fixed-size slots of one-round object gathers (:func:`object_slot`), which the gloo
-and MPI coordinators use.
-
 :meth:`~gpuckpt.distributed.coordinator.Coordinator.exchange_objects` and
 :meth:`~gpuckpt.distributed.coordinator.Coordinator.exchange_buffers` check their arguments,
 match what each pair sends with what the receiver expects, copy where the transport is memory
@@ -22,51 +19,20 @@ import numpy as np
 from gpuckpt.errors import CoordinatorError
 
 __all__ = [
-    "GATHER_SLOT_BYTES",
     "BufferRound",
     "byte_view",
     "copy_buffers",
     "count_mismatch",
     "dumps",
-    "object_slot",
     "pick_mail",
     "raise_problems",
     "size_mismatch",
-    "slot_length",
-    "slot_object",
 ]
-
-#: the bytes of each rank's pickle that a one-round object gather sends in its slot (larger
-#: ones take a second round)
-GATHER_SLOT_BYTES = 16 << 10
-_LENGTH_BYTES = 8
 
 
 def dumps(obj: Any) -> bytes:
     """``obj`` pickled as the coordinators send it (the newest protocol)."""
     return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-
-
-def object_slot(data: bytes | None) -> np.ndarray:
-    """The fixed-size slot of one-round object collectives: the pickle's length (8 bytes,
-    little-endian), then the pickle where it fits in :data:`GATHER_SLOT_BYTES` (else a second
-    round carries it); all zeros for a rank that sends nothing (``None``)."""
-    slot = np.zeros(_LENGTH_BYTES + GATHER_SLOT_BYTES, np.uint8)
-    if data is not None:
-        slot[:_LENGTH_BYTES] = np.frombuffer(len(data).to_bytes(_LENGTH_BYTES, "little"), np.uint8)
-        if len(data) <= GATHER_SLOT_BYTES:
-            slot[_LENGTH_BYTES : _LENGTH_BYTES + len(data)] = np.frombuffer(data, np.uint8)
-    return slot
-
-
-def slot_length(slot: np.ndarray) -> int:
-    """The pickle's length a slot of :func:`object_slot` announces."""
-    return int.from_bytes(slot[:_LENGTH_BYTES].tobytes(), "little")
-
-
-def slot_object(slot: np.ndarray, n: int) -> Any:
-    """The object of ``n`` pickled bytes a slot of :func:`object_slot` carries."""
-    return pickle.loads(slot[_LENGTH_BYTES : _LENGTH_BYTES + n].tobytes())
 
 
 @dataclass(slots=True)

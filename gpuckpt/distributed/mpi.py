@@ -9,10 +9,10 @@ initialised with ``MPI_THREAD_MULTIPLE``.
 MPICH's blocking waits spin. Where a node runs more ranks than a rank may use
 CPUs (:func:`shares_cores`), a rank that spins takes a core from the ranks it
 waits for, so there the waits of :meth:`MPICoordinator.exchange_buffers`,
-:meth:`MPICoordinator.exchange_objects`, :meth:`MPICoordinator.all_reduce_errors`,
-:meth:`MPICoordinator.all_gather` and :meth:`MPICoordinator.idle_barrier` test their
-requests (or probe for the messages) with sleeps in between (with single-copy transfers, the
-receiver copies a whole message in one test).
+:meth:`MPICoordinator.exchange_objects`, :meth:`MPICoordinator.all_reduce_errors` and
+:meth:`MPICoordinator.idle_barrier` test their requests (or probe for the messages) with
+sleeps in between (with single-copy transfers, the receiver copies a whole message in one
+test).
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ from gpuckpt.distributed.coordinator import (
     MissingDependencyError,
     check_error_argument,
 )
-from gpuckpt.distributed.exchange import GATHER_SLOT_BYTES, dumps, object_slot, slot_length, slot_object
 
 __all__ = ["MPICoordinator"]
 
@@ -187,29 +186,7 @@ class MPICoordinator(Coordinator):
         return self._comm.bcast(obj if self._rank == root else None, root=root)
 
     def all_gather(self, obj: Any) -> list[Any]:
-        """See :meth:`Coordinator.all_gather`. Where the node's ranks share cores
-        (:func:`shares_cores`): a non-blocking gather of fixed-size slots (each rank's pickle
-        where it fits :data:`~gpuckpt.distributed.exchange.GATHER_SLOT_BYTES`, else a second
-        round of the pickles, their sizes known), tested with sleeps in between: the ranks of
-        background work arrive far apart, and need no idle barrier before it."""
-        if not self._waits_idle:
-            return list(self._comm.allgather(obj))
-        from mpi4py import MPI
-
-        data = dumps(obj)
-        mine = object_slot(data)
-        slots = np.empty((self._size, mine.nbytes), np.uint8)
-        _wait_idle([self._comm.Iallgather(mine, slots)])
-        lengths = [slot_length(s) for s in slots]
-        if max(lengths) <= GATHER_SLOT_BYTES:
-            return [slot_object(s, n) for s, n in zip(slots, lengths, strict=True)]
-        if sum(lengths) >= 1 << 31:  # (the same on every rank: MPI's counts are C ints)
-            return list(self._comm.allgather(obj))
-        starts = np.concatenate(([0], np.cumsum(lengths)[:-1])).astype(np.int64)
-        whole = np.empty(sum(lengths), np.uint8)
-        recv = [whole, (lengths, starts.tolist()), MPI.BYTE]
-        _wait_idle([self._comm.Iallgatherv(np.frombuffer(data, np.uint8), recv)])
-        return [pickle.loads(whole[a : a + n]) for a, n in zip(starts, lengths, strict=True)]
+        return list(self._comm.allgather(obj))
 
     def all_reduce_xor(self, values: np.ndarray) -> np.ndarray:
         from mpi4py import MPI

@@ -16,13 +16,37 @@ from typing import Any
 import numpy as np
 
 from gpuckpt.distributed.coordinator import Coordinator, CoordinatorError, MissingDependencyError
-from gpuckpt.distributed.exchange import GATHER_SLOT_BYTES, dumps, object_slot, slot_length, slot_object
+from gpuckpt.distributed.exchange import dumps
 
 __all__ = ["TorchCoordinator"]
 
 # Tags of exchange_objects' two messages per pair; exchange_buffers numbers its messages of each pair
 _SIZE_TAG = 0
 _OBJECT_TAG = 1
+#: the bytes of each rank's pickle that :meth:`TorchCoordinator.all_gather` sends in its one
+#: round over gloo (larger ones take a second round)
+GATHER_SLOT_BYTES = 16 << 10
+_LENGTH_BYTES = 8
+
+
+def _slot(data: bytes | None) -> np.ndarray:
+    """The fixed-size slot of one-round object collectives: the pickle's length (8 bytes,
+    little-endian), then the pickle where it fits in :data:`GATHER_SLOT_BYTES` (else a second
+    round carries it); all zeros for a rank that sends nothing (``None``)."""
+    slot = np.zeros(_LENGTH_BYTES + GATHER_SLOT_BYTES, np.uint8)
+    if data is not None:
+        slot[:_LENGTH_BYTES] = np.frombuffer(len(data).to_bytes(_LENGTH_BYTES, "little"), np.uint8)
+        if len(data) <= GATHER_SLOT_BYTES:
+            slot[_LENGTH_BYTES : _LENGTH_BYTES + len(data)] = np.frombuffer(data, np.uint8)
+    return slot
+
+
+def _slot_length(slot: np.ndarray) -> int:
+    return int.from_bytes(slot[:_LENGTH_BYTES].tobytes(), "little")
+
+
+def _slot_object(slot: np.ndarray, n: int) -> Any:
+    return pickle.loads(slot[_LENGTH_BYTES : _LENGTH_BYTES + n].tobytes())
 
 
 def _torch_distributed() -> Any:
@@ -134,11 +158,11 @@ class TorchCoordinator(Coordinator):
         import torch
 
         data = dumps(obj) if self._rank == root else None
-        slot = object_slot(data)
+        slot = _slot(data)
         self._dist.broadcast(torch.from_numpy(slot), src=src, group=self._group)
-        n = slot_length(slot)
+        n = _slot_length(slot)
         if n <= GATHER_SLOT_BYTES:
-            return obj if self._rank == root else slot_object(slot, n)
+            return obj if self._rank == root else _slot_object(slot, n)
         body = np.frombuffer(data, np.uint8).copy() if data is not None else np.empty(n, np.uint8)
         self._dist.broadcast(torch.from_numpy(body), src=src, group=self._group)
         return obj if self._rank == root else pickle.loads(body.tobytes())
@@ -156,13 +180,13 @@ class TorchCoordinator(Coordinator):
         import torch
 
         data = dumps(obj)
-        mine = torch.from_numpy(object_slot(data))
+        mine = torch.from_numpy(_slot(data))
         slots = [torch.empty_like(mine) for _ in range(self._size)]
         self._dist.all_gather(slots, mine, group=self._group)
         raw = [t.numpy() for t in slots]
-        lengths = [slot_length(a) for a in raw]
+        lengths = [_slot_length(a) for a in raw]
         if max(lengths) <= GATHER_SLOT_BYTES:
-            return [slot_object(a, n) for a, n in zip(raw, lengths, strict=True)]
+            return [_slot_object(a, n) for a, n in zip(raw, lengths, strict=True)]
         whole = np.zeros(max(lengths), np.uint8)
         whole[: len(data)] = np.frombuffer(data, np.uint8)
         mine = torch.from_numpy(whole)

@@ -389,7 +389,7 @@ class LocalTier(PartExchange):
         except Exception as exc:
             error = exc
         try:
-            # the ranks' writes end apart: the first wait long (an idle one where waits spin)
+            self.background.idle_barrier()  # the ranks' writes end apart: the first wait long
             reports = self.background.all_gather((None if error is None else describe_error(error), layout))
             failures = {r: e for r, (e, _) in enumerate(reports) if e is not None}
             if failures:
@@ -654,7 +654,7 @@ class LocalTier(PartExchange):
             seconds = time.perf_counter() - started
             damaged = isinstance(error, _DAMAGE)
             report = None if error is None else (damaged, describe_error(error), mine)
-            # parts fetched from peers take longer than local ones (an idle wait where waits spin)
+            c.idle_barrier()  # parts fetched from peers take longer than local ones
             outcomes = c.all_gather((report, nbytes if error is None else 0, seconds))
             bad = {r: o[0] for r, o in enumerate(outcomes) if o[0] is not None}
             if not bad:

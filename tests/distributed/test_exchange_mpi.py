@@ -42,8 +42,7 @@ def test_exchange_waits_spin_or_sleep_by_whether_the_ranks_share_cores(
     run_mpi: Any, load_script: Any, n: int
 ) -> None:
     """Both kinds of waits deliver every byte of ``exchange_buffers``, every object of
-    ``exchange_objects``, every rank's error of ``all_reduce_errors`` and every rank's object of
-    ``all_gather`` (in one round of slots, and in two); the coordinator sleeps between tests
+    ``exchange_objects`` and every rank's error of ``all_reduce_errors``; the coordinator sleeps between tests
     exactly where the node runs more ranks than a rank may use CPUs (MPI_LOCALNRANKS, from
     mpiexec), and spins (``Waitall``) elsewhere."""
     import os

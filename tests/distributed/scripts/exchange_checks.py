@@ -500,22 +500,6 @@ def _errors_reduced(c: Coordinator) -> dict[str, Any]:
     return seen
 
 
-def _gathered(c: Coordinator) -> dict[str, Any]:
-    """``all_gather`` of small objects (one round of slots), then with one rank's pickle larger
-    than a slot (a second round)."""
-    r = c.rank
-    small = c.all_gather(("rank", r))
-    big = c.all_gather({"rank": r, "pad": "x" * (40_000 if r == c.world_size - 1 else r)})
-    return {"small": small, "big": [(b["rank"], len(b["pad"])) for b in big]}
-
-
-def _expected_gathered(n: int) -> dict[str, Any]:
-    return {
-        "small": [["rank", k] for k in range(n)],
-        "big": [[k, 40_000 if k == n - 1 else k] for k in range(n)],
-    }
-
-
 def _expected_errors(n: int) -> dict[str, Any]:
     last = n - 1
     return {
@@ -543,7 +527,6 @@ def check_waits(c: Any) -> dict[str, Any]:
         seen[f"idle={idle}"] = {name: _exchange(c, name, plans[name]) for name in ("ring", "piece_edges")}
         seen[f"idle={idle}"]["objects"] = _check_objects(c)
         seen[f"idle={idle}"]["errors"] = _errors_reduced(c)
-        seen[f"idle={idle}"]["gathered"] = _gathered(c)
     c._waits_idle = chosen
     return seen
 
@@ -554,12 +537,7 @@ def expected_waits(rank: int, n: int) -> dict[str, Any]:
         name: _expected_received(name, {s: d[rank] for s, d in plans[name].items() if rank in d}, rank)
         for name in ("ring", "piece_edges")
     }
-    received = {
-        **received,
-        "objects": _expected_objects(rank, n),
-        "errors": _expected_errors(n),
-        "gathered": _expected_gathered(n),
-    }
+    received = {**received, "objects": _expected_objects(rank, n), "errors": _expected_errors(n)}
     return {"agrees": True, "idle=False": received, "idle=True": received}
 
 
