@@ -108,7 +108,6 @@ class DeviceEncoder:
         self._group_bytes = max(1, staging_bytes // 2)
         self._ready: dict[int, np.ndarray] = {}
         self._refused: set[int] = set()  # id() of sources whose back end cannot
-        self.encoded = 0
 
     def take(self, i: int, skip: Container[int] = ()) -> EncodedChunk | None:
         """Job ``i``'s chunk compressed on its device (with the following chunks of the same
@@ -165,4 +164,3 @@ class DeviceEncoder:
             self.budget.add(held - raw)
         for k, f in zip(group, frames, strict=True):
             self._ready[k] = f
-        self.encoded += len(frames)
