@@ -307,6 +307,7 @@ def async_save_with_options(
     *,
     writer_thread: Workers | None = None,
     reuse_files_of: str | os.PathLike[str] | None = None,
+    file_maps: Any = None,
 ) -> SaveFuture:
     """:func:`async_save` with its options made (what :class:`~gpuckpt.CheckpointManager` calls).
 
@@ -316,7 +317,9 @@ def async_save_with_options(
     process's writer thread); a local tier passes its own.
     ``reuse_files_of``: a directory the caller gives up, whose files the save's files of the
     same names may overwrite (:meth:`~gpuckpt.storage.base.CheckpointWriter.reuse_files_of`;
-    a single process's save to a local directory; a local tier passes the part it retires)."""
+    a single process's save to a local directory; a local tier passes the part it retires),
+    and ``file_maps``, where the caller keeps maps of those files to write through them (a
+    tier on tmpfs: :class:`~gpuckpt.storage.local.filemaps.FileMaps`)."""
     check_coordinator(coordinator)
     check_base_target(path, options)
     if coordinator is not None or contains_sharded(state_dict):
@@ -346,7 +349,7 @@ def async_save_with_options(
         direct_io=options.use_direct_io(True),
     )
     if reuse_files_of is not None:
-        writer.reuse_files_of(reuse_files_of)
+        writer.reuse_files_of(reuse_files_of, file_maps)
 
     def run(snap: dict[str, tuple[Source, ...]]) -> Callable[[], Metadata]:
         def save() -> Metadata:

@@ -153,6 +153,18 @@ class SegmentDigest:
             if self._filled == self.segment_bytes:
                 self._finish()
 
+    def update_crc(self, crc: int, nbytes: int) -> None:
+        """Take the next ``nbytes`` bytes by their CRC32C ``crc`` (within the current segment)."""
+        if nbytes > self.segment_bytes - self._filled:
+            raise ValueError(
+                f"{nbytes} bytes by their CRC32C cross a segment boundary "
+                f"({self._filled} of the segment's {self.segment_bytes} bytes are in)"
+            )
+        self._current = crc32c_combine(self._current, crc, nbytes) if self._filled else crc
+        self._filled += nbytes
+        if self._filled == self.segment_bytes:
+            self._finish()
+
     def _finish(self) -> None:
         self._value = crc32c_combine(self._value, self._current, self._filled)
         self._done.append(self._current)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from gpuckpt.format.checksum import CRC_BYTES, crc32c
-from gpuckpt.format.segments import SegmentDigest, segmented
+from gpuckpt.format.segments import SegmentDigest, crc32c_combine, segmented
 from gpuckpt.storage.copies import own_copy
 
 __all__ = [
@@ -124,6 +124,11 @@ class ChunkDigest(Protocol):
     def update(self, piece: Any) -> None:
         """Take the next bytes of the chunk (a contiguous buffer)."""
 
+    def update_crc(self, crc: int, nbytes: int) -> None:
+        """Take the next ``nbytes`` bytes of the chunk by their CRC32C ``crc``, computed by a
+        writer that copied them (never across a segment's boundary:
+        :data:`~gpuckpt.format.segments.SEGMENT_BYTES`)."""
+
     def trailer(self) -> bytes:
         """The chunk's checksum trailer, once every byte was fed."""
 
@@ -138,6 +143,9 @@ class CrcDigest:
 
     def update(self, piece: Any) -> None:
         self.value = crc32c(piece, self.value)
+
+    def update_crc(self, crc: int, nbytes: int) -> None:
+        self.value = crc32c_combine(self.value, crc, nbytes)
 
     def trailer(self) -> bytes:
         return self.value.to_bytes(CRC_BYTES, "little")
@@ -229,14 +237,16 @@ class CheckpointWriter(ABC):
     #: what this store does differently (see :class:`Capabilities`)
     capabilities: Capabilities = Capabilities()
 
-    def reuse_files_of(self, path: str | os.PathLike[str]) -> None:
+    def reuse_files_of(self, path: str | os.PathLike[str], maps: Any = None) -> None:
         """Before :meth:`begin`: the files of the directory ``path``, which the caller gives up,
         may be overwritten by this save's files of the same names, so that their storage is
         used again (on tmpfs, pages already allocated); whatever of them this save does not
         write is deleted at its commit or abort. A file another name shares (a hard link) is
-        never written into. A store that cannot do so ignores it (the default) and ``path``
-        stays as it is."""
-        del path  # (the default: nothing reused)
+        never written into. ``maps``: where the caller keeps memory maps of its files from
+        save to save, for a store that writes through them
+        (:class:`~gpuckpt.storage.local.filemaps.FileMaps`). A store that cannot reuse files
+        ignores both (the default) and ``path`` stays as it is."""
+        del path, maps  # (the default: nothing reused)
 
     @property
     def token(self) -> str | None:

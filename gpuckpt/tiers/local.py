@@ -35,9 +35,10 @@ from gpuckpt.planning.boxes import LocalTensor, plan_tensors
 from gpuckpt.planning.tiers import Choice, CopySeen, choose, nodes_of, replica_holders, tier_retention
 from gpuckpt.runtime.workers import Workers
 from gpuckpt.saving.sources import describe_state
+from gpuckpt.storage.local.filemaps import FileMaps
 from gpuckpt.storage.stores import file_system_type, in_memory, open_root
 from gpuckpt.tiers.exchange import PartExchange
-from gpuckpt.tiers.files import FileMaps, ReceiveBuffer, Received, raise_open_files_limit, tree_bytes
+from gpuckpt.tiers.files import ReceiveBuffer, Received, raise_open_files_limit, tree_bytes
 from gpuckpt.tiers.parts import Boxes, copy_values_back, layout_of, part_bytes, part_view, sharded_from_part
 from gpuckpt.tiers.report import PartSource, RestoreReport
 
@@ -147,6 +148,9 @@ class LocalTier(PartExchange):
         # an exchange round holds a file descriptor per file of the parts it moves
         raise_open_files_limit()
         self._file_maps = FileMaps()
+        # parts are written through kept maps of the files they reuse where the tier is on
+        # tmpfs, whose write() costs about three times a copy into mapped pages (FileMaps)
+        self._writes_mapped = file_system_type(self.dir) == "tmpfs"
         self._writer = Workers(1, "gpuckpt-tier-write")
         self._jobs: dict[int, Future[None]] = {}
         #: steps whose tier work failed here, once :meth:`settled` took their jobs
@@ -324,6 +328,7 @@ class LocalTier(PartExchange):
                     options,
                     writer_thread=self._writer,
                     reuse_files_of=self._retired_part(step),
+                    file_maps=self._file_maps if self._writes_mapped else None,
                 )
             except Exception as exc:  # the others learn of it in the step's first collective
                 error = exc

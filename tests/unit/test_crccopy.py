@@ -8,11 +8,13 @@ uncached and short files.
 
 from __future__ import annotations
 
+import mmap
 import os
 import platform
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import crc32c as crc32c_package
@@ -133,6 +135,47 @@ def test_crc_copy_refuses_a_destination_of_another_size_or_read_only(lib: CrcCop
         lib.crc_copy(bytes(10), bytes(10))
     with pytest.raises(ValueError, match="destination is read-only"):
         lib.cached_copy_crc(0, 0, memoryview(bytes(10)))
+
+
+@pytest.mark.parametrize("n", [0, 1, 63, 64, 65, 4095, 4097, (1 << 20) + 3])
+def test_a_guarded_copy_into_a_file_map_matches_the_reference(lib: CrcCopy, tmp_path: Path, n: int) -> None:
+    data = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8)
+    path = tmp_path / "chunk"
+    path.write_bytes(bytes(n + 3))
+    with open(path, "r+b") as f, mmap.mmap(f.fileno(), n + 3) as m, memoryview(m) as view:
+        assert lib.guarded_copy_crc(data, view[1 : n + 1], 7) == _reference(data.tobytes(), 7)
+    assert path.read_bytes() == b"\0" + data.tobytes() + b"\0\0"
+    with pytest.raises(ValueError, match="destination is 9 bytes, source 10"):
+        lib.guarded_copy_crc(bytes(10), bytearray(9))
+    with pytest.raises(ValueError, match="destination is read-only"):
+        lib.guarded_copy_crc(bytes(10), bytes(10))
+
+
+_CUT_UNDER_THE_MAP = """
+import mmap, os, sys
+from gpuckpt.storage.local.crccopy import CrcCopy
+lib = CrcCopy(sys.argv[1]); assert lib.limit(sys.argv[2]) == sys.argv[2]
+path = sys.argv[3]
+with open(path, "wb") as f:
+    f.write(bytes(2 << 20))
+fd = os.open(path, os.O_RDWR)
+m = mmap.mmap(fd, 2 << 20)
+os.truncate(path, 4096)  # cut shorter from outside: pages past it fault (SIGBUS) when written
+got = lib.guarded_copy_crc(b"x" * (2 << 20), m)
+print(got, lib.faults, os.path.getsize(path))
+"""
+
+
+def test_a_guarded_copy_into_a_map_of_a_file_cut_shorter_reports_it(lib: CrcCopy, tmp_path: Path) -> None:
+    """The SIGBUS of a write past the file's new end is caught: None, the process lives."""
+    run = subprocess.run(
+        [sys.executable, "-c", _CUT_UNDER_THE_MAP, str(lib.path), lib.isa, str(tmp_path / "f")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["None", "1", "4096"]
 
 
 def _write(path: Path, data: np.ndarray) -> None:

@@ -19,6 +19,7 @@ from gpuckpt.format.segments import (
     segmented,
     segments_entry,
 )
+from gpuckpt.storage.base import CrcDigest
 
 
 @given(st.binary(max_size=300), st.binary(max_size=300))
@@ -47,6 +48,43 @@ def test_digest_gives_each_segment_and_the_whole_crc_for_any_pieces(size: int, c
     got = d.result()
     assert got == crc32c(data)
     assert got.segments == tuple(crc32c(data[i : i + 4096]) for i in range(0, size, 4096))
+
+
+@given(st.integers(0, 5 * 4096 + 100), st.lists(st.integers(1, 9000), max_size=8))
+@settings(max_examples=100, deadline=None)
+def test_pieces_given_by_their_crcs_equal_pieces_given_by_their_bytes(size: int, cuts: list[int]) -> None:
+    """What a writer that copies with the checksum feeds (``update_crc``, pieces cut at every
+    segment boundary), mixed with bytes, gives what the bytes alone give."""
+    data = random.Random(size).randbytes(size)
+    by_bytes, by_crcs = SegmentDigest(4096), SegmentDigest(4096)
+    by_bytes.update(data)
+    at, k = 0, 0
+    for c in [*cuts, size]:
+        end = min(size, at + c)
+        while at < end:
+            n = min(end - at, 4096 - at % 4096)
+            if k % 3 == 2:
+                by_crcs.update(data[at : at + n])
+            else:
+                by_crcs.update_crc(crc32c(data[at : at + n]), n)
+            at, k = at + n, k + 1
+    assert by_crcs.result() == by_bytes.result() and by_crcs.result().segments == by_bytes.result().segments
+    assert by_crcs.trailer() == by_bytes.trailer()
+
+
+def test_a_plain_digest_takes_crcs_of_any_pieces() -> None:
+    data = random.Random(9).randbytes(10_000)
+    d = CrcDigest()
+    for a, b in [(0, 1), (1, 4096), (4096, 4096), (4096, 10_000)]:
+        d.update_crc(crc32c(data[a:b]), b - a)
+    assert d.value == crc32c(data) and d.trailer() == crc32c(data).to_bytes(4, "little")
+
+
+def test_a_crc_across_a_segment_boundary_is_refused() -> None:
+    d = SegmentDigest(4096)
+    d.update(bytes(100))
+    with pytest.raises(ValueError, match="cross a segment boundary"):
+        d.update_crc(0, 4000)
 
 
 def test_a_chunk_crc_with_segments_is_an_int_and_survives_pickling() -> None:

@@ -16,9 +16,15 @@ BACK_END_MODULES = ("gpuckpt.storage.memory",)
 #: modules of the local back end that the rest of gpuckpt may use, each for a reason: file
 #: primitives (durable publication, error hints, whole reads and writes) that convert uses to write
 #: single files and saves use to explain an errno; which copy-with-CRC loop this machine runs
-#: (reported by the demo and the device benchmark)
+#: (reported by the demo and the device benchmark); the maps a local tier keeps of its files,
+#: for its exchanges and for the local writer that writes its parts through them
 SHARED_HELPERS = frozenset(
-    ("gpuckpt.storage.local.fsutil", "gpuckpt.storage.local.fileio", "gpuckpt.storage.local.crccopy")
+    (
+        "gpuckpt.storage.local.fsutil",
+        "gpuckpt.storage.local.fileio",
+        "gpuckpt.storage.local.crccopy",
+        "gpuckpt.storage.local.filemaps",
+    )
 )
 
 

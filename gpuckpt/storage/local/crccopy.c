@@ -40,7 +40,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#define GCK_ABI 3
+#define GCK_ABI 4
 #define TMPFS_MAGIC_ 0x01021994 /* linux/magic.h */
 
 int gck_abi(void) { return GCK_ABI; }
@@ -295,6 +295,33 @@ int gck_cached_copy_crc(int fd, int64_t off, void *dst, uint64_t n, uint32_t crc
     return rc;
 }
 
+/* Copy n bytes from src into dst, a map of a file being written, with their CRC-32C
+ * (continued from crc) in *crc_out, under the same guard: a file truncated under its map,
+ * or a page its file system cannot give, is a SIGBUS on a write to dst. Returns 0 when
+ * copied; 1 when not (no vector instruction set, SIGBUS blocked on this thread, or no
+ * guard could be set up: nothing was written); 2 when a fault interrupted the copy (part
+ * of dst may be written: the caller writes the file again with write(), which reports
+ * what the file system refused). */
+int gck_guarded_copy_crc(const void *src, void *dst, uint64_t n, uint32_t crc, uint32_t *crc_out)
+{
+    if (gck_isa() == ISA_NONE) return 1;
+    if (n == 0) {
+        *crc_out = crc;
+        return 0;
+    }
+    sigset_t mask;
+    if (pthread_sigmask(SIG_SETMASK, NULL, &mask) || sigismember(&mask, SIGBUS) == 1) return 1;
+    if (!guard_installed()) return 1;
+    long tid = thread_id();
+    struct guard *g = claim_guard(tid);
+    if (g == NULL) return 1;
+    g->src = (uintptr_t)src, g->src_len = n;
+    g->dst = (uintptr_t)dst, g->dst_len = n;
+    int rc = guarded_copy(g, tid, &mask, (const uint8_t *)src, dst, n, &crc);
+    if (rc == 0) *crc_out = crc;
+    return rc;
+}
+
 /* How many copies a fault on their pages has interrupted in this process. */
 unsigned long gck_faults(void) { return atomic_load(&faults); }
 
@@ -318,6 +345,12 @@ int gck_cached_copy_crc(int fd, int64_t off, void *dst, uint64_t n, uint32_t crc
 {
     (void)fd, (void)off, (void)dst, (void)n, (void)crc, (void)crc_out;
     return -ENOSYS;
+}
+
+int gck_guarded_copy_crc(const void *src, void *dst, uint64_t n, uint32_t crc, uint32_t *crc_out)
+{
+    (void)src, (void)dst, (void)n, (void)crc, (void)crc_out;
+    return 1;
 }
 
 unsigned long gck_faults(void) { return 0; }

@@ -38,12 +38,14 @@ __all__ = [
     "cached_copy_crc",
     "crc_copy",
     "faults",
+    "guarded_copy_crc",
     "instruction_set",
     "load_library",
 ]
 
 LIBRARY = Path(__file__).with_name("_crccopy.so")
-_ABI = 3  # 2: copies guarded against SIGBUS (gck_faults); 3: the cache probed with mincore
+_ABI = 4  # 2: copies guarded against SIGBUS (gck_faults); 3: the cache probed with mincore;
+# 4: guarded copies into a file's map (gck_guarded_copy_crc)
 _ISA_NAMES = {0: "none", 1: "pclmul", 2: "avx512"}
 
 
@@ -51,7 +53,9 @@ class CrcCopy:
     """One loaded copy of the library (tests load several, one per instruction set)."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
-        lib = ctypes.CDLL(os.fspath(path))
+        #: where it was loaded from
+        self.path = os.fspath(path)
+        lib = ctypes.CDLL(self.path)
         lib.gck_abi.restype = ctypes.c_int
         if lib.gck_abi() != _ABI:
             raise ImportError(f"{path} was built from another version of crccopy.c; reinstall gpuckpt")
@@ -64,6 +68,14 @@ class CrcCopy:
         lib.gck_cached_copy_crc.argtypes = [
             ctypes.c_int,
             ctypes.c_int64,
+            ctypes.c_void_p,
+            ctypes.c_uint64,
+            ctypes.c_uint32,
+            ctypes.POINTER(ctypes.c_uint32),
+        ]
+        lib.gck_guarded_copy_crc.restype = ctypes.c_int
+        lib.gck_guarded_copy_crc.argtypes = [
+            ctypes.c_void_p,
             ctypes.c_void_p,
             ctypes.c_uint64,
             ctypes.c_uint32,
@@ -115,6 +127,23 @@ class CrcCopy:
         if rc < 0:
             raise OSError(-rc, os.strerror(-rc))
         return None if rc else int(out.value)  # 1: declined; 2: the file changed under the copy
+
+    def guarded_copy_crc(self, src: Any, dst: Any, value: int = 0) -> int | None:
+        """Copy ``src`` into ``dst`` (same size: a writable map of a file being written) and
+        return its CRC32C, continued from ``value``; None when the copy could not be guarded
+        (nothing written) or a fault interrupted it: the file was cut shorter under its map, or
+        its file system could not give a page (part of ``dst`` may be written). Write the file
+        with ``write()`` then, which reports what the file system refuses."""
+        s = memoryview(src).cast("B")
+        d = memoryview(dst).cast("B")
+        if d.nbytes != s.nbytes:
+            raise ValueError(f"guarded_copy_crc: destination is {d.nbytes} bytes, source {s.nbytes}")
+        if d.readonly:
+            raise ValueError("guarded_copy_crc: the destination is read-only")
+        out = ctypes.c_uint32()
+        src_addr, dst_addr = buffer_address(s), buffer_address(d)
+        rc = self._lib.gck_guarded_copy_crc(src_addr, dst_addr, s.nbytes, value, ctypes.byref(out))
+        return None if rc else int(out.value)
 
     @property
     def faults(self) -> int:
@@ -180,6 +209,12 @@ def cached_copy_crc(fd: int, offset: int, dst: memoryview, value: int = 0) -> in
     """See :meth:`CrcCopy.cached_copy_crc`; None also when the native loop is not available."""
     lib = _instance()
     return None if lib is None else lib.cached_copy_crc(fd, offset, dst, value)
+
+
+def guarded_copy_crc(src: Any, dst: Any, value: int = 0) -> int | None:
+    """See :meth:`CrcCopy.guarded_copy_crc`; None also when the native loop is not available."""
+    lib = _instance()
+    return None if lib is None else lib.guarded_copy_crc(src, dst, value)
 
 
 def faults() -> int:
