@@ -208,20 +208,26 @@ def write_chunks(
         for i in done:
             counter.add(sizes[i])
     # one call per chunk where each chunk is a request of its own (an object store)
-    batch: Batcher[_Item] = Batcher() if writer.capabilities.batches_chunks else Batcher(max_items=1)
+    batch: Batcher[tuple[int, _Item]] = (
+        Batcher() if writer.capabilities.batches_chunks else Batcher(max_items=1)
+    )
     reuse = _Reuse(base, compared) if options.hashing or base is not None else None
     codecs = options.codecs
     # compression on the device: chunks compressed where they live, only their frames staged
     encoder = DeviceEncoder(jobs, staging_bytes) if codecs is not None and codecs.device else None
+    #: the jobs of each group submitted, in the order of the runner's results
+    submitted: list[list[int]] = []
     with Runner[list[Written]](threads, name="gpuckpt-write") as run:
         for write in first:
             run.submit(functools.partial(_no_results, write))
+            submitted.append([])
 
-        def submit(*groups: list[_Item]) -> None:
+        def submit(*groups: list[tuple[int, _Item]]) -> None:
             """One job per group, in order; what cannot be queued any more is released."""
-            for i, items in enumerate(groups):
-                if not items:
+            for i, group in enumerate(groups):
+                if not group:
                     continue
+                items = [item for _, item in group]
                 try:
                     run.submit(
                         functools.partial(_write_items, writer, items, counter, reuse),
@@ -229,8 +235,9 @@ def write_chunks(
                     )
                 except BaseException:
                     for rest in groups[i + 1 :]:
-                        _release_all(rest)
+                        _release_all([item for _, item in rest])
                     raise
+                submitted.append([k for k, _ in group])
 
         for i, (j, nbytes) in enumerate(zip(jobs, sizes, strict=True)):
             if i in done:
@@ -241,19 +248,26 @@ def write_chunks(
             staged: StagedOut = (
                 encoded if encoded is not None else j.source.stage_out(j.offsets, j.sizes, staging)
             )
-            item = (j, staged, docs.pop(j.name, None))
-            if staged.ready:
+            item = (i, (j, staged, docs.pop(j.name, None)))
+            if not staged.ready:
+                # it holds a staging buffer: queued at once, never held back in a batch
+                submit(batch.take(), [item])
+            elif nbytes >= batch.max_bytes:
+                # a large chunk is a job of its own, and the small ones before it stay in their
+                # batch: a model's small tensors (biases, norms) lie between its large ones, and
+                # a batch cut at each large one would be a native call per small tensor
+                submit([item])
+            else:
                 # small chunks go to the I/O threads in batches: one task per
                 # chunk would cost more than writing a few KiB
                 full = batch.add(item, nbytes)
                 if full:
                     submit(full)
-            else:
-                # it holds a staging buffer: queued at once, never held back in a batch
-                submit(batch.take(), [item])
         submit(batch.take())
-        written = iter([r for rs in run.results() for r in rs])
-        return [done[i] if i in done else next(written) for i in range(len(jobs))]
+        results: dict[int, Written] = dict(done)
+        for indices, written in zip(submitted, run.results(), strict=True):
+            results.update(zip(indices, written, strict=True))
+        return [results[i] for i in range(len(jobs))]
 
 
 def _reuse_unstaged(

@@ -9,6 +9,7 @@ import pytest
 
 import gpuckpt
 from gpuckpt.storage.local import batchio, fsutil
+from gpuckpt.verify import verify_checkpoint
 
 
 def _inodes_under(root: str) -> set[tuple[int, int]]:
@@ -74,3 +75,21 @@ def test_batched_small_chunks_keep_their_order_among_large_ones(tmp_path):
     back = gpuckpt.load_state_dict(tmp_path / "ck")
     for k, v in state.items():
         np.testing.assert_array_equal(back[k], v)
+
+
+@pytest.mark.parametrize("content_hash", [False, True])
+def test_large_chunks_between_small_ones_keep_their_own_results(tmp_path, content_hash):
+    # a large chunk is a job of its own while the small chunks around it share batches: every
+    # chunk must still get its own checksum (and hashes), whatever order the jobs end in
+    rng = np.random.default_rng(8)
+    state: dict[str, np.ndarray] = {}
+    for i in range(120):
+        state[f"b{i:03d}"] = rng.standard_normal(int(rng.integers(1, 3000))).astype(np.float32)
+        if i % 7 == 0:
+            state[f"w{i:03d}"] = rng.standard_normal(int(rng.integers(1 << 18, 3 << 19))).astype(np.float32)
+    path = tmp_path / "ck"
+    gpuckpt.save(state, path, chunk_bytes=4 << 20, threads=3, content_hash=content_hash)
+    back = gpuckpt.load_state_dict(path)
+    for k, v in state.items():
+        np.testing.assert_array_equal(back[k], v)
+    assert verify_checkpoint(path).ok

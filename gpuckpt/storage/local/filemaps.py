@@ -99,13 +99,20 @@ class FileMaps:
         if not self._maps:
             return
         present: set[tuple[int, int]] = set()
-        for dirpath, dirs, names in os.walk(directory):
-            if dirpath == str(directory):
-                dirs[:] = [d for d in dirs if d not in leaving]
-            for n in names:
-                with contextlib.suppress(OSError):  # (removed meanwhile)
-                    st = os.lstat(os.path.join(dirpath, n))
-                    present.add((st.st_dev, st.st_ino))
+        # (scandir: a third less time than os.walk and a lstat per file; a part has two files
+        # and a folder per tensor, and this runs at every step)
+        folders = [(os.fspath(directory), True)]
+        while folders:
+            folder, top = folders.pop()
+            with contextlib.suppress(OSError), os.scandir(folder) as entries:  # (removed meanwhile)
+                for e in entries:
+                    with contextlib.suppress(OSError):
+                        if e.is_dir(follow_symlinks=False):
+                            if not (top and e.name in leaving):
+                                folders.append((e.path, False))
+                        else:
+                            st = e.stat(follow_symlinks=False)
+                            present.add((st.st_dev, st.st_ino))
         self.forget(present)
 
     def close(self) -> None:
