@@ -39,7 +39,14 @@ from gpuckpt.storage.local.filemaps import FileMaps
 from gpuckpt.storage.stores import file_system_type, in_memory, open_root
 from gpuckpt.tiers.exchange import PartExchange
 from gpuckpt.tiers.files import ReceiveBuffer, Received, raise_open_files_limit, tree_bytes
-from gpuckpt.tiers.parts import Boxes, copy_values_back, layout_of, part_bytes, part_view, sharded_from_part
+from gpuckpt.tiers.parts import (
+    Boxes,
+    copy_values_back,
+    layout_and_bytes,
+    layout_of,
+    part_view,
+    sharded_from_part,
+)
 from gpuckpt.tiers.report import PartSource, RestoreReport
 
 __all__ = ["LocalTier"]
@@ -306,8 +313,7 @@ class LocalTier(PartExchange):
         layout, nbytes = "", 0
         try:
             view, boxes = part_view(state)
-            nbytes = part_bytes(view)
-            layout = layout_of(view, boxes)
+            layout, nbytes = layout_and_bytes(view, boxes)
             if self._described is None or self._described[0] != layout:
                 self._described = (layout, describe_state(state, allow_pickle=True)[0].tensors)
         except Exception as exc:  # the others learn of it in the step's first collective

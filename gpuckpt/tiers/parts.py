@@ -13,7 +13,15 @@ from gpuckpt.device.arrays import adapt, is_array
 from gpuckpt.device.sharded import ShardedArray, is_dtensor, is_sharded_leaf, sharded_boxes
 from gpuckpt.state import flatten_state_dict
 
-__all__ = ["Boxes", "copy_values_back", "layout_of", "part_bytes", "part_view", "sharded_from_part"]
+__all__ = [
+    "Boxes",
+    "copy_values_back",
+    "layout_and_bytes",
+    "layout_of",
+    "part_bytes",
+    "part_view",
+    "sharded_from_part",
+]
 
 Boxes = dict[str, tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]]
 
@@ -88,24 +96,27 @@ def _holds_containers(value: list[Any] | tuple[Any, ...]) -> bool:
     return any(isinstance(v, dict | list | tuple) or is_array(v) or is_sharded_leaf(v) for v in value)
 
 
-def layout_of(view: dict[str, Any], boxes: Boxes) -> str:
-    """A digest of a part's layout: every array's FQN, shape and dtype, every box."""
+def layout_and_bytes(view: dict[str, Any], boxes: Boxes) -> tuple[str, int]:
+    """:func:`layout_of` and :func:`part_bytes` in one pass over the part's arrays (what a
+    save asks for both, on the caller's thread)."""
     leaves, _ = flatten_state_dict(view, is_array)
     arrays = []
+    total = 0
     for fqn, leaf in sorted(leaves.items()):
         if is_array(leaf.value):
             a = adapt(leaf.value)
-            arrays.append([fqn, list(a.shape), str(a.dtype)])
+            shape = list(a.shape)
+            arrays.append([fqn, shape, str(a.dtype)])
+            total += a.dtype.itemsize * math.prod(shape)
     text = json.dumps([arrays, sorted((k, [list(map(list, b)) for b in v]) for k, v in boxes.items())])
-    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest(), total
+
+
+def layout_of(view: dict[str, Any], boxes: Boxes) -> str:
+    """A digest of a part's layout: every array's FQN, shape and dtype, every box."""
+    return layout_and_bytes(view, boxes)[0]
 
 
 def part_bytes(view: dict[str, Any]) -> int:
     """The bytes of a part's arrays (what a part costs its tier, plain values aside)."""
-    leaves, _ = flatten_state_dict(view, is_array)
-    total = 0
-    for leaf in leaves.values():
-        if is_array(leaf.value):
-            a = adapt(leaf.value)
-            total += a.dtype.itemsize * math.prod(a.shape)
-    return total
+    return layout_and_bytes(view, {})[1]

@@ -16,6 +16,7 @@ from gpuckpt.format.parts import PART_KEY, PartRecord, parse_part_name, part_nam
 from gpuckpt.options import SaveOptions
 from gpuckpt.planning.tiers import CopySeen, choose, nodes_of, replica_holders, tier_retention
 from gpuckpt.tiers import copy_values_back, layout_of, part_view, sharded_from_part
+from gpuckpt.tiers.parts import layout_and_bytes, part_bytes
 
 node_layouts = st.lists(st.integers(1, 4), min_size=2, max_size=5)  # ranks per node
 
@@ -171,6 +172,9 @@ def test_a_part_view_shares_arrays_and_round_trips() -> None:
     assert again["m"]["w"].offsets == (3, 0) and isinstance(again["m"]["u"], list)
     assert layout_of(view, boxes) == layout_of(*part_view(state))
     assert layout_of(view, boxes) != layout_of(*part_view({**state, "x": np.zeros(1)}))
+    # one pass for both, as a save asks: the bytes of every array of the part (w, w[:1], ones(2))
+    assert layout_and_bytes(view, boxes) == (layout_of(view, boxes), w.nbytes + w[:1].nbytes + 16)
+    assert part_bytes(view) == w.nbytes + w[:1].nbytes + 16
     loaded = {
         "m": {"w": w, "u": [w[:1]]},
         "opt": [state["opt"][0], {"lr": 0.5}],
