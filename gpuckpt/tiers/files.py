@@ -351,5 +351,18 @@ def _remove(path: str) -> None:
 
 
 def tree_bytes(path: Path) -> int:
-    """The bytes of the files below ``path`` (a part, a tier)."""
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    """The bytes of the regular files below ``path`` (a part, a tier), links not followed.
+
+    With ``scandir`` (a restore reports its part's bytes: 580 files for 289 tensors took a
+    sixth of a single process's restore through ``Path.rglob`` and a ``stat`` each)."""
+    total = 0
+    folders = [os.fspath(path)]
+    while folders:
+        with contextlib.suppress(OSError), os.scandir(folders.pop()) as entries:  # (removed meanwhile)
+            for e in entries:
+                with contextlib.suppress(OSError):
+                    if e.is_dir(follow_symlinks=False):
+                        folders.append(e.path)
+                    elif e.is_file(follow_symlinks=False):
+                        total += e.stat(follow_symlinks=False).st_size
+    return total
