@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from gpuckpt.errors import CheckpointCorruptedError
-from gpuckpt.tiers.files import FileMaps, mapped, receiving_files, write_received
+from gpuckpt.tiers.files import FileMaps, mapped, receiving_files, tree_bytes, write_received
 from gpuckpt.tiers.placement import message_sizes
 
 # a part's files: a chunk file travels as its bytes and its 4-byte checksum trailer
@@ -255,3 +255,18 @@ def test_a_document_is_sent_from_a_copy_and_one_shorter_than_listed_is_refused(t
     assert maps == [] and [bytes(v) for v in views] == [b'{"a": 1}']
     with pytest.raises(OSError, match="8 bytes where the part's listing says 9"):
         mapped(part, [("zarr.json", 9)], maps)
+
+
+def test_tree_bytes_counts_the_regular_files_below_and_follows_no_link(tmp_path: Path) -> None:
+    part = tmp_path / "part"
+    (part / "w" / "c").mkdir(parents=True)
+    (part / "zarr.json").write_bytes(b"x" * 10)
+    (part / "w" / "zarr.json").write_bytes(b"y" * 20)
+    (part / "w" / "c" / "0").write_bytes(b"z" * 300)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "big").write_bytes(bytes(5000))
+    (part / "link").symlink_to(outside / "big")
+    (part / "dirlink").symlink_to(outside, target_is_directory=True)
+    assert tree_bytes(part) == 330
+    assert tree_bytes(tmp_path / "gone") == 0
