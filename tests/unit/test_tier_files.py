@@ -234,6 +234,21 @@ def test_maps_of_deleted_or_leaving_files_are_dropped_and_their_memory_with_them
     assert _mapped_here(tier) == []
 
 
+def test_only_the_folders_asked_for_are_looked_in_and_maps_elsewhere_are_dropped(tmp_path: Path) -> None:
+    """A rank looks in its own parts only (``within``): a map of a file in another folder goes
+    (dropping a map is always safe: it costs the next use a new one), those in its own stay."""
+    kept = FileMaps()
+    tier = tmp_path / "tier"
+    tier.mkdir()
+    for name, seed in (("mine", 1), ("theirs", 2)):
+        _receive(tier / name, _big_part(seed), kept)
+    assert len(kept) == 2
+    kept.forget_all_but(tier, within=lambda name: name == "mine")
+    left = _mapped_here(tier)
+    assert len(kept) == 1 and left and all("/mine/" in line for line in left), left
+    kept.close()
+
+
 def test_no_more_maps_than_the_limit_are_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(FileMaps, "MAX_MAPS", 2)
     kept = FileMaps()

@@ -10,6 +10,7 @@ import mmap
 import os
 import resource
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 __all__ = ["FileMaps", "open_files_limit"]
@@ -93,9 +94,17 @@ class FileMaps:
         for m in dropped:
             _close(m)
 
-    def forget_all_but(self, directory: Path, leaving: set[str] | frozenset[str] = frozenset()) -> None:
+    def forget_all_but(
+        self,
+        directory: Path,
+        leaving: set[str] | frozenset[str] = frozenset(),
+        within: Callable[[str], bool] | None = None,
+    ) -> None:
         """Drop the kept maps of files not found below ``directory`` now, or found only in its
-        entries named in ``leaving`` (parts about to be deleted)."""
+        entries named in ``leaving`` (parts about to be deleted). ``within``: which of its
+        folders to look in, by name (default all); the maps of files in the others are dropped
+        too, so a caller passes the folders whose files it maps (a rank's own parts and the
+        replicas it holds, not the other ranks' parts of its node)."""
         if not self._maps:
             return
         present: set[tuple[int, int]] = set()
@@ -108,7 +117,7 @@ class FileMaps:
                 for e in entries:
                     with contextlib.suppress(OSError):
                         if e.is_dir(follow_symlinks=False):
-                            if not (top and e.name in leaving):
+                            if not top or (e.name not in leaving and (within is None or within(e.name))):
                                 folders.append((e.path, False))
                         else:
                             st = e.stat(follow_symlinks=False)
