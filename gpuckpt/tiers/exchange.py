@@ -32,6 +32,7 @@ from gpuckpt.tiers.files import (
     ReceiveBuffer,
     Received,
     mapped,
+    part_files,
     receiving_files,
     with_open_files_hint,
     write_received,
@@ -292,12 +293,7 @@ class PartExchange:
         root = self.dir / part_name(step, whose)
         if not self._store.is_committed(part_name(step, whose)):
             raise FileNotFoundError(f"no committed part of rank {whose} at step {step} in {self.dir}")
-        files = []
-        for dirpath, _dirs, names in os.walk(root):
-            for n in sorted(names):
-                p = Path(dirpath) / n
-                files.append((str(p.relative_to(root)), p.stat().st_size))
-        return sorted(files)
+        return part_files(root)
 
     def _recycled(self, step: int, whose: int, tmp: Path) -> bool:
         """Move to ``tmp`` this node's copy of ``whose``'s part of the oldest step that the

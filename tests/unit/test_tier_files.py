@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from gpuckpt.errors import CheckpointCorruptedError
-from gpuckpt.tiers.files import FileMaps, mapped, receiving_files, tree_bytes, write_received
+from gpuckpt.tiers.files import FileMaps, mapped, part_files, receiving_files, tree_bytes, write_received
 from gpuckpt.tiers.placement import message_sizes
 
 # a part's files: a chunk file travels as its bytes and its 4-byte checksum trailer
@@ -285,3 +285,16 @@ def test_tree_bytes_counts_the_regular_files_below_and_follows_no_link(tmp_path:
     (part / "dirlink").symlink_to(outside, target_is_directory=True)
     assert tree_bytes(part) == 330
     assert tree_bytes(tmp_path / "gone") == 0
+
+
+def test_part_files_lists_the_regular_files_sorted_and_follows_no_link(tmp_path: Path) -> None:
+    part = tmp_path / "part"
+    (part / "b" / "c").mkdir(parents=True)
+    (part / "a").mkdir()
+    for rel, n in (("zarr.json", 3), ("b/zarr.json", 5), ("b/c/0", 7), ("a/c.0", 11)):
+        (part / rel).write_bytes(bytes(n))
+    (tmp_path / "secret").write_bytes(b"s" * 99)
+    (part / "link").symlink_to(tmp_path / "secret")
+    (part / "dirlink").symlink_to(tmp_path, target_is_directory=True)
+    os.mkfifo(part / "fifo")
+    assert part_files(part) == [("a/c.0", 11), ("b/c/0", 7), ("b/zarr.json", 5), ("zarr.json", 3)]
