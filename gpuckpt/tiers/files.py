@@ -14,7 +14,7 @@ import posixpath
 import resource
 import shutil
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -351,39 +351,35 @@ def _remove(path: str) -> None:
         os.unlink(path)
 
 
-def part_files(root: Path) -> list[tuple[str, int]]:
-    """The regular files below ``root`` (a part), as ``(name relative to root, size)`` sorted by
-    name; links are not followed (a link's target is not the part's), other entries skipped.
+def _regular_files(root: Path, *, quiet: bool) -> Iterator[tuple[str, int]]:
+    """``(name relative to root, size)`` of each regular file below ``root``, links not followed
+    (a link's target is not the part's), other entries skipped; with ``quiet``, what is removed
+    meanwhile (or cannot be read) is passed over, else its error raised.
 
     With ``scandir``: a part has two files and a folder per tensor, and a replication round
     lists the part it sends (3.5 ms for 289 tensors, against 27 ms through ``os.walk`` and a
     ``Path`` and a ``stat`` per file)."""
-    files: list[tuple[str, int]] = []
+    errors = contextlib.suppress(OSError) if quiet else contextlib.nullcontext()
     folders = [("", os.fspath(root))]
     while folders:
         rel, folder = folders.pop()
-        with os.scandir(folder) as entries:
+        with errors, os.scandir(folder) as entries:
             for e in entries:
-                if e.is_dir(follow_symlinks=False):
-                    folders.append((f"{rel}{e.name}/", e.path))
-                elif e.is_file(follow_symlinks=False):
-                    files.append((f"{rel}{e.name}", e.stat(follow_symlinks=False).st_size))
-    return sorted(files)
+                with errors:
+                    if e.is_dir(follow_symlinks=False):
+                        folders.append((f"{rel}{e.name}/", e.path))
+                    elif e.is_file(follow_symlinks=False):
+                        yield f"{rel}{e.name}", e.stat(follow_symlinks=False).st_size
+
+
+def part_files(root: Path) -> list[tuple[str, int]]:
+    """The regular files below ``root`` (a part), as ``(name relative to root, size)`` sorted by
+    name (see :func:`_regular_files`); an entry removed meanwhile is an error."""
+    return sorted(_regular_files(root, quiet=False))
 
 
 def tree_bytes(path: Path) -> int:
-    """The bytes of the regular files below ``path`` (a part, a tier), links not followed.
-
-    With ``scandir`` (a restore reports its part's bytes: 580 files for 289 tensors took a
-    sixth of a single process's restore through ``Path.rglob`` and a ``stat`` each)."""
-    total = 0
-    folders = [os.fspath(path)]
-    while folders:
-        with contextlib.suppress(OSError), os.scandir(folders.pop()) as entries:  # (removed meanwhile)
-            for e in entries:
-                with contextlib.suppress(OSError):
-                    if e.is_dir(follow_symlinks=False):
-                        folders.append(e.path)
-                    elif e.is_file(follow_symlinks=False):
-                        total += e.stat(follow_symlinks=False).st_size
-    return total
+    """The bytes of the regular files below ``path`` (a part, a tier), links not followed (a
+    restore reports its part's bytes: 580 files for 289 tensors took a sixth of a single
+    process's restore through ``Path.rglob`` and a ``stat`` each)."""
+    return sum(size for _, size in _regular_files(path, quiet=True))
