@@ -7,6 +7,7 @@ its map during the copy (a real SIGBUS, caught) are written with ``write()`` ins
 from __future__ import annotations
 
 import dataclasses
+import mmap
 import os
 import tempfile
 from pathlib import Path
@@ -221,3 +222,23 @@ def test_a_tier_on_tmpfs_writes_its_parts_through_kept_maps(tmp_path: Path) -> N
 def test_a_tier_elsewhere_writes_with_write(tmp_path: Path) -> None:
     kept = _tier_run(tmp_path / "tier", tmp_path / "root")
     assert kept == (4 if file_system_type(tmp_path) == "tmpfs" else 0)
+
+
+def test_a_map_refused_by_the_system_leaves_the_file_to_write(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the system refuses the map (a limit on maps, a file system without them), the chunk
+    is written with ``write()``, whole and checksummed."""
+
+    def refuse(*_a: Any, **_k: Any) -> Any:
+        raise OSError(12, "Cannot allocate memory")
+
+    data = np.random.default_rng(7).integers(0, 256, 3 << 20, dtype=np.uint8)
+    reuse = _reused_file(tmp_path, data.nbytes + 4)
+    monkeypatch.setattr(mmap, "mmap", refuse)
+    maps = FileMaps()
+    got = _write_one(tmp_path, reuse, maps, data, 0)
+    monkeypatch.undo()
+    assert got.mapped == 0 and len(maps) == 0 and got.stored[:-4] == data.tobytes()
+    (tmp_path / "plain").mkdir()
+    assert got.crc == _write_one(tmp_path / "plain", None, None, data, 0).crc

@@ -447,7 +447,10 @@ class LocalWriter(CheckpointWriter):
         m = maps.get(st, size, writable=True)
         if m is None:
             flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-            m = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            try:
+                m = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            except OSError:  # a file system or a limit that refuses the map: write() goes on
+                return False
             if not maps.keep(st, size, m, writable=True):
                 m.close()  # (as many kept as allowed: written with write())
                 return False
