@@ -21,7 +21,7 @@ from typing import Any
 from gpuckpt.device.staging import populated
 from gpuckpt.errors import CheckpointCorruptedError
 from gpuckpt.storage.local.fileio import write_all
-from gpuckpt.storage.local.filemaps import FileMaps, open_files_limit
+from gpuckpt.storage.local.filemaps import FileMaps, new_map, open_files_limit
 from gpuckpt.storage.local.fsutil import overwritable
 from gpuckpt.tiers.placement import message_sizes
 
@@ -80,15 +80,12 @@ def _map_of(
     """A shared map of the open file ``fd`` (``st``, ``size`` bytes): the one ``kept`` holds from
     an earlier round, else a new one (populated where ``writable``), kept there where it takes
     it, else appended to ``maps`` (closed after the round)."""
-    m = kept.get(st, size, writable=writable) if kept is not None else None
-    if m is None:
-        if writable:
-            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-            m = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        else:
-            m = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-        if kept is None or not kept.keep(st, size, m, writable=writable):
-            maps.append(m)
+    if kept is None:
+        m, held = new_map(fd, size, writable=writable), False
+    else:
+        m, held = kept.map(fd, st, size, writable=writable)
+    if not held:
+        maps.append(m)
     return m
 
 

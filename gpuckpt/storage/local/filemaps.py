@@ -13,7 +13,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["FileMaps", "open_files_limit"]
+__all__ = ["FileMaps", "new_map", "open_files_limit"]
 
 
 def open_files_limit() -> int:
@@ -86,6 +86,16 @@ class FileMaps:
             self._maps[key] = (size, writable, m)
         return True
 
+    def map(self, fd: int, st: os.stat_result, size: int, *, writable: bool) -> tuple[mmap.mmap, bool]:
+        """A shared map of the open file ``fd`` (``st``, ``size`` bytes): the one kept from an
+        earlier use, else a new one (:func:`new_map`), kept here where it is taken; and whether
+        it is kept (if not, the caller closes it once done)."""
+        m = self.get(st, size, writable=writable)
+        if m is not None:
+            return m, True
+        m = new_map(fd, size, writable=writable)
+        return m, self.keep(st, size, m, writable=writable)
+
     def forget(self, present: set[tuple[int, int]] | None = None) -> None:
         """Drop the kept maps of files not in ``present`` (device, inode), all if None."""
         with self._lock:
@@ -126,6 +136,15 @@ class FileMaps:
 
     def close(self) -> None:
         self.forget(None)
+
+
+def new_map(fd: int, size: int, *, writable: bool) -> mmap.mmap:
+    """A shared map of ``size`` bytes of the open file ``fd``: read-only, or writable and
+    populated (its pages faulted in by one system call, not by the copy that writes them)."""
+    if writable:
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        return mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    return mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
 
 
 def _close(m: mmap.mmap) -> None:

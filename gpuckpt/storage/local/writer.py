@@ -24,7 +24,6 @@ soon after is served from memory. Reading is :mod:`gpuckpt.storage.local.reader`
 from __future__ import annotations
 
 import errno
-import mmap
 import os
 import stat
 from collections.abc import Sequence
@@ -444,16 +443,13 @@ class LocalWriter(CheckpointWriter):
         st = os.fstat(fd)
         if size < maps.MIN_BYTES or st.st_size != size or st.st_blocks * 512 < size:
             return False
-        m = maps.get(st, size, writable=True)
-        if m is None:
-            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-            try:
-                m = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-            except OSError:  # a file system or a limit that refuses the map: write() goes on
-                return False
-            if not maps.keep(st, size, m, writable=True):
-                m.close()  # (as many kept as allowed: written with write())
-                return False
+        try:
+            m, held = maps.map(fd, st, size, writable=True)
+        except OSError:  # a file system or a limit that refuses the map: write() goes on
+            return False
+        if not held:
+            m.close()  # (as many kept as allowed: written with write())
+            return False
         try:
             whole = memoryview(m)
         except ValueError:  # closed by the tier's retention meanwhile
