@@ -409,7 +409,7 @@ class LocalTier(PartExchange):
             self._replicate(step)
         except BaseException:
             self._delete_step(step, [self.rank, *self.held])
-            self._file_maps.forget_all_but(self.dir, within=self._maps_within)
+            self._file_maps.forget_deleted()
             raise
         try:  # after the collectives: a failure here is this node's, warned about
             parts = self._parts()
@@ -419,18 +419,21 @@ class LocalTier(PartExchange):
             # a kept map holds its file's memory: the maps of the retired parts' files go now, on
             # every rank of the node, whether or not its lowest rank has deleted them yet
             doomed = set(retired)
-            self._file_maps.forget_all_but(
-                self.dir, {part_name(s, r) for s, r in parts if s in doomed}, self._maps_within
+            self._file_maps.forget_deleted(
+                self.dir / name
+                for name in (part_name(s, r) for s, r in parts if s in doomed)
+                if self._maps_within(name)
             )
         except OSError as exc:
             warnings.warn(f"the local tier {self.dir} could not retire old steps: {exc}", stacklevel=1)
 
     def _maps_within(self, name: str) -> bool:
         """Whether the tier's folder ``name`` may hold files whose maps this rank keeps: its own
-        parts, the replicas it holds, anything not a part (temporaries). The other ranks of the
-        node have parts there too, and walking them at every step would cost each rank the
-        whole node's files; a map of one of their files (a part sent by this rank in a restore)
-        is dropped."""
+        parts, the replicas it holds, anything not a part (temporaries); the doomed parts among
+        them are walked before their deletion (:meth:`FileMaps.forget_deleted`). The other ranks
+        of the node have parts there too, and walking them would cost each rank the whole
+        node's files; a map of one of their files (a part sent by this rank in a restore) is
+        dropped at the first round after its file is deleted."""
         parsed = parse_part_name(name)
         return parsed is None or parsed[1] == self.rank or parsed[1] in self.held
 

@@ -75,9 +75,9 @@ def test_a_reused_file_of_the_same_size_is_written_through_its_kept_map(tmp_path
     assert {rel: st.st_ino for rel, st in _chunk_files(b).items()} == inodes
     assert len(maps) == 4
     _check(b, _state(2))
-    kept = {key: m for key, (_size, _w, m) in maps._maps.items()}
+    kept = {key: k.map for key, k in maps._maps.items()}
     _save(_state(3), c, b, maps)  # the next save uses the same maps again
-    assert {key: m for key, (_size, _w, m) in maps._maps.items()} == kept
+    assert {key: k.map for key, k in maps._maps.items()} == kept
     _check(c, _state(3))
     maps.close()
 

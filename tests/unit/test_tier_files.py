@@ -226,7 +226,7 @@ def test_maps_of_deleted_or_leaving_files_are_dropped_and_their_memory_with_them
     assert len(kept) == 3
     shutil.rmtree(tier / "a")  # deleted: its pages stay while a map holds them
     assert any("(deleted)" in line for line in _mapped_here(tier))
-    kept.forget_all_but(tier, {"b"})  # "b" is about to be deleted: its map goes too
+    kept.forget_deleted([tier / "b"])  # "b" is about to be deleted: its map goes too
     assert len(kept) == 1
     left = _mapped_here(tier)
     assert left and all(line.endswith(str(tier / "c" / "t" / "c" / "0")) for line in left), left
@@ -234,19 +234,25 @@ def test_maps_of_deleted_or_leaving_files_are_dropped_and_their_memory_with_them
     assert _mapped_here(tier) == []
 
 
-def test_only_the_folders_asked_for_are_looked_in_and_maps_elsewhere_are_dropped(tmp_path: Path) -> None:
-    """A rank looks in its own parts only (``within``): a map of a file in another folder goes
-    (dropping a map is always safe: it costs the next use a new one), those in its own stay."""
+def test_a_kept_map_follows_its_file_wherever_it_is_moved_and_goes_once_it_is_deleted(tmp_path: Path) -> None:
+    """A kept map is dropped for its file's deletion, not for its place: a file moved into
+    another folder (a part's file reused by the next step's part) keeps its map, and no walk
+    of the tier's own files is needed to tell; a folder named ``leaving`` that is not there
+    is no error."""
     kept = FileMaps()
     tier = tmp_path / "tier"
     tier.mkdir()
-    for name, seed in (("mine", 1), ("theirs", 2)):
-        _receive(tier / name, _big_part(seed), kept)
-    assert len(kept) == 2
-    kept.forget_all_but(tier, within=lambda name: name == "mine")
-    left = _mapped_here(tier)
-    assert len(kept) == 1 and left and all("/mine/" in line for line in left), left
-    kept.close()
+    _receive(tier / "old", _big_part(1), kept)
+    (tier / "new" / "t" / "c").mkdir(parents=True)
+    os.rename(tier / "old" / "t" / "c" / "0", tier / "new" / "t" / "c" / "0")
+    kept.forget_deleted([tier / "old", tmp_path / "never"])  # (the moved file is no longer there)
+    assert len(kept) == 1
+    shutil.rmtree(tier / "old")
+    kept.forget_deleted()
+    assert len(kept) == 1 and not any("(deleted)" in line for line in _mapped_here(tier))
+    (tier / "new" / "t" / "c" / "0").unlink()
+    kept.forget_deleted()
+    assert len(kept) == 0 and _mapped_here(tier) == []
 
 
 def test_no_more_maps_than_the_limit_are_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

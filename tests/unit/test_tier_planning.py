@@ -184,3 +184,26 @@ def test_a_part_view_shares_arrays_and_round_trips() -> None:
     copy_values_back(state, loaded)
     assert state["step"] == 9 and state["opt"][1] == {"lr": 0.5} and state["betas"] == (0.8, 0.9)
     assert isinstance(state["m"]["w"], gpuckpt.ShardedArray)
+
+
+def test_the_layout_digest_is_its_documented_text_for_every_dtype() -> None:
+    """A part's layout digest is stored in its record and compared by later processes (the
+    restore after an upgrade): it stays the BLAKE2b of the JSON of every array's FQN, shape
+    and ``str(dtype)`` and of the boxes, whatever remembers dtype texts on the way. Two dtypes
+    that compare unequal only by byte order print apart, and digest apart."""
+    import hashlib
+    import json
+
+    import ml_dtypes
+
+    dtypes = [np.float32, np.dtype(">f4"), np.dtype("<f4"), np.int8, np.uint64, np.bool_, ml_dtypes.bfloat16]
+    for _ in range(2):  # (the second pass through the remembered texts)
+        state = {f"t{i}": np.zeros((2, 3), dtype=dt) for i, dt in enumerate(dtypes)}
+        state["s"] = gpuckpt.ShardedArray(np.zeros((1, 4), np.float16), (1, 0), (2, 4))
+        view, boxes = part_view(state)
+        arrays = sorted([k, list(v.shape), str(v.dtype)] for k, v in view.items())
+        text = json.dumps([arrays, [["s", [[[1, 0], [2, 4]]]]]])
+        assert layout_of(view, boxes) == hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+    big = part_view({"a": np.zeros(2, np.dtype(">f4"))})
+    little = part_view({"a": np.zeros(2, np.dtype("<f4"))})
+    assert layout_of(*big) != layout_of(*little)
