@@ -47,9 +47,16 @@ class BufferRound:
     sends: list[tuple[int, memoryview]] = field(default_factory=list)
     recvs: list[tuple[int, memoryview]] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
+    #: ``(received, target)``: small buffers that arrived packed in one message, each copied
+    #: out into its receive buffer by :meth:`finish`
+    unpack: list[tuple[memoryview, memoryview]] = field(default_factory=list)
 
     def finish(self) -> None:
-        """Raise :class:`CoordinatorError` if a buffer did not match (call once every message arrived)."""
+        """Copy the buffers that arrived packed into their receive buffers, then raise
+        :class:`CoordinatorError` if a buffer did not match (call once every message arrived)."""
+        for got, target in self.unpack:
+            target[:] = got
+        self.unpack.clear()
         raise_problems("exchange_buffers", self.problems)
 
 
