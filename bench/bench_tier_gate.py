@@ -53,7 +53,12 @@ def main(argv: list[str] | None = None) -> int:
     shm = Path(tempfile.mkdtemp(prefix="gpuckpt-gate-", dir=tiers)) if world.Get_rank() == 0 else None
     work, shm = world.bcast((work, shm))
     ns = argparse.Namespace(
-        op_settle=args.op_settle, transport="mpi", local=str(shm), root=str(work / "root"), mib=args.mib
+        op_settle=args.op_settle,
+        transport="mpi",
+        local=str(shm),
+        root=str(work / "root"),
+        mib=args.mib,
+        layout="mixed",
     )
     ns.warmup, ns.rounds = args.warmup, args.pairs
     k = Rank(ns)

@@ -78,7 +78,11 @@ node crosses a network, not memory); MPICH's own waits spin (the product's colle
 the transport ceiling alike), which costs CPU time here that idle cores would absorb on a real
 node. Absolute numbers mean little; ratios to the ceilings do.
 
-Usage: ``python bench/bench_tiers.py [--mib 256] [--rounds 5] [--warmup 3] [--op-settle 3]
+``--layout gpt``: the same figures on a GPT-like state of 289 tensors per rank (an embedding, 24
+layers of 4 matrices of 1-4 MiB and 8 biases and norms of one or two 4 KiB rows each, scaled to
+``--mib``), where each tensor's own costs (its files, documents, messages) weigh beside its bytes.
+
+Usage: ``python bench/bench_tiers.py [--mib 256] [--layout mixed|gpt] [--rounds 5] [--warmup 3] [--op-settle 3]
 [--every 10] [--persist-every 5] [--step-s 0.1] [--local DIR] [--dir DIR] [--json OUT] [--quick]`` (``--quick``: 4
 MiB per rank, 1 round after 1 warm-up step, no settling, the root evicted per file and never
 machine-wide: a smoke test, which runs beside other tests).
@@ -113,7 +117,7 @@ if str(REPO) not in sys.path:
 import gpuckpt  # noqa: E402
 from bench.compare.common import OP_SETTLE_S, find_mpiexec  # noqa: E402
 from bench.compare.common import machine_info as common_machine_info  # noqa: E402
-from bench.tiers_ranks import RANKS, TierProbe, plain_state  # noqa: E402
+from bench.tiers_ranks import LAYOUTS, RANKS, TierProbe, plain_state, tensor_rows  # noqa: E402
 from gpuckpt.format.parts import part_name  # noqa: E402
 from gpuckpt.storage.stores import file_system_type  # noqa: E402
 
@@ -164,7 +168,18 @@ def run_ranks(
     mpiexec: str, out: Path, local: Path, root: Path, args: argparse.Namespace
 ) -> list[dict[str, Any]]:
     cmd = [mpiexec, "-n", str(RANKS), sys.executable, str(RANK_SCRIPT), "--out", str(out)]
-    cmd += ["--local", str(local), "--root", str(root), "--mib", str(args.mib), "--rounds", str(args.rounds)]
+    cmd += [
+        "--local",
+        str(local),
+        "--root",
+        str(root),
+        "--mib",
+        str(args.mib),
+        "--rounds",
+        str(args.rounds),
+        "--layout",
+        args.layout,
+    ]
     cmd += ["--op-settle", str(args.op_settle), "--warmup", str(args.warmup)]
     cmd += ["--smoke"] if args.quick else []
     env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -203,7 +218,18 @@ def run_gloo_ranks(out: Path, local: Path, root: Path, args: argparse.Namespace)
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, str(RANK_SCRIPT), "--out", str(out), "--transport", "gloo"]
-    cmd += ["--local", str(local), "--root", str(root), "--mib", str(args.mib), "--rounds", str(args.rounds)]
+    cmd += [
+        "--local",
+        str(local),
+        "--root",
+        str(root),
+        "--mib",
+        str(args.mib),
+        "--rounds",
+        str(args.rounds),
+        "--layout",
+        args.layout,
+    ]
     cmd += ["--op-settle", str(args.op_settle), "--warmup", str(args.warmup)]
     cmd += ["--smoke"] if args.quick else []
     logs = [out / f"rank{r}.log" for r in range(RANKS)]
@@ -454,7 +480,7 @@ def loop_bench(work: Path, local: Path, args: argparse.Namespace) -> dict[str, A
     t = time.perf_counter()
     compute(50)
     matmuls = max(1, round(args.step_s / ((time.perf_counter() - t) / 50)))
-    state = plain_state(args.mib)
+    state = plain_state(args.mib, args.layout)
     k = args.every
     block = args.persist_every * k
     probe = TierProbe()  # when each part's snapshot returned: what of a save call was the snapshot
@@ -614,7 +640,8 @@ def print_table(res: dict[str, Any]) -> None:
         f"\n{res['date']}  {m.get('cpu_model', '?')}, {m['cpus']} CPUs, {m.get('memory_gib', '?')} GiB, kernel {m['kernel']}"
     )
     print(
-        f"state {res['state_mib_per_rank']:g} MiB per rank x {RANKS} ranks (2 simulated nodes); local tiers: "
+        f"state {res['state_mib_per_rank']:g} MiB in {res.get('tensors_per_rank', 18)} tensors per rank "
+        f"({res.get('layout', 'mixed')}) x {RANKS} ranks (2 simulated nodes); local tiers: "
         f"{res['local_dir_kind']}; root: {res['root_fs']}; {res['rounds']} rounds after {res['warmup']} warm-up "
         f"steps (restores: 1 warm-up round); {res['op_settle_s']:g} s settle before each timed operation"
     )
@@ -677,6 +704,12 @@ def print_table(res: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--mib", type=float, default=256, help="MiB of state per rank")
+    ap.add_argument(
+        "--layout",
+        choices=sorted(LAYOUTS),
+        default="mixed",
+        help="the tensors' sizes: 18 of 2-48 MiB (mixed), or 289 of a GPT-like model (gpt)",
+    )
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument(
         "--warmup",
@@ -732,6 +765,8 @@ def main(argv: list[str] | None = None) -> int:
         "warmup": args.warmup,
         "op_settle_s": args.op_settle,
         "state_mib_per_rank": args.mib,
+        "layout": args.layout,
+        "tensors_per_rank": len(tensor_rows(args.mib, args.layout)),
         "local_dir": str(local),
         "local_dir_kind": f"tmpfs ({local_parent})"
         if kind == "tmpfs"

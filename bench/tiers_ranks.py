@@ -47,6 +47,12 @@ from gpuckpt.runtime.runner import default_threads  # noqa: E402
 RANKS = 4
 #: MiB of each tensor of a rank's 256 MiB (scaled by --mib): a few MiB to tens of MiB
 TENSOR_MIB = (48, 32, 32, 24, 24, 16, 16, 16, 8, 8, 8, 4, 4, 4, 4, 4, 2, 2)
+#: ``--layout gpt``: a GPT-like state of 289 tensors, before scaling by --mib: an embedding of 16
+#: MiB and 24 layers of 4 matrices (3, 1, 4 and 4 MiB) and 8 biases and norms (2-8 KiB each); a
+#: rank's box of a bias is a row of :data:`COLS` floats or two (4-8 KiB)
+GPT_LAYER_MIB = (3, 6 / 1024, 1, 2 / 1024, 2 / 1024, 2 / 1024, 2 / 1024, 2 / 1024, 4, 8 / 1024, 4, 2 / 1024)
+GPT_MIB = (16, *(GPT_LAYER_MIB * 24))
+LAYOUTS = {"mixed": TENSOR_MIB, "gpt": GPT_MIB}
 COLS = 1024  # float32 columns: a row is 4 KiB
 
 
@@ -54,23 +60,25 @@ def node_of(rank: int) -> str:
     return f"n{rank // 2}"
 
 
-def tensor_rows(mib: float) -> list[int]:
-    """Rows (of :data:`COLS` float32) of each tensor of a state of about ``mib`` MiB."""
-    scale = mib / sum(TENSOR_MIB)
-    return [max(1, round(m * scale * (1 << 20) / (4 * COLS))) for m in TENSOR_MIB]
+def tensor_rows(mib: float, layout: str = "mixed") -> list[int]:
+    """Rows (of :data:`COLS` float32) of each tensor of a state of about ``mib`` MiB, the
+    tensors' sizes in the proportions of ``layout`` (:data:`LAYOUTS`)."""
+    sizes = LAYOUTS[layout]
+    scale = mib / sum(sizes)
+    return [max(1, round(m * scale * (1 << 20) / (4 * COLS))) for m in sizes]
 
 
 def _block(seed: int) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal(1 << 22, dtype=np.float32)
 
 
-def rank_state(rank: int, mib: float, step: int = 0) -> dict[str, Any]:
+def rank_state(rank: int, mib: float, step: int = 0, layout: str = "mixed") -> dict[str, Any]:
     """What ``rank`` holds: a row box of each global tensor (the FSDP layout), and the step."""
     block = _block(rank)
     model = {}
-    for i, rows in enumerate(tensor_rows(mib)):
+    for i, rows in enumerate(tensor_rows(mib, layout)):
         local = cut_from(block, (rows, COLS), 7919 * i)
-        model[f"t{i:02d}"] = gpuckpt.ShardedArray(local, (rank * rows, 0), (RANKS * rows, COLS))
+        model[f"t{i:03d}"] = gpuckpt.ShardedArray(local, (rank * rows, 0), (RANKS * rows, COLS))
     return {"model": model, "step": step}
 
 
@@ -82,10 +90,11 @@ def empty_like(state: dict[str, Any]) -> dict[str, Any]:
     return {"model": model, "step": -1}
 
 
-def plain_state(mib: float) -> dict[str, Any]:
+def plain_state(mib: float, layout: str = "mixed") -> dict[str, Any]:
     """A single process's state of about ``mib`` MiB (the same tensor sizes, plain arrays)."""
     block = _block(99)
-    arrays = {f"t{i:02d}": cut_from(block, (rows, COLS), 7919 * i) for i, rows in enumerate(tensor_rows(mib))}
+    rows = tensor_rows(mib, layout)
+    arrays = {f"t{i:03d}": cut_from(block, (n, COLS), 7919 * i) for i, n in enumerate(rows)}
     return {"model": arrays, "step": 0}
 
 
@@ -304,7 +313,7 @@ class Rank:
         self.root = Path(args.root)
         self.threads = default_threads()
         self.names = [node_of(r) for r in range(n)]
-        self.state = rank_state(self.rank, args.mib)
+        self.state = rank_state(self.rank, args.mib, layout=args.layout)
         self.arrays = local_arrays(self.state)
         self.nbytes = sum(a.nbytes for a in self.arrays)
         self.probe = TierProbe()
@@ -543,6 +552,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--local", required=True, help="the local tiers' parent: one directory per node")
     ap.add_argument("--root", required=True)
     ap.add_argument("--mib", type=float, default=256)
+    ap.add_argument("--layout", choices=sorted(LAYOUTS), default="mixed")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=3, help="steps saved before the measured ones")
     ap.add_argument("--op-settle", type=float, default=3.0)

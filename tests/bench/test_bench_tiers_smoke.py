@@ -29,19 +29,26 @@ _NO_MPI = pytest.mark.skipif(
 
 
 @pytest.mark.parametrize(
-    "transport", [pytest.param("mpi", marks=_NO_MPI), pytest.param("gloo", marks=pytest.mark.torch)]
+    ("transport", "layout"),
+    [
+        pytest.param("mpi", "mixed", marks=_NO_MPI),
+        pytest.param("mpi", "gpt", marks=_NO_MPI),
+        pytest.param("gloo", "mixed", marks=pytest.mark.torch),
+    ],
 )
-def test_bench_tiers_toy_run(tmp_path: Path, transport: str) -> None:
+def test_bench_tiers_toy_run(tmp_path: Path, transport: str, layout: str) -> None:
     if transport == "gloo":
         pytest.importorskip("torch.distributed")
     out = tmp_path / "r.json"
     local = tmp_path / "local"
     local.mkdir()
     cmd = [sys.executable, str(REPO / "bench" / "bench_tiers.py"), "--quick", "--json", str(out)]
-    cmd += ["--dir", str(tmp_path), "--local", str(local), "--transport", transport]
+    cmd += ["--dir", str(tmp_path), "--local", str(local), "--transport", transport, "--layout", layout]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=90)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     res = json.loads(out.read_text())
+    assert (res["layout"], res["tensors_per_rank"]) == (layout, {"mixed": 18, "gpt": 289}[layout])
+    assert f"in {res['tensors_per_rank']} tensors per rank ({layout})" in p.stdout
     # figure 7 as the issue words it needs steps that ran beside a drain: a toy run may have none
     assert FIGURES <= set(res["figures"]) <= FIGURES | {"loop_draining"}, set(res["figures"])
     for key, f in res["figures"].items():
