@@ -41,7 +41,6 @@ from gpuckpt.distributed.exchange import (
 from gpuckpt.errors import CoordinatorError, DistributedError, MissingDependencyError
 
 __all__ = [
-    "PACKED_MAX_BYTES",
     "PIECE_BYTES",
     "Coordinator",
     "CoordinatorError",
@@ -57,24 +56,6 @@ __all__ = [
 #: this size (256 MiB), so that no count overflows a C ``int`` (MPI's counts are ``int``). Read at
 #: each call: tests set it small to exercise the pieces.
 PIECE_BYTES = 256 << 20
-
-#: Buffers smaller than this that :meth:`Coordinator.exchange_buffers` sends one rank travel
-#: together, packed into one message after the others (where there are two or more), and are
-#: copied out into their receive buffers once it has arrived. A part of a local tier holds a
-#: document and a checksum trailer per tensor: over MPI on a 2-vCPU VM (4 ranks, the ranks of
-#: one node sending a GPT-like part of 289 tensors, 305 MiB, to those of the other), its 578
-#: messages took 180-212 ms, the same bytes with the small ones packed (98 messages) 122-125 ms.
-#: Read at each call.
-PACKED_MAX_BYTES = 64 << 10
-
-
-def packed_indices(sizes: Sequence[int]) -> list[int]:
-    """Which of the buffers of these ``sizes`` (one pair's, in order) travel packed into one
-    message (:data:`PACKED_MAX_BYTES`): the non-empty ones under that size, where there are
-    two or more. Sender and receiver choose from the same sizes (the sender's)."""
-    limit = PACKED_MAX_BYTES
-    chosen = [i for i, n in enumerate(sizes) if 0 < n < limit]
-    return chosen if len(chosen) >= 2 else []
 
 
 def describe_error(error: BaseException) -> str:
@@ -296,9 +277,7 @@ class Coordinator(ABC):
         than :data:`PIECE_BYTES` travel in pieces. This default pickles the
         bytes through :meth:`exchange_objects`; gpuckpt's coordinators send
         them with their transport's own point-to-point messages, without a copy
-        on either side beyond what the transport makes, except for a pair's
-        buffers under :data:`PACKED_MAX_BYTES`, which travel packed into one
-        message (copied in on the sender, out on the receiver).
+        on either side beyond what the transport makes.
 
         Parameters
         ----------
@@ -486,34 +465,15 @@ class Coordinator(ABC):
             targets = recv_views[src]
             if len(sent_sizes) != len(targets):
                 round_.problems.append(count_mismatch(src, me, len(sent_sizes), len(targets)))
-            messages = []
             for i, nbytes in enumerate(sent_sizes):
                 target = targets[i] if i < len(targets) else None
                 if target is None or target.nbytes != nbytes:
                     if target is not None:
                         round_.problems.append(size_mismatch(src, me, i, nbytes, target.nbytes))
                     target = memoryview(bytearray(nbytes))  # drains the message; discarded
-                messages.append(target)
-            packed = packed_indices([v.nbytes for v in messages])
-            if packed:  # received into one buffer, copied out by finish()
-                pack = memoryview(bytearray(sum(messages[i].nbytes for i in packed)))
-                at = 0
-                for i in packed:
-                    n = messages[i].nbytes
-                    round_.unpack.append((pack[at : at + n], messages[i]))
-                    at += n
-                chosen = set(packed)
-                messages = [v for i, v in enumerate(messages) if i not in chosen] + [pack]
-            round_.recvs += [
-                (src, v[off : off + piece]) for v in messages for off in range(0, v.nbytes, piece)
-            ]
+                round_.recvs += [(src, target[off : off + piece]) for off in range(0, nbytes, piece)]
         for dest, views in send_views.items():
             if dest != me:
-                packed = packed_indices([v.nbytes for v in views])
-                if packed:  # (the same choice as the receiver's, from the same sizes)
-                    chosen = set(packed)
-                    pack = memoryview(b"".join(views[i] for i in packed))
-                    views = [v for i, v in enumerate(views) if i not in chosen] + [pack]
                 round_.sends += [
                     (dest, v[off : off + piece]) for v in views for off in range(0, v.nbytes, piece)
                 ]

@@ -10,7 +10,7 @@ match what each pair sends with what the receiver expects, copy where the transp
 from __future__ import annotations
 
 import pickle
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,9 +19,12 @@ import numpy as np
 from gpuckpt.errors import CoordinatorError
 
 __all__ = [
+    "PACKED_MAX_BYTES",
     "BufferRound",
     "byte_view",
     "copy_buffers",
+    "pack_small_buffers",
+    "packed_indices",
     "count_mismatch",
     "dumps",
     "pick_mail",
@@ -47,17 +50,80 @@ class BufferRound:
     sends: list[tuple[int, memoryview]] = field(default_factory=list)
     recvs: list[tuple[int, memoryview]] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
-    #: ``(received, target)``: small buffers that arrived packed in one message, each copied
-    #: out into its receive buffer by :meth:`finish`
-    unpack: list[tuple[memoryview, memoryview]] = field(default_factory=list)
 
     def finish(self) -> None:
-        """Copy the buffers that arrived packed into their receive buffers, then raise
-        :class:`CoordinatorError` if a buffer did not match (call once every message arrived)."""
-        for got, target in self.unpack:
-            target[:] = got
-        self.unpack.clear()
+        """Raise :class:`CoordinatorError` if a buffer did not match (call once every message arrived)."""
         raise_problems("exchange_buffers", self.problems)
+
+
+#: Buffers smaller than this travel packed into one message where a caller asks for it
+#: (:func:`pack_small_buffers`). A part of a local tier holds a document and a checksum trailer
+#: per tensor: over MPI on a 2-vCPU VM (4 ranks, the ranks of one node sending a GPT-like part of
+#: 289 tensors, 305 MiB, to those of the other), its 578 messages took 180-212 ms, the same bytes
+#: with those under 64 KiB packed (98 messages) 122-125 ms. Read at each call.
+PACKED_MAX_BYTES = 64 << 10
+
+
+def packed_indices(sizes: Sequence[int]) -> list[int]:
+    """Which of the buffers of these ``sizes`` (one pair's, in order) travel packed into one
+    message: the non-empty ones under :data:`PACKED_MAX_BYTES`, where there are two or more.
+    Sender and receiver choose from the sizes both know (the sender's, announced)."""
+    limit = PACKED_MAX_BYTES
+    chosen = [i for i, n in enumerate(sizes) if 0 < n < limit]
+    return chosen if len(chosen) >= 2 else []
+
+
+def pack_small_buffers(
+    sends: Mapping[int, Sequence[Any]], recvs: Mapping[int, Sequence[Any]]
+) -> tuple[dict[int, list[Any]], dict[int, list[Any]], Callable[[bool], None]]:
+    """The buffers of one :meth:`~gpuckpt.distributed.coordinator.Coordinator.exchange_buffers`
+    round with each pair's small ones (:func:`packed_indices`) packed into one buffer after the
+    others: what to send, what to receive into, and ``finish(succeeded)``, to call once the round
+    is over: it copies the packed buffers received out into their own where the round
+    succeeded, and lets go of every view it holds of the callers' buffers either way.
+
+    Both sides must pack (the pairs' buffer lists change); the receive buffers' sizes must be
+    the sender's, as the round asks anyway (a small one of another size changes its pair's pack
+    size, which the round reports as that buffer's mismatch). The packs cost a copy of the small
+    buffers on each side, and their bytes in memory: for callers that move many small buffers
+    (a part's documents and checksum trailers), not for rounds under a memory budget."""
+    out: dict[int, list[Any]] = {}
+    for dest, bufs in sends.items():
+        views = [memoryview(b).cast("B") for b in bufs]
+        chosen = packed_indices([v.nbytes for v in views])
+        if chosen:
+            picked = set(chosen)
+            views = [v for i, v in enumerate(views) if i not in picked] + [
+                memoryview(b"".join(views[i] for i in chosen))
+            ]
+        out[dest] = views
+    unpack: list[tuple[memoryview, memoryview]] = []
+    into: dict[int, list[Any]] = {}
+    for src, bufs in recvs.items():
+        views = [memoryview(b).cast("B") for b in bufs]
+        chosen = packed_indices([v.nbytes for v in views])
+        if chosen:
+            pack = memoryview(bytearray(sum(views[i].nbytes for i in chosen)))
+            at = 0
+            for i in chosen:
+                n = views[i].nbytes
+                unpack.append((pack[at : at + n], views[i]))
+                at += n
+            picked = set(chosen)
+            views = [v for i, v in enumerate(views) if i not in picked] + [pack]
+        into[src] = views
+
+    def finish(succeeded: bool) -> None:
+        try:
+            if succeeded:
+                for got, target in unpack:
+                    target[:] = got
+        finally:
+            unpack.clear()
+            out.clear()
+            into.clear()
+
+    return out, into, finish
 
 
 def byte_view(buf: Any, *, writable: bool, name: str) -> memoryview:

@@ -31,9 +31,9 @@ from gpuckpt.distributed import coordinator as coordinator_module
 SMALL_PIECE = 1 << 20
 BIG = 3 * SMALL_PIECE + 12345  # three whole pieces and a part of one
 ROUNDS = 60  # rounds of the concurrent check, on each thread
-#: small buffers, which travel packed into one message (PACKED_MAX_BYTES, 64 KiB), between large
-#: ones and an empty one, the pack longer than a piece (SMALL_PIECE)
-PACKED_SIZES = [5, 70_000, 1, 65_535, 0, 65_536, 300, *([60_000] * 20), 2 * SMALL_PIECE + 7, 64]
+#: many small buffers (as a tier's part has: documents, checksum trailers) between large ones and
+#: an empty one, more small bytes in all than a piece (SMALL_PIECE)
+MIXED_SIZES = [5, 70_000, 1, 65_535, 0, 65_536, 300, *([60_000] * 20), 2 * SMALL_PIECE + 7, 64]
 
 
 def pattern(tag: str, src: int, dest: int, index: int, nbytes: int) -> bytes:
@@ -188,7 +188,7 @@ def _buffer_plans(n: int) -> dict[str, dict[int, dict[int, list[int]]]]:
         "empty_lists": {s: {(s + 1) % n: []} for s in range(n)},
         "self": {s: {s: [4096, 0, 5]} for s in range(n)},
         "piece_edges": {s: {(s + 1) % n: [SMALL_PIECE, SMALL_PIECE + 1, SMALL_PIECE - 1]} for s in range(n)},
-        "packed": {s: {(s + 1) % n: PACKED_SIZES} for s in range(n)},
+        "small_and_large": {s: {(s + 1) % n: MIXED_SIZES} for s in range(n)},
         "one_small_among_large": {s: {(s + 1) % n: [SMALL_PIECE + 5, 17, 2 * SMALL_PIECE]} for s in range(n)},
     }
 
@@ -255,15 +255,15 @@ def _check_mismatches(c: Coordinator) -> dict[str, Any]:
     )
     seen["fewer_first_received"] = bytes(one) == pattern("f", prev, r, 0, 100)
     seen["more"] = _error(lambda: c.exchange_buffers({nxt: [b"abc"]}, {prev: [bytearray(3), bytearray(4)]}))
-    # one of the small buffers that travel packed has a receive buffer of another size: the
-    # others are received, that one is left untouched
+    # one of three small buffers has a receive buffer of another size: the others are received,
+    # that one is left untouched
     three = [bytearray(10), bytearray(19), bytearray(30)]
-    seen["packed_one_wrong"] = _error(
+    seen["one_small_of_another_size"] = _error(
         lambda: c.exchange_buffers(
             {nxt: [pattern("p", r, nxt, i, size) for i, size in enumerate([10, 20, 30])]}, {prev: three}
         )
     )
-    seen["packed_others_received"] = [
+    seen["small_others_received"] = [
         bytes(three[0]) == pattern("p", prev, r, 0, 10),
         bytes(three[1]) == bytes(19),
         bytes(three[2]) == pattern("p", prev, r, 2, 30),
@@ -298,11 +298,11 @@ def _expected_mismatches(rank: int, n: int) -> dict[str, Any]:
         "fewer": count(2, 1),
         "fewer_first_received": True,
         "more": count(1, 2),
-        "packed_one_wrong": (
+        "one_small_of_another_size": (
             f"CoordinatorError: exchange_buffers: buffer 1 from rank {prev} to rank {rank} holds 20 bytes, "
             f"its receive buffer 19; {_CONTRACT}"
         ),
-        "packed_others_received": [True, True, True],
+        "small_others_received": [True, True, True],
         "only_rank_0": size(11, 10) if rank == 0 else "no error",
         "after": _expected_received("after-mismatch", {prev: [2048]}, rank),
     }
