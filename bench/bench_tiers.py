@@ -164,24 +164,18 @@ def _median(v: list[float]) -> float:
 # the MPI job ----------------------------------------------------------------------------------
 
 
+def _rank_arguments(local: Path, root: Path, args: argparse.Namespace) -> list[str]:
+    """What every rank of ``bench/tiers_ranks.py`` is given, whatever the transport."""
+    out = ["--local", str(local), "--root", str(root), "--mib", str(args.mib), "--layout", args.layout]
+    out += ["--rounds", str(args.rounds), "--op-settle", str(args.op_settle), "--warmup", str(args.warmup)]
+    return out + (["--smoke"] if args.quick else [])
+
+
 def run_ranks(
     mpiexec: str, out: Path, local: Path, root: Path, args: argparse.Namespace
 ) -> list[dict[str, Any]]:
     cmd = [mpiexec, "-n", str(RANKS), sys.executable, str(RANK_SCRIPT), "--out", str(out)]
-    cmd += [
-        "--local",
-        str(local),
-        "--root",
-        str(root),
-        "--mib",
-        str(args.mib),
-        "--rounds",
-        str(args.rounds),
-        "--layout",
-        args.layout,
-    ]
-    cmd += ["--op-settle", str(args.op_settle), "--warmup", str(args.warmup)]
-    cmd += ["--smoke"] if args.quick else []
+    cmd += _rank_arguments(local, root, args)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.setdefault("HYDRA_LAUNCHER", "fork")  # one machine: never ssh
     proc = subprocess.Popen(
@@ -218,20 +212,7 @@ def run_gloo_ranks(out: Path, local: Path, root: Path, args: argparse.Namespace)
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, str(RANK_SCRIPT), "--out", str(out), "--transport", "gloo"]
-    cmd += [
-        "--local",
-        str(local),
-        "--root",
-        str(root),
-        "--mib",
-        str(args.mib),
-        "--rounds",
-        str(args.rounds),
-        "--layout",
-        args.layout,
-    ]
-    cmd += ["--op-settle", str(args.op_settle), "--warmup", str(args.warmup)]
-    cmd += ["--smoke"] if args.quick else []
+    cmd += _rank_arguments(local, root, args)
     logs = [out / f"rank{r}.log" for r in range(RANKS)]
     procs = []
     for r in range(RANKS):
