@@ -34,7 +34,7 @@ from gpuckpt.format.codecs import CodecError, decode_into
 from gpuckpt.format.entries import ChunkRead, TensorEntry, whole_chunk_key
 from gpuckpt.options import LoadOptions
 from gpuckpt.progress import ProgressCounter
-from gpuckpt.runtime.runner import IO_BATCH_JOBS, batches, default_threads, run_all
+from gpuckpt.runtime.runner import IO_BATCH_BYTES, IO_BATCH_JOBS, batches, default_threads, run_all
 from gpuckpt.storage.base import CheckpointReader, ChunkReads, ReadStop
 
 __all__ = [
@@ -389,6 +389,13 @@ def _whole_jobs(
     (names, keys, sizes and checksums are the tensors'). Each job is given the load's counter."""
     if not items:
         return []
+    # the small tensors first, in their order, in batches of their own, then the large ones, a
+    # job each (the reader reads a range holding a large chunk file by file). In the state's
+    # order a batch closed at its first large tensor, so where large and small ones alternate
+    # (a GPT-like state: a matrix, then its bias and norms) each batch held a large one and a
+    # few small ones, all read file by file: 289 tensors in 95 batches, none native.
+    items = sorted(items, key=lambda item: item[0].nbytes >= IO_BATCH_BYTES)
+    nsmall = sum(t.nbytes < IO_BATCH_BYTES for t, _ in items)
     batch = ChunkReads(
         [t.name for t, _ in items],
         [whole_chunk_key(len(t.shape)) for t, _ in items],
@@ -397,7 +404,8 @@ def _whole_jobs(
         [int(t._crcs()[0]) for t, _ in items],
         checked=True,  # read_tensors reads the files of checked tensors (check_chunk_files)
     )
-    spans = [(run[0], run[-1] + 1) for run in batches((i, t.nbytes) for i, (t, _) in enumerate(items))]
+    spans = [(run[0], run[-1] + 1) for run in batches((i, items[i][0].nbytes) for i in range(nsmall))]
+    spans += [(i, i + 1) for i in range(nsmall, len(items))]
 
     def run(read: Callable[[], ReadStop | None], start: int, end: int, counter: ProgressCounter) -> None:
         stop = read()

@@ -300,3 +300,49 @@ def test_async_saves_write_small_chunks_through_the_native_batches(tmp_path: Pat
     back = gpuckpt.load_state_dict(tmp_path / "c")
     for k, v in sd.items():
         np.testing.assert_array_equal(back[k], v)
+
+
+@needs_native
+def test_small_tensors_between_large_ones_are_read_in_native_batches_of_their_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A state that alternates large tensors (1 MiB and more) and small ones, as a GPT-like model
+    does (a matrix, then its bias and norms), reads its small tensors in batches of their own,
+    through the native library, and each large one as a job of its own: in the state's order a
+    batch closed at each large tensor, and a range holding one is read file by file, so no small
+    tensor went native. Every value loads; a damaged small or large tensor is the one named."""
+    from gpuckpt.storage.local.reader import LocalReader
+
+    rng = np.random.default_rng(3)
+    sd: dict[str, Any] = {}
+    for i in range(12):
+        sd[f"l{i:02d}.w"] = rng.standard_normal((512, 600)).astype(np.float32)  # 1.2 MiB
+        for j in range(3):
+            sd[f"l{i:02d}.b{j}"] = rng.standard_normal(100 + j).astype(np.float32)
+    path = tmp_path / "c"
+    gpuckpt.save(sd, path)
+    seen: list[list[list[str]]] = []
+    original = LocalReader.chunk_read_jobs
+
+    def listing(self: LocalReader, batch: Any, spans: Any) -> Any:
+        seen.append([list(batch.names[a:b]) for a, b in spans])
+        return original(self, batch, spans)
+
+    monkeypatch.setattr(LocalReader, "chunk_read_jobs", listing)
+    got = _zeros(sd)
+    with native(True) as calls:
+        gpuckpt.load(got, path)
+    assert all(_same(sd[k], got[k]) for k in sd)
+    (ranges,) = seen  # one batch of the whole tensors, its ranges: the small ones', then each large one
+    assert sorted(ranges[0]) == sorted(k for k in sd if ".b" in k)
+    assert ranges[1:] == [[f"l{i:02d}.w"] for i in range(12)]
+    assert calls == [48]  # the batch prepared once, its small range read by the library
+    for name in ("l05.b1", "l07.w"):
+        damaged = tmp_path / f"d-{name}"
+        gpuckpt.save(sd, damaged)
+        chunk = next((damaged / name).glob("c*"))
+        data = bytearray(chunk.read_bytes())
+        data[10] ^= 0xFF
+        chunk.write_bytes(bytes(data))
+        with pytest.raises(gpuckpt.ChecksumError, match=rf"'{name}'|{name}"):
+            gpuckpt.load(_zeros(sd), damaged)
