@@ -11,6 +11,7 @@ exception other than a GpuckptError (or a known bug listed in
 from __future__ import annotations
 
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -43,7 +44,9 @@ from hostile import is_known_bug, make_state
 from gpuckpt.format.checksum import crc32c
 from gpuckpt.format.documents import _canonical
 
-_DIR = Path(tempfile.mkdtemp(prefix="gpuckpt-atheris-"))
+# (libFuzzer ends the process without Python's exit handlers: a caller that wants the files
+# gone gives a directory of its own, as the test does)
+_DIR = Path(tempfile.mkdtemp(prefix="gpuckpt-atheris-", dir=os.environ.get("GPUCKPT_FUZZ_DIR") or None))
 CKPT = _DIR / "c"
 gpuckpt.save(make_state(), CKPT, chunk_bytes=64)
 SEED_MD = json.loads((CKPT / "zarr.json").read_bytes())["attributes"]["gpuckpt"]["metadata"]

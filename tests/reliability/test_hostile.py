@@ -392,8 +392,11 @@ def test_atheris_harness_smoke(tmp_path: Path) -> None:
         text=True,
         timeout=300,
         cwd=tmp_path,
+        env=dict(os.environ, GPUCKPT_FUZZ_DIR=str(tmp_path)),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # its checkpoint and corpus were made here, and go with tmp_path (not left in /tmp)
+    assert len(list(tmp_path.glob("gpuckpt-atheris-*/corpus/seed.json"))) == 1
 
 
 # former core bugs, each with its smallest reproduction -----------------------
