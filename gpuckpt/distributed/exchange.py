@@ -92,10 +92,7 @@ def pack_small_buffers(
         views = [memoryview(b).cast("B") for b in bufs]
         chosen = packed_indices([v.nbytes for v in views])
         if chosen:
-            picked = set(chosen)
-            views = [v for i, v in enumerate(views) if i not in picked] + [
-                memoryview(b"".join(views[i] for i in chosen))
-            ]
+            views = _others_then(views, chosen, memoryview(b"".join(views[i] for i in chosen)))
         out[dest] = views
     unpack: list[tuple[memoryview, memoryview]] = []
     into: dict[int, list[Any]] = {}
@@ -109,8 +106,7 @@ def pack_small_buffers(
                 n = views[i].nbytes
                 unpack.append((pack[at : at + n], views[i]))
                 at += n
-            picked = set(chosen)
-            views = [v for i, v in enumerate(views) if i not in picked] + [pack]
+            views = _others_then(views, chosen, pack)
         into[src] = views
 
     def finish(succeeded: bool) -> None:
@@ -124,6 +120,12 @@ def pack_small_buffers(
             into.clear()
 
     return out, into, finish
+
+
+def _others_then(views: list[memoryview], chosen: list[int], pack: memoryview) -> list[memoryview]:
+    """A pair's buffer list as it travels: the views not ``chosen``, in order, then ``pack``."""
+    picked = set(chosen)
+    return [v for i, v in enumerate(views) if i not in picked] + [pack]
 
 
 def byte_view(buf: Any, *, writable: bool, name: str) -> memoryview:

@@ -394,8 +394,9 @@ def _whole_jobs(
     # order a batch closed at its first large tensor, so where large and small ones alternate
     # (a GPT-like state: a matrix, then its bias and norms) each batch held a large one and a
     # few small ones, all read file by file: 289 tensors in 95 batches, none native.
-    items = sorted(items, key=lambda item: item[0].nbytes >= IO_BATCH_BYTES)
-    nsmall = sum(t.nbytes < IO_BATCH_BYTES for t, _ in items)
+    small = [item for item in items if item[0].nbytes < IO_BATCH_BYTES]
+    items = small + [item for item in items if item[0].nbytes >= IO_BATCH_BYTES]
+    nsmall = len(small)
     batch = ChunkReads(
         [t.name for t, _ in items],
         [whole_chunk_key(len(t.shape)) for t, _ in items],
