@@ -308,6 +308,7 @@ def async_save_with_options(
     writer_thread: Workers | None = None,
     reuse_files_of: str | os.PathLike[str] | None = None,
     file_maps: Any = None,
+    described: tuple[StateDescription, dict[str, tuple[Source, ...]]] | None = None,
 ) -> SaveFuture:
     """:func:`async_save` with its options made (what :class:`~gpuckpt.CheckpointManager` calls).
 
@@ -319,12 +320,19 @@ def async_save_with_options(
     same names may overwrite (:meth:`~gpuckpt.storage.base.CheckpointWriter.reuse_files_of`;
     a single process's save to a local directory; a local tier passes the part it retires),
     and ``file_maps``, where the caller keeps maps of those files to write through them (a
-    tier on tmpfs: :class:`~gpuckpt.storage.local.filemaps.FileMaps`)."""
+    tier on tmpfs: :class:`~gpuckpt.storage.local.filemaps.FileMaps`).
+    ``described``: ``describe_state(state_dict, allow_pickle=options.allow_pickle)``, where the
+    caller made it already (a local tier, which digests the part's layout from it); a state
+    of a single process, no ShardedArray."""
     check_coordinator(coordinator)
     check_base_target(path, options)
-    if coordinator is not None or contains_sharded(state_dict):
+    if described is None and (coordinator is not None or contains_sharded(state_dict)):
         return _async_distributed(state_dict, path, options, coordinator or SingleProcessCoordinator())
-    local, sources = describe_state(state_dict, allow_pickle=options.allow_pickle)
+    if described is not None and coordinator is not None:
+        raise ValueError("async_save_with_options: a description is for a single process's save")
+    local, sources = (
+        describe_state(state_dict, allow_pickle=options.allow_pickle) if described is None else described
+    )
 
     # the plan of a state of many tensors is made by the save, in the background (a tenth of
     # a second for 10,000 tensors, more than their copy); an incremental save needs it now,

@@ -6,15 +6,20 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from gpuckpt.device.arrays import adapt, is_array
 from gpuckpt.device.sharded import ShardedArray, is_dtensor, is_sharded_leaf, sharded_boxes
 from gpuckpt.state import flatten_state_dict
 
+if TYPE_CHECKING:
+    from gpuckpt.planning.boxes import LocalTensor
+    from gpuckpt.saving.sources import Sources
+
 __all__ = [
     "Boxes",
+    "LayoutMemo",
     "copy_values_back",
     "layout_and_bytes",
     "layout_of",
@@ -97,8 +102,7 @@ def _holds_containers(value: list[Any] | tuple[Any, ...]) -> bool:
 
 
 def layout_and_bytes(view: dict[str, Any], boxes: Boxes) -> tuple[str, int]:
-    """:func:`layout_of` and :func:`part_bytes` in one pass over the part's arrays (what a
-    save asks for both, on the caller's thread)."""
+    """:func:`layout_of` and :func:`part_bytes` in one pass over the part's arrays."""
     leaves, _ = flatten_state_dict(view, is_array)
     arrays = []
     total = 0
@@ -108,8 +112,54 @@ def layout_and_bytes(view: dict[str, Any], boxes: Boxes) -> tuple[str, int]:
             shape = list(a.shape)
             arrays.append([fqn, shape, _dtype_text(a.dtype)])
             total += a.dtype.itemsize * math.prod(shape)
-    text = json.dumps([arrays, sorted((k, [list(map(list, b)) for b in v]) for k, v in boxes.items())])
-    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest(), total
+    return _digest(arrays, boxes), total
+
+
+class LayoutMemo:
+    """:func:`layout_and_bytes` of a part from its save's description (what a local tier's save
+    asks for on the caller's thread, at every step), remembering the last digest.
+
+    The description (:func:`~gpuckpt.saving.sources.describe_state` of the part's view) has
+    every array already: no second walk of the state and no adapter per array. And a part
+    keeps its layout from step to step: when its arrays' names, shapes and dtypes are those
+    of the last call (one comparison of lists, in C), the digest is the last one, not the
+    JSON text and the hash again (for 10,000 tensors the walk, the text and the hash took
+    90 ms, more than the copy of an 80 MiB state). The digest is :func:`layout_of`'s."""
+
+    def __init__(self) -> None:
+        self._last: tuple[list[list[Any]], list[Any], str] | None = None
+
+    def layout_and_bytes(
+        self, tensors: Sequence[LocalTensor], sources: Sources, boxes: Boxes
+    ) -> tuple[str, int]:
+        """``(layout digest, bytes)`` of the part whose view ``describe_state`` described as
+        ``tensors`` and ``sources``, with the sharded FQNs' ``boxes`` (:func:`part_view`)."""
+        arrays = []
+        total = 0
+        for t in sorted(tensors, key=_fqn):
+            shape = list(t.global_shape)
+            arrays.append([t.fqn, shape, _dtype_text(sources[t.fqn][0].array.dtype)])
+            total += t.itemsize * math.prod(shape)
+        boxed = _boxes_text(boxes)
+        last = self._last
+        if last is not None and last[0] == arrays and last[1] == boxed:
+            return last[2], total
+        digest = _digest(arrays, boxes, boxed)
+        self._last = (arrays, boxed, digest)
+        return digest, total
+
+
+def _fqn(t: LocalTensor) -> str:
+    return t.fqn
+
+
+def _boxes_text(boxes: Boxes) -> list[Any]:
+    return sorted((k, [list(map(list, b)) for b in v]) for k, v in boxes.items())
+
+
+def _digest(arrays: list[list[Any]], boxes: Boxes, boxed: list[Any] | None = None) -> str:
+    text = json.dumps([arrays, _boxes_text(boxes) if boxed is None else boxed])
+    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
 
 
 _DTYPE_TEXT: dict[tuple[Any, str], str] = {}

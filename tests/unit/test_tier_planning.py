@@ -16,7 +16,7 @@ from gpuckpt.format.parts import PART_KEY, PartRecord, parse_part_name, part_nam
 from gpuckpt.options import SaveOptions
 from gpuckpt.planning.tiers import CopySeen, choose, nodes_of, replica_holders, tier_retention
 from gpuckpt.tiers import copy_values_back, layout_of, part_view, sharded_from_part
-from gpuckpt.tiers.parts import layout_and_bytes, part_bytes
+from gpuckpt.tiers.parts import LayoutMemo, layout_and_bytes, part_bytes
 
 node_layouts = st.lists(st.integers(1, 4), min_size=2, max_size=5)  # ranks per node
 
@@ -207,3 +207,55 @@ def test_the_layout_digest_is_its_documented_text_for_every_dtype() -> None:
     big = part_view({"a": np.zeros(2, np.dtype(">f4"))})
     little = part_view({"a": np.zeros(2, np.dtype("<f4"))})
     assert layout_of(*big) != layout_of(*little)
+
+
+def test_a_layout_memo_digests_a_save_description_as_layout_of_and_never_stale() -> None:
+    """A tier's save digests its part's layout from the description its save is made from
+    (:class:`LayoutMemo`), remembering the last digest: the same digest and bytes as
+    :func:`layout_and_bytes` of the view, for every dtype and for boxes, and a new one
+    whenever a name, shape, dtype or box changes (then the old one again when it comes back)."""
+    import ml_dtypes
+
+    from gpuckpt.saving.sources import describe_state
+
+    def state_with(**changes: Any) -> dict[str, Any]:
+        base: dict[str, Any] = {
+            "m": {
+                "w": np.zeros((3, 4), np.float32),
+                "b": np.zeros(4, ml_dtypes.bfloat16),
+                "s": gpuckpt.ShardedArray(np.zeros((1, 4), np.float16), (1, 0), (2, 4)),
+                "two": [
+                    gpuckpt.ShardedArray(np.zeros((1, 2), np.int8), (0, 0), (2, 2)),
+                    gpuckpt.ShardedArray(np.zeros((1, 2), np.int8), (1, 0), (2, 2)),
+                ],
+            },
+            "big": np.zeros(3, np.dtype(">f4")),
+            "step": 3,
+        }
+        base["m"].update(changes)
+        return base
+
+    memo = LayoutMemo()
+
+    def both(state: dict[str, Any]) -> tuple[tuple[str, int], tuple[str, int]]:
+        view, boxes = part_view(state)
+        local, sources = describe_state(view, allow_pickle=False)
+        return memo.layout_and_bytes(local.tensors, sources, boxes), layout_and_bytes(view, boxes)
+
+    first, expected = both(state_with())
+    assert first == expected
+    assert both(state_with())[0] == first  # (remembered)
+    variants = [
+        state_with(w=np.zeros((4, 3), np.float32)),  # a shape
+        state_with(w=np.zeros((3, 4), np.float64)),  # a dtype
+        state_with(b=np.zeros(4, np.float16)),  # bfloat16 -> float16 (same itemsize)
+        state_with(s=gpuckpt.ShardedArray(np.zeros((1, 4), np.float16), (0, 0), (2, 4))),  # a box
+        state_with(extra=np.zeros(1, np.float32)),  # a name
+    ]
+    seen = {first[0]}
+    for variant in variants:
+        got, want = both(variant)
+        assert got == want
+        assert got[0] not in seen
+        seen.add(got[0])
+        assert both(state_with())[0] == first  # and back
