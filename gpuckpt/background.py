@@ -158,21 +158,29 @@ def snapshot(
     for b in device_backends(_arrays(sources)):
         b.wait_for_producers()
     out: dict[str, tuple[Source, ...]] = {}
+
+    def host_copy(d: np.ndarray, a: np.ndarray) -> None:
+        copies.extend(_copy_slabs(d, a))
+
+    # (once per array of a state of thousands: nothing made per array that one will do)
+    stand_ins = shared or {}
+    take_array = arena.take_array
     try:
         for t in local.tensors:
             held = sources[t.fqn]
             snap = []
             for box, s in enumerate(held):
-                stand_in = (shared or {}).get((t.fqn, box))
+                stand_in = stand_ins.get((t.fqn, box)) if stand_ins else None
                 if stand_in is not None:
                     snap.append(Source(stand_in, s.offsets))
                     continue
                 src = s.array
                 # a tensor held whole has the description's layout; ShardedArray boxes each their own
                 fmt = t.properties.memory_format if len(held) == 1 else src.memory_format
-                dst = arena.take_array(src.shape, src.dtype, physical_order(len(src.shape), fmt))
+                shape = src.shape
+                dst = take_array(shape, src.dtype, physical_order(len(shape), fmt))
                 # device memory: one queued copy of the raw image; host memory: slabs copied in parallel
-                tickets.append(src.copy_to_host(dst, lambda d, a: copies.extend(_copy_slabs(d, a))))
+                tickets.append(src.copy_to_host(dst, host_copy))
                 snap.append(Source(HostArray(dst, snapshot=True), s.offsets))
             out[t.fqn] = tuple(snap)
         _run_copies(copies)

@@ -20,6 +20,7 @@ memory here; page-locked memory in the GPU adapter).
 
 from __future__ import annotations
 
+import functools
 import math
 import mmap
 import os
@@ -79,6 +80,12 @@ class HostAllocator:
         return np.frombuffer(mmap.mmap(-1, nbytes), np.uint8, nbytes)
 
 
+@functools.cache
+def _natural(ndim: int) -> tuple[int, ...]:
+    """The axis order of C order for ``ndim`` axes."""
+    return tuple(range(ndim))
+
+
 class StagingArena:
     """A reusable set of pieces from which byte ranges are carved in order."""
 
@@ -111,6 +118,11 @@ class StagingArena:
 
         Raises :class:`~gpuckpt.errors.StagingMemoryError` if the memory cannot be allocated.
         """
+        piece, start = self._take_at(nbytes)
+        return piece[start : start + nbytes]
+
+    def _take_at(self, nbytes: int) -> tuple[np.ndarray, int]:
+        """:meth:`take` as the piece and the offset in it (no view made)."""
         need = max(nbytes, 1)
         if len(self._bases) != len(self.pieces):
             self._bases = [p.ctypes.data for p in self.pieces]  # (asking NumPy each time costs ~1 us)
@@ -120,8 +132,8 @@ class StagingArena:
             start = -(-(base + self._offset) // _ALIGN) * _ALIGN - base
             if start + need <= piece.nbytes:
                 self._offset = start + need
-                self._taken += aligned_bytes(need)
-                return piece[start : start + nbytes]
+                self._taken += -(-need // _ALIGN) * _ALIGN  # (aligned_bytes, inlined)
+                return piece, start
             self._piece += 1
             self._offset = 0
         # a piece holds what is still expected: at most piece_bytes of page-locked memory (one
@@ -146,11 +158,15 @@ class StagingArena:
         self.pieces.append(piece)
         self._piece = len(self.pieces) - 1
         self._offset = 0
-        return self.take(nbytes)
+        return self._take_at(nbytes)
 
     def take_array(self, shape: tuple[int, ...], dtype: Any, order: tuple[int, ...]) -> np.ndarray:
         """An array of logical ``shape`` whose memory follows the axis ``order`` (outermost first)."""
         dt = np.dtype(dtype)
+        if order == _natural(len(shape)):
+            # (a snapshot takes one per array: made in one call, not a slice, a view and a reshape)
+            piece, start = self._take_at(math.prod(shape) * dt.itemsize)
+            return np.ndarray(shape, dt, piece, start)
         physical = tuple(shape[a] for a in order)
         raw = self.take(math.prod(physical) * dt.itemsize)
         arr: np.ndarray = raw.view(dt).reshape(physical)

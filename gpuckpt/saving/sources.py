@@ -16,6 +16,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from gpuckpt.device.arrays import ArrayAdapter, adapt, is_array
 from gpuckpt.device.sharded import is_sharded_leaf, sharded_boxes
 from gpuckpt.errors import UnsupportedValueError
@@ -26,7 +28,7 @@ from gpuckpt.planning.boxes import Box, LocalTensor
 from gpuckpt.planning.plan import StateDescription
 from gpuckpt.state import flatten_state_dict
 
-__all__ = ["Source", "Sources", "contains_sharded", "describe_state", "is_leaf"]
+__all__ = ["Source", "Sources", "TensorMemo", "contains_sharded", "describe_state", "is_leaf"]
 
 _MAX_DEPTH = 200
 
@@ -61,10 +63,38 @@ def contains_sharded(value: Any, depth: int = 0) -> bool:
     return False
 
 
+class TensorMemo:
+    """What :func:`describe_state` made of each NumPy array of the last state it described
+    with this memo, for a caller that describes the same state at every step (a local
+    tier's saves, on the training thread): an array of the same name, shape, strides, dtype
+    and pinned memory has the same :class:`~gpuckpt.planning.boxes.LocalTensor`, taken
+    from here rather than made again (with its properties, its memory format found from the
+    strides, its dtype's name and boxes: about 5 us and five objects per array, which for
+    10,000 arrays also cost a collection of the garbage collector's youngest generation
+    tens of milliseconds). Holds no array; its descriptions are never handed to the caller
+    of a save (they describe the tier's own parts)."""
+
+    def __init__(self) -> None:
+        self._tensors: dict[str, tuple[tuple[Any, ...], LocalTensor]] = {}
+
+    def _describe(self, fqn: str, value: np.ndarray, fresh: dict[str, Any]) -> tuple[LocalTensor, Source]:
+        a = adapt(value)
+        key = (value.shape, value.strides, value.dtype, a.pinned)
+        hit = self._tensors.get(fqn)
+        if hit is None or hit[0] != key:
+            shape = value.shape
+            origin = (0,) * len(shape)
+            hit = (key, _local_tensor(fqn, shape, a, ((origin, shape),)))
+        fresh[fqn] = hit
+        t = hit[1]
+        return t, Source(a, t.boxes[0][0])
+
+
 def describe_state(
-    state_dict: dict[str, Any], *, allow_pickle: bool
+    state_dict: dict[str, Any], *, allow_pickle: bool, memo: TensorMemo | None = None
 ) -> tuple[StateDescription, dict[str, tuple[Source, ...]]]:
-    """The description of ``state_dict`` for the planner, and the arrays behind it.
+    """The description of ``state_dict`` for the planner, and the arrays behind it
+    (``memo``: see :class:`TensorMemo`; the same description with it or without).
 
     Raises :class:`~gpuckpt.errors.UnsupportedValueError` for what cannot be
     stored (see :func:`gpuckpt.state.flatten_state_dict`, including a state
@@ -74,9 +104,15 @@ def describe_state(
     tensors: list[LocalTensor] = []
     sources: dict[str, tuple[Source, ...]] = {}
     objects: dict[str, Any] = {}
+    fresh: dict[str, Any] = {}
     for fqn, leaf in leaves.items():
         v = leaf.value
         boxes: tuple[Box, ...]
+        if memo is not None and type(v) is np.ndarray:
+            t, source = memo._describe(fqn, v, fresh)
+            tensors.append(t)
+            sources[fqn] = (source,)
+            continue
         if is_sharded_leaf(v):
             parts = sharded_boxes(v)
             held = tuple(Source(adapt(b.local), tuple(b.offsets)) for b in parts)
@@ -98,15 +134,19 @@ def describe_state(
         else:
             objects[fqn] = encode_object(v, allow_pickle=allow_pickle, fqn=fqn)
             continue
-        tensors.append(
-            LocalTensor(
-                fqn,
-                tuple(shape),
-                dtype_name(a.dtype),
-                a.dtype.itemsize,
-                TensorProperties.from_array(a),
-                boxes,
-            )
-        )
+        tensors.append(_local_tensor(fqn, shape, a, boxes))
         sources[fqn] = held
+    if memo is not None:
+        memo._tensors = fresh  # (what the state no longer holds is forgotten)
     return StateDescription(tuple(tensors), objects, skeleton), sources
+
+
+def _local_tensor(fqn: str, shape: tuple[int, ...], a: ArrayAdapter, boxes: tuple[Box, ...]) -> LocalTensor:
+    return LocalTensor(
+        fqn,
+        tuple(shape),
+        dtype_name(a.dtype),
+        a.dtype.itemsize,
+        TensorProperties.from_array(a),
+        boxes,
+    )

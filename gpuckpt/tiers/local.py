@@ -35,7 +35,7 @@ from gpuckpt.planning.boxes import LocalTensor, plan_tensors
 from gpuckpt.planning.tiers import Choice, CopySeen, choose, nodes_of, replica_holders, tier_retention
 from gpuckpt.runtime.collector import paused_gc
 from gpuckpt.runtime.workers import Workers
-from gpuckpt.saving.sources import describe_state
+from gpuckpt.saving.sources import TensorMemo, describe_state
 from gpuckpt.storage.local.filemaps import FileMaps
 from gpuckpt.storage.stores import file_system_type, in_memory, open_root
 from gpuckpt.tiers.exchange import PartExchange
@@ -169,8 +169,9 @@ class LocalTier(PartExchange):
         #: this rank's last layout and its tensors' description; every rank's layouts when the
         #: ranks' boxes were last checked to tile their tensors
         self._described: tuple[str, Sequence[LocalTensor]] | None = None
-        #: the layout digests of this rank's parts (:meth:`begin`)
+        #: the layout digests and tensor descriptions of this rank's parts (:meth:`begin`)
         self._layouts = LayoutMemo()
+        self._tensor_memo = TensorMemo()
         self._tiled: tuple[str, ...] | None = None
         #: writes of parts restores fetched from peers (:meth:`_keep_fetched`)
         self._fetched: list[Future[None]] = []
@@ -322,7 +323,7 @@ class LocalTier(PartExchange):
         try:
             view, boxes = part_view(state)
             # described once: the part's save takes the description its layout came from
-            described = describe_state(view, allow_pickle=self.options.allow_pickle)
+            described = describe_state(view, allow_pickle=self.options.allow_pickle, memo=self._tensor_memo)
             layout, nbytes = self._layouts.layout_and_bytes(described[0].tensors, described[1], boxes)
             if self._described is None or self._described[0] != layout:
                 self._described = (layout, describe_state(state, allow_pickle=True)[0].tensors)

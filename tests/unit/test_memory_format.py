@@ -2,6 +2,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import gpuckpt
 from gpuckpt.format.memory_format import detect_memory_format, physical_order
@@ -42,3 +44,27 @@ def test_physical_order() -> None:
     assert physical_order(5, gpuckpt.channels_last_3d) == (0, 2, 3, 4, 1)
     assert physical_order(3, gpuckpt.channels_last) == (0, 1, 2)
     assert physical_order(2, gpuckpt.preserve_format) == (0, 1)
+
+
+@given(
+    shape=st.lists(st.integers(0, 4), min_size=0, max_size=5),
+    perm_seed=st.integers(0, 10**6),
+    step=st.integers(1, 2),
+    flip=st.booleans(),
+)
+@settings(max_examples=300, deadline=None)
+def test_a_host_arrays_memory_format_is_detect_memory_format_of_its_strides(
+    shape: list[int], perm_seed: int, step: int, flip: bool
+) -> None:
+    """HostArray reads NumPy's C-contiguity flag before walking the strides: the same answer
+    as :func:`detect_memory_format` for every view (axes of one element, empty arrays,
+    transposes, steps, reversed axes)."""
+    from gpuckpt.device.arrays import HostArray
+
+    base = np.zeros([n * step for n in shape], np.float32)
+    view = base[tuple(slice(None, None, step) for _ in shape)]
+    if flip and view.ndim:
+        view = view[::-1]
+    order = np.random.default_rng(perm_seed).permutation(view.ndim)
+    for a in (view, view.transpose(order), np.ascontiguousarray(view.transpose(order))):
+        assert HostArray(a).memory_format is fmt(a)

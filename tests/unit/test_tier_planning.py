@@ -259,3 +259,48 @@ def test_a_layout_memo_digests_a_save_description_as_layout_of_and_never_stale()
         assert got[0] not in seen
         seen.add(got[0])
         assert both(state_with())[0] == first  # and back
+
+
+def test_a_tensor_memo_gives_the_description_made_without_it_and_holds_no_array() -> None:
+    """describe_state with a TensorMemo (a tier's saves, step after step) describes every state
+    as it does without one: arrays reshaped, of another dtype or byte order, transposed
+    (another memory format), renamed, added, removed, replaced by values or by ShardedArray
+    boxes, and subclasses of ndarray. The memo keeps descriptions, never an array alive."""
+    import gc
+    import weakref
+
+    from gpuckpt.saving.sources import TensorMemo, describe_state
+
+    class Sub(np.ndarray):
+        pass
+
+    memo = TensorMemo()
+    w = np.zeros((4, 6), np.float32)
+    states: list[dict[str, Any]] = [
+        {"w": w, "b": np.ones(3, np.float16), "step": 1},
+        {"w": w, "b": np.ones(3, np.float16), "step": 2},  # (the same again: remembered)
+        {"w": w.reshape(6, 4), "b": np.ones(3, np.float16), "step": 3},
+        {"w": w.T, "b": np.ones(3, np.float16), "step": 3},  # strides: not C order
+        {"w": np.zeros((4, 6), np.float64), "b": np.ones(3, np.float16)},
+        {"w": np.zeros((4, 6), np.dtype(">f4")), "b": np.ones(3, np.float16)},
+        {"w": np.zeros((2, 2, 3, 2), np.float32).transpose(0, 3, 1, 2), "c": np.ones(3, np.int8)},
+        {"w": np.zeros((4, 6), np.float32), "b": 7},
+        {"w": gpuckpt.ShardedArray(np.zeros((2, 6), np.float32), (2, 0), (4, 6)), "b": np.ones(3, np.float16)},
+        {"w": w.view(Sub), "z": w},
+        {"w": w, "b": np.ones(3, np.float16), "step": 9},
+    ]
+    for state in states:
+        with_memo = describe_state(state, allow_pickle=False, memo=memo)
+        without = describe_state(state, allow_pickle=False)
+        assert with_memo[0] == without[0]
+        assert {k: [(s.array.shape, s.array.dtype, s.offsets) for s in v] for k, v in with_memo[1].items()} == {
+            k: [(s.array.shape, s.array.dtype, s.offsets) for s in v] for k, v in without[1].items()
+        }
+        for k, held in with_memo[1].items():  # the sources are the state's own arrays
+            assert all(a.array.array is b.array.array for a, b in zip(held, without[1][k], strict=True))
+    gone = np.zeros(5, np.float32)
+    ref = weakref.ref(gone)
+    described = describe_state({"gone": gone}, allow_pickle=False, memo=memo)
+    del gone, described
+    gc.collect()
+    assert ref() is None
