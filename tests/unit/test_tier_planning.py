@@ -285,7 +285,10 @@ def test_a_tensor_memo_gives_the_description_made_without_it_and_holds_no_array(
         {"w": np.zeros((4, 6), np.dtype(">f4")), "b": np.ones(3, np.float16)},
         {"w": np.zeros((2, 2, 3, 2), np.float32).transpose(0, 3, 1, 2), "c": np.ones(3, np.int8)},
         {"w": np.zeros((4, 6), np.float32), "b": 7},
-        {"w": gpuckpt.ShardedArray(np.zeros((2, 6), np.float32), (2, 0), (4, 6)), "b": np.ones(3, np.float16)},
+        {
+            "w": gpuckpt.ShardedArray(np.zeros((2, 6), np.float32), (2, 0), (4, 6)),
+            "b": np.ones(3, np.float16),
+        },
         {"w": w.view(Sub), "z": w},
         {"w": w, "b": np.ones(3, np.float16), "step": 9},
     ]
@@ -293,9 +296,9 @@ def test_a_tensor_memo_gives_the_description_made_without_it_and_holds_no_array(
         with_memo = describe_state(state, allow_pickle=False, memo=memo)
         without = describe_state(state, allow_pickle=False)
         assert with_memo[0] == without[0]
-        assert {k: [(s.array.shape, s.array.dtype, s.offsets) for s in v] for k, v in with_memo[1].items()} == {
-            k: [(s.array.shape, s.array.dtype, s.offsets) for s in v] for k, v in without[1].items()
-        }
+        assert {
+            k: [(s.array.shape, s.array.dtype, s.offsets) for s in v] for k, v in with_memo[1].items()
+        } == {k: [(s.array.shape, s.array.dtype, s.offsets) for s in v] for k, v in without[1].items()}
         for k, held in with_memo[1].items():  # the sources are the state's own arrays
             assert all(a.array.array is b.array.array for a, b in zip(held, without[1][k], strict=True))
     gone = np.zeros(5, np.float32)
