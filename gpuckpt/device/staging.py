@@ -20,7 +20,6 @@ memory here; page-locked memory in the GPU adapter).
 
 from __future__ import annotations
 
-import functools
 import math
 import mmap
 import os
@@ -34,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from gpuckpt.errors import StagingMemoryError, StagingTimeoutError
+from gpuckpt.format.memory_format import natural_order
 
 __all__ = ["ArenaPool", "HostAllocator", "StagingArena", "pool_for", "populated"]
 
@@ -78,12 +78,6 @@ class HostAllocator:
             return np.empty(0, np.uint8)
         # the array keeps the mapping alive; it is unmapped when both are gone
         return np.frombuffer(mmap.mmap(-1, nbytes), np.uint8, nbytes)
-
-
-@functools.cache
-def _natural(ndim: int) -> tuple[int, ...]:
-    """The axis order of C order for ``ndim`` axes."""
-    return tuple(range(ndim))
 
 
 class StagingArena:
@@ -163,7 +157,7 @@ class StagingArena:
     def take_array(self, shape: tuple[int, ...], dtype: Any, order: tuple[int, ...]) -> np.ndarray:
         """An array of logical ``shape`` whose memory follows the axis ``order`` (outermost first)."""
         dt = np.dtype(dtype)
-        if order == _natural(len(shape)):
+        if order == natural_order(len(shape)):
             # (a snapshot takes one per array: made in one call, not a slice, a view and a reshape)
             piece, start = self._take_at(math.prod(shape) * dt.itemsize)
             return np.ndarray(shape, dt, piece, start)

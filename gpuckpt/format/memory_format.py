@@ -18,6 +18,7 @@ give back an array with the same strides.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -30,6 +31,7 @@ __all__ = [
     "detect_memory_format",
     "is_dense_in_order",
     "memory_format_from_name",
+    "natural_order",
     "physical_order",
     "preserve_format",
     "strided",
@@ -70,11 +72,19 @@ def memory_format_from_name(name: str) -> MemoryFormat:
     return _FORMATS[name]
 
 
+@functools.cache
+def natural_order(ndim: int) -> tuple[int, ...]:
+    """``(0, 1, ..., ndim - 1)``: the axis order of C order (one tuple per ``ndim``)."""
+    return tuple(range(ndim))
+
+
 def physical_order(ndim: int, memory_format: MemoryFormat) -> tuple[int, ...]:
     """Logical axes listed from outermost to innermost in memory.
 
     ``channels_last`` on 4-D gives ``(0, 2, 3, 1)``: N, H, W, then C fastest.
     """
+    if memory_format is contiguous_format or ndim < 4:  # (most arrays: no comparison of fields)
+        return natural_order(ndim)
     if memory_format == channels_last and ndim == 4:
         return (0, 2, 3, 1)
     if memory_format == channels_last_3d and ndim == 5:

@@ -209,14 +209,19 @@ def test_the_layout_digest_is_its_documented_text_for_every_dtype() -> None:
     assert layout_of(*big) != layout_of(*little)
 
 
-def test_a_layout_memo_digests_a_save_description_as_layout_of_and_never_stale() -> None:
+@pytest.mark.parametrize("tensor_memo", [False, True])
+def test_a_layout_memo_digests_a_save_description_as_layout_of_and_never_stale(tensor_memo: bool) -> None:
     """A tier's save digests its part's layout from the description its save is made from
     (:class:`LayoutMemo`), remembering the last digest: the same digest and bytes as
     :func:`layout_and_bytes` of the view, for every dtype and for boxes, and a new one
-    whenever a name, shape, dtype or box changes (then the old one again when it comes back)."""
+    whenever a name, shape, dtype or box changes (then the old one again when it comes back).
+    With a TensorMemo (as a tier describes) the same tensors come back as the same objects,
+    and a box that moves while its array stays the same still changes the digest."""
     import ml_dtypes
 
-    from gpuckpt.saving.sources import describe_state
+    from gpuckpt.saving.sources import TensorMemo, describe_state
+
+    tensors = TensorMemo() if tensor_memo else None
 
     def state_with(**changes: Any) -> dict[str, Any]:
         base: dict[str, Any] = {
@@ -239,7 +244,7 @@ def test_a_layout_memo_digests_a_save_description_as_layout_of_and_never_stale()
 
     def both(state: dict[str, Any]) -> tuple[tuple[str, int], tuple[str, int]]:
         view, boxes = part_view(state)
-        local, sources = describe_state(view, allow_pickle=False)
+        local, sources = describe_state(view, allow_pickle=False, memo=tensors)
         return memo.layout_and_bytes(local.tensors, sources, boxes), layout_and_bytes(view, boxes)
 
     first, expected = both(state_with())
