@@ -33,7 +33,7 @@ from gpuckpt.format.memory_format import physical_order
 from gpuckpt.format.metadata import STATE_DICT_TYPE, Metadata
 from gpuckpt.options import DEFAULT_CHUNK_BYTES, DEFAULT_STAGING_BYTES, SaveOptions
 from gpuckpt.pending import SaveFuture, submit, wait_all, writer_executor
-from gpuckpt.planning.plan import SavePlan, StateDescription, plan_save
+from gpuckpt.planning.plan import PlanMemo, SavePlan, StateDescription, plan_save
 from gpuckpt.progress import ProgressCallback
 from gpuckpt.runtime.collector import paused_gc
 from gpuckpt.runtime.workers import Workers
@@ -317,6 +317,7 @@ def async_save_with_options(
     reuse_files_of: str | os.PathLike[str] | None = None,
     file_maps: Any = None,
     described: tuple[StateDescription, dict[str, tuple[Source, ...]]] | None = None,
+    plans: PlanMemo | None = None,
 ) -> SaveFuture:
     """:func:`async_save` with its options made (what :class:`~gpuckpt.CheckpointManager` calls).
 
@@ -331,7 +332,8 @@ def async_save_with_options(
     tier on tmpfs: :class:`~gpuckpt.storage.local.filemaps.FileMaps`).
     ``described``: ``describe_state(state_dict, allow_pickle=options.allow_pickle)``, where the
     caller made it already (a local tier, which digests the part's layout from it); a state
-    of a single process, no ShardedArray."""
+    of a single process, no ShardedArray. ``plans``: where the caller keeps the last plan of
+    the same tensors (:class:`~gpuckpt.planning.plan.PlanMemo`)."""
     check_coordinator(coordinator)
     check_base_target(path, options)
     if described is None and (coordinator is not None or contains_sharded(state_dict)):
@@ -349,6 +351,10 @@ def async_save_with_options(
     compression = resolve_compression(path, options, local, sources)
 
     def make_plan() -> SavePlan:
+        if plans is not None:
+            return plans.plan_save(
+                local, chunk_bytes=options.chunk_bytes, portable=options.portable, compression=compression
+            )
         return plan_save(
             [local], chunk_bytes=options.chunk_bytes, portable=options.portable, compression=compression
         )

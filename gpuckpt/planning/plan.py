@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +39,7 @@ from gpuckpt.planning.uniform import CompactDescription, plan_uniform
 
 __all__ = [
     "ChunkAssignment",
+    "PlanMemo",
     "SavePlan",
     "StateDescription",
     "TensorPlan",
@@ -312,3 +314,39 @@ def plan_save(
         row += t.nchunks
     objects, skeleton = merge_values([(r.objects, r.skeleton) for r in ranks])
     return SavePlan(tuple(tensors), objects, skeleton, len(ranks))
+
+
+class PlanMemo:
+    """:func:`plan_save` of one process's description, for a caller that saves the same tensors
+    at every step (a local tier's parts, planned on its writer thread beside its copies): when
+    the description's tensors are the very objects of the last call, in the same order (what a
+    :class:`~gpuckpt.saving.sources.TensorMemo` gives for unchanged arrays), with the same
+    options, their plans are the last ones; only the values are planned again. Plans are
+    immutable, so sharing them is safe. 10,000 tensors took 0.1 s to plan, more with the
+    writer's threads beside it."""
+
+    def __init__(self) -> None:
+        self._last: tuple[tuple[LocalTensor, ...], tuple[Any, ...], tuple[TensorPlan, ...]] | None = None
+
+    def plan_save(
+        self,
+        local: StateDescription,
+        *,
+        chunk_bytes: int,
+        portable: bool = False,
+        compression: Compression | None = None,
+    ) -> SavePlan:
+        """``plan_save([local], ...)``, its tensors' plans taken from the last call where they apply."""
+        options = (chunk_bytes, portable, compression)
+        last = self._last
+        if (
+            last is not None
+            and last[1] == options
+            and len(last[0]) == len(local.tensors)
+            and all(map(operator.is_, last[0], local.tensors))
+        ):
+            objects, skeleton = merge_values([(local.objects, local.skeleton)])
+            return SavePlan(last[2], objects, skeleton, 1)
+        plan = plan_save([local], chunk_bytes=chunk_bytes, portable=portable, compression=compression)
+        self._last = (tuple(local.tensors), options, plan.tensors)
+        return plan

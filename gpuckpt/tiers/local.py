@@ -32,6 +32,7 @@ from gpuckpt.format.documents import MAX_ROOT_DOCUMENT_BYTES, ROOT_KEY
 from gpuckpt.format.parts import PART_KEY, PartRecord, parse_part_name, part_name
 from gpuckpt.options import SaveOptions
 from gpuckpt.planning.boxes import LocalTensor, plan_tensors
+from gpuckpt.planning.plan import PlanMemo
 from gpuckpt.planning.tiers import Choice, CopySeen, choose, nodes_of, replica_holders, tier_retention
 from gpuckpt.runtime.collector import paused_gc
 from gpuckpt.runtime.workers import Workers
@@ -172,6 +173,7 @@ class LocalTier(PartExchange):
         #: the layout digests and tensor descriptions of this rank's parts (:meth:`begin`)
         self._layouts = LayoutMemo()
         self._tensor_memo = TensorMemo()
+        self._plans = PlanMemo()
         self._tiled: tuple[str, ...] | None = None
         #: writes of parts restores fetched from peers (:meth:`_keep_fetched`)
         self._fetched: list[Future[None]] = []
@@ -347,6 +349,7 @@ class LocalTier(PartExchange):
                     reuse_files_of=self._retired_part(step),
                     file_maps=self._file_maps if self._writes_mapped else None,
                     described=described,
+                    plans=self._plans,
                 )
             except Exception as exc:  # the others learn of it in the step's first collective
                 error = exc

@@ -225,3 +225,35 @@ def test_describing_a_state_that_contains_itself_is_a_typed_error() -> None:
     state["self"] = state
     with pytest.raises(UnsupportedValueError, match="reference cycle at 'self'"):
         describe_state(state, allow_pickle=False)
+
+
+def test_a_plan_memo_plans_as_plan_save_and_reuses_only_the_same_tensors() -> None:
+    """PlanMemo (a tier's parts, step after step) gives plan_save's plan for every description:
+    the last tensors' plans when the tensors are the same objects and the options the same,
+    the values always planned anew; a new plan when a tensor, its order or an option changes."""
+    from gpuckpt.format.codecs import Compression
+    from gpuckpt.planning.plan import PlanMemo, plan_save
+    from gpuckpt.saving.sources import TensorMemo, describe_state
+
+    tensors, plans = TensorMemo(), PlanMemo()
+    w, b = np.zeros((64, 8), np.float32), np.ones(3, np.float16)
+
+    def check(state: dict[str, Any], chunk_bytes: int = 1024, compression: Compression | None = None) -> Any:
+        local, _ = describe_state(state, allow_pickle=False, memo=tensors)
+        got = plans.plan_save(local, chunk_bytes=chunk_bytes, compression=compression)
+        assert got == plan_save([local], chunk_bytes=chunk_bytes, compression=compression)
+        return got
+
+    first = check({"w": w, "b": b, "step": 1})
+    again = check({"w": w, "b": b, "step": 2})
+    assert again.tensors is first.tensors  # (taken from the last call)
+    assert again.objects != first.objects  # the values planned anew
+    assert check({"b": b, "w": w, "step": 2}).tensors is not first.tensors  # another order
+    check({"w": w, "b": b})
+    assert check({"w": w, "b": b}, chunk_bytes=512).tensors[0].grid != first.tensors[0].grid
+    zstd = check({"w": w, "b": b}, compression=Compression(codec="zstd"))
+    skipped = check({"w": w, "b": b}, compression=Compression(codec="zstd", auto=True, skip=frozenset({"w"})))
+    assert zstd.tensors[0].codec is not None and skipped.tensors[0].codec is None
+    check({"w": w.reshape(32, 16), "b": b})
+    check({"w": [ShardedArray(w, (64, 0), (128, 8)), ShardedArray(w, (0, 0), (128, 8))], "b": b})
+    check({"w": w, "b": b, "c": np.zeros(2)})
