@@ -851,3 +851,88 @@ def test_a_document_batch_stops_at_the_first_error_and_names_it(lib: BatchIO, tm
     with using(lib), pytest.raises(FileExistsError, match=r"/b"):
         w.write_array_documents(["a", "b", "c"], [b"{}", b"{}", b"{}"])
     w.abort()
+
+
+# ---- removing a tree ---------------------------------------------------------------------
+
+
+def _doomed_tree(root: Path, outside: Path) -> None:
+    """Files, empty and nested directories, and links (to a file and to a directory outside)."""
+    for i in range(30):
+        d = root / f"a{i}" / "c" / "0"
+        d.mkdir(parents=True)
+        (d / "chunk").write_bytes(b"x" * i)
+        (root / f"a{i}" / "zarr.json").write_text("{}")
+    (root / "empty").mkdir()
+    deep = root.joinpath(*[f"d{i}" for i in range(20)])
+    deep.mkdir(parents=True)
+    (deep / "leaf").write_text("deep")
+    (root / "to-dir").symlink_to(outside, target_is_directory=True)
+    (root / "a3" / "to-file").symlink_to(outside / "keep.txt")
+    (root / "dangling").symlink_to(root / "nowhere")
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_a_tree_is_removed_without_following_links(tmp_path: Path, native: bool) -> None:
+    """remove_tree (and rmtree_quiet, natively or through shutil) removes a directory and all it
+    holds, but never what a link inside points to; a link given as the tree is refused and
+    left, as is what it points to."""
+    from gpuckpt.storage.local import fsutil
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep.txt").write_text("keep")
+    (outside / "sub").mkdir()
+    root = tmp_path / "tree"
+    root.mkdir()
+    _doomed_tree(root, outside)
+    lib = load_library()
+    if native and lib is None:
+        pytest.skip("the library is not built here")
+    if native:
+        assert lib is not None
+        # the tree itself, 30 arrays of 5 entries, an empty folder, 20 nested ones and a file, 3 links
+        assert lib.remove_tree(root) == 1 + 30 * 5 + 1 + 21 + 3
+    else:
+        with using(None):
+            fsutil.rmtree_quiet(root)
+    assert not root.exists() and not root.is_symlink()
+    assert (outside / "keep.txt").read_text() == "keep" and (outside / "sub").is_dir()
+    # a link to a directory is not a tree to remove: refused, nothing behind it touched
+    link = tmp_path / "link"
+    link.symlink_to(outside, target_is_directory=True)
+    if native:
+        assert lib is not None
+        with pytest.raises(OSError) as info:
+            lib.remove_tree(link)
+        assert info.value.errno in (errno.ELOOP, errno.ENOTDIR)
+    else:
+        with using(None):
+            fsutil.rmtree_quiet(link)
+    assert link.is_symlink() and (outside / "keep.txt").exists()
+    with using(lib):
+        fsutil.rmtree_quiet(tmp_path / "missing")  # quiet: nothing there is no error
+        fsutil.rmtree_quiet(link)
+    assert link.is_symlink() and (outside / "keep.txt").exists()
+
+
+def test_rmtree_quiet_goes_native_where_it_can(tmp_path: Path) -> None:
+    """rmtree_quiet calls the library when it is loaded, and shutil when it is not."""
+    from gpuckpt.storage.local import fsutil
+
+    lib = load_library()
+    if lib is None:
+        pytest.skip("the library is not built here")
+    calls: list[str] = []
+
+    class Counting:
+        def remove_tree(self, path: Path) -> int:
+            calls.append(str(path))
+            return lib.remove_tree(path)  # type: ignore[union-attr]
+
+    root = tmp_path / "tree"
+    root.mkdir()
+    (root / "f").write_text("x")
+    with using(Counting()):  # type: ignore[arg-type]
+        fsutil.rmtree_quiet(root)
+    assert calls == [str(root)] and not root.exists()

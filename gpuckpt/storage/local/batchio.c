@@ -19,6 +19,7 @@
  * or a table where the CPU has no CRC instructions.
  */
 #define _GNU_SOURCE
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <stdint.h>
@@ -30,7 +31,7 @@
 
 #include "crc32c_simd.h"
 
-#define GBIO_ABI 4
+#define GBIO_ABI 5
 
 /* What an item is (kind). */
 enum { GBIO_MKDIR = 1, GBIO_FILE = 2, GBIO_CHUNK = 3 };
@@ -466,4 +467,82 @@ int64_t gbio_stat(const char *root, struct gbio_item *items, uint64_t n)
     }
     close(dir);
     return good;
+}
+
+/* Removing a tree: deep enough for any checkpoint (an array's chunk keys nest one level per
+ * axis), shallow enough for the stack. */
+#define TREE_DEPTH 64
+
+/* Remove everything in the open directory dir (taken: closed here), never following a
+ * symbolic link (a link is removed, not what it points to). Returns the entries removed, or
+ * -errno of the first failure (the others are still tried). The directory is read again
+ * after a pass that removed something: entries removed while reading may hide others. */
+static int64_t empty_dir(int dir, int depth)
+{
+    DIR *d = fdopendir(dir);
+    if (d == NULL) {
+        int e = errno;
+        close(dir);
+        return -e;
+    }
+    int fd = dirfd(d);
+    int64_t removed = 0, err = 0, pass;
+    do {
+        pass = 0;
+        struct dirent *e;
+        errno = 0;
+        while ((e = readdir(d)) != NULL) {
+            const char *name = e->d_name;
+            if (name[0] == '.' && (name[1] == 0 || (name[1] == '.' && name[2] == 0))) continue;
+            int is_dir = e->d_type == DT_DIR;
+            if (e->d_type == DT_UNKNOWN) {
+                struct stat st;
+                is_dir = fstatat(fd, name, &st, AT_SYMLINK_NOFOLLOW) == 0 && S_ISDIR(st.st_mode);
+            }
+            if (is_dir) {
+                if (depth >= TREE_DEPTH) {
+                    if (!err) err = -ELOOP;
+                    continue;
+                }
+                int sub = openat(fd, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+                if (sub < 0) {
+                    if (!err) err = -errno;
+                    continue;
+                }
+                int64_t r = empty_dir(sub, depth + 1);
+                if (r < 0) {
+                    if (!err) err = r;
+                } else {
+                    removed += r;
+                }
+                if (unlinkat(fd, name, AT_REMOVEDIR) == 0) {
+                    removed++, pass++;
+                } else if (!err) {
+                    err = -errno;
+                }
+            } else if (unlinkat(fd, name, 0) == 0) {
+                removed++, pass++;
+            } else if (!err && errno != ENOENT) {
+                err = -errno;
+            }
+            errno = 0;
+        }
+        if (errno && !err) err = -errno;
+        rewinddir(d);
+    } while (pass > 0 && !err);
+    closedir(d);
+    return err ? err : removed;
+}
+
+/* Remove the directory path and everything under it, never following a symbolic link (path
+ * itself must be a directory, not a link to one). Returns the entries removed (path
+ * included), or -errno of the first failure; what could be removed is removed. */
+int64_t gbio_remove_tree(const char *path)
+{
+    int dir = open(path, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    if (dir < 0) return -errno;
+    int64_t r = empty_dir(dir, 0);
+    if (r < 0) return r;
+    if (rmdir(path)) return -errno;
+    return r + 1;
 }

@@ -43,7 +43,7 @@ __all__ = [
 LIBRARY = Path(__file__).with_name("_batchio.so")
 #: files that :meth:`BatchIO.sizes` checks on two threads (fewer: on one)
 PARALLEL_STAT_MIN = 2048
-_ABI = 4
+_ABI = 5
 #: the second thread of :meth:`BatchIO.sizes`
 _stat_threads = Workers(4, "gpuckpt-stat")
 _LEVELS = {0: "table", 1: "pclmul", 2: "avx512"}
@@ -163,6 +163,8 @@ class BatchIO:
         lib.gbio_read.argtypes = [ctypes.c_char_p, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32]
         lib.gbio_stat.restype = ctypes.c_int64
         lib.gbio_stat.argtypes = [ctypes.c_char_p, ctypes.c_void_p, ctypes.c_uint64]
+        lib.gbio_remove_tree.restype = ctypes.c_int64
+        lib.gbio_remove_tree.argtypes = [ctypes.c_char_p]
         lib.gbio_isa()  # chooses the CRC code once, on this thread
         self._lib = lib
 
@@ -234,6 +236,18 @@ class BatchIO:
         done = self._lib.gbio_write(os.fsencode(root), items.ctypes.data, len(items), flags, wb)
         del blob  # referenced until the call returned
         return items, self._stop(items, done, root)
+
+    def remove_tree(self, path: str | os.PathLike[str]) -> int:
+        """Remove the directory ``path`` and everything under it, links not followed (a link
+        is removed, never what it points to; ``path`` itself must be a directory); returns
+        how many entries went. Raises the first ``OSError`` met, after removing what it could.
+
+        With the GIL released: a part of 10,000 small tensors is 40,000 entries, which
+        ``shutil.rmtree`` removed at about 9 us each, most of it in the interpreter."""
+        done = self._lib.gbio_remove_tree(os.fsencode(path))
+        if done < 0:
+            raise OSError(-done, os.strerror(-done), os.fspath(path))
+        return int(done)
 
     def prepare_read(
         self,
