@@ -126,7 +126,7 @@ class StagingArena:
             start = -(-(base + self._offset) // _ALIGN) * _ALIGN - base
             if start + need <= piece.nbytes:
                 self._offset = start + need
-                self._taken += -(-need // _ALIGN) * _ALIGN  # (aligned_bytes, inlined)
+                self._taken += aligned_bytes(need)
                 return piece, start
             self._piece += 1
             self._offset = 0

@@ -89,7 +89,7 @@ def physical_order(ndim: int, memory_format: MemoryFormat) -> tuple[int, ...]:
         return (0, 2, 3, 1)
     if memory_format == channels_last_3d and ndim == 5:
         return (0, 2, 3, 4, 1)
-    return tuple(range(ndim))
+    return natural_order(ndim)
 
 
 def is_dense_in_order(
