@@ -1,7 +1,7 @@
 """A local tier's costs per tensor: states of many tensors against ceilings measured in the same run.
 
-One process, ``CheckpointManager(root, local_dir=<tmpfs>, replicas=0, local_max_to_keep=2)``,
-for each state: ``gpt`` (289 float32 tensors of a GPT-like model: an embedding and 24 layers
+One process, ``CheckpointManager(root, local_dir=<tmpfs>, replicas=0, local_max_to_keep=2,
+persist_interval_steps=NEVER)``, for each state: ``gpt`` (289 float32 tensors of a GPT-like model: an embedding and 24 layers
 of matrices, biases and norms, ``--gpt-mib`` MiB) and ``many`` (``--many`` float32 vectors
 of 256 B to 16 KiB, like an optimizer state of many small parameters). Each round, after
 ``--warmup`` steps (the tier's parts are then written into the files of the parts they retire):
@@ -9,7 +9,8 @@ of 256 B to 16 KiB, like an optimizer state of many small parameters). Each roun
 * ``save``: the blocking ``mgr.save(step, state)`` against a host copy of the same arrays into
   staging memory allocated once (``gpuckpt.background.copy_host_arrays``, the snapshot's own
   copy), the ceiling of bench_tiers' figure 1;
-* ``write``: from ``save`` returning to the part committed in the tier (``wait``) against one
+* ``write``: from ``save`` returning to the part committed in the tier (``wait``; no step is
+  drained to the root, which ``wait`` would wait for too: the default persists every step) against one
   file per array written with ``os.write`` into the same tmpfs, the files kept from round to
   round (as a tier writes into the files its step retires): bytes alone, no checksum, no
   document, no commit;
@@ -80,6 +81,10 @@ def many_state(n: int, rng: np.random.Generator) -> dict[str, Any]:
     }
 
 
+#: no step reaches the root during the run: ``write`` is the tier's part alone
+NEVER = 10**9
+
+
 def _median(v: list[float]) -> float:
     return float(statistics.median(v))
 
@@ -87,7 +92,9 @@ def _median(v: list[float]) -> float:
 def measure(name: str, state: dict[str, Any], args: argparse.Namespace, work: Path) -> dict[str, Any]:
     arrays = list(state["model"].values())
     local, root, plain = work / f"{name}-tier", work / f"{name}-root", work / f"{name}-plain"
-    mgr = gpuckpt.CheckpointManager(root, local_dir=local, replicas=0, local_max_to_keep=2)
+    mgr = gpuckpt.CheckpointManager(
+        root, local_dir=local, replicas=0, local_max_to_keep=2, persist_interval_steps=NEVER
+    )
     arena = StagingArena(HostAllocator())
     orders = [host_order(a) for a in arrays]
     files = [plain / f"{i}.bin" for i in range(len(arrays))]
@@ -124,9 +131,12 @@ def measure(name: str, state: dict[str, Any], args: argparse.Namespace, work: Pa
         rec["write"].append(t2 - t1)
         rec["copy"].append(c)
         rec["plain_write"].append(pw)
+    drained = mgr.all_steps()  # (none: each write above is the tier's part alone)
     mgr.close()  # (a restore is a restarted job's: a new manager over the same tier)
     for _ in range(args.rounds):
-        restorer = gpuckpt.CheckpointManager(root, local_dir=local, replicas=0, local_max_to_keep=2)
+        restorer = gpuckpt.CheckpointManager(
+            root, local_dir=local, replicas=0, local_max_to_keep=2, persist_interval_steps=NEVER
+        )
         rec["restore"].append(timed(lambda: restorer.restore(target)))
         restorer.close()
         rec["plain_read"].append(timed(lambda: plain_read(files, bufs, 4)))
@@ -142,6 +152,7 @@ def measure(name: str, state: dict[str, Any], args: argparse.Namespace, work: Pa
         "write_ratio": out["plain_write"] / out["write"],
         "restore_ratio": out["plain_read"] / out["restore"],
         "restore_bit_exact": exact,
+        "root_steps": drained,
     }
 
 
