@@ -22,7 +22,7 @@ from gpuckpt.device.staging import populated
 from gpuckpt.errors import CheckpointCorruptedError
 from gpuckpt.storage.local.fileio import write_all
 from gpuckpt.storage.local.filemaps import FileMaps, new_map, open_files_limit
-from gpuckpt.storage.local.fsutil import overwritable
+from gpuckpt.storage.local.fsutil import native_tree_bytes, overwritable
 from gpuckpt.tiers.placement import message_sizes
 
 __all__ = [
@@ -378,5 +378,11 @@ def part_files(root: Path) -> list[tuple[str, int]]:
 def tree_bytes(path: Path) -> int:
     """The bytes of the regular files below ``path`` (a part, a tier), links not followed (a
     restore reports its part's bytes: 580 files for 289 tensors took a sixth of a single
-    process's restore through ``Path.rglob`` and a ``stat`` each)."""
+    process's restore through ``Path.rglob`` and a ``stat`` each): natively where the library
+    is built (:meth:`~gpuckpt.storage.local.batchio.BatchIO.tree_bytes`), else by ``scandir``."""
+    native = native_tree_bytes(path)
+    if native is not None:
+        return native
+    if os.path.islink(path):  # (a link given as the tree is not followed either)
+        return 0
     return sum(size for _, size in _regular_files(path, quiet=True))

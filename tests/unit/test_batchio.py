@@ -618,7 +618,7 @@ def test_the_build_hook_builds_both_native_libraries() -> None:
 # ---- under sanitizers ------------------------------------------------------------------------
 
 _SANITIZED = """
-    import ctypes, os, sys
+    import ctypes, os, shutil, sys
     import numpy as np
     from gpuckpt.storage.local.batchio import BatchIO, CHUNK, FILE, MKDIR, ITEM
     lib = BatchIO(sys.argv[1]); base = sys.argv[2]
@@ -656,6 +656,11 @@ _SANITIZED = """
         sizes, stops = lib.sizes(root, [*cpaths, "nope/c.0", "a0"])
         assert [s.step for s in stops] == ["stat", "not-regular"] and sizes[2] == 50
         assert lib.write(root, [CHUNK], ["a0/c.0"], [bufs[0]], [0], fsync=None, writeback_min=0)[1].step == "open"
+        files, nbytes = lib.tree_bytes(root)
+        assert files == 12 and nbytes == sum(os.path.getsize(os.path.join(root, p)) for p in paths if "/" in p)
+        scratch = os.path.join(base, level + "-copy")
+        shutil.copytree(root, scratch)
+        assert lib.remove_tree(scratch) == 19 and not os.path.exists(scratch)
     if len(sys.argv) > 3:  # the control: a destination one byte shorter than the item says
         items = np.zeros(1, ITEM)
         short = np.empty(4099, np.uint8)  # over numpy's small-block cache: its own malloc block
@@ -936,3 +941,43 @@ def test_rmtree_quiet_goes_native_where_it_can(tmp_path: Path) -> None:
     with using(Counting()):  # type: ignore[arg-type]
         fsutil.rmtree_quiet(root)
     assert calls == [str(root)] and not root.exists()
+
+
+# ---- the bytes of a tree ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_tree_bytes_counts_regular_files_and_follows_no_link(tmp_path: Path, native: bool) -> None:
+    """The bytes below a tree (a restore reports its part's bytes): regular files at every
+    depth, natively (BatchIO.tree_bytes, tiers.files.tree_bytes's first choice) or by scandir,
+    the same answer; links (to a file or a folder outside, dangling) and FIFOs are not counted;
+    a link given as the tree is refused natively (OSError) and counts nothing either way."""
+    from gpuckpt.tiers.files import tree_bytes
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep.txt").write_text("keep")
+    (outside / "big").write_bytes(b"y" * 100_000)
+    root = tmp_path / "tree"
+    root.mkdir()
+    _doomed_tree(root, outside)
+    (root / "a4" / "to-big").symlink_to(outside / "big")
+    os.mkfifo(root / "a5" / "fifo")
+    expected = sum(range(30)) + 30 * 2 + 4  # chunks of 0..29 bytes, 30 documents "{}", "deep"
+    lib = load_library()
+    if native and lib is None:
+        pytest.skip("the library is not built here")
+    with using(lib if native else None):
+        assert tree_bytes(root) == expected
+    link = tmp_path / "link"
+    link.symlink_to(outside, target_is_directory=True)
+    if native:
+        assert lib is not None
+        assert lib.tree_bytes(root) == (30 * 2 + 1, expected)
+        with pytest.raises(OSError) as info:
+            lib.tree_bytes(link)
+        assert info.value.errno in (errno.ELOOP, errno.ENOTDIR)
+        with pytest.raises(OSError):
+            lib.tree_bytes(tmp_path / "missing")
+    with using(lib if native else None):
+        assert tree_bytes(link) == 0 and tree_bytes(tmp_path / "missing") == 0

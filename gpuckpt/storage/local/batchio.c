@@ -31,7 +31,7 @@
 
 #include "crc32c_simd.h"
 
-#define GBIO_ABI 5
+#define GBIO_ABI 6
 
 /* What an item is (kind). */
 enum { GBIO_MKDIR = 1, GBIO_FILE = 2, GBIO_CHUNK = 3 };
@@ -545,4 +545,53 @@ int64_t gbio_remove_tree(const char *path)
     if (r < 0) return r;
     if (rmdir(path)) return -errno;
     return r + 1;
+}
+
+/* Add to *total the sizes of the regular files in the open directory dir (taken: closed
+ * here) and below it, never following a symbolic link (links, FIFOs, devices are not
+ * counted); entries removed meanwhile, and folders that cannot be opened or lie deeper than
+ * TREE_DEPTH, are passed over. Returns the files counted. */
+static int64_t sum_dir(int dir, int depth, uint64_t *total)
+{
+    DIR *d = fdopendir(dir);
+    if (d == NULL) {
+        close(dir);
+        return 0;
+    }
+    int fd = dirfd(d);
+    int64_t files = 0;
+    struct dirent *e;
+    while ((e = readdir(d)) != NULL) {
+        const char *name = e->d_name;
+        if (name[0] == '.' && (name[1] == 0 || (name[1] == '.' && name[2] == 0))) continue;
+        if (e->d_type == DT_DIR) {
+            if (depth >= TREE_DEPTH) continue;
+            int sub = openat(fd, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+            if (sub >= 0) files += sum_dir(sub, depth + 1, total);
+            continue;
+        }
+        if (e->d_type != DT_REG && e->d_type != DT_UNKNOWN) continue;
+        struct stat st;
+        if (fstatat(fd, name, &st, AT_SYMLINK_NOFOLLOW)) continue;
+        if (S_ISREG(st.st_mode)) {
+            *total += (uint64_t)st.st_size;
+            files++;
+        } else if (S_ISDIR(st.st_mode) && depth < TREE_DEPTH) { /* a file system without d_type */
+            int sub = openat(fd, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+            if (sub >= 0) files += sum_dir(sub, depth + 1, total);
+        }
+    }
+    closedir(d);
+    return files;
+}
+
+/* The bytes of the regular files below the directory path (*total) and their number (the
+ * return value), links never followed, what vanishes meanwhile passed over (see sum_dir);
+ * -errno when path is not a directory that can be opened (a link to one is refused). */
+int64_t gbio_tree_bytes(const char *path, uint64_t *total)
+{
+    *total = 0;
+    int dir = open(path, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    if (dir < 0) return -errno;
+    return sum_dir(dir, 0, total);
 }

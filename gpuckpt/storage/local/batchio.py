@@ -43,7 +43,7 @@ __all__ = [
 LIBRARY = Path(__file__).with_name("_batchio.so")
 #: files that :meth:`BatchIO.sizes` checks on two threads (fewer: on one)
 PARALLEL_STAT_MIN = 2048
-_ABI = 5
+_ABI = 6
 #: the second thread of :meth:`BatchIO.sizes`
 _stat_threads = Workers(4, "gpuckpt-stat")
 _LEVELS = {0: "table", 1: "pclmul", 2: "avx512"}
@@ -165,6 +165,8 @@ class BatchIO:
         lib.gbio_stat.argtypes = [ctypes.c_char_p, ctypes.c_void_p, ctypes.c_uint64]
         lib.gbio_remove_tree.restype = ctypes.c_int64
         lib.gbio_remove_tree.argtypes = [ctypes.c_char_p]
+        lib.gbio_tree_bytes.restype = ctypes.c_int64
+        lib.gbio_tree_bytes.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_uint64)]
         lib.gbio_isa()  # chooses the CRC code once, on this thread
         self._lib = lib
 
@@ -248,6 +250,19 @@ class BatchIO:
         if done < 0:
             raise OSError(-done, os.strerror(-done), os.fspath(path))
         return int(done)
+
+    def tree_bytes(self, path: str | os.PathLike[str]) -> tuple[int, int]:
+        """``(files, bytes)`` of the regular files below the directory ``path``, links not
+        followed, entries removed meanwhile passed over. Raises ``OSError`` where ``path`` is
+        no directory (a link to one included).
+
+        With the GIL released: a restore reports its part's bytes, and a part of 10,000 small
+        tensors is 30,000 entries, which ``os.scandir`` and a ``stat`` each took 0.13 s over."""
+        total = ctypes.c_uint64(0)
+        files = self._lib.gbio_tree_bytes(os.fsencode(path), ctypes.byref(total))
+        if files < 0:
+            raise OSError(-files, os.strerror(-files), os.fspath(path))
+        return int(files), int(total.value)
 
     def prepare_read(
         self,

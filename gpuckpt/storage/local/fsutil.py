@@ -371,6 +371,22 @@ def move_directory(src: Path, dst: Path) -> bool:
     return True
 
 
+def native_tree_bytes(path: str | os.PathLike[str]) -> int | None:
+    """The bytes of the regular files below the directory ``path``, links not followed, counted
+    natively (:meth:`~gpuckpt.storage.local.batchio.BatchIO.tree_bytes`, the GIL released);
+    None where the library is not built, or ``path`` is no directory it can open."""
+    try:
+        lib = batchio.instance()
+    except (ImportError, ValueError):
+        return None
+    if lib is None:
+        return None
+    try:
+        return lib.tree_bytes(path)[1]
+    except OSError:
+        return None
+
+
 def rmtree_quiet(path: Path) -> None:
     """Remove the directory ``path`` and what it holds, links not followed, errors ignored (what
     cannot be removed stays): natively where the library is built
