@@ -136,3 +136,88 @@ def test_a_save_refused_before_it_begins_leaves_the_given_directory_as_it_was(tm
 def test_a_directory_that_is_not_there_is_no_error(tmp_path: Path) -> None:
     _save({"w": np.ones(4, np.float32)}, tmp_path / "new", tmp_path / "missing")
     np.testing.assert_array_equal(gpuckpt.load_state_dict(tmp_path / "new")["w"], np.ones(4, np.float32))
+
+
+# ---- arrays stored as one small chunk: their folders taken whole (batchio's TAKEDIR) ------------
+
+
+def _small(values: dict[str, int], scale: int = 1) -> dict[str, object]:
+    """Arrays under 1 MiB (each one chunk, written in native batches) of the given lengths."""
+    return {k: np.arange(n * scale, dtype=np.float32) + len(k) for k, n in values.items()}
+
+
+def _native() -> bool:
+    from gpuckpt.storage.local import batchio
+
+    return batchio.instance() is not None
+
+
+def test_small_arrays_folders_are_taken_whole_and_written_over(tmp_path: Path) -> None:
+    """Each array stored as one chunk of under 1 MiB takes its folder of the given directory
+    whole (where the native library is built): its document and chunk file are the old files
+    (same inodes), overwritten and cut to their new sizes; what else the folder held (a chunk
+    of an older grid, a stray file, a nested folder) is gone; an array no longer saved is gone
+    with the rest; what is published reads bit-exactly and verifies."""
+    old = tmp_path / "old"
+    _save(_small({"a": 5000, "b": 300, "c": 70000, "gone": 100}), old, None)
+    (old / "a" / "c.7").write_bytes(b"stale chunk of an older grid")
+    (old / "b" / "stray").write_text("x")
+    (old / "c" / "nested" / "deeper").mkdir(parents=True)
+    before = _inodes(old)
+    state = {**_small({"a": 4000, "b": 900, "c": 70000, "new": 10}), "step": 3}  # a shrinks, b grows
+    new = tmp_path / "new"
+    _save(state, new, old)
+    assert not old.exists()
+    files = _files(new)
+    assert not any(rel.startswith(("gone", "a/c.7", "b/stray", "c/nested")) for rel in files), files
+    assert REUSED_NAME not in "".join(files)
+    if _native():
+        after = _inodes(new)
+        for rel in ("a/zarr.json", "a/c.0", "b/zarr.json", "b/c.0", "c/c.0"):
+            assert after[rel] == before[rel], rel  # written over, not made anew
+    got = gpuckpt.load_state_dict(new)
+    for k in ("a", "b", "c", "new"):
+        np.testing.assert_array_equal(got[k], state[k])
+    assert got["step"] == 3
+    assert verify_checkpoint(new).ok  # every file cut to its size, checksums right
+    zarr = pytest.importorskip("zarr")
+    np.testing.assert_array_equal(zarr.open_array(str(new / "a"), mode="r")[:], state["a"])
+
+
+def test_a_small_arrays_folder_or_file_that_is_a_link_or_shared_is_not_written_through(
+    tmp_path: Path,
+) -> None:
+    """In a small array's folder taken whole, as for large files: a folder that is a link to one
+    elsewhere, a chunk file that another name shares (``cp -al``), a link to a file outside, a
+    FIFO and a folder where a file was: none is written through or followed; new files are made
+    and the bytes elsewhere stay."""
+    old = tmp_path / "old"
+    _save(_small({"a": 100, "b": 100, "c": 100, "d": 100, "e": 100}), old, None)
+    elsewhere = tmp_path / "elsewhere"
+    (old / "a").rename(elsewhere)
+    (old / "a").symlink_to(elsewhere, target_is_directory=True)
+    kept_a = {p.name: p.read_bytes() for p in elsewhere.iterdir()}
+    kept = tmp_path / "kept"
+    os.link(old / "b" / "c.0", kept)
+    kept_b = kept.read_bytes()
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"keep me")
+    (old / "c" / "c.0").unlink()
+    (old / "c" / "c.0").symlink_to(outside)
+    (old / "d" / "zarr.json").unlink()
+    os.mkfifo(old / "d" / "zarr.json")
+    (old / "e" / "c.0").unlink()
+    (old / "e" / "c.0").mkdir()
+    (old / "e" / "c.0" / "inside").write_text("x")
+    state = _small({"a": 200, "b": 200, "c": 200, "d": 200, "e": 200})
+    new = tmp_path / "new"
+    _save(state, new, old)
+    assert {p.name: p.read_bytes() for p in elsewhere.iterdir()} == kept_a
+    assert kept.read_bytes() == kept_b and kept.stat().st_nlink == 1
+    assert outside.read_bytes() == b"keep me"
+    for p in new.rglob("*"):
+        assert not p.is_symlink() and (p.is_dir() or p.is_file()), p
+    got = gpuckpt.load_state_dict(new)
+    for k, v in state.items():
+        np.testing.assert_array_equal(got[k], v)
+    assert verify_checkpoint(new).ok

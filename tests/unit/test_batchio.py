@@ -137,7 +137,9 @@ def test_a_library_from_another_source_version_is_refused(tmp_path: Path) -> Non
 
 
 def test_a_library_whose_item_layout_differs_is_refused(tmp_path: Path) -> None:
-    source = SOURCE.read_text().replace("    uint32_t reserved;\n", "    uint32_t reserved, more[2];\n")
+    original = SOURCE.read_text()
+    assert "    uint32_t taken; " in original  # the struct's last field
+    source = original.replace("    uint32_t taken; ", "    uint32_t taken, more[2]; ")
     (tmp_path / "wide.c").write_text(source)
     out = _compile(tmp_path / "wide.so", source=tmp_path / "wide.c")
     with pytest.raises(ImportError, match="struct gbio_item is 80 bytes, expected 72"):
@@ -620,7 +622,7 @@ def test_the_build_hook_builds_both_native_libraries() -> None:
 _SANITIZED = """
     import ctypes, os, shutil, sys
     import numpy as np
-    from gpuckpt.storage.local.batchio import BatchIO, CHUNK, FILE, MKDIR, ITEM
+    from gpuckpt.storage.local.batchio import BatchIO, CHUNK, FILE, MKDIR, ITEM, TAKEDIR
     lib = BatchIO(sys.argv[1]); base = sys.argv[2]
     rng = np.random.default_rng(3)
     for level in ("avx512", "pclmul", "table"):
@@ -658,6 +660,11 @@ _SANITIZED = """
         assert lib.write(root, [CHUNK], ["a0/c.0"], [bufs[0]], [0], fsync=None, writeback_min=0)[1].step == "open"
         files, nbytes = lib.tree_bytes(root)
         assert files == 12 and nbytes == sum(os.path.getsize(os.path.join(root, p)) for p in paths if "/" in p)
+        taken = os.path.join(base, level + "-taken"); os.mkdir(taken)
+        items, stop = lib.write(taken, [TAKEDIR, FILE, CHUNK], ["a0", "a0/zarr.json", "a0/c.0"], [b"", b"{}", bufs[2]],
+                                [2, 0, 0], fsync=None, writeback_min=None, reuse=root)
+        assert stop is None and items["taken"].tolist() == [1, 1, 1], items["taken"]
+        os.rename(os.path.join(taken, "a0"), os.path.join(root, "a0"))
         scratch = os.path.join(base, level + "-copy")
         shutil.copytree(root, scratch)
         assert lib.remove_tree(scratch) == 19 and not os.path.exists(scratch)
@@ -941,6 +948,87 @@ def test_rmtree_quiet_goes_native_where_it_can(tmp_path: Path) -> None:
     with using(Counting()):  # type: ignore[arg-type]
         fsutil.rmtree_quiet(root)
     assert calls == [str(root)] and not root.exists()
+
+
+# ---- directories taken from a reused tree ---------------------------------------------------
+
+
+def test_a_taken_directory_is_written_over_and_holds_nothing_else(tmp_path: Path) -> None:
+    """TAKEDIR: the directory of the reused tree moves into the batch's root in one rename, its
+    files are written over (same inodes) and cut to their new sizes, and whatever else it held
+    (a file, a nested folder) is removed; where the reused tree has no such directory one is
+    made. The ``taken`` field says which directories and files were taken."""
+    lib = load_library()
+    if lib is None:
+        pytest.skip("the library is not built here")
+    reuse, root = tmp_path / "reuse", tmp_path / "root"
+    (reuse / "a" / "sub" / "deep").mkdir(parents=True)
+    (reuse / "a" / "zarr.json").write_bytes(b"x" * 1000)
+    (reuse / "a" / "c.0").write_bytes(b"y" * 5000)
+    (reuse / "a" / "c.1").write_text("stale")
+    root.mkdir()
+    inodes = {n: (reuse / "a" / n).stat().st_ino for n in ("zarr.json", "c.0")}
+    data = np.arange(100, dtype=np.uint8)
+    kinds = [batchio.TAKEDIR, batchio.FILE, batchio.CHUNK] * 2
+    paths = ["a", "a/zarr.json", "a/c.0", "b", "b/zarr.json", "b/c.0"]
+    buffers = [b"", b"{}", data] * 2
+    items, stop = lib.write(
+        str(root), kinds, paths, buffers, [2, 0, 3, 2, 0, 0], fsync=None, writeback_min=None, reuse=str(reuse)
+    )
+    assert stop is None
+    assert items["taken"].tolist() == [1, 1, 1, 0, 0, 0]
+    assert sorted(os.listdir(root / "a")) == ["c.0", "zarr.json"] and not (reuse / "a").exists()
+    assert {n: (root / "a" / n).stat().st_ino for n in ("zarr.json", "c.0")} == inodes
+    stored = data.tobytes() + bytes(3)
+    crc = crc32c_package.crc32c(stored)
+    assert int(items["crc"][2]) == crc
+    assert (root / "a" / "c.0").read_bytes() == stored + crc.to_bytes(4, "little")
+    assert (root / "a" / "zarr.json").read_bytes() == b"{}" == (root / "b" / "zarr.json").read_bytes()
+    assert (root / "b" / "c.0").read_bytes() == data.tobytes() + crc32c_package.crc32c(
+        data.tobytes()
+    ).to_bytes(4, "little")
+    # without a reused tree, TAKEDIR makes its directory; an existing one is an error, as for MKDIR
+    items, stop = lib.write(
+        str(root),
+        [batchio.TAKEDIR, batchio.FILE],
+        ["c", "c/f"],
+        [b"", b"1"],
+        [1, 0],
+        fsync=None,
+        writeback_min=None,
+    )
+    assert stop is None and (root / "c" / "f").read_bytes() == b"1" and items["taken"].tolist() == [0, 0]
+    _items, stop = lib.write(str(root), [batchio.TAKEDIR], ["c"], [b""], [0], fsync=None, writeback_min=None)
+    assert stop is not None and stop.err == errno.EEXIST
+
+
+@pytest.mark.parametrize(
+    ("kinds", "paths", "pads"),
+    [
+        ([batchio.TAKEDIR, batchio.FILE], ["c", "d/zarr.json"], [1, 0]),  # a file outside it
+        ([batchio.TAKEDIR, batchio.FILE], ["c", "c/x/y"], [1, 0]),  # not directly in it
+        ([batchio.TAKEDIR, batchio.FILE], ["c", "c/"], [1, 0]),  # no file name
+        ([batchio.TAKEDIR], ["c"], [1]),  # more files than items
+        ([batchio.TAKEDIR, batchio.MKDIR], ["c", "c/d"], [1, 0]),  # a directory among its files
+        ([batchio.TAKEDIR, batchio.FILE], ["c/d", "c/d/f"], [1, 0]),  # nested
+    ],
+)
+def test_a_taken_directory_whose_files_are_not_its_own_is_refused(
+    tmp_path: Path, kinds: list[int], paths: list[str], pads: list[int]
+) -> None:
+    """The items a TAKEDIR counts as its files must be files directly in it: else nothing is
+    taken or written (EINVAL at that item)."""
+    lib = load_library()
+    if lib is None:
+        pytest.skip("the library is not built here")
+    reuse, root = tmp_path / "reuse", tmp_path / "root"
+    (reuse / "c").mkdir(parents=True)
+    root.mkdir()
+    _items, stop = lib.write(
+        str(root), kinds, paths, [b""] * len(kinds), pads, fsync=None, writeback_min=None, reuse=str(reuse)
+    )
+    assert stop is not None and (stop.index, stop.err) == (0, errno.EINVAL)
+    assert os.listdir(root) == [] and (reuse / "c").is_dir()
 
 
 # ---- the bytes of a tree ------------------------------------------------------------------

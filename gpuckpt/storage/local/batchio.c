@@ -23,6 +23,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <stdint.h>
+#include <stdio.h> /* renameat */
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -31,10 +32,13 @@
 
 #include "crc32c_simd.h"
 
-#define GBIO_ABI 6
+#define GBIO_ABI 7
 
 /* What an item is (kind). */
-enum { GBIO_MKDIR = 1, GBIO_FILE = 2, GBIO_CHUNK = 3 };
+/* GBIO_TAKEDIR: a directory taken from the reused tree given to gbio_write (one rename), else
+ * made; its pad field says how many of the next items are its files, all of them (see
+ * gbio_write). */
+enum { GBIO_MKDIR = 1, GBIO_FILE = 2, GBIO_CHUNK = 3, GBIO_TAKEDIR = 4 };
 
 /* Where an item stopped (step); 0 when it completed. */
 enum {
@@ -76,7 +80,7 @@ struct gbio_item {
     uint32_t stored; /* read: the trailer's value */
     uint64_t done;   /* bytes written or read, trailer included */
     uint32_t mode;   /* GBIO_STEP_NOTREG: the st_mode found */
-    uint32_t reserved;
+    uint32_t taken;  /* GBIO_TAKEDIR: 1 when taken from the reused tree; a file: 1 when written over one */
 };
 
 int gbio_abi(void) { return GBIO_ABI; }
@@ -191,13 +195,65 @@ static int fail(struct gbio_item *it, int step, int err)
  * there: the caller's memory is read once, so the trailer is the CRC-32C of the very bytes
  * written even if the caller changes its memory meanwhile (a torn value is stored with its
  * own checksum, never a file that contradicts its trailer). */
+static int64_t empty_dir(int dir, int depth);
+
+/* Remove the entry name of dir whatever it is (a tree: all of it), links not followed. */
+static int remove_entry(int dir, const char *name)
+{
+    struct stat st;
+    if (fstatat(dir, name, &st, AT_SYMLINK_NOFOLLOW)) return errno == ENOENT ? 0 : errno;
+    if (!S_ISDIR(st.st_mode)) return unlinkat(dir, name, 0) && errno != ENOENT ? errno : 0;
+    int sub = openat(dir, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    if (sub < 0) return errno;
+    int64_t r = empty_dir(sub, 1);
+    if (r < 0) return (int)-r;
+    return unlinkat(dir, name, AT_REMOVEDIR) ? errno : 0;
+}
+
+/* A file of a taken directory, opened to be written over from its start: a regular file of
+ * one name only (a hard link's other name keeps its bytes: that name here is removed and a
+ * new file made, as for anything else found there: a link, a FIFO, a directory); *old gets
+ * its size (0 for a new file). Returns the descriptor, or -1 with errno set. */
+static int open_over(int dir, const char *path, uint64_t *old, uint32_t *over)
+{
+    *old = 0, *over = 0;
+    int fd;
+    do fd = openat(dir, path, O_WRONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+    while (fd < 0 && errno == EINTR);
+    if (fd >= 0) {
+        struct stat st;
+        if (fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_nlink == 1) {
+            *old = (uint64_t)st.st_size, *over = 1;
+            return fd;
+        }
+        close(fd);
+    }
+    if (fd >= 0 || errno != ENOENT) {
+        int err = remove_entry(dir, path);
+        if (err) {
+            errno = err;
+            return -1;
+        }
+    }
+    do fd = openat(dir, path, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+    while (fd < 0 && errno == EINTR);
+    return fd;
+}
+
+/* over: the item's directory was taken from the reused tree (see gbio_write): its file is
+ * written over the one there, and cut where the new bytes end. */
 static int write_one(int dir, struct gbio_item *it, uint32_t flags, uint64_t writeback_min, int *keep,
-                     uint8_t *copy)
+                     uint8_t *copy, int over)
 {
     if (it->kind == GBIO_MKDIR) return mkdirat(dir, it->path, 0777) ? fail(it, GBIO_STEP_MKDIR, errno) : 0;
     int fd;
-    do fd = openat(dir, it->path, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
-    while (fd < 0 && errno == EINTR);
+    uint64_t old = 0;
+    if (over) {
+        fd = open_over(dir, it->path, &old, &it->taken);
+    } else {
+        do fd = openat(dir, it->path, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+        while (fd < 0 && errno == EINTR);
+    }
     if (fd < 0) return fail(it, GBIO_STEP_OPEN, errno);
     int err = 0;
     uint8_t trailer[4];
@@ -222,6 +278,7 @@ static int write_one(int dir, struct gbio_item *it, uint32_t flags, uint64_t wri
         }
         if (!err && it->kind == GBIO_CHUNK) err = writev_all(fd, &iov[1], 1, &it->done);
     }
+    if (!err && old > it->done && ftruncate(fd, (off_t)it->done)) err = errno;
     int step = err ? GBIO_STEP_WRITE : 0;
     if (!err && (flags & GBIO_FSYNC_GROUP)) {
         sync_file_range(fd, 0, 0, SYNC_FILE_RANGE_WRITE); /* a hint: the fsync reports errors */
@@ -252,6 +309,69 @@ static int64_t sync_group(struct gbio_item *items, int *fds, uint64_t *idx, int 
     return failed;
 }
 
+/* Take the directory it->path of the reused tree (open as reuse, or -1: none) into dir in one
+ * rename: 1 when taken (a directory itself: a link or file found under that name is removed
+ * and the directory made anew), 0 when made anew, -1 on failure (recorded in it). */
+static int take_dir(int dir, int reuse, struct gbio_item *it)
+{
+    if (reuse >= 0 && renameat(reuse, it->path, dir, it->path) == 0) {
+        struct stat st;
+        if (fstatat(dir, it->path, &st, AT_SYMLINK_NOFOLLOW) == 0 && S_ISDIR(st.st_mode)) return it->taken = 1;
+        int err = remove_entry(dir, it->path);
+        if (err) return fail(it, GBIO_STEP_MKDIR, err);
+    }
+    return mkdirat(dir, it->path, 0777) ? fail(it, GBIO_STEP_MKDIR, errno) : 0;
+}
+
+/* Whether the pad field of the GBIO_TAKEDIR item items[i] counts items that follow and are
+ * files directly in its directory ("dirname/file"). */
+static int group_valid(const struct gbio_item *items, uint64_t i, uint64_t n)
+{
+    const struct gbio_item *it = &items[i];
+    if (it->pad > n - i - 1) return 0;
+    size_t len = strlen(it->path);
+    if (len == 0 || strchr(it->path, '/')) return 0;
+    for (uint64_t k = i + 1; k <= i + it->pad; k++) {
+        const char *p = items[k].path;
+        if (items[k].kind != GBIO_FILE && items[k].kind != GBIO_CHUNK) return 0;
+        if (strncmp(p, it->path, len) || p[len] != '/' || p[len + 1] == 0 || strchr(p + len + 1, '/')) return 0;
+    }
+    return 1;
+}
+
+/* In the taken directory of items[0], remove every entry that none of its files (the next
+ * count items, "dirname/file") named: what a part written before held and this one does not. */
+static int prune_dir(int dir, struct gbio_item *items, uint64_t count)
+{
+    int sub = openat(dir, items[0].path, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    if (sub < 0) return errno;
+    DIR *d = fdopendir(sub);
+    if (d == NULL) {
+        int e = errno;
+        close(sub);
+        return e;
+    }
+    size_t prefix = strlen(items[0].path) + 1;
+    int err = 0, pass;
+    do {
+        pass = 0;
+        struct dirent *e;
+        while ((e = readdir(d)) != NULL) {
+            const char *name = e->d_name;
+            if (name[0] == '.' && (name[1] == 0 || (name[1] == '.' && name[2] == 0))) continue;
+            int named = 0;
+            for (uint64_t k = 1; k <= count && !named; k++) named = strcmp(items[k].path + prefix, name) == 0;
+            if (named) continue;
+            int r = remove_entry(dirfd(d), name);
+            if (r && !err) err = r;
+            if (!r) pass++;
+        }
+        rewinddir(d);
+    } while (pass > 0 && !err);
+    closedir(d);
+    return err;
+}
+
 /* Create the items under the directory root, in order: directories (mkdir), files (data,
  * then zero padding), chunks (data, padding, CRC-32C trailer); new files are never opened
  * over existing ones (O_EXCL). Durability of the files: GBIO_FSYNC fsyncs each as it is
@@ -263,9 +383,17 @@ static int64_t sync_group(struct gbio_item *items, int *fds, uint64_t *idx, int 
  * of items before the first that failed (n when none did; with GBIO_FSYNC_GROUP later
  * items of its group may have been written too), or -errno when root cannot be opened (or
  * the copy that chunks are written from cannot be allocated). The trailer of each chunk is
- * the CRC-32C of the bytes written (see write_one). */
+ * the CRC-32C of the bytes written (see write_one).
+ *
+ * reuse (NULL: none): a directory of the same file system holding the files of a checkpoint
+ * this save replaces (a local tier's retired part). A GBIO_TAKEDIR item takes its directory
+ * from there in one rename (never through a link), and its pad field counts the items after
+ * it that are all its files ("name/file", one level): each is written over the file of that
+ * name (a regular file of one name only: otherwise a new file), cut to its new size, and what
+ * else the directory held is removed. On tmpfs new files cost inodes, page allocation and
+ * zeroing, and the retired part's removal as much again. */
 int64_t gbio_write(const char *root, struct gbio_item *items, uint64_t n, uint32_t flags,
-                   uint64_t writeback_min)
+                   uint64_t writeback_min, const char *reuse)
 {
     gbio_isa();
     uint64_t most = 0;
@@ -279,14 +407,34 @@ int64_t gbio_write(const char *root, struct gbio_item *items, uint64_t n, uint32
         free(copy);
         return -err;
     }
+    int from = reuse ? open(reuse, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC) : -1;
     int fds[GROUP];
     uint64_t idx[GROUP];
     int held = 0;
     int64_t failed = -1;
-    uint64_t i = 0;
+    uint64_t i = 0, group_end = 0, group_start = 0;
+    int over = 0;
     for (; i < n; i++) {
+        struct gbio_item *it = &items[i];
+        if (it->kind == GBIO_TAKEDIR) {
+            if (!group_valid(items, i, n)) {
+                fail(it, GBIO_STEP_MKDIR, EINVAL);
+                break;
+            }
+            int r = take_dir(dir, from, it);
+            if (r < 0) break;
+            over = r, group_start = i, group_end = i + it->pad;
+            if (it->pad == 0 && over) {
+                int err = prune_dir(dir, it, 0);
+                if (err) {
+                    fail(it, GBIO_STEP_MKDIR, err);
+                    break;
+                }
+            }
+            continue;
+        }
         int keep = -1;
-        if (write_one(dir, &items[i], flags, writeback_min, &keep, copy)) break;
+        if (write_one(dir, it, flags, writeback_min, &keep, copy, over && i <= group_end)) break;
         if (keep >= 0) {
             fds[held] = keep, idx[held++] = i;
             if (held == GROUP) {
@@ -295,11 +443,21 @@ int64_t gbio_write(const char *root, struct gbio_item *items, uint64_t n, uint32
                 if (failed >= 0) break;
             }
         }
+        if (over && i == group_end) {
+            int err = prune_dir(dir, &items[group_start], group_end - group_start);
+            over = 0;
+            if (err) {
+                fail(&items[group_start], GBIO_STEP_MKDIR, err);
+                i = group_start;
+                break;
+            }
+        }
     }
     if (held) {
         int64_t f = sync_group(items, fds, idx, held);
         if (failed < 0) failed = f;
     }
+    if (from >= 0) close(from);
     close(dir);
     free(copy);
     return failed >= 0 && (uint64_t)failed < i ? failed : (int64_t)i;

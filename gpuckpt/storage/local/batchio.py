@@ -43,12 +43,12 @@ __all__ = [
 LIBRARY = Path(__file__).with_name("_batchio.so")
 #: files that :meth:`BatchIO.sizes` checks on two threads (fewer: on one)
 PARALLEL_STAT_MIN = 2048
-_ABI = 6
+_ABI = 7
 #: the second thread of :meth:`BatchIO.sizes`
 _stat_threads = Workers(4, "gpuckpt-stat")
 _LEVELS = {0: "table", 1: "pclmul", 2: "avx512"}
 
-MKDIR, FILE, CHUNK = 1, 2, 3
+MKDIR, FILE, CHUNK, TAKEDIR = 1, 2, 3, 4
 STEPS = {
     1: "mkdir",
     2: "open",
@@ -80,7 +80,7 @@ ITEM = np.dtype(
         ("stored", np.uint32),
         ("done", np.uint64),
         ("mode", np.uint32),
-        ("reserved", np.uint32),
+        ("taken", np.uint32),
     ]
 )
 
@@ -158,6 +158,7 @@ class BatchIO:
             ctypes.c_uint64,
             ctypes.c_uint32,
             ctypes.c_uint64,
+            ctypes.c_char_p,
         ]
         lib.gbio_read.restype = ctypes.c_int64
         lib.gbio_read.argtypes = [ctypes.c_char_p, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32]
@@ -209,19 +210,25 @@ class BatchIO:
         *,
         fsync: str | None,
         writeback_min: int | None,
+        reuse: str | None = None,
     ) -> tuple[np.ndarray, Stop | None]:
         """Create the items under ``root`` in order (see ``gbio_write`` in batchio.c).
 
         ``kinds[i]`` is :data:`MKDIR` (``buffers[i]`` unused), :data:`FILE` or
         :data:`CHUNK` (``buffers[i]``, ``pads[i]`` zero bytes, and for a chunk
-        its CRC32C). ``fsync="each"`` syncs each file as it is written, ``"group"``
+        its CRC32C), or :data:`TAKEDIR`: a directory taken from ``reuse`` (a directory
+        of the files of a checkpoint this save replaces) where it is there, else made, and
+        ``pads[i]`` items after it that are all its files (``"dir/file"``), written over the
+        files there (their ``taken`` field says which were) and what else it held removed.
+        ``fsync="each"`` syncs each file as it is written, ``"group"``
         syncs them a group at a time once written (fewer journal commits); else
         ``writeback_min`` (if not None) starts the writeback of files at least that
         large. Returns the items (their ``crc`` field holds each chunk's CRC32C) and
         where it stopped, if it did.
         """
         items, blob = self._items(paths, kinds)
-        self._buffers(items, [b if k != MKDIR else b"" for b, k in zip(buffers, kinds, strict=True)], False)
+        dirs = (MKDIR, TAKEDIR)
+        self._buffers(items, [b if k not in dirs else b"" for b, k in zip(buffers, kinds, strict=True)], False)
         items["pad"] = pads
         if fsync not in (None, "each", "group"):
             raise ValueError(f"fsync={fsync!r}; expected None, 'each' or 'group'")
@@ -235,7 +242,8 @@ class BatchIO:
             else 0
         )
         wb = writeback_min if writeback_min is not None else 2**64 - 1
-        done = self._lib.gbio_write(os.fsencode(root), items.ctypes.data, len(items), flags, wb)
+        taken = None if reuse is None else os.fsencode(reuse)
+        done = self._lib.gbio_write(os.fsencode(root), items.ctypes.data, len(items), flags, wb, taken)
         del blob  # referenced until the call returned
         return items, self._stop(items, done, root)
 

@@ -136,6 +136,9 @@ class LocalWriter(CheckpointWriter):
         self._maps: FileMaps | None = None  # kept maps of reused files, written through (reuse_files_of)
         #: chunk files written through a map of the reused file (:meth:`_write_mapped`)
         self.mapped_writes = 0
+        #: directories of arrays stored as one small chunk taken whole from the reused directory
+        #: and their files written over (:meth:`_write_native`, ``gbio_write``'s ``TAKEDIR``)
+        self.taken_dirs = 0
         self._begun = "new"  # how the target looked when the save began (see _target_mode)
 
     @property
@@ -548,14 +551,18 @@ class LocalWriter(CheckpointWriter):
         pads: list[int] = []
         made: list[Path] = []
         documents = batch.documents or [None] * len(batch.names)
+        # an array stored as one chunk: its directory, document and chunk come together, so
+        # that its directory in the retired part (if any) is taken whole and written over
+        take = self._reused is not None
         for name, key, buf, pad, document in zip(
             batch.names, batch.keys, batch.buffers, batch.pads, documents, strict=True
         ):
             if document is not None:
-                kinds += (batchio.MKDIR, batchio.FILE)
+                whole = take and "/" not in name and "/" not in key
+                kinds += (batchio.TAKEDIR if whole else batchio.MKDIR, batchio.FILE)
                 paths += (name, f"{name}/zarr.json")
                 buffers += (b"", document)
-                pads += (0, 0)
+                pads += (2 if whole else 0, 0)
                 made.append(Path(f"{self.tmp}/{name}"))
             kinds.append(batchio.CHUNK)
             paths.append(f"{name}/{key}")
@@ -570,7 +577,9 @@ class LocalWriter(CheckpointWriter):
             pads,
             fsync="group" if self.sync == "file" else None,
             writeback_min=_WRITEBACK_MIN if self.sync == "fs" else None,
+            reuse=None if self._reused is None else os.fspath(self._reused),
         )
+        self.taken_dirs += int(items["taken"][items["kind"] == batchio.TAKEDIR].sum())
         if self.sync == "file":
             self._dirs.extend(made)
         if stop is not None:
