@@ -228,7 +228,8 @@ class BatchIO:
         """
         items, blob = self._items(paths, kinds)
         dirs = (MKDIR, TAKEDIR)
-        self._buffers(items, [b if k not in dirs else b"" for b, k in zip(buffers, kinds, strict=True)], False)
+        data = [b if k not in dirs else b"" for b, k in zip(buffers, kinds, strict=True)]
+        self._buffers(items, data, False)
         items["pad"] = pads
         if fsync not in (None, "each", "group"):
             raise ValueError(f"fsync={fsync!r}; expected None, 'each' or 'group'")
