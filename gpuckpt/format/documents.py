@@ -249,6 +249,36 @@ def _as_written(raw: bytes | bytearray) -> Any:
         return None
 
 
+def leading_planner_entry(raw: bytes | bytearray, key: str) -> tuple[bool, Any]:
+    """``(True, planner_data[key])`` of a root document exactly as :func:`root_document` writes
+    it, its checksum checked on the stored bytes, when that entry is the first of the
+    metadata's canonical form (sorted keys: ``planner_data`` is the first key of the metadata,
+    and ``key`` the first of its entries when no other sorts before it); ``(False, None)``
+    otherwise: the caller reads the whole (:func:`metadata_json`).
+
+    A local tier's part record is such an entry: a restore lists every part of a tier, and
+    parsing the whole document of a part of 289 tensors took 1.6 ms (of 10,000, tens of ms)
+    for the few fields it needs."""
+    if len(raw) > MAX_ROOT_DOCUMENT_BYTES or not raw.startswith(_ROOT_PREFIX):
+        return False, None
+    lead = b'{"planner_data":{' + json.dumps(key).encode() + b":"
+    start = len(_ROOT_PREFIX)
+    if raw[start : start + len(lead)] != lead:
+        return False, None
+    tail = _ROOT_SUFFIX.search(raw, start)
+    if tail is None:
+        return False, None
+    canonical = memoryview(raw)[start : tail.start()]
+    if crc32c_loaded(canonical) != int(tail.group(1)):
+        return False, None
+    text = _text(canonical[len(lead) :])
+    try:
+        value, _end = json.JSONDecoder().raw_decode(text)
+    except (ValueError, RecursionError):
+        return False, None
+    return True, value
+
+
 def metadata_json(raw: bytes | bytearray, where: str) -> Any:
     """The JSON value of the metadata of a root ``zarr.json``, its checksum checked (the value
     itself is not: :func:`gpuckpt.format.reader.read_index` checks it); raises :class:`MetadataError`."""

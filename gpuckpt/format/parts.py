@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpuckpt.errors import MetadataError
-from gpuckpt.format.documents import metadata_json
+from gpuckpt.format.documents import leading_planner_entry, metadata_json
 
 __all__ = ["PART_KEY", "PartRecord", "part_name", "parse_part_name"]
 
@@ -88,6 +88,9 @@ class PartRecord:
         MetadataError
             When the document is damaged or the entry malformed.
         """
+        found, entry = leading_planner_entry(raw, PART_KEY)
+        if found:  # (a part as the tier writes it: the record alone is parsed)
+            return cls.from_planner_data({PART_KEY: entry})
         md = metadata_json(raw, where)
         return cls.from_planner_data(md.get("planner_data") if isinstance(md, dict) else None)
 

@@ -154,6 +154,44 @@ def test_a_part_record_is_read_from_the_root_document_alone(tmp_path: Any) -> No
         PartRecord.from_root_document(damaged, str(root))
 
 
+def test_a_part_record_as_written_is_read_without_parsing_the_rest(tmp_path: Any, monkeypatch: Any) -> None:
+    """A part's root document as gpuckpt writes it: its record is the metadata's first entry,
+    read with the document's checksum checked on its bytes and the rest not parsed (the
+    whole-document path is not called); a byte changed after the record (in a tensor's
+    entry) fails that checksum and the whole-document path refuses it; a document written
+    another way (keys reordered, spaced) takes the whole-document path and gives the same record."""
+    import json
+
+    import gpuckpt.format.parts as parts_module
+
+    rec = PartRecord(9, "xyz", 1, 2, "n0", "L", {"w": (((0, 0), (4, 3)),)})
+    path = tmp_path / part_name(9, 1)
+    save_with_options(
+        {"w": np.ones((2, 3), np.float32)}, path, SaveOptions(planner_extra={PART_KEY: rec.to_json()})
+    )
+    raw = (path / "zarr.json").read_bytes()
+    whole = parts_module.metadata_json
+    calls: list[str] = []
+
+    def counted(data: Any, where: str) -> Any:
+        calls.append(where)
+        return whole(data, where)
+
+    monkeypatch.setattr(parts_module, "metadata_json", counted)
+    assert PartRecord.from_root_document(raw, "as-written") == rec
+    assert calls == []
+    tail = raw.index(b'"state_dict_metadata"')
+    damaged = raw[:tail] + raw[tail:].replace(b'"w"', b'"v"', 1)
+    assert damaged != raw
+    with pytest.raises(MetadataError, match="checksum"):
+        PartRecord.from_root_document(damaged, "damaged")
+    assert calls == ["damaged"]
+    doc = json.loads(raw)
+    respaced = json.dumps({k: doc[k] for k in reversed(list(doc))}, indent=1).encode()
+    assert PartRecord.from_root_document(respaced, "respaced") == rec
+    assert calls == ["damaged", "respaced"]
+
+
 def test_a_part_view_shares_arrays_and_round_trips() -> None:
     w = np.arange(12.0).reshape(3, 4)
     state = {
