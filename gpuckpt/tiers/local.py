@@ -14,7 +14,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -671,12 +671,22 @@ class LocalTier(PartExchange):
             sends = {r: r for r, h in senders.items() if h == self.rank and r != self.rank}
             mine = senders[self.rank]
             fetched: list[Received] = []
+            path = self.dir / part_name(step, self.rank)
+            local: Future[None] | None = None
             if any(h != r for r, h in senders.items()):  # (the same on every rank: no round if none)
                 # into the state's arrays where they allow it, the rest into a buffer of its own
                 # (kept for the tier's copy, written after the restore returns)
                 receive = [] if mine == self.rank else [mine]
-                fetched = self._exchange(step, sends, receive, c, ReceiveBuffer(), into=view)
-            path = self.dir / part_name(step, self.rank)
+                if mine == self.rank:
+                    # this rank's own part is loaded while the round serves the replicas it
+                    # holds: a restore then takes the longer of the two, not both one after the
+                    # other (the transport's copy runs mostly on the receiving ranks)
+                    local = self._writer.submit(api.load, view, path, **load_options)
+                try:
+                    fetched = self._exchange(step, sends, receive, c, ReceiveBuffer(), into=view)
+                finally:  # (no load still writes into the state when the round's error is raised)
+                    if local is not None:
+                        wait([local])
             error: BaseException | None = None
             nbytes = 0
             try:
@@ -686,7 +696,10 @@ class LocalTier(PartExchange):
                         api.load(view, url, **load_options)
                     nbytes = got.nbytes
                 else:
-                    api.load(view, path, **load_options)
+                    if local is None:
+                        api.load(view, path, **load_options)
+                    else:
+                        local.result()
                     nbytes = tree_bytes(path)
                 copy_values_back(state, view)
             except Exception as exc:

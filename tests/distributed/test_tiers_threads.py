@@ -91,6 +91,42 @@ def test_a_replaced_node_gets_its_parts_from_the_replicas(tiers: Any, tmp_path: 
     assert _steps_in(tmp_path / "n1") == [] and _steps_in(tmp_path / "n0") == replicas
 
 
+def test_a_kept_rank_loads_its_own_part_while_it_serves_the_replicas(
+    tiers: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A replaced node's restore: the kept node's ranks send the replicas they hold and load
+    their own parts at the same time (the round does not wait for the loads, nor the loads
+    for the round). Each kept rank's round is held here until its own load has begun: without
+    the overlap that never happens and the round goes on after a timeout, recorded."""
+    import gpuckpt.tiers.local as local_module
+
+    _trained(tiers, tmp_path)
+    shutil.rmtree(tmp_path / "n1")
+    began = {r: threading.Event() for r in range(4)}
+    seen: dict[int, bool] = {}
+    load, exchange = local_module.api.load, local_module.LocalTier._exchange
+
+    def loading(state: Any, path: Any, **kw: Any) -> None:
+        name = Path(str(path)).name
+        for r in range(4):
+            if name == part_name(5, r):
+                began[r].set()
+        load(state, path, **kw)
+
+    def held(self: Any, step: int, sends: Any, receive: Any, *a: Any, **kw: Any) -> Any:
+        if kw.get("into") is not None and not receive:  # a restore's round on a rank with its part
+            seen[self.rank] = began[self.rank].wait(timeout=5)
+        return exchange(self, step, sends, receive, *a, **kw)
+
+    monkeypatch.setattr(local_module.api, "load", loading)
+    monkeypatch.setattr(local_module.LocalTier, "_exchange", held)
+    got = _restored(tiers, tmp_path)
+    want = {"0": ["local", None], "1": ["local", None], "2": ["peer", 0], "3": ["peer", 1]}
+    for r, g in enumerate(got):
+        assert g["step"] == 5 and g["exact"] and g["parts"] == want, (r, g)
+    assert seen == {0: True, 1: True}
+
+
 def test_after_a_replaced_nodes_restore_the_next_save_fills_its_tier_again(
     tiers: Any, tmp_path: Path
 ) -> None:
