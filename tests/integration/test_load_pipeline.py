@@ -337,13 +337,18 @@ def test_without_the_native_loop_cached_chunks_are_read_through_the_cache(
         assert not crccopy.available()
         reader, out = _load_with_reader(tmp_path / "c", HostBackend())
         assert out["x"].tobytes() == value.tobytes()
-        assert reader.read_paths == {"cached": 0, "direct": 9, "buffered": 0}  # cold: around the cache
+        assert reader.read_paths == {
+            "cached": 0,
+            "direct": 9,
+            "buffered": 0,
+            "memory": 0,
+        }  # cold: around the cache
         for path in (tmp_path / "c").rglob("*"):
             if path.is_file():
                 path.read_bytes()  # now cached
         reader, out = _load_with_reader(tmp_path / "c", HostBackend())
         assert out["x"].tobytes() == value.tobytes()
-        assert reader.read_paths == {"cached": 0, "direct": 0, "buffered": 9}
+        assert reader.read_paths == {"cached": 0, "direct": 0, "buffered": 9, "memory": 0}
     finally:
         monkeypatch.delenv("GPUCKPT_CRCCOPY")
         crccopy._instance.cache_clear()
@@ -406,7 +411,8 @@ def test_tmpfs_loads_read_in_pieces() -> None:
         gpuckpt.save({"x": value}, root / "c", chunk_bytes=2 << 20)
         reader, out = _load_with_reader(root / "c", HostBackend())
         assert out["x"].tobytes() == value.tobytes()
-        assert reader.read_paths == {"cached": 0, "direct": 0, "buffered": 4}
+        # (into device memory: staged chunk by chunk; host arrays take them natively, see below)
+        assert reader.read_paths == {"cached": 0, "direct": 0, "buffered": 4, "memory": 0}
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
@@ -447,3 +453,88 @@ def test_cupy_loads_through_pinned_staging(tmp_path: Path, cold: bool) -> None:
     # and through the public function, into CuPy arrays allocated for the load
     loaded = gpuckpt.load_state_dict(tmp_path / "c", device="cuda", threads=4)
     assert cupy.asnumpy(loaded["big"]).tobytes() == state["big"].tobytes()
+
+
+# ---- a store that keeps its files in memory (tmpfs) ------------------------------------------
+
+
+def _mounts() -> dict[str, str]:
+    """Mount point -> file system type, from /proc/mounts."""
+    out: dict[str, str] = {}
+    with open("/proc/mounts") as f:
+        for line in f:
+            fields = line.split()
+            if len(fields) >= 3:
+                out[fields[1]] = fields[2]
+    return out
+
+
+def _fs_type(path: Path) -> str:
+    mounts = _mounts()
+    p = path.resolve()
+    for candidate in [p, *p.parents]:
+        if str(candidate) in mounts:
+            return mounts[str(candidate)]
+    return ""
+
+
+@pytest.fixture
+def shm_dir() -> Any:
+    if not Path("/dev/shm").is_dir() or _fs_type(Path("/dev/shm")) != "tmpfs":
+        pytest.skip("no tmpfs at /dev/shm")
+    d = Path(tempfile.mkdtemp(prefix="gpuckpt-test-", dir="/dev/shm"))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def test_memory_backed_tells_tmpfs_from_a_disk(shm_dir: Path, tmp_path: Path) -> None:
+    from gpuckpt.storage.local import fsutil
+
+    assert fsutil.memory_backed(shm_dir)
+    assert fsutil.memory_backed(tmp_path) == (_fs_type(tmp_path) in ("tmpfs", "ramfs"))
+    assert not fsutil.memory_backed(tmp_path / "missing")
+
+
+def test_on_tmpfs_chunk_files_of_a_few_mib_are_read_natively_and_checked(shm_dir: Path) -> None:
+    """On a file system that keeps its files in memory, chunk files under 8 MiB go to the native
+    batches (no page cache to probe, no disk to read around): read bit-exactly, counted as
+    ``"memory"``; larger ones are still read in pieces (``"buffered"``). A flipped byte in such
+    a file is a ChecksumError naming the tensor and the chunk; a file cut short is an error
+    naming it too, never a short array."""
+    from gpuckpt.storage.local import batchio
+
+    if batchio.instance() is None:
+        pytest.skip("the native library is not built here")
+    rng = np.random.default_rng(5)
+    state = {
+        "mid": rng.standard_normal((512, 1024), np.float32),  # 2 MiB: one chunk file
+        "big": rng.standard_normal((3, 1 << 20), np.float32),  # 12 MiB: read in pieces
+        "small": np.arange(10, dtype=np.float32),
+    }
+    path = shm_dir / "ck"
+    gpuckpt.save(state, path)
+    from gpuckpt.device.arrays import adapt
+
+    ck = open_checkpoint(path, direct_io=True, shared=False)
+    reader = ck.reader
+    assert isinstance(reader, LocalReader)
+    entries: list[TensorEntry] = list(ck.index.tensors.values())
+    check_chunk_files(reader, entries)
+    out = {t.fqn: np.zeros(t.shape, t.dtype) for t in entries}  # host arrays: read straight in
+    read_tensors(reader, [(t, adapt(out[t.fqn])) for t in entries], LoadOptions(threads=2))
+    for k, v in state.items():
+        assert np.array_equal(out[k], v), k
+    assert reader.read_paths["memory"] == 1 and reader.read_paths["buffered"] == 1, reader.read_paths
+    target = {k: np.zeros_like(v) for k, v in state.items()}
+    gpuckpt.load(target, path)  # the load's own reader: the same paths
+    assert all(np.array_equal(target[k], v) for k, v in state.items())
+    (chunk,) = [p for p in (path / "mid").iterdir() if p.name != "zarr.json"]
+    raw = bytearray(chunk.read_bytes())
+    raw[1_000_000] ^= 0x40
+    chunk.write_bytes(bytes(raw))
+    with pytest.raises(gpuckpt.ChecksumError, match=r"mid.*chunk|chunk.*mid"):
+        gpuckpt.load(target, path)
+    raw[1_000_000] ^= 0x40
+    chunk.write_bytes(bytes(raw[:-100]))
+    with pytest.raises(gpuckpt.GpuckptError, match="mid"):
+        gpuckpt.load(target, path)

@@ -110,6 +110,22 @@ def preallocate(fd: int, nbytes: int) -> None:
         fn(fd, ctypes.c_int(_FALLOC_FL_KEEP_SIZE), ctypes.c_int64(0), ctypes.c_int64(nbytes))
 
 
+#: ``statfs`` magic numbers of file systems that keep every file in memory (linux/magic.h)
+_MEMORY_FS = {0x01021994: "tmpfs", 0x858458F6: "ramfs"}
+
+
+def memory_backed(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` lies on a file system that keeps its files in memory (tmpfs, ramfs):
+    every read is a copy out of memory, never a disk's. False where that cannot be told."""
+    fn = getattr(_libc, "statfs", None)
+    if fn is None:
+        return False
+    buf = ctypes.create_string_buffer(512)  # struct statfs, its first field f_type (a long)
+    if fn(os.fsencode(path), buf) != 0:
+        return False
+    return ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF in _MEMORY_FS
+
+
 def first_page_cached(fd: int) -> bool | None:
     """Whether the first page of the file ``fd`` is in the page cache; None where that cannot be
     told (an empty file, no ``mincore``). A shared mapping and ``mincore(2)``: it reads nothing
