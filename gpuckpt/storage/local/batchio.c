@@ -190,12 +190,10 @@ static int fail(struct gbio_item *it, int step, int err)
     return -1;
 }
 
-/* Write one item; a file to be fsynced with its group stays open, its fd in *keep. A chunk's
- * data is copied into copy (at least nbytes long) first, and checksummed and written from
- * there: the caller's memory is read once, so the trailer is the CRC-32C of the very bytes
- * written even if the caller changes its memory meanwhile (a torn value is stored with its
- * own checksum, never a file that contradicts its trailer). */
 static int64_t empty_dir(int dir, int depth);
+
+/* "." or "..": listed by readdir, never an entry to remove or count */
+static int dot_entry(const char *name) { return name[0] == '.' && (!name[1] || (name[1] == '.' && !name[2])); }
 
 /* Remove the entry name of dir whatever it is (a tree: all of it), links not followed. */
 static int remove_entry(int dir, const char *name)
@@ -240,8 +238,13 @@ static int open_over(int dir, const char *path, uint64_t *old, uint32_t *over)
     return fd;
 }
 
-/* over: the item's directory was taken from the reused tree (see gbio_write): its file is
- * written over the one there, and cut where the new bytes end. */
+/* Write one item; a file to be fsynced with its group stays open, its fd in *keep. A chunk's
+ * data is copied into copy (at least nbytes long) first, and checksummed and written from
+ * there: the caller's memory is read once, so the trailer is the CRC-32C of the very bytes
+ * written even if the caller changes its memory meanwhile (a torn value is stored with its
+ * own checksum, never a file that contradicts its trailer). over: the item's directory was
+ * taken from the reused tree (see gbio_write): its file is written over the one there, and cut
+ * where the new bytes end. */
 static int write_one(int dir, struct gbio_item *it, uint32_t flags, uint64_t writeback_min, int *keep,
                      uint8_t *copy, int over)
 {
@@ -358,7 +361,7 @@ static int prune_dir(int dir, struct gbio_item *items, uint64_t count)
         struct dirent *e;
         while ((e = readdir(d)) != NULL) {
             const char *name = e->d_name;
-            if (name[0] == '.' && (name[1] == 0 || (name[1] == '.' && name[2] == 0))) continue;
+            if (dot_entry(name)) continue;
             int named = 0;
             for (uint64_t k = 1; k <= count && !named; k++) named = strcmp(items[k].path + prefix, name) == 0;
             if (named) continue;
@@ -651,7 +654,7 @@ static int64_t empty_dir(int dir, int depth)
         errno = 0;
         while ((e = readdir(d)) != NULL) {
             const char *name = e->d_name;
-            if (name[0] == '.' && (name[1] == 0 || (name[1] == '.' && name[2] == 0))) continue;
+            if (dot_entry(name)) continue;
             int is_dir = e->d_type == DT_DIR;
             if (e->d_type == DT_UNKNOWN) {
                 struct stat st;
@@ -721,20 +724,20 @@ static int64_t sum_dir(int dir, int depth, uint64_t *total)
     struct dirent *e;
     while ((e = readdir(d)) != NULL) {
         const char *name = e->d_name;
-        if (name[0] == '.' && (name[1] == 0 || (name[1] == '.' && name[2] == 0))) continue;
-        if (e->d_type == DT_DIR) {
-            if (depth >= TREE_DEPTH) continue;
-            int sub = openat(fd, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
-            if (sub >= 0) files += sum_dir(sub, depth + 1, total);
-            continue;
+        if (dot_entry(name)) continue;
+        int is_dir = e->d_type == DT_DIR;
+        if (!is_dir) {
+            if (e->d_type != DT_REG && e->d_type != DT_UNKNOWN) continue;
+            struct stat st;
+            if (fstatat(fd, name, &st, AT_SYMLINK_NOFOLLOW)) continue;
+            if (S_ISREG(st.st_mode)) {
+                *total += (uint64_t)st.st_size;
+                files++;
+                continue;
+            }
+            is_dir = S_ISDIR(st.st_mode); /* a file system without d_type */
         }
-        if (e->d_type != DT_REG && e->d_type != DT_UNKNOWN) continue;
-        struct stat st;
-        if (fstatat(fd, name, &st, AT_SYMLINK_NOFOLLOW)) continue;
-        if (S_ISREG(st.st_mode)) {
-            *total += (uint64_t)st.st_size;
-            files++;
-        } else if (S_ISDIR(st.st_mode) && depth < TREE_DEPTH) { /* a file system without d_type */
+        if (is_dir && depth < TREE_DEPTH) {
             int sub = openat(fd, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
             if (sub >= 0) files += sum_dir(sub, depth + 1, total);
         }

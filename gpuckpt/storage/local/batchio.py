@@ -37,6 +37,7 @@ __all__ = [
     "Stop",
     "available",
     "instance",
+    "instance_or_none",
     "load_library",
 ]
 
@@ -438,6 +439,15 @@ def instance() -> BatchIO | None:
             "or failed its self-test: reinstall gpuckpt with a C compiler on PATH, or unset GPUCKPT_BATCHIO"
         )
     return lib
+
+
+def instance_or_none() -> BatchIO | None:
+    """:func:`instance`, or None where it raises (``GPUCKPT_BATCHIO=on`` without the library,
+    or an unknown value): for callers with a path of their own that need not report it."""
+    try:
+        return instance()
+    except (ImportError, ValueError):
+        return None
 
 
 def available() -> bool:

@@ -391,10 +391,7 @@ def native_tree_bytes(path: str | os.PathLike[str]) -> int | None:
     """The bytes of the regular files below the directory ``path``, links not followed, counted
     natively (:meth:`~gpuckpt.storage.local.batchio.BatchIO.tree_bytes`, the GIL released);
     None where the library is not built, or ``path`` is no directory it can open."""
-    try:
-        lib = batchio.instance()
-    except (ImportError, ValueError):
-        return None
+    lib = batchio.instance_or_none()
     if lib is None:
         return None
     try:

@@ -95,10 +95,7 @@ def _crc(data: Any, value: int = 0) -> int:
     of 256 KiB to 1 MiB paid that.
     """
     if memoryview(data).nbytes >= SMALL_BYTES and not large_backend_ready():
-        try:
-            lib = batchio.instance()
-        except (ImportError, ValueError):
-            lib = None  # the batches that need it raise the same error
+        lib = batchio.instance_or_none()  # (the batches that need it raise its error)
         if lib is not None:
             return lib.crc32c(data, value)
     return crc32c(data, value)
@@ -193,6 +190,8 @@ class LocalReader(CheckpointReader):
     def _note_memory(self, batch: ChunkReads, start: int, stop: int) -> None:
         """Counts the chunks of ``batch[start:stop]`` of :data:`NATIVE_MAX_BYTES` or more (read
         natively because the store keeps its files in memory)."""
+        if not self._memory:
+            return
         large = sum(
             memoryview(b).nbytes + p >= NATIVE_MAX_BYTES
             for b, p in zip(batch.buffers[start:stop], batch.pads[start:stop], strict=True)

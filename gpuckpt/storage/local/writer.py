@@ -136,9 +136,6 @@ class LocalWriter(CheckpointWriter):
         self._maps: FileMaps | None = None  # kept maps of reused files, written through (reuse_files_of)
         #: chunk files written through a map of the reused file (:meth:`_write_mapped`)
         self.mapped_writes = 0
-        #: directories of arrays stored as one small chunk taken whole from the reused directory
-        #: and their files written over (:meth:`_write_native`, ``gbio_write``'s ``TAKEDIR``)
-        self.taken_dirs = 0
         self._begun = "new"  # how the target looked when the save began (see _target_mode)
 
     @property
@@ -579,7 +576,6 @@ class LocalWriter(CheckpointWriter):
             writeback_min=_WRITEBACK_MIN if self.sync == "fs" else None,
             reuse=None if self._reused is None else os.fspath(self._reused),
         )
-        self.taken_dirs += int(items["taken"][items["kind"] == batchio.TAKEDIR].sum())
         if self.sync == "file":
             self._dirs.extend(made)
         if stop is not None:
