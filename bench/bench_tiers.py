@@ -10,9 +10,14 @@ local_max_to_keep=2)``; only the last step is persisted to the root (its drain r
 measurements, never under one). Each figure is a ratio to a ceiling measured in the same run,
 on the same bytes, by the same ranks at the same time:
 
-1. ``save`` blocks: ``mgr.save(step, state)`` against a host copy of the same arrays into
-   staging memory allocated once (``gpuckpt.background.copy_host_arrays``, the snapshot's own
-   copy), per rank (the worst rank is shown); target <= 1.1.
+1. ``save`` blocks: ``mgr.save(step, state)`` against a host copy of the same arrays
+   (``gpuckpt.background.copy_host_arrays``, the snapshot's own copy) into the snapshots' own
+   staging memory (taken from their pool, ``gpuckpt.background.host_arena_pool``, between
+   saves), per rank (the worst rank is shown); target <= 1.1. On this VM two allocations of
+   the same size need not copy equally fast (four 256 MiB arenas of one process, filled by
+   turns: medians 13.1-16.1 ms in one run, 16.9-18.2 in another): a ceiling copying into memory
+   of its own would compare the product with a luckier or unluckier allocation. That copy is
+   shown per rank too.
 2. the tier's write: from the part's write starting on the writer thread to the part committed
    in the tier (timed by wrappers around the calls the tier makes: ``gpuckpt.background.submit``
    and ``LocalTier._finish``; see ``bench/tiers_ranks.py``'s ``TierProbe``) against the
@@ -35,7 +40,9 @@ on the same bytes, by the same ranks at the same time:
 5. restore from the tier against restoring the same step from the root cold (a manager
    without a tier, ``restore(step=...)``), its files evicted first: ``drop_caches`` is tried
    and, where refused (in a container), ``posix_fadvise(POSIX_FADV_DONTNEED)`` per file, the
-   fraction still resident checked with ``mincore``; time ratio, target >= 5.
+   fraction still resident checked with ``mincore``; time ratio, target >= 5. Shown too: the
+   root's cold restore against figure 4's plain read, the figure a tier restore as fast as a
+   plain read of its files (and checking nothing) would reach here.
 6. a replaced node: n1's local tier moved aside (an empty tier; put back after the round, so
    that the other rounds find it as before), 4 ranks (new managers) restore, n1's parts
    fetched from their replicas on n0; bytes of a part per second of the whole restore against
@@ -43,7 +50,11 @@ on the same bytes, by the same ranks at the same time:
    (``LocalTier._exchange``, wrapped: the transfer, straight into the restored arrays, which
    the load then checks in place), one-way ``exchange_buffers`` on the same pairs, one-way from
    files of the tier's tmpfs into the arrays (a holder sends from such files), and the restore
-   against figure 3's exchange between tmpfs files.
+   against figure 3's exchange between tmpfs files; and the least such a restore does, plainly:
+   each kept rank reads its own part's files (as figure 4's plain read) while it sends the
+   replica it holds from files of the tier's tmpfs, each replaced rank receives into its
+   arrays, all ranks at once and nothing checked, against figure 3's transport: figure 6's
+   bound on this machine, where the kept ranks' reads and the transfers share its cores.
 7. a single-process training loop (numpy 512x512 float32 matmuls, about 0.1 s a step; this
    process, no MPI) with ``CheckpointManager(root, local_dir=..., replicas=0,
    persist_interval_steps=P*K, save_interval_steps=K)`` saving every K-th step to the tier
@@ -301,11 +312,13 @@ def figures_of_ranks(ranks: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[
         save = [row[i] for row in _rounds(ranks, "save_rounds", "save_s")]
         copy = [row[i] for row in _rounds(ranks, "save_rounds", "copy_s")]
         snap = [row[i] for row in _rounds(ranks, "save_rounds", "snapshot_s")]
+        own = [row[i] for row in _rounds(ranks, "save_rounds", "copy_own_s")]
         per_rank.append(
             {
                 "rank": rk["rank"],
                 "save_s": _median(save),
                 "copy_s": _median(copy),
+                "copy_own_s": _median(own),
                 "snapshot_s": _median(snap),
                 "ratio": _median(save) / _median(copy),
                 "times_s": save,
@@ -377,6 +390,13 @@ def figures_of_ranks(ranks: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[
     )
 
     extras: dict[str, Any] = {}
+    staged = [x for row in _rounds(ranks, "save_rounds", "staging_bytes") for x in row]
+    extras[
+        "1: staging memory of a rank's snapshots, which its ceiling copies into (max bytes; state bytes)"
+    ] = [
+        int(max(staged)),
+        int(state),
+    ]
     for what, field in (("write() over files", "plain_write_s"), ("a copy into kept maps", "plain_mapped_s")):
         t = _slowest(ranks, "save_rounds", field)
         extras[f"2: the plain copy by {what}, GB/s per rank"] = state / _median(t) / 1e9
@@ -400,6 +420,19 @@ def figures_of_ranks(ranks: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[
     extras["6: replaced node's restore against the exchange of figure 3 between tmpfs files (ratio)"] = (
         _median(xt) / xbytes * pbytes / _median(pt)
     )
+    # what these figures could reach here at all: a tier restore at the plain read's speed; a
+    # replaced node's restore doing only the reads and the transfer it needs, no checks
+    extras["5: the root cold restore against the plain read (figure 5 if a tier restore took no longer)"] = (
+        _median(root_t) / _median(_slowest(ranks, "restore_rounds", "plain_read_s"))
+    )
+    lt = _slowest(ranks, "restore_rounds", "peer_least_s")
+    extras[
+        "6: the least restore of a replaced node, plain (kept ranks read their parts while "
+        "sending, replaced ranks receive), GB/s per replaced rank"
+    ] = pbytes / _median(lt) / 1e9
+    extras["6: that least restore against the transport of figure 3 (figure 6's bound here)"] = (
+        pbytes / _median(lt)
+    ) / (xbytes / _median(xtimes))
     warm = [[float(x[f]) for x in ranks[0]["save_rounds"] if x["warmup"]] for f in ("write_s", "replicate_s")]
     extras["2, 3: warm-up steps (not in the figures): write s, replication s (rank 0)"] = [
         [round(v, 3) for v in w] for w in warm
@@ -653,7 +686,7 @@ def print_table(res: dict[str, Any]) -> None:
         print(
             f"  1: rank {f['rank']}: save {f['save_s']:.3f} s ({_spread(f['times_s'])}), of which the part's "
             f"snapshot {f['snapshot_s']:.3f} s; host copy {f['copy_s']:.3f} s ({_spread(f['ceiling_times_s'])}); "
-            f"ratio {f['ratio']:.2f}"
+            f"ratio {f['ratio']:.2f}; host copy into memory of its own {f['copy_own_s']:.3f} s"
         )
     for k, v in res["extras"].items():
         print(f"  {k}: {v:.3f}" if isinstance(v, float) else f"  {k}: {v}")

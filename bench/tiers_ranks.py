@@ -38,7 +38,7 @@ import gpuckpt  # noqa: E402
 import gpuckpt.background as background_module  # noqa: E402
 import gpuckpt.tiers.local as tiers_module  # noqa: E402
 from bench.compare.common import cut_from, drop_cache  # noqa: E402
-from gpuckpt.background import copy_host_arrays, host_order  # noqa: E402
+from gpuckpt.background import copy_host_arrays, host_arena_pool, host_order  # noqa: E402
 from gpuckpt.device.staging import HostAllocator, StagingArena, aligned_bytes  # noqa: E402
 from gpuckpt.format.parts import part_name  # noqa: E402
 from gpuckpt.planning.tiers import replica_holders  # noqa: E402
@@ -368,7 +368,9 @@ def save_phase(k: Rank) -> dict[str, Any]:
     tier = mgr._tiered.tier
     assert tier is not None
     arena = StagingArena(HostAllocator())
+    pool = host_arena_pool()
     orders = [host_order(a) for a in arrays]
+    need = sum(aligned_bytes(a.nbytes) for a in arrays)
     recv = {s: [np.zeros_like(a) for a in arrays] for s in tier.held}  # the peers' arrays: same sizes
     plain_dir = k.local_dir / f".plain-r{rank}"  # figure 2's ceiling: its files kept, overwritten
     sizes = [a.nbytes for a in arrays]
@@ -380,8 +382,15 @@ def save_phase(k: Rank) -> dict[str, Any]:
         rec: dict[str, Any] = {"step": step, "warmup": step <= k.args.warmup}
         k.state["step"] = step
 
-        def copy() -> None:
-            arena.reset(sum(aligned_bytes(a.nbytes) for a in arrays))
+        def copy() -> None:  # into the snapshots' own staging memory, between saves
+            taken = pool.acquire(need)
+            try:
+                copy_host_arrays(arrays, orders, taken)
+            finally:
+                pool.release(taken)
+
+        def copy_own() -> None:  # into memory of its own, allocated once
+            arena.reset(need)
             copy_host_arrays(arrays, orders, arena)
 
         def save(step: int = step, rec: dict[str, Any] = rec) -> None:
@@ -415,8 +424,13 @@ def save_phase(k: Rank) -> dict[str, Any]:
 
         def host_copy(rec: dict[str, Any] = rec) -> None:
             rec["copy_s"] = h.timed(copy)
+            rec["staging_bytes"] = pool.reserved_bytes()
+
+        def host_copy_own(rec: dict[str, Any] = rec) -> None:
+            rec["copy_own_s"] = h.timed(copy_own)
 
         ops = {"copy": host_copy, "save": save, "write": write, "exchange": exchange}
+        ops["copy_own"] = host_copy_own
         ops["exchange_tmpfs"] = exchange_tmpfs
         ops["write_mapped"] = write_mapped
         for name in _order(list(ops), step):
@@ -523,8 +537,28 @@ def restore_phase(k: Rank) -> dict[str, Any]:
             for v in (x for vs in sends.values() for x in vs):
                 v.release()
 
+        def peer_least(rec: dict[str, Any] = rec) -> None:
+            # the least a replaced node's restore does, plainly, no checks: each kept rank reads
+            # its own part's files while it sends a replica from files of the tier's tmpfs, and
+            # each replaced rank receives into its arrays; all at once, on the cores the
+            # restore has (figure 6's bound on this machine)
+            sends = {d: from_files.views() for d in one_sends}
+            recvs = {s: _bytes(bufs) for s, bufs in one_recvs.items()}
+
+            def least() -> None:
+                with ThreadPoolExecutor(1) as ex:
+                    own = ex.submit(plain_read, files, read_bufs, k.threads) if rank not in peers else None
+                    k.transport.exchange_buffers(sends, recvs)
+                    if own is not None:
+                        own.result()
+
+            rec["peer_least_s"] = h.timed(least)
+            for v in (x for vs in sends.values() for x in vs):
+                v.release()
+
         ops = {"read": read, "tier": restore_tier, "root": restore_root}
         ops.update(peer=restore_peer, one_way=exchange_one_way, one_way_tmpfs=one_way_tmpfs)
+        ops.update(peer_least=peer_least)
         for name in _order(list(ops), r):
             ops[name]()
         rounds.append(rec)

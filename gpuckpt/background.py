@@ -76,6 +76,14 @@ def _arena_pool(sources: dict[str, tuple[Source, ...]]) -> ArenaPool:
         return pool_for(_pools, backend, max_arenas=2)
 
 
+def host_arena_pool() -> ArenaPool:
+    """The pool that snapshots of host arrays take their staging memory from (a benchmark's
+    ceiling copies into that very memory: two allocations of the same size need not copy as
+    fast on a virtual machine)."""
+    with _lock:
+        return pool_for(_pools, None, max_arenas=2)
+
+
 def snapshot_bytes(sources: dict[str, tuple[Source, ...]]) -> int:
     """What a snapshot of ``sources`` takes of an arena."""
     return sum(aligned_bytes(math.prod(a.shape) * a.dtype.itemsize) for a in _arrays(sources))

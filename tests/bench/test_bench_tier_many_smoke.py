@@ -22,6 +22,7 @@ def test_bench_tier_many_toy_run(tmp_path: Path) -> None:
         assert r["restore_bit_exact"]
         assert r["root_steps"] == []  # a write timed is the tier's part alone, no drain to the root
         assert all(
-            r["median_s"][k] > 0 for k in ("save", "copy", "write", "plain_write", "restore", "plain_read")
+            r["median_s"][k] > 0
+            for k in ("save", "copy", "copy_own", "write", "plain_write", "restore", "plain_read")
         )
     assert not any(q.name.startswith("gpuckpt-tier-many-") for q in tmp_path.iterdir())

@@ -55,6 +55,8 @@ def test_bench_tiers_toy_run(tmp_path: Path, transport: str, layout: str) -> Non
         assert f["measured"] > 0 and f["ceiling"] > 0 and f["ratio"] > 0, (key, f)
         assert f["ceiling_what"] and f["target"] and f["met"] in ("yes", "NO"), (key, f)
     assert res["extras"]["every restore bit-exact"] is True
+    bounds = [v for k, v in res["extras"].items() if "bound here" in k or "if a tier restore took" in k]
+    assert len(bounds) == 2 and all(v > 0 for v in bounds), res["extras"]
     assert res["extras"]["replaced node's parts came from"] == {
         "0": ["local", None],
         "1": ["local", None],

@@ -124,3 +124,21 @@ def test_pageable_arena_told_its_size_takes_one_piece_of_that_size() -> None:
     for n in sizes:
         bounded.take(n)
     assert len(calls) > 1 and max(calls) <= max(1 << 16, max(aligned_bytes(n) for n in sizes)) + page
+
+
+def test_host_arena_pool_is_the_pool_host_snapshots_take_their_memory_from(tmp_path: Path) -> None:
+    import gpuckpt
+    from gpuckpt.background import host_arena_pool
+
+    pool = host_arena_pool()
+    assert host_arena_pool() is pool
+    pool.clear()  # (free arenas of earlier tests dropped: what the save takes is counted below)
+    before = pool.reserved_bytes()
+    state = {"w": np.arange(1 << 18, dtype=np.float32)}  # 1 MiB
+    gpuckpt.async_save(state, tmp_path / "ck").result()
+    assert pool.reserved_bytes() >= before + state["w"].nbytes
+    taken = pool.acquire(state["w"].nbytes)  # the snapshot's arena, free again, of its size
+    try:
+        assert taken.capacity >= state["w"].nbytes
+    finally:
+        pool.release(taken)
