@@ -55,9 +55,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 import gpuckpt  # noqa: E402
-from bench.tiers_ranks import plain_read, plain_write  # noqa: E402
-from gpuckpt.background import copy_host_arrays, host_arena_pool, host_order  # noqa: E402
-from gpuckpt.device.staging import HostAllocator, StagingArena, aligned_bytes  # noqa: E402
+from bench.tiers_ranks import HostCopies, plain_read, plain_write  # noqa: E402
 
 GPT_SHAPES = [("qkv", 3), ("qkv_b", -3), ("proj", 1), ("proj_b", -1), ("ln1", -1), ("ln1_b", -1)]
 GPT_SHAPES += [("ln2", -1), ("ln2_b", -1), ("fc1", 4), ("fc1_b", -4), ("fc2", 4), ("fc2_b", -1)]
@@ -97,10 +95,7 @@ def measure(name: str, state: dict[str, Any], args: argparse.Namespace, work: Pa
     mgr = gpuckpt.CheckpointManager(
         root, local_dir=local, replicas=0, local_max_to_keep=2, persist_interval_steps=NEVER
     )
-    arena = StagingArena(HostAllocator())
-    pool = host_arena_pool()
-    need = sum(aligned_bytes(a.nbytes) for a in arrays)
-    orders = [host_order(a) for a in arrays]
+    copies = HostCopies(arrays)
     files = [plain / f"{i}.bin" for i in range(len(arrays))]
     bufs = [np.empty_like(a) for a in arrays]
     target = {"model": {k: np.zeros_like(v) for k, v in state["model"].items()}, "step": -1}
@@ -114,17 +109,6 @@ def measure(name: str, state: dict[str, Any], args: argparse.Namespace, work: Pa
         fn()
         return time.perf_counter() - t0
 
-    def copy() -> None:  # into the snapshots' own staging memory, between saves
-        taken = pool.acquire(need)
-        try:
-            copy_host_arrays(arrays, orders, taken)
-        finally:
-            pool.release(taken)
-
-    def copy_own() -> None:  # into memory of its own, allocated once
-        arena.reset(need)
-        copy_host_arrays(arrays, orders, arena)
-
     step = 0
     for r in range(args.warmup + args.rounds):
         step += 1
@@ -134,8 +118,8 @@ def measure(name: str, state: dict[str, Any], args: argparse.Namespace, work: Pa
         t1 = time.perf_counter()
         mgr.wait()
         t2 = time.perf_counter()
-        c = timed(copy)
-        own = timed(copy_own)
+        c = timed(copies.into_pool)
+        own = timed(copies.into_own)
         pw = timed(lambda: plain_write(arrays, plain, 4))
         if r < args.warmup:
             continue

@@ -146,6 +146,30 @@ def mapped_copy(arrays: list[np.ndarray], maps: list[mmap.mmap], threads: int) -
             j.result()
 
 
+class HostCopies:
+    """Figure 1's ceilings: a host copy of ``arrays`` (``copy_host_arrays``, a snapshot's own
+    copy) into the snapshots' own staging memory, taken from their pool between saves
+    (:meth:`into_pool`), or into memory of its own allocated once (:meth:`into_own`)."""
+
+    def __init__(self, arrays: list[np.ndarray]) -> None:
+        self.arrays = arrays
+        self.orders = [host_order(a) for a in arrays]
+        self.need = sum(aligned_bytes(a.nbytes) for a in arrays)
+        self.pool = host_arena_pool()
+        self.own = StagingArena(HostAllocator())
+
+    def into_pool(self) -> None:
+        taken = self.pool.acquire(self.need)
+        try:
+            copy_host_arrays(self.arrays, self.orders, taken)
+        finally:
+            self.pool.release(taken)
+
+    def into_own(self) -> None:
+        self.own.reset(self.need)
+        copy_host_arrays(self.arrays, self.orders, self.own)
+
+
 def _read_file(path: Path, buf: np.ndarray) -> None:
     with open(path, "rb", buffering=0) as f:
         view = memoryview(buf)
@@ -367,10 +391,7 @@ def save_phase(k: Rank) -> dict[str, Any]:
     mgr = k.manager(replicas=1, persist_interval_steps=k.last, local_max_to_keep=2)
     tier = mgr._tiered.tier
     assert tier is not None
-    arena = StagingArena(HostAllocator())
-    pool = host_arena_pool()
-    orders = [host_order(a) for a in arrays]
-    need = sum(aligned_bytes(a.nbytes) for a in arrays)
+    copies = HostCopies(arrays)
     recv = {s: [np.zeros_like(a) for a in arrays] for s in tier.held}  # the peers' arrays: same sizes
     plain_dir = k.local_dir / f".plain-r{rank}"  # figure 2's ceiling: its files kept, overwritten
     sizes = [a.nbytes for a in arrays]
@@ -381,17 +402,6 @@ def save_phase(k: Rank) -> dict[str, Any]:
     for step in range(1, k.last + 1):
         rec: dict[str, Any] = {"step": step, "warmup": step <= k.args.warmup}
         k.state["step"] = step
-
-        def copy() -> None:  # into the snapshots' own staging memory, between saves
-            taken = pool.acquire(need)
-            try:
-                copy_host_arrays(arrays, orders, taken)
-            finally:
-                pool.release(taken)
-
-        def copy_own() -> None:  # into memory of its own, allocated once
-            arena.reset(need)
-            copy_host_arrays(arrays, orders, arena)
 
         def save(step: int = step, rec: dict[str, Any] = rec) -> None:
             rec["save_s"] = h.timed(lambda: mgr.save(step, k.state))
@@ -423,11 +433,11 @@ def save_phase(k: Rank) -> dict[str, Any]:
                 v.release()
 
         def host_copy(rec: dict[str, Any] = rec) -> None:
-            rec["copy_s"] = h.timed(copy)
-            rec["staging_bytes"] = pool.reserved_bytes()
+            rec["copy_s"] = h.timed(copies.into_pool)
+            rec["staging_bytes"] = copies.pool.reserved_bytes()
 
         def host_copy_own(rec: dict[str, Any] = rec) -> None:
-            rec["copy_own_s"] = h.timed(copy_own)
+            rec["copy_own_s"] = h.timed(copies.into_own)
 
         ops = {"copy": host_copy, "save": save, "write": write, "exchange": exchange}
         ops["copy_own"] = host_copy_own
