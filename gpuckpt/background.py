@@ -69,19 +69,21 @@ def _arrays(sources: dict[str, tuple[Source, ...]]) -> Iterable[ArrayAdapter]:
     return (s.array for held in sources.values() for s in held)
 
 
-def _arena_pool(sources: dict[str, tuple[Source, ...]]) -> ArenaPool:
-    """The arena pool for this state: page-locked memory when device arrays are involved."""
-    backend = next(iter(device_backends(_arrays(sources))), None)
+def _pool_of(backend: Any) -> ArenaPool:
     with _lock:
         return pool_for(_pools, backend, max_arenas=2)
+
+
+def _arena_pool(sources: dict[str, tuple[Source, ...]]) -> ArenaPool:
+    """The arena pool for this state: page-locked memory when device arrays are involved."""
+    return _pool_of(next(iter(device_backends(_arrays(sources))), None))
 
 
 def host_arena_pool() -> ArenaPool:
     """The pool that snapshots of host arrays take their staging memory from (a benchmark's
     ceiling copies into that very memory: two allocations of the same size need not copy as
     fast on a virtual machine)."""
-    with _lock:
-        return pool_for(_pools, None, max_arenas=2)
+    return _pool_of(None)
 
 
 def snapshot_bytes(sources: dict[str, tuple[Source, ...]]) -> int:

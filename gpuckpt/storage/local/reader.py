@@ -143,9 +143,9 @@ def _read_document(path: str, limit: int, name: str) -> bytearray:
         os.close(fd)
 
 
-def _native_sized(batch: ChunkReads, limit: int) -> list[bool]:
-    """Which chunks of ``batch`` the native library reads (those under ``limit`` bytes)."""
-    return [memoryview(b).nbytes + p < limit for b, p in zip(batch.buffers, batch.pads, strict=True)]
+def _chunk_sizes(batch: ChunkReads) -> list[int]:
+    """The stored size of each chunk of ``batch`` (its bytes and its pad)."""
+    return [memoryview(b).nbytes + p for b, p in zip(batch.buffers, batch.pads, strict=True)]
 
 
 class LocalReader(CheckpointReader):
@@ -187,15 +187,12 @@ class LocalReader(CheckpointReader):
         with self._paths_lock:
             self.read_paths[path] += count
 
-    def _note_memory(self, batch: ChunkReads, start: int, stop: int) -> None:
-        """Counts the chunks of ``batch[start:stop]`` of :data:`NATIVE_MAX_BYTES` or more (read
-        natively because the store keeps its files in memory)."""
+    def _note_memory(self, sizes: Sequence[int]) -> None:
+        """Counts the chunks of these stored ``sizes``, read natively, of :data:`NATIVE_MAX_BYTES`
+        or more (read so because the store keeps its files in memory)."""
         if not self._memory:
             return
-        large = sum(
-            memoryview(b).nbytes + p >= NATIVE_MAX_BYTES
-            for b, p in zip(batch.buffers[start:stop], batch.pads[start:stop], strict=True)
-        )
+        large = sum(n >= NATIVE_MAX_BYTES for n in sizes)
         if large:
             self._note("memory", large)
 
@@ -360,7 +357,9 @@ class LocalReader(CheckpointReader):
         lib = batchio.instance()
         if lib is None:
             return super().read_chunks(batch)
-        small = _native_sized(batch, self._native_limit())
+        sizes = _chunk_sizes(batch)
+        limit = self._native_limit()
+        small = [n < limit for n in sizes]
         start = 0
         while start < len(small):
             end = start
@@ -368,7 +367,7 @@ class LocalReader(CheckpointReader):
                 end += 1
             run = batch if start == 0 and end == len(small) else batch.select(range(start, end))
             if small[start]:
-                self._note_memory(run, 0, end - start)
+                self._note_memory(sizes[start:end])
             stop = self._read_native(lib, run) if small[start] else super().read_chunks(run)
             if stop is not None:
                 return replace(stop, index=start + stop.index)
@@ -424,7 +423,9 @@ class LocalReader(CheckpointReader):
         lib = batchio.instance()
         if lib is None or not self._array_dirs().issuperset(batch.names):
             return super().chunk_read_jobs(batch, spans)
-        small = _native_sized(batch, self._native_limit())
+        sizes = _chunk_sizes(batch)
+        limit = self._native_limit()
+        small = [n < limit for n in sizes]
         prepared = lib.prepare_read(
             [f"{n}/{k}" for n, k in zip(batch.names, batch.keys, strict=True)],
             batch.buffers,
@@ -435,7 +436,7 @@ class LocalReader(CheckpointReader):
         fallback = dict(zip(spans, super().chunk_read_jobs(batch, spans), strict=True))
 
         def job(start: int, stop: int) -> ReadStop | None:
-            self._note_memory(batch, start, stop)
+            self._note_memory(sizes[start:stop])
             where = prepared.read(self._root, start, stop)
             return None if where is None else self._read_stop(where, batch)
 
