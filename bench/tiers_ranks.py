@@ -187,6 +187,28 @@ def plain_read(files: list[Path], bufs: list[np.ndarray], threads: int) -> None:
             j.result()
 
 
+def _map_file(path: Path, buf: np.ndarray) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        if size != buf.nbytes:
+            raise EOFError(f"{path} holds {size} bytes, not {buf.nbytes}")
+        if size:
+            with mmap.mmap(fd, size, mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), mmap.PROT_READ) as m:
+                np.copyto(buf, np.frombuffer(m, np.uint8))
+    finally:
+        os.close(fd)
+
+
+def mapped_read(files: list[Path], bufs: list[np.ndarray], threads: int) -> None:
+    """Every byte of ``files`` into the preallocated ``bufs`` out of new populated maps of
+    them, by ``threads`` threads: the other plain way to read files of tmpfs, where ``read()``
+    copies a base page at a time."""
+    with ThreadPoolExecutor(threads) as ex:
+        for j in [ex.submit(_map_file, f, b) for f, b in zip(files, bufs, strict=True)]:
+            j.result()
+
+
 def evict(path: Path, machine_wide: bool = True) -> tuple[str, float]:
     """Drop ``path``'s files from the page cache: ``/proc/sys/vm/drop_caches`` where allowed
     (and ``machine_wide``), else ``posix_fadvise(DONTNEED)`` per file; returns the method and
@@ -488,6 +510,9 @@ def restore_phase(k: Rank) -> dict[str, Any]:
         def read(rec: dict[str, Any] = rec) -> None:
             rec["plain_read_s"] = h.timed(lambda: plain_read(files, read_bufs, k.threads))
 
+        def read_mapped(rec: dict[str, Any] = rec) -> None:
+            rec["mapped_read_s"] = h.timed(lambda: mapped_read(files, read_bufs, k.threads))
+
         def restore_tier(rec: dict[str, Any] = rec) -> None:
             m = k.manager()  # a new manager: a restarted job's
             clear()
@@ -557,7 +582,7 @@ def restore_phase(k: Rank) -> dict[str, Any]:
 
             def least() -> None:
                 with ThreadPoolExecutor(1) as ex:
-                    own = ex.submit(plain_read, files, read_bufs, k.threads) if rank not in peers else None
+                    own = ex.submit(mapped_read, files, read_bufs, k.threads) if rank not in peers else None
                     k.transport.exchange_buffers(sends, recvs)
                     if own is not None:
                         own.result()
@@ -566,12 +591,15 @@ def restore_phase(k: Rank) -> dict[str, Any]:
             for v in (x for vs in sends.values() for x in vs):
                 v.release()
 
-        ops = {"read": read, "tier": restore_tier, "root": restore_root}
-        ops.update(peer=restore_peer, one_way=exchange_one_way, one_way_tmpfs=one_way_tmpfs)
-        ops.update(peer_least=peer_least)
+        ops = {"read": read, "read_mapped": read_mapped, "tier": restore_tier, "peer": restore_peer}
+        ops.update(one_way=exchange_one_way, one_way_tmpfs=one_way_tmpfs, peer_least=peer_least)
         for name in _order(list(ops), r):
             ops[name]()
         rounds.append(rec)
+    # the root's cold restores come after every other restore: the machine-wide eviction
+    # leaves this VM slower for what follows it (see bench_tiers.py, "Settling")
+    for rec in rounds:
+        restore_root(rec)
     root_mgr.close()
     from_files.close()
     return {

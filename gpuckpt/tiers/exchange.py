@@ -101,6 +101,7 @@ class PartExchange:
         *,
         into: dict[str, Any] | None = None,
         files_at: Callable[[int], Path] | None = None,
+        listed: Callable[[], None] | None = None,
     ) -> list[Received]:
         """The exchange of :meth:`_transfer`, into ``buffer``: returns the parts received, not
         yet written anywhere (valid until ``buffer`` is cut again), or, with ``files_at``
@@ -115,7 +116,8 @@ class PartExchange:
         the rest into ``buffer``. Every rank takes part in every exchange whatever failed
         where, and the round ends in one error check (raised on every rank): what failed here
         still sends and receives the sizes announced (zeros, scratch memory), so that every
-        transport's round completes."""
+        transport's round completes. ``listed``: called once the manifests are exchanged,
+        before the transfer (a restore starts its own part's load there)."""
         errors: list[BaseException] = []
         manifests: dict[int, Any] = {}
         try:
@@ -127,6 +129,8 @@ class PartExchange:
             errors.append(exc)
             manifests = {dest: None for dest in sends}
         got = c.exchange_objects(manifests, receive_from)
+        if listed is not None:
+            listed()
         maps: list[mmap.mmap] = []
         out_buffers = self._outgoing(step, manifests, maps, errors)
         incoming = {src: m for src, m in got.items() if m is not None}

@@ -677,13 +677,19 @@ class LocalTier(PartExchange):
                 # into the state's arrays where they allow it, the rest into a buffer of its own
                 # (kept for the tier's copy, written after the restore returns)
                 receive = [] if mine == self.rank else [mine]
-                if mine == self.rank:
+
+                def load_own(path: Path = path) -> None:
                     # this rank's own part is loaded while the round serves the replicas it
                     # holds: a restore then takes the longer of the two, not both one after the
-                    # other (the transport's copy runs mostly on the receiving ranks)
+                    # other (the transport's copy runs mostly on the receiving ranks); started
+                    # once the manifests are exchanged, whose round it would slow (where ranks
+                    # share cores, the transfer began 5-20 ms later behind the load's threads)
+                    nonlocal local
                     local = self._writer.submit(api.load, view, path, **load_options)
+
                 try:
-                    fetched = self._exchange(step, sends, receive, c, ReceiveBuffer(), into=view)
+                    own = load_own if mine == self.rank else None
+                    fetched = self._exchange(step, sends, receive, c, ReceiveBuffer(), into=view, listed=own)
                 finally:  # (no load still writes into the state when the round's error is raised)
                     if local is not None:
                         wait([local])

@@ -57,6 +57,10 @@ def test_bench_tiers_toy_run(tmp_path: Path, transport: str, layout: str) -> Non
     assert res["extras"]["every restore bit-exact"] is True
     bounds = [v for k, v in res["extras"].items() if "bound here" in k or "if a tier restore took" in k]
     assert len(bounds) == 2 and all(v > 0 for v in bounds), res["extras"]
+    # figure 4's ceiling is the faster of two plain reads, both shown
+    reads = [v for k, v in res["extras"].items() if k.startswith("4: the plain read")]
+    assert len(reads) == 2 and all(v > 0 for v in reads), res["extras"]
+    assert res["figures"]["restore"]["ceiling_what"] == "faster plain read, same files"
     assert res["extras"]["replaced node's parts came from"] == {
         "0": ["local", None],
         "1": ["local", None],

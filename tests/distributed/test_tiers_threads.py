@@ -96,7 +96,8 @@ def test_a_kept_rank_loads_its_own_part_while_it_serves_the_replicas(
 ) -> None:
     """A replaced node's restore: the kept node's ranks send the replicas they hold and load
     their own parts at the same time (the round does not wait for the loads, nor the loads
-    for the round). Each kept rank's round is held here until its own load has begun: without
+    for the round; a load begins once the round's manifests are exchanged, before the
+    transfer). Each kept rank's transfer is held here until its own load has begun: without
     the overlap that never happens and the round goes on after a timeout, recorded."""
     import gpuckpt.tiers.local as local_module
 
@@ -104,7 +105,7 @@ def test_a_kept_rank_loads_its_own_part_while_it_serves_the_replicas(
     shutil.rmtree(tmp_path / "n1")
     began = {r: threading.Event() for r in range(4)}
     seen: dict[int, bool] = {}
-    load, exchange = local_module.api.load, local_module.LocalTier._exchange
+    load, outgoing = local_module.api.load, local_module.LocalTier._outgoing
 
     def loading(state: Any, path: Any, **kw: Any) -> None:
         name = Path(str(path)).name
@@ -113,13 +114,13 @@ def test_a_kept_rank_loads_its_own_part_while_it_serves_the_replicas(
                 began[r].set()
         load(state, path, **kw)
 
-    def held(self: Any, step: int, sends: Any, receive: Any, *a: Any, **kw: Any) -> Any:
-        if kw.get("into") is not None and not receive:  # a restore's round on a rank with its part
+    def held(self: Any, step: int, manifests: Any, *a: Any, **kw: Any) -> Any:
+        if manifests:  # (only the restore's rounds run from here on: a kept rank's, which sends)
             seen[self.rank] = began[self.rank].wait(timeout=5)
-        return exchange(self, step, sends, receive, *a, **kw)
+        return outgoing(self, step, manifests, *a, **kw)
 
     monkeypatch.setattr(local_module.api, "load", loading)
-    monkeypatch.setattr(local_module.LocalTier, "_exchange", held)
+    monkeypatch.setattr(local_module.LocalTier, "_outgoing", held)
     got = _restored(tiers, tmp_path)
     want = {"0": ["local", None], "1": ["local", None], "2": ["peer", 0], "3": ["peer", 1]}
     for r, g in enumerate(got):

@@ -397,11 +397,12 @@ def test_load_options_refuse_an_unknown_direct_io_mode() -> None:
         LoadOptions(direct_io="sometimes")
 
 
-def test_tmpfs_loads_read_in_pieces() -> None:
-    """/dev/shm (tmpfs): the one-pass loop declines tmpfs files (copies out of their maps
-    were slower than reads), and their pages are in memory, so chunks are read with pread in
-    pieces, each checksummed while it is in the CPU's cache, never whole with O_DIRECT and
-    then read again for the checksum. Bit-exact."""
+def test_tmpfs_loads_copy_out_of_populated_maps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """/dev/shm (tmpfs): its pages are in memory, so large chunks are copied with their
+    checksum in one pass out of a populated map (pread copies a base page at a time, at half
+    the speed), never read whole with O_DIRECT and then read again for the checksum; without
+    the native loop, read with pread in pieces, each checksummed while it is in the CPU's
+    cache. Bit-exact either way."""
     shm = Path("/dev/shm")
     if not shm.is_dir():
         pytest.skip("needs /dev/shm")
@@ -412,6 +413,16 @@ def test_tmpfs_loads_read_in_pieces() -> None:
         reader, out = _load_with_reader(root / "c", HostBackend())
         assert out["x"].tobytes() == value.tobytes()
         # (into device memory: staged chunk by chunk; host arrays take them natively, see below)
+        if crccopy.available():
+            assert reader.read_paths == {"cached": 4, "direct": 0, "buffered": 0, "memory": 0}
+        monkeypatch.setenv("GPUCKPT_CRCCOPY", "off")
+        crccopy._instance.cache_clear()
+        try:
+            reader, out = _load_with_reader(root / "c", HostBackend())
+        finally:
+            monkeypatch.delenv("GPUCKPT_CRCCOPY")
+            crccopy._instance.cache_clear()
+        assert out["x"].tobytes() == value.tobytes()
         assert reader.read_paths == {"cached": 0, "direct": 0, "buffered": 4, "memory": 0}
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -495,16 +506,25 @@ def test_memory_backed_tells_tmpfs_from_a_disk(shm_dir: Path, tmp_path: Path) ->
     assert not fsutil.memory_backed(tmp_path / "missing")
 
 
-def test_on_tmpfs_chunk_files_of_a_few_mib_are_read_natively_and_checked(shm_dir: Path) -> None:
-    """On a file system that keeps its files in memory, chunk files under 8 MiB go to the native
-    batches (no page cache to probe, no disk to read around): read bit-exactly, counted as
-    ``"memory"``; larger ones are still read in pieces (``"buffered"``). A flipped byte in such
-    a file is a ChecksumError naming the tensor and the chunk; a file cut short is an error
-    naming it too, never a short array."""
+@pytest.mark.parametrize("copy_loop", ["built", "off"])
+def test_on_tmpfs_chunk_files_of_a_few_mib_are_read_natively_and_checked(
+    shm_dir: Path, copy_loop: str, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
+) -> None:
+    """On a file system that keeps its files in memory, chunk files of 1 MiB and more are
+    copied out of populated maps with their checksum (``"cached"``); where that loop is not
+    built, those under 8 MiB go to the native batches (no page cache to probe, no disk to read
+    around), counted as ``"memory"``, and larger ones are read with pread in pieces. Bit-exact
+    either way. A flipped byte in such a file is a ChecksumError naming the tensor and the
+    chunk; a file cut short is an error naming it too, never a short array."""
     from gpuckpt.storage.local import batchio
 
-    if batchio.instance() is None:
+    if batchio.instance() is None or not crccopy.available():
         pytest.skip("the native library is not built here")
+    if copy_loop == "off":
+        monkeypatch.setenv("GPUCKPT_CRCCOPY", "off")
+        crccopy._instance.cache_clear()
+        request.addfinalizer(crccopy._instance.cache_clear)  # (the loop found again after the test)
+        assert not crccopy.available()
     rng = np.random.default_rng(5)
     state = {
         "mid": rng.standard_normal((512, 1024), np.float32),  # 2 MiB: one chunk file
@@ -524,7 +544,10 @@ def test_on_tmpfs_chunk_files_of_a_few_mib_are_read_natively_and_checked(shm_dir
     read_tensors(reader, [(t, adapt(out[t.fqn])) for t in entries], LoadOptions(threads=2))
     for k, v in state.items():
         assert np.array_equal(out[k], v), k
-    assert reader.read_paths["memory"] == 1 and reader.read_paths["buffered"] == 1, reader.read_paths
+    if copy_loop == "built":
+        assert reader.read_paths == {"cached": 2, "direct": 0, "buffered": 0, "memory": 0}
+    else:
+        assert reader.read_paths == {"cached": 0, "direct": 0, "buffered": 1, "memory": 1}
     target = {k: np.zeros_like(v) for k, v in state.items()}
     gpuckpt.load(target, path)  # the load's own reader: the same paths
     assert all(np.array_equal(target[k], v) for k, v in state.items())

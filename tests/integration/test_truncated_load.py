@@ -21,6 +21,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,7 @@ import pytest
 
 import gpuckpt
 from gpuckpt.errors import CheckpointCorruptedError, GpuckptError
-from gpuckpt.storage.local import crccopy
+from gpuckpt.storage.local import crccopy, fsutil
 from gpuckpt.storage.local.crccopy import CrcCopy
 
 pytestmark = pytest.mark.skipif(
@@ -121,17 +122,32 @@ LOAD = """
 """
 
 
+@pytest.fixture(params=["disk", "tmpfs"])
+def where(request: pytest.FixtureRequest, tmp_path: Path) -> Any:
+    """Where the checkpoint lies: the test's directory (its pages cached, probed with mincore
+    before the copy) or a tmpfs directory (a local tier: its maps populated, not probed)."""
+    if request.param == "disk":
+        yield tmp_path
+        return
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or not fsutil.memory_backed(shm):
+        pytest.skip("no tmpfs at /dev/shm")
+    d = Path(tempfile.mkdtemp(prefix="gpuckpt-test-", dir=shm))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
 @pytest.mark.parametrize("how", ["load", "load_state_dict"])
 @pytest.mark.parametrize("keep", ["emptied", "half left"])
 def test_a_chunk_truncated_during_the_copy_raises_the_typed_error(
-    tmp_path: Path, shim: Path, monkeypatch: pytest.MonkeyPatch, how: str, keep: str
+    where: Path, shim: Path, monkeypatch: pytest.MonkeyPatch, how: str, keep: str
 ) -> None:
     rng = np.random.default_rng(7)
     state = {
         "big": rng.standard_normal(SHAPE).astype(np.float32),
         "small": rng.standard_normal(100).astype(np.float32),
     }
-    path = tmp_path / "ckpt"
+    path = where / "ckpt"
     gpuckpt.save(state, path, chunk_bytes=1 << 24)  # written through the page cache: cached
     (chunk,) = [p for p in (path / "big").iterdir() if p.name.startswith("c")]
     size = chunk.stat().st_size

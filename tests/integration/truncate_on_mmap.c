@@ -8,7 +8,8 @@
  * in between (cp, rsync --inplace or `: > file` over a checkpoint), the copy reads pages
  * past the new end of the file, which is SIGBUS. Here that happens on every load: a map
  * made by a library named *crccopy* is truncated right after mincore has reported the
- * map's last page cached (its last probe), before the first byte is copied; a map made by
+ * map's last page cached (its last probe), before the first byte is copied (a populated
+ * map of the copy loop, a tmpfs file's, once mmap has made it); a map made by
  * anything else (Python's mmap, NumPy's memmap) is truncated before mmap returns. No
  * change to the code under test: it calls mmap and mincore through libc, and this
  * library's come first.
@@ -73,7 +74,9 @@ static void *mapped(const char *name, const void *caller, void *addr, size_t len
     void *m = real(addr, len, prot, flags, fd, off);
     char path[PATH_MAX];
     if (m == MAP_FAILED || !under_dir(fd, path)) return m;
-    if (!from_copy_loop(caller)) {
+    if (!from_copy_loop(caller) || (flags & MAP_POPULATE)) {
+        /* (the copy loop populates the maps of tmpfs files, whose pages it does not probe:
+         * truncated once the map is made and filled, before the first byte is copied) */
         truncate_path(path);
         return m;
     }
