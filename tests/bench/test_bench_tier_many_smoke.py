@@ -23,6 +23,18 @@ def test_bench_tier_many_toy_run(tmp_path: Path) -> None:
         assert r["root_steps"] == []  # a write timed is the tier's part alone, no drain to the root
         assert all(
             r["median_s"][k] > 0
-            for k in ("save", "copy", "copy_own", "write", "plain_write", "restore", "plain_read")
+            for k in (
+                "save",
+                "copy",
+                "copy_own",
+                "write",
+                "plain_write",
+                "restore",
+                "plain_read",
+                "mapped_read",
+            )
         )
+        # the restore's ceiling: the faster of the two plain reads, round by round
+        assert r["median_s"]["faster_read"] <= max(r["median_s"]["plain_read"], r["median_s"]["mapped_read"])
+        assert r["restore_ratio"] == r["median_s"]["faster_read"] / r["median_s"]["restore"]
     assert not any(q.name.startswith("gpuckpt-tier-many-") for q in tmp_path.iterdir())

@@ -15,13 +15,14 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import crc32c as crc32c_package
 import numpy as np
 import pytest
 
-from gpuckpt.storage.local import crccopy
+from gpuckpt.storage.local import crccopy, fsutil
 from gpuckpt.storage.local.crccopy import CrcCopy, load_library
 from tests.pagecache import evict
 
@@ -183,6 +184,29 @@ def _write(path: Path, data: np.ndarray) -> None:
         f.write(data.tobytes())
         f.flush()
         os.fsync(f.fileno())
+
+
+def test_cached_copy_of_a_tmpfs_file_copies_out_of_a_populated_map(lib: CrcCopy) -> None:
+    """A tmpfs file (a local tier's) is copied whatever mincore would say: its pages are in
+    memory, and the map is made populated; past the end of the file, nothing is copied."""
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or not fsutil.memory_backed(shm):
+        pytest.skip("no tmpfs at /dev/shm")
+    data = np.random.default_rng(4).integers(0, 256, (5 << 20) + 7, dtype=np.uint8)
+    d = Path(tempfile.mkdtemp(prefix="gpuckpt-test-", dir=shm))
+    try:
+        path = d / "chunk"
+        _write(path, data)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            out = np.zeros(data.nbytes - 100, np.uint8)
+            assert lib.cached_copy_crc(fd, 100, memoryview(out), 7) == _reference(data[100:].tobytes(), 7)
+            np.testing.assert_array_equal(out, data[100:])
+            assert lib.cached_copy_crc(fd, 200, memoryview(out)) is None  # past the end
+        finally:
+            os.close(fd)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def test_cached_copy_reads_a_cached_file(lib: CrcCopy, tmp_path: Path) -> None:
