@@ -195,7 +195,7 @@ def _map_file(path: Path, buf: np.ndarray) -> None:
             raise EOFError(f"{path} holds {size} bytes, not {buf.nbytes}")
         if size:
             with mmap.mmap(fd, size, mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), mmap.PROT_READ) as m:
-                np.copyto(buf, np.frombuffer(m, np.uint8))
+                np.copyto(buf.reshape(-1).view(np.uint8), np.frombuffer(m, np.uint8))
     finally:
         os.close(fd)
 
