@@ -130,7 +130,10 @@ class PartExchange:
             manifests = {dest: None for dest in sends}
         got = c.exchange_objects(manifests, receive_from)
         if listed is not None:
-            listed()
+            try:
+                listed()
+            except Exception as exc:  # (raised on every rank after the round, as any failure here)
+                errors.append(exc)
         maps: list[mmap.mmap] = []
         out_buffers = self._outgoing(step, manifests, maps, errors)
         incoming = {src: m for src, m in got.items() if m is not None}

@@ -128,6 +128,29 @@ def test_a_kept_rank_loads_its_own_part_while_it_serves_the_replicas(
     assert seen == {0: True, 1: True}
 
 
+def test_a_kept_rank_whose_own_load_cannot_start_fails_the_restore_on_every_rank(
+    tiers: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The kept ranks' own loads start inside the round, once its manifests are exchanged: one
+    that cannot start fails the restore on every rank after the round, and no rank waits
+    forever for a transfer that rank never joins."""
+    import gpuckpt.tiers.local as local_module
+    from gpuckpt.runtime.workers import Workers
+
+    _trained(tiers, tmp_path)
+    shutil.rmtree(tmp_path / "n1")
+    real = Workers.submit
+
+    def submit(self: Any, fn: Any, *a: Any, **kw: Any) -> Any:
+        if fn is local_module.api.load and threading.current_thread().name.endswith("-0"):
+            raise RuntimeError("no thread left for rank 0's load")
+        return real(self, fn, *a, **kw)
+
+    monkeypatch.setattr(Workers, "submit", submit)
+    with pytest.raises(DistributedError, match="no thread left for rank 0's load"):
+        _restored(tiers, tmp_path)
+
+
 def test_after_a_replaced_nodes_restore_the_next_save_fills_its_tier_again(
     tiers: Any, tmp_path: Path
 ) -> None:

@@ -77,10 +77,10 @@ _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEX
 def _cold(fd: int) -> bool:
     """Whether a large chunk the native loop did not copy from the page cache is cold, asked of
     ``mincore`` (its first page). The loop declines cached chunks too where it is not built (an
-    install without a C compiler); on tmpfs it copies every chunk, out of a populated map. Read
-    around the cache, a cached chunk loads at the disk's speed, or, on tmpfs, is read whole and
-    then read again for its checksum, where ``pread`` in pieces checksums each piece while it is
-    in the CPU's cache."""
+    install without a C compiler; where it is, it copies every tmpfs chunk, out of a populated
+    map). Read around the cache, a cached chunk would load at the disk's speed, or, on tmpfs, be
+    read whole and then read again for its checksum; ``pread`` in pieces checksums each piece
+    while it is in the CPU's cache."""
     return fsutil.first_page_cached(fd) is not True
 
 
