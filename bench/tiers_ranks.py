@@ -180,11 +180,17 @@ def _read_file(path: Path, buf: np.ndarray) -> None:
             view = view[n:]
 
 
+def _each_file(
+    read_one: Callable[[Path, np.ndarray], None], files: list[Path], bufs: list[np.ndarray], threads: int
+) -> None:
+    with ThreadPoolExecutor(threads) as ex:
+        for j in [ex.submit(read_one, f, b) for f, b in zip(files, bufs, strict=True)]:
+            j.result()
+
+
 def plain_read(files: list[Path], bufs: list[np.ndarray], threads: int) -> None:
     """Every byte of ``files`` into the preallocated ``bufs``, by ``threads`` threads."""
-    with ThreadPoolExecutor(threads) as ex:
-        for j in [ex.submit(_read_file, f, b) for f, b in zip(files, bufs, strict=True)]:
-            j.result()
+    _each_file(_read_file, files, bufs, threads)
 
 
 def _map_file(path: Path, buf: np.ndarray) -> None:
@@ -204,9 +210,7 @@ def mapped_read(files: list[Path], bufs: list[np.ndarray], threads: int) -> None
     """Every byte of ``files`` into the preallocated ``bufs`` out of new populated maps of
     them, by ``threads`` threads: the other plain way to read files of tmpfs, where ``read()``
     copies a base page at a time."""
-    with ThreadPoolExecutor(threads) as ex:
-        for j in [ex.submit(_map_file, f, b) for f, b in zip(files, bufs, strict=True)]:
-            j.result()
+    _each_file(_map_file, files, bufs, threads)
 
 
 def evict(path: Path, machine_wide: bool = True) -> tuple[str, float]:

@@ -244,7 +244,8 @@ static int guarded_copy(struct guard *g, long tid, const sigset_t *mask, const u
 /* Copy n bytes at offset off of file fd into dst with their CRC-32C (continued from
  * crc) in *crc_out, reading them through a memory map. Only for a range that is in the
  * page cache: faulting an uncached file in through a map is slower than the caller's
- * large preads. Whether it is cached is asked of mincore at its first, middle and last byte (a
+ * large preads. A tmpfs file is always copied (its pages are in memory; the map is made
+ * populated). Otherwise whether it is cached is asked of mincore at its first, middle and last byte (a
  * file is written or read whole, so it is cached whole or not at all; a page evicted
  * in between is still read correctly, just more slowly). Returns 0 when copied; 1 when
  * not (uncached, the file is shorter than off + n, or no guard could be set up);
