@@ -152,6 +152,32 @@ def test_a_guarded_copy_into_a_file_map_matches_the_reference(lib: CrcCopy, tmp_
         lib.guarded_copy_crc(bytes(10), bytes(10))
 
 
+@pytest.mark.parametrize(
+    "sizes", [[1], [4096], [4095, 1, 4096], [10000, 3, (1 << 14) + 5], [(1 << 14) * 3], [0, 5000, 0]]
+)
+def test_a_guarded_copy_of_segments_gives_each_segments_crc(
+    lib: CrcCopy, tmp_path: Path, sizes: list[int]
+) -> None:
+    """Sources one after the other into a file's map, segment boundaries inside and between them:
+    the bytes, and the CRC32C of every segment of the destination (the last one shorter)."""
+    rng = np.random.default_rng(len(sizes) + sum(sizes))
+    srcs = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
+    data = b"".join(s.tobytes() for s in srcs)
+    total, seg = len(data), 1 << 12
+    path = tmp_path / "chunk"
+    path.write_bytes(bytes(total + 2))
+    with open(path, "r+b") as f, mmap.mmap(f.fileno(), total + 2) as m, memoryview(m) as view:
+        got = lib.guarded_copy_segments(srcs, view[1 : total + 1], seg)
+    assert got == [_reference(data[i : i + seg]) for i in range(0, total, seg)]
+    assert path.read_bytes() == b"\0" + data + b"\0"
+    with pytest.raises(ValueError, match="destination is 9 bytes, sources 10"):
+        lib.guarded_copy_segments([bytes(4), bytes(6)], bytearray(9), seg)
+    with pytest.raises(ValueError, match="destination is read-only"):
+        lib.guarded_copy_segments([bytes(10)], bytes(10), seg)
+    with pytest.raises(ValueError, match="segment_bytes must be positive"):
+        lib.guarded_copy_segments([bytes(10)], bytearray(10), 0)
+
+
 _CUT_UNDER_THE_MAP = """
 import mmap, os, sys
 from gpuckpt.storage.local.crccopy import CrcCopy
@@ -163,12 +189,14 @@ fd = os.open(path, os.O_RDWR)
 m = mmap.mmap(fd, 2 << 20)
 os.truncate(path, 4096)  # cut shorter from outside: pages past it fault (SIGBUS) when written
 got = lib.guarded_copy_crc(b"x" * (2 << 20), m)
-print(got, lib.faults, os.path.getsize(path))
+segments = lib.guarded_copy_segments([b"y" * 4096, b"z" * ((2 << 20) - 4096)], m, 1 << 20)
+print(got, segments, lib.faults, os.path.getsize(path))
 """
 
 
 def test_a_guarded_copy_into_a_map_of_a_file_cut_shorter_reports_it(lib: CrcCopy, tmp_path: Path) -> None:
-    """The SIGBUS of a write past the file's new end is caught: None, the process lives."""
+    """The SIGBUS of a write past the file's new end is caught: None, the process lives (a
+    copy of one source, and one of a chunk's segments from several)."""
     run = subprocess.run(
         [sys.executable, "-c", _CUT_UNDER_THE_MAP, str(lib.path), lib.isa, str(tmp_path / "f")],
         capture_output=True,
@@ -176,7 +204,7 @@ def test_a_guarded_copy_into_a_map_of_a_file_cut_shorter_reports_it(lib: CrcCopy
         timeout=60,
     )
     assert run.returncode == 0, run.stderr
-    assert run.stdout.split() == ["None", "1", "4096"]
+    assert run.stdout.split() == ["None", "None", "2", "4096"]
 
 
 def _write(path: Path, data: np.ndarray) -> None:

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gpuckpt.format import segments
 from gpuckpt.format.checksum import crc32c
 from gpuckpt.format.segments import (
     SegmentDigest,
@@ -33,6 +34,15 @@ def test_combine_over_long_runs() -> None:
     for n in (1 << 20, (1 << 20) + 17, 5_000_001):
         a, b = rng.randbytes(100), rng.randbytes(n)
         assert crc32c_combine(crc32c(a), crc32c(b), n) == crc32c(a + b)
+
+
+@pytest.mark.parametrize("n", [1 << 12, 1 << 16, 1 << 20, 1 << 26])
+def test_combine_over_whole_segments_by_tables_matches_the_bitwise_shift(n: int) -> None:
+    """Lengths of whole segments go through shift tables; random CRCs on both paths agree."""
+    rng = random.Random(n)
+    for _ in range(200):
+        a, b = rng.getrandbits(32), rng.getrandbits(32)
+        assert crc32c_combine(a, b, n) == segments._multmodp(segments._x8n(n), a) ^ b
 
 
 @given(st.integers(0, 5 * 4096 + 100), st.lists(st.integers(1, 9000), max_size=8))

@@ -26,8 +26,11 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from gpuckpt.format.checksum import crc32c
 from gpuckpt.storage.local.fileio import buffer_address
@@ -39,13 +42,15 @@ __all__ = [
     "crc_copy",
     "faults",
     "guarded_copy_crc",
+    "guarded_copy_segments",
     "instruction_set",
     "load_library",
 ]
 
 LIBRARY = Path(__file__).with_name("_crccopy.so")
-_ABI = 4  # 2: copies guarded against SIGBUS (gck_faults); 3: the cache probed with mincore;
-# 4: guarded copies into a file's map (gck_guarded_copy_crc)
+_ABI = 5  # 2: copies guarded against SIGBUS (gck_faults); 3: the cache probed with mincore;
+# 4: guarded copies into a file's map (gck_guarded_copy_crc); 5: a chunk's segments in one
+# call (gck_guarded_copy_segments)
 _ISA_NAMES = {0: "none", 1: "pclmul", 2: "avx512"}
 
 
@@ -80,6 +85,15 @@ class CrcCopy:
             ctypes.c_uint64,
             ctypes.c_uint32,
             ctypes.POINTER(ctypes.c_uint32),
+        ]
+        lib.gck_guarded_copy_segments.restype = ctypes.c_int
+        lib.gck_guarded_copy_segments.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_uint64,
+            ctypes.c_void_p,
+            ctypes.c_uint64,
+            ctypes.c_void_p,
         ]
         lib.gck_faults.restype = ctypes.c_ulong
         lib.gck_faults.argtypes = []
@@ -144,6 +158,33 @@ class CrcCopy:
         src_addr, dst_addr = buffer_address(s), buffer_address(d)
         rc = self._lib.gck_guarded_copy_crc(src_addr, dst_addr, s.nbytes, value, ctypes.byref(out))
         return None if rc else int(out.value)
+
+    def guarded_copy_segments(self, srcs: Sequence[Any], dst: Any, segment_bytes: int) -> list[int] | None:
+        """Copy ``srcs`` one after the other into the start of ``dst`` (a writable map of a file
+        being written, exactly their total size) under the guard of :meth:`guarded_copy_crc`, in
+        one call; the CRC32C of each ``segment_bytes`` of ``dst`` from its start (the last one
+        shorter), or None as :meth:`guarded_copy_crc` returns it."""
+        views = [memoryview(s).cast("B") for s in srcs]
+        d = memoryview(dst).cast("B")
+        total = sum(v.nbytes for v in views)
+        if d.nbytes != total:
+            raise ValueError(f"guarded_copy_segments: destination is {d.nbytes} bytes, sources {total}")
+        if d.readonly:
+            raise ValueError("guarded_copy_segments: the destination is read-only")
+        if segment_bytes <= 0:
+            raise ValueError(f"guarded_copy_segments: segment_bytes must be positive, not {segment_bytes}")
+        addresses = np.array([buffer_address(v) for v in views], np.uint64)
+        lengths = np.array([v.nbytes for v in views], np.uint64)
+        crcs = np.zeros(max(1, -(-total // segment_bytes)), np.uint32)
+        rc = self._lib.gck_guarded_copy_segments(
+            addresses.ctypes.data,
+            lengths.ctypes.data,
+            len(views),
+            buffer_address(d),
+            segment_bytes,
+            crcs.ctypes.data,
+        )
+        return None if rc else crcs[: -(-total // segment_bytes)].tolist()
 
     @property
     def faults(self) -> int:
@@ -215,6 +256,12 @@ def guarded_copy_crc(src: Any, dst: Any, value: int = 0) -> int | None:
     """See :meth:`CrcCopy.guarded_copy_crc`; None also when the native loop is not available."""
     lib = _instance()
     return None if lib is None else lib.guarded_copy_crc(src, dst, value)
+
+
+def guarded_copy_segments(srcs: Sequence[Any], dst: Any, segment_bytes: int) -> list[int] | None:
+    """See :meth:`CrcCopy.guarded_copy_segments`; None also when the native loop is not available."""
+    lib = _instance()
+    return None if lib is None else lib.guarded_copy_segments(srcs, dst, segment_bytes)
 
 
 def faults() -> int:

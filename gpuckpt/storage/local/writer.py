@@ -455,7 +455,7 @@ class LocalWriter(CheckpointWriter):
         except ValueError:  # closed by the tier's retention meanwhile
             return False
         with whole:
-            crcs = _copy_segments(views, whole)
+            crcs = _copy_segments(views, whole[:data])
             if crcs is None:
                 return False
             for crc, n in crcs:
@@ -726,18 +726,10 @@ class LocalWriter(CheckpointWriter):
 
 def _copy_segments(views: list[memoryview], dst: memoryview) -> list[tuple[int, int]] | None:
     """Copy ``views`` one after the other into the start of ``dst`` with the CRC32C of each
-    piece that no segment boundary crosses (:data:`~gpuckpt.format.segments.SEGMENT_BYTES`);
-    None where a copy could not be made or was interrupted."""
-    out: list[tuple[int, int]] = []
-    at = 0
-    for v in views:
-        i = 0
-        while i < v.nbytes:
-            n = min(v.nbytes - i, SEGMENT_BYTES - at % SEGMENT_BYTES)
-            crc = crccopy.guarded_copy_crc(v[i : i + n], dst[at : at + n])
-            if crc is None:
-                return None
-            out.append((crc, n))
-            i += n
-            at += n
-    return out
+    segment (:data:`~gpuckpt.format.segments.SEGMENT_BYTES`, the last one shorter), in one
+    native call; None where a copy could not be made or was interrupted."""
+    crcs = crccopy.guarded_copy_segments(views, dst, SEGMENT_BYTES)
+    if crcs is None:
+        return None
+    total = dst.nbytes
+    return [(crc, min(SEGMENT_BYTES, total - k * SEGMENT_BYTES)) for k, crc in enumerate(crcs)]
