@@ -17,7 +17,12 @@ on the same bytes, by the same ranks at the same time:
    the same size need not copy equally fast (four 256 MiB arenas of one process, filled by
    turns: medians 13.1-16.1 ms in one run, 16.9-18.2 in another): a ceiling copying into memory
    of its own would compare the product with a luckier or unluckier allocation. That copy is
-   shown per rank too.
+   shown per rank too. Four ranks copying on two cores make each rank's copy vary by +-20%
+   from step to step, by how the ranks' copies happen to overlap, so beside the 5 rounds of
+   every figure, ``--save-rounds`` steps (default 12) after the warm-up measure figure 1 alone
+   (the save and the two copies, in an order reversed every other step), and figure 1 takes
+   its medians over all of them. Shown too: per step, the slowest rank's save against the
+   slowest rank's copy (a data-parallel step waits for its slowest rank).
 2. the tier's write: from the part's write starting on the writer thread to the part committed
    in the tier (timed by wrappers around the calls the tier makes: ``gpuckpt.background.submit``
    and ``LocalTier._finish``; see ``bench/tiers_ranks.py``'s ``TierProbe``) against the
@@ -100,9 +105,9 @@ node. Absolute numbers mean little; ratios to the ceilings do.
 layers of 4 matrices of 1-4 MiB and 8 biases and norms of one or two 4 KiB rows each, scaled to
 ``--mib``), where each tensor's own costs (its files, documents, messages) weigh beside its bytes.
 
-Usage: ``python bench/bench_tiers.py [--mib 256] [--layout mixed|gpt] [--rounds 5] [--warmup 3] [--op-settle 3]
-[--every 10] [--persist-every 5] [--step-s 0.1] [--local DIR] [--dir DIR] [--json OUT] [--quick]`` (``--quick``: 4
-MiB per rank, 1 round after 1 warm-up step, no settling, the root evicted per file and never
+Usage: ``python bench/bench_tiers.py [--mib 256] [--layout mixed|gpt] [--rounds 5] [--save-rounds 12] [--warmup 3]
+[--op-settle 3] [--every 10] [--persist-every 5] [--step-s 0.1] [--local DIR] [--dir DIR] [--json OUT] [--quick]``
+(``--quick``: 4 MiB per rank, 1 round and 1 step of figure 1 alone after 1 warm-up step, no settling, the root evicted per file and never
 machine-wide: a smoke test, which runs beside other tests).
 """
 
@@ -186,6 +191,7 @@ def _rank_arguments(local: Path, root: Path, args: argparse.Namespace) -> list[s
     """What every rank of ``bench/tiers_ranks.py`` is given, whatever the transport."""
     out = ["--local", str(local), "--root", str(root), "--mib", str(args.mib), "--layout", args.layout]
     out += ["--rounds", str(args.rounds), "--op-settle", str(args.op_settle), "--warmup", str(args.warmup)]
+    out += ["--save-rounds", str(args.save_rounds)]
     return out + (["--smoke"] if args.quick else [])
 
 
@@ -260,10 +266,16 @@ def run_gloo_ranks(out: Path, local: Path, root: Path, args: argparse.Namespace)
     return _results(out, returncode, output)
 
 
-def _rounds(ranks: list[dict[str, Any]], key: str, field: str) -> list[list[float]]:
-    """``field`` of every rank, per measured (not warm-up) round: ``[[rank0, rank1, ...], ...]``."""
+def _rounds(ranks: list[dict[str, Any]], key: str, field: str, save_only: bool = False) -> list[list[float]]:
+    """``field`` of every rank, per measured (not warm-up) round: ``[[rank0, rank1, ...], ...]``;
+    with ``save_only``, the steps that measure figure 1 alone too."""
     n = len(ranks[0][key])
-    return [[float(rk[key][i][field]) for rk in ranks] for i in range(n) if not ranks[0][key][i]["warmup"]]
+    rows = [ranks[0][key][i] for i in range(n)]
+    return [
+        [float(rk[key][i][field]) for rk in ranks]
+        for i in range(n)
+        if not rows[i]["warmup"] and (save_only or not rows[i].get("save_only"))
+    ]
 
 
 def _slowest(ranks: list[dict[str, Any]], key: str, field: str, only: list[int] | None = None) -> list[float]:
@@ -316,10 +328,10 @@ def figures_of_ranks(ranks: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[
     # 1: per rank, medians over the measured steps; the worst rank's
     per_rank = []
     for i, rk in enumerate(ranks):
-        save = [row[i] for row in _rounds(ranks, "save_rounds", "save_s")]
-        copy = [row[i] for row in _rounds(ranks, "save_rounds", "copy_s")]
-        snap = [row[i] for row in _rounds(ranks, "save_rounds", "snapshot_s")]
-        own = [row[i] for row in _rounds(ranks, "save_rounds", "copy_own_s")]
+        save = [row[i] for row in _rounds(ranks, "save_rounds", "save_s", save_only=True)]
+        copy = [row[i] for row in _rounds(ranks, "save_rounds", "copy_s", save_only=True)]
+        snap = [row[i] for row in _rounds(ranks, "save_rounds", "snapshot_s", save_only=True)]
+        own = [row[i] for row in _rounds(ranks, "save_rounds", "copy_own_s", save_only=True)]
         per_rank.append(
             {
                 "rank": rk["rank"],
@@ -341,6 +353,15 @@ def figures_of_ranks(ranks: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[
         worst["ratio"],
     )
     figs["save"]["per_rank"] = per_rank
+    # shown beside it: per step, the slowest rank's save against the slowest rank's copy (a
+    # data-parallel step waits for its slowest rank)
+    slow_save = [max(row) for row in _rounds(ranks, "save_rounds", "save_s", save_only=True)]
+    slow_copy = [max(row) for row in _rounds(ranks, "save_rounds", "copy_s", save_only=True)]
+    figs["save"]["slowest_rank"] = {
+        "save_s": _median(slow_save),
+        "copy_s": _median(slow_copy),
+        "ratio": _median(slow_save) / _median(slow_copy),
+    }
     # 2: the faster plain copy of each rank and round (write() over the files, or a copy into
     # kept maps of them), the round's slowest rank
     plain = zip(
@@ -678,7 +699,8 @@ def print_table(res: dict[str, Any]) -> None:
         f"state {res['state_mib_per_rank']:g} MiB in {res.get('tensors_per_rank', 18)} tensors per rank "
         f"({res.get('layout', 'mixed')}) x {RANKS} ranks (2 simulated nodes); local tiers: "
         f"{res['local_dir_kind']}; root: {res['root_fs']}; {res['rounds']} rounds after {res['warmup']} warm-up "
-        f"steps (restores: 1 warm-up round); {res['op_settle_s']:g} s settle before each timed operation"
+        f"steps and {res.get('save_rounds', 0)} of figure 1 alone (restores: 1 warm-up round); "
+        f"{res['op_settle_s']:g} s settle before each timed operation"
     )
     if res.get("transport") == "gloo":
         transport = f"transport: gloo (torch.distributed {m.get('torch', '?')}, TCP on loopback)"
@@ -708,6 +730,13 @@ def print_table(res: dict[str, Any]) -> None:
             f"  1: rank {f['rank']}: save {f['save_s']:.3f} s ({_spread(f['times_s'])}), of which the part's "
             f"snapshot {f['snapshot_s']:.3f} s; host copy {f['copy_s']:.3f} s ({_spread(f['ceiling_times_s'])}); "
             f"ratio {f['ratio']:.2f}; host copy into memory of its own {f['copy_own_s']:.3f} s"
+        )
+    slow = res["figures"]["save"].get("slowest_rank")
+    if slow is not None:
+        n = len(res["figures"]["save"]["times_s"])
+        print(
+            f"  1: the step's slowest rank ({n} steps): save {slow['save_s']:.3f} s, host copy "
+            f"{slow['copy_s']:.3f} s; ratio {slow['ratio']:.2f}"
         )
     for k, v in res["extras"].items():
         print(f"  {k}: {v:.3f}" if isinstance(v, float) else f"  {k}: {v}")
@@ -747,6 +776,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument(
+        "--save-rounds",
+        type=int,
+        default=12,
+        help="steps after the warm-up that measure figure 1 alone (its save and ceilings), beside the rounds",
+    )
+    ap.add_argument(
         "--warmup",
         type=int,
         default=3,
@@ -775,6 +810,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.quick:
         args.mib, args.rounds, args.warmup, args.op_settle, args.every, args.step_s = 4, 1, 1, 0.0, 2, 0.02
+        args.save_rounds = 1
         args.timeout = min(args.timeout, 120)
     mpiexec = find_mpiexec() if args.transport == "mpi" else None
     if args.transport == "gloo" and importlib.util.find_spec("torch") is None:
@@ -798,6 +834,7 @@ def main(argv: list[str] | None = None) -> int:
         "quick": args.quick,
         "rounds": args.rounds,
         "warmup": args.warmup,
+        "save_rounds": args.save_rounds,
         "op_settle_s": args.op_settle,
         "state_mib_per_rank": args.mib,
         "layout": args.layout,

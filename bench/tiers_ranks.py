@@ -368,7 +368,8 @@ class Rank:
         self.nbytes = sum(a.nbytes for a in self.arrays)
         self.probe = TierProbe()
         self.transport = self.c.duplicate()  # the ceilings' exchanges: a channel of their own
-        self.last = args.warmup + args.rounds  # the step restored: the last saved, persisted to the root
+        # the step restored: the last saved, persisted to the root
+        self.last = args.warmup + args.save_rounds + args.rounds
 
     def manager(self, **kw: Any) -> gpuckpt.CheckpointManager:
         mgr = gpuckpt.CheckpointManager(
@@ -427,6 +428,8 @@ def save_phase(k: Rank) -> dict[str, Any]:
     rounds: list[dict[str, Any]] = []
     for step in range(1, k.last + 1):
         rec: dict[str, Any] = {"step": step, "warmup": step <= k.args.warmup}
+        # the steps after the warm-up ones measure figure 1 alone: its ceilings and the save
+        rec["save_only"] = k.args.warmup < step <= k.args.warmup + k.args.save_rounds
         k.state["step"] = step
 
         def save(step: int = step, rec: dict[str, Any] = rec) -> None:
@@ -465,10 +468,11 @@ def save_phase(k: Rank) -> dict[str, Any]:
         def host_copy_own(rec: dict[str, Any] = rec) -> None:
             rec["copy_own_s"] = h.timed(copies.into_own)
 
-        ops = {"copy": host_copy, "save": save, "write": write, "exchange": exchange}
-        ops["copy_own"] = host_copy_own
-        ops["exchange_tmpfs"] = exchange_tmpfs
-        ops["write_mapped"] = write_mapped
+        ops = {"copy": host_copy, "save": save, "copy_own": host_copy_own}
+        if not rec["save_only"]:
+            ops.update(
+                write=write, exchange=exchange, exchange_tmpfs=exchange_tmpfs, write_mapped=write_mapped
+            )
         for name in _order(list(ops), step):
             ops[name]()
         rounds.append(rec)
@@ -631,6 +635,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layout", choices=sorted(LAYOUTS), default="mixed")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=3, help="steps saved before the measured ones")
+    ap.add_argument(
+        "--save-rounds", type=int, default=0, help="steps after the warm-up that measure figure 1 alone"
+    )
     ap.add_argument("--op-settle", type=float, default=3.0)
     ap.add_argument(
         "--smoke", action="store_true", help="evict the root's files per file, never machine-wide"

@@ -55,6 +55,12 @@ def test_bench_tiers_toy_run(tmp_path: Path, transport: str, layout: str) -> Non
         assert f["measured"] > 0 and f["ceiling"] > 0 and f["ratio"] > 0, (key, f)
         assert f["ceiling_what"] and f["target"] and f["met"] in ("yes", "NO"), (key, f)
     assert res["extras"]["every restore bit-exact"] is True
+    # figure 1 takes the steps that measure it alone too; the other figures only the full rounds
+    save = res["figures"]["save"]
+    assert res["save_rounds"] == 1 and len(save["times_s"]) == len(save["ceiling_times_s"]) == 2
+    assert len(res["figures"]["write"]["times_s"]) == 1
+    assert save["slowest_rank"]["ratio"] > 0 and "1: the step's slowest rank (2 steps)" in p.stdout
+    assert "and 1 of figure 1 alone" in p.stdout
     bounds = [v for k, v in res["extras"].items() if "bound here" in k or "if a tier restore took" in k]
     assert len(bounds) == 2 and all(v > 0 for v in bounds), res["extras"]
     # figure 4's ceiling is the faster of two plain reads, both shown
