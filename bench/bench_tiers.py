@@ -17,12 +17,19 @@ on the same bytes, by the same ranks at the same time:
    the same size need not copy equally fast (four 256 MiB arenas of one process, filled by
    turns: medians 13.1-16.1 ms in one run, 16.9-18.2 in another): a ceiling copying into memory
    of its own would compare the product with a luckier or unluckier allocation. That copy is
-   shown per rank too. Four ranks copying on two cores make each rank's copy vary by +-20%
-   from step to step, by how the ranks' copies happen to overlap, so beside the 5 rounds of
-   every figure, ``--save-rounds`` steps (default 12) after the warm-up measure figure 1 alone
-   (the save and the two copies, in an order reversed every other step), and figure 1 takes
-   its medians over all of them. Shown too: per step, the slowest rank's save against the
-   slowest rank's copy (a data-parallel step waits for its slowest rank).
+   shown per rank too. A save's copies start on every rank together, right after its
+   collective; the ceilings' copies do too: after the harness's barrier, a collective of the
+   ranks' transport (``all_gather``, untimed) starts them. After the barrier alone (which polls
+   with sleeps) a rank woken while the others' copies held both cores started 5-10 ms late in
+   1 step of 2 (one-off trial, 14 steps: starts 8.5 ms apart at the median, against 0.3 ms
+   after the collective and 0.7 ms for the saves), and, timed from its own start, copied
+   beside fewer ranks: per-rank copy medians 74.7-80.3 ms against 76.3-81.7 ms started
+   together. That copy is shown per rank too ("started after the barrier alone"). Four ranks
+   copying on two cores make each rank's copy vary by +-20% from step to step, so beside the
+   5 rounds of every figure, ``--save-rounds`` steps (default 12) after the warm-up measure
+   figure 1 alone (the save and the three copies, in an order reversed every other step), and
+   figure 1 takes its medians over all of them. Shown too: per step, the slowest rank's save
+   against the slowest rank's copy (a data-parallel step waits for its slowest rank).
 2. the tier's write: from the part's write starting on the writer thread to the part committed
    in the tier (timed by wrappers around the calls the tier makes: ``gpuckpt.background.submit``
    and ``LocalTier._finish``; see ``bench/tiers_ranks.py``'s ``TierProbe``) against the
@@ -332,12 +339,14 @@ def figures_of_ranks(ranks: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[
         copy = [row[i] for row in _rounds(ranks, "save_rounds", "copy_s", save_only=True)]
         snap = [row[i] for row in _rounds(ranks, "save_rounds", "snapshot_s", save_only=True)]
         own = [row[i] for row in _rounds(ranks, "save_rounds", "copy_own_s", save_only=True)]
+        apart = [row[i] for row in _rounds(ranks, "save_rounds", "copy_apart_s", save_only=True)]
         per_rank.append(
             {
                 "rank": rk["rank"],
                 "save_s": _median(save),
                 "copy_s": _median(copy),
                 "copy_own_s": _median(own),
+                "copy_apart_s": _median(apart),
                 "snapshot_s": _median(snap),
                 "ratio": _median(save) / _median(copy),
                 "times_s": save,
@@ -729,7 +738,8 @@ def print_table(res: dict[str, Any]) -> None:
         print(
             f"  1: rank {f['rank']}: save {f['save_s']:.3f} s ({_spread(f['times_s'])}), of which the part's "
             f"snapshot {f['snapshot_s']:.3f} s; host copy {f['copy_s']:.3f} s ({_spread(f['ceiling_times_s'])}); "
-            f"ratio {f['ratio']:.2f}; host copy into memory of its own {f['copy_own_s']:.3f} s"
+            f"ratio {f['ratio']:.2f}; host copy into memory of its own {f['copy_own_s']:.3f} s; host copy "
+            f"started after the barrier alone {f['copy_apart_s']:.3f} s (ratio {f['save_s'] / f['copy_apart_s']:.2f})"
         )
     slow = res["figures"]["save"].get("slowest_rank")
     if slow is not None:

@@ -61,6 +61,9 @@ def test_bench_tiers_toy_run(tmp_path: Path, transport: str, layout: str) -> Non
     assert len(res["figures"]["write"]["times_s"]) == 1
     assert save["slowest_rank"]["ratio"] > 0 and "1: the step's slowest rank (2 steps)" in p.stdout
     assert "and 1 of figure 1 alone" in p.stdout
+    assert (
+        all(r["copy_apart_s"] > 0 for r in save["per_rank"]) and "started after the barrier alone" in p.stdout
+    )
     bounds = [v for k, v in res["extras"].items() if "bound here" in k or "if a tier restore took" in k]
     assert len(bounds) == 2 and all(v > 0 for v in bounds), res["extras"]
     # figure 4's ceiling is the faster of two plain reads, both shown
