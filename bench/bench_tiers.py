@@ -20,9 +20,9 @@ on the same bytes, by the same ranks at the same time:
    shown per rank too. A save's copies start on every rank together, right after its
    collective; the ceilings' copies do too: after the harness's barrier, a collective of the
    ranks' transport (``all_gather``, untimed) starts them. After the barrier alone (which polls
-   with sleeps) a rank woken while the others' copies held both cores started 5-10 ms late in
-   1 step of 2 (one-off trial, 14 steps: starts 8.5 ms apart at the median, against 0.3 ms
-   after the collective and 0.7 ms for the saves), and, timed from its own start, copied
+   with sleeps) a rank woken while the others' copies held both cores started 2-10 ms late in
+   11 steps of 14 (one-off trial: starts 5.6-8.5 ms apart at the median, against 0.3 ms after
+   the collective and 0.7 ms for the saves), and, timed from its own start, copied
    beside fewer ranks: per-rank copy medians 74.7-80.3 ms against 76.3-81.7 ms started
    together. That copy is shown per rank too ("started after the barrier alone"). Four ranks
    copying on two cores make each rank's copy vary by +-20% from step to step, so beside the

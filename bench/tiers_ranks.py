@@ -269,7 +269,7 @@ class Harness:
 
         ``start``: a collective called after the barrier, untimed, that starts every rank's
         ``fn`` together. The barrier polls with sleeps, and a rank woken while the others'
-        threads already hold both cores may start 5-10 ms late (in 1 step of 2, one rank or
+        threads already hold both cores may start 2-10 ms late (in 11 steps of 14, one rank or
         more, one-off trial); measured from its own start, it then competes with fewer ranks."""
         os.sync()
         time.sleep(self.settle_s)
