@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         mib=args.mib,
         layout="mixed",
     )
-    ns.warmup, ns.rounds = args.warmup, args.pairs
+    ns.warmup, ns.rounds, ns.save_rounds = args.warmup, args.pairs, 0
     k = Rank(ns)
     hold = WriteGate.hold
     mgr = k.manager(replicas=1, persist_interval_steps=10**9, local_max_to_keep=2)
