@@ -334,12 +334,12 @@ def figures_of_ranks(ranks: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[
 
     # 1: per rank, medians over the measured steps; the worst rank's
     per_rank = []
+    steps = {
+        f: _rounds(ranks, "save_rounds", f, save_only=True)
+        for f in ("save_s", "copy_s", "snapshot_s", "copy_own_s", "copy_apart_s")
+    }
     for i, rk in enumerate(ranks):
-        save = [row[i] for row in _rounds(ranks, "save_rounds", "save_s", save_only=True)]
-        copy = [row[i] for row in _rounds(ranks, "save_rounds", "copy_s", save_only=True)]
-        snap = [row[i] for row in _rounds(ranks, "save_rounds", "snapshot_s", save_only=True)]
-        own = [row[i] for row in _rounds(ranks, "save_rounds", "copy_own_s", save_only=True)]
-        apart = [row[i] for row in _rounds(ranks, "save_rounds", "copy_apart_s", save_only=True)]
+        save, copy, snap, own, apart = ([row[i] for row in rows] for rows in steps.values())
         per_rank.append(
             {
                 "rank": rk["rank"],
@@ -364,8 +364,8 @@ def figures_of_ranks(ranks: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[
     figs["save"]["per_rank"] = per_rank
     # shown beside it: per step, the slowest rank's save against the slowest rank's copy (a
     # data-parallel step waits for its slowest rank)
-    slow_save = [max(row) for row in _rounds(ranks, "save_rounds", "save_s", save_only=True)]
-    slow_copy = [max(row) for row in _rounds(ranks, "save_rounds", "copy_s", save_only=True)]
+    slow_save = [max(row) for row in steps["save_s"]]
+    slow_copy = [max(row) for row in steps["copy_s"]]
     figs["save"]["slowest_rank"] = {
         "save_s": _median(slow_save),
         "copy_s": _median(slow_copy),

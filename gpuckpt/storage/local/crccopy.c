@@ -218,6 +218,15 @@ static struct guard *claim_guard(long tid)
  * slow later SSE code on some CPUs). */
 __attribute__((target("avx"))) static void clear_upper(void) { _mm256_zeroupper(); }
 
+/* Whether a copy on this thread can be guarded: SIGBUS not blocked here (a thread that blocks
+ * it is killed by a fault whatever the handler) and the handler installed; the thread's signal
+ * mask in *mask. */
+static int can_guard(sigset_t *mask)
+{
+    if (pthread_sigmask(SIG_SETMASK, NULL, mask) || sigismember(mask, SIGBUS) == 1) return 0;
+    return guard_installed();
+}
+
 /* The copy under guard g (claimed by thread tid), which it frees: 0 with the CRC in
  * *crc, or 2 when a fault interrupted it. Nothing that the copy changes is read after
  * a jump, and what is read after it (g, mask) is not changed after sigsetjmp, so no
@@ -272,10 +281,8 @@ int gck_cached_copy_crc(int fd, int64_t off, void *dst, uint64_t n, uint32_t crc
      * 145-152 ms): bench/RESULTS.md, the local tier, 2026-12-05. */
     struct statfs fs;
     int memory = fstatfs(fd, &fs) == 0 && fs.f_type == TMPFS_MAGIC_;
-    /* a thread that blocks SIGBUS is killed by a fault whatever the handler */
     sigset_t mask;
-    if (pthread_sigmask(SIG_SETMASK, NULL, &mask) || sigismember(&mask, SIGBUS) == 1) return 1;
-    if (!guard_installed()) return 1;
+    if (!can_guard(&mask)) return 1;
     long page = sysconf(_SC_PAGESIZE);
     int64_t start = off & ~(int64_t)(page - 1);
     size_t len = (size_t)(off - start) + n;
@@ -315,8 +322,7 @@ int gck_guarded_copy_crc(const void *src, void *dst, uint64_t n, uint32_t crc, u
         return 0;
     }
     sigset_t mask;
-    if (pthread_sigmask(SIG_SETMASK, NULL, &mask) || sigismember(&mask, SIGBUS) == 1) return 1;
-    if (!guard_installed()) return 1;
+    if (!can_guard(&mask)) return 1;
     long tid = thread_id();
     struct guard *g = claim_guard(tid);
     if (g == NULL) return 1;
@@ -338,8 +344,7 @@ int gck_guarded_copy_segments(const uint64_t *srcs, const uint64_t *lens, uint64
 {
     if (gck_isa() == ISA_NONE || seg == 0) return 1;
     sigset_t mask;
-    if (pthread_sigmask(SIG_SETMASK, NULL, &mask) || sigismember(&mask, SIGBUS) == 1) return 1;
-    if (!guard_installed()) return 1;
+    if (!can_guard(&mask)) return 1;
     long tid = thread_id();
     uint8_t *out = dst;
     uint64_t at = 0, k = 0;
