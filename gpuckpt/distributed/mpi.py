@@ -8,11 +8,10 @@ initialised with ``MPI_THREAD_MULTIPLE``.
 
 MPICH's blocking waits spin. Where a node runs more ranks than a rank may use
 CPUs (:func:`shares_cores`), a rank that spins takes a core from the ranks it
-waits for, so there the waits of :meth:`MPICoordinator.exchange_buffers`,
-:meth:`MPICoordinator.exchange_objects`, :meth:`MPICoordinator.all_reduce_errors` and
-:meth:`MPICoordinator.idle_barrier` test their requests (or probe for the messages) with
+waits for, so there every wait tests its requests (or probes for the messages) with
 sleeps in between (with single-copy transfers, the receiver copies a whole message in one
-test).
+test): the collectives of objects become two non-blocking collectives of bytes (the pickles'
+sizes, then the pickles: :class:`_IdleObjects`), the barrier an ``Ibarrier``.
 """
 
 from __future__ import annotations
@@ -38,11 +37,12 @@ __all__ = ["MPICoordinator"]
 # of the job's communicator, ideally: see MPICoordinator.duplicate).
 _OBJECT_TAG = 0x6770
 _BUFFER_TAG = 0x6771
-#: the longest sleep between two tests of :meth:`MPICoordinator.idle_barrier` (what it may add
-#: to the wait, after the last rank arrived)
+#: the longest sleep between two tests of an idle wait (:func:`_poll_idle`)
 IDLE_POLL_MAX_S = 0.002
-#: the first sleep of such a wait, and the sleep after a test that completed something
+#: the shortest sleep of such a wait: its first, and the first after a test that completed something
 IDLE_POLL_MIN_S = 50e-6
+#: a sleep is at most this fraction of the time waited since the last progress
+IDLE_POLL_FRACTION = 0.02
 
 
 #: the launchers' variables that give the number of ranks on this rank's node (MPICH's Hydra,
@@ -73,22 +73,29 @@ def shares_cores(environ: Mapping[str, str] | None = None) -> bool:
 
 def _poll_idle(pending: list[Any], finish: Callable[[list[Any]], list[Any]]) -> None:
     """Call ``finish(pending)`` (it completes what it can and returns what is still pending)
-    until nothing is, sleeping between calls that completed nothing: from
-    :data:`IDLE_POLL_MIN_S`, doubling to :data:`IDLE_POLL_MAX_S`, and back to the shortest
-    after every call that completed something.
+    until nothing is, sleeping between calls that completed nothing: a sleep is
+    :data:`IDLE_POLL_FRACTION` of the time waited since the wait began or last completed
+    something, from :data:`IDLE_POLL_MIN_S` to :data:`IDLE_POLL_MAX_S`.
 
-    A round of many messages completes them one handshake after another, each needing a test
-    on both ends: sleeps that only grew would add up to one per message. Sleeping anew from
-    the shortest after progress, 256 MiB in the 55 messages of a part's 37 files moved one
-    way in 0.06-0.12 s where sleeps that only grew took 0.15-0.18 s (4 ranks on a 2-vCPU VM)."""
-    pause = IDLE_POLL_MIN_S
+    What a sleep adds to a wait is then at most 2% of it (plus the shortest sleep), while a
+    long wait still tests only every 2 ms. A round of many messages completes them one
+    handshake after another, each needing a test on both ends, and a non-blocking collective
+    moves on one step per test of each rank taking part, without completing anything the
+    test sees: sleeps that grew with each test regardless (50 us doubling to 2 ms) added up
+    to 10-25 ms over the three collectives that close a replaced node's restore (4 ranks on
+    a 2-vCPU VM: the ranks that had waited longest slept longest); the restore took
+    0.16-0.17 s, against 0.13-0.14 s with sleeps of at most 0.1 ms (medians of 6 rounds,
+    interleaved runs). Sleeping anew from the shortest after progress, 256 MiB in the 55
+    messages of a part's 37 files moved one way in 0.06-0.12 s where sleeps that only grew
+    took 0.15-0.18 s."""
+    since = time.perf_counter()
     while pending:
         left = finish(pending)
+        now = time.perf_counter()
         if len(left) < len(pending):
-            pause = IDLE_POLL_MIN_S
+            since = now
         else:
-            time.sleep(pause)
-            pause = min(2 * pause, IDLE_POLL_MAX_S)
+            time.sleep(min(IDLE_POLL_MAX_S, max(IDLE_POLL_MIN_S, IDLE_POLL_FRACTION * (now - since))))
         pending = left
 
 
@@ -122,6 +129,89 @@ def _receive_idle(comm: Any, sources: Sequence[int], tag: int) -> dict[int, Any]
     return received
 
 
+class _IdleObjects:
+    """mpi4py's pickle-based collectives as non-blocking collectives of bytes, waited for
+    with sleeps (:func:`_wait_idle`): first the pickles' sizes, then the pickles.
+
+    mpi4py's own (``comm.allgather`` and the others) also move the sizes first, then the
+    bytes, in blocking calls whose waits spin. A rank that waits there for a late one takes
+    a core from it where ranks share cores: after a restore of a replaced node (4 ranks on a
+    2-vCPU VM), the ranks that had finished spun in its closing ``allgather`` for 2-14 ms
+    while the last rank, woken from a sleep, waited for a core to finish its own part."""
+
+    def __init__(self, comm: Any) -> None:
+        self.comm = comm
+        self.rank = int(comm.Get_rank())
+        self.size = int(comm.Get_size())
+
+    @staticmethod
+    def _dumps(obj: Any) -> np.ndarray:
+        return np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
+
+    @staticmethod
+    def _layout(sizes: np.ndarray) -> tuple[list[int], list[int]]:
+        counts = [int(n) for n in sizes]
+        return counts, [int(d) for d in np.concatenate(([0], np.cumsum(sizes[:-1])))]
+
+    @staticmethod
+    def _loads(data: np.ndarray, counts: list[int], displs: list[int]) -> list[Any]:
+        view = memoryview(data)
+        return [pickle.loads(view[d : d + n]) for n, d in zip(counts, displs, strict=True)]
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        from mpi4py import MPI
+
+        mine = self._dumps(obj)
+        sizes = np.empty(self.size, np.int64)
+        _wait_idle([self.comm.Iallgather(np.array([mine.size], np.int64), sizes)])
+        counts, displs = self._layout(sizes)
+        data = np.empty(sum(counts), np.uint8)
+        _wait_idle([self.comm.Iallgatherv(mine, [data, counts, displs, MPI.BYTE])])
+        return self._loads(data, counts, displs)
+
+    def gather(self, obj: Any, root: int) -> list[Any] | None:
+        from mpi4py import MPI
+
+        mine = self._dumps(obj)
+        at_root = self.rank == root
+        sizes = np.empty(self.size, np.int64) if at_root else None
+        _wait_idle([self.comm.Igather(np.array([mine.size], np.int64), sizes, root=root)])
+        if not at_root:
+            _wait_idle([self.comm.Igatherv(mine, None, root=root)])
+            return None
+        assert sizes is not None
+        counts, displs = self._layout(sizes)
+        data = np.empty(sum(counts), np.uint8)
+        _wait_idle([self.comm.Igatherv(mine, [data, counts, displs, MPI.BYTE], root=root)])
+        return self._loads(data, counts, displs)
+
+    def broadcast(self, obj: Any, root: int) -> Any:
+        data = self._dumps(obj) if self.rank == root else np.empty(0, np.uint8)
+        size = np.array([data.size], np.int64)
+        _wait_idle([self.comm.Ibcast(size, root=root)])
+        if self.rank != root:
+            data = np.empty(int(size[0]), np.uint8)
+        _wait_idle([self.comm.Ibcast(data, root=root)])
+        return pickle.loads(memoryview(data))
+
+    def scatter(self, objs: list[Any] | None, root: int) -> Any:
+        from mpi4py import MPI
+
+        parts: list[np.ndarray] = [self._dumps(o) for o in objs] if objs is not None else []
+        sizes = np.array([p.size for p in parts], np.int64) if parts else None
+        size = np.empty(1, np.int64)
+        _wait_idle([self.comm.Iscatter(sizes, size, root=root)])
+        data = np.empty(int(size[0]), np.uint8)
+        if parts:
+            assert sizes is not None
+            counts, displs = self._layout(sizes)
+            send = [np.concatenate(parts), counts, displs, MPI.BYTE]
+            _wait_idle([self.comm.Iscatterv(send, data, root=root)])
+        else:
+            _wait_idle([self.comm.Iscatterv(None, data, root=root)])
+        return pickle.loads(memoryview(data))
+
+
 def _comm_world() -> Any:
     try:
         from mpi4py import MPI
@@ -137,7 +227,9 @@ class MPICoordinator(Coordinator):
     """The ranks of an MPI communicator.
 
     Uses mpi4py's pickle-based collectives (``comm.gather``, ``comm.bcast``,
-    ...), which suit the small objects a coordinator exchanges. The objects
+    ...), which suit the small objects a coordinator exchanges; where the node's
+    ranks share cores (:func:`shares_cores`), the same as non-blocking collectives
+    of bytes waited for with sleeps (:class:`_IdleObjects`). The objects
     travel between the trusted ranks of one job and are never stored. Bulk
     bytes (:meth:`exchange_buffers`) travel as MPI messages of bytes, in
     pieces of at most :data:`~gpuckpt.distributed.coordinator.PIECE_BYTES`.
@@ -145,8 +237,8 @@ class MPICoordinator(Coordinator):
     Parameters
     ----------
     comm
-        An ``mpi4py.MPI.Comm`` (or an object with the same lowercase
-        collectives). Default: ``MPI.COMM_WORLD``; mpi4py is imported, and
+        An ``mpi4py.MPI.Comm`` (or an object with the same collectives,
+        blocking and non-blocking). Default: ``MPI.COMM_WORLD``; mpi4py is imported, and
         MPI initialised, only then.
 
     Examples
@@ -163,6 +255,7 @@ class MPICoordinator(Coordinator):
         self._rank = int(self._comm.Get_rank())
         self._size = int(self._comm.Get_size())
         self._waits_idle = shares_cores()
+        self._idle = _IdleObjects(self._comm) if self._waits_idle else None
 
     @property
     def comm(self) -> Any:
@@ -179,19 +272,27 @@ class MPICoordinator(Coordinator):
 
     def gather(self, obj: Any, root: int = 0) -> list[Any] | None:
         self._check_root(root)
+        if self._idle is not None:
+            return self._idle.gather(obj, root)
         out = self._comm.gather(obj, root=root)
         return list(out) if self._rank == root else None
 
     def scatter(self, objs: list[Any] | None, root: int = 0) -> Any:
         self._check_root(root)
         payload = self._scatter_payload(objs) if self._rank == root else None
+        if self._idle is not None:
+            return self._scatter_result(self._idle.scatter(payload, root))
         return self._scatter_result(self._comm.scatter(payload, root=root))
 
     def broadcast(self, obj: Any, root: int = 0) -> Any:
         self._check_root(root)
+        if self._idle is not None:
+            return self._idle.broadcast(obj if self._rank == root else None, root)
         return self._comm.bcast(obj if self._rank == root else None, root=root)
 
     def all_gather(self, obj: Any) -> list[Any]:
+        if self._idle is not None:
+            return self._idle.all_gather(obj)
         return list(self._comm.allgather(obj))
 
     def all_reduce_xor(self, values: np.ndarray) -> np.ndarray:
@@ -199,11 +300,17 @@ class MPICoordinator(Coordinator):
 
         send = np.ascontiguousarray(values, np.uint64)
         out = np.empty_like(send)
-        self.comm.Allreduce(send, out, op=MPI.BXOR)
+        if self._idle is not None:
+            _wait_idle([self.comm.Iallreduce(send, out, op=MPI.BXOR)])
+        else:
+            self.comm.Allreduce(send, out, op=MPI.BXOR)
         return out
 
     def barrier(self) -> None:
-        self._comm.Barrier()
+        if self._idle is not None:
+            _wait_idle([self._comm.Ibarrier()])
+        else:
+            self._comm.Barrier()
 
     def all_reduce_errors(self, error: BaseException | None) -> None:
         """See :meth:`Coordinator.all_reduce_errors`. Where the node's ranks share cores

@@ -713,7 +713,6 @@ class LocalTier(PartExchange):
             seconds = time.perf_counter() - started
             damaged = isinstance(error, _DAMAGE)
             report = None if error is None else (damaged, describe_error(error), mine)
-            c.idle_barrier()  # parts fetched from peers take longer than local ones
             outcomes = c.all_gather((report, nbytes if error is None else 0, seconds))
             bad = {r: o[0] for r, o in enumerate(outcomes) if o[0] is not None}
             if not bad:

@@ -95,6 +95,21 @@ def run_checks(c: Coordinator, workdir: Path) -> dict[str, Any]:
     # a spinning wait burns about its whole wall time (two thirds of it with 3 spinners on 2 cores)
     seen["idle_wait_is_idle"] = r == last or (wall >= 0.5 * IDLE_WAIT_S and cpu < 0.2 * wall)
 
+    # so do the collectives of objects, where the coordinator's waits are idle ones (an
+    # MPICoordinator whose ranks share cores; MPI's own blocking waits spin)
+    idle_waits = getattr(c, "_waits_idle", True)
+    late_root = functools.partial(c.broadcast, root=last)  # (every rank waits for the root)
+    for name, collective in (("all_gather", c.all_gather), ("broadcast", late_root)):
+        if r == last:
+            time.sleep(IDLE_WAIT_S)
+        wall, cpu = time.perf_counter(), time.thread_time()
+        got = collective(r)
+        wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
+        seen[f"{name}_after_a_late_rank"] = got
+        seen[f"{name}_wait_is_idle"] = (
+            r == last or not idle_waits or (wall >= 0.5 * IDLE_WAIT_S and cpu < 0.2 * wall)
+        )
+
     seen["no_failure"] = _reduce(c, None)
     one = ValueError(f"boom on rank {1 % n}") if r == 1 % n else None
     seen["one_failure"] = _reduce(c, one)
@@ -158,6 +173,10 @@ def expected(rank: int, n: int) -> dict[str, Any]:
         "marks_after_barrier": list(range(n)),
         "marks_after_idle_barrier": list(range(n)),
         "idle_wait_is_idle": True,
+        "all_gather_after_a_late_rank": list(range(n)),
+        "all_gather_wait_is_idle": True,
+        "broadcast_after_a_late_rank": last,
+        "broadcast_wait_is_idle": True,
         "no_failure": "no error",
         "one_failure": _expected_report({root_b: f"ValueError: boom on rank {root_b}"}, rank),
         "even_failures": _expected_report({i: f"KeyError: 'key-{i}'" for i in range(0, n, 2)}, rank),
