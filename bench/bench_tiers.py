@@ -60,7 +60,7 @@ on the same bytes, by the same ranks at the same time:
    that the other rounds find it as before), 4 ranks (new managers) restore, n1's parts
    fetched from their replicas on n0; bytes of a part per second of the whole restore against
    the transport's per-rank bandwidth of figure 3; target >= 0.7. Shown too: the fetch alone
-   (``LocalTier._exchange``, wrapped: the transfer, straight into the restored arrays, which
+   (``LocalTier._round``, wrapped: the transfer, straight into the restored arrays, which
    the load then checks in place), one-way ``exchange_buffers`` on the same pairs, one-way from
    files of the tier's tmpfs into the arrays (a holder sends from such files), and the restore
    against figure 3's exchange between tmpfs files; and the least such a restore does, plainly:
@@ -446,7 +446,7 @@ def figures_of_ranks(ranks: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[
         t = _slowest(ranks, "save_rounds", field)
         extras[f"2: the plain copy by {what}, GB/s per rank"] = state / _median(t) / 1e9
     fetch = _slowest(ranks, "restore_rounds", "peer_transfer_s", replaced)
-    extras["6: the fetch alone (LocalTier._exchange), GB/s per replaced rank"] = pbytes / _median(fetch) / 1e9
+    extras["6: the fetch alone (LocalTier._round), GB/s per replaced rank"] = pbytes / _median(fetch) / 1e9
     one = _slowest(ranks, "restore_rounds", "one_way_s")
     extras["6: one-way exchange_buffers on the same pairs, GB/s per receiving rank"] = (
         state / _median(one) / 1e9

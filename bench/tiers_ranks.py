@@ -314,7 +314,7 @@ class TierProbe:
         background_module.submit = timed_submit  # async_save_with_options looks it up at each call
 
     def attach(self, tier: Any) -> None:
-        finish, replicate, exchange, rank = tier._finish, tier._replicate, tier._exchange, tier.rank
+        finish, replicate, exchange, rank = tier._finish, tier._replicate, tier._round, tier.rank
 
         def timed_finish(step: int, written: Any, *rest: Any) -> None:
             # the part's write starts once every rank's snapshot is done, which the tier's
@@ -341,7 +341,7 @@ class TierProbe:
             self.transfers.append((t, time.perf_counter()))
             return got
 
-        tier._finish, tier._replicate, tier._exchange = timed_finish, timed_replicate, timed_exchange
+        tier._finish, tier._replicate, tier._round = timed_finish, timed_replicate, timed_exchange
 
 
 def _order(names: list[str], r: int) -> list[str]:

@@ -99,10 +99,26 @@ class PartExchange:
         c: Coordinator,
         buffer: ReceiveBuffer,
         *,
+        files_at: Callable[[int], Path] | None = None,
+    ) -> list[Received]:
+        """:meth:`_round`, then its error check: what failed on any rank raised on every rank
+        (nothing received is used unless every rank succeeded)."""
+        received, error = self._round(step, sends, receive_from, c, buffer, files_at=files_at)
+        c.all_reduce_errors(error)
+        return received
+
+    def _round(
+        self,
+        step: int,
+        sends: dict[int, int],
+        receive_from: list[int],
+        c: Coordinator,
+        buffer: ReceiveBuffer,
+        *,
         into: dict[str, Any] | None = None,
         files_at: Callable[[int], Path] | None = None,
         listed: Callable[[], None] | None = None,
-    ) -> list[Received]:
+    ) -> tuple[list[Received], BaseException | None]:
         """The exchange of :meth:`_transfer`, into ``buffer``: returns the parts received, not
         yet written anywhere (valid until ``buffer`` is cut again), or, with ``files_at``
         (whose part -> a new directory of the tier), received into files in that directory
@@ -114,10 +130,15 @@ class PartExchange:
         :func:`part_view` gives it; the same on every rank: None or not): this rank's own part
         is received into its arrays where :func:`~gpuckpt.tiers.placement.placement` allows,
         the rest into ``buffer``. Every rank takes part in every exchange whatever failed
-        where, and the round ends in one error check (raised on every rank): what failed here
-        still sends and receives the sizes announced (zeros, scratch memory), so that every
-        transport's round completes. ``listed``: called once the manifests are exchanged,
-        before the transfer (a restore starts its own part's load there)."""
+        where: what failed here still sends and receives the sizes announced (zeros, scratch
+        memory), so that every transport's round completes. ``listed``: called once the
+        manifests are exchanged, before the transfer (a restore starts its own part's load
+        there).
+
+        Also returns this rank's first error, or None. The caller checks the round on every
+        rank before it uses what was received anywhere but in this process (:meth:`_exchange`;
+        a restore checks it in its own collective after its load, so that a rank whose
+        transfer is over checks its part while others still receive)."""
         errors: list[BaseException] = []
         manifests: dict[int, Any] = {}
         try:
@@ -166,8 +187,7 @@ class PartExchange:
         if errors:  # (an error of the process's limit on open files says how many the round maps)
             moved = [m for m in [*manifests.values(), *incoming.values()] if m is not None]
             first = with_open_files_hint(errors[0], sum(len(m[1]) for m in moved))
-        c.all_reduce_errors(first)  # nothing received is used unless all succeeded
-        return received
+        return received, first
 
     def _outgoing(
         self, step: int, manifests: dict[int, Any], maps: list[mmap.mmap], errors: list[BaseException]

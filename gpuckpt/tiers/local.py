@@ -673,6 +673,7 @@ class LocalTier(PartExchange):
             fetched: list[Received] = []
             path = self.dir / part_name(step, self.rank)
             local: Future[None] | None = None
+            error: BaseException | None = None  # (the round's, checked with the load's below)
             if any(h != r for r, h in senders.items()):  # (the same on every rank: no round if none)
                 # into the state's arrays where they allow it, the rest into a buffer of its own
                 # (kept for the tier's copy, written after the restore returns)
@@ -689,29 +690,31 @@ class LocalTier(PartExchange):
 
                 try:
                     own = load_own if mine == self.rank else None
-                    fetched = self._exchange(step, sends, receive, c, ReceiveBuffer(), into=view, listed=own)
-                finally:  # (no load still writes into the state when the round's error is raised)
+                    buffer = ReceiveBuffer()
+                    fetched, error = self._round(step, sends, receive, c, buffer, into=view, listed=own)
+                finally:  # (no load still writes into the state when an error is raised)
                     if local is not None:
                         wait([local])
-            error: BaseException | None = None
             nbytes = 0
-            try:
-                if fetched:  # loaded from the bytes received, not written to files and read back
-                    (got,) = fetched
-                    with in_memory(got.as_files()) as url:
-                        api.load(view, url, **load_options)
-                    nbytes = got.nbytes
-                else:
-                    if local is None:
-                        api.load(view, path, **load_options)
+            round_failed = error is not None  # (then its part is not loaded: a failure, not damage)
+            if not round_failed:
+                try:
+                    if fetched:  # loaded from the bytes received, not written to files and read back
+                        (got,) = fetched
+                        with in_memory(got.as_files()) as url:
+                            api.load(view, url, **load_options)
+                        nbytes = got.nbytes
                     else:
-                        local.result()
-                    nbytes = tree_bytes(path)
-                copy_values_back(state, view)
-            except Exception as exc:
-                error = exc
+                        if local is None:
+                            api.load(view, path, **load_options)
+                        else:
+                            local.result()
+                        nbytes = tree_bytes(path)
+                    copy_values_back(state, view)
+                except Exception as exc:
+                    error = exc
             seconds = time.perf_counter() - started
-            damaged = isinstance(error, _DAMAGE)
+            damaged = not round_failed and isinstance(error, _DAMAGE)
             report = None if error is None else (damaged, describe_error(error), mine)
             outcomes = c.all_gather((report, nbytes if error is None else 0, seconds))
             bad = {r: o[0] for r, o in enumerate(outcomes) if o[0] is not None}
@@ -736,7 +739,9 @@ class LocalTier(PartExchange):
             if not all(b[0] for b in bad.values()):
                 if self.world_size == 1 and error is not None:
                     raise error  # one process: its own error, as a load without a tier raises it
-                failures = {r: b[1] for r, b in bad.items()}
+                # the failures, not the damage they may have caused (a part that could not be
+                # sent arrives as zeros of its sizes, and does not check)
+                failures = {r: b[1] for r, b in bad.items() if not b[0]}
                 raise DistributedError(failures, self.world_size) from error
             # damaged copies: the reader's, and the sender's it came from, are deleted; choose again
             for r, (_, what, holder) in sorted(bad.items()):

@@ -181,6 +181,49 @@ def test_a_part_fetched_into_arrays_it_cannot_fill_in_place_is_kept_in_the_tier(
         assert np.array_equal(kept["w"], tiers.state(5, r, 4)["w"].local) and kept["step"] == 5
 
 
+def test_a_holder_that_cannot_send_fails_the_restore_on_every_rank_and_deletes_nothing(
+    tiers: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A replaced node's restore where rank 0 cannot map the replica it holds: it sends zeros
+    of the sizes announced (the round completes on every rank), the receiver's check of them
+    fails, and each rank goes on to the restore's closing collective without waiting for the
+    others' transfers. The restore fails on every rank naming rank 0's error alone (the zeros
+    are not reported as damage), and no copy is deleted: a later restore finds the step."""
+    import gpuckpt.tiers.exchange as exchange_module
+
+    _trained(tiers, tmp_path)
+    shutil.rmtree(tmp_path / "n1")
+    replicas = _steps_in(tmp_path / "n0")
+    real = exchange_module.mapped
+
+    def mapped(directory: Path, *a: Any, **kw: Any) -> Any:
+        if Path(directory).name == part_name(5, 2):
+            raise OSError("the replica of rank 2 cannot be mapped here")
+        return real(directory, *a, **kw)
+
+    monkeypatch.setattr(exchange_module, "mapped", mapped)
+    errors: list[DistributedError] = []
+
+    def restore(c: Any) -> None:
+        mgr = tiers.manager(c, str(tmp_path))
+        try:
+            mgr.restore(tiers.empty(c.rank, c.world_size))
+        except DistributedError as exc:
+            errors.append(exc)
+        finally:
+            mgr.close()
+
+    run_ranks(4, restore, timeout=120)
+    assert len(errors) == 4
+    for exc in errors:
+        assert exc.failures == {0: "OSError: the replica of rank 2 cannot be mapped here"}, exc.failures
+    assert _steps_in(tmp_path / "n0") == replicas and _steps_in(tmp_path / "n1") == []
+    monkeypatch.setattr(exchange_module, "mapped", real)
+    got = _restored(tiers, tmp_path)
+    for r, g in enumerate(got):
+        assert g["step"] == 5 and g["exact"] and g["parts"]["2"] == ["peer", 0], (r, g)
+
+
 def test_a_damaged_local_copy_is_skipped_and_its_replica_used(tiers: Any, tmp_path: Path) -> None:
     _trained(tiers, tmp_path)
     chunk = tmp_path / "n0" / part_name(5, 0) / "w" / "c" / "0" / "0"
