@@ -82,12 +82,12 @@ def _poll_idle(pending: list[Any], finish: Callable[[list[Any]], list[Any]]) -> 
     handshake after another, each needing a test on both ends, and a non-blocking collective
     moves on one step per test of each rank taking part, without completing anything the
     test sees: sleeps that grew with each test regardless (50 us doubling to 2 ms) added up
-    to 10-25 ms over the three collectives that close a replaced node's restore (4 ranks on
-    a 2-vCPU VM: the ranks that had waited longest slept longest); the restore took
-    0.16-0.17 s, against 0.13-0.14 s with sleeps of at most 0.1 ms (medians of 6 rounds,
-    interleaved runs). Sleeping anew from the shortest after progress, 256 MiB in the 55
-    messages of a part's 37 files moved one way in 0.06-0.12 s where sleeps that only grew
-    took 0.15-0.18 s."""
+    to 10-25 ms over the three collectives that close a replaced node's restore (4 ranks of
+    256 MiB on a 2-vCPU VM: the ranks that had waited longest slept longest). The restore
+    took 0.18, 0.18 and 0.20 s that way, and 0.15, 0.16 and 0.13 s with this schedule
+    (medians of 6 rounds, three pairs of interleaved runs). Sleeping anew from the shortest
+    after progress, 256 MiB in the 55 messages of a part's 37 files moved one way in
+    0.06-0.12 s where sleeps that only grew took 0.15-0.18 s."""
     since = time.perf_counter()
     while pending:
         left = finish(pending)
