@@ -162,8 +162,8 @@ class _IdleObjects:
         from mpi4py import MPI
 
         mine = self._dumps(obj)
-        sizes = np.empty(self.size, np.int64)
-        _wait_idle([self.comm.Iallgather(np.array([mine.size], np.int64), sizes)])
+        size, sizes = np.array([mine.size], np.int64), np.empty(self.size, np.int64)
+        _wait_idle([self.comm.Iallgather(size, sizes)])
         counts, displs = self._layout(sizes)
         data = np.empty(sum(counts), np.uint8)
         _wait_idle([self.comm.Iallgatherv(mine, [data, counts, displs, MPI.BYTE])])
@@ -174,8 +174,8 @@ class _IdleObjects:
 
         mine = self._dumps(obj)
         at_root = self.rank == root
-        sizes = np.empty(self.size, np.int64) if at_root else None
-        _wait_idle([self.comm.Igather(np.array([mine.size], np.int64), sizes, root=root)])
+        size, sizes = np.array([mine.size], np.int64), np.empty(self.size, np.int64) if at_root else None
+        _wait_idle([self.comm.Igather(size, sizes, root=root)])
         if not at_root:
             _wait_idle([self.comm.Igatherv(mine, None, root=root)])
             return None
@@ -192,7 +192,7 @@ class _IdleObjects:
         if self.rank != root:
             data = np.empty(int(size[0]), np.uint8)
         _wait_idle([self.comm.Ibcast(data, root=root)])
-        return pickle.loads(memoryview(data))
+        return obj if self.rank == root else pickle.loads(memoryview(data))
 
     def scatter(self, objs: list[Any] | None, root: int) -> Any:
         from mpi4py import MPI
