@@ -197,18 +197,16 @@ class _IdleObjects:
     def scatter(self, objs: list[Any] | None, root: int) -> Any:
         from mpi4py import MPI
 
-        parts: list[np.ndarray] = [self._dumps(o) for o in objs] if objs is not None else []
-        sizes = np.array([p.size for p in parts], np.int64) if parts else None
+        parts = [self._dumps(o) for o in objs] if objs is not None else None  # (at the root)
+        sizes = None if parts is None else np.array([p.size for p in parts], np.int64)
         size = np.empty(1, np.int64)
         _wait_idle([self.comm.Iscatter(sizes, size, root=root)])
-        data = np.empty(int(size[0]), np.uint8)
-        if parts:
-            assert sizes is not None
+        send = None
+        if parts is not None and sizes is not None:
             counts, displs = self._layout(sizes)
             send = [np.concatenate(parts), counts, displs, MPI.BYTE]
-            _wait_idle([self.comm.Iscatterv(send, data, root=root)])
-        else:
-            _wait_idle([self.comm.Iscatterv(None, data, root=root)])
+        data = np.empty(int(size[0]), np.uint8)
+        _wait_idle([self.comm.Iscatterv(send, data, root=root)])
         return pickle.loads(memoryview(data))
 
 
@@ -254,8 +252,16 @@ class MPICoordinator(Coordinator):
         self._comm = _comm_world() if comm is None else comm
         self._rank = int(self._comm.Get_rank())
         self._size = int(self._comm.Get_size())
-        self._waits_idle = shares_cores()
-        self._idle = _IdleObjects(self._comm) if self._waits_idle else None
+        #: the collectives' idle waits, where the node's ranks share cores (else None: MPI's own)
+        self._idle = _IdleObjects(self._comm) if shares_cores() else None
+
+    @property
+    def _waits_idle(self) -> bool:
+        return self._idle is not None
+
+    @_waits_idle.setter
+    def _waits_idle(self, idle: bool) -> None:  # (tests run both kinds of waits in one job)
+        self._idle = _IdleObjects(self._comm) if idle else None
 
     @property
     def comm(self) -> Any:

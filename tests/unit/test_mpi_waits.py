@@ -4,7 +4,6 @@ this process may use), and how long they sleep (no MPI needed)."""
 from __future__ import annotations
 
 import os
-from typing import Any
 
 import pytest
 
@@ -47,7 +46,9 @@ class _Clock:
         self.now += seconds
 
 
-def test_an_idle_wait_sleeps_a_fiftieth_of_its_wait_from_50_us_to_2_ms(monkeypatch: Any) -> None:
+def test_an_idle_wait_sleeps_a_fiftieth_of_its_wait_from_50_us_to_2_ms(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Sleeps grow with the time waited since the last progress (2% of it, from 50 us to 2 ms),
     and start from the shortest again once a test completes something: a wait of 1 s that
     completes one of its two requests at 0.5 s."""
