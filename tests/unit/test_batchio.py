@@ -1069,3 +1069,41 @@ def test_tree_bytes_counts_regular_files_and_follows_no_link(tmp_path: Path, nat
             lib.tree_bytes(tmp_path / "missing")
     with using(lib if native else None):
         assert tree_bytes(link) == 0 and tree_bytes(tmp_path / "missing") == 0
+
+
+def test_read_files_reads_whole_files_of_their_listed_size_and_stops_at_any_other(
+    lib: BatchIO, tmp_path: Path
+) -> None:
+    """``read_files`` (a part's small files, sent to a peer): each whole file into a buffer of
+    its size; a shorter or longer file, a link, a FIFO (not opened: never blocks) or a missing
+    file stops the batch there, naming the step."""
+    root = tmp_path / "part"
+    (root / "a").mkdir(parents=True)
+    data = {"zarr.json": b'{"k": 1}', "a/zarr.json": b"{}", "a/c.0": bytes(range(256)) * 3}
+    for rel, b in data.items():
+        (root / rel).write_bytes(b)
+    names = list(data)
+
+    def read(sizes: list[int]) -> tuple[list[bytes], batchio.Stop | None]:
+        bufs = [bytearray(n) for n in sizes]
+        stop = lib.read_files(str(root), names, bufs)
+        return [bytes(b) for b in bufs], stop
+
+    got, stop = read([len(b) for b in data.values()])
+    assert stop is None and got == list(data.values())
+    _, stop = read([8, 3, 768])
+    assert stop is not None and (stop.index, stop.step, stop.done) == (1, "short", 2)
+    _, stop = read([8, 2, 767])
+    assert stop is not None and (stop.index, stop.step, stop.done) == (2, "long", 768)
+    (root / "a/zarr.json").unlink()
+    (root / "a/zarr.json").symlink_to(root / "zarr.json")
+    _, stop = read([8, 8, 768])
+    assert stop is not None and (stop.index, stop.step) == (1, "not-regular")
+    (root / "a/zarr.json").unlink()
+    os.mkfifo(root / "a/zarr.json")
+    _, stop = read([8, 2, 768])
+    assert stop is not None and (stop.index, stop.step) == (1, "not-regular")
+    assert stat.S_ISFIFO(stop.mode)
+    (root / "a/zarr.json").unlink()
+    _, stop = read([8, 2, 768])
+    assert stop is not None and (stop.index, stop.step, stop.err) == (1, "stat", errno.ENOENT)

@@ -17,13 +17,16 @@ BACK_END_MODULES = ("gpuckpt.storage.memory",)
 #: primitives (durable publication, error hints, whole reads and writes) that convert uses to write
 #: single files and saves use to explain an errno; which copy-with-CRC loop this machine runs
 #: (reported by the demo and the device benchmark); the maps a local tier keeps of its files,
-#: for its exchanges and for the local writer that writes its parts through them
+#: for its exchanges and for the local writer that writes its parts through them; the native
+#: batches of file system calls, with which a local tier reads the small files of the parts it
+#: sends
 SHARED_HELPERS = frozenset(
     (
         "gpuckpt.storage.local.fsutil",
         "gpuckpt.storage.local.fileio",
         "gpuckpt.storage.local.crccopy",
         "gpuckpt.storage.local.filemaps",
+        "gpuckpt.storage.local.batchio",
     )
 )
 

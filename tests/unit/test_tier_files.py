@@ -304,3 +304,54 @@ def test_part_files_lists_the_regular_files_sorted_and_follows_no_link(tmp_path:
     (part / "dirlink").symlink_to(tmp_path, target_is_directory=True)
     os.mkfifo(part / "fifo")
     assert part_files(part) == [("a/c.0", 11), ("b/c/0", 7), ("b/zarr.json", 5), ("zarr.json", 3)]
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["one-native-call", "one-at-a-time"])
+def test_small_files_are_sent_from_copies_read_together_and_refused_at_another_size_or_kind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, native: bool
+) -> None:
+    """A part's small files (documents, small chunks) are read into one buffer, in one native
+    call where the library is built, else one at a time: the same messages either way, and
+    the same errors for a file shorter or longer than the listing says, or a link where a
+    file is listed (never followed)."""
+    import gpuckpt.tiers.files as files_module
+    from gpuckpt.storage.local import batchio
+
+    if native and batchio.instance() is None:
+        pytest.skip("the native library is not built here")
+    if not native:
+        monkeypatch.setattr(files_module.batchio, "instance_or_none", lambda: None)
+    part = tmp_path / "part"
+    contents = {**FILES, "t/c/1": bytes(range(200)) + b"CRC?"}
+    for rel, data in contents.items():
+        (part / rel).parent.mkdir(parents=True, exist_ok=True)
+        (part / rel).write_bytes(data)
+    listing = part_files(part)
+    maps: list[mmap.mmap] = []
+    views = mapped(part, listing, maps)
+    expected = [
+        contents[rel][at : at + n]
+        for rel, size in listing
+        for at, n in zip(
+            [sum(message_sizes(rel, size)[:k]) for k in range(len(message_sizes(rel, size)))],
+            message_sizes(rel, size),
+            strict=True,
+        )
+    ]
+    assert [bytes(v) for v in views] == expected and maps == []
+    sizes = dict(listing)
+    longer = [(rel, size - 1 if rel == "t/zarr.json" else size) for rel, size in listing]
+    with pytest.raises(OSError, match="more bytes where the part's listing says 1") as info:
+        mapped(part, longer, maps)
+    assert info.value.filename == str(part / "t/zarr.json")
+    shorter = [(rel, size + 3 if rel == "t/c/1" else size) for rel, size in listing]
+    with pytest.raises(
+        OSError, match=f"{sizes['t/c/1']} bytes where the part's listing says {sizes['t/c/1'] + 3}"
+    ):
+        mapped(part, shorter, maps)
+    (tmp_path / "elsewhere.json").write_bytes(b"{}")
+    (part / "t/zarr.json").unlink()
+    (part / "t/zarr.json").symlink_to(tmp_path / "elsewhere.json")
+    with pytest.raises(OSError, match="not a regular file where the part's listing has one") as info:
+        mapped(part, listing, maps)
+    assert info.value.filename == str(part / "t/zarr.json")

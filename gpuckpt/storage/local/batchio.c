@@ -32,7 +32,7 @@
 
 #include "crc32c_simd.h"
 
-#define GBIO_ABI 7
+#define GBIO_ABI 8
 
 /* What an item is (kind). */
 /* GBIO_TAKEDIR: a directory taken from the reused tree given to gbio_write (one rename), else
@@ -52,7 +52,8 @@ enum {
     GBIO_STEP_NOTREG = 7, /* the file is not a regular file (mode says what it is): never read */
     GBIO_STEP_READ = 8,
     GBIO_STEP_SHORT = 9,    /* fewer bytes than the item needs: the file is truncated */
-    GBIO_STEP_MISMATCH = 10 /* the bytes do not match the trailer or the expected CRC */
+    GBIO_STEP_MISMATCH = 10, /* the bytes do not match the trailer or the expected CRC */
+    GBIO_STEP_LONG = 11      /* a whole file read (GBIO_FILE) holds more bytes than the item */
 };
 
 /* Write flags: fsync each file as written; start the writeback of large files; fsync the
@@ -568,13 +569,30 @@ static int read_one(int dir, struct gbio_item *it, uint8_t *scratch, uint32_t fl
     return 0;
 }
 
-/* Read the chunk items (kind GBIO_CHUNK) under the directory root, in order: each file's
- * first nbytes into data, then pad bytes that are checksummed and dropped, then the
- * 4-byte trailer; the CRC-32C of data and padding must equal both the trailer and expect.
- * A file longer than that is read no further. Stops at the first item that fails (a
- * system error, a file that is not regular, a short file, a checksum mismatch). flags:
- * GBIO_CHECKED (see open_regular). Returns the number of items done, or -errno when root
- * cannot be opened. */
+/* A whole file (GBIO_FILE) of exactly nbytes into data: one byte more is asked for, so that
+ * a longer file is found (GBIO_STEP_LONG) as a shorter one is (GBIO_STEP_SHORT). */
+static int read_whole(int dir, struct gbio_item *it, uint32_t flags)
+{
+    int fd = open_regular(dir, it, flags);
+    if (fd < 0) return -1;
+    uint8_t more;
+    struct iovec iov[2] = {{it->data, it->nbytes}, {&more, 1}};
+    int err = readv_full(fd, iov, 2, &it->done);
+    int step = err ? GBIO_STEP_READ : 0;
+    if (close(fd) && !err && errno != EINTR) err = errno, step = GBIO_STEP_CLOSE;
+    if (err) return fail(it, step, err);
+    if (it->done < it->nbytes) return fail(it, GBIO_STEP_SHORT, 0);
+    if (it->done > it->nbytes) return fail(it, GBIO_STEP_LONG, 0);
+    return 0;
+}
+
+/* Read the items under the directory root, in order. A chunk (GBIO_CHUNK): the file's first
+ * nbytes into data, then pad bytes that are checksummed and dropped, then the 4-byte
+ * trailer; the CRC-32C of data and padding must equal both the trailer and expect. A file
+ * longer than that is read no further. A file (GBIO_FILE): all of it into data, which must
+ * be its size (read_whole). Stops at the first item that fails (a system error, a file
+ * that is not regular, a short or long file, a checksum mismatch). flags: GBIO_CHECKED (see
+ * open_regular). Returns the number of items done, or -errno when root cannot be opened. */
 int64_t gbio_read(const char *root, struct gbio_item *items, uint64_t n, uint32_t flags)
 {
     gbio_isa();
@@ -584,6 +602,10 @@ int64_t gbio_read(const char *root, struct gbio_item *items, uint64_t n, uint32_
     uint64_t i = 0;
     for (; i < n; i++) {
         struct gbio_item *it = &items[i];
+        if (it->kind == GBIO_FILE) {
+            if (read_whole(dir, it, flags)) break;
+            continue;
+        }
         if (it->kind != GBIO_CHUNK) {
             fail(it, GBIO_STEP_OPEN, EINVAL);
             break;

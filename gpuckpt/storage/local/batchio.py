@@ -44,7 +44,7 @@ __all__ = [
 LIBRARY = Path(__file__).with_name("_batchio.so")
 #: files that :meth:`BatchIO.sizes` checks on two threads (fewer: on one)
 PARALLEL_STAT_MIN = 2048
-_ABI = 7
+_ABI = 8
 #: the second thread of :meth:`BatchIO.sizes`
 _stat_threads = Workers(4, "gpuckpt-stat")
 _LEVELS = {0: "table", 1: "pclmul", 2: "avx512"}
@@ -61,6 +61,7 @@ STEPS = {
     8: "read",
     9: "short",
     10: "mismatch",
+    11: "long",
 }
 _FSYNC, _WRITEBACK, _FSYNC_GROUP = 1, 2, 4
 #: flag of gbio_read: the files were checked (BatchIO.sizes) just before
@@ -318,6 +319,18 @@ class BatchIO:
         without looking at it first (what was opened is still refused if not a regular file)."""
         prepared = self._prepare(paths, buffers, pads, expected, checked)
         return prepared.items, prepared.read(root, 0, len(paths))
+
+    def read_files(self, root: str, paths: Sequence[str], buffers: Sequence[Any]) -> Stop | None:
+        """Read each whole file ``paths[i]`` under ``root`` into ``buffers[i]``, which is its
+        size: a file that holds fewer bytes stops the batch at step ``short``, one that holds
+        more at ``long`` (``done`` then says how many were read, at most one more). Files are
+        opened as chunks are (regular files only, no link followed, never blocking). Returns
+        where it stopped, if it did."""
+        items, blob = self._items(paths, [FILE] * len(paths))
+        self._buffers(items, buffers, True)
+        done = self._lib.gbio_read(os.fsencode(root), items.ctypes.data, len(items), 0)
+        del blob  # referenced until the call returned
+        return self._stop(items, done, root)
 
     def sizes(self, root: str, paths: Sequence[str]) -> tuple[np.ndarray, list[Stop]]:
         """The size of each regular file ``paths[i]`` under ``root`` (-1 where it is not
