@@ -36,6 +36,7 @@ from gpuckpt.tiers.files import (
     part_files,
     receiving_files,
     with_open_files_hint,
+    write_copies,
     write_received,
 )
 from gpuckpt.tiers.placement import message_sizes, placement
@@ -223,13 +224,15 @@ class PartExchange:
             src: self._targets(m[2], into, step) if into is not None and m[0] == self.rank else {}
             for src, m in incoming.items()
         }
-        in_files: dict[int, tuple[Path, list[list[memoryview]]]] = {}
+        in_files: dict[int, tuple[Path, list[list[memoryview]], list[tuple[str, memoryview]]]] = {}
         for source, (whose, files, _root) in incoming.items():
             if files_at is None:
                 break
             try:
                 tmp = files_at(whose)
-                in_files[source] = (tmp, receiving_files(tmp, files, maps, self._file_maps))
+                copies: list[tuple[str, memoryview]] = []
+                views = receiving_files(tmp, files, maps, self._file_maps, copies)
+                in_files[source] = (tmp, views, copies)
             except Exception as exc:  # received into the buffer, and the round fails
                 errors.append(exc)
         plans = {
@@ -240,9 +243,9 @@ class PartExchange:
         received: list[Received] = []
         for source, (whose, files, _root) in incoming.items():
             if source in in_files:
-                tmp, views = in_files[source]
+                tmp, views, copies = in_files[source]
                 in_buffers[source] = [v for vs in views for v in vs]
-                received.append(Received(whose, files, [], directory=tmp))
+                received.append(Received(whose, files, [], directory=tmp, copies=copies))
                 continue
             pieces = [
                 [cut(n) if n > 0 else targets[source][rel] for n in sizes]
@@ -293,6 +296,7 @@ class PartExchange:
         try:
             for got in received:
                 assert got.directory is not None
+                write_copies(got.directory, got.copies)
                 self._commit_received(got.directory, part_name(step, got.whose))
         except Exception as exc:
             published = exc

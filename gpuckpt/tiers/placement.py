@@ -21,7 +21,6 @@ else is received into a buffer and loaded from there as before.
 
 from __future__ import annotations
 
-from pathlib import PurePosixPath
 from typing import Any
 
 import numpy as np
@@ -46,7 +45,7 @@ def message_sizes(rel: str, size: int) -> list[int]:
     """The sizes of the messages a part's file of ``size`` bytes named ``rel`` travels as: a
     chunk file as its bytes and its checksum trailer, any other file whole, an empty one not
     at all."""
-    if size > CRC_BYTES and is_chunk_file_key(PurePosixPath(rel).name):
+    if size > CRC_BYTES and is_chunk_file_key(rel.rpartition("/")[2]):
         return [size - CRC_BYTES, CRC_BYTES]
     return [size] if size else []
 

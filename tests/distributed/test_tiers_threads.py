@@ -513,6 +513,60 @@ def test_the_drain_runs_at_the_least_priority_and_the_tiers_threads_at_the_calle
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before
 
 
+def test_a_replicas_small_files_that_cannot_be_written_fail_the_step_on_every_rank(
+    tiers: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A replica's small files (documents, small chunks) are received into a buffer and
+    written into the tier once the transfer is over: a tier that refuses them (ENOSPC) fails
+    the step on every rank, naming the file, leaves no received directory behind, and the
+    step before restores bit-exact."""
+    import errno
+
+    import gpuckpt.tiers.exchange as exchange_module
+
+    write_copies = exchange_module.write_copies
+
+    def refusing(tmp: Path, copies: list[tuple[str, memoryview]]) -> None:
+        if tmp.parent.name == "n1" and refuse.is_set() and copies:
+            raise OSError(errno.ENOSPC, "No space left on device", copies[0][0])
+        write_copies(tmp, copies)
+
+    refuse = threading.Event()
+    monkeypatch.setattr(exchange_module, "write_copies", refusing)
+
+    def job(c: Any) -> dict[str, Any]:
+        mgr = tiers.manager(c, tmp_path, persist_interval_steps=100)
+        r, n = c.rank, c.world_size
+        mgr.save(1, tiers.state(1, r, n))
+        mgr.wait()
+        c.barrier()
+        if r == 0:
+            refuse.set()
+        c.barrier()
+        out: dict[str, Any] = {}
+        try:
+            mgr.save(2, tiers.state(2, r, n))
+            mgr.wait()
+        except DistributedError as exc:
+            out["failed"] = {str(k): v for k, v in exc.failures.items()}
+        c.barrier()
+        if r == 0:
+            refuse.clear()
+        c.barrier()
+        target = tiers.empty(r, n)
+        out["restored"] = mgr.restore(target)
+        out["exact"] = tiers.exact(target, out["restored"], r, n)
+        mgr.close()
+        return out
+
+    got = run_ranks(4, job, timeout=120)
+    for r, g in enumerate(got):
+        assert sorted(g["failed"]) == ["2", "3"], (r, g)
+        assert all("No space left on device" in m and str(tmp_path / "n1") in m for m in g["failed"].values())
+        assert g["restored"] == 1 and g["exact"], (r, g)
+    assert not [p for p in (tmp_path / "n1").iterdir() if p.name.startswith(".recv-")]
+
+
 def test_a_replica_is_written_into_the_files_of_the_copy_it_retires(tiers: Any, tmp_path: Path) -> None:
     """With local_max_to_keep=2, step s's replica goes into the files of step s-2's copy (on
     tmpfs: pages already allocated): the largest file of that copy, held open, is a file of
@@ -816,15 +870,16 @@ def test_maps_kept_between_rounds_never_hold_a_retired_parts_memory(tmp_path: Pa
 
 
 def _many_tensors(c: Any, base: Path, count: int) -> list[int]:
-    """Three steps of ``count`` small tensors per rank through a tier (a part of 2 files per
-    tensor); returns the files of this rank's last part."""
+    """Three steps of ``count`` tensors per rank through a tier (a part of 2 files per tensor,
+    its chunk file of 64 KiB: large enough to be mapped, where the smaller files are copied);
+    returns the files of this rank's last part."""
     r, n = c.rank, c.world_size
     node = f"n{r // 2}"
     mgr = gpuckpt.CheckpointManager(
         base / "root", local_dir=base / node, node=node, coordinator=c, persist_interval_steps=100
     )
     st = {
-        f"t{i}": gpuckpt.ShardedArray(np.full((4, 16), i + r, np.float32), (4 * r, 0), (4 * n, 16))
+        f"t{i}": gpuckpt.ShardedArray(np.full((1024, 16), i + r, np.float32), (1024 * r, 0), (1024 * n, 16))
         for i in range(count)
     }
     for step in range(1, 4):
@@ -836,8 +891,9 @@ def _many_tensors(c: Any, base: Path, count: int) -> list[int]:
 
 
 def test_a_tier_raises_the_open_files_limit_that_its_rounds_need(tmp_path: Path) -> None:
-    """A round maps every file of the parts it moves, each map holding a file descriptor: 4
-    ranks (threads of one process) moving parts of 300 tensors hold about 4,800 at once. Under
+    """A round maps every large file of the parts it moves (from 64 KiB), each map holding a
+    file descriptor: 4 ranks (threads of one process) moving parts of 300 such tensors hold
+    about 2,400 at once. Under
     a soft limit of 1,024 the tier raises it to the hard limit, and every step replicates."""
     import resource
 

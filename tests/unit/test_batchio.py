@@ -1107,3 +1107,34 @@ def test_read_files_reads_whole_files_of_their_listed_size_and_stops_at_any_othe
     (root / "a/zarr.json").unlink()
     _, stop = read([8, 2, 768])
     assert stop is not None and (stop.index, stop.step, stop.err) == (1, "stat", errno.ENOENT)
+
+
+def test_write_over_replaces_each_file_in_place_or_anew_and_never_writes_through_a_link(
+    lib: BatchIO, tmp_path: Path
+) -> None:
+    """``write(..., over=True)`` (a replica's small files written into a recycled part): a
+    regular file of one name is written over (the same inode, cut to its new size); one that
+    a hard link shares, a symbolic link, a directory in the way or no file at all gets a new
+    file, the other name and the link's target keeping their bytes."""
+    root = tmp_path / "part"
+    (root / "a").mkdir(parents=True)
+    (root / "same").write_bytes(b"x" * 100)
+    inode = (root / "same").stat().st_ino
+    (root / "shared").write_bytes(b"kept")
+    os.link(root / "shared", tmp_path / "other-name")
+    (tmp_path / "target").write_bytes(b"target")
+    (root / "link").symlink_to(tmp_path / "target")
+    (root / "a" / "dir").mkdir()
+    (root / "a" / "dir" / "inside").write_bytes(b"1")
+    names = ["same", "shared", "link", "a/dir", "a/new"]
+    data = [b"new", b"fresh", b"not through", b"file now", b"made"]
+    _, stop = lib.write(
+        str(root), [batchio.FILE] * 5, names, data, [0] * 5, fsync=None, writeback_min=None, over=True
+    )
+    assert stop is None
+    assert {n: (root / n).read_bytes() for n in names} == dict(zip(names, data, strict=True))
+    assert (root / "same").stat().st_ino == inode
+    assert (tmp_path / "other-name").read_bytes() == b"kept" and (
+        tmp_path / "target"
+    ).read_bytes() == b"target"
+    assert not (root / "link").is_symlink() and (root / "a" / "dir").is_file()

@@ -12,7 +12,16 @@ from pathlib import Path
 import pytest
 
 from gpuckpt.errors import CheckpointCorruptedError
-from gpuckpt.tiers.files import FileMaps, mapped, part_files, receiving_files, tree_bytes, write_received
+from gpuckpt.tiers.files import (
+    COPIED_MAX_BYTES,
+    FileMaps,
+    mapped,
+    part_files,
+    receiving_files,
+    tree_bytes,
+    write_copies,
+    write_received,
+)
 from gpuckpt.tiers.placement import message_sizes
 
 # a part's files: a chunk file travels as its bytes and its 4-byte checksum trailer
@@ -52,6 +61,43 @@ def _receive(
     return maps
 
 
+def _receive_copying(tmp: Path, files: dict[str, bytes] | list[tuple[str, bytes]]) -> list[mmap.mmap]:
+    """:func:`_receive` with the small files received into a buffer and written after the
+    transfer (``copies``, then ``write_copies``: in one native call where it is built)."""
+    maps: list[mmap.mmap] = []
+    items = _items(files)
+    listing = [(rel, len(data)) for rel, data in items]
+    copies: list[tuple[str, memoryview]] = []
+    views = receiving_files(tmp, listing, maps, None, copies)
+    for (_rel, data), vs in zip(items, views, strict=True):
+        at = 0
+        for v in vs:
+            v[:] = data[at : at + v.nbytes]
+            at += v.nbytes
+            v.release()
+    assert sorted(os.path.relpath(p, tmp) for p, _ in copies) == sorted(
+        rel for rel, data in items if 0 < len(data) < COPIED_MAX_BYTES
+    )
+    for m in maps:
+        m.close()
+    write_copies(tmp, copies)
+    return maps
+
+
+def _receive_copying_one_at_a_time(
+    tmp: Path, files: dict[str, bytes] | list[tuple[str, bytes]]
+) -> list[mmap.mmap]:
+    """:func:`_receive_copying` where the native library is not used (written file by file)."""
+    import gpuckpt.tiers.files as files_module
+
+    native = files_module.batchio.instance_or_none
+    files_module.batchio.instance_or_none = lambda: None  # type: ignore[assignment]
+    try:
+        return _receive_copying(tmp, files)
+    finally:
+        files_module.batchio.instance_or_none = native  # type: ignore[assignment]
+
+
 def _write(tmp: Path, files: dict[str, bytes] | list[tuple[str, bytes]]) -> None:
     items = _items(files)
     listing = [(rel, len(data)) for rel, data in items]
@@ -63,13 +109,21 @@ def _tree(tmp: Path) -> dict[str, bytes]:
     return {str(p.relative_to(tmp)): p.read_bytes() for p in tmp.rglob("*") if p.is_file()}
 
 
-@pytest.mark.parametrize("put", [_receive, _write], ids=["received-into-files", "written"])
+@pytest.mark.parametrize(
+    "put",
+    [_receive, _receive_copying, _receive_copying_one_at_a_time, _write],
+    ids=["received-into-files", "small-files-copied", "small-files-copied-one-at-a-time", "written"],
+)
 def test_a_part_lands_in_new_files(tmp_path: Path, put) -> None:  # type: ignore[no-untyped-def]
     put(tmp_path / "part", FILES)
     assert _tree(tmp_path / "part") == FILES
 
 
-@pytest.mark.parametrize("put", [_receive, _write], ids=["received-into-files", "written"])
+@pytest.mark.parametrize(
+    "put",
+    [_receive, _receive_copying, _receive_copying_one_at_a_time, _write],
+    ids=["received-into-files", "small-files-copied", "small-files-copied-one-at-a-time", "written"],
+)
 def test_a_recycled_copys_files_are_reused_and_whatever_else_it_holds_removed(tmp_path: Path, put) -> None:  # type: ignore[no-untyped-def]
     part, outside = tmp_path / "part", tmp_path / "outside"
     outside.write_bytes(b"not the tier's")
@@ -89,7 +143,11 @@ def test_a_recycled_copys_files_are_reused_and_whatever_else_it_holds_removed(tm
     assert not (part / "old").exists()
 
 
-@pytest.mark.parametrize("put", [_receive, _write], ids=["received-into-files", "written"])
+@pytest.mark.parametrize(
+    "put",
+    [_receive, _receive_copying, _receive_copying_one_at_a_time, _write],
+    ids=["received-into-files", "small-files-copied", "small-files-copied-one-at-a-time", "written"],
+)
 def test_a_recycled_file_that_a_hard_link_shares_keeps_its_bytes(tmp_path: Path, put) -> None:  # type: ignore[no-untyped-def]
     """A copy someone kept of a part with ``cp -al`` shares its files' inodes: the part's
     file is replaced by a new one, never written into, and the kept copy reads as before."""
@@ -103,7 +161,11 @@ def test_a_recycled_file_that_a_hard_link_shares_keeps_its_bytes(tmp_path: Path,
     assert not os.path.samefile(kept, part / "t" / "c" / "0")
 
 
-@pytest.mark.parametrize("put", [_receive, _write], ids=["received-into-files", "written"])
+@pytest.mark.parametrize(
+    "put",
+    [_receive, _receive_copying, _receive_copying_one_at_a_time, _write],
+    ids=["received-into-files", "small-files-copied", "small-files-copied-one-at-a-time", "written"],
+)
 def test_a_recycled_copys_file_or_link_where_a_folder_must_be_is_replaced(tmp_path: Path, put) -> None:  # type: ignore[no-untyped-def]
     """A layout that changed (an array's chunk file ``t/c/0`` now a folder of chunks), and a
     link where a folder must be: the files land under the part, never through the link."""
@@ -118,7 +180,11 @@ def test_a_recycled_copys_file_or_link_where_a_folder_must_be_is_replaced(tmp_pa
     assert not (part / "u").is_symlink() and not any(outside.iterdir())
 
 
-@pytest.mark.parametrize("put", [_receive, _write], ids=["received-into-files", "written"])
+@pytest.mark.parametrize(
+    "put",
+    [_receive, _receive_copying, _receive_copying_one_at_a_time, _write],
+    ids=["received-into-files", "small-files-copied", "small-files-copied-one-at-a-time", "written"],
+)
 @pytest.mark.parametrize("name", ["../escape", "/abs/escape", "t/../../escape"])
 def test_a_file_name_that_leaves_the_part_is_refused(tmp_path: Path, put, name: str) -> None:  # type: ignore[no-untyped-def]
     part = tmp_path / "in" / "part"
@@ -135,7 +201,11 @@ def test_a_size_that_is_not_one_is_refused(tmp_path: Path) -> None:
             receiving_files(tmp_path / "part", [("zarr.json", size)], [])  # type: ignore[list-item]
 
 
-@pytest.mark.parametrize("put", [_receive, _write], ids=["received-into-files", "written"])
+@pytest.mark.parametrize(
+    "put",
+    [_receive, _receive_copying, _receive_copying_one_at_a_time, _write],
+    ids=["received-into-files", "small-files-copied", "small-files-copied-one-at-a-time", "written"],
+)
 @pytest.mark.parametrize(
     "names",
     [

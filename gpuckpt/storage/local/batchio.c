@@ -32,7 +32,7 @@
 
 #include "crc32c_simd.h"
 
-#define GBIO_ABI 8
+#define GBIO_ABI 9
 
 /* What an item is (kind). */
 /* GBIO_TAKEDIR: a directory taken from the reused tree given to gbio_write (one rename), else
@@ -57,8 +57,9 @@ enum {
 };
 
 /* Write flags: fsync each file as written; start the writeback of large files; fsync the
- * files once a group of them is written (see gbio_write). */
-enum { GBIO_FSYNC = 1, GBIO_WRITEBACK = 2, GBIO_FSYNC_GROUP = 4 };
+ * files once a group of them is written; write every file over the one of its name where
+ * there is one, as in a taken directory (see gbio_write). */
+enum { GBIO_FSYNC = 1, GBIO_WRITEBACK = 2, GBIO_FSYNC_GROUP = 4, GBIO_OVER = 8 };
 /* flags of gbio_read */
 enum { GBIO_CHECKED = 1 };
 
@@ -395,7 +396,9 @@ static int prune_dir(int dir, struct gbio_item *items, uint64_t count)
  * it that are all its files ("name/file", one level): each is written over the file of that
  * name (a regular file of one name only: otherwise a new file), cut to its new size, and what
  * else the directory held is removed. On tmpfs new files cost inodes, page allocation and
- * zeroing, and the retired part's removal as much again. */
+ * zeroing, and the retired part's removal as much again. GBIO_OVER: every file and chunk is
+ * written so, over a file of its name where there is one (its folders must be directories:
+ * the caller made them). */
 int64_t gbio_write(const char *root, struct gbio_item *items, uint64_t n, uint32_t flags,
                    uint64_t writeback_min, const char *reuse)
 {
@@ -438,7 +441,8 @@ int64_t gbio_write(const char *root, struct gbio_item *items, uint64_t n, uint32
             continue;
         }
         int keep = -1;
-        if (write_one(dir, it, flags, writeback_min, &keep, copy, over && i <= group_end)) break;
+        int onto = (over && i <= group_end) || (flags & GBIO_OVER);
+        if (write_one(dir, it, flags, writeback_min, &keep, copy, onto)) break;
         if (keep >= 0) {
             fds[held] = keep, idx[held++] = i;
             if (held == GROUP) {

@@ -44,7 +44,7 @@ __all__ = [
 LIBRARY = Path(__file__).with_name("_batchio.so")
 #: files that :meth:`BatchIO.sizes` checks on two threads (fewer: on one)
 PARALLEL_STAT_MIN = 2048
-_ABI = 8
+_ABI = 9
 #: the second thread of :meth:`BatchIO.sizes`
 _stat_threads = Workers(4, "gpuckpt-stat")
 _LEVELS = {0: "table", 1: "pclmul", 2: "avx512"}
@@ -63,7 +63,7 @@ STEPS = {
     10: "mismatch",
     11: "long",
 }
-_FSYNC, _WRITEBACK, _FSYNC_GROUP = 1, 2, 4
+_FSYNC, _WRITEBACK, _FSYNC_GROUP, _OVER = 1, 2, 4, 8
 #: flag of gbio_read: the files were checked (BatchIO.sizes) just before
 _CHECKED = 1
 
@@ -213,6 +213,7 @@ class BatchIO:
         fsync: str | None,
         writeback_min: int | None,
         reuse: str | None = None,
+        over: bool = False,
     ) -> tuple[np.ndarray, Stop | None]:
         """Create the items under ``root`` in order (see ``gbio_write`` in batchio.c).
 
@@ -225,8 +226,11 @@ class BatchIO:
         ``fsync="each"`` syncs each file as it is written, ``"group"``
         syncs them a group at a time once written (fewer journal commits); else
         ``writeback_min`` (if not None) starts the writeback of files at least that
-        large. Returns the items (their ``crc`` field holds each chunk's CRC32C) and
-        where it stopped, if it did.
+        large. ``over``: every file and chunk is written over the regular file of its name
+        of one link where there is one (cut to its new size), else made anew, whatever stood
+        there removed; their folders must exist and be directories (the caller's to make).
+        Returns the items (their ``crc`` field holds each chunk's CRC32C) and where it
+        stopped, if it did.
         """
         items, blob = self._items(paths, kinds)
         dirs = (MKDIR, TAKEDIR)
@@ -244,6 +248,8 @@ class BatchIO:
             if writeback_min is not None
             else 0
         )
+        if over:
+            flags |= _OVER
         wb = writeback_min if writeback_min is not None else 2**64 - 1
         taken = None if reuse is None else os.fsencode(reuse)
         done = self._lib.gbio_write(os.fsencode(root), items.ctypes.data, len(items), flags, wb, taken)

@@ -103,23 +103,50 @@ def restore(
     return out
 
 
+#: rows of 1,024 float32 of ``big`` per rank in :func:`full_state`: a chunk file of 64 KiB
+#: or more, which a replica receives into a map of its file (its pages allocated first)
+BIG_ROWS = 17
+
+
+def full_state(step: int, rank: int, n: int) -> dict[str, Any]:
+    """:func:`state` with ``big``, a row box per rank whose chunk file is large enough to be
+    received into a map (the small files of a part are written after the transfer)."""
+    out = state(step, rank, n)
+    box = np.full((BIG_ROWS, 1024), step * 10 + rank, np.float32)
+    out["big"] = gpuckpt.ShardedArray(box, (BIG_ROWS * rank, 0), (BIG_ROWS * n, 1024))
+    return out
+
+
+def save_full(c: Coordinator, base: str) -> dict[str, Any]:
+    """Step 1 of :func:`full_state` saved and written everywhere (a part's layout)."""
+    mgr = manager(c, base, persist_interval_steps=100)
+    mgr.save(1, full_state(1, c.rank, c.world_size))
+    mgr.wait()
+    mgr.close()
+    return {}
+
+
 def full_tier(c: Coordinator, base: str) -> dict[str, Any]:
     """Step 1 saved everywhere; step 2's replicas cannot be received on node n1 (its tier
     refuses space): the step fails on every rank, step 1 restores."""
     r, n = c.rank, c.world_size
     mgr = manager(c, base, persist_interval_steps=100)
-    mgr.save(1, state(1, r, n))
+    mgr.save(1, full_state(1, r, n))
     mgr.wait()
-    mgr.save(2, state(2, r, n))
+    mgr.save(2, full_state(2, r, n))
     out: dict[str, Any] = {}
     try:
         mgr.wait()
-        mgr.save(3, state(3, r, n))
+        mgr.save(3, full_state(3, r, n))
     except gpuckpt.DistributedError as exc:
         out["failed"] = {str(k): v for k, v in sorted(exc.failures.items())}
     target = empty(r, n)
+    target["big"] = gpuckpt.ShardedArray(
+        np.zeros((BIG_ROWS, 1024), np.float32), (BIG_ROWS * r, 0), (BIG_ROWS * n, 1024)
+    )
     got = mgr.restore(target)
-    out.update(restored=got, exact=exact(target, got, r, n), local=mgr.local_steps())
+    big_exact = bool(np.array_equal(target["big"].local, full_state(got, r, n)["big"].local))
+    out.update(restored=got, exact=exact(target, got, r, n) and big_exact, local=mgr.local_steps())
     mgr.close()
     return out
 
