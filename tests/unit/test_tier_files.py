@@ -425,3 +425,24 @@ def test_small_files_are_sent_from_copies_read_together_and_refused_at_another_s
     with pytest.raises(OSError, match="not a regular file where the part's listing has one") as info:
         mapped(part, listing, maps)
     assert info.value.filename == str(part / "t/zarr.json")
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["one-native-call", "one-at-a-time"])
+def test_small_files_that_cannot_be_written_name_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, native: bool
+) -> None:
+    """``write_copies`` raises the system's error for the file it could not write, named."""
+    import gpuckpt.tiers.files as files_module
+    from gpuckpt.storage.local import batchio
+
+    if native and batchio.instance() is None:
+        pytest.skip("the native library is not built here")
+    if not native:
+        monkeypatch.setattr(files_module.batchio, "instance_or_none", lambda: None)
+    tmp = tmp_path / "part"
+    tmp.mkdir()
+    copies = [(f"{tmp}/a.json", memoryview(b"{}")), (f"{tmp}/gone/b.json", memoryview(b"[]"))]
+    with pytest.raises(FileNotFoundError) as info:
+        write_copies(tmp, copies)
+    assert info.value.filename == f"{tmp}/gone/b.json"
+    assert (tmp / "a.json").read_bytes() == b"{}"
