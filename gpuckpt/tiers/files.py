@@ -14,16 +14,17 @@ import posixpath
 import resource
 import shutil
 import stat
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from gpuckpt.device.staging import populated
 from gpuckpt.errors import CheckpointCorruptedError
+from gpuckpt.storage.base import NotRegularFileError
 from gpuckpt.storage.local import batchio
-from gpuckpt.storage.local.fileio import write_all
+from gpuckpt.storage.local.fileio import read_exact_at, write_all
 from gpuckpt.storage.local.filemaps import FileMaps, new_map, open_files_limit
-from gpuckpt.storage.local.fsutil import native_tree_bytes, overwritable
+from gpuckpt.storage.local.fsutil import native_tree_bytes, open_regular, overwritable
 from gpuckpt.tiers.placement import message_sizes
 
 __all__ = [
@@ -165,18 +166,15 @@ def _copies(root: Path, files: list[tuple[int, str, int]]) -> list[tuple[int, me
 
 def _read_whole(path: Path, view: memoryview) -> None:
     """The file at ``path`` into ``view``, which must be its size; a regular file only (no
-    link followed), as :meth:`~gpuckpt.storage.local.batchio.BatchIO.read_files` reads it."""
+    link followed, never blocking: :func:`~gpuckpt.storage.local.fsutil.open_regular`), as
+    :meth:`~gpuckpt.storage.local.batchio.BatchIO.read_files` reads it."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise _not_regular(path) from None
-        raise
+        fd = open_regular(str(path))
+    except NotRegularFileError:
+        raise _not_regular(path) from None
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise _not_regular(path)
-        n = os.preadv(fd, [view], 0)
-        more = len(os.pread(fd, 1, n)) if n == view.nbytes else 0
+        n = read_exact_at(fd, view, 0)
+        more = read_exact_at(fd, bytearray(1), n) if n == view.nbytes else 0
     finally:
         os.close(fd)
     if n != view.nbytes or more:
@@ -262,14 +260,20 @@ def write_received(tmp: Path, files: list[tuple[str, int]], pieces: list[list[me
     made: set[str] = set()
     for path, (_, size) in zip(paths, files, strict=True):
         _folder_for(path, tmp, made)
-        fd = _open_recycled(path, os.O_WRONLY)
-        try:
-            for piece in next(it):
-                write_all(fd, piece)
-            os.ftruncate(fd, size)
-        finally:
-            os.close(fd)
+        _write_over(path, next(it), size)
     _remove_others(tmp, set(paths))
+
+
+def _write_over(path: str, pieces: Sequence[Any], size: int) -> None:
+    """``pieces`` (``size`` bytes) as the file ``path``, over a recycled copy's file of that
+    name or anew (:func:`_open_recycled`)."""
+    fd = _open_recycled(path, os.O_WRONLY)
+    try:
+        for piece in pieces:
+            write_all(fd, piece)
+        os.ftruncate(fd, size)
+    finally:
+        os.close(fd)
 
 
 def receiving_files(
@@ -345,12 +349,7 @@ def write_copies(tmp: Path, copies: list[tuple[str, memoryview]]) -> None:
     lib = batchio.instance_or_none()
     if lib is None or len(copies) < 2:
         for path, data in copies:
-            fd = _open_recycled(path, os.O_WRONLY)
-            try:
-                write_all(fd, data)
-                os.ftruncate(fd, data.nbytes)
-            finally:
-                os.close(fd)
+            _write_over(path, [data], data.nbytes)
         return
     root = os.fspath(tmp)
     rels = [path[len(root) + 1 :] for path, _ in copies]

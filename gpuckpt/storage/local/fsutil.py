@@ -17,6 +17,7 @@ import stat
 from pathlib import Path
 from typing import Any
 
+from gpuckpt.storage.base import NotRegularFileError
 from gpuckpt.storage.local import batchio
 
 __all__ = [
@@ -31,6 +32,7 @@ __all__ = [
     "rename_noreplace",
     "lock_unsupported",
     "move_directory",
+    "open_regular",
     "overwritable",
     "rmtree_quiet",
     "same_file",
@@ -414,3 +416,34 @@ def rmtree_quiet(path: Path) -> None:
         except OSError:
             pass
     shutil.rmtree(path, ignore_errors=True)
+
+
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+
+
+def open_regular(path: str) -> int:
+    """Open a file of a checkpoint for reading, or raise :class:`NotRegularFileError`.
+
+    ``O_NONBLOCK``: a FIFO or device planted in a checkpoint cannot block the
+    open (it is not even opened when ``lstat`` already shows what it is);
+    ``O_NOFOLLOW``: a symlink is not followed; ``fstat`` then checks that what
+    was opened is a regular file (it may have been replaced since the ``lstat``).
+    """
+    st = os.lstat(path)
+    if not stat.S_ISREG(st.st_mode):
+        raise NotRegularFileError(path, st.st_mode)
+    try:
+        fd = os.open(path, _READ_FLAGS)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:  # replaced by a symlink since the lstat
+            raise NotRegularFileError(path, stat.S_IFLNK) from None
+        raise
+    try:
+        st = os.fstat(fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise NotRegularFileError(path, st.st_mode)
+    return fd

@@ -48,6 +48,7 @@ from gpuckpt.storage.local.fileio import (
     read_exact_at,
     readv_exact,
 )
+from gpuckpt.storage.local.fsutil import open_regular
 from gpuckpt.storage.local.leftovers import (
     TMP_TAG,
     set_aside_copies,
@@ -71,7 +72,6 @@ NATIVE_MAX_BYTES = min(PIECE_BYTES, DIRECT_MIN_BYTES)
 #: populated maps instead, pread's page-by-page copy avoided (the same part: 46-48 -> 34-35 ms,
 #: against 41 ms for a plain read with 4 threads, one process, 2026-12-05)
 NATIVE_MEMORY_MAX_BYTES = 8 << 20
-_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
 
 
 def _cold(fd: int) -> bool:
@@ -100,34 +100,6 @@ def _crc(data: Any, value: int = 0) -> int:
         if lib is not None:
             return lib.crc32c(data, value)
     return crc32c(data, value)
-
-
-def open_regular(path: str) -> int:
-    """Open a file of a checkpoint for reading, or raise :class:`NotRegularFileError`.
-
-    ``O_NONBLOCK``: a FIFO or device planted in a checkpoint cannot block the
-    open (it is not even opened when ``lstat`` already shows what it is);
-    ``O_NOFOLLOW``: a symlink is not followed; ``fstat`` then checks that what
-    was opened is a regular file (it may have been replaced since the ``lstat``).
-    """
-    st = os.lstat(path)
-    if not stat.S_ISREG(st.st_mode):
-        raise NotRegularFileError(path, st.st_mode)
-    try:
-        fd = os.open(path, _READ_FLAGS)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:  # replaced by a symlink since the lstat
-            raise NotRegularFileError(path, stat.S_IFLNK) from None
-        raise
-    try:
-        st = os.fstat(fd)
-    except BaseException:
-        os.close(fd)
-        raise
-    if not stat.S_ISREG(st.st_mode):
-        os.close(fd)
-        raise NotRegularFileError(path, st.st_mode)
-    return fd
 
 
 def _read_document(path: str, limit: int, name: str) -> bytearray:

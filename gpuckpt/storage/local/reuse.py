@@ -10,7 +10,7 @@ from gpuckpt.format.checksum import CRC_BYTES
 from gpuckpt.format.documents import ROOT_KEY
 from gpuckpt.storage.base import BaseRef
 from gpuckpt.storage.local.fileio import read_exact_at
-from gpuckpt.storage.local.reader import open_regular
+from gpuckpt.storage.local.fsutil import open_regular
 
 __all__ = ["open_base_chunk", "published_ns"]
 
