@@ -249,6 +249,10 @@ class CheckpointManager:
                 )
         else:
             LocalTier.check_arguments(local_dir, replicas, local_max_to_keep, node)
+            if coordinator is None:  # (a job's ranks raise what any of them finds, together)
+                problem = LocalTier.path_problem(local_dir)
+                if problem is not None:
+                    raise InvalidOptionError(problem)
             _check_apart(root, local_dir)
         if local_dir is not None and coordinator is None:
             coordinator = SingleProcessCoordinator()

@@ -144,7 +144,11 @@ def layout_digest(tensors: Sequence[LocalTensor]) -> bytes:
     h = hashlib.blake2b(digest_size=32)
     for t in tensors:
         props = json.dumps(t.properties.to_json(), sort_keys=True, separators=(",", ":"))
-        h.update(f"{len(t.fqn)}:{t.fqn}|{t.global_shape}|{t.dtype}|{t.itemsize}|{props}\n".encode())
+        h.update(
+            f"{len(t.fqn)}:{t.fqn}|{t.global_shape}|{t.dtype}|{t.itemsize}|{props}\n".encode(
+                "utf-8", "surrogatepass"
+            )
+        )
     return h.digest()
 
 

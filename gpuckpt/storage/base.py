@@ -548,6 +548,12 @@ class CheckpointRoot(ABC):
         data goes); an interrupted deletion leaves what :meth:`cleanup` removes.
         """
 
+    def foreign_entries(self, name: str) -> list[str]:
+        """Names under the child ``name`` that are not a gpuckpt checkpoint's (another program's
+        files, beside which a save with ``overwrite=True`` would publish); none on a store whose
+        checkpoints are prefixes of their own."""
+        return []
+
     @abstractmethod
     def cleanup(self, candidates: Sequence[str] | None = None) -> list[str]:
         """Remove what dead saves and interrupted deletions left (never a live save's

@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import socket
+import stat
 import threading
 import time
 import warnings
@@ -23,6 +24,7 @@ from gpuckpt.background import async_save_with_options
 from gpuckpt.distributed.coordinator import Coordinator, describe_error
 from gpuckpt.errors import (
     CheckpointCorruptedError,
+    CheckpointExistsError,
     DistributedError,
     InvalidOptionError,
     MetadataError,
@@ -118,17 +120,34 @@ class LocalTier(PartExchange):
         self.queries, self.background = queries, background
         self.rank, self.world_size = queries.rank, queries.world_size
         self.dir = Path(local_dir).absolute()
-        self.dir.mkdir(parents=True, exist_ok=True)
         self.node = node if node is not None else socket.gethostname()
         self.keep, self.replicas = keep, replicas
         self.options = options.replace(
             sync="none", base=None, content_hash=False, overwrite=True, storage_options=None
         )
+        # what a rank finds wrong with its directory is raised on every rank (the others would
+        # wait for it in the collectives below)
+        where: tuple[str, int, int] = ("", 0, 0)
+        problem = self.path_problem(self.dir)
+        if problem is None:
+            try:
+                self.dir.mkdir(parents=True, exist_ok=True)
+                st = self.dir.stat()
+                where = (str(self.dir.resolve()), st.st_dev, st.st_ino)
+            except OSError as exc:
+                problem = (
+                    f"local_dir {self.dir} cannot be made or opened ({exc.strerror or exc}): pass a "
+                    "directory this process can create and write (tmpfs or a node-local disk)"
+                )
+        if problem is not None:
+            problem = f"rank {self.rank} (node {self.node!r}): {problem}"
+        seen = queries.all_gather((self.node, *where, problem))
+        problems = [s[4] for s in seen if s[4] is not None]
+        if problems:
+            raise InvalidOptionError(problem or problems[0])
         self._store = open_root(self.dir)
-        st = self.dir.stat()
-        seen = queries.all_gather((self.node, str(self.dir.resolve()), st.st_dev, st.st_ino))
         self.node_names = [s[0] for s in seen]
-        self._check_directories(seen)
+        self._check_directories([s[:4] for s in seen])
         self.node_ranks = next(ranks for ranks in nodes_of(self.node_names) if self.rank in ranks)
         self.leader = self.node_ranks[0] == self.rank
         self.holders = replica_holders(self.rank, self.node_names, replicas) if replicas else []
@@ -193,18 +212,55 @@ class LocalTier(PartExchange):
             )
         if node is not None and (not isinstance(node, str) or not node):
             raise InvalidOptionError(f"node must be a non-empty string or None, got {node!r}")
-        path = Path(local_dir)
-        if path.exists() and not path.is_dir():
+        text = os.fspath(local_dir)
+        if not text or "\0" in text:
+            what = "a NUL character, which no path holds" if text else "an empty path (the current directory)"
             raise InvalidOptionError(
-                f"local_dir {path} is not a directory: pass a directory (it is made if missing)"
+                f"local_dir must name a directory, got {what}: pass a path such as /dev/shm/run1"
             )
+
+    @staticmethod
+    def path_problem(local_dir: str | os.PathLike[str]) -> str | None:
+        """What this process finds wrong with ``local_dir`` as it is now (a file, a path it
+        cannot reach), or None; nodes may differ, so a job gathers every rank's."""
+        path = Path(local_dir)
+        try:
+            mode = os.stat(path).st_mode
+        except FileNotFoundError:
+            return None  # made by the tier
+        except OSError as exc:  # a name too long, a file on the way, a place not searchable
+            return (
+                f"local_dir {str(path)[:200]!r} cannot be used ({exc.strerror or exc}): pass a directory "
+                "this process can create and write (tmpfs or a node-local disk)"
+            )
+        if not stat.S_ISDIR(mode):
+            return f"local_dir {path} is not a directory: pass a directory (it is made if missing)"
+        return None
 
     def _take_lock(self) -> str | None:
         """Lock the tier for this manager (``flock`` of ``local_dir/.lock``, released by
         :meth:`close` or when the process ends, however it ends); what refuses it, or None.
         Two managers on one tier would write parts of the same names over each other's. A file
         system without ``flock`` (some network ones) leaves the tier unlocked."""
-        f = open(self.dir / LOCK_NAME, "a+b")  # noqa: SIM115 - held open while the manager is
+        lock = self.dir / LOCK_NAME
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        try:
+            fd = os.open(lock, flags, 0o644)
+        except OSError as exc:  # a link (ELOOP), a folder (EISDIR), a place not writable
+            return (
+                f"local_dir {self.dir}: its lock file {lock} cannot be opened ({exc.strerror}; never "
+                "followed where it is a symbolic link): remove what is there, or give the manager "
+                "another local_dir"
+            )
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+            os.close(fd)
+            what = "not a regular file" if not stat.S_ISREG(st.st_mode) else "a file that other names share"
+            return (
+                f"local_dir {self.dir}: its lock file {lock} is {what}, which the manager never "
+                "writes into: remove it, or give the manager another local_dir"
+            )
+        f = os.fdopen(fd, "r+b")  # held open while the manager is
         try:
             fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -336,6 +392,8 @@ class LocalTier(PartExchange):
             self._budget_checked = True
         gate = WriteGate()
         if error is None:
+            error = self._foreign_problem(step)
+        if error is None:
             record = PartRecord(step, save_id, self.rank, self.world_size, self.node, layout, boxes)
             options = self.options.replace(planner_extra={PART_KEY: record.to_json()})
             self._writer.submit(gate.hold)  # the part's write queues behind it
@@ -357,6 +415,22 @@ class LocalTier(PartExchange):
                 gate.snapshot_took(time.monotonic() - began)
         tensors = self._described[1] if self._described is not None and error is None else ()
         self._jobs[step] = self._thread.submit(self._finish, step, written, error, layout, tensors, gate)
+
+    def _foreign_problem(self, step: int) -> BaseException | None:
+        """Why this rank's part of ``step`` may not be written where it goes, or None: a folder
+        of that name holding another program's files (the tier replaces its own parts, and
+        its retention deletes a part's folder whole: never what it did not write)."""
+        name = part_name(step, self.rank)
+        if not os.path.lexists(self.dir / name):
+            return None
+        others = self._store.foreign_entries(name)
+        if not others:
+            return None
+        return CheckpointExistsError(
+            f"{self.dir / name}, where the local tier writes this rank's part of step {step}, holds "
+            f"{len(others)} entries that are not a gpuckpt checkpoint's (e.g. {others[:3]}); the tier "
+            "writes nothing beside them: move them out of the local_dir, or save under another step"
+        )
 
     def _retired_part(self, step: int) -> Path | None:
         """This rank's part of the oldest step that the tier's retention deletes once ``step``

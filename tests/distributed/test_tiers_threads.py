@@ -401,6 +401,29 @@ def test_replicas_need_another_node(tiers: Any, tmp_path: Path) -> None:
     assert all("replicas=1 needs 2 nodes; this job has 1" in g for g in got), got
 
 
+def test_a_local_dir_one_node_cannot_make_is_refused_on_every_rank(tmp_path: Path) -> None:
+    """Node n1's directory cannot be made (a file lies on its path): every rank raises, none
+    waits for the others in the manager's first collective."""
+    (tmp_path / "file").write_text("x")
+
+    def work(c: Any) -> str:
+        node = f"n{c.rank // 2}"
+        local = tmp_path / node if node == "n0" else tmp_path / "file" / node
+        try:
+            gpuckpt.CheckpointManager(tmp_path / "root", local_dir=local, node=node, coordinator=c)
+        except gpuckpt.InvalidOptionError as exc:
+            return str(exc)
+        return "made"
+
+    got = run_ranks(4, work, timeout=60)
+    assert all(
+        g.startswith(("rank 2 (node 'n1'): local_dir", "rank 3 (node 'n1'): local_dir")) for g in got
+    ), got
+    assert all(
+        "cannot be used" in g and "pass a directory this process can create and write" in g for g in got
+    ), got
+
+
 def test_inspect_shows_the_parts_of_a_local_tier(tiers: Any, tmp_path: Path) -> None:
     import json
     import subprocess

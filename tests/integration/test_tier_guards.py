@@ -134,3 +134,96 @@ def test_one_process_gets_its_own_typed_errors_through_the_tier(tmp_path: Path) 
     target = {"w": np.zeros(4), "x": np.zeros(3)}
     assert mgr.restore(target) == 2 and target["x"].tolist() == [1.0] * 3
     mgr.close()
+
+
+@pytest.mark.parametrize(
+    ("local_dir", "match"),
+    [
+        ("", "an empty path"),
+        ("tier\0x", "a NUL character"),
+        ("t" * 5000, "cannot be used"),
+        ("f/tier", "cannot be used"),  # a path through a file
+    ],
+)
+def test_a_local_dir_that_cannot_be_a_directory_is_refused_as_such(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, local_dir: str, match: str
+) -> None:
+    (tmp_path / "f").write_text("x")
+    monkeypatch.chdir(tmp_path)  # (an empty path would otherwise be this directory)
+    with pytest.raises(InvalidOptionError, match=match):
+        gpuckpt.CheckpointManager(tmp_path / "root", local_dir=local_dir, replicas=0)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f"]
+
+
+def _victim(tmp_path: Path) -> Path:
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"not the tier's")
+    return victim
+
+
+@pytest.mark.parametrize("plant", ["symlink", "dangling", "hardlink", "fifo", "folder"])
+def test_a_lock_file_that_is_not_the_tiers_own_is_refused_and_never_written(
+    tmp_path: Path, plant: str
+) -> None:
+    tier = tmp_path / "tier"
+    tier.mkdir()
+    victim = _victim(tmp_path)
+    lock = tier / ".lock"
+    if plant == "symlink":
+        lock.symlink_to(victim)
+    elif plant == "dangling":
+        lock.symlink_to(tmp_path / "made-outside")
+    elif plant == "hardlink":
+        os.link(victim, lock)
+    elif plant == "fifo":
+        os.mkfifo(lock)
+    else:
+        lock.mkdir()
+    with pytest.raises(InvalidOptionError, match=r"its lock file .*\.lock .*remove (what is there|it)"):
+        _manager(tmp_path)
+    assert victim.read_bytes() == b"not the tier's"
+    assert not (tmp_path / "made-outside").exists()
+    assert sorted(p.name for p in tier.iterdir()) == [".lock"]
+
+
+def test_a_folder_of_another_programs_files_at_a_parts_name_is_never_written_into_nor_deleted(
+    tmp_path: Path,
+) -> None:
+    """The tier replaces its own parts and deletes a retired part's folder whole: a folder
+    that holds what it did not write fails that step (typed, naming it), and stays as it is."""
+    tier = tmp_path / "tier"
+    theirs = tier / "step_00000003.rank_00000"
+    theirs.mkdir(parents=True)
+    (theirs / "notes.txt").write_text("mine")
+    mgr = _manager(tmp_path)
+    for step in (1, 2):
+        mgr.save(step, {"w": np.full(4, float(step))})
+    mgr.wait()
+    mgr.save(3, {"w": np.full(4, 3.0)})
+    with pytest.raises(
+        gpuckpt.CheckpointExistsError, match=r"step_00000003\.rank_00000.*notes\.txt.*move them out"
+    ):
+        mgr.wait()
+    for step in range(4, 8):  # retention runs over step 3's name several times
+        mgr.save(step, {"w": np.full(4, float(step))})
+    mgr.wait()
+    assert (
+        sorted(p.name for p in theirs.iterdir()) == ["notes.txt"]
+        and (theirs / "notes.txt").read_text() == "mine"
+    )
+    target = {"w": np.zeros(4)}
+    assert mgr.restore(target) == 7 and target["w"].tolist() == [7.0] * 4
+    mgr.close()
+
+
+def test_a_key_that_is_not_utf8_reaches_the_root_through_the_drain(tmp_path: Path) -> None:
+    key = "a\udcffb"  # a lone surrogate: what os.fsdecode makes of a file name that is not UTF-8
+    mgr = _manager(tmp_path, persist_interval_steps=2)
+    for step in (1, 2):
+        mgr.save(step, {key: np.full(3, float(step))})
+    mgr.wait()
+    mgr.close()
+    got = gpuckpt.CheckpointManager(tmp_path / "root")
+    target = {key: np.zeros(3)}
+    assert got.all_steps() == [2] and got.restore(target) == 2 and target[key].tolist() == [2.0] * 3
+    got.close()

@@ -5,7 +5,9 @@ save killed at any step of the publication."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -112,3 +114,41 @@ def test_a_save_into_a_shared_directory_killed_at_any_step_loses_nothing(
     assert temporaries(tmp_path) == []
     gpuckpt.save(new_state(), d, overwrite=True)
     _same(gpuckpt.load_state_dict(d), new_state())
+
+
+@pytest.mark.parametrize("names", ["absolute", "traversal", "through-a-link", "other-target"])
+def test_a_planted_journal_reaches_nothing_outside_its_directory(tmp_path: Path, names: str) -> None:
+    """The journal of a dead publication names entries of the target and its set-aside
+    directory; one whose names are paths (or that is another directory's) is left alone, and
+    what they point at is neither moved nor deleted."""
+    from gpuckpt.storage.local.fsutil import tmp_owner
+    from gpuckpt.storage.local.shared_dir import JOURNAL
+
+    outside = tmp_path / "outside"
+    gpuckpt.save(old_state(), outside)  # a checkpoint elsewhere: its arrays are what a cleanup may remove
+    (outside / "src").mkdir()
+    (outside / "src" / "f").write_text("theirs")
+    d = tmp_path / "run"
+    d.mkdir()
+    (d / "model.pt").write_bytes(b"mine")
+    (d / "d").symlink_to(outside)
+    aside = d.parent / f".{d.name}.gpuckpt-old-{tmp_owner().rsplit('-', 1)[0]}-999999999-deadbeef"
+    aside.mkdir()
+    (aside / "d").symlink_to(outside / "src")
+    journal = {
+        "absolute": {"target": "run", "new": [str(outside / "a")], "old": []},
+        "traversal": {"target": "run", "new": ["../outside/a"], "old": ["../outside/src/f"]},
+        "through-a-link": {"target": "run", "new": ["d/a"], "old": ["d/f"]},
+        "other-target": {"target": "elsewhere", "new": ["a"], "old": []},
+    }[names]
+    (aside / JOURNAL).write_text(json.dumps(journal))
+    shutil.copytree(
+        outside / "a", d / "a"
+    )  # an array of that name here: another directory's journal names it
+    before = sorted(str(p.relative_to(outside)) for p in outside.rglob("*"))
+    cleanup_stale_temporaries(d)
+    assert (d / "a" / "zarr.json").is_file()
+    assert sorted(str(p.relative_to(outside)) for p in outside.rglob("*")) == before
+    assert (outside / "src" / "f").read_text() == "theirs"
+    _same(gpuckpt.load_state_dict(outside), old_state())
+    assert (d / "model.pt").read_bytes() == b"mine"

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from gpuckpt.storage.base import CheckpointRoot
-from gpuckpt.storage.local import fsutil, leftovers
+from gpuckpt.storage.local import fsutil, leftovers, shared_dir
 
 __all__ = ["DEL_TAG", "LocalRoot"]
 
@@ -48,6 +48,12 @@ class LocalRoot(CheckpointRoot):
             self._delete_one(name)
         if names:
             fsutil.fsync_dir(self.path)
+
+    def foreign_entries(self, name: str) -> list[str]:
+        try:
+            return shared_dir.directory_entries(self.path / name)[2]
+        except OSError:  # not there, or not a directory: nothing inside it
+            return []
 
     def _delete_one(self, name: str) -> None:
         # rename first: the checkpoint disappears in one step, then the files go

@@ -45,6 +45,7 @@ JOURNAL = ".gpuckpt-publish.json"
 #: the attribute that marks an array document as gpuckpt's (see gpuckpt.format.documents)
 _ARRAY_MARK = b'"attributes":{"gpuckpt":'
 _MAX_ARRAY_DOCUMENT = 1 << 20  # a gpuckpt array document is a few hundred bytes
+_MAX_JOURNAL = 64 << 20  # a journal names a checkpoint's arrays: far less, even for 100,000 of them
 
 
 def _head(path: Path, limit: int) -> bytes | None:
@@ -160,6 +161,18 @@ def _undo(target: Path, aside: Path, new: list[str], old: list[str], moved: list
     _durable(target)
 
 
+def _entry_names(value: object) -> list[str]:
+    """The names of a journal's list: each one entry of a directory, as :func:`publish_into`
+    records them (never a path: ``a/b``, ``..`` or an absolute name would reach beyond the
+    target and its set-aside directory, wherever a journal planted there pointed)."""
+    if not isinstance(value, list):
+        raise TypeError("a journal's names are a list")
+    for name in value:
+        if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\0" in name:
+            raise ValueError(f"{name!r} is not the name of one directory entry")
+    return value
+
+
 def _is_array_path(path: Path) -> bool:
     if path.is_symlink() or not path.is_dir():
         return False
@@ -173,11 +186,16 @@ def restore(target: Path, aside: Path) -> bool:
     holds a root document, and the earlier one, if there was one, is aside) the publication
     is complete; otherwise it is undone and the earlier checkpoint, if any, is whole in
     ``target`` again. The caller holds the locks of both."""
+    journal = _head(aside / JOURNAL, _MAX_JOURNAL + 1)
     try:
-        info = json.loads((aside / JOURNAL).read_bytes())
-        new, old = [str(n) for n in info["new"]], [str(n) for n in info["old"]]
-    except (OSError, ValueError, KeyError, TypeError):
-        return False  # not a journal this release wrote: left alone
+        if journal is None or len(journal) > _MAX_JOURNAL:
+            raise ValueError("not a regular file of a journal's size")
+        info = json.loads(journal)
+        new, old = _entry_names(info["new"]), _entry_names(info["old"])
+        if info.get("target") != target.name:
+            raise ValueError("a journal of another directory")
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
+        return False  # not a journal this release wrote for this directory: left alone
     if not target.is_dir() or target.is_symlink():
         return False  # the directory itself went away: the copy is kept
     here = (target / ROOT_KEY).exists()
