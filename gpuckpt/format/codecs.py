@@ -44,6 +44,9 @@ BLOSC_MAX_BYTES = (1 << 31) - 1 - 16
 _BLOSC_HEADER = 16
 _BLOSC_CNAMES = ("zstd", "lz4", "lz4hc", "blosclz", "zlib")
 _SHUFFLES = {"noshuffle": 0, "shuffle": 1, "bitshuffle": 2}
+#: the largest blosc block size a checkpoint records: TensorStore's zarr3 driver refuses to open
+#: an array whose blosc codec names a larger one (tensorstore 0.1.86: 715827543 is refused)
+MAX_BLOSC_BLOCKSIZE = 715827542
 _ZSTD_MAGIC = 0xFD2FB528
 
 
@@ -75,8 +78,11 @@ class Codec:
                 raise ValueError(f"blosc clevel {self.level!r} is not an integer in 0..9")
             if type(self.typesize) is not int or not 1 <= self.typesize <= 255:
                 raise ValueError(f"blosc typesize {self.typesize!r} is not an integer in 1..255")
-            if type(self.blocksize) is not int or not 0 <= self.blocksize <= 1 << 30:
-                raise ValueError(f"blosc blocksize {self.blocksize!r} is not an integer in 0..2**30")
+            if type(self.blocksize) is not int or not 0 <= self.blocksize <= MAX_BLOSC_BLOCKSIZE:
+                raise ValueError(
+                    f"blosc blocksize {self.blocksize!r} is not an integer in 0..{MAX_BLOSC_BLOCKSIZE} "
+                    "(0: the library chooses; larger blocks are what TensorStore refuses to read)"
+                )
         elif type(self.level) is not int or not -131072 <= self.level <= 22:
             raise ValueError(f"zstd level {self.level!r} is not an integer in -131072..22")
 

@@ -11,9 +11,12 @@ The rule (docs/compression.md says the same):
    is, unless deflate's fastest level saves that much on :data:`REPEAT_BYTES` of it (repeats,
    which entropy misses). The screens of one save read at most :data:`BUDGET_SHARE` of the
    bytes it may compress (at least :data:`MIN_BUDGET`, at most :data:`SAMPLE_BUDGET`; the
-   largest tensor of each dtype whatever the budget); tensors left unscreened, and
-   tensors in device memory (screening them would cost a copy), follow the screened tensors of
-   their dtype, and are compressed where there are none.
+   largest tensor of each dtype whatever the budget, then the others of every dtype by turns,
+   each dtype's largest first); tensors left unscreened, and tensors in device memory
+   (screening them would cost a copy), follow the screened tensors of their dtype: compressed
+   where any of them is worth compressing (a tensor compressed for nothing costs the
+   compressor's time, one stored as it is for nothing the bytes it would have saved), and
+   where there are none.
 3. Each dtype with a tensor worth compressing gets one trial: a piece of :data:`SAMPLE_BYTES`
    of its largest such tensor compressed with the save's codec, timed. A dtype whose trial
    saves less than :data:`MIN_SAVING` is stored as it is (the codec does not deliver what the
@@ -38,6 +41,7 @@ piece large enough to save what a chunk saves.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import os
 import time
@@ -85,7 +89,7 @@ REPEAT_BYTES = 4 << 10
 SAMPLE_BYTES = 512 << 10
 #: the bytes one save screens: this share of the bytes "auto" may compress, within the bounds
 BUDGET_SHARE = 1 / 1024
-MIN_BUDGET = 128 << 10
+MIN_BUDGET = 1 << 20
 SAMPLE_BUDGET = 16 << 20
 #: a tensor (or dtype) expected to shrink by less than this fraction is stored as it is
 MIN_SAVING = 0.05
@@ -135,7 +139,7 @@ def entropy_saving(pieces: Iterable[np.ndarray], itemsize: int) -> float:
 
 def _pieces(a: np.ndarray, size: int, count: int) -> list[np.ndarray]:
     """Up to ``count`` pieces of ``size`` bytes of ``a`` (whole elements), spread over it, as
-    contiguous ``uint8`` arrays (copies only of what is taken)."""
+    contiguous ``uint8`` arrays (copies only of what is taken, at most twice ``size`` each)."""
     if a.ndim == 0 or a.size == 0:
         return []
     item = a.dtype.itemsize
@@ -148,12 +152,21 @@ def _pieces(a: np.ndarray, size: int, count: int) -> list[np.ndarray]:
         # at 1/(count+1), 2/(count+1), ... of the bytes, on element boundaries
         starts = sorted({(n * (i + 1) // (count + 1) - size // 2) // item * item for i in range(count)})
         return [flat[max(0, s) : max(0, s) + size] for s in starts]
-    # another layout (channels-last, a slice): rows of the first axis, each copied
-    rows = a.shape[0]
-    row_bytes = max(a.nbytes // rows, 1)
-    take = max(1, size // row_bytes)
-    starts = sorted({max(0, rows * (i + 1) // (count + 1) - take // 2) for i in range(count)})
-    return [np.ascontiguousarray(a[s : s + take]).reshape(-1).view(np.uint8)[:size] for s in starts]
+    # another layout (channels-last, a slice): around each point, rows of the innermost axes that
+    # hold about ``size`` bytes, copied
+    elements = size // item
+    return [_window(a, (i + 1) / (count + 1), elements).view(np.uint8)[:size] for i in range(count)]
+
+
+def _window(a: np.ndarray, at: float, elements: int) -> np.ndarray:
+    """About ``elements`` elements of ``a`` (more only where ``a`` has fewer), in logical order,
+    around the fraction ``at`` of its first axis: a copy of a few rows of the axes where a row
+    holds fewer elements than that (never a whole row of a larger one)."""
+    while a.ndim > 1 and a[0].size >= elements:
+        a = a[min(a.shape[0] - 1, int(a.shape[0] * at))]  # one row holds enough: look inside it
+    take = max(1, elements // max(1, a.size // a.shape[0]))
+    start = max(0, min(a.shape[0] - take, int(a.shape[0] * at) - take // 2))
+    return np.ascontiguousarray(a[start : start + take]).reshape(-1)
 
 
 def _repeats(piece: np.ndarray) -> float:
@@ -171,12 +184,19 @@ def decide(local: StateDescription, sources: Sources, compression: Compression) 
     big = sorted((t for t in local.tensors if _nbytes(t) >= AUTO_MIN_BYTES), key=_nbytes, reverse=True)
     budget = min(SAMPLE_BUDGET, max(MIN_BUDGET, int(sum(map(_nbytes, big)) * BUDGET_SHARE)))
     host = {t.fqn: a for t in big if (a := _host_array(t, sources)) is not None}
-    # the largest tensor of each dtype first (whatever the budget), then the others by size
-    firsts = {t.dtype: t for t in reversed(big) if t.fqn in host}  # the largest wins
-    first = {t.fqn for t in firsts.values()}
-    for t in sorted(firsts.values(), key=_nbytes, reverse=True) + [t for t in big if t.fqn not in first]:
-        if t.fqn not in host or (budget <= 0 and t.fqn not in first):
-            continue
+    # the largest tensor of each dtype first (whatever the budget), then the others of every
+    # dtype by turns, each dtype's by size (an unscreened tensor follows its dtype's screens:
+    # each dtype screens as many as the budget allows, not the first dtype all of its own)
+    by_dtype: dict[str, list[LocalTensor]] = {}
+    for t in big:
+        if t.fqn in host:
+            by_dtype.setdefault(t.dtype, []).append(t)
+    first = {ts[0].fqn for ts in by_dtype.values()}
+    order = sorted((ts[0] for ts in by_dtype.values()), key=_nbytes, reverse=True)
+    order += [t for turn in itertools.zip_longest(*(ts[1:] for ts in by_dtype.values())) for t in turn if t]
+    for t in order:
+        if budget <= 0 and t.fqn not in first:
+            break
         a = host[t.fqn]
         pieces = _pieces(a, SCREEN_BYTES, SAMPLES)
         saving = entropy_saving(pieces, a.dtype.itemsize)

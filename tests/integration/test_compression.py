@@ -18,7 +18,7 @@ import zarr
 
 import gpuckpt
 from gpuckpt.format.checksum import crc32c
-from gpuckpt.format.codecs import Codec, encode
+from gpuckpt.format.codecs import MAX_BLOSC_BLOCKSIZE, Codec, encode
 from gpuckpt.format.reader import metadata_from_json
 from gpuckpt.testing.faults import copy_checkpoint
 from gpuckpt.verify import verify_checkpoint
@@ -275,12 +275,20 @@ def test_a_codec_in_an_older_format_version_is_refused(tmp_path: Path) -> None:
         {"codec": "zstd", "shuffle": "bitshuffle"},
         {"codec": "zstd", "cname": "lz4"},
         {"codec": "zstd", "blocksize": -5},
+        {"blocksize": MAX_BLOSC_BLOCKSIZE + 1},  # a block TensorStore would refuse to read
     ],
 )
 def test_a_bad_compression_option_is_refused_before_anything_is_written(tmp_path: Path, bad: Any) -> None:
     with pytest.raises(gpuckpt.InvalidOptionError, match="compression"):
         gpuckpt.save({"w": np.zeros(4)}, tmp_path / "c", compression=bad)
     assert not (tmp_path / "c").exists()
+
+
+def test_the_largest_blosc_block_size_accepted_is_read_by_tensorstore(tmp_path: Path) -> None:
+    w = np.arange(4096, dtype=np.float32).reshape(64, 64)
+    gpuckpt.save({"w": w}, tmp_path / "c", compression={"blocksize": MAX_BLOSC_BLOCKSIZE})
+    spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(tmp_path / "c" / "w")}}
+    assert np.array_equal(ts.open(spec).result().read().result(), w)
 
 
 def test_inspect_shows_stored_and_logical_bytes(tmp_path: Path) -> None:

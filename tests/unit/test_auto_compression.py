@@ -124,6 +124,35 @@ def test_each_dtype_is_screened_whatever_the_budget() -> None:
     assert not {f"w{i}" for i in range(8)} & found.skip
 
 
+def test_the_budget_screens_every_dtype_by_turns_and_unscreened_tensors_follow_their_dtype() -> None:
+    """Ten large bf16 tensors would take a short budget before any fp32 moment is screened: then
+    the moments would follow the one fp32 tensor screened, random bytes, and go uncompressed."""
+    state: dict[str, Any] = {f"w{i}": _bf16_weights(2 << 20, seed=i) for i in range(10)}  # 4 MiB each
+    state["rng_table"] = _random_bytes(3 << 20).view(np.float32)  # the largest fp32 tensor
+    for i in range(8):
+        state[f"exp_avg{i}"] = _moments(1 << 19, seed=10 + i)[0]  # 2 MiB each
+    per_tensor = SAMPLES * SCREEN_BYTES
+    with mock.patch.object(compression, "MIN_BUDGET", 4 * per_tensor):
+        found = _decide(state)
+    assert found.screened <= 4 * per_tensor + per_tensor
+    assert any(f.startswith("exp_avg") for f in found.saving) and found.skip == {"rng_table"}
+
+
+def test_a_strided_tensor_is_screened_without_copying_its_rows() -> None:
+    import tracemalloc
+
+    base = _bf16_weights(2 * (8 << 20)).reshape(2, 8 << 20)
+    view = base[:, ::2]  # two rows of 4M elements (8 MiB each), not contiguous
+    tracemalloc.start()
+    try:
+        found = _decide({"w": view})
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert found.saving["w"] > 0.25 and found.screened <= SAMPLES * SCREEN_BYTES
+    assert peak < 4 << 20, peak  # a row would be 8 MiB; the screens copy 2 x 16 KiB
+
+
 def test_the_gain_is_the_slower_of_compressing_and_writing_the_smaller_bytes() -> None:
     # the benchmark's state to S3 through 200-250 MB/s with one chunk compressed at a time:
     # writing 24% fewer bytes bounds it (1.32x), not the compressor
