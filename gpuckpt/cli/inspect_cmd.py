@@ -29,6 +29,7 @@ from gpuckpt.runtime.collector import paused_gc
 from gpuckpt.storage.base import CheckpointReader
 from gpuckpt.storage.stores import open_root, scheme_of
 from gpuckpt.tiers import tree_bytes
+from gpuckpt.tiers.local import LOCK_NAME
 
 HELP = (
     "list the tensors and values of a checkpoint (or the steps under a manager's root, or the parts "
@@ -265,6 +266,12 @@ def describe_tier(path: Path) -> dict[str, Any] | None:
         if record is None:
             entry["parts"][rank] = {"error": "not a part (no record of what it is a part of)"}
             continue
+        if (record.step, record.rank) != (step, rank):  # (a restore passes it over too)
+            entry["parts"][rank] = {
+                "error": f"its record is of step {record.step}, rank {record.rank}: "
+                "not the part its name says"
+            }
+            continue
         entry["parts"][rank] = {
             "node": record.node,
             "save_id": record.save_id,
@@ -280,6 +287,16 @@ def describe_tier(path: Path) -> dict[str, Any] | None:
         entry["complete_here"] = world is not None and sorted(parts) == list(range(world))
     ordered = [steps[s] for s in sorted(steps)]
     return {"local_dir": str(path), "steps": ordered}
+
+
+def _empty(path: Path) -> str:
+    """What a directory that holds no checkpoint, no committed step and no part is."""
+    what = (
+        "a local tier with no part in it (a new one, or one whose steps were all deleted)"
+        if (path / LOCK_NAME).is_file()
+        else "not a checkpoint, nor a CheckpointManager root or local tier with anything in it"
+    )
+    return f"{path} is {what}: no checkpoint, committed step or tier part to show"
 
 
 def _print_tier(tier: dict[str, Any]) -> None:
@@ -304,6 +321,8 @@ def run(args: argparse.Namespace) -> int:
         if root is None:
             tier = describe_tier(path) if isinstance(path, Path) else None
             if tier is None:
+                if isinstance(path, Path) and path.is_dir():
+                    raise CheckpointNotFoundError(_empty(path)) from None
                 raise
             if args.json:
                 print(json.dumps(tier, indent=2))

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import pickle
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -50,6 +50,7 @@ __all__ = [
     "check_coordinator",
     "check_error_argument",
     "describe_error",
+    "disagreement",
 ]
 
 #: The largest message :meth:`Coordinator.exchange_buffers` sends: larger buffers go in pieces of
@@ -63,6 +64,24 @@ def describe_error(error: BaseException) -> str:
     message = str(error)
     name = type(error).__name__
     return f"{name}: {message}" if message else name
+
+
+def disagreement(values: Sequence[Any], show: Callable[[Any], str] = repr) -> str | None:
+    """None when every rank gave the same value (``values[r]``: rank ``r``'s, compared as
+    ``show`` writes them); else each value and the ranks that gave it.
+
+    >>> disagreement([1, 1, 0, 1]) is None, disagreement([1, 1, 1, 0])
+    (False, '1 on ranks [0, 1, 2], 0 on rank 3')
+    """
+    by_value: dict[str, list[int]] = {}
+    for rank, value in enumerate(values):
+        by_value.setdefault(show(value), []).append(rank)
+    if len(by_value) <= 1:
+        return None
+    return ", ".join(
+        f"{value} on {'rank ' + str(ranks[0]) if len(ranks) == 1 else f'ranks {ranks}'}"
+        for value, ranks in by_value.items()
+    )
 
 
 class Coordinator(ABC):

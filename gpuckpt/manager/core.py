@@ -43,10 +43,17 @@ from typing import Any, TypeVar
 import gpuckpt.api as api
 from gpuckpt.background import SaveFuture, async_save_with_options
 from gpuckpt.device.sharded import shard_dtensors
-from gpuckpt.distributed.coordinator import Coordinator, SingleProcessCoordinator, check_coordinator
+from gpuckpt.distributed.coordinator import (
+    Coordinator,
+    SingleProcessCoordinator,
+    check_coordinator,
+    describe_error,
+    disagreement,
+)
 from gpuckpt.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
+    DistributedError,
     GpuckptError,
     InvalidOptionError,
     StepOrderError,
@@ -87,6 +94,31 @@ def _check_count(name: str, value: int | None, minimum: int, *, optional: bool =
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         also = " or None" if optional else ""
         raise ValueError(f"{name} must be an integer >= {minimum}{also}, got {value!r}")
+
+
+def _agree_arguments(coordinator: Coordinator, refused: Exception | None, settings: dict[str, Any]) -> None:
+    """Collective, on the job's coordinator: a rank that refused its arguments raises its own
+    error (the caller does), every other rank a :class:`DistributedError` naming the ranks that
+    refused theirs; settings that differ between ranks are refused on every rank."""
+    gathered = coordinator.all_gather(
+        (None if refused is None else describe_error(refused), {k: repr(v) for k, v in settings.items()})
+    )
+    failures = {r: g[0] for r, g in enumerate(gathered) if g[0] is not None}
+    if failures:
+        if refused is None:
+            raise DistributedError(failures, coordinator.world_size)
+        return
+    names = sorted({k for _, s in gathered for k in s})
+    differ = [
+        f"{name}: {found}"
+        for name in names
+        if (found := disagreement([s.get(name, "(not given)") for _, s in gathered], str)) is not None
+    ]
+    if differ:
+        raise InvalidOptionError(
+            f"the ranks passed CheckpointManager different settings ({'; '.join(differ)}); every rank "
+            "must pass the same (node= aside)"
+        )
 
 
 def _check_apart(root: Any, local_dir: str | os.PathLike[str]) -> None:
@@ -200,60 +232,83 @@ class CheckpointManager:
         node: str | None = None,
         **save_options: Any,
     ) -> None:
-        _check_count("max_to_keep", max_to_keep, 1)
-        _check_count("save_interval_steps", save_interval_steps, 1, optional=False)
-        _check_count("keep_period", keep_period, 1)
-        if not isinstance(incremental, bool):
-            raise InvalidOptionError(f"incremental must be True or False, got {incremental!r}")
-        unknown = sorted(set(save_options) - _SAVE_OPTIONS)
-        if unknown:
-            hints = "".join(f"; {k}: {_REFUSED[k]}" for k in unknown if k in _REFUSED)
-            raise TypeError(
-                f"CheckpointManager got unknown save option(s) {', '.join(unknown)}; "
-                f"expected some of {', '.join(sorted(_SAVE_OPTIONS))}{hints}"
-            )
-        if save_options.get("storage_options") and scheme_of(root) == "file":
-            raise TypeError(
-                f"CheckpointManager got storage_options for {os.fspath(root)!r}, a local directory; "
-                "storage_options are for URL roots (s3://bucket/prefix): drop them"
-            )
         check_coordinator(coordinator)
-        # bad values fail here, not at some later save (which could have taken staging memory)
-        self.options = SaveOptions(**save_options)
-        self.incremental = incremental
-        _check_count("persist_interval_steps", persist_interval_steps, 1)
-        if local_dir is not None and not isinstance(local_dir, (str, os.PathLike)):
-            raise TypeError(
-                "local_dir must be a directory path (str or os.PathLike) or None, "
-                f"got {type(local_dir).__name__}"
-            )
-        if local_dir is not None and incremental:
-            raise InvalidOptionError(
-                "incremental saves do not go through a local tier: pass one or the other"
-            )
-        if local_dir is None:
-            given = [
-                name
-                for name, value, default in (
-                    ("persist_interval_steps", persist_interval_steps, None),
-                    ("replicas", replicas, 1),
-                    ("local_max_to_keep", local_max_to_keep, 2),
-                    ("node", node, None),
+        # what one rank refuses is raised on every rank, and every rank must pass the same
+        # settings: a rank that raised alone, or one that replicated or persisted other steps,
+        # would leave the others waiting in a collective
+        refused: Exception | None = None
+        try:
+            _check_count("max_to_keep", max_to_keep, 1)
+            _check_count("save_interval_steps", save_interval_steps, 1, optional=False)
+            _check_count("keep_period", keep_period, 1)
+            if not isinstance(incremental, bool):
+                raise InvalidOptionError(f"incremental must be True or False, got {incremental!r}")
+            unknown = sorted(set(save_options) - _SAVE_OPTIONS)
+            if unknown:
+                hints = "".join(f"; {k}: {_REFUSED[k]}" for k in unknown if k in _REFUSED)
+                raise TypeError(
+                    f"CheckpointManager got unknown save option(s) {', '.join(unknown)}; "
+                    f"expected some of {', '.join(sorted(_SAVE_OPTIONS))}{hints}"
                 )
-                if value != default
-            ]
-            if given:
+            if save_options.get("storage_options") and scheme_of(root) == "file":
+                raise TypeError(
+                    f"CheckpointManager got storage_options for {os.fspath(root)!r}, a local directory; "
+                    "storage_options are for URL roots (s3://bucket/prefix): drop them"
+                )
+            # bad values fail here, not at some later save (which could have taken staging memory)
+            self.options = SaveOptions(**save_options)
+            self.incremental = incremental
+            _check_count("persist_interval_steps", persist_interval_steps, 1)
+            if local_dir is not None and not isinstance(local_dir, (str, os.PathLike)):
+                raise TypeError(
+                    "local_dir must be a directory path (str or os.PathLike) or None, "
+                    f"got {type(local_dir).__name__}"
+                )
+            if local_dir is not None and incremental:
                 raise InvalidOptionError(
-                    f"{', '.join(given)} configure(s) the local tier, and there is none: pass "
-                    "local_dir= too (or drop them: without a tier every saved step goes to the root)"
+                    "incremental saves do not go through a local tier: pass one or the other"
                 )
-        else:
-            LocalTier.check_arguments(local_dir, replicas, local_max_to_keep, node)
-            if coordinator is None:  # (a job's ranks raise what any of them finds, together)
-                problem = LocalTier.path_problem(local_dir)
-                if problem is not None:
-                    raise InvalidOptionError(problem)
-            _check_apart(root, local_dir)
+            if local_dir is None:
+                given = [
+                    name
+                    for name, value, default in (
+                        ("persist_interval_steps", persist_interval_steps, None),
+                        ("replicas", replicas, 1),
+                        ("local_max_to_keep", local_max_to_keep, 2),
+                        ("node", node, None),
+                    )
+                    if value != default
+                ]
+                if given:
+                    raise InvalidOptionError(
+                        f"{', '.join(given)} configure(s) the local tier, and there is none: pass "
+                        "local_dir= too (or drop them: without a tier every saved step goes to the root)"
+                    )
+            else:
+                LocalTier.check_arguments(local_dir, replicas, local_max_to_keep, node)
+                if coordinator is None:  # (a job's ranks raise what any of them finds, together)
+                    problem = LocalTier.path_problem(local_dir)
+                    if problem is not None:
+                        raise InvalidOptionError(problem)
+                _check_apart(root, local_dir)
+        except Exception as exc:
+            refused = exc
+        if coordinator is not None and coordinator.world_size > 1:
+            settings = {
+                "max_to_keep": max_to_keep,
+                "save_interval_steps": save_interval_steps,
+                "keep_period": keep_period,
+                "async_save": async_save,
+                "incremental": incremental,
+                "local_dir given": local_dir is not None,
+                "persist_interval_steps": persist_interval_steps,
+                "replicas": replicas,
+                "local_max_to_keep": local_max_to_keep,
+                **{k: v for k, v in save_options.items() if k != "storage_options"},
+            }
+            _agree_arguments(coordinator, refused, settings)
+        if refused is not None:
+            raise refused
         if local_dir is not None and coordinator is None:
             coordinator = SingleProcessCoordinator()
         #: the manager's own channels: queries (this thread) and saves (the writer thread, or
@@ -330,10 +385,13 @@ class CheckpointManager:
     def _view(self, recheck_from: int | None) -> dict[int, str]:
         return self._steps_root.view(recheck_from)
 
-    def _steps(self, recheck_from: int | None, *, block: bool, raise_error: bool = False) -> dict[int, str]:
+    def _steps(
+        self, recheck_from: int | None, *, block: bool, raise_error: bool = False, saving: int | None = None
+    ) -> dict[int, str]:
         """:meth:`_view`, after taking note of the save in flight once it has ended (waiting for
         it when ``block``) and applying retention on that same listing. With ``raise_error``,
-        the error of a failed background save is raised before the root is listed."""
+        the error of a failed background save is raised before the root is listed. ``saving``:
+        the step this call saves, the same on every rank (see :meth:`StepRoot.agreed`)."""
         saved = self._collect(block=block)
         if raise_error:
             self._raise_error()
@@ -344,7 +402,7 @@ class CheckpointManager:
                 self._steps_root.retire(saved, steps)
             return steps
 
-        return self._agreed(listed)
+        return self._steps_root.agreed(listed, step=saving)
 
     def step_path(self, step: int) -> Any:
         """Where ``step`` is (a directory, or a URL for an object store): the existing one,
@@ -385,7 +443,7 @@ class CheckpointManager:
             self._tiered.save(step, state_dict)
             return True
         # one listing serves the retention of the save that just ended and this save's checks
-        steps = self._steps(step, block=True, raise_error=True)
+        steps = self._steps(step, block=True, raise_error=True, saving=step)
         existing = steps.get(step)
         if existing is not None:
             raise CheckpointExistsError(

@@ -55,8 +55,8 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from gpuckpt.distributed.coordinator import Coordinator, describe_error
-from gpuckpt.errors import DistributedError
+from gpuckpt.distributed.coordinator import Coordinator, describe_error, disagreement
+from gpuckpt.errors import DistributedError, StepOrderError
 from gpuckpt.runtime.runner import run_all
 
 __all__ = ["StepRoot", "step_name", "step_of"]
@@ -79,6 +79,18 @@ def step_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
+def different_steps(steps: Sequence[int]) -> StepOrderError | None:
+    """The error every rank raises when the ranks saved different steps in one call (``steps[r]``:
+    rank ``r``'s), or None."""
+    differ = disagreement(steps)
+    if differ is None:
+        return None
+    return StepOrderError(
+        f"the ranks saved different steps in one call ({differ}): every rank saves the same step "
+        "number in the same call of save"
+    )
+
+
 class StepRoot:
     """The steps of one root (a store from :func:`gpuckpt.storage.stores.open_root`) as one
     manager knows them, with its retention policy; ``queries`` carries the agreement of a
@@ -97,16 +109,25 @@ class StepRoot:
 
     # agreement ---------------------------------------------------------------------
 
-    def agreed(self, fn: Callable[[], _T]) -> _T:
+    def agreed(self, fn: Callable[[], _T], *, step: int | None = None) -> _T:
         """``fn()`` run on rank 0 alone, its result on every rank (in one process: ``fn()``).
 
         An error there is raised on every rank as one :class:`~gpuckpt.errors.DistributedError`
-        naming it (its cause, on rank 0, the error itself): every rank then raises, or none does."""
+        naming it (its cause, on rank 0, the error itself): every rank then raises, or none does.
+        ``step``: the step every rank saves in this call, compared (a
+        :class:`~gpuckpt.errors.StepOrderError` on every rank where they differ)."""
         c = self.queries
         if c is None:
             return fn()
         outcome, error = self.run_on_rank0(fn)
-        outcome = c.broadcast(outcome if c.rank == 0 else None)
+        if step is None:
+            outcome = c.broadcast(outcome if c.rank == 0 else None)
+        else:
+            gathered = c.all_gather((outcome, step))
+            outcome = gathered[0][0]
+            different = different_steps([g[1] for g in gathered])
+            if different is not None:
+                raise different
         value: _T = self.outcome_of_rank0(outcome, error)
         return value
 

@@ -19,7 +19,7 @@ import gpuckpt.api as api
 from gpuckpt.distributed.coordinator import Coordinator, describe_error
 from gpuckpt.errors import CheckpointExistsError, CheckpointNotFoundError, DistributedError, StepOrderError
 from gpuckpt.format.metadata import STATE_DICT_TYPE
-from gpuckpt.manager.steps import StepRoot, step_name
+from gpuckpt.manager.steps import StepRoot, different_steps, step_name
 from gpuckpt.options import SaveOptions
 from gpuckpt.runtime.workers import Workers
 from gpuckpt.tiers import LocalTier, PartSource, RestoreReport
@@ -108,7 +108,10 @@ class TieredSaves:
         # retention of a drain joined here deletes: the checks below look at this step and
         # newer ones only)
         idle, (steps, save_id) = self.gather(
-            wait_tier=False, wait_drain=False, agreed=lambda: (self.steps.view(step), uuid.uuid4().hex)
+            wait_tier=False,
+            wait_drain=False,
+            agreed=lambda: (self.steps.view(step), uuid.uuid4().hex),
+            step=step,
         )
         if not idle and persist:
             # the previous drain still runs somewhere: a persist step waits for it (the root
@@ -136,7 +139,12 @@ class TieredSaves:
             self._start_drain(step)
 
     def gather(
-        self, *, wait_tier: bool = True, wait_drain: bool = True, agreed: Callable[[], Any] | None = None
+        self,
+        *,
+        wait_tier: bool = True,
+        wait_drain: bool = True,
+        agreed: Callable[[], Any] | None = None,
+        step: int | None = None,
     ) -> tuple[bool, Any]:
         """Collective: every rank's failed background work (tier steps, drains) raised on every
         rank, once; a drain that ended on every rank joins the root (its retention applied).
@@ -162,9 +170,9 @@ class TieredSaves:
         # what failed where: a collective's error names the ranks that failed it
         mine = {k: _failures(e, self.queries.rank) for k, e in failed.items() if k not in self._reported}
         outcome, error = self.steps.run_on_rank0(agreed) if agreed is not None else (None, None)
-        reports = self.queries.all_gather((mine, running, outcome))
+        reports = self.queries.all_gather((mine, running, outcome, step))
         failures: dict[int, str] = {}
-        for errs, _, _ in reports:
+        for errs, _, _, _ in reports:
             for (kind, s), by_rank in sorted(errs.items()):
                 self._reported.add((kind, s))
                 what = "writing the local tier" if kind == "tier" else "persisting"
@@ -192,6 +200,9 @@ class TieredSaves:
                     f"{'writing the local tier' if kind == 'tier' else 'persisting'} step {s}",
                 )
             raise DistributedError(failures, self.queries.world_size)
+        different = None if step is None else different_steps([r[3] for r in reports])
+        if different is not None:  # (before anything of the step is taken, on every rank)
+            raise different
         return idle, None if agreed is None else self.steps.outcome_of_rank0(reports[0][2], error)
 
     def wait(self) -> None:

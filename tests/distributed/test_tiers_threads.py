@@ -443,6 +443,23 @@ def test_inspect_shows_the_parts_of_a_local_tier(tiers: Any, tmp_path: Path) -> 
         (5, True, ["0", "1", "2", "3"]),
     ]
     assert all(p["bytes"] > 0 for s in steps for p in s["parts"].values())
+    # a part under another step's name (its record says step 5) is shown as not that part
+    os.rename(tmp_path / "n1" / part_name(5, 3), tmp_path / "n1" / part_name(4, 0))
+    text = subprocess.run([*cmd, str(tmp_path / "n1")], capture_output=True, text=True, check=True).stdout
+    assert (
+        "4  not every rank's part here: rank 0 damaged (its record is of step 5, rank 3: not the part" in text
+    )
+    # a tier or a root with nothing in it says so
+    for d in (tmp_path / "n1", tmp_path / "root"):
+        for child in d.iterdir():
+            if child.name != ".lock":
+                shutil.rmtree(child)
+    for d, what in (
+        (tmp_path / "n1", "is a local tier with no part in it"),
+        (tmp_path / "root", "is not a checkpoint"),
+    ):
+        out = subprocess.run([*cmd, str(d)], capture_output=True, text=True)
+        assert out.returncode == 1 and what in out.stderr, out.stderr
 
 
 def test_a_drained_step_restores_on_another_number_of_ranks_from_root(tiers: Any, tmp_path: Path) -> None:
