@@ -294,7 +294,7 @@ def _empty(path: Path) -> str:
     what = (
         "a local tier with no part in it (a new one, or one whose steps were all deleted)"
         if (path / LOCK_NAME).is_file()
-        else "not a checkpoint, nor a CheckpointManager root or local tier with anything in it"
+        else "not a committed checkpoint, nor a CheckpointManager root or local tier with anything in it"
     )
     return f"{path} is {what}: no checkpoint, committed step or tier part to show"
 

@@ -456,7 +456,7 @@ def test_inspect_shows_the_parts_of_a_local_tier(tiers: Any, tmp_path: Path) -> 
                 shutil.rmtree(child)
     for d, what in (
         (tmp_path / "n1", "is a local tier with no part in it"),
-        (tmp_path / "root", "is not a checkpoint"),
+        (tmp_path / "root", "is not a committed checkpoint, nor"),
     ):
         out = subprocess.run([*cmd, str(d)], capture_output=True, text=True)
         assert out.returncode == 1 and what in out.stderr, out.stderr
