@@ -11,6 +11,7 @@ drain has ended.
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -22,7 +23,7 @@ from gpuckpt.format.metadata import STATE_DICT_TYPE
 from gpuckpt.manager.steps import StepRoot, different_steps, step_name
 from gpuckpt.options import SaveOptions
 from gpuckpt.runtime.workers import Workers
-from gpuckpt.tiers import LocalTier, PartSource, RestoreReport
+from gpuckpt.tiers import LocalTier, PartSource, RestoreReport, part_bytes, part_view
 
 __all__ = ["TieredSaves"]
 
@@ -275,6 +276,7 @@ class TieredSaves:
         assert choice.step is not None
         name = resolve(choice.step)
         options.setdefault("storage_options", self.options.store_options() or None)
+        started = time.perf_counter()
         try:
             api.load(state_dict, self.steps.store.child(name), coordinator=self.queries, **options)
         except Exception as exc:  # (nothing of the tiers was deleted)
@@ -285,10 +287,15 @@ class TieredSaves:
             if error is exc:
                 raise
             raise error from None
+        seconds = time.perf_counter() - started
         # the line goes on from the root's step: the tiers' newer steps are an abandoned line
         self.tier.abandon_newer(choice.step)
-        world = self.queries.world_size
-        sources = {r: PartSource(r, "root") for r in range(world)}
+        try:
+            nbytes = part_bytes(part_view(state_dict)[0])  # (what the rank's arrays hold)
+        except Exception:  # (loaded: only a count the report cannot make)
+            nbytes = 0
+        loaded = self.queries.all_gather((nbytes, seconds))
+        sources = {r: PartSource(r, "root", nbytes=n, seconds=t) for r, (n, t) in enumerate(loaded)}
         return choice.step, RestoreReport(choice.step, "root", None, sources, skipped)
 
     def local_steps(self) -> list[int]:

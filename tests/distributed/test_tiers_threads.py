@@ -292,6 +292,8 @@ def test_with_both_copies_of_a_part_gone_restore_falls_back_to_root(tiers: Any, 
     for r, g in enumerate(got):
         assert g["step"] == 4 and g["exact"] and g["source"] == "root", (r, g)
         assert g["parts"] == {str(k): ["root", None] for k in range(4)}
+        # each rank's bytes and seconds, as for parts from the tiers (the same on every rank)
+        assert g["counted"] == got[0]["counted"] and all(n > 0 and t > 0 for n, t in g["counted"].values())
 
 
 def test_copies_whose_record_does_not_read_are_named_when_the_root_serves(tiers: Any, tmp_path: Path) -> None:

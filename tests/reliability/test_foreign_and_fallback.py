@@ -95,6 +95,29 @@ def test_overwrite_refuses_a_foreign_zarr_store_and_deletes_nothing(
     assert temporaries(tmp_path) == []
 
 
+@pytest.mark.parametrize("what", ["file", "link to a folder", "link to a checkpoint", "dangling link"])
+def test_overwrite_refuses_a_file_or_a_link_and_deletes_nothing(tmp_path: Path, what: str) -> None:
+    path, ckpt = tmp_path / "c", tmp_path / "elsewhere"
+    gpuckpt.save({"w": np.zeros(4)}, ckpt)
+    before = snapshot(ckpt)
+    if what == "file":
+        path.write_bytes(b"mine")
+    elif what == "link to a folder":
+        (tmp_path / "folder").mkdir()
+        path.symlink_to(tmp_path / "folder")
+    elif what == "link to a checkpoint":
+        path.symlink_to(ckpt)
+    else:
+        path.symlink_to(tmp_path / "nowhere")
+    kind = "not a directory" if what == "file" else "a symbolic link"
+    for save in (gpuckpt.save, lambda *a, **k: gpuckpt.async_save(*a, **k).result()):
+        with pytest.raises(gpuckpt.CheckpointExistsError, match=f"it is {kind}.*nothing was deleted"):
+            save({"w": np.ones(4)}, path, overwrite=True)
+    assert path.is_symlink() == (what != "file") and (what != "file" or path.read_bytes() == b"mine")
+    assert snapshot(ckpt) == before and not (tmp_path / "nowhere").exists()
+    assert temporaries(tmp_path) == []
+
+
 def test_overwrite_still_replaces_a_damaged_checkpoint(tmp_path: Path) -> None:
     ckpt = tmp_path / "c"
     gpuckpt.save({"w": np.zeros(4)}, ckpt)

@@ -95,6 +95,7 @@ def restore(
         "source": report.source,
         "parts": {str(k): [p.where, p.holder] for k, p in sorted(report.parts.items())},
         "skipped": len(report.skipped),
+        "counted": {str(k): [p.nbytes, p.seconds] for k, p in sorted(report.parts.items())},
     }
     for more in range(got + 1, got + 1 + then):
         mgr.save(more, state(more, r, n))
