@@ -62,6 +62,14 @@ class TableBlocks:
                 f"{count} blocks of {rows} rows ({used} used) do not fit a table of {table_rows} rows "
                 f"stored {chunk_rows} per chunk"
             )
+        # as gpuckpt writes them: a block's chunks hold no more rows than it uses, and its rows
+        # are its used rows rounded up to whole chunks (rows no record uses would cost a reader
+        # their memory: a claim of padding, not of chunks)
+        if chunk_rows > used or rows != chunk_rows * -(-used // chunk_rows):
+            raise _bad(
+                f"blocks of {rows} rows of which {used} are used, stored {chunk_rows} per chunk, hold "
+                "rows that no record uses"
+            )
         return cls(count, rows, used)
 
     def holds(self, row: int) -> bool:

@@ -168,3 +168,29 @@ def test_a_block_report_crosses_the_transport_small_and_whole() -> None:
     assert back.block is None and back.tail_rows.tolist() == [40, 41]
     assert back.tail["crc32c"].tolist() == [5, 6] and back.tail["crc32c"].dtype == np.uint32
     assert back.segment_rows.tolist() == [3, 9] and back.segments.tolist() == [None, (1, 2, 3)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(ranks=st.integers(2, 6), per_rank=st.integers(1, 200_000))
+def test_every_block_layout_a_save_writes_is_one_its_readers_take(ranks: int, per_rank: int) -> None:
+    """The planner's blocks pass the reader's check, and padding that no record uses does not."""
+    from gpuckpt.errors import MetadataError
+    from gpuckpt.format.blocks import TableBlocks
+
+    plan = plan_save(describe(ranks, 1, ranks * per_rank, 1, replicated=False), chunk_bytes=4)
+    layout = table_layout(plan, min_chunks=0)
+    assert layout is not None
+    raw = {"count": layout.blocks, "rows": layout.block_rows, "used": layout.used}
+    assert TableBlocks.parse(raw, layout.rows, layout.chunk_rows).rows == layout.block_rows
+    padded = {**raw, "rows": layout.block_rows + layout.chunk_rows}  # a whole chunk of rows no record uses
+    with pytest.raises(MetadataError, match="hold rows that no record uses"):
+        TableBlocks.parse(padded, layout.rows + layout.blocks * layout.chunk_rows, layout.chunk_rows)
+
+
+def test_a_block_of_few_used_rows_in_huge_chunks_is_refused_before_anything_is_read() -> None:
+    from gpuckpt.errors import MetadataError
+    from gpuckpt.format.blocks import TableBlocks
+
+    # 1,120 records per block in chunks of 2**20 rows: a reader would hold 2**20 rows per block
+    with pytest.raises(MetadataError, match="1120 are used, stored 1048576 per chunk"):
+        TableBlocks.parse({"count": 4, "rows": 1 << 20, "used": 1120}, 4 << 20, 1 << 20)
