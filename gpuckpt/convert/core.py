@@ -24,7 +24,13 @@ from gpuckpt.convert.safetensors_io import (
 )
 from gpuckpt.convert.torch_io import check_trusted, load_dcp, load_torch_save
 from gpuckpt.device.arrays import is_array
-from gpuckpt.errors import CheckpointExistsError, InvalidOptionError, MetadataError, UnsupportedValueError
+from gpuckpt.errors import (
+    CheckpointExistsError,
+    InvalidOptionError,
+    InvalidPathError,
+    MetadataError,
+    UnsupportedValueError,
+)
 from gpuckpt.format.memory_format import (
     contiguous_format,
     detect_memory_format,
@@ -82,6 +88,10 @@ def detect_format(path: str | os.PathLike[str]) -> str:
             f"{INDEX_NAME} or {SINGLE_NAME})"
         )
     if not p.exists():
+        if p.is_symlink():
+            raise InvalidPathError(
+                f"{p} is a symbolic link that leads to no file (a loop, or its target is gone)"
+            )
         raise FileNotFoundError(2, "No such file or directory", os.fspath(p))
     # by the header's structure first: a header length of 128 mod 256 makes a
     # safetensors file start with 0x80, the first byte of a pickle
@@ -113,9 +123,9 @@ def _from_safetensors(path: Path, allow_pickle: bool, progress: ProgressCallback
         extra = json.loads(meta[STATE_KEY])
         structure, encoded = extra["structure"], dict(extra["objects"])
         formats = dict(extra.get("memory_formats", {}))
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
         raise MetadataError(
-            f"{path}: __metadata__[{STATE_KEY!r}] is not a gpuckpt state description ({exc!r})"
+            f"{path}: __metadata__[{STATE_KEY!r}] is not a gpuckpt state description ({exc!r:.200})"
         ) from None
     values: dict[str, Any] = dict(tensors)
     for fqn, fmt in formats.items():
@@ -264,7 +274,10 @@ def convert(
     if _same(src_p, dst_p):
         raise InvalidOptionError(f"source and destination are the same path ({src_p}); write to a new path")
     if isinstance(src_p, Path) and isinstance(dst_p, Path):
-        s, d = src_p.resolve(), dst_p.resolve()
+        try:
+            s, d = src_p.resolve(), dst_p.resolve()
+        except (OSError, RuntimeError) as exc:  # (a link loop: RuntimeError before Python 3.13)
+            raise InvalidPathError(f"{src_p} or {dst_p} cannot be resolved to a path ({exc})") from None
         if s in d.parents or d in s.parents:
             raise InvalidOptionError(
                 f"the destination {dst_p} and the source {src_p} are one inside the other: writing one "

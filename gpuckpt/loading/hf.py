@@ -28,6 +28,7 @@ from gpuckpt.errors import (
     MetadataError,
     MissingChunkError,
     MissingKeyError,
+    ReadOnlyTargetError,
     ShapeMismatchError,
     UnsupportedValueError,
 )
@@ -290,9 +291,14 @@ def load_hf(state_dict: dict[str, Any], path: str | os.PathLike[str], options: L
                 "gpuckpt.load_state_dict and copy to the device"
             )
         host = target.host_array()
-        if host.flags.c_contiguous and host.flags.writeable:
+        if not host.flags.writeable:  # (before anything is read into any target)
+            raise ReadOnlyTargetError(
+                f"tensor {fqn!r}: the target array is read-only; load into a writable array "
+                "(nothing was loaded)"
+            )
+        if host.flags.c_contiguous and host.dtype == dt:
             direct.append((fqn, host))
-        else:
+        else:  # another layout or byte order: read as stored, then copied (and swapped) in
             tmp = np.empty(shape, dtype=dt)
             direct.append((fqn, tmp))
             copies.append((host, tmp))

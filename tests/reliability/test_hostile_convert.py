@@ -1,0 +1,52 @@
+"""Loads in place from safetensors files and conversions of hostile ones: typed errors before
+anything is written, byte order kept, nothing amplified, links that lead nowhere named."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import gpuckpt
+from gpuckpt.convert import convert
+from gpuckpt.convert.safetensors_io import write_safetensors
+
+
+@pytest.fixture
+def model(tmp_path: Path) -> Path:
+    path = tmp_path / "m.safetensors"
+    write_safetensors({"w": np.arange(4, dtype=np.float32), "b": np.arange(3, dtype=np.int64)}, path)
+    return path
+
+
+def test_a_target_of_the_other_byte_order_gets_the_values_not_the_bytes(model: Path) -> None:
+    target = {"w": np.zeros(4, ">f4"), "b": np.zeros(3, "<i8")}
+    gpuckpt.load(target, model)
+    assert target["w"].dtype == np.dtype(">f4") and target["w"].tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert target["b"].tolist() == [0, 1, 2]
+
+
+def test_a_read_only_target_is_refused_before_any_target_is_written(model: Path) -> None:
+    target = {"w": np.full(4, 9.0, np.float32), "b": np.zeros(3, np.int64)}
+    target["b"].flags.writeable = False
+    with pytest.raises(gpuckpt.ReadOnlyTargetError, match="tensor 'b'.*read-only.*nothing was loaded"):
+        gpuckpt.load(target, model)
+    assert target["w"].tolist() == [9.0] * 4
+
+
+def test_a_state_description_nested_too_deep_is_a_metadata_error(tmp_path: Path) -> None:
+    header = json.dumps({"__metadata__": {"gpuckpt.state": "[" * 50_000 + "]" * 50_000}}).encode()
+    (tmp_path / "deep.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)
+    with pytest.raises(gpuckpt.MetadataError, match="is not a gpuckpt state description"):
+        convert(tmp_path / "deep.safetensors", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("source_format", ["auto", "safetensors", "hf"])
+def test_a_source_that_is_a_link_loop_is_an_invalid_path(tmp_path: Path, source_format: str) -> None:
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    with pytest.raises(gpuckpt.InvalidPathError, match="loop"):
+        convert(tmp_path / "loop", tmp_path / "out", source_format=source_format)
+    assert not (tmp_path / "out").exists()
