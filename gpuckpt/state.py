@@ -178,6 +178,8 @@ def unflatten_state_dict(
         name = ".".join(str(p) for p in path)
         return any(name == k or name.startswith(k + ".") for k in keys)
 
+    placed: set[str] = set()
+
     # ``path`` (the node's keys from the root) matters to a partial load only: a whole one
     # leaves it empty rather than make a tuple per node
     def build(node: Any, depth: int, path: tuple[Any, ...]) -> tuple[bool, Any]:
@@ -187,6 +189,9 @@ def unflatten_state_dict(
         if tag == "v":
             if not isinstance(body, str):
                 raise MetadataError(f"malformed structure leaf in planner_data: {body!r}")
+            if body in placed:  # (a save names each leaf once: twice would hand out one array twice)
+                raise MetadataError(f"the structure in planner_data names the entry {body[:200]!r} twice")
+            placed.add(body)
             return (body in values, values.get(body))
         if not isinstance(body, list):
             raise MetadataError(f"malformed structure node {tag!r} in planner_data")

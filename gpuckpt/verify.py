@@ -45,6 +45,7 @@ from gpuckpt.loading.ranged import segments_of
 from gpuckpt.printable import printable
 from gpuckpt.progress import ProgressCallback, ProgressCounter
 from gpuckpt.runtime.runner import default_threads, run_ordered
+from gpuckpt.state import unflatten_state_dict
 from gpuckpt.storage.base import CheckpointReader, NotRegularFileError
 
 __all__ = ["Damage", "VerifyReport", "verify_checkpoint"]
@@ -296,6 +297,11 @@ def verify_checkpoint(
             )
         except (MetadataError, ValueError, TypeError) as exc:
             report.damage.append(Damage(f"zarr.json (value {fqn!r})", str(exc), fqn))
+
+    try:  # the structure a load rebuilds the state from (its leaves not read here)
+        unflatten_state_dict(ck.index.planner_data["structure"], {})
+    except MetadataError as exc:
+        report.damage.append(Damage("zarr.json (structure)", str(exc)))
 
     for t in tensors.values():
         for problem in (_check_array_doc(reader, t), _check_segments(t)):

@@ -50,3 +50,25 @@ def test_a_source_that_is_a_link_loop_is_an_invalid_path(tmp_path: Path, source_
     with pytest.raises(gpuckpt.InvalidPathError, match="loop"):
         convert(tmp_path / "loop", tmp_path / "out", source_format=source_format)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_structure_that_names_an_entry_twice_is_refused_by_load_verify_and_convert(tmp_path: Path) -> None:
+    """A save names each leaf once; a structure naming one 1 MiB tensor 100 times would load it
+    100 times over (a conversion wrote 100 copies)."""
+    from gpuckpt.testing.faults import rewrite_root_metadata
+    from gpuckpt.verify import verify_checkpoint
+
+    ckpt = tmp_path / "c"
+    gpuckpt.save({"w": np.ones(1 << 18, np.float32)}, ckpt)
+
+    def repeat(md: dict) -> None:
+        md["planner_data"]["structure"]["d"] += [["s", f"dup{i}", {"v": "w"}] for i in range(100)]
+
+    rewrite_root_metadata(ckpt, repeat)
+    with pytest.raises(gpuckpt.MetadataError, match="names the entry 'w' twice"):
+        gpuckpt.load_state_dict(ckpt)
+    report = verify_checkpoint(ckpt)
+    assert not report.ok and any("names the entry 'w' twice" in d.problem for d in report.damage)
+    with pytest.raises(gpuckpt.MetadataError, match="twice"):
+        convert(ckpt, tmp_path / "x.safetensors")
+    assert not (tmp_path / "x.safetensors").exists()
