@@ -135,6 +135,8 @@ class HfSource:
     weight_map: dict[str, Path]
     index_meta: dict[str, Any]
     _headers: dict[Path, ShardHeader] = field(default_factory=dict)
+    #: the names the index puts in each file (made at the first header read: one pass, not one per file)
+    _listed: dict[Path, list[str]] | None = None
 
     @property
     def names(self) -> list[str]:
@@ -146,8 +148,11 @@ class HfSource:
         h = self._headers.get(path)
         if h is None:
             h = read_header(path)
-            listed = [n for n, p in self.weight_map.items() if p == path]
-            absent = [n for n in listed if n not in h.entries]
+            if self._listed is None:
+                self._listed = {}
+                for n, p in self.weight_map.items():
+                    self._listed.setdefault(p, []).append(n)
+            absent = [n for n in self._listed[path] if n not in h.entries]
             if absent:
                 raise MetadataError(
                     f"{self.location / INDEX_NAME}: puts {len(absent)} tensor(s) in {path.name} that "
