@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import json
 import math
 import os
 import threading
@@ -31,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpuckpt.errors import CheckpointCorruptedError, ChecksumError, MetadataError, UnsafeCheckpointError
+from gpuckpt.format import jsontext
 from gpuckpt.format.documents import ATTRIBUTE, expected_array_document
 from gpuckpt.format.values import decode_object
 from gpuckpt.loading.checks import (
@@ -117,7 +117,7 @@ class VerifyReport:
 def _check_array_doc(reader: CheckpointReader, t: TensorEntry) -> Damage | None:
     where = f"{t.name}/zarr.json"
     try:
-        doc = json.loads(reader.read_array_document(t.name))
+        doc = jsontext.loads(reader.read_array_document(t.name))
     except NotRegularFileError as exc:
         return Damage(where, f"unreadable: it {exc.strerror}", t.fqn)
     except FileNotFoundError:
@@ -134,13 +134,13 @@ def _check_array_doc(reader: CheckpointReader, t: TensorEntry) -> Damage | None:
     want_attrs = expected.pop("attributes")[ATTRIBUTE]
     for key, want in expected.items():
         if doc.get(key) != want:
-            return Damage(where, f"{key} is {doc.get(key)!r}, the metadata says {want!r}", t.fqn)
+            return Damage(where, f"{key} is {doc.get(key)!r:.200}, the metadata says {want!r:.200}", t.fqn)
     attrs = doc.get("attributes")
     mine = attrs.get(ATTRIBUTE) if isinstance(attrs, dict) else None
     if not isinstance(mine, dict) or any(mine.get(k) != v for k, v in want_attrs.items()):
         return Damage(
             where,
-            f"attributes.{ATTRIBUTE} is {mine!r}, expected fqn {t.fqn!r} and memory format {fmt}",
+            f"attributes.{ATTRIBUTE} is {mine!r:.200}, expected fqn {t.fqn!r} and memory format {fmt}",
             t.fqn,
         )
     return None

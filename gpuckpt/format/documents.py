@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from gpuckpt.errors import MetadataError
+from gpuckpt.format import jsontext
 from gpuckpt.format.checksum import crc32c_loaded
 from gpuckpt.format.codecs import Codec
 from gpuckpt.format.dtypes import dtype_name
@@ -244,7 +245,7 @@ def _as_written(raw: bytes | bytearray) -> Any:
     if crc32c_loaded(canonical) != int(tail.group(1)):
         return None
     try:
-        return json.loads(_text(canonical))
+        return jsontext.loads(_text(canonical))
     except (ValueError, RecursionError):
         return None
 
@@ -288,7 +289,7 @@ def metadata_json(raw: bytes | bytearray, where: str) -> Any:
     if md is not None:
         return md
     try:
-        doc = json.loads(raw)
+        doc = jsontext.loads(raw)
     except (ValueError, RecursionError) as exc:
         raise MetadataError(
             f"{where} is not valid JSON ({exc}); the checkpoint's root metadata is damaged"
@@ -336,7 +337,7 @@ def root_document_problem(raw: bytes) -> str | None:
     if raw.startswith(_ROOT_PREFIX):
         return None
     try:
-        doc = json.loads(raw)
+        doc = jsontext.loads(raw)
     except (ValueError, RecursionError):
         return f"its {ROOT_KEY} is not JSON"
     if not isinstance(doc, dict) or doc.get("zarr_format") != 3:

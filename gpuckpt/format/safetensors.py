@@ -15,7 +15,6 @@ Every file name it gives must be a plain name in the same directory.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -23,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from gpuckpt.errors import MetadataError
+from gpuckpt.format import jsontext
 from gpuckpt.format.dtypes import dtype_from_name
 from gpuckpt.format.shapes import check_shape
 
@@ -105,7 +105,7 @@ def parse_header(raw: bytes, data_len: int, where: str) -> tuple[dict[str, Any],
         For anything the reference reader refuses, naming the tensor and the fix.
     """
     try:
-        header = json.loads(raw)
+        header = jsontext.loads(raw)
     except (ValueError, RecursionError) as exc:
         raise MetadataError(f"{where} is not a safetensors file: its header is not JSON ({exc})") from None
     if not isinstance(header, dict):
@@ -172,7 +172,7 @@ def parse_index(raw: bytes | bytearray, where: str) -> tuple[dict[str, str], dic
         a shard outside its directory.
     """
     try:
-        doc = json.loads(raw)
+        doc = jsontext.loads(raw)
     except (ValueError, RecursionError, UnicodeDecodeError) as exc:
         raise MetadataError(
             f"{where} is not a Hugging Face index: not JSON ({exc}); write it again (gpuckpt convert "

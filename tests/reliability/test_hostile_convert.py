@@ -98,3 +98,26 @@ def test_a_directory_of_many_shards_is_matched_to_its_index_in_one_pass(tmp_path
         src.header(name)
     assert Counted.passes == 1
     assert gpuckpt.load_state_dict(tmp_path)["t49"].tolist() == [49]
+
+
+def test_a_document_whose_parse_runs_out_of_memory_is_a_metadata_error(tmp_path: Path, model: Path) -> None:
+    """Parsed JSON costs far more memory than its text; where a parse exhausts the process's
+    memory, each reader raises its typed error naming the file (not a bare MemoryError)."""
+    import json as json_module
+    from unittest import mock
+
+    ckpt = tmp_path / "c"
+    gpuckpt.save({"w": np.ones(4)}, ckpt)
+    real = json_module.loads
+
+    def short_of_memory(raw: object, *a: object, **k: object) -> object:
+        if isinstance(raw, (bytes, bytearray, str)) and len(raw) > 40:
+            raise MemoryError
+        return real(raw, *a, **k)
+
+    with mock.patch("gpuckpt.format.jsontext.json.loads", short_of_memory):
+        for read in (gpuckpt.read_metadata, gpuckpt.load_state_dict):
+            with pytest.raises(gpuckpt.MetadataError, match="more values than this process has memory for"):
+                read(ckpt)
+        with pytest.raises(gpuckpt.MetadataError, match="more values than this process has memory for"):
+            gpuckpt.load_state_dict(model)
