@@ -105,12 +105,17 @@ def parse_header(raw: bytes, data_len: int, where: str) -> tuple[dict[str, Any],
         For anything the reference reader refuses, naming the tensor and the fix.
     """
     try:
-        header = jsontext.loads(raw)
-    except (ValueError, RecursionError) as exc:
-        raise MetadataError(f"{where} is not a safetensors file: its header is not JSON ({exc})") from None
+        # UTF-8, as the format says (json.loads would take UTF-16 and UTF-32 too)
+        header = jsontext.loads(bytes(raw).decode("utf-8"))
+    except (ValueError, RecursionError) as exc:  # (UnicodeDecodeError is a ValueError)
+        raise MetadataError(
+            f"{where} is not a safetensors file: its header is not UTF-8 JSON ({exc!s:.200})"
+        ) from None
     if not isinstance(header, dict):
         raise MetadataError(f"{where}: safetensors header must be a JSON object")
-    meta = header.pop(METADATA_KEY, None) or {}
+    meta = header.pop(METADATA_KEY, None)
+    if meta is None:  # (absent, or null)
+        meta = {}
     if not isinstance(meta, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in meta.items()
     ):

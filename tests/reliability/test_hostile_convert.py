@@ -121,3 +121,25 @@ def test_a_document_whose_parse_runs_out_of_memory_is_a_metadata_error(tmp_path:
                 read(ckpt)
         with pytest.raises(gpuckpt.MetadataError, match="more values than this process has memory for"):
             gpuckpt.load_state_dict(model)
+
+
+@pytest.mark.parametrize(
+    ("header", "match"),
+    [
+        ({"__metadata__": []}, "__metadata__ must map strings to strings"),
+        ({"__metadata__": False}, "__metadata__ must map strings to strings"),
+        ({"__metadata__": 0}, "__metadata__ must map strings to strings"),
+        ("utf-16", "not UTF-8 JSON"),
+    ],
+)
+def test_a_safetensors_header_the_reference_reader_refuses_is_refused(
+    tmp_path: Path, header: object, match: str
+) -> None:
+    entry = {"w": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}}
+    if header == "utf-16":
+        raw = json.dumps(entry).encode("utf-16")
+    else:
+        raw = json.dumps({**entry, **header}).encode()  # type: ignore[dict-item]
+    (tmp_path / "m.safetensors").write_bytes(len(raw).to_bytes(8, "little") + raw + b"x")
+    with pytest.raises(gpuckpt.MetadataError, match=match):
+        gpuckpt.load_state_dict(tmp_path / "m.safetensors")
