@@ -569,8 +569,17 @@ def adapt(value: Any) -> ArrayAdapter:
         return DeviceArray(data, cuda.backend_for_device(int(data.device.id)), dtype, requires_grad)
     try:
         if type(value).__module__.startswith("torch"):
-            dtype, view = torch_dtype_view(value.detach())
+            t = value.detach()
+            # a lazily negated or conjugated view (z.conj(), z.conj().imag): its memory holds the
+            # values before the negation, which DLPack would export as they lie (or refuse); a
+            # save takes the values (a resolved copy), a load cannot fill such a view in place
+            lazy = bool(t.is_neg() or t.is_conj())
+            if lazy:
+                t = t.resolve_conj().resolve_neg()
+            dtype, view = torch_dtype_view(t)
             arr = np.from_dlpack(view).view(dtype)
+            if lazy:
+                arr.flags.writeable = False
             pinned = bool(value.is_pinned())
         elif dev is not None and hasattr(value, "__dlpack__"):
             arr = np.from_dlpack(value)

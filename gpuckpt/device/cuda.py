@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from gpuckpt.device.torch_dtypes import torch_dtype_view
-from gpuckpt.errors import DeviceUnavailableError
+from gpuckpt.errors import DeviceUnavailableError, UnsupportedValueError
 from gpuckpt.format import memory_format as mf
 
 __all__ = [
@@ -99,7 +99,13 @@ def as_device_array(value: Any) -> tuple[Any, np.dtype[Any], bool]:
         return value, np.dtype(value.dtype), False
     requires_grad = bool(getattr(value, "requires_grad", False))
     if type(value).__module__.startswith("torch"):
-        dtype, view = torch_dtype_view(value.detach())
+        t = value.detach()
+        if t.is_neg() or t.is_conj():  # (its memory holds the values before the negation)
+            raise UnsupportedValueError(
+                "a lazily negated or conjugated CUDA tensor (z.conj(), z.conj().imag) holds in its "
+                "memory the values before the negation: pass t.resolve_conj().resolve_neg()"
+            )
+        dtype, view = torch_dtype_view(t)
         return cupy.from_dlpack(view), dtype, requires_grad
     try:
         has_cai = hasattr(value, "__cuda_array_interface__")

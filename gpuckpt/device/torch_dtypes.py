@@ -17,7 +17,8 @@ __all__ = ["TORCH_BITS", "torch_dtype_view"]
 
 #: torch dtypes NumPy lacks (ml_dtypes has them), viewed through integers of their size
 TORCH_BITS = {"bfloat16": "int16", "float8_e4m3fn": "uint8", "float8_e5m2": "uint8",
-              "float8_e4m3fnuz": "uint8", "float8_e5m2fnuz": "uint8"}  # fmt: skip
+              "float8_e4m3fnuz": "uint8", "float8_e5m2fnuz": "uint8",
+              "float8_e8m0fnu": "uint8"}  # fmt: skip
 
 
 def torch_dtype_view(t: Any) -> tuple[np.dtype[Any], Any]:

@@ -41,3 +41,23 @@ def test_torch_cpu_tensors_round_trip_in_place(tmp_path: Path) -> None:
     gpuckpt.load(tgt, tmp_path / "c")
     assert torch.equal(tgt["w"], w.detach()) and torch.equal(tgt["bf"], bf) and torch.equal(tgt["cl"], cl)
     assert torch.equal(tgt["f8"].view(torch.uint8), f8.view(torch.uint8))
+
+
+def test_lazily_negated_and_conjugated_tensors_are_saved_as_their_values(tmp_path: Path) -> None:
+    """``z.conj()`` and ``z.conj().imag`` hold in memory the values before the negation: a save
+    stores the values (the negation was lost, and a conjugate refused); a load into such a view
+    is refused (it would fill the memory, not the values), and ``float8_e8m0fnu`` round-trips."""
+    torch = pytest.importorskip("torch")
+    z = torch.complex(torch.arange(4.0), torch.arange(4.0))
+    neg, conj = z.conj().imag, z.conj()
+    assert neg.is_neg() and conj.is_conj()
+    e8 = torch.tensor([0.5, 1.0, 4.0, 256.0]).to(torch.float8_e8m0fnu)
+    gpuckpt.save({"neg": neg, "conj": conj, "e8": e8}, tmp_path / "c")
+    back = gpuckpt.load_state_dict(tmp_path / "c")
+    assert back["neg"].tolist() == [-0.0, -1.0, -2.0, -3.0]
+    assert back["conj"].tolist() == conj.resolve_conj().numpy().tolist()
+    assert np.array_equal(back["e8"].view(np.uint8), e8.view(torch.uint8).numpy())
+    target = {"neg": torch.zeros(4).neg()._neg_view(), "conj": torch.zeros(4, dtype=torch.complex64)}
+    assert target["neg"].is_neg()
+    with pytest.raises(gpuckpt.ReadOnlyTargetError, match="tensor 'neg'"):
+        gpuckpt.load(target, tmp_path / "c", strict=False)
