@@ -109,7 +109,7 @@ def parse_header(raw: bytes, data_len: int, where: str) -> tuple[dict[str, Any],
         header = jsontext.loads(bytes(raw).decode("utf-8"))
     except (ValueError, RecursionError) as exc:  # (UnicodeDecodeError is a ValueError)
         raise MetadataError(
-            f"{where} is not a safetensors file: its header is not UTF-8 JSON ({exc!s:.200})"
+            f"{where} is not a safetensors file: its header is not JSON in UTF-8 ({exc!s:.200})"
         ) from None
     if not isinstance(header, dict):
         raise MetadataError(f"{where}: safetensors header must be a JSON object")

@@ -129,7 +129,7 @@ def test_a_document_whose_parse_runs_out_of_memory_is_a_metadata_error(tmp_path:
         ({"__metadata__": []}, "__metadata__ must map strings to strings"),
         ({"__metadata__": False}, "__metadata__ must map strings to strings"),
         ({"__metadata__": 0}, "__metadata__ must map strings to strings"),
-        ("utf-16", "not UTF-8 JSON"),
+        ("utf-16", "not JSON in UTF-8"),
     ],
 )
 def test_a_safetensors_header_the_reference_reader_refuses_is_refused(
