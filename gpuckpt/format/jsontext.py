@@ -16,11 +16,22 @@ from typing import Any
 __all__ = ["loads"]
 
 
-def loads(raw: bytes | bytearray | str) -> Any:
-    """``json.loads(raw)``; a parse out of memory raises ``ValueError`` naming the size."""
+def loads(raw: bytes | bytearray | str, *, unique_keys: bool = False) -> Any:
+    """``json.loads(raw)``; a parse out of memory raises ``ValueError`` naming the size.
+    ``unique_keys``: an object that gives a key twice is a ``ValueError`` naming the key (JSON
+    leaves it to the reader; ``json.loads`` keeps the last)."""
     try:
-        return json.loads(raw)
+        return json.loads(raw, object_pairs_hook=_unique if unique_keys else None)
     except MemoryError:
         raise ValueError(
             f"its {len(raw)} bytes of JSON hold more values than this process has memory for"
         ) from None
+
+
+def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"the key {key[:200]!r} is given twice in one object")
+        out[key] = value
+    return out

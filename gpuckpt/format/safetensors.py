@@ -177,7 +177,7 @@ def parse_index(raw: bytes | bytearray, where: str) -> tuple[dict[str, str], dic
         a shard outside its directory.
     """
     try:
-        doc = jsontext.loads(raw)
+        doc = jsontext.loads(raw, unique_keys=True)  # (a tensor in two shards: which one?)
     except (ValueError, RecursionError, UnicodeDecodeError) as exc:
         raise MetadataError(
             f"{where} is not a Hugging Face index: not JSON ({exc}); write it again (gpuckpt convert "

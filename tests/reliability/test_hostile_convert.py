@@ -143,3 +143,12 @@ def test_a_safetensors_header_the_reference_reader_refuses_is_refused(
     (tmp_path / "m.safetensors").write_bytes(len(raw).to_bytes(8, "little") + raw + b"x")
     with pytest.raises(gpuckpt.MetadataError, match=match):
         gpuckpt.load_state_dict(tmp_path / "m.safetensors")
+
+
+def test_an_index_that_puts_a_tensor_in_two_shards_is_refused(tmp_path: Path) -> None:
+    for i in range(2):
+        write_safetensors({"w": np.full(2, i, np.float32)}, tmp_path / f"s{i}.safetensors")
+    raw = '{"weight_map": {"w": "s0.safetensors", "w": "s1.safetensors"}}'
+    (tmp_path / "model.safetensors.index.json").write_text(raw)
+    with pytest.raises(gpuckpt.MetadataError, match="the key 'w' is given twice"):
+        gpuckpt.load_state_dict(tmp_path)
