@@ -24,15 +24,20 @@ Examples
 from __future__ import annotations
 
 import os
-import shutil
 import threading
 from pathlib import Path
 from typing import Any
 
 from gpuckpt import api, background
 from gpuckpt.convert.torch_save import numpy_to_torch
-from gpuckpt.errors import InvalidOptionError, MissingDependencyError, UnsupportedValueError
+from gpuckpt.errors import (
+    CheckpointExistsError,
+    InvalidOptionError,
+    MissingDependencyError,
+    UnsupportedValueError,
+)
 from gpuckpt.pending import SaveFuture
+from gpuckpt.storage.stores import open_root, scheme_of
 
 __all__ = ["AsyncCheckpointIO", "CheckpointIO"]
 
@@ -125,6 +130,7 @@ class CheckpointIO(*_BASES):  # type: ignore[misc]
     ) -> None:
         """Save Lightning's ``checkpoint`` dict as a gpuckpt checkpoint at ``path``."""
         _check_storage_options(storage_options)
+        _refuse_shared_folder(path)
         try:
             api.save(checkpoint, os.fspath(path), **self._save_kwargs())
         except UnsupportedValueError as exc:
@@ -152,19 +158,41 @@ class CheckpointIO(*_BASES):  # type: ignore[misc]
         return moved
 
     def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
-        """Delete the whole checkpoint at ``path`` (nothing when there is none)."""
-        p = Path(path)
+        """Delete the whole checkpoint at ``path`` (nothing when there is none); a folder holding
+        anything that is not a gpuckpt checkpoint's is refused, and left as it is."""
+        p = Path(path).absolute()
         if p.is_dir() and not p.is_symlink():
-            if not (p / "zarr.json").is_file() and any(p.iterdir()):
+            others = open_root(p.parent).foreign_entries(p.name)
+            if others:
                 raise UnsupportedValueError(
-                    f"{p} is not a gpuckpt checkpoint (no zarr.json); not deleting it: remove it by hand"
+                    f"{p} holds {len(others)} entries that are not a gpuckpt checkpoint's (e.g. "
+                    f"{others[:3]}); not deleting it: remove it by hand"
                 )
-            shutil.rmtree(p)
+            open_root(p.parent).delete([p.name])  # (out of sight in one rename, then its files)
         elif p.exists() or p.is_symlink():
             p.unlink()
 
     def teardown(self) -> None:
         """Nothing to release (gpuckpt's threads and staging memory are kept for the next save)."""
+
+
+def _refuse_shared_folder(path: str | os.PathLike[str]) -> None:
+    """Refuse a save into a folder that holds what is not a gpuckpt checkpoint's: the plug-in
+    saves with ``overwrite=True`` (Lightning saves ``last.ckpt`` again and again), which would
+    publish the checkpoint beside those files, and ``remove_checkpoint`` deletes a checkpoint's
+    folder whole."""
+    if scheme_of(path) != "file":
+        return
+    p = Path(path).absolute()
+    if not p.is_dir() or p.is_symlink():
+        return  # (nothing there, or what the save itself refuses)
+    others = open_root(p.parent).foreign_entries(p.name)
+    if others:
+        raise CheckpointExistsError(
+            f"{p} holds {len(others)} entries that are not a gpuckpt checkpoint's (e.g. {others[:3]}); "
+            "a Lightning checkpoint is saved only where it can later be removed whole: save to a new "
+            "path, or move them out"
+        )
 
 
 def _moved(value: Any, where: Any) -> Any:
@@ -219,6 +247,7 @@ class AsyncCheckpointIO(CheckpointIO):
     ) -> None:
         _check_storage_options(storage_options)
         self.wait()
+        _refuse_shared_folder(path)
         try:
             future = background.async_save(checkpoint, os.fspath(path), **self._save_kwargs())
         except UnsupportedValueError as exc:

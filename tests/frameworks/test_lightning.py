@@ -124,3 +124,40 @@ def test_objects_need_allow_pickle_and_the_error_says_so(tmp_path: Path) -> None
     plugin.remove_checkpoint(tmp_path / "pickled.ckpt")
     assert not (tmp_path / "pickled.ckpt").exists()
     plugin.remove_checkpoint(tmp_path / "pickled.ckpt")  # nothing there: nothing to do
+
+
+def test_a_folder_of_other_files_is_never_saved_into_nor_removed(tmp_path: Path) -> None:
+    """The plug-in saves with overwrite=True (last.ckpt again and again) and removes a checkpoint's
+    folder whole: a folder holding anything that is not a gpuckpt checkpoint's is refused both
+    ways, and keeps what it holds; a checkpoint is saved over and removed as before."""
+    _lightning()
+    import torch
+
+    import gpuckpt
+    from gpuckpt.errors import CheckpointExistsError, UnsupportedValueError
+    from gpuckpt.lightning import AsyncCheckpointIO, CheckpointIO
+
+    run = tmp_path / "run1"
+    run.mkdir()
+    (run / "train_log.txt").write_text("mine")
+    for plugin in (CheckpointIO(), AsyncCheckpointIO()):
+        with pytest.raises(CheckpointExistsError, match=r"train_log\.txt.*save to a new path"):
+            plugin.save_checkpoint({"w": torch.ones(2)}, run)
+        plugin.teardown()
+        with pytest.raises(UnsupportedValueError, match=r"train_log\.txt.*not deleting it"):
+            plugin.remove_checkpoint(run)
+    assert sorted(p.name for p in run.iterdir()) == ["train_log.txt"]
+    # another program's Zarr store: not gpuckpt's, not removed
+    foreign = tmp_path / "store"
+    foreign.mkdir()
+    (foreign / "zarr.json").write_text('{"zarr_format": 3, "node_type": "group", "attributes": {}}')
+    with pytest.raises(UnsupportedValueError, match="not deleting it"):
+        CheckpointIO().remove_checkpoint(foreign)
+    assert (foreign / "zarr.json").is_file()
+    plugin = CheckpointIO()
+    last = tmp_path / "last.ckpt"
+    for value in (1.0, 2.0):
+        plugin.save_checkpoint({"w": torch.full((2,), value)}, last)
+    assert gpuckpt.load_state_dict(last)["w"].tolist() == [2.0, 2.0]
+    plugin.remove_checkpoint(last)
+    assert not last.exists()
