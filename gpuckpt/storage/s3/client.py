@@ -204,7 +204,7 @@ def parse_s3_url(url: str) -> tuple[str, str]:
     if scheme.lower() != "s3" or not sep:
         raise InvalidPathError(f"{url!r} is not an s3:// URL; expected s3://bucket/prefix")
     bucket, _, prefix = rest.partition("/")
-    prefix = prefix.strip("/")
+    prefix = prefix.rstrip("/")  # (a trailing slash names the same prefix; a leading one is an empty segment)
     segments = prefix.split("/") if prefix else []
     bad = [s for s in segments if s in ("", ".", "..") or any(c in s for c in "\\\0?#")]
     if not bucket or not segments or bad:
