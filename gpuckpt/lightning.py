@@ -162,13 +162,11 @@ class CheckpointIO(*_BASES):  # type: ignore[misc]
         anything that is not a gpuckpt checkpoint's is refused, and left as it is."""
         p = Path(path).absolute()
         if p.is_dir() and not p.is_symlink():
-            others = open_root(p.parent).foreign_entries(p.name)
+            root = open_root(p.parent)
+            others = _others(root, p)
             if others:
-                raise UnsupportedValueError(
-                    f"{p} holds {len(others)} entries that are not a gpuckpt checkpoint's (e.g. "
-                    f"{others[:3]}); not deleting it: remove it by hand"
-                )
-            open_root(p.parent).delete([p.name])  # (out of sight in one rename, then its files)
+                raise UnsupportedValueError(f"{others}; not deleting it: remove it by hand")
+            root.delete([p.name])  # (out of sight in one rename, then its files)
         elif p.exists() or p.is_symlink():
             p.unlink()
 
@@ -186,13 +184,21 @@ def _refuse_shared_folder(path: str | os.PathLike[str]) -> None:
     p = Path(path).absolute()
     if not p.is_dir() or p.is_symlink():
         return  # (nothing there, or what the save itself refuses)
-    others = open_root(p.parent).foreign_entries(p.name)
+    others = _others(open_root(p.parent), p)
     if others:
         raise CheckpointExistsError(
-            f"{p} holds {len(others)} entries that are not a gpuckpt checkpoint's (e.g. {others[:3]}); "
-            "a Lightning checkpoint is saved only where it can later be removed whole: save to a new "
-            "path, or move them out"
+            f"{others}; a Lightning checkpoint is saved only where it can later be removed whole: "
+            "save to a new path, or move them out"
         )
+
+
+def _others(root: Any, p: Path) -> str:
+    """What the folder ``p`` (a child of ``root``) holds that is not a gpuckpt checkpoint's, in
+    words, or ``""``."""
+    others = root.foreign_entries(p.name)
+    if not others:
+        return ""
+    return f"{p} holds {len(others)} entries that are not a gpuckpt checkpoint's (e.g. {others[:3]})"
 
 
 def _moved(value: Any, where: Any) -> Any:

@@ -191,11 +191,10 @@ def decide(local: StateDescription, sources: Sources, compression: Compression) 
     for t in big:
         if t.fqn in host:
             by_dtype.setdefault(t.dtype, []).append(t)
-    first = {ts[0].fqn for ts in by_dtype.values()}
     order = sorted((ts[0] for ts in by_dtype.values()), key=_nbytes, reverse=True)
     order += [t for turn in itertools.zip_longest(*(ts[1:] for ts in by_dtype.values())) for t in turn if t]
-    for t in order:
-        if budget <= 0 and t.fqn not in first:
+    for i, t in enumerate(order):
+        if budget <= 0 and i >= len(by_dtype):
             break
         a = host[t.fqn]
         pieces = _pieces(a, SCREEN_BYTES, SAMPLES)

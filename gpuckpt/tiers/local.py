@@ -421,9 +421,7 @@ class LocalTier(PartExchange):
         of that name holding another program's files (the tier replaces its own parts, and
         its retention deletes a part's folder whole: never what it did not write)."""
         name = part_name(step, self.rank)
-        if not os.path.lexists(self.dir / name):
-            return None
-        others = self._store.foreign_entries(name)
+        others = self._store.foreign_entries(name)  # (none where nothing is there)
         if not others:
             return None
         return CheckpointExistsError(

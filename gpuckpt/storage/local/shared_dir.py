@@ -35,6 +35,7 @@ import stat
 from pathlib import Path
 
 from gpuckpt.errors import CheckpointExistsError
+from gpuckpt.format import jsontext
 from gpuckpt.format.documents import ROOT_DOCUMENT_PREFIX, ROOT_KEY, root_document_problem
 from gpuckpt.storage.local import fsutil
 
@@ -187,15 +188,15 @@ def restore(target: Path, aside: Path) -> bool:
     is complete; otherwise it is undone and the earlier checkpoint, if any, is whole in
     ``target`` again. The caller holds the locks of both."""
     journal = _head(aside / JOURNAL, _MAX_JOURNAL + 1)
+    if journal is None or len(journal) > _MAX_JOURNAL:
+        return False  # not a regular file of a journal's size: left alone
     try:
-        if journal is None or len(journal) > _MAX_JOURNAL:
-            raise ValueError("not a regular file of a journal's size")
-        info = json.loads(journal)
+        info = jsontext.loads(journal)
         new, old = _entry_names(info["new"]), _entry_names(info["old"])
-        if info.get("target") != target.name:
-            raise ValueError("a journal of another directory")
-    except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
-        return False  # not a journal this release wrote for this directory: left alone
+    except (ValueError, KeyError, TypeError, RecursionError):
+        return False  # not a journal this release wrote: left alone
+    if info.get("target") != target.name:
+        return False  # a journal of another directory: left alone
     if not target.is_dir() or target.is_symlink():
         return False  # the directory itself went away: the copy is kept
     here = (target / ROOT_KEY).exists()
