@@ -53,7 +53,7 @@ from gpuckpt.convert.safetensors_io import check_tensor_name, open_source
 from gpuckpt.device.sharded import ShardedArray
 from gpuckpt.errors import CheckpointExistsError, InvalidOptionError, UnsupportedValueError
 from gpuckpt.format.grid import axis_starts
-from gpuckpt.format.safetensors import INDEX_NAME, SINGLE_NAME
+from gpuckpt.format.safetensors import INDEX_NAME, SINGLE_NAME, check_bool_bytes
 from gpuckpt.loading.hf import open_hf
 from gpuckpt.loading.open import open_checkpoint
 from gpuckpt.options import DEFAULT_CHUNK_BYTES, LoadOptions, SaveOptions, direct_io_from_env
@@ -490,6 +490,7 @@ def import_hf(
             if mm.size() < at + nbytes:  # the file shrank since its header was read
                 raise UnsupportedValueError(f"{h.path}: changed while it was read; export it again")
             state[name] = np.frombuffer(mm, dtype=dt, count=math.prod(shape), offset=at).reshape(shape)
+            check_bool_bytes(state[name], f"{h.path}: tensor {name!r}")
         # the chunk files go around the page cache (which holds the shards being read) unless
         # GPUCKPT_DIRECT_IO=0 says otherwise: writing them through it measured 3x slower here
         options = SaveOptions(

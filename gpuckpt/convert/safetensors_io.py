@@ -17,7 +17,13 @@ import numpy as np
 
 from gpuckpt.errors import CheckpointExistsError, MetadataError, UnsupportedValueError
 from gpuckpt.format.dtypes import dtype_name
-from gpuckpt.format.safetensors import MAX_HEADER, METADATA_KEY, SAFETENSORS_DTYPES, parse_header
+from gpuckpt.format.safetensors import (
+    MAX_HEADER,
+    METADATA_KEY,
+    SAFETENSORS_DTYPES,
+    check_bool_bytes,
+    parse_header,
+)
 from gpuckpt.progress import ProgressCallback, ProgressCounter
 from gpuckpt.storage.local import fsutil
 from gpuckpt.storage.local.fileio import read_exact, write_all
@@ -144,6 +150,7 @@ def read_safetensors(
             got = read_exact(fd, arr.reshape(-1).view(np.uint8))
             if got != arr.nbytes:
                 raise MetadataError(f"{path}: tensor {name!r} is truncated ({got} of {arr.nbytes} bytes)")
+            check_bool_bytes(arr, f"{path}: tensor {name!r}")
             out[name] = arr.astype(dt, copy=False)
             counter.add(arr.nbytes)
     finally:

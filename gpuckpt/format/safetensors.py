@@ -32,6 +32,7 @@ __all__ = [
     "METADATA_KEY",
     "SAFETENSORS_DTYPES",
     "SINGLE_NAME",
+    "check_bool_bytes",
     "parse_header",
     "parse_index",
     "shard_name",
@@ -162,6 +163,29 @@ def parse_header(raw: bytes, data_len: int, where: str) -> tuple[dict[str, Any],
             "the file is damaged: export it again from its source"
         )
     return header, meta
+
+
+def check_bool_bytes(values: np.ndarray, at: str) -> None:
+    """Refuse a ``BOOL`` tensor's ``values`` (as read, C order) holding a byte other than 0 and
+    1: safetensors stores a bool as one of those two, and another byte makes a NumPy or torch
+    bool whose comparisons and reductions disagree with each other. Other dtypes pass as they are.
+
+    Raises
+    ------
+    MetadataError
+        Naming ``at`` (the file and tensor), the first such element and how many there are.
+    """
+    if values.dtype != np.bool_ or values.size == 0:
+        return
+    bad = values.reshape(-1).view(np.uint8) > 1
+    first = int(np.argmax(bad))
+    if bad[first]:
+        raw = int(values.reshape(-1).view(np.uint8)[first])
+        raise MetadataError(
+            f"{at}: BOOL element {first} is the byte {raw:#04x} ({int(np.count_nonzero(bad))} elements are "
+            "neither 0 nor 1); safetensors stores a bool as 0 or 1, so the file is damaged or was not "
+            "written by a safetensors writer: export it again from its source"
+        )
 
 
 def parse_index(raw: bytes | bytearray, where: str) -> tuple[dict[str, str], dict[str, Any]]:

@@ -38,6 +38,7 @@ from gpuckpt.format.safetensors import (
     MAX_INDEX,
     SAFETENSORS_DTYPES,
     SINGLE_NAME,
+    check_bool_bytes,
     parse_header,
     parse_index,
 )
@@ -234,6 +235,8 @@ def _read_all(src: HfSource, items: list[tuple[str, np.ndarray]], options: LoadO
                     functools.partial(job, fd, flat[start : start + PIECE_BYTES], offset + start, name)
                 )
         run_all(jobs, threads=options.threads, name="gpuckpt-hf-read")
+        for name, dest in items:
+            check_bool_bytes(dest, f"{src.weight_map[name]}: tensor {name!r}")
     finally:
         for fd in fds.values():
             os.close(fd)
@@ -301,9 +304,10 @@ def load_hf(state_dict: dict[str, Any], path: str | os.PathLike[str], options: L
                 f"tensor {fqn!r}: the target array is read-only; load into a writable array "
                 "(nothing was loaded)"
             )
-        if host.flags.c_contiguous and host.dtype == dt:
+        if host.flags.c_contiguous and host.dtype == dt and dt != np.bool_:
             direct.append((fqn, host))
-        else:  # another layout or byte order: read as stored, then copied (and swapped) in
+        else:  # another layout or byte order: read as stored, then copied (and swapped) in;
+            # a bool read aside too, so that a target is never left holding bytes other than 0/1
             tmp = np.empty(shape, dtype=dt)
             direct.append((fqn, tmp))
             copies.append((host, tmp))

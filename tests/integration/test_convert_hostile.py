@@ -157,3 +157,39 @@ def test_sizes_and_destinations_give_typed_errors(tmp_path: Path) -> None:
     with pytest.raises(CheckpointExistsError, match="destination exists"):
         convert(ck, tmp_path / "taken")
     assert (tmp_path / "taken" / "x").read_text() == "x"
+
+
+def _bool_file(path: Path, raw: bytes) -> None:
+    """A safetensors file of one BOOL tensor ``mask`` with the bytes ``raw`` and a float tensor."""
+    header = {
+        "mask": {"dtype": "BOOL", "shape": [len(raw)], "data_offsets": [0, len(raw)]},
+        "w": {"dtype": "F32", "shape": [2], "data_offsets": [len(raw), len(raw) + 8]},
+    }
+    head = json.dumps(header).encode()
+    path.write_bytes(len(head).to_bytes(8, "little") + head + raw + np.ones(2, np.float32).tobytes())
+
+
+def test_a_bool_tensor_whose_bytes_are_not_0_or_1_is_refused_by_every_reader(tmp_path: Path) -> None:
+    """A safetensors BOOL holding byte 2 makes a NumPy/torch bool that is True and unequal to
+    True; every path that reads safetensors refuses it, naming the tensor and the element, and a
+    target is left as it was."""
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    _bool_file(hf / "model.safetensors", bytes([0, 1, 2, 1, 7]))
+    with pytest.raises(MetadataError, match=r"tensor 'mask'.*element 2 is the byte 0x02 \(2 elements"):
+        gpuckpt.load_state_dict(hf)
+    target = {"mask": np.zeros(5, bool), "w": np.zeros(2, np.float32)}
+    with pytest.raises(MetadataError, match="'mask'"):
+        gpuckpt.load(target, hf)
+    assert not target["mask"].any()  # read aside, never into the target
+    with pytest.raises(MetadataError, match="'mask'"):
+        convert(hf, tmp_path / "ck")  # a directory import (mapped shards)
+    assert not (tmp_path / "ck").exists()
+    with pytest.raises(MetadataError, match="'mask'"):
+        convert(hf / "model.safetensors", tmp_path / "ck2", source_format="safetensors")
+    assert not (tmp_path / "ck2").exists()
+    # 0 and 1 alone load as they are
+    _bool_file(hf / "model.safetensors", bytes([0, 1, 1, 0, 1]))
+    assert gpuckpt.load_state_dict(hf)["mask"].tolist() == [False, True, True, False, True]
+    convert(hf, tmp_path / "ck")
+    assert gpuckpt.load_state_dict(tmp_path / "ck")["mask"].tolist() == [False, True, True, False, True]
