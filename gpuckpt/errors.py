@@ -247,6 +247,7 @@ class ForkedSaveError(GpuckptError, RuntimeError):
 
 class IncrementalBaseWarning(UserWarning):
     """The ``base`` of an incremental save cannot be used (missing, damaged, another format):
-    the save goes on and writes every chunk; or chunks cannot be hashed (``base`` or
+    the save goes on and writes every chunk; some of its chunk files are not as its records
+    describe (the save writes those in full and names the first); or chunks cannot be hashed (``base`` or
     ``content_hash=True`` without the ``xxhash`` package): the save records no hashes. A
     warning, not an error: the save succeeds."""

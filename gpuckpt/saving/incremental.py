@@ -63,6 +63,7 @@ __all__ = [
     "open_base",
     "open_base_for",
     "reuse_by_digests",
+    "warn_damaged_base",
 ]
 
 _DIGEST_BYTES = 16
@@ -226,6 +227,24 @@ def _unusable(location: str, exc: BaseException) -> None:
         "this save writes every chunk (it is complete either way)",
         IncrementalBaseWarning,
         stacklevel=4,
+    )
+
+
+def warn_damaged_base(base: BaseIndex, writer: CheckpointWriter) -> None:
+    """Warn where ``writer`` found chunks of ``base`` unlike its records while sharing them
+    (:meth:`~gpuckpt.storage.base.CheckpointWriter.base_mismatches`): those were written in
+    full, so this save is complete, but the base is damaged and its owner should know."""
+    found = writer.base_mismatches()
+    if not found:
+        return
+    ref, why = found[0]
+    warnings.warn(
+        f"base checkpoint {base.location!r} is damaged: {len(found)} of the chunks this save could "
+        f"share are not as its records describe (first: chunk {ref.key!r} of array {ref.name!r}, "
+        f"{why}); this save wrote them in full and is complete, the base is not: run "
+        f"`gpuckpt verify {base.location}` to see what it can still restore",
+        IncrementalBaseWarning,
+        stacklevel=2,
     )
 
 

@@ -39,7 +39,13 @@ from gpuckpt.runtime import runner
 from gpuckpt.runtime.runner import Batcher, Runner, default_threads, run_all
 from gpuckpt.saving.commit import Written, result_columns
 from gpuckpt.saving.device_encoding import DeviceEncoder, EncodedChunk
-from gpuckpt.saving.incremental import BaseIndex, digests_match, open_base_for, reuse_by_digests
+from gpuckpt.saving.incremental import (
+    BaseIndex,
+    digests_match,
+    open_base_for,
+    reuse_by_digests,
+    warn_damaged_base,
+)
 from gpuckpt.saving.reuse import share_unchanged, write_hashed
 from gpuckpt.saving.sources import Sources
 from gpuckpt.storage.base import CheckpointWriter, ChunkWrites
@@ -267,7 +273,9 @@ def write_chunks(
         results: dict[int, Written] = dict(done)
         for indices, written in zip(submitted, run.results(), strict=True):
             results.update(zip(indices, written, strict=True))
-        return [results[i] for i in range(len(jobs))]
+    if base is not None:
+        warn_damaged_base(base, writer)
+    return [results[i] for i in range(len(jobs))]
 
 
 def _reuse_unstaged(

@@ -307,6 +307,18 @@ class CheckpointWriter(ABC):
         """
         return False
 
+    def note_base_mismatch(self, base: BaseRef, why: str) -> None:
+        """For :meth:`reuse_chunk` implementations: the base chunk ``base`` is not as its
+        checkpoint's records describe (``why``: missing, another size or trailer, written
+        after the base was published), so it was not shared; :meth:`base_mismatches` lists it."""
+        found: list[tuple[BaseRef, str]] = self.__dict__.setdefault("_base_mismatches", [])
+        found.append((base, why))  # (list.append: safe from the I/O threads)
+
+    def base_mismatches(self) -> list[tuple[BaseRef, str]]:
+        """The base chunks :meth:`reuse_chunk` found damaged in this save, with why (see
+        :meth:`note_base_mismatch`); empty where none was, or the store cannot tell."""
+        return list(self.__dict__.get("_base_mismatches", ()))
+
     def rewrite_array_document(self, name: str, document: bytes) -> None:
         """Replace the ``zarr.json`` of array ``name``, written earlier in this save, before
         :meth:`commit` (for facts learnt only while the chunks were written, e.g. the memory

@@ -281,7 +281,15 @@ def test_damaged_base_chunk_files_are_written_fresh(tmp_path: Path) -> None:
         f.seek(-4, os.SEEK_END)
         f.write(b"\0\0\0\0")
     (tmp_path / "c0/model.big/c.3.0").unlink()
-    gpuckpt.save(s0, tmp_path / "c1", chunk_bytes=CHUNK, base=tmp_path / "c0")
+    # the save is complete and says the base is damaged, with the first chunk and why
+    with pytest.warns(IncrementalBaseWarning, match=r"is damaged: 4 of the chunks") as caught:
+        gpuckpt.save(s0, tmp_path / "c1", chunk_bytes=CHUNK, base=tmp_path / "c0")
+    (w,) = caught
+    assert str(tmp_path / "c0") in str(w.message) and "gpuckpt verify" in str(w.message)
+    assert any(
+        why in str(w.message)
+        for why in ("1000 bytes, its record gives", "missing", "not readable", "checksum trailer")
+    )
     f1 = chunk_files(tmp_path / "c1")
     fresh = {k for k, st in f1.items() if st.st_nlink == 1}
     assert fresh == {"model.big/c.0.0", "model.emb/c.0.0", "model.big/c.2.0", "model.big/c.3.0"}
@@ -299,7 +307,10 @@ def test_base_chunk_written_into_after_publish_with_its_trailer_kept_is_written_
         f.seek(100)
         f.write(bytes([byte ^ 0x40]))
     assert not verify_checkpoint(tmp_path / "c0").ok
-    gpuckpt.save(s0, tmp_path / "c1", chunk_bytes=CHUNK, base=tmp_path / "c0")
+    with pytest.warns(
+        IncrementalBaseWarning, match=r"1 of the chunks.*'c\.1\.0'.*written after the base was published"
+    ):
+        gpuckpt.save(s0, tmp_path / "c1", chunk_bytes=CHUNK, base=tmp_path / "c0")
     f1 = chunk_files(tmp_path / "c1")
     assert f1["model.big/c.1.0"].st_nlink == 1  # written from the state, not linked
     assert {k for k, st in f1.items() if st.st_nlink == 1} == {"model.big/c.1.0"}

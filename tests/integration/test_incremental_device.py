@@ -21,7 +21,7 @@ import pytest
 import gpuckpt
 from gpuckpt import background
 from gpuckpt.device.host_backend import HostBackend
-from gpuckpt.errors import CheckpointWriteError
+from gpuckpt.errors import CheckpointWriteError, IncrementalBaseWarning
 from gpuckpt.format import contenthash
 from gpuckpt.format.checksum import crc32c
 from gpuckpt.testing.fakedevice import EmulatedDeviceArray
@@ -113,7 +113,10 @@ def test_reuse_refused_device_chunks_are_staged_and_written(tmp_path: Path) -> N
     gpuckpt.save(s0, tmp_path / "c0", chunk_bytes=CHUNK, content_hash=True)
     (tmp_path / "c0" / "model.emb" / "c.0.0").unlink()
     backend = HostBackend()
-    gpuckpt.save(on_device(s0, backend), tmp_path / "c1", chunk_bytes=CHUNK, base=tmp_path / "c0")
+    with pytest.warns(
+        IncrementalBaseWarning, match=r"1 of the chunks.*'c\.0\.0' of array 'model\.emb', missing"
+    ):
+        gpuckpt.save(on_device(s0, backend), tmp_path / "c1", chunk_bytes=CHUNK, base=tmp_path / "c0")
     assert backend.copies == 1 and backend.bytes_to_host == 256 * 64 * 4
     f1 = chunk_files(tmp_path / "c1")
     assert f1["model.emb/c.0.0"].st_nlink == 1

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import gpuckpt
+from gpuckpt.errors import IncrementalBaseWarning
 from gpuckpt.verify import verify_checkpoint
 
 pytest.importorskip("obstore")
@@ -139,8 +140,12 @@ def test_base_object_put_again_after_publish_is_not_copied(
     body = bytearray(s3.get_object(Bucket=BUCKET, Key=key)["Body"].read())
     body[100] ^= 0x40  # the body changed, its CRC32C trailer kept
     s3.put_object(Bucket=BUCKET, Key=key, Body=bytes(body))
+    s3.delete_object(Bucket=BUCKET, Key=f"{run}/step0/frozen/c.1.0")  # and one gone
     assert not verify_checkpoint(p0, storage_options=opts).ok
-    gpuckpt.save(_state(1), p1, base=p0, **kw)
+    with pytest.warns(IncrementalBaseWarning, match=r"is damaged: 2 of the chunks") as caught:
+        gpuckpt.save(_state(1), p1, base=p0, **kw)
+    (w,) = caught
+    assert "written after the base was published" in str(w.message) or "missing" in str(w.message)
     assert verify_checkpoint(p1, storage_options=opts).ok  # the chunk was put from the state
     got = gpuckpt.load_state_dict(p1, storage_options=opts)
     assert got["frozen"].tobytes() == _state(1)["frozen"].tobytes()

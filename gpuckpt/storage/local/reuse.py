@@ -26,12 +26,15 @@ def published_ns(root: str, seen: dict[str, int | None]) -> int | None:
     return seen[root]
 
 
-def open_base_chunk(base: BaseRef, seen: dict[str, int | None]) -> tuple[int, os.stat_result, str] | None:
-    """The base's chunk file opened (its descriptor, status and path), or None where it must
-    be written instead: not on this file system, missing, not a regular file (it is opened
-    as a load opens it: no symlink, no FIFO), not of the size and CRC32C trailer its metadata
-    gives, or younger than the base's root document (a file written into after the base was
-    published, its trailer kept, may hold other bytes than the base's records describe).
+def open_base_chunk(
+    base: BaseRef, seen: dict[str, int | None]
+) -> tuple[int, os.stat_result, str] | str | None:
+    """The base's chunk file opened (its descriptor, status and path), or, where it must be
+    written instead, why: a string where the file is not as the base's records describe
+    (missing, not a regular file: it is opened as a load opens it, no symlink, no FIFO; not of
+    the size and CRC32C trailer its metadata gives; younger than the base's root document, so
+    written into after the base was published, its trailer kept or not), None where sharing
+    does not apply (not on this file system, the base's root document unreadable).
     ``seen``: the publication times already read (:func:`published_ns`)."""
     if "://" in base.location and not base.location.startswith("file://"):
         return None
@@ -39,26 +42,36 @@ def open_base_chunk(base: BaseRef, seen: dict[str, int | None]) -> tuple[int, os
     src = f"{root}/{base.name}/{base.key}"
     try:
         fd = open_regular(src)
-    except OSError:
-        return None
+    except FileNotFoundError:
+        return "missing"
+    except OSError as exc:
+        return f"not readable as a chunk file ({exc.strerror or exc})"
     try:
         st = os.fstat(fd)
-        if _is_the_base(fd, st, base, root, seen):
+        why = _unlike_the_base(fd, st, base, root, seen)
+        if why == "":
             return fd, st, src
     except BaseException:
         os.close(fd)
         raise
     os.close(fd)
-    return None
+    return why
 
 
-def _is_the_base(fd: int, st: os.stat_result, base: BaseRef, root: str, seen: dict[str, int | None]) -> bool:
+def _unlike_the_base(
+    fd: int, st: os.stat_result, base: BaseRef, root: str, seen: dict[str, int | None]
+) -> str | None:
+    """ "" where the open file is the base's chunk; else why not (None: cannot tell)."""
     if st.st_size != base.nbytes or base.nbytes < CRC_BYTES:
-        return False
+        return f"{st.st_size} bytes, its record gives {base.nbytes}"
     published = published_ns(root, seen)
-    if published is None or st.st_mtime_ns > published:
-        return False
+    if published is None:
+        return None
+    if st.st_mtime_ns > published:
+        return "written after the base was published"
     trailer = bytearray(CRC_BYTES)
     if read_exact_at(fd, trailer, base.nbytes - CRC_BYTES) != CRC_BYTES:
-        return False
-    return int.from_bytes(trailer, "little") == base.crc32c
+        return "cut short while it was read"
+    if int.from_bytes(trailer, "little") != base.crc32c:
+        return "its checksum trailer is not its record's"
+    return ""

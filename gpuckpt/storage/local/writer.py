@@ -478,7 +478,9 @@ class LocalWriter(CheckpointWriter):
         writes into a published chunk file, and deleting either name leaves the other intact.
         """
         opened = open_base_chunk(base, self._published)
-        if opened is None:
+        if not isinstance(opened, tuple):
+            if opened is not None:
+                self.note_base_mismatch(base, opened)
             return False
         fd, st, src = opened
         try:

@@ -380,17 +380,25 @@ class ObjectStoreWriter(Prefix, CheckpointWriter):
         )  # the bucket's root: the base lives under another prefix
         try:
             with self.budget.take():
-                meta = obs.head(store, src)
-                if meta["size"] != base.nbytes:
-                    return False
                 published = self._published.get(src_prefix)
                 if published is None:
                     root = "/".join(p for p in (src_prefix, ROOT_KEY) if p)
                     published = self._published[src_prefix] = obs.head(store, root)["last_modified"]
+                try:
+                    meta = obs.head(store, src)
+                except FileNotFoundError:
+                    self.note_base_mismatch(base, "missing")
+                    return False
+                if meta["size"] != base.nbytes:
+                    self.note_base_mismatch(base, f"{meta['size']} bytes, its record gives {base.nbytes}")
+                    return False
                 if meta["last_modified"] > published:
-                    return False  # put again after its checkpoint was published: not the base's bytes
+                    # put again after its checkpoint was published: not the base's bytes
+                    self.note_base_mismatch(base, "written after the base was published")
+                    return False
                 trailer = bytes(obs.get_range(store, src, start=base.nbytes - CRC_BYTES, end=base.nbytes))
                 if int.from_bytes(trailer, "little") != base.crc32c:
+                    self.note_base_mismatch(base, "its checksum trailer is not its record's")
                     return False
                 self._claim.check()
                 self._written.add(rel)
