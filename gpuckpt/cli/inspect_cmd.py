@@ -18,6 +18,7 @@ from typing import Any
 from gpuckpt.cli.progressbar import format_bytes
 from gpuckpt.errors import CheckpointNotFoundError, GpuckptError
 from gpuckpt.format.checksum import CRC_BYTES
+from gpuckpt.format.codecs import auto_report
 from gpuckpt.format.dtypes import dtype_name
 from gpuckpt.format.parts import PartRecord, parse_part_name
 from gpuckpt.format.values import decode_object
@@ -130,10 +131,13 @@ def describe_checkpoint(path: Path | str) -> dict[str, Any]:
         load_chunk_records(reader, [t for t in tensors.values() if t.fqn not in short])
         rows = [_tensor_row(reader, t, short.get(t.fqn)) for t in tensors.values()]
     meta = index.storage_meta
+    auto = auto_report(index.planner_data)
     return {
         "path": str(path),
         "version": index.version,
         "checkpoint_id": None if meta is None or meta.checkpoint_id is None else str(meta.checkpoint_id),
+        # what compression="auto" decided, and why it left each large tensor uncompressed
+        "auto_compression": None if auto is None else {"decision": auto[0], "tensors": auto[1]},
         "tensors": rows,
         "objects": [_object_row(f, e) for f, e in objects.items()],
         "totals": {
@@ -162,6 +166,10 @@ def _table(header: list[str], rows: list[list[str]], right: set[int]) -> list[st
         ).rstrip()
 
     return [fmt(header), fmt(["-" * w for w in widths]), *(fmt(r) for r in rows)]
+
+
+#: tensors whose "auto" reason the text output lists (all of them in --json)
+_AUTO_LINES = 20
 
 
 def format_description(d: dict[str, Any]) -> str:
@@ -194,6 +202,15 @@ def format_description(d: dict[str, Any]) -> str:
         out += ["", f"objects ({len(d['objects'])}):"]
         orows = [[o["name"], o["type"], o["value"]] for o in d["objects"]]
         out += ["  " + line for line in _table(["name", "type", "value"], orows, set())]
+    auto = d.get("auto_compression")
+    if auto is not None:
+        out += ["", f'compression "auto": {printable(auto["decision"])}']
+        why = list(auto["tensors"].items())
+        out += [f"  {printable(name)}: {printable(reason)}" for name, reason in why[:_AUTO_LINES]]
+        if len(why) > _AUTO_LINES:
+            out.append(
+                f"  ... and {len(why) - _AUTO_LINES} more tensors left uncompressed (--json lists them)"
+            )
     t = d["totals"]
     out += [
         "",

@@ -20,7 +20,7 @@ GIL while they work, so the I/O threads of a save compress in parallel.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -29,10 +29,12 @@ from gpuckpt.errors import MetadataError
 
 __all__ = [
     "BLOSC_MAX_BYTES",
+    "COMPRESSION_KEY",
     "PRESETS",
     "Codec",
     "CodecError",
     "Compression",
+    "auto_report",
     "parse_compression",
     "decode_into",
     "encode",
@@ -220,6 +222,27 @@ def decode_into(codec: Codec, src: memoryview, dest: np.ndarray) -> None:
         raise CodecError(f"it decompresses to {len(out)} bytes, the chunk has {want}")
 
 
+#: the entry of a checkpoint's ``planner_data`` that says what ``compression="auto"`` decided and
+#: why (:attr:`Compression.report`): ``decision`` (one line), ``tensors`` (why each tensor of
+#: 1 MiB or more was left uncompressed, by FQN) and the figures the decision was made from. Its
+#: name sorts after a tier part's record (``"gpuckpt.tier"``), which must lead the document
+#: (:func:`~gpuckpt.format.documents.leading_planner_entry`)
+COMPRESSION_KEY = "gpuckpt.why_compression"
+
+
+def auto_report(planner_data: Any) -> tuple[str, dict[str, str]] | None:
+    """``(decision, why by FQN)`` of the ``"auto"`` report in a checkpoint's ``planner_data``
+    (None where it has none, or one that is not as gpuckpt writes it: the report only
+    explains, so a damaged one is left out, never an error)."""
+    r = planner_data.get(COMPRESSION_KEY) if isinstance(planner_data, dict) else None
+    if not isinstance(r, dict) or not isinstance(r.get("decision"), str):
+        return None
+    tensors = r.get("tensors")
+    if not isinstance(tensors, dict):
+        tensors = {}
+    return r["decision"], {k: v for k, v in tensors.items() if isinstance(k, str) and isinstance(v, str)}
+
+
 @dataclass(frozen=True, slots=True)
 class Compression:
     """A save's choice of compression (the ``compression`` save option), as pure data.
@@ -241,6 +264,9 @@ class Compression:
     auto: bool = False
     skip: frozenset[str] = frozenset()
     device: bool = False
+    #: what "auto" decided and why, as JSON values (kept in the checkpoint's ``planner_data``
+    #: under ``"gpuckpt.compression"``; not part of the choice: equal choices may differ here)
+    report: Any = field(default=None, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         if self.codec not in ("blosc", "zstd"):

@@ -216,6 +216,9 @@ class SavePlan:
     objects: Mapping[str, Any]
     skeleton: Any
     world_size: int = 1
+    #: what ``compression="auto"`` decided and why (:attr:`Compression.report
+    #: <gpuckpt.format.codecs.Compression.report>`), kept in the checkpoint; None without "auto"
+    compression_report: Any = None
 
     @property
     def nchunks(self) -> int:
@@ -313,7 +316,8 @@ def plan_save(
         tensors.append(t)
         row += t.nchunks
     objects, skeleton = merge_values([(r.objects, r.skeleton) for r in ranks])
-    return SavePlan(tuple(tensors), objects, skeleton, len(ranks))
+    report = None if compression is None else compression.report
+    return SavePlan(tuple(tensors), objects, skeleton, len(ranks), report)
 
 
 class PlanMemo:
@@ -346,7 +350,9 @@ class PlanMemo:
             and all(map(operator.is_, last[0], local.tensors))
         ):
             objects, skeleton = merge_values([(local.objects, local.skeleton)])
-            return SavePlan(last[2], objects, skeleton, 1)
+            return SavePlan(
+                last[2], objects, skeleton, 1, None if compression is None else compression.report
+            )
         plan = plan_save([local], chunk_bytes=chunk_bytes, portable=portable, compression=compression)
         self._last = (tuple(local.tensors), options, plan.tensors)
         return plan

@@ -17,6 +17,7 @@ import numpy as np
 
 from gpuckpt.errors import CheckpointCorruptedError, GpuckptError
 from gpuckpt.format.chunks import stored_nbytes
+from gpuckpt.format.codecs import COMPRESSION_KEY
 from gpuckpt.format.documents import chunk_file_key, root_document
 from gpuckpt.format.metadata import (
     VERSION_BLOCKS,
@@ -273,7 +274,11 @@ def assemble_metadata(
         storage_data["content_hash"] = content_hash_info()
     return Metadata(
         state_dict_metadata=state_md,
-        planner_data={"structure": plan.skeleton, **(planner_extra or {})},
+        planner_data={
+            "structure": plan.skeleton,
+            **({} if plan.compression_report is None else {COMPRESSION_KEY: plan.compression_report}),
+            **(planner_extra or {}),
+        },
         storage_data=storage_data,
         storage_meta=StorageMeta(checkpoint_id=checkpoint_id, modules=["gpuckpt"]),
         version=VERSION_BLOCKS

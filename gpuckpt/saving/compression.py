@@ -48,6 +48,7 @@ import time
 import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -110,6 +111,7 @@ class AutoDecision:
     seconds: float = 0.0  # spent compressing them
     fraction_saved: float = 0.0
     skip: set[str] = field(default_factory=set)
+    why: dict[str, str] = field(default_factory=dict)  # skipped tensors of AUTO_MIN_BYTES or more
 
     @property
     def bytes_per_s(self) -> float:
@@ -229,14 +231,20 @@ def decide(local: StateDescription, sources: Sources, compression: Compression) 
             found.skip.add(t.fqn)
         elif found.saving.get(t.fqn, 1.0) < MIN_SAVING:
             found.skip.add(t.fqn)  # screened: incompressible
+            found.why[t.fqn] = (
+                f"incompressible: its screen promises {found.saving[t.fqn]:.1%} saved, under {MIN_SAVING:.0%}"
+            )
         elif t.dtype in found.trials:
             if found.trials[t.dtype] < MIN_SAVING:
                 found.skip.add(t.fqn)  # the codec does not deliver on this dtype
+                trial = found.trials[t.dtype]
+                found.why[t.fqn] = f"the codec's trial on {t.dtype} saved {trial:.1%}, under {MIN_SAVING:.0%}"
             else:
                 weighted += found.trials[t.dtype] * _nbytes(t)
                 weight += _nbytes(t)
         elif t.dtype in screened_dtypes:
             found.skip.add(t.fqn)  # not screened: as the screened tensors of its dtype, all incompressible
+            found.why[t.fqn] = f"not screened, and every screened {t.dtype} tensor is incompressible"
     found.fraction_saved = weighted / weight if weight else 0.0
     return found
 
@@ -293,15 +301,35 @@ def resolve_unsampled(
     c = options.codecs
     if c is None or not c.auto:
         return c
-    gain = predicted_gain(NOMINAL_BYTES_PER_S, _compressing(options), NOMINAL_SAVING, write_rate(path))
+    threads, store = _compressing(options), write_rate(path)
+    gain = predicted_gain(NOMINAL_BYTES_PER_S, threads, NOMINAL_SAVING, store)
+    tensors = list(tensors)
+    report: dict[str, Any] = {
+        "mode": "auto",
+        "min_bytes": AUTO_MIN_BYTES,
+        "sampled": False,
+        "threads": threads,
+        "store_bytes_per_s": round(store),
+        "predicted_gain": round(gain, 3),
+        "tensors": {},
+    }
     if gain < MIN_GAIN:
-        return None
+        report["decision"] = (
+            f"nothing compressed: planned from the shapes alone, {threads} thread(s) at a nominal "
+            f"{NOMINAL_BYTES_PER_S / 1e9:.1f} GB/s saving {NOMINAL_SAVING:.0%} would make a save to a store "
+            f"written at {store / 1e9:.2f} GB/s only {gain:.2f}x as fast (compression pays from {MIN_GAIN}x)"
+        )
+        return dataclasses.replace(c, auto=True, skip=frozenset(t.fqn for t in tensors), report=report)
     skip = {
         t.fqn
         for t in tensors
         if _nbytes(t) < AUTO_MIN_BYTES or np.dtype(dtype_from_name(t.dtype)).kind != "f"
     }
-    return dataclasses.replace(c, auto=True, skip=frozenset(skip))
+    report["decision"] = (
+        f"planned from the shapes alone: the floating-point tensors of {AUTO_MIN_BYTES >> 20} MiB or more "
+        f"compressed, predicted {gain:.2f}x as fast"
+    )
+    return dataclasses.replace(c, auto=True, skip=frozenset(skip), report=report)
 
 
 def resolve(
@@ -313,7 +341,32 @@ def resolve(
     if c is None or not c.auto:
         return c
     found = decide(local, sources, c)
-    gain = predicted_gain(found.bytes_per_s, _compressing(options), found.fraction_saved, write_rate(path))
+    threads, store = _compressing(options), write_rate(path)
+    gain = predicted_gain(found.bytes_per_s, threads, found.fraction_saved, store)
+    report: dict[str, Any] = {"mode": "auto", "min_bytes": AUTO_MIN_BYTES, "screened_bytes": found.screened}
+    if found.sampled:
+        report.update(
+            compressor_bytes_per_s=round(found.bytes_per_s),
+            threads=threads,
+            store_bytes_per_s=round(store),
+            fraction_saved=round(found.fraction_saved, 4),
+            predicted_gain=round(gain, 3),
+            trials={d: round(v, 4) for d, v in found.trials.items()},
+        )
     if found.sampled and gain < MIN_GAIN:
-        return None  # the store writes about as fast as compression would make the save
-    return dataclasses.replace(c, auto=True, skip=frozenset(found.skip))
+        # the store writes about as fast as compression would make the save: nothing compressed
+        report["decision"] = (
+            f"nothing compressed: {threads} thread(s) compressing at {found.bytes_per_s / 1e9:.2f} GB/s each "
+            f"and saving {found.fraction_saved:.0%} would make a save to a store written at "
+            f"{store / 1e9:.2f} GB/s only {gain:.2f}x as fast (compression pays from {MIN_GAIN}x)"
+        )
+        report["tensors"] = dict(sorted(found.why.items()))
+        return dataclasses.replace(c, auto=True, skip=frozenset(t.fqn for t in local.tensors), report=report)
+    n = sum(t.fqn not in found.skip for t in local.tensors)
+    report["decision"] = f"{n} of {len(local.tensors)} tensor(s) compressed" + (
+        f": predicted {gain:.2f}x as fast as a save uncompressed"
+        if found.sampled
+        else ": no screened tensor promised a saving (tensors that could not be screened are compressed)"
+    )
+    report["tensors"] = dict(sorted(found.why.items()))
+    return dataclasses.replace(c, auto=True, skip=frozenset(found.skip), report=report)

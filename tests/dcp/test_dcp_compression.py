@@ -41,3 +41,18 @@ def test_the_dcp_writer_compresses_and_every_reader_decodes(tmp_path: Path, comp
     assert np.array_equal(np.asarray(z), state["m"].numpy())
     doc = json.loads((tmp_path / "c" / "w" / "zarr.json").read_text())
     assert doc["codecs"][1]["name"] in ("blosc", "zstd")
+
+
+def test_the_dcp_writers_auto_keeps_what_it_decided(tmp_path: Path) -> None:
+    """The DCP Writer's "auto" plans from the shapes alone; the checkpoint says so, and what it
+    decided (a local file system: nothing compressed on this machine's threads, or the
+    floating-point tensors of 1 MiB or more where enough threads compress)."""
+    g = torch.Generator().manual_seed(0)
+    state = {"w": torch.randn(1024, 512, generator=g), "ids": torch.arange(1 << 19), "step": 3}
+    dcp.save(state, storage_writer=gpuckpt.dcp.Writer(tmp_path / "c", compression="auto"))
+    why = gpuckpt.read_metadata(tmp_path / "c").planner_data["gpuckpt.why_compression"]
+    assert why["sampled"] is False and why["store_bytes_per_s"] > 0
+    assert why["decision"].startswith(("nothing compressed: planned from the shapes alone", "planned from"))
+    out = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+    dcp.load(out, storage_reader=gpuckpt.dcp.Reader(tmp_path / "c"))
+    assert torch.equal(out["w"], state["w"]) and torch.equal(out["ids"], state["ids"])

@@ -65,10 +65,57 @@ def test_auto_skips_incompressible_and_small_tensors_and_fast_stores(tmp_path: P
     assert c.codec_for("w", np.dtype(ml_dtypes.bfloat16), 1 << 20) is not None
     assert c.codec_for("noise", np.dtype(np.uint8), 1 << 20) is None
     # a local file system writes faster than two cores compress: nothing compressed
-    assert resolve(tmp_path / "c", options, local, sources) is None
+    nothing = resolve(tmp_path / "c", options, local, sources)
+    assert nothing is not None and nothing.skip == {"w", "noise", "small"}
+    assert nothing.report["decision"].startswith("nothing compressed")
     gpuckpt.save(state, tmp_path / "c", compression="auto")
     assert gpuckpt.read_metadata(tmp_path / "c").version == "1"
     assert state["small"].nbytes < AUTO_MIN_BYTES
+
+
+def _why(path: Path) -> dict[str, Any]:
+    return gpuckpt.read_metadata(path).planner_data["gpuckpt.why_compression"]
+
+
+def test_auto_keeps_what_it_decided_and_inspect_shows_it(tmp_path: Path) -> None:
+    """Every save path keeps "auto"'s decision and its reasons in the checkpoint; inspect prints
+    them (text and JSON); a save with another choice keeps none."""
+    import subprocess
+    import sys
+
+    state = _state()
+    gpuckpt.save(state, tmp_path / "one", compression="auto")
+    gpuckpt.async_save(state, tmp_path / "async", compression="auto").result()
+
+    def rank(c: Any) -> None:
+        gpuckpt.save(state, tmp_path / "ranks", coordinator=c, compression="auto")
+
+    run_ranks(2, rank)
+    for name in ("one", "async", "ranks"):
+        why = _why(tmp_path / name)
+        assert why["decision"].startswith("nothing compressed"), (name, why)  # a local disk
+        assert why["tensors"]["noise"].startswith("incompressible"), (name, why)
+        assert "small" not in why["tensors"] and why["store_bytes_per_s"] > 0
+    slow = dataclasses.replace(BACKENDS["file"], write_bytes_per_s=1e6)  # compression pays
+    with mock.patch.dict(BACKENDS, {"file": slow}):
+        gpuckpt.save(state, tmp_path / "slow", compression="auto")
+    assert _why(tmp_path / "slow")["decision"].startswith("1 of 3 tensor(s) compressed: predicted")
+    assert _codecs(tmp_path / "slow") == {"w": "blosc", "noise": None, "small": None}
+    cli = [sys.executable, "-m", "gpuckpt.cli", "inspect"]
+    text = subprocess.run([*cli, str(tmp_path / "slow")], capture_output=True, text=True, check=True).stdout
+    assert 'compression "auto": 1 of 3 tensor(s) compressed' in text
+    assert "  noise: incompressible: its screen promises" in text
+    got = json.loads(
+        subprocess.run(
+            [*cli, "--json", str(tmp_path / "one")], capture_output=True, text=True, check=True
+        ).stdout
+    )
+    assert got["auto_compression"]["decision"].startswith("nothing compressed")
+    assert set(got["auto_compression"]["tensors"]) == {"noise"}
+    gpuckpt.save(state, tmp_path / "zstd", compression="zstd")
+    assert "gpuckpt.why_compression" not in gpuckpt.read_metadata(tmp_path / "zstd").planner_data
+    plain = subprocess.run([*cli, str(tmp_path / "zstd")], capture_output=True, text=True, check=True).stdout
+    assert 'compression "auto"' not in plain
 
 
 def test_async_save_compresses_its_snapshot(tmp_path: Path) -> None:

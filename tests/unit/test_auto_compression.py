@@ -185,6 +185,48 @@ def test_resolve_counts_the_chunks_compressed_at_once(
         chosen = compression.resolve(
             "slow://bucket/x", SaveOptions(compression="auto", threads=threads), local, sources
         )
-    assert (chosen is not None) is compressed
+    assert chosen is not None and chosen.auto
+    assert (chosen.skip != {"weight", "exp_avg"}) is compressed
     gain = predicted_gain(found.bytes_per_s, min(slots, threads), found.fraction_saved, rate)
     assert (gain >= MIN_GAIN) is compressed
+    # the decision says why, with the figures it was made from
+    assert chosen.report["predicted_gain"] == pytest.approx(gain, abs=1e-3)
+    assert chosen.report["threads"] == min(slots, threads)
+    assert chosen.report["decision"].startswith(
+        "2 of 2 tensor(s) compressed" if compressed else "nothing compressed"
+    )
+
+
+def test_the_report_says_why_each_large_tensor_is_left_as_it_is(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Incompressible (its screen), its dtype's trial, or its dtype's screened tensors; small
+    tensors are not listed (rule 1, the report's ``min_bytes``)."""
+    m, _ = _moments(1 << 20)
+    state = {
+        "weight": _bf16_weights(2 << 20),
+        "exp_avg": m,
+        "noise": _random_bytes(4 << 20).view(np.float32),
+        "bits": np.packbits(_random_bytes(8 << 20) > 127),  # 1-byte elements: bit-shuffled, no saving
+        "bias": np.zeros(16, np.float32),
+    }
+    local, sources = describe_state(state, allow_pickle=False)
+    slow = dataclasses.replace(BACKENDS["s3"], write_bytes_per_s=1e6)  # compression always pays
+    with mock.patch.dict(BACKENDS, {"slow": slow}):
+        chosen = compression.resolve("slow://bucket/x", SaveOptions(compression="auto"), local, sources)
+    assert chosen is not None
+    report = chosen.report
+    assert set(report["tensors"]) == chosen.skip - {"bias"}
+    assert report["tensors"]["noise"].startswith("incompressible: its screen promises")
+    assert "bias" not in report["tensors"] and report["min_bytes"] == AUTO_MIN_BYTES
+    assert report["decision"].startswith(f"{5 - len(chosen.skip)} of 5 tensor(s) compressed: predicted")
+    assert {"weight", "exp_avg"}.isdisjoint(chosen.skip)
+    for why in report["tensors"].values():
+        assert why.startswith(("incompressible", "the codec's trial on", "not screened"))
+
+
+def test_a_report_key_sorts_after_a_tier_part_record() -> None:
+    """A tier part's record must stay the first entry of its root document's ``planner_data``
+    (read without parsing the rest): the report's key sorts after it."""
+    from gpuckpt.format.codecs import COMPRESSION_KEY
+    from gpuckpt.format.parts import PART_KEY
+
+    assert sorted([COMPRESSION_KEY, PART_KEY, "structure"])[0] == PART_KEY
