@@ -11,7 +11,15 @@ from typing import Any
 
 import numpy as np
 
-from gpuckpt.device.arrays import ArrayAdapter, DeviceArray, HostArray, HostMemory, adapt, is_array
+from gpuckpt.device.arrays import (
+    ArrayAdapter,
+    DeviceArray,
+    HostArray,
+    HostMemory,
+    adapt,
+    is_array,
+    overlaps_itself,
+)
 from gpuckpt.device.backend import DeviceBackend
 from gpuckpt.device.sharded import is_sharded_leaf, sharded_boxes
 from gpuckpt.distributed.cooperative import read_cooperative
@@ -417,7 +425,8 @@ def _target(fqn: str, t: TensorEntry, value: Any) -> ArrayAdapter:
     """Array ``value`` as the target of tensor ``t`` in a load in place, checked against it."""
     # a NumPy target is viewed as is: whether it is pinned does not matter to a read
     if type(value) is np.ndarray:
-        if value.shape == t.shape and value.dtype == t.dtype and value.flags.writeable:
+        flags = value.flags
+        if value.shape == t.shape and value.dtype == t.dtype and flags.writeable and flags.c_contiguous:
             return HostArray(value)  # the usual target, checked without the adapter's steps
         arr: ArrayAdapter = HostArray(value)
     else:
@@ -437,10 +446,18 @@ def _target(fqn: str, t: TensorEntry, value: Any) -> ArrayAdapter:
 
 
 def _check_writable(fqn: str, arr: ArrayAdapter, what: str) -> None:
-    """Refuse a read-only target before anything is read (device arrays are always writable)."""
-    if arr.writable:
-        return
+    """Refuse a read-only target, or one whose elements share memory, before anything is read
+    (device arrays are always writable)."""
+    if arr.backend is not None:
+        return  # device memory
     host = arr.host_array()
+    if host.flags.writeable and overlaps_itself(host.shape, host.strides, host.itemsize):
+        raise ReadOnlyTargetError(
+            f"tensor {fqn!r}: {what} has elements that share memory (shape {host.shape}, byte strides "
+            f"{host.strides}: a broadcast view such as torch's expand() or NumPy's as_strided), so "
+            "loading into it would keep one value per address; pass an array of its own memory "
+            "(x.contiguous(), np.array(x)), or use load_state_dict to get new arrays"
+        )
     if not host.flags.writeable:
         kind = "memory map" if isinstance(host, np.memmap) or isinstance(host.base, mmap.mmap) else "array"
         raise ReadOnlyTargetError(

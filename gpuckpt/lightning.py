@@ -36,6 +36,7 @@ from gpuckpt.errors import (
     MissingDependencyError,
     UnsupportedValueError,
 )
+from gpuckpt.options import SaveOptions
 from gpuckpt.pending import SaveFuture
 from gpuckpt.storage.stores import open_root, scheme_of
 
@@ -109,7 +110,11 @@ class CheckpointIO(*_BASES):  # type: ignore[misc]
         storage_options: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
-        self.allow_pickle = bool(allow_pickle)
+        # checked as a save checks them, now rather than at the first save (InvalidOptionError:
+        # a truthy string such as "no" is not allow_pickle=True)
+        checked = {"chunk_bytes": chunk_bytes} if chunk_bytes is not None else {}
+        SaveOptions(allow_pickle=allow_pickle, threads=threads, storage_options=storage_options, **checked)
+        self.allow_pickle = allow_pickle
         self.threads = threads
         self.chunk_bytes = chunk_bytes
         self.storage_options = storage_options

@@ -29,7 +29,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpuckpt.errors import CheckpointCorruptedError, ChecksumError, MetadataError, UnsafeCheckpointError
+from gpuckpt.errors import (
+    CheckpointCorruptedError,
+    ChecksumError,
+    InvalidOptionError,
+    MetadataError,
+    UnsafeCheckpointError,
+)
 from gpuckpt.format import jsontext
 from gpuckpt.format.documents import ATTRIBUTE, expected_array_document
 from gpuckpt.format.values import decode_object
@@ -41,6 +47,7 @@ from gpuckpt.loading.checks import (
 )
 from gpuckpt.loading.chunk_reads import checksum_verified, decode_verified
 from gpuckpt.loading.open import open_checkpoint
+from gpuckpt.options import LoadOptions
 from gpuckpt.loading.ranged import segments_of
 from gpuckpt.printable import printable
 from gpuckpt.progress import ProgressCallback, ProgressCounter
@@ -261,6 +268,16 @@ def verify_checkpoint(
     >>> report.ok, report.tensors, report.objects
     (True, 1, 1)
     """
+    # the options as a load takes them (InvalidOptionError naming a bad one; a truthy string is
+    # not allow_pickle=True), and group_bytes as a count of bytes
+    checked_options = LoadOptions(
+        allow_pickle=allow_pickle, threads=threads, progress=progress, storage_options=storage_options
+    )
+    if not isinstance(group_bytes, int) or isinstance(group_bytes, bool) or group_bytes < 1:
+        raise InvalidOptionError(
+            f"group_bytes must be a positive integer (bytes read at once), got {group_bytes!r}"
+        )
+    storage_options = checked_options.store_options()
     try:
         # not a checkpoint at all (or a path of the wrong type): CheckpointNotFoundError, raised
         ck = open_checkpoint(path, storage_options, shared=False)

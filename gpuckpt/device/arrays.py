@@ -42,6 +42,7 @@ from gpuckpt.format import memory_format as mf
 from gpuckpt.format.metadata import register_array_view
 
 __all__ = [
+    "overlaps_itself",
     "ArrayAdapter",
     "DeviceArray",
     "HostArray",
@@ -230,6 +231,21 @@ def copy_all(arrays: Sequence[ArrayAdapter]) -> list[ArrayAdapter]:
             a = arrays[i]
             out[i] = DeviceArray(data, backend, a.dtype, a.requires_grad)
     return [a for a in out if a is not None]
+
+
+def overlaps_itself(shape: Sequence[int], strides: Sequence[int], itemsize: int) -> bool:
+    """Whether an array of ``shape`` and byte ``strides`` may hold two elements at one address (a
+    broadcast view: a stride of 0, torch's ``expand``; or an ``as_strided`` view): a load into it
+    would leave each shared element holding the last value written to it. The test sorts the
+    axes by stride and asks each to step past everything the inner ones span; a layout that
+    interleaves its axes without sharing memory fails it too, and none of NumPy's or torch's
+    views does that."""
+    span = itemsize
+    for stride, n in sorted((abs(st), n) for n, st in zip(shape, strides, strict=True) if n > 1):
+        if stride < span:
+            return True
+        span = stride * (n - 1) + span
+    return False
 
 
 def device_backends(arrays: Iterable[ArrayAdapter]) -> list[DeviceBackend]:

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from gpuckpt.device.arrays import adapt, is_array
+from gpuckpt.device.arrays import adapt, is_array, overlaps_itself
 from gpuckpt.errors import (
     DTypeMismatchError,
     MetadataError,
@@ -299,6 +299,12 @@ def load_hf(state_dict: dict[str, Any], path: str | os.PathLike[str], options: L
                 "gpuckpt.load_state_dict and copy to the device"
             )
         host = target.host_array()
+        if host.flags.writeable and overlaps_itself(host.shape, host.strides, host.itemsize):
+            raise ReadOnlyTargetError(
+                f"tensor {fqn!r}: the target has elements that share memory (byte strides "
+                f"{host.strides}: a broadcast view), so it cannot be loaded in place; pass an array "
+                "of its own memory (nothing was loaded)"
+            )
         if not host.flags.writeable:  # (before anything is read into any target)
             raise ReadOnlyTargetError(
                 f"tensor {fqn!r}: the target array is read-only; load into a writable array "

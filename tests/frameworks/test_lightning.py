@@ -98,6 +98,25 @@ def test_fit_checkpoint_resume_is_bit_exact(tmp_path: Path, kind: str) -> None:
     assert first.global_step == 4 * (EPOCHS - 1)
 
 
+def test_the_plug_ins_check_their_options_when_made(tmp_path: Path) -> None:
+    """As a save checks them, when the plug-in is made: a truthy string is not allow_pickle=True
+    (it would have stored and then run pickles)."""
+    _lightning()
+    from gpuckpt.errors import InvalidOptionError
+    from gpuckpt.lightning import AsyncCheckpointIO, CheckpointIO
+
+    for kind in (CheckpointIO, AsyncCheckpointIO):
+        for bad, match in (
+            ({"allow_pickle": "no"}, "allow_pickle must be True or False"),
+            ({"threads": 0}, "threads"),
+            ({"chunk_bytes": "64MB"}, "chunk_bytes"),
+            ({"storage_options": "x"}, "storage_options"),
+        ):
+            with pytest.raises(InvalidOptionError, match=match):
+                kind(**bad)
+    assert CheckpointIO(allow_pickle=True, threads=2, chunk_bytes=1 << 20).allow_pickle is True
+
+
 def test_objects_need_allow_pickle_and_the_error_says_so(tmp_path: Path) -> None:
     pl = _lightning()
     import torch

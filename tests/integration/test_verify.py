@@ -161,3 +161,38 @@ def test_any_flipped_byte_is_found_in_its_chunk(data: st.DataObject) -> None:
         assert [d.where for d in r.damage] == [f"{victim.parent.name}/{victim.name}"]
     finally:
         shutil.rmtree(base)
+
+
+def test_bad_options_are_invalid_option_errors_and_a_truthy_string_never_unpickles(tmp_path: Path) -> None:
+    """verify takes its options as a load does: a string such as "no" is not allow_pickle=True
+    (it would have run the checkpoint's pickles)."""
+    from gpuckpt.errors import InvalidOptionError
+
+    gpuckpt.save({"w": np.arange(4.0), "obj": _Pickled()}, tmp_path / "c", allow_pickle=True)
+    for bad, match in (
+        ({"allow_pickle": "no"}, "allow_pickle must be True or False"),
+        ({"threads": -1}, "threads"),
+        ({"progress": 0}, "progress"),
+        ({"group_bytes": "x"}, "group_bytes"),
+        ({"group_bytes": 0}, "group_bytes"),
+        ({"storage_options": "x"}, "storage_options"),
+    ):
+        with pytest.raises(InvalidOptionError, match=match):
+            verify_checkpoint(tmp_path / "c", **bad)
+    assert _Pickled.loads == 0
+    report = verify_checkpoint(tmp_path / "c")
+    assert report.ok and report.skipped and _Pickled.loads == 0
+
+
+def _count_load() -> "_Pickled":
+    _Pickled.loads += 1
+    return _Pickled()
+
+
+class _Pickled:
+    """A pickled value that counts how often it is unpickled."""
+
+    loads = 0
+
+    def __reduce__(self) -> tuple[object, tuple[()]]:
+        return (_count_load, ())

@@ -427,6 +427,35 @@ def test_load_into_a_read_only_target_changes_nothing(ckpt: Path, tmp_path: Path
     assert isinstance(gpuckpt.ReadOnlyTargetError("x"), ValueError)
 
 
+def test_a_target_whose_elements_share_memory_is_refused_before_anything_is_read(ckpt: Path) -> None:
+    """A writable broadcast view (``as_strided`` with a stride of 0, torch's ``expand``) would keep
+    one value per address: refused like a read-only target, as a shard too; views whose elements
+    are distinct (transposed, sliced with steps) load as before."""
+    from gpuckpt.device.arrays import overlaps_itself
+
+    state = make_state()
+    first = np.zeros_like(state["w"])
+    b = state["nested"]["b"]
+    shared = np.lib.stride_tricks.as_strided(np.zeros(1, b.dtype), shape=b.shape, strides=(0,) * b.ndim)
+    assert shared.flags.writeable
+    with pytest.raises(gpuckpt.ReadOnlyTargetError, match=r"'nested\.b'.*share memory.*strides \(0"):
+        gpuckpt.load({"w": first, "nested": {"b": shared}}, ckpt, strict=False)
+    assert not first.any()
+    local = np.lib.stride_tricks.as_strided(np.zeros(7, np.float32), shape=(6, 7), strides=(0, 4))
+    with pytest.raises(gpuckpt.ReadOnlyTargetError, match="'w'.*share memory"):
+        gpuckpt.load(
+            {"w": gpuckpt.ShardedArray(local, offsets=(6, 0), global_shape=(12, 7))}, ckpt, strict=False
+        )
+    w = state["w"]
+    spaced = np.zeros((w.shape[0], 2 * w.shape[1]), w.dtype)[:, ::2]  # distinct elements, strided
+    gpuckpt.load({"w": spaced}, ckpt, strict=False)
+    assert np.array_equal(spaced, w)
+    # the test: any axis stepping inside what the inner ones span
+    assert not overlaps_itself((3, 4), (16, 4), 4) and not overlaps_itself((3, 4), (4, 12), 4)
+    assert overlaps_itself((3, 4), (0, 4), 4) and overlaps_itself((3, 4), (8, 4), 4)
+    assert not overlaps_itself((1, 4), (0, 4), 4) and not overlaps_itself((5,), (-4,), 4)
+
+
 def test_read_only_shard_of_a_sharded_target_is_refused(ckpt: Path) -> None:
     local = np.zeros((6, 7), np.float32)
     local.flags.writeable = False

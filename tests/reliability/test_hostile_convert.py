@@ -36,6 +36,16 @@ def test_a_read_only_target_is_refused_before_any_target_is_written(model: Path)
     assert target["w"].tolist() == [9.0] * 4
 
 
+def test_a_target_whose_elements_share_memory_is_refused_before_any_target_is_written(model: Path) -> None:
+    target = {
+        "w": np.full(4, 9.0, np.float32),
+        "b": np.lib.stride_tricks.as_strided(np.zeros(1, np.int64), (3,), (0,)),
+    }
+    with pytest.raises(gpuckpt.ReadOnlyTargetError, match="tensor 'b'.*share memory.*nothing was loaded"):
+        gpuckpt.load(target, model)
+    assert target["w"].tolist() == [9.0] * 4
+
+
 def test_a_state_description_nested_too_deep_is_a_metadata_error(tmp_path: Path) -> None:
     header = json.dumps({"__metadata__": {"gpuckpt.state": "[" * 50_000 + "]" * 50_000}}).encode()
     (tmp_path / "deep.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)
