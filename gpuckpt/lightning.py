@@ -112,8 +112,9 @@ class CheckpointIO(*_BASES):  # type: ignore[misc]
         super().__init__()
         # checked as a save checks them, now rather than at the first save (InvalidOptionError:
         # a truthy string such as "no" is not allow_pickle=True)
-        checked = {"chunk_bytes": chunk_bytes} if chunk_bytes is not None else {}
-        SaveOptions(allow_pickle=allow_pickle, threads=threads, storage_options=storage_options, **checked)
+        options = SaveOptions(allow_pickle=allow_pickle, threads=threads, storage_options=storage_options)
+        if chunk_bytes is not None:
+            options.replace(chunk_bytes=chunk_bytes)
         self.allow_pickle = allow_pickle
         self.threads = threads
         self.chunk_bytes = chunk_bytes

@@ -47,8 +47,8 @@ from gpuckpt.loading.checks import (
 )
 from gpuckpt.loading.chunk_reads import checksum_verified, decode_verified
 from gpuckpt.loading.open import open_checkpoint
-from gpuckpt.options import LoadOptions
 from gpuckpt.loading.ranged import segments_of
+from gpuckpt.options import LoadOptions
 from gpuckpt.printable import printable
 from gpuckpt.progress import ProgressCallback, ProgressCounter
 from gpuckpt.runtime.runner import default_threads, run_ordered

@@ -184,7 +184,7 @@ def test_bad_options_are_invalid_option_errors_and_a_truthy_string_never_unpickl
     assert report.ok and report.skipped and _Pickled.loads == 0
 
 
-def _count_load() -> "_Pickled":
+def _count_load() -> _Pickled:
     _Pickled.loads += 1
     return _Pickled()
 
