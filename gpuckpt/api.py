@@ -30,6 +30,7 @@ from gpuckpt.errors import (
     CheckpointTooLargeError,
     DistributedError,
     DTypeMismatchError,
+    InvalidOptionError,
     MissingKeyError,
     ReadOnlyTargetError,
     ShapeMismatchError,
@@ -510,10 +511,12 @@ def _backend_for(device: Any) -> DeviceBackend | None:
             from gpuckpt.device.cuda import backend_for_device
 
             return backend_for_device(int(index or 0))
-        raise ValueError(f"device={device!r}; expected 'cpu', 'cuda' or 'cuda:N'")
+        raise InvalidOptionError(f"device={device!r}; expected 'cpu', 'cuda' or 'cuda:N'")
     if isinstance(device, DeviceBackend):
         return device
-    raise TypeError(f"device must be a string like 'cuda:0' or a DeviceBackend, got {type(device).__name__}")
+    raise InvalidOptionError(
+        f"device must be a string like 'cuda:0' or a DeviceBackend, got {type(device).__name__}"
+    )
 
 
 @paused_gc()

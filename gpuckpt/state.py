@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from gpuckpt.errors import MetadataError, MissingKeyError, UnsupportedValueError
+from gpuckpt.errors import InvalidOptionError, MetadataError, MissingKeyError, UnsupportedValueError
 
 __all__ = ["Leaf", "flatten_state_dict", "select_fqns", "unflatten_state_dict"]
 
@@ -236,8 +236,18 @@ def select_fqns(available: Iterable[str], keys: Iterable[str] | None) -> list[st
     avail = list(available)
     if keys is None:
         return avail
-    if isinstance(keys, str):
+    if isinstance(keys, (str, int)):
         keys = [keys]
+    elif not isinstance(keys, Iterable) or isinstance(keys, (bytes, Mapping)):
+        raise InvalidOptionError(f"keys must be a name, a list of names or None, got {keys!r}")
+    keys = list(keys)
+    for k in keys:
+        if not isinstance(k, (str, int)) or isinstance(k, bool):
+            raise InvalidOptionError(
+                f"keys must name entries as strings (FQNs such as 'model.layers.0'), got {k!r} "
+                f"({type(k).__name__})"
+            )
+    keys = [k if isinstance(k, str) else str(k) for k in keys]  # an int key's FQN is its digits
     chosen: dict[str, None] = {}
     for k in keys:
         hits = [f for f in avail if f == k or f.startswith(k + ".")]

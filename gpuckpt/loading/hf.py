@@ -170,9 +170,14 @@ def is_hf_source(path: Any) -> bool:
     if not isinstance(path, (str, os.PathLike)) or "://" in os.fspath(path):
         return False
     p = Path(path)
-    if p.is_dir():
-        return not (p / "zarr.json").exists() and ((p / INDEX_NAME).is_file() or (p / SINGLE_NAME).is_file())
-    return p.suffix == ".safetensors" and p.is_file()
+    try:
+        if p.is_dir():
+            return not (p / "zarr.json").exists() and (
+                (p / INDEX_NAME).is_file() or (p / SINGLE_NAME).is_file()
+            )
+        return p.suffix == ".safetensors" and p.is_file()
+    except (OSError, ValueError):  # a name too long, a NUL: not one; the checkpoint's open says why
+        return False
 
 
 def open_hf(path: str | os.PathLike[str]) -> HfSource:

@@ -59,7 +59,7 @@ from gpuckpt.errors import (
     StepOrderError,
 )
 from gpuckpt.format.metadata import STATE_DICT_TYPE
-from gpuckpt.manager.steps import StepRoot, step_name
+from gpuckpt.manager.steps import StepRoot, check_step, step_name
 from gpuckpt.manager.tiered import TieredSaves
 from gpuckpt.options import SaveOptions
 from gpuckpt.storage.stores import open_root, scheme_of
@@ -93,7 +93,7 @@ def _check_count(name: str, value: int | None, minimum: int, *, optional: bool =
         return
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         also = " or None" if optional else ""
-        raise ValueError(f"{name} must be an integer >= {minimum}{also}, got {value!r}")
+        raise InvalidOptionError(f"{name} must be an integer >= {minimum}{also}, got {value!r}")
 
 
 def _agree_arguments(coordinator: Coordinator, refused: Exception | None, settings: dict[str, Any]) -> None:
@@ -241,6 +241,8 @@ class CheckpointManager:
             _check_count("max_to_keep", max_to_keep, 1)
             _check_count("save_interval_steps", save_interval_steps, 1, optional=False)
             _check_count("keep_period", keep_period, 1)
+            if not isinstance(async_save, bool):
+                raise InvalidOptionError(f"async_save must be True or False, got {async_save!r}")
             if not isinstance(incremental, bool):
                 raise InvalidOptionError(f"incremental must be True or False, got {incremental!r}")
             unknown = sorted(set(save_options) - _SAVE_OPTIONS)
@@ -407,6 +409,7 @@ class CheckpointManager:
     def step_path(self, step: int) -> Any:
         """Where ``step`` is (a directory, or a URL for an object store): the existing one,
         else where a save would put it."""
+        check_step(step)
         return self._store.child(self._agreed(lambda: self._view(step)).get(step, step_name(step)))
 
     def all_steps(self) -> list[int]:
@@ -422,6 +425,7 @@ class CheckpointManager:
 
     def should_save(self, step: int) -> bool:
         """Whether :meth:`save` would save ``step`` without ``force``."""
+        check_step(step)
         return step % self.save_interval_steps == 0
 
     def save(self, step: int, state_dict: STATE_DICT_TYPE, force: bool = False) -> bool:
@@ -434,8 +438,7 @@ class CheckpointManager:
         """
         if self._closed:
             raise GpuckptError(f"CheckpointManager for {self.root} is closed; create a new one to save")
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise ValueError(f"step must be a non-negative integer, got {step!r}")
+        check_step(step)
         if not force and not self.should_save(step):
             return False
         state_dict = shard_dtensors(state_dict)  # a DCP state dict: its DTensors' local shards
@@ -577,8 +580,7 @@ class CheckpointManager:
         CheckpointNotFoundError
             When ``step`` has no committed checkpoint.
         """
-        if not isinstance(step, int) or isinstance(step, bool):
-            raise TypeError(f"step must be an int, got {step!r}")
+        check_step(step)
         _step, name = self._resolve(step)
         self._agreed(lambda: self._steps_root.delete(name))
 
@@ -586,6 +588,7 @@ class CheckpointManager:
 
     def _resolve(self, step: int | None) -> tuple[int, str]:
         """``step`` (None: the latest) and its name, of a committed step."""
+        check_step(step, latest=True)
         steps = self._steps(step, block=True)
         if not steps:
             raise CheckpointNotFoundError(f"no committed checkpoint under {self.root}; save one first")
@@ -608,6 +611,7 @@ class CheckpointManager:
         from it, delete the newer steps (:meth:`delete`): a save of a step
         older than a committed one is refused (see the class notes).
         """
+        check_step(step, latest=True)
         view = shard_dtensors(state_dict)  # DTensors are filled in place through views of their shards
         if self._tiered is not None:
             step, self.last_restore = self._tiered.restore(view, step, options, lambda s: self._resolve(s)[1])

@@ -56,10 +56,10 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from gpuckpt.distributed.coordinator import Coordinator, describe_error, disagreement
-from gpuckpt.errors import DistributedError, StepOrderError
+from gpuckpt.errors import DistributedError, InvalidOptionError, StepOrderError
 from gpuckpt.runtime.runner import run_all
 
-__all__ = ["StepRoot", "step_name", "step_of"]
+__all__ = ["MAX_STEP", "StepRoot", "check_step", "step_name", "step_of"]
 
 _STEP_RE = re.compile(r"^(?:step_)?([0-9]{1,19})$")
 #: probes of root documents sent at once (each is a small request on an object store)
@@ -72,6 +72,20 @@ def step_of(name: str) -> int | None:
     """The step a directory name stands for (``step_00000042`` or ``42``), else None."""
     m = _STEP_RE.match(name)
     return int(m.group(1)) if m else None
+
+
+#: the largest step a manager saves: :func:`step_of` reads names of at most 19 digits back
+MAX_STEP = 10**19 - 1
+
+
+def check_step(step: Any, *, latest: bool = False) -> None:
+    """Refuse what is not a step (an int from 0 to :data:`MAX_STEP`; None too where ``latest``:
+    the latest step) with an :class:`~gpuckpt.errors.InvalidOptionError` naming it."""
+    if step is None and latest:
+        return
+    if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step <= MAX_STEP:
+        also = " or None (the latest)" if latest else ""
+        raise InvalidOptionError(f"step must be an integer from 0 to {MAX_STEP}{also}, got {step!r}")
 
 
 def step_name(step: int) -> str:

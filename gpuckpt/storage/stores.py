@@ -191,6 +191,8 @@ def path_text(path: Any) -> str:
     """
     text = os.fspath(path) if isinstance(path, os.PathLike) else path
     if isinstance(text, str):
+        if "\0" in text:  # (every system call would refuse it with a bare ValueError)
+            raise InvalidPathError(f"checkpoint path {text!r} holds a NUL character, which no path can")
         if text and text != "file://":
             return text
         raise InvalidPathError(f"checkpoint path is empty ({path!r}); give the directory or URL to use")

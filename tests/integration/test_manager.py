@@ -180,6 +180,29 @@ def test_closed_and_bad_options(tmp_path: Path) -> None:
         CheckpointManager(tmp_path, max_to_keep=0)
     with pytest.raises(ValueError, match="step must be"):
         CheckpointManager(tmp_path).save(-1, state(1))
+    # every argument error is the typed InvalidOptionError (a ValueError and a TypeError)
+    m = CheckpointManager(tmp_path / "m", async_save=False)
+    m.save(10, state(1))
+    for call in (
+        lambda: m.save(10**19, state(1)),  # a name of 20 digits would never be listed again
+        lambda: m.save(True, state(1)),
+        lambda: m.restore(state(0), step="10"),
+        lambda: m.restore_state_dict(step=-1),
+        lambda: m.should_save("x"),
+        lambda: m.step_path(-1),
+        lambda: m.delete(1.5),
+    ):
+        with pytest.raises(
+            gpuckpt.InvalidOptionError, match="step must be an integer from 0 to 9999999999999999999"
+        ):
+            call()
+    assert m.all_steps() == [10] and sorted(p.name for p in (tmp_path / "m").iterdir()) == ["step_00000010"]
+    m.save(10**19 - 1, state(2))
+    assert m.all_steps() == [10, 10**19 - 1] and m.latest_step() == 10**19 - 1
+    m.close()
+    for bad in ({"async_save": "x"}, {"save_interval_steps": 0}, {"keep_period": "2"}):
+        with pytest.raises(gpuckpt.InvalidOptionError, match=next(iter(bad))):
+            CheckpointManager(tmp_path / "m2", **bad)
     (tmp_path / "file").write_text("x")
     with pytest.raises(NotADirectoryError):
         CheckpointManager(tmp_path / "file")

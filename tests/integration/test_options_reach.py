@@ -36,6 +36,7 @@ from gpuckpt.device.host_backend import HostBackend
 from gpuckpt.distributed import run_ranks
 from gpuckpt.storage.local import batchio
 from gpuckpt.testing.fakedevice import EmulatedDeviceArray
+from gpuckpt.verify import verify_checkpoint
 
 SHAPE = (64, 256)  # float32 rows of 1 KiB: 64 KiB
 CUT = 20  # ShardedArray boxes: rows [0, 20) and [20, n), an uneven split
@@ -613,3 +614,33 @@ def test_storage_options_reach_the_s3_client_on_load(loader: Loader) -> None:
     with pytest.raises(ValueError, match="not valid S3 settings"):
         gpuckpt.read_metadata(loc, storage_options=bad)
     assert gpuckpt.read_metadata(loc, **loader.opts).state_dict_metadata["w"].size == SHAPE  # type: ignore[union-attr]
+
+
+def test_keys_devices_and_paths_that_are_not_such_are_typed_errors(tmp_path: Path) -> None:
+    """Each is the typed error of its kind (InvalidOptionError, InvalidPathError, both ValueError
+    and TypeError), never a bare one from deep inside; an int key is selected by its digits."""
+    gpuckpt.save({1: np.ones(2), "step": 3, "m": {"w": np.zeros(3)}}, tmp_path / "c")
+    assert list(gpuckpt.load_state_dict(tmp_path / "c", keys=[1])) == [1]
+    assert list(gpuckpt.load_state_dict(tmp_path / "c", keys="m")["m"]) == ["w"]
+    for keys in ([None], [b"step"], [1.5], b"step", {"m": 1}, 7.0, [True]):
+        with pytest.raises(gpuckpt.InvalidOptionError, match="keys must"):
+            gpuckpt.load_state_dict(tmp_path / "c", keys=keys)  # type: ignore[arg-type]
+    for device in ("CPU", "cpu:0", "gpu", "cuda:x", 0):
+        with pytest.raises(gpuckpt.InvalidOptionError, match="device"):
+            gpuckpt.load_state_dict(tmp_path / "c", device=device)  # type: ignore[arg-type]
+    nul = str(tmp_path / "a\0b")
+    calls = (
+        lambda: gpuckpt.save({"w": np.ones(2)}, nul),
+        lambda: gpuckpt.load_state_dict(nul),
+        lambda: gpuckpt.read_metadata(nul),
+        lambda: verify_checkpoint(nul),
+        lambda: CheckpointManager(nul),
+    )
+    for call in calls:
+        with pytest.raises(gpuckpt.InvalidPathError, match="NUL"):
+            call()
+    long = tmp_path / ("x" * 300)
+    for call in (lambda: gpuckpt.load_state_dict(long), lambda: gpuckpt.read_metadata(long)):
+        with pytest.raises(gpuckpt.CheckpointNotFoundError):
+            call()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]
