@@ -17,6 +17,7 @@ from gpuckpt.device.arrays import (
     HostArray,
     HostMemory,
     adapt,
+    adapt_leaf,
     is_array,
     overlaps_itself,
 )
@@ -431,7 +432,7 @@ def _target(fqn: str, t: TensorEntry, value: Any) -> ArrayAdapter:
             return HostArray(value)  # the usual target, checked without the adapter's steps
         arr: ArrayAdapter = HostArray(value)
     else:
-        arr = adapt(value)
+        arr = adapt_leaf(value, fqn)
     if arr.shape != t.shape:
         raise ShapeMismatchError(
             f"tensor {fqn!r}: the checkpoint has shape {t.shape}, the target has {arr.shape}; "

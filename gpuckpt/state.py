@@ -29,7 +29,7 @@ from typing import Any
 
 from gpuckpt.errors import InvalidOptionError, MetadataError, MissingKeyError, UnsupportedValueError
 
-__all__ = ["Leaf", "flatten_state_dict", "select_fqns", "unflatten_state_dict"]
+__all__ = ["Leaf", "flatten_state_dict", "key_names", "select_fqns", "unflatten_state_dict"]
 
 _MAX_DEPTH = 200
 
@@ -228,26 +228,34 @@ def unflatten_state_dict(
     return root
 
 
+def key_names(keys: Any) -> list[str] | None:
+    """``keys`` (None, a name, or names; an int key's FQN is its digits) as a list of FQN texts,
+    or an :class:`~gpuckpt.errors.InvalidOptionError` naming what is not a name."""
+    if keys is None:
+        return None
+    if isinstance(keys, (str, int)) and not isinstance(keys, bool):
+        keys = [keys]
+    elif not isinstance(keys, Iterable) or isinstance(keys, (str, bytes, Mapping)):
+        raise InvalidOptionError(f"keys must be a name, a list of names or None, got {keys!r}")
+    names = list(keys)
+    for k in names:
+        if not isinstance(k, (str, int)) or isinstance(k, bool):
+            raise InvalidOptionError(
+                f"keys must name entries as strings (FQNs such as 'model.layers.0'), got {k!r} "
+                f"({type(k).__name__})"
+            )
+    return [k if isinstance(k, str) else str(k) for k in names]
+
+
 def select_fqns(available: Iterable[str], keys: Iterable[str] | None) -> list[str]:
     """FQNs of ``available`` selected by ``keys`` (exact names or ``.``-prefixes).
 
     Raises :class:`MissingKeyError` for a key that selects nothing.
     """
     avail = list(available)
+    keys = key_names(keys)
     if keys is None:
         return avail
-    if isinstance(keys, (str, int)):
-        keys = [keys]
-    elif not isinstance(keys, Iterable) or isinstance(keys, (bytes, Mapping)):
-        raise InvalidOptionError(f"keys must be a name, a list of names or None, got {keys!r}")
-    keys = list(keys)
-    for k in keys:
-        if not isinstance(k, (str, int)) or isinstance(k, bool):
-            raise InvalidOptionError(
-                f"keys must name entries as strings (FQNs such as 'model.layers.0'), got {k!r} "
-                f"({type(k).__name__})"
-            )
-    keys = [k if isinstance(k, str) else str(k) for k in keys]  # an int key's FQN is its digits
     chosen: dict[str, None] = {}
     for k in keys:
         hits = [f for f in avail if f == k or f.startswith(k + ".")]

@@ -40,9 +40,9 @@ from gpuckpt.format.memory_format import (
 from gpuckpt.format.safetensors import INDEX_NAME, SINGLE_NAME
 from gpuckpt.format.values import decode_object, encode_object
 from gpuckpt.loading.hf import is_hf_source
-from gpuckpt.options import DEFAULT_CHUNK_BYTES, SaveOptions
+from gpuckpt.options import DEFAULT_CHUNK_BYTES, LoadOptions, SaveOptions
 from gpuckpt.progress import ProgressCallback
-from gpuckpt.state import flatten_state_dict, unflatten_state_dict
+from gpuckpt.state import flatten_state_dict, key_names, unflatten_state_dict
 from gpuckpt.storage.stores import scheme_of
 
 __all__ = ["SOURCE_FORMATS", "TARGET_FORMATS", "ConvertResult", "convert", "detect_format"]
@@ -245,23 +245,37 @@ def convert(
     >>> convert(os.path.join(d, "ckpt"), os.path.join(d, "model.safetensors")).tensors
     1
     """
-    # validated as a save validates it, before anything is read
-    codecs = SaveOptions(compression=compression).codecs
+    # validated as a save and a load validate them, before anything is read
+    codecs = SaveOptions(
+        compression=compression,
+        overwrite=overwrite,
+        allow_pickle=allow_pickle,
+        chunk_bytes=chunk_bytes,
+        threads=threads,
+        progress=write_progress,
+        storage_options=storage_options,
+    ).codecs
+    LoadOptions(progress=read_progress)
+    keys = key_names(keys)
+    _check_convert_options(
+        source_format, target_format, trust_pickle_metadata, single_file, strip_prefix, config
+    )
     # URLs stay text (a Path would fold their "//"); local paths become Paths
     src_p: Any = Path(src) if scheme_of(src) == "file" else os.fspath(src)
     dst_p: Any = Path(dst) if scheme_of(dst) == "file" else os.fspath(dst)
     fmt_in = detect_format(src_p) if source_format == "auto" else source_format
     if fmt_in not in SOURCE_FORMATS:
-        raise ValueError(
+        raise InvalidOptionError(
             f"unknown source format {fmt_in!r}; expected auto or one of {', '.join(SOURCE_FORMATS)}"
         )
     fmt_out = target_format
     if fmt_out == "auto":
         fmt_out = "safetensors" if os.fspath(dst_p).endswith(".safetensors") else "gpuckpt"
     if fmt_out not in TARGET_FORMATS:
-        raise ValueError(
+        raise InvalidOptionError(
             f"unknown target format {fmt_out!r}; expected auto or one of {', '.join(TARGET_FORMATS)}"
         )
+    _hf_options_apply(fmt_in, fmt_out, keys, strip_prefix, dtype, max_shard_size, single_file, config)
     if codecs is not None and fmt_out != "gpuckpt":
         raise InvalidOptionError(
             f"compression applies to a gpuckpt target; the {fmt_out} target stores tensors as they "
@@ -401,6 +415,63 @@ def _to_torch_save(
     if write_progress is not None:
         write_progress(nbytes, nbytes)
     return ConvertResult(fmt_in, "torch", tensors, objects, nbytes)
+
+
+def _check_convert_options(
+    source_format: Any, target_format: Any, trust: Any, single_file: Any, strip_prefix: Any, config: Any
+) -> None:
+    """The options of :func:`convert` that no save or load checks, each an
+    :class:`~gpuckpt.errors.InvalidOptionError` naming it."""
+    for name, value in (("source_format", source_format), ("target_format", target_format)):
+        if not isinstance(value, str):
+            raise InvalidOptionError(f"{name} must be a format name (a str) or 'auto', got {value!r}")
+    for name, value in (("trust_pickle_metadata", trust), ("single_file", single_file)):
+        if not isinstance(value, bool):
+            raise InvalidOptionError(f"{name} must be True or False, got {value!r}")
+    if strip_prefix is not None and not isinstance(strip_prefix, str):
+        raise InvalidOptionError(
+            f"strip_prefix must be a str (such as 'model.') or None, got {strip_prefix!r}"
+        )
+    if config is not None and not isinstance(config, (str, os.PathLike)):
+        if not isinstance(config, dict):
+            raise InvalidOptionError(
+                "config must be a config.json path, a dict of JSON values or None, got "
+                f"{type(config).__name__}"
+            )
+        try:
+            json.dumps(config, allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise InvalidOptionError(f"config must hold JSON values only: {exc}") from None
+
+
+def _hf_options_apply(
+    fmt_in: str,
+    fmt_out: str,
+    keys: list[str] | None,
+    strip_prefix: str | None,
+    dtype: Any,
+    max_shard_size: Any,
+    single_file: bool,
+    config: Any,
+) -> None:
+    """Refuse the options of the Hugging Face layout for a conversion they do nothing to (they
+    were silently ignored): ``keys`` selects what an hf target exports or an hf source imports,
+    the others shape an hf target."""
+    options = {
+        "keys": keys is not None and fmt_in != "hf",  # (keys also select what an hf source imports)
+        "strip_prefix": strip_prefix is not None,
+        "dtype": dtype is not None,
+        "max_shard_size": max_shard_size != DEFAULT_MAX_SHARD_BYTES,
+        "single_file": single_file,
+        "config": config is not None,
+    }
+    given = [name for name, set_ in options.items() if set_]
+    if given and fmt_out != "hf":
+        raise InvalidOptionError(
+            f"{', '.join(given)} apply to a Hugging Face target (target_format='hf', --to hf)"
+            f"{' and keys to a Hugging Face source' if 'keys' in given else ''}; this converts "
+            f"{fmt_in} to {fmt_out}: leave {'it' if len(given) == 1 else 'them'} out"
+        )
 
 
 def _convert_hf(src: Any, dst: Any, fmt_in: str, fmt_out: str, **kw: Any) -> ConvertResult:

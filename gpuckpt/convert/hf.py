@@ -98,10 +98,16 @@ def _select(
         if t is None:
             continue
         name = fqn[len(strip_prefix) :] if strip_prefix and fqn.startswith(strip_prefix) else fqn
-        if not name:
+        if not name and fqn:
             raise UnsupportedValueError(
                 f"tensor {fqn!r} has no name left once {strip_prefix!r} is stripped; strip a shorter prefix "
                 "(e.g. one ending in '.')"
+            )
+        if not name:
+            raise UnsupportedValueError(
+                "a tensor of the checkpoint has an empty name (the state's key ''), which a Hugging Face "
+                "layout cannot hold: load it, give that tensor a name and save it again, or leave it out "
+                "with keys="
             )
         check_tensor_name(name)
         if name in seen:

@@ -42,6 +42,7 @@ from gpuckpt.format import memory_format as mf
 from gpuckpt.format.metadata import register_array_view
 
 __all__ = [
+    "adapt_leaf",
     "overlaps_itself",
     "ArrayAdapter",
     "DeviceArray",
@@ -555,6 +556,18 @@ def _host_pinned(arr: np.ndarray) -> bool:
     from gpuckpt.device import cuda
 
     return cuda.gpu_available() and cuda.is_pinned_pointer(arr.ctypes.data)
+
+
+def adapt_leaf(value: Any, fqn: str) -> ArrayAdapter:
+    """:func:`adapt` of the state's entry ``fqn``: what cannot be adapted is an
+    :class:`~gpuckpt.errors.UnsupportedValueError` that names the entry and what to pass instead."""
+    try:
+        return adapt(value)
+    except UnsupportedValueError as exc:
+        raise UnsupportedValueError(
+            f"tensor {fqn!r}: {exc}; gpuckpt stores dense, strided arrays in host or device memory: "
+            "pass x.to_dense(), x.dequantize() or a materialized tensor instead (or leave it out)"
+        ) from exc
 
 
 def adapt(value: Any) -> ArrayAdapter:

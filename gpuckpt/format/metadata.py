@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -118,6 +119,9 @@ _ENCODING_OF = {
 _FORMAT_OF = {enc: fmt for fmt, enc in _ENCODING_OF.items()}
 
 
+_LITTLE_ENDIAN = sys.byteorder == "little"
+
+
 @dataclass
 class TensorProperties:
     """Properties of a stored tensor.
@@ -172,8 +176,11 @@ class TensorProperties:
     @staticmethod
     def from_array(array: ArrayProperties) -> TensorProperties:
         """The properties of the array behind ``array`` (an adapter of :mod:`gpuckpt.device.arrays`)."""
+        dtype = array.dtype
+        if dtype.byteorder == ">" or (dtype.byteorder == "=" and not _LITTLE_ENDIAN):
+            dtype = dtype.newbyteorder("<")  # as stored: every chunk is little-endian
         return TensorProperties(
-            dtype=array.dtype,
+            dtype=dtype,
             layout=mf.strided,
             requires_grad=bool(array.requires_grad),
             memory_format=array.memory_format,

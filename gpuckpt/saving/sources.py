@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from gpuckpt.device.arrays import ArrayAdapter, adapt, is_array
+from gpuckpt.device.arrays import ArrayAdapter, adapt, adapt_leaf, is_array
 from gpuckpt.device.sharded import is_sharded_leaf, sharded_boxes
 from gpuckpt.errors import UnsupportedValueError
 from gpuckpt.format.dtypes import dtype_name
@@ -115,7 +115,7 @@ def describe_state(
             continue
         if is_sharded_leaf(v):
             parts = sharded_boxes(v)
-            held = tuple(Source(adapt(b.local), tuple(b.offsets)) for b in parts)
+            held = tuple(Source(adapt_leaf(b.local, fqn), tuple(b.offsets)) for b in parts)
             dts = {s.array.dtype for s in held}
             if len(dts) != 1:
                 raise UnsupportedValueError(
@@ -126,7 +126,7 @@ def describe_state(
             boxes = tuple((tuple(b.offsets), tuple(b.sizes)) for b in parts)
             a = held[0].array
         elif is_array(v):
-            a = adapt(v)
+            a = adapt_leaf(v, fqn)
             shape = a.shape
             origin = (0,) * len(shape)
             boxes = ((origin, shape),)

@@ -61,3 +61,32 @@ def test_lazily_negated_and_conjugated_tensors_are_saved_as_their_values(tmp_pat
     assert target["neg"].is_neg()
     with pytest.raises(gpuckpt.ReadOnlyTargetError, match="tensor 'neg'"):
         gpuckpt.load(target, tmp_path / "c", strict=False)
+
+
+def test_tensors_that_are_not_dense_and_strided_are_refused_naming_their_key(tmp_path: Path) -> None:
+    """Sparse, quantized and meta tensors cannot be stored (nor a meta tensor loaded into): each
+    refusal names the entry and says what to pass instead; nothing is written; and a target
+    made by expand() (elements sharing memory) is refused before anything is read."""
+    torch = pytest.importorskip("torch")
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # quantized tensors' deprecation
+        kinds = {
+            "sparse": torch.eye(3).to_sparse(),
+            "quantized": torch.quantize_per_tensor(torch.randn(4), 0.1, 0, torch.qint8),
+            "meta": torch.empty(3, device="meta"),
+        }
+    for name, t in kinds.items():
+        with pytest.raises(
+            gpuckpt.UnsupportedValueError, match=rf"tensor 'model\.l7\.{name}': .*to_dense\(\)"
+        ):
+            gpuckpt.save({"model": {"l7": {name: t}}}, tmp_path / name)
+        assert not (tmp_path / name).exists()
+    gpuckpt.save({"model": {"w": torch.arange(12.0).reshape(3, 4)}}, tmp_path / "ok")
+    with pytest.raises(gpuckpt.UnsupportedValueError, match=r"tensor 'model\.w': .*meta"):
+        gpuckpt.load({"model": {"w": torch.empty(3, 4, device="meta")}}, tmp_path / "ok")
+    shared = torch.zeros(1).expand(3, 4)
+    with pytest.raises(gpuckpt.ReadOnlyTargetError, match=r"'model\.w'.*share memory"):
+        gpuckpt.load({"model": {"w": shared}}, tmp_path / "ok")
+    assert not shared.any()

@@ -159,6 +159,46 @@ def test_sizes_and_destinations_give_typed_errors(tmp_path: Path) -> None:
     assert (tmp_path / "taken" / "x").read_text() == "x"
 
 
+def test_every_option_of_convert_is_checked_before_anything_is_read(tmp_path: Path) -> None:
+    """Options of the wrong type or value are InvalidOptionErrors naming them (a truthy string is
+    not True), and options of the Hugging Face layout given for another target are refused, not
+    ignored; nothing is written."""
+    ck = _ckpt(tmp_path)
+    hf = {"target_format": "hf"}
+    for kw, match in (
+        ({"overwrite": "x", **hf}, "overwrite must be True or False"),
+        ({"single_file": "x", **hf}, "single_file must be True or False"),
+        ({"trust_pickle_metadata": "no"}, "trust_pickle_metadata must be True or False"),
+        ({"allow_pickle": "no"}, "allow_pickle must be True or False"),
+        ({"keys": [None], **hf}, "keys must name entries"),
+        ({"strip_prefix": 5, **hf}, "strip_prefix must be a str"),
+        ({"config": 5, **hf}, "config must be a config.json path"),
+        ({"config": {"a": {1}}, **hf}, "config must hold JSON values only"),
+        ({"storage_options": "x"}, "storage_options must be"),
+        ({"threads": 0}, "threads"),
+        ({"chunk_bytes": "64MB"}, "chunk_bytes"),
+        ({"target_format": "bogus"}, "unknown target format 'bogus'"),
+        ({"source_format": "bogus"}, "unknown source format 'bogus'"),
+        ({"target_format": 5}, "target_format must be a format name"),
+        ({"keys": ["w"]}, "keys apply to a Hugging Face target"),
+        ({"strip_prefix": "m.", "single_file": True}, "strip_prefix, single_file apply to a Hugging Face"),
+        ({"max_shard_size": 10**6, "target_format": "safetensors"}, "max_shard_size apply"),
+    ):
+        with pytest.raises(InvalidOptionError, match=match):
+            convert(ck, tmp_path / "out", **kw)
+        assert not (tmp_path / "out").exists()
+    r = subprocess.run(
+        [sys.executable, "-m", "gpuckpt.cli", "convert", str(ck), str(tmp_path / "out"), "--keys", "w", "-q"],
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 2 and "keys apply to a Hugging Face target" in r.stderr, r.stderr
+    # a tensor named '' (a key gpuckpt stores) is refused for the Hugging Face layout by what it is
+    gpuckpt.save({"": np.ones(1)}, tmp_path / "blank")
+    with pytest.raises(UnsupportedValueError, match="has an empty name"):
+        convert(tmp_path / "blank", tmp_path / "hf", target_format="hf")
+
+
 def _bool_file(path: Path, raw: bytes) -> None:
     """A safetensors file of one BOOL tensor ``mask`` with the bytes ``raw`` and a float tensor."""
     header = {

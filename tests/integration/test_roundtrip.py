@@ -54,7 +54,8 @@ def test_every_dtype_round_trips_bit_exact(tmp_path: Path, rng: np.random.Genera
 )
 def test_special_arrays(tmp_path: Path, rng: np.random.Generator, make: object) -> None:
     x = make(rng)  # type: ignore[operator]
-    gpuckpt.save({"x": x}, tmp_path / "c", chunk_bytes=100)
+    md = gpuckpt.save({"x": x}, tmp_path / "c", chunk_bytes=100)
+    assert md == gpuckpt.read_metadata(tmp_path / "c")  # what save returns is what it stored
     y = gpuckpt.load_state_dict(tmp_path / "c")["x"]
     assert y.shape == x.shape and np.array_equal(y, x)
     assert y.dtype == x.dtype.newbyteorder("=")
