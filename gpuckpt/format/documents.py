@@ -304,8 +304,15 @@ def metadata_json(raw: bytes | bytearray, where: str) -> Any:
     attrs = doc.get("attributes")
     entry = attrs.get(ATTRIBUTE) if isinstance(attrs, dict) else None
     if not isinstance(entry, dict) or "metadata" not in entry:
+        found = (
+            f"no attributes.{ATTRIBUTE}"
+            if not isinstance(attrs, dict) or ATTRIBUTE not in attrs
+            else f"its attributes.{ATTRIBUTE} is {repr(entry)[:100]}, where gpuckpt's is an object "
+            "with a metadata entry"
+        )
         raise MetadataError(
-            f"{where} is a Zarr group but not a gpuckpt checkpoint (no attributes.{ATTRIBUTE})"
+            f"{where} is a Zarr group but not a gpuckpt checkpoint ({found}): a Zarr store another "
+            "program wrote, or a checkpoint whose root document was rewritten"
         )
     md = entry["metadata"]
     expected = entry.get("metadata_crc32c")

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import ml_dtypes
@@ -260,8 +261,15 @@ def test_missing_checkpoint(tmp_path: Path) -> None:
 
 def test_non_checkpoint_zarr_group(tmp_path: Path) -> None:
     zarr.open_group(tmp_path / "g", mode="w")
-    with pytest.raises(gpuckpt.MetadataError, match="not a gpuckpt checkpoint"):
+    with pytest.raises(gpuckpt.MetadataError, match=r"not a gpuckpt checkpoint \(no attributes.gpuckpt\)"):
         gpuckpt.read_metadata(tmp_path / "g")
+    # an attribute of that name that is not gpuckpt's record is named as what it is
+    for value in ({}, "x", None):
+        zarr.open_group(tmp_path / "h", mode="w", attributes={"gpuckpt": value})
+        with pytest.raises(
+            gpuckpt.MetadataError, match=rf"its attributes.gpuckpt is {re.escape(repr(value))}, where"
+        ):
+            gpuckpt.read_metadata(tmp_path / "h")
 
 
 @pytest.mark.parametrize("sync", ["file", "fs", "none"])
