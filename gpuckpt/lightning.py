@@ -32,6 +32,7 @@ from gpuckpt import api, background
 from gpuckpt.convert.torch_save import numpy_to_torch
 from gpuckpt.errors import (
     CheckpointExistsError,
+    DeviceUnavailableError,
     InvalidOptionError,
     MissingDependencyError,
     UnsupportedValueError,
@@ -160,7 +161,13 @@ class CheckpointIO(*_BASES):  # type: ignore[misc]
         out: dict[str, Any] = numpy_to_torch(state)
         if map_location is None:
             return out
-        moved: dict[str, Any] = _moved(out, map_location)
+        try:
+            moved: dict[str, Any] = _moved(out, map_location)
+        except (AssertionError, RuntimeError) as exc:  # torch's words for a device it has not
+            raise DeviceUnavailableError(
+                f"map_location={map_location!r}: torch cannot move the loaded tensors there ({exc}); "
+                "load with map_location='cpu' (or None) on this machine"
+            ) from exc
         return moved
 
     def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:

@@ -26,7 +26,7 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
-from gpuckpt.errors import ForkedSaveError
+from gpuckpt.errors import ForkedSaveError, InvalidOptionError
 from gpuckpt.format.metadata import Metadata
 from gpuckpt.runtime.workers import Workers
 
@@ -68,6 +68,10 @@ class SaveFuture:
         self._reported = False
 
     def _outcome(self, timeout: float | None) -> BaseException | None:
+        if timeout is not None and (
+            not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout >= 0
+        ):
+            raise InvalidOptionError(f"timeout must be a number of seconds >= 0 or None, got {timeout!r}")
         if os.getpid() != self._pid and not self._future.done():
             raise ForkedSaveError(
                 f"the async save to {self.path} was started by process {self._pid} before it forked; "

@@ -210,10 +210,23 @@ def root_document(metadata: Metadata) -> bytes:
         raise MetadataError(
             f"the checkpoint's root metadata would be {len(doc)} bytes, more than "
             f"MAX_ROOT_DOCUMENT_BYTES ({MAX_ROOT_DOCUMENT_BYTES} bytes) that gpuckpt reads back; "
-            "nothing was published: save with a larger chunk_bytes (fewer chunks), or split the state "
-            "into several checkpoints"
+            f"nothing was published: {_what_to_shrink(metadata)}"
         )
     return doc
+
+
+def _what_to_shrink(metadata: Metadata) -> str:
+    """What makes a root document too large, and what to do about it: plain values (kept in the
+    document) that are large, else the chunk records."""
+    objects = metadata.storage_data.get("objects") if isinstance(metadata.storage_data, dict) else None
+    sizes = sorted(((len(_canonical(v)), fqn) for fqn, v in (objects or {}).items()), reverse=True)
+    if sizes and sizes[0][0] > MAX_ROOT_DOCUMENT_BYTES // 4:
+        size, fqn = sizes[0]
+        return (
+            f"the plain value {fqn!r} takes {size} bytes of it (plain values are kept in the metadata): "
+            "store large data as an array instead (np.frombuffer(data, np.uint8) for bytes or text)"
+        )
+    return "save with a larger chunk_bytes (fewer chunks), or split the state into several checkpoints"
 
 
 def too_large(where: str, size: int, limit: int, name: str) -> MetadataError:

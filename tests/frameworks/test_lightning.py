@@ -115,6 +115,20 @@ def test_the_plug_ins_check_their_options_when_made(tmp_path: Path) -> None:
             with pytest.raises(InvalidOptionError, match=match):
                 kind(**bad)
     assert CheckpointIO(allow_pickle=True, threads=2, chunk_bytes=1 << 20).allow_pickle is True
+    # a map_location this torch cannot reach is a typed error saying so (torch raises an
+    # AssertionError on a CPU build)
+    import torch
+
+    from gpuckpt.errors import DeviceUnavailableError
+
+    plugin = CheckpointIO()
+    plugin.save_checkpoint({"w": torch.ones(2)}, tmp_path / "c.ckpt")
+    if torch.cuda.is_available():
+        assert plugin.load_checkpoint(tmp_path / "c.ckpt", map_location="cuda")["w"].is_cuda
+    else:
+        with pytest.raises(DeviceUnavailableError, match="map_location='cuda'"):
+            plugin.load_checkpoint(tmp_path / "c.ckpt", map_location="cuda")
+    assert plugin.load_checkpoint(tmp_path / "c.ckpt", map_location="cpu")["w"].tolist() == [1.0, 1.0]
 
 
 def test_objects_need_allow_pickle_and_the_error_says_so(tmp_path: Path) -> None:

@@ -29,8 +29,11 @@ def test_async_save_snapshots_before_returning(tmp_path: Path) -> None:
     cl[...] = 7
     cfg["lr"] = 99.0
     del w
+    for bad in ("x", -1, float("nan"), True):
+        with pytest.raises(gpuckpt.InvalidOptionError, match="timeout must be a number of seconds"):
+            fut.result(timeout=bad)  # type: ignore[arg-type]
     md = fut.result(timeout=60)
-    assert fut.done() and fut.exception() is None
+    assert fut.done() and fut.exception() is None and fut.exception(timeout=0) is None
     assert md.state_dict_metadata["cl"].properties.memory_format is gpuckpt.channels_last
     back = gpuckpt.load_state_dict(tmp_path / "c")
     assert np.array_equal(back["w"], want_w) and np.array_equal(back["cl"], want_cl)

@@ -360,8 +360,12 @@ def test_a_save_whose_root_document_would_exceed_the_cap_publishes_nothing(
     # the writer keeps to what the readers accept (the cap lowered so that the test is small)
     monkeypatch.setattr(layout, "MAX_ROOT_DOCUMENT_BYTES", 2000)
     target = tmp_path / "big"
-    with pytest.raises(gpuckpt.MetadataError, match="MAX_ROOT_DOCUMENT_BYTES"):
+    with pytest.raises(gpuckpt.MetadataError, match="MAX_ROOT_DOCUMENT_BYTES.*larger chunk_bytes"):
         gpuckpt.save({"w": np.zeros(64, np.float32)}, target, chunk_bytes=4, sync="none")
+    assert not target.exists() and temporaries(tmp_path) == []
+    # where a plain value is what makes it large, the error names it and says to store an array
+    with pytest.raises(gpuckpt.MetadataError, match=r"the plain value 'notes' takes \d+ bytes.*as an array"):
+        gpuckpt.save({"notes": "x" * 3000, "w": np.zeros(4)}, target, sync="none")
     assert not target.exists() and temporaries(tmp_path) == []
 
 
