@@ -5,6 +5,10 @@
 the publication (moving the earlier checkpoint aside, moving the new names in, the new
 root document last) the process SIGKILLs itself. K past the last rename: killed right
 after the publication, before the set-aside copy is removed.
+
+``python into_crash_child.py DIR K cleanup``: runs only the cleanup a save to DIR does first
+(which undoes a dead publication), killed just before its K-th rename; K = 0: killed while
+it deletes the first entry it took out of DIR, after that entry's ``zarr.json`` went.
 """
 
 from __future__ import annotations
@@ -12,12 +16,14 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 import gpuckpt
 from gpuckpt.storage.local import fsutil, shared_dir
+from gpuckpt.storage.local.leftovers import cleanup_stale_temporaries
 
 
 def old_state() -> dict[str, Any]:
@@ -28,7 +34,7 @@ def new_state() -> dict[str, Any]:
     return {"a": np.arange(6.0) * 2, "c": np.ones((2, 2), np.float32), "step": 2}
 
 
-def main(directory: str, kill_at: str) -> None:
+def main(directory: str, kill_at: str, mode: str = "save") -> None:
     k, calls = int(kill_at), 0
 
     def counted(real: Any) -> Any:
@@ -50,6 +56,18 @@ def main(directory: str, kill_at: str) -> None:
             os.kill(os.getpid(), signal.SIGKILL)  # published, the set-aside copy not yet removed
         real_rmtree(path)
 
+    def inside_a_removal(path: Any) -> None:
+        if ".gpuckpt-undone-" in str(path):
+            os.unlink(os.path.join(path, "zarr.json"))
+            os.kill(os.getpid(), signal.SIGKILL)  # half of an entry taken out is deleted
+        real_rmtree(path)
+
+    if mode == "cleanup":
+        if k == 0:
+            shared_dir.fsutil.rmtree_quiet = inside_a_removal  # type: ignore[attr-defined]
+        cleanup_stale_temporaries(Path(directory))
+        print("returned", flush=True)
+        return
     if k > 6:
         fsutil.rmtree_quiet = after_publication  # type: ignore[assignment]
     gpuckpt.save(new_state(), directory, overwrite=True)

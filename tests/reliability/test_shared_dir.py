@@ -116,6 +116,40 @@ def test_a_save_into_a_shared_directory_killed_at_any_step_loses_nothing(
     _same(gpuckpt.load_state_dict(d), new_state())
 
 
+@pytest.mark.parametrize("first", [2, 4, 5])  # killed with a and b aside; and a in; and a and c in
+@pytest.mark.parametrize("second", range(6))  # the undo killed at each of its renames, or mid-removal
+def test_a_second_crash_while_undoing_a_dead_publication_loses_nothing(
+    tmp_path: Path, first: int, second: int
+) -> None:
+    """Two crashes in a row: a publication killed half-way, then the cleanup that undoes it killed
+    too (at each of its renames, or while it deletes an entry it took out). A reader never sees
+    a checkpoint with arrays missing, the earlier checkpoint is never deleted, and the next
+    cleanup makes the earlier checkpoint whole; then saves go on."""
+    d = tmp_path / "run"
+    d.mkdir()
+    (d / "model.pt").write_bytes(b"mine")
+    gpuckpt.save(old_state(), d, overwrite=True)
+    for args in ((str(first),), (str(second), "cleanup")):
+        proc = subprocess.run([sys.executable, str(CHILD), str(d), *args], capture_output=True, text=True)
+        if proc.returncode == 0:  # the cleanup needed fewer renames than this one's count
+            assert "returned" in proc.stdout and args[-1] == "cleanup", proc.stdout + proc.stderr
+        else:
+            assert proc.returncode == -signal.SIGKILL, proc.stdout + proc.stderr
+        try:
+            got = gpuckpt.load_state_dict(d)
+        except gpuckpt.CheckpointNotFoundError:
+            pass  # no checkpoint while it is being put back: a typed error, never half of one
+        else:
+            _same(got, old_state())
+    cleanup_stale_temporaries(d)
+    _same(gpuckpt.load_state_dict(d), old_state())
+    assert (d / "model.pt").read_bytes() == b"mine"
+    assert set(os.listdir(d)) == {"a", "b", "model.pt", "zarr.json"}
+    assert temporaries(tmp_path) == []
+    gpuckpt.save(new_state(), d, overwrite=True)
+    _same(gpuckpt.load_state_dict(d), new_state())
+
+
 @pytest.mark.parametrize("names", ["absolute", "traversal", "through-a-link", "other-target"])
 def test_a_planted_journal_reaches_nothing_outside_its_directory(tmp_path: Path, names: str) -> None:
     """The journal of a dead publication names entries of the target and its set-aside

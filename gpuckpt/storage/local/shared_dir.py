@@ -145,21 +145,50 @@ def publish_into(tmp: Path, target: Path, aside: Path) -> None:
     _durable(target)
 
 
-def _undo(target: Path, aside: Path, new: list[str], old: list[str], moved: list[str] | None) -> None:
+def _undo(target: Path, aside: Path, new: list[str], old: list[str], moved: list[str] | None) -> bool:
     """Take the new names out of ``target`` and put the old ones back from ``aside``: ``target`` is
     as it was before the publication began. ``moved``: the new names this process moved in (an
     error of its own); None after a crash, when each new name there is taken out only if it is
-    a gpuckpt array (never what another program put there meanwhile)."""
+    a gpuckpt array (never what another program put there meanwhile).
+
+    Each is taken out by one rename into ``aside`` before it is deleted there, so that a crash
+    while undoing never leaves a half-deleted array in ``target`` (which no later undo could
+    tell from another program's entry); the earlier root document goes back last, once every
+    array of it is back and durable, so that ``target`` is never a checkpoint with arrays
+    missing. Returns whether the earlier checkpoint is whole in ``target`` again (nothing of it
+    left in ``aside``): where a name of it is taken by another entry, it stays aside, and so
+    does its root document."""
     for name in new if moved is None else moved:
         if name in old and not os.path.lexists(aside / name):
             continue  # the earlier checkpoint's entry of that name never left: it is that one
         at = target / name
         if moved is not None or _is_array_path(at):
-            fsutil.rmtree_quiet(at)
-    for name in old:
+            _take_out(at, aside)
+    arrays = [n for n in old if n != ROOT_KEY]
+    for name in arrays:
         if os.path.lexists(aside / name) and not os.path.lexists(target / name):
             os.rename(aside / name, target / name)
-    _durable(target)
+    _durable(target, aside)
+    if any(os.path.lexists(aside / n) for n in arrays):
+        return False  # a name of it is taken: the copy aside is kept whole with its root document
+    if ROOT_KEY in old and os.path.lexists(aside / ROOT_KEY) and not os.path.lexists(target / ROOT_KEY):
+        os.rename(aside / ROOT_KEY, target / ROOT_KEY)
+        _durable(target, aside)
+    return not os.path.lexists(aside / ROOT_KEY)
+
+
+def _take_out(path: Path, aside: Path) -> None:
+    """Remove ``path`` (an entry of the target) by renaming it into ``aside`` first, under a name
+    no array has (an array's name never starts with ``.``), then deleting it there."""
+    for k in range(1000):
+        trash = aside / f".gpuckpt-undone-{k}"
+        if not os.path.lexists(trash):
+            break
+    else:  # (a thousand undone entries: delete in place, as before)
+        fsutil.rmtree_quiet(path)
+        return
+    os.rename(path, trash)
+    fsutil.rmtree_quiet(trash)
 
 
 def _entry_names(value: object) -> list[str]:
@@ -202,5 +231,5 @@ def restore(target: Path, aside: Path) -> bool:
     here = (target / ROOT_KEY).exists()
     if here and (ROOT_KEY not in old or os.path.lexists(aside / ROOT_KEY)):
         return True  # published: what is aside is the earlier checkpoint, replaced
-    _undo(target, aside, new, old, None)
-    return True
+    # undone: the set-aside directory may go only once nothing of the earlier checkpoint is in it
+    return _undo(target, aside, new, old, None)
