@@ -49,7 +49,7 @@ from gpuckpt.convert.hf_layout import (
     plan_groups,
     plan_shards,
 )
-from gpuckpt.convert.safetensors_io import check_tensor_name, open_source
+from gpuckpt.convert.safetensors_io import check_tensor_name, open_source, output_errors
 from gpuckpt.device.sharded import ShardedArray
 from gpuckpt.errors import CheckpointExistsError, InvalidOptionError, UnsupportedValueError
 from gpuckpt.format.grid import axis_starts
@@ -63,6 +63,7 @@ from gpuckpt.runtime.workers import Workers
 from gpuckpt.state import select_fqns
 from gpuckpt.storage.local import fsutil
 from gpuckpt.storage.local.fileio import write_all
+from gpuckpt.storage.stores import cleanup_dead_writers
 
 __all__ = ["CONFIG_FILES", "DEFAULT_MAX_SHARD_BYTES", "HfExport", "export_hf", "import_hf", "parse_size"]
 
@@ -214,30 +215,32 @@ def export_hf(
         raise CheckpointExistsError(f"{dst} already exists; pass overwrite=True (--overwrite) to replace it")
     if dst.exists() or dst.is_symlink():
         _replaceable(dst)  # before anything is read or written
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = (
-        dst.parent
-        / f"{fsutil.side_prefix(dst.name, '.gpuckpt-tmp-')}{fsutil.tmp_owner()}-{secrets.token_hex(4)}"
-    )
-    tmp.mkdir()
-    try:
-        _write_shards(src, tmp, plans, threads, progress, storage_options)
-        if not single_file:
-            index = {
-                "metadata": {
-                    "total_parameters": sum(math.prod(t.shape) for t in tensors),
-                    "total_size": sum(t.nbytes for t in tensors),
-                },
-                "weight_map": {t.name: p.file for p in plans for t, _ in p.tensors},
-            }
-            _write_small(tmp / INDEX_NAME, json.dumps(index, indent=2, sort_keys=True).encode() + b"\n")
-        for name, data in config_files.items():
-            _write_small(tmp / name, data)
-        fsutil.fsync_dir(tmp)
-        _publish(tmp, dst, overwrite)
-    except BaseException:
-        fsutil.rmtree_quiet(tmp)
-        raise
+    with output_errors(dst):
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        cleanup_dead_writers(dst)  # what killed exports to this path left
+        tmp = (
+            dst.parent
+            / f"{fsutil.side_prefix(dst.name, '.gpuckpt-tmp-')}{fsutil.tmp_owner()}-{secrets.token_hex(4)}"
+        )
+        tmp.mkdir()
+        try:
+            _write_shards(src, tmp, plans, threads, progress, storage_options)
+            if not single_file:
+                index = {
+                    "metadata": {
+                        "total_parameters": sum(math.prod(t.shape) for t in tensors),
+                        "total_size": sum(t.nbytes for t in tensors),
+                    },
+                    "weight_map": {t.name: p.file for p in plans for t, _ in p.tensors},
+                }
+                _write_small(tmp / INDEX_NAME, json.dumps(index, indent=2, sort_keys=True).encode() + b"\n")
+            for name, data in config_files.items():
+                _write_small(tmp / name, data)
+            fsutil.fsync_dir(tmp)
+            _publish(tmp, dst, overwrite)
+        except BaseException:
+            fsutil.rmtree_quiet(tmp)
+            raise
     files = tuple(p.file for p in plans)
     return HfExport(files, len(tensors), sum(t.nbytes for t in tensors), skipped)
 

@@ -5,17 +5,25 @@ What the bytes mean (the header, its validation) is :mod:`gpuckpt.format.safeten
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import secrets
 import stat
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import numpy as np
 
-from gpuckpt.errors import CheckpointExistsError, MetadataError, UnsupportedValueError
+from gpuckpt.errors import (
+    CheckpointExistsError,
+    CheckpointWriteError,
+    GpuckptError,
+    MetadataError,
+    UnsupportedValueError,
+)
 from gpuckpt.format.dtypes import dtype_name
 from gpuckpt.format.safetensors import (
     MAX_HEADER,
@@ -27,6 +35,7 @@ from gpuckpt.format.safetensors import (
 from gpuckpt.progress import ProgressCallback, ProgressCounter
 from gpuckpt.storage.local import fsutil
 from gpuckpt.storage.local.fileio import read_exact, write_all
+from gpuckpt.storage.stores import cleanup_dead_writers
 
 __all__ = [
     "METADATA_KEY",
@@ -182,6 +191,24 @@ def safetensors_code(dtype: Any, name: str = "") -> str:
     return code
 
 
+@contextlib.contextmanager
+def output_errors(dst: Path) -> Iterator[None]:
+    """A system call that fails while a conversion writes ``dst`` (disk full, permissions, an I/O
+    error) as the :class:`~gpuckpt.errors.CheckpointWriteError` a save raises: its errno, the
+    output, that nothing was published, and what to do. gpuckpt's own errors pass as they are."""
+    try:
+        yield
+    except OSError as exc:
+        if isinstance(exc, GpuckptError):
+            raise
+        raise CheckpointWriteError(
+            exc.errno or errno.EIO,
+            f"writing {dst} failed ({exc.strerror or exc}"
+            f"{f': {exc.filename}' if exc.filename else ''}); nothing was published (an earlier "
+            f"{dst.name}, if any, is intact): {fsutil.failure_hint(exc)}",
+        ) from exc
+
+
 def write_safetensors(
     tensors: Mapping[str, np.ndarray],
     path: str | os.PathLike[str],
@@ -217,7 +244,15 @@ def write_safetensors(
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
     counter = ProgressCounter(progress, offset)
+    with output_errors(path):
+        _write_file(path, raw, items, counter, overwrite)
+
+
+def _write_file(
+    path: Path, raw: bytes, items: list[tuple[str, Any]], counter: ProgressCounter, overwrite: bool
+) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
+    cleanup_dead_writers(path)  # what killed conversions to this path left
     tmp = (
         path.parent
         / f"{fsutil.side_prefix(path.name, '.gpuckpt-tmp-')}{fsutil.tmp_owner()}-{secrets.token_hex(4)}"

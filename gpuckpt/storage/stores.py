@@ -38,6 +38,7 @@ __all__ = [
     "BACKENDS",
     "write_rate",
     "attach_writer",
+    "cleanup_dead_writers",
     "cleanup_leftovers",
     "in_memory",
     "is_committed",
@@ -320,6 +321,12 @@ def is_committed(path: str | os.PathLike[str]) -> bool:
     store is not one, nor a save's temporary, nor a symbolic link.
     """
     return leftovers.is_committed(Path(_local_location(path_text(path))))
+
+
+def cleanup_dead_writers(path: str | os.PathLike[str]) -> list[Path]:
+    """Remove what dead writers to the local ``path`` left beside it (the cleanup a save to it
+    runs first: a conversion's temporary files and directories too); returns what was removed."""
+    return leftovers.cleanup_stale_temporaries(Path(_local_location(path_text(path))))
 
 
 def cleanup_leftovers(directory: str | os.PathLike[str]) -> list[Path]:

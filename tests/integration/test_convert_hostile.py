@@ -233,3 +233,35 @@ def test_a_bool_tensor_whose_bytes_are_not_0_or_1_is_refused_by_every_reader(tmp
     assert gpuckpt.load_state_dict(hf)["mask"].tolist() == [False, True, True, False, True]
     convert(hf, tmp_path / "ck")
     assert gpuckpt.load_state_dict(tmp_path / "ck")["mask"].tolist() == [False, True, True, False, True]
+
+
+def test_a_killed_conversions_temporary_is_removed_by_the_next_one_to_its_path(tmp_path: Path) -> None:
+    """A conversion killed half-way leaves its temporary (a file for safetensors, a directory for
+    a Hugging Face export); the next conversion to that path removes it once its writer is dead,
+    as a save does, and never a live writer's."""
+    import secrets
+
+    from gpuckpt.storage.local import fsutil
+
+    ck = _ckpt(tmp_path)
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    host = fsutil.tmp_owner().rpartition("-")[0]
+    owners = {
+        "dead": f"{host}-{int(dead.stdout)}-{secrets.token_hex(4)}",
+        "live": f"{fsutil.tmp_owner()}-{secrets.token_hex(4)}",
+    }
+    for dst, make in (("out.safetensors", Path.write_bytes), ("hf", None)):
+        left = {}
+        for who, owner in owners.items():
+            p = tmp_path / f"{fsutil.side_prefix(dst, '.gpuckpt-tmp-')}{owner}"
+            if make is None:
+                p.mkdir()
+                (p / "model-00001-of-00002.safetensors").write_bytes(b"x" * 1000)
+            else:
+                make(p, b"x" * 1000)
+            left[who] = p
+        convert(ck, tmp_path / dst, **({"target_format": "hf"} if make is None else {}))
+        assert not left["dead"].exists() and left["live"].exists(), dst
+        assert gpuckpt.load_state_dict(tmp_path / dst)

@@ -193,3 +193,27 @@ def test_injected_io_error_in_async_save_of_large_chunks(tmp_path: Path, fault: 
     assert_holds(old, 1, mib=16)
     gpuckpt.async_save(state(2, mib=16), old, overwrite=True, sync="file").result()
     assert_holds(old, 2, mib=16)
+
+
+@pytest.mark.parametrize("target", ["safetensors", "hf"])
+def test_a_conversion_that_fills_the_disk_is_a_write_error_and_keeps_the_earlier_output(
+    small_fs: Path, tmp_path: Path, target: str
+) -> None:
+    """As a save: CheckpointWriteError with the errno, the output, "nothing was published" and
+    the remedy (it was a bare OSError); the earlier output is intact and nothing is left."""
+    from gpuckpt.convert import convert
+
+    src = tmp_path / "src"
+    gpuckpt.save(state(1, 6.0), src)  # 6 MiB: more than the 8 MiB tmpfs has left once 2 are used
+    dst = small_fs / ("out.safetensors" if target == "safetensors" else "hf")
+    small = tmp_path / "small"
+    gpuckpt.save(state(2, 2.0), small)
+    convert(small, dst, target_format=target)
+    before = gpuckpt.load_state_dict(dst)
+    gpuckpt.save(state(3, 1.0), small_fs / "filler")
+    with pytest.raises(OSError) as info:
+        convert(src, dst, target_format=target, overwrite=True)
+    assert_clean_failure(info.value, errno.ENOSPC, small_fs)
+    assert "free space on the device" in str(info.value)
+    after = gpuckpt.load_state_dict(dst)
+    assert after.keys() == before.keys() and all(np.array_equal(after[k], before[k]) for k in before)

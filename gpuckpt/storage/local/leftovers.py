@@ -201,9 +201,10 @@ def _restore_locked(path: Path, old: Path) -> bool:
 
 
 def cleanup_stale_temporaries(path: Path) -> list[Path]:
-    """Remove what dead saves to ``path`` left; returns what was removed.
+    """Remove what dead saves (and conversions) to ``path`` left; returns what was removed.
 
-    Temporaries of dead writers are deleted. A checkpoint that a dead writer's
+    Temporaries of dead writers are deleted (directories of saves and Hugging Face exports,
+    files of safetensors and torch.save conversions). A checkpoint that a dead writer's
     interrupted overwrite set aside is put back at ``path`` when ``path`` has
     no checkpoint, and deleted only once it does. A live writer's temporaries
     are never touched (see the module docstring).
@@ -212,9 +213,22 @@ def cleanup_stale_temporaries(path: Path) -> list[Path]:
     parent, name = path.parent, path.name
     try:
         with os.scandir(parent) as it:
-            entries = sorted(e.name for e in it if e.is_dir(follow_symlinks=False))
+            found = sorted(
+                (e.name, e.is_dir(follow_symlinks=False), e.is_file(follow_symlinks=False)) for e in it
+            )
     except (FileNotFoundError, NotADirectoryError):
         return removed
+    entries = [entry for entry, is_dir, _ in found if is_dir]
+    # a conversion's temporary file (a safetensors or torch.save file being written)
+    for entry in (entry for entry, _, is_file in found if is_file):
+        prefix = side_prefix(name, TMP_TAG)
+        if entry.startswith(prefix):
+            dead, fd = _abandoned(parent / entry, entry[len(prefix) :])
+            if fd is not None:
+                fsutil.unlock(fd)
+            if dead:
+                (parent / entry).unlink(missing_ok=True)
+                removed.append(parent / entry)
     for entry in entries:
         for tag in (TMP_TAG, OLD_TAG):
             prefix = side_prefix(name, tag)
