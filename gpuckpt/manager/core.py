@@ -62,7 +62,7 @@ from gpuckpt.format.metadata import STATE_DICT_TYPE
 from gpuckpt.manager.steps import StepRoot, check_step, step_name
 from gpuckpt.manager.tiered import TieredSaves
 from gpuckpt.options import SaveOptions
-from gpuckpt.storage.stores import open_root, scheme_of
+from gpuckpt.storage.stores import open_root, refuse_inside_a_checkpoint, scheme_of
 from gpuckpt.tiers import LocalTier, RestoreReport, copy_values_back
 
 __all__ = ["CheckpointManager"]
@@ -293,6 +293,8 @@ class CheckpointManager:
                     if problem is not None:
                         raise InvalidOptionError(problem)
                 _check_apart(root, local_dir)
+                refuse_inside_a_checkpoint(local_dir)
+            refuse_inside_a_checkpoint(root)  # (its steps would go with that checkpoint)
         except Exception as exc:
             refused = exc
         if coordinator is not None and coordinator.world_size > 1:

@@ -39,6 +39,7 @@ __all__ = [
     "write_rate",
     "attach_writer",
     "cleanup_dead_writers",
+    "refuse_inside_a_checkpoint",
     "cleanup_leftovers",
     "in_memory",
     "is_committed",
@@ -321,6 +322,13 @@ def is_committed(path: str | os.PathLike[str]) -> bool:
     store is not one, nor a save's temporary, nor a symbolic link.
     """
     return leftovers.is_committed(Path(_local_location(path_text(path))))
+
+
+def refuse_inside_a_checkpoint(path: str | os.PathLike[str]) -> None:
+    """An :class:`~gpuckpt.errors.InvalidPathError` where the local ``path`` lies inside a published
+    checkpoint (see :func:`gpuckpt.storage.local.leftovers.refuse_inside_a_checkpoint`); URLs pass."""
+    if scheme_of(path) == "file":
+        leftovers.refuse_inside_a_checkpoint(Path(_local_location(path_text(path))))
 
 
 def cleanup_dead_writers(path: str | os.PathLike[str]) -> list[Path]:

@@ -289,3 +289,21 @@ def test_tensorstore_reads_checkpoint_if_installed(tmp_path: Path, rng: np.rando
             {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(tmp_path / "c" / name)}}
         ).result()
         assert bits(arr.read().result()) == bits(ref)
+
+
+def test_a_checkpoint_is_never_saved_inside_another(tmp_path: Path) -> None:
+    """Replacing or deleting the outer checkpoint would delete the inner one with it: refused on
+    every save path before anything is written, at any depth; beside it is fine."""
+    gpuckpt.save({"w": np.ones(3)}, tmp_path / "outer")
+    for inner in (tmp_path / "outer" / "inner", tmp_path / "outer" / "w" / "deeper" / "x"):
+        with pytest.raises(gpuckpt.InvalidPathError, match="is inside the gpuckpt checkpoint"):
+            gpuckpt.save({"w": np.zeros(3)}, inner)
+        with pytest.raises(gpuckpt.InvalidPathError, match="is inside the gpuckpt checkpoint"):
+            gpuckpt.async_save({"w": np.zeros(3)}, inner).result(timeout=60)
+    with pytest.raises(gpuckpt.InvalidPathError, match="is inside the gpuckpt checkpoint"):
+        gpuckpt.CheckpointManager(tmp_path / "outer" / "steps", async_save=False).save(1, {"w": np.ones(2)})
+    with pytest.raises(gpuckpt.InvalidPathError, match="is inside the gpuckpt checkpoint"):
+        gpuckpt.CheckpointManager(tmp_path / "root", local_dir=tmp_path / "outer" / "tier")
+    assert sorted(p.name for p in (tmp_path / "outer").iterdir()) == ["w", "zarr.json"]
+    assert gpuckpt.read_metadata(tmp_path / "outer")
+    gpuckpt.save({"w": np.zeros(3)}, tmp_path / "beside")

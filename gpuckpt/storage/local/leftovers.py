@@ -39,6 +39,7 @@ import secrets
 import stat
 from pathlib import Path
 
+from gpuckpt.errors import InvalidPathError
 from gpuckpt.format.documents import ROOT_DOCUMENT_PREFIX, ROOT_KEY, root_document_problem
 from gpuckpt.storage.local import fsutil
 from gpuckpt.storage.local.fileio import read_exact_at
@@ -51,6 +52,7 @@ __all__ = [
     "cleanup_directory",
     "cleanup_stale_temporaries",
     "is_committed",
+    "refuse_inside_a_checkpoint",
     "new_owner",
     "replace_problem",
     "set_aside_copies",
@@ -100,6 +102,19 @@ def is_committed(path: Path) -> bool:
     says so (the identity test of :func:`gpuckpt.read_metadata`; a Zarr store of another
     program is not one)."""
     return path.is_dir() and not path.is_symlink() and _root_problem(path) is None
+
+
+def refuse_inside_a_checkpoint(path: Path) -> None:
+    """Refuse ``path`` when it lies inside a published checkpoint (at any depth): a checkpoint or a
+    manager's root there would be deleted, unasked, with the outer checkpoint when that one is
+    replaced (``overwrite=True``) or deleted (a manager's retention, a removal)."""
+    for parent in Path(os.path.abspath(path)).parents:
+        if os.path.lexists(parent / ROOT_KEY) and is_committed(parent):
+            raise InvalidPathError(
+                f"{path} is inside the gpuckpt checkpoint {parent}: replacing or deleting that "
+                "checkpoint (overwrite=True, a manager's retention) would delete what is saved here "
+                "too; nothing was written. Save beside it instead (a sibling directory)"
+            )
 
 
 def replace_problem(path: Path) -> str | None:

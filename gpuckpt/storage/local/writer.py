@@ -60,6 +60,7 @@ from gpuckpt.storage.local.leftovers import (
     cleanup_stale_temporaries,
     is_committed,
     new_owner,
+    refuse_inside_a_checkpoint,
     replace_problem,
     set_aside_copies,
     side_prefix,
@@ -226,6 +227,7 @@ class LocalWriter(CheckpointWriter):
         self._maps = maps
 
     def begin(self) -> None:
+        refuse_inside_a_checkpoint(self.path)
         # first: a checkpoint a crashed overwrite set aside is put back before anything is judged
         cleanup_stale_temporaries(self.path)
         self._begun = self._target_mode()
