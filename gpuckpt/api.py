@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import mmap
 import os
 import uuid
 from collections.abc import Callable, Mapping
@@ -19,12 +18,16 @@ from gpuckpt.device.arrays import (
     adapt,
     adapt_leaf,
     is_array,
-    overlaps_itself,
 )
 from gpuckpt.device.backend import DeviceBackend
 from gpuckpt.device.sharded import is_sharded_leaf, sharded_boxes
 from gpuckpt.distributed.cooperative import read_cooperative
-from gpuckpt.distributed.coordinator import Coordinator, SingleProcessCoordinator, check_coordinator
+from gpuckpt.distributed.coordinator import (
+    Coordinator,
+    SingleProcessCoordinator,
+    check_coordinator,
+    collectively,
+)
 from gpuckpt.distributed.load import read_boxes
 from gpuckpt.distributed.save import distributed_save
 from gpuckpt.errors import (
@@ -33,7 +36,6 @@ from gpuckpt.errors import (
     DTypeMismatchError,
     InvalidOptionError,
     MissingKeyError,
-    ReadOnlyTargetError,
     ShapeMismatchError,
     UnsupportedValueError,
 )
@@ -47,6 +49,7 @@ from gpuckpt.loading.checks import (
 from gpuckpt.loading.chunk_reads import prepare_reads, read_tensors
 from gpuckpt.loading.hf import is_hf_source, load_hf, load_hf_state_dict
 from gpuckpt.loading.open import open_checkpoint
+from gpuckpt.loading.targets import check_writable_target
 from gpuckpt.options import DEFAULT_CHUNK_BYTES, DEFAULT_STAGING_BYTES, LoadOptions, SaveOptions
 from gpuckpt.planning.boxes import Box
 from gpuckpt.planning.plan import plan_save
@@ -283,12 +286,7 @@ def load_with_options(
     if coordinator.world_size > 1 and not is_hf_source(path) and _cooperates(path, options, coordinator):
         _load_cooperative(state_dict, path, options, coordinator)
         return
-    error = None
-    try:
-        _load(state_dict, path, options)
-    except Exception as exc:  # every rank learns of any rank's failure
-        error = exc
-    coordinator.all_reduce_errors(error)
+    collectively(coordinator, _load, state_dict, path, options)  # any rank's failure on every rank
 
 
 def _cooperates(path: PathLike, options: LoadOptions, coordinator: Coordinator) -> bool:
@@ -443,30 +441,8 @@ def _target(fqn: str, t: TensorEntry, value: Any) -> ArrayAdapter:
             f"tensor {fqn!r}: the checkpoint has dtype {t.dtype}, the target has {arr.dtype}; "
             "load into an array of the stored dtype and convert afterwards"
         )
-    _check_writable(fqn, arr, "the target")
+    check_writable_target(fqn, arr, "the target")
     return arr
-
-
-def _check_writable(fqn: str, arr: ArrayAdapter, what: str) -> None:
-    """Refuse a read-only target, or one whose elements share memory, before anything is read
-    (device arrays are always writable)."""
-    if arr.backend is not None:
-        return  # device memory
-    host = arr.host_array()
-    if host.flags.writeable and overlaps_itself(host.shape, host.strides, host.itemsize):
-        raise ReadOnlyTargetError(
-            f"tensor {fqn!r}: {what} has elements that share memory (shape {host.shape}, byte strides "
-            f"{host.strides}: a broadcast view such as torch's expand() or NumPy's as_strided), so "
-            "loading into it would keep one value per address; pass an array of its own memory "
-            "(x.contiguous(), np.array(x)), or use load_state_dict to get new arrays"
-        )
-    if not host.flags.writeable:
-        kind = "memory map" if isinstance(host, np.memmap) or isinstance(host.base, mmap.mmap) else "array"
-        raise ReadOnlyTargetError(
-            f"tensor {fqn!r}: {what} is a read-only {kind} ({type(host).__name__}, writeable=False), "
-            "so it cannot be loaded in place; pass a writable array (np.array(x) copies one; open a "
-            "memmap with mode='r+'), or use load_state_dict to get new arrays"
-        )
 
 
 def _shard_targets(t: TensorEntry, value: Any) -> list[tuple[Any, Box]]:
@@ -483,7 +459,7 @@ def _shard_targets(t: TensorEntry, value: Any) -> list[tuple[Any, Box]]:
             raise DTypeMismatchError(
                 f"tensor {t.fqn!r}: the checkpoint has dtype {t.dtype}, the ShardedArray holds {arr.dtype}"
             )
-        _check_writable(t.fqn, arr, f"the local shard at offsets {b.offsets}")
+        check_writable_target(t.fqn, arr, f"the local shard at offsets {b.offsets}")
         out.append((arr, (b.offsets, b.sizes)))
     return out
 

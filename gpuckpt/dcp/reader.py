@@ -16,6 +16,7 @@ import gpuckpt.dcp.bridge as bridge
 import gpuckpt.dcp.convert as convert
 from gpuckpt.dcp.saved_bytesio import saved_bytesio
 from gpuckpt.dcp.tensors import as_torch, torch, torch_dtype
+from gpuckpt.device.arrays import adapt_leaf
 from gpuckpt.distributed.torch_dist import TorchCoordinator
 from gpuckpt.errors import (
     MetadataError,
@@ -24,6 +25,7 @@ from gpuckpt.errors import (
     UnsafeCheckpointError,
     UnsupportedValueError,
 )
+from gpuckpt.loading.targets import check_writable_target
 from gpuckpt.options import DEFAULT_STAGING_BYTES, LoadOptions
 from gpuckpt.storage.stores import path_text, shares_reads
 
@@ -223,6 +225,8 @@ class Reader(StorageReader):  # type: ignore[misc,unused-ignore]
             offsets = tuple(c + int(o) for c, o in zip(chunk, item.storage_offsets, strict=True))
             box = (offsets, tuple(int(n) for n in item.lengths))
             target = planner.resolve_tensor(item).detach()
+            # a target that cannot take the values element by element is refused before any read
+            check_writable_target(entry.fqn, adapt_leaf(target, entry.fqn), "the target")
             if tuple(target.shape) != box[1]:
                 raise ShapeMismatchError(
                     f"tensor {entry.fqn!r}: the planner resolved a target of shape {tuple(target.shape)} "

@@ -58,7 +58,7 @@ class Stager(AsyncStager):  # type: ignore[misc,unused-ignore]
         if isinstance(max_snapshots, bool) or not isinstance(max_snapshots, int) or max_snapshots < 1:
             raise InvalidOptionError(f"max_snapshots must be a positive integer, got {max_snapshots!r}")
         if timeout is not None and (
-            isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0
+            isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0
         ):
             raise InvalidOptionError(
                 f"timeout must be a non-negative number of seconds or None, got {timeout!r}"

@@ -22,6 +22,7 @@ import gpuckpt.dcp.bridge as bridge
 import gpuckpt.dcp.convert as convert
 from gpuckpt.dcp.fs_arguments import writer_arguments
 from gpuckpt.dcp.tensors import torch
+from gpuckpt.distributed.save import agreed_settings, check_agreement
 from gpuckpt.errors import GpuckptError, UnsupportedValueError
 from gpuckpt.format import memory_format as mf
 from gpuckpt.options import DEFAULT_CHUNK_BYTES, DEFAULT_STAGING_BYTES, SaveOptions
@@ -205,7 +206,8 @@ class Writer(StorageWriter):  # type: ignore[misc,unused-ignore]
 
     def prepare_local_plan(self, plan: DcpSavePlan) -> DcpSavePlan:
         convert.local_boxes(plan.items)  # unsupported dtypes fail here, on the rank that has them
-        return plan
+        # this rank's path and options, for the coordinator to compare (prepare_global_plan)
+        return dataclasses.replace(plan, storage_data=agreed_settings(self._path, self.options))
 
     def prepare_global_plan(self, plans: list[DcpSavePlan]) -> list[DcpSavePlan]:
         if not all(getattr(p, "usable", True) for p in plans):
@@ -213,6 +215,9 @@ class Writer(StorageWriter):  # type: ignore[misc,unused-ignore]
                 "gpuckpt.dcp.Writer cannot reuse cached save plans (each save writes into its own "
                 "temporary): make the DefaultSavePlanner without enable_plan_caching=True"
             )
+        settings = [p.storage_data for p in plans]
+        if all(isinstance(s, dict) for s in settings):  # (a planner may drop what a rank sent)
+            check_agreement(settings)  # every Writer of the job got the same path and options
         per_rank = [convert.local_boxes(p.items) for p in plans]
         described = [
             [

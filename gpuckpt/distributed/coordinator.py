@@ -49,6 +49,7 @@ __all__ = [
     "SingleProcessCoordinator",
     "check_coordinator",
     "check_error_argument",
+    "collectively",
     "describe_error",
     "disagreement",
 ]
@@ -64,6 +65,25 @@ def describe_error(error: BaseException) -> str:
     message = str(error)
     name = type(error).__name__
     return f"{name}: {message}" if message else name
+
+
+def collectively(coordinator: Coordinator, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` on this rank, then :meth:`Coordinator.all_reduce_errors`: every rank raises
+    if it failed on any. An interrupt (``KeyboardInterrupt``, ``SystemExit``) takes part in the
+    check too, so that the other ranks fail instead of waiting for this one in their next
+    collective, and goes on as itself on this rank."""
+    result, error = None, None
+    try:
+        result = fn(*args)
+    except BaseException as exc:  # every failure, interrupts included, must reach the check
+        error = exc
+    try:
+        coordinator.all_reduce_errors(error)
+    except DistributedError:
+        if error is not None and not isinstance(error, Exception):
+            raise error from None
+        raise
+    return result
 
 
 def disagreement(values: Sequence[Any], show: Callable[[Any], str] = repr) -> str | None:

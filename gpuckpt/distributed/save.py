@@ -45,7 +45,8 @@ from typing import Any
 
 import numpy as np
 
-from gpuckpt.distributed.coordinator import Coordinator
+from gpuckpt.distributed.coordinator import Coordinator, collectively, disagreement
+from gpuckpt.errors import InvalidOptionError
 from gpuckpt.format.metadata import Metadata
 from gpuckpt.format.reader import read_index
 from gpuckpt.format.records import TABLE_MIN_CHUNKS
@@ -69,23 +70,24 @@ from gpuckpt.saving.writing import (
     bind_jobs,
     open_save_writer,
 )
-from gpuckpt.storage.stores import attach_writer
+from gpuckpt.storage.stores import attach_writer, path_text
 
-__all__ = ["PlanCacheInfo", "distributed_save", "plan_cache_info", "save_described"]
+__all__ = [
+    "PlanCacheInfo",
+    "agreed_settings",
+    "check_agreement",
+    "distributed_save",
+    "plan_cache_info",
+    "save_described",
+]
 
 #: what a rank saves: its state's description and the arrays behind it (see :mod:`gpuckpt.saving.sources`)
 Described = tuple[StateDescription, dict[str, tuple[Source, ...]]]
 
 
 def _run(coord: Coordinator, fn: Any, *args: Any) -> Any:
-    """Run ``fn`` on this rank; collectively raise if it failed on any rank."""
-    result, error = None, None
-    try:
-        result = fn(*args)
-    except Exception as exc:  # every error must reach the collective check
-        error = exc
-    coord.all_reduce_errors(error)
-    return result
+    """Run ``fn`` on this rank; collectively raise if it failed (or was interrupted) on any rank."""
+    return collectively(coord, fn, *args)
 
 
 def distributed_save(
@@ -145,6 +147,51 @@ def _layout_keys(local: StateDescription, options: SaveOptions) -> tuple[bytes, 
     return digest + repr(options.codecs).encode(), compact
 
 
+#: the save options every rank must give alike (the others, such as threads, progress or staging
+#: memory, are each rank's own): rank 0's decide the plan and the checkpoint
+_AGREED = ("chunk_bytes", "portable", "sync", "overwrite", "allow_pickle", "content_hash", "base")
+
+
+def agreed_settings(path: str | os.PathLike[str], options: SaveOptions) -> dict[str, Any]:
+    """What every rank of a distributed save must give alike: the path and the save options that
+    decide the checkpoint (:func:`check_agreement` compares them)."""
+    text = path_text(path)
+    where = text if "://" in text else os.path.abspath(text)
+    c = options.codecs
+    codec = (
+        None
+        if c is None
+        else f"{c.codec}"
+        + (f" {c.cname}-{c.level} {c.shuffle} {c.blocksize}" if c.codec == "blosc" else f"-{c.level}")
+        + (" auto" if c.auto else "")
+        + (" on the device" if c.device else "")
+    )
+    agreed: dict[str, Any] = {"path": where, "compression": codec}
+    for name in _AGREED:
+        value = getattr(options, name)
+        if name == "base" and value is not None:
+            base = os.fspath(value)
+            value = base if "://" in base else os.path.abspath(base)
+        agreed[name] = value
+    return agreed
+
+
+def check_agreement(settings: list[dict[str, Any]]) -> None:
+    """A :class:`~gpuckpt.errors.InvalidOptionError` naming each setting the ranks gave differently,
+    with the ranks that gave each value (every rank raises it: they all see every setting)."""
+    differ = [
+        f"{name}: {found}"
+        for name in settings[0]
+        if (found := disagreement([s[name] for s in settings])) is not None
+    ]
+    if differ:
+        raise InvalidOptionError(
+            f"the ranks of a distributed save gave different settings ({'; '.join(differ)}); every rank "
+            "must pass the same path and the same save options (threads, progress and staging may "
+            "differ). Nothing was written"
+        )
+
+
 def save_described(
     describe: Callable[[], Described],
     path: str | os.PathLike[str],
@@ -168,13 +215,20 @@ def save_described(
     # each rank also says which layouts its cached plan is for: every rank sees the same
     # list, so every rank decides alike (a rank without the cache makes it a miss for all)
     sent = coord.all_gather(
-        (digest, None if compact is None else compact.digest, None if cached is None else cached.token)
+        (
+            digest,
+            None if compact is None else compact.digest,
+            None if cached is None else cached.token,
+            agreed_settings(path, options),
+        )
     )
-    keys: list[tuple[bytes, bytes | None]] = [(d, c) for d, c, _ in sent]
+    # every rank sees every rank's settings: where they differ, all raise the same error here
+    check_agreement([s[3] for s in sent])
+    keys: list[tuple[bytes, bytes | None]] = [(d, c) for d, c, _, _ in sent]
     layout_token = _token(keys)
     values: list[Any] | None = None
     gathered: list[Any] | None = None
-    hit = all(t == layout_token for _, _, t in sent)
+    hit = all(t == layout_token for _, _, t, _ in sent)
     info = plan_cache_info(coord)
     writer: Any = None
     if hit:

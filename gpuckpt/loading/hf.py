@@ -22,13 +22,12 @@ from typing import Any
 
 import numpy as np
 
-from gpuckpt.device.arrays import adapt, is_array, overlaps_itself
+from gpuckpt.device.arrays import adapt, is_array
 from gpuckpt.errors import (
     DTypeMismatchError,
     MetadataError,
     MissingChunkError,
     MissingKeyError,
-    ReadOnlyTargetError,
     ShapeMismatchError,
     UnsupportedValueError,
 )
@@ -42,6 +41,7 @@ from gpuckpt.format.safetensors import (
     parse_header,
     parse_index,
 )
+from gpuckpt.loading.targets import check_writable_target
 from gpuckpt.options import LoadOptions
 from gpuckpt.progress import ProgressCounter
 from gpuckpt.runtime.runner import run_all
@@ -303,18 +303,8 @@ def load_hf(state_dict: dict[str, Any], path: str | os.PathLike[str], options: L
                 f"tensor {fqn!r}: loads from a safetensors directory fill host arrays; load with "
                 "gpuckpt.load_state_dict and copy to the device"
             )
+        check_writable_target(fqn, target, "the target")  # (before anything is read into any target)
         host = target.host_array()
-        if host.flags.writeable and overlaps_itself(host.shape, host.strides, host.itemsize):
-            raise ReadOnlyTargetError(
-                f"tensor {fqn!r}: the target has elements that share memory (byte strides "
-                f"{host.strides}: a broadcast view), so it cannot be loaded in place; pass an array "
-                "of its own memory (nothing was loaded)"
-            )
-        if not host.flags.writeable:  # (before anything is read into any target)
-            raise ReadOnlyTargetError(
-                f"tensor {fqn!r}: the target array is read-only; load into a writable array "
-                "(nothing was loaded)"
-            )
         if host.flags.c_contiguous and host.dtype == dt and dt != np.bool_:
             direct.append((fqn, host))
         else:  # another layout or byte order: read as stored, then copied (and swapped) in;

@@ -23,12 +23,14 @@ from __future__ import annotations
 import functools
 import math
 import operator
+import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from gpuckpt.errors import UnsupportedValueError
 from gpuckpt.format.codecs import Codec, Compression
 from gpuckpt.format.dtypes import dtype_from_name
 from gpuckpt.format.grid import ChunkGrid, ChunkSpec
@@ -242,25 +244,67 @@ class SavePlan:
         return tuple(self.assignments_of(r) for r in range(self.world_size))
 
 
-def merge_skeletons(a: Any, b: Any) -> Any:
-    """Union of two structure skeletons (ranks of a pipeline hold different parts)."""
-    if isinstance(a, dict) and isinstance(b, dict) and "d" in a and "d" in b:
-        items = {(kt, k): child for kt, k, child in a["d"]}
-        for kt, k, child in b["d"]:
-            items[(kt, k)] = merge_skeletons(items[(kt, k)], child) if (kt, k) in items else child
-        return {"d": [[kt, k, child] for (kt, k), child in items.items()]}
-    return a
+def merge_skeletons(a: Any, b: Any, where: str = "the state") -> Any:
+    """Union of two structure skeletons (ranks of a pipeline hold different parts of a dict; a
+    list or tuple is merged item by item). Raises :class:`~gpuckpt.errors.UnsupportedValueError`
+    where they cannot both hold: another kind of container, or sequences of other lengths, at
+    one place (keeping either would lose what the other rank saved)."""
+    if a == b:
+        return a
+    if isinstance(a, dict) and isinstance(b, dict):
+        if "d" in a and "d" in b:
+            items = {(kt, k): child for kt, k, child in a["d"]}
+            for kt, k, child in b["d"]:
+                at = f"{where}[{k!r}]"
+                items[(kt, k)] = merge_skeletons(items[(kt, k)], child, at) if (kt, k) in items else child
+            return {"d": [[kt, k, child] for (kt, k), child in items.items()]}
+        for tag in ("l", "t"):
+            if tag in a and tag in b and len(a[tag]) == len(b[tag]):
+                pairs = enumerate(zip(a[tag], b[tag], strict=True))
+                return {tag: [merge_skeletons(x, y, f"{where}[{i}]") for i, (x, y) in pairs]}
+    raise UnsupportedValueError(
+        f"the ranks' states differ in structure at {where}: {_kind(a)} on one rank, {_kind(b)} on "
+        "another; every rank must hold the same containers (a rank may hold only some keys of a "
+        "dict), or the checkpoint would keep only one rank's"
+    )
+
+
+def _kind(skeleton: Any) -> str:
+    if not isinstance(skeleton, dict):
+        return "an empty container"
+    if "v" in skeleton:
+        return "a value or tensor"
+    if "d" in skeleton:
+        return "a dict"
+    for tag, name in (("l", "list"), ("t", "tuple")):
+        if tag in skeleton:
+            return f"a {name} of {len(skeleton[tag])} items"
+    return "something else"
 
 
 def merge_values(ranks: Sequence[tuple[Mapping[str, Any], Any]]) -> tuple[dict[str, Any], Any]:
-    """The plain values (first rank's wins) and the merged skeleton of ``(objects, skeleton)`` per rank."""
+    """The plain values and the merged skeleton of ``(objects, skeleton)`` per rank. A value that
+    several ranks hold is taken from the first; where another rank's differs, a ``UserWarning``
+    names it and the ranks (as DCP, which saves plain values from one rank, keeps one)."""
     objects: dict[str, Any] = {}
+    differ: dict[str, list[int]] = {}
     skeleton = ranks[0][1]
     for i, (objs, skel) in enumerate(ranks):
         for k, v in objs.items():
-            objects.setdefault(k, v)
+            if k not in objects:
+                objects[k] = v
+            elif objects[k] != v:
+                differ.setdefault(k, []).append(i)
         if i:
             skeleton = merge_skeletons(skeleton, skel)
+    if differ:
+        shown = ", ".join(f"{k!r} (ranks {r})" for k, r in list(differ.items())[:5])
+        warnings.warn(
+            f"{len(differ)} plain value(s) differ between the ranks, and the checkpoint keeps the first "
+            f"rank's that holds each: {shown}{' ...' if len(differ) > 5 else ''}; make them equal on "
+            "every rank, or give a rank's own values keys of their own (e.g. f'rng.{rank}')",
+            stacklevel=2,
+        )
     return objects, skeleton
 
 
@@ -316,6 +360,13 @@ def plan_save(
         tensors.append(t)
         row += t.nchunks
     objects, skeleton = merge_values([(r.objects, r.skeleton) for r in ranks])
+    both = sorted(objects.keys() & {t.fqn for t in tensors})
+    if both:
+        raise UnsupportedValueError(
+            f"{len(both)} entr{'y is' if len(both) == 1 else 'ies are'} a tensor on some ranks and a plain "
+            f"value on others: {both[:5]}; every rank must hold the same kind of thing under a key (the "
+            "checkpoint would keep only one of them)"
+        )
     report = None if compression is None else compression.report
     return SavePlan(tuple(tensors), objects, skeleton, len(ranks), report)
 

@@ -89,6 +89,31 @@ def test_corrupted_chunk_names_the_tensor(saved: Path) -> None:
     assert digest(saved) == before  # a load never writes
 
 
+def test_targets_that_cannot_take_the_values_are_refused_naming_the_tensor(tmp_path: Path) -> None:
+    """A target made by expand() (elements sharing memory) was filled with one value per address,
+    silently; a lazily conjugated view failed with a bare BufferError. Both are now the
+    ReadOnlyTargetError gpuckpt.load gives, naming the tensor, before anything is read."""
+    import re
+
+    z = torch.complex(torch.arange(4.0), torch.ones(4))
+    dcp.save(
+        {"w": torch.arange(12.0).reshape(4, 3), "z": z}, storage_writer=gpuckpt.dcp.Writer(tmp_path / "c")
+    )
+    for key, target, match in (
+        ("w", torch.zeros(1, 3).expand(4, 3), r"tensor 'w'.*share memory"),
+        ("z", torch.zeros(4, dtype=torch.complex64).conj(), r"tensor 'z'.*read-only"),
+    ):
+        other = "z" if key == "w" else "w"
+        state = {key: target, other: torch.zeros_like(z if other == "z" else torch.zeros(4, 3))}
+        with pytest.raises(CheckpointException) as info:
+            dcp.load(state, storage_reader=gpuckpt.dcp.Reader(tmp_path / "c"))
+        failures = info.value.failures
+        error = failures[0][0] if isinstance(failures[0], tuple) else failures[0]
+        assert isinstance(error, gpuckpt.ReadOnlyTargetError), error
+        assert re.search(match, str(error)), str(error)
+        assert not state[other].any()  # checked before anything was read
+
+
 def test_requested_key_not_in_checkpoint(saved: Path) -> None:
     before = digest(saved)
     target: dict[str, Any] = {"w": torch.zeros(4, 3), "missing": torch.zeros(2)}
@@ -303,3 +328,24 @@ def test_cached_save_plans_are_refused_clearly(tmp_path: Path) -> None:
         )
     assert "enable_plan_caching" in str(info.value)
     assert not (tmp_path / "second").exists() and temporaries(tmp_path / "second") == []
+
+
+def test_writers_of_one_job_with_different_paths_or_options_are_refused(tmp_path: Path) -> None:
+    """Each rank's Writer sends its path and options with its local plan; the coordinator refuses
+    a job whose Writers differ (rank 1's compression and path were ignored, its chunks written to
+    rank 0's path), naming each setting and its ranks; nothing is written."""
+    from torch.distributed.checkpoint.planner import SavePlan
+
+    writers = [
+        gpuckpt.dcp.Writer(tmp_path / "c", compression="zstd"),
+        gpuckpt.dcp.Writer(tmp_path / "d"),
+    ]
+    plans = [w.prepare_local_plan(SavePlan([])) for w in writers]
+    with pytest.raises(
+        gpuckpt.InvalidOptionError, match=r"path: '.*/c' on rank 0, '.*/d' on rank 1; compression"
+    ):
+        writers[0].prepare_global_plan(plans)
+    assert not (tmp_path / "c").exists() and not (tmp_path / "d").exists()
+    same = [gpuckpt.dcp.Writer(tmp_path / "c", threads=t) for t in (1, 2)]  # threads are each rank's own
+    assert len(same[0].prepare_global_plan([w.prepare_local_plan(SavePlan([])) for w in same])) == 2
+    same[0]._discard()

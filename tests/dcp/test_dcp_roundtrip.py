@@ -359,6 +359,9 @@ def test_writer_options_are_checked_at_construction(tmp_path: Path) -> None:
         gpuckpt.dcp.Writer(tmp_path / "c", chunk_bytes=0)
     with pytest.raises(ValueError, match="staging"):
         gpuckpt.dcp.Stager(staging="gpu")
+    for timeout in (-1, "5", float("nan")):  # (NaN was taken, and waited without a limit)
+        with pytest.raises(gpuckpt.InvalidOptionError, match="timeout must be a non-negative number"):
+            gpuckpt.dcp.Stager(timeout=timeout)  # type: ignore[arg-type]
     assert not (tmp_path / "c").exists()
     assert gpuckpt.dcp.Writer.validate_checkpoint_id(tmp_path / "c")
     assert gpuckpt.dcp.Writer.validate_checkpoint_id("s3://bucket/ckpt")
