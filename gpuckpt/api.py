@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import uuid
 from collections.abc import Callable, Mapping
@@ -286,7 +287,10 @@ def load_with_options(
     if coordinator.world_size > 1 and not is_hf_source(path) and _cooperates(path, options, coordinator):
         _load_cooperative(state_dict, path, options, coordinator)
         return
-    collectively(coordinator, _load, state_dict, path, options)  # any rank's failure on every rank
+    # every rank checks its targets before any rank reads: a rank's bad target fails every rank
+    # with nothing written; then any rank's failure to read is raised on every rank
+    read = collectively(coordinator, _prepared_load, state_dict, path, options)
+    collectively(coordinator, read)
 
 
 def _cooperates(path: PathLike, options: LoadOptions, coordinator: Coordinator) -> bool:
@@ -372,16 +376,26 @@ def _allocate_placeholders(ready: _PreparedLoad) -> list[tuple[Any, np.ndarray]]
 
 @paused_gc()
 def _load(state_dict: STATE_DICT_TYPE, path: PathLike, options: LoadOptions) -> None:
+    _prepared_load(state_dict, path, options)()
+
+
+def _prepared_load(state_dict: STATE_DICT_TYPE, path: PathLike, options: LoadOptions) -> Callable[[], None]:
+    """The load of ``path`` into ``state_dict``, checked and ready: every target is checked and new
+    arrays allocated before it returns, and the call it returns reads (so that ranks can agree
+    that all of them are ready before any target is written)."""
     if is_hf_source(path):  # a Hugging Face directory or safetensors file: no gpuckpt metadata
-        load_hf(state_dict, path, options)
-        return
+        return functools.partial(load_hf, state_dict, path, options)
     ready = _prepare(state_dict, path, options, whole=True)
     fresh = _allocate_placeholders(ready)
-    reads = ready.reads or prepare_reads(ready.reader, ready.targets, options)
-    reads()
-    read_boxes(ready.reader, ready.requests, options)
-    for leaf, value in (*fresh, *ready.decoded):
-        leaf.replace(value)
+
+    def read() -> None:
+        reads = ready.reads or prepare_reads(ready.reader, ready.targets, options)
+        reads()
+        read_boxes(ready.reader, ready.requests, options)
+        for leaf, value in (*fresh, *ready.decoded):
+            leaf.replace(value)
+
+    return read
 
 
 @paused_gc()
@@ -457,7 +471,8 @@ def _shard_targets(t: TensorEntry, value: Any) -> list[tuple[Any, Box]]:
         arr = adapt(b.local)
         if arr.dtype.newbyteorder("=") != t.dtype:
             raise DTypeMismatchError(
-                f"tensor {t.fqn!r}: the checkpoint has dtype {t.dtype}, the ShardedArray holds {arr.dtype}"
+                f"tensor {t.fqn!r}: the checkpoint has dtype {t.dtype}, the ShardedArray holds {arr.dtype}; "
+                "load into local arrays of the stored dtype and convert afterwards"
             )
         check_writable_target(t.fqn, arr, f"the local shard at offsets {b.offsets}")
         out.append((arr, (b.offsets, b.sizes)))

@@ -9,6 +9,7 @@ gloo group over the same ranks.
 from __future__ import annotations
 
 import ctypes
+import functools
 import pickle
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -17,6 +18,7 @@ import numpy as np
 
 from gpuckpt.distributed.coordinator import Coordinator, CoordinatorError, MissingDependencyError
 from gpuckpt.distributed.exchange import dumps
+from gpuckpt.errors import GpuckptError
 
 __all__ = ["TorchCoordinator"]
 
@@ -47,6 +49,30 @@ def _slot_length(slot: np.ndarray) -> int:
 
 def _slot_object(slot: np.ndarray, n: int) -> Any:
     return pickle.loads(slot[_LENGTH_BYTES : _LENGTH_BYTES + n].tobytes())
+
+
+def _transport_errors(method: Any) -> Any:
+    """A collective of :class:`TorchCoordinator` whose transport fails (gloo's "Connection closed
+    by peer" when a rank of the job was killed, NCCL's timeouts) raises a
+    :class:`~gpuckpt.errors.CoordinatorError` naming the collective and what it means, not
+    torch's bare ``RuntimeError``; gpuckpt's own errors pass as they are."""
+
+    @functools.wraps(method)
+    def call(self: TorchCoordinator, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except RuntimeError as exc:
+            if isinstance(exc, GpuckptError):
+                raise
+            said = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+            raise CoordinatorError(
+                f"TorchCoordinator.{method.__name__} on rank {self._rank} of {self._size} failed in "
+                f"torch.distributed ({said}): another rank of the job died or left it (a killed "
+                "process, a lost node), or the process group timed out; this rank gave up the "
+                "operation (nothing was published)"
+            ) from exc
+
+    return call
 
 
 def _torch_distributed() -> Any:
@@ -132,12 +158,14 @@ class TorchCoordinator(Coordinator):
             return rank
         return int(self._dist.get_global_rank(self._group, rank))
 
+    @_transport_errors
     def gather(self, obj: Any, root: int = 0) -> list[Any] | None:
         dst = self._global(root)
         out: list[Any] | None = [None] * self._size if self._rank == root else None
         self._dist.gather_object(obj, out, dst=dst, group=self._group)
         return out
 
+    @_transport_errors
     def scatter(self, objs: list[Any] | None, root: int = 0) -> Any:
         src = self._global(root)
         payload = self._scatter_payload(objs) if self._rank == root else None
@@ -145,6 +173,7 @@ class TorchCoordinator(Coordinator):
         self._dist.scatter_object_list(out, payload, src=src, group=self._group)
         return self._scatter_result(out[0])
 
+    @_transport_errors
     def broadcast(self, obj: Any, root: int = 0) -> Any:
         """``obj`` of rank ``root``, on every rank (a copy on the others). Over gloo in one
         round of one fixed-size slot where the pickle fits :data:`GATHER_SLOT_BYTES` (a second
@@ -167,6 +196,7 @@ class TorchCoordinator(Coordinator):
         self._dist.broadcast(torch.from_numpy(body), src=src, group=self._group)
         return obj if self._rank == root else pickle.loads(body.tobytes())
 
+    @_transport_errors
     def all_gather(self, obj: Any) -> list[Any]:
         """Every rank's ``obj``. Over gloo in one round of fixed-size slots where every rank's
         pickle fits :data:`GATHER_SLOT_BYTES` (a second round, of the largest size, where one
@@ -194,6 +224,7 @@ class TorchCoordinator(Coordinator):
         self._dist.all_gather(bodies, mine, group=self._group)
         return [pickle.loads(t.numpy()[:n].tobytes()) for t, n in zip(bodies, lengths, strict=True)]
 
+    @_transport_errors
     def all_reduce_xor(self, values: np.ndarray) -> np.ndarray:
         # gloo reduces integers bitwise on the CPU; NCCL has no bitwise reduction: the default
         if self._dist.get_backend(self._group) != "gloo":
@@ -205,6 +236,7 @@ class TorchCoordinator(Coordinator):
         self._dist.all_reduce(t, op=self._dist.ReduceOp.BXOR, group=self._group)
         return np.asarray(t.numpy()).view(np.uint64).reshape(send.shape)
 
+    @_transport_errors
     def barrier(self) -> None:
         self._dist.barrier(group=self._group)
 
@@ -250,6 +282,7 @@ class TorchCoordinator(Coordinator):
             ) from exc
         return TorchCoordinator(group)
 
+    @_transport_errors
     def exchange_objects(self, sends: Mapping[int, Any], sources: Iterable[int]) -> dict[int, Any]:
         """``isend``/``irecv`` of each pickle's size, then of its bytes (all posted, then waited).
 
@@ -289,6 +322,7 @@ class TorchCoordinator(Coordinator):
             work.wait()
         return {src: pickle.loads(pickles[me] if src == me else buffers[src]) for src in srcs}
 
+    @_transport_errors
     def exchange_buffers(
         self, sends: Mapping[int, Sequence[Any]], recvs: Mapping[int, Sequence[Any]]
     ) -> None:

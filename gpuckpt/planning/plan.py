@@ -308,6 +308,19 @@ def merge_values(ranks: Sequence[tuple[Mapping[str, Any], Any]]) -> tuple[dict[s
     return objects, skeleton
 
 
+def _refuse_tensor_and_value(ranks: Sequence[StateDescription | CompactDescription]) -> None:
+    """A key that is a tensor on some ranks and a plain value on others: the checkpoint would keep
+    only one of them (and the tensor's boxes would not tile it)."""
+    held = {t.fqn for r in ranks if r.tensors is not None for t in r.tensors}
+    both = sorted({k for r in ranks for k in r.objects if k in held})
+    if both:
+        raise UnsupportedValueError(
+            f"{len(both)} entr{'y is' if len(both) == 1 else 'ies are'} a tensor on some ranks and a plain "
+            f"value on others: {both[:5]}; every rank must hold the same kind of thing under a key (the "
+            "checkpoint would keep only one of them)"
+        )
+
+
 def plan_save(
     ranks: Sequence[StateDescription | CompactDescription],
     *,
@@ -330,6 +343,7 @@ def plan_save(
     """
     if not ranks:
         raise ValueError("plan_save needs the description of at least one process")
+    _refuse_tensor_and_value(ranks)
     planned: Iterable[tuple[LocalTensor, ChunkGrid, TensorWrites]]
     if all(isinstance(r, CompactDescription) for r in ranks):
         compact = [r for r in ranks if isinstance(r, CompactDescription)]
@@ -360,13 +374,6 @@ def plan_save(
         tensors.append(t)
         row += t.nchunks
     objects, skeleton = merge_values([(r.objects, r.skeleton) for r in ranks])
-    both = sorted(objects.keys() & {t.fqn for t in tensors})
-    if both:
-        raise UnsupportedValueError(
-            f"{len(both)} entr{'y is' if len(both) == 1 else 'ies are'} a tensor on some ranks and a plain "
-            f"value on others: {both[:5]}; every rank must hold the same kind of thing under a key (the "
-            "checkpoint would keep only one of them)"
-        )
     report = None if compression is None else compression.report
     return SavePlan(tuple(tensors), objects, skeleton, len(ranks), report)
 

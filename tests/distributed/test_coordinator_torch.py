@@ -50,3 +50,14 @@ def test_missing_torch_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None
     with pytest.raises(MissingDependencyError, match="needs torch") as info:
         TorchCoordinator()
     assert isinstance(info.value, ImportError)
+
+
+@pytest.mark.torch
+def test_a_rank_that_dies_is_a_coordinator_error_on_the_others(run_torch: Any) -> None:
+    """gloo's "Connection closed by peer" reached the other ranks as torch's bare RuntimeError;
+    it is now a CoordinatorError naming the collective and what it means, and nothing is published."""
+    job = run_torch(2, "misbehave.py", "torch-dies", timeout=120)
+    got = job.results[0]
+    assert got["raised"] == "CoordinatorError" and got["gpuckpt"] == "True", job.describe()
+    assert "another rank of the job died or left it" in got["message"], got
+    assert 1 not in job.results  # (the dead rank wrote nothing)
