@@ -129,3 +129,36 @@ def test_an_interrupt_on_one_rank_fails_the_others_instead_of_leaving_them_waiti
     assert isinstance(got[0], gpuckpt.DistributedError) and "KeyboardInterrupt" in str(got[0]), got
     assert isinstance(got[1], KeyboardInterrupt), got
     assert not (tmp_path / "c").exists()
+
+
+def test_a_bad_target_on_one_rank_leaves_every_rank_s_targets_unwritten(tmp_path: Path) -> None:
+    """A load with a coordinator (not cooperative: each rank reads its own) checks every rank's
+    targets before any rank reads: rank 1's wrong dtype used to fail the load after rank 0 had
+    filled its target."""
+    import numpy as np
+
+    full = np.arange(16.0, dtype=np.float32).reshape(4, 4)
+
+    def save(c: Any) -> None:
+        box = gpuckpt.ShardedArray(full[2 * c.rank : 2 * c.rank + 2], (2 * c.rank, 0), full.shape)
+        gpuckpt.save({"w": box}, tmp_path / "c", coordinator=c)
+
+    run_ranks(2, save)
+
+    def load(c: Any) -> Any:
+        local = np.zeros((2, 4), np.float64 if c.rank == 1 else np.float32)
+        try:
+            gpuckpt.load(
+                {"w": gpuckpt.ShardedArray(local, (2 * c.rank, 0), full.shape)},
+                tmp_path / "c",
+                coordinator=c,
+                cooperative=False,
+            )
+        except gpuckpt.DistributedError as exc:
+            return exc, local
+        return None, local
+
+    got = run_ranks(2, load, timeout=30)
+    for exc, local in got:
+        assert exc is not None and "DTypeMismatchError" in str(exc) and "convert afterwards" in str(exc), exc
+        assert not local.any()  # nothing read on any rank
