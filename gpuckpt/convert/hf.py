@@ -49,7 +49,7 @@ from gpuckpt.convert.hf_layout import (
     plan_groups,
     plan_shards,
 )
-from gpuckpt.convert.safetensors_io import check_tensor_name, open_source, output_errors
+from gpuckpt.convert.safetensors_io import check_tensor_name, open_source, output_errors, temporary_name
 from gpuckpt.device.sharded import ShardedArray
 from gpuckpt.errors import CheckpointExistsError, InvalidOptionError, UnsupportedValueError
 from gpuckpt.format.grid import axis_starts
@@ -218,10 +218,7 @@ def export_hf(
     with output_errors(dst):
         dst.parent.mkdir(parents=True, exist_ok=True)
         cleanup_dead_writers(dst)  # what killed exports to this path left
-        tmp = (
-            dst.parent
-            / f"{fsutil.side_prefix(dst.name, '.gpuckpt-tmp-')}{fsutil.tmp_owner()}-{secrets.token_hex(4)}"
-        )
+        tmp = temporary_name(dst)
         tmp.mkdir()
         try:
             _write_shards(src, tmp, plans, threads, progress, storage_options)

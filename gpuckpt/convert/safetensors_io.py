@@ -251,14 +251,8 @@ def write_safetensors(
 def _write_file(
     path: Path, raw: bytes, items: list[tuple[str, Any]], counter: ProgressCounter, overwrite: bool
 ) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    cleanup_dead_writers(path)  # what killed conversions to this path left
-    tmp = (
-        path.parent
-        / f"{fsutil.side_prefix(path.name, '.gpuckpt-tmp-')}{fsutil.tmp_owner()}-{secrets.token_hex(4)}"
-    )
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
+    with published_file(path, overwrite) as tmp:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             write_all(fd, len(raw).to_bytes(8, "little"))
             write_all(fd, raw)
@@ -269,11 +263,35 @@ def _write_file(
             os.fsync(fd)
         finally:
             os.close(fd)
-        if overwrite:
-            os.replace(tmp, path)
-        else:
-            fsutil.rename_noreplace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsutil.fsync_dir(path.parent)
+
+
+def temporary_name(path: Path) -> Path:
+    """The temporary a conversion writes ``path`` as, beside it, named for this process (so that
+    the next conversion to ``path`` removes it once this process is dead:
+    :func:`~gpuckpt.storage.stores.cleanup_dead_writers`)."""
+    return (
+        path.parent
+        / f"{fsutil.side_prefix(path.name, '.gpuckpt-tmp-')}{fsutil.tmp_owner()}-{secrets.token_hex(4)}"
+    )
+
+
+@contextlib.contextmanager
+def published_file(path: Path, overwrite: bool) -> Iterator[Path]:
+    """The temporary to write (and fsync) ``path`` as in the block, published at ``path`` once it
+    ends (replacing a file there only with ``overwrite``) and removed if it raises; what dead
+    conversions to ``path`` left is removed first, and the file system's errors are those of
+    :func:`output_errors`."""
+    with output_errors(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        cleanup_dead_writers(path)
+        tmp = temporary_name(path)
+        try:
+            yield tmp
+            if overwrite:
+                os.replace(tmp, path)
+            else:
+                fsutil.rename_noreplace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        fsutil.fsync_dir(path.parent)

@@ -15,17 +15,14 @@ atomically (temporary file, fsync, rename).
 from __future__ import annotations
 
 import os
-import secrets
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from gpuckpt.convert.safetensors_io import output_errors
+from gpuckpt.convert.safetensors_io import published_file
 from gpuckpt.convert.torch_io import VIEW_AS, import_torch
 from gpuckpt.errors import CheckpointExistsError, UnsafeCheckpointError, UnsupportedValueError
-from gpuckpt.storage.local import fsutil
-from gpuckpt.storage.stores import cleanup_dead_writers
 
 __all__ = ["count", "dcp_state", "gpuckpt_state", "numpy_to_torch", "write_torch_save"]
 
@@ -125,23 +122,7 @@ def write_torch_save(state: Any, path: str | os.PathLike[str], *, overwrite: boo
     path = Path(path)
     if (path.exists() or path.is_symlink()) and not overwrite:
         raise CheckpointExistsError(f"{path} already exists; pass overwrite=True (--overwrite) to replace it")
-    with output_errors(path):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        cleanup_dead_writers(path)  # what killed conversions to this path left
-        tmp = (
-            path.parent
-            / f"{fsutil.side_prefix(path.name, '.gpuckpt-tmp-')}{fsutil.tmp_owner()}-{secrets.token_hex(4)}"
-        )
-        try:
-            with open(tmp, "xb") as f:
-                torch.save(state, f)
-                f.flush()
-                os.fsync(f.fileno())
-            if overwrite:
-                os.replace(tmp, path)
-            else:
-                fsutil.rename_noreplace(tmp, path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        fsutil.fsync_dir(path.parent)
+    with published_file(path, overwrite) as tmp, open(tmp, "xb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
