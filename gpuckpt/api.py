@@ -61,7 +61,7 @@ from gpuckpt.saving.incremental import check_base_target
 from gpuckpt.saving.session import execute_save
 from gpuckpt.saving.sources import contains_sharded, describe_state, is_leaf
 from gpuckpt.saving.writing import open_save_writer
-from gpuckpt.state import flatten_state_dict, select_fqns, unflatten_state_dict
+from gpuckpt.state import flatten_state_dict, key_names, select_fqns, unflatten_state_dict
 from gpuckpt.storage.base import CheckpointReader
 from gpuckpt.storage.stores import shares_reads
 
@@ -561,6 +561,7 @@ def load_state_dict(
         staging_bytes=staging_bytes,
         storage_options=storage_options,
     )
+    keys = key_names(keys)  # (InvalidOptionError for what is not a name; an int key's FQN)
     if is_hf_source(path):  # a Hugging Face directory or safetensors file: host arrays by name
         if _backend_for(device) is not None:
             raise UnsupportedValueError(

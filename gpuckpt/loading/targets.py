@@ -41,7 +41,9 @@ def check_writable_target(fqn: str, arr: ArrayAdapter, what: str = "the target")
     if not host.flags.writeable:
         kind = "memory map" if isinstance(host, np.memmap) or isinstance(host.base, mmap.mmap) else "array"
         raise ReadOnlyTargetError(
-            f"tensor {fqn!r}: {what} is a read-only {kind} ({type(host).__name__}, writeable=False), "
-            "so it cannot be loaded in place; pass a writable array (np.array(x) copies one; open a "
-            "memmap with mode='r+'), or use load_state_dict to get new arrays (nothing was loaded)"
+            f"tensor {fqn!r}: {what} is a read-only {kind} ({type(host).__name__}, writeable=False; a "
+            "torch view whose conjugate or negation is lazy, from conj() or .imag of one, is read "
+            "that way too), so it cannot be loaded in place; pass a writable array (np.array(x) or "
+            "x.resolve_conj().resolve_neg() copies one; open a memmap with mode='r+'), or use "
+            "load_state_dict to get new arrays (nothing was loaded)"
         )

@@ -298,7 +298,10 @@ def merge_values(ranks: Sequence[tuple[Mapping[str, Any], Any]]) -> tuple[dict[s
         if i:
             skeleton = merge_skeletons(skeleton, skel)
     if differ:
-        shown = ", ".join(f"{k!r} (ranks {r})" for k, r in list(differ.items())[:5])
+        shown = ", ".join(
+            f"{k!r} (ranks {r[:8]}{f' ... {len(r)} in all' if len(r) > 8 else ''})"
+            for k, r in list(differ.items())[:5]
+        )
         warnings.warn(
             f"{len(differ)} plain value(s) differ between the ranks, and the checkpoint keeps the first "
             f"rank's that holds each: {shown}{' ...' if len(differ) > 5 else ''}; make them equal on "

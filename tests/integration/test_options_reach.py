@@ -621,6 +621,7 @@ def test_keys_devices_and_paths_that_are_not_such_are_typed_errors(tmp_path: Pat
     and TypeError), never a bare one from deep inside; an int key is selected by its digits."""
     gpuckpt.save({1: np.ones(2), "step": 3, "m": {"w": np.zeros(3)}}, tmp_path / "c")
     assert list(gpuckpt.load_state_dict(tmp_path / "c", keys=[1])) == [1]
+    assert list(gpuckpt.load_state_dict(tmp_path / "c", keys=1)) == [1]  # (one name, not a list)
     assert list(gpuckpt.load_state_dict(tmp_path / "c", keys="m")["m"]) == ["w"]
     for keys in ([None], [b"step"], [1.5], b"step", {"m": 1}, 7.0, [True]):
         with pytest.raises(gpuckpt.InvalidOptionError, match="keys must"):
