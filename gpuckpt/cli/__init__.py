@@ -13,7 +13,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import signal
 import sys
+import threading
 from collections.abc import Sequence
 from typing import NoReturn
 
@@ -70,8 +72,39 @@ def _version() -> str:
     return __version__
 
 
+class _Interrupts:
+    """Whether Ctrl-C came while a command ran: a library may turn the KeyboardInterrupt into its
+    own error (torch's DCP wraps it in a CheckpointException; an interrupted torch.save raises a
+    RuntimeError), and the command still ends as interrupted (exit 130), not as a failure."""
+
+    def __init__(self) -> None:
+        self.seen = False
+        self._previous: object = None
+
+    def _on_sigint(self, signum: int, frame: object) -> None:
+        self.seen = True
+        raise KeyboardInterrupt
+
+    def __enter__(self) -> _Interrupts:
+        if threading.current_thread() is threading.main_thread() and (
+            signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        ):
+            self._previous = signal.signal(signal.SIGINT, self._on_sigint)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)  # type: ignore[arg-type]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``gpuckpt`` command with ``argv`` (default: ``sys.argv[1:]``); returns the exit code."""
+    with _Interrupts() as interrupts:
+        code = _main(argv, interrupts)
+    return code
+
+
+def _main(argv: Sequence[str] | None, interrupts: _Interrupts) -> int:
     debug = bool(os.environ.get("GPUCKPT_DEBUG"))
     try:
         parser = build_parser()
@@ -95,15 +128,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         _error("interrupted")
         return 130
-    except (GpuckptError, OSError, ValueError, TypeError, KeyError) as exc:
+    except Exception as exc:
         if debug:
             raise
-        _error(_describe(exc))
-        return EXIT_FAILURE
-    except Exception as exc:  # the promise: one line, no traceback
-        if debug:
-            raise
-        _error(f"unexpected {type(exc).__name__}: {_describe(exc)} (set GPUCKPT_DEBUG=1 for a traceback)")
+        if interrupts.seen:  # Ctrl-C, which a library turned into an error of its own
+            _error("interrupted")
+            return 130
+        if isinstance(exc, (GpuckptError, OSError, ValueError, TypeError, KeyError)):
+            _error(_describe(exc))
+        else:  # the promise: one line, no traceback
+            _error(f"unexpected {type(exc).__name__}: {_describe(exc)} (set GPUCKPT_DEBUG=1 for a traceback)")
         return EXIT_FAILURE
 
 

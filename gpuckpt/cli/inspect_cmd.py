@@ -12,10 +12,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
 from gpuckpt.cli.progressbar import format_bytes
+from gpuckpt.cli.usage import EXIT_FAILURE
 from gpuckpt.errors import CheckpointNotFoundError, GpuckptError
 from gpuckpt.format.checksum import CRC_BYTES
 from gpuckpt.format.codecs import auto_report
@@ -172,7 +174,7 @@ def _table(header: list[str], rows: list[list[str]], right: set[int]) -> list[st
 _AUTO_LINES = 20
 
 
-def format_description(d: dict[str, Any]) -> str:
+def format_description(d: dict[str, Any], *, warn: bool = True) -> str:
     out = [
         f"checkpoint {printable(d['path'])} (format version {printable(d['version'])}, "
         f"id {printable(d['checkpoint_id'])})",
@@ -224,12 +226,8 @@ def format_description(d: dict[str, Any]) -> str:
         f"{format_bytes(t['shared_bytes'])} in chunk files shared with other checkpoints "
         "(hard links of incremental saves)",
     ]
-    if t["missing_chunks"] or t["file_bytes"] != t["stored_bytes"]:
-        out.append(
-            f"warning: {t['missing_chunks']} chunk file(s) missing, and the chunk files found hold "
-            f"{t['file_bytes']} bytes where the metadata claims {t['stored_bytes']}: the checkpoint "
-            "is damaged or not what it claims; run gpuckpt verify"
-        )
+    if warn and (t["missing_chunks"] or t["file_bytes"] != t["stored_bytes"]):
+        out.append(f"warning: {_damage_line(t)}")
     return "\n".join(out)
 
 
@@ -322,7 +320,8 @@ def _print_tier(tier: dict[str, Any]) -> None:
         shown = []
         for rank, p in sorted(entry["parts"].items()):
             shown.append(
-                f"rank {rank} " + (f"damaged ({p['error']})" if "error" in p else f"from {p['node']}")
+                f"rank {rank} "
+                + (f"damaged ({printable(p['error'])})" if "error" in p else f"from {printable(p['node'])}")
             )
         whole = "every rank's part here" if entry["complete_here"] else "not every rank's part here"
         print(f"  {entry['step']:>10}  {whole}: {', '.join(shown)}")
@@ -362,8 +361,21 @@ def run(args: argparse.Namespace) -> int:
                 f"(inspect it with: gpuckpt inspect {printable(root['steps'][-1]['path'])})"
             )
         return 0
-    print(json.dumps(d, indent=2) if args.json else format_description(d))
+    print(json.dumps(d, indent=2) if args.json else format_description(d, warn=False))
+    t = d["totals"]
+    if t["missing_chunks"] or t["file_bytes"] != t["stored_bytes"]:
+        # what inspect saw of damage: one line on stderr and a failed exit, as verify gives
+        print(f"gpuckpt: error: {_damage_line(t)}", file=sys.stderr)
+        return EXIT_FAILURE
     return 0
+
+
+def _damage_line(t: dict[str, Any]) -> str:
+    return (
+        f"{t['missing_chunks']} chunk file(s) missing, and the chunk files found hold "
+        f"{t['file_bytes']} bytes where the metadata claims {t['stored_bytes']}: the checkpoint "
+        "is damaged or not what it claims; run gpuckpt verify"
+    )
 
 
 def _ratio(logical: int, stored: int) -> str:

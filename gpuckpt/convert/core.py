@@ -12,7 +12,7 @@ import numpy as np
 
 import gpuckpt.convert.torch_save as torch_save
 from gpuckpt import api
-from gpuckpt.convert.hf import DEFAULT_MAX_SHARD_BYTES, export_hf, import_hf
+from gpuckpt.convert.hf import DEFAULT_MAX_SHARD_BYTES, empty_directory, export_hf, import_hf
 from gpuckpt.convert.safetensors_io import (
     check_tensor_name,
     is_safetensors,
@@ -26,6 +26,7 @@ from gpuckpt.convert.torch_io import check_trusted, load_dcp, load_torch_save
 from gpuckpt.device.arrays import is_array
 from gpuckpt.errors import (
     CheckpointExistsError,
+    GpuckptError,
     InvalidOptionError,
     InvalidPathError,
     MetadataError,
@@ -263,7 +264,7 @@ def convert(
     # URLs stay text (a Path would fold their "//"); local paths become Paths
     src_p: Any = Path(src) if scheme_of(src) == "file" else os.fspath(src)
     dst_p: Any = Path(dst) if scheme_of(dst) == "file" else os.fspath(dst)
-    fmt_in = detect_format(src_p) if source_format == "auto" else source_format
+    fmt_in = detect_format(src_p) if source_format == "auto" else _as_given(src_p, source_format)
     if fmt_in not in SOURCE_FORMATS:
         raise InvalidOptionError(
             f"unknown source format {fmt_in!r}; expected auto or one of {', '.join(SOURCE_FORMATS)}"
@@ -317,7 +318,12 @@ def convert(
             compression=compression,
         )
     # a URL destination: the store refuses a published checkpoint itself
-    if isinstance(dst_p, Path) and (dst_p.exists() or dst_p.is_symlink()) and not overwrite:
+    if (
+        isinstance(dst_p, Path)
+        and (dst_p.exists() or dst_p.is_symlink())
+        and not overwrite
+        and not (fmt_out == "gpuckpt" and empty_directory(dst_p))  # (a save takes an empty one)
+    ):
         raise CheckpointExistsError(
             f"destination exists: {dst_p} (pass overwrite=True / --overwrite to replace it)"
         )
@@ -415,6 +421,25 @@ def _to_torch_save(
     if write_progress is not None:
         write_progress(nbytes, nbytes)
     return ConvertResult(fmt_in, "torch", tensors, objects, nbytes)
+
+
+def _as_given(src: Any, source_format: str) -> str:
+    """``source_format`` where ``src`` is of it, or where its format cannot be told from its
+    content (what ``--from`` is for); an :class:`~gpuckpt.errors.InvalidOptionError` where the
+    content says it is another (it was read as what it is, and reported as what was given)."""
+    if source_format not in SOURCE_FORMATS:
+        return source_format  # (refused with the list of formats below)
+    try:
+        found = detect_format(src)
+    except (GpuckptError, OSError):
+        return source_format  # its content does not say: as given
+    if found != source_format and not (source_format == "hf" and found == "safetensors"):
+        raise InvalidOptionError(
+            f"source format {source_format!r} (--from) was given, but {src} is a {found} "
+            f"{'directory' if isinstance(src, Path) and src.is_dir() else 'checkpoint'}: leave the "
+            f"format out (auto) or pass --from {found}"
+        )
+    return source_format
 
 
 def _check_convert_options(

@@ -211,7 +211,7 @@ def export_hf(
     if not tensors:
         raise UnsupportedValueError(f"{src}: no tensors selected (keys={keys!r}); nothing to export")
     plans = plan_shards(tensors, limit, single_file)
-    if (dst.exists() or dst.is_symlink()) and not overwrite:
+    if (dst.exists() or dst.is_symlink()) and not overwrite and not empty_directory(dst):
         raise CheckpointExistsError(f"{dst} already exists; pass overwrite=True (--overwrite) to replace it")
     if dst.exists() or dst.is_symlink():
         _replaceable(dst)  # before anything is read or written
@@ -315,8 +315,20 @@ def _replaceable(dst: Path) -> None:
 _SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 
 
+def empty_directory(path: Path) -> bool:
+    """Whether ``path`` is a directory (not a link to one) with nothing in it: it holds no output,
+    so a conversion takes its place without ``overwrite``, as a save does."""
+    try:
+        return path.is_dir() and not path.is_symlink() and not any(path.iterdir())
+    except OSError:
+        return False
+
+
 def _publish(tmp: Path, dst: Path, overwrite: bool) -> None:
     """Rename the finished directory ``tmp`` to ``dst`` (replacing it whole when ``overwrite``)."""
+    if not overwrite and empty_directory(dst):
+        with contextlib.suppress(OSError):  # (something appeared in it: the rename below says so)
+            dst.rmdir()
     if not (overwrite and (dst.exists() or dst.is_symlink())):
         fsutil.rename_noreplace(tmp, dst)
     elif dst.is_dir() and not dst.is_symlink() and fsutil.exchange(tmp, dst):

@@ -325,3 +325,65 @@ def test_version_and_plain_help() -> None:
     assert r.returncode == 0 and r.stdout.startswith("gpuckpt ") and r.stdout.split()[1][0].isdigit()
     r = gpuckpt_cli("--help")
     assert r.returncode == 0 and "``" not in r.stdout and ":func:" not in r.stdout
+
+
+def test_ctrl_c_that_a_library_turns_into_its_own_error_still_ends_as_interrupted(
+    ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """torch's DCP wraps a KeyboardInterrupt in a CheckpointException, and an interrupted
+    torch.save raises a RuntimeError: the command said "unexpected RuntimeError" (exit 1) or
+    printed a traceback. A Ctrl-C during a command now ends it as interrupted (130), one line."""
+    import signal
+
+    import gpuckpt.cli.convert_cmd as convert_cmd
+
+    def interrupted_inside(*args: object, **kwargs: object) -> None:
+        try:
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C while a library works
+            for _ in range(1000):  # (the handler runs at the next bytecode boundary)
+                pass
+        except KeyboardInterrupt as exc:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] unexpected pos") from exc
+        raise AssertionError("no KeyboardInterrupt was raised")
+
+    monkeypatch.setattr(convert_cmd, "convert", interrupted_inside)
+    assert main(["convert", str(ckpt), str(tmp_path / "out.safetensors"), "-q"]) == 130
+    err = capsys.readouterr().err
+    assert err == "gpuckpt: error: interrupted\n", err
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
+    # without a Ctrl-C the same error is a failure, as before
+    monkeypatch.setattr(convert_cmd, "convert", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))
+    assert main(["convert", str(ckpt), str(tmp_path / "out.safetensors"), "-q"]) == 1
+    assert "unexpected RuntimeError: boom" in capsys.readouterr().err
+
+
+def test_inspect_of_a_checkpoint_with_a_chunk_missing_fails_with_one_line(
+    ckpt: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It listed the checkpoint with a warning on stdout and exited 0; what it sees of damage is
+    now one line on stderr and exit 1, as the help says for a damaged checkpoint (verify says more)."""
+    victim = next(p for p in sorted(ckpt.rglob("c*")) if p.is_file() and p.parent != ckpt)
+    victim.unlink()
+    assert main(["inspect", str(ckpt)]) == 1
+    out, err = capsys.readouterr()
+    assert "warning" not in out and "tensors (" in out
+    assert err.startswith("gpuckpt: error: 1 chunk file(s) missing") and err.count("\n") == 1, err
+    assert main(["inspect", "--json", str(ckpt)]) == 1
+    out, err = capsys.readouterr()
+    assert json.loads(out)["totals"]["missing_chunks"] == 1 and "missing" in err
+
+
+def test_a_tier_listing_escapes_the_node_name(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The node a part's record names comes from the checkpoint: escaped like every other text."""
+    evil = "n\x1b[31m\nX\u202e"
+    mgr = CheckpointManager(
+        tmp_path / "root", local_dir=tmp_path / "tier", node=evil, replicas=0, async_save=False
+    )
+    mgr.save(1, {"w": np.ones(4)})
+    mgr.close()
+    assert main(["inspect", str(tmp_path / "tier")]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\u202e" not in out and "from n\\x1b[31m\\nX" in out, out
+    assert main(["inspect", "--json", str(tmp_path / "tier")]) == 0
+    (step,) = json.loads(capsys.readouterr().out)["steps"]
+    assert [p["node"] for p in step["parts"].values()] == [evil]  # exact in JSON

@@ -183,6 +183,11 @@ def test_every_option_of_convert_is_checked_before_anything_is_read(tmp_path: Pa
         ({"keys": ["w"]}, "keys apply to a Hugging Face target"),
         ({"strip_prefix": "m.", "single_file": True}, "strip_prefix, single_file apply to a Hugging Face"),
         ({"max_shard_size": 10**6, "target_format": "safetensors"}, "max_shard_size apply"),
+        (
+            {"source_format": "safetensors"},
+            r"source format 'safetensors' \(--from\) was given, but .* is a gpuckpt",
+        ),
+        ({"source_format": "dcp"}, r"is a gpuckpt directory: leave the format out"),
     ):
         with pytest.raises(InvalidOptionError, match=match):
             convert(ck, tmp_path / "out", **kw)
@@ -265,3 +270,18 @@ def test_a_killed_conversions_temporary_is_removed_by_the_next_one_to_its_path(t
         convert(ck, tmp_path / dst, **({"target_format": "hf"} if make is None else {}))
         assert not left["dead"].exists() and left["live"].exists(), dst
         assert gpuckpt.load_state_dict(tmp_path / dst)
+
+
+def test_an_empty_directory_takes_a_conversion_without_overwrite(tmp_path: Path) -> None:
+    """As a save: an empty directory holds no output, so convert (gpuckpt and hf targets) writes
+    into its place without overwrite; one holding anything is still refused."""
+    ck = _ckpt(tmp_path)
+    for target in ("gpuckpt", "hf"):
+        (tmp_path / target).mkdir()
+        convert(ck, tmp_path / target, target_format=target)
+        assert gpuckpt.load_state_dict(tmp_path / target)
+        (tmp_path / f"full-{target}").mkdir()
+        (tmp_path / f"full-{target}" / "x").write_text("x")
+        with pytest.raises(CheckpointExistsError):
+            convert(ck, tmp_path / f"full-{target}", target_format=target)
+        assert [p.name for p in (tmp_path / f"full-{target}").iterdir()] == ["x"]
