@@ -35,7 +35,12 @@ def run(args: argparse.Namespace) -> int:
             args.path, allow_pickle=args.allow_pickle, threads=args.threads, progress=bar
         )
     except CheckpointNotFoundError as exc:
-        raise CheckpointNotFoundError(f"{exc}{_what_it_is(args.path)}") from None
+        error = CheckpointNotFoundError(f"{exc}{_what_it_is(args.path)}")
+        if args.json:  # a script reading the report gets one whatever happened
+            print(
+                json.dumps({"path": args.path, "ok": False, "checked": False, "error": str(error)}, indent=2)
+            )
+        raise error from None
     finally:
         if bar is not None:
             bar.close()

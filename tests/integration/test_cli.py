@@ -387,3 +387,17 @@ def test_a_tier_listing_escapes_the_node_name(tmp_path: Path, capsys: pytest.Cap
     assert main(["inspect", "--json", str(tmp_path / "tier")]) == 0
     (step,) = json.loads(capsys.readouterr().out)["steps"]
     assert [p["node"] for p in step["parts"].values()] == [evil]  # exact in JSON
+
+
+def test_verify_json_prints_a_report_when_there_is_no_checkpoint(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A script that reads verify's JSON got nothing on stdout for a missing path or an empty
+    directory; it now gets a report with ok false and the error (still exit 1, one line on stderr)."""
+    (tmp_path / "empty").mkdir()
+    for where in (tmp_path / "missing", tmp_path / "empty"):
+        assert main(["verify", "--json", "-q", str(where)]) == 1
+        out, err = capsys.readouterr()
+        got = json.loads(out)
+        assert got["ok"] is False and got["checked"] is False and got["path"] == str(where)
+        assert got["error"] and err.startswith("gpuckpt: error: ") and err.count("\n") == 1
