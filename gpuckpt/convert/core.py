@@ -436,7 +436,7 @@ def _as_given(src: Any, source_format: str) -> str:
     if found != source_format and not (source_format == "hf" and found == "safetensors"):
         raise InvalidOptionError(
             f"source format {source_format!r} (--from) was given, but {src} is a {found} "
-            f"{'directory' if isinstance(src, Path) and src.is_dir() else 'checkpoint'}: leave the "
+            f"{'directory' if isinstance(src, Path) and src.is_dir() else 'file'}: leave the "
             f"format out (auto) or pass --from {found}"
         )
     return source_format
@@ -493,7 +493,8 @@ def _hf_options_apply(
     given = [name for name, set_ in options.items() if set_]
     if given and fmt_out != "hf":
         raise InvalidOptionError(
-            f"{', '.join(given)} apply to a Hugging Face target (target_format='hf', --to hf)"
+            f"{', '.join(given)} {'is an option' if len(given) == 1 else 'are options'} of a Hugging Face "
+            "target (target_format='hf', --to hf)"
             f"{' and keys to a Hugging Face source' if 'keys' in given else ''}; this converts "
             f"{fmt_in} to {fmt_out}: leave {'it' if len(given) == 1 else 'them'} out"
         )

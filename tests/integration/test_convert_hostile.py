@@ -180,9 +180,15 @@ def test_every_option_of_convert_is_checked_before_anything_is_read(tmp_path: Pa
         ({"target_format": "bogus"}, "unknown target format 'bogus'"),
         ({"source_format": "bogus"}, "unknown source format 'bogus'"),
         ({"target_format": 5}, "target_format must be a format name"),
-        ({"keys": ["w"]}, "keys apply to a Hugging Face target"),
-        ({"strip_prefix": "m.", "single_file": True}, "strip_prefix, single_file apply to a Hugging Face"),
-        ({"max_shard_size": 10**6, "target_format": "safetensors"}, "max_shard_size apply"),
+        ({"keys": ["w"]}, "keys is an option of a Hugging Face target"),
+        (
+            {"strip_prefix": "m.", "single_file": True},
+            "strip_prefix, single_file are options of a Hugging Face",
+        ),
+        (
+            {"max_shard_size": 10**6, "target_format": "safetensors"},
+            "max_shard_size is an option of a Hugging Face",
+        ),
         (
             {"source_format": "safetensors"},
             r"source format 'safetensors' \(--from\) was given, but .* is a gpuckpt",
@@ -197,7 +203,7 @@ def test_every_option_of_convert_is_checked_before_anything_is_read(tmp_path: Pa
         capture_output=True,
         text=True,
     )
-    assert r.returncode == 2 and "keys apply to a Hugging Face target" in r.stderr, r.stderr
+    assert r.returncode == 2 and "keys is an option of a Hugging Face target" in r.stderr, r.stderr
     # a tensor named '' (a key gpuckpt stores) is refused for the Hugging Face layout by what it is
     gpuckpt.save({"": np.ones(1)}, tmp_path / "blank")
     with pytest.raises(UnsupportedValueError, match="has an empty name"):
