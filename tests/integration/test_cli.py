@@ -347,10 +347,15 @@ def test_ctrl_c_that_a_library_turns_into_its_own_error_still_ends_as_interrupte
         raise AssertionError("no KeyboardInterrupt was raised")
 
     monkeypatch.setattr(convert_cmd, "convert", interrupted_inside)
-    assert main(["convert", str(ckpt), str(tmp_path / "out.safetensors"), "-q"]) == 130
+    # the command's own process has Python's handler (a test worker may ignore SIGINT)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        assert main(["convert", str(ckpt), str(tmp_path / "out.safetensors"), "-q"]) == 130
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
+    finally:
+        signal.signal(signal.SIGINT, previous)
     err = capsys.readouterr().err
     assert err == "gpuckpt: error: interrupted\n", err
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
     # without a Ctrl-C the same error is a failure, as before
     monkeypatch.setattr(convert_cmd, "convert", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))
     assert main(["convert", str(ckpt), str(tmp_path / "out.safetensors"), "-q"]) == 1

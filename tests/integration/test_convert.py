@@ -111,6 +111,7 @@ def test_existing_destination_and_same_path(tmp_path: Path) -> None:
     with pytest.raises(gpuckpt.CheckpointExistsError):
         write_safetensors({"x": np.ones(2)}, tmp_path / "m.safetensors")
     (tmp_path / "dst").mkdir()
+    (tmp_path / "dst" / "x").write_text("x")  # (an empty directory takes the conversion, as a save)
     with pytest.raises(FileExistsError):
         convert(tmp_path / "m.safetensors", tmp_path / "dst")
     with pytest.raises(ValueError, match="same path"):
