@@ -16,7 +16,6 @@ from gpuckpt.device.arrays import (
     DeviceArray,
     HostArray,
     HostMemory,
-    adapt,
     adapt_leaf,
     is_array,
 )
@@ -468,7 +467,7 @@ def _shard_targets(t: TensorEntry, value: Any) -> list[tuple[Any, Box]]:
                 f"tensor {t.fqn!r}: the checkpoint has shape {t.shape}, the ShardedArray says "
                 f"{b.global_shape}; fix global_shape"
             )
-        arr = adapt(b.local)
+        arr = adapt_leaf(b.local, t.fqn)
         if arr.dtype.newbyteorder("=") != t.dtype:
             raise DTypeMismatchError(
                 f"tensor {t.fqn!r}: the checkpoint has dtype {t.dtype}, the ShardedArray holds {arr.dtype}; "

@@ -226,7 +226,7 @@ def format_description(d: dict[str, Any], *, warn: bool = True) -> str:
         f"{format_bytes(t['shared_bytes'])} in chunk files shared with other checkpoints "
         "(hard links of incremental saves)",
     ]
-    if warn and (t["missing_chunks"] or t["file_bytes"] != t["stored_bytes"]):
+    if warn and _damaged(t):
         out.append(f"warning: {_damage_line(t)}")
     return "\n".join(out)
 
@@ -363,11 +363,16 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(json.dumps(d, indent=2) if args.json else format_description(d, warn=False))
     t = d["totals"]
-    if t["missing_chunks"] or t["file_bytes"] != t["stored_bytes"]:
+    if _damaged(t):
         # what inspect saw of damage: one line on stderr and a failed exit, as verify gives
         print(f"gpuckpt: error: {_damage_line(t)}", file=sys.stderr)
         return EXIT_FAILURE
     return 0
+
+
+def _damaged(t: dict[str, Any]) -> bool:
+    """Whether a checkpoint's totals show chunk files missing or of other sizes than claimed."""
+    return bool(t["missing_chunks"]) or t["file_bytes"] != t["stored_bytes"]
 
 
 def _damage_line(t: dict[str, Any]) -> str:

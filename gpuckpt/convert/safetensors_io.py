@@ -244,13 +244,6 @@ def write_safetensors(
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
     counter = ProgressCounter(progress, offset)
-    with output_errors(path):
-        _write_file(path, raw, items, counter, overwrite)
-
-
-def _write_file(
-    path: Path, raw: bytes, items: list[tuple[str, Any]], counter: ProgressCounter, overwrite: bool
-) -> None:
     with published_file(path, overwrite) as tmp:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:

@@ -265,7 +265,7 @@ class Compression:
     skip: frozenset[str] = frozenset()
     device: bool = False
     #: what "auto" decided and why, as JSON values (kept in the checkpoint's ``planner_data``
-    #: under ``"gpuckpt.compression"``; not part of the choice: equal choices may differ here)
+    #: under :data:`COMPRESSION_KEY`; not part of the choice: equal choices may differ here)
     report: Any = field(default=None, compare=False, hash=False)
 
     def __post_init__(self) -> None:

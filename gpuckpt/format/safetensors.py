@@ -177,12 +177,13 @@ def check_bool_bytes(values: np.ndarray, at: str) -> None:
     """
     if values.dtype != np.bool_ or values.size == 0:
         return
-    bad = values.reshape(-1).view(np.uint8) > 1
+    raw = values.reshape(-1).view(np.uint8)
+    bad = raw > 1
     first = int(np.argmax(bad))
     if bad[first]:
-        raw = int(values.reshape(-1).view(np.uint8)[first])
         raise MetadataError(
-            f"{at}: BOOL element {first} is the byte {raw:#04x} ({int(np.count_nonzero(bad))} elements are "
+            f"{at}: BOOL element {first} is the byte {int(raw[first]):#04x} "
+            f"({int(np.count_nonzero(bad))} elements are "
             "neither 0 nor 1); safetensors stores a bool as 0 or 1, so the file is damaged or was not "
             "written by a safetensors writer: export it again from its source"
         )

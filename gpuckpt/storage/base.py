@@ -307,6 +307,16 @@ class CheckpointWriter(ABC):
         """
         return False
 
+    #: why a base chunk was not shared, in the same words for every store (:meth:`note_base_mismatch`)
+    BASE_MISSING = "missing"
+    BASE_REWRITTEN = "written after the base was published"
+    BASE_OTHER_TRAILER = "its checksum trailer is not its record's"
+
+    @staticmethod
+    def base_other_size(found: int, base: BaseRef) -> str:
+        """Why a base chunk of ``found`` bytes was not shared."""
+        return f"{found} bytes, its record gives {base.nbytes}"
+
     def note_base_mismatch(self, base: BaseRef, why: str) -> None:
         """For :meth:`reuse_chunk` implementations: the base chunk ``base`` is not as its
         checkpoint's records describe (``why``: missing, another size or trailer, written

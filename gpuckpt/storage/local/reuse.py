@@ -8,7 +8,7 @@ import os
 
 from gpuckpt.format.checksum import CRC_BYTES
 from gpuckpt.format.documents import ROOT_KEY
-from gpuckpt.storage.base import BaseRef
+from gpuckpt.storage.base import BaseRef, CheckpointWriter
 from gpuckpt.storage.local.fileio import read_exact_at
 from gpuckpt.storage.local.fsutil import open_regular
 
@@ -43,7 +43,7 @@ def open_base_chunk(
     try:
         fd = open_regular(src)
     except FileNotFoundError:
-        return "missing"
+        return CheckpointWriter.BASE_MISSING
     except OSError as exc:
         return f"not readable as a chunk file ({exc.strerror or exc})"
     try:
@@ -63,15 +63,15 @@ def _unlike_the_base(
 ) -> str | None:
     """ "" where the open file is the base's chunk; else why not (None: cannot tell)."""
     if st.st_size != base.nbytes or base.nbytes < CRC_BYTES:
-        return f"{st.st_size} bytes, its record gives {base.nbytes}"
+        return CheckpointWriter.base_other_size(st.st_size, base)
     published = published_ns(root, seen)
     if published is None:
         return None
     if st.st_mtime_ns > published:
-        return "written after the base was published"
+        return CheckpointWriter.BASE_REWRITTEN
     trailer = bytearray(CRC_BYTES)
     if read_exact_at(fd, trailer, base.nbytes - CRC_BYTES) != CRC_BYTES:
         return "cut short while it was read"
     if int.from_bytes(trailer, "little") != base.crc32c:
-        return "its checksum trailer is not its record's"
+        return CheckpointWriter.BASE_OTHER_TRAILER
     return ""

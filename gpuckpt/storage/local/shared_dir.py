@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import stat
 from pathlib import Path
 
@@ -178,15 +179,9 @@ def _undo(target: Path, aside: Path, new: list[str], old: list[str], moved: list
 
 
 def _take_out(path: Path, aside: Path) -> None:
-    """Remove ``path`` (an entry of the target) by renaming it into ``aside`` first, under a name
-    no array has (an array's name never starts with ``.``), then deleting it there."""
-    for k in range(1000):
-        trash = aside / f".gpuckpt-undone-{k}"
-        if not os.path.lexists(trash):
-            break
-    else:  # (a thousand undone entries: delete in place, as before)
-        fsutil.rmtree_quiet(path)
-        return
+    """Remove ``path`` (an entry of the target) by renaming it into ``aside`` first, under a new
+    name no array has (an array's name never starts with ``.``), then deleting it there."""
+    trash = aside / f".gpuckpt-undone-{secrets.token_hex(8)}"
     os.rename(path, trash)
     fsutil.rmtree_quiet(trash)
 

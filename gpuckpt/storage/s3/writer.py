@@ -387,18 +387,18 @@ class ObjectStoreWriter(Prefix, CheckpointWriter):
                 try:
                     meta = obs.head(store, src)
                 except FileNotFoundError:
-                    self.note_base_mismatch(base, "missing")
+                    self.note_base_mismatch(base, self.BASE_MISSING)
                     return False
                 if meta["size"] != base.nbytes:
-                    self.note_base_mismatch(base, f"{meta['size']} bytes, its record gives {base.nbytes}")
+                    self.note_base_mismatch(base, self.base_other_size(meta["size"], base))
                     return False
                 if meta["last_modified"] > published:
                     # put again after its checkpoint was published: not the base's bytes
-                    self.note_base_mismatch(base, "written after the base was published")
+                    self.note_base_mismatch(base, self.BASE_REWRITTEN)
                     return False
                 trailer = bytes(obs.get_range(store, src, start=base.nbytes - CRC_BYTES, end=base.nbytes))
                 if int.from_bytes(trailer, "little") != base.crc32c:
-                    self.note_base_mismatch(base, "its checksum trailer is not its record's")
+                    self.note_base_mismatch(base, self.BASE_OTHER_TRAILER)
                     return False
                 self._claim.check()
                 self._written.add(rel)
