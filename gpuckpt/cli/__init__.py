@@ -17,7 +17,7 @@ import signal
 import sys
 import threading
 from collections.abc import Sequence
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from gpuckpt.cli.usage import EXIT_FAILURE, EXIT_USAGE, UsageError
 from gpuckpt.errors import GpuckptError, InvalidOptionError
@@ -97,10 +97,44 @@ class _Interrupts:
             signal.signal(signal.SIGINT, self._previous)  # type: ignore[arg-type]
 
 
+class _OutputError(OSError):
+    """Standard output could not take the command's report (a full disk, a closed file)."""
+
+
+class _Output:
+    """``sys.stdout`` while a command runs: an error writing it is told as the report's loss, not
+    as the command's failure (a conversion whose summary meets a full disk is still done)."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        return self._guarded(self._stream.write, text)
+
+    def flush(self) -> None:
+        self._guarded(self._stream.flush)
+
+    def _guarded(self, call: Any, *args: Any) -> Any:
+        try:
+            return call(*args)
+        except BrokenPipeError:
+            raise
+        except OSError as exc:
+            raise _OutputError(exc.errno, exc.strerror) from exc
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``gpuckpt`` command with ``argv`` (default: ``sys.argv[1:]``); returns the exit code."""
-    with _Interrupts() as interrupts:
-        code = _main(argv, interrupts)
+    real = sys.stdout
+    sys.stdout = _Output(real)  # type: ignore[assignment]
+    try:
+        with _Interrupts() as interrupts:
+            code = _main(argv, interrupts)
+    finally:
+        sys.stdout = real
     return code
 
 
@@ -128,6 +162,14 @@ def _main(argv: Sequence[str] | None, interrupts: _Interrupts) -> int:
     except KeyboardInterrupt:
         _error("interrupted")
         return 130
+    except _OutputError as exc:
+        with contextlib.suppress(OSError, ValueError):  # nothing left to flush at exit
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        _error(
+            f"could not write to standard output: {_describe(exc)} (what the command had done before "
+            "is done; its report was lost)"
+        )
+        return EXIT_FAILURE
     except Exception as exc:
         if debug:
             raise

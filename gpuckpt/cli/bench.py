@@ -52,7 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="GPU figures instead: copy and disk ceilings, kernels, save/load/async ratios (needs a GPU)",
     )
-    p.add_argument("--gib", type=float, default=1.0, help="--device: size of the device state in GiB (1)")
+    p.add_argument("--gib", type=float, default=None, help="--device: size of the device state in GiB (1)")
     p.add_argument("--no-cold", action="store_true", help="--device: skip cold reads (evicted page cache)")
 
 
@@ -137,13 +137,14 @@ def run_device(args: argparse.Namespace) -> int:
             "bench --device: no usable GPU here (CuPy is missing, or no CUDA driver or device "
             "answers); run it on a machine with an NVIDIA GPU and CuPy (pip install 'gpuckpt[gpu]')"
         )
-    if args.gib <= 0 or args.rounds < 1:
+    gib = 1.0 if args.gib is None else args.gib
+    if not gib > 0 or args.rounds < 1:
         raise UsageError("--gib must be positive and --rounds at least 1")
     from gpuckpt.cli.device_bench import measure, report
 
     base = Path(tempfile.mkdtemp(prefix="gpuckpt-bench-device-", dir=args.dir))
     try:
-        res = measure(args.gib, args.rounds, base, cold=not args.no_cold, kernels=True)
+        res = measure(gib, args.rounds, base, cold=not args.no_cold, kernels=True)
     finally:
         shutil.rmtree(base, ignore_errors=True)
     print(json.dumps(res, indent=2) if args.json else report(res))
@@ -153,6 +154,12 @@ def run_device(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     if args.device:
         return run_device(args)
+    device_only = [f for f, given in (("--gib", args.gib is not None), ("--no-cold", args.no_cold)) if given]
+    if device_only:
+        raise UsageError(
+            f"{' and '.join(device_only)} set{'s' if len(device_only) == 1 else ''} the --device "
+            "figures only: add --device (needs a GPU), or use --size-mb for the host figures"
+        )
     if args.size_mb < 1 or args.rounds < 1:
         raise UsageError("--size-mb and --rounds must be at least 1")
     # embedding 8000 x W plus layers of 12 W^2 floats: pick W for the size asked

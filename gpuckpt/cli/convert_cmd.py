@@ -97,7 +97,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="a config.json, or a model directory whose config.json and generation_config.json are "
         "copied beside the weights (from_pretrained needs config.json)",
     )
-    p.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help=(
+            "replace DST if it is a checkpoint or file; into a directory of other files a gpuckpt"
+            " DST is published beside them (a clash of names is refused), an hf DST is refused"
+        ),
+    )
     p.add_argument(
         "--chunk-mb",
         type=_chunk_mb,

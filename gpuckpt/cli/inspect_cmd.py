@@ -10,6 +10,7 @@ Only the file sizes are looked at; ``gpuckpt verify`` reads the bytes.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import sys
@@ -101,8 +102,36 @@ def _codec(t: TensorEntry) -> str | None:
     return f"zstd-{c.level}" if c.name == "zstd" else f"blosc {c.cname}-{c.level} {c.shuffle}"
 
 
+_JSON_VALUE_CHARS = 4096  # a plain value's exact JSON form is given up to this size
+
+
+def _json_form(value: Any, budget: list[int]) -> Any:
+    """``value`` as exact JSON (tuples as lists), or raise ValueError where JSON cannot say it
+    exactly (a non-finite float, a dict key that is not a str, bytes, sets, ...) or it is long."""
+    budget[0] -= 1 + (len(value) if isinstance(value, str) else 0)
+    budget[0] -= value.bit_length() // 3 if isinstance(value, int) else 0
+    if budget[0] < 0:
+        raise ValueError("too long")
+    if value is None or isinstance(value, bool | str):
+        return value
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, float):
+        if value != value or value in (float("inf"), float("-inf")):
+            raise ValueError("not finite")
+        return float(value)
+    if isinstance(value, list | tuple):
+        return [_json_form(v, budget) for v in value]
+    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+        return {k: _json_form(v, budget) for k, v in value.items()}
+    raise ValueError("not JSON")
+
+
 def _object_row(fqn: str, enc: Any) -> dict[str, Any]:
+    """One plain value: its name, type tag, a short display ``value`` and, where JSON says it
+    exactly and it is short, its ``json`` form (a tuple as a list)."""
     tag = next(iter(enc)) if isinstance(enc, dict) and len(enc) == 1 else "?"
+    exact: list[Any] = []
     if tag == "pickle":
         value = f"<pickled, {len(str(enc['pickle'])) * 3 // 4} bytes; not decoded>"
     else:
@@ -111,13 +140,16 @@ def _object_row(fqn: str, enc: Any) -> dict[str, Any]:
         except GpuckptError as exc:
             value = f"<undecodable: {exc}>"
         else:
+            with contextlib.suppress(ValueError):
+                exact.append(_json_form(decoded, [_JSON_VALUE_CHARS]))
             try:
                 value = repr(decoded)
             except ValueError:  # holds an int past Python's int-to-str digit limit
                 value = f"<{type(decoded).__name__} holding an int too long to print>"
     if len(value) > 60:
         value = value[:57] + "..."
-    return {"name": fqn, "type": tag, "value": value}
+    row = {"name": fqn, "type": tag, "value": value}
+    return row | {"json": exact[0]} if exact else row
 
 
 def describe_checkpoint(path: Path | str) -> dict[str, Any]:

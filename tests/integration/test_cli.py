@@ -87,6 +87,21 @@ def test_inspect_json(ckpt: Path) -> None:
     assert d["totals"]["bytes"] == 4096 + 14 + 720
 
 
+def test_inspect_json_gives_plain_values_exactly_where_json_can(tmp_path: Path) -> None:
+    values = {
+        "step": 2**70, "lr": 0.1, "name": "a\nb", "betas": (0.9, 0.95), "n": None, "on": True,
+        "cfg": {"depth": [1, (2.5, None)]}, "nan": float("nan"), "raw": b"ab", "long": "x" * 5000,
+    }  # fmt: skip
+    gpuckpt.save({"w": np.ones(2)} | values, tmp_path / "c")
+    d = json.loads(gpuckpt_cli("inspect", "--json", str(tmp_path / "c")).stdout)
+    exact = {o["name"]: o["json"] for o in d["objects"] if "json" in o}
+    assert exact == {
+        "step": 2**70, "lr": 0.1, "name": "a\nb", "betas": [0.9, 0.95], "n": None, "on": True,
+        "cfg.depth": [1, [2.5, None]],
+    }  # fmt: skip
+    assert {o["name"] for o in d["objects"]} == set(exact) | {"nan", "raw", "long"}  # shown, not exact
+
+
 def test_inspect_manager_root(tmp_path: Path) -> None:
     with CheckpointManager(tmp_path, async_save=False, sync="none") as mgr:
         for s in (5, 10):
@@ -122,6 +137,8 @@ def test_verify_ok_and_damaged(ckpt: Path) -> None:
         (["verify", "x", "--threads", "0"], 2, "--threads must be at least 1"),
         (["convert", "/no/such/file", "/tmp/out"], 1, "No such file or directory"),
         (["bench", "--size-mb", "0"], 2, "--size-mb"),
+        (["bench", "--gib", "2"], 2, "--gib sets the --device figures only"),
+        (["bench", "--no-cold", "--gib", "2"], 2, "--gib and --no-cold set the --device figures only"),
         (["demo", "--steps", "0"], 2, "--steps must be at least 1"),
         ([], 2, "required: COMMAND"),
     ],
@@ -406,3 +423,23 @@ def test_verify_json_prints_a_report_when_there_is_no_checkpoint(
         got = json.loads(out)
         assert got["ok"] is False and got["checked"] is False and got["path"] == str(where)
         assert got["error"] and err.startswith("gpuckpt: error: ") and err.count("\n") == 1
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+def test_output_that_cannot_be_written_is_not_told_as_a_failed_conversion(tmp_path: Path, ckpt: Path) -> None:
+    out = tmp_path / "w.safetensors"
+    with open("/dev/full", "w") as full:
+        r = subprocess.run(
+            [sys.executable, "-m", "gpuckpt.cli", "convert", str(ckpt), str(out), "--to", "safetensors"],
+            stdout=full, stderr=subprocess.PIPE, text=True, timeout=120, env={**os.environ, "GPUCKPT_DEBUG": ""},
+        )  # fmt: skip
+    assert r.returncode == 1
+    assert r.stderr.strip().splitlines() == [
+        "gpuckpt: error: could not write to standard output: No space left on device (what the command "
+        "had done before is done; its report was lost)"
+    ]
+    from safetensors.numpy import load_file
+
+    assert (
+        load_file(out)["layer.weight"].tobytes() == gpuckpt.load_state_dict(ckpt)["layer"]["weight"].tobytes()
+    )
