@@ -584,4 +584,4 @@ def load_state_dict(
         if f in objects:
             values[f] = decode_object(objects[f], allow_pickle=options.allow_pickle, fqn=f)
     read_tensors(reader, targets, options)
-    return unflatten_state_dict(ck.index.planner_data["structure"], values, keys)
+    return unflatten_state_dict(ck.index.planner_data["structure"], values, keys, entries=ck.index.order)

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpuckpt.errors import InvalidOptionError, MetadataError, MissingKeyError, UnsupportedValueError
+from gpuckpt.format.values import refuse_flooded_keys
 
 __all__ = ["Leaf", "flatten_state_dict", "key_names", "select_fqns", "unflatten_state_dict"]
 
@@ -158,7 +159,11 @@ def flatten_state_dict(
 
 
 def unflatten_state_dict(
-    skeleton: Any, values: Mapping[str, Any], selection: Iterable[str] | None = None
+    skeleton: Any,
+    values: Mapping[str, Any],
+    selection: Iterable[str] | None = None,
+    *,
+    entries: Iterable[str] | None = None,
 ) -> dict[str, Any]:
     """Rebuild nested containers from ``skeleton`` with the leaves in ``values``.
 
@@ -169,6 +174,10 @@ def unflatten_state_dict(
     are dropped (an empty one is kept when a selected key covers it), and a
     list or tuple with only some positions selected becomes a ``dict`` from
     position to entry (see the module docstring). The root is always a dict.
+
+    ``entries``, where given, are the FQNs of every entry the checkpoint holds: the skeleton must
+    place each of them and no other (a :class:`MetadataError` names the first that differs), so
+    that a structure edited to leave an entry out cannot drop it from a load unnoticed.
     """
     keys = None if selection is None else ([selection] if isinstance(selection, str) else list(selection))
 
@@ -200,11 +209,21 @@ def unflatten_state_dict(
             for item in body:
                 if not (isinstance(item, list) and len(item) == 3 and item[0] in ("s", "i")):
                     raise MetadataError(f"malformed dict item in planner_data: {str(item)[:200]}")
-                kt, k, child = item
+                kt, k, _ = item
                 if (kt == "s" and not isinstance(k, str)) or (
                     kt == "i" and (not isinstance(k, int) or isinstance(k, bool))
                 ):
                     raise MetadataError(f"malformed dict key in planner_data: {k!r}")
+            names = [k for _, k, _ in body]
+            refuse_flooded_keys(names, "a dict of the structure in planner_data")
+            seen: set[Any] = set()
+            for k in names:  # (a save names each key of a dict once)
+                if k in seen:
+                    raise MetadataError(
+                        f"a dict of the structure in planner_data names the key {str(k)[:200]!r} twice"
+                    )
+                seen.add(k)
+            for _, k, child in body:
                 present, v = build(child, depth + 1, (*path, k) if keys is not None else path)
                 if present:
                     out[k] = v
@@ -225,6 +244,19 @@ def unflatten_state_dict(
     _, root = build(skeleton, 0, ())
     if not isinstance(root, dict):
         raise MetadataError("planner_data structure root is not a dict")
+    if entries is not None:
+        held = set(entries)
+        if held != placed:
+            left, unknown = sorted(held - placed), sorted(placed - held)
+            more = f" and {len(left) - 1} more" if len(left) > 1 else ""
+            what = (
+                f"leaves out the entry {left[0][:200]!r}{more}"
+                if left
+                else f"names {unknown[0][:200]!r}, which the checkpoint does not hold"
+            )
+            raise MetadataError(
+                f"the structure in planner_data {what}: a load would not give back the state saved"
+            )
     return root
 
 

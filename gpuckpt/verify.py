@@ -316,7 +316,7 @@ def verify_checkpoint(
             report.damage.append(Damage(f"zarr.json (value {fqn!r})", str(exc), fqn))
 
     try:  # the structure a load rebuilds the state from (its leaves not read here)
-        unflatten_state_dict(ck.index.planner_data["structure"], {})
+        unflatten_state_dict(ck.index.planner_data["structure"], {}, entries=ck.index.order)
     except MetadataError as exc:
         report.damage.append(Damage("zarr.json (structure)", str(exc)))
 

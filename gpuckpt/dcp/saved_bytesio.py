@@ -99,6 +99,7 @@ def _run(data: bytes) -> tuple[bytes, int]:
     stack: list[Any] = []
     marks: list[int] = []
     memo: dict[int, Any] = {}
+    calls = 0  # the program makes its bytes with one call: more would make more (and larger) values
     for op, arg, _ in pickletools.genops(data):
         name = op.name
         if name in ("PROTO", "FRAME"):
@@ -149,6 +150,9 @@ def _run(data: bytes) -> tuple[bytes, int]:
                 raise _Refused
             stack.append(_NewBytesIO())
         elif name == "REDUCE":
+            calls += 1
+            if calls > 1:
+                raise _Refused
             args, func = stack.pop(), stack.pop()
             stack.append(_call(func, args))
         elif name == "BUILD":

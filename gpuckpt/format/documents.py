@@ -287,7 +287,7 @@ def leading_planner_entry(raw: bytes | bytearray, key: str) -> tuple[bool, Any]:
         return False, None
     text = _text(canonical[len(lead) :])
     try:
-        value, _end = json.JSONDecoder().raw_decode(text)
+        value, _end = jsontext.STRICT.raw_decode(text)
     except (ValueError, RecursionError):
         return False, None
     return True, value

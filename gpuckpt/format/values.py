@@ -168,6 +168,29 @@ def encode_object(value: Any, *, allow_pickle: bool = False, fqn: str = "") -> d
     return enc(value, 0)
 
 
+#: how many keys of one dict may share a hash value. Python's hashes of ints, floats and tuples
+#: of them are not salted: keys chosen to share one (``i * (2**61 - 1)``) make building the dict
+#: quadratic, hours for a document of a few MB; real states have almost none.
+MAX_KEYS_OF_ONE_HASH = 32
+
+
+def refuse_flooded_keys(keys: list[Any], what: str) -> None:
+    """A :class:`MetadataError` where more than :data:`MAX_KEYS_OF_ONE_HASH` of ``keys`` (about to
+    become one dict's) share a hash value: work made quadratic on purpose. Linear in ``keys``:
+    the counting dict is keyed by the hash values, ints that hash to themselves, all distinct."""
+    if len(keys) <= MAX_KEYS_OF_ONE_HASH:
+        return
+    counts: dict[int, int] = {}
+    for k in keys:
+        h = hash(k)
+        n = counts[h] = counts.get(h, 0) + 1
+        if n > MAX_KEYS_OF_ONE_HASH:
+            raise MetadataError(
+                f"{what} has more than {MAX_KEYS_OF_ONE_HASH} keys of one hash value (e.g. {str(k)[:40]!r}): "
+                "keys chosen to make loading take hours; the checkpoint is not one gpuckpt wrote"
+            )
+
+
 def decode_object(data: Any, *, allow_pickle: bool = False, fqn: str = "") -> Any:
     """Inverse of :func:`encode_object`; malformed input raises :class:`MetadataError`."""
 
@@ -200,12 +223,13 @@ def decode_object(data: Any, *, allow_pickle: bool = False, fqn: str = "") -> An
             if tag == "tuple" and isinstance(body, list):
                 return tuple(dec(x, depth + 1) for x in body)
             if tag == "dict" and isinstance(body, list):
-                out = {}
+                pairs = []
                 for item in body:
                     if not (isinstance(item, list) and len(item) == 2):
                         raise bad("dict item is not a [key, value] pair")
-                    out[dec(item[0], depth + 1)] = dec(item[1], depth + 1)
-                return out
+                    pairs.append((dec(item[0], depth + 1), dec(item[1], depth + 1)))
+                refuse_flooded_keys([k for k, _ in pairs], f"stored value of {fqn!r}: a dict")
+                return dict(pairs)
             if tag == "numpy" and isinstance(body, dict) and isinstance(body.get("hex"), str):
                 dt = dtype_from_name(body.get("dtype"))  # type: ignore[arg-type]
                 raw = bytes.fromhex(body["hex"])

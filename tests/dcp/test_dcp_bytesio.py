@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import io
 import os
+import struct
 import tempfile
+import tracemalloc
 import zipfile
 from typing import Any
 
@@ -164,3 +166,21 @@ def test_only_the_program_of_a_lone_bytesio_is_recognised() -> None:
     assert saved_bytesio(_torch_save(3)) is None
     assert saved_bytesio(_torch_save({"a": torch.ones(1)})) is None
     assert saved_bytesio(b"not a zip archive") is None
+
+
+def test_a_program_that_calls_more_than_once_is_refused_before_it_grows() -> None:
+    # one memoized string encoded again and again (5 bytes of opcodes a call): followed as
+    # written, memory would grow by the string's size per call
+    size, calls = 1 << 20, 1000
+    program = (
+        b"\x80\x02c_codecs\nencode\nq\x00X" + struct.pack("<I", size) + b"a" * size
+        + b"X\x06\x00\x00\x00latin1\x86q\x01" + b"h\x00h\x01R" * calls + b"."
+    )  # fmt: skip
+    blob = _with_pickle(_torch_save(bytesio(b"abc")), program)
+    tracemalloc.start()
+    try:
+        assert saved_bytesio(blob) is None
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 << 20, peak  # followed as written: 1 GiB

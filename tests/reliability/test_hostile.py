@@ -30,6 +30,7 @@ import gpuckpt
 from gpuckpt.format.checksum import crc32c
 from gpuckpt.format.documents import _canonical
 from gpuckpt.testing.faults import copy_checkpoint, rewrite_root_metadata
+from gpuckpt.verify import verify_checkpoint
 
 from .conftest import STRESS_TRIALS
 from .hostile import CountingMemory, Timeout, disk_bytes, every_reader, is_known_bug, make_state, time_limit
@@ -400,6 +401,76 @@ def test_atheris_harness_smoke(tmp_path: Path) -> None:
 
 
 # former core bugs, each with its smallest reproduction -----------------------
+
+
+#: int keys that all hash alike: Python's int hash is the value modulo 2**61 - 1
+COLLIDING = 2**61 - 1
+
+
+def test_plain_value_keys_chosen_to_share_one_hash_are_refused(ckpt: Path) -> None:
+    # building such a dict is quadratic: 40,000 keys (1.6 MB of document) took 15 s, 80,000 a minute
+    keys = [[{"int": str(i * COLLIDING)}, {"none": None}] for i in range(3000)]
+    rewrite_root_metadata(ckpt, lambda md: md["storage_data"]["objects"].__setitem__("step", {"dict": keys}))
+    with pytest.raises(gpuckpt.MetadataError, match="keys of one hash value"):
+        gpuckpt.load_state_dict(ckpt)
+    assert any("keys of one hash value" in d.problem for d in verify_checkpoint(ckpt).damage)
+    ordinary = [[{"int": str(i * 1000003)}, {"none": None}] for i in range(3000)]
+    rewrite_root_metadata(
+        ckpt, lambda md: md["storage_data"]["objects"].__setitem__("step", {"dict": ordinary})
+    )
+    assert len(gpuckpt.load_state_dict(ckpt)["step"]) == 3000  # as many keys, spread: taken
+
+
+def test_structure_keys_chosen_to_share_one_hash_are_refused(ckpt: Path) -> None:
+    flood = {"d": [["i", i * COLLIDING, {"d": []}] for i in range(3000)]}
+    rewrite_root_metadata(ckpt, lambda md: md["planner_data"]["structure"]["d"].append(["s", "junk", flood]))
+    with pytest.raises(gpuckpt.MetadataError, match="keys of one hash value"):
+        gpuckpt.load_state_dict(ckpt)
+    assert not verify_checkpoint(ckpt).ok
+
+
+def _edit_structure(md: dict[str, Any], how: str) -> None:
+    items = md["planner_data"]["structure"]["d"]
+    w = next(item for item in items if item[1] == "w")
+    if how == "twice":  # "w" named twice, the second time for another entry's leaf
+        items.append(["s", "w", {"v": "step"}])
+        items[:] = [item for item in items if item[1] != "step"]
+    else:  # "w" left out
+        items.remove(w)
+
+
+@pytest.mark.parametrize(
+    ("how", "match"), [("twice", "names the key 'w' twice"), ("dropped", "leaves out the entry 'w'")]
+)
+def test_a_structure_that_would_not_give_back_the_state_is_damage(ckpt: Path, how: str, match: str) -> None:
+    # either edit loaded without an error: one entry given out under another's name, or dropped
+    rewrite_root_metadata(ckpt, lambda md: _edit_structure(md, how))
+    with pytest.raises(gpuckpt.MetadataError, match=match):
+        gpuckpt.load_state_dict(ckpt)
+    report = verify_checkpoint(ckpt)
+    assert not report.ok and any(match in d.problem for d in report.damage), report.damage
+
+
+@pytest.mark.parametrize("constant", [float("nan"), float("inf"), float("-inf")])
+def test_nan_or_infinity_in_a_root_document_of_gpuckpts_own_layout_is_refused(
+    ckpt: Path, constant: float
+) -> None:
+    # the layout gpuckpt writes is read by checking its bytes' checksum and parsing them: the
+    # parse took NaN, which no other reader of the metadata accepts and to_json then refused
+    from gpuckpt.format.documents import ROOT_DOCUMENT_PREFIX
+
+    md = valid_metadata(ckpt)
+    md["planner_data"]["x"] = constant
+    canonical = json.dumps(md, sort_keys=True, separators=(",", ":"), allow_nan=True).encode()
+    tail = b',"metadata_crc32c":' + str(crc32c(canonical)).encode() + b"}}}"
+    (ckpt / "zarr.json").write_bytes(ROOT_DOCUMENT_PREFIX + canonical + tail)
+    with pytest.raises(gpuckpt.MetadataError, match="is not a JSON value"):
+        gpuckpt.read_metadata(ckpt)
+    md["planner_data"]["x"] = 1.5  # the same document with a number: read as written
+    canonical = json.dumps(md, sort_keys=True, separators=(",", ":")).encode()
+    tail = b',"metadata_crc32c":' + str(crc32c(canonical)).encode() + b"}}}"
+    (ckpt / "zarr.json").write_bytes(ROOT_DOCUMENT_PREFIX + canonical + tail)
+    assert gpuckpt.read_metadata(ckpt).planner_data["x"] == 1.5
 
 
 @pytest.mark.parametrize("version", ["²", "1" * 5000])
