@@ -344,6 +344,7 @@ def _prepare(
     with checking_chunk_files(reader, [tensors[f] for f in leaves if f in tensors]) as check_files:
         for fqn, leaf in leaves.items():
             if fqn in objects:
+                _refuse_value_into_array(fqn, leaf.value, objects[fqn])
                 ready.decoded.append(
                     (leaf, decode_object(objects[fqn], allow_pickle=options.allow_pickle, fqn=fqn))
                 )
@@ -361,6 +362,21 @@ def _prepare(
             ready.reads = prepare_reads(reader, ready.targets, options)
         check_files()
     return ready
+
+
+def _refuse_value_into_array(fqn: str, target: Any, stored: Any) -> None:
+    """A :class:`DTypeMismatchError` where the state holds an array at ``fqn`` and the checkpoint
+    a plain value: replacing the array with the value would leave a model's parameter (which
+    the dict only points to) as it was, and the load would look done."""
+    if not (is_sharded_leaf(target) or is_array(target)):
+        return
+    kind = next(iter(stored)) if isinstance(stored, dict) and len(stored) == 1 else "value"
+    raise DTypeMismatchError(
+        f"{fqn!r} is an array ({type(target).__module__}.{type(target).__qualname__}) in the state "
+        f"dict but a plain value ({kind}) in the checkpoint: nothing was loaded; load this key into "
+        "a dict entry that is not an array (load_state_dict(path, keys=...) gives it), or leave it out "
+        "of the state dict"
+    )
 
 
 def _allocate_placeholders(ready: _PreparedLoad) -> list[tuple[Any, np.ndarray]]:

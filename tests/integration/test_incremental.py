@@ -324,6 +324,25 @@ def test_base_chunk_written_into_after_publish_with_its_trailer_kept_is_written_
     assert_loads(tmp_path / "c1", s0)
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root")
+def test_base_chunk_files_others_can_change_are_written_not_linked(tmp_path: Path) -> None:
+    # a hard link shares the inode: its owner (or anyone allowed to write it) could later rewrite
+    # it, a CRC32C made to match, under the new checkpoint; such files are written, silently
+    s0 = make_state()
+    gpuckpt.save(s0, tmp_path / "c0", chunk_bytes=CHUNK, content_hash=True)
+    os.chown(tmp_path / "c0/model.big/c.1.0", 65534, 65534)  # another user's
+    os.chmod(tmp_path / "c0/model.big/c.2.0", 0o664)  # the group may write it
+    os.chmod(tmp_path / "c0/model.emb/c.0.0", 0o646)  # anyone may write it
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", IncrementalBaseWarning)  # not damage: no warning
+        gpuckpt.save(s0, tmp_path / "c1", chunk_bytes=CHUNK, base=tmp_path / "c0")
+    f1 = chunk_files(tmp_path / "c1")
+    written = {k for k, st in f1.items() if st.st_nlink == 1}
+    assert written == {"model.big/c.1.0", "model.big/c.2.0", "model.emb/c.0.0"}, written
+    assert all(st.st_uid == os.geteuid() for st in f1.values()) and len(f1) > len(written)
+    assert_loads(tmp_path / "c1", s0)
+
+
 def _crc_forge(prefix: bytes, target: int) -> bytes:
     """4 bytes ``t`` with ``crc32c(prefix + t) == target`` (CRC is affine in the message bits)."""
     zero = crc32c(prefix + b"\0\0\0\0")

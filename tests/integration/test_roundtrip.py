@@ -175,6 +175,22 @@ def test_shape_and_dtype_mismatch_are_typed_and_change_nothing(tmp_path: Path) -
     assert not b.any()
 
 
+@pytest.mark.parametrize("strict", [True, False])
+def test_an_array_target_where_the_checkpoint_holds_a_plain_value_is_refused(
+    tmp_path: Path, strict: bool
+) -> None:
+    # replacing the array in the dict with the value left a model's parameter as it was
+    gpuckpt.save({"b": np.ones(2), "weight": [[1, 2], [3, 4]]}, tmp_path / "c")
+    weight, b = np.zeros((2, 2)), np.zeros(2)
+    sd = {"b": b, "weight": weight}
+    with pytest.raises(gpuckpt.DTypeMismatchError, match=r"'weight' is an array .* plain value \(list\)"):
+        gpuckpt.load(sd, tmp_path / "c", strict=strict)
+    assert sd["weight"] is weight and not weight.any() and not b.any()  # nothing loaded or replaced
+    sd2: dict = {"b": b, "weight": None}  # a target that is not an array takes the value
+    gpuckpt.load(sd2, tmp_path / "c", strict=strict)
+    assert sd2["weight"] == [[1, 2], [3, 4]] and b.all()
+
+
 def test_non_array_target_gets_a_new_array(tmp_path: Path) -> None:
     gpuckpt.save({"a": np.arange(3)}, tmp_path / "c")
     sd: dict = {"a": None}
@@ -307,3 +323,17 @@ def test_a_checkpoint_is_never_saved_inside_another(tmp_path: Path) -> None:
     assert sorted(p.name for p in (tmp_path / "outer").iterdir()) == ["w", "zarr.json"]
     assert gpuckpt.read_metadata(tmp_path / "outer")
     gpuckpt.save({"w": np.zeros(3)}, tmp_path / "beside")
+
+
+def test_a_key_that_is_not_unicode_text_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    # a lone surrogate (os.fsdecode's spelling of an undecodable byte) was saved, and exported
+    # to safetensors that the reference reader refuses
+    for sd in ({"w\udcff": np.ones(2)}, {"model": {"\ud800x": 3}}):
+        with pytest.raises(
+            gpuckpt.UnsupportedValueError, match="is not Unicode text: it holds the lone surrogate"
+        ):
+            gpuckpt.save(sd, tmp_path / "c")
+        assert not (tmp_path / "c").exists()
+    keys = {"wé": np.ones(2), "模型": {"é\u2028😀": 1}}  # any other text is a key
+    gpuckpt.save(keys, tmp_path / "c")
+    assert gpuckpt.load_state_dict(tmp_path / "c")["模型"] == {"é\u2028😀": 1}

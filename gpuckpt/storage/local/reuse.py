@@ -34,7 +34,8 @@ def open_base_chunk(
     (missing, not a regular file: it is opened as a load opens it, no symlink, no FIFO; not of
     the size and CRC32C trailer its metadata gives; younger than the base's root document, so
     written into after the base was published, its trailer kept or not), None where sharing
-    does not apply (not on this file system, the base's root document unreadable).
+    does not apply (not on this file system, the base's root document unreadable, a file that
+    another user owns or may write).
     ``seen``: the publication times already read (:func:`published_ns`)."""
     if "://" in base.location and not base.location.startswith("file://"):
         return None
@@ -48,7 +49,7 @@ def open_base_chunk(
         return f"not readable as a chunk file ({exc.strerror or exc})"
     try:
         st = os.fstat(fd)
-        why = _unlike_the_base(fd, st, base, root, seen)
+        why = None if not _ours_alone(st) else _unlike_the_base(fd, st, base, root, seen)
         if why == "":
             return fd, st, src
     except BaseException:
@@ -56,6 +57,13 @@ def open_base_chunk(
         raise
     os.close(fd)
     return why
+
+
+def _ours_alone(st: os.stat_result) -> bool:
+    """Whether only this process's user can change the file: a hard link to a file of another
+    user, or one that others may write, would change under the new checkpoint whenever they
+    rewrite it (its checksum made to match is no defence), so such a file is not shared."""
+    return st.st_uid == os.geteuid() and not st.st_mode & 0o022
 
 
 def _unlike_the_base(
