@@ -6,7 +6,6 @@ What the bytes mean (the header, its validation) is :mod:`gpuckpt.format.safeten
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import os
 import secrets
@@ -201,9 +200,10 @@ def output_errors(dst: Path) -> Iterator[None]:
     except OSError as exc:
         if isinstance(exc, GpuckptError):
             raise
+        code, text = fsutil.failure_errno(exc)
         raise CheckpointWriteError(
-            exc.errno or errno.EIO,
-            f"writing {dst} failed ({exc.strerror or exc}"
+            code,
+            f"writing {dst} failed ({text}"
             f"{f': {exc.filename}' if exc.filename else ''}); nothing was published (an earlier "
             f"{dst.name}, if any, is intact): {fsutil.failure_hint(exc)}",
         ) from exc

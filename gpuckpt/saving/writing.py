@@ -14,7 +14,6 @@ document carrying the metadata is written last by
 
 from __future__ import annotations
 
-import errno
 import functools
 import itertools
 import math
@@ -49,7 +48,7 @@ from gpuckpt.saving.incremental import (
 from gpuckpt.saving.reuse import share_unchanged, write_hashed
 from gpuckpt.saving.sources import Sources
 from gpuckpt.storage.base import CheckpointWriter, ChunkWrites
-from gpuckpt.storage.local.fsutil import failure_hint
+from gpuckpt.storage.local.fsutil import failure_errno, failure_hint
 from gpuckpt.storage.stores import open_writer
 
 __all__ = [
@@ -439,9 +438,10 @@ def writing(writer: CheckpointWriter) -> Iterator[None]:
     except OSError as exc:
         writer.abort()
         where = getattr(writer, "path", "the checkpoint")
+        code, text = failure_errno(exc)
         raise CheckpointWriteError(
-            exc.errno or errno.EIO,
-            f"saving {where} failed: {exc.strerror or exc}; nothing was published and any earlier "
+            code,
+            f"saving {where} failed: {text}; nothing was published and any earlier "
             f"checkpoint there is intact ({failure_hint(exc)})",
         ) from exc
     except BaseException:

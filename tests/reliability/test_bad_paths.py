@@ -4,6 +4,7 @@ or read; an earlier checkpoint stays loadable."""
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 from typing import Any
@@ -130,6 +131,8 @@ def test_a_parent_that_is_a_file_is_named(tmp_path: Path) -> None:
             gpuckpt.save({"w": np.zeros(2)}, path)
         assert f"{tmp_path / 'notes'} is a file, not a directory" in str(info.value), info.value
         assert "free space" not in str(info.value)
+        # the errno open() and mkdir() give (os.makedirs says EEXIST), as torch's writer raises
+        assert info.value.errno == errno.ENOTDIR and "Not a directory" in str(info.value)
     assert (tmp_path / "notes").read_text() == "mine"
 
 

@@ -230,6 +230,16 @@ def _not_a_directory(path: str) -> str | None:
     return None
 
 
+def failure_errno(exc: OSError) -> tuple[int, str]:
+    """The errno and its text that a save reports for ``exc``: ``os.makedirs`` reports a file
+    among a path's parents as EEXIST, which is told as ENOTDIR, as ``open`` and ``mkdir`` tell it."""
+    name = os.fspath(exc.filename) if isinstance(exc.filename, (str, os.PathLike)) else ""
+    if exc.errno == errno.EEXIST and name and _not_a_directory(name) is not None:
+        return errno.ENOTDIR, os.strerror(errno.ENOTDIR)
+    code = exc.errno or errno.EIO
+    return code, exc.strerror or str(exc)
+
+
 def failure_hint(exc: OSError) -> str:
     """What to do about the failed system call ``exc`` of a save: a remedy that fits its errno
     (and, where it says which, the name at fault), for the end of an error message."""
