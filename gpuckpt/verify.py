@@ -337,10 +337,11 @@ def verify_checkpoint(
         run_ordered(jobs, window=4 * workers, threads=workers, name="gpuckpt-verify")
     ) as found:
         for (t, c), damage in zip(chunks, found, strict=True):
+            nbytes = c.spec.nelem * t.dtype.itemsize
             if damage is not None:
                 report.damage.append(damage)
-            nbytes = c.spec.nelem * t.dtype.itemsize
-            report.bytes_checked += nbytes
+            else:  # (what was read and found whole: a missing chunk is not checked bytes)
+                report.bytes_checked += nbytes
             counter.add(nbytes)
     return report
 

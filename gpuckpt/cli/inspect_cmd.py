@@ -246,17 +246,24 @@ def format_description(d: dict[str, Any], *, warn: bool = True) -> str:
                 f"  ... and {len(why) - _AUTO_LINES} more tensors left uncompressed (--json lists them)"
             )
     t = d["totals"]
+    remote = "://" in str(d["path"]) and not str(d["path"]).startswith("file://")
+    found = (
+        f"{format_bytes(t['file_bytes'])} found"
+        if remote  # an object store says nothing of blocks or links
+        else f"{format_bytes(t['file_bytes'])} found ({format_bytes(t['disk_bytes'])} allocated on disk)"
+    )
     out += [
         "",
         f"total: {t['tensors']} tensors, {t['chunks']} chunks, {format_bytes(t['bytes'])}; "
-        f"chunk files: {format_bytes(t['stored_bytes'])} claimed by the metadata, "
-        f"{format_bytes(t['file_bytes'])} found ({format_bytes(t['disk_bytes'])} allocated on disk); "
-        f"{t['objects']} objects",
+        f"chunk {'objects' if remote else 'files'}: {format_bytes(t['stored_bytes'])} claimed by the "
+        f"metadata, {found}; {t['objects']} objects",
         f"stored: {format_bytes(t['stored_bytes'])} for {format_bytes(t['bytes'])} of tensors"
         + _ratio(t["bytes"], t["stored_bytes"]),
         f"sharing: {format_bytes(t['own_bytes'])} in chunk files of its own, "
         f"{format_bytes(t['shared_bytes'])} in chunk files shared with other checkpoints "
-        "(hard links of incremental saves)",
+        "(hard links of incremental saves)"
+        if not remote
+        else "sharing: none on an object store (server-side copies are objects of their own)",
     ]
     if warn and _damaged(t):
         out.append(f"warning: {_damage_line(t)}")

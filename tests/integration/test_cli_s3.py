@@ -56,6 +56,9 @@ def test_inspect_a_checkpoint_and_a_manager_root_on_s3(endpoint: str) -> None:
     d = json.loads(r.stdout)
     assert d["path"] == f"{root}/step_00000006" and d["totals"]["tensors"] == 2
     assert d["totals"]["missing_chunks"] == 0 and d["totals"]["file_bytes"] == d["totals"]["stored_bytes"]
+    text = _cli(endpoint, "inspect", f"{root}/step_00000006").stdout
+    assert "chunk objects:" in text and "none on an object store" in text  # not disk blocks, links
+    assert "allocated on disk" not in text and "hard links" not in text
     r = _cli(endpoint, "inspect", "--json", root)
     assert r.returncode == 0, r.stderr
     listed = json.loads(r.stdout)

@@ -68,6 +68,8 @@ def test_every_damaged_chunk_is_listed(tmp_path: Path) -> None:
     assert "truncated" in by["bias/c.0"]
     assert r.damaged_tensors() == ["bias", "layer.weight"]
     assert "layer.weight/c.2.0: missing" in r.format()
+    # checked bytes are those found whole: one chunk of layer.weight and the third tensor
+    assert r.bytes_checked == 16 * 16 * 4 + 180 * 4
 
 
 def test_swapped_valid_chunks(tmp_path: Path) -> None:
