@@ -9,7 +9,9 @@ plain values (numbers, strings, None, lists, tuples, dicts) as gpuckpt's tagged
 JSON values, and other objects only with ``allow_pickle=True``. Loading gives
 back the same dictionary with CPU tensors (moved to ``map_location`` when given).
 :class:`AsyncCheckpointIO` takes a snapshot and writes it in the background
-(:func:`gpuckpt.async_save`).
+(:func:`gpuckpt.async_save`). ``LightningModule.load_from_checkpoint`` reads the
+path with ``torch.load`` and cannot read such a checkpoint (a directory):
+:func:`load_from_checkpoint` does what it does through the plug-in.
 
 Lightning is imported here, when this module is imported, never by ``import gpuckpt``;
 the plug-in derives from the ``CheckpointIO`` of ``pytorch_lightning`` (``lightning_fabric``)
@@ -23,8 +25,10 @@ Examples
 
 from __future__ import annotations
 
+import importlib
 import os
 import threading
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +45,7 @@ from gpuckpt.options import SaveOptions
 from gpuckpt.pending import SaveFuture
 from gpuckpt.storage.stores import open_root, scheme_of
 
-__all__ = ["AsyncCheckpointIO", "CheckpointIO"]
+__all__ = ["AsyncCheckpointIO", "CheckpointIO", "load_from_checkpoint"]
 
 
 def _bases() -> tuple[type, ...]:
@@ -288,3 +292,101 @@ class AsyncCheckpointIO(CheckpointIO):
 
     def teardown(self) -> None:
         self.wait()
+
+
+def load_from_checkpoint(
+    cls: type[Any],
+    path: str | os.PathLike[str],
+    map_location: Any = None,
+    hparams_file: str | os.PathLike[str] | None = None,
+    strict: bool | None = None,
+    weights_only: bool | None = None,
+    *,
+    checkpoint_io: CheckpointIO | None = None,
+    **kwargs: Any,
+) -> Any:
+    """``cls.load_from_checkpoint(path, ...)`` for a checkpoint the plug-in wrote.
+
+    Lightning's classmethod reads ``path`` with ``torch.load``, which cannot read a gpuckpt
+    checkpoint (a directory: ``IsADirectoryError``). This reads it through ``checkpoint_io``
+    (a new :class:`CheckpointIO`; pass the plug-in you trained with for its ``allow_pickle``
+    or ``storage_options``) and then does what Lightning's ``load_from_checkpoint`` does, with
+    Lightning's own functions: its migration of checkpoints of older versions; the module made
+    from the hyper-parameters saved with it (``save_hyperparameters``), replaced by those of
+    ``hparams_file`` (``.yaml`` or ``.csv``) and then by ``kwargs``; ``configure_model`` and
+    ``on_load_checkpoint``; the state dict loaded with ``strict`` (by default the module's
+    ``strict_loading``, else True; missing or unexpected keys warned of when not strict). The
+    tensors are read to the CPU, or moved by ``map_location`` as :meth:`CheckpointIO.load_checkpoint`
+    moves them, and the module goes where they are (Lightning's own puts them back on the
+    device they were saved from). ``weights_only`` has no effect: nothing is unpickled unless
+    ``checkpoint_io`` was made with ``allow_pickle=True``.
+
+    Parameters
+    ----------
+    cls
+        A ``LightningModule`` subclass (of ``pytorch_lightning`` or of ``lightning``).
+    path
+        The checkpoint (``epoch=3-step=400.ckpt``, a directory, or an ``s3://`` URL).
+
+    Returns
+    -------
+    A new instance of ``cls``, in training mode as Lightning's is.
+
+    Examples
+    --------
+    >>> from gpuckpt.lightning import load_from_checkpoint  # doctest: +SKIP
+    >>> model = load_from_checkpoint(MyModel, "checkpoints/epoch=3-step=400.ckpt", lr=1e-4)  # doctest: +SKIP
+    """
+    del weights_only  # (Lightning's argument: what is unpickled is the plug-in's choice)
+    saving = _lightning_saving(cls)
+    reader = CheckpointIO() if checkpoint_io is None else checkpoint_io
+    checkpoint = reader.load_checkpoint(path, map_location)
+    local = Path(os.fspath(path)) if scheme_of(path) == "file" else None
+    checkpoint = saving._pl_migrate_checkpoint(checkpoint, checkpoint_path=local)
+    key = cls.CHECKPOINT_HYPER_PARAMS_KEY
+    if hparams_file is not None:
+        kind = os.fspath(hparams_file).rsplit(".", 1)[-1].lower()
+        if kind == "csv":
+            checkpoint[key] = saving.load_hparams_from_tags_csv(hparams_file)
+        elif kind in ("yml", "yaml"):
+            checkpoint[key] = saving.load_hparams_from_yaml(hparams_file)
+        else:
+            raise InvalidOptionError(
+                f"hparams_file={os.fspath(hparams_file)!r}: give a .yaml, .yml or .csv file "
+                "(the kinds Lightning reads)"
+            )
+    checkpoint.setdefault(key, {})
+    checkpoint[key].update(kwargs)
+    model = saving._load_state(cls, checkpoint, strict=strict, **kwargs)
+    state_dict = checkpoint["state_dict"]
+    if not state_dict:
+        warnings.warn(f"the state dict in {os.fspath(path)!r} holds no parameters", UserWarning, stacklevel=2)
+        return model
+    import torch
+
+    device = next((t.device for t in state_dict.values() if isinstance(t, torch.Tensor)), torch.device("cpu"))
+    return model.to(device)
+
+
+def _lightning_saving(cls: Any) -> Any:
+    """Lightning's ``core.saving`` module of the package whose ``LightningModule`` ``cls`` derives from."""
+    for package in ("pytorch_lightning", "lightning.pytorch"):
+        try:
+            base = importlib.import_module(package).LightningModule
+            saving = importlib.import_module(f"{package}.core.saving")
+        except (ImportError, AttributeError):
+            continue
+        if isinstance(cls, type) and issubclass(cls, base):
+            if not all(hasattr(saving, f) for f in ("_load_state", "_pl_migrate_checkpoint")):
+                raise MissingDependencyError(
+                    f"gpuckpt.lightning.load_from_checkpoint uses {package}.core.saving's _load_state and "
+                    "_pl_migrate_checkpoint, which this Lightning lacks; load by hand: "
+                    "ck = CheckpointIO().load_checkpoint(path); model = MyModel(**ck['hyper_parameters']); "
+                    "model.load_state_dict(ck['state_dict'])"
+                )
+            return saving
+    raise UnsupportedValueError(
+        f"gpuckpt.lightning.load_from_checkpoint makes a LightningModule: {cls!r} is not a subclass of "
+        "pytorch_lightning.LightningModule or lightning.pytorch.LightningModule; pass the model's class "
+        "(for other objects, read the checkpoint with CheckpointIO().load_checkpoint(path))"
+    )

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from gpuckpt.dcp.tensors import numpy_dtype, torch, torch_dtype
+from gpuckpt.dcp.tensors import DCP_VERSION, numpy_dtype, torch, torch_dtype
 from gpuckpt.errors import MetadataError
 from gpuckpt.format import memory_format as mf
 from gpuckpt.format.metadata import Metadata, TensorProperties, TensorStorageMetadata
@@ -109,41 +109,58 @@ def skeleton_from_paths(paths: Any, fqns: Iterable[str]) -> Any:
     """A structure skeleton rebuilding DCP's nesting from its ``planner_data`` (FQN -> path).
 
     String path items are dict keys, integers list indices (DCP's rule). FQNs
-    without a usable path, or whose paths collide, stay top-level keys.
+    without a usable path stay top-level keys, as do the FQNs on a path that
+    another FQN's path runs through: ranks that hold ``k`` as a dict on one
+    rank (``k.a``) and as a tensor or value on another (``k``) save both, and
+    DCP's own metadata lists both names. A structure cannot hold ``k`` as both
+    a dict and a leaf, so each of them stays a top-level key under its DCP name,
+    whichever rank held which (the result depends on the set of paths, not on
+    their order).
     """
     fqns = list(fqns)
-    root: dict[Any, Any] = {}
-    flat: list[str] = []
     valid = isinstance(paths, Mapping)
+    keyed: dict[str, tuple[tuple[type, str | int], ...]] = {}
     for fqn in fqns:
         path = paths.get(fqn) if valid else None
         if (
-            not isinstance(path, (list, tuple))
-            or not path
-            or not isinstance(path[0], str)
-            or not all(isinstance(p, (str, int)) and not isinstance(p, bool) for p in path)
-            or not _insert(root, tuple(path), fqn)
+            isinstance(path, (list, tuple))
+            and path
+            and isinstance(path[0], str)
+            and all(isinstance(p, (str, int)) and not isinstance(p, bool) for p in path)
         ):
+            keyed[fqn] = tuple((type(p), p) for p in path)
+    # a leaf's path that another path runs through (or that two FQNs claim) cannot nest
+    count: dict[tuple[tuple[type, str | int], ...], int] = {}
+    for key in keyed.values():
+        count[key] = count.get(key, 0) + 1
+    inner = {key[:i] for key in keyed.values() for i in range(1, len(key))}
+    apart = {
+        fqn
+        for fqn, key in keyed.items()
+        if count[key] > 1 or key in inner or any(key[:i] in count for i in range(1, len(key)))
+    }
+    root: dict[Any, Any] = {}
+    flat: list[str] = []
+    for fqn in fqns:
+        if fqn not in keyed or fqn in apart or not _insert(root, keyed[fqn], fqn):
             flat.append(fqn)
     items = [["s", k, _emit(v)] for (_, k), v in root.items()]
-    taken = {k for _, k, _ in items}
-    items += [["s", f, {"v": f}] for f in flat if f not in taken]
+    items += [["s", f, {"v": f}] for f in flat]
     if len({k for _, k, _ in items}) != len(items):  # a flat FQN equal to a nested top key
         return {"d": [["s", f, {"v": f}] for f in fqns]}
     return {"d": items}
 
 
-def _insert(root: dict[Any, Any], path: Path, fqn: str) -> bool:
+def _insert(root: dict[Any, Any], path: tuple[tuple[type, str | int], ...], fqn: str) -> bool:
     node = root
     for p in path[:-1]:
-        child = node.setdefault((type(p), p), {})
+        child = node.setdefault(p, {})
         if not isinstance(child, dict):
             return False
         node = child
-    key = (type(path[-1]), path[-1])
-    if key in node:
+    if path[-1] in node:
         return False
-    node[key] = fqn
+    node[path[-1]] = fqn
     return True
 
 
@@ -261,7 +278,9 @@ def dcp_view(md: Metadata, tensor_fqns: set[str], value_fqns: set[str], checkpoi
         save_id=None if meta is None or meta.checkpoint_id is None else str(meta.checkpoint_id),
         modules=[] if meta is None else list(meta.modules),
     )
-    return View(dm.Metadata(state, planner_data=paths, storage_meta=storage_meta), entries)
+    # the view is made now, in the shape of this torch's metadata: its version, whoever wrote the checkpoint
+    metadata = dm.Metadata(state, planner_data=paths, storage_meta=storage_meta, version=DCP_VERSION)
+    return View(metadata, entries)
 
 
 def _dcp_traverses(node: Any, tensor_fqns: set[str], depth: int = 0) -> bool:

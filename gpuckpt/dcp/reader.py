@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import io
 import os
+import re
+from pathlib import Path
 from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata as DcpMetadata
@@ -19,6 +21,7 @@ from gpuckpt.dcp.tensors import as_torch, torch, torch_dtype
 from gpuckpt.device.arrays import adapt_leaf
 from gpuckpt.distributed.torch_dist import TorchCoordinator
 from gpuckpt.errors import (
+    CheckpointNotFoundError,
     MetadataError,
     MissingKeyError,
     ShapeMismatchError,
@@ -27,7 +30,7 @@ from gpuckpt.errors import (
 )
 from gpuckpt.loading.targets import check_writable_target
 from gpuckpt.options import DEFAULT_STAGING_BYTES, LoadOptions
-from gpuckpt.storage.stores import path_text, shares_reads
+from gpuckpt.storage.stores import path_text, scheme_of, shares_reads
 
 __all__ = ["Reader"]
 
@@ -128,7 +131,11 @@ class Reader(StorageReader):  # type: ignore[misc,unused-ignore]
 
     def read_metadata(self, *args: Any) -> DcpMetadata:
         # no **kwargs: DCP then does not retry with per-rank metadata, which gpuckpt has none of
-        ck = bridge.open_checkpoint(self._path, self.options)
+        try:
+            ck = bridge.open_checkpoint(self._path, self.options)
+        except CheckpointNotFoundError:
+            _refuse_dcp_directory(self._path)
+            raise
         view = convert.dcp_view(ck.metadata, set(ck.tensors), set(ck.values), self._path)
         self._checkpoint, self._view = ck, view
         metadata: DcpMetadata = view.metadata
@@ -258,9 +265,10 @@ class Reader(StorageReader):  # type: ignore[misc,unused-ignore]
                     value = torch.load(io.BytesIO(blob), weights_only=True)
                 except Exception as exc:
                     raise UnsafeCheckpointError(
-                        f"entry {entry.fqn!r} holds objects that torch.load(weights_only=True) refuses "
-                        f"({exc}); loading it could run arbitrary code: pass allow_pickle=True to "
-                        "gpuckpt.dcp.Reader only if you trust the checkpoint's origin"
+                        f"entry {entry.fqn!r} holds a value that DCP pickled and that gpuckpt.dcp.Reader "
+                        f"does not unpickle by default ({_refusal(exc)}); unpickling it can run any code the "
+                        "checkpoint holds: pass allow_pickle=True to gpuckpt.dcp.Reader only for a "
+                        "checkpoint whose origin you trust"
                     ) from None
         elif entry.kind == "value":
             value = bridge.read_value(ck, entry.fqn, self.options.allow_pickle)
@@ -283,3 +291,37 @@ class Reader(StorageReader):  # type: ignore[misc,unused-ignore]
 
     def __repr__(self) -> str:
         return f"gpuckpt.dcp.Reader({self._path!r})"
+
+
+def _refuse_dcp_directory(path: str) -> None:
+    """Raise where ``path`` is a directory DCP's ``FileSystemWriter`` wrote (its ``.metadata``,
+    no ``zarr.json``): it is no gpuckpt checkpoint, and saying only that would not say what it is."""
+    if scheme_of(path) != "file":
+        return
+    where = Path(path.removeprefix("file://"))
+    if (where / ".metadata").is_file() and not os.path.lexists(where / "zarr.json"):
+        raise CheckpointNotFoundError(
+            f"{path} is a torch.distributed.checkpoint directory (DCP's FileSystemWriter wrote it: it holds "
+            "a .metadata file and no zarr.json), not a gpuckpt checkpoint: read it with "
+            "torch.distributed.checkpoint.FileSystemReader, or convert it once with "
+            f"`gpuckpt convert {path} CKPT --trust-pickle-metadata` (its .metadata is a pickle: only for "
+            "a directory you trust) and read CKPT with gpuckpt.dcp.Reader"
+        )
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+def _refusal(exc: Exception) -> str:
+    """Why ``torch.load(weights_only=True)`` refused, in one short line: torch's reason (the
+    global it would not load), without its terminal colours and its advice, which is about
+    ``torch.load`` (``weights_only=False``), not about this Reader."""
+    text = _ANSI.sub("", str(exc))
+    _, found, reason = text.partition("WeightsUnpickler error:")
+    if not found:
+        reason = next((line for line in reversed(text.splitlines()) if line.strip()), type(exc).__name__)
+    reason = " ".join(reason.split())
+    # torch's own suggestions follow its reason ("Please use `torch.serialization.add_safe_globals`")
+    reason = reason.split(" Please use ", 1)[0].split(" Check the documentation ", 1)[0]
+    reason = reason[:200] + (" ..." if len(reason) > 200 else "")
+    return f"torch.load(weights_only=True) refuses it: {reason.rstrip('.')}"

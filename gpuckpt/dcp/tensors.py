@@ -25,7 +25,11 @@ except ImportError as _exc:
         "install it with `pip install 'gpuckpt[torch]'` (or see https://pytorch.org/get-started/)"
     ) from _exc
 
-__all__ = ["as_torch", "host_view", "numpy_dtype", "torch", "torch_dtype"]
+__all__ = ["DCP_VERSION", "as_torch", "host_view", "numpy_dtype", "torch", "torch_dtype"]
+
+#: the version of DCP's ``Metadata`` this torch writes (its FileSystemWriter records
+#: ``CURRENT_DCP_VERSION``; a torch without one records none)
+DCP_VERSION: str | None = getattr(torch.distributed.checkpoint.filesystem, "CURRENT_DCP_VERSION", None)
 
 # dtypes NumPy lacks (ml_dtypes has them): NumPy sees them through integers of the same size
 _BITS = {1: "uint8", 2: "uint16"}

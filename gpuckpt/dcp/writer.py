@@ -21,7 +21,7 @@ from torch.futures import Future
 import gpuckpt.dcp.bridge as bridge
 import gpuckpt.dcp.convert as convert
 from gpuckpt.dcp.fs_arguments import writer_arguments
-from gpuckpt.dcp.tensors import torch
+from gpuckpt.dcp.tensors import DCP_VERSION, torch
 from gpuckpt.distributed.save import agreed_settings, check_agreement
 from gpuckpt.errors import GpuckptError, UnsupportedValueError
 from gpuckpt.format import memory_format as mf
@@ -172,6 +172,7 @@ class Writer(StorageWriter):  # type: ignore[misc,unused-ignore]
             compression=compression,
         )
         self._path = path_text(path)
+        self._save_id = str(uuid.uuid4())  # the next save's, as DCP's FileSystemWriter makes one
         self._coordinator = True
         self._rank = 0
         self._open: bridge.OpenSave | None = None
@@ -186,6 +187,7 @@ class Writer(StorageWriter):  # type: ignore[misc,unused-ignore]
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         self._discard()
+        self._save_id = str(uuid.uuid4())
         if checkpoint_id is not None:
             self._path = path_text(checkpoint_id)
 
@@ -202,7 +204,7 @@ class Writer(StorageWriter):  # type: ignore[misc,unused-ignore]
         self._rank = int(rank)
 
     def storage_meta(self) -> StorageMeta | None:
-        return StorageMeta(checkpoint_id=self._path)
+        return StorageMeta(checkpoint_id=self._path, save_id=self._save_id)
 
     def prepare_local_plan(self, plan: DcpSavePlan) -> DcpSavePlan:
         convert.local_boxes(plan.items)  # unsupported dtypes fail here, on the rank that has them
@@ -378,12 +380,17 @@ class Writer(StorageWriter):  # type: ignore[misc,unused-ignore]
                 blobs,
                 convert.skeleton_from_paths(metadata.planner_data, fqns),
                 {convert.DCP_KEY: convert.dcp_planner_data(blobs)},
-                str(uuid.uuid4()),
+                self._save_id,
             )
         except BaseException:
             self._discard()
             raise
         self._forget()
+        # what DCP's FileSystemWriter.finish records, in the Metadata dcp.save returns (every rank
+        # gets the coordinator's); gpuckpt.dcp.Reader reads the save id back as storage_meta.save_id
+        metadata.version = DCP_VERSION
+        metadata.storage_meta = self.storage_meta()
+        self._save_id = str(uuid.uuid4())  # a later save without reset() is another save
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:

@@ -184,3 +184,68 @@ def test_cooperative_load_on_4_ranks_reads_each_chunk_once(
         for report in r["damaged"].values():
             assert "ChecksumError" in report and "chunk c.1.0 of tensor 'w'" in report, report
         assert r["damaged_received_some_chunks"] and r["damaged_received_nothing"], rank
+
+
+def _nested(state: Any) -> Any:
+    """Tensors and NumPy arrays as lists, bytes as what torch.save holds, for comparison."""
+    import io
+
+    if isinstance(state, dict):
+        return {k: _nested(v) for k, v in state.items()}
+    if isinstance(state, bytes):
+        return torch.load(io.BytesIO(state), weights_only=True)
+    return state.tolist() if hasattr(state, "tolist") else state
+
+
+def test_a_key_held_as_a_dict_and_as_a_leaf_keeps_both_whichever_rank_holds_which(
+    tmp_path: Path, run_ranks: Callable[..., Results]
+) -> None:
+    """Rank 0 holds ``{"k": {"a": t}}``, rank 1 ``{"k": t2}`` (or ``{"k": 5}``), and the other way
+    round: as with FileSystemWriter, the checkpoint holds both ``k.a`` and ``k`` (it used to keep
+    only ``k.a`` when the dict was on rank 0); their structure is the same in either rank order,
+    and a dict no other rank holds stays nested."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    run_ranks(2, "clash", tmp_path)
+    ranks = _script()
+    structures = {}
+    for name, (_, leaf) in ranks.CLASH.items():
+        path = tmp_path / name
+        want = sorted(FileSystemReader(tmp_path / f"{name}-fs").read_metadata().state_dict_metadata)
+        assert want == ["k", "k.a", "z.y"]
+        md = gpuckpt.dcp.Reader(path).read_metadata()
+        assert sorted(md.state_dict_metadata) == want, name
+        k: Any = torch.zeros(2) if leaf == "tensor" else 0
+        state: dict[str, Any] = {"k": k, "k.a": torch.zeros(1), "z": {"y": torch.zeros(3)}}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.load(state, storage_reader=gpuckpt.dcp.Reader(path))
+        assert _nested(state) == {
+            "k": [7.0, 7.0] if leaf == "tensor" else 5,
+            "k.a": [1.0],
+            "z": {"y": [2.0, 2.0, 2.0]},
+        }, name
+        structures[name] = _nested(gpuckpt.load_state_dict(path))
+        assert structures[name] == _nested(state), name
+    assert structures["tensor-dict-first"] == structures["tensor-dict-last"]
+    assert structures["value-dict-first"] == structures["value-dict-last"]
+
+
+def test_the_structure_of_dcp_paths_does_not_depend_on_their_order() -> None:
+    """The skeleton made from DCP's paths, as pure data: every order of the same paths gives the
+    same keys; a path that another runs through stays flat, the rest nest."""
+    from itertools import permutations
+
+    from gpuckpt.dcp.convert import skeleton_from_paths
+
+    paths = {"k.a": ("k", "a"), "k": ("k",), "z.y": ("z", "y"), "m.x.y": ("m", "x", "y"), "m.x": ("m", "x")}
+    paths["m.w"] = ("m", "w")
+    shapes = set()
+    for order in permutations(paths):
+        skeleton = skeleton_from_paths(paths, order)
+        shapes.add(repr(sorted(map(repr, skeleton["d"]))))
+    assert len(shapes) == 1
+    top = {k: child for _, k, child in skeleton["d"]}
+    assert sorted(top) == ["k", "k.a", "m", "m.x", "m.x.y", "z"]
+    assert top["z"] == {"d": [["s", "y", {"v": "z.y"}]]}
+    assert top["m"] == {"d": [["s", "w", {"v": "m.w"}]]}

@@ -54,14 +54,11 @@ def test_path_that_is_not_a_gpuckpt_checkpoint(tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
     zarr.open_group(tmp_path / "zarr-group", mode="w")
     (tmp_path / "file").write_text("not a checkpoint")
-    fs_writer_dir = tmp_path / "dcp-native"
-    dcp.save({"w": torch.ones(2)}, storage_writer=dcp.FileSystemWriter(fs_writer_dir))
     cases = {
         "missing": "no checkpoint at",
         "empty": "not a committed checkpoint",
         "zarr-group": "not a gpuckpt checkpoint",
         "file": "is a file, not a checkpoint",
-        "dcp-native": "not a committed checkpoint",
     }
     for name, expected in cases.items():
         path = tmp_path / name
@@ -71,6 +68,47 @@ def test_path_that_is_not_a_gpuckpt_checkpoint(tmp_path: Path) -> None:
         assert expected in str(info.value), (name, str(info.value)[:500])
         assert (digest(path) if path.is_dir() else None) == before
         assert not gpuckpt.dcp.Reader.validate_checkpoint_id(path)
+
+
+def test_a_directory_dcp_wrote_is_named_as_one_with_what_to_do(tmp_path: Path) -> None:
+    """A FileSystemWriter directory (a .metadata file, no zarr.json) is said to be one, with the
+    reader that reads it and the command that converts it; nothing in it is read or changed."""
+    from gpuckpt.errors import CheckpointNotFoundError
+
+    path = tmp_path / "dcp-native"
+    dcp.save({"w": torch.ones(2)}, storage_writer=dcp.FileSystemWriter(path))
+    before = digest(path)
+    with pytest.raises(CheckpointNotFoundError) as info:
+        gpuckpt.dcp.Reader(path).read_metadata()
+    text = str(info.value)
+    assert f"{path} is a torch.distributed.checkpoint directory" in text, text
+    assert "FileSystemReader" in text and f"gpuckpt convert {path} CKPT --trust-pickle-metadata" in text
+    with pytest.raises(CheckpointException, match="is a torch.distributed.checkpoint directory"):
+        dcp.load({"w": torch.zeros(2)}, storage_reader=gpuckpt.dcp.Reader(path))
+    assert digest(path) == before
+    assert not gpuckpt.dcp.Reader.validate_checkpoint_id(path)
+
+
+def test_a_value_torch_will_not_unpickle_is_refused_in_our_words(tmp_path: Path) -> None:
+    """The UnsafeCheckpointError names the entry and the global torch refused, says how to allow
+    it and when; none of torch's advice to call torch.load(weights_only=False), no escape codes."""
+    from gpuckpt.errors import UnsafeCheckpointError
+
+    dcp.save({"s": slice(1, 2), "f": frozenset({1})}, storage_writer=gpuckpt.dcp.Writer(tmp_path / "c"))
+    for key, name in (("s", "slice"), ("f", "frozenset")):
+        with pytest.raises(CheckpointException) as info:
+            dcp.load({key: None}, storage_reader=gpuckpt.dcp.Reader(tmp_path / "c"))
+        (failure,) = info.value.failures.values()
+        exc = failure[0] if isinstance(failure, tuple) else failure
+        assert isinstance(exc, UnsafeCheckpointError)
+        text = str(exc)
+        assert f"entry {key!r}" in text and f"GLOBAL {name} " in text, text
+        assert "allow_pickle=True to gpuckpt.dcp.Reader" in text and "trust" in text
+        assert "\x1b" not in text and "weights_only=False" not in text and "add_safe_globals" not in text
+        assert "\n" not in text and len(text) < 500, text
+    got: dict[str, Any] = {"s": None, "f": None}
+    dcp.load(got, storage_reader=gpuckpt.dcp.Reader(tmp_path / "c", allow_pickle=True))
+    assert got == {"s": slice(1, 2), "f": frozenset({1})}
 
 
 def test_corrupted_chunk_names_the_tensor(saved: Path) -> None:

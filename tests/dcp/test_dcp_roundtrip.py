@@ -468,3 +468,29 @@ def test_dcp_written_channels_last_tensors_verify_and_record_their_format(tmp_pa
         name = md.storage_data["tensors"][fqn]["name"]
         doc = json.loads((path / name / "zarr.json").read_text())
         assert doc["attributes"]["gpuckpt"]["memory_format"] == fmt
+
+
+def test_the_metadata_of_a_save_carries_dcp_s_version_and_the_save_s_id(tmp_path: Path) -> None:
+    """As FileSystemWriter's: the Metadata dcp.save returns has DCP's version and a storage_meta
+    naming the checkpoint and the save; Reader.read_metadata gives the same version and save id;
+    the next save of the same Writer has an id of its own."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    src = {"w": torch.ones(3), "step": 1}
+    writer = gpuckpt.dcp.Writer(tmp_path / "g")
+    ours = dcp.save(src, storage_writer=writer)
+    theirs = dcp.save(src, storage_writer=FileSystemWriter(tmp_path / "fs"))
+    assert theirs.version is not None and ours.version == theirs.version
+    assert ours.storage_meta is not None and theirs.storage_meta is not None
+    assert ours.storage_meta.checkpoint_id == str(tmp_path / "g")
+    assert isinstance(ours.storage_meta.save_id, str) and ours.storage_meta.save_id
+    read = gpuckpt.dcp.Reader(tmp_path / "g").read_metadata()
+    assert read.version == theirs.version
+    assert read.storage_meta is not None and read.storage_meta.save_id == ours.storage_meta.save_id
+    again = dcp.save(src, storage_writer=writer)
+    assert again.storage_meta is not None and again.storage_meta.save_id != ours.storage_meta.save_id
+    read = gpuckpt.dcp.Reader(tmp_path / "g").read_metadata()
+    assert read.storage_meta is not None and read.storage_meta.save_id == again.storage_meta.save_id
+    # a checkpoint gpuckpt.save wrote is shown to DCP in the same version
+    gpuckpt.save({"w": np.ones(2)}, tmp_path / "native")
+    assert gpuckpt.dcp.Reader(tmp_path / "native").read_metadata().version == theirs.version

@@ -194,3 +194,65 @@ def test_a_folder_of_other_files_is_never_saved_into_nor_removed(tmp_path: Path)
     assert gpuckpt.load_state_dict(last)["w"].tolist() == [2.0, 2.0]
     plugin.remove_checkpoint(last)
     assert not last.exists()
+
+
+def test_load_from_checkpoint_builds_the_module_as_lightning_s_classmethod_does(tmp_path: Path) -> None:
+    """Lightning's ``Tiny.load_from_checkpoint`` reads the path with torch.load and cannot read the
+    plug-in's checkpoints (a directory); ``gpuckpt.lightning.load_from_checkpoint`` makes the module
+    from its saved hyper-parameters (replaced by an hparams file, then by keywords), loads its
+    weights bit for bit, honours ``strict`` and moves the tensors by ``map_location``."""
+    pl = _lightning()
+    import torch
+
+    from gpuckpt.errors import InvalidOptionError, UnsupportedValueError
+    from gpuckpt.lightning import CheckpointIO, load_from_checkpoint
+
+    trainer, trained = _fit(pl, torch, CheckpointIO(), tmp_path / "run", 1)
+    path = Path(trainer.checkpoint_callback.best_model_path)
+    assert (path / "zarr.json").is_file()
+    tiny = type(trained)
+
+    model = load_from_checkpoint(tiny, path)
+    assert type(model) is tiny and model.hparams.lr == 0.05
+    assert _bits(model) == _bits(trained)
+    assert load_from_checkpoint(tiny, path, lr=0.5).hparams.lr == 0.5
+    hparams = tmp_path / "hparams.yaml"
+    hparams.write_text("lr: 0.25\n")
+    assert load_from_checkpoint(tiny, path, hparams_file=hparams).hparams.lr == 0.25
+    assert load_from_checkpoint(tiny, path, hparams_file=hparams, lr=0.5).hparams.lr == 0.5
+    with pytest.raises(InvalidOptionError, match="yaml"):
+        load_from_checkpoint(tiny, path, hparams_file=tmp_path / "hparams.json")
+
+    moved = []
+
+    def to_double(tensor: Any, location: str) -> Any:
+        moved.append(location)
+        return tensor.double()
+
+    model = load_from_checkpoint(tiny, path, map_location=to_double)
+    assert moved and _bits(model) == _bits(trained)  # (float64 copies, loaded into float32 weights)
+
+    class Wider(tiny):  # type: ignore[misc, valid-type]
+        def __init__(self, lr: Any = 0.05) -> None:
+            super().__init__(lr)
+            self.extra = torch.nn.Linear(2, 2)
+
+    with pytest.raises(RuntimeError, match="extra.weight"):
+        load_from_checkpoint(Wider, path)
+    with pytest.warns(UserWarning, match="extra.weight"):
+        wider = load_from_checkpoint(Wider, path, strict=False)
+    assert wider.net[0].weight.equal(trained.net[0].weight)
+    with pytest.raises(UnsupportedValueError, match="LightningModule"):
+        load_from_checkpoint(torch.nn.Linear, path)
+    # a hyper-parameter stored with pickle: read only through a plug-in that allows pickles
+    pickled = tmp_path / "pickled.ckpt"
+    checkpoint = {
+        "state_dict": trained.state_dict(),
+        "hyper_parameters": {"lr": Schedule()},
+        "pytorch-lightning_version": pl.__version__,
+    }
+    CheckpointIO(allow_pickle=True).save_checkpoint(checkpoint, pickled)
+    with pytest.raises(Exception, match="allow_pickle"):
+        load_from_checkpoint(tiny, pickled)
+    model = load_from_checkpoint(tiny, pickled, checkpoint_io=CheckpointIO(allow_pickle=True))
+    assert model.hparams.lr == Schedule() and _bits(model) == _bits(trained)

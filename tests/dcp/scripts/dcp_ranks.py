@@ -6,7 +6,8 @@ process group and run every scenario of ``JOB`` in it. Rank R writes what it
 found to ``DIR/rank<R>.json`` (``{"error": traceback}`` if it raised).
 
 Jobs: ``save`` (4 ranks) writes the checkpoints that ``load`` (2 ranks) and
-the test process itself (1 rank) read back.
+the test process itself (1 rank) read back; ``clash`` (2 ranks) saves states
+whose ranks hold one key as a dict and as a leaf, read back by the test process.
 """
 
 from __future__ import annotations
@@ -391,6 +392,33 @@ def job_coop(out: Path) -> dict[str, Any]:
     return found
 
 
+#: the ``clash`` job's saves: name -> (the rank holding ``k`` as a dict, what the other holds at ``k``)
+CLASH = {
+    "tensor-dict-first": (0, "tensor"),
+    "tensor-dict-last": (1, "tensor"),
+    "value-dict-first": (0, "value"),
+    "value-dict-last": (1, "value"),
+}
+
+
+def clash_state(rank: int, name: str) -> dict[str, Any]:
+    """One rank holds ``k`` as a dict (and a dict ``z`` no other rank has), the other a tensor or a
+    plain value at ``k``."""
+    dict_rank, leaf = CLASH[name]
+    if rank == dict_rank:
+        return {"k": {"a": torch.full((1,), 1.0)}, "z": {"y": torch.full((3,), 2.0)}}
+    return {"k": torch.full((2,), 7.0) if leaf == "tensor" else 5}
+
+
+def job_clash(out: Path) -> dict[str, Any]:
+    """Save each of ``CLASH`` through gpuckpt.dcp.Writer and through DCP's FileSystemWriter."""
+    for name in CLASH:
+        state = clash_state(dist.get_rank(), name)
+        dcp.save(state, storage_writer=gpuckpt.dcp.Writer(out / name))
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(out / f"{name}-fs"))
+    return {}
+
+
 def main() -> None:
     job, out = sys.argv[1], Path(sys.argv[2])
     rank = int(os.environ["RANK"])
@@ -398,7 +426,9 @@ def main() -> None:
     try:
         dist.init_process_group("gloo")
         try:
-            result = {"save": job_save, "load": job_load, "s3": job_s3, "coop": job_coop}[job](out)
+            result = {"save": job_save, "load": job_load, "s3": job_s3, "coop": job_coop, "clash": job_clash}[
+                job
+            ](out)
         finally:
             dist.destroy_process_group()
     except BaseException:
