@@ -6,7 +6,6 @@ import dataclasses
 import io
 import os
 import re
-from pathlib import Path
 from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata as DcpMetadata
@@ -21,7 +20,6 @@ from gpuckpt.dcp.tensors import as_torch, torch, torch_dtype
 from gpuckpt.device.arrays import adapt_leaf
 from gpuckpt.distributed.torch_dist import TorchCoordinator
 from gpuckpt.errors import (
-    CheckpointNotFoundError,
     MetadataError,
     MissingKeyError,
     ShapeMismatchError,
@@ -30,7 +28,7 @@ from gpuckpt.errors import (
 )
 from gpuckpt.loading.targets import check_writable_target
 from gpuckpt.options import DEFAULT_STAGING_BYTES, LoadOptions
-from gpuckpt.storage.stores import path_text, scheme_of, shares_reads
+from gpuckpt.storage.stores import path_text, shares_reads
 
 __all__ = ["Reader"]
 
@@ -131,11 +129,7 @@ class Reader(StorageReader):  # type: ignore[misc,unused-ignore]
 
     def read_metadata(self, *args: Any) -> DcpMetadata:
         # no **kwargs: DCP then does not retry with per-rank metadata, which gpuckpt has none of
-        try:
-            ck = bridge.open_checkpoint(self._path, self.options)
-        except CheckpointNotFoundError:
-            _refuse_dcp_directory(self._path)
-            raise
+        ck = bridge.open_checkpoint(self._path, self.options)  # (a DCP directory is named as one)
         view = convert.dcp_view(ck.metadata, set(ck.tensors), set(ck.values), self._path)
         self._checkpoint, self._view = ck, view
         metadata: DcpMetadata = view.metadata
@@ -291,22 +285,6 @@ class Reader(StorageReader):  # type: ignore[misc,unused-ignore]
 
     def __repr__(self) -> str:
         return f"gpuckpt.dcp.Reader({self._path!r})"
-
-
-def _refuse_dcp_directory(path: str) -> None:
-    """Raise where ``path`` is a directory DCP's ``FileSystemWriter`` wrote (its ``.metadata``,
-    no ``zarr.json``): it is no gpuckpt checkpoint, and saying only that would not say what it is."""
-    if scheme_of(path) != "file":
-        return
-    where = Path(path.removeprefix("file://"))
-    if (where / ".metadata").is_file() and not os.path.lexists(where / "zarr.json"):
-        raise CheckpointNotFoundError(
-            f"{path} is a torch.distributed.checkpoint directory (DCP's FileSystemWriter wrote it: it holds "
-            "a .metadata file and no zarr.json), not a gpuckpt checkpoint: read it with "
-            "torch.distributed.checkpoint.FileSystemReader, or convert it once with "
-            f"`gpuckpt convert {path} CKPT --trust-pickle-metadata` (its .metadata is a pickle: only for "
-            "a directory you trust) and read CKPT with gpuckpt.dcp.Reader"
-        )
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")

@@ -151,3 +151,15 @@ def test_too_many_open_files_names_the_limit_not_the_disk(tmp_path: Path) -> Non
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "c")], capture_output=True, text=True)
     assert "Too many open files" in out.stdout and "ulimit -n" in out.stdout, out.stdout + out.stderr
     assert "free space" not in out.stdout
+
+
+def test_a_directory_torchs_dcp_wrote_is_named_as_one_by_every_reader(tmp_path: Path) -> None:
+    # (a .metadata file and no zarr.json is what DCP's FileSystemWriter leaves)
+    (tmp_path / "dcp").mkdir()
+    (tmp_path / "dcp" / ".metadata").write_bytes(b"\x80\x04N.")
+    (tmp_path / "dcp" / "__0_0.distcp").write_bytes(b"\0" * 8)
+    for read in (gpuckpt.load_state_dict, gpuckpt.read_metadata, lambda p: gpuckpt.load({}, p)):
+        with pytest.raises(gpuckpt.CheckpointNotFoundError) as info:
+            read(tmp_path / "dcp")
+        assert f"{tmp_path / 'dcp'} is a torch.distributed.checkpoint directory" in str(info.value)
+        assert f"gpuckpt convert {tmp_path / 'dcp'} CKPT --trust-pickle-metadata" in str(info.value)

@@ -195,6 +195,14 @@ class LocalReader(CheckpointReader):
                     f"with: mv '{aside[-1]}' '{self.path}' (unless a save to it is running right now)"
                 ) from None
             if self.path.is_dir():
+                if os.path.isfile(self.path / ".metadata"):  # (what DCP's FileSystemWriter writes)
+                    raise CheckpointNotFoundError(
+                        f"{self.path} is a torch.distributed.checkpoint directory (DCP's FileSystemWriter "
+                        f"wrote it: it holds a .metadata file and no {ROOT_KEY}), not a gpuckpt checkpoint: "
+                        "read it with torch.distributed.checkpoint.FileSystemReader, or convert it once with "
+                        f"`gpuckpt convert {self.path} CKPT --trust-pickle-metadata` (its .metadata is a "
+                        "pickle: only for a directory you trust)"
+                    ) from None
                 raise CheckpointNotFoundError(
                     f"{self.path} is not a committed checkpoint: it has no {ROOT_KEY}{hint}"
                 ) from None
