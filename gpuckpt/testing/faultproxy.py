@@ -15,9 +15,11 @@ probability per request drawn from a seeded generator, injects one fault:
 ``stall``
     holds the request for ``stall_seconds`` without answering, then closes.
 
-:meth:`FaultProxy.hold` parks the next request that a test picks (by its kind and
-path) before it is forwarded, until the test releases it: a request in flight,
-held there while other clients act (a stalled writer's put that lands late).
+:meth:`FaultProxy.fail` answers the next requests that a test picks (by their
+kind and path) with a ``500``, whatever the rate. :meth:`FaultProxy.hold` parks
+the next request that a test picks before it is forwarded, until the test
+releases it: a request in flight, held there while other clients act (a
+stalled writer's put that lands late).
 
 With ``rate=0`` it is a counting proxy: :attr:`FaultProxy.counts` tells the
 requests by kind (``put``, ``part``, ``get``, ``head``, ``list``, ...), which the
@@ -289,6 +291,7 @@ class FaultProxy:
         self._server.proxy = self
         self.endpoint = f"http://127.0.0.1:{self._server.server_address[1]}"
         self._holds: list[Hold] = []
+        self._failing: list[list[Any]] = []  # [match, requests left to fail]
         self._thread = threading.Thread(
             target=self._server.serve_forever, name="gpuckpt-fault-proxy", daemon=True
         )
@@ -301,11 +304,31 @@ class FaultProxy:
             self._active_bytes += nbytes
             self.max_active = max(self.max_active, self._active)
             self.max_active_bytes = max(self.max_active_bytes, self._active_bytes)
+            chosen = self._failure_for(request_kind(method, target), target.partition("?")[0])
+            if chosen is not None:
+                self.injected[chosen] += 1
+                return chosen
             if self.rate <= 0 or self._rng.random() >= self.rate:
                 return None
             fault = self._rng.choice(self.faults)
             self.injected[fault] += 1
             return fault
+
+    def fail(self, match: Callable[[str, str], bool], times: int = 1) -> None:
+        """Answer the next ``times`` requests for which ``match(kind, path)`` is true (as
+        :meth:`hold` matches them) with ``500 InternalError``, without forwarding them: a part
+        of an upload refused, an abort that fails, whatever the rate."""
+        with self._lock:
+            self._failing.append([match, times])
+
+    def _failure_for(self, kind: str, path: str) -> str | None:
+        for rule in self._failing:
+            if rule[0](kind, path):
+                rule[1] -= 1
+                if rule[1] <= 0:
+                    self._failing.remove(rule)
+                return "error"
+        return None
 
     def hold(self, match: Callable[[str, str], bool]) -> Hold:
         """Park the next request for which ``match(kind, path)`` is true (kinds as

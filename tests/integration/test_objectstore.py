@@ -603,3 +603,104 @@ def test_wrong_credentials_on_a_load_or_a_listing_are_a_store_error_naming_the_f
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split("\n")[:2] == ["load True True", "listing True True"], out.stdout
+
+
+_HINT = "http:// or https:// URL with a host"
+
+
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        # the client panics on these at the first request (a BaseException, a Rust backtrace)
+        ({"endpoint_url": "not a url"}, f"endpoint_url must be an {_HINT}"),
+        ({"endpoint_url": "http://exa mple:9000"}, f"endpoint_url must be an {_HINT}"),
+        ({"endpoint_url": "ftp://127.0.0.1:9000"}, f"endpoint_url must be an {_HINT}"),
+        ({"endpoint_url": "http://127.0.0.1:99999"}, f"endpoint_url must be an {_HINT}"),
+        ({"max_requests": 0}, "max_requests must be an integer >= 1"),
+        ({"part_bytes": 1024}, "part_bytes must be an integer >= 5242880"),
+        ({"lease_seconds": 0}, "lease_seconds must be a number of seconds > 0"),
+        ({"lease_seconds": float("nan")}, "lease_seconds must be a number of seconds > 0"),
+        # an infinite lease killed the claim's heartbeat thread (OverflowError) and was taken
+        ({"lease_seconds": float("inf")}, "lease_seconds must be a number of seconds > 0"),
+        ({"lease_seconds": "60"}, "lease_seconds must be a number of seconds > 0"),
+        ({"retry_config": [1]}, "retry_config must be a dict with some of the keys max_retries"),
+        ({"retry_config": {"max_retry": 3}}, "unknown key.* max_retry; the known keys are max_retries"),
+        ({"retry_config": {"backoff": {"bse": 3}}}, "unknown key.* bse; the known keys are init_backoff"),
+        ({"retry_config": {"max_retries": -1}}, "max_retries must be an integer >= 0"),
+        ({"retry_config": {"retry_timeout": 30}}, "retry_timeout must be a datetime.timedelta"),
+        ({"retry_config": {"backoff": {"base": 1}}}, "base must be a finite number > 1"),
+        ({"client_options": "x"}, "client_options must be a dict"),
+        ({"client_options": {"timeot": "5s"}}, "not valid S3 settings"),
+        # a string from a config file: "false" was taken as true
+        ({"conditional_writes": "false"}, "conditional_writes must be True or False, got 'false'"),
+    ],
+    ids=lambda v: repr(v)[:40] if isinstance(v, dict) else "",
+)
+def test_storage_options_out_of_range_are_invalid_option_errors_naming_them(
+    opts: dict[str, Any], prefix: str, s3: Any, options: dict[str, Any], named: str
+) -> None:
+    url, bad = f"s3://{BUCKET}/{prefix}", {**opts, **options}
+    with pytest.raises(gpuckpt.InvalidOptionError, match=named):
+        gpuckpt.save({"w": np.ones(2)}, url, storage_options=bad)
+    with pytest.raises(gpuckpt.InvalidOptionError, match=named):
+        gpuckpt.async_save({"w": np.ones(2)}, url, storage_options=bad).result(timeout=60)
+    assert _objects(s3, prefix) == {}  # refused before anything was written
+    _save({"w": np.ones(2)}, prefix, opts)
+    with pytest.raises(gpuckpt.InvalidOptionError, match=named):
+        gpuckpt.load_state_dict(url, storage_options=bad)
+
+
+def test_an_endpoint_from_the_environment_that_is_no_url_is_named(
+    opts: dict[str, Any], prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "not a url")
+    given = {k: v for k, v in opts.items() if k != "endpoint_url"}
+    with pytest.raises(gpuckpt.InvalidOptionError, match="the environment variable AWS_ENDPOINT_URL must be"):
+        gpuckpt.save({"w": np.ones(2)}, f"s3://{BUCKET}/{prefix}", storage_options=given)
+    _save({"w": np.ones(2)}, prefix, opts)  # an endpoint given wins over the environment's
+
+
+@pytest.mark.parametrize("control", ["\n", "\t", "\x7f", "\x1b"], ids=["newline", "tab", "del", "escape"])
+def test_a_url_with_a_control_character_is_an_invalid_path_error(
+    opts: dict[str, Any], prefix: str, control: str
+) -> None:
+    for url in (f"s3://{BUCKET}/{prefix}{control}/x", f"s3://{BUCKET}{control}/{prefix}"):
+        with pytest.raises(gpuckpt.InvalidPathError, match="control character"):
+            gpuckpt.save({"w": np.ones(2)}, url, storage_options=opts)
+        with pytest.raises(gpuckpt.InvalidPathError, match="control character"):
+            gpuckpt.load_state_dict(url, storage_options=opts)
+
+
+def test_a_checkpoint_is_never_saved_inside_another_on_s3(opts: dict[str, Any], prefix: str, s3: Any) -> None:
+    """As on a local path: deleting the outer checkpoint (a manager's retention) deletes every
+    object under its prefix, so a save inside it, at any depth, is refused before anything is
+    written; beside it, or inside another program's Zarr store, is fine."""
+    outer = f"s3://{BUCKET}/{prefix}"
+    _save({"w": np.ones(3)}, prefix, opts)
+    before = _objects(s3, prefix)
+    for inner in (f"{outer}/best", f"{outer}/w/deeper/x"):
+        with pytest.raises(gpuckpt.InvalidPathError, match=f"is inside the gpuckpt checkpoint {outer}:"):
+            gpuckpt.save({"w": np.zeros(3)}, inner, storage_options=opts)
+        with pytest.raises(gpuckpt.InvalidPathError, match="is inside the gpuckpt checkpoint"):
+            gpuckpt.async_save({"w": np.zeros(3)}, inner, storage_options=opts).result(timeout=60)
+    manager = gpuckpt.CheckpointManager(f"{outer}/steps", async_save=False, storage_options=opts)
+    with pytest.raises(gpuckpt.InvalidPathError, match="is inside the gpuckpt checkpoint"):
+        manager.save(1, {"w": np.ones(2)})
+    assert _objects(s3, prefix) == before  # nothing written inside, no claim left
+    _assert_same(gpuckpt.load_state_dict(outer, storage_options=opts), {"w": np.ones(3)})
+    _save({"w": np.zeros(3)}, f"{prefix}-beside/best", opts)
+    foreign = f"{prefix}-zarr"
+    _foreign_zarr(f"s3://{BUCKET}/{foreign}", opts, with_root=True)
+    _save({"w": np.zeros(3)}, f"{foreign}/inner", opts)
+
+
+def test_a_manager_step_keeps_no_checkpoint_saved_inside_it(endpoint: str, opts: dict[str, Any]) -> None:
+    """The audit's case: a save inside a manager's step was accepted, and the retention of the
+    step deleted it without a word. It is refused; retention then deletes only the step."""
+    root = f"s3://{BUCKET}/run-{uuid.uuid4().hex[:8]}"
+    with gpuckpt.CheckpointManager(root, storage_options=opts, async_save=False, max_to_keep=1) as mgr:
+        mgr.save(1, {"w": np.arange(5.0)})
+        with pytest.raises(gpuckpt.InvalidPathError, match="is inside the gpuckpt checkpoint"):
+            gpuckpt.save({"best": np.ones(3)}, f"{mgr.step_path(1)}/best", storage_options=opts)
+        mgr.save(2, {"w": np.arange(5.0)})
+        assert mgr.all_steps() == [2]

@@ -13,6 +13,8 @@ every value exact or raises.
 from __future__ import annotations
 
 import re
+import threading
+import time
 import uuid
 from collections.abc import Iterator
 from datetime import timedelta
@@ -26,7 +28,8 @@ import gpuckpt
 pytest.importorskip("obstore")
 pytest.importorskip("moto.server")
 
-from gpuckpt.testing.faultproxy import FaultProxy
+from gpuckpt.storage.s3.fence import delete_if_unchanged
+from gpuckpt.testing.faultproxy import FaultProxy, Hold
 from gpuckpt.testing.s3server import loopback_s3, s3_options
 
 BUCKET = "faults"
@@ -168,3 +171,97 @@ def test_put_buffers_in_flight_stay_within_upload_buffer_bytes(upstream: str) ->
     assert counts["put"] >= 16 and peak_bytes <= budget, (counts, peak_bytes)
     _, _, unbounded = _counted_save(upstream, state, 1 << 20, max_requests=64)
     assert unbounded > budget  # the 8 I/O threads send more at once without the bound
+
+
+def _never_answered(proxy: FaultProxy, kind: str, tail: str, attempts: int) -> list[Hold]:
+    """Park the next ``attempts`` requests of ``kind`` to a path ending in ``tail``: sent, never
+    answered (a black hole), until the test releases them."""
+    return [proxy.hold(lambda k, p: k == kind and p.endswith(tail)) for _ in range(attempts)]
+
+
+def test_a_put_that_never_gets_an_answer_gives_up_within_retry_timeout(upstream: str) -> None:
+    """Each attempt of a conditional chunk put waits its whole request timeout; the retries stop
+    once retry_timeout has passed since the first attempt, attempts included (they used to
+    count only the pauses: 21 attempts of a second each here, for a retry_timeout of 2 s)."""
+    url = f"s3://{BUCKET}/run-{uuid.uuid4().hex[:8]}/step-1"
+    retry = {
+        "max_retries": 20,
+        "retry_timeout": timedelta(seconds=2),
+        "backoff": {"init_backoff": timedelta(milliseconds=10), "max_backoff": timedelta(milliseconds=50)},
+    }
+    with FaultProxy(upstream) as proxy:
+        held = _never_answered(proxy, "put", "/w/c.0", 25)
+        opts = s3_options(proxy.endpoint, retry_config=retry, client_options={"timeout": "1s"})
+        started = time.monotonic()
+        with pytest.raises(gpuckpt.CheckpointWriteError) as info:
+            gpuckpt.save({"w": np.arange(100, dtype=np.float32)}, url, storage_options=opts, threads=1)
+        took = time.monotonic() - started
+        for h in held:
+            h.release()
+    # retry_timeout, the attempt under way then (its 1 s timeout), and the abort after it
+    assert took < 2 + 1 + 2.5, took
+    attempts = sum(h.arrived.is_set() for h in held)
+    message = str(info.value)
+    assert f"w/c.0 at {url}" in message and f"{attempts} attempt(s) over" in message, message
+    assert 2 <= attempts <= 4 and "retry_timeout 2 s" in message and ANSWERS.search(message), message
+    assert not _published(url, s3_options(upstream))
+
+
+def test_a_conditional_delete_that_never_gets_an_answer_gives_up_within_retry_timeout(upstream: str) -> None:
+    """The fence's own deletes (an abort, a takeover's cleanup): each attempt ends with what is left
+    of retry_timeout, never the 60 s a delete may take otherwise."""
+    import obstore as obs
+
+    from gpuckpt.storage.s3.client import obstore_for
+
+    url = f"s3://{BUCKET}/run-{uuid.uuid4().hex[:8]}"
+    retry = {"retry_timeout": timedelta(seconds=2), "backoff": {"init_backoff": timedelta(milliseconds=10)}}
+    with FaultProxy(upstream) as proxy:
+        store = obstore_for(url, s3_options(proxy.endpoint, retry_config=retry))
+        etag = obs.put(store, "x/c.0", b"bytes")["e_tag"]
+        held = _never_answered(proxy, "delete", "/x/c.0", 25)
+        outcome: list[dict[str, str]] = []
+        worker = threading.Thread(
+            target=lambda: outcome.append(delete_if_unchanged(store, {"x/c.0": etag}, 4))
+        )
+        started = time.monotonic()
+        worker.start()
+        worker.join(timeout=30)
+        took = time.monotonic() - started
+        for h in held:
+            h.release()
+        worker.join(timeout=60)
+    assert took < 2 + 1 + 1.5, took
+    why = outcome[0]["x/c.0"]
+    assert "timed out" in why and "attempt(s) over" in why, why
+
+
+def test_a_multipart_upload_whose_part_and_abort_fail_says_so_and_names_the_upload_left(
+    upstream: str,
+) -> None:
+    """The client aborts a multipart upload whose part failed, and reports only the abort's
+    failure when that fails too: the error says first that the upload failed, then that the
+    abort did, and names the incomplete upload that stays on the server (and what removes it)."""
+    import boto3
+
+    url = f"s3://{BUCKET}/run-{uuid.uuid4().hex[:8]}/step-1"
+    prefix = url.removeprefix(f"s3://{BUCKET}/")
+    big = {"big": np.ones(4 << 20, np.float32)}  # 16 MiB and its trailer: three parts of 5 MiB or more
+    with FaultProxy(upstream) as proxy:
+        proxy.fail(lambda kind, path: kind == "part" and path.endswith("/big/c.0"), times=100)
+        proxy.fail(lambda kind, path: kind == "delete" and path.endswith("/big/c.0"), times=100)
+        opts = s3_options(proxy.endpoint, part_bytes=5 << 20, **FAST)
+        with pytest.raises(gpuckpt.CheckpointWriteError) as info:
+            gpuckpt.save(big, url, storage_options=opts, chunk_bytes=64 << 20)
+    s3 = boto3.client("s3", endpoint_url=upstream, region_name="us-east-1")
+    uploads = s3.list_multipart_uploads(Bucket=BUCKET, Prefix=prefix).get("Uploads", [])
+    assert [u["Key"] for u in uploads] == [f"{prefix}/big/c.0"], uploads
+    message = str(info.value)
+    failed, aborted = (
+        message.find("a request of its multipart upload"),
+        message.find("aborting the multipart"),
+    )
+    assert f"writing big/c.0 (16777220 bytes) at {url} failed" in message and 0 < failed < aborted, message
+    assert f"incomplete upload {uploads[0]['UploadId']} stays on the server" in message, message
+    assert "AbortIncompleteMultipartUpload" in message and not _published(url, s3_options(upstream))
+    s3.abort_multipart_upload(Bucket=BUCKET, Key=uploads[0]["Key"], UploadId=uploads[0]["UploadId"])

@@ -11,9 +11,11 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +29,7 @@ pytest.importorskip("moto.server")
 boto3 = pytest.importorskip("boto3")
 
 from gpuckpt.storage.s3.writer import CLAIM_KEY  # noqa: E402 - after the skips
+from gpuckpt.testing.faultproxy import FaultProxy  # noqa: E402
 from gpuckpt.testing.s3server import list_keys, loopback_s3, s3_options  # noqa: E402
 
 BUCKET = "lease"
@@ -231,3 +234,47 @@ def test_a_clock_probe_deleted_by_another_save_beginning_is_put_again(
         monkeypatch.undo()
         holder.abort()
     assert not any(k.startswith(".gpuckpt-clock-") for k in _keys(endpoint, url))
+
+
+def test_an_outage_past_half_the_lease_is_a_write_error_that_says_so_and_deletes_nothing(
+    endpoint: str,
+) -> None:
+    """The store drops every request for longer than half the lease while a chunk put is in
+    flight: the save stops at its next request, as a stalled one does, but says why (its claim's
+    refreshes could not reach the store), as a CheckpointWriteError, not a takeover that nothing
+    made. It deletes nothing (the claim may pass to another save by the time its deletes land)."""
+    url = f"s3://{BUCKET}/outage-{uuid.uuid4().hex[:8]}"
+    lease = 2.0
+    fast = {"max_retries": 1, "backoff": {"init_backoff": timedelta(milliseconds=5)}}
+    with FaultProxy(endpoint, faults=("drop",)) as proxy:
+        opts = s3_options(proxy.endpoint, lease_seconds=lease, retry_config=fast)
+        held = proxy.hold(lambda kind, path: kind == "put" and path.endswith("/t1/c.0"))
+        outcome: list[BaseException] = []
+
+        def save() -> None:
+            try:
+                gpuckpt.save(state(1), url, storage_options=opts, threads=1)
+            except BaseException as exc:
+                outcome.append(exc)
+
+        saver = threading.Thread(target=save)
+        saver.start()
+        assert held.arrived.wait(30)
+        proxy.set_rate(1.0)  # the outage: every request from now on is dropped
+        time.sleep(lease)  # the claim's refreshes fail meanwhile
+        held.release()  # (the put held was let through before the outage began)
+        saver.join(60)
+        proxy.set_rate(0.0)
+    assert not saver.is_alive() and len(outcome) == 1, outcome
+    err = outcome[0]
+    assert isinstance(err, gpuckpt.CheckpointWriteError) and not isinstance(
+        err, gpuckpt.CheckpointExistsError
+    )
+    assert "could not reach the store to refresh its claim" in str(err) and url in str(err), err
+    assert "the last refresh failed" in str(err) and "deleted nothing" in str(err), err
+    left = _keys(endpoint, url)
+    assert CLAIM_KEY in left and "t1/c.0" in left and "zarr.json" not in left, left
+    # the claim it left ages like a dead save's: the next save takes it over and publishes
+    time.sleep(lease)
+    gpuckpt.save(state(2), url, storage_options=s3_options(endpoint, lease_seconds=lease))
+    _same(gpuckpt.load_state_dict(url, storage_options=s3_options(endpoint)), state(2))

@@ -8,7 +8,9 @@ lease) is taken over with a compare-and-swap on its ETag. Ages are read off the
 server's clock only: a claim's last-modified time is subtracted from that of a
 probe object the writer puts, so a client clock skewed either way judges no
 claim. A save that could not refresh its claim for half a lease stops writing,
-since the prefix may be another save's by then.
+since the prefix may be another save's by then (a
+:class:`~gpuckpt.errors.CheckpointWriteError` when its refreshes failed to reach
+the store, a :class:`~gpuckpt.errors.CheckpointExistsError` otherwise).
 
 :class:`Claim` is that protocol and nothing else; :class:`~gpuckpt.storage.s3.writer.ObjectStoreWriter`
 takes it in ``begin``, asks it before every put and at commit, and releases it.
@@ -17,6 +19,7 @@ takes it in ``begin``, asks it before every put and at commit, and releases it.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import threading
@@ -25,8 +28,9 @@ from collections.abc import Iterable, Iterator
 from datetime import UTC, datetime
 from typing import Any
 
-from gpuckpt.errors import CheckpointExistsError
+from gpuckpt.errors import CheckpointExistsError, CheckpointWriteError
 from gpuckpt.storage.local import fsutil
+from gpuckpt.storage.s3.client import first_line
 from gpuckpt.storage.s3.prefix import CLAIM_KEY, CLOCK_PROBE_PREFIX, MAX_CLAIM_BYTES, Prefix
 
 __all__ = ["Claim", "claim_token", "machine_identity"]
@@ -74,12 +78,16 @@ class Claim:
         ).encode()
         #: why this save may no longer write or publish (None while the claim holds)
         self.lost: str | None = None
+        self._lost_unreachable = False
         self._etag: str | None = None
         # until when (monotonic clock) no other save can have taken the claim over: half a lease
         # after the start of the last put of the claim that went through; writes stop past it
         self._valid_until: float | None = None
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
+        # why the last refresh failed, while none went through since: the store could not be
+        # reached (an outage), which a check that finds the claim lapsed reports as such
+        self._unreachable: str | None = None
 
     @property
     def taken(self) -> bool:
@@ -210,7 +218,8 @@ class Claim:
                     f"(more than {p.lease:.0f} s without a refresh); this save was discarded"
                 )
                 return
-            except Exception:  # transient: retry at the next beat, commit checks
+            except Exception as exc:  # transient: retry at the next beat, commit checks
+                self._unreachable = first_line(exc)
                 continue
 
     def renew(self) -> bool:
@@ -251,6 +260,7 @@ class Claim:
 
     def _renewed(self, sent: float) -> None:
         self._valid_until = sent + self.prefix.lease / 2
+        self._unreachable = None
 
     def _reclaim_own(self) -> bool:
         """After a refused refresh: True (and its new ETag kept) when the claim is still ours,
@@ -278,16 +288,32 @@ class Claim:
             return False
 
     def check(self) -> None:
-        """Raise :class:`CheckpointExistsError` when this save may no longer write (its claim
-        is lost, or could not be refreshed for more than half the lease)."""
+        """Raise when this save may no longer write: :class:`CheckpointExistsError` when its claim
+        is lost, or was not refreshed for more than half the lease (a stalled process);
+        :class:`CheckpointWriteError` when that was because its refreshes could not reach the
+        store (nothing says another save took the prefix over, and none may have)."""
         if self.lost is None and self._valid_until is not None and time.monotonic() > self._valid_until:
-            # stalled (a stopped process, a hung node) past half the lease: the claim may be
-            # another save's by now, whose objects this put could replace
-            p = self.prefix
-            self.lost = (
-                f"the save to {p.path} could not refresh its claim for more than half its lease "
-                f"({p.lease:g} s); another save may have taken the prefix over, so this one stopped "
-                "writing and was discarded"
-            )
+            # past half the lease without a refresh: the claim may be another save's by now,
+            # whose objects this put could replace
+            self.lost = self._lapsed()
         if self.lost is not None:
+            if self._lost_unreachable:
+                raise CheckpointWriteError(errno.EIO, self.lost)
             raise CheckpointExistsError(self.lost)
+
+    def _lapsed(self) -> str:
+        p = self.prefix
+        if self._unreachable is not None:
+            self._lost_unreachable = True
+            return (
+                f"the save to {p.path} could not reach the store to refresh its claim for more than half "
+                f"its lease ({p.lease:g} s; the last refresh failed: {self._unreachable}); past that "
+                "another save could take the prefix over, so this one stopped writing, deleted nothing "
+                "and was discarded: save again once the store answers (a longer lease_seconds rides "
+                "out longer outages)"
+            )
+        return (
+            f"the save to {p.path} could not refresh its claim for more than half its lease "
+            f"({p.lease:g} s; this process or its refreshes were stalled); another save may have taken "
+            "the prefix over, so this one stopped writing and was discarded"
+        )

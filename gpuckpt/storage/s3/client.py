@@ -6,10 +6,14 @@ Rust ``object_store`` crate), configured, not a retry loop of ours:
 * **Retries.** Server errors (5xx, 503 SlowDown included), dropped and reset
   connections and timeouts of reads are retried by the client with
   exponential backoff and jitter (:data:`DEFAULT_RETRY`); a caller's
-  ``retry_config`` replaces it key by key. The client does not retry a
-  conditional put that failed in transit (it may have reached the server):
-  :mod:`gpuckpt.storage.s3.fence` retries those of documents and chunks, and
-  its conditional deletes, with the same settings.
+  ``retry_config`` replaces it key by key (unknown keys are refused). The
+  client does not retry a conditional put that failed in transit (it may have
+  reached the server): :mod:`gpuckpt.storage.s3.fence` retries those of
+  documents and chunks, and its conditional deletes, with the same settings
+  and the same schedule (:class:`Retries`). Either way no retry starts once
+  ``retry_timeout`` has passed since the request's first attempt, the
+  attempts' own time included; the attempt then under way may still take its
+  ``timeout``.
 * **Timeouts.** :data:`DEFAULT_CLIENT_OPTIONS` bounds connecting and each
   request, so a stalled connection is given up and retried instead of hanging
   a save; a caller's ``client_options`` win.
@@ -24,7 +28,12 @@ Rust ``object_store`` crate), configured, not a retry loop of ours:
 * **Multipart.** A chunk of at least two ``part_bytes`` goes up as a multipart
   upload (:func:`plan_parts`: parts of ``part_bytes`` to twice that, never a
   tiny last part for the trailer), up to ``max_parts_in_flight`` parts at once,
-  within the request and memory budgets.
+  within the request and memory budgets. The client aborts an upload that
+  failed; when the abort fails too it reports only that, and
+  :func:`upload_left_by` names the upload left. The client can neither list
+  incomplete uploads nor abort one by its id (nor presign those requests), so
+  uploads left by a save killed mid-upload are the bucket's lifecycle rule's
+  to remove (docs/object-storage.md).
 
 The gpuckpt keys of ``storage_options`` handled here are popped by
 :func:`pop_transfer_options`; the rest go to the store, opened by
@@ -34,13 +43,20 @@ accepted for its settings).
 
 from __future__ import annotations
 
+import math
 import os
+import random
+import re
 import threading
-from collections.abc import Iterator
+import time
+import unicodedata
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
+from numbers import Real
 from typing import Any
+from urllib.parse import urlsplit
 
 from gpuckpt.errors import InvalidOptionError, InvalidPathError
 
@@ -50,14 +66,18 @@ __all__ = [
     "DEFAULT_PART_BYTES",
     "DEFAULT_RETRY",
     "RequestBudget",
+    "Retries",
     "TransferOptions",
+    "WatchedPieces",
     "plan_parts",
     "client_options",
     "pop_transfer_options",
     "retry_config",
+    "upload_left_by",
 ]
 
-#: exponential backoff with jitter, from 100 ms up to 10 s, for at most 2 minutes and 10 retries
+#: at most 10 retries of a request, none starting later than 2 minutes after its first attempt;
+#: the first pause 100 ms, each next one drawn between 100 ms and twice the last, at most 10 s
 DEFAULT_RETRY: dict[str, Any] = {
     "max_retries": 10,
     "retry_timeout": timedelta(minutes=2),
@@ -76,17 +96,118 @@ DEFAULT_UPLOAD_BUFFER_BYTES = 256 << 20
 _MIN_PART_BYTES = 5 << 20
 
 
+_RETRY_KEYS = ("max_retries", "retry_timeout", "backoff")
+_BACKOFF_KEYS = ("init_backoff", "max_backoff", "base")
+
+
 def retry_config(given: Any) -> dict[str, Any]:
-    """:data:`DEFAULT_RETRY` with the keys of ``given`` (a dict or None) replacing its own."""
-    if given is not None and not isinstance(given, dict):
-        raise ValueError(
-            f"storage_options retry_config must be a dict of obstore RetryConfig keys, got {given!r}"
-        )
-    merged = dict(DEFAULT_RETRY)
-    merged.update(given or {})
-    if "backoff" in (given or {}):
-        merged["backoff"] = {**DEFAULT_RETRY["backoff"], **given["backoff"]}  # type: ignore[index]
+    """:data:`DEFAULT_RETRY` with the keys of ``given`` (a dict or None) replacing its own.
+
+    Raises :class:`~gpuckpt.errors.InvalidOptionError` for another type, an unknown key (a
+    misspelt one would be dropped without a word) or a value the client cannot use.
+    """
+    given = {} if given is None else given
+    backoff = _known_keys("retry_config", given, _RETRY_KEYS).get("backoff", {})
+    merged = {**DEFAULT_RETRY, **given}
+    merged["backoff"] = {
+        **DEFAULT_RETRY["backoff"],
+        **_known_keys("retry_config backoff", backoff, _BACKOFF_KEYS),
+    }
+    _check_retry_values(merged)
     return merged
+
+
+def _known_keys(name: str, given: Any, known: tuple[str, ...]) -> dict[str, Any]:
+    if not isinstance(given, Mapping):
+        raise InvalidOptionError(
+            f"storage_options {name} must be a dict with some of the keys {', '.join(known)}, got {given!r}"
+        )
+    unknown = sorted(str(k) for k in given if k not in known)
+    if unknown:
+        raise InvalidOptionError(
+            f"storage_options {name} has unknown key(s) {', '.join(unknown)}; the known keys are "
+            f"{', '.join(known)}"
+        )
+    return dict(given)
+
+
+def _check_retry_values(cfg: dict[str, Any]) -> None:
+    """Refuse what the client would take for something else, or panic on (a base of 1 makes an
+    empty range of pauses to draw from)."""
+    retries, backoff = cfg["max_retries"], cfg["backoff"]
+    if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
+        raise InvalidOptionError(
+            f"storage_options retry_config max_retries must be an integer >= 0, got {retries!r}"
+        )
+    for key, where in (("retry_timeout", cfg), ("init_backoff", backoff), ("max_backoff", backoff)):
+        value = where[key]
+        if not isinstance(value, timedelta) or value <= timedelta(0):
+            raise InvalidOptionError(
+                f"storage_options retry_config {key} must be a datetime.timedelta longer than zero, "
+                f"got {value!r}"
+            )
+    if backoff["max_backoff"] < backoff["init_backoff"]:
+        raise InvalidOptionError(
+            f"storage_options retry_config backoff max_backoff ({backoff['max_backoff']}) must be at least "
+            f"init_backoff ({backoff['init_backoff']})"
+        )
+    base = backoff["base"]
+    if isinstance(base, bool) or not isinstance(base, Real) or not math.isfinite(base) or base <= 1:
+        raise InvalidOptionError(
+            f"storage_options retry_config backoff base must be a finite number > 1, got {base!r}"
+        )
+
+
+class Retries:
+    """The retries of one request that gpuckpt sends itself (a conditional put or delete), on the
+    schedule the client follows for its own (``retry_config``, see the module docstring).
+
+    After each failed attempt :meth:`pause` says how long to wait before the next one, or None:
+    ``max_retries`` are spent, or the pause would end past ``retry_timeout`` after the first
+    attempt began (a monotonic clock, the attempts' own time counted, so a request whose
+    attempts each hang until their timeout still stops in time).
+    """
+
+    def __init__(self, config: Any) -> None:
+        cfg = config if isinstance(config, dict) else DEFAULT_RETRY
+        backoff = {**DEFAULT_RETRY["backoff"], **(cfg.get("backoff") or {})}
+        self.max_retries = int(cfg.get("max_retries", DEFAULT_RETRY["max_retries"]))
+        self.timeout = _seconds(cfg.get("retry_timeout", DEFAULT_RETRY["retry_timeout"]))
+        self._init, self._cap = _seconds(backoff["init_backoff"]), _seconds(backoff["max_backoff"])
+        self._base = float(backoff["base"])
+        self._next = self._init
+        self._start = time.monotonic()
+        #: attempts that failed so far
+        self.failed = 0
+
+    def elapsed(self) -> float:
+        """Seconds since the first attempt began."""
+        return time.monotonic() - self._start
+
+    def left(self) -> float:
+        """Seconds left of ``retry_timeout`` (0 once spent)."""
+        return max(0.0, self.timeout - self.elapsed())
+
+    def pause(self) -> float | None:
+        """After a failed attempt: the pause before the next one, or None when none is left."""
+        self.failed += 1
+        pause = self._next
+        # decorrelated jitter, as the client draws its own: between the first pause and base times the last
+        self._next = min(self._cap, random.uniform(self._init, self._next * self._base))
+        if self.failed > self.max_retries or self.elapsed() + pause > self.timeout:
+            return None
+        return pause
+
+    def spent(self) -> str:
+        """What the request cost, for an error: its attempts and how long they took."""
+        return (
+            f"{self.failed} attempt(s) over {self.elapsed():.1f} s (retry_config: at most "
+            f"{self.max_retries} retries, none after retry_timeout {self.timeout:g} s)"
+        )
+
+
+def _seconds(value: Any) -> float:
+    return value.total_seconds() if isinstance(value, timedelta) else float(value)
 
 
 def client_options(given: dict[str, Any]) -> dict[str, Any]:
@@ -96,7 +217,7 @@ def client_options(given: dict[str, Any]) -> dict[str, Any]:
 
 def _positive_int(name: str, value: Any, least: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < least:
-        raise ValueError(f"storage_options {name} must be an integer >= {least}, got {value!r}")
+        raise InvalidOptionError(f"storage_options {name} must be an integer >= {least}, got {value!r}")
     return value
 
 
@@ -132,6 +253,44 @@ def plan_parts(nbytes: int, part_bytes: int) -> tuple[int, int]:
     """
     parts = max(1, nbytes // part_bytes)
     return parts, -(-nbytes // parts)
+
+
+class WatchedPieces:
+    """The pieces of a multipart upload, keeping the error their source raised: the client
+    may report another one, the failure of the abort that followed."""
+
+    def __init__(self, pieces: Iterator[Any]) -> None:
+        self._pieces = pieces
+        self.raised: BaseException | None = None
+
+    def __iter__(self) -> Iterator[Any]:
+        return self
+
+    def __next__(self) -> Any:
+        try:
+            return next(self._pieces)
+        except StopIteration:
+            raise
+        except BaseException as exc:
+            self.raised = exc
+            raise
+
+
+#: the client's report of a failed abort of a multipart upload (``DELETE key?uploadId=...``)
+_ABORT_FAILED = re.compile(r"Error performing DELETE \S*?[?&]uploadId=([^\s&]+)")
+
+
+def upload_left_by(exc: BaseException) -> str | None:
+    """When the client's error ``exc`` of a multipart upload is the failure of its abort (the
+    failure that led to the abort is not reported), what that leaves on the server; else None."""
+    left = _ABORT_FAILED.search(str(exc))
+    if left is None:
+        return None
+    return (
+        f"aborting the multipart upload then failed too ({first_line(exc)}), so its incomplete upload "
+        f"{left.group(1)} stays on the server, holding the parts sent, until it is aborted or the "
+        "bucket's lifecycle rule AbortIncompleteMultipartUpload removes it (see docs/object-storage.md)"
+    )
 
 
 class RequestBudget:
@@ -198,8 +357,15 @@ def parse_s3_url(url: str) -> tuple[str, str]:
     ------
     InvalidPathError
         (a ``ValueError``) For another scheme, no bucket, no prefix (a checkpoint never takes a
-        whole bucket), or a prefix with empty, ``.`` or ``..`` segments.
+        whole bucket), a prefix with empty, ``.`` or ``..`` segments, or a control character.
     """
+    control = next((c for c in url if unicodedata.category(c) == "Cc"), None)
+    if control is not None:
+        # (the client would refuse it deep in a request, or panic; no S3 key should hold one)
+        raise InvalidPathError(
+            f"{url!r} holds the control character {control!r}; an s3:// URL names its bucket and prefix "
+            "in printable characters"
+        )
     scheme, sep, rest = url.partition("://")
     if scheme.lower() != "s3" or not sep:
         raise InvalidPathError(f"{url!r} is not an s3:// URL; expected s3://bucket/prefix")
@@ -215,10 +381,56 @@ def parse_s3_url(url: str) -> tuple[str, str]:
     return bucket, prefix
 
 
+#: the storage_options keys (any case) that obstore takes for an endpoint's URL
+_ENDPOINT_KEYS = frozenset(
+    {
+        "endpoint",
+        "endpoint_url",
+        "aws_endpoint",
+        "aws_endpoint_url",
+        "aws_endpoint_url_s3",
+        "metadata_endpoint",
+        "aws_metadata_endpoint",
+    }
+)
+#: the environment variables obstore takes the endpoint from: the first wins over storage_options,
+#: the others only stand in for an endpoint they do not name
+_ENDPOINT_ENV = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_ENDPOINT")
+
+
+def _check_endpoint(value: Any, where: str) -> None:
+    """Refuse an endpoint that is not an http(s) URL with a host: the client takes any text
+    and panics on it at the first request (a ``BaseException`` and a Rust backtrace)."""
+    text = value if isinstance(value, str) else ""
+    parts = urlsplit(text)
+    try:
+        parts.port  # noqa: B018 - a port out of range or not a number raises here
+        port_ok = True
+    except ValueError:
+        port_ok = False
+    odd = any(c.isspace() or unicodedata.category(c) == "Cc" for c in text)
+    if parts.scheme.lower() not in ("http", "https") or not parts.hostname or odd or not port_ok:
+        raise InvalidOptionError(
+            f"{where} must be an http:// or https:// URL with a host and no spaces, such as "
+            f"'https://s3.example.com' or 'http://127.0.0.1:9000', got {value!r}"
+        )
+
+
+def _check_endpoints(options: dict[str, Any]) -> None:
+    """Every endpoint the client will use: those of ``options``, else those of the environment."""
+    given = [k for k in options if str(k).lower() in _ENDPOINT_KEYS]
+    for k in given:
+        _check_endpoint(options[k], f"storage_options {k}")
+    for i, name in enumerate(_ENDPOINT_ENV):
+        if name in os.environ and (i == 0 or not given):
+            _check_endpoint(os.environ[name], f"the environment variable {name}")
+
+
 def _s3_config(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """``storage_options`` -> (S3Store keyword arguments, client options)."""
     config: dict[str, Any] = {}
-    client = dict(options.pop("client_options", None) or {})
+    client = _known_client_options(options.pop("client_options", None))
+    _check_endpoints(options)  # (by the names the caller used)
     for k, v in options.items():
         config[_ALIASES.get(k, k)] = v
     # the endpoint given, else the one obstore takes from the environment (gpuckpt verify s3://...)
@@ -228,6 +440,17 @@ def _s3_config(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]
     elif str(endpoint or "").startswith("http://"):
         client["allow_http"] = True  # the caller named a plain-HTTP endpoint
     return config, client
+
+
+def _known_client_options(given: Any) -> dict[str, Any]:
+    if given is None:
+        return {}
+    if not isinstance(given, Mapping):
+        raise InvalidOptionError(
+            f"storage_options client_options must be a dict of obstore ClientConfig keys (such as "
+            f"{{'timeout': '60s', 'connect_timeout': '10s'}}), got {given!r}"
+        )
+    return dict(given)
 
 
 def obstore_for(url: str, options: dict[str, Any]) -> Any:
@@ -250,7 +473,7 @@ def obstore_for(url: str, options: dict[str, Any]) -> Any:
             retry_config=retry,  # type: ignore[arg-type]
             **config,
         )
-    except (BaseError, TypeError) as exc:
+    except (BaseError, TypeError, ValueError, OverflowError) as exc:
         raise InvalidOptionError(
             f"storage_options for {url} are not valid S3 settings ({first_line(exc)}); use endpoint_url, "
             "region, access_key_id, secret_access_key, session_token, allow_http, skip_signature, "

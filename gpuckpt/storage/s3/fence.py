@@ -19,7 +19,9 @@ evaluates with the request excludes that, so with ``conditional_writes`` on:
   refused by another save's object, and whose claim is gone, stops with
   :class:`~gpuckpt.errors.CheckpointExistsError` ("taken over"). The client
   does not retry a conditional put that failed in transit (it may have reached
-  the server), so :class:`Fence` does, as ``retry_config`` says. None of this
+  the server), so :class:`Fence` does, as ``retry_config`` says
+  (:class:`~gpuckpt.storage.s3.client.Retries`: no retry once ``retry_timeout``
+  has passed since the first attempt, the attempts' time counted). None of this
   adds a request to a save that meets no stray: a conditional put is one put.
 * **Deletes** of checkpoint objects (a save's abort, the cleanup after a
   takeover, a stray) are ``DELETE`` requests with ``If-Match`` on the ETag the
@@ -59,18 +61,18 @@ plain, and one save at a time per prefix is the caller's promise.
 from __future__ import annotations
 
 import errno
-import random
 import re
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
 
 from gpuckpt.errors import CheckpointExistsError, CheckpointWriteError
 from gpuckpt.storage.s3.claim import Claim, claim_token
+from gpuckpt.storage.s3.client import Retries, first_line
 from gpuckpt.storage.s3.prefix import CLAIM_KEY, Prefix
 
 __all__ = ["STRAY_ATTEMPTS", "Fence", "delete_if_unchanged", "same_bytes"]
@@ -85,27 +87,6 @@ _IN_TRANSIT = re.compile(
     r"error sending request|timed out|timeout|connection|body error|reset|broken pipe|status code: 5\d\d",
     re.I,
 )
-
-
-def _retry_delays(retry_config: Any) -> Iterator[float]:
-    """The pauses before each retry, as the client's ``retry_config`` sets them (exponential
-    backoff with full jitter, at most ``max_retries``, within ``retry_timeout``)."""
-    cfg = retry_config if isinstance(retry_config, dict) else {}
-    backoff = cfg.get("backoff") or {}
-
-    def seconds(value: Any, default: float) -> float:
-        return value.total_seconds() if isinstance(value, timedelta) else default
-
-    delay = seconds(backoff.get("init_backoff"), 0.1)
-    cap, base = seconds(backoff.get("max_backoff"), 10.0), float(backoff.get("base", 2.0))
-    left = seconds(cfg.get("retry_timeout"), 120.0)
-    for _ in range(int(cfg.get("max_retries", 10))):
-        pause = random.uniform(0.0, delay)
-        left -= pause
-        if left < 0:
-            return
-        yield pause
-        delay = min(delay * base, cap)
 
 
 def same_bytes(stored: Any, pieces: Sequence[Any]) -> bool:
@@ -140,11 +121,11 @@ def delete_if_unchanged(
     except Exception as exc:
         return dict.fromkeys(keys, f"the delete could not be signed ({type(exc).__name__}: {exc})")
 
-    def once(i: int) -> tuple[str | None, bool]:
+    def once(i: int, timeout: float) -> tuple[str | None, bool]:
         """(why the object was left, whether to try again)."""
         req = urllib.request.Request(urls[i], method="DELETE", headers={"If-Match": etags[keys[i]]})
         try:
-            with urllib.request.urlopen(req, timeout=_DELETE_TIMEOUT_S):
+            with urllib.request.urlopen(req, timeout=timeout):
                 return None, False
         except urllib.error.HTTPError as exc:
             # gone counts as deleted: a retry of a delete that went through finds nothing
@@ -155,14 +136,15 @@ def delete_if_unchanged(
             return f"{type(exc).__name__}: {exc}", True
 
     def one(i: int) -> str | None:
-        delays = _retry_delays(getattr(store, "retry_config", None))
+        retries = Retries(getattr(store, "retry_config", None))
         while True:
             if may_send is not None and not may_send():
                 return "the claim may have passed to another save"
-            why, again = once(i)
-            pause = next(delays, None) if again else None
+            # an attempt ends with what is left of retry_timeout (a second at least)
+            why, again = once(i, max(1.0, min(_DELETE_TIMEOUT_S, retries.left())))
+            pause = retries.pause() if again else None
             if pause is None:
-                return why
+                return why if not again else f"{why}, after {retries.spent()}"
             time.sleep(pause)
 
     with ThreadPoolExecutor(max(1, min(len(keys), max_requests))) as pool:
@@ -236,14 +218,21 @@ class Fence:
         from obstore.exceptions import GenericError
 
         store = self.prefix._obs
-        delays = _retry_delays(getattr(store, "retry_config", None))
+        retries = Retries(getattr(store, "retry_config", None))
         while True:
             try:
                 return obs.put(store, rel, body, mode=mode, use_multipart=False)
             except GenericError as exc:
-                pause = next(delays, None) if _IN_TRANSIT.search(str(exc)) else None
-                if pause is None:
+                if not _IN_TRANSIT.search(str(exc)):
                     raise
+                pause = retries.pause()
+                if pause is None:
+                    raise CheckpointWriteError(
+                        errno.EIO,
+                        f"writing {rel} at {self.prefix.path} failed: the put got no answer it could use "
+                        f"in {retries.spent()}; the last: {first_line(exc)}. Check the endpoint and the "
+                        "network, or allow more time with storage_options retry_config",
+                    ) from exc
                 time.sleep(pause)
 
     def refuse_if_taken_over(self, rel: str) -> None:

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import math
 from collections.abc import Iterator
+from numbers import Real
 from typing import Any
 
-from gpuckpt.errors import StoreError
-from gpuckpt.format.documents import ROOT_KEY, is_chunk_file_key, too_large
+from gpuckpt.errors import InvalidOptionError, StoreError
+from gpuckpt.format.documents import ROOT_DOCUMENT_PREFIX, ROOT_KEY, is_chunk_file_key, too_large
 from gpuckpt.format.names import is_safe_name
 from gpuckpt.format.records import is_column_array_name
 from gpuckpt.storage.s3.client import RequestBudget, first_line, obstore_for, pop_transfer_options
@@ -20,6 +22,7 @@ __all__ = [
     "DEFAULT_LEASE_SECONDS",
     "MAX_CLAIM_BYTES",
     "Prefix",
+    "holds_checkpoint",
     "is_checkpoint_object",
     "object_key",
 ]
@@ -28,13 +31,61 @@ CLAIM_KEY = ".gpuckpt-writer"
 #: keys of the empty objects a writer puts to read the server's clock (a writer's token follows)
 CLOCK_PROBE_PREFIX = ".gpuckpt-clock-"
 DEFAULT_LEASE_SECONDS = 60.0
+#: a week: a claim not refreshed for longer is far past any stall a save survives
+MAX_LEASE_SECONDS = 7 * 24 * 3600.0
 MAX_CLAIM_BYTES = 1 << 24
+
+
+def _lease_seconds(value: Any) -> float:
+    """``lease_seconds``, refused unless a finite number in (0, :data:`MAX_LEASE_SECONDS`]: the
+    claim's heartbeat waits a quarter of it (an infinite wait overflows and kills it)."""
+    ok = isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value)
+    if not (ok and 0 < value <= MAX_LEASE_SECONDS):
+        raise InvalidOptionError(
+            f"storage_options lease_seconds must be a number of seconds > 0 and at most "
+            f"{MAX_LEASE_SECONDS:g} (default {DEFAULT_LEASE_SECONDS:g}), got {value!r}"
+        )
+    return float(value)
+
+
+def _conditional_writes(value: Any) -> bool:
+    # a string from a config file ("false") would be true: only a bool says which is meant
+    if not isinstance(value, bool):
+        raise InvalidOptionError(
+            f"storage_options conditional_writes must be True or False, got {value!r} "
+            f"({type(value).__name__})"
+        )
+    return value
 
 
 def is_checkpoint_object(name: str, key: str) -> bool:
     """Whether ``name/key`` is an object a checkpoint holds: the document or a chunk of a
     tensor's array, or of one of the chunk table's columns (large checkpoints)."""
     return (is_safe_name(name) or is_column_array_name(name)) and (key == ROOT_KEY or is_chunk_file_key(key))
+
+
+def holds_checkpoint(store: Any, rel: str) -> bool:
+    """Whether the object ``rel`` of ``store`` (a root document's key) starts as a gpuckpt root
+    document does: one ranged GET of its first bytes, as cheap as a HEAD, which also tells
+    another program's Zarr store apart (its ``zarr.json`` exists too). Only an empty object,
+    whose range the server refuses, costs a HEAD more. Errors are the client's."""
+    import obstore as obs
+    from obstore.exceptions import BaseError
+
+    try:
+        # a shorter object comes back whole (and differs)
+        head = obs.get(store, rel, options={"range": (0, len(ROOT_DOCUMENT_PREFIX))}).bytes()
+    except FileNotFoundError:
+        return False
+    except BaseError:
+        # an empty object has no first bytes: the range is refused (416); any other failure stands
+        try:
+            if obs.head(store, rel)["size"] == 0:
+                return False
+        except FileNotFoundError:
+            return False
+        raise
+    return bytes(head) == ROOT_DOCUMENT_PREFIX
 
 
 def object_key(name: str, key: str) -> str:
@@ -48,14 +99,24 @@ class Prefix:
     """What readers and writers share: the store and error translation."""
 
     def __init__(self, url: str, storage_options: dict[str, Any]) -> None:
-        self.lease = float(storage_options.pop("lease_seconds", DEFAULT_LEASE_SECONDS))
-        if not self.lease > 0:
-            raise ValueError(f"lease_seconds must be a positive number of seconds, got {self.lease!r}")
-        self.conditional = bool(storage_options.pop("conditional_writes", True))
+        self.lease = _lease_seconds(storage_options.pop("lease_seconds", DEFAULT_LEASE_SECONDS))
+        self.conditional = _conditional_writes(storage_options.pop("conditional_writes", True))
         self.transfer = pop_transfer_options(storage_options)
         self.budget = RequestBudget(self.transfer.max_requests, self.transfer.upload_buffer_bytes)
         self.path = url.rstrip("/")
         self._obs = obstore_for(url, storage_options)
+
+    def _bucket_store(self) -> Any:
+        """A store on the root of this prefix's bucket, with the same settings (for objects
+        under other prefixes: an incremental save's base, the checkpoints this one may be in)."""
+        from obstore.store import S3Store
+
+        return S3Store(
+            config=self._obs.config,
+            client_options=self._obs.client_options,
+            retry_config=self._obs.retry_config,
+            credential_provider=self._obs.credential_provider,
+        )
 
     def _put(self, rel: str, data: Any, mode: Any) -> str | None:
         """Put with ``mode`` ("create" or {"e_tag": ...}); plain put when conditional writes are off."""

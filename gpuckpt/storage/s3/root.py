@@ -36,10 +36,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from gpuckpt.errors import CheckpointExistsError
-from gpuckpt.format.documents import ROOT_DOCUMENT_PREFIX, ROOT_KEY
+from gpuckpt.format.documents import ROOT_KEY
 from gpuckpt.format.names import is_safe_name
 from gpuckpt.storage.base import CheckpointRoot
-from gpuckpt.storage.s3.prefix import CLAIM_KEY, Prefix
+from gpuckpt.storage.s3.prefix import CLAIM_KEY, Prefix, holds_checkpoint
 from gpuckpt.storage.s3.writer import ObjectStoreWriter
 
 __all__ = ["ObjectStoreRoot"]
@@ -70,26 +70,9 @@ class ObjectStoreRoot(Prefix, CheckpointRoot):
         return sorted(n for n in names if n and not n.startswith(".") and is_safe_name(n))
 
     def is_committed(self, name: str) -> bool:
-        import obstore as obs
-        from obstore.exceptions import BaseError
-
         rel = f"{name}/{ROOT_KEY}"
         with self._io(f"reading {rel}"):
-            try:
-                # a shorter object comes back whole (and differs)
-                head = obs.get(self._obs, rel, options={"range": (0, len(ROOT_DOCUMENT_PREFIX))}).bytes()
-            except FileNotFoundError:
-                return False
-            except BaseError as exc:
-                # an empty object has no first bytes: the range is refused (416); any other failure stands
-                try:
-                    empty = obs.head(self._obs, rel)["size"] == 0
-                except FileNotFoundError:
-                    return False
-                if empty:
-                    return False
-                raise exc
-        return bytes(head) == ROOT_DOCUMENT_PREFIX
+            return holds_checkpoint(self._obs, rel)
 
     def delete(self, names: Sequence[str]) -> None:
         import obstore as obs

@@ -7,7 +7,8 @@ at its final key; a reader that finds the root finds everything it lists.
 
 A save to ``s3://bucket/prefix`` goes:
 
-1. ``begin``: refuse if the root exists. Create the *claim* object
+1. ``begin``: refuse a prefix inside a published checkpoint (a ranged GET of
+   each enclosing prefix's root document), and refuse if the root exists. Create the *claim* object
    ``prefix/.gpuckpt-writer`` with a conditional put (``If-None-Match: *``),
    so one writer at a time owns the prefix. A claim left by a save that died
    (its process is gone from this machine and pid namespace, or the claim was
@@ -22,7 +23,10 @@ A save to ``s3://bucket/prefix`` goes:
    (even one whose keys look like a checkpoint's) is left as it is.
 2. Array documents and chunks are put at their final keys (a chunk of at
    least twice ``part_bytes`` as a multipart upload, see
-   :mod:`gpuckpt.storage.s3.client`); a thread refreshes the claim every
+   :mod:`gpuckpt.storage.s3.client`; one that fails is aborted by the client,
+   and one left by a save killed mid-upload, or whose abort failed, stays on
+   the server until the bucket's lifecycle rule removes it: the client can
+   neither list nor abort such uploads); a thread refreshes the claim every
    quarter lease. A single put only creates its object, or replaces this
    writer's own last put of it, so that a put of a writer that lost the
    prefix, landing late, replaces nothing of the save that took it over
@@ -81,6 +85,7 @@ from typing import Any
 from gpuckpt.errors import (
     CheckpointExistsError,
     CheckpointWriteError,
+    InvalidPathError,
     MetadataError,
 )
 from gpuckpt.format.checksum import CRC_BYTES
@@ -94,13 +99,22 @@ from gpuckpt.storage.base import BaseRef, Capabilities, CheckpointWriter, ChunkD
 from gpuckpt.storage.copies import PIECE_BYTES, own_copy
 from gpuckpt.storage.s3.claim import Claim, claim_token
 from gpuckpt.storage.s3.client import (
+    WatchedPieces,
     first_line,
     parse_s3_url,
     plan_parts,
+    upload_left_by,
     zarr_store,
 )
 from gpuckpt.storage.s3.fence import Fence, delete_if_unchanged
-from gpuckpt.storage.s3.prefix import CLAIM_KEY, CLOCK_PROBE_PREFIX, Prefix, is_checkpoint_object, object_key
+from gpuckpt.storage.s3.prefix import (
+    CLAIM_KEY,
+    CLOCK_PROBE_PREFIX,
+    Prefix,
+    holds_checkpoint,
+    is_checkpoint_object,
+    object_key,
+)
 from gpuckpt.storage.s3.reader import ObjectStoreReader
 
 __all__ = ["CLAIM_KEY", "ObjectStoreReader", "ObjectStoreWriter", "parse_s3_url", "zarr_store"]
@@ -222,6 +236,7 @@ class ObjectStoreWriter(Prefix, CheckpointWriter):
     # -- the CheckpointWriter protocol ------------------------------------
     def begin(self) -> None:
         with self._io("starting a save", CheckpointWriteError):
+            self._refuse_inside_a_checkpoint()
             self._refuse_published()
             took_over = self._claim.take()
             # refreshed from now on: deleting what an abandoned save left (one request per
@@ -235,6 +250,24 @@ class ObjectStoreWriter(Prefix, CheckpointWriter):
                 self._claim.stop_refresh()
                 self._fence.release_claim()
                 raise
+
+    def _refuse_inside_a_checkpoint(self) -> None:
+        """Refuse a prefix inside a published checkpoint, at any depth (as a local save does):
+        deleting that checkpoint (a manager's retention) deletes every object under its prefix,
+        this one's too. One ranged GET per enclosing prefix (one for a manager's step), before
+        anything is written."""
+        _, prefix = parse_s3_url(self.path)
+        segments = prefix.split("/")
+        store = self._bucket_store()
+        for depth in range(len(segments) - 1, 0, -1):
+            outer = "/".join(segments[:depth])
+            if holds_checkpoint(store, f"{outer}/{ROOT_KEY}"):
+                outer_url = self.path[: len(self.path) - len(prefix)] + outer
+                raise InvalidPathError(
+                    f"{self.path} is inside the gpuckpt checkpoint {outer_url}: deleting that checkpoint "
+                    "(a manager's retention, a removal) would delete what is saved here too; nothing was "
+                    "written. Save beside it instead (a sibling prefix)"
+                )
 
     def _delete_leftovers(self, took_over: bool) -> None:
         """Delete what the abandoned save whose claim we took over left; refuse anything else.
@@ -285,6 +318,7 @@ class ObjectStoreWriter(Prefix, CheckpointWriter):
         piece it takes.
         """
         import obstore as obs
+        from obstore.exceptions import BaseError
 
         self._claim.check()
         self._written.add(rel)
@@ -304,16 +338,34 @@ class ObjectStoreWriter(Prefix, CheckpointWriter):
             else:
                 # the client completes a multipart upload without a condition: a writer that lost
                 # its claim while stopped mid-upload stops at the next piece it would hand over
-                source = streamed[1] if streamed is not None else _slices(pieces)
-                put = obs.put(
-                    self._obs,
-                    rel,
-                    self._claim.checked(source),
-                    use_multipart=True,
-                    chunk_size=part,
-                    max_concurrency=slots,
+                source = WatchedPieces(
+                    self._claim.checked(streamed[1] if streamed is not None else _slices(pieces))
                 )
+                try:
+                    put = obs.put(
+                        self._obs, rel, source, use_multipart=True, chunk_size=part, max_concurrency=slots
+                    )
+                except BaseError as exc:
+                    raise self._multipart_failure(rel, nbytes, exc, source.raised) from exc
                 self._fence.put_done(rel, put["e_tag"])
+
+    def _multipart_failure(
+        self, rel: str, nbytes: int, exc: BaseException, raised: BaseException | None
+    ) -> BaseException:
+        """The error of a failed multipart upload. The client aborts the upload, and when that
+        abort fails too it reports only the abort's failure: what failed first is named first
+        then (the pieces' own error, else the upload's request), and the upload left behind."""
+        stays = upload_left_by(exc)
+        if stays is None:
+            return raised or exc  # the upload's own failure, its abort went through
+        if raised is not None:
+            raised.add_note(f"writing {rel} at {self.path}: {stays}")
+            return raised
+        return CheckpointWriteError(
+            errno.EIO,
+            f"writing {rel} ({nbytes} bytes) at {self.path} failed: a request of its multipart upload (a "
+            f"part, or the completion) failed, the client does not say how; {stays}",
+        )
 
     def write_array_document(self, name: str, document: bytes) -> None:
         self._write(object_key(name, ROOT_KEY), document)
@@ -359,7 +411,6 @@ class ObjectStoreWriter(Prefix, CheckpointWriter):
         describe); False otherwise, or when the server refuses the copy."""
         import obstore as obs
         from obstore.exceptions import BaseError
-        from obstore.store import S3Store
 
         self._claim.check()
         try:
@@ -372,12 +423,7 @@ class ObjectStoreWriter(Prefix, CheckpointWriter):
         if src_bucket != bucket or not CRC_BYTES <= base.nbytes <= 5 << 30:
             return False
         rel = object_key(name, key)
-        store = S3Store(
-            config=self._obs.config,
-            client_options=self._obs.client_options,
-            retry_config=self._obs.retry_config,
-            credential_provider=self._obs.credential_provider,
-        )  # the bucket's root: the base lives under another prefix
+        store = self._bucket_store()  # the base lives under another prefix
         try:
             with self.budget.take():
                 published = self._published.get(src_prefix)
