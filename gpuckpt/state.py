@@ -129,8 +129,6 @@ def flatten_state_dict(
                             f"key {k!r} under {prefix or '<root>'!r} has type {type(k).__name__}; "
                             "only str and int keys can be stored"
                         )
-                    if isinstance(k, str) and not k.isascii():
-                        _refuse_lone_surrogates(k, prefix)
                     try:
                         name = str(k) if depth == 0 else f"{prefix}.{k}"
                     except ValueError:  # an int past the interpreter's int-to-str digit limit
@@ -158,20 +156,6 @@ def flatten_state_dict(
 
     skeleton = visit(None, None, state_dict, "", 0)
     return leaves, skeleton
-
-
-def _refuse_lone_surrogates(key: str, prefix: str) -> None:
-    """An :class:`UnsupportedValueError` for a key that is not Unicode text (a lone surrogate, as
-    ``os.fsdecode`` makes of a file name's undecodable bytes): UTF-8 cannot say it, so the
-    names, JSON documents and exports of other readers could not either."""
-    try:
-        key.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise UnsupportedValueError(
-            f"key {key!r} under {prefix or '<root>'!r} is not Unicode text: it holds the lone surrogate "
-            f"{key[exc.start]!r} at position {exc.start} (undecodable bytes of a file name, for example), "
-            "which UTF-8 cannot encode; rename it"
-        ) from None
 
 
 def unflatten_state_dict(

@@ -167,7 +167,19 @@ def read_safetensors(
 
 
 def check_tensor_name(name: str) -> None:
-    """Refuse a tensor name the safetensors header cannot hold (``__metadata__``)."""
+    """Refuse a tensor name the safetensors header cannot hold (``__metadata__``, or one that is
+    not Unicode text: gpuckpt keeps a lone surrogate, as ``os.fsdecode`` makes of a file name's
+    undecodable bytes, but a safetensors header is UTF-8 JSON, which cannot say it)."""
+    if not name.isascii():
+        try:
+            name.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise UnsupportedValueError(
+                f"tensor {name!r} cannot be stored in safetensors: its name holds the lone surrogate "
+                f"{name[exc.start]!r} at position {exc.start}, which the UTF-8 of a safetensors header "
+                "cannot encode (the reference reader refuses such a file); rename the tensor or keep "
+                "the gpuckpt format"
+            ) from None
     if name == METADATA_KEY:
         raise UnsupportedValueError(
             f"tensor {name!r} cannot be stored in safetensors: the format reserves the header key "

@@ -106,6 +106,23 @@ def test_dtype_safetensors_lacks_is_refused_before_writing(tmp_path: Path, dtype
     assert list(tmp_path.iterdir()) == [tmp_path / "c"]
 
 
+def test_a_name_that_is_not_unicode_text_is_refused_by_exports_before_writing(tmp_path: Path) -> None:
+    # gpuckpt keeps such a key (a lone surrogate, as os.fsdecode spells undecodable bytes);
+    # a safetensors header is UTF-8 JSON, and the reference reader refused what was written
+    key = "w\udcffx"
+    gpuckpt.save({key: np.ones(2), "ok": np.zeros(1)}, tmp_path / "c")
+    assert gpuckpt.load_state_dict(tmp_path / "c")[key].tolist() == [1.0, 1.0]
+    for dst, to in ((tmp_path / "m.safetensors", "safetensors"), (tmp_path / "hf", "hf")):
+        with pytest.raises(
+            gpuckpt.UnsupportedValueError, match=r"holds the lone surrogate '\\udcff' at position 1"
+        ):
+            convert(tmp_path / "c", dst, target_format=to)
+        assert not dst.exists()
+    with pytest.raises(gpuckpt.UnsupportedValueError, match="lone surrogate"):
+        write_safetensors({key: np.ones(2)}, tmp_path / "direct.safetensors")
+    assert not (tmp_path / "direct.safetensors").exists()
+
+
 def test_existing_destination_and_same_path(tmp_path: Path) -> None:
     write_safetensors({"x": np.ones(2)}, tmp_path / "m.safetensors")
     with pytest.raises(gpuckpt.CheckpointExistsError):
