@@ -109,7 +109,7 @@ class _Output:
         self._stream = stream
 
     def write(self, text: str) -> int:
-        return self._guarded(self._stream.write, text)
+        return int(self._guarded(self._stream.write, text))
 
     def flush(self) -> None:
         self._guarded(self._stream.flush)
@@ -129,7 +129,7 @@ class _Output:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``gpuckpt`` command with ``argv`` (default: ``sys.argv[1:]``); returns the exit code."""
     real = sys.stdout
-    sys.stdout = _Output(real)  # type: ignore[assignment]
+    sys.stdout = _Output(real)
     try:
         with _Interrupts() as interrupts:
             code = _main(argv, interrupts)
