@@ -821,7 +821,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.mib, args.rounds, args.warmup, args.op_settle, args.every, args.step_s = 4, 1, 1, 0.0, 2, 0.02
         args.save_rounds = 1
-        args.timeout = min(args.timeout, 120)
+        args.timeout = min(args.timeout, 240)
     mpiexec = find_mpiexec() if args.transport == "mpi" else None
     if args.transport == "gloo" and importlib.util.find_spec("torch") is None:
         print("bench_tiers --transport gloo needs torch (`pip install gpuckpt[torch]`)")

@@ -28,7 +28,7 @@ def test_bench_s3_toy_run(tmp_path: Path) -> None:
         "0",
     ]
     cmd += ["--sweep", "1,4", "--manager-steps", "2,20", "--manager-saves", "2", "--json", str(out)]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     res = json.loads(out.read_text())
     single = res["single process"]

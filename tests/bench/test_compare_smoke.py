@@ -29,7 +29,7 @@ def run_harness(tmp_path: Path, systems: str, states: str) -> dict[str, Any]:
     cmd += ["--async-states", states, "--out", str(out), "--md", str(tmp_path / "r.md")]
     cmd += ["--plot", str(tmp_path / "p.png"), "--dir", str(tmp_path)]
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     result: dict[str, Any] = json.loads((out / "compare-quick.json").read_text())
     result["stderr"] = p.stderr
