@@ -263,6 +263,9 @@ class Compression:
     blocksize: int = 1 << 20
     auto: bool = False
     skip: frozenset[str] = frozenset()
+    #: "auto" found that nothing pays: every tensor is stored as it is, also those ``skip``
+    #: cannot name (the tensors of which a distributed save's rank 0, which decides, holds no box)
+    keep_all: bool = False
     device: bool = False
     #: what "auto" decided and why, as JSON values (kept in the checkpoint's ``planner_data``
     #: under :data:`COMPRESSION_KEY`; not part of the choice: equal choices may differ here)
@@ -284,7 +287,7 @@ class Compression:
         """The codec of tensor ``fqn`` of ``dtype`` whose stored chunks hold ``chunk_nbytes`` bytes
         each (None: stored uncompressed: left out by "auto", an object dtype, or chunks larger
         than the codec's frame holds)."""
-        if fqn in self.skip or dtype.hasobject:
+        if self.keep_all or fqn in self.skip or dtype.hasobject:
             return None
         if self.codec == "zstd":
             codec = Codec("zstd", self.level)

@@ -62,6 +62,10 @@ ML_DTYPE_NAMES: tuple[str, ...] = (
     "float8_e8m0fnu",
 )
 
+#: Names of the floating-point types gpuckpt stores (NumPy's and ``ml_dtypes``'): NumPy gives
+#: the ``ml_dtypes`` ones the kind "V", not "f", so a test of the kind misses bfloat16 and float8.
+FLOAT_NAMES: frozenset[str] = frozenset(("float16", "float32", "float64", *ML_DTYPE_NAMES))
+
 # Both maps start with NumPy's own types; ``ml_dtypes`` joins them on first need (its
 # import registers many ufunc loops and costs 0.4 s with NumPy 2.4, the last NumPy for
 # Python 3.11), so a process whose checkpoints hold none of its types never imports it.

@@ -54,7 +54,7 @@ import numpy as np
 
 from gpuckpt.device.arrays import HostArray
 from gpuckpt.format.codecs import Compression, encode
-from gpuckpt.format.dtypes import dtype_from_name
+from gpuckpt.format.dtypes import FLOAT_NAMES
 from gpuckpt.options import SaveOptions
 from gpuckpt.planning.boxes import LocalTensor
 from gpuckpt.planning.plan import StateDescription
@@ -319,11 +319,12 @@ def resolve_unsampled(
             f"{NOMINAL_BYTES_PER_S / 1e9:.1f} GB/s saving {NOMINAL_SAVING:.0%} would make a save to a store "
             f"written at {store / 1e9:.2f} GB/s only {gain:.2f}x as fast (compression pays from {MIN_GAIN}x)"
         )
-        return dataclasses.replace(c, auto=True, skip=frozenset(t.fqn for t in tensors), report=report)
-    skip = {
-        t.fqn
+        return dataclasses.replace(c, auto=True, keep_all=True, report=report)
+    skip = {t.fqn for t in tensors if _nbytes(t) < AUTO_MIN_BYTES or t.dtype not in FLOAT_NAMES}
+    report["tensors"] = {
+        t.fqn: f"not floating-point ({t.dtype}): left as it is"
         for t in tensors
-        if _nbytes(t) < AUTO_MIN_BYTES or np.dtype(dtype_from_name(t.dtype)).kind != "f"
+        if _nbytes(t) >= AUTO_MIN_BYTES and t.dtype not in FLOAT_NAMES
     }
     report["decision"] = (
         f"planned from the shapes alone: the floating-point tensors of {AUTO_MIN_BYTES >> 20} MiB or more "
@@ -361,7 +362,7 @@ def resolve(
             f"{store / 1e9:.2f} GB/s only {gain:.2f}x as fast (compression pays from {MIN_GAIN}x)"
         )
         report["tensors"] = dict(sorted(found.why.items()))
-        return dataclasses.replace(c, auto=True, skip=frozenset(t.fqn for t in local.tensors), report=report)
+        return dataclasses.replace(c, auto=True, keep_all=True, report=report)
     n = sum(t.fqn not in found.skip for t in local.tensors)
     report["decision"] = f"{n} of {len(local.tensors)} tensor(s) compressed" + (
         f": predicted {gain:.2f}x as fast as a save uncompressed"

@@ -186,7 +186,10 @@ def test_resolve_counts_the_chunks_compressed_at_once(
             "slow://bucket/x", SaveOptions(compression="auto", threads=threads), local, sources
         )
     assert chosen is not None and chosen.auto
-    assert (chosen.skip != {"weight", "exp_avg"}) is compressed
+    for fqn, dtype in (("weight", ml_dtypes.bfloat16), ("exp_avg", np.float32)):
+        assert (chosen.codec_for(fqn, np.dtype(dtype), 1 << 20) is not None) is compressed
+    # neither is a tensor this process did not screen (one of another rank) when nothing pays
+    assert (chosen.codec_for("held_by_another_rank", np.dtype(np.float32), 1 << 20) is not None) is compressed
     gain = predicted_gain(found.bytes_per_s, min(slots, threads), found.fraction_saved, rate)
     assert (gain >= MIN_GAIN) is compressed
     # the decision says why, with the figures it was made from
@@ -221,6 +224,39 @@ def test_the_report_says_why_each_large_tensor_is_left_as_it_is(monkeypatch: pyt
     assert {"weight", "exp_avg"}.isdisjoint(chosen.skip)
     for why in report["tensors"].values():
         assert why.startswith(("incompressible", "the codec's trial on", "not screened"))
+
+
+def test_planned_from_the_shapes_alone_bfloat16_and_float8_are_floating_point() -> None:
+    """The DCP Writer's "auto" (nothing sampled) compresses the floating-point tensors of 1 MiB
+    or more: NumPy gives bfloat16 and float8 the kind "V", and a test of the kind left them out
+    while the decision said they were compressed; what it leaves out, it says why."""
+    n = AUTO_MIN_BYTES
+    state = {
+        "bf16": np.zeros(n // 2, ml_dtypes.bfloat16),
+        "fp8": np.zeros(n, ml_dtypes.float8_e4m3fn),
+        "fp32": np.zeros(n // 4, np.float32),
+        "ids": np.zeros(n // 4, np.int32),
+        "small": np.zeros(16, ml_dtypes.bfloat16),
+    }
+    local, _ = describe_state(state, allow_pickle=False)
+    slow = dataclasses.replace(BACKENDS["s3"], write_bytes_per_s=1e6)  # compression always pays
+    with mock.patch.dict(BACKENDS, {"slow": slow}):
+        chosen = compression.resolve_unsampled(
+            "slow://bucket/x", SaveOptions(compression="auto"), local.tensors
+        )
+    assert chosen is not None and not chosen.keep_all
+    compressed = {f for f, a in state.items() if chosen.codec_for(f, a.dtype, a.nbytes) is not None}
+    assert compressed == {"bf16", "fp8", "fp32"}
+    assert chosen.report["tensors"] == {"ids": "not floating-point (int32): left as it is"}
+    fast = dataclasses.replace(BACKENDS["s3"], write_bytes_per_s=1e12)  # nothing pays
+    with mock.patch.dict(BACKENDS, {"fast": fast}):
+        chosen = compression.resolve_unsampled(
+            "fast://bucket/x", SaveOptions(compression="auto"), local.tensors
+        )
+    assert (
+        chosen is not None and chosen.keep_all and chosen.report["decision"].startswith("nothing compressed")
+    )
+    assert all(chosen.codec_for(f, a.dtype, a.nbytes) is None for f, a in state.items())
 
 
 def test_a_report_key_sorts_after_a_tier_part_record() -> None:
