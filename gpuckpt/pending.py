@@ -37,8 +37,9 @@ _executors: dict[int, Workers] = {}
 #: saves queued or running in this process, and saves that failed (kept until exit)
 _inflight: set[SaveFuture] = set()
 _failed: list[SaveFuture] = []
-#: exit progress: the final drain has run (later saves run in the caller); a drain was interrupted
-_exit = {"final": False, "interrupted": False}
+#: exit progress: a drain began (a daemon thread's later saves run in that thread); the final
+#: drain has run (every later save runs in its caller); a drain was interrupted
+_exit = {"draining": False, "final": False, "interrupted": False}
 
 
 def writer_executor(coordinator: Any = None) -> Workers:
@@ -113,8 +114,11 @@ def submit(
     handover: Callable[[Future[Metadata]], None] | None = None,
 ) -> SaveFuture:
     """Queue ``fn`` on ``ex`` (run it here once the exit drain is over) and track its future."""
-    if _exit["final"]:
-        # the interpreter is past its last drain: a queued save would be lost, so it runs now
+    if _exit["final"] or (_exit["draining"] and threading.current_thread().daemon):
+        # the interpreter is past its last drain: a queued save would be lost, so it runs now;
+        # a daemon thread's, once the drain began, too: one that saves back to back would keep
+        # the drain waiting for ever (the interpreter abandons it, and a save cut short
+        # publishes nothing)
         raw: Future[Metadata] = Future()
         raw.set_running_or_notify_cancel()
         try:
@@ -178,6 +182,7 @@ def _drain_at_exit(final: bool) -> None:
     ``multiprocessing`` child, which skips ``atexit``) and, ``final``, from
     ``atexit``, after the program's own exit handlers, which may have saved too.
     """
+    _exit["draining"] = True
     if not _exit["interrupted"]:
         try:
             _drain_all()

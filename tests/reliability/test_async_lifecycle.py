@@ -159,6 +159,30 @@ def test_save_from_a_thread_that_outlives_the_main_thread(tmp_path: Path) -> Non
     assert_saved(tmp_path / "late", 7)
 
 
+def test_a_daemon_thread_saving_back_to_back_does_not_keep_the_process_alive(tmp_path: Path) -> None:
+    # the exit drain took each new save of such a thread, and never ended; the interpreter
+    # abandons daemon threads: the saves queued when the program ended are written, one the
+    # daemon starts during the drain runs in that thread and, cut short, publishes nothing
+    run = run_script(
+        """
+        import sys, threading, time, numpy as np, gpuckpt
+        big = {f"t{i}": np.full(2_000_000, i, np.float32) for i in range(8)}  # 64 MB: one always queued
+        def periodic():
+            i = 0
+            while True:
+                i += 1
+                gpuckpt.async_save(big | {"step": i}, sys.argv[1] + "/ckpt", overwrite=True, sync="file")
+        threading.Thread(target=periodic, daemon=True).start()
+        time.sleep(0.5)
+        """,
+        str(tmp_path),
+        timeout=60,
+    )
+    assert run.returncode == 0, run.stderr
+    back = gpuckpt.load_state_dict(tmp_path / "ckpt")  # a whole save, the last one published
+    assert back["step"] >= 1 and all((back[f"t{i}"] == i).all() for i in range(8))
+
+
 def test_saves_from_exit_handlers(tmp_path: Path) -> None:
     # one handler registered before gpuckpt is imported (it runs after gpuckpt's own
     # drain at exit), one after (it runs before)

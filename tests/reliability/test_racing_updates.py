@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import mmap
+import shutil
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -138,3 +139,25 @@ def test_saves_to_s3_racing_updates_publish_consistent_checkpoints() -> None:
                 gpuckpt.save(state, f"s3://race/c{i}", storage_options=opts)
         for i in range(ROUNDS // 2):
             _check_consistent(f"s3://race/c{i}", storage_options=opts)
+
+
+def test_a_checkpoint_removed_as_its_load_begins_is_a_typed_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # another process's retention deleting the step between the open and the check of its chunk
+    # files (found 1-6 times in 40 s of restores racing a manager): a bare FileNotFoundError
+    from gpuckpt.storage.local import reader
+
+    state = {"w": np.ones(1000, np.float32), "v": np.ones(1000, np.float32)}
+    gpuckpt.save(state, tmp_path / "step_1")
+    sizes = reader.LocalReader.chunk_sizes
+
+    def removed_first(self: Any, names: Any, keys: Any) -> Any:
+        shutil.rmtree(tmp_path / "step_1")
+        return sizes(self, names, keys)
+
+    monkeypatch.setattr(reader.LocalReader, "chunk_sizes", removed_first)
+    target = {"w": np.zeros(1000, np.float32), "v": np.zeros(1000, np.float32)}
+    with pytest.raises(gpuckpt.CheckpointNotFoundError, match="was removed while it was read"):
+        gpuckpt.load(target, tmp_path / "step_1")
+    assert not target["w"].any()

@@ -268,7 +268,13 @@ class LocalReader(CheckpointReader):
         if lib is None or len(names) < 2:
             return super().chunk_sizes(names, keys)
         dirs = self._array_dirs()
-        sizes, _stops = lib.sizes(self._root, [f"{n}/{k}" for n, k in zip(names, keys, strict=True)])
+        try:
+            sizes, _stops = lib.sizes(self._root, [f"{n}/{k}" for n, k in zip(names, keys, strict=True)])
+        except (FileNotFoundError, NotADirectoryError):  # the checkpoint itself, opened by name
+            raise CheckpointNotFoundError(
+                f"{self.path} was removed while it was read (another process deleted or replaced it: "
+                "a manager's retention, an overwrite); nothing of it was loaded: load again"
+            ) from None
         return [int(s) if s >= 0 and n in dirs else None for n, s in zip(names, sizes.tolist(), strict=True)]
 
     def chunk_usage(self, name: str, key: str) -> tuple[int, int] | None:
