@@ -328,6 +328,20 @@ def test_small_state_takes_little_staging_memory(tmp_path: Path) -> None:
     assert arenas and max(a.capacity for a in arenas) <= 1 << 20
 
 
+def test_staging_of_a_growing_state_is_the_largest_state_not_their_sum(tmp_path: Path) -> None:
+    # each larger state had added a piece of its own beside the smaller ones, never given back
+    background.wait_all()
+    with background._lock:
+        for pool in background._pools.values():
+            pool.clear()
+    for i, mib in enumerate((2, 4, 6, 8)):
+        gpuckpt.async_save({"w": np.ones(mib << 17)}, tmp_path / f"c{i}", sync="none").result(timeout=60)
+    with background._lock:
+        arenas = [a for p in background._pools.values() for a in p._free]
+    assert len(arenas) == 1 and len(arenas[0].pieces) == 1
+    assert 8 << 20 <= arenas[0].capacity <= (8 << 20) + (64 << 10)  # the largest, and its alignment
+
+
 LIMITED = """
 import re, resource, sys, numpy as np, gpuckpt
 def address_space():
