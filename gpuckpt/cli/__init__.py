@@ -156,15 +156,13 @@ def _main(argv: Sequence[str] | None, interrupts: _Interrupts) -> int:
         return EXIT_USAGE
     except BrokenPipeError:
         # the reader of our output went away (``gpuckpt inspect ... | head``): stop quietly
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
+        _drop_stdout()
         return EXIT_FAILURE
     except KeyboardInterrupt:
         _error("interrupted")
         return 130
     except _OutputError as exc:
-        with contextlib.suppress(OSError, ValueError):  # nothing left to flush at exit
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        _drop_stdout()
         _error(
             f"could not write to standard output: {_describe(exc)} (what the command had done before "
             "is done; its report was lost)"
@@ -181,6 +179,17 @@ def _main(argv: Sequence[str] | None, interrupts: _Interrupts) -> int:
         else:  # the promise: one line, no traceback
             _error(f"unexpected {type(exc).__name__}: {_describe(exc)} (set GPUCKPT_DEBUG=1 for a traceback)")
         return EXIT_FAILURE
+
+
+def _drop_stdout() -> None:
+    """Point standard output at /dev/null: what is still buffered for it cannot be written, and
+    the flush at exit would fail (and print) once more."""
+    with contextlib.suppress(OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, sys.stdout.fileno())
+        finally:
+            os.close(devnull)
 
 
 def _describe(exc: BaseException) -> str:

@@ -295,25 +295,25 @@ class Claim:
         if self.lost is None and self._valid_until is not None and time.monotonic() > self._valid_until:
             # past half the lease without a refresh: the claim may be another save's by now,
             # whose objects this put could replace
-            self.lost = self._lapsed()
+            self.lost, self._lost_unreachable = self._lapsed()
         if self.lost is not None:
             if self._lost_unreachable:
                 raise CheckpointWriteError(errno.EIO, self.lost)
             raise CheckpointExistsError(self.lost)
 
-    def _lapsed(self) -> str:
+    def _lapsed(self) -> tuple[str, bool]:
+        """Why the claim lapsed, and whether it was because the store could not be reached."""
         p = self.prefix
         if self._unreachable is not None:
-            self._lost_unreachable = True
             return (
                 f"the save to {p.path} could not reach the store to refresh its claim for more than half "
                 f"its lease ({p.lease:g} s; the last refresh failed: {self._unreachable}); past that "
                 "another save could take the prefix over, so this one stopped writing, deleted nothing "
                 "and was discarded: save again once the store answers (a longer lease_seconds rides "
                 "out longer outages)"
-            )
+            ), True
         return (
             f"the save to {p.path} could not refresh its claim for more than half its lease "
             f"({p.lease:g} s; this process or its refreshes were stalled); another save may have taken "
             "the prefix over, so this one stopped writing and was discarded"
-        )
+        ), False
