@@ -14,6 +14,12 @@ settings.register_profile("ci", max_examples=60, deadline=None, suppress_health_
 settings.register_profile("dev", max_examples=30, deadline=None)
 settings.load_profile("ci")
 
+# The MPI jobs of the tests share two cores with each other and with the other test workers.
+# MPICH's blocking calls poll without pause while they wait (three ranks waiting 3 s in a barrier
+# for a fourth burn 6 s of CPU); with heavy yield they sleep between polls (1 s), leaving the cores
+# to the ranks and tests that work. Every job the tests start inherits it.
+os.environ.setdefault("MPIR_CVAR_ENABLE_HEAVY_YIELD", "1")
+
 
 def _register_dtypes_where_zarr_ignores_entry_points() -> None:
     """Give zarr 3.1 the ml_dtypes data types, as an installed gpuckpt gives them to zarr >= 3.4.
