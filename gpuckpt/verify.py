@@ -184,7 +184,8 @@ def _check_chunk(
     # the size first: a claim the file cannot back is damage, never an allocation
     size = reader.chunk_nbytes(t.name, c.key)
     if size is None:
-        return Damage(where, "missing", t.fqn)
+        absence = reader.chunk_absence(t.name, c.key)
+        return Damage(where, "missing" if absence == "missing" else f"unreadable: it {absence}", t.fqn)
     if size != c.nbytes:
         return Damage(where, f"is {size} bytes, expected {c.nbytes} (truncated or overwritten)", t.fqn)
     try:

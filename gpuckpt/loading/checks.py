@@ -197,7 +197,7 @@ def checking_chunk_files(
     def check() -> None:
         sizes = reader.chunk_sizes(names, keys) if pending is None else pending.result()
         if sizes != expected:  # compared as whole lists, not chunk by chunk
-            _raise_first_mismatch(entries, sizes)
+            _raise_first_mismatch(reader, entries, sizes)
 
     try:
         yield check
@@ -206,14 +206,18 @@ def checking_chunk_files(
             concurrent.futures.wait([pending])
 
 
-def _raise_first_mismatch(entries: list[TensorEntry], sizes: list[int | None]) -> None:
+def _raise_first_mismatch(
+    reader: CheckpointReader, entries: list[TensorEntry], sizes: list[int | None]
+) -> None:
     """Raise the error of the first chunk of ``entries`` whose file size is not its record's."""
     chunks = [(t, c) for t in entries for c in t.chunks]
     for (t, c), size in zip(chunks, sizes, strict=True):
         if size != c.nbytes:
             if size is None:
+                absence = reader.chunk_absence(t.name, c.key)
+                what = "is missing" if absence == "missing" else f"cannot be read: its file {absence}"
                 raise MissingChunkError(
-                    f"chunk {c.key} of tensor {t.fqn!r} is missing (expected file {t.name}/{c.key}); "
+                    f"chunk {c.key} of tensor {t.fqn!r} {what} (expected file {t.name}/{c.key}); "
                     "the checkpoint is damaged: restore it from a copy or use an earlier checkpoint"
                 )
             raise CheckpointCorruptedError(

@@ -171,7 +171,8 @@ class StepRoot:
         interrupted deletions left among the children that are not committed (only claims whose
         holder is gone). What was found committed is remembered: cleanup never touches a
         committed checkpoint; the rest is probed again at the first listing (cleanup may have
-        removed it, or put a set-aside copy back)."""
+        removed it, or put a set-aside copy back). A root inside a checkpoint is refused first."""
+        self.store.refuse_inside_a_checkpoint()
         names = self.store.children()
         found = self.probe([n for n in names if step_of(n) is not None])
         self.store.cleanup([n for n in names if not found.get(n, False)])

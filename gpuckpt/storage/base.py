@@ -403,6 +403,12 @@ class CheckpointReader(ABC):
     def chunk_nbytes(self, name: str, key: str) -> int | None:
         """Size of a stored chunk, or None when it is missing."""
 
+    def chunk_absence(self, name: str, key: str) -> str:
+        """What stands where chunk ``key`` of array ``name`` should be, for a chunk that
+        :meth:`chunk_nbytes` found absent: "missing", or, where the store can say, what is
+        there instead ("is a socket, not a regular file"). Reports and errors use it."""
+        return "missing"
+
     def chunk_sizes(self, names: Sequence[str], keys: Sequence[str]) -> list[int | None]:
         """:meth:`chunk_nbytes` of many chunks (chunk ``keys[i]`` of array ``names[i]``); back
         ends override it where one call for all of them is cheaper."""
@@ -569,6 +575,11 @@ class CheckpointRoot(ABC):
         Each one disappears at once (it stops being committed before any of its other
         data goes); an interrupted deletion leaves what :meth:`cleanup` removes.
         """
+
+    def refuse_inside_a_checkpoint(self) -> None:  # noqa: B027 - optional hook, not abstract
+        """Raise :class:`~gpuckpt.errors.InvalidPathError` when the root lies inside a published
+        checkpoint (deleting that checkpoint would delete every step here); called once, when
+        the root is opened. The default does nothing: a caller checks local paths itself."""
 
     def foreign_entries(self, name: str) -> list[str]:
         """Names under the child ``name`` that are not a gpuckpt checkpoint's (another program's

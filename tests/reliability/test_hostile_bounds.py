@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -162,15 +163,35 @@ def test_chunk_replaced_after_its_size_check_is_never_opened_blocking(ckpt: Path
             reader.read_chunk_checksum("nested.b", "c.0", size, 4096)
 
 
-def test_fifo_chunk_is_a_typed_error_in_every_reader(ckpt: Path) -> None:
+@pytest.mark.parametrize(
+    ("kind", "what"), [("fifo", "a FIFO"), ("socket", "a socket"), ("directory", "a directory")]
+)
+def test_fifo_chunk_is_a_typed_error_in_every_reader(ckpt: Path, kind: str, what: str) -> None:
     chunk = ckpt / "nested.b" / "c.0"
     chunk.unlink()
-    os.mkfifo(chunk)
+    if kind == "fifo":
+        os.mkfifo(chunk)
+    elif kind == "directory":
+        chunk.mkdir()
+    else:
+        listener = socket.socket(socket.AF_UNIX)
+        listener.bind(str(chunk))
+        listener.close()  # (the socket file stays)
     with time_limit(10):
-        with pytest.raises(gpuckpt.MissingChunkError, match="nested.b"):
+        # the error and the report say what is there, not that the chunk is missing
+        with pytest.raises(gpuckpt.MissingChunkError, match=rf"nested.b.*is {what}, not a regular file"):
             gpuckpt.load_state_dict(ckpt, keys=["nested.b"])
         report = verify_checkpoint(ckpt)
-    assert [d.where for d in report.damage] == ["nested.b/c.0"]
+    assert [(d.where, d.problem) for d in report.damage] == [
+        ("nested.b/c.0", f"unreadable: it is {what}, not a regular file")
+    ]
+
+
+def test_a_missing_chunk_is_still_called_missing(ckpt: Path) -> None:
+    (ckpt / "nested.b" / "c.0").unlink()
+    with pytest.raises(gpuckpt.MissingChunkError, match=r"chunk c.0 of tensor 'nested.b' is missing"):
+        gpuckpt.load_state_dict(ckpt, keys=["nested.b"])
+    assert [(d.where, d.problem) for d in verify_checkpoint(ckpt).damage] == [("nested.b/c.0", "missing")]
 
 
 # 7. a huge claim over tiny files: listed as damaged, nothing allocated -------------------------

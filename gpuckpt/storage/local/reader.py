@@ -260,6 +260,16 @@ class LocalReader(CheckpointReader):
         st = self._lstat_chunk(name, key)
         return None if st is None else st.st_size
 
+    def chunk_absence(self, name: str, key: str) -> str:
+        path = f"{self._array_dir(name)}/{key}"
+        try:
+            st = os.lstat(path)
+        except (FileNotFoundError, NotADirectoryError):
+            return "missing"
+        if stat.S_ISREG(st.st_mode):  # (put there since it was found absent)
+            return "missing"
+        return str(NotRegularFileError(path, st.st_mode).strerror)
+
     def chunk_sizes(self, names: Sequence[str], keys: Sequence[str]) -> list[int | None]:
         """One native call for all of them (:mod:`gpuckpt.storage.local.batchio`) where the library
         is available: the checks before a load of many small tensors were one ``lstat``

@@ -10,11 +10,17 @@ from collections.abc import Iterator
 from numbers import Real
 from typing import Any
 
-from gpuckpt.errors import InvalidOptionError, StoreError
+from gpuckpt.errors import InvalidOptionError, InvalidPathError, StoreError
 from gpuckpt.format.documents import ROOT_DOCUMENT_PREFIX, ROOT_KEY, is_chunk_file_key, too_large
 from gpuckpt.format.names import is_safe_name
 from gpuckpt.format.records import is_column_array_name
-from gpuckpt.storage.s3.client import RequestBudget, first_line, obstore_for, pop_transfer_options
+from gpuckpt.storage.s3.client import (
+    RequestBudget,
+    first_line,
+    obstore_for,
+    parse_s3_url,
+    pop_transfer_options,
+)
 
 __all__ = [
     "CLAIM_KEY",
@@ -117,6 +123,25 @@ class Prefix:
             retry_config=self._obs.retry_config,
             credential_provider=self._obs.credential_provider,
         )
+
+    def refuse_inside_a_checkpoint(self) -> None:
+        """Refuse this prefix when it lies inside a published checkpoint, at any depth (as a
+        local path is refused): deleting that checkpoint (a manager's retention) deletes every
+        object under its prefix, this one's too. One ranged GET per enclosing prefix (one for a
+        manager's step), before anything is written; for a save, and for a manager's root when
+        it is opened."""
+        _, prefix = parse_s3_url(self.path)
+        segments = prefix.split("/")
+        store = self._bucket_store()
+        for depth in range(len(segments) - 1, 0, -1):
+            outer = "/".join(segments[:depth])
+            if holds_checkpoint(store, f"{outer}/{ROOT_KEY}"):
+                outer_url = self.path[: len(self.path) - len(prefix)] + outer
+                raise InvalidPathError(
+                    f"{self.path} is inside the gpuckpt checkpoint {outer_url}: deleting that checkpoint "
+                    "(a manager's retention, a removal) would delete what is saved here too; nothing was "
+                    "written. Save beside it instead (a sibling prefix)"
+                )
 
     def _put(self, rel: str, data: Any, mode: Any) -> str | None:
         """Put with ``mode`` ("create" or {"e_tag": ...}); plain put when conditional writes are off."""

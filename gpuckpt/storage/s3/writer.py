@@ -85,7 +85,6 @@ from typing import Any
 from gpuckpt.errors import (
     CheckpointExistsError,
     CheckpointWriteError,
-    InvalidPathError,
     MetadataError,
 )
 from gpuckpt.format.checksum import CRC_BYTES
@@ -111,7 +110,6 @@ from gpuckpt.storage.s3.prefix import (
     CLAIM_KEY,
     CLOCK_PROBE_PREFIX,
     Prefix,
-    holds_checkpoint,
     is_checkpoint_object,
     object_key,
 )
@@ -236,7 +234,7 @@ class ObjectStoreWriter(Prefix, CheckpointWriter):
     # -- the CheckpointWriter protocol ------------------------------------
     def begin(self) -> None:
         with self._io("starting a save", CheckpointWriteError):
-            self._refuse_inside_a_checkpoint()
+            self.refuse_inside_a_checkpoint()
             self._refuse_published()
             took_over = self._claim.take()
             # refreshed from now on: deleting what an abandoned save left (one request per
@@ -250,24 +248,6 @@ class ObjectStoreWriter(Prefix, CheckpointWriter):
                 self._claim.stop_refresh()
                 self._fence.release_claim()
                 raise
-
-    def _refuse_inside_a_checkpoint(self) -> None:
-        """Refuse a prefix inside a published checkpoint, at any depth (as a local save does):
-        deleting that checkpoint (a manager's retention) deletes every object under its prefix,
-        this one's too. One ranged GET per enclosing prefix (one for a manager's step), before
-        anything is written."""
-        _, prefix = parse_s3_url(self.path)
-        segments = prefix.split("/")
-        store = self._bucket_store()
-        for depth in range(len(segments) - 1, 0, -1):
-            outer = "/".join(segments[:depth])
-            if holds_checkpoint(store, f"{outer}/{ROOT_KEY}"):
-                outer_url = self.path[: len(self.path) - len(prefix)] + outer
-                raise InvalidPathError(
-                    f"{self.path} is inside the gpuckpt checkpoint {outer_url}: deleting that checkpoint "
-                    "(a manager's retention, a removal) would delete what is saved here too; nothing was "
-                    "written. Save beside it instead (a sibling prefix)"
-                )
 
     def _delete_leftovers(self, took_over: bool) -> None:
         """Delete what the abandoned save whose claim we took over left; refuse anything else.
