@@ -261,10 +261,10 @@ class LocalReader(CheckpointReader):
         return None if st is None else st.st_size
 
     def chunk_absence(self, name: str, key: str) -> str:
-        path = f"{self._array_dir(name)}/{key}"
         try:
+            path = f"{self._array_dir(name)}/{key}"
             st = os.lstat(path)
-        except (FileNotFoundError, NotADirectoryError):
+        except (FileNotFoundError, NotADirectoryError):  # (the array's directory too)
             return "missing"
         if stat.S_ISREG(st.st_mode):  # (put there since it was found absent)
             return "missing"
