@@ -130,17 +130,12 @@ def choose(
 
 
 def tier_retention(steps: Iterable[int], keep: int, newest: int, pinned: Iterable[int] = ()) -> list[int]:
-    """The steps a tier deletes once ``newest`` is written, to hold at most ``keep`` steps up to
-    it: the oldest, never a pinned one, never one after ``newest`` (parts of later steps may be
-    committed before this step's replication ends: they are the next steps' to count)."""
-    ordered = sorted(s for s in set(steps) if s <= newest)
-    held = set(pinned)
-    excess = len(ordered) - keep
-    out = []
-    for s in ordered:
-        if excess <= 0:
-            break
-        if s not in held:
-            out.append(s)
-            excess -= 1
-    return out
+    """The steps a tier deletes once ``newest`` is written, to hold ``keep`` steps up to it
+    besides the pinned ones (being drained: held in addition, never deleted, never counted, so
+    that a drain slower than the steps does not take the place of the newest complete step);
+    never one after ``newest`` (parts of later steps may be committed before this step's
+    replication ends: they are the next steps' to count). ``newest`` counts, pinned or not."""
+    held = set(pinned) - {newest}
+    counted = sorted(s for s in set(steps) if s <= newest and s not in held)
+    excess = len(counted) - keep
+    return [s for s in counted if s != newest][: max(0, excess)]

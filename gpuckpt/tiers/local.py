@@ -313,7 +313,8 @@ class LocalTier(PartExchange):
 
     def check_budget(self, nbytes: int, error: BaseException | None = None) -> None:
         """Collective: refuse, on every rank and before anything is written, part sizes the
-        nodes' tiers cannot hold ``keep`` steps of, replicas included (at the first save); a
+        nodes' tiers cannot hold ``keep`` steps of, plus one being drained, replicas included
+        (at the first save); a
         rank's ``error`` (its state could not be described) raised on every rank instead."""
         sizes = self.queries.all_gather(
             (nbytes, self._free_bytes(), None if error is None else describe_error(error))
@@ -326,12 +327,14 @@ class LocalTier(PartExchange):
         problems = []
         for ranks in nodes_of(self.node_names):
             held = [r for r in range(self.world_size) if r not in ranks and self._holds(ranks, r)]
-            need = self.keep * (sum(sizes[r][0] for r in ranks) + sum(sizes[r][0] for r in held))
+            # the steps kept, and the one a drain may hold beside them (see tier_retention)
+            need = (self.keep + 1) * (sum(sizes[r][0] for r in ranks) + sum(sizes[r][0] for r in held))
             free = sizes[ranks[0]][1]
             if need > free:
                 problems.append(
-                    f"node {self.node_names[ranks[0]]!r} needs {need:,} bytes (local_max_to_keep={self.keep} "
-                    f"x {len(ranks)} parts + {len(held)} replicas) and has {free:,} free"
+                    f"node {self.node_names[ranks[0]]!r} needs {need:,} bytes "
+                    f"((local_max_to_keep={self.keep} + 1 being drained) x ({len(ranks)} parts + "
+                    f"{len(held)} replicas)) and has {free:,} free"
                 )
         if problems:
             raise TierBudgetError(

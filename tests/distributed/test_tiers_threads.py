@@ -975,3 +975,46 @@ else:
     assert "ERROR" in out.stdout and "NO ERROR" not in out.stdout, (out.stdout, out.stderr[-2000:])
     assert "too many open files" in out.stdout and "ulimit -n" in out.stdout, out.stdout
     assert "this process may have 512 open" in out.stdout, out.stdout
+
+
+def test_a_step_being_drained_never_takes_the_place_of_the_newest_complete_step(
+    tiers: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A drain slower than the steps (step 3's, held here while steps 4 and 5 are saved) keeps its
+    step in the tier besides the newest ``local_max_to_keep``: while step 5 was written, step 4
+    (complete on every rank) had given its files to it, leaving the drained step 3 as the newest
+    complete one; a crash then lost two steps of work, not one."""
+    from gpuckpt.tiers.local import LocalTier
+
+    release = threading.Event()
+    read_part = LocalTier.read_part
+
+    def slow_read_part(self: LocalTier, step: int) -> Any:
+        if step == 3:
+            release.wait(60)
+        return read_part(self, step)
+
+    monkeypatch.setattr(LocalTier, "read_part", slow_read_part)
+
+    def train(c: Any) -> list[str]:
+        mgr = tiers.manager(c, tmp_path, local_max_to_keep=2, persist_interval_steps=3)
+        try:
+            for step in range(1, 6):
+                mgr.save(step, tiers.state(step, c.rank, c.world_size))
+            mgr._tiered.tier.wait_all()  # step 5's tier work over everywhere; step 3 still draining
+            c.barrier()
+            node = tmp_path / f"n{c.rank // 2}"
+            held = sorted(p.name for p in node.iterdir() if p.name.startswith("step_"))
+            c.barrier()
+        finally:
+            release.set()
+        mgr.close()
+        return held
+
+    got = run_ranks(4, train, timeout=120)
+    for node in (0, 1):
+        # own parts and the other node's replicas: the drained step, then the newest two
+        assert got[2 * node] == sorted(part_name(s, r) for s in (3, 4, 5) for r in range(4)), got[2 * node]
+    shutil.rmtree(tmp_path / "n1")  # a replaced node
+    restored = _restored(tiers, tmp_path)
+    assert all(r["step"] == 5 and r["exact"] for r in restored), restored

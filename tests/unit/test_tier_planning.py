@@ -105,7 +105,11 @@ def test_a_step_complete_under_two_saves_is_never_taken() -> None:
 
 def test_retention_keeps_the_newest_and_the_pinned_and_never_a_later_step() -> None:
     assert tier_retention([1, 2, 3, 4], 2, 4) == [1, 2]
-    assert tier_retention([1, 2, 3, 4], 2, 4, pinned=[2]) == [1, 3]
+    # a step being drained is held besides the newest ones, not in the place of one of them
+    assert tier_retention([1, 2, 3, 4], 2, 4, pinned=[2]) == [1]
+    assert tier_retention([2, 8, 9], 2, 10, pinned=[2, 10]) == []  # (10 about to be written)
+    assert tier_retention([2, 8, 9, 10], 2, 10, pinned=[2, 10]) == [8]
+    assert tier_retention([1, 2, 3, 4], 1, 4, pinned=[4]) == [1, 2, 3]
     assert tier_retention([1, 2, 3, 4, 5, 6], 2, 3) == [1]  # 4..6 were written after 3: not counted
 
 
