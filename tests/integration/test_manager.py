@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import signal
@@ -265,3 +266,16 @@ def test_retention_model(steps: list[int], max_to_keep: int | None, keep_period:
             assert mgr.all_steps() == kept
             assert mgr.latest_step() == s
         assert len(os.listdir(d)) == len(kept)
+
+
+def test_a_root_that_can_no_longer_be_listed_is_a_store_error_that_names_it(tmp_path: Path) -> None:
+    # a share that went away, or its path replaced by a file: the error says the manager was
+    # listing its root, and what to do (it was a bare NotADirectoryError)
+    root = tmp_path / "root"
+    with gpuckpt.CheckpointManager(root, async_save=False) as mgr:
+        mgr.save(1, {"w": np.arange(4.0)})
+        root.rename(tmp_path / "away")
+        root.write_text("not a directory")
+        with pytest.raises(gpuckpt.StoreError, match=f"cannot list the checkpoint root {root} ") as info:
+            mgr.save(2, {"w": np.arange(4.0)})
+        assert info.value.errno == errno.ENOTDIR and "make it a readable directory again" in str(info.value)

@@ -8,11 +8,13 @@ such half-deleted directories and the temporaries of dead saves
 
 from __future__ import annotations
 
+import errno
 import os
 import secrets
 from collections.abc import Sequence
 from pathlib import Path
 
+from gpuckpt.errors import StoreError
 from gpuckpt.storage.base import CheckpointRoot
 from gpuckpt.storage.local import fsutil, leftovers, shared_dir
 
@@ -38,6 +40,13 @@ class LocalRoot(CheckpointRoot):
             entries = sorted(os.scandir(self.path), key=lambda e: e.name)
         except FileNotFoundError:
             return []
+        except OSError as exc:  # a file in its place, a lost mount, permissions: say what was listed
+            raise StoreError(
+                exc.errno or errno.EIO,
+                f"cannot list the checkpoint root {self.path} ({exc.strerror or exc}): a manager lists "
+                "it to find its steps; make it a readable directory again (a share that went away, a "
+                "path replaced by a file), or open the manager on another root",
+            ) from exc
         return [e.name for e in entries if not e.name.startswith(".") and e.is_dir(follow_symlinks=False)]
 
     def is_committed(self, name: str) -> bool:
