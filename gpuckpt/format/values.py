@@ -240,7 +240,7 @@ def decode_object(data: Any, *, allow_pickle: bool = False, fqn: str = "") -> An
                 if not allow_pickle:
                     raise UnsafeCheckpointError(
                         f"entry {fqn!r} is a pickle; loading it could run arbitrary code. Pass "
-                        "allow_pickle=True only if you trust the checkpoint's origin"
+                        "allow_pickle=True (--allow-pickle) only if you trust the checkpoint's origin"
                     )
                 return pickle.loads(base64.b64decode(body, validate=True))
         except MetadataError:

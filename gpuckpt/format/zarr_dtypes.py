@@ -574,8 +574,9 @@ def register_zarr_dtypes() -> None:
 
     Afterwards ``zarr.create_array(..., dtype=ml_dtypes.bfloat16)`` picks
     :class:`BFloat16`, and arrays whose metadata names one of these types
-    open. Calling it again does nothing; an installed gpuckpt also registers
-    them through its ``zarr.data_type`` entry points.
+    open. Calling it again does nothing. An installed gpuckpt also registers
+    them through its ``zarr.data_type`` entry points, which zarr-python 3.4 and
+    later load; zarr-python 3.1 (Python 3.11) does not, so call this there.
     """
     for name, cls in ZARR_DTYPE_CLASSES.items():
         # The registry keys classes by name, so registering again replaces

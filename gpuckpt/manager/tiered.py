@@ -269,10 +269,12 @@ class TieredSaves:
             return choice.step, report
         unused = _unused_steps(choice.other_layout, choice.step)
         if choice.source == "none":
-            where = f"step {step}" if step is not None else "any step"
-            raise CheckpointNotFoundError(
-                f"{where}: no step is complete in the local tiers nor committed under {self.root}{unused}"
-            )
+            if step is None:
+                what = "no step is complete"
+                fix = unused or "; save one first"
+            else:
+                what, fix = f"step {step} is neither complete", unused
+            raise CheckpointNotFoundError(f"{what} in the local tiers nor committed under {self.root}{fix}")
         assert choice.step is not None
         name = resolve(choice.step)
         options.setdefault("storage_options", self.options.store_options() or None)

@@ -211,11 +211,28 @@ def path_text(path: Any) -> str:
 
 
 def scheme_of(path: str | os.PathLike[str]) -> str:
-    """``"file"`` for paths, else the URL scheme (``"s3"``)."""
+    """``"file"`` for paths, else the URL scheme (``"s3"``).
+
+    A path whose first component is a known scheme and a colon (``s3:/bucket/x``) is an
+    :class:`~gpuckpt.errors.InvalidPathError`: it is a URL with a slash missing far more often
+    than a local directory named ``s3:``, which an absolute path names.
+    """
     text = path_text(path)
     if "://" in text:
         scheme = text.split("://", 1)[0].lower()
         return scheme
+    first, _, rest = text.partition("/")
+    if first.endswith(":") and first[:-1].lower() in BACKENDS:
+        scheme = first[:-1]
+        if scheme.lower() == "file":
+            fixed = f"{scheme}:///{rest.lstrip('/') or 'PATH'}"
+        else:
+            fixed = f"{scheme}://{rest.lstrip('/') or 'BUCKET/PREFIX'}"
+        raise InvalidPathError(
+            f"checkpoint path {text!r} looks like a URL with a slash missing (it would be a local "
+            f"directory named {first!r}): write {fixed!r}, or the absolute path {os.path.abspath(text)!r} to "
+            "mean that local directory"
+        )
     return "file"
 
 

@@ -443,3 +443,26 @@ def test_output_that_cannot_be_written_is_not_told_as_a_failed_conversion(tmp_pa
     assert (
         load_file(out)["layer.weight"].tobytes() == gpuckpt.load_state_dict(ckpt)["layer"]["weight"].tobytes()
     )
+
+
+def test_convert_of_a_pickled_value_names_the_flag_that_allows_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import fractions
+
+    src = tmp_path / "pk"
+    gpuckpt.save({"f": fractions.Fraction(1, 3), "w": np.ones(2)}, src, allow_pickle=True, sync="none")
+    for dst in ("pk.safetensors", "pk_copy"):
+        assert main(["convert", "-q", str(src), str(tmp_path / dst)]) == 1
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "entry 'f' is a pickle" in err and "--allow-pickle" in err, err
+        assert not (tmp_path / dst).exists()
+    assert main(["convert", "-q", "--allow-pickle", str(src), str(tmp_path / "pk.safetensors")]) == 0
+    # a safetensors source holding the pickled value is refused the same way
+    assert main(["convert", "-q", str(tmp_path / "pk.safetensors"), str(tmp_path / "back")]) == 1
+    assert "--allow-pickle" in capsys.readouterr().err
+    assert (
+        main(["convert", "-q", "--allow-pickle", str(tmp_path / "pk.safetensors"), str(tmp_path / "back")])
+        == 0
+    )
+    assert gpuckpt.load_state_dict(tmp_path / "back", allow_pickle=True)["f"] == fractions.Fraction(1, 3)

@@ -227,3 +227,20 @@ def test_a_key_that_is_not_utf8_reaches_the_root_through_the_drain(tmp_path: Pat
     target = {key: np.zeros(3)}
     assert got.all_steps() == [2] and got.restore(target) == 2 and target[key].tolist() == [2.0] * 3
     got.close()
+
+
+def test_a_restore_with_nothing_saved_says_so_as_a_manager_without_a_tier_does(tmp_path: Path) -> None:
+    mgr = _manager(tmp_path)
+    with pytest.raises(gpuckpt.CheckpointNotFoundError) as info:
+        mgr.restore({"w": np.zeros(4)})
+    assert str(info.value) == (
+        f"no step is complete in the local tiers nor committed under {tmp_path / 'root'}; save one first"
+    )
+    mgr.save(2, {"w": np.ones(4)})
+    mgr.wait()
+    with pytest.raises(gpuckpt.CheckpointNotFoundError) as info:
+        mgr.restore({"w": np.zeros(4)}, step=7)
+    assert str(info.value).startswith("step 7 is neither complete in the local tiers nor committed under "), (
+        info
+    )
+    mgr.close()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,11 @@ BAD_PATHS: list[tuple[Any, str]] = [
     ("", "is empty"),
     ("file://", "is empty"),
     ("gs://bucket/run", "no storage back end for gs://"),
+    # a URL with a slash missing would be a local directory named "s3:"
+    ("s3:/bucket/run", r"looks like a URL with a slash missing .*: write 's3://bucket/run'"),
+    ("S3:/bucket/run", r"looks like a URL with a slash missing .*: write 'S3://bucket/run'"),
+    ("s3:", r"looks like a URL with a slash missing .*: write 's3://BUCKET/PREFIX'"),
+    ("file:/ckpt/run", r"looks like a URL with a slash missing .*: write 'file:///ckpt/run'"),
 ]
 
 
@@ -75,11 +81,29 @@ def test_swapped_load_arguments_name_the_order(tmp_path: Path, earlier: Path) ->
     np.testing.assert_array_equal(sd["w"], np.zeros(4))
 
 
-@pytest.mark.parametrize("root", [None, 3, b"runs", "", "gs://bucket/runs"])
+@pytest.mark.parametrize("root", [None, 3, b"runs", "", "gs://bucket/runs", "s3:/bucket/runs"])
 def test_manager_refuses_a_bad_root_at_construction(tmp_path: Path, earlier: Path, root: Any) -> None:
     with pytest.raises(InvalidPathError):
         CheckpointManager(root)
     _unchanged(tmp_path, earlier)
+
+
+def test_a_local_directory_named_like_a_scheme_is_written_as_an_absolute_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    local = tmp_path / "s3:" / "bucket" / "run"
+    with pytest.raises(
+        InvalidPathError, match=re.escape(f"or the absolute path '{local}' to mean that local directory")
+    ):
+        gpuckpt.save({"w": np.ones(2)}, Path("s3:/bucket/run"))
+    assert os.listdir(tmp_path) == []
+    gpuckpt.save({"w": np.ones(2)}, local)
+    np.testing.assert_array_equal(gpuckpt.load_state_dict(local)["w"], np.ones(2))
+    assert verify_checkpoint(local).ok
+    # a path written relative with ./ reaches save and load as written
+    gpuckpt.save({"w": np.ones(2)}, "./s3:/bucket/run", overwrite=True)
+    np.testing.assert_array_equal(gpuckpt.load_state_dict("./s3:/bucket/run")["w"], np.ones(2))
 
 
 # names that are legal but long, and errors whose remedy depends on what failed -------------------
