@@ -146,6 +146,12 @@ class Coordinator(ABC):
     """
 
     @property
+    def out_of_step(self) -> str | None:
+        """Why this coordinator takes part in no further collective (an interrupt left one
+        unfinished on this rank: its ranks are out of step), or None. Not a collective."""
+        return None
+
+    @property
     @abstractmethod
     def rank(self) -> int:
         """This process's rank in the group, ``0 <= rank < world_size``."""

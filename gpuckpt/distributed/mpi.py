@@ -12,10 +12,20 @@ waits for, so there every wait tests its requests (or probes for the messages) w
 sleeps in between (with single-copy transfers, the receiver copies a whole message in one
 test): the collectives of objects become two non-blocking collectives of bytes (the pickles'
 sizes, then the pickles: :class:`_IdleObjects`), the barrier an ``Ibarrier``.
+
+A collective of those two steps must not be left half done: Ctrl-C (``SIGINT``) arriving
+between them left this rank's first step pending while its next collective began, so that
+the ranks paired the wrong messages (a hang, an abort inside MPICH, or one collective's
+pickle read as another's). In the main thread, ``SIGINT`` is therefore held while such a
+collective runs, and its handler runs (``KeyboardInterrupt``) once the collective is over;
+if the other ranks do not finish it within :data:`INTERRUPT_GRACE_S` of the interrupt, the
+interrupt is raised anyway and the coordinator refuses every later collective
+(:class:`CoordinatorError`): its ranks are out of step, and the job has to end.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import pickle
 import time
@@ -30,6 +40,7 @@ from gpuckpt.distributed.coordinator import (
     MissingDependencyError,
     check_error_argument,
 )
+from gpuckpt.runtime.interrupts import held_interrupts, interrupt_held_for
 
 __all__ = ["MPICoordinator"]
 
@@ -43,6 +54,46 @@ IDLE_POLL_MAX_S = 0.002
 IDLE_POLL_MIN_S = 50e-6
 #: a sleep is at most this fraction of the time waited since the last progress
 IDLE_POLL_FRACTION = 0.02
+
+
+#: how long a collective that Ctrl-C came into goes on waiting for the other ranks (see the
+#: module docstring)
+INTERRUPT_GRACE_S = 5.0
+
+
+class _Stranded(Exception):
+    """The other ranks did not finish a collective within the grace after an interrupt."""
+
+
+def _stranded_after_interrupt() -> bool:
+    """Whether an interrupt held while the running collective waits came more than the grace ago."""
+    held = interrupt_held_for()
+    return held is not None and held > INTERRUPT_GRACE_S
+
+
+def _whole(method: Callable[..., Any]) -> Callable[..., Any]:
+    """A collective of :class:`MPICoordinator` that is never left half done (see the module
+    docstring): where its waits are idle (two steps, a wait Python can interrupt) and in the
+    main thread, ``SIGINT`` is held until it is over."""
+
+    @functools.wraps(method)
+    def run(self: MPICoordinator, *args: Any, **kwargs: Any) -> Any:
+        if self._stranded is not None:
+            raise CoordinatorError(self._stranded)
+        if self._idle is None:
+            return method(self, *args, **kwargs)
+        with held_interrupts():
+            try:
+                return method(self, *args, **kwargs)
+            except _Stranded:
+                self._stranded = (
+                    f"rank {self._rank} was interrupted (Ctrl-C) in a collective that the other ranks "
+                    f"did not finish within {INTERRUPT_GRACE_S:g} s: the job's ranks are out of step, and "
+                    "this coordinator takes part in no further collective; end the job and start it again"
+                )
+                raise KeyboardInterrupt from None
+
+    return run
 
 
 #: the launchers' variables that give the number of ranks on this rank's node (MPICH's Hydra,
@@ -97,6 +148,8 @@ def _poll_idle(pending: list[Any], finish: Callable[[list[Any]], list[Any]]) -> 
         else:
             time.sleep(min(IDLE_POLL_MAX_S, max(IDLE_POLL_MIN_S, IDLE_POLL_FRACTION * (now - since))))
         pending = left
+        if pending and _stranded_after_interrupt():
+            raise _Stranded
 
 
 def _wait_idle(requests: Sequence[Any]) -> None:
@@ -254,6 +307,8 @@ class MPICoordinator(Coordinator):
         self._size = int(self._comm.Get_size())
         #: the collectives' idle waits, where the node's ranks share cores (else None: MPI's own)
         self._idle = _IdleObjects(self._comm) if shares_cores() else None
+        #: why this coordinator refuses collectives (an interrupt left one unfinished), or None
+        self._stranded: str | None = None
 
     @property
     def _waits_idle(self) -> bool:
@@ -262,6 +317,10 @@ class MPICoordinator(Coordinator):
     @_waits_idle.setter
     def _waits_idle(self, idle: bool) -> None:  # (tests run both kinds of waits in one job)
         self._idle = _IdleObjects(self._comm) if idle else None
+
+    @property
+    def out_of_step(self) -> str | None:
+        return self._stranded
 
     @property
     def comm(self) -> Any:
@@ -276,6 +335,7 @@ class MPICoordinator(Coordinator):
     def world_size(self) -> int:
         return self._size
 
+    @_whole
     def gather(self, obj: Any, root: int = 0) -> list[Any] | None:
         self._check_root(root)
         if self._idle is not None:
@@ -283,6 +343,7 @@ class MPICoordinator(Coordinator):
         out = self._comm.gather(obj, root=root)
         return list(out) if self._rank == root else None
 
+    @_whole
     def scatter(self, objs: list[Any] | None, root: int = 0) -> Any:
         self._check_root(root)
         payload = self._scatter_payload(objs) if self._rank == root else None
@@ -290,17 +351,20 @@ class MPICoordinator(Coordinator):
             return self._scatter_result(self._idle.scatter(payload, root))
         return self._scatter_result(self._comm.scatter(payload, root=root))
 
+    @_whole
     def broadcast(self, obj: Any, root: int = 0) -> Any:
         self._check_root(root)
         if self._idle is not None:
             return self._idle.broadcast(obj if self._rank == root else None, root)
         return self._comm.bcast(obj if self._rank == root else None, root=root)
 
+    @_whole
     def all_gather(self, obj: Any) -> list[Any]:
         if self._idle is not None:
             return self._idle.all_gather(obj)
         return list(self._comm.allgather(obj))
 
+    @_whole
     def all_reduce_xor(self, values: np.ndarray) -> np.ndarray:
         from mpi4py import MPI
 
@@ -312,12 +376,14 @@ class MPICoordinator(Coordinator):
             self.comm.Allreduce(send, out, op=MPI.BXOR)
         return out
 
+    @_whole
     def barrier(self) -> None:
         if self._idle is not None:
             _wait_idle([self._comm.Ibarrier()])
         else:
             self._comm.Barrier()
 
+    @_whole
     def all_reduce_errors(self, error: BaseException | None) -> None:
         """See :meth:`Coordinator.all_reduce_errors`. Where the node's ranks share cores
         (:func:`shares_cores`): first a non-blocking sum of the ranks' failure flags, tested with
@@ -336,6 +402,7 @@ class MPICoordinator(Coordinator):
         if failed[0]:
             super().all_reduce_errors(error)
 
+    @_whole
     def idle_barrier(self) -> None:
         """``comm.Ibarrier()`` tested with sleeps in between (growing to
         :data:`IDLE_POLL_MAX_S`): MPICH's blocking waits spin, and a rank that

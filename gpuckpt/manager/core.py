@@ -35,6 +35,7 @@ neither mixes its messages with the caller's use of ``coordinator``.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
@@ -530,14 +531,40 @@ class CheckpointManager:
         self._settle()
 
     def close(self) -> None:
-        """Wait for the save in flight (raising its error) and refuse further saves."""
+        """Wait for the save in flight (raising its error) and refuse further saves.
+
+        Called while an interrupt (Ctrl-C, ``SystemExit``) is being handled, in a distributed
+        job, or once the ranks were found out of step (in different calls of the manager, or a
+        collective left unfinished at an interrupt): the ranks may be in other calls by then, so
+        this rank takes part in no collective (as when a ``with`` block ends in an exception):
+        it waits for its own background work only, and raises its error."""
         if self._closed:
+            return
+        handled = sys.exc_info()[1]
+        interrupted = handled is not None and not isinstance(handled, Exception)
+        if self._queries is not None and (interrupted or self._out_of_step()):
+            self._close_alone()
             return
         self._closed = True
         try:
             self._settle()
         finally:
             self._stop_threads()
+
+    def _out_of_step(self) -> bool:
+        """Whether the ranks can no longer meet in a collective: found in different calls of
+        the manager, or this rank's coordinator left a collective unfinished at an interrupt."""
+        tiered_off = self._tiered is not None and self._tiered.out_of_step is not None
+        return tiered_off or (self._queries is not None and self._queries.out_of_step is not None)
+
+    def _close_alone(self) -> None:
+        """Close without a collective: the other ranks may not be closing (see :meth:`close`)."""
+        self._closed = True
+        self._collect(block=True)
+        if self._tiered is not None:
+            self._tiered.wait()
+            self._stop_threads()
+        self._raise_error()
 
     def _stop_threads(self) -> None:
         """End the tier's and the drain's threads (their work is done or failed by now)."""
@@ -556,14 +583,8 @@ class CheckpointManager:
         try:
             if self._queries is None:
                 self.close()
-            else:
-                # the other ranks may not be leaving: no collective, only this rank's save waited for
-                self._closed = True
-                self._collect(block=True)
-                if self._tiered is not None:
-                    self._tiered.wait()
-                    self._stop_threads()
-                self._raise_error()
+            else:  # the other ranks may not be leaving: no collective, only this rank's save waited for
+                self._close_alone()
         except Exception as err:  # do not mask the exception that ends the block
             exc.add_note(f"also, a background checkpoint save failed: {err}")
 

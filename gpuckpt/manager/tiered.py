@@ -17,11 +17,12 @@ from collections.abc import Callable
 from typing import Any
 
 import gpuckpt.api as api
-from gpuckpt.distributed.coordinator import Coordinator, describe_error
+from gpuckpt.distributed.coordinator import Coordinator, CoordinatorError, describe_error, disagreement
 from gpuckpt.errors import CheckpointExistsError, CheckpointNotFoundError, DistributedError, StepOrderError
 from gpuckpt.format.metadata import STATE_DICT_TYPE
 from gpuckpt.manager.steps import StepRoot, different_steps, step_name
 from gpuckpt.options import SaveOptions
+from gpuckpt.runtime.interrupts import held_interrupts
 from gpuckpt.runtime.workers import Workers
 from gpuckpt.tiers import LocalTier, PartSource, RestoreReport, part_bytes, part_view
 
@@ -93,6 +94,8 @@ class TieredSaves:
         self._reported: set[tuple[str, int]] = set()
         #: the step last given to the tier
         self.last: int | None = None
+        #: why the ranks can no longer gather (they were found in different calls), or None
+        self.out_of_step: str | None = None
 
     # saving -------------------------------------------------------------------------
 
@@ -113,11 +116,12 @@ class TieredSaves:
             wait_drain=False,
             agreed=lambda: (self.steps.view(step), uuid.uuid4().hex),
             step=step,
+            call="save",
         )
         if not idle and persist:
             # the previous drain still runs somewhere: a persist step waits for it (the root
             # keeps up with the persist steps, or the saves slow down; none is skipped)
-            self.gather(wait_tier=False, wait_drain=True)
+            self.gather(wait_tier=False, wait_drain=True, call="save, waiting for the drain")
         existing = steps.get(step)
         if existing is not None or (self.last is not None and step == self.last):
             where = f"under {self.root}" if existing else "in the local tier"
@@ -146,34 +150,57 @@ class TieredSaves:
         wait_drain: bool = True,
         agreed: Callable[[], Any] | None = None,
         step: int | None = None,
+        call: str = "wait() or close()",
     ) -> tuple[bool, Any]:
         """Collective: every rank's failed background work (tier steps, drains) raised on every
         rank, once; a drain that ended on every rank joins the root (its retention applied).
         Waits for the tier's work and the drain first where asked. Returns whether no drain
         is running on any rank, and ``agreed()`` as run on rank 0 (see :meth:`StepRoot.agreed`),
-        which travels in the same collective (None without it)."""
+        which travels in the same collective (None without it).
+
+        ``call`` names the manager's call that gathers: ranks in different calls (after an
+        interrupt or an error that some ranks caught and others did not) are a
+        :class:`CoordinatorError` on every rank, before anything else of the report is used.
+        Ctrl-C is held from the collective until its reports are acted on (not in the waits
+        before it): see :mod:`gpuckpt.runtime.interrupts`."""
+        if self.out_of_step is not None:
+            raise CoordinatorError(self.out_of_step)
         if wait_tier:
             self.tier.wait_all()
         if wait_drain and self._drain is not None:
             self._drain[1].exception()
+        with held_interrupts():
+            return self._gathered(agreed, step, call)
+
+    def _gathered(self, agreed: Callable[[], Any] | None, step: int | None, call: str) -> tuple[bool, Any]:
+        """:meth:`gather` from its collective on."""
         failed: dict[tuple[str, int], BaseException] = {
             ("tier", s): e for s, e in self.tier.settled().items()
         }
         running = False
         if self._drain is not None:
-            step, fut = self._drain
+            drained, fut = self._drain
             if fut.done():
                 exc = fut.exception()
                 if exc is not None:
-                    failed[("drain", step)] = exc
+                    failed[("drain", drained)] = exc
             else:
                 running = True
         # what failed where: a collective's error names the ranks that failed it
         mine = {k: _failures(e, self.queries.rank) for k, e in failed.items() if k not in self._reported}
         outcome, error = self.steps.run_on_rank0(agreed) if agreed is not None else (None, None)
-        reports = self.queries.all_gather((mine, running, outcome, step))
+        reports = self.queries.all_gather((mine, running, outcome, step, call))
+        calls = disagreement([r[4] for r in reports], str)
+        if calls is not None:
+            # out of step for good: the next collective would pair with another call's
+            self.out_of_step = (
+                f"the ranks are in different calls of the manager ({calls}): every rank calls save, "
+                "wait, restore and close in the same order; after an interrupt (Ctrl-C) or an error "
+                "that some ranks caught and others did not, end the job and start it again"
+            )
+            raise CoordinatorError(self.out_of_step)
         failures: dict[int, str] = {}
-        for errs, _, _, _ in reports:
+        for errs, _, _, _, _ in reports:
             for (kind, s), by_rank in sorted(errs.items()):
                 self._reported.add((kind, s))
                 what = "writing the local tier" if kind == "tier" else "persisting"
@@ -181,15 +208,15 @@ class TieredSaves:
                     failures.setdefault(rank, f"{what} step {s}: {message}")
         idle = not any(r[1] for r in reports)
         if idle and self._drain is not None:
-            step, fut = self._drain
+            drained, fut = self._drain
             self._drain = None
-            self.tier.pinned.discard(step)
+            self.tier.pinned.discard(drained)
             ok = fut.exception() is None and fut.result()
 
             def joined() -> None:
                 if ok:  # committed at root: it counts for retention from now on
-                    self.steps.committed(step)
-                    self.steps.retire(step, self.steps.view(None))
+                    self.steps.committed(drained)
+                    self.steps.retire(drained, self.steps.view(None))
 
             self.steps.agreed(joined)
         if failures:

@@ -65,3 +65,21 @@ def test_importing_the_package_imports_no_mpi_or_torch() -> None:
         "assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_ctrl_c_in_an_idle_collective_waits_for_it_to_end_then_interrupts(run_mpi: Any) -> None:
+    # the collective's two steps both complete before KeyboardInterrupt: the next collective
+    # pairs the right messages (it had been a hang, an MPICH abort or another's pickle)
+    job = run_mpi(2, "interrupted.py", "held", timeout=60)
+    assert job.returncode == 0, job.output[-3000:]
+    r0, r1 = job.results[0], job.results[1]
+    assert "first" not in r0 and 0.6 < r0["interrupted_after_s"] < 4, r0  # rank 1 came 1 s in
+    assert r1["first"] == [["first", 0], ["first", 1]], r1
+    assert r0["second"] == r1["second"] == [["second", 0], ["second", 1]], (r0, r1)
+
+
+def test_ctrl_c_in_a_collective_the_others_never_finish_interrupts_at_the_grace(run_mpi: Any) -> None:
+    job = run_mpi(2, "interrupted.py", "stranded", timeout=60)
+    r0 = job.results[0]
+    assert 0.5 < r0["interrupted_after_s"] < 1.5, r0  # the grace, not rank 1's 2 s
+    assert "did not finish within 0.5 s" in r0["refused"] and "end the job" in r0["refused"], r0
