@@ -70,6 +70,10 @@ def held_interrupts() -> Iterator[None]:
 
 
 def interrupt_held_for() -> float | None:
-    """Seconds since an interrupt came that :func:`held_interrupts` holds, or None (none held)."""
+    """Seconds since an interrupt came that :func:`held_interrupts` holds, or None (none held;
+    always None in a thread other than the main one, which is never the holder: a background
+    thread's wait must not give up for the main thread's interrupt)."""
     at = _HELD.at
-    return None if at is None else time.monotonic() - at
+    if at is None or threading.current_thread() is not threading.main_thread():
+        return None
+    return time.monotonic() - at
