@@ -314,8 +314,8 @@ class LocalTier(PartExchange):
     def check_budget(self, nbytes: int, error: BaseException | None = None) -> None:
         """Collective: refuse, on every rank and before anything is written, part sizes the
         nodes' tiers cannot hold ``keep`` steps of, plus one being drained, replicas included
-        (at the first save); a
-        rank's ``error`` (its state could not be described) raised on every rank instead."""
+        (at the first save); a rank's ``error`` (its state could not be described) raised on
+        every rank instead."""
         sizes = self.queries.all_gather(
             (nbytes, self._free_bytes(), None if error is None else describe_error(error))
         )

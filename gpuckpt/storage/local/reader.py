@@ -249,26 +249,27 @@ class LocalReader(CheckpointReader):
         except (FileNotFoundError, NotADirectoryError):
             return set()
 
-    def _lstat_chunk(self, name: str, key: str) -> os.stat_result | None:
+    def _lstat_entry(self, name: str, key: str) -> os.stat_result | None:
+        """What stands where chunk ``key`` of array ``name`` is, of any kind (None: nothing, or
+        no array directory)."""
         try:
-            st = os.lstat(f"{self._array_dir(name)}/{key}")
+            return os.lstat(f"{self._array_dir(name)}/{key}")
         except (FileNotFoundError, NotADirectoryError):
             return None
-        return st if stat.S_ISREG(st.st_mode) else None
+
+    def _lstat_chunk(self, name: str, key: str) -> os.stat_result | None:
+        st = self._lstat_entry(name, key)
+        return st if st is not None and stat.S_ISREG(st.st_mode) else None
 
     def chunk_nbytes(self, name: str, key: str) -> int | None:
         st = self._lstat_chunk(name, key)
         return None if st is None else st.st_size
 
     def chunk_absence(self, name: str, key: str) -> str:
-        try:
-            path = f"{self._array_dir(name)}/{key}"
-            st = os.lstat(path)
-        except (FileNotFoundError, NotADirectoryError):  # (the array's directory too)
+        st = self._lstat_entry(name, key)
+        if st is None or stat.S_ISREG(st.st_mode):  # (a file put there since it was found absent)
             return "missing"
-        if stat.S_ISREG(st.st_mode):  # (put there since it was found absent)
-            return "missing"
-        return str(NotRegularFileError(path, st.st_mode).strerror)
+        return str(NotRegularFileError(f"{self._root}/{name}/{key}", st.st_mode).strerror)
 
     def chunk_sizes(self, names: Sequence[str], keys: Sequence[str]) -> list[int | None]:
         """One native call for all of them (:mod:`gpuckpt.storage.local.batchio`) where the library
