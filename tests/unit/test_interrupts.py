@@ -6,10 +6,19 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 
 from gpuckpt.runtime.interrupts import held_interrupts, interrupt_held_for
+
+
+@pytest.fixture(autouse=True)
+def _python_default_sigint() -> Iterator[None]:
+    """Python's own SIGINT handler, as in a program (a pytest-xdist worker ignores SIGINT)."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
 
 
 def _seen_from_another_thread() -> float | None:
