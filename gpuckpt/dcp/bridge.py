@@ -52,7 +52,7 @@ import numpy as np
 
 from gpuckpt.background import copy_host_arrays, host_order, snapshot_bytes, snapshot_on_device
 from gpuckpt.background import snapshot as snapshot_to_arena
-from gpuckpt.device.arrays import DeviceArray, HostArray, HostMemory, adapt, device_backends
+from gpuckpt.device.arrays import DeviceArray, HostArray, HostMemory, adapt, canonical_bools, device_backends
 from gpuckpt.device.staging import ArenaPool, StagingArena, aligned_bytes, pool_for
 from gpuckpt.distributed.cooperative import read_cooperative
 from gpuckpt.distributed.coordinator import Coordinator
@@ -255,7 +255,7 @@ def write_assigned(
     tensor as found in this rank's boxes.
     """
     sources = {
-        fqn: tuple(Source(adapt(tensor), tuple(offsets)) for tensor, offsets in boxes)
+        fqn: tuple(Source(canonical_bools(adapt(tensor)), tuple(offsets)) for tensor, offsets in boxes)
         for fqn, boxes in held.items()
     }
     formats = {fqn: boxes[0].array.memory_format for fqn, boxes in sources.items() if boxes}

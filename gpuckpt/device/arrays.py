@@ -51,6 +51,7 @@ __all__ = [
     "StagedIn",
     "StagedOut",
     "adapt",
+    "canonical_bools",
     "copy_all",
     "device_backends",
     "is_array",
@@ -207,6 +208,28 @@ class ArrayAdapter(Protocol):
         (:meth:`~gpuckpt.device.backend.DeviceBackend.encode_chunks`), or None where that is
         not done there (host memory; a back end without a device codec)."""
         ...
+
+
+def canonical_bools(a: ArrayAdapter) -> ArrayAdapter:
+    """``a`` as a save stores it: a bool array holding a byte other than 0 and 1 (a ``uint8``
+    array viewed as bool, a torch ``view(torch.bool)``) is replaced by a copy in the same
+    memory and layout where every nonzero byte is 1, what ``bool(x)`` and ``astype`` read in
+    it; TensorStore refuses a stored bool byte other than 0 and 1, and NumPy's comparisons and
+    sums disagree with each other on one. Any other array is ``a`` itself. A host array is
+    scanned (one pass over its bytes) and copied only where such a byte is found; a device
+    array is copied on its device without a scan (a scan's answer would wait for the device)."""
+    if a.dtype != np.bool_:
+        return a
+    if isinstance(a, HostArray):
+        raw = a.array.view(np.uint8)
+        if raw.size == 0 or int(np.max(raw)) <= 1:
+            return a
+        return HostArray(np.minimum(raw, 1).view(np.bool_), a.requires_grad, a.pinned, snapshot=True)
+    if isinstance(a, DeviceArray):
+        canonical = getattr(a.backend, "canonical_bools", None)  # back ends written before it: none
+        if canonical is not None:
+            return DeviceArray(canonical(a.data), a.backend, a.dtype, a.requires_grad)
+    return a
 
 
 def copy_all(arrays: Sequence[ArrayAdapter]) -> list[ArrayAdapter]:

@@ -139,6 +139,14 @@ class DeviceBackend(Protocol):
         """
         ...
 
+    def canonical_bools(self, array: Any) -> Any:
+        """A copy of the bool device ``array`` (same strides) whose every byte is 0 or 1: a
+        nonzero byte becomes 1, as a bool conversion reads it. Queued after the caller's work,
+        like its own kernels (no synchronization). A save stores this copy, so that readers
+        which accept only 0 and 1 (TensorStore) read the chunks; back ends without it store
+        the bytes as they are."""
+        ...
+
     def encode_chunks(
         self, array: Any, chunks: Sequence[ChunkBox], codec_name: str
     ) -> list[np.ndarray] | None:

@@ -252,6 +252,16 @@ class CupyBackend:
             out[...] = arr
         return out
 
+    def canonical_bools(self, array: Any) -> Any:
+        arr = self._view(array)
+        cupy = self.cupy
+        with cupy.cuda.Device(self.device_id):  # on the caller's stream, after its own kernels
+            out = self.allocate(
+                arr.shape, arr.dtype, mf.detect_memory_format(arr.shape, arr.strides, arr.itemsize)
+            )
+            cupy.minimum(arr.view(cupy.uint8), 1, out=out.view(cupy.uint8))
+        return out
+
     def copy_many_on_device(self, arrays: Sequence[Any]) -> list[Any]:
         from gpuckpt.device.batched_copy import launch_batched_copy
         from gpuckpt.device.packing import plan_packing

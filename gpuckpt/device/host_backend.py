@@ -197,6 +197,18 @@ class HostBackend:
             self.device_copies += 1
         return out
 
+    def canonical_bools(self, array: Any) -> Any:
+        out = self.allocate(
+            array.shape, array.dtype, mf.detect_memory_format(array.shape, array.strides, array.itemsize)
+        )
+        done: Future[None] = self._stream.submit(
+            lambda: np.minimum(array.view(np.uint8), 1, out=out.view(np.uint8))
+        )
+        done.result()
+        with self._lock:
+            self.device_copies += 1
+        return out
+
     def copy_many_on_device(self, arrays: Sequence[Any]) -> list[Any]:
         dense = [i for i, a in enumerate(arrays) if _is_dense(a)]
         plan = plan_packing(

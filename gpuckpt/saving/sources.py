@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from gpuckpt.device.arrays import ArrayAdapter, adapt, adapt_leaf, is_array
+from gpuckpt.device.arrays import ArrayAdapter, adapt, adapt_leaf, canonical_bools, is_array
 from gpuckpt.device.sharded import is_sharded_leaf, sharded_boxes
 from gpuckpt.errors import UnsupportedValueError
 from gpuckpt.format.dtypes import dtype_name
@@ -87,7 +87,7 @@ class TensorMemo:
             hit = (key, _local_tensor(fqn, shape, a, ((origin, shape),)))
         fresh[fqn] = hit
         t = hit[1]
-        return t, Source(a, t.boxes[0][0])
+        return t, Source(canonical_bools(a), t.boxes[0][0])
 
 
 def describe_state(
@@ -99,6 +99,9 @@ def describe_state(
     Raises :class:`~gpuckpt.errors.UnsupportedValueError` for what cannot be
     stored (see :func:`gpuckpt.state.flatten_state_dict`, including a state
     dict that contains itself, and :func:`gpuckpt.format.values.encode_object`).
+
+    A bool array holding bytes other than 0 and 1 is read from a copy holding 0 and 1
+    (:func:`~gpuckpt.device.arrays.canonical_bools`); its description is the array's own.
     """
     leaves, skeleton = flatten_state_dict(state_dict, is_leaf)
     tensors: list[LocalTensor] = []
@@ -115,7 +118,7 @@ def describe_state(
             continue
         if is_sharded_leaf(v):
             parts = sharded_boxes(v)
-            held = tuple(Source(adapt_leaf(b.local, fqn), tuple(b.offsets)) for b in parts)
+            held = tuple(Source(canonical_bools(adapt_leaf(b.local, fqn)), tuple(b.offsets)) for b in parts)
             dts = {s.array.dtype for s in held}
             if len(dts) != 1:
                 raise UnsupportedValueError(
@@ -130,7 +133,7 @@ def describe_state(
             shape = a.shape
             origin = (0,) * len(shape)
             boxes = ((origin, shape),)
-            held = (Source(a, origin),)
+            held = (Source(canonical_bools(a), origin),)
         else:
             objects[fqn] = encode_object(v, allow_pickle=allow_pickle, fqn=fqn)
             continue

@@ -494,3 +494,22 @@ def test_the_metadata_of_a_save_carries_dcp_s_version_and_the_save_s_id(tmp_path
     # a checkpoint gpuckpt.save wrote is shown to DCP in the same version
     gpuckpt.save({"w": np.ones(2)}, tmp_path / "native")
     assert gpuckpt.dcp.Reader(tmp_path / "native").read_metadata().version == theirs.version
+
+
+def test_a_torch_bool_view_of_other_bytes_is_stored_as_0_and_1(tmp_path: Path) -> None:
+    """``u8.view(torch.bool)`` holds bytes 0-4: gpuckpt.save and the DCP writer store 0 and 1 (what
+    TensorStore accepts), the tensor itself keeps its bytes, and its truth values come back."""
+    raw = (torch.arange(60, dtype=torch.uint8) * 37 % 5).reshape(6, 10)
+    mask = raw.view(torch.bool)
+    truth = raw.numpy() != 0
+    gpuckpt.save({"m": mask}, tmp_path / "g", chunk_bytes=16)
+    dcp.save({"m": mask, "step": 1}, storage_writer=gpuckpt.dcp.Writer(tmp_path / "d", chunk_bytes=16))
+    assert int(raw.max()) == 4  # the caller's tensor is not rewritten
+    ts = pytest.importorskip("tensorstore")
+    for c in ("g", "d"):
+        spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(tmp_path / c / "m")}}
+        stored = np.asarray(ts.open(spec).result().read().result())  # refuses a stored byte of 2
+        assert stored.view(np.uint8).max() == 1 and np.array_equal(stored, truth)
+    target = {"m": torch.zeros(6, 10, dtype=torch.bool), "step": 0}
+    dcp.load(target, storage_reader=gpuckpt.dcp.Reader(tmp_path / "d"))
+    assert target["m"].view(torch.uint8).max() == 1 and np.array_equal(target["m"].numpy(), truth)

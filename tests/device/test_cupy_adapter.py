@@ -145,6 +145,17 @@ def test_async_save_snapshot_cupy(tmp_path: Path, cp: object) -> None:
 
 
 @gpu
+def test_a_device_bool_view_of_other_bytes_is_stored_as_0_and_1(tmp_path: Path, cp: object) -> None:
+    raw = (cp.arange(4 * 3 * 5 * 6, dtype=cp.uint8) * 37 % 5).reshape(4, 5, 6, 3)  # type: ignore[attr-defined]
+    mask = cp.moveaxis(raw, -1, 1).view(cp.bool_)  # type: ignore[attr-defined]  # channels-last, bytes 0-4
+    gpuckpt.save({"m": mask}, tmp_path / "c", chunk_bytes=64)
+    assert int(raw.max()) == 4  # the caller's array keeps its bytes
+    back = gpuckpt.load_state_dict(tmp_path / "c")["m"]
+    assert back.view(np.uint8).max() == 1
+    assert np.array_equal(back, cp.moveaxis(raw, -1, 1).get() != 0)  # type: ignore[attr-defined]
+
+
+@gpu
 def test_pinned_host_memory_is_detected(cp: object) -> None:
     mem = cp.cuda.alloc_pinned_memory(4096)  # type: ignore[attr-defined]
     view = np.frombuffer(mem, np.float32, 1024)
