@@ -38,12 +38,14 @@ from gpuckpt.errors import (
     CheckpointExistsError,
     DeviceUnavailableError,
     InvalidOptionError,
+    InvalidPathError,
     MissingDependencyError,
     UnsupportedValueError,
 )
+from gpuckpt.format.documents import ROOT_KEY
 from gpuckpt.options import SaveOptions
 from gpuckpt.pending import SaveFuture
-from gpuckpt.storage.stores import open_root, scheme_of
+from gpuckpt.storage.stores import is_committed, open_root, path_text, scheme_of
 
 __all__ = ["AsyncCheckpointIO", "CheckpointIO", "load_from_checkpoint"]
 
@@ -175,14 +177,29 @@ class CheckpointIO(*_BASES):  # type: ignore[misc]
         return moved
 
     def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
-        """Delete the whole checkpoint at ``path`` (nothing when there is none); a folder holding
-        anything that is not a gpuckpt checkpoint's is refused, and left as it is."""
-        p = Path(path).absolute()
+        """Delete the whole checkpoint at ``path`` (nothing when there is none), the directory
+        :meth:`save_checkpoint` wrote; an ``s3://`` checkpoint is left in place, with a warning.
+
+        Refused with the errors a save gives for the same path, nothing deleted: a path that is
+        not a str or ``os.PathLike``, or empty (:class:`~gpuckpt.errors.InvalidPathError`); a
+        path inside a checkpoint (:class:`~gpuckpt.errors.InvalidPathError`: deleting it would
+        damage that checkpoint); a folder holding anything that is not a gpuckpt checkpoint's
+        (:class:`~gpuckpt.errors.CheckpointExistsError`, as :meth:`save_checkpoint` refuses it)."""
+        text = path_text(path)
+        if scheme_of(text) != "file":
+            # an object store's root of checkpoints takes plain names only, and Lightning's have "="
+            warnings.warn(
+                f"{text} is left in place: the plug-in does not remove checkpoints from an object "
+                "store; delete the prefix with the store's own tools",
+                UserWarning,
+                stacklevel=2,
+            )
+            return
+        p = Path(text).absolute()
+        _refuse_inside_a_checkpoint(p)
         if p.is_dir() and not p.is_symlink():
             root = open_root(p.parent)
-            others = _others(root, p)
-            if others:
-                raise UnsupportedValueError(f"{others}; not deleting it: remove it by hand")
+            _refuse_foreign(root, p)
             root.delete([p.name])  # (out of sight in one rename, then its files)
         elif p.exists() or p.is_symlink():
             p.unlink()
@@ -206,6 +223,28 @@ def _refuse_shared_folder(path: str | os.PathLike[str]) -> None:
         raise CheckpointExistsError(
             f"{others}; a Lightning checkpoint is saved only where it can later be removed whole: "
             "save to a new path, or move them out"
+        )
+
+
+def _refuse_inside_a_checkpoint(p: Path) -> None:
+    """A removal of ``p`` inside a published checkpoint would leave that checkpoint damaged."""
+    for parent in p.parents:
+        if os.path.lexists(parent / ROOT_KEY) and is_committed(parent):
+            raise InvalidPathError(
+                f"{p} is inside the gpuckpt checkpoint {parent}: removing it would damage that "
+                f"checkpoint; nothing was deleted. Pass the checkpoint's own path ({parent}) to "
+                "remove it whole"
+            )
+
+
+def _refuse_foreign(root: Any, p: Path) -> None:
+    """Refuse to remove the folder ``p`` (a child of ``root``) where it holds what is not a
+    gpuckpt checkpoint's, as :func:`_refuse_shared_folder` refuses a save into it."""
+    others = _others(root, p)
+    if others:
+        raise CheckpointExistsError(
+            f"{others}; not deleting it: a Lightning checkpoint is removed only whole. Move them "
+            "out, or remove the folder by hand"
         )
 
 

@@ -154,8 +154,9 @@ class SaveOptions:
     direct_io: str = dataclasses.field(default_factory=direct_io_from_env)
     base: str | os.PathLike[str] | None = None
     content_hash: bool = False
-    #: chunk compression (:func:`gpuckpt.format.codecs.parse_compression`): None, "zstd", "lz4",
-    #: "auto", or a dict spec; kept as a :class:`~gpuckpt.format.codecs.Compression`
+    #: chunk compression (:func:`gpuckpt.format.codecs.parse_compression`): None or "none" (stored
+    #: as they are), "zstd", "lz4", "auto", or a dict spec; kept as a
+    #: :class:`~gpuckpt.format.codecs.Compression` (None for none)
     compression: Compression | str | Mapping[str, Any] | None = None
     #: entries added to the root document's ``planner_data`` by a single-process save (a local
     #: tier's part record, :mod:`gpuckpt.format.parts`); JSON values
@@ -178,10 +179,16 @@ class SaveOptions:
         object.__setattr__(self, "planner_extra", _mapping("planner_extra", self.planner_extra))
         try:
             spec = dict(self.compression) if isinstance(self.compression, Mapping) else self.compression
-            object.__setattr__(self, "compression", parse_compression(spec))
+            # "none" is the command line's word for None (--compression none): one meaning everywhere
+            object.__setattr__(
+                self,
+                "compression",
+                None if isinstance(spec, str) and spec == "none" else parse_compression(spec),
+            )
         except (ValueError, TypeError) as exc:
             raise InvalidOptionError(
-                f"{exc}; compression is None, 'zstd', 'lz4', 'auto' or a dict spec (see docs/compression.md)"
+                f"{exc}; compression is None or 'none' (chunks stored as they are), 'zstd', 'lz4', "
+                "'auto' or a dict spec (see docs/compression.md)"
             ) from None
 
     @property

@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
+from pathlib import Path
 from typing import Any
 
 from gpuckpt.cli.progressbar import format_bytes, progress_for
 from gpuckpt.cli.usage import UsageError
-from gpuckpt.convert.core import SOURCE_FORMATS, TARGET_FORMATS, convert
+from gpuckpt.convert.core import SOURCE_FORMATS, TARGET_FORMATS, convert, detect_format
 from gpuckpt.convert.hf_layout import parse_size
-from gpuckpt.errors import InvalidOptionError
+from gpuckpt.errors import GpuckptError, InvalidOptionError
 from gpuckpt.options import SaveOptions
 from gpuckpt.printable import printable
+from gpuckpt.storage.stores import scheme_of
 
 HELP = (
     "convert a safetensors file, a Hugging Face directory, a torch.save state dict or a "
@@ -53,6 +56,36 @@ def _compression(text: str) -> Any:
     except InvalidOptionError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return value
+
+
+#: what each format ``convert`` reads besides gpuckpt is, in words, and what its command adds
+_FOREIGN = {
+    "hf": ("a Hugging Face model directory (safetensors weights and their index)", ""),
+    "safetensors": ("a safetensors file", ""),
+    "torch": ("a torch.save file", ""),
+    "dcp": ("a torch.distributed.checkpoint directory", " --trust-pickle-metadata"),
+}
+
+
+def not_gpuckpt(text: str, command: str) -> str | None:
+    """Where the local ``text`` is a file or directory of a format ``convert`` reads (a Hugging
+    Face directory, a safetensors, torch.save or DCP checkpoint), what it is and the command
+    lines that convert it and then run ``command`` on the result; else None."""
+    if scheme_of(text) != "file":
+        return None
+    try:
+        fmt = detect_format(Path(text))
+    except (GpuckptError, OSError, ValueError):  # (what it is not: the caller's error says)
+        return None
+    if fmt not in _FOREIGN:
+        return None
+    what, extra = _FOREIGN[fmt]
+    src = shlex.quote(text.rstrip("/") or text)
+    return (
+        f"{printable(text)} is {what}, not a gpuckpt checkpoint (a directory holding zarr.json): "
+        f"convert it first, then {command} the result: gpuckpt convert {printable(src)} CKPT{extra} "
+        f"&& gpuckpt {command} CKPT"
+    )
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

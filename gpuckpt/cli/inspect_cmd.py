@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from gpuckpt.cli.convert_cmd import not_gpuckpt
 from gpuckpt.cli.progressbar import format_bytes
 from gpuckpt.cli.usage import EXIT_FAILURE
 from gpuckpt.errors import CheckpointNotFoundError, GpuckptError
@@ -372,6 +373,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         d = describe_checkpoint(path)
     except CheckpointNotFoundError:
+        foreign = not_gpuckpt(args.path, "inspect")
+        if foreign is not None:
+            raise CheckpointNotFoundError(foreign) from None
         root = describe_root(path)
         if root is None:
             tier = describe_tier(path) if isinstance(path, Path) else None

@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+from gpuckpt.cli.convert_cmd import not_gpuckpt
 from gpuckpt.cli.inspect_cmd import describe_root, describe_tier
 from gpuckpt.cli.progressbar import progress_for
 from gpuckpt.errors import CheckpointNotFoundError
@@ -35,7 +36,8 @@ def run(args: argparse.Namespace) -> int:
             args.path, allow_pickle=args.allow_pickle, threads=args.threads, progress=bar
         )
     except CheckpointNotFoundError as exc:
-        error = CheckpointNotFoundError(f"{exc}{_what_it_is(args.path)}")
+        foreign = not_gpuckpt(args.path, "verify")
+        error = CheckpointNotFoundError(foreign or f"{exc}{_what_it_is(args.path)}")
         if args.json:  # a script reading the report gets one whatever happened
             print(
                 json.dumps({"path": args.path, "ok": False, "checked": False, "error": str(error)}, indent=2)

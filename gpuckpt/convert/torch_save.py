@@ -98,7 +98,10 @@ def numpy_to_torch(value: Any, fqn: str = "") -> Any:
 
 
 def count(state: Any) -> tuple[int, int, int]:
-    """``(tensors, other values, tensor bytes)`` of a state dict of torch tensors."""
+    """``(tensors, plain values, tensor bytes)`` of a state dict of torch tensors, counted as a
+    save stores them and ``gpuckpt inspect`` lists them (:mod:`gpuckpt.state`): dicts are
+    entered, a list or tuple is entered where it holds a tensor or a dict somewhere and is
+    otherwise one plain value (``"betas": (0.9, 0.999)`` is one, not two)."""
     torch = import_torch()
     tensors = values = nbytes = 0
     todo = [state]
@@ -109,11 +112,23 @@ def count(state: Any) -> tuple[int, int, int]:
             nbytes += value.numel() * value.element_size()
         elif isinstance(value, dict):
             todo.extend(value.values())
-        elif isinstance(value, (list, tuple)):
+        elif isinstance(value, (list, tuple)) and _holds_entries(value, torch.Tensor):
             todo.extend(value)
         else:
             values += 1
     return tensors, values, nbytes
+
+
+def _holds_entries(seq: list[Any] | tuple[Any, ...], tensor: type) -> bool:
+    """Whether a save enters ``seq``: it holds a tensor or a dict, at any depth."""
+    todo: list[Any] = list(seq)
+    while todo:
+        value = todo.pop()
+        if isinstance(value, (tensor, dict)):
+            return True
+        if isinstance(value, (list, tuple)):
+            todo.extend(value)
+    return False
 
 
 def write_torch_save(state: Any, path: str | os.PathLike[str], *, overwrite: bool = False) -> None:

@@ -44,6 +44,7 @@ the receivers' targets holding part of that round (checked bytes).
 
 from __future__ import annotations
 
+import ast
 import functools
 import itertools
 import math
@@ -136,14 +137,9 @@ def _plan(
     everyone = _transport("gathering the ranks' boxes", lambda: coordinator.all_gather(me))
     wants: list[list[ChunkId]] = []
     nbytes: dict[ChunkId, int] = {}
-    error: Exception | None = None
-    ids_seen = {i for _, i, _ in everyone}
-    if len(ids_seen) > 1:  # every rank sees every identity: all of them fail alike
-        error = CoordinatorError(
-            f"cooperative load: the ranks opened different checkpoints (ids "
-            f"{sorted(map(str, ids_seen))}); every rank must load the same checkpoint (or pass "
-            "cooperative=False)"
-        )
+    # what differs between the ranks' checkpoints, as seen from this rank's (a few examples)
+    differs: list[str] = []
+    here = f"the checkpoint rank {coordinator.rank} opened"
     rows: dict[
         ChunkId, list[tuple[int, int]]
     ] = {}  # of chunks that can be read in part: who needs which rows
@@ -155,10 +151,13 @@ def _plan(
         for fqn, boxes, ready in theirs:
             t = tensors.get(fqn)
             if t is None:  # a rank that opened another checkpoint
-                error = error or CoordinatorError(
-                    f"cooperative load: rank {rank} asks for tensor {fqn!r}, which the checkpoint rank "
-                    f"{coordinator.rank} opened does not hold; every rank must load the same checkpoint "
-                    "(or pass cooperative=False)"
+                differs.append(f"rank {rank} asks for tensor {fqn!r}, which {here} does not hold")
+                continue
+            outside = [b for b in boxes if not _fits(b, t.shape)]
+            if outside:  # the same name in another checkpoint, of another shape
+                differs.append(
+                    f"rank {rank} asks for {_box_text(outside[0])} of tensor {fqn!r}, which is "
+                    f"{_shape_text(t.shape)} in {here}"
                 )
                 continue
             ranged = bool(t.shape) and reader.capabilities.reads_ranges and segments_of(t) is not None
@@ -174,6 +173,7 @@ def _plan(
             if ready is not True:
                 straight.update((fqn, tuple(c)) for c in ready)
         wants.append(ids)
+    error = _mismatch([i for _, i, _ in everyone], differs)
     _agree(coordinator, error)
     # a chunk whose needers need disjoint rows: each reads its own rows (ranged), none twice
     alone = {cid for cid, spans in rows.items() if len(spans) > 1 and _disjoint(spans)}
@@ -183,6 +183,59 @@ def _plan(
     # a reader (or a receiver into memory of the round) holds a chunk's data, not its trailer
     held = {cid: max(0, n - CRC_BYTES) for cid, n in nbytes.items()}
     return plan_cooperative(wants, nbytes, budget=budget, nodes=nodes, alone=alone, held=held, free=free)
+
+
+def _mismatch(identities: Sequence[str | None], differs: Sequence[str]) -> CoordinatorError | None:
+    """The error of ranks that opened different checkpoints, naming which rank opened which
+    (``identities``: each rank's checkpoint and save ids, as the caller wrote them) and, from
+    ``differs``, a few of the tensors that differ; None where they agree."""
+    if len(set(identities)) <= 1 and not differs:
+        return None
+    groups: dict[str | None, list[int]] = {}
+    for rank, identity in enumerate(identities):
+        groups.setdefault(identity, []).append(rank)
+    parts = []
+    if len(groups) > 1:  # every rank sees every identity: all of them fail alike
+        opened = "; ".join(f"{_ranks_text(r)}: {_identity_text(i)}" for i, r in groups.items())
+        parts.append(f"the ranks opened different checkpoints ({opened})")
+    if differs:
+        more = f" (and {len(differs) - 3} more)" if len(differs) > 3 else ""
+        parts.append("; ".join(differs[:3]) + more)
+    return CoordinatorError(
+        f"cooperative load: {'; '.join(parts)}. Every rank must load the same checkpoint: pass "
+        "every rank the same path (or pass cooperative=False for ranks that load different ones)"
+    )
+
+
+def _identity_text(identity: str | None) -> str:
+    """``checkpoint ID, save ID`` from the ids a caller recorded (the repr of the pair)."""
+    if identity is None:
+        return "a checkpoint that records no id"
+    try:
+        checkpoint_id, save_id = ast.literal_eval(identity)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return f"checkpoint {identity}"
+    return f"checkpoint {checkpoint_id}" + ("" if save_id is None else f", save {save_id}")
+
+
+def _ranks_text(ranks: Sequence[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+
+
+def _shape_text(shape: Sequence[int]) -> str:
+    """``4x1024`` (``()`` for a scalar)."""
+    return "x".join(map(str, shape)) if len(shape) else "()"
+
+
+def _box_text(box: Box) -> str:
+    """``[0:4, 0:1024]``: the index ranges of ``box``."""
+    return "[" + ", ".join(f"{o}:{o + n}" for o, n in zip(box[0], box[1], strict=True)) + "]"
+
+
+def _fits(box: Box, shape: Sequence[int]) -> bool:
+    return len(box[0]) == len(shape) and all(
+        o >= 0 and o + n <= s for o, n, s in zip(box[0], box[1], shape, strict=True)
+    )
 
 
 def _rows_of(c: ChunkRead, boxes: Sequence[Box]) -> tuple[int, int]:

@@ -281,8 +281,7 @@ def plan_one_tensor(
     volume = sum(math.prod(s) for _, s in unique)
     if volume != math.prod(shape):
         raise UnsupportedValueError(
-            f"tensor {fqn!r} of shape {shape}: its boxes cover {volume} elements of {math.prod(shape)}; "
-            "together the ranks' ShardedArray boxes must tile the whole tensor exactly"
+            _not_tiled(fqn, shape, unique, f"cover {volume} elements of {math.prod(shape)}")
         )
 
     def least_loaded(hs: list[tuple[int, int]]) -> tuple[int, int]:
@@ -316,8 +315,53 @@ def plan_one_tensor(
         offs.extend(box[0])
         sizes_flat.extend(box[1])
     if len(seen) != (0 if any(n == 0 for n in shape) else grid.nchunks):
-        raise UnsupportedValueError(f"tensor {fqn!r}: the boxes leave parts of the tensor uncovered")
+        raise UnsupportedValueError(_not_tiled(fqn, shape, unique, "leave parts of the tensor uncovered"))
     return grid, TensorWrites(len(shape), tuple(ranks), tuple(idxs), tuple(offs), tuple(sizes_flat))
+
+
+#: the most cells of the grid of box edges, times boxes, that an error message looks through
+#: for a region no box covers
+_GAP_SEARCH = 1 << 20
+
+
+def _not_tiled(fqn: str, shape: tuple[int, ...], boxes: Sequence[Box], what: str) -> str:
+    """Why the ``boxes`` of tensor ``fqn`` do not tile it, in the tensor's words: its shape, a
+    region no box covers (where a search of the grid of box edges is cheap), and the fix."""
+    text = "x".join(map(str, shape)) if shape else "()"
+    gap = _first_gap(shape, boxes)
+    where = "" if gap is None else f"; no box holds [{', '.join(f'{a}:{b}' for a, b in gap)}]"
+    total = math.prod(shape)
+    if sum(math.prod(s) for _, s in boxes) > total and gap is None:
+        where = "; some boxes overlap (boxes held by several ranks must be identical)"
+    return (
+        f"tensor {fqn!r} of shape {text}: its ShardedArray boxes {what}{where}; together the "
+        "ranks' ShardedArray boxes must tile the whole tensor exactly: give a ShardedArray for "
+        "every region (in one process, a list of them under the tensor's key), or make "
+        "global_shape the shape the boxes cover"
+    )
+
+
+def _first_gap(shape: tuple[int, ...], boxes: Sequence[Box]) -> list[tuple[int, int]] | None:
+    """The first cell (C order) of the grid of box edges that no box covers, as a range per
+    axis; None where every cell is covered or the grid is too large to look through."""
+    edges = [
+        sorted(
+            {
+                0,
+                n,
+                *(min(max(o[d], 0), n) for o, _ in boxes),
+                *(min(max(o[d] + s[d], 0), n) for o, s in boxes),
+            }
+        )
+        for d, n in enumerate(shape)
+    ]
+    cells = [list(itertools.pairwise(e)) for e in edges]
+    if math.prod(len(c) for c in cells) * max(1, len(boxes)) > _GAP_SEARCH:
+        return None
+    for cell in itertools.product(*cells):
+        if not any(all(o[d] <= a and b <= o[d] + s[d] for d, (a, b) in enumerate(cell)) for o, s in boxes):
+            return list(cell)
+    return None
 
 
 def plan_tensors(

@@ -56,3 +56,13 @@ def test_the_dcp_writers_auto_keeps_what_it_decided(tmp_path: Path) -> None:
     out = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
     dcp.load(out, storage_reader=gpuckpt.dcp.Reader(tmp_path / "c"))
     assert torch.equal(out["w"], state["w"]) and torch.equal(out["ids"], state["ids"])
+
+
+def test_the_dcp_writer_takes_compression_none_as_no_compression(tmp_path: Path) -> None:
+    state = {"w": torch.randn(64, 32), "step": 3}
+    dcp.save(state, storage_writer=gpuckpt.dcp.Writer(tmp_path / "c", compression="none"))
+    md = gpuckpt.read_metadata(tmp_path / "c")
+    assert all("codec" not in e for e in md.storage_data["tensors"].values())
+    out = {"w": torch.zeros(64, 32), "step": 0}
+    dcp.load(out, storage_reader=gpuckpt.dcp.Reader(tmp_path / "c"))
+    assert torch.equal(out["w"], state["w"]) and out["step"] == 3

@@ -10,6 +10,7 @@ compared in ``test_dcp_distributed.py``.
 from __future__ import annotations
 
 import io
+import json
 import os
 import subprocess
 import sys
@@ -110,8 +111,9 @@ def test_dcp_saved_checkpoint_converts_as_dcp_to_torch_save_does() -> None:
         dcp.save(sd, storage_writer=gpuckpt.dcp.Writer(ckpt))
         res = convert(ckpt, os.path.join(d, "api.pt"), target_format="torch")
         assert (res.source_format, res.target_format) == ("gpuckpt", "torch")
-        # tensors: the model's, 2 in layers, 1 in pair, nested.deep.w; values: leaves of the rest
-        assert (res.tensors, res.objects) == (len(sd["model"]) + 4, 8)
+        # tensors: the model's, 2 in layers, 1 in pair, nested.deep.w; plain values as a save
+        # stores them: pair.1, step, lr, name, none, milestones (one list), nested.deep.n
+        assert (res.tensors, res.objects) == (len(sd["model"]) + 4, 7)
         r = cli("convert", ckpt, os.path.join(d, "cli.pt"), "--to", "torch", "--quiet")
         assert r.returncode == 0, r.stderr
         assert "(gpuckpt) -> " in r.stdout and "(torch)" in r.stdout
@@ -136,6 +138,35 @@ def test_native_gpuckpt_checkpoint_converts_as_dcp_would_have_saved_it() -> None
         convert(os.path.join(d, "np"), os.path.join(d, "np.pt"), target_format="torch")
         back = torch.load(os.path.join(d, "np.pt"), weights_only=True)
         same(back, {"a": torch.arange(6, dtype=torch.int32).reshape(2, 3), "k": "v"})
+
+
+def test_the_counts_it_reports_are_those_inspect_reports(tmp_path: Path) -> None:
+    """A list or tuple of plain values is one plain value, as a save stores it and ``inspect``
+    lists it, not one per element; a list holding a tensor is entered."""
+    sd = {
+        "model": {"w": torch.ones(2, 3), "b": torch.zeros(3)},
+        "optim": {
+            "param_groups": [{"lr": 0.1, "betas": (0.9, 0.999), "params": [0, 1]}],
+            "state": {0: {"step": 3, "exp_avg": torch.ones(3)}},
+        },
+        "layers": [torch.ones(2), "x", 5],
+        "names": ["a", "b", "c"],
+        "empty": [],
+        "epoch": 4,
+    }
+    gpuckpt.save(sd, tmp_path / "c")
+    r = cli("inspect", "--json", str(tmp_path / "c"))
+    assert r.returncode == 0, r.stderr
+    totals = json.loads(r.stdout)["totals"]
+    assert (totals["tensors"], totals["objects"]) == (4, 9)
+    res = convert(tmp_path / "c", tmp_path / "api.pt", target_format="torch")
+    assert (res.tensors, res.objects) == (4, 9)
+    r = cli("convert", str(tmp_path / "c"), str(tmp_path / "cli.pt"), "--to", "torch", "--quiet")
+    assert r.returncode == 0, r.stderr
+    assert ": 4 tensors, " in r.stdout and ", 9 plain values" in r.stdout, r.stdout
+    # the same counts as a conversion to safetensors, which counts the stored entries
+    st = convert(tmp_path / "c", tmp_path / "m.safetensors")
+    assert (st.tensors, st.objects) == (res.tensors, res.objects)
 
 
 def test_bytesio_and_pickled_values_follow_the_readers_rules() -> None:

@@ -207,6 +207,30 @@ def test_ranks_that_load_different_checkpoints_fail_together(coop: tuple[Any, st
     assert all(o is not None and "same checkpoint" in o for o in out), out
 
 
+def test_ranks_that_load_different_checkpoints_are_named_readably(tmp_path: Path) -> None:
+    """The error names which ranks opened which checkpoint (by its id, not a Python tuple) and
+    what differs in the words of the checkpoint: a region of a tensor as index ranges, its
+    shape as 4x1024."""
+    same, other = str(tmp_path / "same"), str(tmp_path / "other")
+    gpuckpt.save({"w": np.ones((4, 1024), np.float32)}, same)
+    gpuckpt.save({"w": np.ones((8, 1024), np.float32)}, other)
+    ids = {p: gpuckpt.read_metadata(p).storage_meta.checkpoint_id for p in (same, other)}
+
+    def rank_main(c: ThreadCoordinator) -> str:
+        path, rows = (other, 8) if c.rank == 3 else (same, 4)
+        with pytest.raises(DistributedError, match="CoordinatorError: cooperative load") as info:
+            gpuckpt.load({"w": np.zeros((rows, 1024), np.float32)}, path, coordinator=c, cooperative=True)
+        return str(info.value)
+
+    for message in run_ranks(4, rank_main):
+        assert "('" not in message and "None)" not in message, message
+        assert f"ranks 0, 1, 2: checkpoint {ids[same]}; rank 3: checkpoint {ids[other]}" in message
+        assert (
+            "rank 3 asks for [0:8, 0:1024] of tensor 'w', which is 4x1024 in the checkpoint rank 0" in message
+        )
+        assert "pass every rank the same path" in message
+
+
 @pytest.mark.parametrize("compression", ["zstd", "lz4", {"codec": "zstd"}])
 def test_compressed_chunks_travel_as_stored_and_load_bit_exact(tmp_path: Path, compression: Any) -> None:
     """A compressed checkpoint: each chunk read once, sent compressed, decompressed by each rank

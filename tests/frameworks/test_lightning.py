@@ -3,6 +3,7 @@ from its checkpoint, and ends bit-exact with a run that was never interrupted.""
 
 from __future__ import annotations
 
+import os
 import warnings
 from pathlib import Path
 from typing import Any
@@ -167,7 +168,7 @@ def test_a_folder_of_other_files_is_never_saved_into_nor_removed(tmp_path: Path)
     import torch
 
     import gpuckpt
-    from gpuckpt.errors import CheckpointExistsError, UnsupportedValueError
+    from gpuckpt.errors import CheckpointExistsError
     from gpuckpt.lightning import AsyncCheckpointIO, CheckpointIO
 
     run = tmp_path / "run1"
@@ -177,14 +178,15 @@ def test_a_folder_of_other_files_is_never_saved_into_nor_removed(tmp_path: Path)
         with pytest.raises(CheckpointExistsError, match=r"train_log\.txt.*save to a new path"):
             plugin.save_checkpoint({"w": torch.ones(2)}, run)
         plugin.teardown()
-        with pytest.raises(UnsupportedValueError, match=r"train_log\.txt.*not deleting it"):
+        # the same error type both ways
+        with pytest.raises(CheckpointExistsError, match=r"train_log\.txt.*not deleting it"):
             plugin.remove_checkpoint(run)
     assert sorted(p.name for p in run.iterdir()) == ["train_log.txt"]
     # another program's Zarr store: not gpuckpt's, not removed
     foreign = tmp_path / "store"
     foreign.mkdir()
     (foreign / "zarr.json").write_text('{"zarr_format": 3, "node_type": "group", "attributes": {}}')
-    with pytest.raises(UnsupportedValueError, match="not deleting it"):
+    with pytest.raises(CheckpointExistsError, match="not deleting it"):
         CheckpointIO().remove_checkpoint(foreign)
     assert (foreign / "zarr.json").is_file()
     plugin = CheckpointIO()
@@ -194,6 +196,75 @@ def test_a_folder_of_other_files_is_never_saved_into_nor_removed(tmp_path: Path)
     assert gpuckpt.load_state_dict(last)["w"].tolist() == [2.0, 2.0]
     plugin.remove_checkpoint(last)
     assert not last.exists()
+
+
+def _trainer(pl: Any, plugin: Any, root: Path) -> Any:
+    return pl.Trainer(plugins=[plugin], default_root_dir=root, logger=False, accelerator="cpu", devices=1)
+
+
+@pytest.mark.parametrize("kind", ["CheckpointIO", "AsyncCheckpointIO"])
+def test_remove_checkpoint_refuses_bad_paths_with_the_errors_a_save_gives(tmp_path: Path, kind: str) -> None:
+    """Through a Trainer's strategy, as ModelCheckpoint removes checkpoints: a path that is not
+    one, a path inside a checkpoint and a folder of other files are refused with gpuckpt's
+    errors (the ones save_checkpoint gives), and nothing is deleted."""
+    pl = _lightning()
+    import torch
+
+    import gpuckpt
+    import gpuckpt.lightning
+    from gpuckpt.errors import CheckpointExistsError, GpuckptError, InvalidPathError
+    from gpuckpt.verify import verify_checkpoint
+
+    plugin = getattr(gpuckpt.lightning, kind)()
+    strategy = _trainer(pl, plugin, tmp_path).strategy
+    ckpt = tmp_path / "epoch=0-step=3.ckpt"
+    plugin.save_checkpoint({"w": torch.ones(2), "m": {"b": torch.zeros(3)}}, ckpt)
+    for bad, match in ((None, "str or os.PathLike"), (3, "str or os.PathLike"), ("", "empty")):
+        with pytest.raises(InvalidPathError, match=match):
+            strategy.remove_checkpoint(bad)
+    for inside in (ckpt / "w", ckpt / "m", ckpt / "zarr.json"):
+        with pytest.raises(InvalidPathError, match=r"inside the gpuckpt checkpoint .*remove it whole"):
+            strategy.remove_checkpoint(inside)
+    assert verify_checkpoint(ckpt).ok
+    assert gpuckpt.load_state_dict(ckpt)["m"]["b"].tolist() == [0.0, 0.0, 0.0]
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "notes.txt").write_text("mine")
+    errors = []
+    for act in (
+        lambda: plugin.save_checkpoint({"w": torch.ones(2)}, run),
+        lambda: strategy.remove_checkpoint(run),
+    ):
+        with pytest.raises(GpuckptError) as info:
+            act()
+        plugin.teardown()
+        errors.append(info.type)
+    assert errors == [CheckpointExistsError, CheckpointExistsError]
+    assert (run / "notes.txt").read_text() == "mine"
+    strategy.remove_checkpoint(ckpt)
+    assert not ckpt.exists()
+    strategy.remove_checkpoint(ckpt)  # nothing there: nothing to do
+
+
+def test_remove_checkpoint_of_a_url_says_it_is_left_in_place(tmp_path: Path) -> None:
+    """An s3:// path is never taken for a local one (``s3:/bucket/...`` under the working
+    directory): nothing local is deleted, and a warning says the checkpoint stays."""
+    pl = _lightning()
+    from gpuckpt.lightning import CheckpointIO
+
+    plugin = CheckpointIO()
+    strategy = _trainer(pl, plugin, tmp_path).strategy
+    local = tmp_path / "s3:" / "ckpts" / "run" / "last.ckpt"
+    local.parent.mkdir(parents=True)
+    local.write_text("a local file")
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        with pytest.warns(UserWarning, match=r"s3://ckpts/run/last\.ckpt is left in place"):
+            strategy.remove_checkpoint("s3://ckpts/run/last.ckpt")
+    finally:
+        os.chdir(cwd)
+    assert local.read_text() == "a local file"
 
 
 def test_load_from_checkpoint_builds_the_module_as_lightning_s_classmethod_does(tmp_path: Path) -> None:

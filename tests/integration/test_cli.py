@@ -330,6 +330,34 @@ def test_paths_that_are_not_checkpoints_say_what_they_are(
     assert f"gpuckpt verify {root / 'step_00000010'}" in err
 
 
+def test_a_hugging_face_directory_or_a_safetensors_file_gets_the_convert_command(
+    tmp_path: Path, ckpt: Path
+) -> None:
+    """inspect and verify of what convert reads (a Hugging Face model directory: safetensors
+    weights, their index and config.json; a safetensors file) say what it is and give the
+    command line that converts it, which then works."""
+    from gpuckpt.convert import convert
+
+    hf = tmp_path / "my model"  # a name the command line must quote
+    convert(ckpt, hf, target_format="hf", keys=["layer"], config={"model_type": "tiny"})
+    assert (hf / "config.json").is_file() and (hf / "model.safetensors.index.json").is_file()
+    single = tmp_path / "w.safetensors"
+    convert(ckpt, single)
+    for command in ("inspect", "verify"):
+        r = gpuckpt_cli(command, str(hf))
+        assert_one_line_error(r, 1, "is a Hugging Face model directory")
+        assert f"gpuckpt convert '{hf}' CKPT && gpuckpt {command} CKPT" in r.stderr, r.stderr
+        r = gpuckpt_cli(command, str(single))
+        assert_one_line_error(r, 1, "is a safetensors file")
+        assert f"gpuckpt convert {single} CKPT && gpuckpt {command} CKPT" in r.stderr, r.stderr
+    r = gpuckpt_cli("verify", "--json", str(hf))
+    assert r.returncode == 1 and "gpuckpt convert" in json.loads(r.stdout)["error"]
+    # the command given does what it says
+    r = gpuckpt_cli("convert", str(hf), str(tmp_path / "CKPT"), "--quiet")
+    assert r.returncode == 0, r.stderr
+    assert gpuckpt_cli("verify", str(tmp_path / "CKPT")).returncode == 0
+
+
 def test_small_sizes_read_as_what_they_are(ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["verify", "-q", str(ckpt)]) == 0
     assert "6 chunks, 4.8 kB)" in capsys.readouterr().out  # 4830 bytes of tensors; not "0.0 MB"

@@ -93,6 +93,35 @@ def test_compressed_chunks_are_smaller_and_uncompressed_saves_unchanged(tmp_path
     assert not (tmp_path / "plain" / "bf16" / "zarr.json").read_text().count("blosc")
 
 
+def test_compression_none_is_no_compression_on_every_path(tmp_path: Path) -> None:
+    """ "none", the command line's word, means what None means on each entry point of the
+    Python API: save, async_save, a sharded save, the manager and convert."""
+    state = _state()
+    gpuckpt.save(state, tmp_path / "default")
+    gpuckpt.save(state, tmp_path / "save", compression="none")
+    gpuckpt.async_save(state, tmp_path / "async", compression="none").result()
+    w = np.arange(32, dtype=np.float32).reshape(4, 8)
+    sharded = {"w": gpuckpt.ShardedArray(w, (0, 0), (4, 8))}
+    gpuckpt.save(sharded, tmp_path / "sharded", compression="none")
+    with gpuckpt.CheckpointManager(tmp_path / "root", compression="none") as manager:
+        manager.save(1, state)
+    from gpuckpt.convert import convert
+
+    convert(tmp_path / "default", tmp_path / "converted", compression="none")
+    steps = [p for p in (tmp_path / "root").iterdir() if (p / "zarr.json").is_file()]
+    assert len(steps) == 1
+    for ckpt in [tmp_path / n for n in ("save", "async", "sharded", "converted")] + steps:
+        md = gpuckpt.read_metadata(ckpt)
+        assert md.version == "1", ckpt  # what a save without compression writes
+        assert all("codec" not in e for e in md.storage_data["tensors"].values()), ckpt
+    plain = (tmp_path / "default" / "bf16" / "c.0.0").read_bytes()
+    assert (tmp_path / "save" / "bf16" / "c.0.0").read_bytes() == plain
+    # other spellings are refused, naming "none" among the choices
+    with pytest.raises(gpuckpt.InvalidOptionError, match="'none'"):
+        gpuckpt.save(state, tmp_path / "bad", compression="None")
+    assert not (tmp_path / "bad").exists()
+
+
 def test_a_chunk_table_records_the_stored_sizes(tmp_path: Path) -> None:
     # more than 4,096 chunks: records in the chunk table, with its nbytes column
     rng = np.random.default_rng(1)

@@ -126,6 +126,29 @@ def test_boxes_that_do_not_tile_are_refused(tmp_path: Path) -> None:
     assert all("tile the whole tensor" in m for m in run_ranks(2, save_rank))
 
 
+def test_one_process_boxes_that_leave_a_gap_name_the_array_its_shape_and_the_gap(tmp_path: Path) -> None:
+    """A single-process save: the error speaks of the array, its shape (8x8, not a tuple), the
+    region no box holds, and the fix; nothing is written."""
+    g = global_tensor((8, 8))
+    cases = {
+        "rows 4 to 8 missing": ([((0, 0), (4, 8))], "[4:8, 0:8]", "cover 32 elements of 64"),
+        "a gap between two boxes": (
+            [((0, 0), (4, 8)), ((6, 0), (2, 8))],
+            "[4:6, 0:8]",
+            "cover 48 elements of 64",
+        ),
+    }
+    for name, (boxes, gap, cover) in cases.items():
+        state = {"w": [shard(g, box) for box in boxes]}
+        with pytest.raises(gpuckpt.GpuckptError) as info:
+            gpuckpt.save(state, tmp_path / "c")
+        message = str(info.value)
+        assert "tensor 'w' of shape 8x8" in message and "(8, 8)" not in message, name
+        assert f"{cover}; no box holds {gap}" in message, (name, message)
+        assert "give a ShardedArray for every region" in message, name
+        assert not (tmp_path / "c").exists()
+
+
 @pytest.mark.xfail(
     ZARR_BEFORE_3_4, strict=True, reason=f"zarr {zarr.__version__} has no rectilinear chunk grid"
 )

@@ -66,8 +66,12 @@ def test_replicas_written_once_and_spread() -> None:
 
 
 def test_gaps_overlaps_and_disagreements_are_errors() -> None:
-    with pytest.raises(UnsupportedValueError, match="cover 6 elements of 10"):
+    with pytest.raises(UnsupportedValueError, match=r"cover 6 elements of 10; no box holds \[6:10\]"):
         plan_global([[lt("w", (10,), [((0,), (6,))])]], chunk_bytes=1 << 20)
+    # the grid of box edges is searched for the first region no box holds (C order)
+    boxes = [((0, 0), (2, 3)), ((2, 1), (2, 2))]
+    with pytest.raises(UnsupportedValueError, match=r"of shape 4x3: .* no box holds \[2:4, 0:1\]"):
+        plan_global([[lt("w", (4, 3), boxes)]], chunk_bytes=1 << 20)
     with pytest.raises(UnsupportedValueError, match="overlap|uncovered"):
         plan_global([[lt("w", (10,), [((0,), (6,))])], [lt("w", (10,), [((2,), (4,))])]], chunk_bytes=1 << 20)
     with pytest.raises(UnsupportedValueError, match="every rank must agree"):
