@@ -152,8 +152,8 @@ def save(
         Compress chunks losslessly, in Zarr v3 codecs every Zarr reader decodes: ``"zstd"``
         (byte-shuffled zstd in the ``blosc`` codec), ``"lz4"`` (bit-shuffled lz4), ``"auto"``
         (``"zstd"`` only for the tensors and stores where it makes the save faster), or a dict
-        spec (``{"codec": "zstd", "level": 3}``: the core ``zstd`` codec); None (the default)
-        stores chunks as they are. See docs/compression.md.
+        spec (``{"codec": "zstd", "level": 3}``: the core ``zstd`` codec); None (the default),
+        or ``"none"``, stores chunks as they are. See docs/compression.md.
 
     Examples
     --------

@@ -178,7 +178,7 @@ class CheckpointIO(*_BASES):  # type: ignore[misc]
 
     def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
         """Delete the whole checkpoint at ``path`` (nothing when there is none), the directory
-        :meth:`save_checkpoint` wrote; an ``s3://`` checkpoint is left in place, with a warning.
+        or ``s3://`` prefix :meth:`save_checkpoint` wrote.
 
         Refused with the errors a save gives for the same path, nothing deleted: a path that is
         not a str or ``os.PathLike``, or empty (:class:`~gpuckpt.errors.InvalidPathError`); a
@@ -187,13 +187,7 @@ class CheckpointIO(*_BASES):  # type: ignore[misc]
         (:class:`~gpuckpt.errors.CheckpointExistsError`, as :meth:`save_checkpoint` refuses it)."""
         text = path_text(path)
         if scheme_of(text) != "file":
-            # an object store's root of checkpoints takes plain names only, and Lightning's have "="
-            warnings.warn(
-                f"{text} is left in place: the plug-in does not remove checkpoints from an object "
-                "store; delete the prefix with the store's own tools",
-                UserWarning,
-                stacklevel=2,
-            )
+            self._remove_from_a_store(text)
             return
         p = Path(text).absolute()
         _refuse_inside_a_checkpoint(p)
@@ -203,6 +197,22 @@ class CheckpointIO(*_BASES):  # type: ignore[misc]
             root.delete([p.name])  # (out of sight in one rename, then its files)
         elif p.exists() or p.is_symlink():
             p.unlink()
+
+    def _remove_from_a_store(self, url: str) -> None:
+        """Delete the checkpoint at the URL ``url`` (an object store's prefix) as a root of
+        checkpoints deletes one of its children (claimed, unpublished, then its objects)."""
+        parent, _, name = url.rstrip("/").rpartition("/")
+        if "://" not in parent:  # s3://bucket alone
+            raise InvalidPathError(
+                f"{url} names no checkpoint: pass the checkpoint's own URL; nothing was deleted"
+            )
+        root = open_root(parent, storage_options=self.storage_options)
+        try:
+            root.child(name)
+        except ValueError as exc:
+            raise InvalidPathError(f"{url}: {exc}; nothing was deleted") from None
+        open_root(url, storage_options=self.storage_options).refuse_inside_a_checkpoint()
+        root.delete([name])
 
     def teardown(self) -> None:
         """Nothing to release (gpuckpt's threads and staging memory are kept for the next save)."""

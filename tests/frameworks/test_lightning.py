@@ -246,25 +246,52 @@ def test_remove_checkpoint_refuses_bad_paths_with_the_errors_a_save_gives(tmp_pa
     strategy.remove_checkpoint(ckpt)  # nothing there: nothing to do
 
 
-def test_remove_checkpoint_of_a_url_says_it_is_left_in_place(tmp_path: Path) -> None:
-    """An s3:// path is never taken for a local one (``s3:/bucket/...`` under the working
-    directory): nothing local is deleted, and a warning says the checkpoint stays."""
+def test_remove_checkpoint_of_a_url_deletes_that_checkpoint_from_the_store(tmp_path: Path) -> None:
+    """Through a Trainer's strategy, against an S3 server on loopback: checkpoints saved under
+    Lightning's names (``epoch=0-step=3.ckpt``) are removed whole, the others stay; a URL inside
+    a checkpoint or a bucket alone is refused, nothing deleted; an ``s3:`` directory under the
+    working directory is never taken for the store."""
     pl = _lightning()
-    from gpuckpt.lightning import CheckpointIO
+    pytest.importorskip("moto.server")
+    import torch
 
-    plugin = CheckpointIO()
-    strategy = _trainer(pl, plugin, tmp_path).strategy
-    local = tmp_path / "s3:" / "ckpts" / "run" / "last.ckpt"
-    local.parent.mkdir(parents=True)
-    local.write_text("a local file")
-    cwd = os.getcwd()
-    os.chdir(tmp_path)
-    try:
-        with pytest.warns(UserWarning, match=r"s3://ckpts/run/last\.ckpt is left in place"):
-            strategy.remove_checkpoint("s3://ckpts/run/last.ckpt")
-    finally:
-        os.chdir(cwd)
-    assert local.read_text() == "a local file"
+    import gpuckpt
+    from gpuckpt.errors import InvalidPathError
+    from gpuckpt.lightning import CheckpointIO
+    from gpuckpt.testing.s3server import loopback_s3, s3_options
+
+    with loopback_s3("ckpts") as url:
+        opts = s3_options(url)
+        plugin = CheckpointIO(storage_options=opts)
+        strategy = _trainer(pl, plugin, tmp_path).strategy
+        names = [f"s3://ckpts/run/epoch={e}-step={3 * e}.ckpt" for e in range(3)]
+        for e, name in enumerate(names):
+            plugin.save_checkpoint({"w": torch.full((2,), float(e)), "m": {"b": torch.zeros(3)}}, name)
+        local = tmp_path / "s3:" / "ckpts" / "run" / "epoch=0-step=0.ckpt"
+        local.parent.mkdir(parents=True)
+        local.write_text("a local file")
+        cwd = os.getcwd()
+        os.chdir(tmp_path)
+        try:
+            for bad, match in (
+                (names[1] + "/w", "inside the gpuckpt checkpoint"),
+                (names[1] + "/zarr.json", "not a plain name"),
+                ("s3://ckpts", "names no checkpoint"),
+            ):
+                with pytest.raises(InvalidPathError, match=match):
+                    strategy.remove_checkpoint(bad)
+            strategy.remove_checkpoint(names[0])
+            strategy.remove_checkpoint(names[0])  # nothing there: nothing to do
+        finally:
+            os.chdir(cwd)
+        assert local.read_text() == "a local file"
+        root = gpuckpt.storage.stores.open_root("s3://ckpts/run", storage_options=opts)
+        assert root.children() == [n.rsplit("/", 1)[1] for n in names[1:]]
+        for e, name in enumerate(names[1:], 1):
+            got = gpuckpt.load_state_dict(name, storage_options=opts)
+            assert got["w"].tolist() == [float(e)] * 2 and got["m"]["b"].tolist() == [0.0] * 3
+        with pytest.raises(gpuckpt.CheckpointNotFoundError):
+            gpuckpt.load_state_dict(names[0], storage_options=opts)
 
 
 def test_load_from_checkpoint_builds_the_module_as_lightning_s_classmethod_does(tmp_path: Path) -> None:

@@ -32,6 +32,7 @@ probed the children passes those not committed, and only they are looked at.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -42,7 +43,21 @@ from gpuckpt.storage.base import CheckpointRoot
 from gpuckpt.storage.s3.prefix import CLAIM_KEY, Prefix, holds_checkpoint
 from gpuckpt.storage.s3.writer import ObjectStoreWriter
 
-__all__ = ["ObjectStoreRoot"]
+__all__ = ["ObjectStoreRoot", "is_child_name"]
+
+#: a checkpoint's name under a root: one key component of the characters of array names and
+#: ``=+,@`` (a Lightning checkpoint is ``epoch=3-step=400.ckpt``), never hidden, never ``.``
+_CHILD_NAME = re.compile(r"^[A-Za-z0-9_%~][A-Za-z0-9_.%~=+,@-]{0,254}$")
+
+
+def is_child_name(name: object) -> bool:
+    """Whether ``name`` is taken as a checkpoint's name under an ``s3://`` root of checkpoints:
+    a manager's step names, Lightning's, any array name (:func:`~gpuckpt.format.names.is_safe_name`)."""
+    return (
+        isinstance(name, str)
+        and name != ROOT_KEY
+        and (_CHILD_NAME.match(name) is not None or is_safe_name(name))
+    )
 
 
 class ObjectStoreRoot(Prefix, CheckpointRoot):
@@ -57,7 +72,7 @@ class ObjectStoreRoot(Prefix, CheckpointRoot):
         super().__init__(url, dict(storage_options))
 
     def child(self, name: str) -> str:
-        if not is_safe_name(name):
+        if not is_child_name(name):
             raise ValueError(f"refusing checkpoint name {name!r} under {self.path}: not a plain name")
         return f"{self.path}/{name}"
 
@@ -67,7 +82,7 @@ class ObjectStoreRoot(Prefix, CheckpointRoot):
         with self._io("listing the checkpoints"):
             found = obs.list_with_delimiter(self._obs)["common_prefixes"]
         names = (p.rstrip("/").rsplit("/", 1)[-1] for p in found)
-        return sorted(n for n in names if n and not n.startswith(".") and is_safe_name(n))
+        return sorted(n for n in names if n and not n.startswith(".") and is_child_name(n))
 
     def is_committed(self, name: str) -> bool:
         rel = f"{name}/{ROOT_KEY}"
@@ -109,7 +124,7 @@ class ObjectStoreRoot(Prefix, CheckpointRoot):
         names = self.children() if candidates is None else candidates
         removed = []
         for name in names:
-            if name.startswith(".") or not is_safe_name(name):
+            if name.startswith(".") or not is_child_name(name):
                 continue
             with self._io(f"reading {name}/{CLAIM_KEY}"):
                 try:
