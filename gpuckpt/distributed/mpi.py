@@ -20,7 +20,11 @@ pickle read as another's). In the main thread, ``SIGINT`` is therefore held whil
 collective runs, and its handler runs (``KeyboardInterrupt``) once the collective is over;
 if the other ranks do not finish it within :data:`INTERRUPT_GRACE_S` of the interrupt, the
 interrupt is raised anyway and the coordinator refuses every later collective
-(:class:`CoordinatorError`): its ranks are out of step, and the job has to end.
+(:class:`CoordinatorError`): its ranks are out of step, and the job has to end. A collective
+run after an interrupt ended an earlier operation on this rank
+(:func:`~gpuckpt.runtime.interrupts.after_interrupt`: the other ranks may never join it) gives
+up after the same grace, with a :class:`CoordinatorError`, and the coordinator refuses every
+later one as well.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from gpuckpt.distributed.coordinator import (
     MissingDependencyError,
     check_error_argument,
 )
-from gpuckpt.runtime.interrupts import held_interrupts, interrupt_held_for
+from gpuckpt.runtime.interrupts import after_interrupt_for, held_interrupts, interrupt_held_for
 
 __all__ = ["MPICoordinator"]
 
@@ -66,9 +70,13 @@ class _Stranded(Exception):
 
 
 def _stranded_after_interrupt() -> bool:
-    """Whether an interrupt held while the running collective waits came more than the grace ago."""
-    held = interrupt_held_for()
-    return held is not None and held > INTERRUPT_GRACE_S
+    """Whether an interrupt held while the running collective waits came more than the grace
+    ago, or the collective runs after an interrupt (see the module docstring) and began more
+    than the grace ago."""
+    return any(
+        waited is not None and waited > INTERRUPT_GRACE_S
+        for waited in (interrupt_held_for(), after_interrupt_for())
+    )
 
 
 def _whole(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -86,12 +94,16 @@ def _whole(method: Callable[..., Any]) -> Callable[..., Any]:
             try:
                 return method(self, *args, **kwargs)
             except _Stranded:
+                held = interrupt_held_for() is not None
+                when = "was interrupted (Ctrl-C) in" if held else "joined, after an interrupt (Ctrl-C),"
                 self._stranded = (
-                    f"rank {self._rank} was interrupted (Ctrl-C) in a collective that the other ranks "
-                    f"did not finish within {INTERRUPT_GRACE_S:g} s: the job's ranks are out of step, and "
-                    "this coordinator takes part in no further collective; end the job and start it again"
+                    f"rank {self._rank} {when} a collective that the other ranks did not finish within "
+                    f"{INTERRUPT_GRACE_S:g} s: the job's ranks are out of step, and this coordinator "
+                    "takes part in no further collective; end the job and start it again"
                 )
-                raise KeyboardInterrupt from None
+                if held:
+                    raise KeyboardInterrupt from None
+                raise CoordinatorError(self._stranded) from None
 
     return run
 

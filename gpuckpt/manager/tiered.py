@@ -7,13 +7,22 @@ steps and drains, whether a drain still runs), with rank 0's view of the root an
 id. The drain runs on its own thread at nice 19 and saves the step from the parts in the
 tier, never staged from the device again; retention at the root applies once every rank's
 drain has ended.
+
+Ctrl-C (``SIGINT``) stops a save only before its first collective or once it is over: it is
+held from that collective until the step's background work is queued, the part's snapshot
+included (a rank that stopped between would leave the others' tier and drain threads
+waiting, in their collectives, for work it never queued). The manager's next collective on a
+rank that an interrupt stopped waits for the others no longer than the grace of
+:mod:`gpuckpt.distributed.mpi` (they may have left the job), and its ``call`` label tells
+whether they stopped at the same point.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import gpuckpt.api as api
@@ -22,7 +31,7 @@ from gpuckpt.errors import CheckpointExistsError, CheckpointNotFoundError, Distr
 from gpuckpt.format.metadata import STATE_DICT_TYPE
 from gpuckpt.manager.steps import StepRoot, different_steps, step_name
 from gpuckpt.options import SaveOptions
-from gpuckpt.runtime.interrupts import held_interrupts
+from gpuckpt.runtime.interrupts import after_interrupt, held_interrupts
 from gpuckpt.runtime.workers import Workers
 from gpuckpt.tiers import LocalTier, PartSource, RestoreReport, part_bytes, part_view
 
@@ -96,17 +105,51 @@ class TieredSaves:
         self.last: int | None = None
         #: why the ranks can no longer gather (they were found in different calls), or None
         self.out_of_step: str | None = None
+        #: an interrupt ended a call here since the ranks last gathered in agreement: the next
+        #: gather waits for them no longer than the grace
+        self._interrupted = False
 
     # saving -------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _noting_interrupts(self, *, half_done: str | None = None) -> Iterator[None]:
+        """Note an interrupt (an exception that is not an ``Exception``) that ends the block:
+        the ranks may have stopped at other points. ``half_done``: the block's collectives may
+        be left half done, and the ranks are out of step for good (this text says where)."""
+        try:
+            yield
+        except BaseException as exc:
+            if not isinstance(exc, Exception):
+                self._interrupted = True
+                if half_done is not None and self.out_of_step is None:
+                    self.out_of_step = (
+                        f"rank {self.queries.rank} was interrupted (Ctrl-C) in {half_done}, whose "
+                        "collectives the ranks may have left at different points: end the job and "
+                        "start it again"
+                    )
+            raise
 
     def save(self, step: int, state_dict: STATE_DICT_TYPE) -> None:
         """A save through the local tier: one report of every rank's background work, the step
         checks on the agreed view, the part's snapshot; the drain of a persist step."""
+        with self._noting_interrupts():
+            self._save(step, state_dict)
+
+    def _save(self, step: int, state_dict: STATE_DICT_TYPE) -> None:
         if self.last is not None:
             # one step in flight, as for saves to the root: its snapshot memory is reused, and
             # its outcome is known on every rank before the next one starts
             self.tier.wait_for(self.last)
         persist = step % (self.persist_interval_steps or 1) == 0
+        if persist and self._drain is not None:
+            # a persist step waits for the previous drain (the root keeps up with the persist
+            # steps, or the saves slow down; none is skipped): this rank's here, where Ctrl-C
+            # may still stop the save, the others' in the collective below
+            self._drain[1].exception()
+        with held_interrupts():  # (see the module docstring)
+            self._save_held(step, state_dict, persist)
+
+    def _save_held(self, step: int, state_dict: STATE_DICT_TYPE, persist: bool) -> None:
         # the save blocks for one collective: every rank's report of its background work, with
         # rank 0's view of the root and the save's id (the view may hold old steps that the
         # retention of a drain joined here deletes: the checks below look at this step and
@@ -119,8 +162,7 @@ class TieredSaves:
             call="save",
         )
         if not idle and persist:
-            # the previous drain still runs somewhere: a persist step waits for it (the root
-            # keeps up with the persist steps, or the saves slow down; none is skipped)
+            # the previous drain still runs on another rank: it is waited for
             self.gather(wait_tier=False, wait_drain=True, call="save, waiting for the drain")
         existing = steps.get(step)
         if existing is not None or (self.last is not None and step == self.last):
@@ -162,15 +204,21 @@ class TieredSaves:
         interrupt or an error that some ranks caught and others did not) are a
         :class:`CoordinatorError` on every rank, before anything else of the report is used.
         Ctrl-C is held from the collective until its reports are acted on (not in the waits
-        before it): see :mod:`gpuckpt.runtime.interrupts`."""
-        if self.out_of_step is not None:
-            raise CoordinatorError(self.out_of_step)
-        if wait_tier:
-            self.tier.wait_all()
-        if wait_drain and self._drain is not None:
-            self._drain[1].exception()
-        with held_interrupts():
-            return self._gathered(agreed, step, call)
+        before it): see :mod:`gpuckpt.runtime.interrupts`. After an interrupt ended a call on
+        this rank, the collective waits for the others no longer than the grace (the job's
+        coordinator then refuses every later collective: see :mod:`gpuckpt.distributed.mpi`)."""
+        with self._noting_interrupts():
+            if self.out_of_step is not None:
+                raise CoordinatorError(self.out_of_step)
+            if wait_tier:
+                self.tier.wait_all()
+            if wait_drain and self._drain is not None:
+                self._drain[1].exception()
+            bounded = after_interrupt() if self._interrupted else contextlib.nullcontext()
+            with held_interrupts(), bounded:
+                gathered = self._gathered(agreed, step, call)
+            self._interrupted = False  # (the ranks met in the same call)
+            return gathered
 
     def _gathered(self, agreed: Callable[[], Any] | None, step: int | None, call: str) -> tuple[bool, Any]:
         """:meth:`gather` from its collective on."""
@@ -279,7 +327,18 @@ class TieredSaves:
         resolve: Callable[[int], str],
     ) -> tuple[int, RestoreReport]:
         """The newest step complete in the tiers (or ``step``), else the root's (``resolve``
-        gives a committed step's name there); returns the step and where its parts came from."""
+        gives a committed step's name there); returns the step and where its parts came from.
+        An interrupt leaves the ranks out of step (its collectives are not held)."""
+        with self._noting_interrupts(half_done="a restore"):
+            return self._restore(state_dict, step, options, resolve)
+
+    def _restore(
+        self,
+        state_dict: STATE_DICT_TYPE,
+        step: int | None,
+        options: dict[str, Any],
+        resolve: Callable[[int], str],
+    ) -> tuple[int, RestoreReport]:
         self.wait()  # failures stay for the next save or wait to raise
 
         def root_latest() -> int | None:

@@ -8,6 +8,11 @@ replaced once the step is over; a waiting loop inside may ask how long one has b
 (:func:`interrupt_held_for`) and give up after a grace. Re-entrant: the outermost holder
 delivers it. Elsewhere (another thread; ``SIGINT`` ignored or left to its default action)
 nothing is held.
+
+An interrupt that ended an operation on one rank may have ended the others' elsewhere, or not
+at all: the next collective this rank joins may be one that the others never join. Such a
+step runs in :func:`after_interrupt`, where the same waiting loops give up after the same grace
+counted from the block's start (:func:`after_interrupt_for`).
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["held_interrupts", "interrupt_held_for"]
+__all__ = ["after_interrupt", "after_interrupt_for", "held_interrupts", "interrupt_held_for"]
 
 
 class _Held:
@@ -28,6 +33,7 @@ class _Held:
         self.previous: Any = None
         self.caught: tuple[int, Any] | None = None
         self.at: float | None = None  # when the held interrupt came
+        self.since: float | None = None  # when the outermost after_interrupt block began
 
     def hold(self, signum: int, frame: Any) -> None:
         if self.caught is None:
@@ -77,3 +83,28 @@ def interrupt_held_for() -> float | None:
     if at is None or threading.current_thread() is not threading.main_thread():
         return None
     return time.monotonic() - at
+
+
+@contextlib.contextmanager
+def after_interrupt() -> Iterator[None]:
+    """Mark the ``with`` block as a step taken after an interrupt ended an earlier one on this
+    rank (the other ranks may never join its collectives): a waiting loop inside gives up
+    after the grace counted from the block's start (:func:`after_interrupt_for`). Main thread
+    only; re-entrant (the outermost block's start counts)."""
+    if threading.current_thread() is not threading.main_thread() or _HELD.since is not None:
+        yield
+        return
+    _HELD.since = time.monotonic()
+    try:
+        yield
+    finally:
+        _HELD.since = None
+
+
+def after_interrupt_for() -> float | None:
+    """Seconds since the running :func:`after_interrupt` block began, or None (none runs;
+    always None in a thread other than the main one)."""
+    since = _HELD.since
+    if since is None or threading.current_thread() is not threading.main_thread():
+        return None
+    return time.monotonic() - since

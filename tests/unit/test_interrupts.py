@@ -6,11 +6,16 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
-from gpuckpt.runtime.interrupts import held_interrupts, interrupt_held_for
+from gpuckpt.runtime.interrupts import (
+    after_interrupt,
+    after_interrupt_for,
+    held_interrupts,
+    interrupt_held_for,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -21,9 +26,9 @@ def _python_default_sigint() -> Iterator[None]:
     signal.signal(signal.SIGINT, before)
 
 
-def _seen_from_another_thread() -> float | None:
+def _seen_from_another_thread(ask: Callable[[], float | None] = interrupt_held_for) -> float | None:
     seen: list[float | None] = []
-    t = threading.Thread(target=lambda: seen.append(interrupt_held_for()))
+    t = threading.Thread(target=lambda: seen.append(ask()))
     t.start()
     t.join()
     return seen[0]
@@ -52,3 +57,27 @@ def test_without_an_interrupt_nothing_is_raised() -> None:
     with held_interrupts():
         assert interrupt_held_for() is None
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_after_an_interrupt_waits_count_from_the_outermost_block_in_the_main_thread_only() -> None:
+    assert after_interrupt_for() is None
+    with after_interrupt():
+        time.sleep(0.02)
+        with after_interrupt():
+            inner = after_interrupt_for()
+        other = _seen_from_another_thread(after_interrupt_for)
+        assert interrupt_held_for() is None  # (no interrupt is held for it)
+    assert inner is not None and inner >= 0.02, inner  # the outer block's start
+    assert other is None  # a background thread's wait never gives up for it
+    assert after_interrupt_for() is None
+
+
+def test_a_collective_after_an_interrupt_gives_up_at_the_grace(monkeypatch: pytest.MonkeyPatch) -> None:
+    import gpuckpt.distributed.mpi as mpi
+
+    monkeypatch.setattr(mpi, "INTERRUPT_GRACE_S", 0.01)
+    assert not mpi._stranded_after_interrupt()
+    with after_interrupt():
+        assert not mpi._stranded_after_interrupt()
+        time.sleep(0.02)
+        assert mpi._stranded_after_interrupt()
