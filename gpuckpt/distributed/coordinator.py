@@ -71,12 +71,16 @@ def collectively(coordinator: Coordinator, fn: Callable[..., Any], *args: Any) -
     """``fn(*args)`` on this rank, then :meth:`Coordinator.all_reduce_errors`: every rank raises
     if it failed on any. An interrupt (``KeyboardInterrupt``, ``SystemExit``) takes part in the
     check too, so that the other ranks fail instead of waiting for this one in their next
-    collective, and goes on as itself on this rank."""
+    collective, and goes on as itself on this rank. In a group of one rank (a one-process
+    save of ShardedArray boxes) the rank's own error is raised as it is: "rank 0 of 1" adds
+    nothing to it."""
     result, error = None, None
     try:
         result = fn(*args)
     except BaseException as exc:  # every failure, interrupts included, must reach the check
         error = exc
+    if error is not None and coordinator.world_size == 1:
+        raise error
     try:
         coordinator.all_reduce_errors(error)
     except DistributedError:
