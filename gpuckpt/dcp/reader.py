@@ -6,6 +6,7 @@ import dataclasses
 import io
 import os
 import re
+import uuid
 from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata as DcpMetadata
@@ -112,6 +113,9 @@ class Reader(StorageReader):  # type: ignore[misc,unused-ignore]
             staging_bytes=staging_bytes,
         )
         self._path = path_text(path)
+        #: this reader's id, put into the metadata it reads (``storage_meta.load_id``), as DCP's
+        #: ``FileSystemReader.load_id``; new at each :meth:`reset`
+        self.load_id = str(uuid.uuid4())
         self._coordinator: TorchCoordinator | None = None
         self._checkpoint: bridge.OpenCheckpoint | None = None
         self._view: convert.View | None = None
@@ -124,6 +128,7 @@ class Reader(StorageReader):  # type: ignore[misc,unused-ignore]
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         self._checkpoint = None
         self._view = None
+        self.load_id = str(uuid.uuid4())
         if checkpoint_id is not None:
             self._path = path_text(checkpoint_id)
 
@@ -133,6 +138,8 @@ class Reader(StorageReader):  # type: ignore[misc,unused-ignore]
         view = convert.dcp_view(ck.metadata, set(ck.tensors), set(ck.values), self._path)
         self._checkpoint, self._view = ck, view
         metadata: DcpMetadata = view.metadata
+        if metadata.storage_meta is not None:
+            metadata.storage_meta.load_id = self.load_id
         return metadata
 
     def set_up_storage_reader(

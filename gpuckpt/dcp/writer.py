@@ -173,6 +173,7 @@ class Writer(StorageWriter):  # type: ignore[misc,unused-ignore]
         )
         self._path = path_text(path)
         self._save_id = str(uuid.uuid4())  # the next save's, as DCP's FileSystemWriter makes one
+        self._published = False  # the save of _save_id was published: the next save makes another
         self._coordinator = True
         self._rank = 0
         self._open: bridge.OpenSave | None = None
@@ -183,11 +184,18 @@ class Writer(StorageWriter):  # type: ignore[misc,unused-ignore]
         """The path (or URL) of the checkpoint being written."""
         return self._path
 
+    @property
+    def save_id(self) -> str:
+        """The id of the save being made, or of the last one published (as DCP's
+        ``FileSystemWriter.save_id``): the ``storage_meta.save_id`` that ``dcp.save`` returns and
+        the checkpoint records; a later save without :meth:`reset` makes a new one."""
+        return self._save_id
+
     # the calls of a save, in DCP's order ----------------------------------------
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         self._discard()
-        self._save_id = str(uuid.uuid4())
+        self._save_id, self._published = str(uuid.uuid4()), False
         if checkpoint_id is not None:
             self._path = path_text(checkpoint_id)
 
@@ -200,11 +208,19 @@ class Writer(StorageWriter):  # type: ignore[misc,unused-ignore]
                 "call dcp.save without use_collectives=False"
             )
         self._discard()  # a previous save of this Writer that failed on some rank
+        self._next_save_id()
         self._coordinator = bool(is_coordinator)
         self._rank = int(rank)
 
     def storage_meta(self) -> StorageMeta | None:
+        self._next_save_id()
         return StorageMeta(checkpoint_id=self._path, save_id=self._save_id)
+
+    def _next_save_id(self) -> None:
+        """A new save id once the save of the current one was published (a later save without
+        :meth:`reset` is another save), at the first of the calls that begin a save."""
+        if self._published:
+            self._save_id, self._published = str(uuid.uuid4()), False
 
     def prepare_local_plan(self, plan: DcpSavePlan) -> DcpSavePlan:
         convert.local_boxes(plan.items)  # unsupported dtypes fail here, on the rank that has them
@@ -389,8 +405,8 @@ class Writer(StorageWriter):  # type: ignore[misc,unused-ignore]
         # what DCP's FileSystemWriter.finish records, in the Metadata dcp.save returns (every rank
         # gets the coordinator's); gpuckpt.dcp.Reader reads the save id back as storage_meta.save_id
         metadata.version = DCP_VERSION
-        metadata.storage_meta = self.storage_meta()
-        self._save_id = str(uuid.uuid4())  # a later save without reset() is another save
+        metadata.storage_meta = StorageMeta(checkpoint_id=self._path, save_id=self._save_id)
+        self._published = True
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:

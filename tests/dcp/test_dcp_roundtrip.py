@@ -484,13 +484,19 @@ def test_the_metadata_of_a_save_carries_dcp_s_version_and_the_save_s_id(tmp_path
     assert ours.storage_meta is not None and theirs.storage_meta is not None
     assert ours.storage_meta.checkpoint_id == str(tmp_path / "g")
     assert isinstance(ours.storage_meta.save_id, str) and ours.storage_meta.save_id
-    read = gpuckpt.dcp.Reader(tmp_path / "g").read_metadata()
+    assert writer.save_id == ours.storage_meta.save_id  # FileSystemWriter.save_id, after its save
+    reader = gpuckpt.dcp.Reader(tmp_path / "g")
+    read = reader.read_metadata()
     assert read.version == theirs.version
     assert read.storage_meta is not None and read.storage_meta.save_id == ours.storage_meta.save_id
+    assert read.storage_meta.load_id == reader.load_id  # as FileSystemReader's (load_id)
     again = dcp.save(src, storage_writer=writer)
     assert again.storage_meta is not None and again.storage_meta.save_id != ours.storage_meta.save_id
-    read = gpuckpt.dcp.Reader(tmp_path / "g").read_metadata()
+    assert writer.save_id == again.storage_meta.save_id
+    reader.reset()
+    read = reader.read_metadata()
     assert read.storage_meta is not None and read.storage_meta.save_id == again.storage_meta.save_id
+    assert read.storage_meta.load_id == reader.load_id and isinstance(reader.load_id, str)
     # a checkpoint gpuckpt.save wrote is shown to DCP in the same version
     gpuckpt.save({"w": np.ones(2)}, tmp_path / "native")
     assert gpuckpt.dcp.Reader(tmp_path / "native").read_metadata().version == theirs.version
