@@ -706,3 +706,23 @@ def test_a_manager_step_keeps_no_checkpoint_saved_inside_it(endpoint: str, opts:
             gpuckpt.save({"best": np.ones(3)}, f"{mgr.step_path(1)}/best", storage_options=opts)
         mgr.save(2, {"w": np.arange(5.0)})
         assert mgr.all_steps() == [2]
+
+
+def test_a_root_takes_lightning_s_checkpoint_names_and_refuses_what_is_no_name(
+    opts: dict[str, Any], prefix: str
+) -> None:
+    """``epoch=3-step=400.ckpt`` is a checkpoint's name under an s3:// root (listed, deleted
+    whole); what is hidden, a path, the document's name or holds a space is refused."""
+    from gpuckpt.storage.stores import open_root
+
+    root = open_root(f"s3://{BUCKET}/{prefix}", storage_options=opts)
+    names = ["epoch=0-step=3.ckpt", "val_loss=0.12,best@1+x.ckpt", "last.ckpt"]
+    for i, name in enumerate(names):
+        gpuckpt.save({"w": np.full(3, i)}, root.child(name), storage_options=opts)
+    assert root.children() == sorted(names)
+    root.delete([names[0]])
+    assert root.children() == sorted(names[1:])
+    assert gpuckpt.load_state_dict(root.child(names[1]), storage_options=opts)["w"].tolist() == [1, 1, 1]
+    for bad in ("", ".", "..", ".hidden", "a/b", "zarr.json", "a b", "-x", "a%", "x" * 256):
+        with pytest.raises(ValueError, match="not a plain name"):
+            root.child(bad)

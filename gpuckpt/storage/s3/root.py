@@ -47,7 +47,7 @@ __all__ = ["ObjectStoreRoot", "is_child_name"]
 
 #: a checkpoint's name under a root: one key component of the characters of array names and
 #: ``=+,@`` (a Lightning checkpoint is ``epoch=3-step=400.ckpt``), never hidden, never ``.``
-_CHILD_NAME = re.compile(r"^[A-Za-z0-9_%~][A-Za-z0-9_.%~=+,@-]{0,254}$")
+_CHILD_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.~=+,@-]{0,254}$")
 
 
 def is_child_name(name: object) -> bool:
