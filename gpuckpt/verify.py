@@ -29,6 +29,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from gpuckpt.errors import (
     CheckpointCorruptedError,
     ChecksumError,
@@ -45,7 +47,7 @@ from gpuckpt.loading.checks import (
     load_chunk_records,
     overclaimed,
 )
-from gpuckpt.loading.chunk_reads import checksum_verified, decode_verified
+from gpuckpt.loading.chunk_reads import checksum_verified, decode_verified, stored_chunk
 from gpuckpt.loading.open import open_checkpoint
 from gpuckpt.loading.ranged import segments_of
 from gpuckpt.options import LoadOptions
@@ -189,7 +191,17 @@ def _check_chunk(
     if size != c.nbytes:
         return Damage(where, f"is {size} bytes, expected {c.nbytes} (truncated or overwritten)", t.fqn)
     try:
-        if t.codec is None:
+        if t.dtype == np.bool_:  # and that it holds 0 and 1 only (a bool tensor is small)
+            with gate.hold(c.nbytes + math.prod(c.stored)):
+                odd = int(np.count_nonzero(stored_chunk(reader, t, c).view(np.uint8) > 1))
+            if odd:
+                return Damage(
+                    where,
+                    f"{odd} bool element(s) hold a byte other than 0 and 1 (gpuckpt writes 0 and 1; "
+                    "TensorStore refuses the chunk, and a gpuckpt load reads such a byte as True)",
+                    t.fqn,
+                )
+        elif t.codec is None:
             checksum_verified(reader, t, c, piece)
         else:  # and that it decompresses to the chunk's bytes
             with gate.hold(c.nbytes + math.prod(c.stored) * t.dtype.itemsize):

@@ -52,6 +52,7 @@ __all__ = [
     "StagedOut",
     "adapt",
     "canonical_bools",
+    "canonicalize_loaded_bools",
     "copy_all",
     "device_backends",
     "is_array",
@@ -230,6 +231,23 @@ def canonical_bools(a: ArrayAdapter) -> ArrayAdapter:
         if canonical is not None:
             return DeviceArray(canonical(a.data), a.backend, a.dtype, a.requires_grad)
     return a
+
+
+def canonicalize_loaded_bools(a: ArrayAdapter) -> None:
+    """After a load filled ``a``: where ``a`` is a bool array, every nonzero byte becomes 1, in
+    place, as :func:`canonical_bools` stores them (a checkpoint holding other bytes in a bool
+    chunk was saved before saves stored 0 and 1, or by another writer). A host array is
+    scanned and written only where such a byte is found. Other arrays are left as they are."""
+    if a.dtype != np.bool_:
+        return
+    if isinstance(a, HostArray):
+        raw = a.array.view(np.uint8)
+        if raw.size and int(np.max(raw)) > 1:
+            np.minimum(raw, 1, out=raw)
+    elif isinstance(a, DeviceArray):
+        fix = getattr(a.backend, "canonicalize_bools", None)  # back ends written before it: none
+        if fix is not None:
+            fix(a.data)
 
 
 def copy_all(arrays: Sequence[ArrayAdapter]) -> list[ArrayAdapter]:

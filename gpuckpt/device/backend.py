@@ -147,6 +147,12 @@ class DeviceBackend(Protocol):
         the bytes as they are."""
         ...
 
+    def canonicalize_bools(self, array: Any) -> None:
+        """Make every nonzero byte of the bool device ``array`` 1, in place, after the copies
+        already queued on the back end's stream, and wait for it: what a load does to a target
+        it filled from a checkpoint whose bool chunks hold other bytes."""
+        ...
+
     def encode_chunks(
         self, array: Any, chunks: Sequence[ChunkBox], codec_name: str
     ) -> list[np.ndarray] | None:

@@ -262,6 +262,12 @@ class CupyBackend:
             cupy.minimum(arr.view(cupy.uint8), 1, out=out.view(cupy.uint8))
         return out
 
+    def canonicalize_bools(self, array: Any) -> None:
+        raw = self._view(array).view(self.cupy.uint8)
+        with self.cupy.cuda.Device(self.device_id), self.stream:
+            self.cupy.minimum(raw, 1, out=raw)
+        self.stream.synchronize()
+
     def copy_many_on_device(self, arrays: Sequence[Any]) -> list[Any]:
         from gpuckpt.device.batched_copy import launch_batched_copy
         from gpuckpt.device.packing import plan_packing

@@ -209,6 +209,10 @@ class HostBackend:
             self.device_copies += 1
         return out
 
+    def canonicalize_bools(self, array: Any) -> None:
+        raw = array.view(np.uint8)
+        self._stream.submit(lambda: np.minimum(raw, 1, out=raw)).result()
+
     def copy_many_on_device(self, arrays: Sequence[Any]) -> list[Any]:
         dense = [i for i, a in enumerate(arrays) if _is_dense(a)]
         plan = plan_packing(

@@ -60,7 +60,7 @@ import numpy as np
 from gpuckpt.device.arrays import ArrayAdapter, HostArray
 from gpuckpt.device.backend import Staging
 from gpuckpt.distributed.coordinator import Coordinator, describe_error
-from gpuckpt.distributed.load import BoxRead, run_box_reads
+from gpuckpt.distributed.load import BoxRead, canonicalize_bool_boxes, run_box_reads
 from gpuckpt.errors import CoordinatorError, DistributedError, GpuckptError
 from gpuckpt.format.checksum import CRC_BYTES
 from gpuckpt.loading.checks import ChunkRead, TensorEntry
@@ -530,4 +530,5 @@ def read_cooperative(
                 own.append((t, c, [(a, b) for a, b in boxes if intersect((c.spec.offsets, c.spec.sizes), b)]))
                 read_bytes += c.nbytes
     run_box_reads(reader, own, options, counter)
+    canonicalize_bool_boxes(requests)
     return CooperativeReport(plan=plan, read_bytes=read_bytes, held_bytes=held)

@@ -17,8 +17,11 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 
-from gpuckpt.device.arrays import ArrayAdapter
+import numpy as np
+
+from gpuckpt.device.arrays import ArrayAdapter, canonicalize_loaded_bools
 from gpuckpt.device.backend import Staging
 from gpuckpt.device.upload import CopyQueue
 from gpuckpt.loading.checks import ChunkRead, TensorEntry
@@ -30,7 +33,7 @@ from gpuckpt.progress import ProgressCounter
 from gpuckpt.runtime.runner import IO_BATCH_JOBS, batches
 from gpuckpt.storage.base import CheckpointReader
 
-__all__ = ["BoxRead", "read_boxes", "run_box_reads"]
+__all__ = ["BoxRead", "canonicalize_bool_boxes", "read_boxes", "run_box_reads"]
 
 #: one stored chunk of a resharding load and the ``(adapter, box)`` targets it fills
 BoxRead = tuple[TensorEntry, ChunkRead, list[tuple[ArrayAdapter, Box]]]
@@ -124,6 +127,17 @@ def read_boxes(
                 wanted.setdefault(coords, []).append((adapter, box))
         reads.extend((t, t.chunk(coords), targets) for coords, targets in wanted.items())
     run_box_reads(reader, reads, options, counter)
+    canonicalize_bool_boxes(requests)
+
+
+def canonicalize_bool_boxes(
+    requests: Sequence[tuple[TensorEntry, Sequence[tuple[ArrayAdapter, Box]]]],
+) -> None:
+    """Every bool box filled: 0 and 1 only (:func:`~gpuckpt.device.arrays.canonicalize_loaded_bools`)."""
+    for t, boxes in requests:
+        if t.dtype == np.bool_:
+            for adapter, _ in boxes:
+                canonicalize_loaded_bools(adapter)
 
 
 def run_box_reads(

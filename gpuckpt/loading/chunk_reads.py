@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from gpuckpt.device.arrays import ArrayAdapter, HostArray, StagedIn
+from gpuckpt.device.arrays import ArrayAdapter, HostArray, StagedIn, canonicalize_loaded_bools
 from gpuckpt.device.backend import Staging
 from gpuckpt.device.staging import populated
 from gpuckpt.device.upload import CopyQueue
@@ -544,5 +544,8 @@ def prepare_reads(
             ),
         ]
         run_reads(jobs, copies, threads=threads, name="gpuckpt-read")
+        for t, dest in targets:
+            if t.dtype == np.bool_:
+                canonicalize_loaded_bools(dest)
 
     return run

@@ -156,6 +156,26 @@ def test_a_device_bool_view_of_other_bytes_is_stored_as_0_and_1(tmp_path: Path, 
 
 
 @gpu
+def test_a_stored_bool_byte_other_than_0_and_1_loads_into_the_device_as_true(
+    tmp_path: Path, cp: object
+) -> None:
+    from gpuckpt.format.checksum import crc32c
+    from gpuckpt.testing.faults import rewrite_root_metadata
+
+    gpuckpt.save({"b": np.array([True, False, True])}, tmp_path / "c")
+    f = tmp_path / "c" / "b" / "c.0"
+    body = bytearray(f.read_bytes()[:-4])
+    body[0] = 2
+    f.write_bytes(bytes(body) + crc32c(bytes(body)).to_bytes(4, "little"))
+    rewrite_root_metadata(
+        tmp_path / "c",
+        lambda md: md["storage_data"]["tensors"]["b"]["chunks"][0].update(crc32c=crc32c(bytes(body))),
+    )
+    got = gpuckpt.load_state_dict(tmp_path / "c", device="cuda:0")["b"]
+    assert got.view(cp.uint8).get().tolist() == [1, 0, 1]  # type: ignore[attr-defined]
+
+
+@gpu
 def test_pinned_host_memory_is_detected(cp: object) -> None:
     mem = cp.cuda.alloc_pinned_memory(4096)  # type: ignore[attr-defined]
     view = np.frombuffer(mem, np.float32, 1024)

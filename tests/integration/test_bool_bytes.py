@@ -123,3 +123,64 @@ def test_sharded_boxes_and_a_managers_tier_and_root_store_0_and_1(tmp_path: Path
     mgr.close()
     _check_stored(tmp_path / "tier", state)
     _check_stored(tmp_path / "root", state)
+
+
+def _with_odd_bool_bytes(path: Path) -> np.ndarray:
+    """A checkpoint of one bool tensor whose chunk holds bytes 2 and 3, with its checksums made
+    to match (as a checkpoint saved before saves stored 0 and 1 has them, or another writer's);
+    returns the truth values."""
+    from gpuckpt.format.checksum import crc32c
+    from gpuckpt.testing.faults import rewrite_root_metadata
+
+    gpuckpt.save({"b": np.array([True, False, True, True, False, True])}, path)
+    f = path / "b" / "c.0"
+    body = bytearray(f.read_bytes()[:-4])
+    body[0], body[3] = 2, 3
+    f.write_bytes(bytes(body) + crc32c(bytes(body)).to_bytes(4, "little"))
+
+    def edit(md: dict[str, object]) -> None:
+        md["storage_data"]["tensors"]["b"]["chunks"][0]["crc32c"] = crc32c(bytes(body))  # type: ignore[index]
+
+    rewrite_root_metadata(path, edit)
+    return np.array([True, False, True, True, False, True])
+
+
+def test_a_load_reads_a_stored_bool_byte_other_than_0_and_1_as_true_and_verify_names_it(
+    tmp_path: Path,
+) -> None:
+    truth = _with_odd_bool_bytes(tmp_path / "c")
+    report = verify_checkpoint(tmp_path / "c")
+    assert not report.ok and "2 bool element(s) hold a byte other than 0 and 1" in str(report.damage[0])
+    loads = {
+        "new arrays": gpuckpt.load_state_dict(tmp_path / "c")["b"],
+        "device": gpuckpt.load_state_dict(tmp_path / "c", device=HostBackend())["b"],
+    }
+    target = {"b": np.zeros(6, bool)}
+    gpuckpt.load(target, tmp_path / "c")
+    loads["in place"] = target["b"]
+    boxes = {
+        "b": [
+            gpuckpt.ShardedArray(np.zeros(3, bool), (0,), (6,)),
+            gpuckpt.ShardedArray(np.zeros(3, bool), (3,), (6,)),
+        ]
+    }
+    gpuckpt.load(boxes, tmp_path / "c")
+    loads["boxes"] = np.concatenate([boxes["b"][0].local, boxes["b"][1].local])
+    for how, got in loads.items():
+        got = np.asarray(got.numpy() if hasattr(got, "numpy") else got)
+        assert got.view(np.uint8).max() == 1 and np.array_equal(got, truth), how
+
+
+def test_a_cooperative_load_reads_a_stored_bool_byte_other_than_0_and_1_as_true(tmp_path: Path) -> None:
+    from gpuckpt.distributed import run_ranks
+
+    truth = _with_odd_bool_bytes(tmp_path / "c")
+
+    def rank(c: object) -> np.ndarray:
+        r = c.rank  # type: ignore[attr-defined]
+        target = {"b": gpuckpt.ShardedArray(np.zeros(3, bool), (3 * (r % 2),), (6,))}
+        gpuckpt.load(target, tmp_path / "c", coordinator=c, cooperative=True)
+        return target["b"].local
+
+    for r, got in enumerate(run_ranks(4, rank)):
+        assert got.view(np.uint8).max() == 1 and np.array_equal(got, truth[3 * (r % 2) :][:3]), r
