@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import json
 import math
 import os
 import threading
@@ -142,17 +143,27 @@ def _check_array_doc(reader: CheckpointReader, t: TensorEntry) -> Damage | None:
     # other attributes (added by another tool) are allowed; gpuckpt's own must be as written
     want_attrs = expected.pop("attributes")[ATTRIBUTE]
     for key, want in expected.items():
-        if doc.get(key) != want:
+        if not _same_json(doc.get(key), want):
             return Damage(where, f"{key} is {doc.get(key)!r:.200}, the metadata says {want!r:.200}", t.fqn)
     attrs = doc.get("attributes")
     mine = attrs.get(ATTRIBUTE) if isinstance(attrs, dict) else None
-    if not isinstance(mine, dict) or any(mine.get(k) != v for k, v in want_attrs.items()):
+    if not isinstance(mine, dict) or any(not _same_json(mine.get(k), v) for k, v in want_attrs.items()):
         return Damage(
             where,
             f"attributes.{ATTRIBUTE} is {mine!r:.200}, expected fqn {t.fqn!r} and memory format {fmt}",
             t.fqn,
         )
     return None
+
+
+def _same_json(got: Any, want: Any) -> bool:
+    """Whether ``got`` is the JSON value ``want``, types included: Python's ``==`` holds for
+    ``true`` and ``1``, or ``9.0`` and ``9``, which other Zarr readers tell apart (TensorStore
+    refuses a chunk shape of ``[true, 10]``)."""
+    try:
+        return json.dumps(got, sort_keys=True) == json.dumps(want, sort_keys=True)
+    except (TypeError, ValueError, RecursionError):
+        return False
 
 
 class _ByteGate:

@@ -217,7 +217,14 @@ def dcp_view(md: Metadata, tensor_fqns: set[str], value_fqns: set[str], checkpoi
                 f"planner_data.{DCP_KEY} is {str(marker)[:200]}; expected format {_FORMAT} with a "
                 "'torch_save' list (written by a newer gpuckpt? upgrade gpuckpt to read it)"
             )
-        blobs = {f for f in listed if isinstance(f, str)}
+        odd = [f for f in listed if not isinstance(f, str) or f not in value_fqns]
+        if odd:
+            raise MetadataError(
+                f"planner_data.{DCP_KEY}.torch_save lists {odd[0]!r:.200}, which names no plain "
+                "value of the checkpoint (each entry is the FQN of a value DCP serialised); the "
+                "checkpoint's metadata is damaged"
+            )
+        blobs = set(listed)
     entries: dict[str, Entry] = {}
     paths: dict[str, Path] = {}
 

@@ -260,17 +260,17 @@ class Reader(StorageReader):  # type: ignore[misc,unused-ignore]
             if self.options.allow_pickle:
                 return blob
             # DCP's opaque bytes (io.BytesIO), which weights_only refuses, read without unpickling
-            value = saved_bytesio(blob)
-            if value is None:
-                try:
+            try:
+                value = saved_bytesio(blob)
+                if value is None:
                     value = torch.load(io.BytesIO(blob), weights_only=True)
-                except Exception as exc:
-                    raise UnsafeCheckpointError(
-                        f"entry {entry.fqn!r} holds a value that DCP pickled and that gpuckpt.dcp.Reader "
-                        f"does not unpickle by default ({_refusal(exc)}); unpickling it can run any code the "
-                        "checkpoint holds: pass allow_pickle=True to gpuckpt.dcp.Reader only for a "
-                        "checkpoint whose origin you trust"
-                    ) from None
+            except Exception as exc:
+                raise UnsafeCheckpointError(
+                    f"entry {entry.fqn!r} holds a value that DCP pickled and that gpuckpt.dcp.Reader "
+                    f"does not unpickle by default ({_refusal(exc)}); unpickling it can run any code the "
+                    "checkpoint holds: pass allow_pickle=True to gpuckpt.dcp.Reader only for a "
+                    "checkpoint whose origin you trust"
+                ) from None
         elif entry.kind == "value":
             value = bridge.read_value(ck, entry.fqn, self.options.allow_pickle)
         else:  # a list or tuple DCP takes as one value

@@ -90,7 +90,17 @@ def _data_pickle(blob: bytes) -> bytes | None:
             if info.compress_type != zipfile.ZIP_STORED or info.file_size > len(blob):
                 return None
             return archive.read(info)
-    except (zipfile.BadZipFile, zipfile.LargeZipFile, ValueError, OSError, EOFError):
+    except (
+        zipfile.BadZipFile,
+        zipfile.LargeZipFile,
+        ValueError,
+        OSError,
+        EOFError,
+        NotImplementedError,
+        RuntimeError,
+    ):
+        # (zipfile raises NotImplementedError for versions and compressions it does not know,
+        # RuntimeError for an encrypted entry: not the archive torch.save writes)
         return None
 
 

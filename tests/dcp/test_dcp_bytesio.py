@@ -184,3 +184,30 @@ def test_a_program_that_calls_more_than_once_is_refused_before_it_grows() -> Non
     finally:
         tracemalloc.stop()
     assert peak < 64 << 20, peak  # followed as written: 1 GiB
+
+
+def test_an_archive_zipfile_cannot_read_is_no_saved_bytesio() -> None:
+    """An entry marked encrypted (zipfile: RuntimeError) or needing an unknown zip version
+    (NotImplementedError) is not what torch.save writes: not recognised, nothing raised (the
+    Reader then refuses the value as a pickle it does not run, a typed error)."""
+    good = bytearray(_torch_save(io.BytesIO(b"payload")))
+    assert saved_bytesio(bytes(good)) is not None
+
+    def encrypted(raw: bytearray) -> bytearray:
+        for sig, at in ((b"PK\x03\x04", 6), (b"PK\x01\x02", 8)):
+            i = 0
+            while (j := raw.find(sig, i)) >= 0:
+                raw[j + at] |= 1  # general purpose flag: encrypted
+                i = j + 4
+        return raw
+
+    def unknown_version(raw: bytearray) -> bytearray:
+        for sig in (b"PK\x03\x04", b"PK\x01\x02"):
+            i = 0
+            while (j := raw.find(sig, i)) >= 0:
+                raw[j + (4 if sig == b"PK\x03\x04" else 6)] = 127  # version needed to extract: 12.7
+                i = j + 4
+        return raw
+
+    for damage in (encrypted, unknown_version):
+        assert saved_bytesio(bytes(damage(bytearray(good)))) is None, damage.__name__

@@ -327,6 +327,22 @@ def test_hostile_planner_data_is_a_metadata_error(saved: Path) -> None:
     assert "planner_data names 'ghost', which the checkpoint does not hold" in str(info.value)
 
 
+@pytest.mark.parametrize("listed", [0, None, {}, "ghost", "w"])
+def test_a_serialised_values_list_naming_no_value_is_a_metadata_error(tmp_path: Path, listed: object) -> None:
+    """An entry of the DCP marker's list of serialised values that is not the FQN of a plain
+    value (not a string, a name the checkpoint lacks, a tensor's) was dropped, and the value it
+    should name reached DCP as its raw bytes: refused, in gpuckpt's words."""
+    from gpuckpt.testing.faults import rewrite_root_metadata
+
+    dcp.save({"w": torch.arange(4.0), "lr": 0.1}, storage_writer=gpuckpt.dcp.Writer(tmp_path / "c"))
+    rewrite_root_metadata(
+        tmp_path / "c", lambda md: md["planner_data"]["torch_dcp"]["torch_save"].append(listed)
+    )
+    with pytest.raises(CheckpointException) as info:
+        dcp.load({"w": torch.zeros(4), "lr": 0.0}, storage_reader=gpuckpt.dcp.Reader(tmp_path / "c"))
+    assert f"torch_save lists {listed!r}, which names no plain value" in str(info.value)
+
+
 def test_a_table_claiming_millions_of_chunks_costs_the_reader_what_was_written(tmp_path: Path) -> None:
     """DCP's metadata lists every chunk: a chunk table claiming 33.5 million rows over sparse
     files (5,000 chunk files written) is refused before a record per claimed chunk is made."""

@@ -96,6 +96,27 @@ def test_array_document_checked_against_metadata(tmp_path: Path) -> None:
     assert by["bias/zarr.json"] == "missing"
 
 
+def test_an_array_document_whose_numbers_changed_json_type_is_damage(tmp_path: Path) -> None:
+    """``true`` for 1, ``4.0`` for 4, ``0`` for false: equal in Python, but not the document
+    gpuckpt wrote (TensorStore refuses a chunk shape of ``[true, 10]``)."""
+    edits = {
+        "chunk_grid": lambda d: d["chunk_grid"]["configuration"]["chunk_shape"].__setitem__(0, True),
+        "shape": lambda d: d["shape"].__setitem__(0, float(d["shape"][0])),
+        "codecs": lambda d: d["codecs"][1]["configuration"].__setitem__("checksum", 0),
+    }
+    for key, edit in edits.items():
+        c = tmp_path / key
+        if key == "codecs":
+            gpuckpt.save({"w": np.zeros(100, np.float32)}, c, compression={"codec": "zstd"})
+        else:
+            gpuckpt.save({"w": np.arange(40, dtype=np.int32).reshape(4, 10)}, c, chunk_bytes=40)
+        doc = json.loads((c / "w" / "zarr.json").read_text())
+        edit(doc)
+        (c / "w" / "zarr.json").write_text(json.dumps(doc))
+        (bad,) = verify_checkpoint(c).damage
+        assert bad.where == "w/zarr.json" and bad.problem.startswith(f"{key} is "), (key, bad)
+
+
 def test_array_documents_are_what_layout_defines(tmp_path: Path) -> None:
     """The writer writes expected_array_document, and verify holds every field of it to that."""
     c = make(tmp_path / "c")
