@@ -223,7 +223,7 @@ def canonical_bools(a: ArrayAdapter) -> ArrayAdapter:
         return a
     if isinstance(a, HostArray):
         raw = a.array.view(np.uint8)
-        if raw.size == 0 or int(np.max(raw)) <= 1:
+        if not _holds_other_bytes(raw):
             return a
         return HostArray(np.minimum(raw, 1).view(np.bool_), a.requires_grad, a.pinned, snapshot=True)
     if isinstance(a, DeviceArray):
@@ -242,12 +242,17 @@ def canonicalize_loaded_bools(a: ArrayAdapter) -> None:
         return
     if isinstance(a, HostArray):
         raw = a.array.view(np.uint8)
-        if raw.size and int(np.max(raw)) > 1:
+        if _holds_other_bytes(raw):
             np.minimum(raw, 1, out=raw)
     elif isinstance(a, DeviceArray):
         fix = getattr(a.backend, "canonicalize_bools", None)  # back ends written before it: none
         if fix is not None:
             fix(a.data)
+
+
+def _holds_other_bytes(raw: np.ndarray) -> bool:
+    """Whether the bytes ``raw`` of a bool array hold one other than 0 and 1 (one pass)."""
+    return bool(raw.size) and int(np.max(raw)) > 1
 
 
 def copy_all(arrays: Sequence[ArrayAdapter]) -> list[ArrayAdapter]:

@@ -330,61 +330,54 @@ class TieredSaves:
         gives a committed step's name there); returns the step and where its parts came from.
         An interrupt leaves the ranks out of step (its collectives are not held)."""
         with self._noting_interrupts(half_done="a restore"):
-            return self._restore(state_dict, step, options, resolve)
+            self.wait()  # failures stay for the next save or wait to raise
 
-    def _restore(
-        self,
-        state_dict: STATE_DICT_TYPE,
-        step: int | None,
-        options: dict[str, Any],
-        resolve: Callable[[int], str],
-    ) -> tuple[int, RestoreReport]:
-        self.wait()  # failures stay for the next save or wait to raise
+            def root_latest() -> int | None:
+                steps = self.steps.agreed(lambda: self.steps.view(None))
+                if step is not None:
+                    return step if step in steps else None
+                return max(steps, default=None)
 
-        def root_latest() -> int | None:
-            steps = self.steps.agreed(lambda: self.steps.view(None))
-            if step is not None:
-                return step if step in steps else None
-            return max(steps, default=None)
-
-        choice, report, skipped = self.tier.restore(state_dict, root_latest, dict(options), only=step)
-        if choice.step is not None:  # the line goes on from here: newer tier steps were deleted
-            self.last = choice.step
-        if report is not None:
+            choice, report, skipped = self.tier.restore(state_dict, root_latest, dict(options), only=step)
+            if choice.step is not None:  # the line goes on from here: newer tier steps were deleted
+                self.last = choice.step
+            if report is not None:
+                assert choice.step is not None
+                return choice.step, report
+            unused = _unused_steps(choice.other_layout, choice.step)
+            if choice.source == "none":
+                if step is None:
+                    what = "no step is complete"
+                    fix = unused or "; save one first"
+                else:
+                    what, fix = f"step {step} is neither complete", unused
+                raise CheckpointNotFoundError(
+                    f"{what} in the local tiers nor committed under {self.root}{fix}"
+                )
             assert choice.step is not None
-            return choice.step, report
-        unused = _unused_steps(choice.other_layout, choice.step)
-        if choice.source == "none":
-            if step is None:
-                what = "no step is complete"
-                fix = unused or "; save one first"
-            else:
-                what, fix = f"step {step} is neither complete", unused
-            raise CheckpointNotFoundError(f"{what} in the local tiers nor committed under {self.root}{fix}")
-        assert choice.step is not None
-        name = resolve(choice.step)
-        options.setdefault("storage_options", self.options.store_options() or None)
-        started = time.perf_counter()
-        try:
-            api.load(state_dict, self.steps.store.child(name), coordinator=self.queries, **options)
-        except Exception as exc:  # (nothing of the tiers was deleted)
-            # one process: its own error, not one rank's report
-            error = _cause(exc) if self.queries.world_size == 1 else exc
-            if unused:
-                error.add_note(f"restoring step {choice.step} of the root{unused}")
-            if error is exc:
-                raise
-            raise error from None
-        seconds = time.perf_counter() - started
-        # the line goes on from the root's step: the tiers' newer steps are an abandoned line
-        self.tier.abandon_newer(choice.step)
-        try:
-            nbytes = part_bytes(part_view(state_dict)[0])  # (what the rank's arrays hold)
-        except Exception:  # (loaded: only a count the report cannot make)
-            nbytes = 0
-        loaded = self.queries.all_gather((nbytes, seconds))
-        sources = {r: PartSource(r, "root", nbytes=n, seconds=t) for r, (n, t) in enumerate(loaded)}
-        return choice.step, RestoreReport(choice.step, "root", None, sources, skipped)
+            name = resolve(choice.step)
+            options.setdefault("storage_options", self.options.store_options() or None)
+            started = time.perf_counter()
+            try:
+                api.load(state_dict, self.steps.store.child(name), coordinator=self.queries, **options)
+            except Exception as exc:  # (nothing of the tiers was deleted)
+                # one process: its own error, not one rank's report
+                error = _cause(exc) if self.queries.world_size == 1 else exc
+                if unused:
+                    error.add_note(f"restoring step {choice.step} of the root{unused}")
+                if error is exc:
+                    raise
+                raise error from None
+            seconds = time.perf_counter() - started
+            # the line goes on from the root's step: the tiers' newer steps are an abandoned line
+            self.tier.abandon_newer(choice.step)
+            try:
+                nbytes = part_bytes(part_view(state_dict)[0])  # (what the rank's arrays hold)
+            except Exception:  # (loaded: only a count the report cannot make)
+                nbytes = 0
+            loaded = self.queries.all_gather((nbytes, seconds))
+            sources = {r: PartSource(r, "root", nbytes=n, seconds=t) for r, (n, t) in enumerate(loaded)}
+            return choice.step, RestoreReport(choice.step, "root", None, sources, skipped)
 
     def local_steps(self) -> list[int]:
         """The steps this rank's node holds in its local tier (not a collective)."""
