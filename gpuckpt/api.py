@@ -28,7 +28,7 @@ from gpuckpt.distributed.coordinator import (
     check_coordinator,
     collectively,
 )
-from gpuckpt.distributed.load import read_boxes
+from gpuckpt.distributed.load import box_bytes, read_boxes
 from gpuckpt.distributed.save import distributed_save
 from gpuckpt.errors import (
     CheckpointTooLargeError,
@@ -53,7 +53,7 @@ from gpuckpt.loading.targets import check_writable_target
 from gpuckpt.options import DEFAULT_CHUNK_BYTES, DEFAULT_STAGING_BYTES, LoadOptions, SaveOptions
 from gpuckpt.planning.boxes import Box
 from gpuckpt.planning.plan import plan_save
-from gpuckpt.progress import ProgressCallback
+from gpuckpt.progress import ProgressCallback, ProgressCounter
 from gpuckpt.runtime.collector import paused_gc
 from gpuckpt.saving.compression import resolve as resolve_compression
 from gpuckpt.saving.incremental import check_base_target
@@ -316,7 +316,7 @@ class _PreparedLoad:
     requests: list[tuple[TensorEntry, list[tuple[Any, Box]]]]
     placeholders: list[tuple[Any, TensorEntry]]
     decoded: list[tuple[Any, Any]]
-    reads: Callable[[], None] | None
+    reads: Callable[..., None] | None
     #: what names the checkpoint (its recorded checkpoint and save ids), where it says
     identity: str | None = None
 
@@ -405,8 +405,11 @@ def _prepared_load(state_dict: STATE_DICT_TYPE, path: PathLike, options: LoadOpt
 
     def read() -> None:
         reads = ready.reads or prepare_reads(ready.reader, ready.targets, options)
-        reads()
-        read_boxes(ready.reader, ready.requests, options)
+        # one count of progress for the whole load: the tensors read whole, then the boxes
+        total = sum(t.nbytes for t, _ in ready.targets) + box_bytes(ready.requests)
+        counter = ProgressCounter(options.progress, total)
+        reads(counter)
+        read_boxes(ready.reader, ready.requests, options, counter)
         for leaf, value in (*fresh, *ready.decoded):
             leaf.replace(value)
 

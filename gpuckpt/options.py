@@ -35,7 +35,9 @@ __all__ = [
     "SYNC_MODES",
     "LoadOptions",
     "SaveOptions",
+    "check_environment",
     "direct_io_from_env",
+    "switch_from_env",
 ]
 
 #: budget of (page-locked) host memory through which device arrays stream
@@ -51,22 +53,41 @@ _DIRECT_IO_MEANINGS = {"auto": "background saves only", "on": "always", "off": "
 DIRECT_IO_MODES = tuple(_DIRECT_IO_MEANINGS)
 
 _ENV_DIRECT_IO = "GPUCKPT_DIRECT_IO"
+_ENV_SWITCHES = (_ENV_DIRECT_IO, "GPUCKPT_BATCHIO", "GPUCKPT_CRCCOPY")
 _ON = ("1", "on", "true", "yes")
 _OFF = ("0", "off", "false", "no")
 
 
-def direct_io_from_env() -> str:
-    """``GPUCKPT_DIRECT_IO`` as one of :data:`DIRECT_IO_MODES`; a bad value is an option error."""
-    value = os.environ.get(_ENV_DIRECT_IO, "auto").strip().lower()
+def switch_from_env(name: str) -> str:
+    """An on/off switch of the environment (``GPUCKPT_DIRECT_IO``, ``GPUCKPT_BATCHIO``,
+    ``GPUCKPT_CRCCOPY``) as ``"auto"`` (unset or empty), ``"on"`` (1, on, true, yes) or ``"off"``
+    (0, off, false, no), any case; another value is an :class:`InvalidOptionError` naming it."""
+    raw = os.environ.get(name, "auto")
+    value = raw.strip().lower()
     if value in ("auto", ""):
         return "auto"
     if value in _ON:
         return "on"
     if value in _OFF:
         return "off"
-    raise InvalidOptionError(
-        f"{_ENV_DIRECT_IO}={value!r} is not understood; set it to auto, 1/on or 0/off, or unset it"
-    )
+    raise InvalidOptionError(f"{name}={raw!r} is not understood; set it to auto, 1/on or 0/off, or unset it")
+
+
+def direct_io_from_env() -> str:
+    """``GPUCKPT_DIRECT_IO`` as one of :data:`DIRECT_IO_MODES`; a bad value is an option error."""
+    return switch_from_env(_ENV_DIRECT_IO)
+
+
+def check_environment() -> None:
+    """Refuse a bad value of gpuckpt's environment switches before a save or a load takes
+    anything (each is read where it is used, as late as the first large chunk)."""
+    for name in _ENV_SWITCHES:
+        switch_from_env(name)
+    crc = os.environ.get("GPUCKPT_CRC32C", "auto")
+    if crc not in ("auto", "awscrt", "crc32c"):
+        raise InvalidOptionError(
+            f"GPUCKPT_CRC32C={crc!r}; expected 'auto', 'awscrt' or 'crc32c', or unset it"
+        )
 
 
 def _flag(name: str, value: Any) -> None:
@@ -163,6 +184,7 @@ class SaveOptions:
     planner_extra: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
+        check_environment()
         _flag("overwrite", self.overwrite)
         _count("chunk_bytes", self.chunk_bytes, "bytes per stored chunk")
         _flag("allow_pickle", self.allow_pickle)
@@ -247,6 +269,7 @@ class LoadOptions:
     cooperative: bool | None = None
 
     def __post_init__(self) -> None:
+        check_environment()
         _flag("strict", self.strict)
         _flag("allow_pickle", self.allow_pickle)
         _count("threads", self.threads, "I/O threads", optional=True)

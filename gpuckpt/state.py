@@ -137,7 +137,7 @@ def flatten_state_dict(
                             "too many digits to be part of an entry name (see sys.get_int_max_str_digits()); "
                             "use a shorter key, or store the number as a value"
                         ) from None
-                    items.append(["i" if isinstance(k, int) else "s", k, visit(value, k, v, name, depth + 1)])
+                    items.append(["i" if isinstance(k, int) else "s", k, visit(value, k, v, name, depth + 1)])  # noqa: F821 (see its finally)
                 return {"d": items}
             # a list's leaves live in the list; a tuple's in a list that makes a new tuple
             # where the tuple was, in its container, when one is replaced; a dict or list
@@ -147,14 +147,17 @@ def flatten_state_dict(
                 seq = list(value)
                 inner = _TupleSlot(seq, container, key, slot)
             kids = [
-                visit(seq, i, v, f"{prefix}.{i}" if depth else str(i), depth + 1, inner)
+                visit(seq, i, v, f"{prefix}.{i}" if depth else str(i), depth + 1, inner)  # noqa: F821 (see its finally)
                 for i, v in enumerate(seq)
             ]
             return {"l": kids} if isinstance(value, list) else {"t": kids}
         finally:
             active.discard(id(value))
 
-    skeleton = visit(None, None, state_dict, "", 0)
+    try:
+        skeleton = visit(None, None, state_dict, "", 0)
+    finally:
+        del visit  # (a recursive closure is a cycle: it would keep the leaves until a collection)
     return leaves, skeleton
 
 
@@ -185,7 +188,7 @@ def unflatten_state_dict(
         if keys is None:
             return True
         name = ".".join(str(p) for p in path)
-        return any(name == k or name.startswith(k + ".") for k in keys)
+        return any(name == k or name.startswith(k if k.endswith(".") else k + ".") for k in keys)
 
     placed: set[str] = set()
 
@@ -224,13 +227,13 @@ def unflatten_state_dict(
                     )
                 seen.add(k)
             for _, k, child in body:
-                present, v = build(child, depth + 1, (*path, k) if keys is not None else path)
+                present, v = build(child, depth + 1, (*path, k) if keys is not None else path)  # noqa: F821 (see its finally)
                 if present:
                     out[k] = v
             return (bool(out) or depth == 0 or (not body and keep_empty(path)), out)
         if tag in ("l", "t"):
             parts = [
-                build(child, depth + 1, (*path, i) if keys is not None else path)
+                build(child, depth + 1, (*path, i) if keys is not None else path)  # noqa: F821 (see its finally)
                 for i, child in enumerate(body)
             ]
             if all(p for p, _ in parts):
@@ -241,7 +244,12 @@ def unflatten_state_dict(
             return (bool(partial), partial)
         raise MetadataError(f"unknown structure tag {tag!r} in planner_data")
 
-    _, root = build(skeleton, 0, ())
+    try:
+        _, root = build(skeleton, 0, ())
+    finally:
+        # (a recursive closure is a cycle: it would keep ``values``, the loaded arrays, alive
+        # after the caller drops them, until a collection, which arrays do not prompt)
+        del build
     if not isinstance(root, dict):
         raise MetadataError("planner_data structure root is not a dict")
     if entries is not None:
@@ -280,7 +288,8 @@ def key_names(keys: Any) -> list[str] | None:
 
 
 def select_fqns(available: Iterable[str], keys: Iterable[str] | None) -> list[str]:
-    """FQNs of ``available`` selected by ``keys`` (exact names or ``.``-prefixes).
+    """FQNs of ``available`` selected by ``keys``: exact names or ``.``-prefixes (``"model"``
+    selects ``model`` and ``model.*``; ``"model."``, written as a prefix, ``model.*``).
 
     Raises :class:`MissingKeyError` for a key that selects nothing.
     """
@@ -290,7 +299,8 @@ def select_fqns(available: Iterable[str], keys: Iterable[str] | None) -> list[st
         return avail
     chosen: dict[str, None] = {}
     for k in keys:
-        hits = [f for f in avail if f == k or f.startswith(k + ".")]
+        prefix = k if k.endswith(".") else k + "."
+        hits = [f for f in avail if f == k or f.startswith(prefix)]
         if not hits:
             close = [f for f in avail if k.split(".")[0] == f.split(".")[0]][:5]
             raise MissingKeyError(

@@ -100,11 +100,29 @@ def _to_numpy_tree(value: Any, torch: Any, source: Path, fqn: str = "") -> Any:
     return value
 
 
+def _numpy_scalar_globals() -> list[Any]:
+    """What a pickled NumPy scalar of a numeric or bool dtype names (``np.int64(7)``: the scalar
+    constructor, ``np.dtype`` and its dtype class), for ``torch.load(weights_only=True)``: it
+    rebuilds the scalar from its raw bytes and runs nothing else. Object and string dtypes stay
+    refused (their classes are not listed)."""
+    kinds = "?bhilqBHILQefdgFDG"  # bool, the integers, the floats and the complex types
+    core = getattr(np, "_core", None) or np.core  # (numpy._core from NumPy 2 on)
+    return [core.multiarray.scalar, np.dtype, *{type(np.dtype(k)) for k in kinds}]
+
+
+def _torch_load(torch: Any, path: str | os.PathLike[str]) -> Any:
+    """``torch.load`` with ``weights_only=True`` on the CPU, NumPy scalars allowed (a gpuckpt
+    checkpoint's plain values exported with ``--to torch`` hold them, as DCP's own export would)."""
+    with torch.serialization.safe_globals(_numpy_scalar_globals()):
+        return torch.load(os.fspath(path), weights_only=True, map_location="cpu")
+
+
 def load_torch_save(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """A ``torch.save`` state dict, loaded with ``weights_only=True``, as NumPy arrays."""
+    """A ``torch.save`` state dict, loaded with ``weights_only=True`` (NumPy scalars allowed), as
+    NumPy arrays."""
     torch = import_torch()
     try:
-        obj = torch.load(os.fspath(path), weights_only=True, map_location="cpu")
+        obj = _torch_load(torch, path)
     except (OSError, GpuckptError):
         raise
     except Exception as exc:  # torch's own errors of a damaged or hostile file name neither
@@ -141,7 +159,7 @@ def load_dcp(path: str | os.PathLike[str], *, trust_pickle_metadata: bool = Fals
                 f"{path}: torch.distributed.checkpoint cannot read this directory ({what}); it is "
                 "damaged or incomplete: copy or save it again"
             ) from None
-        obj = torch.load(os.fspath(out), weights_only=True, map_location="cpu")
+        obj = _torch_load(torch, out)
     if not isinstance(obj, dict):
         raise UnsupportedValueError(f"{path} holds a {type(obj).__name__}, not a state dict")
     return {str(k): _to_numpy_tree(v, torch, Path(path), str(k)) for k, v in obj.items()}

@@ -98,13 +98,16 @@ class Stager(AsyncStager):  # type: ignore[misc,unused-ignore]
             if isinstance(v, torch.Tensor):
                 return _Slot(slot(v, path))
             if isinstance(v, dict):
-                return {k: plan(x, f"{path}.{k}", depth + 1) for k, x in v.items()}
+                return {k: plan(x, f"{path}.{k}", depth + 1) for k, x in v.items()}  # noqa: F821 (see its finally)
             if isinstance(v, (list, tuple)):
-                kids = [plan(x, f"{path}.{i}", depth + 1) for i, x in enumerate(v)]
+                kids = [plan(x, f"{path}.{i}", depth + 1) for i, x in enumerate(v)]  # noqa: F821 (see its finally)
                 return kids if isinstance(v, list) else tuple(kids)
             return copy.deepcopy(v)
 
-        template = {k: plan(v, str(k), 1) for k, v in state_dict.items()}
+        try:
+            template = {k: plan(v, str(k), 1) for k, v in state_dict.items()}
+        finally:
+            del plan  # (a recursive closure is a cycle: it would keep the tensors until a collection)
         host = self.staging == "host" and bool(sources) and all(map(_plain_cpu, sources))
         with self._lock:  # the pools (and the layout) are shared by stage calls from several threads
             try:

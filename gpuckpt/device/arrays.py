@@ -286,7 +286,10 @@ def overlaps_itself(shape: Sequence[int], strides: Sequence[int], itemsize: int)
     would leave each shared element holding the last value written to it. The test sorts the
     axes by stride and asks each to step past everything the inner ones span; a layout that
     interleaves its axes without sharing memory fails it too, and none of NumPy's or torch's
-    views does that."""
+    views does that. An array without elements shares nothing (whatever strides its exporter
+    gave it: torch's empty tensors come through DLPack with strides of 0)."""
+    if 0 in shape:
+        return False
     span = itemsize
     for stride, n in sorted((abs(st), n) for n, st in zip(shape, strides, strict=True) if n > 1):
         if stride < span:
@@ -687,6 +690,18 @@ class HostMemory:
         return physical.transpose(inverse)
 
 
+def _tensor_view(value: Any) -> ArrayAdapter:
+    """:func:`adapt` of what a save stores as a tensor; anything else (a list, a string, a NumPy
+    scalar: plain values to a save) is an :class:`UnsupportedValueError` saying so."""
+    if not is_array(value):
+        raise UnsupportedValueError(
+            f"TensorProperties.create_from_tensor takes an array (NumPy, CuPy, torch or another DLPack "
+            f"array), got {type(value).__qualname__}, which a save stores as a plain value; pass "
+            "np.asarray(value) to describe it as a tensor"
+        )
+    return adapt(value)
+
+
 # TensorProperties.create_from_tensor reads arrays of every kind through adapt (the format
 # declares what it reads and imports nothing of this layer)
-register_array_view(adapt)
+register_array_view(_tensor_view)

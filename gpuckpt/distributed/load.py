@@ -33,7 +33,7 @@ from gpuckpt.progress import ProgressCounter
 from gpuckpt.runtime.runner import IO_BATCH_JOBS, batches
 from gpuckpt.storage.base import CheckpointReader
 
-__all__ = ["BoxRead", "canonicalize_bool_boxes", "read_boxes", "run_box_reads"]
+__all__ = ["BoxRead", "box_bytes", "canonicalize_bool_boxes", "read_boxes", "run_box_reads"]
 
 #: one stored chunk of a resharding load and the ``(adapter, box)`` targets it fills
 BoxRead = tuple[TensorEntry, ChunkRead, list[tuple[ArrayAdapter, Box]]]
@@ -105,20 +105,27 @@ def _read_batch(
         _read_one(reader, t, c, targets, staging, copies, counter)
 
 
+def box_bytes(requests: list[tuple[TensorEntry, list[tuple[ArrayAdapter, Box]]]]) -> int:
+    """Bytes that :func:`read_boxes` fills for ``requests`` (what its progress counts)."""
+    return sum(math.prod(b[1]) * t.dtype.itemsize for t, boxes in requests for _, b in boxes)
+
+
 def read_boxes(
     reader: CheckpointReader,
     requests: list[tuple[TensorEntry, list[tuple[ArrayAdapter, Box]]]],
     options: LoadOptions,
+    counter: ProgressCounter | None = None,
 ) -> None:
     """Fill every ``(adapter, box)`` of ``requests`` from the stored chunks that overlap it.
 
     ``box`` is the adapter's place in the tensor (offsets, sizes); each stored
     chunk that overlaps any requested box is read and verified once, by one
     job, and its overlap with each box is staged into that box's adapter. Of
-    ``options``, ``threads``, ``progress`` and ``staging_bytes`` apply.
+    ``options``, ``threads``, ``progress`` and ``staging_bytes`` apply; ``counter``, where
+    given, takes the progress instead (its total counts :func:`box_bytes`).
     """
-    total = sum(math.prod(b[1]) * t.dtype.itemsize for t, boxes in requests for _, b in boxes)
-    counter = ProgressCounter(options.progress, total)
+    if counter is None:
+        counter = ProgressCounter(options.progress, box_bytes(requests))
     reads: list[BoxRead] = []
     for t, boxes in requests:
         wanted: dict[tuple[int, ...], list[tuple[ArrayAdapter, Box]]] = {}

@@ -28,6 +28,8 @@ from typing import Any
 
 import crc32c as _crc32c
 
+from gpuckpt.errors import InvalidOptionError
+
 __all__ = [
     "CRC_BYTES",
     "LOAD_AFTER_BYTES",
@@ -94,7 +96,9 @@ def _aws_function() -> Callable[[Any, int], int] | None:
 def _choice() -> str:
     choice = os.environ.get("GPUCKPT_CRC32C", "auto")
     if choice not in ("auto", "awscrt", "crc32c"):
-        raise ValueError(f"GPUCKPT_CRC32C={choice!r}; expected 'auto', 'awscrt' or 'crc32c'")
+        raise InvalidOptionError(
+            f"GPUCKPT_CRC32C={choice!r}; expected 'auto', 'awscrt' or 'crc32c', or unset it"
+        )
     return choice
 
 

@@ -180,6 +180,12 @@ def set_default_dtype(dtype: Any) -> None:
     >>> gpuckpt.set_default_dtype(np.float32)
     """
     global _default_dtype
-    dt = _as_dtype(dtype)
+    try:
+        dt = _as_dtype(dtype)
+    except (TypeError, ValueError) as exc:
+        raise UnsupportedValueError(
+            f"set_default_dtype({dtype!r}): not a dtype ({exc}); pass a NumPy dtype, a dtype name such as "
+            "'float32' or 'bfloat16', or a type such as np.float32"
+        ) from None
     dtype_name(dt)  # refuse dtypes that cannot be stored
     _default_dtype = dt

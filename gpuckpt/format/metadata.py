@@ -50,6 +50,17 @@ def register_array_view(view: Callable[[Any], ArrayProperties]) -> None:
     _array_view = view
 
 
+#: the one reader of metadata (:func:`gpuckpt.format.reader.metadata_from_json`, which registers
+#: itself: it builds on this module), behind :meth:`Metadata.from_json`
+_json_reader: Callable[[Any], Metadata] | None = None
+
+
+def register_json_reader(reader: Callable[[Any], Metadata]) -> None:
+    """Let :meth:`Metadata.from_json` read metadata through ``reader``."""
+    global _json_reader
+    _json_reader = reader
+
+
 __all__ = [
     "FORMAT_VERSION",
     "READABLE_VERSIONS",
@@ -327,8 +338,19 @@ class Metadata:
     version: str | None = None
 
     def to_json(self) -> str:
-        """Serialise to a JSON string (format version included)."""
+        """Serialise to a JSON string (format version included: unversioned metadata is written
+        as the current version); :meth:`from_json` reads it back."""
         return json.dumps(self.to_json_dict(), separators=(",", ":"), allow_nan=False)
+
+    @classmethod
+    def from_json(cls, data: str | bytes | Mapping[str, Any]) -> Metadata:
+        """The Metadata of ``data``: the text :meth:`to_json` wrote (or its parsed JSON value),
+        read by the one reader of checkpoint metadata
+        (:func:`gpuckpt.format.reader.metadata_from_json`) and checked as a checkpoint's is; a
+        :class:`~gpuckpt.errors.MetadataError` names the first defect. Never a pickle."""
+        if _json_reader is None:  # gpuckpt.format.reader registers it; import gpuckpt imports that
+            raise RuntimeError("Metadata.from_json needs gpuckpt imported: import gpuckpt")
+        return _json_reader(data)
 
     def to_json_dict(self) -> dict[str, Any]:
         """The JSON value of the metadata as a root document stores it: in format version 3, the

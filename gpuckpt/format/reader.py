@@ -60,6 +60,7 @@ from gpuckpt.format.metadata import (
     TensorStorageMetadata,
     parse_storage_meta,
     parse_version,
+    register_json_reader,
 )
 from gpuckpt.format.names import is_safe_name
 from gpuckpt.format.records import TABLE_KEY, ChunkTable, parse_listed
@@ -532,16 +533,47 @@ def _column_tensors(
 def metadata_from_json(data: Any) -> Metadata:
     """The :class:`~gpuckpt.format.metadata.Metadata` of a metadata object (its JSON value, or the text
     :meth:`Metadata.to_json <gpuckpt.format.metadata.Metadata.to_json>` wrote), read and checked by
-    :func:`read_index`: what ``to_json`` wrote reads back equal."""
+    :func:`read_index`: what ``to_json`` wrote reads back equal. A metadata object without storage
+    data (a ``Metadata`` made by a program, not read from a checkpoint: it lists each tensor's
+    chunks and places nothing) is read by :func:`_model_only`."""
     if isinstance(data, (str, bytes, bytearray)):
         try:
             data = json.loads(data)
         except (ValueError, RecursionError) as exc:
             raise MetadataError(f"checkpoint metadata is not valid JSON: {exc}") from None
+    if type(data) is dict and data.get("storage_data") is None:
+        return _model_only(data)
     return read_index(data).metadata()
+
+
+def _model_only(d: dict[str, Any]) -> Metadata:
+    """The Metadata of a metadata object whose ``storage_data`` is null: entries of listed chunks
+    and plain values, planner data as it is (nothing of it can be loaded: no chunk is placed)."""
+    version = parse_version(d)
+    raw_entries = _expect_dict(d.get("state_dict_metadata"), "metadata.state_dict_metadata")
+    entries: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
+    for fqn, raw in raw_entries.items():
+        where = f"state_dict_metadata[{fqn!r}]"
+        kind = _expect_dict(raw, where).get("type")
+        if kind == "bytes":
+            entries[fqn] = BytesStorageMetadata()
+        elif kind == "tensor":
+            size = _size(raw.get("size"), fqn)
+            properties = TensorProperties.from_json(raw.get("properties"), f"{where}.properties")
+            entries[fqn] = TensorStorageMetadata(
+                properties, size, _listed_boxes(raw.get("chunks"), size, where)
+            )
+        else:
+            raise MetadataError(f"{where}.type is {kind!r:.60}; expected 'tensor' or 'bytes'")
+    if COLUMNS_KEY in d:
+        raise MetadataError(f"metadata.{COLUMNS_KEY} without storage_data: nothing places those tensors")
+    return Metadata(entries, d.get("planner_data"), None, parse_storage_meta(d.get("storage_meta")), version)
 
 
 def metadata_of_root(raw: bytes | bytearray, where: str) -> Metadata:
     """The :class:`~gpuckpt.format.metadata.Metadata` of the root document ``raw`` (named ``where`` in
     errors): its checksum checked, its metadata read by :func:`read_index`."""
     return read_index(metadata_json(raw, where)).metadata()
+
+
+register_json_reader(metadata_from_json)

@@ -501,11 +501,12 @@ def prepare_reads(
     reader: CheckpointReader,
     targets: list[tuple[TensorEntry, ArrayAdapter]],
     options: LoadOptions,
-) -> Callable[[], None]:
+) -> Callable[..., None]:
     """:func:`read_tensors` in two steps: what can be made before the load's chunk files are
     checked is made now (the batch of tensors stored whole that go straight into host
     arrays: no file is opened, nothing allocated, nothing reported to ``progress``); the
-    call returned does the rest and reads (once)."""
+    call returned does the rest and reads (once), reporting to its own progress counter or to the
+    one it is given (a load that also reads boxes reports both to one counter)."""
     # tensors stored whole, read into host arrays: batches of (tensor, bytes), no chunk records
     whole: list[tuple[TensorEntry, np.ndarray]] = []
     rest: list[tuple[TensorEntry, ArrayAdapter]] = []
@@ -517,11 +518,12 @@ def prepare_reads(
             whole.append((t, buf))
     whole_jobs = _whole_jobs(reader, whole)
 
-    def run() -> None:
-        threads, progress, staging_bytes = options.threads, options.progress, options.staging_bytes
+    def run(counter: ProgressCounter | None = None) -> None:
+        threads, staging_bytes = options.threads, options.staging_bytes
         if threads is None:
             threads = cold_small_threads(reader, targets)
-        counter = ProgressCounter(progress, sum(t.nbytes for t, _ in targets))
+        if counter is None:
+            counter = ProgressCounter(options.progress, sum(t.nbytes for t, _ in targets))
         staging = Staging(
             # host targets need no staging: only the boxes of device targets are listed
             (

@@ -90,3 +90,13 @@ def test_tensors_that_are_not_dense_and_strided_are_refused_naming_their_key(tmp
     with pytest.raises(gpuckpt.ReadOnlyTargetError, match=r"'model\.w'.*share memory"):
         gpuckpt.load({"model": {"w": shared}}, tmp_path / "ok")
     assert not shared.any()
+
+
+def test_empty_torch_tensors_load_in_place(tmp_path: Path) -> None:
+    # torch.empty(0, 4) reaches NumPy through DLPack with strides (0, 0): it has no elements to
+    # share, and was once refused as a broadcast view
+    torch = pytest.importorskip("torch")
+    gpuckpt.save({"e": np.empty((0, 4), np.float32), "f": np.empty((3, 0, 2), np.int64)}, tmp_path / "c")
+    target = {"e": torch.empty(0, 4), "f": torch.empty(3, 0, 2, dtype=torch.int64)}
+    gpuckpt.load(target, tmp_path / "c")
+    assert tuple(target["e"].shape) == (0, 4) and tuple(target["f"].shape) == (3, 0, 2)

@@ -274,6 +274,23 @@ def test_torch_save_roundtrip(tmp_path: Path) -> None:
 
 
 @pytest.mark.torch
+def test_numpy_scalar_values_go_to_torch_and_back(tmp_path: Path) -> None:
+    # a checkpoint's NumPy scalars (plain values) exported --to torch come back through the
+    # weights-only import, typed as they were; object and string scalars stay refused
+    torch = pytest.importorskip("torch")
+    values = {"step": np.int64(7), "lr": np.float32(0.5), "ok": np.bool_(True), "z": np.complex64(1 + 2j)}
+    gpuckpt.save({"w": np.ones(3, np.float32), **values}, tmp_path / "c")
+    convert(tmp_path / "c", tmp_path / "m.pt", target_format="torch")
+    convert(tmp_path / "m.pt", tmp_path / "back")
+    back = gpuckpt.load_state_dict(tmp_path / "back")
+    for k, v in values.items():
+        assert type(back[k]) is type(v) and back[k] == v
+    torch.save({"s": np.str_("text")}, tmp_path / "s.pt")
+    with pytest.raises(gpuckpt.MetadataError, match="weights_only"):
+        convert(tmp_path / "s.pt", tmp_path / "s")
+
+
+@pytest.mark.torch
 # DCP warns on every save without a process group, asked for or not
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 def test_dcp_directory_roundtrip(tmp_path: Path) -> None:

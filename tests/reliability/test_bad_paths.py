@@ -187,3 +187,21 @@ def test_a_directory_torchs_dcp_wrote_is_named_as_one_by_every_reader(tmp_path: 
             read(tmp_path / "dcp")
         assert f"{tmp_path / 'dcp'} is a torch.distributed.checkpoint directory" in str(info.value)
         assert f"gpuckpt convert {tmp_path / 'dcp'} CKPT --trust-pickle-metadata" in str(info.value)
+
+
+def test_a_load_from_no_checkpoint_says_what_is_there(tmp_path: Path) -> None:
+    with pytest.raises(gpuckpt.CheckpointNotFoundError, match=r"no checkpoint at .*nope: nothing is there"):
+        gpuckpt.load_state_dict(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(gpuckpt.CheckpointNotFoundError, match=r"has no zarr.json \(the directory is empty\)"):
+        gpuckpt.read_metadata(tmp_path / "empty")
+    with CheckpointManager(tmp_path / "run", max_to_keep=5) as mgr:
+        for step in range(5):
+            mgr.save(step, {"w": np.ones(3)})
+    newest = re.escape(str(tmp_path / "run" / "step_00000004"))
+    with pytest.raises(
+        gpuckpt.CheckpointNotFoundError,
+        match=rf"CheckpointManager's steps \(\.\.\., step_00000002, step_00000003, step_00000004\): "
+        rf"load one of them \({newest}\), or restore with CheckpointManager",
+    ):
+        gpuckpt.load_state_dict(tmp_path / "run")

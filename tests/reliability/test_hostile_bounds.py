@@ -481,6 +481,8 @@ def test_a_target_whose_elements_share_memory_is_refused_before_anything_is_read
     assert not overlaps_itself((3, 4), (16, 4), 4) and not overlaps_itself((3, 4), (4, 12), 4)
     assert overlaps_itself((3, 4), (0, 4), 4) and overlaps_itself((3, 4), (8, 4), 4)
     assert not overlaps_itself((1, 4), (0, 4), 4) and not overlaps_itself((5,), (-4,), 4)
+    # no elements, nothing shared, whatever the strides (torch's empty tensors have strides of 0)
+    assert not overlaps_itself((0, 4), (0, 0), 4) and not overlaps_itself((4, 0, 3), (0, 0, 0), 2)
 
 
 def test_read_only_shard_of_a_sharded_target_is_refused(ckpt: Path) -> None:

@@ -35,6 +35,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import hatch_build
+from gpuckpt.errors import InvalidOptionError
 from gpuckpt.storage.base import ChunkReads, ChunkWrites, ReadStop
 from gpuckpt.storage.local import batchio
 from gpuckpt.storage.local.batchio import BatchIO, load_library
@@ -599,7 +600,10 @@ def test_the_environment_switch(monkeypatch: pytest.MonkeyPatch) -> None:
         assert not batchio.available()
         monkeypatch.setenv("GPUCKPT_BATCHIO", "fast")
         batchio.instance.cache_clear()
-        with pytest.raises(ValueError, match="GPUCKPT_BATCHIO='fast'; expected 'auto', 'on' or 'off'"):
+        with pytest.raises(
+            InvalidOptionError,
+            match="GPUCKPT_BATCHIO='fast' is not understood; set it to auto, 1/on or 0/off",
+        ):
             batchio.available()
         monkeypatch.setattr(batchio, "LIBRARY", Path("/nonexistent/_batchio.so"))
         monkeypatch.setenv("GPUCKPT_BATCHIO", "on")

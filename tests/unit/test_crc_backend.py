@@ -93,6 +93,7 @@ def test_unknown_choice_names_the_valid_ones():
     r = _run("from gpuckpt.format.checksum import crc32c; crc32c(b'x')", "fastest")
     assert r.returncode != 0
     assert "GPUCKPT_CRC32C='fastest'" in r.stderr and "'auto', 'awscrt' or 'crc32c'" in r.stderr
+    assert "InvalidOptionError" in r.stderr
 
 
 def test_checkpoints_verify_across_backends(tmp_path):

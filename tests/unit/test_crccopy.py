@@ -22,6 +22,7 @@ import crc32c as crc32c_package
 import numpy as np
 import pytest
 
+from gpuckpt.errors import InvalidOptionError
 from gpuckpt.storage.local import crccopy, fsutil
 from gpuckpt.storage.local.crccopy import CrcCopy, load_library
 from tests.pagecache import evict
@@ -326,7 +327,10 @@ def test_the_environment_switch(monkeypatch: pytest.MonkeyPatch) -> None:
             crccopy.crc_copy(b"x")
         monkeypatch.setenv("GPUCKPT_CRCCOPY", "fast")
         crccopy._instance.cache_clear()
-        with pytest.raises(ValueError, match="GPUCKPT_CRCCOPY='fast'; expected 'auto', 'on' or 'off'"):
+        with pytest.raises(
+            InvalidOptionError,
+            match="GPUCKPT_CRCCOPY='fast' is not understood; set it to auto, 1/on or 0/off",
+        ):
             crccopy.available()
         monkeypatch.setattr(crccopy, "LIBRARY", Path("/nonexistent/_crccopy.so"))
         monkeypatch.setenv("GPUCKPT_CRCCOPY", "on")

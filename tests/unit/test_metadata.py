@@ -43,6 +43,13 @@ def test_public_names_from_both_modules() -> None:
         assert getattr(gpuckpt, name) is getattr(m, name)
 
 
+def test_every_error_and_warning_is_exported_from_the_package() -> None:
+    import gpuckpt.errors as e
+
+    for name in e.__all__:
+        assert name in gpuckpt.__all__ and getattr(gpuckpt, name) is getattr(e, name), name
+
+
 def test_defaults() -> None:
     p = TensorProperties()
     assert p.dtype == np.float32
@@ -173,6 +180,58 @@ def test_metadata_json_round_trip(entries: dict[str, object]) -> None:
     assert back.storage_meta == md.storage_meta
     assert back.planner_data == md.planner_data and back.storage_data == md.storage_data
     assert back.version == VERSION_COLUMNS  # unversioned metadata is written as version 3
+
+
+def test_metadata_made_by_a_program_reads_back_through_from_json() -> None:
+    # a Metadata built in code (no storage data: nothing placed) and one read from a checkpoint
+    # both come back from Metadata.from_json, the one reader's entry point on the class
+    md = Metadata(
+        {
+            "w": TensorStorageMetadata(
+                TensorProperties(dtype=ml_dtypes.bfloat16, memory_format=gpuckpt.channels_last),
+                (2, 3, 4, 5),
+                [
+                    ChunkStorageMetadata((0, 0, 0, 0), (1, 3, 4, 5)),
+                    ChunkStorageMetadata((1, 0, 0, 0), (1, 3, 4, 5)),
+                ],
+            ),
+            "step": BytesStorageMetadata(),
+        },
+        planner_data={"anything": [1, "two"]},
+        storage_meta=StorageMeta(checkpoint_id="ck", save_id="s"),
+    )
+    for text in (md.to_json(), md.to_json_dict(), md.to_json().encode()):
+        back = Metadata.from_json(text)
+        assert back.state_dict_metadata == md.state_dict_metadata
+        assert (back.planner_data, back.storage_data, back.storage_meta) == (
+            md.planner_data,
+            None,
+            md.storage_meta,
+        )
+        assert back.version == VERSION_COLUMNS  # (written with the version it is written in)
+    saved = _md({"t": TensorStorageMetadata(TensorProperties(), (4,), [ChunkStorageMetadata((0,), (4,))])})
+    assert Metadata.from_json(saved.to_json()).state_dict_metadata == saved.state_dict_metadata
+    bad = md.to_json_dict()
+    bad["state_dict_metadata"]["w"]["chunks"] = [{"offsets": [2, 0, 0, 0], "sizes": [1, 3, 4, 5]}]
+    with pytest.raises(gpuckpt.MetadataError, match="lies outside the tensor"):
+        Metadata.from_json(bad)
+    with pytest.raises(gpuckpt.MetadataError, match="not valid JSON"):
+        Metadata.from_json("{nope")
+
+
+@pytest.mark.parametrize("value", [[1, 2, 3], "abc", np.float32(1.5), 7, None])
+def test_create_from_tensor_refuses_what_a_save_stores_as_a_plain_value(value: object) -> None:
+    with pytest.raises(gpuckpt.UnsupportedValueError, match="plain value"):
+        TensorProperties.create_from_tensor(value)
+
+
+def test_set_default_dtype_refuses_what_is_no_dtype() -> None:
+    for bad in ("notadtype", 3.5):
+        with pytest.raises(gpuckpt.UnsupportedValueError, match="not a dtype"):
+            gpuckpt.set_default_dtype(bad)
+    with pytest.raises(gpuckpt.UnsupportedValueError, match="cannot be stored"):
+        gpuckpt.set_default_dtype("U3")
+    assert gpuckpt.get_default_dtype() == np.float32
 
 
 def test_metadata_never_pickles() -> None:

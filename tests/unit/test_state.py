@@ -113,6 +113,11 @@ def test_select_fqns() -> None:
     assert select_fqns(avail, None) == avail
     assert select_fqns(avail, ["model"]) == ["model.w", "model.b"]
     assert select_fqns(avail, "step") == ["step"]
+    # a prefix may be written with its dot (as strip_prefix is): children only
+    assert select_fqns(avail, ["model."]) == ["model.w", "model.b"]
+    assert select_fqns([*avail, "model"], ["model."]) == ["model.w", "model.b"]
+    with pytest.raises(MissingKeyError):
+        select_fqns(avail, ["step."])
     with pytest.raises(MissingKeyError, match="'mod' is not in the checkpoint"):
         select_fqns(avail, ["mod"])
 
@@ -123,3 +128,27 @@ def test_select_fqns() -> None:
 def test_malformed_skeleton(skel: object) -> None:
     with pytest.raises(MetadataError):
         unflatten_state_dict(skel, {"a": 1})
+
+
+def test_a_loaded_state_is_freed_when_its_caller_drops_it(tmp_path) -> None:
+    # the rebuilding of nested containers once kept the loaded arrays in a reference cycle (a
+    # recursive closure holding them), freed only by a collection, which arrays do not prompt
+    import gc
+    import weakref
+
+    import gpuckpt
+
+    gpuckpt.save({"m": {"a": np.ones(1000), "l": [np.zeros(3)]}, "s": 1}, tmp_path / "c")
+    gc.disable()
+    try:
+        back = gpuckpt.load_state_dict(tmp_path / "c")
+        arrays = [weakref.ref(back["m"]["a"]), weakref.ref(back["m"]["l"][0])]
+        part = gpuckpt.load_state_dict(tmp_path / "c", keys=["m.l"])
+        arrays.append(weakref.ref(part["m"]["l"][0]))
+        state = {"m": {"a": np.ones(1000), "l": [np.zeros(3)]}, "s": 1}
+        saved = [weakref.ref(state["m"]["a"])]
+        gpuckpt.save(state, tmp_path / "d")
+        del back, part, state
+        assert [r() for r in arrays + saved] == [None] * 4
+    finally:
+        gc.enable()

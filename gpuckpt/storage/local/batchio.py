@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from gpuckpt.format.checksum import _crc_package
+from gpuckpt.options import switch_from_env
 from gpuckpt.runtime.workers import Workers
 
 __all__ = [
@@ -446,9 +447,7 @@ def load_library(path: str | os.PathLike[str] | None = None) -> BatchIO | None:
 @functools.cache
 def instance() -> BatchIO | None:
     """The library that batches use, or None (then the local back end goes file by file)."""
-    choice = os.environ.get("GPUCKPT_BATCHIO", "auto")
-    if choice not in ("auto", "on", "off"):
-        raise ValueError(f"GPUCKPT_BATCHIO={choice!r}; expected 'auto', 'on' or 'off'")
+    choice = switch_from_env("GPUCKPT_BATCHIO")
     if choice == "off":
         return None
     lib = load_library()

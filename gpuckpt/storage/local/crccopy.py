@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from gpuckpt.format.checksum import crc32c
+from gpuckpt.options import switch_from_env
 from gpuckpt.storage.local.fileio import buffer_address
 
 __all__ = [
@@ -214,9 +215,7 @@ def load_library(path: str | os.PathLike[str] | None = None) -> CrcCopy | None:
 
 @functools.cache
 def _instance() -> CrcCopy | None:
-    choice = os.environ.get("GPUCKPT_CRCCOPY", "auto")
-    if choice not in ("auto", "on", "off"):
-        raise ValueError(f"GPUCKPT_CRCCOPY={choice!r}; expected 'auto', 'on' or 'off'")
+    choice = switch_from_env("GPUCKPT_CRCCOPY")
     if choice == "off":
         return None
     lib = load_library()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
+import itertools
 import os
 import stat
 import threading
@@ -203,10 +204,13 @@ class LocalReader(CheckpointReader):
                         f"`gpuckpt convert {self.path} CKPT --trust-pickle-metadata` (its .metadata is a "
                         "pickle: only for a directory you trust)"
                     ) from None
+                held = hint or _held(self.path)
                 raise CheckpointNotFoundError(
-                    f"{self.path} is not a committed checkpoint: it has no {ROOT_KEY}{hint}"
+                    f"{self.path} is not a committed checkpoint: it has no {ROOT_KEY}{held}"
                 ) from None
-            raise CheckpointNotFoundError(f"no checkpoint at {self.path}{hint}") from None
+            raise CheckpointNotFoundError(
+                f"no checkpoint at {self.path}{hint or ': nothing is there (check the path)'}"
+            ) from None
         except NotADirectoryError:
             if self.path.is_file():
                 raise CheckpointNotFoundError(
@@ -504,3 +508,23 @@ class LocalReader(CheckpointReader):
             return total
         finally:
             os.close(fd)
+
+
+def _held(path: Path) -> str:
+    """What a directory that is no checkpoint holds, said for the error of a load from it: a
+    manager's steps (load one of them), nothing at all, or else nothing more."""
+    try:
+        with os.scandir(path) as it:
+            names = sorted(e.name for e in itertools.islice(it, 10_000))
+    except OSError:
+        return ""
+    if not names:
+        return " (the directory is empty)"
+    steps = [n for n in names if n.startswith("step_") and n[5:].isdigit()]
+    if steps:
+        more = "..., " if len(steps) > 3 else ""
+        return (
+            f"; it holds a CheckpointManager's steps ({more}{', '.join(steps[-3:])}): "
+            f"load one of them ({path / steps[-1]}), or restore with CheckpointManager('{path}')"
+        )
+    return ""
