@@ -7,7 +7,11 @@ A returned future is a promise kept at exit: the interpreter's exit (the
 main module ending, ``sys.exit``, an uncaught exception) first waits for
 every queued save. A save that failed without anyone asking for its outcome
 (``result()`` or ``exception()``) is reported on standard error, and the
-process then exits with status 1. The threads involved are gpuckpt's own
+process then exits with status 1. Other background work whose return made the same promise
+(a :class:`~gpuckpt.CheckpointManager`'s local tier: a part's write and its replication
+round, a drain to the root) is kept here too (:func:`keep_until_exit`) and waited for at
+the same points; its owner takes charge of a failure by reporting it (:func:`taken`), and
+one it never reported is reported at exit like a save's. The threads involved are gpuckpt's own
 (:mod:`gpuckpt.runtime.workers`), so nothing refuses the work during exit, and after
 ``fork()`` the child starts with empty queues and fresh locks: its own saves
 run, the parent's saves stay the parent's.
@@ -30,16 +34,21 @@ from gpuckpt.errors import ForkedSaveError, InvalidOptionError
 from gpuckpt.format.metadata import Metadata
 from gpuckpt.runtime.workers import Workers
 
-__all__ = ["SaveFuture", "submit", "wait_all", "writer_executor"]
+__all__ = ["SaveFuture", "keep_until_exit", "submit", "taken", "wait_all", "writer_executor"]
 
 _lock = threading.Lock()
 _executors: dict[int, Workers] = {}
 #: saves queued or running in this process, and saves that failed (kept until exit)
 _inflight: set[SaveFuture] = set()
 _failed: list[SaveFuture] = []
+#: other background work that exit waits for (see keep_until_exit): its future -> what it
+#: writes; and those that failed, until their owner takes charge of the failure
+_kept: dict[Future[Any], str] = {}
+_kept_failed: dict[Future[Any], str] = {}
 #: exit progress: a drain began (a daemon thread's later saves run in that thread); the final
-#: drain has run (every later save runs in its caller); a drain was interrupted
-_exit = {"draining": False, "final": False, "interrupted": False}
+#: drain has run (every later save runs in its caller); a drain was interrupted; kept work
+#: failed and its owner never reported it (see keep_until_exit)
+_exit = {"draining": False, "final": False, "interrupted": False, "kept_failed": False}
 
 
 def writer_executor(coordinator: Any = None) -> Workers:
@@ -145,6 +154,44 @@ def _settled(fut: SaveFuture) -> None:
             _failed.append(fut)
 
 
+def keep_until_exit(future: Future[Any], what: str) -> None:
+    """Make exit wait for ``future`` too, as for a queued save: background work whose return
+    promised that something would be written (``what``: what it writes, named in the report of
+    its failure). A failure stays until :func:`taken`; one never taken is reported at exit, and
+    the process then exits with status 1. In a distributed job every rank's exit waits for its
+    own work, so the ranks' background collectives meet as they would have without the exit."""
+    with _lock:
+        _kept[future] = what
+    future.add_done_callback(_kept_done)
+
+
+def _kept_done(future: Future[Any]) -> None:
+    with _lock:
+        what = _kept.pop(future, None)
+        if what is not None and not future.cancelled() and future.exception() is not None:
+            _kept_failed[future] = what
+
+
+def taken(*futures: Future[Any]) -> None:
+    """The owner of these kept futures took charge of their outcome (it reported their failure,
+    or waited for them on closing): exit neither waits for them nor reports them."""
+    with _lock:
+        for f in futures:
+            _kept.pop(f, None)
+            _kept_failed.pop(f, None)
+
+
+def _wait_kept() -> None:
+    """Block until no kept work is running (work kept meanwhile too)."""
+    while True:
+        with _lock:
+            running = [f for f in _kept if not f.done()]
+        if not running:
+            return
+        for f in running:
+            f.exception()  # (waits; the outcome stays in the future)
+
+
 def wait_all() -> None:
     """Block until every queued async save has finished (errors stay in their futures)."""
     _drain_all()
@@ -186,10 +233,13 @@ def _drain_at_exit(final: bool) -> None:
     if not _exit["interrupted"]:
         try:
             _drain_all()
+            _wait_kept()  # (a tier's work saves nothing through the writers above)
         except KeyboardInterrupt:
             _exit["interrupted"] = True
             with _lock:
-                paths = sorted(f.path for f in _inflight)
+                paths = sorted(f.path for f in _inflight) + sorted(
+                    w for f, w in _kept.items() if not f.done()
+                )
             _report(
                 "gpuckpt: interrupted while waiting for background saves at exit; not written: "
                 f"{', '.join(paths) or '(none)'} (nothing was published for them; an earlier "
@@ -208,10 +258,22 @@ def _drain_at_exit(final: bool) -> None:
             f"gpuckpt: the background save to {f.path} failed and its result was never asked for; "
             "nothing was published there:\n" + "".join(traceback.format_exception(exc))
         )
-    if final and (failures or _exit["interrupted"]):
+    with _lock:
+        kept_failures = list(_kept_failed.items())
+        _kept_failed.clear()
+        _exit["kept_failed"] = _exit["kept_failed"] or bool(kept_failures)
+    for fut, what in kept_failures:
+        exc = fut.exception()
+        assert exc is not None
+        _report(
+            f"gpuckpt: background work failed and was never reported (its CheckpointManager was not "
+            f"closed); not written: {what}:\n" + "".join(traceback.format_exception(exc))
+        )
+    if final and (failures or _exit["interrupted"] or _exit["kept_failed"]):
         _report(
             "gpuckpt: exiting with status 1 because a background save did not complete (see above); "
-            "call result() on the future async_save returns to handle its errors\n"
+            "call result() on the future async_save returns, or close() the CheckpointManager, "
+            "to handle its errors\n"
         )
         _exit_now(1)
 
@@ -237,6 +299,8 @@ def _after_fork_in_child() -> None:
     _lock = threading.Lock()
     _inflight.clear()
     _failed.clear()
+    _kept.clear()
+    _kept_failed.clear()
 
 
 if hasattr(os, "register_at_fork"):

@@ -345,6 +345,8 @@ class CheckpointManager:
                 replicas=replicas,
                 keep=local_max_to_keep,
                 options=self.options,
+                # the root's canonical name: a tier holds one root's steps (never read for it)
+                root=os.fspath(Path(self.root).resolve()) if scheme_of(root) == "file" else str(self.root),
             )
             self._tiered = TieredSaves(
                 self._steps_root,

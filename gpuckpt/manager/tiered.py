@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import gpuckpt.api as api
+import gpuckpt.pending as pending
 from gpuckpt.distributed.coordinator import Coordinator, CoordinatorError, describe_error, disagreement
 from gpuckpt.errors import CheckpointExistsError, CheckpointNotFoundError, DistributedError, StepOrderError
 from gpuckpt.format.metadata import STATE_DICT_TYPE
@@ -229,6 +230,7 @@ class TieredSaves:
         if self._drain is not None:
             drained, fut = self._drain
             if fut.done():
+                pending.taken(fut)  # (its failure is reported here)
                 exc = fut.exception()
                 if exc is not None:
                     failed[("drain", drained)] = exc
@@ -310,11 +312,15 @@ class TieredSaves:
             api.save_with_options(state, path, options, coord)
             return True
 
-        self._drain = (step, self._drains.submit(drain))
+        fut = self._drains.submit(drain)
+        pending.keep_until_exit(fut, f"step {step} to the root {path} (its drain from the local tier)")
+        self._drain = (step, fut)
 
     def close(self) -> None:
         """End the tier's and the drain's threads (their work is done or failed by now)."""
         self.tier.close()
+        if self._drain is not None:
+            pending.taken(self._drain[1])
         self._drains.shutdown(wait=False)
 
     # restoring ------------------------------------------------------------------------

@@ -23,6 +23,12 @@ Retention: the lowest rank of each node deletes the oldest steps of its ``local_
 A rank receiving a replica first takes the copy of the same rank's part that this step
 retires out of the tier and writes the received files over its files (pages the file system
 already holds).
+
+A tier holds the steps of one root: its ``.root`` file names the manager's root (resolved
+path or URL), and a manager of another root, or one finding steps whose root is unknown, is
+refused on every rank before anything is read (see :meth:`LocalTier._claim`). Its background
+work is kept by :mod:`gpuckpt.pending` until it is done: a manager never closed still writes
+its last step, replicas and drain at exit, or exit reports what was not written.
 """
 
 from __future__ import annotations

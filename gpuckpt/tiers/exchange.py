@@ -20,6 +20,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
+import gpuckpt.pending as pending
 from gpuckpt.distributed.coordinator import Coordinator, describe_error
 from gpuckpt.distributed.exchange import pack_small_buffers
 from gpuckpt.format.documents import MAX_ROOT_DOCUMENT_BYTES, ROOT_KEY
@@ -328,7 +329,9 @@ class PartExchange:
                     stacklevel=1,
                 )
 
-        self._fetched.append(self._thread.submit(write))
+        job = self._thread.submit(write)
+        self._fetched.append(job)
+        pending.keep_until_exit(job, f"rank {got.whose}'s part of step {step} in the local tier {self.dir}")
 
     def _manifest(self, step: int, whose: int) -> list[tuple[str, int]]:
         root = self.dir / part_name(step, whose)

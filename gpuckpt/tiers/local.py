@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 import gpuckpt.api as api
+import gpuckpt.pending as pending
 from gpuckpt.background import async_save_with_options
 from gpuckpt.distributed.coordinator import Coordinator, describe_error
 from gpuckpt.errors import (
@@ -57,9 +58,59 @@ __all__ = ["LocalTier"]
 
 #: the file in a local_dir that the node's lowest rank locks while its manager is open
 LOCK_NAME = ".lock"
+#: the file in a local_dir naming the root whose steps the tier holds (see LocalTier._claim)
+ROOT_RECORD = ".root"
+#: the largest root record read (a root's name is a path or a URL)
+_ROOT_RECORD_MAX = 64 * 1024
 
 #: errors of a copy that mean the copy is damaged or gone (the restore skips it), not a misuse
 _DAMAGE = (CheckpointCorruptedError, MetadataError, FileNotFoundError)
+
+
+def _read_root_record(path: Path) -> tuple[str | None, str | None]:
+    """The root a tier's record names (None where there is no record), and why the record
+    does not read (None where it does or there is none); a link is never followed."""
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags)
+    except FileNotFoundError:
+        return None, None
+    except OSError as exc:
+        return None, exc.strerror or str(exc)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None, "not a regular file"
+        raw = os.read(fd, _ROOT_RECORD_MAX + 1)
+    except OSError as exc:
+        return None, exc.strerror or str(exc)
+    finally:
+        os.close(fd)
+    try:
+        doc = json.loads(raw) if len(raw) <= _ROOT_RECORD_MAX else None
+    except ValueError:
+        doc = None
+    if not (isinstance(doc, dict) and doc.get("format") == 1 and isinstance(doc.get("root"), str)):
+        return None, 'not {"format": 1, "root": NAME}'
+    return doc["root"], None
+
+
+def _write_root_record(path: Path, root: str) -> None:
+    """Make ``path`` name ``root``, durably, in one rename (never written through a link)."""
+    tmp = path.with_name(path.name + ".tmp")
+    with contextlib.suppress(FileNotFoundError):
+        tmp.unlink()
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:
+        os.write(fd, json.dumps({"format": 1, "root": root}).encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
 
 
 class WriteGate:
@@ -103,6 +154,8 @@ class LocalTier(PartExchange):
 
     ``queries`` carries the foreground collectives (the caller's thread), ``background``
     the replication rounds (the tier's thread): two duplicates of the job's coordinator.
+    ``root`` is the canonical name of the manager's root (its resolved absolute path, or its
+    URL): a tier holds the steps of one root (:meth:`_claim`); rank 0's name is every rank's.
     """
 
     def __init__(
@@ -115,6 +168,7 @@ class LocalTier(PartExchange):
         replicas: int,
         keep: int,
         options: SaveOptions,
+        root: str,
     ) -> None:
         self.check_arguments(local_dir, replicas, keep, node)
         self.queries, self.background = queries, background
@@ -141,7 +195,8 @@ class LocalTier(PartExchange):
                 )
         if problem is not None:
             problem = f"rank {self.rank} (node {self.node!r}): {problem}"
-        seen = queries.all_gather((self.node, *where, problem))
+        seen = queries.all_gather((self.node, *where, problem, root))
+        self.root: str = seen[0][5]
         problems = [s[4] for s in seen if s[4] is not None]
         if problems:
             raise InvalidOptionError(problem or problems[0])
@@ -159,7 +214,9 @@ class LocalTier(PartExchange):
         ]
         #: the node's lock on its tier (held by the node's lowest rank): one manager per local_dir
         self._lock: BinaryIO | None = None
-        taken = self._take_lock() if self.leader else None
+        taken = None
+        if self.leader:  # (under the lock: no other manager writes the tier meanwhile)
+            taken = self._take_lock() or self._claim()
         refusals = [m for m in queries.all_gather(taken) if m is not None]
         if refusals:
             self._release_lock()
@@ -280,6 +337,42 @@ class LocalTier(PartExchange):
         f.write(f"{os.getpid()}\n".encode())
         f.flush()
         self._lock = f
+        return None
+
+    def _claim(self) -> str | None:
+        """Record the manager's root as the root of the tier's steps (``local_dir/.root``),
+        unless the tier holds steps of another root, or steps that name none (written before
+        the tier recorded its root, or with that record unreadable): what refuses the tier, or
+        None. A restore takes the newest step of the tiers, and a tier left by another run
+        (``local_dir`` reused) would give that run's state to this one. Only the name is
+        compared: the root is never read for it (a restore on a replaced node works with the
+        root moved away)."""
+        record = self.dir / ROOT_RECORD
+        recorded, unreadable = _read_root_record(record)
+        if recorded == self.root:
+            return None
+        steps = self.steps()
+        if steps:
+            shown = f"{steps[:10]}{' ...' if len(steps) > 10 else ''}"
+            if recorded is not None:
+                whose = f"of another root, {recorded}"
+            elif unreadable is not None:
+                whose = f"whose root is unknown (its record {record} cannot be read: {unreadable})"
+            else:
+                whose = f"whose root is unknown (no {record}: saved by a gpuckpt that did not record it)"
+            return (
+                f"local_dir {self.dir} (node {self.node!r}) holds step(s) {shown} {whose}; this "
+                f"manager's root is {self.root}: a local tier holds the steps of one root (restored, "
+                "they would be another run's state). Give each run its own local_dir, or delete "
+                f"those steps (the step_* folders of {self.dir}) if they are not needed"
+            )
+        try:
+            _write_root_record(record, self.root)
+        except OSError as exc:
+            return (
+                f"local_dir {self.dir}: the record of its root, {record}, cannot be written "
+                f"({exc.strerror or exc}): remove what is there, or give the manager another local_dir"
+            )
         return None
 
     def _release_lock(self) -> None:
@@ -417,7 +510,13 @@ class LocalTier(PartExchange):
             finally:
                 gate.snapshot_took(time.monotonic() - began)
         tensors = self._described[1] if self._described is not None and error is None else ()
-        self._jobs[step] = self._thread.submit(self._finish, step, written, error, layout, tensors, gate)
+        job = self._jobs[step] = self._thread.submit(
+            self._finish, step, written, error, layout, tensors, gate
+        )
+        # exit waits for it as for a queued save (every rank's exit does: the rounds meet)
+        pending.keep_until_exit(
+            job, f"step {step} in the local tier {self.dir} (rank {self.rank}'s part and its replicas)"
+        )
 
     def _foreign_problem(self, step: int) -> BaseException | None:
         """Why this rank's part of ``step`` may not be written where it goes, or None: a folder
@@ -559,6 +658,7 @@ class LocalTier(PartExchange):
                 if exc is not None:
                     out[step] = exc
                     self._failed.add(step)
+                    pending.taken(job)  # (the caller reports it)
         return out
 
     def close(self) -> None:
@@ -567,6 +667,7 @@ class LocalTier(PartExchange):
         for job in self._fetched:
             job.exception()
         self._fetched.clear()
+        pending.taken(*self._jobs.values())  # (closing waited for them and reported what it could)
         try:
             self._thread.submit(self._file_maps.close)  # after the rounds queued before it
         except RuntimeError:  # closed before: no round is left to run
