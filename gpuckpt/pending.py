@@ -82,6 +82,8 @@ class SaveFuture:
             not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout >= 0
         ):
             raise InvalidOptionError(f"timeout must be a number of seconds >= 0 or None, got {timeout!r}")
+        if timeout is not None and timeout >= threading.TIMEOUT_MAX:
+            timeout = None  # (inf, or longer than a wait can be: no limit, as None)
         if os.getpid() != self._pid and not self._future.done():
             raise ForkedSaveError(
                 f"the async save to {self.path} was started by process {self._pid} before it forked; "

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import math
 import threading
 import time
 from pathlib import Path
@@ -93,9 +94,12 @@ def test_result_timeout(tmp_path: Path) -> None:
     with pytest.raises(TimeoutError, match="not finished"):
         fut.result(timeout=0.05)
     assert not fut.done()
-    gate.set()
+    # a timeout longer than any wait (inf, 2**64 s) waits without a limit, as None does
+    threading.Timer(0.2, gate.set).start()
+    assert fut.exception(timeout=math.inf) is None
     blocker.result()
     fut.result(timeout=60)
+    fut.result(timeout=2**64)
 
 
 def test_progress_callback(tmp_path: Path) -> None:
