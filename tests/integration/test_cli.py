@@ -370,6 +370,11 @@ def test_version_and_plain_help() -> None:
     assert r.returncode == 0 and r.stdout.startswith("gpuckpt ") and r.stdout.split()[1][0].isdigit()
     r = gpuckpt_cli("--help")
     assert r.returncode == 0 and "``" not in r.stdout and ":func:" not in r.stdout
+    # python -m gpuckpt is the same command
+    r = subprocess.run(
+        [sys.executable, "-m", "gpuckpt", "--version"], capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 0 and r.stdout.startswith("gpuckpt ")
 
 
 def test_ctrl_c_that_a_library_turns_into_its_own_error_still_ends_as_interrupted(
