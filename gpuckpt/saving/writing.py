@@ -436,13 +436,16 @@ def writing(writer: CheckpointWriter) -> Iterator[None]:
         writer.abort()
         raise
     except OSError as exc:
+        where = getattr(writer, "path", None)
+        hint = failure_hint(
+            exc, where if isinstance(where, (str, os.PathLike)) else None
+        )  # (before the abort)
         writer.abort()
-        where = getattr(writer, "path", "the checkpoint")
         code, text = failure_errno(exc)
         raise CheckpointWriteError(
             code,
-            f"saving {where} failed: {text}; nothing was published and any earlier "
-            f"checkpoint there is intact ({failure_hint(exc)})",
+            f"saving {where or 'the checkpoint'} failed: {text}; nothing was published and any earlier "
+            f"checkpoint there is intact ({hint})",
         ) from exc
     except BaseException:
         writer.abort()

@@ -138,3 +138,30 @@ def test_loads_with_and_without_the_loop_agree(tmp_path: Path, monkeypatch: pyte
         crccopy._instance.cache_clear()
     for k in state:
         np.testing.assert_array_equal(with_loop[k], without[k])
+
+
+def test_a_chunk_that_cannot_be_mapped_for_a_memory_limit_is_read_with_pread(tmp_path: Path) -> None:
+    # under RLIMIT_AS the loop's map of a large cached chunk fails with ENOMEM: the load reads it
+    # with pread instead (it was a bare OSError naming nothing)
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(
+        """
+        import resource, sys, numpy as np, gpuckpt
+        path = sys.argv[1]
+        want = np.random.default_rng(0).standard_normal((96 << 20) // 4).astype(np.float32)
+        gpuckpt.save({"big": want}, path, chunk_bytes=96 << 20)
+        target = {"big": np.zeros_like(want)}
+        size = int(open("/proc/self/status").read().split("VmSize:")[1].split()[0]) * 1024
+        resource.setrlimit(resource.RLIMIT_AS, (size + (48 << 20), size + (48 << 20)))
+        gpuckpt.load(target, path)
+        print(np.array_equal(target["big"], want))
+        """
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "c")], capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "True"

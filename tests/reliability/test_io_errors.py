@@ -134,23 +134,54 @@ def test_overwrite_fallback_rename_failure_keeps_old_checkpoint(tmp_path: Path) 
 # a real full file system -------------------------------------------------------------------
 
 
-@pytest.fixture
-def small_fs(tmp_path: Path) -> Iterator[Path]:
+def _tmpfs(tmp_path: Path, options: str) -> Iterator[Path]:
     mnt = tmp_path / "mnt"
     mnt.mkdir()
     if shutil.which("mount") is None:
         pytest.skip("no mount command here: the tmpfs variant needs it")
     proc = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)], capture_output=True, text=True
+        ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mnt)], capture_output=True, text=True
     )
     if proc.returncode != 0:
         pytest.skip(
-            f"cannot mount an 8 MiB tmpfs here ({proc.stderr.strip()}); the injected variants cover it"
+            f"cannot mount a tmpfs ({options}) here ({proc.stderr.strip()}); the injected variants cover it"
         )
     try:
         yield mnt
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+@pytest.fixture
+def small_fs(tmp_path: Path) -> Iterator[Path]:
+    yield from _tmpfs(tmp_path, "size=8m")
+
+
+@pytest.fixture
+def few_inodes_fs(tmp_path: Path) -> Iterator[Path]:
+    yield from _tmpfs(tmp_path, "size=64m,nr_inodes=40")
+
+
+def test_a_file_system_out_of_inodes_is_told_as_such(few_inodes_fs: Path) -> None:
+    # space is left: the remedy is about inodes, not about freeing space
+    gpuckpt.save(state(1, 0.1), few_inodes_fs / "small")
+    many = {"t": {f"x{i}": np.full(4, i) for i in range(200)}}
+    with pytest.raises(gpuckpt.CheckpointWriteError) as info:
+        gpuckpt.save(many, few_inodes_fs / "many", sync="file")
+    assert info.value.errno == errno.ENOSPC and "no free inodes" in str(info.value), info.value
+    assert_holds(few_inodes_fs / "small", 1, 0.1)
+
+
+def test_a_manager_root_that_cannot_be_made_is_a_write_error(small_fs: Path, tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(gpuckpt.CheckpointWriteError, match="cannot create the checkpoint root .* is a file"):
+        gpuckpt.CheckpointManager(tmp_path / "file" / "run")
+    subprocess.run(["mount", "-o", "remount,ro", str(small_fs)], check=True)
+    with pytest.raises(
+        gpuckpt.CheckpointWriteError, match="cannot create the checkpoint root .* read-only"
+    ) as info:
+        gpuckpt.CheckpointManager(small_fs / "run")
+    assert info.value.errno == errno.EROFS
 
 
 def _used(path: Path) -> int:

@@ -24,6 +24,7 @@ truncated file. A SIGBUS anywhere else goes to the handler that was installed be
 from __future__ import annotations
 
 import ctypes
+import errno
 import functools
 import os
 from collections.abc import Sequence
@@ -126,7 +127,8 @@ class CrcCopy:
     def cached_copy_crc(self, fd: int, offset: int, dst: memoryview, value: int = 0) -> int | None:
         """Copy ``dst.nbytes`` bytes at ``offset`` of ``fd`` into ``dst``; returns their CRC32C.
 
-        The CRC continues from ``value``. Returns None when part of the range
+        The CRC continues from ``value``. Returns None when the range cannot be mapped for want
+        of address space (a process memory limit), when part of the range
         is not in the page cache or lies past the end of the file (nothing is
         copied), and when the file changed under the copy: truncated after the
         size was checked, or a page that could not be read, which would have
@@ -139,6 +141,8 @@ class CrcCopy:
         out = ctypes.c_uint32()
         address = buffer_address(dst)
         rc = self._lib.gck_cached_copy_crc(fd, offset, address, dst.nbytes, value, ctypes.byref(out))
+        if rc == -errno.ENOMEM:
+            return None  # no address space for the map (a process memory limit): pread needs none
         if rc < 0:
             raise OSError(-rc, os.strerror(-rc))
         return None if rc else int(out.value)  # 1: declined; 2: the file changed under the copy

@@ -240,9 +240,29 @@ def failure_errno(exc: OSError) -> tuple[int, str]:
     return code, exc.strerror or str(exc)
 
 
-def failure_hint(exc: OSError) -> str:
+def _out_of_inodes(name: str) -> bool:
+    """Whether the file system of ``name`` (its nearest existing parent) has no free inodes
+    (never for a URL: no local file system answers for it)."""
+    if "://" in name:
+        return False
+    where = os.path.abspath(name)
+    while where and not os.path.exists(where):
+        parent = os.path.dirname(where)
+        if parent == where:
+            return False
+        where = parent
+    try:
+        st = os.statvfs(where)
+    except OSError:
+        return False
+    return st.f_files > 0 and st.f_favail == 0
+
+
+def failure_hint(exc: OSError, near: str | os.PathLike[str] | None = None) -> str:
     """What to do about the failed system call ``exc`` of a save: a remedy that fits its errno
-    (and, where it says which, the name at fault), for the end of an error message."""
+    (and, where it says which, the name at fault; else ``near``, a path on the same file system,
+    for what only the file system tells: whether its inodes ran out, asked before the save's
+    temporaries are removed), for the end of an error message."""
     e, name = exc.errno, os.fspath(exc.filename) if isinstance(exc.filename, (str, os.PathLike)) else ""
     if e == errno.ENAMETOOLONG and name:
         limit = _name_max(name.rstrip("/").rpartition("/")[0])
@@ -256,6 +276,12 @@ def failure_hint(exc: OSError) -> str:
         size = len(os.fsencode(name))
         return f"the path is {size} bytes, more than the system allows: save under a shorter path"
     if e in (errno.ENOSPC, errno.EDQUOT):
+        on = name or (os.fspath(near) if near is not None else "")
+        if e == errno.ENOSPC and on and _out_of_inodes(on):
+            return (
+                "the file system has no free inodes left (`df -i`), whatever space it has: remove "
+                "files there (or save fewer, larger chunks: a larger chunk_bytes), then save again"
+            )
         return "free space on the device (or raise the quota), then save again"
     if e in (errno.EEXIST, errno.ENOTDIR):
         where = _not_a_directory(name) if name else None
@@ -264,8 +290,9 @@ def failure_hint(exc: OSError) -> str:
         return "a file stands where a directory is needed: save under another path"
     if e in (errno.EMFILE, errno.ENFILE):
         return (
-            "this process has too many files open: raise the limit (`ulimit -n`) or save with fewer "
-            "threads, then save again"
+            "this process has too many files open: raise the limit (`ulimit -n`), or save with fewer "
+            'threads (with sync="file" each file stays open until it is synced: sync="auto" keeps '
+            "fewer open), then save again"
         )
     if e in (errno.EACCES, errno.EPERM):
         return f"permission denied{f' on {name}' if name else ''}: save where this process may write"

@@ -14,7 +14,7 @@ import secrets
 from collections.abc import Sequence
 from pathlib import Path
 
-from gpuckpt.errors import StoreError
+from gpuckpt.errors import CheckpointWriteError, StoreError
 from gpuckpt.storage.base import CheckpointRoot
 from gpuckpt.storage.local import fsutil, leftovers, shared_dir
 
@@ -30,7 +30,13 @@ class LocalRoot(CheckpointRoot):
         self.path = Path(path).absolute()
         if self.path.exists() and not self.path.is_dir():
             raise NotADirectoryError(f"checkpoint root {self.path} exists and is not a directory")
-        self.path.mkdir(parents=True, exist_ok=True)
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # read-only, full, a file among its parents, permissions: say so
+            code, text = fsutil.failure_errno(exc)
+            raise CheckpointWriteError(
+                code, f"cannot create the checkpoint root {self.path}: {text} ({fsutil.failure_hint(exc)})"
+            ) from exc
 
     def child(self, name: str) -> Path:
         return self.path / name
