@@ -23,7 +23,9 @@ Saves through a local tier are :mod:`gpuckpt.manager.tiered`'s.
 
 A distributed job has one manager per rank (``coordinator=``). Every rank
 calls the same methods in the same order (they are collectives, as a
-distributed save is); rank 0 alone lists, probes and deletes, and what it
+distributed save is; :meth:`~CheckpointManager.all_steps` and
+:meth:`~CheckpointManager.latest_step` aside, which each rank answers from its
+own listing); rank 0 alone lists, probes and deletes, and what it
 finds (the committed steps, or its error) reaches every rank in one
 broadcast, so every rank sees the same steps, takes the same decisions and
 raises the same errors. Each step is one distributed checkpoint (see
@@ -122,6 +124,14 @@ def _agree_arguments(coordinator: Coordinator, refused: Exception | None, settin
         )
 
 
+def _root_name(root: Any) -> str:
+    """The canonical name of a root: its resolved absolute path, or its URL (``s3://...``)
+    without a trailing slash. The ranks of a job compare it, and a local tier records it."""
+    if scheme_of(root) == "file":
+        return os.fspath(Path(os.fspath(root)).resolve())
+    return str(os.fspath(root)).rstrip("/")
+
+
 def _check_apart(root: Any, local_dir: str | os.PathLike[str]) -> None:
     """Refuse a local tier that is the root, inside it or around it (a directory of each's own:
     each would list the other's entries as its own)."""
@@ -171,7 +181,9 @@ class CheckpointManager:
         coordinator (:meth:`~gpuckpt.distributed.Coordinator.duplicate`): one
         for its background saves, one for its queries; ``coordinator`` itself
         stays the caller's. ``root`` must be the same place for every rank (a
-        shared file system, or an object store).
+        shared file system, or an object store): the ranks compare its
+        canonical name (resolved absolute path, or URL), and a difference is an
+        :class:`~gpuckpt.errors.InvalidOptionError` on every rank.
     **save_options
         Options of every save, as for :func:`gpuckpt.async_save`:
         ``chunk_bytes``, ``compression``, ``allow_pickle``, ``sync``, ``threads``, ``progress``,
@@ -296,8 +308,10 @@ class CheckpointManager:
                 _check_apart(root, local_dir)
                 refuse_inside_a_checkpoint(local_dir)
             refuse_inside_a_checkpoint(root)  # (its steps would go with that checkpoint)
+            root_name = _root_name(root)
         except Exception as exc:
             refused = exc
+            root_name = None
         if coordinator is not None and coordinator.world_size > 1:
             settings = {
                 "max_to_keep": max_to_keep,
@@ -310,6 +324,9 @@ class CheckpointManager:
                 "replicas": replicas,
                 "local_max_to_keep": local_max_to_keep,
                 **{k: v for k, v in save_options.items() if k != "storage_options"},
+                # one root for the job: a rank of another root would restore another run's
+                # step beside the others', and write its part of each step elsewhere
+                "root": root_name,
             }
             _agree_arguments(coordinator, refused, settings)
         if refused is not None:
@@ -346,7 +363,7 @@ class CheckpointManager:
                 keep=local_max_to_keep,
                 options=self.options,
                 # the root's canonical name: a tier holds one root's steps (never read for it)
-                root=os.fspath(Path(self.root).resolve()) if scheme_of(root) == "file" else str(self.root),
+                root=_root_name(self.root),
             )
             self._tiered = TieredSaves(
                 self._steps_root,
@@ -418,13 +435,25 @@ class CheckpointManager:
         return self._store.child(self._agreed(lambda: self._view(step)).get(step, step_name(step)))
 
     def all_steps(self) -> list[int]:
-        """Committed steps, in increasing order."""
-        return sorted(self._steps(0, block=False))
+        """Committed steps, in increasing order.
+
+        In a distributed job this is no collective: each rank lists the root itself, so one
+        rank alone may ask (for logging, say). While a save, a drain or retention runs, ranks
+        may see different steps; :meth:`restore` and :meth:`save` decide on rank 0's view."""
+        return sorted(self._listed(0))
 
     def latest_step(self) -> int | None:
-        """The highest committed step, or None when there is none."""
-        steps = self._steps(None, block=False)
+        """The highest committed step, or None when there is none (no collective: see
+        :meth:`all_steps`)."""
+        steps = self._listed(None)
         return max(steps) if steps else None
+
+    def _listed(self, recheck_from: int | None) -> dict[int, str]:
+        """:meth:`_steps` in one process; in a distributed job this rank's own listing of the
+        root (the save in flight is taken note of by the next collective call)."""
+        if self._queries is None:
+            return self._steps(recheck_from, block=False)
+        return StepRoot(self._store, None, max_to_keep=None, keep_period=None).view(recheck_from)
 
     # saving ------------------------------------------------------------------
 
@@ -606,6 +635,8 @@ class CheckpointManager:
             When ``step`` has no committed checkpoint.
         """
         check_step(step)
+        if self._tiered is not None:  # (ranks in another call raise CoordinatorError, not hang)
+            self._tiered.meet("delete", step)
         _step, name = self._resolve(step)
         self._agreed(lambda: self._steps_root.delete(name))
 

@@ -28,7 +28,13 @@ from typing import Any
 import gpuckpt.api as api
 import gpuckpt.pending as pending
 from gpuckpt.distributed.coordinator import Coordinator, CoordinatorError, describe_error, disagreement
-from gpuckpt.errors import CheckpointExistsError, CheckpointNotFoundError, DistributedError, StepOrderError
+from gpuckpt.errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    DistributedError,
+    GpuckptError,
+    StepOrderError,
+)
 from gpuckpt.format.metadata import STATE_DICT_TYPE
 from gpuckpt.manager.steps import StepRoot, different_steps, step_name
 from gpuckpt.options import SaveOptions
@@ -76,6 +82,20 @@ def _unused_steps(other_layout: dict[int, tuple[int, ...]], chosen: int | None) 
     )
 
 
+def _other_jobs(other_ranks: dict[int, tuple[int, ...]], chosen: int | None, ranks: int) -> str:
+    """What to add to a restore's error where tier steps were passed over because a job of
+    another number of ranks saved them (else nothing)."""
+    newer = {s: z for s, z in other_ranks.items() if chosen is None or s > chosen}
+    if not newer:
+        return ""
+    sizes = sorted({z for zs in newer.values() for z in zs})
+    return (
+        f"; the local tiers hold step(s) {sorted(newer)[:20]} saved by a job of "
+        f"{' or '.join(map(str, sizes))} ranks (this job has {ranks}): restart with {sizes[-1]} ranks "
+        "to restore them, or delete them (the step_* folders of the local_dirs) to start this job's own line"
+    )
+
+
 class TieredSaves:
     """One rank's steps through its local tier; made by :class:`~gpuckpt.CheckpointManager`.
 
@@ -109,6 +129,10 @@ class TieredSaves:
         #: an interrupt ended a call here since the ranks last gathered in agreement: the next
         #: gather waits for them no longer than the grace
         self._interrupted = False
+        #: tier steps found when the manager opened that no restore has taken or abandoned
+        #: since: step -> where. They may be another job's (other ranks, another layout): a
+        #: save of a step up to the newest of them is refused, never written over them
+        self.guarded: dict[int, list[str]] = dict(tier.found)
 
     # saving -------------------------------------------------------------------------
 
@@ -181,10 +205,27 @@ class TieredSaves:
                 "or in the local tier); steps only move forward: to roll back, restore the earlier "
                 "step and delete the newer ones under the root"
             )
+        if self.guarded and step <= max(self.guarded):
+            raise self._guarded_error(step, sorted(self.guarded))
         self.tier.begin(step, state_dict, save_id)
         self.last = step
         if persist:
             self._start_drain(step)
+
+    def _guarded_error(self, step: int, guarded: list[int]) -> GpuckptError:
+        """The error of a save of ``step`` up to tier steps found at open (``guarded``)."""
+        where = sorted({w for s in guarded for w in self.guarded[s]})
+        shown = f"{guarded[:10]}{' ...' if len(guarded) > 10 else ''}"
+        text = (
+            f"the local tiers held step(s) {shown} in {', '.join(where)} when this manager opened, and "
+            f"no restore of it has taken them or passed them by since: they may be another job's "
+            f"(saved by another number of ranks, or from a state of another layout), and saving "
+            f"step {step} would write over them or behind them. Restore them with the job layout "
+            "that saved them (mgr.restore), or delete them (those step_* folders) to start a new line"
+        )
+        if step in self.guarded:
+            return CheckpointExistsError(text)
+        return StepOrderError(text)
 
     def gather(
         self,
@@ -194,6 +235,7 @@ class TieredSaves:
         agreed: Callable[[], Any] | None = None,
         step: int | None = None,
         call: str = "wait() or close()",
+        report: bool = True,
     ) -> tuple[bool, Any]:
         """Collective: every rank's failed background work (tier steps, drains) raised on every
         rank, once; a drain that ended on every rank joins the root (its retention applied).
@@ -217,38 +259,72 @@ class TieredSaves:
                 self._drain[1].exception()
             bounded = after_interrupt() if self._interrupted else contextlib.nullcontext()
             with held_interrupts(), bounded:
-                gathered = self._gathered(agreed, step, call)
+                gathered = self._gathered(agreed, step, call, report)
             self._interrupted = False  # (the ranks met in the same call)
             return gathered
 
-    def _gathered(self, agreed: Callable[[], Any] | None, step: int | None, call: str) -> tuple[bool, Any]:
-        """:meth:`gather` from its collective on."""
-        failed: dict[tuple[str, int], BaseException] = {
-            ("tier", s): e for s, e in self.tier.settled().items()
-        }
+    def meet(self, call: str, asked: int | None, agreed: Callable[[], Any] | None = None) -> Any:
+        """Collective, the first of a restore or a delete: the ranks meet in ``call``, asking for
+        the same step (``asked``; None: the newest), once the tier's work and the drain are
+        done; ``agreed()`` as run on rank 0 (see :meth:`gather`). Ranks in different calls are
+        a :class:`CoordinatorError` on every rank (the same collective as a save's or a
+        close's), different steps a :class:`StepOrderError`, before anything is read or
+        deleted. The background work's failures stay for the next save or wait to raise."""
+        with self._noting_interrupts():
+            if self.out_of_step is not None:
+                raise CoordinatorError(self.out_of_step)
+            self.wait()
+            bounded = after_interrupt() if self._interrupted else contextlib.nullcontext()
+            with held_interrupts(), bounded:
+                _, outcome = self._gathered(agreed, None, call, False, asked=(asked,))
+            self._interrupted = False
+            return outcome
+
+    def _gathered(
+        self,
+        agreed: Callable[[], Any] | None,
+        step: int | None,
+        call: str,
+        report: bool = True,
+        *,
+        asked: tuple[int | None] | None = None,
+    ) -> tuple[bool, Any]:
+        """:meth:`gather` from its collective on (``report``: the failures of the background work
+        are taken and raised; :meth:`meet` leaves them, and its ``asked`` steps are compared)."""
+        failed: dict[tuple[str, int], BaseException] = {}
+        if report:
+            failed = {("tier", s): e for s, e in self.tier.settled().items()}
         running = False
         if self._drain is not None:
             drained, fut = self._drain
-            if fut.done():
+            if not fut.done():
+                running = True
+            elif report:
                 pending.taken(fut)  # (its failure is reported here)
                 exc = fut.exception()
                 if exc is not None:
                     failed[("drain", drained)] = exc
-            else:
-                running = True
         # what failed where: a collective's error names the ranks that failed it
         mine = {k: _failures(e, self.queries.rank) for k, e in failed.items() if k not in self._reported}
         outcome, error = self.steps.run_on_rank0(agreed) if agreed is not None else (None, None)
-        reports = self.queries.all_gather((mine, running, outcome, step, call))
+        reports = self.queries.all_gather((mine, running, outcome, step if asked is None else asked, call))
         calls = disagreement([r[4] for r in reports], str)
         if calls is not None:
             # out of step for good: the next collective would pair with another call's
             self.out_of_step = (
                 f"the ranks are in different calls of the manager ({calls}): every rank calls save, "
-                "wait, restore and close in the same order; after an interrupt (Ctrl-C) or an error "
+                "wait, restore, delete and close in the same order; after an interrupt (Ctrl-C) or an error "
                 "that some ranks caught and others did not, end the job and start it again"
             )
             raise CoordinatorError(self.out_of_step)
+        if asked is not None:
+            differ = disagreement([r[3][0] for r in reports])
+            if differ is not None:  # (before anything is read or deleted, on every rank)
+                raise StepOrderError(
+                    f"the ranks asked {call} for different steps ({differ}; None: the newest): every "
+                    f"rank passes the same step= in the same call of {call}"
+                )
+            return not running, None if agreed is None else self.steps.outcome_of_rank0(reports[0][2], error)
         failures: dict[int, str] = {}
         for errs, _, _, _, _ in reports:
             for (kind, s), by_rank in sorted(errs.items()):
@@ -335,11 +411,12 @@ class TieredSaves:
         """The newest step complete in the tiers (or ``step``), else the root's (``resolve``
         gives a committed step's name there); returns the step and where its parts came from.
         An interrupt leaves the ranks out of step (its collectives are not held)."""
+        # the first collective: every rank in restore, asking for the same step (failures of the
+        # background work stay for the next save or wait to raise)
+        steps: dict[int, str] = self.meet("restore", step, lambda: self.steps.view(None))
         with self._noting_interrupts(half_done="a restore"):
-            self.wait()  # failures stay for the next save or wait to raise
 
             def root_latest() -> int | None:
-                steps = self.steps.agreed(lambda: self.steps.view(None))
                 if step is not None:
                     return step if step in steps else None
                 return max(steps, default=None)
@@ -349,10 +426,16 @@ class TieredSaves:
                 self.last = choice.step
             if report is not None:
                 assert choice.step is not None
+                self.guarded = {}  # (taken, or deleted as newer)
                 return choice.step, report
-            unused = _unused_steps(choice.other_layout, choice.step)
+            unused = _unused_steps(choice.other_layout, choice.step) + _other_jobs(
+                choice.other_ranks, choice.step, self.queries.world_size
+            )
             if choice.source == "none":
+                # steps no job can restore (some rank's part missing everywhere) are passed by
                 if step is None:
+                    restorable = {*choice.other_layout, *choice.other_ranks, *choice.ambiguous}
+                    self.guarded = {s: w for s, w in self.guarded.items() if s in restorable}
                     what = "no step is complete"
                     fix = unused or "; save one first"
                 else:
@@ -377,6 +460,7 @@ class TieredSaves:
             seconds = time.perf_counter() - started
             # the line goes on from the root's step: the tiers' newer steps are an abandoned line
             self.tier.abandon_newer(choice.step)
+            self.guarded = {}
             try:
                 nbytes = part_bytes(part_view(state_dict)[0])  # (what the rank's arrays hold)
             except Exception:  # (loaded: only a count the report cannot make)

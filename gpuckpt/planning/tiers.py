@@ -76,6 +76,9 @@ class Choice:
     #: steps every rank's part of which is in the tiers, saved from a state of another layout
     #: (arrays, shapes, dtypes or boxes) than some ranks' present one: step -> those ranks
     other_layout: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    #: steps every rank's part of which is in the tiers for a job of another number of ranks:
+    #: step -> those numbers of ranks (a restart with as many ranks restores them)
+    other_ranks: dict[int, tuple[int, ...]] = field(default_factory=dict)
 
 
 def choose(
@@ -83,24 +86,33 @@ def choose(
     layouts: Sequence[str],
     node_names: Sequence[str],
     root_latest: int | None,
+    fits: Iterable[tuple[int, str, int]] = (),
 ) -> Choice:
     """The newest step whose every rank's part has a usable copy, else the root's latest.
 
     A copy is usable for rank r when it is r's part, of a save of this many ranks, with
-    r's present layout. Step T (of one ``save_id``) is complete when every rank has a
-    usable copy; the newest complete T is taken when it is at least ``root_latest``.
-    Every rank reads a part of the same ``(T, save_id)``: never a mix.
+    r's present layout, or one that holds it: ``fits`` names the ``(step, save_id, rank)``
+    whose part holds every array of rank r's present state, of the same shape, dtype and
+    boxes (a subset of what was saved, as a load of the root's step takes it). Step T (of
+    one ``save_id``) is complete when every rank has a usable copy; the newest complete T is
+    taken when it is at least ``root_latest``. Every rank reads a part of the same
+    ``(T, save_id)``: never a mix. Steps whose every part is there for a job of another number
+    of ranks are named in ``other_ranks``.
     """
     n = len(layouts)
     nodes = nodes_of(node_names)
     local_index = {r: ranks.index(r) for ranks in nodes for r in ranks}
     holders: dict[tuple[int, str], dict[int, set[int]]] = {}
     saved_as: dict[tuple[int, str], dict[int, set[str]]] = {}  # whatever their layout
+    fitting = set(fits)
+    elsewhere: dict[tuple[int, str, int], set[int]] = {}  # saves of another number of ranks
     for c in copies:
         if c.world_size != n or not 0 <= c.rank < n:
+            if 0 <= c.rank < c.world_size:
+                elsewhere.setdefault((c.step, c.save_id, c.world_size), set()).add(c.rank)
             continue
         saved_as.setdefault((c.step, c.save_id), {}).setdefault(c.rank, set()).add(c.layout)
-        if c.layout == layouts[c.rank]:
+        if c.layout == layouts[c.rank] or (c.step, c.save_id, c.rank) in fitting:
             holders.setdefault((c.step, c.save_id), {}).setdefault(c.rank, set()).add(c.holder)
     complete: dict[int, list[str]] = {}
     for (step, save_id), by_rank in holders.items():
@@ -109,15 +121,24 @@ def choose(
     other: dict[int, set[int]] = {}
     for (step, save_id), seen in saved_as.items():
         if len(seen) == n and len(holders.get((step, save_id), {})) < n:
-            other.setdefault(step, set()).update(r for r, lays in seen.items() if layouts[r] not in lays)
+            other.setdefault(step, set()).update(
+                r for r, lays in seen.items() if layouts[r] not in lays and (step, save_id, r) not in fitting
+            )
     other_layout = {s: tuple(sorted(rs)) for s, rs in sorted(other.items())}
+    sizes: dict[int, set[int]] = {}
+    for (step, _, size), ranks in elsewhere.items():
+        if len(ranks) == size:
+            sizes.setdefault(step, set()).add(size)
+    other_ranks = {s: tuple(sorted(z)) for s, z in sorted(sizes.items())}
     ambiguous = tuple(sorted(s for s, ids in complete.items() if len(ids) > 1))
     steps = [s for s, ids in complete.items() if len(ids) == 1]
     best = max(steps, default=None)
     if best is None or (root_latest is not None and root_latest > best):
         if root_latest is None:
-            return Choice("none", ambiguous=ambiguous, other_layout=other_layout)
-        return Choice("root", root_latest, ambiguous=ambiguous, other_layout=other_layout)
+            return Choice("none", ambiguous=ambiguous, other_layout=other_layout, other_ranks=other_ranks)
+        return Choice(
+            "root", root_latest, ambiguous=ambiguous, other_layout=other_layout, other_ranks=other_ranks
+        )
     (save_id,) = complete[best]
     senders = {}
     for r, found in holders[(best, save_id)].items():
@@ -126,7 +147,7 @@ def choose(
         else:
             ordered = sorted(found)
             senders[r] = ordered[local_index[r] % len(ordered)]
-    return Choice("tiers", best, save_id, senders, ambiguous, other_layout)
+    return Choice("tiers", best, save_id, senders, ambiguous, other_layout, other_ranks)
 
 
 def tier_retention(steps: Iterable[int], keep: int, newest: int, pinned: Iterable[int] = ()) -> list[int]:

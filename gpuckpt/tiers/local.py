@@ -48,6 +48,7 @@ from gpuckpt.tiers.parts import (
     Boxes,
     LayoutMemo,
     copy_values_back,
+    holds,
     layout_of,
     part_view,
     sharded_from_part,
@@ -217,10 +218,18 @@ class LocalTier(PartExchange):
         taken = None
         if self.leader:  # (under the lock: no other manager writes the tier meanwhile)
             taken = self._take_lock() or self._claim()
-        refusals = [m for m in queries.all_gather(taken) if m is not None]
+        held = self.steps() if self.leader and taken is None else []
+        claims = queries.all_gather((taken, held, str(self.dir), self.node))
+        refusals = [m for m, _, _, _ in claims if m is not None]
         if refusals:
             self._release_lock()
             raise InvalidOptionError(refusals[0])
+        #: the steps the nodes' tiers held when the manager opened: step -> where (the same on
+        #: every rank: the manager refuses to save over them, see TieredSaves)
+        self.found: dict[int, list[str]] = {}
+        for _, steps, where, node in claims:
+            for s in steps:
+                self.found.setdefault(s, []).append(f"{where} (node {node!r})")
         for leftover in self.dir.glob(f".recv-r{self.rank}-*"):  # this rank's receptions a crash cut short
             shutil.rmtree(leftover, ignore_errors=True)
         if self.leader:  # what dead saves left (never a live save's: see CheckpointRoot.cleanup)
@@ -804,6 +813,7 @@ class LocalTier(PartExchange):
         c = self.queries
         undescribed: BaseException | None = None
         view: dict[str, Any] = {}
+        boxes: Boxes = {}
         layout = ""
         try:
             view, boxes = part_view(state)
@@ -839,6 +849,15 @@ class LocalTier(PartExchange):
             ]
             layouts = [lay for _, lay, _ in gathered]
             choice = choose(copies, layouts, self.node_names, latest_root)
+            newer = [
+                s
+                for s in choice.other_layout
+                if choice.source != "tiers" and (choice.step is None or s > choice.step)
+            ]
+            if newer:  # (the same on every rank): do the ranks' states fit in those parts?
+                asks = [s for s in newer if self.rank in choice.other_layout[s]]
+                fits = [f for found in c.all_gather(self._fits(view, boxes, asks)) for f in found]
+                choice = choose(copies, layouts, self.node_names, latest_root, fits)
             if choice.source != "tiers":
                 return choice, None, tuple(skipped)
             assert choice.step is not None
@@ -928,6 +947,31 @@ class LocalTier(PartExchange):
         raise DistributedError(
             {self.rank: "no undamaged copy found after deleting damaged ones"}, self.world_size
         )
+
+    def _fits(self, view: dict[str, Any], boxes: Boxes, steps: list[int]) -> list[tuple[int, str, int]]:
+        """``(step, save_id, rank)`` of this rank's parts of ``steps`` in its node's tier that hold
+        every array of its present state (``view``, ``boxes``) as it is (a subset of what was
+        saved: loaded as a load of the root's step would load it); a part this node lacks, or
+        whose metadata does not read, does not fit."""
+        out = []
+        for step in steps:
+            path = self.dir / part_name(step, self.rank)
+            try:
+                if not self._store.is_committed(path.name):
+                    continue
+                metadata = api.read_metadata(path)
+                record = PartRecord.from_planner_data(metadata.planner_data)
+                if record is None or (record.step, record.rank, record.world_size) != (
+                    step,
+                    self.rank,
+                    self.world_size,
+                ):
+                    continue
+                if holds(view, boxes, dict(metadata.state_dict_metadata), record.boxes):
+                    out.append((step, record.save_id, self.rank))
+            except Exception:  # (a damaged part is skipped by the load that reads it)
+                continue
+        return out
 
     def abandon_newer(self, step: int) -> None:
         """Collective, once ``step`` is restored: tier steps newer than it are an abandoned line,

@@ -22,6 +22,7 @@ __all__ = [
     "Boxes",
     "LayoutMemo",
     "copy_values_back",
+    "holds",
     "layout_and_bytes",
     "layout_of",
     "part_bytes",
@@ -204,6 +205,28 @@ def _dtype_text(dtype: Any) -> str:
 def layout_of(view: dict[str, Any], boxes: Boxes) -> str:
     """A digest of a part's layout: every array's FQN, shape and dtype, every box."""
     return layout_and_bytes(view, boxes)[0]
+
+
+def holds(view: dict[str, Any], boxes: Boxes, stored: dict[str, Any], stored_boxes: Boxes) -> bool:
+    """Whether a part holds every array of ``view`` (a rank's present state, :func:`part_view`)
+    as it is: of the same FQN, shape and dtype (``stored``: the part's ``state_dict_metadata``),
+    each sharded FQN of the same boxes (``stored_boxes``: its record's). A state that is a subset
+    of what a step saved loads from its part, as from the root's step (a partial load)."""
+    leaves, _ = flatten_state_dict(view, is_array)
+    for fqn, leaf in leaves.items():
+        if not is_array(leaf.value):
+            continue
+        a = adapt(leaf.value)
+        meta = stored.get(fqn)
+        size, props = getattr(meta, "size", None), getattr(meta, "properties", None)
+        if size is None or props is None or tuple(size) != tuple(a.shape):
+            return False
+        if _dtype_text(props.dtype) != _dtype_text(a.dtype):
+            return False
+    return all(
+        fqn in stored_boxes and _boxes_text({fqn: b}) == _boxes_text({fqn: stored_boxes[fqn]})
+        for fqn, b in boxes.items()
+    )
 
 
 def part_bytes(view: dict[str, Any]) -> int:

@@ -49,19 +49,29 @@ def test_a_step_saved_by_four_ranks_restores_on_three_and_in_one_process(
 
 
 def test_a_failure_listing_the_root_on_rank_0_is_raised_on_every_rank(tmp_path: Path) -> None:
+    """In a collective (a restore), rank 0 alone lists the root: its failure is raised on every
+    rank. all_steps() is no collective (each rank lists the root itself, so one rank may call
+    it alone): only the rank whose listing fails raises."""
     (tmp_path / "root").mkdir()
 
-    def work(c: Any) -> str:
+    def work(c: Any) -> list[str]:
         mgr = gpuckpt.CheckpointManager(tmp_path / "root", coordinator=c)
         if c.rank == 0:  # rank 0 alone lists the root: make its listing fail
             mgr._store.children = lambda: (_ for _ in ()).throw(PermissionError("listing refused"))
+        out = []
         try:
-            mgr.all_steps()
+            out.append(str(mgr.all_steps()))
+        except PermissionError as exc:
+            out.append(f"own {exc}")
+        try:
+            mgr.restore_state_dict()
         except gpuckpt.DistributedError as exc:
-            return f"{sorted(exc.failures)} {exc.failures[0]}"
-        return "no error"
+            out.append(f"{sorted(exc.failures)} {exc.failures[0]}")
+        return out
 
-    assert run_ranks(3, work) == ["[0] PermissionError: listing refused"] * 3
+    got = run_ranks(3, work)
+    assert got[0] == ["own listing refused", "[0] PermissionError: listing refused"], got
+    assert got[1:] == [["[]", "[0] PermissionError: listing refused"]] * 2, got
 
 
 def test_mpi_ranks_share_one_manager_view(run_mpi: Any, load_script: Any, tmp_path: Path) -> None:

@@ -84,4 +84,6 @@ def test_mpi_ranks_whose_drain_fails_at_exit_say_so_and_exit_1_without_hanging(
     root = tmp_path / "root"
     job = run_mpi(2, SCRIPT, "mpi", "leave-failing", tmp_path, root, 2, timeout=120)
     assert job.returncode != 0 and sorted(job.results) == [0, 1], job.describe()
-    assert job.output.count("not written: step 0 to the root") == 2, job.describe()
+    # each rank names what it did not write; the first rank to exit with status 1 makes mpiexec
+    # end the job, which may stop the other before its line is out
+    assert job.output.count("not written: step 0 to the root") >= 1, job.describe()
