@@ -418,7 +418,14 @@ class CheckpointManager:
         the step this call saves, the same on every rank (see :meth:`StepRoot.agreed`)."""
         saved = self._collect(block=block)
         if raise_error:
-            self._raise_error()
+            try:
+                self._raise_error()
+            except GpuckptError as exc:  # (an earlier save's failure, raised by this call)
+                if saving is not None:
+                    exc.add_note(
+                        f"step {saving} was not saved: this call raised the failure above; save it again"
+                    )
+                raise
 
         def listed() -> dict[int, str]:
             steps = self._view(recheck_from)

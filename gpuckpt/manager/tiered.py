@@ -179,16 +179,20 @@ class TieredSaves:
         # rank 0's view of the root and the save's id (the view may hold old steps that the
         # retention of a drain joined here deletes: the checks below look at this step and
         # newer ones only)
-        idle, (steps, save_id) = self.gather(
-            wait_tier=False,
-            wait_drain=False,
-            agreed=lambda: (self.steps.view(step), uuid.uuid4().hex),
-            step=step,
-            call="save",
-        )
-        if not idle and persist:
-            # the previous drain still runs on another rank: it is waited for
-            self.gather(wait_tier=False, wait_drain=True, call="save, waiting for the drain")
+        try:
+            idle, (steps, save_id) = self.gather(
+                wait_tier=False,
+                wait_drain=False,
+                agreed=lambda: (self.steps.view(step), uuid.uuid4().hex),
+                step=step,
+                call="save",
+            )
+            if not idle and persist:
+                # the previous drain still runs on another rank: it is waited for
+                self.gather(wait_tier=False, wait_drain=True, call="save, waiting for the drain")
+        except Exception as exc:  # (earlier steps' failures, or the checks: this step is not taken)
+            exc.add_note(f"step {step} was not saved: this call raised the failure above; save it again")
+            raise
         existing = steps.get(step)
         if existing is not None or (self.last is not None and step == self.last):
             where = f"under {self.root}" if existing else "in the local tier"

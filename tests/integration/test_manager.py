@@ -146,8 +146,10 @@ def test_failed_background_save_is_reported_and_never_latest(tmp_path: Path) -> 
     (tmp_path / "step_00000002" / "junk").write_text("x")
     mgr.save(2, state(2))
     assert mgr.latest_step() == 1
-    with pytest.raises(gpuckpt.CheckpointExistsError):
+    with pytest.raises(gpuckpt.CheckpointExistsError) as info:
         mgr.save(3, state(3))
+    # the call that raises an earlier save's failure says that its own step was not saved
+    assert any("step 3 was not saved" in n for n in getattr(info.value, "__notes__", []))
     # the error is raised once; step 1 (the last good one) survived retention
     assert mgr.all_steps() == [1]
     assert mgr.save(3, state(3))

@@ -162,3 +162,22 @@ def test_a_part_is_written_into_new_files_while_the_step_before_is_in_flight(tmp
     (tmp_path / "tier" / part_name(2, 0)).rename(tmp_path / "tier" / part_name(2, 1))
     assert tier._retired_part(3) is None
     mgr.close()
+
+
+def test_a_save_that_raises_an_earlier_steps_failure_says_its_own_step_was_not_saved(tmp_path: Path) -> None:
+    mgr = gpuckpt.CheckpointManager(
+        tmp_path / "root", local_dir=tmp_path / "tier", replicas=0, persist_interval_steps=2, max_to_keep=5
+    )
+    # a non-checkpoint directory where step 2's drain goes: the drain fails in the background
+    (tmp_path / "root" / "step_00000002").mkdir(parents=True)
+    (tmp_path / "root" / "step_00000002" / "junk").write_text("x")
+    mgr.save(2, _state(2))
+    mgr._tiered._drain[1].exception()  # type: ignore[union-attr]  # (the drain has failed)
+    with pytest.raises(gpuckpt.GpuckptError) as info:
+        mgr.save(3, _state(3))
+    assert any("step 3 was not saved" in n for n in getattr(info.value, "__notes__", [])), info.value
+    assert 3 not in mgr.local_steps()
+    mgr.save(3, _state(3))  # saved again: it goes on
+    mgr.wait()
+    assert 3 in mgr.local_steps()
+    mgr.close()
