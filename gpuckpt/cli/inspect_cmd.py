@@ -340,6 +340,8 @@ def describe_tier(path: Path) -> dict[str, Any] | None:
         saves = {(p.get("save_id"), p.get("world_size")) for p in parts.values()}
         world = next(iter(saves))[1] if len(saves) == 1 else None
         entry["complete_here"] = world is not None and sorted(parts) == list(range(world))
+        # parts of one step number written by different saves (jobs of other ranks, say): told apart
+        entry["saves"] = len({(p["save_id"], p["world_size"]) for p in parts.values() if "error" not in p})
     ordered = [steps[s] for s in sorted(steps)]
     return {"local_dir": str(path), "steps": ordered}
 
@@ -358,12 +360,20 @@ def _print_tier(tier: dict[str, Any]) -> None:
     print(f"{printable(tier['local_dir'])} is a local tier with {len(tier['steps'])} step(s):")
     for entry in tier["steps"]:
         shown = []
+        several = entry.get("saves", 1) > 1
+        labels: dict[tuple[Any, Any], str] = {}
         for rank, p in sorted(entry["parts"].items()):
-            shown.append(
-                f"rank {rank} "
-                + (f"damaged ({printable(p['error'])})" if "error" in p else f"from {printable(p['node'])}")
+            if "error" in p:
+                shown.append(f"rank {rank} damaged ({printable(p['error'])})")
+                continue
+            save = labels.setdefault(
+                (p["save_id"], p["world_size"]), "ABCDEFGHIJKLMNOPQRSTUVWXYZ"[len(labels) % 26]
             )
+            of = f" (save {save}, a job of {p['world_size']} ranks)" if several else ""
+            shown.append(f"rank {rank} from {printable(p['node'])}{of}")
         whole = "every rank's part here" if entry["complete_here"] else "not every rank's part here"
+        if several:
+            whole = f"parts of {entry['saves']} different saves of this step number, never restored together"
         print(f"  {entry['step']:>10}  {whole}: {', '.join(shown)}")
 
 

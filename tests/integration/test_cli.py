@@ -444,6 +444,34 @@ def test_a_tier_listing_escapes_the_node_name(tmp_path: Path, capsys: pytest.Cap
     assert [p["node"] for p in step["parts"].values()] == [evil]  # exact in JSON
 
 
+def test_a_tier_step_holding_parts_of_two_saves_is_shown_as_such(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Parts of one step number from two saves (jobs of 1 and 2 ranks) are told apart, not
+    listed as one step missing a part."""
+    import shutil
+
+    from gpuckpt.distributed.threads import run_ranks
+    from gpuckpt.format.parts import part_name
+
+    with CheckpointManager(tmp_path / "r1", local_dir=tmp_path / "t1", node="a", replicas=0) as mgr:
+        mgr.save(1, {"w": np.ones(4)})
+
+    def two(coord: gpuckpt.distributed.Coordinator) -> None:
+        kw = {"coordinator": coord, "node": "b", "replicas": 0}
+        with CheckpointManager(tmp_path / "r2", local_dir=tmp_path / "t2", **kw) as mgr:
+            mgr.save(1, {"w": gpuckpt.ShardedArray(np.ones(2), offsets=(2 * coord.rank,), global_shape=(4,))})
+
+    run_ranks(2, two)
+    shutil.copytree(tmp_path / "t2" / part_name(1, 1), tmp_path / "t1" / part_name(1, 1))
+    assert main(["inspect", str(tmp_path / "t1")]) == 0
+    out = capsys.readouterr().out
+    assert "parts of 2 different saves" in out and "(save B, a job of 2 ranks)" in out, out
+    assert main(["inspect", "--json", str(tmp_path / "t1")]) == 0
+    (step,) = json.loads(capsys.readouterr().out)["steps"]
+    assert step["saves"] == 2 and step["complete_here"] is False
+
+
 def test_verify_json_prints_a_report_when_there_is_no_checkpoint(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
