@@ -239,7 +239,7 @@ class TieredSaves:
         agreed: Callable[[], Any] | None = None,
         step: int | None = None,
         call: str = "wait() or close()",
-        report: bool = True,
+        asked: tuple[int | None] | None = None,
     ) -> tuple[bool, Any]:
         """Collective: every rank's failed background work (tier steps, drains) raised on every
         rank, once; a drain that ended on every rank joins the root (its retention applied).
@@ -253,7 +253,10 @@ class TieredSaves:
         Ctrl-C is held from the collective until its reports are acted on (not in the waits
         before it): see :mod:`gpuckpt.runtime.interrupts`. After an interrupt ended a call on
         this rank, the collective waits for the others no longer than the grace (the job's
-        coordinator then refuses every later collective: see :mod:`gpuckpt.distributed.mpi`)."""
+        coordinator then refuses every later collective: see :mod:`gpuckpt.distributed.mpi`).
+
+        ``asked`` (:meth:`meet`'s): the step this rank's call asks for, compared across the
+        ranks; the background work's failures are then left for the next save or wait."""
         with self._noting_interrupts():
             if self.out_of_step is not None:
                 raise CoordinatorError(self.out_of_step)
@@ -263,7 +266,7 @@ class TieredSaves:
                 self._drain[1].exception()
             bounded = after_interrupt() if self._interrupted else contextlib.nullcontext()
             with held_interrupts(), bounded:
-                gathered = self._gathered(agreed, step, call, report)
+                gathered = self._gathered(agreed, step, call, asked)
             self._interrupted = False  # (the ranks met in the same call)
             return gathered
 
@@ -274,27 +277,18 @@ class TieredSaves:
         a :class:`CoordinatorError` on every rank (the same collective as a save's or a
         close's), different steps a :class:`StepOrderError`, before anything is read or
         deleted. The background work's failures stay for the next save or wait to raise."""
-        with self._noting_interrupts():
-            if self.out_of_step is not None:
-                raise CoordinatorError(self.out_of_step)
-            self.wait()
-            bounded = after_interrupt() if self._interrupted else contextlib.nullcontext()
-            with held_interrupts(), bounded:
-                _, outcome = self._gathered(agreed, None, call, False, asked=(asked,))
-            self._interrupted = False
-            return outcome
+        return self.gather(agreed=agreed, call=call, asked=(asked,))[1]
 
     def _gathered(
         self,
         agreed: Callable[[], Any] | None,
         step: int | None,
         call: str,
-        report: bool = True,
-        *,
-        asked: tuple[int | None] | None = None,
+        asked: tuple[int | None] | None,
     ) -> tuple[bool, Any]:
-        """:meth:`gather` from its collective on (``report``: the failures of the background work
-        are taken and raised; :meth:`meet` leaves them, and its ``asked`` steps are compared)."""
+        """:meth:`gather` from its collective on (with ``asked``, :meth:`meet`'s: the steps are
+        compared, and the background work's failures are neither taken nor raised)."""
+        report = asked is None
         failed: dict[tuple[str, int], BaseException] = {}
         if report:
             failed = {("tier", s): e for s, e in self.tier.settled().items()}

@@ -40,6 +40,9 @@ from gpuckpt.planning.tiers import Choice, CopySeen, choose, nodes_of, replica_h
 from gpuckpt.runtime.collector import paused_gc
 from gpuckpt.runtime.workers import Workers
 from gpuckpt.saving.sources import TensorMemo, describe_state
+from gpuckpt.storage.base import NotRegularFileError
+from gpuckpt.storage.local import fsutil
+from gpuckpt.storage.local.fileio import write_all
 from gpuckpt.storage.local.filemaps import FileMaps
 from gpuckpt.storage.stores import file_system_type, in_memory, open_root
 from gpuckpt.tiers.exchange import PartExchange
@@ -71,16 +74,15 @@ _DAMAGE = (CheckpointCorruptedError, MetadataError, FileNotFoundError)
 def _read_root_record(path: Path) -> tuple[str | None, str | None]:
     """The root a tier's record names (None where there is no record), and why the record
     does not read (None where it does or there is none); a link is never followed."""
-    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     try:
-        fd = os.open(path, flags)
+        fd = fsutil.open_regular(os.fspath(path))
+    except NotRegularFileError:  # (a FileNotFoundError: before it)
+        return None, "not a regular file"
     except FileNotFoundError:
         return None, None
     except OSError as exc:
         return None, exc.strerror or str(exc)
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None, "not a regular file"
         raw = os.read(fd, _ROOT_RECORD_MAX + 1)
     except OSError as exc:
         return None, exc.strerror or str(exc)
@@ -102,16 +104,12 @@ def _write_root_record(path: Path, root: str) -> None:
         tmp.unlink()
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     try:
-        os.write(fd, json.dumps({"format": 1, "root": root}).encode())
+        write_all(fd, json.dumps({"format": 1, "root": root}).encode())
         os.fsync(fd)
     finally:
         os.close(fd)
     os.replace(tmp, path)
-    dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
+    fsutil.fsync_dir(path.parent)
 
 
 class WriteGate:
@@ -215,10 +213,14 @@ class LocalTier(PartExchange):
         ]
         #: the node's lock on its tier (held by the node's lowest rank): one manager per local_dir
         self._lock: BinaryIO | None = None
-        taken = None
+        taken, held = None, []
         if self.leader:  # (under the lock: no other manager writes the tier meanwhile)
-            taken = self._take_lock() or self._claim()
-        held = self.steps() if self.leader and taken is None else []
+            taken = self._take_lock()
+            if taken is None:
+                held = self.steps()
+                taken = self._claim(held)
+                if taken is not None:
+                    held = []
         claims = queries.all_gather((taken, held, str(self.dir), self.node))
         refusals = [m for m, _, _, _ in claims if m is not None]
         if refusals:
@@ -348,19 +350,18 @@ class LocalTier(PartExchange):
         self._lock = f
         return None
 
-    def _claim(self) -> str | None:
+    def _claim(self, steps: list[int]) -> str | None:
         """Record the manager's root as the root of the tier's steps (``local_dir/.root``),
         unless the tier holds steps of another root, or steps that name none (written before
         the tier recorded its root, or with that record unreadable): what refuses the tier, or
         None. A restore takes the newest step of the tiers, and a tier left by another run
         (``local_dir`` reused) would give that run's state to this one. Only the name is
         compared: the root is never read for it (a restore on a replaced node works with the
-        root moved away)."""
+        root moved away). ``steps``: the tier's steps, as listed under the lock."""
         record = self.dir / ROOT_RECORD
         recorded, unreadable = _read_root_record(record)
         if recorded == self.root:
             return None
-        steps = self.steps()
         if steps:
             shown = f"{steps[:10]}{' ...' if len(steps) > 10 else ''}"
             if recorded is not None:
